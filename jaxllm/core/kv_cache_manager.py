@@ -1,0 +1,171 @@
+"""KV cache manager: the page pool, reference counts and the prefix cache.
+
+A request's pages are listed in `request.block_ids` (its block table). Pages are handed out
+one at a time as a request grows and returned when it finishes, is aborted or preempted.
+
+Prefix caching: once a page is full, it gets a hash chained from its parent page's hash and
+its token ids (plus `extra_key`, e.g. a future adapter id). A new request reuses the longest
+run of cached pages that matches its prompt. A hash hit is confirmed against the page's
+stored token ids and its parent page (id and generation), so a hash collision can never hand
+out another prompt's KV. Freed pages keep their contents and hash until the pool needs them:
+the least recently freed page is evicted first (pages that were never cached go first).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from jaxllm.core.request import Request
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...], extra_key=None) -> int:
+    return hash((parent_hash, token_ids, extra_key))
+
+
+@dataclasses.dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
+    parent: tuple[int, int] | None = None   # (parent block id, its generation) when cached
+    generation: int = 0                     # bumped every time the page is (re)cached
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free pages in eviction order (front = evicted first); values unused.
+        self.free_blocks: collections.OrderedDict[int, None] = collections.OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, list[int]] = {}   # hash -> block ids with that hash
+        self.prefix_queries = 0                  # prompt tokens looked up
+        self.prefix_hits = 0                     # prompt tokens found cached
+
+    # ----- accounting -----
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ----- prefix cache -----
+    def _update_hashes(self, request: Request) -> None:
+        """Extend `request.block_hashes` over every full page of its known tokens."""
+        tokens = request.prompt_token_ids
+        num_full = request.num_tokens // self.block_size
+        bs = self.block_size
+        while len(request.block_hashes) < num_full:
+            i = len(request.block_hashes)
+            if (i + 1) * bs > len(tokens):
+                tokens = request.all_token_ids
+            parent = request.block_hashes[-1] if request.block_hashes else None
+            request.block_hashes.append(hash_block_tokens(parent, tuple(tokens[i * bs:(i + 1) * bs])))
+
+    def _lookup(self, block_hash: int, token_ids: tuple[int, ...], parent: tuple[int, int] | None) -> int | None:
+        for block_id in self.cached.get(block_hash, ()):
+            block = self.blocks[block_id]
+            if block.token_ids == token_ids and block.parent == parent:
+                return block_id
+        return None
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """The longest run of cached pages matching the prompt (the last prompt token is
+        always left to compute, so its logits exist)."""
+        if not self.enable_prefix_caching:
+            return []
+        self._update_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        tokens = request.all_token_ids
+        hits, parent = [], None
+        for i in range(max_blocks):
+            block_id = self._lookup(request.block_hashes[i], tuple(tokens[i * self.block_size:(i + 1) * self.block_size]), parent)
+            if block_id is None:
+                break
+            hits.append(block_id)
+            parent = (block_id, self.blocks[block_id].generation)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's newly computed full pages in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        self._update_hashes(request)
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        tokens = None
+        for i in range(num_full):
+            block = self.blocks[request.block_ids[i]]
+            if block.block_hash is not None:
+                continue
+            if tokens is None:
+                tokens = request.all_token_ids
+            parent_block = self.blocks[request.block_ids[i - 1]] if i else None
+            block.block_hash = request.block_hashes[i]
+            block.token_ids = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            block.parent = (parent_block.block_id, parent_block.generation) if parent_block else None
+            block.generation += 1
+            self.cached.setdefault(block.block_hash, []).append(block.block_id)
+
+    def _evict(self, block: Block) -> None:
+        if block.block_hash is None:
+            return
+        ids = self.cached[block.block_hash]
+        ids.remove(block.block_id)
+        if not ids:
+            del self.cached[block.block_hash]
+        block.block_hash = block.token_ids = block.parent = None
+
+    # ----- allocation -----
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+        """Make room for `num_new_tokens` more tokens after `request.num_computed_tokens`
+        (plus `computed_blocks` from the prefix cache, for a request being admitted).
+        Returns False, changing nothing, when the pool cannot supply the pages."""
+        reuse_free = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
+        total = len(computed_blocks) * self.block_size if computed_blocks else request.num_computed_tokens
+        need = self.blocks_needed(total + num_new_tokens) - len(request.block_ids) - len(computed_blocks)
+        if need > self.num_free_blocks - reuse_free:
+            return False
+        for block_id in computed_blocks:
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                del self.free_blocks[block_id]
+            block.ref_cnt += 1
+            request.block_ids.append(block_id)
+        for _ in range(max(need, 0)):
+            block_id, _ = self.free_blocks.popitem(last=False)
+            block = self.blocks[block_id]
+            self._evict(block)
+            block.ref_cnt = 1
+            request.block_ids.append(block_id)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Return a request's pages. Cached pages go to the back of the eviction order (the
+        tail of a sequence first out), uncached ones to the front."""
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_blocks[block_id] = None
+                if block.block_hash is None:
+                    self.free_blocks.move_to_end(block_id, last=False)
+        request.block_ids = []
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            if block.ref_cnt == 0:
+                self._evict(block)

@@ -1,0 +1,77 @@
+"""Request: one sequence's host-side state, from arrival to finish."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from jaxllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Request:
+    """One sequence. With `n > 1` the engine makes n of these (`parent_id`, `index`).
+
+    There is no prefill or decode phase: the scheduler looks at `num_computed_tokens`
+    against `num_tokens` (prompt + outputs so far) and computes the difference.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    seed: int = 0                      # per-request sampling seed (user's or drawn by the engine)
+    parent_id: str | None = None
+    index: int = 0
+    prompt: str | None = None
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    output_logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[tuple[list[int], list[float]]] = dataclasses.field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    block_hashes: list[int] = dataclasses.field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    # Timestamps (time.monotonic) for metrics.
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None

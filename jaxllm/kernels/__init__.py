@@ -1,0 +1,20 @@
+"""Paged attention kernels: the Pallas GPU kernel, the jnp reference/CPU path, the KV write."""
+
+from jaxllm.kernels.kv_write import allocate_kv_cache, logical_pages, storage_dtype, write_kv
+from jaxllm.kernels.paged_attention import ragged_paged_attention
+from jaxllm.kernels.reference import (
+    paged_attention_rows,
+    ragged_paged_attention_reference,
+    ragged_to_rows,
+)
+
+__all__ = [
+    "allocate_kv_cache",
+    "logical_pages",
+    "paged_attention_rows",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+    "ragged_to_rows",
+    "storage_dtype",
+    "write_kv",
+]

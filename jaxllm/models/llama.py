@@ -1,0 +1,180 @@
+"""The Llama family (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3) as pure JAX functions.
+
+One definition covers the family through `ModelSpec`, built from the HF config:
+Qwen2 adds a bias to the fused QKV projection, Qwen3 RMS-normalises q and k per head,
+Llama 3 rescales the RoPE frequencies. Anything else in a config that would change the
+math (a sliding window, another RoPE scaling type) is rejected by `registry.py`.
+
+Params pytree (weights stored `[in, out]` so activations multiply on the left):
+
+    embed:      [vocab, hidden]
+    layers:     list of per-layer dicts (an unrolled loop; see runner/model_runner.py)
+      attn_norm:  [hidden] f32
+      wqkv:       [hidden, (q_heads + 2 * kv_heads) * head_dim]   (q, k, v fused)
+      bqkv:       [(q_heads + 2 * kv_heads) * head_dim] f32        (Qwen2 only)
+      q_norm, k_norm: [head_dim] f32                               (Qwen3 only)
+      wo:         [q_heads * head_dim, hidden]
+      mlp_norm:   [hidden] f32
+      w_gate_up:  [hidden, 2 * intermediate]                       (gate, up fused)
+      w_down:     [intermediate, hidden]
+    final_norm: [hidden] f32
+    lm_head:    [hidden, vocab]   (absent when the embeddings are tied)
+
+Matrix weights are float32 or bfloat16; activations stay float32 and, with bf16 weights,
+are cast to bf16 only as dot operands with float32 accumulation (XLA:CPU runs that natively;
+a bf16-output dot converts the whole weight to f32 on every call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm import kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Static shape and math options of a Llama-family model (hashable: a jit static arg)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    # Llama 3 RoPE scaling: (factor, low_freq_factor, high_freq_factor, original_max_pos)
+    llama3_rope_scaling: tuple[float, float, float, int] | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def inv_freq(self) -> np.ndarray:
+        """RoPE inverse frequencies `[head_dim // 2]` float32, with Llama 3 scaling if set."""
+        inv = 1.0 / (self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
+        if self.llama3_rope_scaling is not None:
+            factor, low, high, orig = self.llama3_rope_scaling
+            low_wavelen, high_wavelen = orig / low, orig / high
+            wavelen = 2 * math.pi / inv
+            scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+            smooth = (orig / wavelen - low) / (high - low)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+            inv = np.where(medium, smoothed, scaled)
+        return inv.astype(np.float32)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`x [..., in] f32 @ w [in, out]` with f32 accumulation, in the weight's dtype."""
+    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """HF-style (rotate-half) RoPE. x: [T, heads, head_dim], positions: [T] int32."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, head_dim/2]
+    cos = jnp.cos(freqs)[:, None, :]
+    sin = jnp.sin(freqs)[:, None, :]
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+ROW_GROUPS = ("decode", "prefill")
+
+
+def attention(q, k_pages, v_pages, batch, *, impl: str):
+    """Paged attention of q [T, q_heads, head_dim] over the cache, by implementation.
+
+    "cpu": the row groups built by `kernels.ragged_to_rows` (keys `{group}_token_idx`,
+    `{group}_block_tables`, `{group}_kv_lens`, `{group}_q_lens` for group in ROW_GROUPS);
+    "pallas" / "reference": the ragged contract (`kv_lens`, `block_tables`, `cu_q_lens`,
+    `num_seqs`).
+    """
+    if impl == "cpu":
+        num_tokens = q.shape[0]
+        q_pad = jnp.concatenate([q, jnp.zeros_like(q[:1])])  # row T is the padding sink
+        out = jnp.zeros_like(q_pad)
+        for group in ROW_GROUPS:
+            idx = batch.get(f"{group}_token_idx")
+            if idx is None or idx.shape[0] == 0:
+                continue
+            o = kernels.paged_attention_rows(
+                q_pad[idx], k_pages, v_pages, batch[f"{group}_block_tables"],
+                batch[f"{group}_kv_lens"], batch[f"{group}_q_lens"])
+            out = out.at[idx].set(o)
+        return out[:num_tokens]
+    args = (q, k_pages, v_pages, batch["kv_lens"], batch["block_tables"], batch["cu_q_lens"], batch["num_seqs"])
+    if impl == "pallas":
+        return kernels.ragged_paged_attention(*args)
+    if impl == "reference":
+        return kernels.ragged_paged_attention_reference(*args)
+    raise ValueError(f"unknown attention impl {impl!r}; expected 'cpu', 'pallas' or 'reference'")
+
+
+def forward(params, kv_cache, batch, spec: ModelSpec, *, attention_impl: str = "cpu"):
+    """Run the transformer over a flattened ragged batch.
+
+    kv_cache: list over layers of `(k_pages, v_pages)`, each
+        `[num_kv_heads, num_pages, page_size, head_dim]` (bf16 caches stored as uint16 bits).
+    batch: an `AttentionBatch` (see kernels/attention.py) plus `token_ids [T]`,
+        `positions [T]`, `slot_mapping [T]`.
+    Returns `(hidden [T, hidden] f32, new kv_cache)`.
+    """
+    inv_freq = jnp.asarray(spec.inv_freq())
+    x = params["embed"][batch["token_ids"]].astype(jnp.float32)
+    num_tokens = x.shape[0]
+    new_cache = []
+    for layer, (k_pages, v_pages) in zip(params["layers"], kv_cache):
+        h = rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
+        qkv = matmul(h, layer["wqkv"])
+        if spec.qkv_bias:
+            qkv = qkv + layer["bqkv"]
+        q = qkv[:, : spec.q_size].reshape(num_tokens, spec.num_heads, spec.head_dim)
+        k = qkv[:, spec.q_size : spec.q_size + spec.kv_size].reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
+        v = qkv[:, spec.q_size + spec.kv_size :].reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
+        if spec.qk_norm:
+            q = rms_norm(q, layer["q_norm"], spec.rms_norm_eps)
+            k = rms_norm(k, layer["k_norm"], spec.rms_norm_eps)
+        q = apply_rope(q, batch["positions"], inv_freq)
+        k = apply_rope(k, batch["positions"], inv_freq)
+        k_pages, v_pages = kernels.write_kv(k_pages, v_pages, k, v, batch["slot_mapping"])
+        o = attention(q, k_pages, v_pages, batch, impl=attention_impl)
+        x = x + matmul(o.reshape(num_tokens, spec.q_size), layer["wo"])
+        h = rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
+        gate_up = matmul(h, layer["w_gate_up"])
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        x = x + matmul(jax.nn.silu(gate) * up, layer["w_down"])
+        new_cache.append((k_pages, v_pages))
+    return x, new_cache
+
+
+def compute_logits(params, hidden: jax.Array, spec: ModelSpec) -> jax.Array:
+    """hidden: [N, hidden] f32 -> logits [N, vocab] f32 (final norm + LM head)."""
+    h = rms_norm(hidden, params["final_norm"], spec.rms_norm_eps)
+    if spec.tie_word_embeddings:
+        w = params["embed"]
+        return jnp.dot(h.astype(w.dtype), w.T, preferred_element_type=jnp.float32)
+    return matmul(h, params["lm_head"])

@@ -1,0 +1,101 @@
+"""Bucketed shapes, the persistent compilation cache, and the no-recompile guard."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Bucket:
+    """Static shape of one compiled step.
+
+    num_tokens: T, flat tokens of the step. num_decode_rows: one-token attention rows
+    (decodes). num_prefill_rows: `prefill_block`-token attention rows (prompt chunks).
+    num_seqs: S, sequences that get logits and a sampled token.
+    """
+
+    num_tokens: int
+    num_decode_rows: int
+    num_prefill_rows: int
+    num_seqs: int
+
+    def fits(self, num_tokens: int, num_decode: int, num_prefill_rows: int, num_seqs: int) -> bool:
+        return (num_tokens <= self.num_tokens and num_decode <= self.num_decode_rows
+                and num_prefill_rows <= self.num_prefill_rows and num_seqs <= self.num_seqs)
+
+
+def _powers_of_two(lo: int, hi: int) -> list[int]:
+    out, x = [], lo
+    while x < hi:
+        out.append(x)
+        x *= 2
+    return out + [hi]
+
+
+def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, prefill_block: int,
+                 max_num_prefill_seqs: int) -> list[Bucket]:
+    """Decode-only buckets (powers of two from 2 — a one-row batch is padded to two, since a
+    single-row dot is a slow GEMV on XLA:CPU) and mixed buckets for steps with prompt chunks."""
+    buckets = [Bucket(d, d, 0, d) for d in _powers_of_two(2, max(2, max_num_seqs))]
+    for t in _powers_of_two(min(32, max_num_batched_tokens), max_num_batched_tokens):
+        d = min(t, max_num_seqs)
+        rows = -(-t // prefill_block) + max_num_prefill_seqs
+        buckets.append(Bucket(t, d, rows, d + max_num_prefill_seqs))
+    return sorted(set(buckets), key=lambda b: (b.num_tokens, b.num_seqs, b.num_prefill_rows))
+
+
+def pick_bucket(buckets: list[Bucket], num_tokens: int, num_decode: int, num_prefill_rows: int,
+                num_seqs: int) -> Bucket:
+    for bucket in buckets:
+        if bucket.fits(num_tokens, num_decode, num_prefill_rows, num_seqs):
+            return bucket
+    raise ValueError(
+        f"no compiled bucket holds {num_tokens} tokens, {num_decode} decodes, "
+        f"{num_prefill_rows} prefill rows, {num_seqs} sequences")
+
+
+def enable_persistent_cache(cache_dir: str) -> None:
+    """Cache compiled programs on disk so the next start skips XLA compilation."""
+    if not cache_dir:
+        return
+    os.makedirs(cache_dir, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+class CompilationCounter:
+    """Counts XLA compilations (persistent-cache hits excluded) while installed."""
+
+    _EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count = 0
+        self._active = False
+
+    def _listener(self, event: str, duration: float, **_) -> None:
+        if self._active and event == self._EVENT:
+            self.count += 1
+
+    def __enter__(self):
+        self._active = True
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        return self
+
+    def __exit__(self, *exc):
+        self._active = False
+        with contextlib.suppress(Exception):
+            jax.monitoring.unregister_event_duration_listener(self._listener)
+
+
+@contextlib.contextmanager
+def no_compile_guard():
+    """Fail if anything is compiled inside the block (use after warm-up)."""
+    with CompilationCounter() as counter:
+        yield counter
+    if counter.count:
+        raise AssertionError(f"{counter.count} XLA compilation(s) happened after warm-up")

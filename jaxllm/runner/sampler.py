@@ -1,0 +1,125 @@
+"""On-device sampling, vectorised over the batch with per-request parameters.
+
+Every parameter is an array `[S]` (or `[S, ...]`), so changing them never recompiles. The
+order follows vLLM: penalties -> temperature -> min_p -> top_k -> top_p -> sample. Work that
+only some requests need sits behind `lax.cond` on a batch-wide flag, so an all-greedy batch
+pays for one argmax.
+
+No full-vocabulary sort: top-k and top-p cut-offs are found by bisection over the float32
+bit patterns (32 passes of compare-and-sum, exact), and a token is drawn by inverse CDF on the
+unsorted, masked probabilities with one uniform per request. The uniform comes from
+`fold_in(key(seed), output_index)`, so a seeded request draws the same tokens whatever else
+is in the batch, and after a preemption.
+
+Sampling state (host -> device, `S` = sequences in the bucket):
+    temperature, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty: [S] f32
+    top_k: [S] int32 (0 = off);  seeds: [S] uint32;  output_index: [S] int32
+    penalty_tokens: [S, L] int32 prompt+output ids (-1 padding); output_start: [S] int32
+    banned_tokens: [S, B] int32 ids masked out (EOS/stop ids under min_tokens), -1 padding
+    flags: [4] bool  (all_greedy, any_top_k_top_p, any_penalties, any_logprobs)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.sampling_params import MAX_LOGPROBS
+
+NUM_BANNED = 32
+FLAG_ALL_GREEDY, FLAG_TOP_K_TOP_P, FLAG_PENALTIES, FLAG_LOGPROBS = range(4)
+
+
+def _sortable(x: jax.Array) -> jax.Array:
+    """Map float32 to uint32 so that integer order equals float order."""
+    i = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(i >> 31 == 1, ~i, i | jnp.uint32(0x80000000))
+
+
+def _bisect_threshold(keys: jax.Array, enough) -> jax.Array:
+    """Per row, the largest key t with `enough(keys >= t)` true (exact after 32 halvings).
+
+    keys: [S, V] uint32 from `_sortable`; `enough(mask [S, V]) -> [S] bool` must be monotone
+    (true for t = min key, false for t = max key + 1).
+    """
+
+    def body(_, lo_hi):
+        lo, hi = lo_hi
+        mid = lo + (hi - lo) // 2 + (hi - lo) % 2
+        ok = enough(keys >= mid[:, None])
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo, _ = jax.lax.fori_loop(0, 32, body, (keys.min(-1), keys.max(-1) + 1))
+    return lo
+
+
+def apply_penalties(logits, s):
+    vocab = logits.shape[-1]
+    tokens = s["penalty_tokens"]
+    pos = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    is_output = pos >= s["output_start"][:, None]
+    tok = jnp.where(tokens < 0, vocab, tokens)
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    out_counts = jnp.zeros(logits.shape, jnp.float32).at[rows, tok].add(is_output.astype(jnp.float32), mode="drop")
+    seen = jnp.zeros(logits.shape, jnp.bool_).at[rows, tok].set(True, mode="drop")
+    rep = s["repetition_penalty"][:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - s["frequency_penalty"][:, None] * out_counts
+    return logits - s["presence_penalty"][:, None] * (out_counts > 0)
+
+
+def _sample_random(logits, s):
+    """Temperature, min_p, top_k, top_p, then one inverse-CDF draw per row."""
+    temp = jnp.where(s["temperature"] > 0, s["temperature"], 1.0)
+    logits = logits / temp[:, None]
+    probs = jax.nn.softmax(logits, axis=-1)
+    keep = probs >= (s["min_p"] * probs.max(-1))[:, None]
+
+    def top_k_top_p(keep):
+        vocab = logits.shape[-1]
+        k = jnp.where(s["top_k"] > 0, jnp.minimum(s["top_k"], vocab), vocab)
+        logit_keys = _sortable(logits)
+        keep &= logit_keys >= _bisect_threshold(logit_keys, lambda m: m.sum(-1) >= k)[:, None]
+        masked = jnp.where(keep, probs, 0.0)
+        masked = masked / masked.sum(-1, keepdims=True)
+        prob_keys = _sortable(masked)
+        t = _bisect_threshold(prob_keys, lambda m: jnp.where(m, masked, 0.0).sum(-1) >= s["top_p"])
+        return keep & ((prob_keys >= t[:, None]) | (s["top_p"] >= 1.0)[:, None])
+
+    keep = jax.lax.cond(s["flags"][FLAG_TOP_K_TOP_P], top_k_top_p, lambda k: k, keep)
+    masked = jnp.where(keep, probs, 0.0)
+    cdf = jnp.cumsum(masked, axis=-1)
+    keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(s["seeds"], s["output_index"])
+    u = jax.vmap(lambda key: jax.random.uniform(key, dtype=jnp.float32))(keys) * cdf[:, -1]
+    token = jnp.sum(cdf <= u[:, None], axis=-1)
+    # Guard the float edge (u == total): fall back to the last kept token.
+    last_kept = logits.shape[-1] - 1 - jnp.argmax(keep[:, ::-1], axis=-1)
+    return jnp.minimum(token, last_kept).astype(jnp.int32)
+
+
+def sample(logits: jax.Array, s: dict) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """logits [S, V] f32 -> (tokens [S] int32, token logprob [S] f32,
+    top_logprobs [S, MAX_LOGPROBS] f32, top_ids [S, MAX_LOGPROBS] int32).
+
+    Logprobs are those of the model's raw distribution (before penalties and temperature),
+    as vLLM reports them.
+    """
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    rows = jnp.arange(logits.shape[0])
+    banned = s["banned_tokens"]
+    processed = logits.at[rows[:, None], jnp.where(banned < 0, logits.shape[-1], banned)].set(-jnp.inf, mode="drop")
+    processed = jax.lax.cond(s["flags"][FLAG_PENALTIES], apply_penalties, lambda x, _: x, processed, s)
+    greedy_tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    tokens = jax.lax.cond(
+        s["flags"][FLAG_ALL_GREEDY],
+        lambda: greedy_tokens,
+        lambda: jnp.where(s["temperature"] > 0, _sample_random(processed, s), greedy_tokens),
+    )
+    token_logprob = logprobs[rows, tokens]
+    top_lp, top_ids = jax.lax.cond(
+        s["flags"][FLAG_LOGPROBS],
+        lambda: jax.lax.top_k(logprobs, MAX_LOGPROBS),
+        lambda: (jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.float32),
+                 jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.int32)),
+    )
+    return tokens, token_logprob, top_lp, top_ids.astype(jnp.int32)

@@ -1,0 +1,90 @@
+"""SamplingParams: how one request is decoded (vLLM's names and defaults)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+MAX_LOGPROBS = 20
+
+
+@dataclasses.dataclass(slots=True)
+class SamplingParams:
+    """Per-request decoding options. Invalid values raise ValueError at construction.
+
+    temperature 0 means greedy. top_k <= 0 (or -1) disables top-k; top_p 1.0 and min_p 0.0
+    disable theirs. `seed` makes a request's samples reproducible whatever else is batched
+    with it. `logprobs=N` returns the top-N log-probabilities (plus the sampled token's) per
+    generated token.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None:
+            self.top_k = 0
+        self.verify()
+
+    def verify(self) -> None:
+        def bad(name, value, allowed):
+            raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", self.n, "an integer >= 1")
+        if self.temperature < 0:
+            bad("temperature", self.temperature, ">= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", self.top_p, "in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", self.top_k, "-1, 0 (disabled) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", self.min_p, "in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            bad("repetition_penalty", self.repetition_penalty, "in (0, 100]")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", self.max_tokens, "an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            bad("logprobs", self.logprobs, f"in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported yet")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", self.seed, "an integer")
+        if any(not s for s in self.stop):
+            bad("stop", self.stop, "a list of non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

@@ -1,0 +1,164 @@
+"""The Pallas ragged paged attention kernel against the jnp oracle.
+
+Numerics run the kernel in Pallas interpret mode on CPU; the GPU (Triton) lowering is
+checked by lowering for `cuda` without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.kernels.kv_write import to_storage
+from jaxllm.kernels.paged_attention import ragged_paged_attention
+from jaxllm.kernels.reference import ragged_paged_attention_reference
+
+# Max abs error against the float32 oracle. bf16 rounds q and the softmax weights to bf16
+# before the dots (K/V are bf16 in both).
+TOL = {"float32": 2e-5, "bfloat16": 3e-2}
+POISON = 1e4   # in cache slots nobody may read: would dominate any softmax it leaked into
+
+
+def make_batch(seed, q_lens, kv_lens, *, num_q_heads=9, num_kv_heads=3, head_dim=64,
+               page_size=16, pages_per_seq=4, pad_tokens=3, pad_seqs=1, cache_dtype="float32"):
+    """A ragged batch over shuffled pages; padding rows of q hold NaN and huge values."""
+    rng = np.random.default_rng(seed)
+    num_seqs = len(q_lens)
+    num_seqs_max = num_seqs + pad_seqs
+    num_tokens = sum(q_lens) + pad_tokens
+    pages_used = [-(-n // page_size) for n in kv_lens]
+    num_pages = sum(pages_used) + 3                      # a few pages nobody owns
+    perm = rng.permutation(num_pages)
+    block_tables = np.zeros((num_seqs_max, pages_per_seq), np.int32)
+    spare = perm[sum(pages_used):]
+    k = rng.standard_normal((num_kv_heads, num_pages, page_size, head_dim)).astype(np.float32)
+    v = rng.standard_normal((num_kv_heads, num_pages, page_size, head_dim)).astype(np.float32)
+    k[:, spare] = POISON
+    v[:, spare] = POISON
+    start = 0
+    for s, (n_pages, kv_len) in enumerate(zip(pages_used, kv_lens)):
+        assert n_pages <= pages_per_seq
+        own = perm[start:start + n_pages]
+        start += n_pages
+        block_tables[s, :n_pages] = own
+        block_tables[s, n_pages:] = rng.choice(spare, pages_per_seq - n_pages)
+        tail = kv_len - (n_pages - 1) * page_size       # stale slots after the last token
+        k[:, own[-1], tail:] = POISON
+        v[:, own[-1], tail:] = POISON
+    block_tables[num_seqs:] = rng.choice(spare, (pad_seqs, pages_per_seq))
+    cu_q_lens = np.full(num_seqs_max + 1, sum(q_lens), np.int32)
+    cu_q_lens[: num_seqs + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+    kv_lens_arr = np.zeros(num_seqs_max, np.int32)
+    kv_lens_arr[:num_seqs] = kv_lens
+    q = rng.standard_normal((num_tokens, num_q_heads, head_dim)).astype(np.float32)
+    q[sum(q_lens)::2] = np.nan
+    q[sum(q_lens) + 1::2] = 1e30
+    if cache_dtype == "float32":
+        k_pages, v_pages = jnp.asarray(k), jnp.asarray(v)
+        q = jnp.asarray(q)
+    else:
+        store = jnp.uint16 if cache_dtype == "uint16" else jnp.bfloat16
+        k_pages, v_pages = to_storage(jnp.asarray(k), store), to_storage(jnp.asarray(v), store)
+        q = jnp.asarray(q, jnp.bfloat16)
+    return (q, k_pages, v_pages, jnp.asarray(kv_lens_arr), jnp.asarray(block_tables),
+            jnp.asarray(cu_q_lens), jnp.int32(num_seqs))
+
+
+def check(args, tol, block_k=64, **kwargs):
+    out = ragged_paged_attention(*args, interpret=True, block_k=block_k, **kwargs)
+    ref = ragged_paged_attention_reference(*args, **kwargs)
+    q, num_real = args[0], int(args[5][args[6]])
+    assert out.shape == q.shape and out.dtype == q.dtype
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(out).all()
+    assert (out[num_real:] == 0).all(), "padding rows must be zero"
+    err = np.abs(out - ref).max()
+    assert err < tol, f"max abs error {err} >= {tol}"
+    return err
+
+
+# Mixed: decodes, a prefill chunk continuing a cached prefix, a whole first prefill, a chunk
+# spanning several query blocks that ends mid-block, a length-1 sequence.
+MIXED = dict(q_lens=[1, 7, 1, 19, 1, 6], kv_lens=[1, 40, 33, 19, 64, 50])
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "uint16"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mixed_prefill_and_decode(cache_dtype, seed):
+    tol = TOL["float32" if cache_dtype == "float32" else "bfloat16"]
+    check(make_batch(seed, **MIXED, cache_dtype=cache_dtype), tol)
+
+
+def test_random_ragged_batch():
+    rng = np.random.default_rng(7)
+    num_seqs = 5
+    kv_lens = rng.integers(1, 4 * 16 + 1, num_seqs)
+    q_lens = [int(rng.integers(1, n + 1)) if rng.random() < 0.5 else 1 for n in kv_lens]
+    check(make_batch(7, q_lens, list(kv_lens), pad_tokens=5, pad_seqs=2), TOL["float32"])
+
+
+def test_plain_bf16_cache_matches_uint16_storage():
+    a = make_batch(2, **MIXED, cache_dtype="uint16")
+    b = make_batch(2, **MIXED, cache_dtype="bfloat16")
+    out_a = ragged_paged_attention(*a, interpret=True)
+    out_b = ragged_paged_attention(*b, interpret=True)
+    np.testing.assert_array_equal(np.asarray(out_a, np.float32), np.asarray(out_b, np.float32))
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "uint16"])
+def test_sliding_window_and_soft_cap(cache_dtype):
+    tol = TOL["float32" if cache_dtype == "float32" else "bfloat16"]
+    args = make_batch(3, **MIXED, cache_dtype=cache_dtype)
+    check(args, tol, sliding_window=20)
+    # One-page key blocks: the window lets the page loop start past the first pages.
+    check(args, tol, sliding_window=20, block_k=16)
+    check(args, tol, logits_soft_cap=5.0, sm_scale=0.3)
+    check(args, tol, sliding_window=7, logits_soft_cap=2.0)
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,page_size", [(4, 4, 8), (8, 2, 32)])
+def test_head_groups_and_page_sizes(num_q_heads, num_kv_heads, page_size):
+    # MHA with pages smaller than a key block, and pages larger than a key block.
+    args = make_batch(4, [1, 11, 1], [9, 30, 60], num_q_heads=num_q_heads,
+                      num_kv_heads=num_kv_heads, head_dim=32, page_size=page_size,
+                      pages_per_seq=-(-64 // page_size))
+    check(args, TOL["float32"])
+
+
+def test_rejects_bad_shapes():
+    q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs = make_batch(0, [1], [5])
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        ragged_paged_attention(q[:, :8], k, v, kv_lens, block_tables, cu_q_lens, num_seqs)
+    with pytest.raises(ValueError, match="head_dim 48"):
+        ragged_paged_attention(q[..., :48], k[..., :48], v[..., :48], kv_lens, block_tables,
+                               cu_q_lens, num_seqs)
+
+
+def lower_for_cuda(num_q_heads, num_kv_heads, head_dim, cache_dtype, **kwargs):
+    sds = jax.ShapeDtypeStruct
+    num_tokens, num_seqs_max, num_pages, page_size, pages_per_seq = 256, 64, 2048, 16, 128
+    q_dtype = jnp.float32 if cache_dtype == jnp.float32 else jnp.bfloat16
+    pages = sds((num_kv_heads, num_pages, page_size, head_dim), cache_dtype)
+    args = (sds((num_tokens, num_q_heads, head_dim), q_dtype), pages, pages,
+            sds((num_seqs_max,), jnp.int32), sds((num_seqs_max, pages_per_seq), jnp.int32),
+            sds((num_seqs_max + 1,), jnp.int32), sds((), jnp.int32))
+    f = functools.partial(ragged_paged_attention, **kwargs)
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.uint16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128)],
+                         ids=["default_model", "llama3_8b"])
+def test_lowers_for_cuda_with_triton(num_q_heads, num_kv_heads, head_dim, cache_dtype):
+    text = lower_for_cuda(num_q_heads, num_kv_heads, head_dim, cache_dtype)
+    assert "__gpu$xla.gpu.triton" in text
+    assert "ragged_paged_attention" in text
+
+
+def test_lowers_for_cuda_with_window_and_soft_cap():
+    text = lower_for_cuda(32, 8, 128, jnp.bfloat16, sliding_window=4096, logits_soft_cap=50.0)
+    assert "__gpu$xla.gpu.triton" in text
