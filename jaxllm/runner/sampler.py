@@ -118,7 +118,7 @@ def sample(logits: jax.Array, s: dict) -> tuple[jax.Array, jax.Array, jax.Array,
     token_logprob = logprobs[rows, tokens]
     top_lp, top_ids = jax.lax.cond(
         s["flags"][FLAG_LOGPROBS],
-        lambda: jax.lax.top_k(logprobs, MAX_LOGPROBS),
+        lambda: tuple(jax.lax.top_k(logprobs, MAX_LOGPROBS)),
         lambda: (jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.float32),
                  jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.int32)),
     )

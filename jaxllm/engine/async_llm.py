@@ -1,0 +1,148 @@
+"""AsyncLLM: the engine loop on a background thread, a stream of outputs per request.
+
+The step is CPU-heavy, blocking work, so it runs on its own thread, and only that thread
+touches the engine. The asyncio side sends it operations (add, abort) through a queue with a
+future each, so a bad request raises its ValueError in the caller (nothing is queued), an abort
+can never race a step, and the event loop is never blocked by a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue as queue_mod
+import threading
+import uuid
+from collections.abc import AsyncIterator
+
+from jaxllm.config import EngineArgs
+from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.outputs import RequestOutput
+from jaxllm.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop crashed; no request can be served."""
+
+
+class AsyncLLM:
+    def __init__(self, engine_args: EngineArgs | None = None, *, engine: LLMEngine | None = None, **kwargs):
+        self.engine = engine or LLMEngine(engine_args or EngineArgs(**kwargs))
+        self._ops: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self.dead_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="jaxllm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
+        return cls(engine_args)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.dead_error is None
+
+    def _run_ops(self) -> None:
+        while True:
+            try:
+                fn, loop, future = self._ops.get_nowait()
+            except queue_mod.Empty:
+                return
+            try:
+                result, error = fn(), None
+            except Exception as e:
+                result, error = None, e
+            if future is not None:
+                loop.call_soon_threadsafe(_settle, future, result, error)
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            self._run_ops()
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.wait(0.05)
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except BaseException as e:  # the engine is broken: fail every stream
+                self.dead_error = e
+                for loop, queue in list(self._streams.values()):
+                    loop.call_soon_threadsafe(queue.put_nowait, e)
+                return
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream[0].call_soon_threadsafe(stream[1].put_nowait, out)
+
+    async def _call(self, fn):
+        """Run `fn` on the engine thread between steps; return its result or raise its error."""
+        if self.dead_error is not None:
+            raise EngineDeadError("the engine loop has stopped") from self.dead_error
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._ops.put((fn, loop, future))
+        self._wakeup.set()
+        return await future
+
+    async def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, *, output_kind: str = "cumulative") -> AsyncIterator[RequestOutput]:
+        """Yield outputs as the request progresses (cumulative by default, or `output_kind=
+        "delta"` for just the new tokens/text). Leaving the loop early aborts the request."""
+        if self.dead_error is not None:
+            raise EngineDeadError("the engine loop has stopped") from self.dead_error
+        request_id = request_id or uuid.uuid4().hex
+        queue: asyncio.Queue = asyncio.Queue()
+        token_ids = None
+        if isinstance(prompt, dict):
+            prompt, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        try:
+            await self._call(lambda: self.engine.add_request(
+                request_id, prompt, sampling_params, prompt_token_ids=token_ids, output_kind=output_kind))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            await self.abort(request_id)  # in case the add went through before a cancel
+            raise
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise EngineDeadError("the engine loop has stopped") from out
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        """Abort without waiting for the engine thread (safe from a cancelled task)."""
+        self._ops.put((lambda: self.engine.abort_request(request_id), None, None))
+        self._wakeup.set()
+
+    async def run_on_engine(self, fn):
+        """Run `fn(engine)` on the engine thread between steps (e.g. to read its state)."""
+        return await self._call(lambda: fn(self.engine))
+
+    def encode(self, text: str) -> list[int]:
+        return self.engine.tokenize(text)
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout=5)
+
+
+def _settle(future: asyncio.Future, result, error) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
