@@ -92,6 +92,6 @@ class LLM:
         if not getattr(tok, "chat_template", None):
             raise ValueError(f"model {self.engine.model_name!r} has no chat template")
         ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
-        if isinstance(ids, dict):
+        if hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)

@@ -176,22 +176,22 @@ def _build_params(get: Callable[[str, tuple], Any], has: Callable[[str], bool], 
                   dtype: str) -> dict:
     """Fuse weights given in HF names and layout into the llama.py params pytree.
 
-    get(name, shape) returns the tensor (numpy or jax) checked to have `shape`;
-    HF `Linear` weights are `[out, in]`.
+    get(name, shape) returns the tensor (numpy, or a jax array on the CPU) checked to have
+    `shape`; HF `Linear` weights are `[out, in]`. Fusing happens in numpy, and each result is
+    put on the default device once.
     """
     h, q, kv, ff, hd = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size, spec.head_dim
     wdtype = jnp.dtype(dtype)
 
     def matrix(in_dim: int, *parts: tuple[str, int]) -> jax.Array:
         """`[out_i, in_dim]` weights -> fused `[in_dim, sum(out_i)]` in the weight dtype."""
-        ws = [jnp.asarray(get(name, (out, in_dim))) for name, out in parts]
-        w = ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=0)
-        return w.T.astype(wdtype)
+        ws = [np.asarray(get(name, (out, in_dim))) for name, out in parts]
+        return jnp.asarray(np.concatenate(ws).T, dtype=wdtype)
 
     def vector(*parts: tuple[str, int]) -> jax.Array:
-        return jnp.concatenate([jnp.asarray(get(name, (size,)), jnp.float32) for name, size in parts])
+        return jnp.asarray(np.concatenate([np.asarray(get(name, (size,))) for name, size in parts]), jnp.float32)
 
-    params = {"embed": jnp.asarray(get("model.embed_tokens.weight", (spec.vocab_size, h))).astype(wdtype),
+    params = {"embed": jnp.asarray(np.asarray(get("model.embed_tokens.weight", (spec.vocab_size, h))), wdtype),
               "layers": []}
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
@@ -253,6 +253,7 @@ def _load_hf_dir(path: str, dtype: str, progress: bool):
     handles = {}
     for file in files:
         try:
+            # "flax", not "np": numpy has no bfloat16.
             handles[file] = safe_open(file, framework="flax")
             index.update({k: file for k in handles[file].keys()})
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
@@ -270,7 +271,8 @@ def _load_hf_dir(path: str, dtype: str, progress: bool):
         if file is None:
             raise ValueError(f"{path}: checkpoint has no tensor {key(name)!r}")
         try:
-            arr = handles[file].get_tensor(key(name))
+            with jax.default_device(jax.devices("cpu")[0]):  # read to the host; fused arrays go to the device
+                arr = handles[file].get_tensor(key(name))
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"{file}: cannot read tensor {key(name)!r} (truncated or corrupt): {e}") from e
         bar.update(1)
@@ -591,19 +593,27 @@ def _gguf_tokenizer(path: str, metadata: dict):
 
 
 def save_params(params, path: str) -> None:
-    """Save a params pytree with orbax at `path` (replaced if it exists)."""
+    """Save a params pytree with orbax at `path` (replaced if it exists).
+
+    Uncompressed: restoring the default model takes ~0.4 s instead of ~0.9 s with zstd.
+    """
     import orbax.checkpoint as ocp
 
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(os.path.abspath(path), params, force=True)
-    checkpointer.wait_until_finished()
+    ocp.PyTreeCheckpointer(use_compression=False).save(os.path.abspath(path), params, force=True)
 
 
 def restore_params(path: str):
-    """Restore a params pytree saved by `save_params` (jax arrays on the default device)."""
+    """Restore a params pytree saved by `save_params`, onto the default device."""
     import orbax.checkpoint as ocp
 
-    return ocp.StandardCheckpointer().restore(os.path.abspath(path))
+    path = os.path.abspath(path)
+    checkpointer = ocp.PyTreeCheckpointer()
+    tree = checkpointer.metadata(path).item_metadata.tree
+    # Explicit placement: the sharding saved in the checkpoint names the device it was saved from.
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=device), tree,
+                                is_leaf=lambda x: hasattr(x, "shape"))
+    return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
 
 
 def _cache_key(kind: str, path: str, name: str, dtype: str) -> str:
@@ -640,10 +650,10 @@ def _restore_cached(entry: str, path: str, name: str) -> LoadedModel | None:
         spec = _spec_from_json(meta["spec"])
         params = restore_params(os.path.join(entry, "params"))
         tokenizer = None
-        if meta["has_tokenizer"]:
-            from transformers import AutoTokenizer
+        if meta["has_tokenizer"]:  # not AutoTokenizer: it imports torch (~2 s)
+            from transformers import PreTrainedTokenizerFast
 
-            tokenizer = AutoTokenizer.from_pretrained(os.path.join(entry, "tokenizer"))
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.join(entry, "tokenizer"))
     except Exception as e:  # noqa: BLE001 - a broken cache entry is rebuilt, not fatal
         logger.warning("ignoring unreadable params cache %s (%s: %s)", entry, type(e).__name__, e)
         shutil.rmtree(entry, ignore_errors=True)
