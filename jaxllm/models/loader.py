@@ -159,6 +159,7 @@ def load_model(
         entry = os.path.join(root, _cache_key(kind, path, name, dtype))
         cached = _restore_cached(entry, path, name)
         if cached is not None:
+            logger.info("loaded %s from the params cache %s", name, entry)
             return cached
 
     load = _load_gguf if kind == "gguf" else _load_hf_dir
@@ -244,7 +245,7 @@ def _load_hf_dir(path: str, dtype: str, progress: bool):
         with open(gen_path) as f:
             gen_eos = json.load(f).get("eos_token_id")
         if gen_eos is not None:
-            eos = [e for e in _as_list(config.get("eos_token_id")) + _as_list(gen_eos)]
+            eos = _as_list(config.get("eos_token_id")) + _as_list(gen_eos)
             config = {**config, "eos_token_id": list(dict.fromkeys(eos))}
     spec = spec_from_hf_config(config)
 
@@ -456,8 +457,8 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_config(path: str, metadata: dict, tensors: dict[str, GGUFTensor]) -> tuple[dict, ModelSpec]:
-    """GGUF metadata -> an HF-style config dict and the spec `registry.py` builds from it."""
+def _gguf_spec(path: str, metadata: dict, tensors: dict[str, GGUFTensor]) -> ModelSpec:
+    """GGUF metadata -> an HF-style config dict -> the spec, built (and checked) by `registry.py`."""
     arch = metadata.get("general.architecture")
     if arch not in _GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
@@ -506,10 +507,11 @@ def _gguf_config(path: str, metadata: dict, tensors: dict[str, GGUFTensor]) -> t
         config["rope_scaling"] = {"rope_type": scaling}  # registry.py rejects it by name
     spec = spec_from_hf_config(config)
     if "rope_freqs.weight" in tensors:  # Llama 3.x: scaled frequencies stored as a tensor
+        orig_ctx = metadata.get(f"{arch}.rope.scaling.original_context_length")
         config["rope_scaling"] = _llama3_scaling_from_freqs(
-            path, spec, _dequantize(tensors["rope_freqs.weight"]), metadata.get(f"{arch}.rope.scaling.original_context_length"))
+            path, spec, _dequantize(tensors["rope_freqs.weight"]), orig_ctx)
         spec = spec_from_hf_config(config)
-    return config, spec
+    return spec
 
 
 def _llama3_scaling_from_freqs(path: str, spec: ModelSpec, freq_factors: np.ndarray, orig_ctx) -> dict:
@@ -526,7 +528,7 @@ def _llama3_scaling_from_freqs(path: str, spec: ModelSpec, freq_factors: np.ndar
 
 def _load_gguf(path: str, dtype: str, progress: bool):
     metadata, tensors = read_gguf(path)
-    _, spec = _gguf_config(path, metadata, tensors)
+    spec = _gguf_spec(path, metadata, tensors)
 
     hf_to_gguf = {}
     for gguf_name in tensors:

@@ -1,0 +1,123 @@
+"""Step time of the jitted model step vs batch shape, next to this machine's roofline.
+
+    python benchmarks/step.py [--dtype bfloat16] [--context 512] [--out benchmarks/results/step.json]
+
+Decode steps of batch 1..256 at a fixed context, and prefill steps of 64..512 prompt tokens,
+each timed through the real ModelRunner (host preparation + device step + sampling). The
+roofline is measured by the same script: matmul peak for the dtype (a [512, 576] x
+[576, 1536] GEMM, the model's shape) and donated read+write memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.config import EngineArgs, resolve_config
+from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.core.request import Request
+from jaxllm.models.loader import load_model
+from jaxllm.runner.model_runner import ModelRunner
+from jaxllm.sampling_params import SamplingParams
+
+
+def timeit(fn, repeat=5):
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def matmul_peak(dtype) -> float:
+    a = jnp.ones((512, 576), dtype)
+    b = jnp.ones((576, 1536), dtype)
+    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+    return 2 * 512 * 576 * 1536 / timeit(lambda: f(a, b).block_until_ready(), 20)
+
+
+def memory_bandwidth() -> float:
+    x = jnp.ones((64 << 20,), jnp.float32)  # 256 MiB, updated in place
+    f = jax.jit(lambda x: x * 1.0001 + 1, donate_argnums=0)
+    state = {"x": x}
+
+    def run():
+        state["x"] = f(state["x"])
+        state["x"].block_until_ready()
+    return 2 * x.nbytes / timeit(run, 10)
+
+
+def make_requests(kv: KVCacheManager, batch: int, context: int, num_new: int, rng) -> list[tuple[Request, int]]:
+    out = []
+    for i in range(batch):
+        req = Request(f"r{i}", rng.integers(100, 40000, context).tolist(),
+                      SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        req.num_computed_tokens = context - num_new
+        assert kv.allocate_slots(req, context)
+        req.num_computed_tokens = context - num_new
+        out.append((req, num_new))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--batches", default="1,8,32,64,128,256")
+    ap.add_argument("--prefill", default="64,128,256,512")
+    ap.add_argument("--out", default="benchmarks/results/step.json")
+    args = ap.parse_args()
+
+    loaded = load_model(None, dtype=args.dtype, progress=False)
+    spec = loaded.spec
+    eargs = EngineArgs(dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=2048,
+                       kv_cache_memory=3 << 30, warmup=False)
+    config = resolve_config(eargs, spec, loaded.name, jax.default_backend())
+    runner = ModelRunner(config, spec, loaded.params)
+    rng = np.random.default_rng(0)
+    weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(loaded.params))
+    peak = matmul_peak(jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
+    bw = memory_bandwidth()
+    flops_per_token = 2 * sum(x.size for layer in loaded.params["layers"] for k, x in layer.items() if x.ndim == 2)
+    lm_head_flops = 2 * spec.hidden_size * spec.vocab_size
+    rows = []
+
+    def measure(kind, batch, num_new):
+        kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size)
+        scheduled = make_requests(kv, batch, args.context if kind == "decode" else num_new, num_new, rng)
+        dt = timeit(lambda: runner.execute(scheduled), 3)
+        tokens = batch * num_new
+        flops = tokens * flops_per_token + batch * lm_head_flops
+        roof = max(flops / peak, weight_bytes / bw)
+        rows.append(dict(kind=kind, batch=batch, tokens=tokens, context=args.context if kind == "decode" else num_new,
+                         step_ms=dt * 1e3, tokens_per_s=tokens / dt, roofline_ms=roof * 1e3,
+                         fraction_of_roofline=roof / dt))
+        r = rows[-1]
+        print(f"{kind:8s} batch {batch:4d} tokens {tokens:4d}: {r['step_ms']:8.1f} ms  {r['tokens_per_s']:8.1f} tok/s"
+              f"  roofline {r['roofline_ms']:7.1f} ms ({100 * r['fraction_of_roofline']:.0f}%)", flush=True)
+
+    print(f"matmul peak {peak / 1e9:.0f} GFLOP/s ({args.dtype}), memory {bw / 1e9:.1f} GB/s, "
+          f"weights {weight_bytes / 1e6:.0f} MB")
+    for b in map(int, args.batches.split(",")):
+        measure("decode", b, 1)
+    for p in map(int, args.prefill.split(",")):
+        measure("prefill", 1, p)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(machine=platform.processor() or platform.machine(), cpus=os.cpu_count(), jax=jax.__version__,
+                       dtype=args.dtype, matmul_peak_flops=peak, memory_bandwidth=bw, weight_bytes=weight_bytes,
+                       rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

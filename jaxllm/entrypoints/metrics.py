@@ -1,0 +1,121 @@
+"""Prometheus metrics for the server, named as vLLM's (`vllm:x` -> `jaxllm:x`) so that existing
+dashboards port over by changing the prefix.
+
+Gauges and counters are read from the engine at scrape time (the engine keeps the counts;
+nothing is double-booked here). Latency histograms are observed by the server as each
+request's outputs stream past, from the engine's own timestamps (`RequestOutput.metrics`,
+time.monotonic() taken on the engine thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily
+
+from jaxllm.outputs import RequestOutput
+
+PREFIX = "jaxllm:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's buckets (seconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCounters:
+    """Collector that reports the engine's cumulative counters as Prometheus counters."""
+
+    def __init__(self, engine, labels: dict[str, str]):
+        self.engine = engine
+        self.labels = labels
+
+    def _counter(self, name: str, doc: str, value: float, **extra: str) -> CounterMetricFamily:
+        labels = {**self.labels, **extra}
+        family = CounterMetricFamily(PREFIX + name, doc, labels=list(labels))
+        family.add_metric(list(labels.values()), value)
+        return family
+
+    def collect(self):
+        engine = self.engine
+        stats, kv = engine.stats, engine.kv_cache_manager
+        yield self._counter("prompt_tokens", "Prefill tokens processed.", stats.prompt_tokens)
+        yield self._counter("generation_tokens", "Generation tokens processed.", stats.generation_tokens)
+        yield self._counter("num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions)
+        yield self._counter("prefix_cache_queries", "Prefix cache queries, in tokens.", kv.prefix_queries)
+        yield self._counter("prefix_cache_hits", "Prefix cache hits, in tokens.", kv.prefix_hits)
+        success = CounterMetricFamily(PREFIX + "request_success", "Count of finished requests, by finish reason.",
+                                      labels=[*self.labels, "finished_reason"])
+        for reason, count in sorted(dict(stats.finished).items()):  # dict(): the engine thread may add a key
+            success.add_metric([*self.labels.values(), reason], count)
+        yield success
+
+
+class ServerMetrics:
+    """All of one server's metrics, in a registry of its own (so several apps, or tests, can
+    live in one process)."""
+
+    def __init__(self, engine, model_name: str):
+        disable_created_metrics()  # no `_created` series (process-wide; vLLM does the same)
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        names = list(labels)
+
+        def gauge(name: str, doc: str, read) -> None:
+            Gauge(PREFIX + name, doc, names, registry=self.registry).labels(**labels).set_function(read)
+
+        scheduler = engine.scheduler
+        gauge("num_requests_running", "Number of requests in model execution batches.", lambda: len(scheduler.running))
+        gauge("num_requests_waiting", "Number of requests waiting to be processed.", lambda: len(scheduler.waiting))
+        gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+              lambda: engine.kv_cache_manager.usage)
+        self.registry.register(_EngineCounters(engine, labels))
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(PREFIX + name, doc, names, buckets=buckets, registry=self.registry).labels(**labels)
+
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.", REQUEST_BUCKETS)
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Histogram of time spent waiting in the queue, in seconds.",
+            REQUEST_BUCKETS)
+
+    async def track(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        """Pass one request's outputs through, observing its latencies. Expects one output per
+        engine step (output_kind "delta" or "cumulative"), so the gap between two outputs'
+        `last_token_time` is an inter-token latency."""
+        last_token_time = None
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                times = out.metrics or {}
+                now = times.get("last_token_time")
+                if last_token_time is not None and now is not None and now > last_token_time:
+                    self.inter_token_latency.observe(now - last_token_time)
+                last_token_time = now
+                if out.finished and not any(c.finish_reason == "abort" for c in out.outputs):
+                    self._observe_finished(times)
+                yield out
+
+    def _observe_finished(self, times: dict) -> None:
+        arrival = times.get("arrival_time")
+        if arrival is None:
+            return
+        if times.get("first_token_time") is not None:
+            self.time_to_first_token.observe(times["first_token_time"] - arrival)
+        if times.get("scheduled_time") is not None:
+            self.request_queue_time.observe(times["scheduled_time"] - arrival)
+        if times.get("last_token_time") is not None:
+            self.e2e_request_latency.observe(times["last_token_time"] - arrival)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,282 @@
+"""OpenAI API request and response bodies (pydantic), as the official `openai` client sends
+and reads them, plus vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ...).
+
+Requests validate types only; value ranges are checked once, by `SamplingParams`, whose
+ValueError the server turns into a 400.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from jaxllm.sampling_params import SamplingParams
+
+
+class OpenAIModel(BaseModel):
+    # Fields this server does not know (user, metadata, store, ...) are accepted and ignored.
+    model_config = ConfigDict(extra="ignore")
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class ErrorInfo(OpenAIModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(OpenAIModel):
+    error: ErrorInfo
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool | None = False
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields shared by /v1/completions and /v1/chat/completions. `None` means the default."""
+
+    model: str | None = None
+    n: int | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    # vLLM's extra fields (pass them with the openai client's `extra_body`).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def unsupported(self) -> str | None:
+        """Name of a set field this server cannot honour, if any."""
+        return "logit_bias" if self.logit_bias else None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError for out-of-range values."""
+        def pick(value, default):
+            return default if value is None else value
+
+        return SamplingParams(
+            n=pick(self.n, 1), temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0),
+            top_k=pick(self.top_k, 0), min_p=pick(self.min_p, 0.0),
+            presence_penalty=pick(self.presence_penalty, 0.0), frequency_penalty=pick(self.frequency_penalty, 0.0),
+            repetition_penalty=pick(self.repetition_penalty, 1.0), seed=self.seed, max_tokens=max_tokens,
+            min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingRequest):
+    # A string, a list of strings, a list of token ids, or a list of token-id lists.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> str | None:
+        if self.suffix:
+            return "suffix"
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            return "best_of"
+        if self.echo and self.logprobs is not None:
+            return "echo"  # echo with logprobs needs prompt logprobs
+        return super().unsupported()
+
+
+class ContentPart(OpenAIModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIModel):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None            # deprecated by OpenAI for max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's extras for the chat template.
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def unsupported(self) -> str | None:
+        if self.tools:
+            return "tools"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format"
+        return super().unsupported()
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(OpenAIModel):
+    """Either `prompt` (text) or `messages` (rendered through the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class UsageInfo(OpenAIModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ModelCard(OpenAIModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "jaxllm"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class CompletionLogProbs(OpenAIModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatTopLogprob(OpenAIModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(OpenAIModel):
+    content: list[ChatLogprob] | None = None
+
+
+class AssistantMessage(OpenAIModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(OpenAIModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIModel):
+    """What a stream chunk adds to a choice's message: only the fields that changed."""
+
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_set(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(OpenAIModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class TokenizeResponse(OpenAIModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIModel):
+    prompt: str

@@ -1,0 +1,176 @@
+"""The engine end to end: greedy parity with HF transformers, invariance to batching,
+chunking and preemption, seeded sampling, stop conditions, abort, bad input, no recompiles."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.runner.compile import no_compile_guard
+from tiny_model import TINY_ENGINE_ARGS, tiny_model_dir  # noqa: F401  (fixture)
+
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "In 1492, a sailor from Genoa crossed the ocean and found a continent that",
+    "Q: What is two plus two? A:",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who every morning",
+]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(tiny_model_dir, **TINY_ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt_ids, max_new_tokens):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def greedy(max_tokens=12, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_greedy_matches_hf(llm, hf_model):
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.prompt_token_ids == llm.get_tokenizer().encode(prompt)
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, out.prompt_token_ids, 12), prompt
+        assert out.outputs[0].finish_reason == "length"
+
+
+def test_outputs_independent_of_batch_and_order(llm):
+    batched = token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False))
+    alone = [token_ids(llm.generate([p], greedy(), use_tqdm=False))[0] for p in PROMPTS[:2]]
+    reverse = token_ids(llm.generate(PROMPTS[::-1], greedy(), use_tqdm=False))[::-1]
+    assert alone == batched[:2]
+    assert reverse == batched
+
+
+def test_chunked_prefill_and_preemption_give_same_outputs(llm, tiny_model_dir):
+    reference = token_ids(llm.generate(PROMPTS, greedy(24), use_tqdm=False))
+    # Tiny token budget: every prompt is split over several steps.
+    chunked = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "max_num_batched_tokens": 8, "max_num_seqs": 8})
+    assert token_ids(chunked.generate(PROMPTS, greedy(24), use_tqdm=False)) == reference
+    # A pool too small for all sequences at once: the newest are preempted and recomputed.
+    small = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "num_gpu_blocks_override": 16, "block_size": 4})
+    assert token_ids(small.generate(PROMPTS, greedy(24), use_tqdm=False)) == reference
+    assert small.engine.stats.num_preemptions > 0
+    assert small.engine.kv_cache_manager.num_used_blocks == 0
+
+
+def test_seeded_sampling_reproducible_whatever_the_batch(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=0.7, max_tokens=10, ignore_eos=True)
+    mixed = llm.generate(PROMPTS[1:3] + [PROMPTS[0]], [others, others, params], use_tqdm=False)[2]
+    assert mixed.outputs[0].token_ids == alone
+    unseeded = llm.generate([PROMPTS[0]] * 2, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True),
+                            use_tqdm=False)
+    assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
+
+
+def test_n_choices_and_logprobs(llm):
+    out = llm.generate([PROMPTS[1]], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, logprobs=3,
+                                                    ignore_eos=True), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    for c in out.outputs:
+        assert len(c.logprobs) == 6
+        for token, entry in zip(c.token_ids, c.logprobs):
+            assert token in entry
+            ranked = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)
+            assert len(ranked) == 3 and all(a.logprob >= b.logprob for a, b in zip(ranked, ranked[1:]))
+        assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)), abs=1e-3)
+
+
+def test_stop_token_ids_min_tokens_and_stop_strings(llm):
+    base = llm.generate([PROMPTS[2]], greedy(16), use_tqdm=False)[0].outputs[0]
+    stop_tok = base.token_ids[5]
+    first = base.token_ids.index(stop_tok)
+    out = llm.generate([PROMPTS[2]], greedy(16, stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base.token_ids[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    # min_tokens holds the stop token back: generation continues past it.
+    out = llm.generate([PROMPTS[2]], greedy(16, stop_token_ids=[stop_tok], min_tokens=first + 2), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) > first + 1
+    # A stop string made of the tail of one token and the head of the next.
+    text = base.text
+    cut = len(llm.get_tokenizer().decode(base.token_ids[:4], skip_special_tokens=True))
+    stop = text[cut - 2:cut + 2]
+    if len(stop.strip()) == 4 and text.find(stop) == cut - 2:
+        out = llm.generate([PROMPTS[2]], greedy(16, stop=[stop]), use_tqdm=False)[0].outputs[0]
+        assert out.text == text[:cut - 2] and out.finish_reason == "stop" and out.stop_reason == stop
+        out = llm.generate([PROMPTS[2]], greedy(16, stop=[stop], include_stop_str_in_output=True),
+                           use_tqdm=False)[0].outputs[0]
+        assert out.text == text[:cut + 2]
+
+
+def test_abort_frees_every_page(llm):
+    engine = llm.engine
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"abort-{i}", p, greedy(50))
+    for _ in range(3):
+        engine.step()
+    assert engine.kv_cache_manager.num_used_blocks > 0
+    engine.abort_request([f"abort-{i}" for i in range(len(PROMPTS))])
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(n=0),
+                                    dict(max_tokens=0), dict(top_k=-5), dict(min_p=2), dict(logprobs=99),
+                                    dict(min_tokens=5, max_tokens=2), dict(repetition_penalty=0)])
+def test_bad_sampling_params_rejected(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_rejected_and_others_unaffected(llm):
+    engine = llm.engine
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("long", list(range(10, 10 + 600)), greedy())
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request("oov", [10**7], greedy())
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("empty", [], greedy())
+    assert not engine.has_unfinished_requests()
+    assert len(llm.generate(PROMPTS[:1], greedy(4), use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+def test_no_recompilation_after_warmup(llm):
+    params = [greedy(3), SamplingParams(temperature=0.8, top_k=5, max_tokens=20, logprobs=2),
+              SamplingParams(temperature=1.0, presence_penalty=0.5, repetition_penalty=1.2, max_tokens=7),
+              greedy(30), SamplingParams(temperature=0.5, min_p=0.1, seed=3, max_tokens=12, n=2)]
+    with no_compile_guard():
+        llm.generate(PROMPTS, params, use_tqdm=False)
+        llm.generate([PROMPTS[0] * 8, "Hi"], greedy(5), use_tqdm=False)
+
+
+def test_greedy_matches_hf_on_default_model():
+    """The real SmolLM2 GGUF, f32, against transformers' own GGUF load."""
+    import os
+
+    from jaxllm.models.loader import default_model_path
+
+    path = default_model_path()
+    llm = LLM(None, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                           dtype=torch.float32).eval()
+    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
+    outs = llm.generate(prompts, greedy(10), use_tqdm=False)
+    for out in outs:
+        assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, 10)

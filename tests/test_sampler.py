@@ -1,0 +1,98 @@
+"""On-device sampling against a NumPy reference on fixed logits."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxllm.runner import sampler
+
+LOGITS = np.array([2.0, 1.5, 1.4, 1.0, 0.5, 0.2, 0.0, -0.3, -1.0, -1.5, -2.0, -4.0] + [-20.0] * 12, np.float32)
+V = len(LOGITS)  # > MAX_LOGPROBS
+
+
+def state(S, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, presence=0.0, frequency=0.0, repetition=1.0,
+          history=None, output_start=0, seeds=None, banned=None, logprobs=False):
+    flat = lambda v, dt: np.full(S, v, dt)  # noqa: E731
+    penalty_tokens = np.full((S, 8), -1, np.int32)
+    if history is not None:
+        penalty_tokens[:, :len(history)] = history
+    banned_tokens = np.full((S, sampler.NUM_BANNED), -1, np.int32)
+    if banned:
+        banned_tokens[:, :len(banned)] = banned
+    return dict(temperature=flat(temperature, np.float32), top_k=flat(top_k, np.int32), top_p=flat(top_p, np.float32),
+                min_p=flat(min_p, np.float32), presence_penalty=flat(presence, np.float32),
+                frequency_penalty=flat(frequency, np.float32), repetition_penalty=flat(repetition, np.float32),
+                seeds=np.arange(S, dtype=np.uint32) if seeds is None else seeds,
+                output_index=np.zeros(S, np.int32), output_start=flat(output_start, np.int32),
+                penalty_tokens=penalty_tokens, banned_tokens=banned_tokens,
+                flags=np.array([temperature == 0, top_k > 0 or top_p < 1, presence != 0 or frequency != 0 or repetition != 1,
+                                logprobs]))
+
+
+def reference_probs(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """vLLM's order: temperature, min_p, top_k, top_p (on the renormalised top-k set)."""
+    z = logits / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    keep = p >= min_p * p.max()
+    if top_k:
+        keep &= z >= np.sort(z)[::-1][top_k - 1]
+    q = np.where(keep, p, 0)
+    q /= q.sum()
+    order = np.argsort(-q)
+    cum = np.cumsum(q[order])
+    n_keep = np.searchsorted(cum, top_p - 1e-7) + 1 if top_p < 1 else V
+    top = np.zeros(V, bool)
+    top[order[:n_keep]] = True
+    keep &= top
+    q = np.where(keep, p, 0)
+    return q / q.sum()
+
+
+sample = jax.jit(sampler.sample)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.5), dict(top_k=3), dict(top_p=0.7), dict(min_p=0.3),
+                                dict(temperature=1.5, top_k=6, top_p=0.8), dict(top_k=1)])
+def test_sampled_frequencies_match_reference(kw):
+    S = 6000
+    tokens, *_ = sample(np.tile(LOGITS, (S, 1)), state(S, **kw))
+    freq = np.bincount(np.asarray(tokens), minlength=V) / S
+    expect = reference_probs(LOGITS, **kw)
+    assert np.all(freq[expect == 0] == 0), "a token outside the kept set was sampled"
+    tolerance = 4 * np.sqrt(expect * (1 - expect) / S) + 1e-3  # 4 sigma of a binomial frequency
+    assert np.all(np.abs(freq - expect) <= tolerance), (freq, expect)
+
+
+def test_seed_determines_tokens():
+    S = 64
+    seeds = np.random.default_rng(0).integers(0, 2**32, S, dtype=np.uint32)
+    a, *_ = sample(np.tile(LOGITS, (S, 1)), state(S, seeds=seeds))
+    perm = np.random.default_rng(1).permutation(S)
+    b, *_ = sample(np.tile(LOGITS, (S, 1)), state(S, seeds=seeds[perm]))
+    np.testing.assert_array_equal(np.asarray(a)[perm], np.asarray(b))
+
+
+def test_penalties_match_reference():
+    history = [0, 0, 1, 4]  # prompt token 0; outputs 0, 1, 4 (output_start = 1)
+    st = state(1, temperature=0.0, presence=0.5, frequency=0.7, repetition=1.3, history=history, output_start=1)
+    out = np.asarray(jax.jit(sampler.apply_penalties)(LOGITS[None], {k: np.asarray(v) for k, v in st.items()}))[0]
+    ref = LOGITS.astype(np.float64).copy()
+    for t in {0, 1, 4}:
+        ref[t] = ref[t] / 1.3 if ref[t] > 0 else ref[t] * 1.3
+    counts = {0: 1, 1: 1, 4: 1}
+    for t, c in counts.items():
+        ref[t] -= 0.7 * c + 0.5
+    np.testing.assert_allclose(out, ref, rtol=1e-6)
+    tokens, *_ = sample(LOGITS[None], st)
+    assert int(tokens[0]) == int(np.argmax(ref))
+
+
+def test_banned_tokens_and_logprobs():
+    st = state(2, temperature=0.0, banned=[0, 1], logprobs=True)
+    tokens, lp, top_lp, top_ids = sample(np.tile(LOGITS, (2, 1)), st)
+    assert list(np.asarray(tokens)) == [2, 2]
+    ref = LOGITS - np.log(np.exp(LOGITS).sum())
+    np.testing.assert_allclose(np.asarray(lp), ref[2], rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(top_ids)[0, :12], np.argsort(-LOGITS)[:12])
+    np.testing.assert_allclose(np.asarray(top_lp)[0], np.sort(ref)[::-1][:20], rtol=1e-5)

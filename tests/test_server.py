@@ -1,0 +1,429 @@
+"""The OpenAI-compatible server, live on loopback (`jaxllm serve` in a subprocess), driven by the
+official `openai` client and raw HTTP; the offline `LLM` over the same tiny model is the
+reference for every output."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from jaxllm import SamplingParams
+from tiny_model import offline_llm, tiny_engine_flags, tiny_model_dir  # noqa: F401 - fixture
+
+API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+READY_TIMEOUT_S = 600
+
+
+class Server:
+    def __init__(self, url: str, model: str, offline):
+        self.url, self.model, self.offline = url, model, offline
+        self.client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+    def post(self, path: str, body, headers=AUTH, timeout=60) -> httpx.Response:
+        content = body if isinstance(body, str) else json.dumps(body)
+        return httpx.post(self.url + path, content=content, timeout=timeout,
+                          headers={"Content-Type": "application/json", **(headers or {})})
+
+    def metrics(self) -> dict:
+        """{(sample name, sorted label items without model_name): value}."""
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def assert_healthy(self) -> None:
+        assert httpx.get(self.url + "/health", timeout=30).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):  # noqa: F811
+    work = tmp_path_factory.mktemp("server")
+    log = open(work / "server.log", "w+")
+    # XDG_CACHE_HOME: the subprocess caches its converted weights here, not in ~/.cache.
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "XDG_CACHE_HOME": str(work / "xdg")}
+    cmd = [sys.executable, "-m", "jaxllm.entrypoints.cli", "serve", "--model", tiny_model_dir, *tiny_engine_flags(),
+           "--port", "0", "--api-key", API_KEY, "--uvicorn-log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    found: dict[str, str] = {}
+
+    def watch_stdout():
+        for line in proc.stdout:
+            if line.startswith("jaxllm: ready at ") and "url" not in found:
+                found["url"] = line.split()[3].removesuffix("/v1")
+
+    threading.Thread(target=watch_stdout, daemon=True).start()
+    try:
+        offline = offline_llm(tiny_model_dir)  # builds while the server warms up
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while "url" not in found:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                pytest.fail(f"jaxllm serve did not get ready (exit code {proc.poll()}):\n{log.read()[-4000:]}")
+            time.sleep(0.2)
+        yield Server(found["url"], os.path.basename(tiny_model_dir), offline)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
+
+
+def offline_texts(server: Server, prompts, params: SamplingParams) -> list[str]:
+    return [o.outputs[0].text for o in server.offline.generate(prompts, params, use_tqdm=False)]
+
+
+# ----------------------------------------------------------------------------- basics
+
+
+def test_models_health_version_tokenize(server):
+    models = server.client.models.list()
+    assert [m.id for m in models.data] == [server.model]
+    assert models.data[0].max_model_len == 512
+    server.assert_healthy()
+    assert httpx.get(server.url + "/version").json()["version"]
+    tokens = server.post("/tokenize", {"prompt": "Hello world, how are you?"}).json()
+    assert tokens["tokens"] == server.offline.get_tokenizer().encode("Hello world, how are you?")
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 512
+    assert server.post("/detokenize", {"tokens": tokens["tokens"]}).json() == {"prompt": "Hello world, how are you?"}
+    chat = server.post("/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["tokens"] == server.offline.apply_chat_template([{"role": "user", "content": "Hi"}])
+
+
+# ----------------------------------------------------------------------------- completions
+
+
+PROMPTS = ["Hello there", "The capital of France is", "def fibonacci(n):"]
+
+
+def test_completions_greedy_equal_offline(server):
+    params = greedy(16, ignore_eos=True)
+    expected = offline_texts(server, PROMPTS, params)
+    response = server.client.completions.create(model=server.model, prompt=PROMPTS, max_tokens=16, temperature=0,
+                                                extra_body={"ignore_eos": True})
+    assert [c.text for c in response.choices] == expected
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "length" for c in response.choices)
+    tokenizer = server.offline.get_tokenizer()
+    prompt_tokens = sum(len(tokenizer.encode(p)) for p in PROMPTS)
+    assert response.usage.prompt_tokens == prompt_tokens
+    assert response.usage.completion_tokens == 3 * 16
+    assert response.usage.total_tokens == prompt_tokens + 3 * 16
+
+    # Token-id prompts (one, and a list of them) give the same text as the strings.
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    one = server.client.completions.create(model=server.model, prompt=ids[1], max_tokens=16, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert one.choices[0].text == expected[1]
+    many = server.client.completions.create(model=server.model, prompt=ids, max_tokens=16, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert [c.text for c in many.choices] == expected
+
+    echoed = server.client.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=16, temperature=0,
+                                              echo=True, extra_body={"ignore_eos": True})
+    assert echoed.choices[0].text == PROMPTS[0] + expected[0]
+
+
+def test_completions_stream_equal_plain(server):
+    expected = offline_texts(server, PROMPTS, greedy(16, ignore_eos=True))
+    stream = server.client.completions.create(model=server.model, prompt=PROMPTS, max_tokens=16, temperature=0,
+                                              stream=True, stream_options={"include_usage": True},
+                                              extra_body={"ignore_eos": True})
+    texts, finish, usage = ["", "", ""], [None] * 3, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+            assert chunk.choices == []
+            continue
+        for choice in chunk.choices:
+            assert finish[choice.index] is None, "a chunk after the choice finished"
+            texts[choice.index] += choice.text
+            finish[choice.index] = choice.finish_reason
+    assert texts == expected
+    assert finish == ["length"] * 3
+    assert usage.completion_tokens == 48
+
+
+def test_completions_n_seed_stop_logprobs(server):
+    # n with a seed: reproducible, and equal to the offline engine with the same seed.
+    sampled = SamplingParams(n=3, temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    expected = [c.text for c in server.offline.generate(PROMPTS[0], sampled, use_tqdm=False)[0].outputs]
+    kwargs = dict(model=server.model, prompt=PROMPTS[0], n=3, temperature=1.0, seed=1234, max_tokens=12,
+                  extra_body={"ignore_eos": True})
+    first = server.client.completions.create(**kwargs)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == expected
+    assert len(set(expected)) > 1
+    assert [c.text for c in server.client.completions.create(**kwargs).choices] == expected
+
+    # stop string: cut before its first occurrence, streamed or not.
+    full = offline_texts(server, [PROMPTS[1]], greedy(24, ignore_eos=True))[0]
+    stop = full[12:15]
+    cut = full[:full.find(stop)]
+    kwargs = dict(model=server.model, prompt=PROMPTS[1], max_tokens=24, temperature=0, stop=[stop],
+                  extra_body={"ignore_eos": True})
+    response = server.client.completions.create(**kwargs)
+    assert response.choices[0].text == cut
+    assert response.choices[0].finish_reason == "stop"
+    assert response.choices[0].model_extra["stop_reason"] == stop
+    assert "".join(c.choices[0].text for c in server.client.completions.create(**kwargs, stream=True)) == cut
+
+    # stop_token_ids (vLLM's extra): finishes on that token.
+    token_ids = server.offline.generate(PROMPTS[1], greedy(24, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    stopped = server.client.completions.create(model=server.model, prompt=PROMPTS[1], max_tokens=24, temperature=0,
+                                               extra_body={"stop_token_ids": [token_ids[3]], "ignore_eos": True})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens == token_ids.index(token_ids[3]) + 1
+
+    # logprobs: the greedy token is the best one, and matches the offline engine's logprob.
+    reference = server.offline.generate(PROMPTS[2], greedy(8, ignore_eos=True, logprobs=3), use_tqdm=False)[0]
+    response = server.client.completions.create(model=server.model, prompt=PROMPTS[2], max_tokens=8, temperature=0,
+                                                logprobs=3, extra_body={"ignore_eos": True})
+    lp = response.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    for i, (token_id, entry) in enumerate(zip(reference.outputs[0].token_ids, reference.outputs[0].logprobs)):
+        assert lp.token_logprobs[i] == pytest.approx(entry[token_id].logprob, abs=1e-4)
+        assert 1 <= len(lp.top_logprobs[i]) <= 4
+        assert lp.token_logprobs[i] == pytest.approx(max(lp.top_logprobs[i].values()), abs=1e-6)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
+# ----------------------------------------------------------------------------- chat
+
+
+CONVERSATION = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+
+
+def test_chat_greedy_equal_offline_chat(server):
+    reference = server.offline.chat(CONVERSATION, greedy(20), use_tqdm=False)[0].outputs[0]
+    response = server.client.chat.completions.create(model=server.model, messages=CONVERSATION, max_tokens=20,
+                                                     temperature=0)
+    choice = response.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == reference.text
+    assert choice.finish_reason == reference.finish_reason
+    assert response.usage.prompt_tokens == len(server.offline.apply_chat_template(CONVERSATION))
+    assert response.usage.completion_tokens == len(reference.token_ids)
+
+    # max_completion_tokens is the newer name of max_tokens; content parts are joined.
+    parts = [CONVERSATION[0], {"role": "user", "content": [{"type": "text", "text": "Name a "},
+                                                           {"type": "text", "text": "colour."}]}]
+    again = server.client.chat.completions.create(model=server.model, messages=parts, max_completion_tokens=20,
+                                                  temperature=0)
+    assert again.choices[0].message.content == reference.text
+
+    stream = server.client.chat.completions.create(model=server.model, messages=CONVERSATION, max_tokens=20,
+                                                   temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reference.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(reference.token_ids)
+
+
+def test_chat_n_seed_logprobs(server):
+    kwargs = dict(model=server.model, messages=CONVERSATION, n=2, temperature=1.0, seed=7, max_tokens=10,
+                  extra_body={"ignore_eos": True})
+    plain = server.client.chat.completions.create(**kwargs)
+    assert [c.index for c in plain.choices] == [0, 1]
+    texts = ["", ""]
+    for chunk in server.client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [c.message.content for c in plain.choices]
+    assert plain.usage.completion_tokens == 20
+
+    response = server.client.chat.completions.create(model=server.model, messages=CONVERSATION, max_tokens=6,
+                                                     temperature=0, logprobs=True, top_logprobs=2,
+                                                     extra_body={"ignore_eos": True})
+    content = response.choices[0].logprobs.content
+    assert len(content) == 6
+    for item in content:
+        assert len(item.top_logprobs) == 2
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob, abs=1e-6)
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+
+
+# ----------------------------------------------------------------------------- load and failure
+
+
+def test_32_concurrent_streams_with_bad_requests_between(server):
+    rng = random.Random(0)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    prompts = [f"Request {i}: " + " ".join(rng.choices(words, k=rng.randint(1, 60))) for i in range(32)]
+    lengths = [rng.randint(8, 40) for _ in range(32)]
+    expected = [server.offline.generate(p, greedy(n, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+                for p, n in zip(prompts, lengths)]
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+    async def stream_one(prompt: str, max_tokens: int):
+        stream = await client.completions.create(model=server.model, prompt=prompt, max_tokens=max_tokens,
+                                                 temperature=0, logprobs=0, stream=True,
+                                                 extra_body={"ignore_eos": True})
+        text, num_tokens = "", 0
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            num_tokens += len(chunk.choices[0].logprobs.tokens)
+        return text, num_tokens
+
+    async def bad_one(i: int):
+        with pytest.raises(openai.BadRequestError):
+            await client.completions.create(model=server.model, prompt="x", max_tokens=4, temperature=-1.0 - i,
+                                            stream=bool(i % 2))
+
+    async def run():
+        tasks = [stream_one(p, n) for p, n in zip(prompts, lengths)] + [bad_one(i) for i in range(4)]
+        try:
+            return await asyncio.gather(*tasks)
+        finally:
+            await client.close()
+
+    results = asyncio.run(run())[:32]
+    for (text, num_tokens), reference, n in zip(results, expected, lengths):
+        assert num_tokens == n  # no token lost or duplicated
+        assert text == reference.text
+    server.assert_healthy()
+
+
+def _wait_idle(server: Server, aborts_before: float, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        idle = (m[("jaxllm:num_requests_running", ())] == 0 and m[("jaxllm:kv_cache_usage_perc", ())] == 0
+                and m.get(("jaxllm:request_success_total", (("finished_reason", "abort"),)), 0) > aborts_before)
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def test_client_disconnect_aborts_request(server):
+    abort_key = ("jaxllm:request_success_total", (("finished_reason", "abort"),))
+    aborts = server.metrics().get(abort_key, 0)
+    body = {"model": server.model, "prompt": "Tell me a long story", "max_tokens": 480, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as response:
+        assert response.status_code == 200
+        data = [line for _, line in zip(range(3), (x for x in response.iter_lines() if x.startswith("data:")))]
+        assert len(data) == 3
+    m = _wait_idle(server, aborts)
+    assert m[abort_key] == aborts + 1
+    assert m[("jaxllm:num_requests_running", ())] == 0
+    assert m[("jaxllm:kv_cache_usage_perc", ())] == 0.0
+
+    # A plain (non-streamed) request whose client gives up is aborted too.
+    with pytest.raises(httpx.ReadTimeout):
+        server.post("/v1/chat/completions", {"model": server.model, "max_tokens": 480, "ignore_eos": True,
+                                             "messages": [{"role": "user", "content": "Go on"}]},
+                    timeout=httpx.Timeout(60, read=0.5))
+    m = _wait_idle(server, aborts + 1)
+    assert m[abort_key] == aborts + 2
+    assert m[("jaxllm:kv_cache_usage_perc", ())] == 0.0
+
+    # The server keeps serving.
+    expected = offline_texts(server, [PROMPTS[0]], greedy(5))
+    assert server.client.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=5,
+                                            temperature=0).choices[0].text == expected[0]
+
+
+LONG_IDS = [1000] * 600
+BAD_REQUESTS = [
+    # (id, path, body, headers, status, param)
+    ("invalid-json", "/v1/completions", '{"prompt": "hi", ', AUTH, 400, None),
+    ("not-an-object", "/v1/completions", '[1, 2]', AUTH, 400, None),
+    ("missing-prompt", "/v1/completions", {"max_tokens": 3}, AUTH, 400, "prompt"),
+    ("wrong-type-max-tokens", "/v1/completions", {"prompt": "hi", "max_tokens": "many"}, AUTH, 400, "max_tokens"),
+    ("wrong-type-prompt", "/v1/completions", {"prompt": {"text": "hi"}}, AUTH, 400, "prompt"),
+    ("wrong-type-messages", "/v1/chat/completions", {"messages": "hi"}, AUTH, 400, "messages"),
+    ("negative-max-tokens", "/v1/completions", {"prompt": "hi", "max_tokens": -1}, AUTH, 400, "max_tokens"),
+    ("negative-temperature", "/v1/completions", {"prompt": "hi", "temperature": -0.5}, AUTH, 400, "temperature"),
+    ("negative-temperature-chat-stream", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "temperature": -1, "stream": True}, AUTH, 400, "temperature"),
+    ("huge-n", "/v1/completions", {"prompt": "hi", "n": 100000}, AUTH, 400, None),
+    ("too-many-logprobs", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 50}, AUTH, 400, None),
+    ("overlong-prompt", "/v1/completions", {"prompt": LONG_IDS}, AUTH, 400, "prompt"),
+    ("overlong-prompt-stream", "/v1/completions", {"prompt": LONG_IDS, "stream": True}, AUTH, 400, "prompt"),
+    ("prompt-plus-max-tokens", "/v1/completions", {"prompt": [1000] * 500, "max_tokens": 100}, AUTH, 400,
+     "max_tokens"),
+    ("overlong-chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 600}]}, AUTH, 400,
+     "messages"),
+    ("token-outside-vocab-stream", "/v1/completions", {"prompt": [5, 10 ** 7], "stream": True}, AUTH, 400, "prompt"),
+    ("empty-prompt", "/v1/completions", {"prompt": []}, AUTH, 400, "prompt"),
+    ("unknown-model", "/v1/completions", {"prompt": "hi", "model": "gpt-17"}, AUTH, 400, "model"),
+    ("unsupported-tools", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, AUTH, 400, "tools"),
+    ("missing-key", "/v1/completions", {"prompt": "hi"}, {}, 401, None),
+    ("wrong-key", "/v1/chat/completions", {"messages": []}, {"Authorization": "Bearer nope"}, 401, None),
+    ("unknown-route", "/v1/nope", {}, AUTH, 404, None),
+    ("unknown-route-no-v1", "/nope", {}, {}, 404, None),
+]
+
+
+@pytest.mark.parametrize("path, body, headers, status, param", [case[1:] for case in BAD_REQUESTS],
+                         ids=[case[0] for case in BAD_REQUESTS])
+def test_bad_request_gets_error_and_server_stays_healthy(server, path, body, headers, status, param):
+    response = server.post(path, body, headers=headers)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"] and error["code"] == status
+    if param is not None:
+        assert error["param"] == param, error
+    server.assert_healthy()
+
+
+def test_openai_client_raises_on_errors(server):
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        server.client.completions.create(model=server.model, prompt="hi", max_tokens=-3)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert server.client.completions.create(model=server.model, prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def test_metrics_move_as_requests_complete(server):
+    def value(m, name, **labels):
+        return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    before = server.metrics()
+    for name in ("jaxllm:num_requests_running", "jaxllm:num_requests_waiting", "jaxllm:kv_cache_usage_perc",
+                 "jaxllm:num_preemptions_total", "jaxllm:time_to_first_token_seconds_count"):
+        assert (name, ()) in before, name
+    prompt = [random.Random(time.time_ns()).randrange(100, 40000) for _ in range(20)]  # no cached prefix
+    server.client.completions.create(model=server.model, prompt=prompt, max_tokens=7, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    after = server.metrics()
+    delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
+    assert delta[("jaxllm:prompt_tokens_total", ())] == 20
+    assert delta[("jaxllm:generation_tokens_total", ())] == 7
+    assert delta[("jaxllm:request_success_total", (("finished_reason", "length"),))] == 1
+    for name in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
+        assert delta[(f"jaxllm:{name}_seconds_count", ())] == 1, name
+    assert delta[("jaxllm:inter_token_latency_seconds_count", ())] == 6
+    assert delta[("jaxllm:e2e_request_latency_seconds_sum", ())] > 0
+    assert value(after, "jaxllm:num_requests_running") == 0
+
+    # The same 40-token prompt twice: the second hits the prefix cache (in tokens, whole pages).
+    prompt = [random.Random(time.time_ns()).randrange(100, 40000) for _ in range(40)]
+    for _ in range(2):
+        server.client.completions.create(model=server.model, prompt=prompt, max_tokens=2, temperature=0)
+    final = server.metrics()
+    assert value(final, "jaxllm:prefix_cache_queries_total") >= value(after, "jaxllm:prefix_cache_queries_total") + 40
+    assert value(final, "jaxllm:prefix_cache_hits_total") >= value(after, "jaxllm:prefix_cache_hits_total") + 32

@@ -1,0 +1,74 @@
+"""A tiny random Llama (hidden 64, 2 layers) with the default model's tokenizer, for tests
+that need a real engine but not real weights: warm-up takes seconds instead of minutes.
+
+Use the `tiny_model_dir` fixture (import it into a test module) or `build_tiny_model(path)`,
+engines with `TINY_ENGINE_ARGS` (or `tiny_engine_flags()` on the command line), and
+`offline_llm(path)` for the offline reference that server and CLI tests compare against.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Small engine settings that keep warm-up quick; tests share them with the offline reference.
+TINY_ENGINE_ARGS = dict(dtype="float32", max_num_seqs=32, max_num_batched_tokens=128, max_model_len=512,
+                        kv_cache_memory=16 << 20)
+
+_built: dict[str, str] = {}
+_llms: dict[str, object] = {}
+
+
+def build_tiny_model(path: str) -> str:
+    """Write a random 2-layer Llama and the default model's tokenizer (with its chat template)
+    to `path` as an HF directory; return `path`.
+
+    The weights are drawn wider than HF's default (initializer_range 0.3, not 0.02) so that the
+    logits are peaked: greedy text varies from token to token, and the best two tokens are far
+    enough apart that greedy outputs do not flip between batch shapes.
+    """
+    import torch
+    import transformers
+
+    from jaxllm.models.loader import load_model
+
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return path
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.3,
+        architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    load_model(None, progress=False).tokenizer.save_pretrained(path)
+    return path
+
+
+def tiny_engine_flags() -> list[str]:
+    """TINY_ENGINE_ARGS as `jaxllm` command-line flags."""
+    flags = []
+    for name, value in TINY_ENGINE_ARGS.items():
+        flags += [f"--{name.replace('_', '-')}", str(value)]
+    return flags
+
+
+def offline_llm(path: str):
+    """The offline `LLM` over the tiny model with TINY_ENGINE_ARGS, built once per process.
+
+    Its converted weights are cached next to the model (not in ~/.cache), so test runs leave
+    no per-run entries behind there."""
+    if path not in _llms:
+        from jaxllm import LLM
+
+        _llms[path] = LLM(path, params_cache_dir=os.path.join(os.path.dirname(path), "params_offline"),
+                          **TINY_ENGINE_ARGS)
+    return _llms[path]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    # Several test modules import this fixture; build the model once per process.
+    if "dir" not in _built:
+        _built["dir"] = build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "tiny-llama"))
+    return _built["dir"]
