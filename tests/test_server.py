@@ -159,6 +159,11 @@ def test_completions_stream_equal_plain(server):
     assert finish == ["length"] * 3
     assert usage.completion_tokens == 48
 
+    raw = server.post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4, "stream": True})
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    events = [line for line in raw.text.split("\n\n") if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+
 
 def test_completions_n_seed_stop_logprobs(server):
     # n with a seed: reproducible, and equal to the offline engine with the same seed.

@@ -103,6 +103,9 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 ROW_GROUPS = ("decode", "prefill")
+# Rows per part of the CPU path (see kernels.paged_attention_rows): parts walk pages only up
+# to their own longest row, and the runner sorts rows longest first.
+ROWS_PER_PART = {"decode": 16, "prefill": 8}
 
 
 def attention(q, k_pages, v_pages, batch, *, impl: str):
@@ -123,7 +126,7 @@ def attention(q, k_pages, v_pages, batch, *, impl: str):
                 continue
             o = kernels.paged_attention_rows(
                 q_pad[idx], k_pages, v_pages, batch[f"{group}_block_tables"],
-                batch[f"{group}_kv_lens"], batch[f"{group}_q_lens"])
+                batch[f"{group}_kv_lens"], batch[f"{group}_q_lens"], rows_per_part=ROWS_PER_PART[group])
             out = out.at[idx].set(o)
         return out[:num_tokens]
     args = (q, k_pages, v_pages, batch["kv_lens"], batch["block_tables"], batch["cu_q_lens"], batch["num_seqs"])

@@ -56,7 +56,10 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, spec: llama.ModelSpec, params):
         self.config = config
         self.spec = spec
-        self.params = params
+        # Commit params and the cache to the device: warm-up and serving then pass arrays with
+        # the same sharding, so the programs compiled at warm-up are the ones served from.
+        device = jax.devices()[0]
+        self.params = jax.device_put(params, device)
         sched = config.scheduler
         self.block_size = config.cache.block_size
         self.max_blocks = config.max_blocks_per_seq
@@ -67,6 +70,7 @@ class ModelRunner:
         self.kv_cache = kernels.allocate_kv_cache(
             spec.num_layers, spec.num_kv_heads, config.cache.num_blocks, self.block_size, spec.head_dim,
             jnp.float32 if config.dtype == "float32" else jnp.bfloat16)
+        self.kv_cache = jax.device_put(self.kv_cache, device)
         self._step = jax.jit(
             functools.partial(_step, spec=spec, attention_impl=self.attention_impl), donate_argnums=(1,))
         self._no_penalty_tokens: dict[int, jax.Array] = {}
@@ -83,7 +87,8 @@ class ModelRunner:
 
         Returns (ordered [(request, num_new)], bucket, batch dict, sampling dict).
         """
-        decodes = [(r, n) for r, n in scheduled if n == 1]
+        # Longest contexts first: the CPU attention walks pages per part of consecutive rows.
+        decodes = sorted(((r, n) for r, n in scheduled if n == 1), key=lambda rn: -rn[0].num_computed_tokens)
         chunks = [(r, n) for r, n in scheduled if n > 1]
         ordered = decodes + chunks
         q_lens = np.array([n for _, n in ordered], np.int32)
