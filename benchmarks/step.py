@@ -6,6 +6,9 @@ Decode steps of batch 1..256 at a fixed context, and prefill steps of 64..512 pr
 each timed through the real ModelRunner (host preparation + device step + sampling). The
 roofline is measured by the same script: matmul peak for the dtype (a [512, 576] x
 [576, 1536] GEMM, the model's shape) and donated read+write memory bandwidth.
+
+`--compare-scan` also times the same forward pass with `lax.scan` over stacked layer weights
+and stacked KV pages (the alternative to the runner's unrolled loop), compile time included.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import numpy as np
 from jaxllm.config import EngineArgs, resolve_config
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.request import Request
+from jaxllm.models import llama
 from jaxllm.models.loader import load_model
 from jaxllm.runner.model_runner import ModelRunner
 from jaxllm.sampling_params import SamplingParams
@@ -69,6 +73,53 @@ def make_requests(kv: KVCacheManager, batch: int, context: int, num_new: int, rn
     return out
 
 
+def compare_scan(runner, spec, params, kv: KVCacheManager, batch: int, context: int, rng) -> dict:
+    """Unrolled (the runner's forward) vs lax.scan over stacked layers, same batch."""
+    scheduled = make_requests(kv, batch, context, 1, rng)
+    _, _, host_batch, _ = runner.prepare(scheduled)
+    dev_batch = jax.device_put(host_batch)
+    stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *params["layers"])
+    k_all = jnp.stack([k for k, _ in runner.kv_cache])
+    v_all = jnp.stack([v for _, v in runner.kv_cache])
+    inv_freq = jnp.asarray(spec.inv_freq())
+
+    def scan_forward(params, stacked, k_all, v_all, b):
+        x = params["embed"][b["token_ids"]].astype(jnp.float32)
+
+        def body(x, layer_and_cache):
+            layer, k_pages, v_pages = layer_and_cache
+            x, k_pages, v_pages = llama.decoder_layer(layer, k_pages, v_pages, x, b, spec, inv_freq,
+                                                      attention_impl="cpu")
+            return x, (k_pages, v_pages)
+        x, (k_all, v_all) = jax.lax.scan(body, x, (stacked, k_all, v_all))
+        return x, k_all, v_all
+
+    def unrolled_forward(params, kv_cache, b):
+        return llama.forward(params, kv_cache, b, spec)
+
+    out = {}
+    for name, fn, args, donate in (("unrolled", unrolled_forward, (params, runner.kv_cache, dev_batch), (1,)),
+                                   ("scan", scan_forward, (params, stacked, k_all, v_all, dev_batch), (2, 3))):
+        t = time.perf_counter()
+        compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+        compile_s = time.perf_counter() - t
+        state = {"args": list(args)}
+
+        def run():
+            res = compiled(*state["args"])
+            jax.block_until_ready(res)
+            if name == "unrolled":
+                state["args"][1] = res[1]
+            else:
+                state["args"][2], state["args"][3] = res[1], res[2]
+        out[name] = dict(compile_s=compile_s, step_ms=timeit(run, 3) * 1e3)
+        if name == "unrolled":
+            runner.kv_cache = state["args"][1]
+    print(f"batch {batch}: unrolled {out['unrolled']['step_ms']:.1f} ms (compile {out['unrolled']['compile_s']:.1f} s)"
+          f" | scan {out['scan']['step_ms']:.1f} ms (compile {out['scan']['compile_s']:.1f} s)", flush=True)
+    return dict(batch=batch, context=context, **{f"{k}_{m}": v for k, d in out.items() for m, v in d.items()})
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="bfloat16")
@@ -76,12 +127,13 @@ def main():
     ap.add_argument("--batches", default="1,8,32,64,128,256")
     ap.add_argument("--prefill", default="64,128,256,512")
     ap.add_argument("--out", default="benchmarks/results/step.json")
+    ap.add_argument("--compare-scan", default="", help="decode batch sizes to time with lax.scan too, e.g. 1,32")
     args = ap.parse_args()
 
     loaded = load_model(None, dtype=args.dtype, progress=False)
     spec = loaded.spec
     eargs = EngineArgs(dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=2048,
-                       kv_cache_memory=3 << 30, warmup=False)
+                       kv_cache_memory=(1 << 30) if args.compare_scan else (3 << 30), warmup=False)
     config = resolve_config(eargs, spec, loaded.name, jax.default_backend())
     runner = ModelRunner(config, spec, loaded.params)
     rng = np.random.default_rng(0)
@@ -112,11 +164,15 @@ def main():
         measure("decode", b, 1)
     for p in map(int, args.prefill.split(",")):
         measure("prefill", 1, p)
+    scan_rows = []
+    for b in filter(None, args.compare_scan.split(",")):
+        kv = KVCacheManager(config.cache.num_blocks // 4, config.cache.block_size)
+        scan_rows.append(compare_scan(runner, spec, runner.params, kv, int(b), args.context, rng))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(machine=platform.processor() or platform.machine(), cpus=os.cpu_count(), jax=jax.__version__,
                        dtype=args.dtype, matmul_peak_flops=peak, memory_bandwidth=bw, weight_bytes=weight_bytes,
-                       rows=rows), f, indent=1)
+                       rows=rows, scan_vs_unrolled=scan_rows), f, indent=1)
 
 
 if __name__ == "__main__":

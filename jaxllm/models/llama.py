@@ -137,6 +137,30 @@ def attention(q, k_pages, v_pages, batch, *, impl: str):
     raise ValueError(f"unknown attention impl {impl!r}; expected 'cpu', 'pallas' or 'reference'")
 
 
+def decoder_layer(layer, k_pages, v_pages, x, batch, spec: ModelSpec, inv_freq, *, attention_impl: str):
+    """One transformer block over x [T, hidden] f32; returns (x, k_pages, v_pages)."""
+    num_tokens = x.shape[0]
+    h = rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
+    qkv = matmul(h, layer["wqkv"])
+    if spec.qkv_bias:
+        qkv = qkv + layer["bqkv"]
+    q = qkv[:, : spec.q_size].reshape(num_tokens, spec.num_heads, spec.head_dim)
+    k = qkv[:, spec.q_size : spec.q_size + spec.kv_size].reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
+    v = qkv[:, spec.q_size + spec.kv_size :].reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
+    if spec.qk_norm:
+        q = rms_norm(q, layer["q_norm"], spec.rms_norm_eps)
+        k = rms_norm(k, layer["k_norm"], spec.rms_norm_eps)
+    q = apply_rope(q, batch["positions"], inv_freq)
+    k = apply_rope(k, batch["positions"], inv_freq)
+    k_pages, v_pages = kernels.write_kv(k_pages, v_pages, k, v, batch["slot_mapping"])
+    o = attention(q, k_pages, v_pages, batch, impl=attention_impl)
+    x = x + matmul(o.reshape(num_tokens, spec.q_size), layer["wo"])
+    h = rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
+    gate, up = jnp.split(matmul(h, layer["w_gate_up"]), 2, axis=-1)
+    x = x + matmul(jax.nn.silu(gate) * up, layer["w_down"])
+    return x, k_pages, v_pages
+
+
 def forward(params, kv_cache, batch, spec: ModelSpec, *, attention_impl: str = "cpu"):
     """Run the transformer over a flattened ragged batch.
 
@@ -144,32 +168,15 @@ def forward(params, kv_cache, batch, spec: ModelSpec, *, attention_impl: str = "
         `[num_kv_heads, num_pages, page_size, head_dim]` (bf16 caches stored as uint16 bits).
     batch: dict of `token_ids [T]`, `positions [T]`, `slot_mapping [T]` (-1 = padding) plus the
         attention metadata `attention` reads for `attention_impl`.
-    Returns `(hidden [T, hidden] f32, new kv_cache)`.
+    Returns `(hidden [T, hidden] f32, new kv_cache)`. Layers run as an unrolled loop; see
+    runner/model_runner.py for why not `lax.scan`.
     """
     inv_freq = jnp.asarray(spec.inv_freq())
     x = params["embed"][batch["token_ids"]].astype(jnp.float32)
-    num_tokens = x.shape[0]
     new_cache = []
     for layer, (k_pages, v_pages) in zip(params["layers"], kv_cache):
-        h = rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
-        qkv = matmul(h, layer["wqkv"])
-        if spec.qkv_bias:
-            qkv = qkv + layer["bqkv"]
-        q = qkv[:, : spec.q_size].reshape(num_tokens, spec.num_heads, spec.head_dim)
-        k = qkv[:, spec.q_size : spec.q_size + spec.kv_size].reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
-        v = qkv[:, spec.q_size + spec.kv_size :].reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
-        if spec.qk_norm:
-            q = rms_norm(q, layer["q_norm"], spec.rms_norm_eps)
-            k = rms_norm(k, layer["k_norm"], spec.rms_norm_eps)
-        q = apply_rope(q, batch["positions"], inv_freq)
-        k = apply_rope(k, batch["positions"], inv_freq)
-        k_pages, v_pages = kernels.write_kv(k_pages, v_pages, k, v, batch["slot_mapping"])
-        o = attention(q, k_pages, v_pages, batch, impl=attention_impl)
-        x = x + matmul(o.reshape(num_tokens, spec.q_size), layer["wo"])
-        h = rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
-        gate_up = matmul(h, layer["w_gate_up"])
-        gate, up = jnp.split(gate_up, 2, axis=-1)
-        x = x + matmul(jax.nn.silu(gate) * up, layer["w_down"])
+        x, k_pages, v_pages = decoder_layer(layer, k_pages, v_pages, x, batch, spec, inv_freq,
+                                            attention_impl=attention_impl)
         new_cache.append((k_pages, v_pages))
     return x, new_cache
 
