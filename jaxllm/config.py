@@ -10,7 +10,9 @@ DEFAULT_KV_CACHE_MEMORY = 2 << 30  # bytes; on CPU the pool lives in host RAM
 
 
 def default_cache_root() -> str:
-    return os.environ.get("JAXLLM_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jaxllm"))
+    """Root of jaxllm's caches (compiled programs in xla/, converted weights in params/)."""
+    xdg = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
+    return os.environ.get("JAXLLM_CACHE_DIR", os.path.join(xdg, "jaxllm"))
 
 
 @dataclasses.dataclass

@@ -175,3 +175,33 @@ def test_greedy_matches_hf_on_default_model():
     outs = llm.generate(prompts, greedy(10), use_tqdm=False)
     for out in outs:
         assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, 10)
+
+
+def test_async_llm_streams_and_cancel_frees_pages(tiny_model_dir, llm):
+    import asyncio
+
+    from jaxllm import AsyncLLM
+
+    engine = AsyncLLM(**{**TINY_ENGINE_ARGS, "model": tiny_model_dir})
+    expected = llm.generate([PROMPTS[1]], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+
+    async def main():
+        deltas = [o.outputs[0].token_ids async for o in engine.generate(PROMPTS[1], greedy(8), "a", output_kind="delta")]
+        seen = 0
+        async for out in engine.generate(PROMPTS[0], greedy(200), "b"):
+            seen += 1
+            if seen == 3:
+                break  # leaving the loop aborts the request
+        for _ in range(100):
+            if engine.engine.kv_cache_manager.num_used_blocks == 0 and not engine.engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.02)
+        return deltas
+
+    try:
+        deltas = asyncio.run(main())
+        assert [t for d in deltas for t in d] == expected
+        assert engine.engine.kv_cache_manager.num_used_blocks == 0
+        assert not engine.engine.has_unfinished_requests()
+    finally:
+        engine.shutdown()

@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 
 from jaxllm.config import EngineArgs
+from jaxllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
@@ -79,6 +80,22 @@ class LLM:
                                "prompt_tokens": stats.prompt_tokens - prompt0}
         return [results[i] for i in ids]
 
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's offline API; scored like HF transformers' `generate(num_beams=...)`,
+        see engine/beam_search.py): per prompt, the `beam_width` best sequences, best first.
+        The beams share KV pages; a page is copied only when beams write different tokens
+        into it."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        token_ids = []
+        for prompt in prompts:
+            if isinstance(prompt, dict):
+                text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+                prompt = ids if ids is not None else text
+            token_ids.append([int(t) for t in prompt] if isinstance(prompt, list) else self.engine.tokenize(prompt))
+        return beam_search(self.engine, token_ids, params, use_tqdm=use_tqdm)
+
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
@@ -88,10 +105,4 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        tok = self.engine.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise ValueError(f"model {self.engine.model_name!r} has no chat template")
-        ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
-        if hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        return self.engine.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)

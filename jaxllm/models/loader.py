@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.config import default_cache_root
 from jaxllm.models.llama import ModelSpec
 from jaxllm.models.registry import UnsupportedModelError, spec_from_hf_config
 
@@ -154,8 +155,7 @@ def load_model(
 
     entry = None
     if use_cache:
-        root = cache_dir or os.path.join(
-            os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jaxllm", "params")
+        root = cache_dir or os.path.join(default_cache_root(), "params")
         entry = os.path.join(root, _cache_key(kind, path, name, dtype))
         cached = _restore_cached(entry, path, name)
         if cached is not None:

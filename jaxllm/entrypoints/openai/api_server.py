@@ -216,18 +216,6 @@ def _sse(payload) -> str:
 # ----------------------------------------------------------------------------- the endpoints
 
 
-def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
-                        **template_kwargs) -> list[int]:
-    """Token ids of a conversation rendered by the model's chat template."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model has no chat template; use /v1/completions")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                        **template_kwargs)
-    if hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
-
-
 def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
     out = []
     for m in messages:
@@ -279,8 +267,8 @@ class OpenAIServing:
 
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool, kwargs: dict | None) -> list[int]:
         try:
-            return apply_chat_template(self.tokenizer, _message_dicts(messages),
-                                       add_generation_prompt=add_generation_prompt, **(kwargs or {}))
+            return self.llm.engine.apply_chat_template(_message_dicts(messages),
+                                                       add_generation_prompt=add_generation_prompt, **(kwargs or {}))
         except APIError:
             raise
         except Exception as e:  # jinja raises its own errors for conversations a template rejects
