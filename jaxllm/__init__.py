@@ -1,6 +1,7 @@
 """jaxllm: LLM inference and serving in JAX (PagedAttention, continuous batching)."""
 
 from jaxllm.config import EngineArgs
+from jaxllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
@@ -21,5 +22,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'jaxllm' has no attribute {name!r}")
 
 
-__all__ = ["AsyncLLM", "CompletionOutput", "EngineArgs", "LLM", "LLMEngine", "Logprob", "RequestOutput",
-           "SamplingParams", "__version__"]
+__all__ = ["AsyncLLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "EngineArgs",
+           "LLM", "LLMEngine", "Logprob", "RequestOutput", "SamplingParams", "__version__"]

@@ -9,6 +9,14 @@ run of cached pages that matches its prompt. A hash hit is confirmed against the
 stored token ids and its parent page (id and generation), so a hash collision can never hand
 out another prompt's KV. Freed pages keep their contents and hash until the pool needs them:
 the least recently freed page is evicted first (pages that were never cached go first).
+
+Sharing and copy-on-write: pages are reference counted. Prefix-cache hits share full pages
+(a shared system prompt, the `n` samples of one prompt); `fork` shares a whole block table,
+partial last page included, with a new request (a beam branching off). Full pages are never
+written again, so sharing them is free; a shared page that is still being filled is copied
+when a request is about to write into it (`allocate_slots` queues the copy, the engine runs
+`take_pending_copies` before the step), so the last holder writes in place and no copy is
+made for sequences that never write there.
 """
 
 from __future__ import annotations
@@ -42,8 +50,10 @@ class KVCacheManager:
         # Free pages in eviction order (front = evicted first); values unused.
         self.free_blocks: collections.OrderedDict[int, None] = collections.OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, list[int]] = {}   # hash -> block ids with that hash
-        self.prefix_queries = 0                  # prompt tokens looked up
+        self.prefix_queries = 0                  # prompt tokens looked up (once per admission)
         self.prefix_hits = 0                     # prompt tokens found cached
+        self.pending_copies: dict[int, int] = {}  # copy-on-write not yet run: dst page -> src page
+        self.num_copies = 0                      # pages copied on write, ever
 
     # ----- accounting -----
     @property
@@ -60,6 +70,11 @@ class KVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def request_usage(self, request: Request) -> tuple[int, int]:
+        """(pages in the request's block table, how many of them other requests also hold)."""
+        shared = sum(1 for b in request.block_ids if self.blocks[b].ref_cnt > 1)
+        return len(request.block_ids), shared
 
     # ----- prefix cache -----
     def _update_hashes(self, request: Request) -> None:
@@ -96,8 +111,6 @@ class KVCacheManager:
                 break
             hits.append(block_id)
             parent = (block_id, self.blocks[block_id].generation)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits
 
     def cache_full_blocks(self, request: Request) -> None:
@@ -106,11 +119,14 @@ class KVCacheManager:
             return
         self._update_hashes(request)
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        # Cached pages form a prefix of the table (hits and forks share prefixes), so only the
+        # pages after the last cached one need looking at: O(new pages) per step, not O(table).
+        start = num_full
+        while start > 0 and self.blocks[request.block_ids[start - 1]].block_hash is None:
+            start -= 1
         tokens = None
-        for i in range(num_full):
+        for i in range(start, num_full):
             block = self.blocks[request.block_ids[i]]
-            if block.block_hash is not None:
-                continue
             if tokens is None:
                 tokens = request.all_token_ids
             parent_block = self.blocks[request.block_ids[i - 1]] if i else None
@@ -133,11 +149,17 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
         """Make room for `num_new_tokens` more tokens after `request.num_computed_tokens`
         (plus `computed_blocks` from the prefix cache, for a request being admitted).
+        A shared page the new tokens would be written into is replaced by a private copy
+        (copy-on-write, queued in `pending_copies`).
         Returns False, changing nothing, when the pool cannot supply the pages."""
+        admitting = not request.block_ids
         reuse_free = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
         total = len(computed_blocks) * self.block_size if computed_blocks else request.num_computed_tokens
         need = self.blocks_needed(total + num_new_tokens) - len(request.block_ids) - len(computed_blocks)
-        if need > self.num_free_blocks - reuse_free:
+        first_written = request.num_computed_tokens // self.block_size
+        shared = [i for i in range(first_written, len(request.block_ids))
+                  if num_new_tokens and self.blocks[request.block_ids[i]].ref_cnt > 1]
+        if max(need, 0) + len(shared) > self.num_free_blocks - reuse_free:
             return False
         for block_id in computed_blocks:
             block = self.blocks[block_id]
@@ -145,13 +167,43 @@ class KVCacheManager:
                 del self.free_blocks[block_id]
             block.ref_cnt += 1
             request.block_ids.append(block_id)
+        for i in shared:
+            src = request.block_ids[i]
+            self.blocks[src].ref_cnt -= 1
+            request.block_ids[i] = self._pop_free_block()
+            if i == first_written and request.num_computed_tokens % self.block_size:
+                # The source may itself be a copy queued this step: read from its origin.
+                self.pending_copies[request.block_ids[i]] = self.pending_copies.get(src, src)
+                self.num_copies += 1
         for _ in range(max(need, 0)):
-            block_id, _ = self.free_blocks.popitem(last=False)
-            block = self.blocks[block_id]
-            self._evict(block)
-            block.ref_cnt = 1
-            request.block_ids.append(block_id)
+            request.block_ids.append(self._pop_free_block())
+        if admitting and self.enable_prefix_caching:
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += len(computed_blocks) * self.block_size
         return True
+
+    def _pop_free_block(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)
+        block = self.blocks[block_id]
+        self._evict(block)
+        block.ref_cnt = 1
+        return block_id
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give `child` the parent's pages and computed state (a beam branching off): every
+        page is shared (ref counted) until one of them writes into it."""
+        for block_id in parent.block_ids:
+            self.blocks[block_id].ref_cnt += 1
+        child.block_ids = list(parent.block_ids)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def take_pending_copies(self) -> tuple[list[int], list[int]]:
+        """The queued copy-on-write copies as (src pages, dst pages); run them before the step."""
+        dst = list(self.pending_copies)
+        src = [self.pending_copies[d] for d in dst]
+        self.pending_copies.clear()
+        return src, dst
 
     def free(self, request: Request) -> None:
         """Return a request's pages. Cached pages go to the back of the eviction order (the
@@ -161,6 +213,7 @@ class KVCacheManager:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_blocks[block_id] = None
+                self.pending_copies.pop(block_id, None)   # a copy into a page nobody holds
                 if block.block_hash is None:
                     self.free_blocks.move_to_end(block_id, last=False)
         request.block_ids = []

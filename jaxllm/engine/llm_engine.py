@@ -80,6 +80,9 @@ class LLMEngine:
         self._rng = random.Random(self.config.seed)
         self.groups: dict[str, _RequestGroup] = {}
         self.stats = EngineStats()
+        # Called with every StepResult (raw sampler outputs), for callers that drive detached
+        # requests themselves (beam search reads its beams' top logprobs here).
+        self.step_listeners: list = []
 
     # ----- requests -----
     def tokenize(self, prompt: str) -> list[int]:
@@ -132,6 +135,17 @@ class LLMEngine:
         self.scheduler.add_request(children[0])
         self.stats.num_prompt_tokens_queued += len(prompt_token_ids)
 
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            **template_kwargs) -> list[int]:
+        """Token ids of a conversation rendered by the model's chat template."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.model_name!r} has no chat template")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                                 **template_kwargs)
+        if hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
     def _check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
@@ -169,6 +183,18 @@ class LLMEngine:
                     self.scheduler.finish(seq.request, RequestStatus.FINISHED_ABORTED)
             self.stats.record_finished("abort")
 
+    def add_detached_request(self, request: Request) -> None:
+        """Schedule a Request that belongs to no output group (a beam): `step()` computes it
+        but appends no token; the caller reads the sampler's output through `step_listeners`,
+        extends the request itself and finishes it with `scheduler.finish`. A request that
+        already holds computed pages (see `KVCacheManager.fork`) joins the running batch
+        directly; any other waits for admission like a new one."""
+        if request.block_ids:
+            request.status = RequestStatus.RUNNING
+            self.scheduler.running.append(request)
+        else:
+            self.scheduler.add_request(request)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
@@ -183,6 +209,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         if not sched.scheduled:
             return []
+        self.runner.copy_pages(*self.kv_cache_manager.take_pending_copies())   # copy-on-write first
         result = self.runner.execute(sched.scheduled)
         t2 = time.perf_counter()
         now = time.monotonic()
@@ -201,6 +228,8 @@ class LLMEngine:
             req.last_token_time = now
             self._append_token(group, req, token, result, i)
             touched[group.request_id] = group
+        for listener in self.step_listeners:
+            listener(result)
         t3 = time.perf_counter()
         self.stats.record_step(sched, result, num_prompt_tokens, t1 - t0, t3 - t2)
         outputs = []
@@ -210,6 +239,7 @@ class LLMEngine:
                 outputs.append(out)
             if group.finished:
                 del self.groups[group.request_id]
+                self.stats.record_finished(group.seqs[0].request.finish_reason)
         return outputs
 
     def _release_children(self, group: _RequestGroup) -> None:
@@ -240,7 +270,6 @@ class LLMEngine:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             self.scheduler.finish(req, status)
-            self.stats.record_finished(status.value, req)
 
     def _make_output(self, group: _RequestGroup) -> RequestOutput | None:
         finished = group.finished
@@ -311,7 +340,6 @@ class EngineStats:
     time_prepare: float = 0.0
     time_device: float = 0.0
     time_update: float = 0.0
-    listeners: list = dataclasses.field(default_factory=list)
 
     def record_step(self, sched, result, num_prompt_tokens: int, t_schedule: float, t_update: float) -> None:
         self.num_steps += 1
@@ -323,7 +351,6 @@ class EngineStats:
         self.time_device += result.timings["device"]
         self.time_update += t_update
 
-    def record_finished(self, reason: str, request: Request | None = None) -> None:
+    def record_finished(self, reason: str) -> None:
+        """Count a finished request (all its `n` choices), by the first choice's reason."""
         self.finished[reason] = self.finished.get(reason, 0) + 1
-        for listener in self.listeners:
-            listener(reason, request)

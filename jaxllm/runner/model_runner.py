@@ -247,6 +247,10 @@ class ModelRunner:
         """Copy whole pages src[i] -> dst[i] in every layer (copy-on-write)."""
         if not src:
             return
+        # Pad to a power of two by repeating the first pair (an identical write), so only
+        # log2(max_num_seqs) shapes are ever compiled.
+        pad = (1 << (len(src) - 1).bit_length()) - len(src)
+        src, dst = list(src) + [src[0]] * pad, list(dst) + [dst[0]] * pad
         self.kv_cache = _copy_pages(self.kv_cache, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
 
 
