@@ -66,8 +66,7 @@ def make_requests(kv: KVCacheManager, batch: int, context: int, num_new: int, rn
     for i in range(batch):
         req = Request(f"r{i}", rng.integers(100, 40000, context).tolist(),
                       SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-        req.num_computed_tokens = context - num_new
-        assert kv.allocate_slots(req, context)
+        assert kv.allocate_slots(req, context), "KV pool too small for this batch"
         req.num_computed_tokens = context - num_new
         out.append((req, num_new))
     return out

@@ -61,10 +61,9 @@ class LLMEngine:
         args = engine_args or EngineArgs(**kwargs)
         args.verify()
         backend = jax.default_backend()
-        cache_dir = args.compilation_cache_dir
         loaded = load_model(args.model, dtype=args.dtype, cache_dir=args.params_cache_dir, progress=progress)
         self.config: EngineConfig = resolve_config(args, loaded.spec, loaded.name, backend)
-        compile_mod.enable_persistent_cache(self.config.compilation_cache_dir if cache_dir != "" else "")
+        compile_mod.enable_persistent_cache(self.config.compilation_cache_dir)
         self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
         self.model_name = self.config.model_name

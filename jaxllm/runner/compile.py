@@ -66,10 +66,15 @@ def enable_persistent_cache(cache_dir: str) -> None:
     """Cache compiled programs on disk so the next start skips XLA compilation."""
     if not cache_dir:
         return
+    from jax.experimental.compilation_cache import compilation_cache
+
     os.makedirs(cache_dir, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # JAX decides once, at the process's first compilation, whether the cache is on; anything
+    # compiled before this call (weight conversion, a user's own jit) would leave it off.
+    compilation_cache.reset_cache()
 
 
 class CompilationCounter:
