@@ -132,7 +132,7 @@ def main():
     loaded = load_model(None, dtype=args.dtype, progress=False)
     spec = loaded.spec
     eargs = EngineArgs(dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=2048,
-                       kv_cache_memory=(1 << 30) if args.compare_scan else (3 << 30), warmup=False)
+                       kv_cache_memory=3 << 30, warmup=False)
     config = resolve_config(eargs, spec, loaded.name, jax.default_backend())
     runner = ModelRunner(config, spec, loaded.params)
     rng = np.random.default_rng(0)
