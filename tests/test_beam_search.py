@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from jaxllm import LLM, BeamSearchParams, SamplingParams
-from tiny_model import TINY_ENGINE_ARGS, tiny_model_dir  # noqa: F401  (fixture)
+from tiny_model import TINY_ENGINE_ARGS, hf_model, llm, tiny_model_dir  # noqa: F401  (fixtures)
 
 PROMPTS = [
     "Hello, my name is",
@@ -17,16 +17,6 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea",
 ]
 SMALL_POOL = {**TINY_ENGINE_ARGS, "num_gpu_blocks_override": 16, "block_size": 4}
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_model_dir):
-    return LLM(tiny_model_dir, **TINY_ENGINE_ARGS)
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_dir):
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import transformers
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.runner.compile import no_compile_guard
-from tiny_model import TINY_ENGINE_ARGS, tiny_model_dir  # noqa: F401  (fixture)
+from tiny_model import TINY_ENGINE_ARGS, hf_model, llm, tiny_model_dir  # noqa: F401  (fixtures)
 
 PROMPTS = [
     "Hello, my name is",
@@ -17,16 +17,6 @@ PROMPTS = [
     "Q: What is two plus two? A:",
     "Once upon a time, in a small village by the sea, there lived an old fisherman who every morning",
 ]
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_model_dir):
-    return LLM(tiny_model_dir, **TINY_ENGINE_ARGS)
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_dir):
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
 def hf_greedy(model, prompt_ids, max_new_tokens):

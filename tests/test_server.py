@@ -204,7 +204,12 @@ def test_completions_n_seed_stop_logprobs(server):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
     for i, (token_id, entry) in enumerate(zip(reference.outputs[0].token_ids, reference.outputs[0].logprobs)):
         assert lp.token_logprobs[i] == pytest.approx(entry[token_id].logprob, abs=1e-4)
-        assert 1 <= len(lp.top_logprobs[i]) <= 4
+        # The top 3 of the offline engine (its sampled token is among them: greedy), by text.
+        ranked = sorted((x for x in entry.values() if x.rank is not None), key=lambda x: x.rank)
+        assert [x.rank for x in ranked] == [1, 2, 3] and ranked[0].decoded_token == lp.tokens[i]
+        expected = {x.decoded_token: x.logprob for x in ranked}
+        assert lp.top_logprobs[i].keys() == expected.keys()
+        assert list(lp.top_logprobs[i].values()) == pytest.approx(list(expected.values()), abs=1e-4)
         assert lp.token_logprobs[i] == pytest.approx(max(lp.top_logprobs[i].values()), abs=1e-6)
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 

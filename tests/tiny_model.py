@@ -72,3 +72,20 @@ def tiny_model_dir(tmp_path_factory) -> str:
     if "dir" not in _built:
         _built["dir"] = build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "tiny-llama"))
     return _built["dir"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    """An offline engine on the tiny model with TINY_ENGINE_ARGS (one per test module)."""
+    from jaxllm import LLM
+
+    return LLM(tiny_model_dir, **TINY_ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    """The same weights in HF transformers (float32), the reference implementation."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
