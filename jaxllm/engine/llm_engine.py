@@ -132,7 +132,6 @@ class LLMEngine:
         self.groups[request_id] = _RequestGroup(request_id, prompt, prompt_token_ids, params, output_kind,
                                                 seqs, children[1:], now)
         self.scheduler.add_request(children[0])
-        self.stats.num_prompt_tokens_queued += len(prompt_token_ids)
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
                             **template_kwargs) -> list[int]:
@@ -329,7 +328,6 @@ class LLMEngine:
 class EngineStats:
     """Counters the server's /metrics and the benchmarks read."""
 
-    num_prompt_tokens_queued: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_steps: int = 0

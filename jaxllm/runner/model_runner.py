@@ -109,9 +109,7 @@ class ModelRunner:
         t = 0
         for i, (req, n) in enumerate(ordered):
             start = req.num_computed_tokens
-            toks = req.prompt_token_ids[start:start + n] if start + n <= req.num_prompt_tokens \
-                else req.all_token_ids[start:start + n]
-            token_ids[t:t + n] = toks
+            token_ids[t:t + n] = req.token_slice(start, start + n)
             pos = np.arange(start, start + n, dtype=np.int32)
             positions[t:t + n] = pos
             ids = np.asarray(req.block_ids, np.int32)
