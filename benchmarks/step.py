@@ -94,7 +94,7 @@ def compare_scan(runner, spec, params, kv: KVCacheManager, batch: int, context: 
         return x, k_all, v_all
 
     def unrolled_forward(params, kv_cache, b):
-        return llama.forward(params, kv_cache, b, spec)
+        return llama.forward(params, kv_cache, b, spec, attention_impl=runner.attention_impl)
 
     out = {}
     for name, fn, args, donate in (("unrolled", unrolled_forward, (params, runner.kv_cache, dev_batch), (1,)),

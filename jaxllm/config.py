@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+
+logger = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16")
 DEFAULT_KV_CACHE_MEMORY = 2 << 30  # bytes; on CPU the pool lives in host RAM
+# "native": the C++ CPU kernel (kernels/native.py); "cpu": the jnp row path (no compiler
+# needed); "pallas": the GPU kernel; "reference": the dense oracle.
+ATTENTION_IMPLS = ("native", "cpu", "pallas", "reference")
 
 
 def default_cache_root() -> str:
@@ -32,7 +38,7 @@ class EngineArgs:
     served_model_name: str | None = None
     compilation_cache_dir: str | None = None      # "" disables the persistent cache
     params_cache_dir: str | None = None           # orbax cache of converted weights
-    attention_impl: str | None = None             # "cpu" | "pallas" | "reference"; None = by backend
+    attention_impl: str | None = None             # "native" | "cpu" | "pallas" | "reference"; None = by backend
     prefill_block: int = 16                       # query tokens per prefill attention row
     max_num_prefill_seqs: int = 8                 # prompts (chunks) per step
     warmup: bool = True
@@ -53,8 +59,8 @@ class EngineArgs:
             raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError(f"num_gpu_blocks_override must be >= 2, got {self.num_gpu_blocks_override}")
-        if self.attention_impl not in (None, "cpu", "pallas", "reference"):
-            raise ValueError(f"attention_impl must be 'cpu', 'pallas' or 'reference', got {self.attention_impl!r}")
+        if self.attention_impl not in (None, *ATTENTION_IMPLS):
+            raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +96,20 @@ class EngineConfig:
         return -(-self.scheduler.max_model_len // self.cache.block_size)
 
 
+def default_attention_impl(backend: str) -> str:
+    """The Pallas kernel on GPUs; on CPU the C++ kernel, or the jnp row path when it cannot be
+    built here (no C++ compiler), with a warning that says why."""
+    if backend != "cpu":
+        return "pallas"
+    from jaxllm.kernels import native
+
+    reason = native.unavailable_reason()
+    if reason is None:
+        return "native"
+    logger.warning("native CPU attention unavailable (%s); using the slower jnp path", reason)
+    return "cpu"
+
+
 def kv_bytes_per_token(spec, dtype: str) -> int:
     itemsize = 4 if dtype == "float32" else 2
     return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * itemsize
@@ -110,7 +130,7 @@ def resolve_config(args: EngineArgs, spec, model_name: str, backend: str) -> Eng
         num_blocks = budget // (kv_bytes_per_token(spec, args.dtype) * args.block_size)
     if num_blocks < 2:
         raise ValueError(f"KV cache budget holds {num_blocks} pages; raise kv_cache_memory")
-    attention_impl = args.attention_impl or ("cpu" if backend == "cpu" else "pallas")
+    attention_impl = args.attention_impl or default_attention_impl(backend)
     compilation_cache_dir = args.compilation_cache_dir
     if compilation_cache_dir is None:
         compilation_cache_dir = os.path.join(default_cache_root(), "xla")

@@ -116,7 +116,7 @@ def model_pair(request, tmp_path_factory):
     return request.param, path, seqs, hf_logits(hf, seqs)
 
 
-@pytest.mark.parametrize("impl", ["cpu", "reference"])
+@pytest.mark.parametrize("impl", ["native", "cpu", "reference"])
 def test_logits_match_hf_float32(model_pair, impl):
     kind, path, seqs, expected = model_pair
     loaded = load_model(str(path), use_cache=False, progress=False)
@@ -131,15 +131,16 @@ def test_logits_match_hf_float32(model_pair, impl):
 BF16_TOL = 0.03
 
 
-def test_logits_bfloat16_close_to_hf(model_pair):
+@pytest.mark.parametrize("impl", ["native", "cpu"])
+def test_logits_bfloat16_close_to_hf(model_pair, impl):
     kind, path, seqs, expected = model_pair
     loaded = load_model(str(path), dtype="bfloat16", use_cache=False, progress=False)
     assert loaded.params["layers"][0]["wqkv"].dtype == jnp.bfloat16
     assert loaded.params["layers"][0]["attn_norm"].dtype == jnp.float32
-    got = np.concatenate(run_paged(loaded, seqs, impl="cpu", cache_dtype=jnp.bfloat16))
+    got = np.concatenate(run_paged(loaded, seqs, impl=impl, cache_dtype=jnp.bfloat16))
     want = np.concatenate(expected)
     diff = float(np.abs(got - want).max())
-    print(f"{kind} bf16 max |diff| {diff:.3g} (logits max {np.abs(want).max():.3g})")
+    print(f"{kind}/{impl} bf16 max |diff| {diff:.3g} (logits max {np.abs(want).max():.3g})")
     assert diff <= BF16_TOL * np.abs(want).max()
     # top-1 agrees wherever HF's top-2 margin exceeds the error
     top2 = np.sort(want, axis=-1)[:, -2:]

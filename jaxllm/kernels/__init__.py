@@ -1,6 +1,8 @@
-"""Paged attention kernels: the Pallas GPU kernel, the jnp reference/CPU path, the KV write."""
+"""Paged attention kernels: the Pallas GPU kernel, the C++ CPU kernel, the jnp reference and
+row path, the KV write."""
 
 from jaxllm.kernels.kv_write import allocate_kv_cache, logical_pages, storage_dtype, write_kv
+from jaxllm.kernels.native import paged_attention_cpu
 from jaxllm.kernels.paged_attention import ragged_paged_attention
 from jaxllm.kernels.reference import (
     paged_attention_rows,
@@ -11,6 +13,7 @@ from jaxllm.kernels.reference import (
 __all__ = [
     "allocate_kv_cache",
     "logical_pages",
+    "paged_attention_cpu",
     "paged_attention_rows",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",

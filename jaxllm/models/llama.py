@@ -113,8 +113,8 @@ def attention(q, k_pages, v_pages, batch, *, impl: str):
 
     "cpu": the row groups built by `kernels.ragged_to_rows` (keys `{group}_token_idx`,
     `{group}_block_tables`, `{group}_kv_lens`, `{group}_q_lens` for group in ROW_GROUPS);
-    "pallas" / "reference": the ragged contract (`kv_lens`, `block_tables`, `cu_q_lens`,
-    `num_seqs`).
+    "native" (the C++ CPU kernel) / "pallas" / "reference": the ragged contract (`kv_lens`,
+    `block_tables`, `cu_q_lens`, `num_seqs`).
     """
     if impl == "cpu":
         num_tokens = q.shape[0]
@@ -130,11 +130,13 @@ def attention(q, k_pages, v_pages, batch, *, impl: str):
             out = out.at[idx].set(o)
         return out[:num_tokens]
     args = (q, k_pages, v_pages, batch["kv_lens"], batch["block_tables"], batch["cu_q_lens"], batch["num_seqs"])
+    if impl == "native":
+        return kernels.paged_attention_cpu(*args)
     if impl == "pallas":
         return kernels.ragged_paged_attention(*args)
     if impl == "reference":
         return kernels.ragged_paged_attention_reference(*args)
-    raise ValueError(f"unknown attention impl {impl!r}; expected 'cpu', 'pallas' or 'reference'")
+    raise ValueError(f"unknown attention impl {impl!r}; expected 'native', 'cpu', 'pallas' or 'reference'")
 
 
 def decoder_layer(layer, k_pages, v_pages, x, batch, spec: ModelSpec, inv_freq, *, attention_impl: str):
@@ -161,7 +163,7 @@ def decoder_layer(layer, k_pages, v_pages, x, batch, spec: ModelSpec, inv_freq, 
     return x, k_pages, v_pages
 
 
-def forward(params, kv_cache, batch, spec: ModelSpec, *, attention_impl: str = "cpu"):
+def forward(params, kv_cache, batch, spec: ModelSpec, *, attention_impl: str):
     """Run the transformer over a flattened ragged batch.
 
     kv_cache: list over layers of `(k_pages, v_pages)`, each

@@ -1,0 +1,116 @@
+"""The CPU paged attention kernel in C++ (csrc/paged_attention_cpu.cc), as an XLA FFI call.
+
+`paged_attention_cpu` has the ragged contract of `ragged_paged_attention_reference`. The
+source is compiled on first use with the system C++ compiler (`$CXX`, else `c++`) against the
+XLA FFI headers that ship with jaxlib, with `-O3 -march=native -ffast-math`, into
+`<cache root>/native/` (keyed by the source, the flags, the compiler, jaxlib's version and the
+CPU), then loaded with ctypes and registered as an FFI target. Later processes load the
+cached library. `available()` says whether that worked; without a compiler the engine falls
+back to the jnp row path (`attention_impl="cpu"`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.config import default_cache_root
+
+TARGET = "jaxllm_paged_attention_cpu"
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "paged_attention_cpu.cc")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
+
+
+def build(cache_dir: str | None = None) -> str:
+    """Compile the kernel library (or find it in the cache); returns its path."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
+    with open(SOURCE, "rb") as f:
+        source = f.read()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+                                     jax.lib.__version__.encode(), _cpu_id().encode()])).hexdigest()[:16]
+    cache_dir = cache_dir or os.path.join(default_cache_root(), "native")
+    os.makedirs(cache_dir, exist_ok=True)
+    path = os.path.join(cache_dir, f"paged_attention_cpu-{key}.so")
+    if os.path.exists(path):
+        return path
+    # Compile to a private name, then rename: concurrent processes never load a partial file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
+    os.close(fd)
+    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"compiling the CPU attention kernel failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
+    os.replace(tmp, path)
+    return path
+
+
+@functools.cache
+def _load() -> str | None:
+    """Build, load and register the kernel once per process; None on success, else why not."""
+    try:
+        lib = ctypes.cdll.LoadLibrary(build())
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxllmPagedAttentionCpu), platform="cpu")
+    except (OSError, RuntimeError, AttributeError) as e:
+        return str(e)
+    return None
+
+
+def available() -> bool:
+    return _load() is None
+
+
+def unavailable_reason() -> str | None:
+    return _load()
+
+
+def paged_attention_cpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
+                        sm_scale=None, sliding_window=None, logits_soft_cap=None):
+    """Ragged paged attention on XLA:CPU (contract: `ragged_paged_attention_reference`).
+
+    q is computed in float32; pages are float32 or bf16 stored as uint16 (kv_write.py). The
+    result has q's dtype.
+    """
+    reason = _load()
+    if reason is not None:
+        raise RuntimeError(f"the native CPU attention kernel is unavailable: {reason}")
+    head_dim = q.shape[-1]
+    sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
+    if k_pages.dtype == jnp.bfloat16:  # callers normally pass the uint16 storage already
+        k_pages = jax.lax.bitcast_convert_type(k_pages, jnp.uint16)
+        v_pages = jax.lax.bitcast_convert_type(v_pages, jnp.uint16)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    out = call(q.astype(jnp.float32), k_pages, v_pages, jnp.asarray(kv_lens, jnp.int32),
+               jnp.asarray(block_tables, jnp.int32), jnp.asarray(cu_q_lens, jnp.int32),
+               jnp.asarray(num_seqs, jnp.int32).reshape(()),
+               sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
+               soft_cap=np.float32(logits_soft_cap or 0.0))
+    return out.astype(q.dtype)

@@ -1,0 +1,98 @@
+"""The C++ CPU paged attention kernel (XLA FFI) against the jnp oracle."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxllm.kernels import native
+from jaxllm.kernels.reference import ragged_paged_attention_reference
+from test_paged_attention import MIXED, make_batch
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"no native kernel: {native.unavailable_reason()}")
+
+# Both sides compute in f32 from the same (possibly bf16-rounded) q, K and V: only the
+# summation order differs.
+TOL = 2e-5
+
+
+def check(args, **kwargs):
+    # make_batch gives bf16 q with a bf16 cache; the engine's q is f32 (a bf16 result would
+    # round away the comparison).
+    args = (args[0].astype(np.float32), *args[1:])
+    out = jax.jit(lambda *a: native.paged_attention_cpu(*a, **kwargs))(*args)
+    ref = ragged_paged_attention_reference(*args, **kwargs)
+    q, num_real = args[0], int(args[5][args[6]])
+    assert out.shape == q.shape and out.dtype == q.dtype
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(out).all()
+    assert (out[num_real:] == 0).all(), "padding rows must be zero"
+    err = np.abs(out - ref).max()
+    assert err < TOL, f"max abs error {err} >= {TOL}"
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "uint16", "bfloat16"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mixed_prefill_and_decode(cache_dtype, seed):
+    check(make_batch(seed, **MIXED, cache_dtype=cache_dtype))
+
+
+def test_long_prompts_span_tiles_and_chunks():
+    # 40- and 17-token chunks cover several 16-token tiles (the last one partial); contexts up
+    # to 200 keys cross the kernel's 64-key chunks at page and mid-page boundaries.
+    check(make_batch(5, [1, 40, 17, 1, 3], [200, 90, 17, 65, 130], pages_per_seq=13, cache_dtype="uint16"))
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "uint16"])
+def test_sliding_window_and_soft_cap(cache_dtype):
+    args = make_batch(3, [1, 40, 1, 19], [150, 90, 33, 19], pages_per_seq=10, cache_dtype=cache_dtype)
+    check(args, sliding_window=20)
+    check(args, sliding_window=70)
+    check(args, logits_soft_cap=5.0, sm_scale=0.3)
+    check(args, sliding_window=7, logits_soft_cap=2.0)
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,page_size",
+                         [(4, 4, 32, 8), (8, 2, 128, 32), (12, 3, 64, 16)])
+def test_head_groups_and_page_sizes(num_q_heads, num_kv_heads, head_dim, page_size):
+    # MHA with small pages, GQA 4 with head_dim 128 and pages of 32, GQA 4 at this model's shapes.
+    args = make_batch(4, [1, 21, 1, 2], [9, 30, 100, 120], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                      head_dim=head_dim, page_size=page_size, pages_per_seq=-(-128 // page_size))
+    check(args)
+
+
+def test_many_sequences_spread_over_threads():
+    rng = np.random.default_rng(11)
+    kv_lens = rng.integers(1, 160, 48)
+    q_lens = [int(min(n, rng.integers(2, 30))) if i % 6 == 0 else 1 for i, n in enumerate(kv_lens)]
+    check(make_batch(11, q_lens, list(kv_lens), pages_per_seq=10, pad_tokens=7, pad_seqs=4, cache_dtype="uint16"))
+
+
+def test_rejects_invalid_block_table():
+    q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs = make_batch(0, [1, 3], [20, 5])
+    bad = block_tables.at[0, 1].set(k.shape[1])  # a page id past the pool, inside the context
+    with pytest.raises(Exception, match="invalid page id"):
+        jax.block_until_ready(native.paged_attention_cpu(q, k, v, kv_lens, bad, cu_q_lens, num_seqs))
+    # Entries past a sequence's context are never read, so they may hold anything.
+    unused = block_tables.at[1, 3].set(-7)
+    check((q, k, v, kv_lens, unused, cu_q_lens, num_seqs))
+
+
+def test_wide_head_groups_use_shorter_tiles():
+    # 7 query heads per kv head (Qwen2-7B's ratio): tiles of 64 // 7 = 9 tokens.
+    check(make_batch(6, [1, 30, 1], [40, 30, 70], num_q_heads=14, num_kv_heads=2, head_dim=32, pages_per_seq=5))
+
+
+def test_rejects_unsupported_shapes():
+    args = make_batch(0, [1], [5], num_q_heads=9, num_kv_heads=3, head_dim=32)
+    with pytest.raises(Exception, match="head_dim <= 256"):
+        q = args[0]
+        jax.block_until_ready(native.paged_attention_cpu(q[:, :8], *args[1:]))
+
+
+def test_build_is_cached(tmp_path):
+    first = native.build(str(tmp_path))
+    mtime = (tmp_path / first.rsplit("/", 1)[1]).stat().st_mtime_ns
+    assert native.build(str(tmp_path)) == first
+    assert (tmp_path / first.rsplit("/", 1)[1]).stat().st_mtime_ns == mtime
