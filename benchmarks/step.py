@@ -80,14 +80,14 @@ def compare_scan(runner, spec, params, kv: KVCacheManager, batch: int, context: 
     stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *params["layers"])
     k_all = jnp.stack([k for k, _ in runner.kv_cache])
     v_all = jnp.stack([v for _, v in runner.kv_cache])
-    inv_freq = jnp.asarray(spec.inv_freq())
+    rope = llama.rope_tables(dev_batch["positions"], jnp.asarray(spec.inv_freq()))
 
     def scan_forward(params, stacked, k_all, v_all, b):
         x = params["embed"][b["token_ids"]].astype(jnp.float32)
 
         def body(x, layer_and_cache):
             layer, k_pages, v_pages = layer_and_cache
-            x, k_pages, v_pages = llama.decoder_layer(layer, k_pages, v_pages, x, b, spec, inv_freq,
+            x, k_pages, v_pages = llama.decoder_layer(layer, k_pages, v_pages, x, b, spec, rope,
                                                       attention_impl="cpu")
             return x, (k_pages, v_pages)
         x, (k_all, v_all) = jax.lax.scan(body, x, (stacked, k_all, v_all))

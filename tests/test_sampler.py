@@ -1,9 +1,12 @@
 """On-device sampling against a NumPy reference on fixed logits."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
 
+from jaxllm.kernels import native
 from jaxllm.runner import sampler
 
 LOGITS = np.array([2.0, 1.5, 1.4, 1.0, 0.5, 0.2, 0.0, -0.3, -1.0, -1.5, -2.0, -4.0] + [-20.0] * 12, np.float32)
@@ -26,7 +29,7 @@ def state(S, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, presence=0.0, fr
                 output_index=np.zeros(S, np.int32), output_start=flat(output_start, np.int32),
                 penalty_tokens=penalty_tokens, banned_tokens=banned_tokens,
                 flags=np.array([temperature == 0, top_k > 0 or top_p < 1, presence != 0 or frequency != 0 or repetition != 1,
-                                logprobs]))
+                                logprobs, bool(banned)]))
 
 
 def reference_probs(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
@@ -50,6 +53,23 @@ def reference_probs(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
 
 
 sample = jax.jit(sampler.sample)
+# The CPU engine's sampler: argmax and logsumexp from the C++ kernel.
+sample_native = jax.jit(functools.partial(sampler.sample, native=True))
+needs_native = pytest.mark.skipif(not native.available(), reason="no native CPU kernels")
+SAMPLERS = [pytest.param(sample, id="xla"), pytest.param(sample_native, id="native", marks=needs_native)]
+
+
+@pytest.mark.parametrize("sample", SAMPLERS)
+def test_greedy_first_max_and_token_logprob(sample):
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((5, 3000)).astype(np.float32)
+    logits[1, [7, 2000]] = 9.0        # a tie: the first index wins, as with np.argmax
+    logits[2, -1] = 9.0               # the maximum in the last column
+    tokens, lp, *_ = sample(logits, state(5, temperature=0.0))
+    np.testing.assert_array_equal(np.asarray(tokens), np.argmax(logits, -1))
+    ref = logits.astype(np.float64)
+    lse = np.log(np.exp(ref - ref.max(-1, keepdims=True)).sum(-1)) + ref.max(-1)
+    np.testing.assert_allclose(np.asarray(lp), ref[np.arange(5), np.argmax(logits, -1)] - lse, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(temperature=0.5), dict(top_k=3), dict(top_p=0.7), dict(min_p=0.3),
@@ -73,7 +93,8 @@ def test_seed_determines_tokens():
     np.testing.assert_array_equal(np.asarray(a)[perm], np.asarray(b))
 
 
-def test_penalties_match_reference():
+@pytest.mark.parametrize("sample", SAMPLERS)
+def test_penalties_match_reference(sample):
     history = [0, 0, 1, 4]  # prompt token 0; outputs 0, 1, 4 (output_start = 1)
     st = state(1, temperature=0.0, presence=0.5, frequency=0.7, repetition=1.3, history=history, output_start=1)
     out = np.asarray(jax.jit(sampler.apply_penalties)(LOGITS[None], {k: np.asarray(v) for k, v in st.items()}))[0]
@@ -88,7 +109,8 @@ def test_penalties_match_reference():
     assert int(tokens[0]) == int(np.argmax(ref))
 
 
-def test_banned_tokens_and_logprobs():
+@pytest.mark.parametrize("sample", SAMPLERS)
+def test_banned_tokens_and_logprobs(sample):
     st = state(2, temperature=0.0, banned=[0, 1], logprobs=True)
     tokens, lp, top_lp, top_ids = sample(np.tile(LOGITS, (2, 1)), st)
     assert list(np.asarray(tokens)) == [2, 2]

@@ -1,6 +1,7 @@
-"""The CPU paged attention kernel in C++ (csrc/paged_attention_cpu.cc), as an XLA FFI call.
+"""jaxllm's CPU kernels in C++ (csrc/cpu_kernels.cc), as XLA FFI calls.
 
-`paged_attention_cpu` has the ragged contract of `ragged_paged_attention_reference`. The
+`paged_attention_cpu` has the ragged contract of `ragged_paged_attention_reference`;
+`argmax_logsumexp` gives greedy sampling's two row reductions in one pass. The
 source is compiled on first use with the system C++ compiler (`$CXX`, else `c++`) against the
 XLA FFI headers that ship with jaxlib, with `-O3 -march=native -ffast-math`, into
 `<cache root>/native/` (keyed by the source, the flags, the compiler, jaxlib's version and the
@@ -26,8 +27,10 @@ import numpy as np
 
 from jaxllm.config import default_cache_root
 
-TARGET = "jaxllm_paged_attention_cpu"
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "paged_attention_cpu.cc")
+# FFI target name -> symbol of its handler in the library
+TARGETS = {"jaxllm_paged_attention_cpu": "JaxllmPagedAttentionCpu",
+           "jaxllm_argmax_logsumexp_cpu": "JaxllmArgmaxLogsumexpCpu"}
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "cpu_kernels.cc")
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
 
 
@@ -58,7 +61,7 @@ def build(cache_dir: str | None = None) -> str:
                                      jax.lib.__version__.encode(), _cpu_id().encode()])).hexdigest()[:16]
     cache_dir = cache_dir or os.path.join(default_cache_root(), "native")
     os.makedirs(cache_dir, exist_ok=True)
-    path = os.path.join(cache_dir, f"paged_attention_cpu-{key}.so")
+    path = os.path.join(cache_dir, f"cpu_kernels-{key}.so")
     if os.path.exists(path):
         return path
     # Compile to a private name, then rename: concurrent processes never load a partial file.
@@ -68,17 +71,18 @@ def build(cache_dir: str | None = None) -> str:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
-        raise RuntimeError(f"compiling the CPU attention kernel failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"compiling the CPU kernels failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
     os.replace(tmp, path)
     return path
 
 
 @functools.cache
 def _load() -> str | None:
-    """Build, load and register the kernel once per process; None on success, else why not."""
+    """Build, load and register the kernels once per process; None on success, else why not."""
     try:
         lib = ctypes.cdll.LoadLibrary(build())
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxllmPagedAttentionCpu), platform="cpu")
+        for target, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except (OSError, RuntimeError, AttributeError) as e:
         return str(e)
     return None
@@ -92,6 +96,21 @@ def unavailable_reason() -> str | None:
     return _load()
 
 
+def _require() -> None:
+    reason = _load()
+    if reason is not None:
+        raise RuntimeError(f"jaxllm's native CPU kernels are unavailable: {reason}")
+
+
+def argmax_logsumexp(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [rows, vocab] -> (first index of each row's max [rows] int32, logsumexp [rows] f32)."""
+    _require()
+    rows = x.shape[0]
+    call = jax.ffi.ffi_call("jaxllm_argmax_logsumexp_cpu", (jax.ShapeDtypeStruct((rows,), jnp.int32),
+                                                            jax.ShapeDtypeStruct((rows,), jnp.float32)))
+    return call(x.astype(jnp.float32))
+
+
 def paged_attention_cpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                         sm_scale=None, sliding_window=None, logits_soft_cap=None):
     """Ragged paged attention on XLA:CPU (contract: `ragged_paged_attention_reference`).
@@ -99,15 +118,13 @@ def paged_attention_cpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, n
     q is computed in float32; pages are float32 or bf16 stored as uint16 (kv_write.py). The
     result has q's dtype.
     """
-    reason = _load()
-    if reason is not None:
-        raise RuntimeError(f"the native CPU attention kernel is unavailable: {reason}")
+    _require()
     head_dim = q.shape[-1]
     sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
     if k_pages.dtype == jnp.bfloat16:  # callers normally pass the uint16 storage already
         k_pages = jax.lax.bitcast_convert_type(k_pages, jnp.uint16)
         v_pages = jax.lax.bitcast_convert_type(v_pages, jnp.uint16)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    call = jax.ffi.ffi_call("jaxllm_paged_attention_cpu", jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out = call(q.astype(jnp.float32), k_pages, v_pages, jnp.asarray(kv_lens, jnp.int32),
                jnp.asarray(block_tables, jnp.int32), jnp.asarray(cu_q_lens, jnp.int32),
                jnp.asarray(num_seqs, jnp.int32).reshape(()),

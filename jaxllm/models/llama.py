@@ -93,11 +93,16 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """HF-style (rotate-half) RoPE. x: [T, heads, head_dim], positions: [T] int32."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, head_dim/2]
-    cos = jnp.cos(freqs)[:, None, :]
-    sin = jnp.sin(freqs)[:, None, :]
+def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin `[T, 1, head_dim // 2]` for positions [T] int32 (computed once per step and
+    shared by every layer)."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
+
+
+def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """HF-style (rotate-half) RoPE. x: [T, heads, head_dim], rope: `rope_tables(...)`."""
+    cos, sin = rope
     x1, x2 = jnp.split(x, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
@@ -139,8 +144,9 @@ def attention(q, k_pages, v_pages, batch, *, impl: str):
     raise ValueError(f"unknown attention impl {impl!r}; expected 'native', 'cpu', 'pallas' or 'reference'")
 
 
-def decoder_layer(layer, k_pages, v_pages, x, batch, spec: ModelSpec, inv_freq, *, attention_impl: str):
-    """One transformer block over x [T, hidden] f32; returns (x, k_pages, v_pages)."""
+def decoder_layer(layer, k_pages, v_pages, x, batch, spec: ModelSpec, rope, *, attention_impl: str):
+    """One transformer block over x [T, hidden] f32; `rope` from `rope_tables`. Returns
+    (x, k_pages, v_pages)."""
     num_tokens = x.shape[0]
     h = rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
     qkv = matmul(h, layer["wqkv"])
@@ -152,8 +158,8 @@ def decoder_layer(layer, k_pages, v_pages, x, batch, spec: ModelSpec, inv_freq, 
     if spec.qk_norm:
         q = rms_norm(q, layer["q_norm"], spec.rms_norm_eps)
         k = rms_norm(k, layer["k_norm"], spec.rms_norm_eps)
-    q = apply_rope(q, batch["positions"], inv_freq)
-    k = apply_rope(k, batch["positions"], inv_freq)
+    q = apply_rope(q, rope)
+    k = apply_rope(k, rope)
     k_pages, v_pages = kernels.write_kv(k_pages, v_pages, k, v, batch["slot_mapping"])
     o = attention(q, k_pages, v_pages, batch, impl=attention_impl)
     x = x + matmul(o.reshape(num_tokens, spec.q_size), layer["wo"])
@@ -173,11 +179,11 @@ def forward(params, kv_cache, batch, spec: ModelSpec, *, attention_impl: str):
     Returns `(hidden [T, hidden] f32, new kv_cache)`. Layers run as an unrolled loop; see
     runner/model_runner.py for why not `lax.scan`.
     """
-    inv_freq = jnp.asarray(spec.inv_freq())
+    rope = rope_tables(batch["positions"], jnp.asarray(spec.inv_freq()))
     x = params["embed"][batch["token_ids"]].astype(jnp.float32)
     new_cache = []
     for layer, (k_pages, v_pages) in zip(params["layers"], kv_cache):
-        x, k_pages, v_pages = decoder_layer(layer, k_pages, v_pages, x, batch, spec, inv_freq,
+        x, k_pages, v_pages = decoder_layer(layer, k_pages, v_pages, x, batch, spec, rope,
                                             attention_impl=attention_impl)
         new_cache.append((k_pages, v_pages))
     return x, new_cache

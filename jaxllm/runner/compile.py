@@ -42,8 +42,13 @@ def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, prefill_block: 
     single-row dot is a slow GEMV on XLA:CPU — plus 48, 96, ...) and mixed buckets (32 tokens
     up to max_num_batched_tokens) for steps with prompt chunks."""
     decode_sizes = _powers_of_two(2, max(2, max_num_seqs))
-    # Past 16 rows, also 1.5x steps (48, 96, ...): a shrinking decode batch pads less.
-    decode_sizes += [d * 3 // 2 for d in decode_sizes if d >= 32 and d * 3 // 2 < max_num_seqs]
+    # Between larger powers of two, also 1.5x (48) and from 64 on quarter steps (80, 96, 112,
+    # ...): a draining decode batch then pads at most ~20%. Below 32 rows a step costs about
+    # the same whatever the batch (it streams the weights), so padding there is nearly free.
+    steps = {32: (3,), 64: (5, 6, 7)}
+    decode_sizes += [d * k // 4 if d >= 64 else d * k // 2
+                     for d in decode_sizes if d >= 32 for k in steps[min(d, 64)]
+                     if (d * k // 4 if d >= 64 else d * k // 2) < max_num_seqs]
     buckets = [Bucket(d, d, 0, d) for d in decode_sizes]
     for t in _powers_of_two(min(32, max_num_batched_tokens), max_num_batched_tokens):
         d = min(t, max_num_seqs)

@@ -39,7 +39,7 @@ from jaxllm.sampling_params import MAX_LOGPROBS
 def _step(params, kv_cache, batch, sampling, *, spec, attention_impl):
     hidden, kv_cache = llama.forward(params, kv_cache, batch, spec, attention_impl=attention_impl)
     logits = llama.compute_logits(params, hidden[batch["logits_indices"]], spec)
-    tokens, logprob, top_lp, top_ids = sampler.sample(logits, sampling)
+    tokens, logprob, top_lp, top_ids = sampler.sample(logits, sampling, native=attention_impl == "native")
     return tokens, logprob, top_lp, top_ids, kv_cache
 
 
@@ -165,7 +165,7 @@ class ModelRunner:
         output_index = np.zeros(S, np.int32)
         output_start = np.zeros(S, np.int32)
         banned = np.full((S, sampler.NUM_BANNED), -1, np.int32)
-        any_penalty = any_logprobs = any_top = False
+        any_penalty = any_logprobs = any_top = any_banned = False
         for i, (req, _) in enumerate(ordered):
             p = req.sampling_params
             temperature[i] = p.temperature
@@ -179,6 +179,7 @@ class ModelRunner:
             if len(req.output_token_ids) < p.min_tokens:
                 stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
                 banned[i, :len(stop_ids)] = stop_ids[: sampler.NUM_BANNED]
+                any_banned |= bool(stop_ids)
             any_penalty |= p.uses_penalties
             any_logprobs |= p.logprobs is not None
             any_top |= p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0)
@@ -191,7 +192,9 @@ class ModelRunner:
         else:
             penalty_tokens = self._empty_penalty_tokens(S)
         all_greedy = all(req.sampling_params.temperature == 0 for req, _ in ordered)
-        flags = np.array([all_greedy, any_top, any_penalty, any_logprobs], np.bool_)
+        flags = np.zeros(sampler.NUM_FLAGS, np.bool_)
+        flags[[sampler.FLAG_ALL_GREEDY, sampler.FLAG_TOP_K_TOP_P, sampler.FLAG_PENALTIES, sampler.FLAG_LOGPROBS,
+               sampler.FLAG_BANNED]] = all_greedy, any_top, any_penalty, any_logprobs, any_banned
         return dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                     presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
                     seeds=seeds, output_index=output_index, output_start=output_start,

@@ -16,7 +16,13 @@ Sampling state (host -> device, `S` = sequences in the bucket):
     top_k: [S] int32 (0 = off);  seeds: [S] uint32;  output_index: [S] int32
     penalty_tokens: [S, L] int32 prompt+output ids (-1 padding); output_start: [S] int32
     banned_tokens: [S, B] int32 ids masked out (EOS/stop ids under min_tokens), -1 padding
-    flags: [4] bool  (all_greedy, any_top_k_top_p, any_penalties, any_logprobs)
+    flags: [5] bool  (all_greedy, any_top_k_top_p, any_penalties, any_logprobs, any_banned)
+
+The greedy path runs on every decode step over [S, vocab]; the sampled token's logprob is
+`logit - logsumexp` (no [S, vocab] log_softmax is written unless top logprobs are asked
+for). With `native=True` (the CPU engine) the argmax and logsumexp are one pass of the C++
+kernel (`kernels.native.argmax_logsumexp`): on [128, 49152] XLA:CPU took 14 ms for
+`jnp.argmax` and 6 ms for the logsumexp, the kernel about 1 ms for both.
 """
 
 from __future__ import annotations
@@ -27,7 +33,16 @@ import jax.numpy as jnp
 from jaxllm.sampling_params import MAX_LOGPROBS
 
 NUM_BANNED = 32
-FLAG_ALL_GREEDY, FLAG_TOP_K_TOP_P, FLAG_PENALTIES, FLAG_LOGPROBS = range(4)
+FLAG_ALL_GREEDY, FLAG_TOP_K_TOP_P, FLAG_PENALTIES, FLAG_LOGPROBS, FLAG_BANNED = range(5)
+NUM_FLAGS = 5
+
+
+def argmax_logsumexp(x: jax.Array, native: bool) -> tuple[jax.Array, jax.Array]:
+    if native:
+        from jaxllm.kernels import native as native_kernels
+
+        return native_kernels.argmax_logsumexp(x)
+    return jnp.argmax(x, axis=-1).astype(jnp.int32), jax.nn.logsumexp(x, axis=-1)
 
 
 def _sortable(x: jax.Array) -> jax.Array:
@@ -97,29 +112,37 @@ def _sample_random(logits, s):
     return jnp.minimum(token, last_kept).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, s: dict) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def sample(logits: jax.Array, s: dict, native: bool = False) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """logits [S, V] f32 -> (tokens [S] int32, token logprob [S] f32,
     top_logprobs [S, MAX_LOGPROBS] f32, top_ids [S, MAX_LOGPROBS] int32).
 
     Logprobs are those of the model's raw distribution (before penalties and temperature),
     as vLLM reports them.
     """
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
     rows = jnp.arange(logits.shape[0])
-    banned = s["banned_tokens"]
-    processed = logits.at[rows[:, None], jnp.where(banned < 0, logits.shape[-1], banned)].set(-jnp.inf, mode="drop")
-    processed = jax.lax.cond(s["flags"][FLAG_PENALTIES], apply_penalties, lambda x, _: x, processed, s)
-    greedy_tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+
+    def mask_banned(x, s):
+        banned = s["banned_tokens"]
+        return x.at[rows[:, None], jnp.where(banned < 0, x.shape[-1], banned)].set(-jnp.inf, mode="drop")
+
+    def processed():  # banned tokens and penalties applied (an all-greedy plain batch skips this)
+        x = jax.lax.cond(s["flags"][FLAG_BANNED], mask_banned, lambda x, _: x, logits, s)
+        return jax.lax.cond(s["flags"][FLAG_PENALTIES], apply_penalties, lambda x, _: x, x, s)
+
+    raw_argmax, lse = argmax_logsumexp(logits, native)
+    greedy_tokens = jax.lax.cond(s["flags"][FLAG_BANNED] | s["flags"][FLAG_PENALTIES],
+                                 lambda: argmax_logsumexp(processed(), native)[0], lambda: raw_argmax)
     tokens = jax.lax.cond(
         s["flags"][FLAG_ALL_GREEDY],
         lambda: greedy_tokens,
-        lambda: jnp.where(s["temperature"] > 0, _sample_random(processed, s), greedy_tokens),
+        lambda: jnp.where(s["temperature"] > 0, _sample_random(processed(), s), greedy_tokens),
     )
-    token_logprob = logprobs[rows, tokens]
+    token_logprob = logits[rows, tokens] - lse
     top_lp, top_ids = jax.lax.cond(
         s["flags"][FLAG_LOGPROBS],
-        lambda: tuple(jax.lax.top_k(logprobs, MAX_LOGPROBS)),
+        lambda: tuple(jax.lax.top_k(logits, MAX_LOGPROBS)),
         lambda: (jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.float32),
                  jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.int32)),
     )
+    top_lp = top_lp - lse[:, None]
     return tokens, token_logprob, top_lp, top_ids.astype(jnp.int32)

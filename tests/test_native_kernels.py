@@ -54,9 +54,10 @@ def test_sliding_window_and_soft_cap(cache_dtype):
 
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,page_size",
-                         [(4, 4, 32, 8), (8, 2, 128, 32), (12, 3, 64, 16)])
+                         [(4, 4, 32, 8), (8, 2, 128, 32), (12, 3, 64, 16), (6, 2, 80, 16)])
 def test_head_groups_and_page_sizes(num_q_heads, num_kv_heads, head_dim, page_size):
-    # MHA with small pages, GQA 4 with head_dim 128 and pages of 32, GQA 4 at this model's shapes.
+    # MHA with small pages, GQA 4 with head_dim 128 and pages of 32, GQA 4 at this model's
+    # shapes; head_dim 80 takes the portable (non-AVX-512) path.
     args = make_batch(4, [1, 21, 1, 2], [9, 30, 100, 120], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                       head_dim=head_dim, page_size=page_size, pages_per_seq=-(-128 // page_size))
     check(args)
