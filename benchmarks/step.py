@@ -80,7 +80,7 @@ def compare_scan(runner, spec, params, kv: KVCacheManager, batch: int, context: 
     stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *params["layers"])
     k_all = jnp.stack([k for k, _ in runner.kv_cache])
     v_all = jnp.stack([v for _, v in runner.kv_cache])
-    rope = llama.rope_tables(dev_batch["positions"], jnp.asarray(spec.inv_freq()))
+    rope = (dev_batch["rope_cos"], dev_batch["rope_sin"])
 
     def scan_forward(params, stacked, k_all, v_all, b):
         x = params["embed"][b["token_ids"]].astype(jnp.float32)

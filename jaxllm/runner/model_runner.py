@@ -76,6 +76,7 @@ class ModelRunner:
         self.kv_cache = jax.device_put(self.kv_cache, device)
         self._step = jax.jit(
             functools.partial(_step, spec=spec, attention_impl=self.attention_impl), donate_argnums=(1,))
+        self._inv_freq = spec.inv_freq()
         self._no_penalty_tokens: dict[int, jax.Array] = {}
         self._penalty_len = config.scheduler.max_model_len
 
@@ -119,6 +120,7 @@ class ModelRunner:
             t += n
 
         batch = {"token_ids": token_ids, "positions": positions, "slot_mapping": slot_mapping}
+        batch["rope_cos"], batch["rope_sin"] = llama.rope_tables(positions, self._inv_freq, xp=np)
         logits_indices = np.zeros(S, np.int32)
         logits_indices[:len(ordered)] = np.cumsum(q_lens) - 1
         batch["logits_indices"] = logits_indices
@@ -233,6 +235,7 @@ class ModelRunner:
         T, S = bucket.num_tokens, bucket.num_seqs
         batch = {"token_ids": np.zeros(T, np.int32), "positions": np.zeros(T, np.int32),
                  "slot_mapping": np.full(T, -1, np.int32), "logits_indices": np.zeros(S, np.int32)}
+        batch["rope_cos"], batch["rope_sin"] = llama.rope_tables(batch["positions"], self._inv_freq, xp=np)
         if self.attention_impl == "cpu":
             for group, rows, qb in (("decode", bucket.num_decode_rows, 1),
                                     ("prefill", bucket.num_prefill_rows, self.prefill_block)):
