@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from jaxllm.kernels import native
-from jaxllm.kernels.reference import ragged_paged_attention_reference
-from test_paged_attention import MIXED, make_batch
+from test_paged_attention import MIXED, assert_matches_reference, make_batch
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no native kernel: {native.unavailable_reason()}")
 
@@ -22,14 +21,7 @@ def check(args, **kwargs):
     # round away the comparison).
     args = (args[0].astype(np.float32), *args[1:])
     out = jax.jit(lambda *a: native.paged_attention_cpu(*a, **kwargs))(*args)
-    ref = ragged_paged_attention_reference(*args, **kwargs)
-    q, num_real = args[0], int(args[5][args[6]])
-    assert out.shape == q.shape and out.dtype == q.dtype
-    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    assert np.isfinite(out).all()
-    assert (out[num_real:] == 0).all(), "padding rows must be zero"
-    err = np.abs(out - ref).max()
-    assert err < TOL, f"max abs error {err} >= {TOL}"
+    assert_matches_reference(out, args, TOL, **kwargs)
 
 
 @pytest.mark.parametrize("cache_dtype", ["float32", "uint16", "bfloat16"])

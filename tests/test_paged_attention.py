@@ -70,6 +70,12 @@ def make_batch(seed, q_lens, kv_lens, *, num_q_heads=9, num_kv_heads=3, head_dim
 
 def check(args, tol, block_k=64, **kwargs):
     out = ragged_paged_attention(*args, interpret=True, block_k=block_k, **kwargs)
+    return assert_matches_reference(out, args, tol, **kwargs)
+
+
+def assert_matches_reference(out, args, tol, **kwargs):
+    """`out` of a kernel called on `args` against the oracle: shape, dtype, finite, zero
+    padding rows, max abs error < tol. Returns the error."""
     ref = ragged_paged_attention_reference(*args, **kwargs)
     q, num_real = args[0], int(args[5][args[6]])
     assert out.shape == q.shape and out.dtype == q.dtype

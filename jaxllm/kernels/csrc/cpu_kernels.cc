@@ -106,6 +106,50 @@ void load_chunk(const Problem& p, const KV* pages, const int32_t* table, int64_t
   }
 }
 
+// The query rows of one work item, row r = (token r / G, query head kv_head * G + r % G),
+// loaded scaled into w.qrow with w.acc zeroed, and their online-softmax state.
+struct Rows {
+  int M;
+  int64_t G, first_token;  // G query heads per kv head; q row of the tile's first token
+  const int32_t* table;    // the sequence's block table
+  int64_t qpos[kMaxRows];  // cache position of each row's token
+  float m[kMaxRows], l[kMaxRows];
+  int64_t begin, last_pos;  // keys to visit: begin (a multiple of `align`) .. last_pos
+};
+
+inline void start_rows(const Problem& p, const Item& item, Scratch& w, Rows& r, int64_t align) {
+  const int64_t D = p.head_dim;
+  r.G = p.num_q_heads / p.num_kv_heads;
+  const int32_t s = item.seq;
+  const int64_t q_start = p.cu_q_lens[s], q_len = p.cu_q_lens[s + 1] - q_start;
+  const int64_t t0 = static_cast<int64_t>(item.tile) * p.tile_tokens;
+  r.first_token = q_start + t0;
+  r.M = static_cast<int>(std::min<int64_t>(p.tile_tokens, q_len - t0) * r.G);
+  r.table = p.block_tables + static_cast<int64_t>(s) * p.pages_per_seq;
+  for (int i = 0; i < r.M; ++i) {
+    const int64_t tok = r.first_token + i / r.G, head = item.kv_head * r.G + i % r.G;
+    const float* src = p.q + (tok * p.num_q_heads + head) * D;
+    for (int64_t d = 0; d < D; ++d) w.qrow[i][d] = src[d] * p.sm_scale;
+    for (int64_t d = 0; d < D; ++d) w.acc[i][d] = 0.f;
+    r.m[i] = kNegInf;
+    r.l[i] = 0.f;
+    r.qpos[i] = p.kv_lens[s] - q_len + t0 + i / r.G;
+  }
+  r.last_pos = r.qpos[r.M - 1];
+  r.begin = p.sliding_window > 0 ? std::max<int64_t>(0, r.qpos[0] - p.sliding_window + 1) : 0;
+  r.begin -= r.begin % align;
+}
+
+// out rows = acc / l (a row that saw no key, impossible for a causal row, gives zeros).
+inline void finish_rows(const Problem& p, const Item& item, const Scratch& w, const Rows& r) {
+  for (int i = 0; i < r.M; ++i) {
+    const int64_t tok = r.first_token + i / r.G, head = item.kv_head * r.G + i % r.G;
+    float* dst = p.out + (tok * p.num_q_heads + head) * p.head_dim;
+    const float inv = r.l[i] > 0.f ? 1.f / r.l[i] : 0.f;
+    for (int64_t d = 0; d < p.head_dim; ++d) dst[d] = w.acc[i][d] * inv;
+  }
+}
+
 // Portable path: any head_dim, any CPU (the compiler vectorizes what it can).
 template <typename KV>
 void run_item_scalar(const Problem& p, const Item& item, Scratch& w) {
@@ -115,32 +159,17 @@ void run_item_scalar(const Problem& p, const Item& item, Scratch& w) {
   auto& qrow = w.qrow;
   auto& acc = w.acc;
   auto& sc = w.sc;
-  const int64_t D = p.head_dim, G = p.num_q_heads / p.num_kv_heads;
-  const int32_t s = item.seq;
-  const int64_t q_start = p.cu_q_lens[s], q_len = p.cu_q_lens[s + 1] - q_start;
-  const int64_t kv_len = p.kv_lens[s];
-  const int64_t t0 = static_cast<int64_t>(item.tile) * p.tile_tokens;
-  const int64_t ntok = std::min<int64_t>(p.tile_tokens, q_len - t0);
-  const int M = static_cast<int>(ntok * G);
-  const int32_t* table = p.block_tables + static_cast<int64_t>(s) * p.pages_per_seq;
+  const int64_t D = p.head_dim;
   const KV* kp = static_cast<const KV*>(p.k_pages);
   const KV* vp = static_cast<const KV*>(p.v_pages);
-
-  float m[kMaxRows], l[kMaxRows];
-  int64_t qpos[kMaxRows];
-  for (int r = 0; r < M; ++r) {
-    const int64_t tok = q_start + t0 + r / G, head = item.kv_head * G + r % G;
-    const float* src = p.q + (tok * p.num_q_heads + head) * D;
-    for (int64_t d = 0; d < D; ++d) qrow[r][d] = src[d] * p.sm_scale;
-    for (int64_t d = 0; d < D; ++d) acc[r][d] = 0.f;
-    m[r] = kNegInf;
-    l[r] = 0.f;
-    qpos[r] = kv_len - q_len + t0 + r / G;
-  }
-  const int64_t last_pos = qpos[M - 1];
-  int64_t begin = 0;
-  if (p.sliding_window > 0) begin = std::max<int64_t>(0, qpos[0] - p.sliding_window + 1);
-  begin -= begin % p.page_size;
+  Rows rows;
+  start_rows(p, item, w, rows, p.page_size);
+  const int M = rows.M;
+  const int32_t* table = rows.table;
+  const int64_t* qpos = rows.qpos;
+  float* m = rows.m;
+  float* l = rows.l;
+  const int64_t begin = rows.begin, last_pos = rows.last_pos;
 
   for (int64_t first = begin; first <= last_pos; first += kChunkKeys) {
     const int n = static_cast<int>(std::min<int64_t>(kChunkKeys, last_pos + 1 - first));
@@ -202,12 +231,7 @@ void run_item_scalar(const Problem& p, const Item& item, Scratch& w) {
       }
     }
   }
-  for (int r = 0; r < M; ++r) {
-    const int64_t tok = q_start + t0 + r / G, head = item.kv_head * G + r % G;
-    float* dst = p.out + (tok * p.num_q_heads + head) * D;
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-    for (int64_t d = 0; d < D; ++d) dst[d] = acc[r][d] * inv;
-  }
+  finish_rows(p, item, w, rows);
 }
 
 
@@ -401,31 +425,15 @@ void run_item_avx512(const Problem& p, const Item& item, Scratch& w) {
   auto& qrow = w.qrow;
   auto& acc = w.acc;
   auto& sc = w.sc;
-  constexpr int D = 16 * DV;
-  const int64_t G = p.num_q_heads / p.num_kv_heads;
-  const int32_t s = item.seq;
-  const int64_t q_start = p.cu_q_lens[s], q_len = p.cu_q_lens[s + 1] - q_start;
-  const int64_t kv_len = p.kv_lens[s];
-  const int64_t t0 = static_cast<int64_t>(item.tile) * p.tile_tokens;
-  const int64_t ntok = std::min<int64_t>(p.tile_tokens, q_len - t0);
-  const int M = static_cast<int>(ntok * G);
-  const int32_t* table = p.block_tables + static_cast<int64_t>(s) * p.pages_per_seq;
-
-  float m[kMaxRows], l[kMaxRows], alpha[kMaxRows];
-  int64_t qpos[kMaxRows];
-  for (int r = 0; r < M; ++r) {
-    const int64_t tok = q_start + t0 + r / G, head = item.kv_head * G + r % G;
-    const float* src = p.q + (tok * p.num_q_heads + head) * D;
-    for (int d = 0; d < D; ++d) qrow[r][d] = src[d] * p.sm_scale;
-    for (int d = 0; d < D; ++d) acc[r][d] = 0.f;
-    m[r] = kNegInf;
-    l[r] = 0.f;
-    qpos[r] = kv_len - q_len + t0 + r / G;
-  }
-  const int64_t last_pos = qpos[M - 1];
-  int64_t begin = 0;
-  if (p.sliding_window > 0) begin = std::max<int64_t>(0, qpos[0] - p.sliding_window + 1);
-  begin -= begin % 16;
+  Rows rows;
+  start_rows(p, item, w, rows, 16);
+  const int M = rows.M;
+  const int32_t* table = rows.table;
+  const int64_t* qpos = rows.qpos;
+  float* m = rows.m;
+  float* l = rows.l;
+  float alpha[kMaxRows];
+  const int64_t begin = rows.begin, last_pos = rows.last_pos;
 
   for (int64_t first = begin; first <= last_pos; first += kChunkKeys) {
     const int n = static_cast<int>(std::min<int64_t>(kChunkKeys, last_pos + 1 - first));
@@ -473,12 +481,7 @@ void run_item_avx512(const Problem& p, const Item& item, Scratch& w) {
     }
     pv<DV>(acc, alpha, sc, vbuf, n, M);
   }
-  for (int r = 0; r < M; ++r) {
-    const int64_t tok = q_start + t0 + r / G, head = item.kv_head * G + r % G;
-    float* dst = p.out + (tok * p.num_q_heads + head) * D;
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-    for (int d = 0; d < D; ++d) dst[d] = acc[r][d] * inv;
-  }
+  finish_rows(p, item, w, rows);
 }
 #endif  // __AVX512F__
 
