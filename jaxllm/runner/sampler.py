@@ -22,7 +22,7 @@ The greedy path runs on every decode step over [S, vocab]; the sampled token's l
 `logit - logsumexp` (no [S, vocab] log_softmax is written unless top logprobs are asked
 for). With `native=True` (the CPU engine) the argmax and logsumexp are one pass of the C++
 kernel (`kernels.native.argmax_logsumexp`): on [128, 49152] XLA:CPU took 14 ms for
-`jnp.argmax` and 6 ms for the logsumexp, the kernel about 1 ms for both.
+`jnp.argmax` and 6 ms for the logsumexp, the kernel about 3.5 ms for both (2 threads).
 """
 
 from __future__ import annotations
@@ -140,9 +140,8 @@ def sample(logits: jax.Array, s: dict, native: bool = False) -> tuple[jax.Array,
     token_logprob = logits[rows, tokens] - lse
     top_lp, top_ids = jax.lax.cond(
         s["flags"][FLAG_LOGPROBS],
-        lambda: tuple(jax.lax.top_k(logits, MAX_LOGPROBS)),
+        lambda: (lambda v, i: (v - lse[:, None], i))(*jax.lax.top_k(logits, MAX_LOGPROBS)),
         lambda: (jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.float32),
                  jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.int32)),
     )
-    top_lp = top_lp - lse[:, None]
     return tokens, token_logprob, top_lp, top_ids.astype(jnp.int32)
