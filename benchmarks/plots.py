@@ -82,6 +82,14 @@ def _plt():
     return plt
 
 
+def _finish(plt, fig, meta: dict | None, path: str) -> None:
+    """Lay out, add the provenance footer (when `meta` has one), save as PNG, close."""
+    fig.tight_layout(rect=(0, 0.03, 1, 1) if meta else None)
+    _footer(fig, meta)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _footer(fig, meta: dict | None) -> None:
     if not meta:
         return
@@ -110,10 +118,7 @@ def plot_throughput(rows: list[dict], path: str) -> None:
     ax.set_title(f"Offline throughput: {w['num_requests']} requests, {w['prompt_tokens']} prompt + "
                  f"{w['output_tokens']} output tokens")
     ax.legend()
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    _footer(fig, rows[0])
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(plt, fig, rows[0], path)
 
 
 def plot_serving(sweeps: list[dict], path: str) -> None:
@@ -131,10 +136,7 @@ def plot_serving(sweeps: list[dict], path: str) -> None:
         ax.set_xlabel("request rate (req/s)")
         ax.legend(fontsize=8)
     axes[0].set_yscale("log")
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    _footer(fig, sweeps[0])
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(plt, fig, sweeps[0], path)
 
 
 MEMORY_WAYS = (("paged", "paged (jaxllm)"), ("contiguous_own_max", "contiguous,\nprompt + max_tokens"),
@@ -158,10 +160,7 @@ def plot_memory(mem: dict, path: str) -> None:
         b.text(i, s, f"{s:.0f}", ha="center", va="bottom")
     b.set_yscale("log")
     b.set_title(f"sequences that fit {mem['budget_bytes'] / 2**30:g} GiB of KV")
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    _footer(fig, mem)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(plt, fig, mem, path)
 
 
 def plot_kernels(k: dict, path: str) -> None:
@@ -182,10 +181,7 @@ def plot_kernels(k: dict, path: str) -> None:
     ax.set_ylabel("ms per layer")
     ax.set_title("CPU paged attention, one layer (label: rows / native)")
     ax.legend()
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    _footer(fig, k)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(plt, fig, k, path)
 
 
 def plot_step(step: dict, path: str) -> None:
@@ -204,9 +200,7 @@ def plot_step(step: dict, path: str) -> None:
         ax.set_ylabel("ms per step")
         ax.set_title(f"{kind} step ({step.get('dtype', '')})")
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(plt, fig, None, path)
 
 
 # ----------------------------------------------------------------------------- markdown
