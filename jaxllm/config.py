@@ -1,4 +1,10 @@
-"""EngineArgs (what users pass, vLLM's names) -> EngineConfig (resolved against the model)."""
+"""EngineArgs (what users pass, vLLM's names) -> EngineConfig (resolved against the model).
+
+`EngineArgs` is the one definition of the engine's options: the CLI builds its flags from its
+fields (each field's `metadata["help"]`), `LLM(...)` and `AsyncLLM(...)` take them as keywords.
+Resolving never builds or loads anything: the attention backend is chosen from its name later
+(`jaxllm.attention.get_attention_backend`).
+"""
 
 from __future__ import annotations
 
@@ -6,48 +12,64 @@ import dataclasses
 import logging
 import os
 
+from jaxllm.utils import DTYPES, check_dtype, default_cache_root
+
 logger = logging.getLogger(__name__)
 
-DTYPES = ("float32", "bfloat16")
 DEFAULT_KV_CACHE_MEMORY = 2 << 30  # bytes; on CPU the pool lives in host RAM
-# "native": the C++ CPU kernel (kernels/native.py); "cpu": the jnp row path (no compiler
-# needed); "pallas": the GPU kernel; "reference": the dense oracle.
-ATTENTION_IMPLS = ("native", "cpu", "pallas", "reference")
+ATTENTION_BACKENDS = ("native", "cpu", "pallas", "reference")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
-def default_cache_root() -> str:
-    """Root of jaxllm's caches (compiled programs in xla/, converted weights in params/)."""
-    xdg = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
-    return os.environ.get("JAXLLM_CACHE_DIR", os.path.join(xdg, "jaxllm"))
+def _opt(default, help: str, **metadata):
+    """A field with its CLI help (and optional `metavar`, `cli=False` to keep it off the CLI)."""
+    return dataclasses.field(default=default, metadata={"help": help, **metadata})
 
 
 @dataclasses.dataclass
 class EngineArgs:
     """Engine options. `None` means "derive from the model / machine"."""
 
-    model: str | None = None
-    dtype: str = "bfloat16"
-    max_model_len: int | None = None
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 512
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    num_gpu_blocks_override: int | None = None  # explicit page count (vLLM's name)
-    seed: int = 0
-    enable_prefix_caching: bool = True
-    served_model_name: str | None = None
-    compilation_cache_dir: str | None = None      # "" disables the persistent cache
-    params_cache_dir: str | None = None           # orbax cache of converted weights
-    attention_impl: str | None = None             # "native" | "cpu" | "pallas" | "reference"; None = by backend
-    prefill_block: int = 16                       # query tokens per prefill attention row
-    max_num_prefill_seqs: int = 8                 # prompts (chunks) per step
-    warmup: bool = True
-    disable_log_stats: bool = True
+    model: str | None = _opt(
+        None, "an HF model directory, a .gguf file, or a hub id such as Qwen/Qwen2.5-0.5B-Instruct (Llama, "
+              "Mistral, Qwen2, Qwen3 families). Default: the bundled SmolLM2-135M-Instruct", metavar="PATH_OR_ID")
+    dtype: str = _opt("bfloat16", "weight and KV-cache dtype", choices=tuple(DTYPES))
+    max_model_len: int | None = _opt(None, "context length, prompt plus output (default: the model's)",
+                                     metavar="TOKENS")
+    max_num_seqs: int = _opt(128, "most sequences in one batch", metavar="N")
+    max_num_batched_tokens: int = _opt(512, "most tokens computed in one step", metavar="N")
+    max_num_prefill_seqs: int = _opt(8, "most prompts (or prompt chunks) in one step", metavar="N")
+    block_size: int = _opt(16, "tokens per KV-cache page (block)", metavar="TOKENS")
+    kv_cache_memory: int | None = _opt(
+        None, "bytes for the KV cache, e.g. 4GiB (default: 2GiB unless --gpu-memory-utilization is given)",
+        metavar="SIZE", size=True)
+    gpu_memory_utilization: float | None = _opt(
+        None, "the KV cache's share of the memory left after loading the weights (device memory on an "
+              "accelerator, available RAM on CPU), in (0, 1]", metavar="FRACTION")
+    num_gpu_blocks_override: int | None = _opt(None, "exact number of KV pages (overrides the memory options)",
+                                               metavar="N")
+    swap_space: float = _opt(4.0, "GiB of host memory for KV pages swapped out by preemption "
+                                  "(used with --preemption-mode swap)", metavar="GiB")
+    preemption_mode: str = _opt(
+        "recompute", "what a preempted request's KV pages become: 'recompute' frees them (recomputed on "
+                     "resume), 'swap' copies them to host memory and back", choices=PREEMPTION_MODES)
+    enable_prefix_caching: bool = _opt(True, "reuse the KV cache of shared prompt prefixes")
+    seed: int = _opt(0, "engine random seed (draws the seeds of unseeded requests)")
+    served_model_name: str | None = _opt(
+        None, "the model name clients send and /v1/models lists (default: from --model)", metavar="NAME")
+    compilation_cache_dir: str | None = _opt(
+        None, "where compiled programs are kept between runs ('' disables; default: $JAXLLM_CACHE_DIR/xla or "
+              "~/.cache/jaxllm/xla)", metavar="DIR")
+    params_cache_dir: str | None = _opt(
+        None, "where converted weights are kept between runs (default: $JAXLLM_CACHE_DIR/params)", metavar="DIR")
+    attention_backend: str | None = _opt(
+        None, "paged attention implementation: 'native' (C++ CPU kernel), 'cpu' (jnp rows), 'pallas' (GPU), "
+              "'reference' (dense oracle); default: by platform", choices=ATTENTION_BACKENDS)
+    warmup: bool = _opt(True, "compile every step shape at start-up (off: compile on first use)")
 
     def verify(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "prefill_block", "max_num_prefill_seqs"):
+        check_dtype(self.dtype)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_num_prefill_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -57,10 +79,22 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
+        if self.gpu_memory_utilization is not None:
+            if not 0 < self.gpu_memory_utilization <= 1:
+                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            if self.kv_cache_memory is not None:
+                raise ValueError("give kv_cache_memory or gpu_memory_utilization, not both")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError(f"num_gpu_blocks_override must be >= 2, got {self.num_gpu_blocks_override}")
-        if self.attention_impl not in (None, *ATTENTION_IMPLS):
-            raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        if not self.swap_space >= 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and self.swap_space <= 0:
+            raise ValueError("preemption_mode='swap' needs swap_space > 0 GiB")
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +103,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     max_num_prefill_seqs: int
-    prefill_block: int
+    preemption_mode: str = "recompute"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +112,7 @@ class CacheConfig:
     num_blocks: int
     dtype: str
     enable_prefix_caching: bool
+    num_swap_blocks: int = 0        # host pages for swapped-out requests (preemption_mode="swap")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +122,7 @@ class EngineConfig:
     seed: int
     scheduler: SchedulerConfig
     cache: CacheConfig
-    attention_impl: str
+    attention_backend: str | None   # None: the platform's default (jaxllm.attention)
     compilation_cache_dir: str
     warmup: bool
 
@@ -96,41 +131,46 @@ class EngineConfig:
         return -(-self.scheduler.max_model_len // self.cache.block_size)
 
 
-def default_attention_impl(backend: str) -> str:
-    """The Pallas kernel on GPUs; on CPU the C++ kernel, or the jnp row path when it cannot be
-    built here (no C++ compiler), with a warning that says why."""
-    if backend != "cpu":
-        return "pallas"
-    from jaxllm.kernels import native
-
-    reason = native.unavailable_reason()
-    if reason is None:
-        return "native"
-    logger.warning("native CPU attention unavailable (%s); using the slower jnp path", reason)
-    return "cpu"
-
-
 def kv_bytes_per_token(spec, dtype: str) -> int:
-    itemsize = 4 if dtype == "float32" else 2
-    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * itemsize
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * DTYPES[check_dtype(dtype)]
 
 
-def resolve_config(args: EngineArgs, spec, model_name: str, backend: str) -> EngineConfig:
-    """Fill in what `args` leaves open from the model spec and the backend."""
+def kv_cache_budget(args: EngineArgs, available_memory: int | None) -> int:
+    """Bytes for the KV pool: `kv_cache_memory`, else `gpu_memory_utilization` of
+    `available_memory` (what the device has left once the weights are loaded), else 2 GiB."""
+    if args.kv_cache_memory is not None:
+        if available_memory and args.kv_cache_memory > available_memory:
+            raise ValueError(f"kv_cache_memory ({args.kv_cache_memory / 2**30:.2f} GiB) exceeds the "
+                             f"{available_memory / 2**30:.2f} GiB of memory available")
+        return args.kv_cache_memory
+    if args.gpu_memory_utilization is None:
+        return DEFAULT_KV_CACHE_MEMORY
+    if not available_memory:
+        raise ValueError("gpu_memory_utilization needs the device's free memory, which this platform does "
+                         "not report; give kv_cache_memory instead")
+    return int(args.gpu_memory_utilization * available_memory)
+
+
+def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory: int | None = None) -> EngineConfig:
+    """Fill in what `args` leaves open from the model spec (and, for `gpu_memory_utilization`,
+    the device memory left after the weights)."""
     args.verify()
     max_model_len = args.max_model_len or spec.max_position_embeddings
     if max_model_len > spec.max_position_embeddings:
         raise ValueError(
             f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
             f"({spec.max_position_embeddings})")
+    page_bytes = kv_bytes_per_token(spec, args.dtype) * args.block_size
     if args.num_gpu_blocks_override is not None:
         num_blocks = args.num_gpu_blocks_override
     else:
-        budget = args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
-        num_blocks = budget // (kv_bytes_per_token(spec, args.dtype) * args.block_size)
-    if num_blocks < 2:
-        raise ValueError(f"KV cache budget holds {num_blocks} pages; raise kv_cache_memory")
-    attention_impl = args.attention_impl or default_attention_impl(backend)
+        budget = kv_cache_budget(args, available_memory)
+        num_blocks = budget // page_bytes
+        if num_blocks < 2:
+            raise ValueError(
+                f"the KV cache budget ({budget / 2**20:.1f} MiB) holds {num_blocks} pages of "
+                f"{page_bytes / 2**10:.0f} KiB; raise kv_cache_memory or gpu_memory_utilization")
+    num_swap_blocks = int(args.swap_space * 2**30) // page_bytes if args.preemption_mode == "swap" else 0
     compilation_cache_dir = args.compilation_cache_dir
     if compilation_cache_dir is None:
         compilation_cache_dir = os.path.join(default_cache_root(), "xla")
@@ -144,11 +184,11 @@ def resolve_config(args: EngineArgs, spec, model_name: str, backend: str) -> Eng
             max_num_batched_tokens=max_batched,
             max_model_len=max_model_len,
             max_num_prefill_seqs=min(args.max_num_prefill_seqs, args.max_num_seqs),
-            prefill_block=args.prefill_block,
+            preemption_mode=args.preemption_mode,
         ),
         cache=CacheConfig(block_size=args.block_size, num_blocks=int(num_blocks), dtype=args.dtype,
-                          enable_prefix_caching=args.enable_prefix_caching),
-        attention_impl=attention_impl,
+                          enable_prefix_caching=args.enable_prefix_caching, num_swap_blocks=num_swap_blocks),
+        attention_backend=args.attention_backend,
         compilation_cache_dir=compilation_cache_dir,
         warmup=args.warmup,
     )

@@ -60,9 +60,8 @@ class LLMEngine:
 
         args = engine_args or EngineArgs(**kwargs)
         args.verify()
-        backend = jax.default_backend()
         loaded = load_model(args.model, dtype=args.dtype, cache_dir=args.params_cache_dir, progress=progress)
-        self.config: EngineConfig = resolve_config(args, loaded.spec, loaded.name, backend)
+        self.config: EngineConfig = resolve_config(args, loaded.spec, loaded.name)
         compile_mod.enable_persistent_cache(self.config.compilation_cache_dir)
         self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer

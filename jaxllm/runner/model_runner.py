@@ -37,6 +37,22 @@ from jaxllm.runner.compile import Bucket, make_buckets, pick_bucket
 from jaxllm.sampling_params import MAX_LOGPROBS
 
 
+PREFILL_BLOCK = 16
+
+
+def _default_attention_impl(backend: str) -> str:
+    if backend != "cpu":
+        return "pallas"
+    from jaxllm.kernels import native
+
+    reason = native.unavailable_reason()
+    if reason is None:
+        return "native"
+    import logging
+    logging.getLogger(__name__).warning("native CPU attention unavailable (%s); using the slower jnp path", reason)
+    return "cpu"
+
+
 def _step(params, kv_cache, batch, sampling, *, spec, attention_impl):
     hidden, kv_cache = llama.forward(params, kv_cache, batch, spec, attention_impl=attention_impl)
     logits = llama.compute_logits(params, hidden[batch["logits_indices"]], spec)
@@ -67,10 +83,10 @@ class ModelRunner:
         sched = config.scheduler
         self.block_size = config.cache.block_size
         self.max_blocks = config.max_blocks_per_seq
-        self.prefill_block = sched.prefill_block
-        self.attention_impl = config.attention_impl
+        self.prefill_block = PREFILL_BLOCK
+        self.attention_impl = config.attention_backend or _default_attention_impl(jax.default_backend())
         self.buckets = make_buckets(sched.max_num_seqs, sched.max_num_batched_tokens,
-                                    sched.prefill_block, sched.max_num_prefill_seqs)
+                                    PREFILL_BLOCK, sched.max_num_prefill_seqs)
         self.kv_cache = kernels.allocate_kv_cache(
             spec.num_layers, spec.num_kv_heads, config.cache.num_blocks, self.block_size, spec.head_dim,
             jnp.float32 if config.dtype == "float32" else jnp.bfloat16)
