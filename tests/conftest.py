@@ -1,64 +1,83 @@
-"""Shared test helpers: building a paged, ragged `llama.forward` batch by hand."""
+"""Shared fixtures (the tiny model, its engine and its HF twin) and helpers for building a
+paged, ragged `llama.forward` batch by hand."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from jaxllm import kernels
+from jaxllm.models import llama
+from jaxllm.runner.compile import Bucket
+from jaxllm.runner.input_batch import StepInputs
+from tiny_model import TINY_ENGINE_ARGS, build_tiny_model
 
 
-def make_batch(chunks, block_tables, *, page_size: int, num_tokens: int, num_seqs: int, q_block: int = 8):
-    """One step's batch for `llama.forward`, with the keys of every attention impl.
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A random 2-layer Llama with the default model's tokenizer (tests/tiny_model.py)."""
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    """An offline engine on the tiny model with TINY_ENGINE_ARGS (one per test module)."""
+    from jaxllm import LLM
+
+    return LLM(tiny_model_dir, **TINY_ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    """The same weights in HF transformers (float32), the reference implementation."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+
+
+def make_batch(chunks, block_tables, *, spec, page_size: int, num_tokens: int, num_seqs: int, attention=None):
+    """One step's `StepInputs` for `llama.forward`, laid out as the runner lays them out.
 
     chunks: per sequence `(token_ids, start)`: its new tokens sit at positions
         `start .. start + len(token_ids) - 1` (the cache already holds positions `< start`).
     block_tables: `[len(chunks), pages_per_seq]` int32, each sequence's pages.
-    Sequences of one token go first ("decode" rows of one token), then the rest ("prefill"
-    rows of `q_block` tokens), each sequence's tokens contiguous, as the runner lays them out.
-    Pads to `num_tokens` tokens (slot -1) and `num_seqs` sequences.
-    Returns `(batch, where)`, `where[s]`: the token rows of sequence s in the batch.
+    Sequences of one token go first (decodes), then the rest, each sequence's tokens
+    contiguous. Pads to `num_tokens` tokens (slot -1) and `num_seqs` sequences; the
+    `attention` backend adds its own metadata (the `cpu` backend's rows).
+    Returns `(inputs, where)`, `where[s]`: the token rows of sequence s in the batch.
     """
     order = sorted(range(len(chunks)), key=lambda s: len(chunks[s][0]) != 1)
     q_lens = np.array([len(chunks[s][0]) for s in order], np.int32)
-    kv_lens = np.array([chunks[s][1] + len(chunks[s][0]) for s in order], np.int32)
+    seq_lens = np.array([chunks[s][1] + len(chunks[s][0]) for s in order], np.int32)
     tables = np.asarray(block_tables, np.int32)[order].reshape(len(order), -1)
     total = int(q_lens.sum())
     assert total <= num_tokens and len(order) <= num_seqs
 
-    token_ids = np.zeros(num_tokens, np.int32)
-    positions = np.zeros(num_tokens, np.int32)
-    slot_mapping = np.full(num_tokens, -1, np.int32)
+    inputs = StepInputs.zeros(num_tokens, num_seqs, tables.shape[1], spec.head_dim)
     where, t = {}, 0
     for s, table in zip(order, tables):
         ids, start = chunks[s]
         pos = np.arange(start, start + len(ids))
-        token_ids[t : t + len(ids)] = ids
-        positions[t : t + len(ids)] = pos
-        slot_mapping[t : t + len(ids)] = table[pos // page_size] * page_size + pos % page_size
+        inputs.token_ids[t : t + len(ids)] = ids
+        inputs.positions[t : t + len(ids)] = pos
+        inputs.slot_mapping[t : t + len(ids)] = table[pos // page_size] * page_size + pos % page_size
         where[s] = np.arange(t, t + len(ids))
         t += len(ids)
-
-    pad_seqs = num_seqs - len(order)
-    batch = {
-        "token_ids": token_ids, "positions": positions, "slot_mapping": slot_mapping,
-        # ragged contract ("reference" / "pallas")
-        "kv_lens": np.concatenate([kv_lens, np.zeros(pad_seqs, np.int32)]),
-        "block_tables": np.concatenate([tables, np.zeros((pad_seqs, tables.shape[1]), np.int32)]),
-        "cu_q_lens": np.concatenate([[0], np.cumsum(q_lens), np.full(pad_seqs, total)]).astype(np.int32),
-        "num_seqs": np.int32(len(order)),
-    }
-    # row groups ("cpu"); `ragged_to_rows` indexes from the group's first token
-    num_decode = int((q_lens == 1).sum())
-    groups = {"decode": (slice(0, num_decode), 1, num_seqs),
-              "prefill": (slice(num_decode, None), q_block, num_tokens // q_block + num_seqs)}
-    offset = 0
-    for group, (sel, block, num_rows) in groups.items():
-        idx, bt, kv, ql = kernels.ragged_to_rows(q_lens[sel], kv_lens[sel], tables[sel], num_tokens=num_tokens,
-                                                 num_rows=num_rows, q_block=block)
-        batch[f"{group}_token_idx"] = np.where(idx == num_tokens, num_tokens, idx + offset).astype(np.int32)
-        batch[f"{group}_block_tables"], batch[f"{group}_kv_lens"], batch[f"{group}_q_lens"] = bt, kv, ql
-        offset += int(q_lens[sel].sum())
-    return batch, where
+    n = len(order)
+    inputs.block_tables[:n], inputs.seq_lens[:n] = tables, seq_lens
+    inputs.query_start_loc[1:] = total
+    inputs.query_start_loc[1 : n + 1] = np.cumsum(q_lens)
+    inputs.num_seqs[...] = n
+    inputs.rope_cos, inputs.rope_sin = llama.rope_tables(inputs.positions, spec.inv_freq(), xp=np)
+    if attention is not None:
+        num_decodes = int((q_lens == 1).sum())
+        rows = num_tokens // attention.prefill_row_tokens + num_seqs
+        inputs.attn_metadata = attention.build_metadata(
+            q_lens=q_lens, seq_lens=seq_lens, block_tables=tables, num_decodes=num_decodes,
+            bucket=Bucket(num_tokens, num_seqs, rows, num_seqs))
+    return inputs, where
 
 
 def shuffled_block_tables(rng, seq_lens, *, page_size: int, pages_per_seq: int, num_pages: int):

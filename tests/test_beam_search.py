@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from jaxllm import LLM, BeamSearchParams, SamplingParams
-from tiny_model import TINY_ENGINE_ARGS, hf_model, llm, tiny_model_dir  # noqa: F401  (fixtures)
+from tiny_model import TINY_ENGINE_ARGS
 
 PROMPTS = [
     "Hello, my name is",
@@ -101,7 +101,7 @@ def test_beams_share_pages_and_copy_exactly_when_they_diverge_inside_a_page(llm,
 
     peak = {"used": 0, "unshared": 0, "max_ref": 0}
 
-    def check_sharing(result):
+    def check_sharing():
         """After every step: a page held by several beams is at the same place in each of their
         block tables and holds the same tokens for all of them; its ref count is its holders."""
         holders: dict[int, list] = {}
@@ -118,15 +118,20 @@ def test_beams_share_pages_and_copy_exactly_when_they_diverge_inside_a_page(llm,
         peak["unshared"] = max(peak["unshared"], sum(len(r.block_ids) for r in engine.scheduler.running))
         peak["max_ref"] = max([peak["max_ref"]] + [kv.blocks[b].ref_cnt for b in holders])
 
+    real_step = engine.engine_core.step
+
+    def step():
+        outputs = real_step()
+        check_sharing()
+        return outputs
+
     monkeypatch.setattr(kv, "fork", fork)
-    engine.step_listeners.append(check_sharing)
+    monkeypatch.setattr(engine.engine_core, "step", step)
     copies0 = kv.num_copies
-    try:
-        # Prompt lengths around page boundaries, 20 tokens: forks land mid-page and on boundaries.
-        prompts = [list(range(1000, 1000 + n)) for n in (bs - 3, bs, 2 * bs + 5)]
-        llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=20, ignore_eos=True))
-    finally:
-        engine.step_listeners.remove(check_sharing)
+    # Prompt lengths around page boundaries, 20 tokens: forks land mid-page and on boundaries.
+    prompts = [list(range(1000, 1000 + n)) for n in (bs - 3, bs, 2 * bs + 5)]
+    llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=20, ignore_eos=True))
+    monkeypatch.undo()
     assert forks_mid_page and forks_at_boundary
     assert kv.num_copies - copies0 == len(forks_mid_page)
     assert peak["max_ref"] >= 4     # a prompt's pages are held by all 4 of its beams

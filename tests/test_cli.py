@@ -11,7 +11,7 @@ import pytest
 
 from jaxllm import SamplingParams
 from jaxllm.entrypoints import cli
-from tiny_model import offline_llm, tiny_engine_flags, tiny_model_dir  # noqa: F401 - fixture
+from tiny_model import offline_llm, tiny_engine_flags
 
 
 def test_help_names_every_command_and_flag(capsys):

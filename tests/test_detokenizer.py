@@ -4,7 +4,6 @@ import pytest
 import transformers
 
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
-from tiny_model import tiny_model_dir  # noqa: F401  (fixture; carries the default tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import transformers
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.runner.compile import no_compile_guard
-from tiny_model import TINY_ENGINE_ARGS, hf_model, llm, tiny_model_dir  # noqa: F401  (fixtures)
+from tiny_model import TINY_ENGINE_ARGS
 
 PROMPTS = [
     "Hello, my name is",

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import make_batch
+from jaxllm.attention import ReferenceBackend
 from jaxllm import kernels
 from jaxllm.models import llama, loader
 from jaxllm.models.loader import ModelNotFoundError, load_model, restore_params, save_params
@@ -42,11 +43,11 @@ def _prefill_logits(loaded, token_lists):
     for s, n in enumerate(pages):
         tables[s, :n] = np.arange(first[s], first[s] + n)[::-1]     # pages in reverse order
     num_tokens = sum(map(len, token_lists))
-    batch, where = make_batch([(np.asarray(t), 0) for t in token_lists], tables, page_size=page_size,
+    batch, where = make_batch([(np.asarray(t), 0) for t in token_lists], tables, spec=spec, page_size=page_size,
                               num_tokens=num_tokens, num_seqs=len(token_lists))
     cache = kernels.allocate_kv_cache(spec.num_layers, spec.num_kv_heads, int(first[-1]), page_size,
                                       spec.head_dim, jnp.float32)
-    hidden, _ = llama.forward(loaded.params, cache, batch, spec, attention_impl="reference")
+    hidden, _ = llama.forward(loaded.params, cache, batch, spec, attention=ReferenceBackend())
     logits = np.asarray(llama.compute_logits(loaded.params, hidden, spec))
     return [logits[where[s]] for s in range(len(token_lists))]
 

@@ -18,6 +18,7 @@ import pytest
 
 from conftest import make_batch, shuffled_block_tables
 from jaxllm import kernels
+from jaxllm.attention import BACKENDS
 from jaxllm.models import llama
 from jaxllm.models.loader import load_model
 
@@ -72,9 +73,14 @@ def schedule():
 
 
 @functools.cache
-def _step_fn(spec, impl):
-    def step(params, kv_cache, batch):
-        hidden, kv_cache = llama.forward(params, kv_cache, batch, spec, attention_impl=impl)
+def _backend(name):
+    return BACKENDS[name]()
+
+
+@functools.cache
+def _step_fn(spec, attention):
+    def step(params, kv_cache, inputs):
+        hidden, kv_cache = llama.forward(params, kv_cache, inputs, spec, attention=attention)
         return llama.compute_logits(params, hidden, spec), kv_cache
     return jax.jit(step)
 
@@ -91,9 +97,10 @@ def run_paged(loaded, seqs, *, impl: str, cache_dtype):
     logits = [np.full((len(t), spec.vocab_size), np.nan, np.float32) for t in seqs]
     for step in schedule():
         chunks = [(seqs[s][start : start + n], start) for s, (start, n) in sorted(step.items())]
-        batch, where = make_batch(chunks, tables[sorted(step)], page_size=PAGE_SIZE, num_tokens=NUM_TOKENS,
-                                  num_seqs=NUM_SEQS)
-        out, kv_cache = _step_fn(spec, impl)(loaded.params, kv_cache, batch)
+        attention = _backend(impl)
+        batch, where = make_batch(chunks, tables[sorted(step)], spec=spec, page_size=PAGE_SIZE,
+                                  num_tokens=NUM_TOKENS, num_seqs=NUM_SEQS, attention=attention)
+        out, kv_cache = _step_fn(spec, attention)(loaded.params, kv_cache, batch)
         out = np.asarray(out)
         for i, s in enumerate(sorted(step)):
             start, n = step[s]

@@ -105,13 +105,18 @@ def test_build_reports_compiler_errors(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("*.so")), "a failed build must leave no library behind"
 
 
-def test_engine_falls_back_to_jnp_path_without_the_kernels(monkeypatch, caplog):
-    from jaxllm import config
+def test_default_backend_falls_back_to_jnp_rows_without_the_kernels(monkeypatch, caplog):
+    from jaxllm.attention import get_attention_backend
 
-    monkeypatch.setattr(native, "unavailable_reason", lambda: "no C++ compiler found")
+    def unavailable():
+        raise RuntimeError("jaxllm's native CPU kernels are unavailable: no C++ compiler found")
+
+    monkeypatch.setattr(native, "require", unavailable)
     with caplog.at_level("WARNING"):
-        assert config.default_attention_impl("cpu") == "cpu"
+        assert get_attention_backend(None, "cpu").name == "cpu"
     assert "no C++ compiler found" in caplog.text
-    assert config.default_attention_impl("gpu") == "pallas"
-    monkeypatch.setattr(native, "unavailable_reason", lambda: None)
-    assert config.default_attention_impl("cpu") == "native"
+    assert get_attention_backend(None, "gpu").name == "pallas"
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        get_attention_backend("native", "cpu")        # asked for by name: no silent fallback
+    monkeypatch.undo()
+    assert get_attention_backend(None, "cpu").name == "native"

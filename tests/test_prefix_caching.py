@@ -9,7 +9,7 @@ import jaxllm.core.kv_cache_manager as kv_module
 from jaxllm import LLM, SamplingParams
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.request import Request
-from tiny_model import TINY_ENGINE_ARGS, tiny_model_dir  # noqa: F401  (fixture)
+from tiny_model import TINY_ENGINE_ARGS
 
 BLOCK = 16   # TINY_ENGINE_ARGS' page size (the EngineArgs default)
 # Small pool for pressure: the same shapes as test_engine's preemption test (compile cache).
@@ -164,13 +164,12 @@ def test_n_samples_hold_the_prompt_pages_once(llm_on):
     prompt = list(range(4000, 4000 + 2 * BLOCK + 7))   # 2 full pages + 7 tokens
     n, shared = 4, (len(prompt) - 1) // BLOCK
     engine.add_request("n4", prompt, SamplingParams(n=n, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True))
-    group = engine.groups["n4"]
-    reqs = [s.request for s in group.seqs]
     for _ in range(50):
         engine.step()
-        if all(len(r.output_token_ids) >= 2 for r in reqs):
+        reqs = [engine.scheduler.requests.get(f"{i}_n4") for i in range(n)]
+        if all(r is not None and len(r.output_token_ids) >= 2 for r in reqs):
             break
-    assert all(len(r.output_token_ids) >= 2 for r in reqs)
+    assert all(r is not None and len(r.output_token_ids) >= 2 for r in reqs)
     tables = [r.block_ids for r in reqs]
     assert all(t[:shared] == tables[0][:shared] for t in tables)
     assert all(kv.blocks[b].ref_cnt == n for b in tables[0][:shared])

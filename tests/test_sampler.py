@@ -8,6 +8,7 @@ import pytest
 
 from jaxllm.kernels import native
 from jaxllm.runner import sampler
+from jaxllm.runner.input_batch import NUM_BANNED, SamplingMetadata
 
 LOGITS = np.array([2.0, 1.5, 1.4, 1.0, 0.5, 0.2, 0.0, -0.3, -1.0, -1.5, -2.0, -4.0] + [-20.0] * 12, np.float32)
 V = len(LOGITS)  # > MAX_LOGPROBS
@@ -19,10 +20,10 @@ def state(S, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, presence=0.0, fr
     penalty_tokens = np.full((S, 8), -1, np.int32)
     if history is not None:
         penalty_tokens[:, :len(history)] = history
-    banned_tokens = np.full((S, sampler.NUM_BANNED), -1, np.int32)
+    banned_tokens = np.full((S, NUM_BANNED), -1, np.int32)
     if banned:
         banned_tokens[:, :len(banned)] = banned
-    return dict(temperature=flat(temperature, np.float32), top_k=flat(top_k, np.int32), top_p=flat(top_p, np.float32),
+    return SamplingMetadata(temperature=flat(temperature, np.float32), top_k=flat(top_k, np.int32), top_p=flat(top_p, np.float32),
                 min_p=flat(min_p, np.float32), presence_penalty=flat(presence, np.float32),
                 frequency_penalty=flat(frequency, np.float32), repetition_penalty=flat(repetition, np.float32),
                 seeds=np.arange(S, dtype=np.uint32) if seeds is None else seeds,
@@ -54,7 +55,7 @@ def reference_probs(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
 
 sample = jax.jit(sampler.sample)
 # The CPU engine's sampler: argmax and logsumexp from the C++ kernel.
-sample_native = jax.jit(functools.partial(sampler.sample, native=True))
+sample_native = jax.jit(functools.partial(sampler.sample, argmax_logsumexp=native.argmax_logsumexp))
 needs_native = pytest.mark.skipif(not native.available(), reason="no native CPU kernels")
 SAMPLERS = [pytest.param(sample, id="xla"), pytest.param(sample_native, id="native", marks=needs_native)]
 
@@ -97,7 +98,7 @@ def test_seed_determines_tokens():
 def test_penalties_match_reference(sample):
     history = [0, 0, 1, 4]  # prompt token 0; outputs 0, 1, 4 (output_start = 1)
     st = state(1, temperature=0.0, presence=0.5, frequency=0.7, repetition=1.3, history=history, output_start=1)
-    out = np.asarray(jax.jit(sampler.apply_penalties)(LOGITS[None], {k: np.asarray(v) for k, v in st.items()}))[0]
+    out = np.asarray(jax.jit(sampler.apply_penalties)(LOGITS[None], st))[0]
     ref = LOGITS.astype(np.float64).copy()
     for t in {0, 1, 4}:
         ref[t] = ref[t] / 1.3 if ref[t] > 0 else ref[t] * 1.3

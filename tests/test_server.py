@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxllm import SamplingParams
-from tiny_model import offline_llm, tiny_engine_flags, tiny_model_dir  # noqa: F401 - fixture
+from tiny_model import offline_llm, tiny_engine_flags
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

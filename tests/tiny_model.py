@@ -1,7 +1,7 @@
 """A tiny random Llama (hidden 64, 2 layers) with the default model's tokenizer, for tests
 that need a real engine but not real weights: warm-up takes seconds instead of minutes.
 
-Use the `tiny_model_dir` fixture (import it into a test module) or `build_tiny_model(path)`,
+Use the `tiny_model_dir` fixture (tests/conftest.py) or `build_tiny_model(path)`,
 engines with `TINY_ENGINE_ARGS` (or `tiny_engine_flags()` on the command line), and
 `offline_llm(path)` for the offline reference that server and CLI tests compare against.
 """
@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import os
 
-import pytest
-
 # Small engine settings that keep warm-up quick; tests share them with the offline reference.
 TINY_ENGINE_ARGS = dict(dtype="float32", max_num_seqs=32, max_num_batched_tokens=128, max_model_len=512,
                         kv_cache_memory=16 << 20)
 
-_built: dict[str, str] = {}
 _llms: dict[str, object] = {}
 
 
@@ -64,28 +61,3 @@ def offline_llm(path: str):
         _llms[path] = LLM(path, params_cache_dir=os.path.join(os.path.dirname(path), "params_offline"),
                           **TINY_ENGINE_ARGS)
     return _llms[path]
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> str:
-    # Several test modules import this fixture; build the model once per process.
-    if "dir" not in _built:
-        _built["dir"] = build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "tiny-llama"))
-    return _built["dir"]
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_model_dir):
-    """An offline engine on the tiny model with TINY_ENGINE_ARGS (one per test module)."""
-    from jaxllm import LLM
-
-    return LLM(tiny_model_dir, **TINY_ENGINE_ARGS)
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_dir):
-    """The same weights in HF transformers (float32), the reference implementation."""
-    import torch
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()

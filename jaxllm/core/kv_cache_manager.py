@@ -17,6 +17,10 @@ written again, so sharing them is free; a shared page that is still being filled
 when a request is about to write into it (`allocate_slots` queues the copy, the engine runs
 `take_pending_copies` before the step), so the last holder writes in place and no copy is
 made for sequences that never write there.
+
+Swapping: with a host pool (`num_swap_blocks` > 0), a preempted request's pages can be saved
+to host slots (`swap_out`) instead of being recomputed, and restored into fresh pages when it
+resumes (`swap_in`). This class only does the bookkeeping; the runner copies the data.
 """
 
 from __future__ import annotations
@@ -42,8 +46,11 @@ class Block:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 num_swap_blocks: int = 0):
         self.num_blocks = num_blocks
+        self.num_swap_blocks = num_swap_blocks
+        self.free_swap_slots: list[int] = list(range(num_swap_blocks - 1, -1, -1))
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -217,6 +224,34 @@ class KVCacheManager:
                 if block.block_hash is None:
                     self.free_blocks.move_to_end(block_id, last=False)
         request.block_ids = []
+
+    # ----- swapping -----
+    def can_swap_out(self, request: Request) -> bool:
+        return 0 < len(request.block_ids) <= len(self.free_swap_slots)
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Give the request host slots for its pages and free the pages; returns the
+        (page, slot) copies to run before the pages are reused (i.e. before the next step)."""
+        pairs = [(block_id, self.free_swap_slots.pop()) for block_id in request.block_ids]
+        request.swap_slots = [slot for _, slot in pairs]
+        self.free(request)
+        return pairs
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Fresh pages for a swapped-out request's saved ones plus room for `num_new_tokens`;
+        returns the (slot, page) copies to run before the step, or None (changing nothing)
+        when the pool cannot supply them."""
+        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens)
+        if need > self.num_free_blocks:
+            return None
+        request.block_ids = [self._pop_free_block() for _ in range(need)]
+        pairs = list(zip(request.swap_slots, request.block_ids))
+        self.free_swap(request)
+        return pairs
+
+    def free_swap(self, request: Request) -> None:
+        self.free_swap_slots += reversed(request.swap_slots)
+        request.swap_slots = []
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:

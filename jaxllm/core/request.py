@@ -40,14 +40,17 @@ class Request:
     prompt: str | None = None
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
 
+    # False for a beam: the scheduler computes it and reports its top logprobs, and the beam
+    # search appends the tokens it chooses (`append_output_token`).
+    append_sampled_tokens: bool = True
+
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    output_logprobs: list[float] = dataclasses.field(default_factory=list)
-    top_logprobs: list[tuple[list[int], list[float]]] = dataclasses.field(default_factory=list)
     cumulative_logprob: float = 0.0
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
     block_ids: list[int] = dataclasses.field(default_factory=list)
     block_hashes: list[int] = dataclasses.field(default_factory=list)
+    swap_slots: list[int] = dataclasses.field(default_factory=list)   # host pages while swapped out
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
@@ -76,6 +79,10 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p:end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    def append_output_token(self, token_id: int, logprob: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.cumulative_logprob += logprob
 
     @property
     def max_tokens(self) -> int:

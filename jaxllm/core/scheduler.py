@@ -1,4 +1,5 @@
-"""Scheduler: which tokens of which requests run this step (vLLM v1 style).
+"""Scheduler: which tokens of which requests run this step, and what a step's results mean
+for each request (vLLM v1 style).
 
 There is no prefill phase and no decode phase. Each step, every running request is given
 the tokens it still needs (`num_tokens - num_computed_tokens`: one for a decode, a chunk of
@@ -6,73 +7,132 @@ the prompt otherwise) under the token budget `max_num_batched_tokens`; then wait
 are admitted first-come-first-served while sequences (`max_num_seqs`), prompt chunks
 (`max_num_prefill_seqs`), pages and tokens allow. Long prompts are split across steps
 (chunked prefill). When the pool runs out of pages, the newest running request is preempted:
-its pages are freed, its tokens kept, and it is recomputed when it is admitted again.
+by default its pages are freed and its tokens recomputed when it is admitted again
+(`preemption_mode="recompute"`); with `"swap"` its pages are copied to host memory and copied
+back when it resumes (falling back to recompute when the host pool is full).
+
+After the step, `update_from_output` appends each request's sampled token, checks its stop
+conditions (EOS, stop token ids, max_tokens, min_tokens, max_model_len), frees the pages of
+finished requests, and reports all of it as `EngineCoreOutputs`. Stop *strings* need the
+text, so the output processor finds them and the engine ends those requests with
+`finish_requests`.
+
+Everything here is host-side Python over `Request` objects and the `KVCacheManager`: the
+scheduler tests run it without a model (tests/test_scheduler.py).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
+from collections.abc import Iterable
 
 from jaxllm.config import SchedulerConfig
 from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.core.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from jaxllm.core.request import Request, RequestStatus
-
-
-@dataclasses.dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[tuple[Request, int]]   # (request, num_new_tokens), decodes and chunks mixed
-    num_preempted: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
         self.config = config
         self.kv = kv_cache_manager
+        self.requests: dict[str, Request] = {}        # every unfinished request, by id
+        # FCFS queue; a request aborted while waiting stays here, finished, until it reaches
+        # the front (so an abort is O(1), not a scan of the queue).
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Since the last schedule(): requests that left (the runner frees their rows).
+        self._finished_req_ids: set[str] = set()
+        self._swap_out: list[tuple[int, int]] = []
 
+    # ----- requests in and out -----
     def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already scheduled")
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+    def fork_request(self, parent: Request, child: Request) -> None:
+        """Start `child` as a copy of the running `parent`'s computed state (a beam branching
+        off): it shares every page (copy-on-write) and joins the running batch directly."""
+        if parent.status is not RequestStatus.RUNNING:
+            raise ValueError(f"can only fork a running request; {parent.request_id!r} is {parent.status.value}")
+        if child.request_id in self.requests:
+            raise ValueError(f"request_id {child.request_id!r} is already scheduled")
+        self.kv.fork(parent, child)
+        child.status = RequestStatus.RUNNING
+        child.scheduled_time = time.monotonic()
+        self.requests[child.request_id] = child
+        self.running.append(child)
 
-    def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """End requests wherever they are (waiting, running, swapped) and free their pages.
+        Unknown or already finished ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            self._free_request(request, status)
+
+    def _free_request(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
         self.kv.free(request)
+        self.kv.free_swap(request)
+        del self.requests[request.request_id]
+        self._finished_req_ids.add(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.requests) - len(self.running)
+
+    # ----- the plan -----
+    def _preempt(self, request: Request, preempted: set[str]) -> None:
+        self.running.remove(request)
+        swapped = self.config.preemption_mode == "swap" and self.kv.can_swap_out(request)
+        if swapped:
+            self._swap_out += self.kv.swap_out(request)
+        else:
+            self.kv.free(request)
+            request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        preempted.add(request.request_id)
         self.waiting.appendleft(request)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         prefill_slots = self.config.max_num_prefill_seqs
         scheduled: list[tuple[Request, int]] = []
-        preempted = 0
+        preempted: set[str] = set()
+        swap_in: list[tuple[int, int]] = []
 
         # Running requests, oldest first; the newest gives way when pages run out.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0 or (num_new > 1 and prefill_slots == 0):
+                i += 1      # nothing to compute (a beam waiting for its token) / no prompt slot left
+                continue
             if num_new > 1:
-                if prefill_slots == 0:
-                    i += 1
-                    continue
                 prefill_slots -= 1
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running[-1]
-                self._preempt(victim)
-                preempted += 1
+                self._preempt(victim, preempted)
                 if victim is request:
                     break
             if request.status is RequestStatus.PREEMPTED:
@@ -83,18 +143,29 @@ class Scheduler:
 
         # Waiting requests, FCFS, while nothing had to be preempted this step.
         while self.waiting and budget > 0 and not preempted and prefill_slots > 0:
+            request = self.waiting[0]
+            if request.status.finished:      # aborted while waiting
+                self.waiting.popleft()
+                continue
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            request = self.waiting[0]
-            computed = self.kv.get_computed_blocks(request)
-            num_cached = len(computed) * self.kv.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(request, num_new, computed):
-                break
+            if request.swap_slots:           # swapped out: its pages come back from the host
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                pairs = self.kv.swap_in(request, num_new)
+                if pairs is None:
+                    break
+                swap_in += pairs
+            else:
+                computed = self.kv.get_computed_blocks(request)
+                num_cached = len(computed) * self.kv.block_size
+                num_new = min(request.num_tokens - num_cached, budget)
+                if not self.kv.allocate_slots(request, num_new, computed):
+                    break
+                request.num_computed_tokens = num_cached
+                if request.status is RequestStatus.WAITING:
+                    request.num_cached_tokens = num_cached
             self.waiting.popleft()
-            request.num_computed_tokens = num_cached
             if request.status is RequestStatus.WAITING:
-                request.num_cached_tokens = num_cached
                 request.scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -102,13 +173,61 @@ class Scheduler:
             budget -= num_new
             if num_new > 1:
                 prefill_slots -= 1
-        return SchedulerOutput(scheduled, preempted)
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
-        """Mark finished (stop/length/abort) and free its pages, wherever it is."""
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        request.status = status
-        self.kv.free(request)
+        out = SchedulerOutput(scheduled, finished_req_ids=self._finished_req_ids, preempted_req_ids=preempted,
+                              block_copies=self.kv.take_pending_copies(), swap_out=self._swap_out, swap_in=swap_in)
+        self._finished_req_ids, self._swap_out = set(), []
+        return out
+
+    # ----- the outcome -----
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        """Advance every scheduled request by its computed tokens, append its sampled token,
+        finish the requests that hit a stop condition, and report what each got."""
+        outputs: list[EngineCoreOutput] = []
+        num_prompt_tokens = num_generated = 0
+        for i, (request, num_new) in enumerate(scheduler_output.scheduled):
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            num_prompt_tokens += max(0, min(num_new, request.num_prompt_tokens - request.num_computed_tokens))
+            request.num_computed_tokens += num_new
+            self.kv.cache_full_blocks(request)
+            token = int(runner_output.sampled_token_ids[i])
+            if token < 0:    # mid-prompt: no token yet
+                continue
+            k = request.sampling_params.logprobs
+            top = None
+            if k is not None:
+                top = (runner_output.top_token_ids[i, :k].tolist(), runner_output.top_logprobs[i, :k].tolist())
+            if not request.append_sampled_tokens:
+                outputs.append(EngineCoreOutput(request.request_id, [], top_logprobs=top))
+                continue
+            logprob = float(runner_output.logprobs[i])
+            request.append_output_token(token, logprob)
+            num_generated += 1
+            status = self.check_stop(request)
+            if status is not None:
+                self.running.remove(request)
+                self._free_request(request, status)
+            outputs.append(EngineCoreOutput(
+                request.request_id, [token], logprob, top, finish_reason=request.finish_reason,
+                stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens,
+                scheduled_time=request.scheduled_time))
+        return EngineCoreOutputs(outputs, num_prompt_tokens, num_generated, scheduler_output.num_preempted,
+                                 time.monotonic())
+
+    def check_stop(self, request: Request) -> RequestStatus | None:
+        """The status a request ends with after its latest token, or None to go on.
+        EOS and stop token ids count only from `min_tokens` outputs on."""
+        params = request.sampling_params
+        num_out = len(request.output_token_ids)
+        token = request.output_token_ids[-1]
+        if num_out >= params.min_tokens:
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if num_out >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,12 +1,14 @@
 """Beam search over shared KV pages: vLLM's `LLM.beam_search` API, scored like HF transformers.
 
-Each live beam is a detached Request in the engine (`LLMEngine.add_detached_request`): the
-engine schedules and computes it like any other request, and the search reads the top-k
-logprobs of its last token from the sampler (`LLMEngine.step_listeners`). When beams branch,
-the best continuation of a beam keeps the beam's Request and every other continuation is a
-fork of it (`KVCacheManager.fork`): all pages are shared, and the partially filled last page
-is copied only when a fork writes its own token into it (copy-on-write in
-`KVCacheManager.allocate_slots`). A beam that is dropped just releases its references.
+Each live beam is a Request in the engine core with `append_sampled_tokens=False`: the
+scheduler computes it like any other request and reports the top-k logprobs of its last
+token in the step's `EngineCoreOutputs`; the search appends the token it chooses. When beams
+branch, the best continuation of a beam keeps the beam's Request and every other continuation
+is a fork of it (`Scheduler.fork_request`): all pages are shared, and the partially filled
+last page is copied only when a fork writes its own token into it (copy-on-write in
+`KVCacheManager.allocate_slots`). A beam that is dropped is finished, which releases its
+references. The search uses only the engine core's public methods (`add_request`,
+`step`, `finish_requests`) and the scheduler's `fork_request`.
 
 Selection follows HF transformers' `generate(num_beams=w, do_sample=False)` exactly:
 
@@ -100,14 +102,14 @@ class _PromptSearch:
         root = self._new_request(prompt_token_ids)
         self.beams: list[Request] = [root]
         self.finished: list[BeamSearchSequence] = []
-        self.top: dict[Request, tuple[list[int], list[float]]] = {}   # this round's top-k per beam
+        self.top: dict[str, tuple[list[int], list[float]]] = {}   # this round's top-k per beam id
         self.num_generated = 0
         self.improvable = True
         self.done = False
-        engine.add_detached_request(root)
+        engine.engine_core.add_request(root)
 
     def _new_request(self, prompt_token_ids: list[int]) -> Request:
-        return Request(f"beam-{next(self.ids)}", prompt_token_ids, self.sampling_params)
+        return Request(f"beam-{next(self.ids)}", prompt_token_ids, self.sampling_params, append_sampled_tokens=False)
 
     @property
     def ready(self) -> bool:
@@ -118,7 +120,7 @@ class _PromptSearch:
         params, width = self.params, self.params.beam_width
         candidates = []   # (score, parent, token, logprob)
         for beam in self.beams:
-            ids, logprobs = self.top[beam]
+            ids, logprobs = self.top[beam.request_id]
             candidates += [(beam.cumulative_logprob + lp, beam, t, lp) for t, lp in zip(ids, logprobs)]
         candidates.sort(key=lambda c: -c[0])
         candidates = candidates[:self.num_candidates]
@@ -156,7 +158,7 @@ class _PromptSearch:
     def _branch(self, running: list[tuple[float, Request, int, float]]) -> None:
         """Make the next beams: the first continuation of a beam keeps its Request (and pages),
         the others fork it; beams without a continuation are released."""
-        kv = self.engine.kv_cache_manager
+        scheduler = self.engine.scheduler
         kept: set[Request] = set()
         new_beams = []
         for _, parent, token, logprob in running:
@@ -164,24 +166,18 @@ class _PromptSearch:
                 child = self._new_request(parent.prompt_token_ids)
                 child.output_token_ids = list(parent.output_token_ids)
                 child.cumulative_logprob = parent.cumulative_logprob
-                kv.fork(parent, child)
+                scheduler.fork_request(parent, child)
             else:
                 kept.add(parent)
                 child = parent
             new_beams.append((child, token, logprob))
         self.release([b for b in self.beams if b not in kept])
         for child, token, logprob in new_beams:
-            child.output_token_ids.append(token)
-            child.cumulative_logprob += logprob
-        for child, _, _ in new_beams:
-            if child not in kept:
-                self.engine.add_detached_request(child)
+            child.append_output_token(token, logprob)
         self.beams = [child for child, _, _ in new_beams]
 
     def release(self, beams: list[Request]) -> None:
-        for beam in beams:
-            if not beam.status.finished:
-                self.engine.scheduler.finish(beam, RequestStatus.FINISHED_STOPPED)
+        self.engine.engine_core.finish_requests([b.request_id for b in beams], RequestStatus.FINISHED_STOPPED)
 
     def output(self, tokenizer) -> BeamSearchOutput:
         for seq in self.finished:
@@ -200,7 +196,7 @@ def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams, *,
     from tqdm.auto import tqdm
 
     params.verify()
-    if engine.has_unfinished_requests() or engine.scheduler.has_unfinished_requests():
+    if engine.has_unfinished_requests() or engine.engine_core.has_unfinished_requests():
         raise ValueError("beam search needs an idle engine; finish or abort the running requests first")
     width = params.beam_width
     max_num_seqs = engine.config.scheduler.max_num_seqs
@@ -214,7 +210,7 @@ def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams, *,
                          f"{MAX_LOGPROBS} top logprobs the sampler returns")
     max_tokens, pages = [], []
     for prompt in prompts:
-        engine._check_prompt(prompt, SamplingParams(max_tokens=params.max_tokens))
+        engine.check_prompt(prompt, SamplingParams(max_tokens=params.max_tokens))
         max_tokens.append(min(params.max_tokens, max_len - len(prompt)))
         pages.append(width * kv.blocks_needed(len(prompt) + max_tokens[-1]))
         if pages[-1] > kv.num_blocks:
@@ -224,18 +220,9 @@ def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams, *,
     ids = itertools.count()
     queue = collections.deque(range(len(prompts)))
     active: dict[int, _PromptSearch] = {}
-    owner: dict[Request, _PromptSearch] = {}
+    owner: dict[str, _PromptSearch] = {}   # beam id -> its search
     results: dict[int, BeamSearchOutput] = {}
 
-    def collect(result) -> None:
-        for i, ((req, _), token) in enumerate(zip(result.scheduled, result.tokens)):
-            search = owner.get(req)
-            if token is None or search is None:
-                continue
-            k = search.num_candidates
-            search.top[req] = (result.top_ids[i, :k].tolist(), result.top_logprobs[i, :k].tolist())
-
-    engine.step_listeners.append(collect)
     try:
         with tqdm(total=len(prompts), desc="beam search", disable=not use_tqdm, unit="prompt") as bar:
             while queue or active:
@@ -244,9 +231,12 @@ def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams, *,
                         and sum(pages[i] for i in active) + pages[queue[0]] <= kv.num_blocks)):
                     i = queue.popleft()
                     active[i] = _PromptSearch(engine, prompts[i], params, max_tokens[i], eos_token_ids, ids)
-                    owner[active[i].beams[0]] = active[i]
+                    owner[active[i].beams[0].request_id] = active[i]
                 steps = engine.stats.num_steps
-                engine.step()
+                for out in engine.engine_core.step().outputs:
+                    search = owner.get(out.request_id)
+                    if search is not None and out.top_logprobs is not None:
+                        search.top[out.request_id] = out.top_logprobs
                 if engine.stats.num_steps == steps:
                     raise RuntimeError("beam search made no progress: the engine scheduled nothing")
                 for i, search in list(active.items()):
@@ -255,15 +245,14 @@ def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams, *,
                     before = search.beams
                     search.advance()
                     for beam in before:
-                        owner.pop(beam, None)
+                        owner.pop(beam.request_id, None)
                     for beam in search.beams:
-                        owner[beam] = search
+                        owner[beam.request_id] = search
                     if search.done:
                         results[i] = search.output(engine.tokenizer)
                         del active[i]
                         bar.update(1)
     finally:
-        engine.step_listeners.remove(collect)
         for search in active.values():
             search.release(search.beams)
     return [results[i] for i in range(len(prompts))]

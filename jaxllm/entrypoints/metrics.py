@@ -71,8 +71,8 @@ class ServerMetrics:
             Gauge(PREFIX + name, doc, names, registry=self.registry).labels(**labels).set_function(read)
 
         scheduler = engine.scheduler
-        gauge("num_requests_running", "Number of requests in model execution batches.", lambda: len(scheduler.running))
-        gauge("num_requests_waiting", "Number of requests waiting to be processed.", lambda: len(scheduler.waiting))
+        gauge("num_requests_running", "Number of requests in model execution batches.", lambda: scheduler.num_running)
+        gauge("num_requests_waiting", "Number of requests waiting to be processed.", lambda: scheduler.num_waiting)
         gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
               lambda: engine.kv_cache_manager.usage)
         self.registry.register(_EngineCounters(engine, labels))

@@ -7,7 +7,7 @@ XLA FFI headers that ship with jaxlib, with `-O3 -march=native` and fast math, i
 `<cache root>/native/` (keyed by the source, the flags, the compiler, jaxlib's version and the
 CPU), then loaded with ctypes and registered as an FFI target. Later processes load the
 cached library. `available()` says whether that worked; without a compiler the engine falls
-back to the jnp row path (`attention_impl="cpu"`).
+back to the jnp rows backend (`attention_backend="cpu"`, see jaxllm/attention.py).
 """
 
 from __future__ import annotations
@@ -97,7 +97,8 @@ def unavailable_reason() -> str | None:
     return _load()
 
 
-def _require() -> None:
+def require() -> None:
+    """Build and register the kernels if needed; RuntimeError saying why when they cannot be."""
     reason = _load()
     if reason is not None:
         raise RuntimeError(f"jaxllm's native CPU kernels are unavailable: {reason}")
@@ -105,7 +106,7 @@ def _require() -> None:
 
 def argmax_logsumexp(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [rows, vocab] -> (first index of each row's max [rows] int32, logsumexp [rows] f32)."""
-    _require()
+    require()
     rows = x.shape[0]
     call = jax.ffi.ffi_call("jaxllm_argmax_logsumexp_cpu", (jax.ShapeDtypeStruct((rows,), jnp.int32),
                                                             jax.ShapeDtypeStruct((rows,), jnp.float32)))
@@ -119,7 +120,7 @@ def paged_attention_cpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, n
     q is computed in float32; pages are float32 or bf16 stored as uint16 (kv_write.py). The
     result has q's dtype.
     """
-    _require()
+    require()
     head_dim = q.shape[-1]
     sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
     if k_pages.dtype == jnp.bfloat16:  # callers normally pass the uint16 storage already

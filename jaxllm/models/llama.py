@@ -34,7 +34,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm import kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +95,7 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 def rope_tables(positions, inv_freq, xp=jnp):
     """cos, sin `[T, 1, head_dim // 2]` f32 for positions [T], with `xp` = jnp or numpy.
 
-    The runner computes them on the host (numpy) and passes them in the batch
+    The runner computes them on the host (numpy) and passes them in the step inputs
     (`rope_cos`, `rope_sin`): inside the step XLA re-fused sin/cos into every layer's q and k
     (60 recomputations a step for a 30-layer model, ~2% of the run)."""
     freqs = xp.asarray(positions).astype(xp.float32)[:, None] * xp.asarray(inv_freq)[None, :]
@@ -110,46 +109,9 @@ def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-ROW_GROUPS = ("decode", "prefill")
-# Rows per part of the CPU path (see kernels.paged_attention_rows): parts walk pages only up
-# to their own longest row, and the runner sorts rows longest first.
-ROWS_PER_PART = {"decode": 16, "prefill": 8}
-
-
-def attention(q, k_pages, v_pages, batch, *, impl: str):
-    """Paged attention of q [T, q_heads, head_dim] over the cache, by implementation.
-
-    "cpu": the row groups built by `kernels.ragged_to_rows` (keys `{group}_token_idx`,
-    `{group}_block_tables`, `{group}_kv_lens`, `{group}_q_lens` for group in ROW_GROUPS);
-    "native" (the C++ CPU kernel) / "pallas" / "reference": the ragged contract (`kv_lens`,
-    `block_tables`, `cu_q_lens`, `num_seqs`).
-    """
-    if impl == "cpu":
-        num_tokens = q.shape[0]
-        q_pad = jnp.concatenate([q, jnp.zeros_like(q[:1])])  # row T is the padding sink
-        out = jnp.zeros_like(q_pad)
-        for group in ROW_GROUPS:
-            idx = batch.get(f"{group}_token_idx")
-            if idx is None or idx.shape[0] == 0:
-                continue
-            o = kernels.paged_attention_rows(
-                q_pad[idx], k_pages, v_pages, batch[f"{group}_block_tables"],
-                batch[f"{group}_kv_lens"], batch[f"{group}_q_lens"], rows_per_part=ROWS_PER_PART[group])
-            out = out.at[idx].set(o)
-        return out[:num_tokens]
-    args = (q, k_pages, v_pages, batch["kv_lens"], batch["block_tables"], batch["cu_q_lens"], batch["num_seqs"])
-    if impl == "native":
-        return kernels.paged_attention_cpu(*args)
-    if impl == "pallas":
-        return kernels.ragged_paged_attention(*args)
-    if impl == "reference":
-        return kernels.ragged_paged_attention_reference(*args)
-    raise ValueError(f"unknown attention impl {impl!r}; expected 'native', 'cpu', 'pallas' or 'reference'")
-
-
-def decoder_layer(layer, k_pages, v_pages, x, batch, spec: ModelSpec, rope, *, attention_impl: str):
-    """One transformer block over x [T, hidden] f32; `rope` from `rope_tables`. Returns
-    (x, k_pages, v_pages)."""
+def decoder_layer(layer, k_pages, v_pages, x, inputs, spec: ModelSpec, *, attention):
+    """One transformer block over x [T, hidden] f32 (`inputs`: the step's `StepInputs`,
+    `attention`: its `AttentionBackend`). Returns (x, k_pages, v_pages)."""
     num_tokens = x.shape[0]
     h = rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
     qkv = matmul(h, layer["wqkv"])
@@ -161,10 +123,11 @@ def decoder_layer(layer, k_pages, v_pages, x, batch, spec: ModelSpec, rope, *, a
     if spec.qk_norm:
         q = rms_norm(q, layer["q_norm"], spec.rms_norm_eps)
         k = rms_norm(k, layer["k_norm"], spec.rms_norm_eps)
+    rope = (inputs.rope_cos, inputs.rope_sin)
     q = apply_rope(q, rope)
     k = apply_rope(k, rope)
-    k_pages, v_pages = kernels.write_kv(k_pages, v_pages, k, v, batch["slot_mapping"])
-    o = attention(q, k_pages, v_pages, batch, impl=attention_impl)
+    k_pages, v_pages = attention.write_kv(k_pages, v_pages, k, v, inputs.slot_mapping)
+    o = attention.forward(q, k_pages, v_pages, inputs)
     x = x + matmul(o.reshape(num_tokens, spec.q_size), layer["wo"])
     h = rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
     gate, up = jnp.split(matmul(h, layer["w_gate_up"]), 2, axis=-1)
@@ -172,25 +135,20 @@ def decoder_layer(layer, k_pages, v_pages, x, batch, spec: ModelSpec, rope, *, a
     return x, k_pages, v_pages
 
 
-def forward(params, kv_cache, batch, spec: ModelSpec, *, attention_impl: str):
+def forward(params, kv_cache, inputs, spec: ModelSpec, *, attention):
     """Run the transformer over a flattened ragged batch.
 
     kv_cache: list over layers of `(k_pages, v_pages)`, each
         `[num_kv_heads, num_pages, page_size, head_dim]` (bf16 caches stored as uint16 bits).
-    batch: dict of `token_ids [T]`, `positions [T]`, `slot_mapping [T]` (-1 = padding) plus the
-        attention metadata `attention` reads for `attention_impl`.
+    inputs: the step's `StepInputs` (runner/input_batch.py: token ids, positions, slot mapping,
+        RoPE tables, block tables, ...); attention: an `AttentionBackend` (jaxllm/attention.py).
     Returns `(hidden [T, hidden] f32, new kv_cache)`. Layers run as an unrolled loop; see
     runner/model_runner.py for why not `lax.scan`.
     """
-    if "rope_cos" in batch:
-        rope = (batch["rope_cos"], batch["rope_sin"])
-    else:
-        rope = rope_tables(batch["positions"], spec.inv_freq())
-    x = params["embed"][batch["token_ids"]].astype(jnp.float32)
+    x = params["embed"][inputs.token_ids].astype(jnp.float32)
     new_cache = []
     for layer, (k_pages, v_pages) in zip(params["layers"], kv_cache):
-        x, k_pages, v_pages = decoder_layer(layer, k_pages, v_pages, x, batch, spec, rope,
-                                            attention_impl=attention_impl)
+        x, k_pages, v_pages = decoder_layer(layer, k_pages, v_pages, x, inputs, spec, attention=attention)
         new_cache.append((k_pages, v_pages))
     return x, new_cache
 

@@ -14,7 +14,8 @@ class Bucket:
     """Static shape of one compiled step.
 
     num_tokens: T, flat tokens of the step. num_decode_rows: one-token attention rows
-    (decodes). num_prefill_rows: `prefill_block`-token attention rows (prompt chunks).
+    (decodes). num_prefill_rows: attention rows of `prefill_row_tokens` query tokens (prompt
+    chunks; only the `cpu` attention backend's shapes depend on them).
     num_seqs: S, sequences that get logits and a sampled token.
     """
 
@@ -36,7 +37,7 @@ def _powers_of_two(lo: int, hi: int) -> list[int]:
     return out + [hi]
 
 
-def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, prefill_block: int,
+def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, prefill_row_tokens: int,
                  max_num_prefill_seqs: int) -> list[Bucket]:
     """Decode-only buckets (powers of two from 2 — a one-row batch is padded to two, since a
     single-row dot is a slow GEMV on XLA:CPU — plus 48, 96, ...) and mixed buckets (32 tokens
@@ -52,7 +53,7 @@ def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, prefill_block: 
     buckets = [Bucket(d, d, 0, d) for d in decode_sizes]
     for t in _powers_of_two(min(32, max_num_batched_tokens), max_num_batched_tokens):
         d = min(t, max_num_seqs)
-        rows = -(-t // prefill_block) + max_num_prefill_seqs
+        rows = -(-t // prefill_row_tokens) + max_num_prefill_seqs
         buckets.append(Bucket(t, d, rows, d + max_num_prefill_seqs))
     return sorted(set(buckets), key=lambda b: (b.num_tokens, b.num_seqs, b.num_prefill_rows))
 

@@ -11,17 +11,13 @@ unsorted, masked probabilities with one uniform per request. The uniform comes f
 `fold_in(key(seed), output_index)`, so a seeded request draws the same tokens whatever else
 is in the batch, and after a preemption.
 
-Sampling state (host -> device, `S` = sequences in the bucket):
-    temperature, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty: [S] f32
-    top_k: [S] int32 (0 = off);  seeds: [S] uint32;  output_index: [S] int32
-    penalty_tokens: [S, L] int32 prompt+output ids (-1 padding); output_start: [S] int32
-    banned_tokens: [S, B] int32 ids masked out (EOS/stop ids under min_tokens), -1 padding
-    flags: [5] bool  (all_greedy, any_top_k_top_p, any_penalties, any_logprobs, any_banned)
+The sampling state is a `SamplingMetadata` (runner/input_batch.py: fields and shapes);
+its `flags` say which stages any sequence of the batch needs.
 
 The greedy path runs on every decode step over [S, vocab]; the sampled token's logprob is
 `logit - logsumexp` (no [S, vocab] log_softmax is written unless top logprobs are asked
-for). With `native=True` (the CPU engine) the argmax and logsumexp are one pass of the C++
-kernel (`kernels.native.argmax_logsumexp`): on [128, 49152] XLA:CPU took 14 ms for
+for). With the native attention backend (the CPU default) the argmax and logsumexp are one
+pass of the C++ kernel (`kernels.native.argmax_logsumexp`): on [128, 49152] XLA:CPU took 14 ms for
 `jnp.argmax` and 6 ms for the logsumexp, the kernel about 3.5 ms for both (2 threads).
 """
 
@@ -30,18 +26,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxllm.runner.input_batch import (
+    FLAG_ALL_GREEDY,
+    FLAG_BANNED,
+    FLAG_LOGPROBS,
+    FLAG_PENALTIES,
+    FLAG_TOP_K_TOP_P,
+    SamplingMetadata,
+)
 from jaxllm.sampling_params import MAX_LOGPROBS
 
-NUM_BANNED = 32
-FLAG_ALL_GREEDY, FLAG_TOP_K_TOP_P, FLAG_PENALTIES, FLAG_LOGPROBS, FLAG_BANNED = range(5)
-NUM_FLAGS = 5
 
-
-def argmax_logsumexp(x: jax.Array, native: bool) -> tuple[jax.Array, jax.Array]:
-    if native:
-        from jaxllm.kernels import native as native_kernels
-
-        return native_kernels.argmax_logsumexp(x)
+def _xla_argmax_logsumexp(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.argmax(x, axis=-1).astype(jnp.int32), jax.nn.logsumexp(x, axis=-1)
 
 
@@ -70,41 +66,41 @@ def _bisect_threshold(keys: jax.Array, enough) -> jax.Array:
 
 def apply_penalties(logits, s):
     vocab = logits.shape[-1]
-    tokens = s["penalty_tokens"]
+    tokens = s.penalty_tokens
     pos = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-    is_output = pos >= s["output_start"][:, None]
+    is_output = pos >= s.output_start[:, None]
     tok = jnp.where(tokens < 0, vocab, tokens)
     rows = jnp.arange(tokens.shape[0])[:, None]
     out_counts = jnp.zeros(logits.shape, jnp.float32).at[rows, tok].add(is_output.astype(jnp.float32), mode="drop")
     seen = jnp.zeros(logits.shape, jnp.bool_).at[rows, tok].set(True, mode="drop")
-    rep = s["repetition_penalty"][:, None]
+    rep = s.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    logits = logits - s["frequency_penalty"][:, None] * out_counts
-    return logits - s["presence_penalty"][:, None] * (out_counts > 0)
+    logits = logits - s.frequency_penalty[:, None] * out_counts
+    return logits - s.presence_penalty[:, None] * (out_counts > 0)
 
 
 def _sample_random(logits, s):
     """Temperature, min_p, top_k, top_p, then one inverse-CDF draw per row."""
-    temp = jnp.where(s["temperature"] > 0, s["temperature"], 1.0)
+    temp = jnp.where(s.temperature > 0, s.temperature, 1.0)
     logits = logits / temp[:, None]
     probs = jax.nn.softmax(logits, axis=-1)
-    keep = probs >= (s["min_p"] * probs.max(-1))[:, None]
+    keep = probs >= (s.min_p * probs.max(-1))[:, None]
 
     def top_k_top_p(keep):
         vocab = logits.shape[-1]
-        k = jnp.where(s["top_k"] > 0, jnp.minimum(s["top_k"], vocab), vocab)
+        k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab)
         logit_keys = _sortable(logits)
         keep &= logit_keys >= _bisect_threshold(logit_keys, lambda m: m.sum(-1) >= k)[:, None]
         masked = jnp.where(keep, probs, 0.0)
         masked = masked / masked.sum(-1, keepdims=True)
         prob_keys = _sortable(masked)
-        t = _bisect_threshold(prob_keys, lambda m: jnp.where(m, masked, 0.0).sum(-1) >= s["top_p"])
-        return keep & ((prob_keys >= t[:, None]) | (s["top_p"] >= 1.0)[:, None])
+        t = _bisect_threshold(prob_keys, lambda m: jnp.where(m, masked, 0.0).sum(-1) >= s.top_p)
+        return keep & ((prob_keys >= t[:, None]) | (s.top_p >= 1.0)[:, None])
 
-    keep = jax.lax.cond(s["flags"][FLAG_TOP_K_TOP_P], top_k_top_p, lambda k: k, keep)
+    keep = jax.lax.cond(s.flags[FLAG_TOP_K_TOP_P], top_k_top_p, lambda k: k, keep)
     masked = jnp.where(keep, probs, 0.0)
     cdf = jnp.cumsum(masked, axis=-1)
-    keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(s["seeds"], s["output_index"])
+    keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(s.seeds, s.output_index)
     u = jax.vmap(lambda key: jax.random.uniform(key, dtype=jnp.float32))(keys) * cdf[:, -1]
     token = jnp.sum(cdf <= u[:, None], axis=-1)
     # Guard the float edge (u == total): fall back to the last kept token.
@@ -112,34 +108,36 @@ def _sample_random(logits, s):
     return jnp.minimum(token, last_kept).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, s: dict, native: bool = False) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def sample(logits: jax.Array, s: SamplingMetadata, argmax_logsumexp=_xla_argmax_logsumexp,
+           ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """logits [S, V] f32 -> (tokens [S] int32, token logprob [S] f32,
     top_logprobs [S, MAX_LOGPROBS] f32, top_ids [S, MAX_LOGPROBS] int32).
 
     Logprobs are those of the model's raw distribution (before penalties and temperature),
-    as vLLM reports them.
+    as vLLM reports them. `argmax_logsumexp(x) -> (argmax, logsumexp)` per row is the
+    attention backend's (the native one does both in one C++ pass).
     """
     rows = jnp.arange(logits.shape[0])
 
     def mask_banned(x, s):
-        banned = s["banned_tokens"]
+        banned = s.banned_tokens
         return x.at[rows[:, None], jnp.where(banned < 0, x.shape[-1], banned)].set(-jnp.inf, mode="drop")
 
     def processed():  # banned tokens and penalties applied (an all-greedy plain batch skips this)
-        x = jax.lax.cond(s["flags"][FLAG_BANNED], mask_banned, lambda x, _: x, logits, s)
-        return jax.lax.cond(s["flags"][FLAG_PENALTIES], apply_penalties, lambda x, _: x, x, s)
+        x = jax.lax.cond(s.flags[FLAG_BANNED], mask_banned, lambda x, _: x, logits, s)
+        return jax.lax.cond(s.flags[FLAG_PENALTIES], apply_penalties, lambda x, _: x, x, s)
 
-    raw_argmax, lse = argmax_logsumexp(logits, native)
-    greedy_tokens = jax.lax.cond(s["flags"][FLAG_BANNED] | s["flags"][FLAG_PENALTIES],
-                                 lambda: argmax_logsumexp(processed(), native)[0], lambda: raw_argmax)
+    raw_argmax, lse = argmax_logsumexp(logits)
+    greedy_tokens = jax.lax.cond(s.flags[FLAG_BANNED] | s.flags[FLAG_PENALTIES],
+                                 lambda: argmax_logsumexp(processed())[0], lambda: raw_argmax)
     tokens = jax.lax.cond(
-        s["flags"][FLAG_ALL_GREEDY],
+        s.flags[FLAG_ALL_GREEDY],
         lambda: greedy_tokens,
-        lambda: jnp.where(s["temperature"] > 0, _sample_random(processed(), s), greedy_tokens),
+        lambda: jnp.where(s.temperature > 0, _sample_random(processed(), s), greedy_tokens),
     )
     token_logprob = logits[rows, tokens] - lse
     top_lp, top_ids = jax.lax.cond(
-        s["flags"][FLAG_LOGPROBS],
+        s.flags[FLAG_LOGPROBS],
         lambda: (lambda v, i: (v - lse[:, None], i))(*jax.lax.top_k(logits, MAX_LOGPROBS)),
         lambda: (jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.float32),
                  jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.int32)),

@@ -1,0 +1,90 @@
+"""What the parts of one engine step hand each other (vLLM v1's contracts).
+
+    Scheduler.schedule()                        -> SchedulerOutput
+    ModelRunner.execute(SchedulerOutput)        -> ModelRunnerOutput
+    Scheduler.update_from_output(both)          -> EngineCoreOutputs
+    OutputProcessor.process_outputs(that)       -> RequestOutputs (+ requests a stop string ended)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxllm.core.request import Request
+
+
+@dataclasses.dataclass(slots=True)
+class SchedulerOutput:
+    """One step's plan.
+
+    scheduled: (request, num_new_tokens) pairs; a decode has 1 new token, a prompt chunk more.
+    finished_req_ids / preempted_req_ids: requests that left the batch since the last step
+        (the runner drops their rows).
+    block_copies: (src, dst) KV pages to copy before the step (copy-on-write).
+    swap_out: (device page, host slot) pairs to save before the step (preemption by swapping);
+    swap_in: (host slot, device page) pairs to restore before the step.
+    """
+
+    scheduled: list[tuple[Request, int]]
+    finished_req_ids: set[str] = dataclasses.field(default_factory=set)
+    preempted_req_ids: set[str] = dataclasses.field(default_factory=set)
+    block_copies: tuple[list[int], list[int]] = ((), ())
+    swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def num_preempted(self) -> int:
+        return len(self.preempted_req_ids)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclasses.dataclass(slots=True)
+class ModelRunnerOutput:
+    """The step's results, row i for `SchedulerOutput.scheduled[i]`.
+
+    sampled_token_ids: [n] int32, -1 where the request is mid-prompt (no token this step).
+    logprobs: [n] f32, the sampled tokens' logprobs.
+    top_logprobs, top_token_ids: [n, MAX_LOGPROBS], filled when a request asked for logprobs.
+    """
+
+    sampled_token_ids: np.ndarray
+    logprobs: np.ndarray
+    top_logprobs: np.ndarray
+    top_token_ids: np.ndarray
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(slots=True)
+class EngineCoreOutput:
+    """What one request got from a step: a new token (none mid-prompt) and, once it ends, why.
+
+    top_logprobs: (token ids, logprobs) of the request's `logprobs` best tokens, or None.
+    finish_reason: "stop" | "length" | "abort" | None; stop_reason: the stop token id.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprob: float | None = None
+    top_logprobs: tuple[list[int], list[float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    scheduled_time: float | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class EngineCoreOutputs:
+    outputs: list[EngineCoreOutput]
+    num_prompt_tokens: int = 0       # prompt tokens computed this step
+    num_generated_tokens: int = 0
+    num_preempted: int = 0
+    timestamp: float = 0.0           # time.monotonic() when the step's tokens arrived

@@ -1,0 +1,85 @@
+"""EngineCore: the scheduler, the KV cache manager and the model runner behind one step.
+
+    step():  Scheduler.schedule() -> ModelRunner.execute() -> Scheduler.update_from_output()
+
+Requests go in as `Request`s (token ids, sampling params); each step returns
+`EngineCoreOutputs` (new token ids, logprobs, finish reasons). Text, choices and output kinds
+are the `OutputProcessor`'s business (engine/output_processor.py), on the LLMEngine side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable
+
+from jaxllm.config import EngineConfig
+from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.core.outputs import EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
+from jaxllm.core.request import Request, RequestStatus
+from jaxllm.core.scheduler import Scheduler
+from jaxllm.runner.model_runner import ModelRunner
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, spec, params):
+        cache = config.cache
+        self.kv_cache_manager = KVCacheManager(cache.num_blocks, cache.block_size,
+                                               enable_prefix_caching=cache.enable_prefix_caching,
+                                               num_swap_blocks=cache.num_swap_blocks)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.runner = ModelRunner(config, spec, params)
+        self.stats = EngineStats()
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        self.scheduler.finish_requests(request_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        t0 = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        runner_output = self.runner.execute(scheduler_output)
+        t2 = time.perf_counter()
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if not scheduler_output.is_empty:
+            self.stats.record_step(scheduler_output, runner_output, outputs, t1 - t0, time.perf_counter() - t2)
+        return outputs
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters the server's /metrics and the benchmarks read."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_steps: int = 0
+    num_preemptions: int = 0
+    finished: dict = dataclasses.field(default_factory=dict)
+    time_schedule: float = 0.0
+    time_prepare: float = 0.0
+    time_device: float = 0.0
+    time_update: float = 0.0
+
+    def record_step(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+                    outputs: EngineCoreOutputs, t_schedule: float, t_update: float) -> None:
+        self.num_steps += 1
+        self.num_preemptions += scheduler_output.num_preempted
+        self.generation_tokens += outputs.num_generated_tokens
+        self.prompt_tokens += outputs.num_prompt_tokens
+        self.time_schedule += t_schedule
+        self.time_prepare += runner_output.timings["prepare"]
+        self.time_device += runner_output.timings["device"]
+        self.time_update += t_update
+
+    def record_finished(self, reason: str) -> None:
+        """Count a finished request (all its `n` choices), by the first choice's reason."""
+        self.finished[reason] = self.finished.get(reason, 0) + 1

@@ -1,0 +1,211 @@
+"""The step's typed inputs and the host-side state they are built from.
+
+`StepInputs` and `SamplingMetadata` are pytrees of arrays: the jitted step takes them as two
+arguments, and later features (sharding annotations, token masks) add fields here.
+
+`InputBatch` keeps one *row* per request that is in the batch (vLLM's persistent batch):
+its tokens so far, its block table and its sampling parameters, written once when the
+request joins and then only extended (new tokens, new pages). Each step, `prepare` builds the
+step's arrays from those rows with numpy indexing, without Python loops over tokens, into
+buffers that persist per bucket.
+
+Shapes (T = bucket tokens, S = bucket sequences, P = pages per sequence, L = max_model_len):
+
+    token_ids, positions, slot_mapping [T] int32    (slot -1 = padding, written nowhere)
+    block_tables [S, P] int32, seq_lens [S] int32   (cache length after this step)
+    query_start_loc [S + 1] int32                   (sequence s owns tokens [qsl[s], qsl[s+1]))
+    num_seqs [] int32, logits_indices [S] int32     (each sequence's last token)
+    rope_cos, rope_sin [T, 1, head_dim / 2] f32
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jaxllm.core.request import Request
+
+NUM_BANNED = 32   # stop/EOS ids a request can hold back under min_tokens
+FLAG_ALL_GREEDY, FLAG_TOP_K_TOP_P, FLAG_PENALTIES, FLAG_LOGPROBS, FLAG_BANNED = range(5)
+NUM_FLAGS = 5
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepInputs:
+    token_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    block_tables: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    num_seqs: np.ndarray
+    logits_indices: np.ndarray
+    rope_cos: np.ndarray
+    rope_sin: np.ndarray
+    attn_metadata: dict     # the attention backend's own arrays (jaxllm/attention.py)
+
+    @classmethod
+    def zeros(cls, num_tokens: int, num_seqs: int, max_blocks: int, head_dim: int) -> StepInputs:
+        i32 = np.int32
+        return cls(token_ids=np.zeros(num_tokens, i32), positions=np.zeros(num_tokens, i32),
+                   slot_mapping=np.full(num_tokens, -1, i32), block_tables=np.zeros((num_seqs, max_blocks), i32),
+                   query_start_loc=np.zeros(num_seqs + 1, i32), seq_lens=np.zeros(num_seqs, i32),
+                   num_seqs=np.zeros((), i32), logits_indices=np.zeros(num_seqs, i32),
+                   rope_cos=np.ones((num_tokens, 1, head_dim // 2), np.float32),
+                   rope_sin=np.zeros((num_tokens, 1, head_dim // 2), np.float32), attn_metadata={})
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingMetadata:
+    """Per-sequence sampling state `[S]` (runner/sampler.py applies it)."""
+
+    temperature: np.ndarray         # f32, 0 = greedy
+    top_p: np.ndarray               # f32
+    top_k: np.ndarray               # int32, 0 = off, at most the vocabulary size
+    min_p: np.ndarray               # f32
+    presence_penalty: np.ndarray    # f32
+    frequency_penalty: np.ndarray   # f32
+    repetition_penalty: np.ndarray  # f32
+    seeds: np.ndarray               # uint32
+    output_index: np.ndarray        # int32, outputs so far (folds into the seed)
+    output_start: np.ndarray        # int32, prompt length (where outputs start in penalty_tokens)
+    penalty_tokens: np.ndarray      # [S, L] int32 prompt + output ids, -1 padding
+    banned_tokens: np.ndarray       # [S, NUM_BANNED] int32 ids masked out (under min_tokens), -1 padding
+    flags: np.ndarray               # [NUM_FLAGS] bool, batch-wide: which sampler stages run
+
+    @classmethod
+    def zeros(cls, num_seqs: int) -> SamplingMetadata:
+        f32, i32 = np.float32, np.int32
+        return cls(temperature=np.zeros(num_seqs, f32), top_p=np.ones(num_seqs, f32),
+                   top_k=np.zeros(num_seqs, i32), min_p=np.zeros(num_seqs, f32),
+                   presence_penalty=np.zeros(num_seqs, f32), frequency_penalty=np.zeros(num_seqs, f32),
+                   repetition_penalty=np.ones(num_seqs, f32), seeds=np.zeros(num_seqs, np.uint32),
+                   output_index=np.zeros(num_seqs, i32), output_start=np.zeros(num_seqs, i32),
+                   penalty_tokens=None, banned_tokens=np.full((num_seqs, NUM_BANNED), -1, i32),
+                   flags=np.zeros(NUM_FLAGS, np.bool_))
+
+
+# Per-row sampling parameters: (SamplingMetadata field, neutral value).
+_ROW_PARAMS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
+               "frequency_penalty": 0.0, "repetition_penalty": 1.0, "seeds": 0}
+
+
+class InputBatch:
+    """Rows of per-request state that persist across steps."""
+
+    def __init__(self, max_rows: int, max_model_len: int, max_blocks: int, block_size: int, vocab_size: int):
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.row_of: dict[str, int] = {}
+        self.free_rows: list[int] = []
+        self.token_ids = np.zeros((0, max_model_len), np.int32)
+        self.num_tokens = np.zeros(0, np.int32)          # tokens written into the row
+        self.num_prompt_tokens = np.zeros(0, np.int32)
+        self.block_table = np.zeros((0, max_blocks), np.int32)
+        self.min_tokens = np.zeros(0, np.int32)
+        self.banned = np.zeros((0, NUM_BANNED), np.int32)   # ids held back until min_tokens
+        self.params = {name: np.zeros(0, np.float32 if isinstance(v, float) else np.int64)
+                       for name, v in _ROW_PARAMS.items()}
+        self.uses_penalties = np.zeros(0, np.bool_)
+        self.wants_logprobs = np.zeros(0, np.bool_)
+        self.uses_top_k_top_p = np.zeros(0, np.bool_)
+        self._grow(max_rows)
+
+    def _grow(self, rows: int) -> None:
+        old = len(self.num_tokens)
+        for name in ("token_ids", "num_tokens", "num_prompt_tokens", "block_table", "min_tokens", "banned",
+                     "uses_penalties", "wants_logprobs", "uses_top_k_top_p"):
+            arr = getattr(self, name)
+            grown = np.zeros((rows, *arr.shape[1:]), arr.dtype)
+            grown[:old] = arr
+            setattr(self, name, grown)
+        for name, arr in self.params.items():
+            self.params[name] = np.concatenate([arr, np.zeros(rows - old, arr.dtype)])
+        self.free_rows += range(rows - 1, old - 1, -1)
+
+    def remove(self, request_ids) -> None:
+        for request_id in request_ids:
+            row = self.row_of.pop(request_id, None)
+            if row is not None:
+                self.free_rows.append(row)
+
+    def rows_for(self, requests: list[Request]) -> np.ndarray:
+        """The rows of `requests` (added if new), brought up to date with their tokens and
+        pages: only what changed since the last step is written."""
+        rows = np.empty(len(requests), np.int64)
+        bs = self.block_size
+        for i, req in enumerate(requests):
+            row = self.row_of.get(req.request_id)
+            if row is None:
+                row = self._add(req)
+            else:
+                have, num_tokens = self.num_tokens[row], req.num_tokens
+                if num_tokens > have:
+                    self.token_ids[row, have:num_tokens] = req.token_slice(have, num_tokens)
+                    self.num_tokens[row] = num_tokens
+                # Pages from the one being written on: new pages, and a copy-on-write copy.
+                first = req.num_computed_tokens // bs
+                tail = req.block_ids[first:]
+                self.block_table[row, first:first + len(tail)] = tail
+            rows[i] = row
+        return rows
+
+    def _add(self, req: Request) -> int:
+        if not self.free_rows:
+            self._grow(2 * len(self.num_tokens))
+        row = self.free_rows.pop()
+        self.row_of[req.request_id] = row
+        tokens = req.all_token_ids
+        self.token_ids[row, :len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_prompt_tokens[row] = req.num_prompt_tokens
+        self.block_table[row, :len(req.block_ids)] = req.block_ids
+        p = req.sampling_params
+        values = {"temperature": p.temperature, "top_p": p.top_p, "top_k": min(max(p.top_k, 0), self.vocab_size),
+                  "min_p": p.min_p, "presence_penalty": p.presence_penalty,
+                  "frequency_penalty": p.frequency_penalty, "repetition_penalty": p.repetition_penalty,
+                  "seeds": req.seed & 0xFFFFFFFF}
+        for name, value in values.items():
+            self.params[name][row] = value
+        self.min_tokens[row] = p.min_tokens
+        banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
+        self.banned[row] = -1
+        self.banned[row, :len(banned[:NUM_BANNED])] = banned[:NUM_BANNED]
+        self.uses_penalties[row] = p.uses_penalties
+        self.wants_logprobs[row] = p.logprobs is not None
+        self.uses_top_k_top_p[row] = p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0)
+        return row
+
+    def fill_sampling(self, out: SamplingMetadata, rows: np.ndarray, no_penalty_tokens) -> None:
+        """Write the sampling state of `rows` (the step's sequences, in order) into `out`."""
+        n = len(rows)
+        for name, neutral in _ROW_PARAMS.items():
+            buf = getattr(out, name)
+            buf[:n] = self.params[name][rows]
+            buf[n:] = neutral
+        num_out = self.num_tokens[rows] - self.num_prompt_tokens[rows]
+        out.output_index[:n], out.output_index[n:] = num_out, 0
+        out.output_start[:n], out.output_start[n:] = self.num_prompt_tokens[rows], 0
+        holding = num_out < self.min_tokens[rows]
+        out.banned_tokens[:n] = np.where(holding[:, None], self.banned[rows], -1)
+        out.banned_tokens[n:] = -1
+        penalties = self.uses_penalties[rows]
+        if penalties.any():
+            L = self.max_model_len
+            keep = penalties[:, None] & (np.arange(L)[None, :] < self.num_tokens[rows][:, None])
+            tokens = np.full((len(out.temperature), L), -1, np.int32)
+            tokens[:n] = np.where(keep, self.token_ids[rows], -1)
+            out.penalty_tokens = tokens
+        else:
+            out.penalty_tokens = no_penalty_tokens
+        out.flags[:] = False
+        out.flags[FLAG_ALL_GREEDY] = not (out.temperature[:n] > 0).any()
+        out.flags[FLAG_TOP_K_TOP_P] = self.uses_top_k_top_p[rows].any()
+        out.flags[FLAG_PENALTIES] = penalties.any()
+        out.flags[FLAG_LOGPROBS] = self.wants_logprobs[rows].any()
+        out.flags[FLAG_BANNED] = (out.banned_tokens[:n] >= 0).any()
