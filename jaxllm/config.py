@@ -22,7 +22,9 @@ PREEMPTION_MODES = ("recompute", "swap")
 
 
 def _opt(default, help: str, **metadata):
-    """A field with its CLI help (and optional `metavar`, `cli=False` to keep it off the CLI)."""
+    """A field with its CLI help, and optionally a `metavar`, `choices`, `size=True` (the flag takes
+    sizes such as 4GiB) or `cli=False` (no flag). The CLI ends the help with "(default: <value>)"
+    unless the help names the default itself, as it should where the value alone says little (None)."""
     return dataclasses.field(default=default, metadata={"help": help, **metadata})
 
 
@@ -45,9 +47,11 @@ class EngineArgs:
         metavar="SIZE", size=True)
     gpu_memory_utilization: float | None = _opt(
         None, "the KV cache's share of the memory left after loading the weights (device memory on an "
-              "accelerator, available RAM on CPU), in (0, 1]", metavar="FRACTION")
-    num_gpu_blocks_override: int | None = _opt(None, "exact number of KV pages (overrides the memory options)",
-                                               metavar="N")
+              "accelerator, available RAM on CPU), in (0, 1] (default: unset, --kv-cache-memory sizes the cache)",
+        metavar="FRACTION")
+    num_gpu_blocks_override: int | None = _opt(
+        None, "exact number of KV pages, overriding the memory options (default: unset, the memory options "
+              "size the cache)", metavar="N")
     swap_space: float = _opt(4.0, "GiB of host memory for KV pages swapped out by preemption "
                                   "(used with --preemption-mode swap)", metavar="GiB")
     preemption_mode: str = _opt(

@@ -3,13 +3,14 @@ offline `LLM` over the tiny model."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import socket
 import sys
 
 import pytest
 
-from jaxllm import SamplingParams
+from jaxllm import EngineArgs, SamplingParams
 from jaxllm.entrypoints import cli
 from tiny_model import offline_llm, tiny_engine_flags
 
@@ -35,21 +36,62 @@ def test_help_names_every_command_and_flag(capsys):
     assert cli.main([]) == 2
 
 
-def test_flags_become_engine_args():
-    args = cli.build_parser().parse_args(
-        ["serve", "--model", "m", "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "8",
-         "--max-num-batched-tokens", "256", "--block-size", "32", "--kv-cache-memory", "1.5GiB",
-         "--no-enable-prefix-caching", "--seed", "3", "--served-model-name", "mine"])
-    engine_args = cli.engine_args(args)
-    assert (engine_args.model, engine_args.dtype, engine_args.max_model_len, engine_args.max_num_seqs) == \
-        ("m", "float32", 1024, 8)
-    assert (engine_args.max_num_batched_tokens, engine_args.block_size, engine_args.seed) == (256, 32, 3)
-    assert engine_args.kv_cache_memory == 3 << 29
-    assert engine_args.enable_prefix_caching is False and engine_args.served_model_name == "mine"
-    assert cli.engine_args(cli.build_parser().parse_args(["serve"])).enable_prefix_caching is True
+def test_every_engine_args_field_has_a_flag(capsys):
+    fields = [field.name for field in dataclasses.fields(EngineArgs)]
+    for command in ("serve", "generate", "chat"):
+        args = vars(cli.build_parser().parse_args([command]))
+        expected = [f for f in fields if command == "serve" or f not in cli.SERVE_ONLY_FIELDS]
+        assert [f for f in fields if f in args] == expected, command
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())  # argparse wraps help lines
+        for field in expected:
+            assert f"--{field.replace('_', '-')} " in text, (command, field)
+        for shown in ("most sequences in one batch (default: 128)", "--no-enable-prefix-caching",
+                      "shared prompt prefixes (default: on)", "{recompute,swap}"):
+            assert shown in text, (command, shown)
+        assert "default: None" not in text, command
+
+
+def test_flags_round_trip_to_engine_args():
+    defaults = EngineArgs()
+    for command in ("serve", "generate", "chat"):
+        assert cli.engine_args(cli.build_parser().parse_args([command])) == defaults
+    # Every field off its default (kv_cache_memory with gpu_memory_utilization would fail verify(),
+    # which parsing does not run).
+    expected = EngineArgs(
+        model="m", dtype="float32", max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256,
+        max_num_prefill_seqs=4, block_size=32, kv_cache_memory=64 << 20, gpu_memory_utilization=0.5,
+        num_gpu_blocks_override=100, swap_space=1.5, preemption_mode="swap", enable_prefix_caching=False, seed=3,
+        served_model_name="mine", compilation_cache_dir="", params_cache_dir="/params", attention_backend="reference",
+        warmup=False)
+    assert all(getattr(expected, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(EngineArgs))
+    flags = ["--model", "m", "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "8",
+             "--max-num-batched-tokens", "256", "--max-num-prefill-seqs", "4", "--block-size", "32",
+             "--kv-cache-memory", "64MiB", "--gpu-memory-utilization", "0.5", "--num-gpu-blocks-override", "100",
+             "--swap-space", "1.5", "--preemption-mode", "swap", "--no-enable-prefix-caching", "--seed", "3",
+             "--compilation-cache-dir", "", "--params-cache-dir", "/params", "--attention-backend", "reference",
+             "--no-warmup"]
+    parse = cli.build_parser().parse_args
+    assert cli.engine_args(parse(["serve", *flags, "--served-model-name", "mine"])) == expected
+    assert cli.engine_args(parse(["generate", *flags, "a prompt"])) == \
+        dataclasses.replace(expected, served_model_name=None)
+    assert cli.engine_args(parse(["serve", "--kv-cache-memory", "1.5GiB"])).kv_cache_memory == 3 << 29
     assert [cli.parse_size(s) for s in ("2GiB", "512M", "64k", "1000")] == [2 << 30, 512 << 20, 64 << 10, 1000]
-    with pytest.raises(SystemExit):
-        cli.build_parser().parse_args(["serve", "--kv-cache-memory", "lots"])
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--preemption-mode", "sometimes", "invalid choice: 'sometimes'"),
+    ("--attention-backend", "cuda", "invalid choice: 'cuda'"),
+    ("--dtype", "float16", "invalid choice: 'float16'"),
+    ("--kv-cache-memory", "lots", "not a size: 'lots'"),
+    ("--max-num-seqs", "many", "invalid int value: 'many'"),
+])
+def test_bad_engine_flag_is_an_argparse_error(flag, value, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.build_parser().parse_args(["serve", flag, value])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: {message}" in capsys.readouterr().err
 
 
 def test_serve_fails_fast_on_a_taken_port(capsys):

@@ -1,6 +1,7 @@
-"""jaxllm/models/loader.py: the default GGUF model against transformers' own GGUF loading,
-GGUF written from HF weights (llama.cpp's Q/K permutation, Qwen2/Qwen3 tensors, Llama 3 RoPE
-factors), the orbax cache, and the errors for models that cannot be loaded."""
+"""jaxllm/models/loader.py (and the hf_checkpoint.py / gguf_checkpoint.py readers behind it): the
+default GGUF model against transformers' own GGUF loading, GGUF written from HF weights
+(llama.cpp's Q/K permutation, Qwen2/Qwen3 tensors, Llama 3 RoPE factors), the orbax cache, and
+the errors for models that cannot be loaded."""
 
 from __future__ import annotations
 

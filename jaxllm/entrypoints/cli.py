@@ -8,12 +8,14 @@ model) loads inside the subcommand.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
 import time
+import typing
 
-from jaxllm.config import DTYPES, EngineArgs
+from jaxllm.config import EngineArgs
 
 DESCRIPTION = """\
 jaxllm serves large language models with JAX: a paged KV cache and continuous batching, behind
@@ -52,41 +54,52 @@ def parse_size(text: str) -> int:
     return int(number * 1024 ** " kmgt".index(unit or " "))
 
 
+# Fields that only mean something to HTTP clients: only `serve` takes them.
+SERVE_ONLY_FIELDS = ("served_model_name",)
+
+
 def add_engine_args(parser: argparse.ArgumentParser, *, serving: bool = False) -> None:
+    """One flag per `EngineArgs` field, built from the field: `--max-num-seqs` for `max_num_seqs`,
+    parsed as the annotation says (`int | None` as int, default None), with the field's `help`,
+    `metavar` and `choices`; `size=True` fields take sizes such as 4GiB, bools are --x / --no-x."""
     group = parser.add_argument_group("model and engine (names as in vLLM)")
-    group.add_argument("--model", default=None, metavar="PATH_OR_ID",
-                       help="an HF model directory, a .gguf file, or a hub id such as Qwen/Qwen2.5-0.5B-Instruct "
-                            "(Llama, Mistral, Qwen2, Qwen3 families). Default: the bundled SmolLM2-135M-Instruct")
-    group.add_argument("--dtype", default=_DEFAULTS.dtype, choices=DTYPES,
-                       help="weight and KV-cache dtype (default: %(default)s)")
-    group.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
-                       help="context length, prompt plus output (default: the model's)")
-    group.add_argument("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs, metavar="N",
-                       help="most sequences in one batch (default: %(default)s)")
-    group.add_argument("--max-num-batched-tokens", type=int, default=_DEFAULTS.max_num_batched_tokens,
-                       metavar="N", help="most tokens computed in one step (default: %(default)s)")
-    group.add_argument("--block-size", type=int, default=_DEFAULTS.block_size, metavar="TOKENS",
-                       help="tokens per KV-cache page (default: %(default)s)")
-    group.add_argument("--kv-cache-memory", type=parse_size, default=None, metavar="SIZE",
-                       help="memory for the KV cache, e.g. 4GiB (default: 2GiB)")
-    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                       default=_DEFAULTS.enable_prefix_caching,
-                       help="reuse the KV cache of shared prompt prefixes (default: on)")
-    group.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="engine random seed (default: %(default)s)")
-    group.add_argument("--compilation-cache-dir", default=None, metavar="DIR",
-                       help="where compiled programs are kept between runs ('' disables; default: "
-                            "$JAXLLM_CACHE_DIR/xla or ~/.cache/jaxllm/xla)")
-    if serving:
-        group.add_argument("--served-model-name", default=None, metavar="NAME",
-                           help="the model name clients send and /v1/models lists (default: from --model)")
+    hints = typing.get_type_hints(EngineArgs)
+    for field in dataclasses.fields(EngineArgs):
+        meta = field.metadata
+        if not meta.get("cli", True) or (field.name in SERVE_ONLY_FIELDS and not serving):
+            continue
+        default = getattr(_DEFAULTS, field.name)
+        kwargs = {"default": default, "help": _help_with_default(meta["help"], default)}
+        value_type = _flag_type(field.name, hints[field.name])
+        if value_type is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = parse_size if meta.get("size") else value_type
+            kwargs.update({key: meta[key] for key in ("metavar", "choices") if key in meta})
+        group.add_argument("--" + field.name.replace("_", "-"), **kwargs)
+
+
+def _flag_type(name: str, hint) -> type:
+    """`int` or `int | None` -> int; likewise float, str and bool."""
+    types = [t for t in typing.get_args(hint) or (hint,) if t is not type(None)]
+    if len(types) != 1 or types[0] not in (bool, int, float, str):
+        raise TypeError(f"EngineArgs.{name}: no command-line flag for a field of type {hint}")
+    return types[0]
+
+
+def _help_with_default(text: str, default) -> str:
+    """The field's help, ending in its default unless the text already names it."""
+    if "default" not in text.lower():
+        shown = ("on" if default else "off") if isinstance(default, bool) else default
+        text = f"{text} (default: {shown})"
+    return text.replace("%", "%%")  # argparse %-formats help texts
 
 
 def engine_args(args: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(
-        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-        compilation_cache_dir=args.compilation_cache_dir, served_model_name=getattr(args, "served_model_name", None))
+    """The `EngineArgs` that the engine flags in `args` give (a field without a flag keeps its default)."""
+    given = vars(args)
+    return EngineArgs(**{field.name: given[field.name] for field in dataclasses.fields(EngineArgs)
+                         if field.name in given})
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:

@@ -1,2 +1,3 @@
-"""OpenAI-compatible HTTP server: `api_server` (FastAPI app, `jaxllm serve`) and `protocol`
-(request and response bodies)."""
+"""OpenAI-compatible HTTP server: `api_server` (FastAPI app, `jaxllm serve`), the handlers by route
+group (`serving_completion`, `serving_chat`, `serving_tokenization`, over `serving_engine` and
+`serving_utils`), and `protocol` (request and response bodies)."""

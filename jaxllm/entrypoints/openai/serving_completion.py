@@ -1,0 +1,94 @@
+"""/v1/completions: one or more prompts (text or token ids), `n` choices each, optionally echoed,
+with the completions API's logprobs (text offsets), plain or streamed."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from jaxllm.entrypoints.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
+from jaxllm.entrypoints.openai.serving_engine import ChoiceState, MergedOutputs, OpenAIServing
+from jaxllm.entrypoints.openai.serving_utils import APIError, bad_value, completion_logprobs, finish_reason, sse
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """The /v1/completions handler."""
+
+    def completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError("prompt must not be empty", param="prompt")
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                out.append((p, self.llm.encode(p)))
+            else:
+                out.append((None, list(p)))
+        return out
+
+    async def create_completion(self, request: CompletionRequest, raw: Request):
+        self.check_request(request)
+        try:
+            params = request.sampling_params(request.max_tokens, request.logprobs)
+        except ValueError as e:
+            raise bad_value(e, request) from e
+        prompts = self.completion_prompts(request.prompt)
+        for _, ids in prompts:
+            self.check_length(len(ids), request.max_tokens)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        created, n = int(time.time()), params.n
+        choices = [ChoiceState() for _ in range(len(prompts) * n)]
+        echo = [(text if text is not None else self.tokenizer.decode(ids)) if request.echo else ""
+                for text, ids in prompts]
+
+        def usage() -> UsageInfo:
+            prompt_tokens = sum(len(ids) for _, ids in prompts)
+            completion_tokens = sum(len(c.token_ids) for c in choices)
+            return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                             total_tokens=prompt_tokens + completion_tokens)
+
+        async def collect(outputs: MergedOutputs) -> CompletionResponse:
+            async for i, out in outputs:
+                for delta in out.outputs:
+                    choices[i * n + delta.index].add(delta)
+            result = []
+            for index, c in enumerate(choices):
+                prefix = echo[index // n]
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = completion_logprobs(c.token_ids, c.logprobs, len(prefix))
+                result.append(CompletionChoice(index=index, text=prefix + c.text, logprobs=logprobs,
+                                               finish_reason=finish_reason(c.finish_reason),
+                                               stop_reason=c.stop_reason))
+            return CompletionResponse(id=request_id, created=created, model=self.model_name, choices=result,
+                                      usage=usage())
+
+        async def stream(outputs: MergedOutputs) -> AsyncIterator[str]:
+            async for i, out in outputs:
+                for delta in out.outputs:
+                    index = i * n + delta.index
+                    c = choices[index]
+                    first = not c.token_ids and not c.text and c.text_offset == 0
+                    text = (echo[i] if first else "") + delta.text
+                    logprobs = None
+                    if request.logprobs is not None:
+                        start = c.text_offset if not first else len(echo[i])
+                        logprobs = completion_logprobs(delta.token_ids, delta.logprobs or [], start)
+                        c.text_offset = start + sum(len(t) for t in logprobs.tokens)
+                    c.add(delta)
+                    choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                              finish_reason=finish_reason(delta.finish_reason),
+                                              stop_reason=delta.stop_reason)
+                    yield sse(CompletionResponse(id=request_id, created=created, model=self.model_name,
+                                                 choices=[choice]))
+            if request.include_usage:
+                yield sse(CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[],
+                                             usage=usage()))
+
+        return await self.respond(raw, self.start(prompts, params, request_id), request, collect, stream)

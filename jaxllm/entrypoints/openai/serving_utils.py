@@ -1,0 +1,120 @@
+"""Helpers the OpenAI routes share: the error type and OpenAI's error JSON, waiting on a client
+that may disconnect, SSE lines, and the logprobs formats of the completions and chat APIs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Awaitable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from jaxllm.entrypoints.openai.protocol import (
+    ChatChoiceLogprobs, ChatLogprob, ChatTopLogprob, CompletionLogProbs, ErrorInfo, ErrorResponse, SamplingRequest)
+from jaxllm.outputs import Logprob
+
+# ----------------------------------------------------------------------------- errors
+
+
+class APIError(Exception):
+    """Answered as OpenAI's error JSON with this HTTP status."""
+
+    def __init__(self, message: str, status: int = 400, *, param: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                405: "invalid_request_error", 500: "internal_server_error", 503: "service_unavailable"}
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    info = ErrorInfo(message=message, type=_ERROR_TYPES.get(status, "invalid_request_error"), param=param,
+                     code=status)
+    return ErrorResponse(error=info).model_dump()
+
+
+def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status)
+
+
+def bad_value(e: ValueError, request: SamplingRequest | None = None) -> APIError:
+    """SamplingParams and the engine word their errors "<field> must be ..."; name the field."""
+    message = str(e)
+    field = re.match(r"\w*", message).group()
+    known = request is not None and field in type(request).model_fields
+    return APIError(message, 400, param=field if known else None)
+
+
+# ----------------------------------------------------------------------------- client disconnects
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable):
+    """Run `work`, cancelling it if the client disconnects first (uvicorn does not cancel a
+    handler whose client has gone)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+# ----------------------------------------------------------------------------- response pieces
+
+
+def sse(payload) -> str:
+    data = payload.model_dump_json() if hasattr(payload, "model_dump_json") else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return None if reason == "abort" else reason
+
+
+def _sampled(token_id: int, entry: dict[int, Logprob]) -> tuple[Logprob, list[Logprob]]:
+    """(the sampled token's Logprob, the ranked top-k Logprobs, best first)."""
+    top = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)
+    return entry[token_id], top
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], offset: int) -> CompletionLogProbs:
+    out = CompletionLogProbs()
+    for token_id, entry in zip(token_ids, entries):
+        chosen, top = _sampled(token_id, entry)
+        token = chosen.decoded_token or ""
+        out.tokens.append(token)
+        out.token_logprobs.append(chosen.logprob)
+        out.top_logprobs.append({lp.decoded_token or "": lp.logprob for lp in [*top, chosen]})
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]]) -> ChatChoiceLogprobs:
+    def item(lp: Logprob, cls=ChatTopLogprob, **extra):
+        token = lp.decoded_token or ""
+        return cls(token=token, logprob=lp.logprob, bytes=list(token.encode()), **extra)
+
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        chosen, top = _sampled(token_id, entry)
+        content.append(item(chosen, ChatLogprob, top_logprobs=[item(lp) for lp in top]))
+    return ChatChoiceLogprobs(content=content)

@@ -1,0 +1,300 @@
+"""A GGUF file -> (spec, params, tokenizer).
+
+`read_gguf` is a small reader of the header and tensor table (data stays memory-mapped);
+tensors are dequantized with `gguf.quants.dequantize`. The metadata becomes an HF-style config
+(`_gguf_spec`), the tensors are renamed to HF names, and the Q/K rows that llama.cpp's converter
+permutes for its interleaved RoPE are permuted back, so `build_params` and one rotate-half RoPE
+serve GGUF and HF checkpoints alike. The tokenizer is built by transformers from the metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import mmap
+import os
+import re
+import struct
+from typing import Any
+
+import numpy as np
+
+from jaxllm.models.checkpoint import build_params, check_shape, progress_bar
+from jaxllm.models.llama import ModelSpec
+from jaxllm.models.registry import UnsupportedModelError, spec_from_hf_config
+
+logger = logging.getLogger(__name__)
+
+_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+# GGUF tensor name -> HF name (`{i}` is the layer).
+_GGUF_TO_HF = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+_BLOCK_NAME = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+@dataclasses.dataclass(slots=True)
+class GGUFTensor:
+    name: str
+    shape: tuple[int, ...]  # numpy order (ggml's dims reversed): [out, in] for a weight
+    ggml_type: int
+    data: np.ndarray        # raw uint8 bytes, rows of the last dim: [..., bytes_per_row]
+
+
+def read_gguf(path: str) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
+    """Parse a GGUF file's metadata and tensor table; tensor data stays memory-mapped.
+
+    Written here rather than using `gguf.GGUFReader`, which builds a numpy view per
+    vocabulary entry and takes ~2.5 s on the default model's header (this takes ~0.1 s).
+    Raises ValueError naming the file when it is truncated or not a GGUF.
+    """
+    from gguf.constants import GGML_QUANT_SIZES
+
+    try:
+        with open(path, "rb") as f:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        reader = _GGUFHeader(buf)
+        if buf[:4] != b"GGUF":
+            raise ValueError("no GGUF magic bytes")
+        version, num_tensors, num_kv = reader.unpack("<4xIQQ")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (supported: 2, 3)")
+        metadata = {}
+        for _ in range(num_kv):
+            key = reader.string()
+            (vtype,) = reader.unpack("<I")
+            metadata[key] = reader.value(vtype)
+        infos = []
+        for _ in range(num_tensors):
+            name = reader.string()
+            (ndim,) = reader.unpack("<I")
+            dims = reader.unpack(f"<{ndim}Q")
+            ggml_type, offset = reader.unpack("<IQ")
+            infos.append((name, tuple(reversed(dims)), ggml_type, offset))
+        alignment = int(metadata.get("general.alignment", 32))
+        data_start = -(-reader.pos // alignment) * alignment
+    except (struct.error, ValueError, UnicodeDecodeError, OverflowError, KeyError) as e:
+        raise ValueError(f"{path}: not a valid GGUF file (truncated or corrupt): {e}") from e
+
+    tensors = {}
+    for name, shape, ggml_type, offset in infos:
+        if ggml_type not in GGML_QUANT_SIZES:
+            raise UnsupportedModelError(f"{path}: tensor {name} has unknown ggml type {ggml_type}")
+        block, type_size = GGML_QUANT_SIZES[ggml_type]
+        row_bytes = shape[-1] // block * type_size
+        nbytes = int(np.prod(shape[:-1], dtype=np.int64)) * row_bytes
+        start = data_start + offset
+        if start + nbytes > len(buf):
+            raise ValueError(f"{path}: truncated GGUF file: tensor {name} ends at byte {start + nbytes}, "
+                             f"the file has {len(buf)} bytes")
+        data = np.frombuffer(buf, np.uint8, nbytes, start).reshape(*shape[:-1], row_bytes)
+        tensors[name] = GGUFTensor(name, shape, ggml_type, data)
+    return metadata, tensors
+
+
+class _GGUFHeader:
+    """Cursor over a GGUF header (little-endian)."""
+
+    _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                10: "<Q", 11: "<q", 12: "<d"}
+
+    def __init__(self, buf):
+        self.buf, self.pos = buf, 0
+
+    def unpack(self, fmt: str) -> tuple:
+        values = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return values
+
+    def string(self) -> str:
+        (n,) = self.unpack("<Q")
+        if self.pos + n > len(self.buf):
+            raise ValueError(f"string of {n} bytes at offset {self.pos} runs past the end")
+        s = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return s.decode("utf-8")
+
+    def value(self, vtype: int):
+        if vtype in self._SCALARS:
+            return self.unpack(self._SCALARS[vtype])[0]
+        if vtype == 8:
+            return self.string()
+        if vtype == 9:
+            etype, count = self.unpack("<IQ")
+            if etype in self._SCALARS:  # numbers: one frombuffer, not `count` unpacks
+                dt = np.dtype(self._SCALARS[etype].replace("?", "b1"))
+                out = np.frombuffer(self.buf, dt, count, self.pos).tolist()
+                self.pos += count * dt.itemsize
+                return out
+            return [self.value(etype) for _ in range(count)]
+        raise ValueError(f"unknown metadata value type {vtype}")
+
+
+def _dequantize(t: GGUFTensor) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    try:
+        return dequantize(t.data, t.ggml_type).reshape(t.shape)
+    except NotImplementedError as e:
+        raise UnsupportedModelError(f"tensor {t.name}: {e}") from e
+
+
+def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's `permute` of Q/K rows (interleaved RoPE pairs -> rotate-half halves).
+
+    llama.cpp stores head rows as `reshape(n_heads, 2, d/2).swapaxes(1, 2)`; this is its
+    inverse, as in transformers' GGUF loader.
+    """
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_spec(path: str, metadata: dict, tensors: dict[str, GGUFTensor]) -> ModelSpec:
+    """GGUF metadata -> an HF-style config dict -> the spec, built (and checked) by `registry.py`."""
+    arch = metadata.get("general.architecture")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(_GGUF_ARCHITECTURES)}")
+
+    def md(key, default=None):
+        value = metadata.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"{path}: GGUF metadata has no {arch}.{key}")
+        return value
+
+    num_heads = int(md("attention.head_count"))
+    num_kv_heads = md("attention.head_count_kv", num_heads)
+    if isinstance(num_kv_heads, list):
+        if len(set(num_kv_heads)) != 1:
+            raise UnsupportedModelError(f"{path}: per-layer KV head counts {sorted(set(num_kv_heads))}")
+        num_kv_heads = num_kv_heads[0]
+    hidden = int(md("embedding_length"))
+    head_dim = int(md("attention.key_length", hidden // num_heads))
+    if int(md("rope.dimension_count", head_dim)) != head_dim:
+        raise UnsupportedModelError(f"{path}: partial RoPE (rope.dimension_count != head_dim {head_dim})")
+    embed = tensors.get("token_embd.weight")
+    if embed is None:
+        raise ValueError(f"{path}: GGUF has no token_embd.weight")
+    tok = "tokenizer.ggml."
+    eos = [metadata[tok + k] for k in ("eos_token_id", "eot_token_id", "eom_token_id") if tok + k in metadata]
+    config = {
+        "architectures": [_GGUF_ARCHITECTURES[arch]],
+        "vocab_size": embed.shape[0],
+        "hidden_size": hidden,
+        "intermediate_size": int(md("feed_forward_length")),
+        "num_hidden_layers": int(md("block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(num_kv_heads),
+        "head_dim": head_dim,
+        # GGUF stores eps as float32: 1e-5 reads back as 9.99999974e-06.
+        "rms_norm_eps": float(str(np.float32(md("attention.layer_norm_rms_epsilon")))),
+        "rope_theta": float(md("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(md("context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": metadata.get(tok + "bos_token_id"),
+        "eos_token_id": list(dict.fromkeys(eos)),
+    }
+    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        config["rope_scaling"] = {"rope_type": scaling}  # registry.py rejects it by name
+    spec = spec_from_hf_config(config)
+    if "rope_freqs.weight" in tensors:  # Llama 3.x: scaled frequencies stored as a tensor
+        orig_ctx = metadata.get(f"{arch}.rope.scaling.original_context_length")
+        config["rope_scaling"] = _llama3_scaling_from_freqs(
+            path, spec, _dequantize(tensors["rope_freqs.weight"]), orig_ctx)
+        spec = spec_from_hf_config(config)
+    return spec
+
+
+def _llama3_scaling_from_freqs(path: str, spec: ModelSpec, freq_factors: np.ndarray, orig_ctx) -> dict:
+    """llama.cpp stores Llama 3 RoPE scaling as per-frequency divisors; recover the parameters
+    (factor is the largest divisor; low/high 1 and 4 as in every Llama 3.x) and check them."""
+    scaling = {"rope_type": "llama3", "factor": float(freq_factors.max()), "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": int(orig_ctx or 8192)}
+    fitted = dataclasses.replace(spec, llama3_rope_scaling=tuple(
+        scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")))
+    if not np.allclose(fitted.inv_freq(), spec.inv_freq() / freq_factors, rtol=1e-4):
+        raise UnsupportedModelError(f"{path}: rope_freqs.weight is not a Llama 3 RoPE scaling")
+    return scaling
+
+
+def load_gguf(path: str, dtype: str, progress: bool):
+    metadata, tensors = read_gguf(path)
+    spec = _gguf_spec(path, metadata, tensors)
+
+    hf_to_gguf = {}
+    for gguf_name in tensors:
+        m = _BLOCK_NAME.fullmatch(gguf_name)
+        pattern, layer = (f"blk.{{i}}.{m.group(2)}", m.group(1)) if m else (gguf_name, None)
+        if pattern in _GGUF_TO_HF:
+            hf_to_gguf[_GGUF_TO_HF[pattern].format(i=layer)] = gguf_name
+    permuted = {"self_attn.q_proj": spec.num_heads, "self_attn.k_proj": spec.num_kv_heads}
+    unpermute = metadata["general.architecture"] == "llama"  # qwen2/3 use NEOX RoPE: unpermuted
+
+    bar = progress_bar(len(hf_to_gguf), os.path.basename(path), progress)
+
+    def get(name: str, shape: tuple):
+        if name not in hf_to_gguf:
+            raise ValueError(f"{path}: GGUF has no tensor for {name}")
+        w = _dequantize(tensors[hf_to_gguf[name]])
+        heads = next((n for k, n in permuted.items() if k in name), None)
+        if unpermute and heads is not None:
+            w = _unpermute_rope(w, heads)
+        bar.update(1)
+        return check_shape(hf_to_gguf[name], w, shape, path)
+
+    with bar:
+        params = build_params(get, lambda n: n in hf_to_gguf, spec, dtype)
+    return spec, params, _gguf_tokenizer(path, metadata)
+
+
+def _gguf_tokenizer(path: str, metadata: dict):
+    """The tokenizer a GGUF describes, built by transformers from the metadata we already parsed.
+
+    This is what `AutoTokenizer.from_pretrained(dir, gguf_file=name)` builds, without its second
+    and third passes over the file and its torch import (~4 s on the default model).
+    """
+    if "tokenizer.ggml.tokens" not in metadata:
+        logger.warning("%s has no tokenizer metadata; the model takes token ids only", path)
+        return None
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
+    except ImportError:  # another transformers layout: the public (slower) route
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    groups = {group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items()
+                      if f"tokenizer.{key}" in metadata}
+              for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    tokenizer_dict, tokenizer_config = groups["tokenizer"], groups["tokenizer_config"]
+    if tokenizer_dict.get("tokenizer_type") == "llama":  # llama.cpp adds BOS to SPM vocabularies
+        tokenizer_config.setdefault("add_bos_token", True)
+    tokens = tokenizer_dict["tokens"]
+    for token, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                       ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        tokenizer_config[token] = tokens[token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(metadata["general.architecture"], tokenizer_dict)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
+

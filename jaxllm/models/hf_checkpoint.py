@@ -1,0 +1,98 @@
+"""An HF checkpoint directory -> (spec, params, tokenizer): `config.json` (plus
+`generation_config.json`'s EOS ids), safetensors weights (`model.safetensors`, a sharded
+`model.safetensors.index.json`, or any `*.safetensors`), and the tokenizer files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import jax
+
+from jaxllm.models.checkpoint import ModelNotFoundError, build_params, check_shape, progress_bar
+from jaxllm.models.registry import spec_from_hf_config
+
+logger = logging.getLogger(__name__)
+
+
+def load_hf_dir(path: str, dtype: str, progress: bool):
+    from safetensors import safe_open
+
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_path):  # vLLM also stops on generation_config's eos ids
+        with open(gen_path) as f:
+            gen_eos = json.load(f).get("eos_token_id")
+        if gen_eos is not None:
+            eos = _as_list(config.get("eos_token_id")) + _as_list(gen_eos)
+            config = {**config, "eos_token_id": list(dict.fromkeys(eos))}
+    spec = spec_from_hf_config(config)
+
+    files = safetensors_files(path)
+    index: dict[str, str] = {}
+    handles = {}
+    for file in files:
+        try:
+            # "flax", not "np": numpy has no bfloat16.
+            handles[file] = safe_open(file, framework="flax")
+            index.update({k: file for k in handles[file].keys()})
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise ValueError(f"{file}: not a valid safetensors file (truncated or corrupt): {e}") from e
+    # A checkpoint saved from the bare model (not *ForCausalLM) has no "model." prefix.
+    bare = "model.embed_tokens.weight" not in index and "embed_tokens.weight" in index
+
+    bar = progress_bar(len(index), os.path.basename(path), progress)
+
+    def key(name: str) -> str:
+        return name.removeprefix("model.") if bare else name
+
+    def get(name: str, shape: tuple):
+        file = index.get(key(name))
+        if file is None:
+            raise ValueError(f"{path}: checkpoint has no tensor {key(name)!r}")
+        try:
+            with jax.default_device(jax.devices("cpu")[0]):  # read to the host; fused arrays go to the device
+                arr = handles[file].get_tensor(key(name))
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"{file}: cannot read tensor {key(name)!r} (truncated or corrupt): {e}") from e
+        bar.update(1)
+        return check_shape(name, arr, shape, file)
+
+    with bar:
+        params = build_params(get, lambda n: key(n) in index, spec, dtype)
+    return spec, params, _hf_tokenizer(path)
+
+
+def _as_list(x) -> list:
+    return [] if x is None else [x] if isinstance(x, int) else list(x)
+
+
+def safetensors_files(path: str) -> list[str]:
+    index_file = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index_file):
+        with open(index_file) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [os.path.join(path, f) for f in sorted(set(weight_map.values()))]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if found:
+        return [os.path.join(path, f) for f in found]
+    raise ModelNotFoundError(f"{path}: no *.safetensors weights (only safetensors checkpoints are supported)")
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _hf_tokenizer(path: str):
+    if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        logger.warning("%s has no tokenizer files; the model takes token ids only", path)
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
