@@ -4,9 +4,9 @@
 
 "dense": `kernels.ragged_paged_attention_reference` (for every query token, gather its
 sequence's whole block table and attend densely). "rows": the jnp row path
-(`attention_impl="cpu"`: `kernels.paged_attention_rows` on rows built by
+(`attention_backend="cpu"`: `kernels.paged_attention_rows` on rows built by
 `kernels.ragged_to_rows`, including the gather of q into rows and the scatter back).
-"native": the C++ kernel (`attention_impl="native"`, the CPU default). Cases: decode steps of
+"native": the C++ kernel (`attention_backend="native"`, the CPU default). Cases: decode steps of
 each batch size at --context tokens of cache per sequence, a decode batch of --spread
 sequences with contexts uniform in 32..--context (like the standard workload's), and one
 --prefill-token prompt chunk. Head shapes default to the bundled model's (9 query heads, 3 KV
@@ -74,9 +74,9 @@ def make_case(rng, q_lens, kv_lens, args):
     return q, k_pages, v_pages, np.asarray(kv_lens, np.int32), block_tables
 
 
-def rows_batch(q_lens, kv_lens, block_tables, num_tokens, group, q_block):
+def rows_batch(q_lens, kv_lens, block_tables, num_tokens, group, row_tokens):
     idx, bt, kl, ql = kernels.ragged_to_rows(q_lens, kv_lens, block_tables, num_tokens=num_tokens,
-                                             num_rows=int(sum(-(-n // q_block) for n in q_lens)), q_block=q_block)
+                                             num_rows=int(sum(-(-n // row_tokens) for n in q_lens)), row_tokens=row_tokens)
     return {f"{group}_token_idx": idx, f"{group}_block_tables": bt, f"{group}_kv_lens": kl, f"{group}_q_lens": ql}
 
 
@@ -86,13 +86,13 @@ IMPLS = ("dense", "rows", "native")
 def measure(kind: str, q_lens: list[int], kv_lens: list[int], args, rng) -> dict:
     q, k_pages, v_pages, kv, block_tables = make_case(rng, q_lens, kv_lens, args)
     num_tokens = q.shape[0]
-    group, q_block = ("decode", 1) if kind == "decode" else ("prefill", args.prefill_block)
+    group, row_tokens = ("decode", 1) if kind == "decode" else ("prefill", args.prefill_row_tokens)
 
     cu_q_lens = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
     ragged = {"kv_lens": jnp.asarray(kv), "block_tables": jnp.asarray(block_tables), "cu_q_lens": cu_q_lens,
               "num_seqs": jnp.int32(len(q_lens))}
-    host_s = median_time(lambda: rows_batch(q_lens, kv, block_tables, num_tokens, group, q_block), 20, 0.2)
-    rows = {k: jnp.asarray(v) for k, v in rows_batch(q_lens, kv, block_tables, num_tokens, group, q_block).items()}
+    host_s = median_time(lambda: rows_batch(q_lens, kv, block_tables, num_tokens, group, row_tokens), 20, 0.2)
+    rows = {k: jnp.asarray(v) for k, v in rows_batch(q_lens, kv, block_tables, num_tokens, group, row_tokens).items()}
     calls = {
         "dense": functools.partial(jax.jit(functools.partial(attention, impl="reference")), q, k_pages, v_pages, ragged),
         "rows": functools.partial(jax.jit(functools.partial(attention, impl="cpu")), q, k_pages, v_pages, rows),
@@ -120,7 +120,7 @@ def main(argv=None):
     ap.add_argument("--spread", type=int, default=128, help="decode batch with contexts uniform in 32..--context "
                                                             "(0: skip)")
     ap.add_argument("--prefill", type=int, default=512, help="prompt chunk length (0: skip)")
-    ap.add_argument("--prefill-block", type=int, default=16, help="query tokens per prefill row")
+    ap.add_argument("--prefill-row-tokens", type=int, default=16, help="query tokens per prefill row")
     ap.add_argument("--num-q-heads", type=int, default=9)
     ap.add_argument("--num-kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
@@ -144,7 +144,7 @@ def main(argv=None):
         rows.append(measure("prefill", [args.prefill], [args.prefill], args, rng))
     result = {"rows": rows, "dtype": args.dtype, "shapes": {"num_q_heads": args.num_q_heads,
               "num_kv_heads": args.num_kv_heads, "head_dim": args.head_dim, "page_size": args.page_size,
-              "prefill_block": args.prefill_block},
+              "prefill_row_tokens": args.prefill_row_tokens},
               "date": now_iso(), "machine": machine_info(), "versions": versions(),
               "command": shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:])}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

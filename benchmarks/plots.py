@@ -283,11 +283,15 @@ def results_markdown(results: str = RESULTS, serving_files: list[str] = (), run_
             m = mem[key]
             out.append(f"| {label.replace(chr(10), ' ')} | {100 * m['waste_fraction']:.1f}% | "
                        f"{m['peak_bytes'] / 2**20:.0f} MiB | {m['seqs_in_budget']:.0f} |")
-        e = mem.get("engine_in_budget")
-        if e:
-            out += ["", f"Run in a {e['kv_budget_bytes'] / 2**20:g} MiB pool ({e['num_blocks']} pages), the engine "
-                        f"held up to {e['peak_running']} sequences at once ({e['num_preemptions']} preemptions); a "
-                        f"max_model_len reservation fits {e['contiguous_max_model_len_fits']}."]
+        runs = mem.get("engine_in_budget") or {}
+        if "kv_budget_bytes" in runs:          # results from before preemption modes were compared
+            runs = {"recompute": runs}
+        for mode, e in runs.items():
+            wall = f", {e['wall_s']:.1f} s" if "wall_s" in e else ""
+            out += ["", f"Run in a {e['kv_budget_bytes'] / 2**20:g} MiB pool ({e['num_blocks']} pages), preempting by "
+                        f"{mode}, the engine held up to {e['peak_running']} sequences at once "
+                        f"({e['num_preemptions']} preemptions{wall}); a max_model_len reservation fits "
+                        f"{e['contiguous_max_model_len_fits']}."]
         out += ["", _provenance(mem), ""]
     k = _load_json(os.path.join(results, "kernels.json"))
     if k:

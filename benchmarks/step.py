@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxllm.config import EngineArgs, resolve_config
 from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.core.outputs import SchedulerOutput
 from jaxllm.core.request import Request
 from jaxllm.models import llama
 from jaxllm.models.loader import load_model
@@ -75,26 +76,25 @@ def make_requests(kv: KVCacheManager, batch: int, context: int, num_new: int, rn
 def compare_scan(runner, spec, params, kv: KVCacheManager, batch: int, context: int, rng) -> dict:
     """Unrolled (the runner's forward) vs lax.scan over stacked layers, same batch."""
     scheduled = make_requests(kv, batch, context, 1, rng)
-    _, _, host_batch, _ = runner.prepare(scheduled)
-    dev_batch = jax.device_put(host_batch)
+    _, _, host_inputs, _ = runner.prepare(scheduled)
+    dev_batch = jax.device_put(host_inputs)
     stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *params["layers"])
     k_all = jnp.stack([k for k, _ in runner.kv_cache])
     v_all = jnp.stack([v for _, v in runner.kv_cache])
-    rope = (dev_batch["rope_cos"], dev_batch["rope_sin"])
 
     def scan_forward(params, stacked, k_all, v_all, b):
-        x = params["embed"][b["token_ids"]].astype(jnp.float32)
+        x = params["embed"][b.token_ids].astype(jnp.float32)
 
         def body(x, layer_and_cache):
             layer, k_pages, v_pages = layer_and_cache
-            x, k_pages, v_pages = llama.decoder_layer(layer, k_pages, v_pages, x, b, spec, rope,
-                                                      attention_impl="cpu")
+            x, k_pages, v_pages = llama.decoder_layer(layer, k_pages, v_pages, x, b, spec,
+                                                      attention=runner.attention)
             return x, (k_pages, v_pages)
         x, (k_all, v_all) = jax.lax.scan(body, x, (stacked, k_all, v_all))
         return x, k_all, v_all
 
     def unrolled_forward(params, kv_cache, b):
-        return llama.forward(params, kv_cache, b, spec, attention_impl=runner.attention_impl)
+        return llama.forward(params, kv_cache, b, spec, attention=runner.attention)
 
     out = {}
     for name, fn, args, donate in (("unrolled", unrolled_forward, (params, runner.kv_cache, dev_batch), (1,)),
@@ -133,7 +133,7 @@ def main():
     spec = loaded.spec
     eargs = EngineArgs(dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=2048,
                        kv_cache_memory=3 << 30, warmup=False)
-    config = resolve_config(eargs, spec, loaded.name, jax.default_backend())
+    config = resolve_config(eargs, spec, loaded.name)
     runner = ModelRunner(config, spec, loaded.params)
     rng = np.random.default_rng(0)
     weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(loaded.params))
@@ -146,7 +146,7 @@ def main():
     def measure(kind, batch, num_new):
         kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size)
         scheduled = make_requests(kv, batch, args.context if kind == "decode" else num_new, num_new, rng)
-        dt = timeit(lambda: runner.execute(scheduled), 3)
+        dt = timeit(lambda: runner.execute(SchedulerOutput(scheduled)), 3)
         tokens = batch * num_new
         flops = tokens * flops_per_token + batch * lm_head_flops
         roof = max(flops / peak, weight_bytes / bw)

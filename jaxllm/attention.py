@@ -120,7 +120,7 @@ class RowsBackend(AttentionBackend):
         if bucket.num_prefill_rows:
             p_idx, p_bt, p_kv, p_q = kernels.ragged_to_rows(
                 q_lens[nd:], seq_lens[nd:], block_tables[nd:], num_tokens=T,
-                num_rows=bucket.num_prefill_rows, q_block=self.prefill_row_tokens)
+                num_rows=bucket.num_prefill_rows, row_tokens=self.prefill_row_tokens)
             p_idx = np.where(p_idx < T, p_idx + int(q_lens[:nd].sum()), T).astype(np.int32)
             meta.update(prefill_token_idx=p_idx, prefill_block_tables=p_bt, prefill_kv_lens=p_kv,
                         prefill_q_lens=p_q)

@@ -103,7 +103,7 @@ def test_serve_fails_fast_on_a_taken_port(capsys):
     assert f"127.0.0.1:{port}" in capsys.readouterr().err
 
 
-def test_generate_streams_prompts_in_order(tiny_model_dir, tmp_path, monkeypatch, capsys):  # noqa: F811
+def test_generate_streams_prompts_in_order(tiny_model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # converted weights: not in ~/.cache
     prompts = ["Hello there", "The capital of France is", "def fibonacci(n):"]
     (tmp_path / "prompts.txt").write_text("\n".join(prompts[1:]) + "\n\n")
@@ -118,7 +118,7 @@ def test_generate_streams_prompts_in_order(tiny_model_dir, tmp_path, monkeypatch
     assert cli.main(["generate"]) == 2
 
 
-def test_chat_reads_stdin_and_streams_replies(tiny_model_dir, monkeypatch, capsys):  # noqa: F811
+def test_chat_reads_stdin_and_streams_replies(tiny_model_dir, monkeypatch, capsys):
     llm = offline_llm(tiny_model_dir)
     loaded = []
     monkeypatch.setattr(cli, "_load", lambda args: loaded.append(args) or llm)  # the engine is tested above

@@ -62,6 +62,19 @@ def test_chunked_prefill_and_preemption_give_same_outputs(llm, tiny_model_dir):
     assert small.engine.kv_cache_manager.num_used_blocks == 0
 
 
+def test_swap_preemption_gives_the_same_outputs_as_recompute(llm, tiny_model_dir):
+    greedy_ref = token_ids(llm.generate(PROMPTS, greedy(24), use_tqdm=False))
+    seeded = [SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=24, ignore_eos=True) for i in range(5)]
+    seeded_ref = token_ids(llm.generate(PROMPTS, seeded, use_tqdm=False))
+    small = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "num_gpu_blocks_override": 16, "block_size": 4,
+                                   "preemption_mode": "swap", "swap_space": 0.01})
+    kv = small.engine.kv_cache_manager
+    assert token_ids(small.generate(PROMPTS, greedy(24), use_tqdm=False)) == greedy_ref
+    assert token_ids(small.generate(PROMPTS, seeded, use_tqdm=False)) == seeded_ref
+    assert small.engine.stats.num_preemptions > 0 and kv.num_swapped_out > 0
+    assert kv.num_used_blocks == 0 and len(kv.free_swap_slots) == kv.num_swap_blocks
+
+
 def test_seeded_sampling_reproducible_whatever_the_batch(llm):
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=10, ignore_eos=True)
     alone = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids

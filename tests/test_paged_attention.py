@@ -68,8 +68,8 @@ def make_batch(seed, q_lens, kv_lens, *, num_q_heads=9, num_kv_heads=3, head_dim
             jnp.asarray(cu_q_lens), jnp.int32(num_seqs))
 
 
-def check(args, tol, block_k=64, **kwargs):
-    out = ragged_paged_attention(*args, interpret=True, block_k=block_k, **kwargs)
+def check(args, tol, tile_keys=64, **kwargs):
+    out = ragged_paged_attention(*args, interpret=True, tile_keys=tile_keys, **kwargs)
     return assert_matches_reference(out, args, tol, **kwargs)
 
 
@@ -121,7 +121,7 @@ def test_sliding_window_and_soft_cap(cache_dtype):
     args = make_batch(3, **MIXED, cache_dtype=cache_dtype)
     check(args, tol, sliding_window=20)
     # One-page key blocks: the window lets the page loop start past the first pages.
-    check(args, tol, sliding_window=20, block_k=16)
+    check(args, tol, sliding_window=20, tile_keys=16)
     check(args, tol, logits_soft_cap=5.0, sm_scale=0.3)
     check(args, tol, sliding_window=7, logits_soft_cap=2.0)
 

@@ -84,15 +84,15 @@ def test_reference_matches_dense(q_lens, ctx_lens):
 
 @pytest.mark.parametrize("dtype,atol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
 @pytest.mark.parametrize("q_lens,ctx_lens", CASES)
-@pytest.mark.parametrize("q_block,rows_per_part", [(1, None), (4, None), (1, 2), (4, 3)])
-def test_rows_path_matches_reference(q_lens, ctx_lens, dtype, atol, q_block, rows_per_part):
+@pytest.mark.parametrize("row_tokens,rows_per_part", [(1, None), (4, None), (1, 2), (4, 3)])
+def test_rows_path_matches_reference(q_lens, ctx_lens, dtype, atol, row_tokens, rows_per_part):
     b = random_paged_batch(np.random.default_rng(1), q_lens=q_lens, ctx_lens=ctx_lens, dtype=dtype)
     ref = kernels.ragged_paged_attention_reference(
         b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["block_tables"], b["cu_q_lens"], b["num_seqs"])
     T = b["q"].shape[0]
     S = len(q_lens)
     idx, bt, kv, ql = kernels.ragged_to_rows(q_lens, ctx_lens, b["block_tables"][:S], num_tokens=T,
-                                             num_rows=sum(-(-n // q_block) for n in q_lens) + 2, q_block=q_block)
+                                             num_rows=sum(-(-n // row_tokens) for n in q_lens) + 2, row_tokens=row_tokens)
     q_pad = np.concatenate([b["q"], np.zeros_like(b["q"][:1])])
     rows = kernels.paged_attention_rows(jnp.asarray(q_pad[idx]), b["k_pages"], b["v_pages"], bt, kv, ql, chunk_pages=2,
                                        rows_per_part=rows_per_part)

@@ -47,7 +47,7 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):  # noqa: F811
+def server(tiny_model_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("server")
     log = open(work / "server.log", "w+")
     # XDG_CACHE_HOME: the subprocess caches its converted weights here, not in ~/.cache.

@@ -61,6 +61,7 @@ class KVCacheManager:
         self.prefix_hits = 0                     # prompt tokens found cached
         self.pending_copies: dict[int, int] = {}  # copy-on-write not yet run: dst page -> src page
         self.num_copies = 0                      # pages copied on write, ever
+        self.num_swapped_out = 0                 # pages swapped out to the host, ever
 
     # ----- accounting -----
     @property
@@ -234,6 +235,7 @@ class KVCacheManager:
         (page, slot) copies to run before the pages are reused (i.e. before the next step)."""
         pairs = [(block_id, self.free_swap_slots.pop()) for block_id in request.block_ids]
         request.swap_slots = [slot for _, slot in pairs]
+        self.num_swapped_out += len(pairs)
         self.free(request)
         return pairs
 

@@ -56,8 +56,6 @@ class Request:
     num_preemptions: int = 0
     # Timestamps (time.monotonic) for metrics.
     scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

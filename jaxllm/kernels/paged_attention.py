@@ -16,26 +16,26 @@ The semantics are exactly those of `reference.ragged_paged_attention_reference`.
 
 Backend: Triton (`compiler_params=pltriton.CompilerParams(...)`), not Mosaic GPU, the
 default on cuda in jax 0.10.2. The kernel's core is a gather of KV pages through the block
-table (`k_pages_ref[page_ids]`), row-masked stores for ragged query blocks, and a
+table (`k_pages_ref[page_ids]`), row-masked stores for ragged query tiles, and a
 data-dependent page loop; Triton expresses all three directly as pointer arithmetic on
 global memory, which is how jax's own `pallas.ops.gpu.paged_attention` is written. Mosaic GPU
-asks for explicit shared-memory/TMA pipelines with blocks in multiples of 128 elements, a
+asks for explicit shared-memory/TMA pipelines with tiles in multiples of 128 elements, a
 much larger kernel for small, scattered pages. Triton is deprecated from jax 0.11; port to
 Mosaic GPU when the engine moves past 0.10.
 
 Work partition. The query heads that share a KV head (`group` of them, padded to a power of
 two) are folded into the rows of one tile, so K/V are read once per KV head and never
-repeated (GQA). q is laid out as [num_kv_heads, tokens * group, head_dim]; a *query block*
-is `block_q = block_m // group` consecutive tokens of one sequence, i.e. `block_m` rows.
-Before the kernel, a few `jnp` ops (on device, no host sync) number the query blocks of all
-sequences: `block_seq[b]` (-1 for unused grid slots) and `block_q_start[b]` (first token of
-block b within its sequence). The grid is (num_kv_heads, max_num_blocks) with the static
-bound max_num_blocks = (T + min(S, T) * (block_q - 1)) // block_q. Each program loads its
-q tile, walks the sequence's pages `block_k` keys at a time with an online softmax in
+repeated (GQA). q is laid out as [num_kv_heads, tokens * group, head_dim]; a *query tile*
+is `tile_q = tile_rows // group` consecutive tokens of one sequence, i.e. `tile_rows` rows.
+Before the kernel, a few `jnp` ops (on device, no host sync) number the query tiles of all
+sequences: `tile_seq[b]` (-1 for unused grid slots) and `tile_q_start[b]` (first token of
+tile b within its sequence). The grid is (num_kv_heads, max_num_tiles) with the static
+bound max_num_tiles = (T + min(S, T) * (tile_q - 1)) // tile_q. Each program loads its
+q tile, walks the sequence's pages `tile_keys` keys at a time with an online softmax in
 float32 (running max, running sum), from the first page its sliding window can see to the
 last page its last query token can see, and stores only its sequence's rows. A long
 context is not split across programs (no split-K), so a batch of few long decodes uses few
-programs. head_dim and page_size must be powers of two (Triton block shapes); the page pool
+programs. head_dim and page_size must be powers of two (Triton tile shapes); the page pool
 is never padded or copied.
 """
 
@@ -60,62 +60,62 @@ def _is_pow2(n: int) -> bool:
 
 def _ragged_paged_attention_kernel(
     # inputs
-    block_seq_ref,      # [num_blocks] int32, -1 for an unused grid slot
-    block_q_start_ref,  # [num_blocks] int32, first token of the block within its sequence
+    tile_seq_ref,      # [num_tiles] int32, -1 for an unused grid slot
+    tile_q_start_ref,  # [num_tiles] int32, first token of the tile within its sequence
     cu_q_lens_ref,      # [S + 1] int32
     kv_lens_ref,        # [S] int32
     block_tables_ref,   # [S, pages_per_seq_padded] int32
-    q_ref,              # [(T + block_q) * group, head_dim] of this KV head
+    q_ref,              # [(T + tile_q) * group, head_dim] of this KV head
     k_pages_ref,        # [num_pages, page_size, head_dim] of this KV head
     v_pages_ref,        # [num_pages, page_size, head_dim] of this KV head
     # outputs
-    o_ref,              # [(T + block_q) * group, head_dim] of this KV head
+    o_ref,              # [(T + tile_q) * group, head_dim] of this KV head
     *,
     group: int,
-    block_m: int,
-    pages_per_block: int,
+    tile_rows: int,
+    pages_per_tile: int,
     sm_scale: float,
     sliding_window: int | None,
     logits_soft_cap: float | None,
 ):
     b = pl.program_id(1)
-    seq = block_seq_ref[b]
+    seq = tile_seq_ref[b]
 
     @pl.when(seq >= 0)
     def _():
         page_size = k_pages_ref.shape[1]
         head_dim = k_pages_ref.shape[2]
-        block_k = pages_per_block * page_size
-        block_q = block_m // group
+        tile_keys = pages_per_tile * page_size
+        tile_q = tile_rows // group
 
         q_start = cu_q_lens_ref[seq]
         q_len = cu_q_lens_ref[seq + 1] - q_start
         kv_len = kv_lens_ref[seq]
-        first_tok = block_q_start_ref[b]
+        first_tok = tile_q_start_ref[b]
         ctx_before = kv_len - q_len          # cache positions before this step's tokens
 
-        tok = first_tok + lax.div(lax.broadcasted_iota(jnp.int32, (block_m,), 0), group)
+        tok = first_tok + lax.div(lax.broadcasted_iota(jnp.int32, (tile_rows,), 0), group)
         row_valid = tok < q_len
         q_pos = jnp.where(row_valid, ctx_before + tok, -1)   # -1 masks every key
-        rows = pl.ds((q_start + first_tok) * group, block_m)
+        rows = pl.ds((q_start + first_tok) * group, tile_rows)
         q = q_ref[rows, :]
         q = jnp.where(row_valid[:, None], q, jnp.zeros_like(q))   # padding may hold NaN
 
-        last_pos = ctx_before + jnp.minimum(first_tok + block_q, q_len) - 1
-        hi = lax.div(last_pos + block_k, block_k)
+        last_pos = ctx_before + jnp.minimum(first_tok + tile_q, q_len) - 1
+        hi = lax.div(last_pos + tile_keys, tile_keys)
         lo = 0
         if sliding_window is not None:
-            lo = lax.div(jnp.maximum(ctx_before + first_tok - sliding_window + 1, 0), block_k)
+            lo = lax.div(jnp.maximum(ctx_before + first_tok - sliding_window + 1, 0), tile_keys)
 
         def body(i, carry):
             m, l, acc = carry
-            page_ids = block_tables_ref[seq, pl.ds(i * pages_per_block, pages_per_block)]
-            k = logical_pages(k_pages_ref[page_ids]).reshape(block_k, head_dim)
-            v = logical_pages(v_pages_ref[page_ids]).reshape(block_k, head_dim)
-            s = pltriton.dot(q, k, trans_b=True) * sm_scale                # [block_m, block_k] f32
+            page_ids = block_tables_ref[seq, pl.ds(i * pages_per_tile, pages_per_tile)]
+            k = logical_pages(k_pages_ref[page_ids]).reshape(tile_keys, head_dim)
+            v = logical_pages(v_pages_ref[page_ids]).reshape(tile_keys, head_dim)
+            s = pltriton.dot(q, k, trans_b=True) * sm_scale                # [tile_rows, tile_keys] f32
             if logits_soft_cap is not None:
                 s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
-            k_pos = i * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+            k_pos = i * tile_keys + lax.broadcasted_iota(jnp.int32, (tile_keys,), 0)
             mask = k_pos[None, :] <= q_pos[:, None]
             if sliding_window is not None:
                 mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
@@ -131,30 +131,30 @@ def _ragged_paged_attention_kernel(
             return m_new, l, acc
 
         init = (
-            jnp.full((block_m,), NEG_INF, jnp.float32),
-            jnp.zeros((block_m,), jnp.float32),
-            jnp.zeros((block_m, head_dim), jnp.float32),
+            jnp.full((tile_rows,), NEG_INF, jnp.float32),
+            jnp.zeros((tile_rows,), jnp.float32),
+            jnp.zeros((tile_rows, head_dim), jnp.float32),
         )
         _, l, acc = lax.fori_loop(lo, hi, body, init)
         o = acc / jnp.maximum(l, 1e-30)[:, None]
-        # Rows past the sequence belong to the next sequence's blocks (or to padding).
+        # Rows past the sequence belong to the next sequence's tiles (or to padding).
         pltriton.store(o_ref.at[rows, :], o.astype(o_ref.dtype), mask=row_valid[:, None])
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "logits_soft_cap", "interpret",
-                     "block_m", "block_k", "num_warps", "num_stages"),
+                     "tile_rows", "tile_keys", "num_warps", "num_stages"),
 )
 def ragged_paged_attention(
     q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
     sm_scale=None, sliding_window=None, logits_soft_cap=None, interpret=False,
-    block_m=16, block_k=64, num_warps=4, num_stages=2,
+    tile_rows=16, tile_keys=64, num_warps=4, num_stages=2,
 ):
     """Ragged paged attention; see the module docstring for shapes.
 
-    Static tuning knobs: `block_m` query rows per program (tokens x padded group),
-    `block_k` keys per inner step (rounded to whole pages).
+    Static tuning knobs: `tile_rows` query rows per program (tokens x padded group),
+    `tile_keys` keys per inner step (rounded to whole pages).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, head_dim_k = k_pages.shape
@@ -168,21 +168,21 @@ def ragged_paged_attention(
         raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of "
                          f"num_kv_heads {num_kv_heads}")
     if not _is_pow2(head_dim) or head_dim < 16:
-        raise ValueError(f"head_dim {head_dim} must be a power of two >= 16 (Triton blocks)")
+        raise ValueError(f"head_dim {head_dim} must be a power of two >= 16 (Triton tiles)")
     if not _is_pow2(page_size):
-        raise ValueError(f"page_size {page_size} must be a power of two (Triton blocks)")
+        raise ValueError(f"page_size {page_size} must be a power of two (Triton tiles)")
     if kv_lens.shape != (num_seqs_max,) or cu_q_lens.shape != (num_seqs_max + 1,):
         raise ValueError(f"kv_lens {kv_lens.shape} / cu_q_lens {cu_q_lens.shape} do not match "
                          f"block_tables {block_tables.shape}")
-    if not _is_pow2(block_m) or not _is_pow2(block_k):
-        raise ValueError(f"block_m {block_m} and block_k {block_k} must be powers of two")
+    if not _is_pow2(tile_rows) or not _is_pow2(tile_keys):
+        raise ValueError(f"tile_rows {tile_rows} and tile_keys {tile_keys} must be powers of two")
 
     group = num_q_heads // num_kv_heads
     group_pad = pl.next_power_of_2(group)
-    block_m = max(block_m, group_pad, 16)         # tl.dot needs M >= 16
-    block_q = block_m // group_pad
-    pages_per_block = max(1, block_k // page_size)
-    block_k = pages_per_block * page_size
+    tile_rows = max(tile_rows, group_pad, 16)         # tl.dot needs M >= 16
+    tile_q = tile_rows // group_pad
+    pages_per_tile = max(1, tile_keys // page_size)
+    tile_keys = pages_per_tile * page_size
     sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
 
     if k_pages.dtype not in (jnp.float32, jnp.bfloat16, jnp.uint16):
@@ -191,29 +191,29 @@ def ragged_paged_attention(
     # Both dot operands in the cache's logical dtype; accumulation is float32 either way.
     compute_dtype = jnp.float32 if k_pages.dtype == jnp.float32 else jnp.bfloat16
 
-    # Number the query blocks of all sequences; static bound on how many there can be.
+    # Number the query tiles of all sequences; static bound on how many there can be.
     seq_ids = jnp.arange(num_seqs_max, dtype=jnp.int32)
     q_lens = jnp.where(seq_ids < num_seqs, cu_q_lens[1:] - cu_q_lens[:-1], 0)
-    blocks_per_seq = (q_lens + block_q - 1) // block_q
-    blocks_end = jnp.cumsum(blocks_per_seq)
-    num_blocks = (num_tokens + min(num_seqs_max, num_tokens) * (block_q - 1)) // block_q
-    bidx = jnp.arange(num_blocks, dtype=jnp.int32)
-    block_seq = jnp.minimum(jnp.searchsorted(blocks_end, bidx, side="right"), num_seqs_max - 1)
-    block_seq = block_seq.astype(jnp.int32)
-    block_q_start = (bidx - (blocks_end[block_seq] - blocks_per_seq[block_seq])) * block_q
-    block_seq = jnp.where(bidx < blocks_end[-1], block_seq, -1)
+    tiles_per_seq = (q_lens + tile_q - 1) // tile_q
+    tiles_end = jnp.cumsum(tiles_per_seq)
+    num_tiles = (num_tokens + min(num_seqs_max, num_tokens) * (tile_q - 1)) // tile_q
+    tile_idx = jnp.arange(num_tiles, dtype=jnp.int32)
+    tile_seq = jnp.minimum(jnp.searchsorted(tiles_end, tile_idx, side="right"), num_seqs_max - 1)
+    tile_seq = tile_seq.astype(jnp.int32)
+    tile_q_start = (tile_idx - (tiles_end[tile_seq] - tiles_per_seq[tile_seq])) * tile_q
+    tile_seq = jnp.where(tile_idx < tiles_end[-1], tile_seq, -1)
 
-    # [num_kv_heads, (T + block_q) * group_pad, head_dim]: a block of block_q tokens is a
-    # contiguous run of block_m rows; the block_q extra tokens keep the last block in bounds.
+    # [num_kv_heads, (T + tile_q) * group_pad, head_dim]: a tile of tile_q tokens is a
+    # contiguous run of tile_rows rows; the tile_q extra tokens keep the last tile in bounds.
     qg = q.astype(compute_dtype).reshape(num_tokens, num_kv_heads, group, head_dim)
-    qg = jnp.pad(qg, ((0, block_q), (0, 0), (0, group_pad - group), (0, 0)))
+    qg = jnp.pad(qg, ((0, tile_q), (0, 0), (0, group_pad - group), (0, 0)))
     qg = qg.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
-    pad_pages = -pages_per_seq % pages_per_block
+    pad_pages = -pages_per_seq % pages_per_tile
     block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pad_pages)))
 
     kernel = functools.partial(
-        _ragged_paged_attention_kernel, group=group_pad, block_m=block_m,
-        pages_per_block=pages_per_block, sm_scale=sm_scale, sliding_window=sliding_window,
+        _ragged_paged_attention_kernel, group=group_pad, tile_rows=tile_rows,
+        pages_per_tile=pages_per_tile, sm_scale=sm_scale, sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
     )
 
@@ -225,20 +225,20 @@ def ragged_paged_attention(
 
     out = pl.pallas_call(
         kernel,
-        grid=(num_kv_heads, num_blocks),
+        grid=(num_kv_heads, num_tiles),
         in_specs=[
-            whole(block_seq), whole(block_q_start), whole(cu_q_lens), whole(kv_lens),
+            whole(tile_seq), whole(tile_q_start), whole(cu_q_lens), whole(kv_lens),
             whole(block_tables), per_kv_head(qg), per_kv_head(k_pages), per_kv_head(v_pages),
         ],
         out_specs=per_kv_head(qg),
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"ragged_paged_attention_{block_m=}_{block_k=}",
-    )(block_seq, block_q_start, cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
+        name=f"ragged_paged_attention_{tile_rows=}_{tile_keys=}",
+    )(tile_seq, tile_q_start, cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
       block_tables, qg, k_pages, v_pages)
 
-    out = out.reshape(num_kv_heads, num_tokens + block_q, group_pad, head_dim)
+    out = out.reshape(num_kv_heads, num_tokens + tile_q, group_pad, head_dim)
     out = out[:, :num_tokens, :group].transpose(1, 0, 2, 3).reshape(q.shape)
     # Rows nobody stored (padding tokens) hold whatever the buffer held.
     valid = jnp.arange(num_tokens) < cu_q_lens[num_seqs]

@@ -14,9 +14,9 @@ to positions 0..that position. Padding rows come out as zeros.
 
 `ragged_paged_attention_reference` is written for clarity (it gathers a whole context per
 query token) and is the oracle in tests. `paged_attention_rows` is what the CPU backend runs:
-the runner regroups the ragged batch on the host into *rows* of at most `q_block` query
+the runner regroups the ragged batch on the host into *rows* of at most `row_tokens` query
 tokens of one sequence (`ragged_to_rows`), decodes in a group of one-token rows and prefill
-chunks in a group of `q_block`-token rows; each group walks its sequences' pages in chunks
+chunks in a group of `row_tokens`-token rows; each group walks its sequences' pages in chunks
 with an online softmax, so the work follows the longest context in the batch, not
 `max_model_len`. bf16 caches are stored as uint16 bit patterns (see kv_write.py); the dots
 take bf16 operands with float32 accumulation.
@@ -79,13 +79,13 @@ def paged_attention_rows(
     q_rows, k_pages, v_pages, block_tables, kv_lens, q_lens, *,
     sm_scale=None, sliding_window=None, logits_soft_cap=None, chunk_pages=4, rows_per_part=None,
 ):
-    """Attention for rows of at most `q_block` query tokens of one sequence each.
+    """Attention for rows of at most `row_tokens` query tokens of one sequence each.
 
-    q_rows:       [R, q_block, num_q_heads, head_dim] f32
+    q_rows:       [R, row_tokens, num_q_heads, head_dim] f32
     block_tables: [R, pages_per_seq] int32
     kv_lens:      [R] int32  cache length of the row's sequence up to its last query token
     q_lens:       [R] int32  real query tokens in the row (0 for a padding row)
-    Returns [R, q_block, num_q_heads, head_dim] f32; padding rows and tokens are zeros.
+    Returns [R, row_tokens, num_q_heads, head_dim] f32; padding rows and tokens are zeros.
     Pages are walked in chunks of `chunk_pages` up to the longest `kv_lens` in the batch.
 
     With `rows_per_part`, the rows are processed in consecutive parts of that many rows, each
@@ -102,7 +102,7 @@ def paged_attention_rows(
             for i in range(0, q_rows.shape[0], rows_per_part)])
     q_rows, k_pages, v_pages, block_tables, kv_lens, q_lens = map(
         jnp.asarray, (q_rows, k_pages, v_pages, block_tables, kv_lens, q_lens))
-    num_rows, q_block, num_q_heads, head_dim = q_rows.shape
+    num_rows, row_tokens, num_q_heads, head_dim = q_rows.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
     sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
@@ -115,16 +115,16 @@ def paged_attention_rows(
     block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
     dot_dtype = jnp.bfloat16 if k_pages.dtype in (jnp.uint16, jnp.bfloat16) else jnp.float32
 
-    # [kv_heads, R, group * q_block, head_dim]: query heads of one KV head and a row's tokens
+    # [kv_heads, R, group * row_tokens, head_dim]: query heads of one KV head and a row's tokens
     # form one matrix, so each (kv head, row) is a single small GEMM against the K chunk.
-    q = q_rows.reshape(num_rows, q_block, num_kv_heads, group, head_dim)
-    q = (q * sm_scale).transpose(2, 0, 3, 1, 4).reshape(num_kv_heads, num_rows, group * q_block, head_dim)
+    q = q_rows.reshape(num_rows, row_tokens, num_kv_heads, group, head_dim)
+    q = (q * sm_scale).transpose(2, 0, 3, 1, 4).reshape(num_kv_heads, num_rows, group * row_tokens, head_dim)
     q = q.astype(dot_dtype)
-    tok = jnp.arange(q_block, dtype=jnp.int32)
-    q_pos = kv_lens[:, None] - q_lens[:, None] + tok[None, :]                      # [R, q_block]
+    tok = jnp.arange(row_tokens, dtype=jnp.int32)
+    q_pos = kv_lens[:, None] - q_lens[:, None] + tok[None, :]                      # [R, row_tokens]
     q_valid = tok[None, :] < q_lens[:, None]
     q_pos = jnp.where(q_valid, q_pos, -1)                                          # masks all keys
-    q_pos = jnp.broadcast_to(q_pos[:, None, :], (num_rows, group, q_block)).reshape(num_rows, -1)
+    q_pos = jnp.broadcast_to(q_pos[:, None, :], (num_rows, group, row_tokens)).reshape(num_rows, -1)
 
     def body(i, carry):
         m, l, acc = carry
@@ -149,7 +149,7 @@ def paged_attention_rows(
 
     k_slabs = k_pages.reshape(num_kv_heads, -1, page_size * head_dim)
     v_slabs = v_pages.reshape(num_kv_heads, -1, page_size * head_dim)
-    rows_q = group * q_block
+    rows_q = group * row_tokens
     init = (
         jnp.full((num_kv_heads, num_rows, rows_q), NEG_INF, jnp.float32),
         jnp.zeros((num_kv_heads, num_rows, rows_q), jnp.float32),
@@ -158,33 +158,33 @@ def paged_attention_rows(
     num_chunks = (jnp.max(kv_lens) + chunk - 1) // chunk
     _, l, acc = jax.lax.fori_loop(0, jnp.minimum(num_chunks, num_chunks_max), body, init)
     o = acc / jnp.maximum(l, 1e-30)[..., None]
-    o = o.reshape(num_kv_heads, num_rows, group, q_block, head_dim).transpose(1, 3, 0, 2, 4)
-    return o.reshape(num_rows, q_block, num_q_heads, head_dim)
+    o = o.reshape(num_kv_heads, num_rows, group, row_tokens, head_dim).transpose(1, 3, 0, 2, 4)
+    return o.reshape(num_rows, row_tokens, num_q_heads, head_dim)
 
 
-def ragged_to_rows(q_lens, kv_lens, block_tables, *, num_tokens, num_rows, q_block):
-    """Host side: regroup ragged sequences into rows of at most `q_block` query tokens.
+def ragged_to_rows(q_lens, kv_lens, block_tables, *, num_tokens, num_rows, row_tokens):
+    """Host side: regroup ragged sequences into rows of at most `row_tokens` query tokens.
 
     q_lens, kv_lens: [S] ints of real sequences (in the order their tokens sit in q);
     block_tables: [S, pages_per_seq]. Returns numpy arrays for `paged_attention_rows`:
-    `token_idx [num_rows, q_block]` (index into q; `num_tokens` marks padding),
+    `token_idx [num_rows, row_tokens]` (index into q; `num_tokens` marks padding),
     `block_tables [num_rows, pages_per_seq]`, `kv_lens [num_rows]`, `q_lens [num_rows]`.
     Raises ValueError when the rows do not fit in `num_rows`.
     """
     q_lens = np.asarray(q_lens, np.int64)
     kv_lens = np.asarray(kv_lens, np.int64)
-    n_rows = -(-q_lens // q_block)
+    n_rows = -(-q_lens // row_tokens)
     total = int(n_rows.sum())
     if total > num_rows:
         raise ValueError(f"{total} attention rows needed, only {num_rows} available")
     seq = np.repeat(np.arange(len(q_lens)), n_rows)
     first_row = np.cumsum(n_rows) - n_rows
-    part = np.arange(total) - first_row[seq]                    # which block of its sequence
+    part = np.arange(total) - first_row[seq]                    # which row of its sequence
     starts = np.cumsum(q_lens) - q_lens
-    row_q_start = part * q_block
-    row_q_len = np.minimum(q_lens[seq] - row_q_start, q_block)
-    token_idx = np.full((num_rows, q_block), num_tokens, np.int32)
-    cols = np.arange(q_block)
+    row_q_start = part * row_tokens
+    row_q_len = np.minimum(q_lens[seq] - row_q_start, row_tokens)
+    token_idx = np.full((num_rows, row_tokens), num_tokens, np.int32)
+    cols = np.arange(row_tokens)
     real = cols[None, :] < row_q_len[:, None]
     token_idx[:total] = np.where(real, starts[seq][:, None] + row_q_start[:, None] + cols[None, :], num_tokens)
     out_bt = np.zeros((num_rows, block_tables.shape[1]), np.int32)

@@ -97,8 +97,8 @@ def read_gguf(path: str) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
     for name, shape, ggml_type, offset in infos:
         if ggml_type not in GGML_QUANT_SIZES:
             raise UnsupportedModelError(f"{path}: tensor {name} has unknown ggml type {ggml_type}")
-        block, type_size = GGML_QUANT_SIZES[ggml_type]
-        row_bytes = shape[-1] // block * type_size
+        quant_elems, type_size = GGML_QUANT_SIZES[ggml_type]
+        row_bytes = shape[-1] // quant_elems * type_size
         nbytes = int(np.prod(shape[:-1], dtype=np.int64)) * row_bytes
         start = data_start + offset
         if start + nbytes > len(buf):

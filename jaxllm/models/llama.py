@@ -110,7 +110,7 @@ def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
 
 
 def decoder_layer(layer, k_pages, v_pages, x, inputs, spec: ModelSpec, *, attention):
-    """One transformer block over x [T, hidden] f32 (`inputs`: the step's `StepInputs`,
+    """One decoder layer over x [T, hidden] f32 (`inputs`: the step's `StepInputs`,
     `attention`: its `AttentionBackend`). Returns (x, k_pages, v_pages)."""
     num_tokens = x.shape[0]
     h = rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)

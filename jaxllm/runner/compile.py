@@ -109,7 +109,7 @@ class CompilationCounter:
 
 @contextlib.contextmanager
 def no_compile_guard():
-    """Fail if anything is compiled inside the block (use after warm-up)."""
+    """Fail if anything is compiled inside the `with` body (use after warm-up)."""
     with CompilationCounter() as counter:
         yield counter
     if counter.count:
