@@ -76,8 +76,8 @@ def make_requests(kv: KVCacheManager, batch: int, context: int, num_new: int, rn
 def compare_scan(runner, spec, params, kv: KVCacheManager, batch: int, context: int, rng) -> dict:
     """Unrolled (the runner's forward) vs lax.scan over stacked layers, same batch."""
     scheduled = make_requests(kv, batch, context, 1, rng)
-    _, _, host_inputs, _ = runner.prepare(scheduled)
-    dev_batch = jax.device_put(host_inputs)
+    _, _, buffers = runner.prepare(scheduled)
+    dev_batch = jax.device_put(buffers.inputs)
     stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *params["layers"])
     k_all = jnp.stack([k for k, _ in runner.kv_cache])
     v_all = jnp.stack([v for _, v in runner.kv_cache])

@@ -209,3 +209,57 @@ class InputBatch:
         out.flags[FLAG_PENALTIES] = penalties.any()
         out.flags[FLAG_LOGPROBS] = self.wants_logprobs[rows].any()
         out.flags[FLAG_BANNED] = (out.banned_tokens[:n] >= 0).any()
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedLayout:
+    """Where each leaf of a pytree of numpy arrays sits in two flat host buffers (int32 and
+    float32), so a step's inputs go to the device in two transfers instead of one per leaf.
+    Static (hashable) per bucket: `unpack` slices the buffers inside the jitted step.
+
+    int32 leaves are copied as they are, uint32 as their bits, bool as 0/1; float32 into the
+    float buffer. Measured on the default buckets (23 leaves): one `device_put` of the pytree
+    2.0 ms, of one buffer 0.35 ms (busy 2-core Zen 3).
+    """
+
+    treedef: object
+    leaves: tuple[tuple[str, int, tuple[int, ...]], ...]   # (numpy dtype name, offset, shape)
+    num_ints: int
+    num_floats: int
+
+    @classmethod
+    def of(cls, tree) -> PackedLayout:
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        specs, sizes = [], {"i": 0, "f": 0}
+        for leaf in leaves:
+            dtype = np.dtype(leaf.dtype)
+            kind = "f" if dtype == np.float32 else "i"
+            if dtype not in (np.float32, np.int32, np.uint32, np.bool_):
+                raise TypeError(f"cannot pack a {dtype} step input")
+            specs.append((dtype.name, sizes[kind], tuple(leaf.shape)))
+            sizes[kind] += leaf.size
+        return cls(treedef, tuple(specs), sizes["i"], sizes["f"])
+
+    def pack(self, tree, ints: np.ndarray, floats: np.ndarray) -> None:
+        """Copy the leaves of `tree` (same structure and shapes) into `ints` and `floats`."""
+        for leaf, (dtype, offset, shape) in zip(jax.tree_util.tree_leaves(tree), self.leaves):
+            size = int(np.prod(shape))
+            if dtype == "float32":
+                floats[offset:offset + size] = leaf.reshape(-1)
+            elif dtype == "uint32":
+                ints[offset:offset + size] = leaf.reshape(-1).view(np.int32)
+            else:
+                ints[offset:offset + size] = leaf.reshape(-1)
+
+    def unpack(self, ints, floats):
+        """The pytree back from the two (device) buffers; call inside jit."""
+        out = []
+        for dtype, offset, shape in self.leaves:
+            size = int(np.prod(shape))
+            x = (floats if dtype == "float32" else ints)[offset:offset + size].reshape(shape)
+            if dtype == "uint32":
+                x = jax.lax.bitcast_convert_type(x, jax.numpy.uint32)
+            elif dtype == "bool":
+                x = x != 0
+            out.append(x)
+        return jax.tree_util.tree_unflatten(self.treedef, out)

@@ -2,13 +2,15 @@
 
 The step function is pure:
 
-    step(params, kv_cache, inputs: StepInputs, sampling: SamplingMetadata)
+    step(params, kv_cache, ints, floats, penalty_tokens, *, layout)
         -> (tokens, logprobs, top_logprobs, top_ids, kv_cache)
 
 with `kv_cache` donated, so the pages are updated in place. Its shapes come from a small set
 of buckets (runner/compile.py), all compiled at start-up; the persistent compilation cache
-makes the next start fast. The inputs are built by `prepare` from the persistent rows of
-`InputBatch` (runner/input_batch.py) and sent with one `jax.device_put` of the two pytrees.
+makes the next start fast. The inputs (`StepInputs`, `SamplingMetadata`) are built by
+`prepare` from the persistent rows of `InputBatch` (runner/input_batch.py), packed into one
+int32 and one float32 buffer (`PackedLayout`, static per bucket) and unpacked inside the step;
+the penalty tokens, `[S, max_model_len]` and usually a cached array of -1s, travel apart.
 
 Layers run as an unrolled Python loop over per-layer weights and per-layer page arrays,
 not `lax.scan` over stacked ones. Measured on the real step (`benchmarks/step.py
@@ -21,6 +23,7 @@ cache pays the unrolled price once (see the README's start-up figures).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -35,12 +38,14 @@ from jaxllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from jaxllm.models import llama
 from jaxllm.runner import sampler
 from jaxllm.runner.compile import Bucket, make_buckets, pick_bucket
-from jaxllm.runner.input_batch import InputBatch, SamplingMetadata, StepInputs
+from jaxllm.runner.input_batch import InputBatch, PackedLayout, SamplingMetadata, StepInputs
 from jaxllm.sampling_params import MAX_LOGPROBS
 from jaxllm.utils import cdiv, jnp_dtype
 
 
-def _step(params, kv_cache, inputs: StepInputs, sampling: SamplingMetadata, *, spec, attention):
+def _step(params, kv_cache, ints, floats, penalty_tokens, *, layout: PackedLayout, spec, attention):
+    inputs, sampling = layout.unpack(ints, floats)
+    sampling = dataclasses.replace(sampling, penalty_tokens=penalty_tokens)
     hidden, kv_cache = llama.forward(params, kv_cache, inputs, spec, attention=attention)
     logits = llama.compute_logits(params, hidden[inputs.logits_indices], spec)
     tokens, logprob, top_lp, top_ids = sampler.sample(logits, sampling, attention.argmax_logsumexp)
@@ -69,30 +74,32 @@ class ModelRunner:
         # (numpy zeros: the OS commits memory only for slots ever written).
         self.swap_pool = np.zeros((spec.num_layers, 2, spec.num_kv_heads, config.cache.num_swap_blocks,
                                    self.block_size, spec.head_dim), kernels.storage_dtype(dtype))
-        self._step = jax.jit(functools.partial(_step, spec=spec, attention=self.attention), donate_argnums=(1,))
+        self._step = jax.jit(functools.partial(_step, spec=spec, attention=self.attention),
+                             static_argnames=("layout",), donate_argnums=(1,))
         self._inv_freq = spec.inv_freq()
         self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.max_blocks, self.block_size,
                                       spec.vocab_size)
-        self._buffers: dict[Bucket, tuple[StepInputs, SamplingMetadata]] = {}
+        self._buffers: dict[Bucket, _BucketBuffers] = {}
         self._no_penalty_tokens: dict[int, jax.Array] = {}
 
     # ----- host-side inputs -----
-    def _bucket_buffers(self, bucket: Bucket) -> tuple[StepInputs, SamplingMetadata]:
+    def _bucket_buffers(self, bucket: Bucket) -> _BucketBuffers:
         if bucket not in self._buffers:
             S = bucket.num_seqs
-            self._buffers[bucket] = (StepInputs.zeros(bucket.num_tokens, S, self.max_blocks, self.spec.head_dim),
-                                     SamplingMetadata.zeros(S))
+            self._buffers[bucket] = _BucketBuffers(
+                StepInputs.zeros(bucket.num_tokens, S, self.max_blocks, self.spec.head_dim), SamplingMetadata.zeros(S))
             # Requests without penalties share one device array of -1s (no [S, L] transfer).
             self._no_penalty_tokens[S] = jnp.full((S, self.config.scheduler.max_model_len), -1, jnp.int32)
         return self._buffers[bucket]
 
-    def prepare(self, scheduled) -> tuple[np.ndarray, np.ndarray, StepInputs, SamplingMetadata]:
+    def prepare(self, scheduled) -> tuple[np.ndarray, np.ndarray, _BucketBuffers]:
         """Fill the bucket's buffers for `scheduled` [(request, num_new_tokens)].
 
         Sequences are laid out decodes first (longest context first: the CPU kernels walk
         pages per group of consecutive rows), then prompt chunks. Returns `(order, has_token,
-        inputs, sampling)`: `order[j]` is the index into `scheduled` of the j-th sequence,
-        `has_token[j]` whether its last token is the sequence's newest (a token is sampled).
+        buffers)`: `order[j]` is the index into `scheduled` of the j-th sequence, `has_token[j]`
+        whether its last token is the sequence's newest (a token is sampled), `buffers` the
+        bucket's filled `StepInputs` and `SamplingMetadata`.
         """
         n = len(scheduled)
         requests = [r for r, _ in scheduled]
@@ -106,7 +113,8 @@ class ModelRunner:
         num_tokens = int(q_lens.sum())
         bucket = pick_bucket(self.buckets, num_tokens, num_decodes,
                              int(cdiv(q_lens[num_decodes:], self.attention.prefill_row_tokens).sum()), n)
-        inputs, sampling = self._bucket_buffers(bucket)
+        buffers = self._bucket_buffers(bucket)
+        inputs, sampling = buffers.inputs, buffers.sampling
         ib, bs = self.input_batch, self.block_size
 
         ends = np.cumsum(q_lens, dtype=np.int32)
@@ -128,7 +136,7 @@ class ModelRunner:
             q_lens=q_lens, seq_lens=seq_lens, block_tables=inputs.block_tables[:n], num_decodes=num_decodes,
             bucket=bucket)
         ib.fill_sampling(sampling, rows, self._no_penalty_tokens[bucket.num_seqs])
-        return order, seq_lens == ib.num_tokens[rows], inputs, sampling
+        return order, seq_lens == ib.num_tokens[rows], buffers
 
     # ----- the step -----
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -144,17 +152,31 @@ class ModelRunner:
             empty = np.zeros((0, MAX_LOGPROBS))
             return ModelRunnerOutput(np.zeros(0, np.int32), np.zeros(0, np.float32), empty, empty)
         t0 = time.perf_counter()
-        order, has_token, inputs, sampling = self.prepare(scheduler_output.scheduled)
+        order, has_token, buffers = self.prepare(scheduler_output.scheduled)
         t1 = time.perf_counter()
-        inputs, sampling = jax.device_put((inputs, sampling))
-        tokens, logprob, top_lp, top_ids, self.kv_cache = self._step(self.params, self.kv_cache, inputs, sampling)
+        tokens, logprob, top_lp, top_ids, self.kv_cache = self._run(buffers)
         tokens, logprob, top_lp, top_ids = jax.device_get((tokens, logprob, top_lp, top_ids))
         t2 = time.perf_counter()
         inverse = np.empty(n, np.int64)
         inverse[order] = np.arange(n)
         sampled = np.where(has_token, tokens[:n], -1).astype(np.int32)
         return ModelRunnerOutput(sampled[inverse], logprob[:n][inverse], top_lp[:n][inverse], top_ids[:n][inverse],
-                                 {"prepare": t1 - t0, "device": t2 - t1, "bucket_tokens": inputs.token_ids.shape[0]})
+                                 {"prepare": t1 - t0, "device": t2 - t1,
+                                  "bucket_tokens": buffers.inputs.token_ids.shape[0]})
+
+    def _run(self, buffers: _BucketBuffers):
+        """Pack the bucket's inputs, send them, run the jitted step."""
+        penalty_tokens = buffers.sampling.penalty_tokens
+        buffers.sampling.penalty_tokens = None          # travels apart, not packed
+        tree = (buffers.inputs, buffers.sampling)
+        if buffers.layout is None:
+            buffers.layout = PackedLayout.of(tree)
+            buffers.ints = np.zeros(buffers.layout.num_ints, np.int32)
+            buffers.floats = np.zeros(buffers.layout.num_floats, np.float32)
+        buffers.layout.pack(tree, buffers.ints, buffers.floats)
+        buffers.sampling.penalty_tokens = penalty_tokens
+        ints, floats, penalty_tokens = jax.device_put((buffers.ints, buffers.floats, penalty_tokens))
+        return self._step(self.params, self.kv_cache, ints, floats, penalty_tokens, layout=buffers.layout)
 
     def warmup(self, progress: bool = True) -> float:
         """Compile every bucket (all-padding batches write nowhere). Returns seconds taken."""
@@ -162,10 +184,11 @@ class ModelRunner:
 
         start = time.perf_counter()
         for bucket in tqdm(self.buckets, desc="compiling buckets", disable=not progress, unit="bucket"):
-            inputs, sampling = self._bucket_buffers(bucket)
-            inputs.attn_metadata = self.attention.dummy_metadata(bucket, self.max_blocks)
-            self.input_batch.fill_sampling(sampling, np.zeros(0, np.int64), self._no_penalty_tokens[bucket.num_seqs])
-            out = self._step(self.params, self.kv_cache, inputs, sampling)
+            buffers = self._bucket_buffers(bucket)
+            buffers.inputs.attn_metadata = self.attention.dummy_metadata(bucket, self.max_blocks)
+            self.input_batch.fill_sampling(buffers.sampling, np.zeros(0, np.int64),
+                                           self._no_penalty_tokens[bucket.num_seqs])
+            out = self._run(buffers)
             self.kv_cache = out[-1]
             jax.block_until_ready(out[0])
         return time.perf_counter() - start
@@ -188,6 +211,17 @@ class ModelRunner:
         if pairs:
             slots, pages = _pad_pow2(*zip(*pairs))
             self.kv_cache = _scatter_pages(self.kv_cache, pages, jnp.asarray(self.swap_pool[:, :, :, slots]))
+
+
+@dataclasses.dataclass
+class _BucketBuffers:
+    """One bucket's persistent host buffers: the inputs, and the packed copy that is sent."""
+
+    inputs: StepInputs
+    sampling: SamplingMetadata
+    layout: PackedLayout | None = None
+    ints: np.ndarray | None = None
+    floats: np.ndarray | None = None
 
 
 def _fill(buf: np.ndarray, values, pad) -> None:
