@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import jax
 import numpy as np
 import pytest
@@ -89,6 +92,17 @@ def test_build_is_cached(tmp_path):
     mtime = (tmp_path / first.rsplit("/", 1)[1]).stat().st_mtime_ns
     assert native.build(str(tmp_path)) == first
     assert (tmp_path / first.rsplit("/", 1)[1]).stat().st_mtime_ns == mtime
+
+
+def test_build_key_covers_every_file_in_csrc(tmp_path, monkeypatch):
+    # cpu_kernels.cc only includes the other files: an edited header must give a new library.
+    csrc = tmp_path / "csrc"
+    shutil.copytree(os.path.dirname(native.SOURCE), csrc)
+    monkeypatch.setattr(native, "SOURCE", str(csrc / "cpu_kernels.cc"))
+    before = native._sources_digest()
+    with open(csrc / "simd.h", "a") as f:
+        f.write("// edited\n")
+    assert native._sources_digest() != before
 
 
 def test_build_reports_compiler_errors(tmp_path, monkeypatch):

@@ -1,13 +1,15 @@
-"""jaxllm's CPU kernels in C++ (csrc/cpu_kernels.cc), as XLA FFI calls.
+"""jaxllm's CPU kernels in C++ (csrc/), as XLA FFI calls.
 
-`paged_attention_cpu` has the ragged contract of `ragged_paged_attention_reference`;
-`argmax_logsumexp` gives greedy sampling's two row reductions in one pass. The
-source is compiled on first use with the system C++ compiler (`$CXX`, else `c++`) against the
-XLA FFI headers that ship with jaxlib, with `-O3 -march=native` and fast math, into
-`<cache root>/native/` (keyed by the source, the flags, the compiler, jaxlib's version and the
-CPU), then loaded with ctypes and registered as an FFI target. Later processes load the
-cached library. `available()` says whether that worked; without a compiler the engine falls
-back to the jnp rows backend (`attention_backend="cpu"`, see jaxllm/attention.py).
+`paged_attention_cpu` has the ragged contract of `ragged_paged_attention_reference`
+(csrc/paged_attention.h, .cc, and paged_attention_avx512.cc for CPUs with AVX-512);
+`argmax_logsumexp` gives greedy sampling's two row reductions in one pass (csrc/sampling.cc).
+csrc/cpu_kernels.cc, which includes them all, is compiled on first use with the system C++
+compiler (`$CXX`, else `c++`) against the XLA FFI headers that ship with jaxlib, with
+`-O3 -march=native` and fast math, into `<cache root>/native/` (keyed by every file in csrc/,
+the flags, the compiler, jaxlib's version and the CPU), then loaded with ctypes and registered
+as FFI targets. Later processes load the cached library. `available()` says whether that
+worked; without a compiler the engine falls back to the jnp rows backend (`attention_backend="cpu"`, see
+jaxllm/attention.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from jaxllm.utils import default_cache_root
 # FFI target name -> symbol of its handler in the library
 TARGETS = {"jaxllm_paged_attention_cpu": "JaxllmPagedAttentionCpu",
            "jaxllm_argmax_logsumexp_cpu": "JaxllmArgmaxLogsumexpCpu"}
+# The one translation unit: it includes the other files of its folder.
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "cpu_kernels.cc")
 # -ffast-math for vectorised reductions, but with infinities kept: banned tokens' logits are -inf.
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-shared", "-fPIC")
@@ -50,15 +53,25 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
 
 
+def _sources_digest() -> bytes:
+    """Hash of every file beside SOURCE (names and bytes): a changed header rebuilds too."""
+    folder = os.path.dirname(SOURCE)
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                h.update(name.encode() + b"\0" + f.read() + b"\0")
+    return h.digest()
+
+
 def build(cache_dir: str | None = None) -> str:
     """Compile the kernel library (or find it in the cache); returns its path."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
-    with open(SOURCE, "rb") as f:
-        source = f.read()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+    key = hashlib.sha256(b"\0".join([_sources_digest(), " ".join(FLAGS).encode(), version.encode(),
                                      jax.lib.__version__.encode(), _cpu_id().encode()])).hexdigest()[:16]
     cache_dir = cache_dir or os.path.join(default_cache_root(), "native")
     os.makedirs(cache_dir, exist_ok=True)
