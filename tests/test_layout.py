@@ -1,0 +1,90 @@
+"""The code's shape: no import cycles inside jaxllm, no source file past ~500 lines, and
+resolving a config never builds or loads the C++ kernels."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "jaxllm")
+MAX_LINES = 500
+
+
+def _modules() -> dict[str, str]:
+    out = {}
+    for dirpath, _, files in os.walk(PACKAGE):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(dirpath, f), ROOT)[:-3].replace(os.sep, ".")
+                out[rel.removesuffix(".__init__")] = os.path.join(dirpath, f)
+    return out
+
+
+def _imports(path: str, modules: dict[str, str], name: str) -> set[str]:
+    """jaxllm modules `name` imports, at module level or inside functions (a deferred import
+    still makes a cycle between the two modules' meanings)."""
+    tree = ast.parse(open(path).read())
+    is_package = path.endswith("__init__.py")
+    found = set()
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = name.split(".") if is_package else name.split(".")[:-1]
+                parent = parent[:len(parent) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        found |= {t for t in targets if t in modules and t != name}
+    return found
+
+
+def test_no_import_cycles():
+    modules = _modules()
+    graph = {name: _imports(path, modules, name) for name, path in modules.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        stack.append(node)
+        for dep in graph[node]:
+            if state.get(dep) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(dep):] + [dep]))
+            if dep not in state:
+                visit(dep)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_source_files_stay_small():
+    big = []
+    for top in ("jaxllm", "benchmarks", "tests"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in files:
+                if f.endswith((".py", ".cc", ".h")):
+                    path = os.path.join(dirpath, f)
+                    with open(path) as fh:
+                        n = sum(1 for _ in fh)
+                    if n > MAX_LINES:
+                        big.append(f"{os.path.relpath(path, ROOT)}: {n} lines")
+    assert not big, f"split these files (over {MAX_LINES} lines): {big}"
+
+
+def test_resolving_a_config_loads_no_kernels():
+    code = ("import sys; from jaxllm.config import EngineArgs, resolve_config; "
+            "from jaxllm.models.llama import ModelSpec; "
+            "spec = ModelSpec('LlamaForCausalLM', 100, 64, 128, 2, 4, 2, 16, 1e-5, 1e4, 512); "
+            "resolve_config(EngineArgs(), spec, 'tiny'); "
+            "print(sorted(m for m in sys.modules if m.startswith('jaxllm.kernels')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert out.strip() == "[]"
