@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-all demo bench serve clean
+.PHONY: venv test test-quick demo bench serve clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -16,11 +16,12 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# Everything (CI runs this); test-quick skips the few tests marked slow (the real model end to end).
 test: $(STAMP)
-	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest tests -m "not slow"
-
-test-all: $(STAMP)
 	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest tests
+
+test-quick: $(STAMP)
+	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest tests -m "not slow"
 
 demo: $(STAMP)
 	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m jaxllm.demo

@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from jaxllm import LLM, SamplingParams
+from jaxllm import LLM, EngineArgs, SamplingParams
+from jaxllm.utils import DTYPES
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -23,7 +24,7 @@ QUESTIONS = [
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF dir, hub id or .gguf (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default=EngineArgs.dtype, choices=tuple(DTYPES))
     ap.add_argument("--max-tokens", type=int, default=96)
     args = ap.parse_args()
 

@@ -164,6 +164,7 @@ def test_no_recompilation_after_warmup(tiny_model_dir):
         llm.generate([PROMPTS[0] * 8, "Hi"], greedy(5), use_tqdm=False)
 
 
+@pytest.mark.slow
 def test_greedy_matches_hf_on_default_model():
     """The real SmolLM2 GGUF, f32, against transformers' own GGUF load."""
     import os

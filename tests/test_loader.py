@@ -61,6 +61,7 @@ def default_model(tmp_path_factory):
     shutil.rmtree(cache_dir)   # ~0.5 GB; pytest would keep it with the last runs' tmp dirs
 
 
+@pytest.mark.slow
 def test_default_model_matches_transformers_gguf(default_model):
     torch = pytest.importorskip("torch")
     pytest.importorskip("accelerate")   # transformers needs it to load a GGUF
