@@ -31,11 +31,11 @@ import time
 import numpy as np
 
 # benchmarks/ must not be on sys.path: kernels.py here would shadow HF's `kernels` package, which
-# transformers imports when it probes for it. throughput.py itself imports only stdlib + numpy.
+# transformers imports when it probes for it. workload.py itself imports only stdlib + numpy.
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, HERE)
-from throughput import RESULTS, add_workload_args, machine_info, make_workload, now_iso, versions  # noqa: E402
+from workload import RESULTS, add_workload_args, machine_info, make_workload, now_iso, versions  # noqa: E402
 
 del sys.path[0]
 

@@ -34,8 +34,14 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from throughput import RESULTS, machine_info, now_iso, versions, vocab_info  # noqa: E402
+# benchmarks/ must not be on sys.path: kernels.py here would shadow HF's `kernels` package, which
+# transformers imports when it probes for it. workload.py itself imports only stdlib + numpy.
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
+sys.path.insert(0, HERE)
+from workload import RESULTS, machine_info, now_iso, versions, vocab_info  # noqa: E402
+
+del sys.path[0]
 
 
 def make_prompts(args) -> list[list[int]]:

@@ -35,12 +35,13 @@ import time
 import numpy as np
 
 # benchmarks/ must not be on sys.path: kernels.py here would shadow HF's `kernels` package, which
-# transformers imports when it probes for it. throughput.py itself imports only stdlib + numpy.
+# transformers imports when it probes for it. workload.py and engines.py import only stdlib + numpy.
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, HERE)
-from throughput import (  # noqa: E402
-    RESULTS, ROOT, add_workload_args, default_model_path, hf_directory, machine_info, make_workload, now_iso, versions,
+from engines import hf_directory  # noqa: E402
+from workload import (  # noqa: E402
+    RESULTS, ROOT, add_workload_args, default_model_path, machine_info, make_workload, now_iso, versions,
 )
 
 del sys.path[0]

