@@ -25,6 +25,7 @@ import shlex
 import statistics
 import sys
 import time
+import types
 
 # benchmarks/ must not be on sys.path: kernels.py here would shadow HF's `kernels` package, which
 # transformers imports when it probes for it. workload.py itself imports only stdlib + numpy.
@@ -41,7 +42,7 @@ import numpy as np  # noqa: E402
 
 from jaxllm import kernels  # noqa: E402
 from jaxllm.kernels.kv_write import storage_dtype, to_storage  # noqa: E402
-from jaxllm.models.llama import attention  # noqa: E402
+from jaxllm.attention import BACKENDS  # noqa: E402
 
 
 def median_time(fn, min_repeat: int, min_seconds: float) -> float:
@@ -88,16 +89,20 @@ def measure(kind: str, q_lens: list[int], kv_lens: list[int], args, rng) -> dict
     num_tokens = q.shape[0]
     group, row_tokens = ("decode", 1) if kind == "decode" else ("prefill", args.prefill_row_tokens)
 
-    cu_q_lens = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
-    ragged = {"kv_lens": jnp.asarray(kv), "block_tables": jnp.asarray(block_tables), "cu_q_lens": cu_q_lens,
-              "num_seqs": jnp.int32(len(q_lens))}
     host_s = median_time(lambda: rows_batch(q_lens, kv, block_tables, num_tokens, group, row_tokens), 20, 0.2)
-    rows = {k: jnp.asarray(v) for k, v in rows_batch(q_lens, kv, block_tables, num_tokens, group, row_tokens).items()}
-    calls = {
-        "dense": functools.partial(jax.jit(functools.partial(attention, impl="reference")), q, k_pages, v_pages, ragged),
-        "rows": functools.partial(jax.jit(functools.partial(attention, impl="cpu")), q, k_pages, v_pages, rows),
-        "native": functools.partial(jax.jit(functools.partial(attention, impl="native")), q, k_pages, v_pages, ragged),
-    }
+    # The step inputs a backend reads (the ragged contract; the `cpu` backend adds its rows).
+    inputs = {"seq_lens": jnp.asarray(kv), "block_tables": jnp.asarray(block_tables),
+              "query_start_loc": jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)),
+              "num_seqs": jnp.int32(len(q_lens)),
+              "attn_metadata": {k: jnp.asarray(v) for k, v in
+                                rows_batch(q_lens, kv, block_tables, num_tokens, group, row_tokens).items()}}
+
+    def call(backend_name):
+        backend = BACKENDS[backend_name]()
+        fn = jax.jit(lambda q, k, v, inputs: backend.forward(q, k, v, types.SimpleNamespace(**inputs)))
+        return functools.partial(fn, q, k_pages, v_pages, inputs)
+
+    calls = {"dense": call("reference"), "rows": call("cpu"), "native": call("native")}
     want = calls["dense"]().astype(jnp.float32)
     row = {"case": kind, "batch": len(q_lens), "context": int(max(kv_lens)), "mean_context": float(np.mean(kv_lens)),
            "tokens": num_tokens, "table_pages": int(block_tables.shape[1]), "host_rows_ms": host_s * 1e3}
