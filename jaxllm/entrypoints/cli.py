@@ -22,9 +22,8 @@ jaxllm serves large language models with JAX: a paged KV cache and continuous ba
 an OpenAI-compatible HTTP API.
 
 Without --model every command uses the bundled SmolLM2-135M-Instruct. The first start compiles
-jaxllm's C++ CPU kernels and the model for every batch shape (about a minute and a half on a
-2-core CPU); later starts reuse the caches (~/.cache/jaxllm, or $JAXLLM_CACHE_DIR) and take
-about 20 s.
+jaxllm's C++ CPU kernels and the model for every batch shape (70-90 s on a 2-core CPU); later
+starts reuse the caches (~/.cache/jaxllm, or $JAXLLM_CACHE_DIR) and take 20-26 s.
 """
 
 EXAMPLES = """\
