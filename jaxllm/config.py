@@ -17,6 +17,7 @@ from jaxllm.utils import DTYPES, check_dtype, default_cache_root
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_MEMORY = 2 << 30  # bytes; on CPU the pool lives in host RAM
+# The names of jaxllm.attention.BACKENDS, listed here so that checking a config imports no kernels.
 ATTENTION_BACKENDS = ("native", "cpu", "pallas", "reference")
 PREEMPTION_MODES = ("recompute", "swap")
 

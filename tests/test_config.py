@@ -51,6 +51,13 @@ def test_impossible_options_are_clear_errors(kw, available, message):
         resolve(available, **kw)
 
 
+def test_config_names_every_attention_backend():
+    from jaxllm.attention import BACKENDS
+    from jaxllm.config import ATTENTION_BACKENDS
+
+    assert sorted(BACKENDS) == sorted(ATTENTION_BACKENDS)
+
+
 def test_available_memory_is_read_from_the_platform():
     assert _available_memory(EngineArgs()) is None              # not needed: not measured
     assert _available_memory(EngineArgs(gpu_memory_utilization=0.5)) > 0

@@ -8,8 +8,8 @@ compiler (`$CXX`, else `c++`) against the XLA FFI headers that ship with jaxlib,
 `-O3 -march=native` and fast math, into `<cache root>/native/` (keyed by every file in csrc/,
 the flags, the compiler, jaxlib's version and the CPU), then loaded with ctypes and registered
 as FFI targets. Later processes load the cached library. `available()` says whether that
-worked; without a compiler the engine falls back to the jnp rows backend (`attention_backend="cpu"`, see
-jaxllm/attention.py).
+worked; without a compiler the engine falls back to the jnp rows backend
+(`attention_backend="cpu"`, see jaxllm/attention.py).
 """
 
 from __future__ import annotations
