@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 1e6   # past ~100 sampling is already uniform; float32 must hold it
+
+
+def _finite32(x) -> bool:
+    """True if `x` is a finite number that stays finite as float32."""
+    try:
+        return math.isfinite(x) and abs(x) < 3.4e38
+    except OverflowError:   # an int too large for a float
+        return False
 
 
 @dataclasses.dataclass(slots=True)
 class SamplingParams:
     """Per-request decoding options. Invalid values raise ValueError at construction.
 
-    temperature 0 means greedy. top_k <= 0 (or -1) disables top-k; top_p 1.0 and min_p 0.0
-    disable theirs. `seed` makes a request's samples reproducible whatever else is batched
+    temperature 0 means greedy. top_k <= 0 (or -1) disables top-k (a top_k past the vocabulary
+    keeps it all); top_p 1.0 and min_p 0.0 disable theirs. Numbers must be finite. `seed` makes a request's samples reproducible whatever else is batched
     with it. `logprobs=N` returns the top-N log-probabilities (plus the sampled token's) per
     generated token.
     """
@@ -50,10 +60,18 @@ class SamplingParams:
         def bad(name, value, allowed):
             raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite32(value):
+                bad(name, value, "a finite number")
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (value is None or isinstance(value, int)):
+                bad(name, value, "an integer")
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", self.n, "an integer >= 1")
-        if self.temperature < 0:
-            bad("temperature", self.temperature, ">= 0")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            bad("temperature", self.temperature, f"in [0, {MAX_TEMPERATURE:g}]")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", self.top_p, "in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < -1:

@@ -142,6 +142,12 @@ def test_bad_sampling_params_rejected(kwargs):
         SamplingParams(**kwargs)
 
 
+def test_top_k_past_the_vocabulary_keeps_it_all(llm):
+    base = dict(temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
+    whole = token_ids(llm.generate(PROMPTS[:2], SamplingParams(**base), use_tqdm=False))
+    assert token_ids(llm.generate(PROMPTS[:2], SamplingParams(top_k=2**31, **base), use_tqdm=False)) == whole
+
+
 def test_bad_requests_rejected_and_others_unaffected(llm):
     engine = llm.engine
     with pytest.raises(ValueError, match="max_model_len"):

@@ -90,6 +90,9 @@ class LLMEngine:
         params = dataclasses.replace(params)
         if params.max_tokens is None:
             params.max_tokens = self.config.scheduler.max_model_len - len(prompt_token_ids)
+            if params.min_tokens > params.max_tokens:
+                raise ValueError(f"min_tokens={params.min_tokens} exceeds the {params.max_tokens} tokens left in "
+                                 f"the context (max_model_len)")
         banned = len(params.stop_token_ids) + len(self.eos_token_ids)
         if params.min_tokens and banned > 32:
             raise ValueError(f"at most 32 stop token ids can be held back by min_tokens, got {banned}")

@@ -172,7 +172,7 @@ class InputBatch:
                   "seeds": req.seed & 0xFFFFFFFF}
         for name, value in values.items():
             self.params[name][row] = value
-        self.min_tokens[row] = p.min_tokens
+        self.min_tokens[row] = min(p.min_tokens, self.max_model_len)
         banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
         self.banned[row] = -1
         self.banned[row, :len(banned[:NUM_BANNED])] = banned[:NUM_BANNED]
