@@ -119,6 +119,13 @@ def test_build_reports_compiler_errors(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("*.so")), "a failed build must leave no library behind"
 
 
+def test_loading_the_kernels_keeps_subnormal_floats():
+    """Linking with -ffast-math would set flush-to-zero for the whole process at load time."""
+    native.require()
+    tiny = np.array([1e-40], np.float32)          # a subnormal float32
+    assert (tiny * np.float32(2))[0] > 0      # 0 under denormals-are-zero or flush-to-zero
+
+
 def test_default_backend_falls_back_to_jnp_rows_without_the_kernels(monkeypatch, caplog):
     from jaxllm.attention import get_attention_backend
 

@@ -35,7 +35,11 @@ TARGETS = {"jaxllm_paged_attention_cpu": "JaxllmPagedAttentionCpu",
 # The one translation unit: it includes the other files of its folder.
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "cpu_kernels.cc")
 # -ffast-math for vectorised reductions, but with infinities kept: banned tokens' logits are -inf.
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-fPIC")
+# Linked in a second command without -ffast-math: linking with it adds crtfastmath.o, whose
+# constructor sets flush-to-zero/denormals-are-zero for the whole process when the library is
+# loaded (every numpy and XLA computation after it would lose subnormal floats).
+LINK_FLAGS = ("-shared",)
 
 
 def _cpu_id() -> str:
@@ -71,7 +75,7 @@ def build(cache_dir: str | None = None) -> str:
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"\0".join([_sources_digest(), " ".join(FLAGS).encode(), version.encode(),
+    key = hashlib.sha256(b"\0".join([_sources_digest(), " ".join(FLAGS + LINK_FLAGS).encode(), version.encode(),
                                      jax.lib.__version__.encode(), _cpu_id().encode()])).hexdigest()[:16]
     cache_dir = cache_dir or os.path.join(default_cache_root(), "native")
     os.makedirs(cache_dir, exist_ok=True)
@@ -81,11 +85,17 @@ def build(cache_dir: str | None = None) -> str:
     # Compile to a private name, then rename: concurrent processes never load a partial file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(fd)
-    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"compiling the CPU kernels failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
+    obj = tmp[:-3] + ".o"
+    try:
+        for cmd in ([cxx, *FLAGS, "-I", jax.ffi.include_dir(), "-c", SOURCE, "-o", obj],
+                    [cxx, *LINK_FLAGS, obj, "-o", tmp]):
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                os.unlink(tmp)
+                raise RuntimeError(f"compiling the CPU kernels failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
+    finally:
+        if os.path.exists(obj):
+            os.unlink(obj)
     os.replace(tmp, path)
     return path
 
