@@ -196,7 +196,13 @@ def test_async_llm_streams_and_cancel_frees_pages(tiny_model_dir, llm):
     expected = llm.generate([PROMPTS[1]], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
 
     async def main():
-        deltas = [o.outputs[0].token_ids async for o in engine.generate(PROMPTS[1], greedy(8), "a", output_kind="delta")]
+        deltas = []
+        async for o in engine.generate(PROMPTS[1], greedy(8), "a", output_kind="delta"):
+            if not deltas:      # a second request with the same id is refused; the first goes on
+                with pytest.raises(ValueError, match="already in use"):
+                    async for _ in engine.generate(PROMPTS[0], greedy(8), "a"):
+                        pass
+            deltas.append(o.outputs[0].token_ids)
         seen = 0
         async for out in engine.generate(PROMPTS[0], greedy(200), "b"):
             seen += 1

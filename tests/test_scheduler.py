@@ -334,3 +334,20 @@ def test_random_traffic_keeps_the_invariants(ops, swap, prefix_caching):
 
 def kv_empty(s: Scheduler) -> bool:
     return s.kv.num_used_blocks == 0 and len(s.kv.free_swap_slots) == s.kv.num_swap_blocks
+
+
+def test_beam_like_request_swapped_back_in_is_not_scheduled_without_tokens():
+    """A request whose tokens are all computed (a beam waiting for the token its search picks)
+    comes back from the host but is not scheduled with 0 tokens."""
+    s = make_scheduler(num_blocks=8, block_size=4, budget=64, swap_blocks=16, prefix_caching=False)
+    beam = make_request("beam", 12)
+    beam.append_sampled_tokens = False
+    s.add_request(beam)
+    step(s)
+    assert beam.num_computed_tokens == beam.num_tokens == 12
+    s._preempt(beam, set())                 # as if a newer request had needed its pages
+    out = s.schedule()
+    assert out.swap_in and not out.scheduled and beam.status is RequestStatus.RUNNING
+    beam.append_output_token(42, -0.1)        # the search appends its choice: now it has work
+    out = s.schedule()
+    assert scheduled(out) == {"beam": 1}

@@ -169,6 +169,8 @@ class Scheduler:
                 request.scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if num_new == 0:     # swapped back in with nothing to compute (a beam awaiting its token)
+                continue
             scheduled.append((request, num_new))
             budget -= num_new
             if num_new > 1:
@@ -199,12 +201,12 @@ class Scheduler:
             top = None
             if k is not None:
                 top = (runner_output.top_token_ids[i, :k].tolist(), runner_output.top_logprobs[i, :k].tolist())
+            num_generated += 1
             if not request.append_sampled_tokens:
                 outputs.append(EngineCoreOutput(request.request_id, [], top_logprobs=top))
                 continue
             logprob = float(runner_output.logprobs[i])
             request.append_output_token(token, logprob)
-            num_generated += 1
             status = self.check_stop(request)
             if status is not None:
                 self.running.remove(request)

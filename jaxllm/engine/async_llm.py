@@ -100,6 +100,8 @@ class AsyncLLM:
         token_ids = None
         if isinstance(prompt, dict):
             prompt, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        if request_id in self._streams:   # checked here: an "in use" error must not abort the first one
+            raise ValueError(f"request_id {request_id!r} is already in use")
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
         try:
             await self._call(lambda: self.engine.add_request(

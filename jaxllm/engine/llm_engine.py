@@ -108,11 +108,11 @@ class LLMEngine:
                 parent_id=request_id, index=i, prompt=prompt, arrival_time=now))
         if any(self.output_processor.is_tracked(c.request_id) for c in choices):
             raise ValueError(f"request_id {request_id!r} clashes with a running request's choice ids")
+        self.engine_core.add_request(choices[0])      # raises (nothing kept) if the scheduler refuses it
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, output_kind, now,
                                           [c.request_id for c in choices])
         if len(choices) > 1:
             self._pending_choices[choices[0].request_id] = choices[1:]
-        self.engine_core.add_request(choices[0])
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
                             **template_kwargs) -> list[int]:

@@ -164,6 +164,7 @@ class InputBatch:
         self.token_ids[row, :len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
         self.num_prompt_tokens[row] = req.num_prompt_tokens
+        self.block_table[row] = 0
         self.block_table[row, :len(req.block_ids)] = req.block_ids
         p = req.sampling_params
         values = {"temperature": p.temperature, "top_p": p.top_p, "top_k": min(max(p.top_k, 0), self.vocab_size),
