@@ -1,6 +1,7 @@
 """The engine end to end: greedy parity with HF transformers, invariance to batching,
 chunking and preemption, seeded sampling, stop conditions, abort, bad input, no recompiles."""
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -73,6 +74,72 @@ def test_swap_preemption_gives_the_same_outputs_as_recompute(llm, tiny_model_dir
     assert token_ids(small.generate(PROMPTS, seeded, use_tqdm=False)) == seeded_ref
     assert small.engine.stats.num_preemptions > 0 and kv.num_swapped_out > 0
     assert kv.num_used_blocks == 0 and len(kv.free_swap_slots) == kv.num_swap_blocks
+
+
+@pytest.mark.parametrize("lose_cache", [False, True])
+def test_a_failing_step_fails_only_its_requests(llm, monkeypatch, caplog, lose_cache):
+    """Fault injection: one step raises (after destroying the donated KV cache, as a failed
+    XLA execution would); its requests end with "error", the engine serves the next ones."""
+    engine = llm.engine
+    reference = token_ids(llm.generate(PROMPTS, greedy(10), use_tqdm=False))
+    runner = engine.runner
+    real_run = runner._run
+
+    def failing_run(buffers):
+        if lose_cache:
+            for x in jax.tree_util.tree_leaves(runner.kv_cache):
+                x.delete()
+        raise RuntimeError("injected step failure")
+
+    engine.add_request("doomed-0", PROMPTS[0], greedy(10))
+    engine.add_request("doomed-1", PROMPTS[1], greedy(10))
+    engine.step()                                  # both running
+    monkeypatch.setattr(runner, "_run", failing_run)
+    with caplog.at_level("ERROR", logger="jaxllm"):
+        outputs = engine.step()
+    monkeypatch.setattr(runner, "_run", real_run)
+    assert "injected step failure" in caplog.text
+    assert {o.request_id: o.outputs[0].finish_reason for o in outputs} == {"doomed-0": "error", "doomed-1": "error"}
+    assert not engine.has_unfinished_requests() and engine.kv_cache_manager.num_used_blocks == 0
+    assert engine.stats.finished["error"] >= 2
+    assert token_ids(llm.generate(PROMPTS, greedy(10), use_tqdm=False)) == reference
+
+
+def test_a_failing_step_recomputes_the_requests_it_did_not_hold(llm, monkeypatch):
+    """Requests that were running but not in the failed step lose their KV with the cache and
+    are recomputed: they still finish with the tokens they would have had."""
+    engine = llm.engine
+    reference = token_ids(llm.generate(PROMPTS[:2], greedy(10), use_tqdm=False))
+    runner = engine.runner
+    real_run = runner._run
+    engine.add_request("survivor", PROMPTS[0], greedy(10))
+    for _ in range(3):
+        engine.step()
+    survivor = engine.scheduler.requests["survivor"]
+    engine.add_request("doomed", PROMPTS[1], greedy(10))
+    real_schedule = engine.scheduler.schedule
+
+    def schedule_without_survivor():         # the survivor sits this step out (as under a full budget)
+        out = real_schedule()
+        out.scheduled = [(r, n) for r, n in out.scheduled if r is not survivor]
+        return out
+
+    def failing_run(buffers):
+        for x in jax.tree_util.tree_leaves(runner.kv_cache):
+            x.delete()
+        raise RuntimeError("injected step failure")
+
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule_without_survivor)
+    monkeypatch.setattr(runner, "_run", failing_run)
+    outputs = engine.step()
+    monkeypatch.undo()
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in outputs] == [("doomed", "error")]
+    assert survivor.status.value == "preempted" and survivor.num_computed_tokens == 0
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert finished["survivor"] == reference[0]
+    assert engine.kv_cache_manager.num_used_blocks == 0
 
 
 def test_seeded_sampling_reproducible_whatever_the_batch(llm):

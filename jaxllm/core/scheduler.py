@@ -218,6 +218,32 @@ class Scheduler:
         return EngineCoreOutputs(outputs, num_prompt_tokens, num_generated, scheduler_output.num_preempted,
                                  time.monotonic())
 
+    def fail_step(self, scheduler_output: SchedulerOutput, cache_lost: bool) -> EngineCoreOutputs:
+        """The step of `scheduler_output` failed: end its requests with FINISHED_ERROR. With
+        `cache_lost` (the KV pages were reallocated) every other running request is preempted
+        to be recomputed, and the prefix cache forgets its pages. Requests swapped out by this
+        step are recomputed too: their copies may never have been made."""
+        failed = [r for r, _ in scheduler_output.scheduled if r.status is RequestStatus.RUNNING]
+        for request in failed:
+            self.running.remove(request)
+            self._free_request(request, RequestStatus.FINISHED_ERROR)
+        for request_id in scheduler_output.preempted_req_ids:
+            request = self.requests.get(request_id)
+            if request is not None and request.swap_slots:
+                self.kv.free_swap(request)
+                request.num_computed_tokens = 0
+        if cache_lost:
+            for request in reversed(self.running):
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+                request.status = RequestStatus.PREEMPTED
+                self._finished_req_ids.add(request.request_id)      # the runner drops its row
+                self.waiting.appendleft(request)
+            self.running = []
+            self.kv.reset_prefix_cache()
+        outputs = [EngineCoreOutput(r.request_id, [], finish_reason=r.finish_reason) for r in failed]
+        return EngineCoreOutputs(outputs, timestamp=time.monotonic())
+
     def check_stop(self, request: Request) -> RequestStatus | None:
         """The status a request ends with after its latest token, or None to go on.
         EOS and stop token ids count only from `min_tokens` outputs on."""

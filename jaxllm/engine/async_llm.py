@@ -24,6 +24,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop crashed; no request can be served."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine step computing this request failed; the engine goes on serving the others."""
+
+
 class AsyncLLM:
     def __init__(self, engine_args: EngineArgs | None = None, *, engine: LLMEngine | None = None, **kwargs):
         self.engine = engine or LLMEngine(engine_args or EngineArgs(**kwargs))
@@ -117,6 +121,9 @@ class AsyncLLM:
                 if isinstance(out, BaseException):
                     raise EngineDeadError("the engine loop has stopped") from out
                 finished = out.finished
+                if any(c.finish_reason == "error" for c in out.outputs):
+                    raise RequestFailedError(f"the engine failed while computing request {request_id!r} "
+                                             f"(logged on the server); other requests are unaffected")
                 yield out
         finally:
             self._streams.pop(request_id, None)

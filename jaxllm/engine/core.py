@@ -3,13 +3,16 @@
     step():  Scheduler.schedule() -> ModelRunner.execute() -> Scheduler.update_from_output()
 
 Requests go in as `Request`s (token ids, sampling params); each step returns
-`EngineCoreOutputs` (new token ids, logprobs, finish reasons). Text, choices and output kinds
+`EngineCoreOutputs` (new token ids, logprobs, finish reasons). A step that raises ends only its
+own requests (finish reason "error", traceback logged once); if it took the donated KV cache
+with it, the cache is reallocated and the other running requests are recomputed. Text, choices and output kinds
 are the `OutputProcessor`'s business (engine/output_processor.py), on the LLMEngine side.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Iterable
 
@@ -19,6 +22,8 @@ from jaxllm.core.outputs import EngineCoreOutputs, ModelRunnerOutput, SchedulerO
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.runner.model_runner import ModelRunner
+
+logger = logging.getLogger("jaxllm")
 
 
 class EngineCore:
@@ -47,7 +52,13 @@ class EngineCore:
         t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         t1 = time.perf_counter()
-        runner_output = self.runner.execute(scheduler_output)
+        try:
+            runner_output = self.runner.execute(scheduler_output)
+        except Exception:
+            # Only this step's requests fail; the engine goes on serving the others.
+            logger.exception("engine step failed; its %d request(s) end with an error: %s",
+                             len(scheduler_output.scheduled), [r.request_id for r, _ in scheduler_output.scheduled])
+            return self.scheduler.fail_step(scheduler_output, cache_lost=self.runner.recover())
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if not scheduler_output.is_empty:

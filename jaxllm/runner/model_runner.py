@@ -68,8 +68,7 @@ class ModelRunner:
         self.buckets = make_buckets(sched.max_num_seqs, sched.max_num_batched_tokens,
                                     self.attention.prefill_row_tokens, sched.max_num_prefill_seqs)
         dtype = jnp_dtype(config.dtype)
-        self.kv_cache = jax.device_put(kernels.allocate_kv_cache(
-            spec.num_layers, spec.num_kv_heads, config.cache.num_blocks, self.block_size, spec.head_dim, dtype), device)
+        self.kv_cache = self._allocate_kv_cache()
         # Host pages for swapped-out requests: [layers, k/v, kv_heads, slots, block_size, head_dim]
         # (numpy zeros: the OS commits memory only for slots ever written).
         self.swap_pool = np.zeros((spec.num_layers, 2, spec.num_kv_heads, config.cache.num_swap_blocks,
@@ -192,6 +191,20 @@ class ModelRunner:
             self.kv_cache = out[-1]
             jax.block_until_ready(out[0])
         return time.perf_counter() - start
+
+    def recover(self) -> bool:
+        """After a failed step: reallocate the KV cache if the failure consumed it (the step
+        donates it). Returns whether it did, i.e. whether every page's contents are lost."""
+        if not any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.kv_cache)):
+            return False
+        self.kv_cache = self._allocate_kv_cache()
+        return True
+
+    def _allocate_kv_cache(self):
+        spec = self.spec
+        return jax.device_put(kernels.allocate_kv_cache(
+            spec.num_layers, spec.num_kv_heads, self.config.cache.num_blocks, self.block_size, spec.head_dim,
+            jnp_dtype(self.config.dtype)), jax.devices()[0])
 
     # ----- moving pages -----
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
