@@ -41,7 +41,7 @@ class AttentionBackend:
     """The ragged contract: q [T, q_heads, head_dim] attends over `inputs.block_tables`,
     `inputs.seq_lens`, `inputs.query_start_loc`, `inputs.num_seqs` (runner/input_batch.py)."""
 
-    name = "reference"
+    name: str
     # Query tokens per prefill attention row: only the `cpu` backend regroups into rows, but
     # the step buckets are counted in them for every backend (runner/compile.py).
     prefill_row_tokens = 16
@@ -58,8 +58,8 @@ class AttentionBackend:
     def dummy_metadata(self, bucket, max_blocks: int) -> dict:
         return {}
 
-    def kernel(self, *args):
-        return kernels.ragged_paged_attention_reference(*args)
+    def kernel(self, q, k_pages, v_pages, seq_lens, block_tables, query_start_loc, num_seqs):
+        raise NotImplementedError
 
     def forward(self, q, k_pages, v_pages, inputs):
         return self.kernel(q, k_pages, v_pages, inputs.seq_lens, inputs.block_tables, inputs.query_start_loc,
@@ -72,6 +72,9 @@ class AttentionBackend:
 
 class ReferenceBackend(AttentionBackend):
     name = "reference"
+
+    def kernel(self, *args):
+        return kernels.ragged_paged_attention_reference(*args)
 
 
 class PallasBackend(AttentionBackend):

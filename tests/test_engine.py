@@ -267,8 +267,7 @@ def test_async_llm_streams_and_cancel_frees_pages(tiny_model_dir, llm):
         async for o in engine.generate(PROMPTS[1], greedy(8), "a", output_kind="delta"):
             if not deltas:      # a second request with the same id is refused; the first goes on
                 with pytest.raises(ValueError, match="already in use"):
-                    async for _ in engine.generate(PROMPTS[0], greedy(8), "a"):
-                        pass
+                    await anext(engine.generate(PROMPTS[0], greedy(8), "a"))
             deltas.append(o.outputs[0].token_ids)
         seen = 0
         async for out in engine.generate(PROMPTS[0], greedy(200), "b"):

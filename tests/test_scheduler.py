@@ -345,7 +345,9 @@ def test_beam_like_request_swapped_back_in_is_not_scheduled_without_tokens():
     s.add_request(beam)
     step(s)
     assert beam.num_computed_tokens == beam.num_tokens == 12
-    s._preempt(beam, set())                 # as if a newer request had needed its pages
+    swap_out = []
+    s._preempt(beam, set(), swap_out)       # as if a newer request had needed its pages
+    assert len(swap_out) == len(beam.swap_slots) == 3
     out = s.schedule()
     assert out.swap_in and not out.scheduled and beam.status is RequestStatus.RUNNING
     beam.append_output_token(42, -0.1)        # the search appends its choice: now it has work

@@ -86,5 +86,4 @@ class EngineCoreOutputs:
     outputs: list[EngineCoreOutput]
     num_prompt_tokens: int = 0       # prompt tokens computed this step
     num_generated_tokens: int = 0
-    num_preempted: int = 0
     timestamp: float = 0.0           # time.monotonic() when the step's tokens arrived

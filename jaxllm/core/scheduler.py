@@ -45,7 +45,6 @@ class Scheduler:
         self.num_preemptions = 0
         # Since the last schedule(): requests that left (the runner frees their rows).
         self._finished_req_ids: set[str] = set()
-        self._swap_out: list[tuple[int, int]] = []
 
     # ----- requests in and out -----
     def add_request(self, request: Request) -> None:
@@ -99,11 +98,11 @@ class Scheduler:
         return len(self.requests) - len(self.running)
 
     # ----- the plan -----
-    def _preempt(self, request: Request, preempted: set[str]) -> None:
+    def _preempt(self, request: Request, preempted: set[str], swap_out: list[tuple[int, int]]) -> None:
         self.running.remove(request)
         swapped = self.config.preemption_mode == "swap" and self.kv.can_swap_out(request)
         if swapped:
-            self._swap_out += self.kv.swap_out(request)
+            swap_out += self.kv.swap_out(request)
         else:
             self.kv.free(request)
             request.num_computed_tokens = 0
@@ -118,6 +117,7 @@ class Scheduler:
         prefill_slots = self.config.max_num_prefill_seqs
         scheduled: list[tuple[Request, int]] = []
         preempted: set[str] = set()
+        swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
 
         # Running requests, oldest first; the newest gives way when pages run out.
@@ -132,7 +132,7 @@ class Scheduler:
                 prefill_slots -= 1
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running[-1]
-                self._preempt(victim, preempted)
+                self._preempt(victim, preempted, swap_out)
                 if victim is request:
                     break
             if request.status is RequestStatus.PREEMPTED:
@@ -177,8 +177,8 @@ class Scheduler:
                 prefill_slots -= 1
 
         out = SchedulerOutput(scheduled, finished_req_ids=self._finished_req_ids, preempted_req_ids=preempted,
-                              block_copies=self.kv.take_pending_copies(), swap_out=self._swap_out, swap_in=swap_in)
-        self._finished_req_ids, self._swap_out = set(), []
+                              block_copies=self.kv.take_pending_copies(), swap_out=swap_out, swap_in=swap_in)
+        self._finished_req_ids = set()
         return out
 
     # ----- the outcome -----
@@ -215,8 +215,7 @@ class Scheduler:
                 request.request_id, [token], logprob, top, finish_reason=request.finish_reason,
                 stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens,
                 scheduled_time=request.scheduled_time))
-        return EngineCoreOutputs(outputs, num_prompt_tokens, num_generated, scheduler_output.num_preempted,
-                                 time.monotonic())
+        return EngineCoreOutputs(outputs, num_prompt_tokens, num_generated, time.monotonic())
 
     def fail_step(self, scheduler_output: SchedulerOutput, cache_lost: bool) -> EngineCoreOutputs:
         """The step of `scheduler_output` failed: end its requests with FINISHED_ERROR. With

@@ -5,8 +5,9 @@
 Requests go in as `Request`s (token ids, sampling params); each step returns
 `EngineCoreOutputs` (new token ids, logprobs, finish reasons). A step that raises ends only its
 own requests (finish reason "error", traceback logged once); if it took the donated KV cache
-with it, the cache is reallocated and the other running requests are recomputed. Text, choices and output kinds
-are the `OutputProcessor`'s business (engine/output_processor.py), on the LLMEngine side.
+with it, the cache is reallocated and the other running requests are recomputed. Text, choices
+and output kinds are the `OutputProcessor`'s business (engine/output_processor.py), on the
+LLMEngine side.
 """
 
 from __future__ import annotations

@@ -41,29 +41,16 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
         self.engine_core = EngineCore(self.config, loaded.spec, loaded.params)
+        # The engine core's parts, for metrics, tests and benchmarks.
+        core = self.engine_core
+        self.scheduler, self.kv_cache_manager, self.runner, self.stats = (
+            core.scheduler, core.kv_cache_manager, core.runner, core.stats)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.warmup_seconds = self.runner.warmup(progress) if self.config.warmup else 0.0
         self._rng = random.Random(self.config.seed)
         # n > 1: the other choices wait until the first has computed the prompt, then reuse
         # its pages through the prefix cache (first choice's id -> the others).
         self._pending_choices: dict[str, list[Request]] = {}
-
-    # The engine core's parts, for metrics, tests and benchmarks.
-    @property
-    def scheduler(self):
-        return self.engine_core.scheduler
-
-    @property
-    def kv_cache_manager(self):
-        return self.engine_core.kv_cache_manager
-
-    @property
-    def runner(self):
-        return self.engine_core.runner
-
-    @property
-    def stats(self):
-        return self.engine_core.stats
 
     # ----- requests -----
     def tokenize(self, prompt: str) -> list[int]:

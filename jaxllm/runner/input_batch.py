@@ -224,7 +224,7 @@ class PackedLayout:
     """
 
     treedef: object
-    leaves: tuple[tuple[str, int, tuple[int, ...]], ...]   # (numpy dtype name, offset, shape)
+    leaves: tuple[tuple[str, int, int, tuple[int, ...]], ...]   # (numpy dtype name, offset, size, shape)
     num_ints: int
     num_floats: int
 
@@ -237,14 +237,13 @@ class PackedLayout:
             kind = "f" if dtype == np.float32 else "i"
             if dtype not in (np.float32, np.int32, np.uint32, np.bool_):
                 raise TypeError(f"cannot pack a {dtype} step input")
-            specs.append((dtype.name, sizes[kind], tuple(leaf.shape)))
+            specs.append((dtype.name, sizes[kind], leaf.size, tuple(leaf.shape)))
             sizes[kind] += leaf.size
         return cls(treedef, tuple(specs), sizes["i"], sizes["f"])
 
     def pack(self, tree, ints: np.ndarray, floats: np.ndarray) -> None:
         """Copy the leaves of `tree` (same structure and shapes) into `ints` and `floats`."""
-        for leaf, (dtype, offset, shape) in zip(jax.tree_util.tree_leaves(tree), self.leaves):
-            size = int(np.prod(shape))
+        for leaf, (dtype, offset, size, _) in zip(jax.tree_util.tree_leaves(tree), self.leaves):
             if dtype == "float32":
                 floats[offset:offset + size] = leaf.reshape(-1)
             elif dtype == "uint32":
@@ -255,8 +254,7 @@ class PackedLayout:
     def unpack(self, ints, floats):
         """The pytree back from the two (device) buffers; call inside jit."""
         out = []
-        for dtype, offset, shape in self.leaves:
-            size = int(np.prod(shape))
+        for dtype, offset, size, shape in self.leaves:
             x = (floats if dtype == "float32" else ints)[offset:offset + size].reshape(shape)
             if dtype == "uint32":
                 x = jax.lax.bitcast_convert_type(x, jax.numpy.uint32)
