@@ -12,6 +12,7 @@ import logging
 import random
 import time
 
+from jaxllm.chat_template import MAX_OUTPUT_CHARS, render_chat_template
 from jaxllm.config import EngineArgs, EngineConfig, resolve_config
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.engine.core import EngineCore
@@ -102,15 +103,25 @@ class LLMEngine:
             self._pending_choices[choices[0].request_id] = choices[1:]
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                            **template_kwargs) -> list[int]:
-        """Token ids of a conversation rendered by the model's chat template."""
-        if not getattr(self.tokenizer, "chat_template", None):
+                            chat_template: str | None = None, **template_kwargs) -> list[int]:
+        """Token ids of a conversation rendered by `chat_template` (default: the model's) in the
+        bounded sandbox of jaxllm/chat_template.py; any template variable may be passed (a server
+        checks a client's with `check_template_kwargs` first). Raises ValueError
+        (ChatTemplateError for a template that fails)."""
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, dict):     # a tokenizer with named templates
+            template = template.get("default")
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.model_name!r} has no tokenizer")
+        if not template:
             raise ValueError(f"model {self.model_name!r} has no chat template")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                                 **template_kwargs)
-        if hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        # Room for any prompt that fits the context, however long its tokens (whitespace runs).
+        max_chars = max(MAX_OUTPUT_CHARS, 16 * self.config.scheduler.max_model_len)
+        text = render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
+                                    special_tokens=self.tokenizer.special_tokens_map,
+                                    template_kwargs=template_kwargs, max_chars=max_chars)
+        # The template writes the special tokens (BOS included) itself, as transformers assumes.
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if the prompt or params cannot run on this engine."""
