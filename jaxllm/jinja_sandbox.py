@@ -8,7 +8,8 @@ its hooks also bound what a template may cost:
     time    every call, filter, attribute or item lookup, operator, loop iteration and output
             chunk checks the render's deadline
     size    no string, list or output the template builds exceeds `max_chars` characters: `*`,
-            `**`, `+`, `%`, `~`, buffers, padding widths and format specs are checked before they run
+            `**`, `+`, `%`, `~`, buffers, padding widths and format specs are checked before they
+            run; all the text a render builds adds up to at most BUILD_REPEATS * max_chars
     source  templates over MAX_TEMPLATE_CHARS are refused; each is compiled once
 
 Every failure is a ChatTemplateError (a ValueError) with a message fit for an HTTP 400.
@@ -33,6 +34,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 MAX_TEMPLATE_CHARS = 256 * 1024
 MAX_INT_BITS = 4096                  # integers a template may compute (about 1,233 digits)
+# All the text one render builds or prints (strings made by calls, filters, operators and joins,
+# and every `{{ ... }}`) may add up to this many times max_chars: a template copies each message a
+# few times (strip, split, a macro), and buffers (macros, blocks) keep what they collect until joined.
+BUILD_REPEATS = 16
 # The parts of a format string that set widths: `%-10.3f` and `{0:>10}` (a `{` inside is nested).
 _FORMAT_SPECS = re.compile(r"%[^a-zA-Z%]*|\{[^{}]*[{}]")
 
@@ -51,6 +56,7 @@ class _Budget:
     deadline: float
     timeout_s: float
     max_chars: int
+    num_built: int = 0                  # characters of text built so far
 
     def tick(self) -> None:
         if time.monotonic() > self.deadline:
@@ -58,6 +64,16 @@ class _Budget:
 
     def too_big(self) -> ChatTemplateError:
         return ChatTemplateError(f"the chat template produced more than {self.max_chars} characters")
+
+    def built(self, value):
+        """Account for `value`, just built: its size, and the render's total (containers count
+        one per element, since what they hold is counted where it was built)."""
+        self.check_size(value)
+        self.num_built += len(value) if isinstance(value, (str, list, tuple, dict)) else 0
+        if self.num_built > BUILD_REPEATS * self.max_chars:
+            raise ChatTemplateError(f"the chat template built more than {BUILD_REPEATS * self.max_chars} "
+                                    f"characters of text")
+        return value
 
     def check_size(self, *values) -> None:
         total = 0
@@ -146,21 +162,19 @@ class _Environment(ImmutableSandboxedEnvironment):
         if is_format:
             budget.check_format(owner)
         budget.check_args(args, kwargs, widths=isinstance(owner, str) and not is_format)
-        result = super().call(context, obj, *args, **kwargs)
-        budget.check_size(result)
-        return result
+        return budget.built(super().call(context, obj, *args, **kwargs))
 
     def call_binop(self, context, operator, left, right):
         budget = _BUDGET.get()
         budget.tick()
         budget.check_binop(operator, left, right)
-        return super().call_binop(context, operator, left, right)
+        return budget.built(super().call_binop(context, operator, left, right))
 
     def getattr(self, obj, attribute):
         _BUDGET.get().tick()
         return super().getattr(obj, attribute)
 
-    def getitem(self, obj, argument):
+    def getitem(self, obj, argument):       # `x[a:b]` does not come here: jinja slices directly
         _BUDGET.get().tick()
         return super().getitem(obj, argument)
 
@@ -172,16 +186,22 @@ class _Environment(ImmutableSandboxedEnvironment):
 
     def concat(self, parts) -> str:     # `~`, and the buffers of macros, call blocks and `{% set %}` blocks
         parts = list(parts)
-        _BUDGET.get().check_size(*parts)
-        return "".join(map(str, parts))
+        budget = _BUDGET.get()
+        budget.check_size(*parts)
+        return budget.built("".join(map(str, parts)))
 
 
 def _finalize(value):
-    """Every `{{ value }}` passes here before `str()`: refuse one whose text would be too big."""
+    """Every `{{ value }}` passes here before `str()`, on its way to the output or a buffer: it
+    counts as built (a slice, say, was built unseen), and a value that is not a string is made
+    text here, once its size is known to be in bounds."""
     budget = _BUDGET.get(None)          # None while compiling (constants only)
-    if budget is not None and not isinstance(value, str):
+    if budget is None:
+        return value
+    if not isinstance(value, str):
         budget.check_size(value)
-    return value
+        value = str(value)
+    return budget.built(value)
 
 
 def _bounded_filter(name: str, func):
@@ -194,9 +214,7 @@ def _bounded_filter(name: str, func):
             budget.check_format(args[first - 1])
         budget.check_size(*args[:first])
         budget.check_args(args[first:], kwargs, widths=True)
-        result = func(*args, **kwargs)
-        budget.check_size(result)
-        return result
+        return budget.built(func(*args, **kwargs))
     return bounded
 
 

@@ -188,6 +188,12 @@ HOSTILE = {
     "nested loops in a macro buffer": ("{% macro m() %}{% set r = range(100000) %}{% for i in r %}{% for j in r %}"
                                        "{% if not j %}x{% endif %}{% endfor %}{% endfor %}{% endmacro %}{{ m() }}",
                                        "took longer"),
+    "large values into a macro buffer": ("{% macro m() %}{% for i in range(300) %}{{ 'x' * 99999 }}{% endfor %}"
+                                         "{% endmacro %}{{ m() }}", "built more than 1600000 characters"),
+    "slices into a macro buffer": ("{% macro m() %}{% set s = 'x' * 99999 %}{% for i in range(300) %}{{ s[i:] }}"
+                                   "{% endfor %}{% endmacro %}{{ m() }}", "built more than"),
+    "filter blocks into a macro buffer": ("{% macro m() %}{% for i in range(300) %}{% filter center(99999) %}x"
+                                          "{% endfilter %}{% endfor %}{% endmacro %}{{ m() }}", "built more than"),
     "nested loops with output": ("{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxx{% endfor %}"
                                  "{% endfor %}", "produced more than 100000 characters"),
     "string repetition": ('{{ "x" * 10**8 }}', "produced more than"),
