@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 
+from jaxllm.sampling_params import MAX_LOGPROBS
 from jaxllm.utils import DTYPES, check_dtype, default_cache_root
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ ATTENTION_BACKENDS = ("native", "cpu", "pallas", "reference")
 PREEMPTION_MODES = ("recompute", "swap")
 
 
-def _opt(default, help: str, **metadata):
+def option(default, help: str, **metadata):
     """A field with its CLI help, and optionally a `metavar`, `choices`, `size=True` (the flag takes
     sizes such as 4GiB) or `cli=False` (no flag). The CLI ends the help with "(default: <value>)"
     unless the help names the default itself, as it should where the value alone says little (None)."""
@@ -33,44 +34,46 @@ def _opt(default, help: str, **metadata):
 class EngineArgs:
     """Engine options. `None` means "derive from the model / machine"."""
 
-    model: str | None = _opt(
+    model: str | None = option(
         None, "an HF model directory, a .gguf file, or a hub id such as Qwen/Qwen2.5-0.5B-Instruct (Llama, "
               "Mistral, Qwen2, Qwen3 families). Default: the bundled SmolLM2-135M-Instruct", metavar="PATH_OR_ID")
-    dtype: str = _opt("bfloat16", "weight and KV-cache dtype", choices=tuple(DTYPES))
-    max_model_len: int | None = _opt(None, "context length, prompt plus output (default: the model's)",
+    dtype: str = option("bfloat16", "weight and KV-cache dtype", choices=tuple(DTYPES))
+    max_model_len: int | None = option(None, "context length, prompt plus output (default: the model's)",
                                      metavar="TOKENS")
-    max_num_seqs: int = _opt(128, "most sequences in one batch", metavar="N")
-    max_num_batched_tokens: int = _opt(512, "most tokens computed in one step", metavar="N")
-    max_num_prefill_seqs: int = _opt(8, "most prompts (or prompt chunks) in one step", metavar="N")
-    block_size: int = _opt(16, "tokens per KV-cache page (block)", metavar="TOKENS")
-    kv_cache_memory: int | None = _opt(
+    max_num_seqs: int = option(128, "most sequences in one batch", metavar="N")
+    max_num_batched_tokens: int = option(512, "most tokens computed in one step", metavar="N")
+    max_num_prefill_seqs: int = option(8, "most prompts (or prompt chunks) in one step", metavar="N")
+    block_size: int = option(16, "tokens per KV-cache page (block)", metavar="TOKENS")
+    kv_cache_memory: int | None = option(
         None, "bytes for the KV cache, e.g. 4GiB (default: 2GiB unless --gpu-memory-utilization is given)",
         metavar="SIZE", size=True)
-    gpu_memory_utilization: float | None = _opt(
+    gpu_memory_utilization: float | None = option(
         None, "the KV cache's share of the memory left after loading the weights (device memory on an "
               "accelerator, available RAM on CPU), in (0, 1] (default: unset, --kv-cache-memory sizes the cache)",
         metavar="FRACTION")
-    num_gpu_blocks_override: int | None = _opt(
+    num_gpu_blocks_override: int | None = option(
         None, "exact number of KV pages, overriding the memory options (default: unset, the memory options "
               "size the cache)", metavar="N")
-    swap_space: float = _opt(4.0, "GiB of host memory for KV pages swapped out by preemption "
+    swap_space: float = option(4.0, "GiB of host memory for KV pages swapped out by preemption "
                                   "(used with --preemption-mode swap)", metavar="GiB")
-    preemption_mode: str = _opt(
+    preemption_mode: str = option(
         "recompute", "what a preempted request's KV pages become: 'recompute' frees them (recomputed on "
                      "resume), 'swap' copies them to host memory and back", choices=PREEMPTION_MODES)
-    enable_prefix_caching: bool = _opt(True, "reuse the KV cache of shared prompt prefixes")
-    seed: int = _opt(0, "engine random seed (draws the seeds of unseeded requests)")
-    served_model_name: str | None = _opt(
+    enable_prefix_caching: bool = option(True, "reuse the KV cache of shared prompt prefixes")
+    max_logprobs: int = option(20, "most log-probabilities a request may ask for per token (at most 20)",
+                               metavar="N")
+    seed: int = option(0, "engine random seed (draws the seeds of unseeded requests)")
+    served_model_name: str | None = option(
         None, "the model name clients send and /v1/models lists (default: from --model)", metavar="NAME")
-    compilation_cache_dir: str | None = _opt(
+    compilation_cache_dir: str | None = option(
         None, "where compiled programs are kept between runs ('' disables; default: $JAXLLM_CACHE_DIR/xla or "
               "~/.cache/jaxllm/xla)", metavar="DIR")
-    params_cache_dir: str | None = _opt(
+    params_cache_dir: str | None = option(
         None, "where converted weights are kept between runs (default: $JAXLLM_CACHE_DIR/params)", metavar="DIR")
-    attention_backend: str | None = _opt(
+    attention_backend: str | None = option(
         None, "paged attention implementation: 'native' (C++ CPU kernel), 'cpu' (jnp rows), 'pallas' (GPU), "
               "'reference' (dense oracle); default: by platform", choices=ATTENTION_BACKENDS)
-    warmup: bool = _opt(True, "compile every step shape at start-up (off: compile on first use)")
+    warmup: bool = option(True, "compile every step shape at start-up (off: compile on first use)")
 
     def verify(self) -> None:
         check_dtype(self.dtype)
@@ -78,6 +81,8 @@ class EngineArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.max_logprobs, int) or not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -125,6 +130,7 @@ class EngineConfig:
     model_name: str
     dtype: str
     seed: int
+    max_logprobs: int
     scheduler: SchedulerConfig
     cache: CacheConfig
     attention_backend: str | None   # None: the platform's default (jaxllm.attention)
@@ -184,6 +190,7 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
         model_name=args.served_model_name or model_name,
         dtype=args.dtype,
         seed=args.seed,
+        max_logprobs=args.max_logprobs,
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=max_batched,

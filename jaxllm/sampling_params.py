@@ -7,6 +7,10 @@ import math
 
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 1e6   # past ~100 sampling is already uniform; float32 must hold it
+# (low, high, low is allowed) of each float field; the server's request models publish the same.
+FLOAT_RANGES = {"temperature": (0.0, MAX_TEMPERATURE, True), "top_p": (0.0, 1.0, False), "min_p": (0.0, 1.0, True),
+                "presence_penalty": (-2.0, 2.0, True), "frequency_penalty": (-2.0, 2.0, True),
+                "repetition_penalty": (0.0, 100.0, False)}
 
 
 def _finite32(x) -> bool:
@@ -60,30 +64,20 @@ class SamplingParams:
         def bad(name, value, allowed):
             raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        for name, (low, high, low_ok) in FLOAT_RANGES.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite32(value):
                 bad(name, value, "a finite number")
+            if not (low <= value if low_ok else low < value) or value > high:
+                bad(name, value, f"in {'[' if low_ok else '('}{low:g}, {high:g}]")
         for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "seed"):
             value = getattr(self, name)
             if isinstance(value, bool) or not (value is None or isinstance(value, int)):
                 bad(name, value, "an integer")
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", self.n, "an integer >= 1")
-        if not 0 <= self.temperature <= MAX_TEMPERATURE:
-            bad("temperature", self.temperature, f"in [0, {MAX_TEMPERATURE:g}]")
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", self.top_p, "in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             bad("top_k", self.top_k, "-1, 0 (disabled) or a positive integer")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", self.min_p, "in [0, 1]")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
-        if not 0.0 < self.repetition_penalty <= 100.0:
-            bad("repetition_penalty", self.repetition_penalty, "in (0, 100]")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             bad("max_tokens", self.max_tokens, "an integer >= 1")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:

@@ -9,7 +9,11 @@ import pytest
 from jaxllm.models import llama
 from jaxllm.runner.compile import Bucket
 from jaxllm.runner.input_batch import StepInputs
-from tiny_model import TINY_ENGINE_ARGS, build_tiny_model
+from tiny_model import TINY_ENGINE_ARGS, build_tiny_model, offline_llm
+
+# The shared live server's limits (the hardening tests probe them; the defaults are larger).
+SERVER_FLAGS = ("--max-request-body-bytes", "1MiB", "--max-logprobs", "10", "--request-read-timeout", "3",
+                "--max-prompts-per-request", "64", "--max-stop-strings", "8")
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +28,18 @@ def llm(tiny_model_dir):
     from jaxllm import LLM
 
     return LLM(tiny_model_dir, **TINY_ENGINE_ARGS)
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_dir, tmp_path_factory):
+    """`jaxllm serve` on the tiny model (tests/live_server.py), shared by the server tests, with
+    the offline `LLM` over the same model as `server.offline`, the reference for outputs."""
+    from live_server import start_server
+
+    live = start_server(tiny_model_dir, str(tmp_path_factory.mktemp("server")), *SERVER_FLAGS,
+                        offline=lambda: offline_llm(tiny_model_dir))
+    yield live
+    live.stop()
 
 
 @pytest.fixture(scope="module")

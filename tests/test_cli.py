@@ -12,6 +12,7 @@ import pytest
 
 from jaxllm import EngineArgs, SamplingParams
 from jaxllm.entrypoints import cli
+from jaxllm.entrypoints.openai.server_args import ServerArgs
 from tiny_model import offline_llm, tiny_engine_flags
 
 
@@ -63,14 +64,14 @@ def test_flags_round_trip_to_engine_args():
         model="m", dtype="float32", max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256,
         max_num_prefill_seqs=4, block_size=32, kv_cache_memory=64 << 20, gpu_memory_utilization=0.5,
         num_gpu_blocks_override=100, swap_space=1.5, preemption_mode="swap", enable_prefix_caching=False, seed=3,
-        served_model_name="mine", compilation_cache_dir="", params_cache_dir="/params", attention_backend="reference",
+        max_logprobs=5, served_model_name="mine", compilation_cache_dir="", params_cache_dir="/params", attention_backend="reference",
         warmup=False)
     assert all(getattr(expected, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(EngineArgs))
     flags = ["--model", "m", "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "8",
              "--max-num-batched-tokens", "256", "--max-num-prefill-seqs", "4", "--block-size", "32",
              "--kv-cache-memory", "64MiB", "--gpu-memory-utilization", "0.5", "--num-gpu-blocks-override", "100",
              "--swap-space", "1.5", "--preemption-mode", "swap", "--no-enable-prefix-caching", "--seed", "3",
-             "--compilation-cache-dir", "", "--params-cache-dir", "/params", "--attention-backend", "reference",
+             "--max-logprobs", "5",             "--compilation-cache-dir", "", "--params-cache-dir", "/params", "--attention-backend", "reference",
              "--no-warmup"]
     parse = cli.build_parser().parse_args
     assert cli.engine_args(parse(["serve", *flags, "--served-model-name", "mine"])) == expected
@@ -78,6 +79,27 @@ def test_flags_round_trip_to_engine_args():
         dataclasses.replace(expected, served_model_name=None)
     assert cli.engine_args(parse(["serve", "--kv-cache-memory", "1.5GiB"])).kv_cache_memory == 3 << 29
     assert [cli.parse_size(s) for s in ("2GiB", "512M", "64k", "1000")] == [2 << 30, 512 << 20, 64 << 10, 1000]
+
+
+def test_server_flags_round_trip_to_server_args(monkeypatch):
+    monkeypatch.delenv("JAXLLM_API_KEY", raising=False)
+    parse = cli.build_parser().parse_args
+    assert cli.from_flags(ServerArgs, parse(["serve"])) == ServerArgs()
+    expected = ServerArgs(host="0.0.0.0", port=9, api_key="k", trust_request_chat_template=True,
+                          max_request_body_bytes=1 << 20, max_prompts_per_request=3, max_stop_strings=2,
+                          max_waiting_requests=7, limit_concurrency=11, timeout_keep_alive=2, request_read_timeout=4.5,
+                          max_header_bytes=8 << 10, shutdown_timeout=1.5, uvicorn_log_level="error")
+    assert all(getattr(expected, f.name) != getattr(ServerArgs(), f.name) for f in dataclasses.fields(ServerArgs))
+    flags = ["--host", "0.0.0.0", "--port", "9", "--api-key", "k", "--trust-request-chat-template",
+             "--max-request-body-bytes", "1MiB", "--max-prompts-per-request", "3", "--max-stop-strings", "2",
+             "--max-waiting-requests", "7", "--limit-concurrency", "11", "--timeout-keep-alive", "2",
+             "--request-read-timeout", "4.5", "--max-header-bytes", "8KiB", "--shutdown-timeout", "1.5",
+             "--uvicorn-log-level", "error"]
+    assert cli.from_flags(ServerArgs, parse(["serve", *flags])) == expected
+    monkeypatch.setenv("JAXLLM_API_KEY", "from-env")
+    assert cli.from_flags(ServerArgs, cli.build_parser().parse_args(["serve"])).api_key == "from-env"
+    with pytest.raises(ValueError, match="shutdown_timeout"):
+        ServerArgs(shutdown_timeout=0).verify()
 
 
 @pytest.mark.parametrize("flag, value, message", [

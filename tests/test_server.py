@@ -5,87 +5,22 @@ reference for every output."""
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import random
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from jaxllm import SamplingParams
-from tiny_model import offline_llm, tiny_engine_flags
-
-API_KEY = "test-key"
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
-READY_TIMEOUT_S = 600
-
-
-class Server:
-    def __init__(self, url: str, model: str, offline):
-        self.url, self.model, self.offline = url, model, offline
-        self.client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-    def post(self, path: str, body, headers=AUTH, timeout=60) -> httpx.Response:
-        content = body if isinstance(body, str) else json.dumps(body)
-        return httpx.post(self.url + path, content=content, timeout=timeout,
-                          headers={"Content-Type": "application/json", **(headers or {})})
-
-    def metrics(self) -> dict:
-        """{(sample name, sorted label items without model_name): value}."""
-        text = httpx.get(self.url + "/metrics", timeout=30).text
-        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
-
-    def assert_healthy(self) -> None:
-        assert httpx.get(self.url + "/health", timeout=30).status_code == 200
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    work = tmp_path_factory.mktemp("server")
-    log = open(work / "server.log", "w+")
-    # XDG_CACHE_HOME: the subprocess caches its converted weights here, not in ~/.cache.
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "XDG_CACHE_HOME": str(work / "xdg")}
-    cmd = [sys.executable, "-m", "jaxllm.entrypoints.cli", "serve", "--model", tiny_model_dir, *tiny_engine_flags(),
-           "--port", "0", "--api-key", API_KEY, "--uvicorn-log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    found: dict[str, str] = {}
-
-    def watch_stdout():
-        for line in proc.stdout:
-            if line.startswith("jaxllm: ready at ") and "url" not in found:
-                found["url"] = line.split()[3].removesuffix("/v1")
-
-    threading.Thread(target=watch_stdout, daemon=True).start()
-    try:
-        offline = offline_llm(tiny_model_dir)  # builds while the server warms up
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while "url" not in found:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                pytest.fail(f"jaxllm serve did not get ready (exit code {proc.poll()}):\n{log.read()[-4000:]}")
-            time.sleep(0.2)
-        yield Server(found["url"], os.path.basename(tiny_model_dir), offline)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+from live_server import API_KEY, AUTH, LiveServer
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
 
 
-def offline_texts(server: Server, prompts, params: SamplingParams) -> list[str]:
+def offline_texts(server: LiveServer, prompts, params: SamplingParams) -> list[str]:
     return [o.outputs[0].text for o in server.offline.generate(prompts, params, use_tqdm=False)]
 
 
@@ -311,7 +246,7 @@ def test_32_concurrent_streams_with_bad_requests_between(server):
     server.assert_healthy()
 
 
-def _wait_idle(server: Server, aborts_before: float, timeout: float = 10.0) -> dict:
+def _wait_idle(server: LiveServer, aborts_before: float, timeout: float = 10.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         m = server.metrics()
@@ -349,52 +284,6 @@ def test_client_disconnect_aborts_request(server):
     expected = offline_texts(server, [PROMPTS[0]], greedy(5))
     assert server.client.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=5,
                                             temperature=0).choices[0].text == expected[0]
-
-
-LONG_IDS = [1000] * 600
-BAD_REQUESTS = [
-    # (id, path, body, headers, status, param)
-    ("invalid-json", "/v1/completions", '{"prompt": "hi", ', AUTH, 400, None),
-    ("not-an-object", "/v1/completions", '[1, 2]', AUTH, 400, None),
-    ("missing-prompt", "/v1/completions", {"max_tokens": 3}, AUTH, 400, "prompt"),
-    ("wrong-type-max-tokens", "/v1/completions", {"prompt": "hi", "max_tokens": "many"}, AUTH, 400, "max_tokens"),
-    ("wrong-type-prompt", "/v1/completions", {"prompt": {"text": "hi"}}, AUTH, 400, "prompt"),
-    ("wrong-type-messages", "/v1/chat/completions", {"messages": "hi"}, AUTH, 400, "messages"),
-    ("negative-max-tokens", "/v1/completions", {"prompt": "hi", "max_tokens": -1}, AUTH, 400, "max_tokens"),
-    ("negative-temperature", "/v1/completions", {"prompt": "hi", "temperature": -0.5}, AUTH, 400, "temperature"),
-    ("negative-temperature-chat-stream", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "temperature": -1, "stream": True}, AUTH, 400, "temperature"),
-    ("huge-n", "/v1/completions", {"prompt": "hi", "n": 100000}, AUTH, 400, None),
-    ("too-many-logprobs", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 50}, AUTH, 400, None),
-    ("overlong-prompt", "/v1/completions", {"prompt": LONG_IDS}, AUTH, 400, "prompt"),
-    ("overlong-prompt-stream", "/v1/completions", {"prompt": LONG_IDS, "stream": True}, AUTH, 400, "prompt"),
-    ("prompt-plus-max-tokens", "/v1/completions", {"prompt": [1000] * 500, "max_tokens": 100}, AUTH, 400,
-     "max_tokens"),
-    ("overlong-chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 600}]}, AUTH, 400,
-     "messages"),
-    ("token-outside-vocab-stream", "/v1/completions", {"prompt": [5, 10 ** 7], "stream": True}, AUTH, 400, "prompt"),
-    ("empty-prompt", "/v1/completions", {"prompt": []}, AUTH, 400, "prompt"),
-    ("unknown-model", "/v1/completions", {"prompt": "hi", "model": "gpt-17"}, AUTH, 400, "model"),
-    ("unsupported-tools", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, AUTH, 400, "tools"),
-    ("missing-key", "/v1/completions", {"prompt": "hi"}, {}, 401, None),
-    ("wrong-key", "/v1/chat/completions", {"messages": []}, {"Authorization": "Bearer nope"}, 401, None),
-    ("unknown-route", "/v1/nope", {}, AUTH, 404, None),
-    ("unknown-route-no-v1", "/nope", {}, {}, 404, None),
-]
-
-
-@pytest.mark.parametrize("path, body, headers, status, param", [case[1:] for case in BAD_REQUESTS],
-                         ids=[case[0] for case in BAD_REQUESTS])
-def test_bad_request_gets_error_and_server_stays_healthy(server, path, body, headers, status, param):
-    response = server.post(path, body, headers=headers)
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert error["message"] and error["type"] and error["code"] == status
-    if param is not None:
-        assert error["param"] == param, error
-    server.assert_healthy()
 
 
 def test_openai_client_raises_on_errors(server):

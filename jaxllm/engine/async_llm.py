@@ -9,6 +9,7 @@ can never race a step, and the event loop is never blocked by a step.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue as queue_mod
 import threading
 import uuid
@@ -18,6 +19,8 @@ from jaxllm.config import EngineArgs
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("jaxllm")
 
 
 class EngineDeadError(RuntimeError):
@@ -29,13 +32,21 @@ class RequestFailedError(RuntimeError):
 
 
 class AsyncLLM:
-    def __init__(self, engine_args: EngineArgs | None = None, *, engine: LLMEngine | None = None, **kwargs):
+    """`on_dead(error)`, if given, is called (on the engine thread) once the engine loop has died;
+    by then every open stream and pending call has been failed with `EngineDeadError`."""
+
+    def __init__(self, engine_args: EngineArgs | None = None, *, engine: LLMEngine | None = None,
+                 on_dead=None, **kwargs):
         self.engine = engine or LLMEngine(engine_args or EngineArgs(**kwargs))
         self._ops: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # Held while registering a stream or queueing a call, and while the dying loop fails them
+        # all: nothing registered can be missed, nothing registered later can wait forever.
+        self._lock = threading.Lock()
         self._stopped = False
         self.dead_error: BaseException | None = None
+        self.on_dead = on_dead
         self._thread = threading.Thread(target=self._loop, name="jaxllm-engine", daemon=True)
         self._thread.start()
 
@@ -51,6 +62,11 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._thread.is_alive() and self.dead_error is None
 
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests with an open stream (queued or running)."""
+        return len(self._streams)
+
     def _run_ops(self) -> None:
         while True:
             try:
@@ -62,34 +78,54 @@ class AsyncLLM:
             except Exception as e:
                 result, error = None, e
             if future is not None:
-                loop.call_soon_threadsafe(_settle, future, result, error)
+                _post(loop, _settle, future, result, error)
 
     def _loop(self) -> None:
-        while not self._stopped:
-            self._run_ops()
-            if not self.engine.has_unfinished_requests():
-                self._wakeup.wait(0.05)
-                self._wakeup.clear()
-                continue
-            try:
-                outputs = self.engine.step()
-            except BaseException as e:  # the engine is broken: fail every stream
-                self.dead_error = e
-                for loop, queue in list(self._streams.values()):
-                    loop.call_soon_threadsafe(queue.put_nowait, e)
-                return
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream[0].call_soon_threadsafe(stream[1].put_nowait, out)
+        try:
+            while not self._stopped:
+                self._run_ops()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait(0.05)
+                    self._wakeup.clear()
+                    continue
+                for out in self.engine.step():
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        _post(stream[0], stream[1].put_nowait, out)
+        except BaseException as e:  # a failure beyond what the engine core recovers from
+            self._die(e)
+
+    def _die(self, error: BaseException) -> None:
+        """Fail every stream and every queued call; no handler is left waiting."""
+        logger.critical("the engine loop has stopped; failing %d open request(s)", len(self._streams),
+                        exc_info=error)
+        with self._lock:
+            self.dead_error = error
+            for loop, queue in list(self._streams.values()):
+                _post(loop, queue.put_nowait, error)
+            while True:
+                try:
+                    _, loop, future = self._ops.get_nowait()
+                except queue_mod.Empty:
+                    break
+                if future is not None:
+                    _post(loop, _settle, future, None, self._dead())
+        if self.on_dead is not None:
+            self.on_dead(error)
+
+    def _dead(self) -> EngineDeadError:
+        error = EngineDeadError("the engine loop has stopped")
+        error.__cause__ = self.dead_error
+        return error
 
     async def _call(self, fn):
         """Run `fn` on the engine thread between steps; return its result or raise its error."""
-        if self.dead_error is not None:
-            raise EngineDeadError("the engine loop has stopped") from self.dead_error
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._ops.put((fn, loop, future))
+        with self._lock:
+            if self.dead_error is not None:
+                raise self._dead()
+            self._ops.put((fn, loop, future))
         self._wakeup.set()
         return await future
 
@@ -97,16 +133,17 @@ class AsyncLLM:
                        request_id: str | None = None, *, output_kind: str = "cumulative") -> AsyncIterator[RequestOutput]:
         """Yield outputs as the request progresses (cumulative by default, or `output_kind=
         "delta"` for just the new tokens/text). Leaving the loop early aborts the request."""
-        if self.dead_error is not None:
-            raise EngineDeadError("the engine loop has stopped") from self.dead_error
         request_id = request_id or uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
         token_ids = None
         if isinstance(prompt, dict):
             prompt, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
-        if request_id in self._streams:   # checked here: an "in use" error must not abort the first one
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        with self._lock:
+            if self.dead_error is not None:
+                raise self._dead()
+            if request_id in self._streams:   # checked here: an "in use" error must not abort the first one
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._streams[request_id] = (asyncio.get_running_loop(), queue)
         try:
             await self._call(lambda: self.engine.add_request(
                 request_id, prompt, sampling_params, prompt_token_ids=token_ids, output_kind=output_kind))
@@ -119,7 +156,7 @@ class AsyncLLM:
             while not finished:
                 out = await queue.get()
                 if isinstance(out, BaseException):
-                    raise EngineDeadError("the engine loop has stopped") from out
+                    raise self._dead()
                 finished = out.finished
                 if any(c.finish_reason == "error" for c in out.outputs):
                     raise RequestFailedError(f"the engine failed while computing request {request_id!r} "
@@ -146,6 +183,14 @@ class AsyncLLM:
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout=5)
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """Run `fn(*args)` on `loop` (from the engine thread); a closed loop has nobody left to tell."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass
 
 
 def _settle(future: asyncio.Future, result, error) -> None:

@@ -138,6 +138,8 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs ({self.config.max_logprobs})")
         if params.n > self.config.scheduler.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs ({self.config.scheduler.max_num_seqs})")
         # A sequence that cannot fit in the whole pool would preempt itself forever.

@@ -16,6 +16,7 @@ import time
 import typing
 
 from jaxllm.config import EngineArgs
+from jaxllm.entrypoints.openai.server_args import ServerArgs
 
 DESCRIPTION = """\
 jaxllm serves large language models with JAX: a paged KV cache and continuous batching, behind
@@ -41,8 +42,6 @@ then, with the server running:
 run `jaxllm <command> --help` for each command's options.
 """
 
-_DEFAULTS = EngineArgs()
-
 
 def parse_size(text: str) -> int:
     """'2GiB', '512M', '1.5G', '1000000' -> bytes (K/M/G/T are powers of 1024)."""
@@ -58,18 +57,26 @@ SERVE_ONLY_FIELDS = ("served_model_name",)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, serving: bool = False) -> None:
-    """One flag per `EngineArgs` field, built from the field: `--max-num-seqs` for `max_num_seqs`,
-    parsed as the annotation says (`int | None` as int, default None), with the field's `help`,
-    `metavar` and `choices`; `size=True` fields take sizes such as 4GiB, bools are --x / --no-x."""
+    """One flag per `EngineArgs` field (see `add_dataclass_args`)."""
     group = parser.add_argument_group("model and engine (names as in vLLM)")
-    hints = typing.get_type_hints(EngineArgs)
-    for field in dataclasses.fields(EngineArgs):
+    skip = () if serving else SERVE_ONLY_FIELDS
+    add_dataclass_args(group, EngineArgs, skip=skip)
+
+
+def add_dataclass_args(group, cls, *, skip=(), defaults=None) -> None:
+    """One flag per field of the dataclass `cls` (EngineArgs, ServerArgs): `--max-num-seqs` for
+    `max_num_seqs`, parsed as the annotation says (`int | None` as int, default None), with the
+    field's `help`, `metavar` and `choices`; `size=True` fields take sizes such as 4GiB, bools are
+    --x / --no-x. `defaults` overrides fields' defaults (e.g. from the environment)."""
+    hints = typing.get_type_hints(cls)
+    instance = cls()
+    for field in dataclasses.fields(cls):
         meta = field.metadata
-        if not meta.get("cli", True) or (field.name in SERVE_ONLY_FIELDS and not serving):
+        if not meta.get("cli", True) or field.name in skip:
             continue
-        default = getattr(_DEFAULTS, field.name)
+        default = (defaults or {}).get(field.name, getattr(instance, field.name))
         kwargs = {"default": default, "help": _help_with_default(meta["help"], default)}
-        value_type = _flag_type(field.name, hints[field.name])
+        value_type = _flag_type(cls.__name__, field.name, hints[field.name])
         if value_type is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
@@ -78,11 +85,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, serving: bool = False) -
         group.add_argument("--" + field.name.replace("_", "-"), **kwargs)
 
 
-def _flag_type(name: str, hint) -> type:
+def _flag_type(owner: str, name: str, hint) -> type:
     """`int` or `int | None` -> int; likewise float, str and bool."""
     types = [t for t in typing.get_args(hint) or (hint,) if t is not type(None)]
     if len(types) != 1 or types[0] not in (bool, int, float, str):
-        raise TypeError(f"EngineArgs.{name}: no command-line flag for a field of type {hint}")
+        raise TypeError(f"{owner}.{name}: no command-line flag for a field of type {hint}")
     return types[0]
 
 
@@ -94,11 +101,14 @@ def _help_with_default(text: str, default) -> str:
     return text.replace("%", "%%")  # argparse %-formats help texts
 
 
-def engine_args(args: argparse.Namespace) -> EngineArgs:
-    """The `EngineArgs` that the engine flags in `args` give (a field without a flag keeps its default)."""
+def from_flags(cls, args: argparse.Namespace):
+    """The `cls` (EngineArgs, ServerArgs) that the flags in `args` give (a field without a flag keeps its default)."""
     given = vars(args)
-    return EngineArgs(**{field.name: given[field.name] for field in dataclasses.fields(EngineArgs)
-                         if field.name in given})
+    return cls(**{field.name: given[field.name] for field in dataclasses.fields(cls) if field.name in given})
+
+
+def engine_args(args: argparse.Namespace) -> EngineArgs:
+    return from_flags(EngineArgs, args)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
@@ -138,16 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                "  python -c \"from openai import OpenAI; c = OpenAI(base_url='http://127.0.0.1:8080/v1', "
                "api_key='secret'); print(c.models.list())\"")
     add_engine_args(serve, serving=True)
-    group = serve.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1",
-                       help="address to listen on; 0.0.0.0 for every interface (default: %(default)s)")
-    group.add_argument("--port", type=int, default=8000, help="0 picks a free port (default: %(default)s)")
-    group.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' on /v1 routes (default: $JAXLLM_API_KEY, else "
-                            "no key)")
-    group.add_argument("--uvicorn-log-level", default="info",
-                       choices=["critical", "error", "warning", "info", "debug", "trace"],
-                       help="uvicorn's log level; 'info' logs every request (default: %(default)s)")
+    add_dataclass_args(serve.add_argument_group("server (limits: see README, Hardening)"), ServerArgs,
+                       defaults={"api_key": os.environ.get("JAXLLM_API_KEY")})
     serve.set_defaults(run=run_serve)
 
     generate = commands.add_parser(
@@ -203,9 +205,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     print(f"jaxllm: loading {args.model or 'the default model'} and compiling (the first start takes a while)...",
           file=sys.stderr, flush=True)
-    run_server(engine_args(args), host=args.host, port=args.port, api_key=args.api_key,
-               log_level=args.uvicorn_log_level)
-    return 0
+    server_args = from_flags(ServerArgs, args)
+    server_args.verify()
+    return run_server(engine_args(args), server_args)
 
 
 # ----------------------------------------------------------------------------- generate and chat

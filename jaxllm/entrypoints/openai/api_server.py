@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over one `AsyncLLM`.
 
-This module builds the app (`build_app`: routes, API-key middleware, exception handlers that
-answer OpenAI's error JSON) and runs it (`bind_socket`, `run_server`). The handlers live by
+This module builds the app (`build_app`: routes, the `RequestGuard` middleware, exception
+handlers that answer OpenAI's error JSON) and runs it (`bind_socket`, `run_server`, over the
+hardened uvicorn in `http_server.py`). The handlers live by
 route group: `serving_completion.py` (/v1/completions), `serving_chat.py`
 (/v1/chat/completions), `serving_tokenization.py` (/tokenize, /detokenize), over the shared
 base in `serving_engine.py` and the helpers in `serving_utils.py`.
@@ -10,9 +11,9 @@ base in `serving_engine.py` and the helpers in `serving_utils.py`.
 from __future__ import annotations
 
 import logging
-import secrets
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,53 +24,61 @@ import jaxllm
 from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError
 from jaxllm.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from jaxllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
-    TokenizeRequest, TokenizeResponse)
+    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
+    DetokenizeResponse, ErrorResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from jaxllm.entrypoints.openai.serving_utils import APIError, error_response
+from jaxllm.entrypoints.openai.http_server import Server, Shutdown, guarded_protocol
+from jaxllm.entrypoints.openai.middleware import RequestGuard, request_id_of
+from jaxllm.entrypoints.openai.server_args import ServerArgs
 
 logger = logging.getLogger("jaxllm.server")
 
 
 # ----------------------------------------------------------------------------- the app
 
-
-class _APIKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on /v1 routes (health, metrics and version stay
-    open, as in vLLM). Pure ASGI, so streaming and disconnects pass through untouched."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                response = error_response("Unauthorized: a valid API key is required (Authorization: Bearer <key>)",
-                                          401)
-                return await response(scope, receive, send)
-        return await self.app(scope, receive, send)
+# Every error is OpenAI's error JSON (`ErrorResponse`); the OpenAPI schema says which statuses occur.
+_ERRORS = {400: "invalid request (wrong type, out of range, over a limit, too long for the context)",
+           401: "missing or wrong API key", 404: "unknown model", 413: "request body too large",
+           429: "the queue is full; retry after Retry-After seconds", 431: "request headers too large",
+           500: "internal error (logged by the server with the X-Request-Id)",
+           503: "the engine has stopped, or the server is shutting down"}
 
 
-def build_app(llm: AsyncLLM, *, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving `llm`. `api_key` guards the /v1 routes."""
+def _responses(ok_model=None, *statuses: int, stream: bool = False) -> dict:
+    out = {status: {"model": ErrorResponse, "description": _ERRORS[status]} for status in statuses}
+    if ok_model is not None:
+        out[200] = {"model": ok_model, "description": "the result" + (
+            "; with `stream: true`, server-sent events of chunks, then `data: [DONE]`" if stream else "")}
+        if stream:
+            out[200]["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+    return out
+
+
+_GUARDED = (400, 401, 413, 431, 500, 503)    # what any route behind the API key can answer
+
+
+def build_app(llm: AsyncLLM, args: ServerArgs | None = None, shutdown: Shutdown | None = None) -> FastAPI:
+    """The FastAPI app serving `llm` under the limits in `args`."""
+    args = args or ServerArgs()
+    shutdown = shutdown or Shutdown()
     app = FastAPI(title="jaxllm", version=jaxllm.__version__,
                   description="OpenAI-compatible API for jaxllm (completions, chat, models), plus tokenize, "
                               "detokenize, health, version and Prometheus metrics.")
     engine = llm.engine
     server_metrics = ServerMetrics(engine, engine.model_name)
-    completion = OpenAIServingCompletion(llm, server_metrics)
-    chat = OpenAIServingChat(llm, server_metrics)
-    tokenization = OpenAIServingTokenization(llm, server_metrics)
-    if api_key:
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+    workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxllm-tokenizer")
+    parts = (llm, server_metrics, args, shutdown, workers)
+    completion, chat, tokenization = (OpenAIServingCompletion(*parts), OpenAIServingChat(*parts),
+                                      OpenAIServingTokenization(*parts))
+    app.add_middleware(RequestGuard, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
+                       max_header_bytes=args.max_header_bytes, shutdown=shutdown)
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
-        return error_response(e.message, e.status, e.param)
+        return error_response(e.message, e.status, e.param, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_, e: RequestValidationError):
@@ -90,47 +99,65 @@ def build_app(llm: AsyncLLM, *, api_key: str | None = None) -> FastAPI:
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_, e: EngineDeadError):
-        return error_response(f"the engine has stopped: {e.__cause__!r}", 500)
+        return error_response("the engine has stopped; the server is restarting", 503)
 
     @app.exception_handler(Exception)
-    async def _internal_error(_, e: Exception):
-        logger.exception("request failed")
-        return error_response(f"internal error: {e!r}", 500)
+    async def _internal_error(request: Request, e: Exception):
+        # Starlette re-raises after answering; RequestGuard logs it, once, with the request id.
+        return error_response(f"internal error; the server logged it as request {request_id_of(request.scope)}",
+                              500)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "serving (empty body)"},
+                        503: {"model": ErrorResponse, "description": _ERRORS[503]}})
     async def health():
         if not llm.is_running:
             return error_response("the engine has stopped", 503)
+        if shutdown.draining:
+            return error_response("the server is shutting down", 503)
         return Response(status_code=200)
 
     @app.get("/version")
     async def version():
         return {"version": jaxllm.__version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}}})
     async def metrics():
         return Response(server_metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_responses(None, 401, 431, 500, 503))
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=engine.model_name, max_model_len=engine.config.scheduler.max_model_len)])
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_responses(CompletionResponse, *_GUARDED, 404, 429, stream=True))
     async def completions(request: CompletionRequest, raw: Request):
         return await completion.create_completion(request, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions",
+              responses=_responses(ChatCompletionResponse, *_GUARDED, 404, 429, stream=True))
     async def chat_completions(request: ChatCompletionRequest, raw: Request):
         return await chat.create_chat_completion(request, raw)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=_responses(None, *_GUARDED, 404))
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
-        return tokenization.tokenize(request)
+        return await tokenization.tokenize(request)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=_responses(None, *_GUARDED, 404))
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
-        return tokenization.detokenize(request)
+        return await tokenization.detokenize(request)
 
+    build_openapi = app.openapi
+
+    def openapi() -> dict:
+        """FastAPI's schema without its 422s: validation errors are answered 400, as OpenAI does."""
+        if app.openapi_schema is None:
+            for path in build_openapi()["paths"].values():
+                for operation in path.values():
+                    operation["responses"].pop("422", None)
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 
@@ -151,30 +178,41 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(engine_args, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-               log_level: str = "info") -> None:
-    """Load and warm up the engine, then serve until interrupted. Prints one line starting
-    with "jaxllm: ready" (with the URL) once requests are accepted."""
+def run_server(engine_args, args: ServerArgs | None = None) -> int:
+    """Load and warm up the engine, then serve until SIGTERM/SIGINT (exit status 0, after the drain)
+    or until the engine dies (status 1, so that a supervisor restarts the process). Prints one
+    line starting with "jaxllm: ready" (with the URL) once requests are accepted."""
     import uvicorn
 
+    args = args or ServerArgs()
+    args.verify()
     start = time.perf_counter()
-    sock = bind_socket(host, port)
+    sock = bind_socket(args.host, args.port)
     llm = None
     try:
         llm = AsyncLLM(engine_args)
-        app = build_app(llm, api_key=api_key)
+        shutdown = Shutdown()
+        app = build_app(llm, args, shutdown)
         bound_host, bound_port = sock.getsockname()[:2]
         url = f"http://{f'[{bound_host}]' if ':' in bound_host else bound_host}:{bound_port}/v1"
 
-        class Server(uvicorn.Server):
-            async def startup(self, sockets=None):
-                await super().startup(sockets)
-                if not self.should_exit:
-                    engine = llm.engine
-                    print(f"jaxllm: ready at {url} serving {engine.model_name!r} (start-up "
-                          f"{time.perf_counter() - start:.1f} s, warm-up {engine.warmup_seconds:.1f} s)", flush=True)
+        def ready():
+            engine = llm.engine
+            print(f"jaxllm: ready at {url} serving {engine.model_name!r} (start-up "
+                  f"{time.perf_counter() - start:.1f} s, warm-up {engine.warmup_seconds:.1f} s)", flush=True)
 
-        Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)).run(sockets=[sock])
+        config = uvicorn.Config(
+            app, log_level=args.uvicorn_log_level, http=guarded_protocol(args.request_read_timeout),
+            limit_concurrency=args.limit_concurrency, timeout_keep_alive=args.timeout_keep_alive,
+            h11_max_incomplete_event_size=args.max_header_bytes,
+            # A backstop only: the drain ends every stream itself when shutdown_timeout is reached.
+            timeout_graceful_shutdown=int(args.shutdown_timeout) + 10)
+        server = Server(config, shutdown=shutdown, shutdown_timeout=args.shutdown_timeout, on_ready=ready)
+        llm.on_dead = lambda error: server.fail(1)
+        server.run(sockets=[sock])
+        if server.exit_code:
+            logger.critical("exiting with status %d: the engine stopped and cannot recover", server.exit_code)
+        return server.exit_code
     finally:
         if llm is not None:
             llm.shutdown()

@@ -1,8 +1,9 @@
 """OpenAI API request and response bodies (pydantic), as the official `openai` client sends
 and reads them, plus vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ...).
 
-Requests validate types only; value ranges are checked once, by `SamplingParams`, whose
-ValueError the server turns into a 400.
+Requests validate types (and that every string is valid Unicode); value ranges are checked once,
+by `SamplingParams`, whose ValueError the server turns into a 400, and the server's limits by the
+handlers (`serving_engine.OpenAIServing.check_request`).
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import FLOAT_RANGES, MAX_LOGPROBS, SamplingParams
 
 
 class OpenAIModel(BaseModel):
@@ -37,30 +38,59 @@ class ErrorResponse(OpenAIModel):
 # ----------------------------------------------------------------------------- requests
 
 
-class StreamOptions(OpenAIModel):
+def _check_text(value) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:   # JSON's \ud800 escapes can carry lone surrogates; no tokenizer takes them
+            raise ValueError("must be valid Unicode text (it contains a lone surrogate)") from None
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _check_text(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key)
+            _check_text(item)
+
+
+class RequestModel(OpenAIModel):
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value):
+        _check_text(value)
+        return value
+
+
+class StreamOptions(RequestModel):
     include_usage: bool | None = False
 
 
-class SamplingRequest(OpenAIModel):
+def _ranged(name: str):
+    """A float field with SamplingParams' range for it, published in the OpenAPI schema."""
+    low, high, low_ok = FLOAT_RANGES[name]
+    return Field(None, **{"ge" if low_ok else "gt": low}, le=high, allow_inf_nan=False)
+
+
+class SamplingRequest(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions. `None` means the default."""
 
     model: str | None = None
-    n: int | None = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    n: int | None = Field(1, ge=1)
+    temperature: float | None = _ranged("temperature")
+    top_p: float | None = _ranged("top_p")
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = _ranged("presence_penalty")
+    frequency_penalty: float | None = _ranged("frequency_penalty")
     logit_bias: dict[str, float] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # vLLM's extra fields (pass them with the openai client's `extra_body`).
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = _ranged("min_p")
+    repetition_penalty: float | None = _ranged("repetition_penalty")
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -83,6 +113,10 @@ class SamplingRequest(OpenAIModel):
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
 
+    def logprobs_field(self) -> tuple[str, int | None]:
+        """(name, value) of the field giving how many top log-probabilities to return per token."""
+        raise NotImplementedError
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -91,11 +125,14 @@ class SamplingRequest(OpenAIModel):
 class CompletionRequest(SamplingRequest):
     # A string, a list of strings, a list of token ids, or a list of token-id lists.
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+
+    def logprobs_field(self) -> tuple[str, int | None]:
+        return "logprobs", self.logprobs
 
     def unsupported(self) -> str | None:
         if self.suffix:
@@ -107,32 +144,41 @@ class CompletionRequest(SamplingRequest):
         return super().unsupported()
 
 
-class ContentPart(OpenAIModel):
+class ContentPart(RequestModel):
     type: str
     text: str | None = None
 
 
-class ChatMessage(OpenAIModel):
-    role: str
+class ChatMessage(RequestModel):
+    # "developer" is OpenAI's newer name for "system"; tool messages need tools, not supported yet.
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
-    max_tokens: int | None = None            # deprecated by OpenAI for max_completion_tokens
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)            # deprecated by OpenAI for max_completion_tokens
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
-    # vLLM's extras for the chat template.
+    # vLLM's extras for the chat template: kwargs from an allow-list (jaxllm.chat_template), and a
+    # template of the request's own only if the server runs with --trust-request-chat-template.
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+
+    def logprobs_field(self) -> tuple[str, int | None]:
+        return "top_logprobs", self.top_logprobs
 
     def unsupported(self) -> str | None:
         if self.tools:
             return "tools"
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice"   # needs tools
         if self.response_format and self.response_format.get("type", "text") != "text":
             return "response_format"
         return super().unsupported()
@@ -142,7 +188,7 @@ class ChatCompletionRequest(SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestModel):
     """Either `prompt` (text) or `messages` (rendered through the chat template)."""
 
     model: str | None = None
@@ -152,7 +198,7 @@ class TokenizeRequest(OpenAIModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 

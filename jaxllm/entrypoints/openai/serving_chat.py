@@ -4,16 +4,16 @@ API's logprobs, plain or streamed (a first chunk with the assistant role, then c
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
 
+from jaxllm.entrypoints.openai.middleware import request_id_of
 from jaxllm.entrypoints.openai.protocol import (
     AssistantMessage, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamChoice,
     ChatCompletionStreamResponse, DeltaMessage, UsageInfo)
 from jaxllm.entrypoints.openai.serving_engine import ChoiceState, MergedOutputs, OpenAIServing
-from jaxllm.entrypoints.openai.serving_utils import APIError, bad_value, chat_logprobs, finish_reason, sse
+from jaxllm.entrypoints.openai.serving_utils import APIError, chat_logprobs, finish_reason, sse
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -25,13 +25,11 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
         # max_completion_tokens replaces max_tokens; neither: as much as the context leaves.
         max_tokens = request.max_tokens if request.max_completion_tokens is None else request.max_completion_tokens
-        try:
-            params = request.sampling_params(max_tokens, request.num_logprobs)
-        except ValueError as e:
-            raise bad_value(e, request) from e
-        prompt_ids = self.chat_prompt(request.messages, request.add_generation_prompt, request.chat_template_kwargs)
+        params = self.sampling_params(request, max_tokens, request.num_logprobs)
+        prompt_ids = await self.chat_prompt(request.messages, request.add_generation_prompt,
+                                            request.chat_template_kwargs, request.chat_template)
         self.check_length(len(prompt_ids), max_tokens, "messages")
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = f"chatcmpl-{request_id_of(raw.scope)}"
         created, n = int(time.time()), params.n
         choices = [ChoiceState() for _ in range(n)]
 

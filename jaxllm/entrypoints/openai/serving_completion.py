@@ -4,48 +4,50 @@ with the completions API's logprobs (text offsets), plain or streamed."""
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
 
+from jaxllm.entrypoints.openai.middleware import request_id_of
 from jaxllm.entrypoints.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
 from jaxllm.entrypoints.openai.serving_engine import ChoiceState, MergedOutputs, OpenAIServing
-from jaxllm.entrypoints.openai.serving_utils import APIError, bad_value, completion_logprobs, finish_reason, sse
+from jaxllm.entrypoints.openai.serving_utils import APIError, completion_logprobs, finish_reason, sse
 
 
 class OpenAIServingCompletion(OpenAIServing):
     """The /v1/completions handler."""
 
-    def completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+    async def completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and isinstance(prompt[0], int):
             prompt = [prompt]
         if not prompt:
             raise APIError("prompt must not be empty", param="prompt")
+        if len(prompt) > self.args.max_prompts_per_request:
+            raise APIError(f"at most {self.args.max_prompts_per_request} prompts are allowed per request (the "
+                           f"server's --max-prompts-per-request), got {len(prompt)}", param="prompt")
         out = []
         for p in prompt:
             if isinstance(p, str):
-                out.append((p, self.llm.encode(p)))
+                out.append((p, await self.encode(p)))
             else:
                 out.append((None, list(p)))
         return out
 
     async def create_completion(self, request: CompletionRequest, raw: Request):
         self.check_request(request)
-        try:
-            params = request.sampling_params(request.max_tokens, request.logprobs)
-        except ValueError as e:
-            raise bad_value(e, request) from e
-        prompts = self.completion_prompts(request.prompt)
+        params = self.sampling_params(request, request.max_tokens, request.logprobs)
+        prompts = await self.completion_prompts(request.prompt)
         for _, ids in prompts:
             self.check_length(len(ids), request.max_tokens)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = f"cmpl-{request_id_of(raw.scope)}"
         created, n = int(time.time()), params.n
         choices = [ChoiceState() for _ in range(len(prompts) * n)]
-        echo = [(text if text is not None else self.tokenizer.decode(ids)) if request.echo else ""
-                for text, ids in prompts]
+        echo = [""] * len(prompts)
+        if request.echo:
+            echo = [text if text is not None else await self.in_worker(self.tokenizer.decode, ids)
+                    for text, ids in prompts]
 
         def usage() -> UsageInfo:
             prompt_tokens = sum(len(ids) for _, ids in prompts)

@@ -13,26 +13,39 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import Executor
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from jaxllm.engine.async_llm import AsyncLLM
+from jaxllm.chat_template import check_template_kwargs
+from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from jaxllm.entrypoints.metrics import ServerMetrics
+from jaxllm.entrypoints.openai.http_server import Shutdown
+from jaxllm.entrypoints.openai.middleware import request_id_of
 from jaxllm.entrypoints.openai.protocol import ChatMessage, SamplingRequest
+from jaxllm.entrypoints.openai.server_args import ServerArgs
 from jaxllm.entrypoints.openai.serving_utils import (
     APIError, ClientDisconnected, bad_value, error_body, sse, unless_disconnected)
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 logger = logging.getLogger("jaxllm.server")
 
+MAX_STOP_CHARS = 4096   # the detokenizer holds back as many characters as the longest stop string
+
+
+class ServerShuttingDown(Exception):
+    """The shutdown grace period ended before this request did."""
+
 
 class MergedOutputs:
     """Engine requests (one per prompt) running concurrently; yields `(prompt_index, output)` in
-    arrival order. `close()` cancels whatever still runs, which aborts it in the engine."""
+    arrival order. `close()` cancels whatever still runs, which aborts it in the engine; `stop()`
+    makes the consumer raise `ServerShuttingDown` at its next output."""
 
     _DONE = object()
 
@@ -74,6 +87,9 @@ class MergedOutputs:
             else:
                 yield i, item
 
+    def stop(self) -> None:
+        self._queue.put_nowait((-1, ServerShuttingDown("the server is shutting down")))
+
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
@@ -108,36 +124,86 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
                     raise APIError(f"message content parts of type {part.type!r} are not supported (only 'text')",
                                    param="messages")
             content = "".join(part.text or "" for part in content)
-        message = {"role": m.role, "content": content or ""}
+        # OpenAI's "developer" role is the system role of older models (and of chat templates).
+        message = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         if m.name:
             message["name"] = m.name
         out.append(message)
     return out
 
 
-class OpenAIServing:
-    """What the route groups share; each app makes one of each over one `AsyncLLM` and one
-    `ServerMetrics`."""
+def api_error(e: Exception, request_id: str, request: SamplingRequest | None = None) -> APIError | None:
+    """The error answer for an exception raised while a request runs; None if unexpected (a bug:
+    the caller lets it propagate, to be logged once with its traceback)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ValueError):
+        return bad_value(e, request)
+    if isinstance(e, ServerShuttingDown):
+        return APIError("the server is shutting down; the request was stopped before it finished", 503)
+    if isinstance(e, EngineDeadError):
+        return APIError("the engine has stopped; the server is restarting", 503)
+    if isinstance(e, RequestFailedError):   # the engine logged the traceback with this id
+        return APIError(f"the engine failed while computing this request ({request_id}); other requests are "
+                        f"unaffected", 500)
+    return None
 
-    def __init__(self, llm: AsyncLLM, metrics: ServerMetrics):
+
+class OpenAIServing:
+    """What the route groups share; each app makes one of each over one `AsyncLLM`, its
+    `ServerMetrics`, `ServerArgs`, `Shutdown` and tokenizer worker threads."""
+
+    def __init__(self, llm: AsyncLLM, metrics: ServerMetrics, args: ServerArgs, shutdown: Shutdown,
+                 workers: Executor):
         self.llm = llm
         engine = llm.engine
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.max_model_len = engine.config.scheduler.max_model_len
-        self.metrics = metrics
+        self.max_num_seqs = engine.config.scheduler.max_num_seqs
+        self.max_logprobs = engine.config.max_logprobs
+        self.metrics, self.args, self.shutdown, self.workers = metrics, args, shutdown, workers
+
+    async def in_worker(self, fn, *args):
+        """Run tokenizer work (tokenize, detokenize, chat templates) off the event loop: a
+        megabyte prompt takes ~0.5 s to tokenize, and every stream would stall meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self.workers, functools.partial(fn, *args))
 
     # ----- checks shared by the endpoints -----
     def check_model(self, model: str | None) -> None:
         if model and model != self.model_name:
-            raise APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+            raise APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}`.", 404,
                            param="model")
 
     def check_request(self, request: SamplingRequest) -> None:
+        """Checks made before anything is allocated or tokenized."""
         self.check_model(request.model)
         field = request.unsupported()
         if field:
             raise APIError(f"{field} is not supported by this server (as given)", param=field)
+        for name in ("n", "best_of"):
+            value = getattr(request, name, None)
+            if value is not None and value > self.max_num_seqs:
+                raise APIError(f"{name} must be at most {self.max_num_seqs} (the server's --max-num-seqs), got "
+                               f"{value}", param=name)
+        stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
+        if len(stops) > self.args.max_stop_strings:
+            raise APIError(f"at most {self.args.max_stop_strings} stop strings are allowed (the server's "
+                           f"--max-stop-strings), got {len(stops)}", param="stop")
+        if any(len(stop) > MAX_STOP_CHARS for stop in stops):
+            raise APIError(f"stop strings must be at most {MAX_STOP_CHARS} characters", param="stop")
+        name, value = request.logprobs_field()
+        if value is not None and not 0 <= value <= self.max_logprobs:
+            raise APIError(f"{name} must be in [0, {self.max_logprobs}] (the server's --max-logprobs), got {value}",
+                           param=name)
+        if request.stream_options is not None and not request.stream:
+            raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+
+    def sampling_params(self, request: SamplingRequest, max_tokens: int | None, logprobs: int | None):
+        try:
+            return request.sampling_params(max_tokens, logprobs)
+        except ValueError as e:
+            raise bad_value(e, request) from e
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str = "prompt") -> None:
         wanted = num_prompt_tokens + (max_tokens or 1)
@@ -148,25 +214,48 @@ class OpenAIServing:
                 f"Please reduce the length of the prompt or of the completion.",
                 param=prompt_param if num_prompt_tokens >= self.max_model_len else "max_tokens")
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool, kwargs: dict | None) -> list[int]:
+    async def encode(self, text: str, *, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         try:
-            return self.llm.engine.apply_chat_template(_message_dicts(messages),
-                                                       add_generation_prompt=add_generation_prompt, **(kwargs or {}))
-        except APIError:
-            raise
-        except Exception as e:  # jinja raises its own errors for conversations a template rejects
-            raise APIError(f"the chat template rejected the messages: {e}", param="messages") from e
+            return await self.in_worker(functools.partial(self.tokenizer.encode, add_special_tokens=add_special_tokens),
+                                        text)
+        except Exception as e:   # e.g. text the tokenizer cannot take
+            raise APIError(f"{param} could not be tokenized: {type(e).__name__}", param=param) from e
+
+    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                          template_kwargs: dict | None = None, chat_template: str | None = None) -> list[int]:
+        try:
+            template_kwargs = check_template_kwargs(template_kwargs or {})
+        except ValueError as e:
+            raise APIError(str(e), param="chat_template_kwargs") from e
+        if chat_template is not None and not self.args.trust_request_chat_template:
+            raise APIError("chat_template is not accepted from requests: the server renders the model's own "
+                           "template (an operator can allow it with --trust-request-chat-template)",
+                           param="chat_template")
+        template_kwargs.setdefault("add_generation_prompt", add_generation_prompt)   # the kwargs' value wins
+        render = functools.partial(self.llm.engine.apply_chat_template, _message_dicts(messages),
+                                   chat_template=chat_template, **template_kwargs)
+        try:
+            return await self.in_worker(render)
+        except ValueError as e:      # the template refused the conversation, or hit a bound
+            raise APIError(str(e), param="messages") from e
 
     # ----- running engine requests into a response -----
     def start(self, prompts: list[tuple[str | None, list[int]]], params, request_id: str) -> MergedOutputs:
+        limit = self.max_num_seqs + self.args.max_waiting_requests
+        if self.llm.num_unfinished_requests + len(prompts) > limit:
+            raise APIError(f"the server is at capacity ({limit} requests running or queued); retry later", 429,
+                           headers={"Retry-After": "1"})
         streams = [self.metrics.track(self.llm.generate({"prompt": text, "prompt_token_ids": ids}, params,
                                                         f"{request_id}-{i}", output_kind="delta"))
                    for i, (text, ids) in enumerate(prompts)]
-        return MergedOutputs(streams)
+        outputs = MergedOutputs(streams)
+        self.shutdown.register(outputs)
+        return outputs
 
     async def respond(self, raw: Request, outputs: MergedOutputs, request: SamplingRequest, collect, stream):
         """Run `collect(outputs)` for a plain response or `stream(outputs)` (SSE lines) for a
-        streamed one; map bad requests to 400 and a client that left to 499."""
+        streamed one; map failures to their error answers and a client that left to 499."""
+        request_id = request_id_of(raw.scope)
         try:
             if not request.stream:
                 try:
@@ -178,23 +267,27 @@ class OpenAIServing:
             except BaseException:
                 await outputs.close()
                 raise
-            return StreamingResponse(self._sse_lines(stream(outputs), outputs), media_type="text/event-stream",
-                                     background=BackgroundTask(outputs.close))
-        except ValueError as e:
-            raise bad_value(e, request) from e
+            return StreamingResponse(self._sse_lines(stream(outputs), outputs, request_id),
+                                     media_type="text/event-stream", background=BackgroundTask(outputs.close))
         except ClientDisconnected:
             return Response(status_code=499)
+        except Exception as e:
+            error = api_error(e, request_id, request)
+            if error is None:
+                raise
+            raise error from e
 
     @staticmethod
-    async def _sse_lines(chunks: AsyncIterator[str], outputs: MergedOutputs) -> AsyncIterator[str]:
+    async def _sse_lines(chunks: AsyncIterator[str], outputs: MergedOutputs, request_id: str) -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
                 yield chunk
         except Exception as e:  # headers are sent: report in-band, as vLLM does
-            status = 400 if isinstance(e, ValueError) else 500
-            if status == 500:
-                logger.exception("stream failed")
-            yield sse(error_body(str(e), status))
+            error = api_error(e, request_id)
+            if error is None:   # a bug: log it once, tell the client only the request id
+                logger.exception("request %s: the stream failed", request_id)
+                error = APIError(f"internal error; the server logged it as request {request_id}", 500)
+            yield sse(error_body(error.message, error.status, error.param))
         finally:
             await outputs.close()
         yield "data: [DONE]\n\n"

@@ -19,15 +19,16 @@ from jaxllm.outputs import Logprob
 
 
 class APIError(Exception):
-    """Answered as OpenAI's error JSON with this HTTP status."""
+    """Answered as OpenAI's error JSON with this HTTP status (and these extra headers)."""
 
-    def __init__(self, message: str, status: int = 400, *, param: str | None = None):
+    def __init__(self, message: str, status: int = 400, *, param: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.message, self.status, self.param = message, status, param
+        self.message, self.status, self.param, self.headers = message, status, param, headers
 
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                405: "invalid_request_error", 500: "internal_server_error", 503: "service_unavailable"}
+_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error",
+                500: "internal_server_error", 503: "service_unavailable"}
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
@@ -36,8 +37,9 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
     return ErrorResponse(error=info).model_dump()
 
 
-def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status_code=status)
+def error_response(message: str, status: int, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
 
 
 def bad_value(e: ValueError, request: SamplingRequest | None = None) -> APIError:
