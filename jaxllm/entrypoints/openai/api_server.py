@@ -53,7 +53,9 @@ def _responses(ok_model=None, *statuses: int, stream: bool = False) -> dict:
         out[200] = {"model": ok_model, "description": "the result" + (
             "; with `stream: true`, server-sent events of chunks, then `data: [DONE]`" if stream else "")}
         if stream:
-            out[200]["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+            # Each event (OpenAPI < 3.2: `schema` describes one event): `data:` a chunk's JSON, or [DONE].
+            out[200]["content"] = {"text/event-stream": {"schema": {
+                "type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}}}
     return out
 
 
