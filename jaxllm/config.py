@@ -60,6 +60,10 @@ class EngineArgs:
         "recompute", "what a preempted request's KV pages become: 'recompute' frees them (recomputed on "
                      "resume), 'swap' copies them to host memory and back", choices=PREEMPTION_MODES)
     enable_prefix_caching: bool = option(True, "reuse the KV cache of shared prompt prefixes")
+    tensor_parallel_size: int = option(
+        1, "devices the model is split over (Megatron tensor parallelism on a jax.sharding.Mesh)", metavar="N")
+    mesh: object = option(None, "a jax.sharding.Mesh with a 'model' axis to run on, for JAX users who have "
+                                "one (default: built from jax.devices())", cli=False)
     max_logprobs: int = option(20, "most log-probabilities a request may ask for per token (at most 20)",
                                metavar="N")
     seed: int = option(0, "engine random seed (draws the seeds of unseeded requests)")
@@ -77,10 +81,14 @@ class EngineArgs:
 
     def verify(self) -> None:
         check_dtype(self.dtype)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_num_prefill_seqs"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_num_prefill_seqs",
+                     "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.mesh is not None and dict(self.mesh.shape).get("model") != self.tensor_parallel_size:
+            raise ValueError(f"the mesh's 'model' axis ({dict(self.mesh.shape).get('model')}) must equal "
+                             f"tensor_parallel_size ({self.tensor_parallel_size})")
         if not isinstance(self.max_logprobs, int) or not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs!r}")
         if self.block_size & (self.block_size - 1):
@@ -134,6 +142,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     cache: CacheConfig
     attention_backend: str | None   # None: the platform's default (jaxllm.attention)
+    tensor_parallel_size: int
     compilation_cache_dir: str
     warmup: bool
 
@@ -142,8 +151,11 @@ class EngineConfig:
         return -(-self.scheduler.max_model_len // self.cache.block_size)
 
 
-def kv_bytes_per_token(spec, dtype: str) -> int:
-    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * DTYPES[check_dtype(dtype)]
+def kv_bytes_per_token(spec, dtype: str, tensor_parallel_size: int = 1) -> int:
+    """KV bytes per token over all devices: with fewer KV heads than devices, each device keeps
+    a copy of the head its query heads use."""
+    kv_heads = max(spec.num_kv_heads, tensor_parallel_size)
+    return 2 * spec.num_layers * kv_heads * spec.head_dim * DTYPES[check_dtype(dtype)]
 
 
 def kv_cache_budget(args: EngineArgs, available_memory: int | None) -> int:
@@ -171,7 +183,7 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
         raise ValueError(
             f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
             f"({spec.max_position_embeddings})")
-    page_bytes = kv_bytes_per_token(spec, args.dtype) * args.block_size
+    page_bytes = kv_bytes_per_token(spec, args.dtype, args.tensor_parallel_size) * args.block_size
     if args.num_gpu_blocks_override is not None:
         num_blocks = args.num_gpu_blocks_override
     else:
@@ -201,6 +213,7 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
         cache=CacheConfig(block_size=args.block_size, num_blocks=int(num_blocks), dtype=args.dtype,
                           enable_prefix_caching=args.enable_prefix_caching, num_swap_blocks=num_swap_blocks),
         attention_backend=args.attention_backend,
+        tensor_parallel_size=args.tensor_parallel_size,
         compilation_cache_dir=compilation_cache_dir,
         warmup=args.warmup,
     )

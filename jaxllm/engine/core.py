@@ -28,13 +28,13 @@ logger = logging.getLogger("jaxllm")
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, spec, params):
+    def __init__(self, config: EngineConfig, spec, params, mesh=None):
         cache = config.cache
         self.kv_cache_manager = KVCacheManager(cache.num_blocks, cache.block_size,
                                                enable_prefix_caching=cache.enable_prefix_caching,
                                                num_swap_blocks=cache.num_swap_blocks)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
-        self.runner = ModelRunner(config, spec, params)
+        self.runner = ModelRunner(config, spec, params, mesh=mesh)
         self.stats = EngineStats()
 
     def add_request(self, request: Request) -> None:

@@ -41,7 +41,7 @@ class LLMEngine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
-        self.engine_core = EngineCore(self.config, loaded.spec, loaded.params)
+        self.engine_core = EngineCore(self.config, loaded.spec, loaded.params, mesh=args.mesh)
         # The engine core's parts, for metrics, tests and benchmarks.
         core = self.engine_core
         self.scheduler, self.kv_cache_manager, self.runner, self.stats = (

@@ -23,6 +23,15 @@ Params pytree (weights stored `[in, out]` so activations multiply on the left):
 Matrix weights are float32 or bfloat16; activations stay float32 and, with bf16 weights,
 are cast to bf16 only as dot operands with float32 accumulation (XLA:CPU runs that natively;
 a bf16-output dot converts the whole weight to f32 on every call).
+
+Tensor parallelism (Megatron layout; jaxllm/parallel.py runs it under `shard_map`):
+`TP_SPLIT_DIMS` says which dimension of each parameter is split over the "model" mesh axis
+(column-parallel wqkv and w_gate_up, row-parallel wo and w_down, vocabulary-parallel embed and
+lm_head; the rest replicated). `tp_layout` regroups the fused columns so that each shard's
+slice holds its own heads' q, k, v (and its gate, up), with KV heads repeated when there are
+fewer than shards. Each shard then runs this same code with `tp_local_spec`'s head counts and
+`axis` set: the row-parallel outputs and the embedding are summed over the axis (`psum`), the
+logits gathered.
 """
 
 from __future__ import annotations
@@ -109,9 +118,15 @@ def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def decoder_layer(layer, k_pages, v_pages, x, inputs, spec: ModelSpec, *, attention):
+def _reduce(x: jax.Array, axis: str | None) -> jax.Array:
+    """Sum a row-parallel partial result over the tensor-parallel axis (nothing without one)."""
+    return x if axis is None else jax.lax.psum(x, axis)
+
+
+def decoder_layer(layer, k_pages, v_pages, x, inputs, spec: ModelSpec, *, attention, axis: str | None = None):
     """One decoder layer over x [T, hidden] f32 (`inputs`: the step's `StepInputs`,
-    `attention`: its `AttentionBackend`). Returns (x, k_pages, v_pages)."""
+    `attention`: its `AttentionBackend`, `axis`: the tensor-parallel mesh axis when run per
+    shard). Returns (x, k_pages, v_pages)."""
     num_tokens = x.shape[0]
     h = rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
     qkv = matmul(h, layer["wqkv"])
@@ -128,14 +143,27 @@ def decoder_layer(layer, k_pages, v_pages, x, inputs, spec: ModelSpec, *, attent
     k = apply_rope(k, rope)
     k_pages, v_pages = attention.write_kv(k_pages, v_pages, k, v, inputs.slot_mapping)
     o = attention.forward(q, k_pages, v_pages, inputs)
-    x = x + matmul(o.reshape(num_tokens, spec.q_size), layer["wo"])
+    x = x + _reduce(matmul(o.reshape(num_tokens, spec.q_size), layer["wo"]), axis)
     h = rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
     gate, up = jnp.split(matmul(h, layer["w_gate_up"]), 2, axis=-1)
-    x = x + matmul(jax.nn.silu(gate) * up, layer["w_down"])
+    x = x + _reduce(matmul(jax.nn.silu(gate) * up, layer["w_down"]), axis)
     return x, k_pages, v_pages
 
 
-def forward(params, kv_cache, inputs, spec: ModelSpec, *, attention):
+def embed(params, token_ids: jax.Array, axis: str | None = None) -> jax.Array:
+    """Embedding rows [T, hidden] f32; with `axis`, each shard holds a slice of the vocabulary
+    and contributes the rows it has (zeros elsewhere), summed over the axis."""
+    table = params["embed"]
+    if axis is None:
+        return table[token_ids].astype(jnp.float32)
+    rows = table.shape[0]
+    local = token_ids - jax.lax.axis_index(axis) * rows
+    mine = (local >= 0) & (local < rows)
+    x = jnp.where(mine[:, None], table[jnp.clip(local, 0, rows - 1)].astype(jnp.float32), 0.0)
+    return jax.lax.psum(x, axis)
+
+
+def forward(params, kv_cache, inputs, spec: ModelSpec, *, attention, axis: str | None = None):
     """Run the transformer over a flattened ragged batch.
 
     kv_cache: list over layers of `(k_pages, v_pages)`, each
@@ -143,22 +171,92 @@ def forward(params, kv_cache, inputs, spec: ModelSpec, *, attention):
     inputs: the step's `StepInputs` (runner/input_batch.py: token ids, positions, slot mapping,
         RoPE tables, block tables, ...); attention: an `AttentionBackend` (jaxllm/attention.py).
     Returns `(hidden [T, hidden] f32, new kv_cache)`. Layers run as an unrolled loop; see
-    runner/model_runner.py for why not `lax.scan`.
+    runner/model_runner.py for why not `lax.scan`. With `axis`, this is one tensor-parallel
+    shard's part (see the module docstring).
     """
-    x = params["embed"][inputs.token_ids].astype(jnp.float32)
+    x = embed(params, inputs.token_ids, axis)
     new_cache = []
     for layer, (k_pages, v_pages) in zip(params["layers"], kv_cache):
-        x, k_pages, v_pages = decoder_layer(layer, k_pages, v_pages, x, inputs, spec, attention=attention)
+        x, k_pages, v_pages = decoder_layer(layer, k_pages, v_pages, x, inputs, spec, attention=attention, axis=axis)
         new_cache.append((k_pages, v_pages))
     return x, new_cache
 
 
-def compute_logits(params, hidden: jax.Array, spec: ModelSpec) -> jax.Array:
-    """hidden: [N, hidden] f32 -> logits [N, vocab] f32 (final norm + LM head)."""
+def compute_logits(params, hidden: jax.Array, spec: ModelSpec, axis: str | None = None) -> jax.Array:
+    """hidden: [N, hidden] f32 -> logits [N, vocab] f32 (final norm + LM head). With `axis`,
+    each shard computes its slice of the vocabulary and the slices are gathered."""
     h = rms_norm(hidden, params["final_norm"], spec.rms_norm_eps)
     if spec.tie_word_embeddings:
         # Contract against embed [vocab, hidden] directly: `jnp.dot(h, embed.T)` materialised
         # the transpose on every call on XLA:CPU (4-20x slower).
         w = params["embed"]
-        return jnp.einsum("sh,vh->sv", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
-    return matmul(h, params["lm_head"])
+        logits = jnp.einsum("sh,vh->sv", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    else:
+        logits = matmul(h, params["lm_head"])
+    return logits if axis is None else jax.lax.all_gather(logits, axis, axis=1, tiled=True)
+
+
+# ----------------------------------------------------------------------------- tensor parallelism
+
+# Which dimension of each parameter (by name, in a layer or at the top) is split over the
+# tensor-parallel axis; parameters not listed are replicated.
+TP_SPLIT_DIMS = {"embed": 0, "lm_head": 1, "wqkv": 1, "bqkv": 0, "wo": 0, "w_gate_up": 1, "w_down": 0}
+
+
+def check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
+    """Raise ValueError if `spec` cannot be split `tp` ways."""
+    problems = []
+    if spec.num_heads % tp:
+        problems.append(f"{spec.num_heads} attention heads")
+    if spec.num_kv_heads % tp and tp % spec.num_kv_heads:
+        problems.append(f"{spec.num_kv_heads} KV heads (neither a multiple nor a divisor of {tp})")
+    if spec.intermediate_size % tp:
+        problems.append(f"intermediate size {spec.intermediate_size}")
+    if spec.vocab_size % tp:
+        problems.append(f"vocabulary size {spec.vocab_size}")
+    if problems:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide this model's " + ", ".join(problems))
+
+
+def kv_heads_for(spec: ModelSpec, tp: int) -> int:
+    """KV heads stored over all shards: the model's, or `tp` when it has fewer (each shard then
+    holds a copy of the one head its query heads use)."""
+    return max(spec.num_kv_heads, tp)
+
+
+def tp_local_spec(spec: ModelSpec, tp: int) -> ModelSpec:
+    """The spec one shard computes with."""
+    return dataclasses.replace(spec, num_heads=spec.num_heads // tp, num_kv_heads=kv_heads_for(spec, tp) // tp,
+                               intermediate_size=spec.intermediate_size // tp, vocab_size=spec.vocab_size // tp)
+
+
+def tp_layout(params, spec: ModelSpec, tp: int):
+    """`params` with the fused columns regrouped per shard (see the module docstring), as host
+    (numpy) arrays; any `tp` passing `check_tensor_parallel`. tp 1 returns `params` unchanged."""
+    if tp == 1:
+        return params
+    check_tensor_parallel(spec, tp)
+    repeat = kv_heads_for(spec, tp) // spec.num_kv_heads
+    hd = spec.head_dim
+
+    def qkv_columns(w):            # [..., (q + 2 kv) * hd] -> the same, grouped [q_s, k_s, v_s] per shard
+        q, k, v = np.split(w, [spec.q_size, spec.q_size + spec.kv_size], axis=-1)
+        k, v = (np.repeat(t.reshape(*t.shape[:-1], spec.num_kv_heads, hd), repeat, axis=-2)
+                .reshape(*t.shape[:-1], -1) for t in (k, v))
+        return _interleave([q, k, v], tp)
+
+    def layer_layout(layer):
+        out = dict(layer)
+        out["wqkv"] = qkv_columns(layer["wqkv"])
+        if "bqkv" in layer:
+            out["bqkv"] = qkv_columns(layer["bqkv"])
+        out["w_gate_up"] = _interleave(np.split(layer["w_gate_up"], 2, axis=-1), tp)
+        return out
+
+    return {**params, "layers": [layer_layout(layer) for layer in params["layers"]]}
+
+
+def _interleave(parts, tp: int):
+    """Concatenate, along the last axis, shard s's slice of every part, for s in order."""
+    chunks = [np.split(part, tp, axis=-1) for part in parts]
+    return np.concatenate([chunk[s] for s in range(tp) for chunk in chunks], axis=-1)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm import kernels
+from jaxllm import kernels, parallel
 from jaxllm.attention import AttentionBackend, get_attention_backend
 from jaxllm.config import EngineConfig
 from jaxllm.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -43,25 +43,36 @@ from jaxllm.sampling_params import MAX_LOGPROBS
 from jaxllm.utils import cdiv, jnp_dtype
 
 
-def _step(params, kv_cache, ints, floats, penalty_tokens, *, layout: PackedLayout, spec, attention):
+def _step(params, kv_cache, ints, floats, penalty_tokens, *, layout: PackedLayout, spec, attention, mesh):
     inputs, sampling = layout.unpack(ints, floats)
     sampling = dataclasses.replace(sampling, penalty_tokens=penalty_tokens)
-    hidden, kv_cache = llama.forward(params, kv_cache, inputs, spec, attention=attention)
-    logits = llama.compute_logits(params, hidden[inputs.logits_indices], spec)
+    if mesh is None:
+        hidden, kv_cache = llama.forward(params, kv_cache, inputs, spec, attention=attention)
+        logits = llama.compute_logits(params, hidden[inputs.logits_indices], spec)
+    else:
+        logits, kv_cache = parallel.sharded_forward(params, kv_cache, inputs, spec, attention=attention, mesh=mesh)
     tokens, logprob, top_lp, top_ids = sampler.sample(logits, sampling, attention.argmax_logsumexp)
     return tokens, logprob, top_lp, top_ids, kv_cache
 
 
 class ModelRunner:
+    """`mesh`: a ("data", "model") Mesh for tensor parallelism (default: built from
+    `jax.devices()` when `config.tensor_parallel_size` > 1; see jaxllm/parallel.py)."""
+
     def __init__(self, config: EngineConfig, spec: llama.ModelSpec, params,
-                 attention: AttentionBackend | None = None):
+                 attention: AttentionBackend | None = None, mesh=None):
         self.config = config
         self.spec = spec
         self.attention = attention or get_attention_backend(config.attention_backend)
-        # Commit params and the cache to the device: warm-up and serving then pass arrays with
+        tp = config.tensor_parallel_size
+        self.mesh = mesh if mesh is not None or tp == 1 else parallel.make_mesh(tp)
+        self.num_kv_heads = llama.kv_heads_for(spec, tp)
+        # Commit params and the cache to the device(s): warm-up and serving then pass arrays with
         # the same sharding, so the programs compiled at warm-up are the ones served from.
-        device = jax.devices()[0]
-        self.params = jax.device_put(params, device)
+        if self.mesh is None:
+            self.params = jax.device_put(params, jax.devices()[0])
+        else:
+            self.params = parallel.shard_params(llama.tp_layout(params, spec, tp), self.mesh)
         sched = config.scheduler
         self.block_size = config.cache.block_size
         self.max_blocks = config.max_blocks_per_seq
@@ -71,9 +82,9 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv_cache()
         # Host pages for swapped-out requests: [layers, k/v, kv_heads, slots, block_size, head_dim]
         # (numpy zeros: the OS commits memory only for slots ever written).
-        self.swap_pool = np.zeros((spec.num_layers, 2, spec.num_kv_heads, config.cache.num_swap_blocks,
+        self.swap_pool = np.zeros((spec.num_layers, 2, self.num_kv_heads, config.cache.num_swap_blocks,
                                    self.block_size, spec.head_dim), kernels.storage_dtype(dtype))
-        self._step = jax.jit(functools.partial(_step, spec=spec, attention=self.attention),
+        self._step = jax.jit(functools.partial(_step, spec=spec, attention=self.attention, mesh=self.mesh),
                              static_argnames=("layout",), donate_argnums=(1,))
         self._inv_freq = spec.inv_freq()
         self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.max_blocks, self.block_size,
@@ -202,9 +213,10 @@ class ModelRunner:
 
     def _allocate_kv_cache(self):
         spec = self.spec
+        where = jax.devices()[0] if self.mesh is None else parallel.kv_sharding(self.mesh)
         return jax.device_put(kernels.allocate_kv_cache(
-            spec.num_layers, spec.num_kv_heads, self.config.cache.num_blocks, self.block_size, spec.head_dim,
-            jnp_dtype(self.config.dtype)), jax.devices()[0])
+            spec.num_layers, self.num_kv_heads, self.config.cache.num_blocks, self.block_size, spec.head_dim,
+            jnp_dtype(self.config.dtype)), where)
 
     # ----- moving pages -----
     def copy_pages(self, src: list[int], dst: list[int]) -> None:

@@ -1,0 +1,81 @@
+"""Tensor parallelism on a `jax.sharding.Mesh`: one SPMD program, shardings on the arrays.
+
+The mesh has axes ("data", "model"); tensor parallelism splits over "model" (Megatron layout,
+the rules next to the model: `llama.TP_SPLIT_DIMS`, `llama.tp_layout`):
+
+    device:            0            1          ...   tp-1
+    wqkv, w_gate_up:   columns 0/tp  columns 1/tp     (column-parallel: own heads, own MLP slice)
+    wo, w_down:        rows 0/tp     rows 1/tp        (row-parallel: partial sums, psum'd)
+    embed, lm_head:    vocab 0/tp    vocab 1/tp       (vocab-parallel; logits all-gathered)
+    norms:             replicated
+    KV pages:          KV heads 0/tp KV heads 1/tp    (a copy per shard when KV heads < tp)
+
+The model's forward and logits run per shard inside `shard_map` (`sharded_forward`), so the
+attention kernels (the C++ FFI call on CPU, Pallas on GPU) see only their shard's heads; the
+sampler runs on the gathered logits, replicated.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxllm.models import llama
+
+DATA_AXIS, MODEL_AXIS = "data", "model"
+
+
+def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
+    """A ("data", "model") mesh of shape (1, tensor_parallel_size) over the first devices."""
+    devices = list(devices if devices is not None else jax.devices())
+    if len(devices) < tensor_parallel_size:
+        hint = (f" (on CPU, split the host into virtual devices: XLA_FLAGS=--xla_force_host_platform_device_count="
+                f"{tensor_parallel_size}, set before JAX starts)" if devices[0].platform == "cpu" else "")
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs that many devices; "
+                         f"{len(devices)} {devices[0].platform} device(s) are visible{hint}")
+    return Mesh(np.asarray(devices[:tensor_parallel_size]).reshape(1, tensor_parallel_size), (DATA_AXIS, MODEL_AXIS))
+
+
+def tp_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else mesh.shape[MODEL_AXIS]
+
+
+def param_specs(params):
+    """A PartitionSpec per parameter, from `llama.TP_SPLIT_DIMS` (by the parameter's name)."""
+    def spec(path, leaf):
+        name = getattr(path[-1], "key", None)
+        dim = llama.TP_SPLIT_DIMS.get(name)
+        if dim is None:
+            return P()
+        return P(*([None] * dim + [MODEL_AXIS]))
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def shard_params(params, mesh: Mesh):
+    """Place `params` (already in `llama.tp_layout`) on the mesh: each device gets its shard."""
+    specs = param_specs(params)
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+
+
+def kv_sharding(mesh: Mesh) -> NamedSharding:
+    """KV pages `[kv_heads, pages, page, head_dim]` split by KV head."""
+    return NamedSharding(mesh, P(MODEL_AXIS))
+
+
+def sharded_forward(params, kv_cache, inputs, spec: llama.ModelSpec, *, attention, mesh: Mesh):
+    """`llama.forward` + `compute_logits` on the rows to sample, one shard per device.
+    Returns (logits [N, vocab] replicated, kv_cache sharded by KV head)."""
+    tp = tp_size(mesh)
+    local = llama.tp_local_spec(spec, tp)
+
+    def shard(params, kv_cache, inputs):
+        hidden, kv_cache = llama.forward(params, kv_cache, inputs, local, attention=attention, axis=MODEL_AXIS)
+        logits = llama.compute_logits(params, hidden[inputs.logits_indices], local, axis=MODEL_AXIS)
+        return logits, kv_cache
+
+    # check_vma off: the gathered logits are the same on every shard, which the type system
+    # of shard_map cannot see through all_gather.
+    return jax.shard_map(shard, mesh=mesh, in_specs=(param_specs(params), P(MODEL_AXIS), P()),
+                         out_specs=(P(), P(MODEL_AXIS)), check_vma=False)(params, kv_cache, inputs)

@@ -1,0 +1,65 @@
+"""Run by tests/test_sharding.py in a subprocess with N virtual CPU devices (XLA flags must be set
+before JAX starts, and the other tests keep one device):
+
+    python tests/sharding_worker.py MODEL_DIR OUT.json TP [TP ...]
+
+Generates the same batch (greedy, float32, with logprobs) on one device and with each tensor
+parallel size, with a KV pool small enough to preempt and prompts long enough to be chunked,
+and writes the token ids, logprobs and per-device parameter and KV bytes to OUT.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+
+import jax  # noqa: E402
+
+from tiny_model import TINY_ENGINE_ARGS  # noqa: E402
+
+
+def device_bytes(tree) -> dict[str, int]:
+    """Bytes each device holds of the arrays in `tree`."""
+    out: dict[str, int] = {}
+    for leaf in jax.tree_util.tree_leaves(tree):
+        for shard in leaf.addressable_shards:
+            key = str(shard.device.id)
+            out[key] = out.get(key, 0) + shard.data.nbytes
+    return out
+
+
+def main() -> int:
+    from jaxllm import LLM, SamplingParams
+
+    model_dir, out_path, *sizes = sys.argv[1:]
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    prompts = [f"Request {i}: " + " ".join(words[(i + j) % 10] for j in range(4 + 37 * (i % 7))) for i in range(64)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=3)
+    # 40 pages of 16 tokens for 64 requests of up to ~300 tokens: preemption happens.
+    args = {**TINY_ENGINE_ARGS, "kv_cache_memory": None, "num_gpu_blocks_override": 40,
+            "params_cache_dir": os.path.join(os.path.dirname(out_path), "params")}
+    results = {}
+    for tp in [1, *map(int, sizes)]:
+        llm = LLM(model_dir, tensor_parallel_size=tp, **args)
+        engine = llm.engine
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        runner = engine.runner
+        results[tp] = {
+            "token_ids": [o.outputs[0].token_ids for o in outputs],
+            "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                         for o in outputs],
+            "param_bytes": device_bytes(runner.params), "kv_bytes": device_bytes(runner.kv_cache),
+            "preemptions": engine.stats.num_preemptions,
+            "devices": sorted(device_bytes(runner.kv_cache)),
+        }
+        del llm, engine, runner
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
