@@ -62,8 +62,11 @@ class EngineArgs:
     enable_prefix_caching: bool = option(True, "reuse the KV cache of shared prompt prefixes")
     tensor_parallel_size: int = option(
         1, "devices the model is split over (Megatron tensor parallelism on a jax.sharding.Mesh)", metavar="N")
-    mesh: object = option(None, "a jax.sharding.Mesh with a 'model' axis to run on, for JAX users who have "
-                                "one (default: built from jax.devices())", cli=False)
+    data_parallel_size: int = option(
+        1, "engine replicas, each with its own scheduler and KV pool on its own devices; requests go to the "
+           "least loaded", metavar="N")
+    mesh: object = option(None, "a jax.sharding.Mesh with axes ('data', 'model') to run on, for JAX users who "
+                                "have one (default: built from jax.devices())", cli=False)
     max_logprobs: int = option(20, "most log-probabilities a request may ask for per token (at most 20)",
                                metavar="N")
     seed: int = option(0, "engine random seed (draws the seeds of unseeded requests)")
@@ -82,13 +85,15 @@ class EngineArgs:
     def verify(self) -> None:
         check_dtype(self.dtype)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_num_prefill_seqs",
-                     "tensor_parallel_size"):
+                     "tensor_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.mesh is not None and dict(self.mesh.shape).get("model") != self.tensor_parallel_size:
-            raise ValueError(f"the mesh's 'model' axis ({dict(self.mesh.shape).get('model')}) must equal "
-                             f"tensor_parallel_size ({self.tensor_parallel_size})")
+        if self.mesh is not None:
+            shape = dict(self.mesh.shape)
+            if (shape.get("data"), shape.get("model")) != (self.data_parallel_size, self.tensor_parallel_size):
+                raise ValueError(f"the mesh must have axes 'data' = data_parallel_size ({self.data_parallel_size}) "
+                                 f"and 'model' = tensor_parallel_size ({self.tensor_parallel_size}); got {shape}")
         if not isinstance(self.max_logprobs, int) or not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs!r}")
         if self.block_size & (self.block_size - 1):

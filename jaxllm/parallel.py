@@ -1,7 +1,9 @@
-"""Tensor parallelism on a `jax.sharding.Mesh`: one SPMD program, shardings on the arrays.
+"""Tensor and data parallelism on a `jax.sharding.Mesh`: one SPMD program, shardings on the arrays.
 
-The mesh has axes ("data", "model"); tensor parallelism splits over "model" (Megatron layout,
-the rules next to the model: `llama.TP_SPLIT_DIMS`, `llama.tp_layout`):
+The mesh has axes ("data", "model"). Each row of it ("data") is a data-parallel replica, an
+`EngineCore` with its own scheduler and KV pool (engine/core.py, `DataParallelEngineCore`).
+Within a row, tensor parallelism splits over "model" (Megatron layout, the rules next to the
+model: `llama.TP_SPLIT_DIMS`, `llama.tp_layout`):
 
     device:            0            1          ...   tp-1
     wqkv, w_gate_up:   columns 0/tp  columns 1/tp     (column-parallel: own heads, own MLP slice)
@@ -26,15 +28,27 @@ from jaxllm.models import llama
 DATA_AXIS, MODEL_AXIS = "data", "model"
 
 
-def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
-    """A ("data", "model") mesh of shape (1, tensor_parallel_size) over the first devices."""
+def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1, devices=None) -> Mesh:
+    """A ("data", "model") mesh of shape (data_parallel_size, tensor_parallel_size) over the first devices."""
     devices = list(devices if devices is not None else jax.devices())
-    if len(devices) < tensor_parallel_size:
+    need = tensor_parallel_size * data_parallel_size
+    if len(devices) < need:
         hint = (f" (on CPU, split the host into virtual devices: XLA_FLAGS=--xla_force_host_platform_device_count="
-                f"{tensor_parallel_size}, set before JAX starts)" if devices[0].platform == "cpu" else "")
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs that many devices; "
-                         f"{len(devices)} {devices[0].platform} device(s) are visible{hint}")
-    return Mesh(np.asarray(devices[:tensor_parallel_size]).reshape(1, tensor_parallel_size), (DATA_AXIS, MODEL_AXIS))
+                f"{need}, set before JAX starts)" if devices[0].platform == "cpu" else "")
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size={data_parallel_size} "
+                         f"needs {need} devices; {len(devices)} {devices[0].platform} device(s) are visible{hint}")
+    grid = np.asarray(devices[:need]).reshape(data_parallel_size, tensor_parallel_size)
+    return Mesh(grid, (DATA_AXIS, MODEL_AXIS))
+
+
+def replica_meshes(mesh: Mesh | None, tensor_parallel_size: int, data_parallel_size: int) -> list[Mesh | None]:
+    """One (1, tp) mesh per data-parallel replica: the rows of `mesh` (built if None). A single
+    replica on a single device runs without a mesh: [None]."""
+    if mesh is None:
+        if tensor_parallel_size == data_parallel_size == 1:
+            return [None]
+        mesh = make_mesh(tensor_parallel_size, data_parallel_size)
+    return [Mesh(mesh.devices[row:row + 1], mesh.axis_names) for row in range(mesh.shape[DATA_AXIS])]
 
 
 def tp_size(mesh: Mesh | None) -> int:

@@ -57,14 +57,16 @@ class LiveServer:
         return self.proc.returncode
 
 
-def start_server(model_dir: str, work_dir: str, *flags: str, faults: list[str] = (), offline=None) -> LiveServer:
+def start_server(model_dir: str, work_dir: str, *flags: str, faults: list[str] = (), offline=None,
+                 env: dict | None = None) -> LiveServer:
     """Start `jaxllm serve` on the tiny model with an API key on a free port; `faults` (flags of
     tests/fault_server.py) run it through the fault injector. `offline`, the reference engine
-    (or a function making it, called while the server warms up), becomes `.offline`."""
+    (or a function making it, called while the server warms up), becomes `.offline`; `env`
+    adds to the environment."""
     log_path = os.path.join(work_dir, "server.log")
     log = open(log_path, "w")
     # XDG_CACHE_HOME: the subprocess caches its converted weights here, not in ~/.cache.
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "XDG_CACHE_HOME": os.path.join(work_dir, "xdg")}
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "XDG_CACHE_HOME": os.path.join(work_dir, "xdg"), **(env or {})}
     entry = [os.path.join(HERE, "fault_server.py"), *faults, "--"] if faults else ["-m", "jaxllm.entrypoints.cli"]
     cmd = [sys.executable, *entry, "serve", "--model", model_dir, *tiny_engine_flags(), "--port", "0",
            "--api-key", API_KEY, "--uvicorn-log-level", "warning", *flags]

@@ -1,11 +1,12 @@
 """Run by tests/test_sharding.py in a subprocess with N virtual CPU devices (XLA flags must be set
 before JAX starts, and the other tests keep one device):
 
-    python tests/sharding_worker.py MODEL_DIR OUT.json TP [TP ...]
+    python tests/sharding_worker.py MODEL_DIR OUT.json TPxDP [TPxDP ...]
 
-Generates the same batch (greedy, float32, with logprobs) on one device and with each tensor
-parallel size, with a KV pool small enough to preempt and prompts long enough to be chunked,
-and writes the token ids, logprobs and per-device parameter and KV bytes to OUT.json.
+Generates the same batch (greedy, float32, with logprobs) on one device and with each layout
+(tensor x data parallel sizes, e.g. 2x1, 1x2, 2x2), with a KV pool small enough to preempt and
+prompts long enough to be chunked, and writes the token ids, logprobs, per-device parameter
+and KV bytes and each replica's share of the prompts to OUT.json.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def device_bytes(tree) -> dict[str, int]:
 def main() -> int:
     from jaxllm import LLM, SamplingParams
 
-    model_dir, out_path, *sizes = sys.argv[1:]
+    model_dir, out_path, *layouts = sys.argv[1:]
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
     prompts = [f"Request {i}: " + " ".join(words[(i + j) % 10] for j in range(4 + 37 * (i % 7))) for i in range(64)]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=3)
@@ -42,18 +43,20 @@ def main() -> int:
     args = {**TINY_ENGINE_ARGS, "kv_cache_memory": None, "num_gpu_blocks_override": 40,
             "params_cache_dir": os.path.join(os.path.dirname(out_path), "params")}
     results = {}
-    for tp in [1, *map(int, sizes)]:
-        llm = LLM(model_dir, tensor_parallel_size=tp, **args)
+    for layout in ["1x1", *layouts]:
+        tp, dp = map(int, layout.split("x"))
+        llm = LLM(model_dir, tensor_parallel_size=tp, data_parallel_size=dp, **args)
         engine = llm.engine
         outputs = llm.generate(prompts, params, use_tqdm=False)
         runner = engine.runner
-        results[tp] = {
+        results[layout] = {
             "token_ids": [o.outputs[0].token_ids for o in outputs],
             "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                          for o in outputs],
             "param_bytes": device_bytes(runner.params), "kv_bytes": device_bytes(runner.kv_cache),
+            "kv_bytes_all": device_bytes([r.runner.kv_cache for r in engine.replicas]),
             "preemptions": engine.stats.num_preemptions,
-            "devices": sorted(device_bytes(runner.kv_cache)),
+            "replica_prompt_queries": [r.kv_cache_manager.prefix_queries for r in engine.replicas],
         }
         del llm, engine, runner
     with open(out_path, "w") as f:

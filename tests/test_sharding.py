@@ -1,7 +1,8 @@
-"""Tensor parallelism on 4 virtual CPU devices (tests/sharding_worker.py, in a subprocess so the
-other tests keep one device): TP 2 and TP 4 (fewer KV heads than shards: replicated groups)
-generate exactly what one device does (float32 greedy, 64 requests, chunked prefill and
-preemption), and each device holds 1/tp of the split weights and of the KV pages."""
+"""Tensor and data parallelism on 4 virtual CPU devices (tests/sharding_worker.py, in a
+subprocess so the other tests keep one device): TP 2, TP 4 (fewer KV heads than shards:
+replicated groups), DP 2 and TP 2 x DP 2 generate exactly what one device does (float32 greedy,
+64 requests, chunked prefill and preemption); each device holds 1/tp of the split weights and
+of its replica's KV pages; data-parallel replicas share the requests."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import transformers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SIZES = (2, 4)
+LAYOUTS = ("2x1", "4x1", "1x2", "2x2")   # tensor x data parallel sizes
 
 
 @pytest.fixture(scope="module")
@@ -22,22 +23,23 @@ def results(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("sharding") / "results.json"
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": HERE}
     run = subprocess.run([sys.executable, os.path.join(HERE, "sharding_worker.py"), tiny_model_dir, str(out),
-                          *map(str, SIZES)], env=env, capture_output=True, text=True, timeout=900)
+                          *LAYOUTS], env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
-    return {int(tp): r for tp, r in json.loads(out.read_text()).items()}
+    return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("tp", SIZES)
-def test_tensor_parallel_generates_what_one_device_does(results, tp):
-    one, many = results[1], results[tp]
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_parallel_generates_what_one_device_does(results, layout):
+    one, many = results["1x1"], results[layout]
     assert many["preemptions"] > 0 and one["preemptions"] > 0     # the pool is small enough to preempt
     assert many["token_ids"] == one["token_ids"]
     worst = max(abs(a - b) for la, lb in zip(one["logprobs"], many["logprobs"]) for a, b in zip(la, lb))
     assert worst < 1e-4
 
 
-@pytest.mark.parametrize("tp", SIZES)
-def test_each_device_holds_its_share(results, tiny_model_dir, tp):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_device_holds_its_share(results, tiny_model_dir, layout):
+    tp, dp = map(int, layout.split("x"))
     config = transformers.AutoConfig.from_pretrained(tiny_model_dir)
     hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     head_dim = hidden // config.num_attention_heads
@@ -46,8 +48,33 @@ def test_each_device_holds_its_share(results, tiny_model_dir, tp):
     split = 4 * (layers * (hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * inter)
                  + config.vocab_size * hidden)              # float32 wqkv, wo, w_gate_up, w_down, tied embed
     replicated = 4 * (layers * 2 * hidden + hidden)          # the norms
-    param_bytes, kv_bytes = results[tp]["param_bytes"], results[tp]["kv_bytes"]
+    # The first replica's arrays: on tp devices, each with its share.
+    param_bytes, kv_bytes = results[layout]["param_bytes"], results[layout]["kv_bytes"]
     assert len(param_bytes) == len(kv_bytes) == tp
     assert set(param_bytes.values()) == {split // tp + replicated}
-    one_kv = sum(results[1]["kv_bytes"].values())
+    one_kv = sum(results["1x1"]["kv_bytes"].values())
     assert set(kv_bytes.values()) == {one_kv * kv_heads // config.num_key_value_heads // tp}
+    # Every replica: its own devices, its own pool.
+    assert len(results[layout]["kv_bytes_all"]) == tp * dp
+    queries = results[layout]["replica_prompt_queries"]
+    assert len(queries) == dp and min(queries) > 0.25 * sum(queries)   # balanced by load
+
+
+def test_serve_tensor_and_data_parallel_answers_the_openai_client(tiny_model_dir, tmp_path):
+    from jaxllm import SamplingParams
+    from live_server import start_server
+    from tiny_model import offline_llm
+
+    server = start_server(tiny_model_dir, str(tmp_path), "--tensor-parallel-size", "2", "--data-parallel-size", "2",
+                          env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+                          offline=lambda: offline_llm(tiny_model_dir))
+    try:
+        prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Hello"]
+        response = server.client.completions.create(model=server.model, prompt=prompts, max_tokens=12, temperature=0,
+                                                    extra_body={"ignore_eos": True})
+        expected = server.offline.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                           use_tqdm=False)
+        assert [c.text for c in response.choices] == [o.outputs[0].text for o in expected]
+        server.assert_healthy()
+    finally:
+        assert server.stop() == 0

@@ -28,17 +28,26 @@ logger = logging.getLogger("jaxllm")
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, spec, params, mesh=None):
+    """One replica: a scheduler and KV pool over one model runner (on one device, or on the
+    tensor-parallel `mesh`). `stats` may be shared with other replicas."""
+
+    def __init__(self, config: EngineConfig, spec, params, mesh=None, stats: EngineStats | None = None):
         cache = config.cache
         self.kv_cache_manager = KVCacheManager(cache.num_blocks, cache.block_size,
                                                enable_prefix_caching=cache.enable_prefix_caching,
                                                num_swap_blocks=cache.num_swap_blocks)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.runner = ModelRunner(config, spec, params, mesh=mesh)
-        self.stats = EngineStats()
+        self.stats = stats or EngineStats()
 
-    def add_request(self, request: Request) -> None:
+    @property
+    def load(self) -> int:
+        return self.scheduler.num_running + self.scheduler.num_waiting
+
+    def add_request(self, request: Request, replica: int | None = None) -> int:
+        """Queue `request`; returns the replica it went to (always 0 here; see DataParallelEngineCore)."""
         self.scheduler.add_request(request)
+        return 0
 
     def abort_requests(self, request_ids: str | Iterable[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -65,6 +74,45 @@ class EngineCore:
         if not scheduler_output.is_empty:
             self.stats.record_step(scheduler_output, runner_output, outputs, t1 - t0, time.perf_counter() - t2)
         return outputs
+
+
+class DataParallelEngineCore:
+    """`data_parallel_size` replicas (`EngineCore`s, each with its own scheduler and KV pool on
+    its row of the mesh) behind the EngineCore interface. A request goes to the least loaded
+    replica (running + waiting), or to `replica` (a request's other choices join the first, to
+    share its prompt's pages); a step steps every replica that has work."""
+
+    def __init__(self, cores: list[EngineCore]):
+        self.cores = cores
+        self.stats = cores[0].stats
+
+    def add_request(self, request: Request, replica: int | None = None) -> int:
+        if replica is None:
+            replica = min(range(len(self.cores)), key=lambda i: self.cores[i].load)
+        self.cores[replica].add_request(request)
+        return replica
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        request_ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for core in self.cores:     # ids a replica does not hold are ignored
+            core.finish_requests(request_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return any(core.has_unfinished_requests() for core in self.cores)
+
+    def step(self) -> EngineCoreOutputs:
+        merged = EngineCoreOutputs(outputs=[])
+        for core in self.cores:
+            if core.has_unfinished_requests():
+                out = core.step()
+                merged.outputs += out.outputs
+                merged.num_prompt_tokens += out.num_prompt_tokens
+                merged.num_generated_tokens += out.num_generated_tokens
+                merged.timestamp = max(merged.timestamp, out.timestamp)
+        return merged
 
 
 @dataclasses.dataclass

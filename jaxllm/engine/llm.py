@@ -86,6 +86,8 @@ class LLM:
         see engine/beam_search.py): per prompt, the `beam_width` best sequences, best first.
         The beams share KV pages; a page is copied only when beams write different tokens
         into it."""
+        if len(self.engine.replicas) > 1:
+            raise ValueError("beam search does not support data_parallel_size > 1 yet")
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         token_ids = []

@@ -15,7 +15,8 @@ import time
 from jaxllm.chat_template import MAX_OUTPUT_CHARS, render_chat_template
 from jaxllm.config import EngineArgs, EngineConfig, resolve_config
 from jaxllm.core.request import Request, RequestStatus
-from jaxllm.engine.core import EngineCore
+from jaxllm import parallel
+from jaxllm.engine.core import DataParallelEngineCore, EngineCore, EngineStats
 from jaxllm.engine.output_processor import OUTPUT_KINDS, OutputProcessor
 from jaxllm.outputs import RequestOutput
 from jaxllm.runner import compile as compile_mod
@@ -41,17 +42,21 @@ class LLMEngine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
-        self.engine_core = EngineCore(self.config, loaded.spec, loaded.params, mesh=args.mesh)
-        # The engine core's parts, for metrics, tests and benchmarks.
-        core = self.engine_core
+        stats = EngineStats()
+        self.replicas = [EngineCore(self.config, loaded.spec, loaded.params, mesh=mesh, stats=stats)
+                         for mesh in parallel.replica_meshes(args.mesh, args.tensor_parallel_size,
+                                                             args.data_parallel_size)]
+        self.engine_core = self.replicas[0] if len(self.replicas) == 1 else DataParallelEngineCore(self.replicas)
+        # The (first) replica's parts, for tests and benchmarks; metrics use the totals below.
+        first = self.replicas[0]
         self.scheduler, self.kv_cache_manager, self.runner, self.stats = (
-            core.scheduler, core.kv_cache_manager, core.runner, core.stats)
+            first.scheduler, first.kv_cache_manager, first.runner, stats)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.warmup_seconds = self.runner.warmup(progress) if self.config.warmup else 0.0
+        self.warmup_seconds = sum(r.runner.warmup(progress) for r in self.replicas) if self.config.warmup else 0.0
         self._rng = random.Random(self.config.seed)
         # n > 1: the other choices wait until the first has computed the prompt, then reuse
-        # its pages through the prefix cache (first choice's id -> the others).
-        self._pending_choices: dict[str, list[Request]] = {}
+        # its pages through the prefix cache (first choice's id -> its replica, the others).
+        self._pending_choices: dict[str, tuple[int, list[Request]]] = {}
 
     # ----- requests -----
     def tokenize(self, prompt: str) -> list[int]:
@@ -96,11 +101,11 @@ class LLMEngine:
                 parent_id=request_id, index=i, prompt=prompt, arrival_time=now))
         if any(self.output_processor.is_tracked(c.request_id) for c in choices):
             raise ValueError(f"request_id {request_id!r} clashes with a running request's choice ids")
-        self.engine_core.add_request(choices[0])      # raises (nothing kept) if the scheduler refuses it
+        replica = self.engine_core.add_request(choices[0])   # raises (nothing kept) if the scheduler refuses it
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, output_kind, now,
                                           [c.request_id for c in choices])
         if len(choices) > 1:
-            self._pending_choices[choices[0].request_id] = choices[1:]
+            self._pending_choices[choices[0].request_id] = (replica, choices[1:])
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
                             chat_template: str | None = None, **template_kwargs) -> list[int]:
@@ -175,8 +180,9 @@ class LLMEngine:
         core_outputs = self.engine_core.step()
         t0 = time.perf_counter()
         for out in core_outputs.outputs:       # the prompt is computed: release the other choices
-            for choice in self._pending_choices.pop(out.request_id, ()):
-                self.engine_core.add_request(choice)
+            replica, choices = self._pending_choices.pop(out.request_id, (None, ()))
+            for choice in choices:
+                self.engine_core.add_request(choice, replica)
         processed = self.output_processor.process_outputs(core_outputs)
         self.engine_core.finish_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
         for state in processed.finished:
@@ -187,7 +193,22 @@ class LLMEngine:
     # ----- introspection -----
     @property
     def kv_cache_usage(self) -> float:
-        return self.kv_cache_manager.usage
+        """Pages in use over all replicas' pools, 0..1."""
+        return sum(r.kv_cache_manager.usage for r in self.replicas) / len(self.replicas)
+
+    @property
+    def num_running_requests(self) -> int:
+        return sum(r.scheduler.num_running for r in self.replicas)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        return sum(r.scheduler.num_waiting for r in self.replicas)
+
+    @property
+    def prefix_cache_tokens(self) -> tuple[int, int]:
+        """(queried, hit) prompt tokens of the prefix caches, over all replicas."""
+        return (sum(r.kv_cache_manager.prefix_queries for r in self.replicas),
+                sum(r.kv_cache_manager.prefix_hits for r in self.replicas))
 
 
 def _available_memory(args: EngineArgs) -> int | None:

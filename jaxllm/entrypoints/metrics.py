@@ -44,12 +44,12 @@ class _EngineCounters:
 
     def collect(self):
         engine = self.engine
-        stats, kv = engine.stats, engine.kv_cache_manager
+        stats, (queries, hits) = engine.stats, engine.prefix_cache_tokens
         yield self._counter("prompt_tokens", "Prefill tokens processed.", stats.prompt_tokens)
         yield self._counter("generation_tokens", "Generation tokens processed.", stats.generation_tokens)
         yield self._counter("num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions)
-        yield self._counter("prefix_cache_queries", "Prefix cache queries, in tokens.", kv.prefix_queries)
-        yield self._counter("prefix_cache_hits", "Prefix cache hits, in tokens.", kv.prefix_hits)
+        yield self._counter("prefix_cache_queries", "Prefix cache queries, in tokens.", queries)
+        yield self._counter("prefix_cache_hits", "Prefix cache hits, in tokens.", hits)
         success = CounterMetricFamily(PREFIX + "request_success", "Count of finished requests, by finish reason.",
                                       labels=[*self.labels, "finished_reason"])
         for reason, count in sorted(dict(stats.finished).items()):  # dict(): the engine thread may add a key
@@ -70,11 +70,11 @@ class ServerMetrics:
         def gauge(name: str, doc: str, read) -> None:
             Gauge(PREFIX + name, doc, names, registry=self.registry).labels(**labels).set_function(read)
 
-        scheduler = engine.scheduler
-        gauge("num_requests_running", "Number of requests in model execution batches.", lambda: scheduler.num_running)
-        gauge("num_requests_waiting", "Number of requests waiting to be processed.", lambda: scheduler.num_waiting)
-        gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-              lambda: engine.kv_cache_manager.usage)
+        gauge("num_requests_running", "Number of requests in model execution batches.",
+              lambda: engine.num_running_requests)
+        gauge("num_requests_waiting", "Number of requests waiting to be processed.",
+              lambda: engine.num_waiting_requests)
+        gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lambda: engine.kv_cache_usage)
         self.registry.register(_EngineCounters(engine, labels))
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
