@@ -4,7 +4,7 @@ before JAX starts, and the other tests keep one device):
     python tests/sharding_worker.py MODEL_DIR OUT.json TPxDP [TPxDP ...]
 
 Generates the same batch (greedy, float32, with logprobs) on one device and with each layout
-(tensor x data parallel sizes, e.g. 2x1, 1x2, 2x2), with a KV pool small enough to preempt and
+(tensor x data parallel sizes, e.g. 2x1, 1x2, 2x2; mesh:2x2 on a caller's Mesh), with a KV pool small enough to preempt and
 prompts long enough to be chunked, and writes the token ids, logprobs, per-device parameter
 and KV bytes and each replica's share of the prompts to OUT.json.
 """
@@ -44,8 +44,11 @@ def main() -> int:
             "params_cache_dir": os.path.join(os.path.dirname(out_path), "params")}
     results = {}
     for layout in ["1x1", *layouts]:
-        tp, dp = map(int, layout.split("x"))
-        llm = LLM(model_dir, tensor_parallel_size=tp, data_parallel_size=dp, **args)
+        # "mesh:TPxDP": the same, on a Mesh the caller built.
+        own_mesh = layout.startswith("mesh:")
+        tp, dp = map(int, layout.removeprefix("mesh:").split("x"))
+        mesh = jax.make_mesh((dp, tp), ("data", "model")) if own_mesh else None
+        llm = LLM(model_dir, tensor_parallel_size=tp, data_parallel_size=dp, mesh=mesh, **args)
         engine = llm.engine
         outputs = llm.generate(prompts, params, use_tqdm=False)
         runner = engine.runner

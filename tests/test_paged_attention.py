@@ -168,3 +168,22 @@ def test_lowers_for_cuda_with_triton(num_q_heads, num_kv_heads, head_dim, cache_
 def test_lowers_for_cuda_with_window_and_soft_cap():
     text = lower_for_cuda(32, 8, 128, jnp.bfloat16, sliding_window=4096, logits_soft_cap=50.0)
     assert "__gpu$xla.gpu.triton" in text
+
+
+def test_lowers_for_cuda_per_shard_under_shard_map():
+    """Tensor parallelism runs the kernel per shard (jaxllm/parallel.py): Llama-3-8B's 32 query
+    and 8 KV heads over an abstract 8-device mesh leave each shard 4 query heads and 1 KV head."""
+    from jax.sharding import AbstractMesh, PartitionSpec as P
+
+    sds = jax.ShapeDtypeStruct
+    mesh = AbstractMesh((8,), ("model",))
+    num_tokens, num_seqs_max, pages_per_seq = 256, 64, 128
+    pages = sds((8, 2048, 16, 128), jnp.uint16)
+    args = (sds((num_tokens, 32, 128), jnp.bfloat16), pages, pages, sds((num_seqs_max,), jnp.int32),
+            sds((num_seqs_max, pages_per_seq), jnp.int32), sds((num_seqs_max + 1,), jnp.int32), sds((), jnp.int32))
+    per_shard = jax.shard_map(ragged_paged_attention, mesh=mesh, check_vma=False,
+                              in_specs=(P(None, "model"), P("model"), P("model"), P(), P(), P(), P()),
+                              out_specs=P(None, "model"))
+    text = jax.jit(per_shard).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+    assert f"tensor<{num_tokens}x4x128xbf16>" in text and f"tensor<1x2048x16x128xui16>" in text

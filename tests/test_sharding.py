@@ -15,7 +15,7 @@ import pytest
 import transformers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-LAYOUTS = ("2x1", "4x1", "1x2", "2x2")   # tensor x data parallel sizes
+LAYOUTS = ("2x1", "4x1", "1x2", "2x2", "mesh:2x2")   # tensor x data parallel sizes; on a caller's Mesh
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_parallel_generates_what_one_device_does(results, layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_each_device_holds_its_share(results, tiny_model_dir, layout):
-    tp, dp = map(int, layout.split("x"))
+    tp, dp = map(int, layout.removeprefix("mesh:").split("x"))
     config = transformers.AutoConfig.from_pretrained(tiny_model_dir)
     hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     head_dim = hidden // config.num_attention_heads
