@@ -41,13 +41,17 @@ def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1, devices=No
     return Mesh(grid, (DATA_AXIS, MODEL_AXIS))
 
 
-def replica_meshes(mesh: Mesh | None, tensor_parallel_size: int, data_parallel_size: int) -> list[Mesh | None]:
-    """One (1, tp) mesh per data-parallel replica: the rows of `mesh` (built if None). A single
-    replica on a single device runs without a mesh: [None]."""
-    if mesh is None:
-        if tensor_parallel_size == data_parallel_size == 1:
-            return [None]
+def engine_mesh(mesh: Mesh | None, tensor_parallel_size: int, data_parallel_size: int) -> Mesh | None:
+    """The caller's mesh, else one built for these sizes; None for one replica on one device."""
+    if mesh is None and tensor_parallel_size * data_parallel_size > 1:
         mesh = make_mesh(tensor_parallel_size, data_parallel_size)
+    return mesh
+
+
+def replica_meshes(mesh: Mesh | None) -> list[Mesh | None]:
+    """One (1, tp) mesh per data-parallel replica: the rows of `mesh`; [None] without a mesh."""
+    if mesh is None:
+        return [None]
     return [Mesh(mesh.devices[row:row + 1], mesh.axis_names) for row in range(mesh.shape[DATA_AXIS])]
 
 
@@ -55,22 +59,34 @@ def tp_size(mesh: Mesh | None) -> int:
     return 1 if mesh is None else mesh.shape[MODEL_AXIS]
 
 
-def param_specs(params):
-    """A PartitionSpec per parameter, from `llama.TP_SPLIT_DIMS` (by the parameter's name)."""
-    def spec(path, leaf):
-        name = getattr(path[-1], "key", None)
-        dim = llama.TP_SPLIT_DIMS.get(name)
-        if dim is None:
-            return P()
-        return P(*([None] * dim + [MODEL_AXIS]))
+def spec_for(path) -> P:
+    """The PartitionSpec of the parameter at tree `path`, from `llama.TP_SPLIT_DIMS` (by its name)."""
+    dim = llama.TP_SPLIT_DIMS.get(getattr(path[-1], "key", None))
+    return P() if dim is None else P(*([None] * dim + [MODEL_AXIS]))
 
-    return jax.tree_util.tree_map_with_path(spec, params)
+
+def param_specs(params):
+    """A PartitionSpec per parameter."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: spec_for(path), params)
 
 
 def shard_params(params, mesh: Mesh):
-    """Place `params` (already in `llama.tp_layout`) on the mesh: each device gets its shard."""
-    specs = param_specs(params)
-    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+    """Place `params` (already in `llama.tp_layout`) on the mesh: each device gets its shard
+    (replicated over the "data" axis). Arrays already placed so are left as they are."""
+    return jax.tree_util.tree_map_with_path(lambda path, x: jax.device_put(x, NamedSharding(mesh, spec_for(path))),
+                                            params)
+
+
+def replica_params(params, row: Mesh):
+    """The shards of `params` (placed on the whole mesh) that live on one replica's row, as
+    arrays of that row's mesh; nothing is copied."""
+    devices = set(row.devices.flat)
+
+    def take(path, x):
+        shards = [s.data for s in x.addressable_shards if s.device in devices]
+        return jax.make_array_from_single_device_arrays(x.shape, NamedSharding(row, spec_for(path)), shards)
+
+    return jax.tree_util.tree_map_with_path(take, params)
 
 
 def kv_sharding(mesh: Mesh) -> NamedSharding:

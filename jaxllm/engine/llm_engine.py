@@ -31,7 +31,9 @@ class LLMEngine:
 
         args = engine_args or EngineArgs(**kwargs)
         args.verify()
-        loaded = load_model(args.model, dtype=args.dtype, cache_dir=args.params_cache_dir, progress=progress)
+        mesh = parallel.engine_mesh(args.mesh, args.tensor_parallel_size, args.data_parallel_size)
+        loaded = load_model(args.model, dtype=args.dtype, cache_dir=args.params_cache_dir, progress=progress,
+                            tensor_parallel_size=args.tensor_parallel_size, mesh=mesh)
         self.config: EngineConfig = resolve_config(args, loaded.spec, loaded.name,
                                                    available_memory=_available_memory(args))
         compile_mod.enable_persistent_cache(self.config.compilation_cache_dir)
@@ -43,9 +45,10 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
         stats = EngineStats()
-        self.replicas = [EngineCore(self.config, loaded.spec, loaded.params, mesh=mesh, stats=stats)
-                         for mesh in parallel.replica_meshes(args.mesh, args.tensor_parallel_size,
-                                                             args.data_parallel_size)]
+        self.replicas = [EngineCore(self.config, loaded.spec,
+                                    loaded.params if row is None else parallel.replica_params(loaded.params, row),
+                                    mesh=row, stats=stats)
+                         for row in parallel.replica_meshes(mesh)]
         self.engine_core = self.replicas[0] if len(self.replicas) == 1 else DataParallelEngineCore(self.replicas)
         # The (first) replica's parts, for tests and benchmarks; metrics use the totals below.
         first = self.replicas[0]

@@ -38,6 +38,8 @@ import jax.numpy as jnp
 from jaxllm.models.checkpoint import ModelNotFoundError
 from jaxllm.models.gguf_checkpoint import load_gguf, read_gguf
 from jaxllm.models.hf_checkpoint import load_hf_dir, safetensors_files
+from jaxllm import parallel
+from jaxllm.models import llama
 from jaxllm.models.llama import ModelSpec
 from jaxllm.utils import check_dtype, default_cache_root
 
@@ -140,10 +142,14 @@ def _hub_snapshot(repo_id: str) -> str:
 
 def load_model(
     model: str | None = None, *, dtype: str = "float32", cache_dir: str | None = None,
-    use_cache: bool = True, progress: bool = True,
+    use_cache: bool = True, progress: bool = True, tensor_parallel_size: int = 1, mesh=None,
 ) -> LoadedModel:
     """Load a Llama-family model's spec, params (matrices in `dtype`, norms and biases f32)
-    and tokenizer. See the module docstring for what `model` may be."""
+    and tokenizer. See the module docstring for what `model` may be.
+
+    With `tensor_parallel_size` > 1 the params come regrouped for that many shards
+    (`llama.tp_layout`; the params cache keeps them so). With `mesh` they are placed on it by
+    the partition rules: restored from the cache, each device reads only its own shard."""
     dtype = str(jnp.dtype(dtype)) if not isinstance(dtype, str) else dtype
     check_dtype(dtype)
     kind, path, name = _resolve(model)
@@ -151,17 +157,20 @@ def load_model(
     entry = None
     if use_cache:
         root = cache_dir or os.path.join(default_cache_root(), "params")
-        entry = os.path.join(root, _cache_key(kind, path, name, dtype))
-        cached = _restore_cached(entry, path, name)
+        entry = os.path.join(root, _cache_key(kind, path, name, dtype, tensor_parallel_size))
+        cached = _restore_cached(entry, path, name, mesh)
         if cached is not None:
             logger.info("loaded %s from the params cache %s", name, entry)
             return cached
 
     load = load_gguf if kind == "gguf" else load_hf_dir
     spec, params, tokenizer = load(path, dtype, progress)
+    params = llama.tp_layout(params, spec, tensor_parallel_size)
     loaded = LoadedModel(spec=spec, params=params, tokenizer=tokenizer, source=path, name=name)
     if entry is not None:
         _save_cached(entry, loaded)
+    if mesh is not None:
+        loaded.params = parallel.shard_params(params, mesh)
     return loaded
 
 
@@ -179,8 +188,9 @@ def save_params(params, path: str) -> None:
     ocp.PyTreeCheckpointer(use_compression=False).save(os.path.abspath(path), params, force=True)
 
 
-def restore_params(path: str):
-    """Restore a params pytree saved by `save_params`, onto the default device."""
+def restore_params(path: str, mesh=None):
+    """Restore a params pytree saved by `save_params`, onto the default device, or onto `mesh`
+    by the partition rules (each device reading only its shard)."""
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(path)
@@ -188,17 +198,22 @@ def restore_params(path: str):
     tree = checkpointer.metadata(path).item_metadata.tree
     # Explicit placement: the sharding saved in the checkpoint names the device it was saved from.
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=device), tree,
-                                is_leaf=lambda x: hasattr(x, "shape"))
+
+    def sharding(key_path):
+        return device if mesh is None else jax.sharding.NamedSharding(mesh, parallel.spec_for(key_path))
+
+    restore_args = jax.tree_util.tree_map_with_path(lambda p, _: ocp.ArrayRestoreArgs(sharding=sharding(p)), tree,
+                                                    is_leaf=lambda x: hasattr(x, "shape"))
     return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
 
 
-def _cache_key(kind: str, path: str, name: str, dtype: str) -> str:
+def _cache_key(kind: str, path: str, name: str, dtype: str, tensor_parallel_size: int = 1) -> str:
     if kind == "gguf":
         files = [path]
     else:
         files = [os.path.join(path, "config.json"), *safetensors_files(path)]
-    h = hashlib.sha256(f"v{CACHE_FORMAT_VERSION}|{dtype}".encode())
+    layout = f"|tp{tensor_parallel_size}" if tensor_parallel_size > 1 else ""   # tp 1 keeps its old keys
+    h = hashlib.sha256(f"v{CACHE_FORMAT_VERSION}|{dtype}{layout}".encode())
     for file in files:
         st = os.stat(file)
         h.update(f"|{os.path.realpath(file)}|{st.st_size}|{st.st_mtime_ns}".encode())
@@ -217,7 +232,7 @@ def _spec_from_json(d: dict) -> ModelSpec:
     return ModelSpec(**d)
 
 
-def _restore_cached(entry: str, path: str, name: str) -> LoadedModel | None:
+def _restore_cached(entry: str, path: str, name: str, mesh=None) -> LoadedModel | None:
     meta_file = os.path.join(entry, "meta.json")
     if not os.path.isfile(meta_file):
         return None
@@ -225,7 +240,7 @@ def _restore_cached(entry: str, path: str, name: str) -> LoadedModel | None:
         with open(meta_file) as f:
             meta = json.load(f)
         spec = _spec_from_json(meta["spec"])
-        params = restore_params(os.path.join(entry, "params"))
+        params = restore_params(os.path.join(entry, "params"), mesh)
         tokenizer = None
         if meta["has_tokenizer"]:  # not AutoTokenizer: it imports torch (~2 s)
             from transformers import PreTrainedTokenizerFast

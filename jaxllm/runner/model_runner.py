@@ -56,23 +56,23 @@ def _step(params, kv_cache, ints, floats, penalty_tokens, *, layout: PackedLayou
 
 
 class ModelRunner:
-    """`mesh`: a ("data", "model") Mesh for tensor parallelism (default: built from
-    `jax.devices()` when `config.tensor_parallel_size` > 1; see jaxllm/parallel.py)."""
+    """`mesh`: a (1, tp) ("data", "model") Mesh for tensor parallelism, with `params` already
+    regrouped by `llama.tp_layout` for it (as `load_model(..., tensor_parallel_size=tp)` gives
+    them); see jaxllm/parallel.py."""
 
     def __init__(self, config: EngineConfig, spec: llama.ModelSpec, params,
                  attention: AttentionBackend | None = None, mesh=None):
         self.config = config
         self.spec = spec
         self.attention = attention or get_attention_backend(config.attention_backend)
-        tp = config.tensor_parallel_size
-        self.mesh = mesh if mesh is not None or tp == 1 else parallel.make_mesh(tp)
-        self.num_kv_heads = llama.kv_heads_for(spec, tp)
+        self.mesh = mesh
+        self.num_kv_heads = llama.kv_heads_for(spec, parallel.tp_size(mesh))
         # Commit params and the cache to the device(s): warm-up and serving then pass arrays with
         # the same sharding, so the programs compiled at warm-up are the ones served from.
-        if self.mesh is None:
+        if mesh is None:
             self.params = jax.device_put(params, jax.devices()[0])
         else:
-            self.params = parallel.shard_params(llama.tp_layout(params, spec, tp), self.mesh)
+            self.params = parallel.shard_params(params, mesh)
         sched = config.scheduler
         self.block_size = config.cache.block_size
         self.max_blocks = config.max_blocks_per_seq
