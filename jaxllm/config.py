@@ -65,6 +65,13 @@ class EngineArgs:
     data_parallel_size: int = option(
         1, "engine replicas, each with its own scheduler and KV pool on its own devices; requests go to the "
            "least loaded", metavar="N")
+    distributed_coordinator: str | None = option(
+        None, "HOST:PORT of process 0, to run over several processes (hosts) with jax.distributed; process 0 "
+              "schedules and serves, the others follow its steps (default: one process, or JAX's environment "
+              "variables)", metavar="HOST:PORT")
+    num_processes: int = option(1, "processes taking part (with --distributed-coordinator)", metavar="N")
+    process_id: int = option(0, "this process's rank, 0 for the leader (with --distributed-coordinator)",
+                             metavar="RANK")
     mesh: object = option(None, "a jax.sharding.Mesh with axes ('data', 'model') to run on, for JAX users who "
                                 "have one (default: built from jax.devices())", cli=False)
     max_logprobs: int = option(20, "most log-probabilities a request may ask for per token (at most 20)",
@@ -89,6 +96,10 @@ class EngineArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.num_processes, int) or self.num_processes < 1 or not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"process_id must be in [0, num_processes), got {self.process_id} of {self.num_processes}")
+        if self.num_processes > 1 and self.preemption_mode == "swap":
+            raise ValueError("preemption_mode='swap' is not supported over several processes; use 'recompute'")
         if self.mesh is not None:
             shape = dict(self.mesh.shape)
             if (shape.get("data"), shape.get("model")) != (self.data_parallel_size, self.tensor_parallel_size):

@@ -109,3 +109,44 @@ def sharded_forward(params, kv_cache, inputs, spec: llama.ModelSpec, *, attentio
     # of shard_map cannot see through all_gather.
     return jax.shard_map(shard, mesh=mesh, in_specs=(param_specs(params), P(MODEL_AXIS), P()),
                          out_specs=(P(), P(MODEL_AXIS)), check_vma=False)(params, kv_cache, inputs)
+
+
+# ----------------------------------------------------------------------------- several processes
+
+
+def initialize_distributed(coordinator: str | None, num_processes: int, process_id: int) -> None:
+    """Join a jax.distributed run (once per process, before JAX computes anything); no-op for one
+    process. On CPU the cross-process collectives use gloo."""
+    if coordinator is None and num_processes == 1:
+        return
+    if jax.distributed.is_initialized():
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+
+
+class StepChannel:
+    """Process 0 (the leader: scheduler, server) tells the other processes what each engine step
+    runs, so that every process issues the same programs, with the same inputs, in the same
+    order. A message is a fixed int32 header, then the arrays it announces, all broadcast with
+    `multihost_utils.broadcast_one_to_all`."""
+
+    STOP, STEP = 0, 1
+    HEADER = 4    # op, bucket index (-1: no model step), page copies, has penalty tokens
+
+    def __init__(self):
+        from jax.experimental import multihost_utils
+
+        self._broadcast = multihost_utils.broadcast_one_to_all
+        self.is_leader = jax.process_index() == 0
+
+    def send_header(self, op: int, bucket: int = -1, num_copies: int = 0, penalties: bool = False) -> None:
+        self._broadcast(np.asarray([op, bucket, num_copies, int(penalties)], np.int32))
+
+    def receive_header(self) -> tuple[int, int, int, bool]:
+        op, bucket, copies, penalties = (int(x) for x in self._broadcast(np.zeros(self.HEADER, np.int32)))
+        return op, bucket, copies, bool(penalties)
+
+    def arrays(self, *arrays: np.ndarray) -> list[np.ndarray]:
+        """Send (leader) or receive into arrays of these shapes and dtypes (followers)."""
+        return [np.asarray(x) for x in self._broadcast(tuple(np.asarray(a) for a in arrays))]

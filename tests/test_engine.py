@@ -83,9 +83,9 @@ def test_a_failing_step_fails_only_its_requests(llm, monkeypatch, caplog, lose_c
     engine = llm.engine
     reference = token_ids(llm.generate(PROMPTS, greedy(10), use_tqdm=False))
     runner = engine.runner
-    real_run = runner._run
+    real_call = runner._call
 
-    def failing_run(buffers):
+    def failing_call(*args):
         if lose_cache:
             for x in jax.tree_util.tree_leaves(runner.kv_cache):
                 x.delete()
@@ -94,10 +94,10 @@ def test_a_failing_step_fails_only_its_requests(llm, monkeypatch, caplog, lose_c
     engine.add_request("doomed-0", PROMPTS[0], greedy(10))
     engine.add_request("doomed-1", PROMPTS[1], greedy(10))
     engine.step()                                  # both running
-    monkeypatch.setattr(runner, "_run", failing_run)
+    monkeypatch.setattr(runner, "_call", failing_call)
     with caplog.at_level("ERROR", logger="jaxllm"):
         outputs = engine.step()
-    monkeypatch.setattr(runner, "_run", real_run)
+    monkeypatch.setattr(runner, "_call", real_call)
     assert "injected step failure" in caplog.text
     assert {o.request_id: o.outputs[0].finish_reason for o in outputs} == {"doomed-0": "error", "doomed-1": "error"}
     assert not engine.has_unfinished_requests() and engine.kv_cache_manager.num_used_blocks == 0
@@ -111,7 +111,7 @@ def test_a_failing_step_recomputes_the_requests_it_did_not_hold(llm, monkeypatch
     engine = llm.engine
     reference = token_ids(llm.generate(PROMPTS[:2], greedy(10), use_tqdm=False))
     runner = engine.runner
-    real_run = runner._run
+    real_call = runner._call
     engine.add_request("survivor", PROMPTS[0], greedy(10))
     for _ in range(3):
         engine.step()
@@ -124,13 +124,13 @@ def test_a_failing_step_recomputes_the_requests_it_did_not_hold(llm, monkeypatch
         out.scheduled = [(r, n) for r, n in out.scheduled if r is not survivor]
         return out
 
-    def failing_run(buffers):
+    def failing_call(*args):
         for x in jax.tree_util.tree_leaves(runner.kv_cache):
             x.delete()
         raise RuntimeError("injected step failure")
 
     monkeypatch.setattr(engine.scheduler, "schedule", schedule_without_survivor)
-    monkeypatch.setattr(runner, "_run", failing_run)
+    monkeypatch.setattr(runner, "_call", failing_call)
     outputs = engine.step()
     monkeypatch.undo()
     assert [(o.request_id, o.outputs[0].finish_reason) for o in outputs] == [("doomed", "error")]

@@ -78,3 +78,27 @@ def test_serve_tensor_and_data_parallel_answers_the_openai_client(tiny_model_dir
         server.assert_healthy()
     finally:
         assert server.stop() == 0
+
+
+def test_two_processes_generate_what_one_does(tiny_model_dir, tmp_path):
+    """Multi-host on one machine: two processes on 127.0.0.1 (jax.distributed, gloo), one CPU
+    device each, the model split over both; process 0 schedules, process 1 follows its steps."""
+    import random
+
+    from jaxllm import SamplingParams
+    from multihost_worker import PROMPTS
+    from tiny_model import offline_llm
+
+    out, port = tmp_path / "out.json", random.Random().randrange(20000, 40000)
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": HERE}
+    worker = [sys.executable, os.path.join(HERE, "multihost_worker.py"), tiny_model_dir, str(out), str(port)]
+    follower = subprocess.Popen([*worker, "1"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        leader = subprocess.run([*worker, "0"], env=env, capture_output=True, text=True, timeout=600)
+        assert leader.returncode == 0, leader.stderr[-4000:]
+        assert follower.wait(timeout=120) == 0, follower.stderr.read()[-4000:]   # released by the leader
+    finally:
+        follower.kill()
+    expected = offline_llm(tiny_model_dir).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24,
+                                                                            ignore_eos=True), use_tqdm=False)
+    assert json.loads(out.read_text()) == [o.outputs[0].token_ids for o in expected]

@@ -183,6 +183,8 @@ class AsyncLLM:
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self.engine.shutdown()     # over several processes: release the followers
 
 
 def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> None:

@@ -12,6 +12,8 @@ import logging
 import random
 import time
 
+import jax
+
 from jaxllm.chat_template import MAX_OUTPUT_CHARS, render_chat_template
 from jaxllm.config import EngineArgs, EngineConfig, resolve_config
 from jaxllm.core.request import Request, RequestStatus
@@ -31,9 +33,14 @@ class LLMEngine:
 
         args = engine_args or EngineArgs(**kwargs)
         args.verify()
+        parallel.initialize_distributed(args.distributed_coordinator, args.num_processes, args.process_id)
+        many_processes = jax.process_count() > 1
+        if many_processes and args.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 is not supported over several processes yet")
         mesh = parallel.engine_mesh(args.mesh, args.tensor_parallel_size, args.data_parallel_size)
+        # Over several processes each reads the checkpoint itself (no shared params cache to race on).
         loaded = load_model(args.model, dtype=args.dtype, cache_dir=args.params_cache_dir, progress=progress,
-                            tensor_parallel_size=args.tensor_parallel_size, mesh=mesh)
+                            tensor_parallel_size=args.tensor_parallel_size, mesh=mesh, use_cache=not many_processes)
         self.config: EngineConfig = resolve_config(args, loaded.spec, loaded.name,
                                                    available_memory=_available_memory(args))
         compile_mod.enable_persistent_cache(self.config.compilation_cache_dir)
@@ -192,6 +199,20 @@ class LLMEngine:
             self.stats.record_finished(next(iter(state.seqs.values())).finish_reason)
         self.stats.time_update += time.perf_counter() - t0
         return processed.request_outputs
+
+    # ----- several processes -----
+    @property
+    def is_leader(self) -> bool:
+        """Process 0 (or the only one): it schedules; the others `follow()`."""
+        return self.runner.channel is None or self.runner.channel.is_leader
+
+    def follow(self) -> None:
+        """On a process other than 0: run the steps process 0's engine announces, until it shuts down."""
+        self.runner.follow()
+
+    def shutdown(self) -> None:
+        """On process 0 over several processes: release the followers (their `follow()` returns)."""
+        self.runner.stop_followers()
 
     # ----- introspection -----
     @property

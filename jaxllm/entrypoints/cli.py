@@ -203,6 +203,14 @@ def main(argv: list[str] | None = None) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from jaxllm.entrypoints.openai.api_server import run_server
 
+    if args.process_id != 0:     # a follower: run process 0's steps on this process's devices
+        from jaxllm.engine.llm_engine import LLMEngine
+
+        print(f"jaxllm: process {args.process_id} of {args.num_processes} follows process 0", file=sys.stderr,
+              flush=True)
+        LLMEngine(engine_args(args)).follow()
+        return 0
+
     print(f"jaxllm: loading {args.model or 'the default model'} and compiling (the first start takes a while)...",
           file=sys.stderr, flush=True)
     server_args = from_flags(ServerArgs, args)

@@ -67,6 +67,11 @@ class ModelRunner:
         self.attention = attention or get_attention_backend(config.attention_backend)
         self.mesh = mesh
         self.num_kv_heads = llama.kv_heads_for(spec, parallel.tp_size(mesh))
+        # Where the step's inputs go: the device, or every device of the mesh (replicated).
+        self._inputs_sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
+                                 else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        # Over several processes, process 0 announces each step to the others (`follow`).
+        self.channel = parallel.StepChannel() if jax.process_count() > 1 else None
         # Commit params and the cache to the device(s): warm-up and serving then pass arrays with
         # the same sharding, so the programs compiled at warm-up are the ones served from.
         if mesh is None:
@@ -97,9 +102,10 @@ class ModelRunner:
         if bucket not in self._buffers:
             S = bucket.num_seqs
             self._buffers[bucket] = _BucketBuffers(
-                StepInputs.zeros(bucket.num_tokens, S, self.max_blocks, self.spec.head_dim), SamplingMetadata.zeros(S))
+                bucket, StepInputs.zeros(bucket.num_tokens, S, self.max_blocks, self.spec.head_dim), SamplingMetadata.zeros(S))
             # Requests without penalties share one device array of -1s (no [S, L] transfer).
-            self._no_penalty_tokens[S] = jnp.full((S, self.config.scheduler.max_model_len), -1, jnp.int32)
+            self._no_penalty_tokens[S] = jax.device_put(
+                np.full((S, self.config.scheduler.max_model_len), -1, np.int32), self._inputs_sharding)
         return self._buffers[bucket]
 
     def prepare(self, scheduled) -> tuple[np.ndarray, np.ndarray, _BucketBuffers]:
@@ -156,16 +162,19 @@ class ModelRunner:
         # Before anything writes: pages freed by a swap-out may be reused in this very step.
         self.swap_out(scheduler_output.swap_out)
         self.swap_in(scheduler_output.swap_in)
-        self.copy_pages(*scheduler_output.block_copies)
         n = len(scheduler_output.scheduled)
+        t0 = time.perf_counter()
+        order, has_token, buffers = self.prepare(scheduler_output.scheduled) if n else (None, None, None)
+        packed = self._pack(buffers) if n else None
+        if self.channel is not None:
+            self._announce(buffers, packed, scheduler_output.block_copies)
+        self.copy_pages(*scheduler_output.block_copies)
         if n == 0:
             empty = np.zeros((0, MAX_LOGPROBS))
             return ModelRunnerOutput(np.zeros(0, np.int32), np.zeros(0, np.float32), empty, empty)
-        t0 = time.perf_counter()
-        order, has_token, buffers = self.prepare(scheduler_output.scheduled)
         t1 = time.perf_counter()
-        tokens, logprob, top_lp, top_ids, self.kv_cache = self._run(buffers)
-        tokens, logprob, top_lp, top_ids = jax.device_get((tokens, logprob, top_lp, top_ids))
+        tokens, logprob, top_lp, top_ids, self.kv_cache = self._call(buffers.layout, *packed)
+        tokens, logprob, top_lp, top_ids = (_fetch(x) for x in (tokens, logprob, top_lp, top_ids))
         t2 = time.perf_counter()
         inverse = np.empty(n, np.int64)
         inverse[order] = np.arange(n)
@@ -174,8 +183,8 @@ class ModelRunner:
                                  {"prepare": t1 - t0, "device": t2 - t1,
                                   "bucket_tokens": buffers.inputs.token_ids.shape[0]})
 
-    def _run(self, buffers: _BucketBuffers):
-        """Pack the bucket's inputs, send them, run the jitted step."""
+    def _pack(self, buffers: _BucketBuffers):
+        """The bucket's inputs packed: (ints, floats, penalty tokens)."""
         penalty_tokens = buffers.sampling.penalty_tokens
         buffers.sampling.penalty_tokens = None          # travels apart, not packed
         tree = (buffers.inputs, buffers.sampling)
@@ -185,8 +194,55 @@ class ModelRunner:
             buffers.floats = np.zeros(buffers.layout.num_floats, np.float32)
         buffers.layout.pack(tree, buffers.ints, buffers.floats)
         buffers.sampling.penalty_tokens = penalty_tokens
-        ints, floats, penalty_tokens = jax.device_put((buffers.ints, buffers.floats, penalty_tokens))
-        return self._step(self.params, self.kv_cache, ints, floats, penalty_tokens, layout=buffers.layout)
+        return buffers.ints, buffers.floats, penalty_tokens
+
+    def _call(self, layout: PackedLayout, ints, floats, penalty_tokens):
+        """Send the packed inputs, run the jitted step."""
+        ints, floats, penalty_tokens = jax.device_put((ints, floats, penalty_tokens), self._inputs_sharding)
+        return self._step(self.params, self.kv_cache, ints, floats, penalty_tokens, layout=layout)
+
+    # ----- several processes: the leader announces, the others follow -----
+    def _announce(self, buffers: _BucketBuffers | None, packed, copies) -> None:
+        src, dst = copies
+        penalties = packed is not None and isinstance(packed[2], np.ndarray)
+        bucket = self.buckets.index(buffers.bucket) if buffers is not None else -1
+        self.channel.send_header(parallel.StepChannel.STEP, bucket, len(src), penalties)
+        if len(src):
+            self.channel.arrays(np.asarray(src, np.int32), np.asarray(dst, np.int32))
+        if packed is not None:
+            self.channel.arrays(*packed[:2], *packed[2:] if penalties else ())
+
+    def follow(self) -> None:
+        """On a process other than 0: run the steps process 0 announces until it stops."""
+        while True:
+            op, bucket, num_copies, penalties = self.channel.receive_header()
+            if op == parallel.StepChannel.STOP:
+                return
+            if num_copies:
+                src, dst = self.channel.arrays(np.zeros(num_copies, np.int32), np.zeros(num_copies, np.int32))
+                self.copy_pages(list(src), list(dst))
+            if bucket >= 0:
+                buffers = self._ready_buffers(self.buckets[bucket])
+                ints, floats = self.channel.arrays(buffers.ints, buffers.floats)
+                S = self.buckets[bucket].num_seqs
+                penalty_tokens = (self.channel.arrays(np.zeros((S, self.config.scheduler.max_model_len), np.int32))[0]
+                                  if penalties else self._no_penalty_tokens[S])
+                self.kv_cache = self._call(buffers.layout, ints, floats, penalty_tokens)[-1]
+
+    def stop_followers(self) -> None:
+        """On process 0: let the other processes' `follow` return."""
+        if self.channel is not None and self.channel.is_leader:
+            self.channel.send_header(parallel.StepChannel.STOP)
+            self.channel = None
+
+    def _ready_buffers(self, bucket: Bucket) -> _BucketBuffers:
+        """The bucket's buffers with their packed layout known (as after warm-up)."""
+        buffers = self._bucket_buffers(bucket)
+        if buffers.layout is None:
+            buffers.inputs.attn_metadata = self.attention.dummy_metadata(bucket, self.max_blocks)
+            self.input_batch.fill_sampling(buffers.sampling, np.zeros(0, np.int64), self._no_penalty_tokens[bucket.num_seqs])
+            self._pack(buffers)
+        return buffers
 
     def warmup(self, progress: bool = True) -> float:
         """Compile every bucket (all-padding batches write nowhere). Returns seconds taken."""
@@ -194,11 +250,8 @@ class ModelRunner:
 
         start = time.perf_counter()
         for bucket in tqdm(self.buckets, desc="compiling buckets", disable=not progress, unit="bucket"):
-            buffers = self._bucket_buffers(bucket)
-            buffers.inputs.attn_metadata = self.attention.dummy_metadata(bucket, self.max_blocks)
-            self.input_batch.fill_sampling(buffers.sampling, np.zeros(0, np.int64),
-                                           self._no_penalty_tokens[bucket.num_seqs])
-            out = self._run(buffers)
+            buffers = self._ready_buffers(bucket)
+            out = self._call(buffers.layout, buffers.ints, buffers.floats, self._no_penalty_tokens[bucket.num_seqs])
             self.kv_cache = out[-1]
             jax.block_until_ready(out[0])
         return time.perf_counter() - start
@@ -212,11 +265,13 @@ class ModelRunner:
         return True
 
     def _allocate_kv_cache(self):
+        """Zeroed pages made where they live (each device only its own heads)."""
         spec = self.spec
-        where = jax.devices()[0] if self.mesh is None else parallel.kv_sharding(self.mesh)
-        return jax.device_put(kernels.allocate_kv_cache(
-            spec.num_layers, self.num_kv_heads, self.config.cache.num_blocks, self.block_size, spec.head_dim,
-            jnp_dtype(self.config.dtype)), where)
+        where = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if self.mesh is None
+                 else parallel.kv_sharding(self.mesh))
+        make = functools.partial(kernels.allocate_kv_cache, spec.num_layers, self.num_kv_heads,
+                                 self.config.cache.num_blocks, self.block_size, spec.head_dim, jnp_dtype(self.config.dtype))
+        return jax.jit(make, out_shardings=where)()
 
     # ----- moving pages -----
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
@@ -242,11 +297,17 @@ class ModelRunner:
 class _BucketBuffers:
     """One bucket's persistent host buffers: the inputs, and the packed copy that is sent."""
 
+    bucket: Bucket
     inputs: StepInputs
     sampling: SamplingMetadata
     layout: PackedLayout | None = None
     ints: np.ndarray | None = None
     floats: np.ndarray | None = None
+
+
+def _fetch(x) -> np.ndarray:
+    """A step output on the host; over several processes the (replicated) local copy."""
+    return np.asarray(x.addressable_data(0)) if not x.is_fully_addressable else np.asarray(jax.device_get(x))
 
 
 def _fill(buf: np.ndarray, values, pad) -> None:

@@ -1,0 +1,40 @@
+"""One process of a two-process jaxllm run on 127.0.0.1 (jax.distributed, gloo collectives), for
+tests/test_sharding.py:
+
+    python tests/multihost_worker.py MODEL_DIR OUT.json PORT PROCESS_ID
+
+Each process has one CPU device; the model is split over both (tensor_parallel_size=2). Process
+0 generates the test batch and writes the token ids to OUT.json, then releases process 1, which
+follows its steps until then.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tiny_model import TINY_ENGINE_ARGS
+
+PROMPTS = [f"Request {i}: the quick brown fox jumps over the lazy dog " * (1 + i % 6) for i in range(24)]
+
+
+def main() -> int:
+    from jaxllm import LLM, SamplingParams
+
+    model_dir, out_path, port, process_id = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    llm = LLM(model_dir, tensor_parallel_size=2, distributed_coordinator=f"127.0.0.1:{port}", num_processes=2,
+              process_id=process_id, **TINY_ENGINE_ARGS)
+    if not llm.engine.is_leader:
+        llm.engine.follow()
+        return 0
+    try:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    with open(out_path, "w") as f:
+        json.dump([o.outputs[0].token_ids for o in outputs], f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
