@@ -100,7 +100,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(RESULTS, "sharding.json"))
     args = ap.parse_args()
     # Before JAX starts (nothing above imports it).
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+    flag = f" --xla_force_host_platform_device_count={args.devices}"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + flag
     work = tempfile.mkdtemp(prefix="jaxllm-sharding-")
     model_dir = build_model(os.path.join(work, "model"), args)
     rows = []

@@ -16,8 +16,8 @@ import numpy as np
 
 from jaxllm.jinja_sandbox import ChatTemplateError, compile_template, render
 
-__all__ = ["ALLOWED_TEMPLATE_KWARGS", "DEFAULT_TIMEOUT_S", "MAX_OUTPUT_CHARS", "ChatTemplateError", "check_template_kwargs",
-           "render_chat_template"]
+__all__ = ["ALLOWED_TEMPLATE_KWARGS", "DEFAULT_TIMEOUT_S", "MAX_OUTPUT_CHARS", "ChatTemplateError",
+           "check_template_kwargs", "render_chat_template"]
 
 # Template variables a client may set: data the template reads, never code. `tools` is absent
 # until the server supports tool calls.

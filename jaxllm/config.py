@@ -96,7 +96,7 @@ class EngineArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.num_processes, int) or self.num_processes < 1 or not 0 <= self.process_id < self.num_processes:
+        if not isinstance(self.num_processes, int) or not 0 <= self.process_id < self.num_processes:
             raise ValueError(f"process_id must be in [0, num_processes), got {self.process_id} of {self.num_processes}")
         if self.num_processes > 1 and self.preemption_mode == "swap":
             raise ValueError("preemption_mode='swap' is not supported over several processes; use 'recompute'")

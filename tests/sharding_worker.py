@@ -4,9 +4,9 @@ before JAX starts, and the other tests keep one device):
     python tests/sharding_worker.py MODEL_DIR OUT.json TPxDP [TPxDP ...]
 
 Generates the same batch (greedy, float32, with logprobs) on one device and with each layout
-(tensor x data parallel sizes, e.g. 2x1, 1x2, 2x2; mesh:2x2 on a caller's Mesh), with a KV pool small enough to preempt and
-prompts long enough to be chunked, and writes the token ids, logprobs, per-device parameter
-and KV bytes and each replica's share of the prompts to OUT.json.
+(tensor x data parallel sizes, e.g. 2x1, 1x2, 2x2; mesh:2x2 on a caller's Mesh), with a KV
+pool small enough to preempt and prompts long enough to be chunked, and writes the token ids,
+logprobs, per-device parameter and KV bytes and each replica's share of the prompts to OUT.json.
 """
 
 from __future__ import annotations

@@ -54,7 +54,8 @@ def load_hf_dir(path: str, dtype: str, progress: bool):
         if file is None:
             raise ValueError(f"{path}: checkpoint has no tensor {key(name)!r}")
         try:
-            with jax.default_device(jax.local_devices(backend="cpu")[0]):  # read to the host; fused arrays go to the device
+            # Read to the host (this process's CPU); fused arrays go to the device.
+            with jax.default_device(jax.local_devices(backend="cpu")[0]):
                 arr = handles[file].get_tensor(key(name))
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"{file}: cannot read tensor {key(name)!r} (truncated or corrupt): {e}") from e

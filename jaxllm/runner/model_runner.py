@@ -102,7 +102,8 @@ class ModelRunner:
         if bucket not in self._buffers:
             S = bucket.num_seqs
             self._buffers[bucket] = _BucketBuffers(
-                bucket, StepInputs.zeros(bucket.num_tokens, S, self.max_blocks, self.spec.head_dim), SamplingMetadata.zeros(S))
+                bucket, StepInputs.zeros(bucket.num_tokens, S, self.max_blocks, self.spec.head_dim),
+                SamplingMetadata.zeros(S))
             # Requests without penalties share one device array of -1s (no [S, L] transfer).
             self._no_penalty_tokens[S] = jax.device_put(
                 np.full((S, self.config.scheduler.max_model_len), -1, np.int32), self._inputs_sharding)
@@ -174,6 +175,8 @@ class ModelRunner:
             return ModelRunnerOutput(np.zeros(0, np.int32), np.zeros(0, np.float32), empty, empty)
         t1 = time.perf_counter()
         tokens, logprob, top_lp, top_ids, self.kv_cache = self._call(buffers.layout, *packed)
+        # Waiting for every step's tokens keeps one sharded step in flight: with ~32 queued,
+        # XLA:CPU's virtual devices deadlock in their collectives (README, Sharding).
         tokens, logprob, top_lp, top_ids = (_fetch(x) for x in (tokens, logprob, top_lp, top_ids))
         t2 = time.perf_counter()
         inverse = np.empty(n, np.int64)
@@ -240,7 +243,8 @@ class ModelRunner:
         buffers = self._bucket_buffers(bucket)
         if buffers.layout is None:
             buffers.inputs.attn_metadata = self.attention.dummy_metadata(bucket, self.max_blocks)
-            self.input_batch.fill_sampling(buffers.sampling, np.zeros(0, np.int64), self._no_penalty_tokens[bucket.num_seqs])
+            self.input_batch.fill_sampling(buffers.sampling, np.zeros(0, np.int64),
+                                           self._no_penalty_tokens[bucket.num_seqs])
             self._pack(buffers)
         return buffers
 
@@ -270,7 +274,8 @@ class ModelRunner:
         where = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if self.mesh is None
                  else parallel.kv_sharding(self.mesh))
         make = functools.partial(kernels.allocate_kv_cache, spec.num_layers, self.num_kv_heads,
-                                 self.config.cache.num_blocks, self.block_size, spec.head_dim, jnp_dtype(self.config.dtype))
+                                 self.config.cache.num_blocks, self.block_size, spec.head_dim,
+                                 jnp_dtype(self.config.dtype))
         return jax.jit(make, out_shardings=where)()
 
     # ----- moving pages -----
