@@ -14,10 +14,10 @@ import time
 
 import jax
 
+from jaxllm import parallel
 from jaxllm.chat_template import MAX_OUTPUT_CHARS, render_chat_template
 from jaxllm.config import EngineArgs, EngineConfig, resolve_config
 from jaxllm.core.request import Request, RequestStatus
-from jaxllm import parallel
 from jaxllm.engine.core import DataParallelEngineCore, EngineCore, EngineStats
 from jaxllm.engine.output_processor import OUTPUT_KINDS, OutputProcessor
 from jaxllm.outputs import RequestOutput
