@@ -1,13 +1,14 @@
-"""Tensor and data parallelism on virtual CPU devices: per-device memory and step time.
+"""Tensor, pipeline and data parallelism on virtual CPU devices: per-device memory, step time.
 
-    python benchmarks/sharding.py                        # layouts 1x1 2x1 4x1 1x2 2x2 on 4 devices
+    python benchmarks/sharding.py              # layouts 1x1 2x1 4x1 1x2 2x2 1x1x2 1x1x4 2x1x2 on 4 devices
     python benchmarks/sharding.py --layouts 1x1,2x1 --requests 16
 
 The model is a random Llama built with transformers (default: hidden 512, 8 heads, 4 KV heads of
 64, MLP 1536, 8 layers, SmolLM2's vocabulary): shapes that divide by 2 and 4, unlike the default
-model's 9 heads. For each layout (TPxDP) it reports the bytes of parameters and KV pages
-each device holds, and, on one fixed greedy workload, the wall time, output tok/s and mean
-device time per step. Every layout's token ids are checked against 1x1.
+model's 9 heads. For each layout (TPxDP[xPP]) it reports the bytes of parameters and KV pages
+each device holds, and, on one fixed greedy workload, the wall time, output tok/s, mean device
+time per step and the pipeline's idle fraction (stage-ticks that ran no micro-batch, of all).
+Every layout's token ids are checked against 1x1.
 
 Virtual devices are slices of the same 2 cores: sharding cannot make this faster here; the
 figures show the cost of the collectives and of running the shards one after another. JSON to
@@ -66,9 +67,10 @@ def run_layout(model_dir: str, layout: str, args, cache_dir: str) -> dict:
 
     from jaxllm import LLM, SamplingParams
 
-    tp, dp = map(int, layout.split("x"))
+    tp, dp, pp = (list(map(int, layout.split("x"))) + [1])[:3]
     start = time.perf_counter()
-    llm = LLM(model_dir, dtype="float32", tensor_parallel_size=tp, data_parallel_size=dp, max_num_seqs=32,
+    llm = LLM(model_dir, dtype="float32", tensor_parallel_size=tp, data_parallel_size=dp,
+              pipeline_parallel_size=pp, max_num_seqs=32,
               max_num_batched_tokens=256, max_model_len=1024, kv_cache_memory=64 << 20, params_cache_dir=cache_dir)
     startup = time.perf_counter() - start
     rng = np.random.default_rng(0)
@@ -81,7 +83,10 @@ def run_layout(model_dir: str, layout: str, args, cache_dir: str) -> dict:
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
     steps = engine.stats.num_steps - steps0
-    return {"layout": layout, "tp": tp, "dp": dp, "startup_s": startup, "wall_s": wall,
+    runners = [r.runner for r in engine.replicas]
+    ticks = sum(r.stage_ticks for r in runners)
+    return {"layout": layout, "tp": tp, "dp": dp, "pp": pp, "startup_s": startup, "wall_s": wall,
+            "pipeline_idle": 1 - sum(r.busy_stage_ticks for r in runners) / ticks if ticks else 0.0,
             "output_tok_s": args.requests * args.max_tokens / wall,
             "device_ms_per_step": 1000 * (engine.stats.time_device - device0) / max(steps, 1), "steps": steps,
             "param_bytes_per_device": device_bytes(engine.runner.params),
@@ -91,7 +96,8 @@ def run_layout(model_dir: str, layout: str, args, cache_dir: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layouts", default="1x1,2x1,4x1,1x2,2x2", help="TPxDP, comma-separated")
+    ap.add_argument("--layouts", default="1x1,2x1,4x1,1x2,2x2,1x1x2,1x1x4,2x1x2",
+                    help="TPxDP[xPP], comma-separated")
     ap.add_argument("--devices", type=int, default=4, help="virtual CPU devices")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
@@ -109,9 +115,10 @@ def main() -> int:
         row = run_layout(model_dir, layout, args, os.path.join(work, "params"))
         row["same_tokens_as_1x1"] = row["token_ids"] == rows[0]["token_ids"] if rows else True
         rows.append(row)
-        print(f"{layout:>4}: params/device {[b >> 20 for b in row['param_bytes_per_device']]} MiB, "
+        print(f"{layout:>6}: params/device {[b >> 20 for b in row['param_bytes_per_device']]} MiB, "
               f"KV/device {[b >> 20 for b in row['kv_bytes_per_device']]} MiB, {row['output_tok_s']:.1f} out tok/s, "
-              f"{row['device_ms_per_step']:.1f} ms/step device, start-up {row['startup_s']:.1f} s, "
+              f"{row['device_ms_per_step']:.1f} ms/step device, pipeline idle {row['pipeline_idle']:.0%}, "
+              f"start-up {row['startup_s']:.1f} s, "
               f"same tokens as 1x1: {row['same_tokens_as_1x1']}", flush=True)
     for row in rows:
         del row["token_ids"]

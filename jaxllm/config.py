@@ -62,6 +62,9 @@ class EngineArgs:
     enable_prefix_caching: bool = option(True, "reuse the KV cache of shared prompt prefixes")
     tensor_parallel_size: int = option(
         1, "devices the model is split over (Megatron tensor parallelism on a jax.sharding.Mesh)", metavar="N")
+    pipeline_parallel_size: int = option(
+        1, "pipeline stages the decoder layers are split into (each stage on its own tensor-parallel devices; "
+           "each step's batch flows through them in micro-batches)", metavar="N")
     data_parallel_size: int = option(
         1, "engine replicas, each with its own scheduler and KV pool on its own devices; requests go to the "
            "least loaded", metavar="N")
@@ -72,8 +75,9 @@ class EngineArgs:
     num_processes: int = option(1, "processes taking part (with --distributed-coordinator)", metavar="N")
     process_id: int = option(0, "this process's rank, 0 for the leader (with --distributed-coordinator)",
                              metavar="RANK")
-    mesh: object = option(None, "a jax.sharding.Mesh with axes ('data', 'model') to run on, for JAX users who "
-                                "have one (default: built from jax.devices())", cli=False)
+    mesh: object = option(None, "a jax.sharding.Mesh with axes 'data', 'model' and (for pipeline stages) 'stage' "
+                                "to run on, for JAX users who have one (default: built from jax.devices())",
+                          cli=False)
     max_logprobs: int = option(20, "most log-probabilities a request may ask for per token (at most 20)",
                                metavar="N")
     seed: int = option(0, "engine random seed (draws the seeds of unseeded requests)")
@@ -92,7 +96,7 @@ class EngineArgs:
     def verify(self) -> None:
         check_dtype(self.dtype)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_num_prefill_seqs",
-                     "tensor_parallel_size", "data_parallel_size"):
+                     "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -102,9 +106,12 @@ class EngineArgs:
             raise ValueError("preemption_mode='swap' is not supported over several processes; use 'recompute'")
         if self.mesh is not None:
             shape = dict(self.mesh.shape)
-            if (shape.get("data"), shape.get("model")) != (self.data_parallel_size, self.tensor_parallel_size):
-                raise ValueError(f"the mesh must have axes 'data' = data_parallel_size ({self.data_parallel_size}) "
-                                 f"and 'model' = tensor_parallel_size ({self.tensor_parallel_size}); got {shape}")
+            want = (self.data_parallel_size, self.pipeline_parallel_size, self.tensor_parallel_size)
+            if (shape.get("data"), shape.get("stage", 1), shape.get("model")) != want:
+                raise ValueError(f"the mesh must have axes 'data' = data_parallel_size ({self.data_parallel_size}), "
+                                 f"'stage' = pipeline_parallel_size ({self.pipeline_parallel_size}; may be left out "
+                                 f"when 1) and 'model' = tensor_parallel_size ({self.tensor_parallel_size}); "
+                                 f"got {shape}")
         if not isinstance(self.max_logprobs, int) or not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs!r}")
         if self.block_size & (self.block_size - 1):
@@ -159,6 +166,7 @@ class EngineConfig:
     cache: CacheConfig
     attention_backend: str | None   # None: the platform's default (jaxllm.attention)
     tensor_parallel_size: int
+    pipeline_parallel_size: int
     compilation_cache_dir: str
     warmup: bool
 
@@ -230,6 +238,7 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
                           enable_prefix_caching=args.enable_prefix_caching, num_swap_blocks=num_swap_blocks),
         attention_backend=args.attention_backend,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         compilation_cache_dir=compilation_cache_dir,
         warmup=args.warmup,
     )

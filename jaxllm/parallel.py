@@ -1,55 +1,66 @@
-"""Tensor and data parallelism on a `jax.sharding.Mesh`: one SPMD program, shardings on the arrays.
+"""Tensor, pipeline and data parallelism on a `jax.sharding.Mesh`: one SPMD program, shardings
+on the arrays.
 
-The mesh has axes ("data", "model"). Each row of it ("data") is a data-parallel replica, an
-`EngineCore` with its own scheduler and KV pool (engine/core.py, `DataParallelEngineCore`).
-Within a row, tensor parallelism splits over "model" (Megatron layout, the rules next to the
-model: `llama.TP_SPLIT_DIMS`, `llama.tp_layout`):
+The mesh has axes ("data", "stage", "model"). Each slice of it along "data" is a data-parallel
+replica, an `EngineCore` with its own scheduler and KV pool (engine/core.py,
+`DataParallelEngineCore`). Within a replica, the decoder layers are split into pipeline stages
+along "stage", and each stage's layers over "model" by tensor parallelism (Megatron layout, the
+rules next to the model: `llama.TP_SPLIT_DIMS`, `llama.shard_layout`). For TP 2 x PP 2:
 
-    device:            0            1          ...   tp-1
-    wqkv, w_gate_up:   columns 0/tp  columns 1/tp     (column-parallel: own heads, own MLP slice)
-    wo, w_down:        rows 0/tp     rows 1/tp        (row-parallel: partial sums, psum'd)
-    embed, lm_head:    vocab 0/tp    vocab 1/tp       (vocab-parallel; logits all-gathered)
+    mesh ("stage", "model"):    model 0              model 1
+      stage 0 (layers 0..L/2)   device 0             device 1
+      stage 1 (layers L/2..L)   device 2             device 3
+
+    per device:
+    wqkv, w_gate_up:   its stage's layers, columns 1/tp  (column-parallel: own heads, own MLP slice)
+    wo, w_down:        its stage's layers, rows 1/tp     (row-parallel: partial sums, psum'd over "model")
+    KV pages:          its stage's layers, KV heads 1/tp (a copy per shard when KV heads < tp)
+    embed, lm_head:    vocab 1/(pp*tp)                   (vocab-parallel over "stage" and "model" together)
     norms:             replicated
-    KV pages:          KV heads 0/tp KV heads 1/tp    (a copy per shard when KV heads < tp)
 
-The model's forward and logits run per shard inside `shard_map` (`sharded_forward`), so the
+The model's forward and logits run per device inside `shard_map` (`sharded_forward`), so the
 attention kernels (the C++ FFI call on CPU, Pallas on GPU) see only their shard's heads; the
-sampler runs on the gathered logits, replicated.
+sampler runs on the gathered logits, replicated. With pipeline stages the step splits its
+batch into micro-batches that flow through the stages (`pipelined_forward`).
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxllm.models import llama
 
-DATA_AXIS, MODEL_AXIS = "data", "model"
+DATA_AXIS, STAGE_AXIS, MODEL_AXIS = "data", "stage", "model"
 
 
-def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1, devices=None) -> Mesh:
-    """A ("data", "model") mesh of shape (data_parallel_size, tensor_parallel_size) over the first devices."""
+def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+              devices=None) -> Mesh:
+    """A ("data", "stage", "model") mesh of shape (dp, pp, tp) over the first devices."""
     devices = list(devices if devices is not None else jax.devices())
-    need = tensor_parallel_size * data_parallel_size
+    need = tensor_parallel_size * data_parallel_size * pipeline_parallel_size
     if len(devices) < need:
         hint = (f" (on CPU, split the host into virtual devices: XLA_FLAGS=--xla_force_host_platform_device_count="
                 f"{need}, set before JAX starts)" if devices[0].platform == "cpu" else "")
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size={data_parallel_size} "
-                         f"needs {need} devices; {len(devices)} {devices[0].platform} device(s) are visible{hint}")
-    grid = np.asarray(devices[:need]).reshape(data_parallel_size, tensor_parallel_size)
-    return Mesh(grid, (DATA_AXIS, MODEL_AXIS))
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} x pipeline_parallel_size="
+                         f"{pipeline_parallel_size} x data_parallel_size={data_parallel_size} needs {need} devices; "
+                         f"{len(devices)} {devices[0].platform} device(s) are visible{hint}")
+    grid = np.asarray(devices[:need]).reshape(data_parallel_size, pipeline_parallel_size, tensor_parallel_size)
+    return Mesh(grid, (DATA_AXIS, STAGE_AXIS, MODEL_AXIS))
 
 
-def engine_mesh(mesh: Mesh | None, tensor_parallel_size: int, data_parallel_size: int) -> Mesh | None:
+def engine_mesh(mesh: Mesh | None, tensor_parallel_size: int, data_parallel_size: int,
+                pipeline_parallel_size: int = 1) -> Mesh | None:
     """The caller's mesh, else one built for these sizes; None for one replica on one device."""
-    if mesh is None and tensor_parallel_size * data_parallel_size > 1:
-        mesh = make_mesh(tensor_parallel_size, data_parallel_size)
+    if mesh is None and tensor_parallel_size * data_parallel_size * pipeline_parallel_size > 1:
+        mesh = make_mesh(tensor_parallel_size, data_parallel_size, pipeline_parallel_size)
     return mesh
 
 
 def replica_meshes(mesh: Mesh | None) -> list[Mesh | None]:
-    """One (1, tp) mesh per data-parallel replica: the rows of `mesh`; [None] without a mesh."""
+    """One mesh per data-parallel replica: the slices of `mesh` along "data"; [None] without a mesh."""
     if mesh is None:
         return [None]
     return [Mesh(mesh.devices[row:row + 1], mesh.axis_names) for row in range(mesh.shape[DATA_AXIS])]
@@ -59,22 +70,37 @@ def tp_size(mesh: Mesh | None) -> int:
     return 1 if mesh is None else mesh.shape[MODEL_AXIS]
 
 
-def spec_for(path) -> P:
-    """The PartitionSpec of the parameter at tree `path`, from `llama.TP_SPLIT_DIMS` (by its name)."""
-    dim = llama.TP_SPLIT_DIMS.get(getattr(path[-1], "key", None))
-    return P() if dim is None else P(*([None] * dim + [MODEL_AXIS]))
+def pp_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else dict(mesh.shape).get(STAGE_AXIS, 1)
 
 
-def param_specs(params):
+def _vocab_axes(mesh: Mesh):
+    """The axes the vocabulary (embed rows, lm_head columns) is split over."""
+    return (STAGE_AXIS, MODEL_AXIS) if STAGE_AXIS in mesh.axis_names else MODEL_AXIS
+
+
+def spec_for(path, mesh: Mesh) -> P:
+    """The PartitionSpec of the parameter at tree `path` on `mesh`, from `llama.TP_SPLIT_DIMS`
+    (by its name); with pipeline stages, a layer's arrays are stacked over "stage" first."""
+    name = getattr(path[-1], "key", None)
+    dim = llama.TP_SPLIT_DIMS.get(name)
+    split = _vocab_axes(mesh) if name in ("embed", "lm_head") else MODEL_AXIS
+    spec = [] if dim is None else [None] * dim + [split]
+    if pp_size(mesh) > 1 and getattr(path[0], "key", None) == "layers":
+        spec = [STAGE_AXIS, *spec]
+    return P(*spec)
+
+
+def param_specs(params, mesh: Mesh):
     """A PartitionSpec per parameter."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: spec_for(path), params)
+    return jax.tree_util.tree_map_with_path(lambda path, _: spec_for(path, mesh), params)
 
 
 def shard_params(params, mesh: Mesh):
-    """Place `params` (already in `llama.tp_layout`) on the mesh: each device gets its shard
-    (replicated over the "data" axis). Arrays already placed so are left as they are."""
-    return jax.tree_util.tree_map_with_path(lambda path, x: jax.device_put(x, NamedSharding(mesh, spec_for(path))),
-                                            params)
+    """Place `params` (in `llama.shard_layout` for the mesh's sizes) on the mesh: each device
+    gets its shard (replicated over "data"). Arrays already placed so are left as they are."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.device_put(x, NamedSharding(mesh, spec_for(path, mesh))), params)
 
 
 def replica_params(params, row: Mesh):
@@ -84,14 +110,19 @@ def replica_params(params, row: Mesh):
 
     def take(path, x):
         shards = [s.data for s in x.addressable_shards if s.device in devices]
-        return jax.make_array_from_single_device_arrays(x.shape, NamedSharding(row, spec_for(path)), shards)
+        return jax.make_array_from_single_device_arrays(x.shape, NamedSharding(row, spec_for(path, row)), shards)
 
     return jax.tree_util.tree_map_with_path(take, params)
 
 
+def kv_spec(mesh: Mesh) -> P:
+    """KV pages `[kv_heads, pages, page, head_dim]` split by KV head; with pipeline stages,
+    `[pp, kv_heads, ...]` for a stage's layer slot, split by stage too."""
+    return P(STAGE_AXIS, MODEL_AXIS) if pp_size(mesh) > 1 else P(MODEL_AXIS)
+
+
 def kv_sharding(mesh: Mesh) -> NamedSharding:
-    """KV pages `[kv_heads, pages, page, head_dim]` split by KV head."""
-    return NamedSharding(mesh, P(MODEL_AXIS))
+    return NamedSharding(mesh, kv_spec(mesh))
 
 
 def sharded_forward(params, kv_cache, inputs, spec: llama.ModelSpec, *, attention, mesh: Mesh):
@@ -107,8 +138,58 @@ def sharded_forward(params, kv_cache, inputs, spec: llama.ModelSpec, *, attentio
 
     # check_vma off: the gathered logits are the same on every shard, which the type system
     # of shard_map cannot see through all_gather.
-    return jax.shard_map(shard, mesh=mesh, in_specs=(param_specs(params), P(MODEL_AXIS), P()),
+    return jax.shard_map(shard, mesh=mesh, in_specs=(param_specs(params, mesh), P(MODEL_AXIS), P()),
                          out_specs=(P(), P(MODEL_AXIS)), check_vma=False)(params, kv_cache, inputs)
+
+
+def pipelined_forward(params, kv_cache, ints, floats, *, unpack, spec: llama.ModelSpec, attention, mesh: Mesh):
+    """The forward of M micro-batches through the pipeline stages, as one program.
+
+    `ints`, `floats` `[M, ...]`: each micro-batch's packed step inputs; `unpack(ints[m],
+    floats[m])` gives its `StepInputs` (all M share one bucket). Tick t of M + pp - 1: stage s
+    runs its layers on micro-batch t - s (stage 0 on the embeddings, the others on what the
+    stage before sent at the end of tick t - 1, by `ppermute`), so after the first pp - 1
+    ticks every stage is busy on a different micro-batch; a stage with none (the fill and
+    drain ticks, (pp - 1) / (M + pp - 1) of its time) computes on padding that writes no KV.
+    The last stage's rows to sample go to every device, whose vocabulary slices of the logits
+    are gathered. Returns (logits [M * S, vocab] replicated, kv_cache).
+    """
+    tp, pp = tp_size(mesh), pp_size(mesh)
+    num_micro = ints.shape[0]
+    local = llama.tp_local_spec(spec, tp, pp)
+    vocab = (STAGE_AXIS, MODEL_AXIS)
+
+    def shard(params, kv_cache, ints, floats):
+        stage = jax.lax.axis_index(STAGE_AXIS)
+        layers = [jax.tree_util.tree_map(lambda x: x[0], layer) for layer in params["layers"]]
+        cache = [(k[0], v[0]) for k, v in kv_cache]
+        micro = [unpack(ints[m], floats[m]) for m in range(num_micro)]
+        tokens = micro[0].token_ids.shape[0]
+        embedded = llama.embed(params, jnp.concatenate([x.token_ids for x in micro]), vocab)
+        embedded = embedded.reshape(num_micro, tokens, -1)
+        carry, last = None, []
+        for t in range(num_micro + pp - 1):
+            m = t - stage
+            busy = (m >= 0) & (m < num_micro)
+            mine = jnp.clip(m, 0, num_micro - 1)
+            inputs = unpack(ints[mine], floats[mine])
+            inputs.slot_mapping = jnp.where(busy, inputs.slot_mapping, -1)
+            x = embedded[min(t, num_micro - 1)]
+            if carry is not None:
+                x = jnp.where(stage == 0, x, carry)
+            for i, layer in enumerate(layers):
+                x, k, v = llama.decoder_layer(layer, *cache[i], x, inputs, local, attention=attention, axis=MODEL_AXIS)
+                cache[i] = (k, v)
+            if t >= pp - 1:     # the last stage just finished micro-batch t - (pp - 1)
+                last.append(x[micro[t - pp + 1].logits_indices])
+            carry = jax.lax.ppermute(x, STAGE_AXIS, [(s, s + 1) for s in range(pp - 1)])
+        hidden = jnp.concatenate(last)
+        hidden = jax.lax.psum(jnp.where(stage == pp - 1, hidden, 0.0), STAGE_AXIS)
+        logits = llama.compute_logits(params, hidden, local, axis=vocab)
+        return logits, [(k[None], v[None]) for k, v in cache]
+
+    return jax.shard_map(shard, mesh=mesh, in_specs=(param_specs(params, mesh), kv_spec(mesh), P(), P()),
+                         out_specs=(P(), kv_spec(mesh)), check_vma=False)(params, kv_cache, ints, floats)
 
 
 # ----------------------------------------------------------------------------- several processes

@@ -1,10 +1,13 @@
 """Run by tests/test_sharding.py in a subprocess with N virtual CPU devices (XLA flags must be set
 before JAX starts, and the other tests keep one device):
 
-    python tests/sharding_worker.py MODEL_DIR OUT.json TPxDP [TPxDP ...]
+    python tests/sharding_worker.py MODEL_DIR OUT.json TPxDP[xPP] [TPxDP[xPP] ...]
 
 Generates the same batch (greedy, float32, with logprobs) on one device and with each layout
-(tensor x data parallel sizes, e.g. 2x1, 1x2, 2x2; mesh:2x2 on a caller's Mesh), with a KV
+(tensor x data [x pipeline] parallel sizes, e.g. 2x1, 1x2, 2x2, 2x1x2; mesh:2x2 on a caller's
+("data", "model") Mesh, mesh:2x1x2 on a ("data", "stage", "model") one; deep:1x1x4 on a
+4-layer copy of the model, against deep:1x1; a "+swap" suffix preempts by swapping pages to
+the host), with a KV
 pool small enough to preempt and prompts long enough to be chunked, and writes the token ids,
 logprobs, per-device parameter and KV bytes and each replica's share of the prompts to OUT.json.
 """
@@ -19,7 +22,7 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 
 import jax  # noqa: E402
 
-from tiny_model import TINY_ENGINE_ARGS  # noqa: E402
+from tiny_model import TINY_ENGINE_ARGS, build_tiny_model  # noqa: E402
 
 
 def device_bytes(tree) -> dict[str, int]:
@@ -38,21 +41,29 @@ def main() -> int:
     model_dir, out_path, *layouts = sys.argv[1:]
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
     prompts = [f"Request {i}: " + " ".join(words[(i + j) % 10] for j in range(4 + 37 * (i % 7))) for i in range(64)]
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=3)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
     # 40 pages of 16 tokens for 64 requests of up to ~300 tokens: preemption happens.
     args = {**TINY_ENGINE_ARGS, "kv_cache_memory": None, "num_gpu_blocks_override": 40,
             "params_cache_dir": os.path.join(os.path.dirname(out_path), "params")}
     results = {}
-    for layout in ["1x1", *layouts]:
-        # "mesh:TPxDP": the same, on a Mesh the caller built.
-        own_mesh = layout.startswith("mesh:")
-        tp, dp = map(int, layout.removeprefix("mesh:").split("x"))
-        mesh = jax.make_mesh((dp, tp), ("data", "model")) if own_mesh else None
-        llm = LLM(model_dir, tensor_parallel_size=tp, data_parallel_size=dp, mesh=mesh, **args)
+    deep = ["deep:1x1"] if any(layout.startswith("deep:") for layout in layouts) else []
+    for layout in ["1x1", *deep, *layouts]:
+        # "mesh:TPxDP[xPP]": the same, on a Mesh the caller built; "deep:...": on 4 layers.
+        own_mesh, is_deep = layout.startswith("mesh:"), layout.startswith("deep:")
+        tp, dp, pp = (list(map(int, layout.split(":")[-1].removesuffix("+swap").split("x"))) + [1])[:3]
+        swap = {"preemption_mode": "swap", "swap_space": 0.01} if layout.endswith("+swap") else {}
+        model = build_tiny_model(os.path.join(os.path.dirname(out_path), "deep"), 4) if is_deep else model_dir
+        mesh = None
+        if own_mesh:
+            mesh = (jax.make_mesh((dp, pp, tp), ("data", "stage", "model")) if pp > 1
+                    else jax.make_mesh((dp, tp), ("data", "model")))
+        llm = LLM(model, tensor_parallel_size=tp, data_parallel_size=dp, pipeline_parallel_size=pp, mesh=mesh,
+                  **args, **swap)
         engine = llm.engine
         outputs = llm.generate(prompts, params, use_tqdm=False)
         runner = engine.runner
         results[layout] = {
+            "model": model,
             "token_ids": [o.outputs[0].token_ids for o in outputs],
             "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                          for o in outputs],

@@ -1,8 +1,9 @@
-"""Tensor and data parallelism on 4 virtual CPU devices (tests/sharding_worker.py, in a
-subprocess so the other tests keep one device): TP 2, TP 4 (fewer KV heads than shards:
-replicated groups), DP 2 and TP 2 x DP 2 generate exactly what one device does (float32 greedy,
-64 requests, chunked prefill and preemption); each device holds 1/tp of the split weights and
-of its replica's KV pages; data-parallel replicas share the requests."""
+"""Tensor, pipeline and data parallelism on 4 virtual CPU devices (tests/sharding_worker.py, in
+a subprocess so the other tests keep one device): TP 2, TP 4 (fewer KV heads than shards:
+replicated groups), DP 2, TP 2 x DP 2, PP 2, PP 4 (on a 4-layer model) and TP 2 x PP 2 generate
+exactly what one device does (float32 greedy, 64 requests, chunked prefill and preemption);
+each device holds 1/(tp * pp) of the split weights and of its replica's KV pages; data-parallel
+replicas share the requests."""
 
 from __future__ import annotations
 
@@ -15,7 +16,19 @@ import pytest
 import transformers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-LAYOUTS = ("2x1", "4x1", "1x2", "2x2", "mesh:2x2")   # tensor x data parallel sizes; on a caller's Mesh
+# tensor x data [x pipeline] parallel sizes; "mesh:": on a caller's ("data", "model") Mesh;
+# "deep:": a 4-layer model; "+swap": preemption swaps pages to the host
+LAYOUTS = ("2x1", "4x1", "1x2", "mesh:2x2", "1x1x2+swap", "2x1x2", "deep:1x1x4")
+
+
+def sizes(layout: str) -> tuple[int, int, int]:
+    """"[mesh:|deep:]TPxDP[xPP][+swap]" -> (tp, dp, pp)."""
+    tp, dp, pp = (list(map(int, layout.split(":")[-1].removesuffix("+swap").split("x"))) + [1])[:3]
+    return tp, dp, pp
+
+
+def reference(layout: str) -> str:
+    return "deep:1x1" if layout.startswith("deep:") else "1x1"
 
 
 @pytest.fixture(scope="module")
@@ -23,14 +36,14 @@ def results(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("sharding") / "results.json"
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": HERE}
     run = subprocess.run([sys.executable, os.path.join(HERE, "sharding_worker.py"), tiny_model_dir, str(out),
-                          *LAYOUTS], env=env, capture_output=True, text=True, timeout=900)
+                          *LAYOUTS], env=env, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_parallel_generates_what_one_device_does(results, layout):
-    one, many = results["1x1"], results[layout]
+    one, many = results[reference(layout)], results[layout]
     assert many["preemptions"] > 0 and one["preemptions"] > 0     # the pool is small enough to preempt
     assert many["token_ids"] == one["token_ids"]
     worst = max(abs(a - b) for la, lb in zip(one["logprobs"], many["logprobs"]) for a, b in zip(la, lb))
@@ -38,24 +51,26 @@ def test_parallel_generates_what_one_device_does(results, layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_each_device_holds_its_share(results, tiny_model_dir, layout):
-    tp, dp = map(int, layout.removeprefix("mesh:").split("x"))
-    config = transformers.AutoConfig.from_pretrained(tiny_model_dir)
+def test_each_device_holds_its_share(results, layout):
+    tp, dp, pp = sizes(layout)
+    config = transformers.AutoConfig.from_pretrained(results[layout]["model"])
     hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     head_dim = hidden // config.num_attention_heads
     kv_heads = max(config.num_key_value_heads, tp)          # a copy per shard when fewer than shards
     q_size, kv_size = config.num_attention_heads * head_dim, kv_heads * head_dim
-    split = 4 * (layers * (hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * inter)
-                 + config.vocab_size * hidden)              # float32 wqkv, wo, w_gate_up, w_down, tied embed
-    replicated = 4 * (layers * 2 * hidden + hidden)          # the norms
-    # The first replica's arrays: on tp devices, each with its share.
+    # float32 wqkv, wo, w_gate_up, w_down: each stage its layers, split over its shards; the
+    # tied embedding split over every device of the replica.
+    split = 4 * (layers // pp * (hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * inter) // tp
+                 + config.vocab_size * hidden // (tp * pp))
+    norms = 4 * (layers // pp * 2 * hidden + hidden)         # each stage's layer norms, and the final norm
+    # The first replica's arrays: on tp * pp devices, each with its share.
     param_bytes, kv_bytes = results[layout]["param_bytes"], results[layout]["kv_bytes"]
-    assert len(param_bytes) == len(kv_bytes) == tp
-    assert set(param_bytes.values()) == {split // tp + replicated}
-    one_kv = sum(results["1x1"]["kv_bytes"].values())
-    assert set(kv_bytes.values()) == {one_kv * kv_heads // config.num_key_value_heads // tp}
+    assert len(param_bytes) == len(kv_bytes) == tp * pp
+    assert set(param_bytes.values()) == {split + norms}
+    one_kv = sum(results[reference(layout)]["kv_bytes"].values())
+    assert set(kv_bytes.values()) == {one_kv * kv_heads // config.num_key_value_heads // tp // pp}
     # Every replica: its own devices, its own pool.
-    assert len(results[layout]["kv_bytes_all"]) == tp * dp
+    assert len(results[layout]["kv_bytes_all"]) == tp * pp * dp
     queries = results[layout]["replica_prompt_queries"]
     assert len(queries) == dp and min(queries) > 0.25 * sum(queries)   # balanced by load
 

@@ -17,9 +17,9 @@ TINY_ENGINE_ARGS = dict(dtype="float32", max_num_seqs=32, max_num_batched_tokens
 _llms: dict[str, object] = {}
 
 
-def build_tiny_model(path: str) -> str:
-    """Write a random 2-layer Llama and the default model's tokenizer (with its chat template)
-    to `path` as an HF directory; return `path`.
+def build_tiny_model(path: str, num_layers: int = 2) -> str:
+    """Write a random Llama (2 layers unless told) and the default model's tokenizer (with its
+    chat template) to `path` as an HF directory; return `path`.
 
     The weights are drawn wider than HF's default (initializer_range 0.3, not 0.02) so that the
     logits are peaked: greedy text varies from token to token, and the best two tokens are far
@@ -33,7 +33,7 @@ def build_tiny_model(path: str) -> str:
     if os.path.isfile(os.path.join(path, "model.safetensors")):
         return path
     config = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.3,
         architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)

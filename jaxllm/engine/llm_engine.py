@@ -37,10 +37,13 @@ class LLMEngine:
         many_processes = jax.process_count() > 1
         if many_processes and args.data_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 is not supported over several processes yet")
-        mesh = parallel.engine_mesh(args.mesh, args.tensor_parallel_size, args.data_parallel_size)
+        mesh = parallel.engine_mesh(args.mesh, args.tensor_parallel_size, args.data_parallel_size,
+                                    args.pipeline_parallel_size)
         # Over several processes each reads the checkpoint itself (no shared params cache to race on).
         loaded = load_model(args.model, dtype=args.dtype, cache_dir=args.params_cache_dir, progress=progress,
-                            tensor_parallel_size=args.tensor_parallel_size, mesh=mesh, use_cache=not many_processes)
+                            tensor_parallel_size=args.tensor_parallel_size,
+                            pipeline_parallel_size=args.pipeline_parallel_size, mesh=mesh,
+                            use_cache=not many_processes)
         self.config: EngineConfig = resolve_config(args, loaded.spec, loaded.name,
                                                    available_memory=_available_memory(args))
         compile_mod.enable_persistent_cache(self.config.compilation_cache_dir)

@@ -32,6 +32,11 @@ slice holds its own heads' q, k, v (and its gate, up), with KV heads repeated wh
 fewer than shards. Each shard then runs this same code with `tp_local_spec`'s head counts and
 `axis` set: the row-parallel outputs and the embedding are summed over the axis (`psum`), the
 logits gathered.
+
+Pipeline parallelism: `shard_layout` also stacks the layers of each of `pp` stages (layer slot
+i of every stage in one `[pp, ...]` array, split over the "stage" axis); each stage's shards
+run `decoder_layer` on their slots (parallel.py, `pipelined_forward`), with the vocabulary split
+over stages and shards together.
 """
 
 from __future__ import annotations
@@ -224,10 +229,12 @@ def kv_heads_for(spec: ModelSpec, tp: int) -> int:
     return max(spec.num_kv_heads, tp)
 
 
-def tp_local_spec(spec: ModelSpec, tp: int) -> ModelSpec:
-    """The spec one shard computes with."""
+def tp_local_spec(spec: ModelSpec, tp: int, pp: int = 1) -> ModelSpec:
+    """The spec one shard computes with (`pp` > 1: one pipeline stage's shard, with its layers
+    and its slice of the vocabulary, which is split over stages and shards together)."""
     return dataclasses.replace(spec, num_heads=spec.num_heads // tp, num_kv_heads=kv_heads_for(spec, tp) // tp,
-                               intermediate_size=spec.intermediate_size // tp, vocab_size=spec.vocab_size // tp)
+                               intermediate_size=spec.intermediate_size // tp, vocab_size=spec.vocab_size // (tp * pp),
+                               num_layers=spec.num_layers // pp)
 
 
 def tp_layout(params, spec: ModelSpec, tp: int):
@@ -254,6 +261,35 @@ def tp_layout(params, spec: ModelSpec, tp: int):
         return out
 
     return {**params, "layers": [layer_layout(layer) for layer in params["layers"]]}
+
+
+# ----------------------------------------------------------------------------- pipeline parallelism
+
+
+def check_pipeline_parallel(spec: ModelSpec, tp: int, pp: int) -> None:
+    """Raise ValueError if `spec` cannot be split into `pp` stages of `tp` shards."""
+    problems = []
+    if spec.num_layers % pp:
+        problems.append(f"{spec.num_layers} layers")
+    if spec.vocab_size % (tp * pp):
+        problems.append(f"vocabulary size {spec.vocab_size} (split over tensor x pipeline = {tp * pp} devices)")
+    if problems:
+        raise ValueError(f"pipeline_parallel_size={pp} does not divide this model's " + ", ".join(problems))
+
+
+def shard_layout(params, spec: ModelSpec, tp: int = 1, pp: int = 1):
+    """`params` laid out for `tp` tensor-parallel shards (`tp_layout`) and `pp` pipeline stages:
+    with pp > 1, "layers" becomes a list of the `num_layers // pp` layer slots of a stage, each
+    array stacked `[pp, ...]` over the stages (stage s, slot i = layer s * num_layers // pp + i),
+    so that the "stage" mesh axis splits the stacked dimension. Host (numpy) arrays."""
+    params = tp_layout(params, spec, tp)
+    if pp == 1:
+        return params
+    check_pipeline_parallel(spec, tp, pp)
+    per_stage = spec.num_layers // pp
+    layers = params["layers"]
+    return {**params, "layers": [{name: np.stack([np.asarray(layers[s * per_stage + i][name]) for s in range(pp)])
+                                  for name in layers[i]} for i in range(per_stage)]}
 
 
 def _interleave(parts, tp: int):

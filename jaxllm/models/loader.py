@@ -142,14 +142,16 @@ def _hub_snapshot(repo_id: str) -> str:
 
 def load_model(
     model: str | None = None, *, dtype: str = "float32", cache_dir: str | None = None,
-    use_cache: bool = True, progress: bool = True, tensor_parallel_size: int = 1, mesh=None,
+    use_cache: bool = True, progress: bool = True, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+    mesh=None,
 ) -> LoadedModel:
     """Load a Llama-family model's spec, params (matrices in `dtype`, norms and biases f32)
     and tokenizer. See the module docstring for what `model` may be.
 
-    With `tensor_parallel_size` > 1 the params come regrouped for that many shards
-    (`llama.tp_layout`; the params cache keeps them so). With `mesh` they are placed on it by
-    the partition rules: restored from the cache, each device reads only its own shard."""
+    With `tensor_parallel_size` or `pipeline_parallel_size` > 1 the params come laid out for
+    that many shards and stages (`llama.shard_layout`; the params cache keeps them so). With
+    `mesh` they are placed on it by the partition rules: restored from the cache, each device
+    reads only its own shard."""
     dtype = str(jnp.dtype(dtype)) if not isinstance(dtype, str) else dtype
     check_dtype(dtype)
     kind, path, name = _resolve(model)
@@ -157,7 +159,8 @@ def load_model(
     entry = None
     if use_cache:
         root = cache_dir or os.path.join(default_cache_root(), "params")
-        entry = os.path.join(root, _cache_key(kind, path, name, dtype, tensor_parallel_size))
+        entry = os.path.join(root, _cache_key(kind, path, name, dtype, tensor_parallel_size,
+                                                 pipeline_parallel_size))
         cached = _restore_cached(entry, path, name, mesh)
         if cached is not None:
             logger.info("loaded %s from the params cache %s", name, entry)
@@ -165,7 +168,7 @@ def load_model(
 
     load = load_gguf if kind == "gguf" else load_hf_dir
     spec, params, tokenizer = load(path, dtype, progress)
-    params = llama.tp_layout(params, spec, tensor_parallel_size)
+    params = llama.shard_layout(params, spec, tensor_parallel_size, pipeline_parallel_size)
     loaded = LoadedModel(spec=spec, params=params, tokenizer=tokenizer, source=path, name=name)
     if entry is not None:
         _save_cached(entry, loaded)
@@ -200,19 +203,22 @@ def restore_params(path: str, mesh=None):
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
     def sharding(key_path):
-        return device if mesh is None else jax.sharding.NamedSharding(mesh, parallel.spec_for(key_path))
+        return device if mesh is None else jax.sharding.NamedSharding(mesh, parallel.spec_for(key_path, mesh))
 
     restore_args = jax.tree_util.tree_map_with_path(lambda p, _: ocp.ArrayRestoreArgs(sharding=sharding(p)), tree,
                                                     is_leaf=lambda x: hasattr(x, "shape"))
     return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
 
 
-def _cache_key(kind: str, path: str, name: str, dtype: str, tensor_parallel_size: int = 1) -> str:
+def _cache_key(kind: str, path: str, name: str, dtype: str, tensor_parallel_size: int = 1,
+               pipeline_parallel_size: int = 1) -> str:
     if kind == "gguf":
         files = [path]
     else:
         files = [os.path.join(path, "config.json"), *safetensors_files(path)]
-    layout = f"|tp{tensor_parallel_size}" if tensor_parallel_size > 1 else ""   # tp 1 keeps its old keys
+    # One process keeps its old keys.
+    layout = f"|tp{tensor_parallel_size}" if tensor_parallel_size > 1 else ""
+    layout += f"|pp{pipeline_parallel_size}" if pipeline_parallel_size > 1 else ""
     h = hashlib.sha256(f"v{CACHE_FORMAT_VERSION}|{dtype}{layout}".encode())
     for file in files:
         st = os.stat(file)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.core.request import Request
@@ -87,6 +88,16 @@ class SamplingMetadata:
                    output_index=np.zeros(num_seqs, i32), output_start=np.zeros(num_seqs, i32),
                    penalty_tokens=None, banned_tokens=np.full((num_seqs, NUM_BANNED), -1, i32),
                    flags=np.zeros(NUM_FLAGS, np.bool_))
+
+    @classmethod
+    def concat(cls, parts: list[SamplingMetadata]) -> SamplingMetadata:
+        """Several batches' metadata (jax arrays, inside the step) as one, rows in order; the
+        batch-wide flags combined (all greedy if each is, any other stage if any needs it)."""
+        fields = {f.name: jnp.concatenate([getattr(p, f.name) for p in parts])
+                  for f in dataclasses.fields(cls) if f.name not in ("flags", "penalty_tokens")}
+        flags = jnp.stack([p.flags for p in parts])
+        flags = jnp.any(flags, axis=0).at[FLAG_ALL_GREEDY].set(jnp.all(flags[:, FLAG_ALL_GREEDY]))
+        return cls(**fields, flags=flags, penalty_tokens=None)
 
 
 # Per-row sampling parameters: (SamplingMetadata field, neutral value).

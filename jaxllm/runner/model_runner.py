@@ -44,6 +44,13 @@ from jaxllm.utils import cdiv, jnp_dtype
 
 
 def _step(params, kv_cache, ints, floats, penalty_tokens, *, layout: PackedLayout, spec, attention, mesh):
+    if parallel.pp_size(mesh) > 1:     # [M, ...]: micro-batches through the pipeline stages
+        logits, kv_cache = parallel.pipelined_forward(params, kv_cache, ints, floats, spec=spec, attention=attention,
+                                                      mesh=mesh, unpack=lambda i, f: layout.unpack(i, f)[0])
+        sampling = SamplingMetadata.concat([layout.unpack(i, f)[1] for i, f in zip(ints, floats)])
+        sampling.penalty_tokens = penalty_tokens.reshape(-1, penalty_tokens.shape[-1])
+        tokens, logprob, top_lp, top_ids = sampler.sample(logits, sampling, attention.argmax_logsumexp)
+        return tokens, logprob, top_lp, top_ids, kv_cache
     inputs, sampling = layout.unpack(ints, floats)
     sampling = dataclasses.replace(sampling, penalty_tokens=penalty_tokens)
     if mesh is None:
@@ -56,9 +63,11 @@ def _step(params, kv_cache, ints, floats, penalty_tokens, *, layout: PackedLayou
 
 
 class ModelRunner:
-    """`mesh`: a (1, tp) ("data", "model") Mesh for tensor parallelism, with `params` already
-    regrouped by `llama.tp_layout` for it (as `load_model(..., tensor_parallel_size=tp)` gives
-    them); see jaxllm/parallel.py."""
+    """`mesh`: one replica's ("data", "stage", "model") Mesh (data size 1) for tensor and
+    pipeline parallelism, with `params` already laid out by `llama.shard_layout` for it (as
+    `load_model(..., tensor_parallel_size=tp, pipeline_parallel_size=pp)` gives them); see
+    jaxllm/parallel.py. With pp stages, each step's batch is split into pp micro-batches of
+    one bucket (`prepare_micro`) that the step pipelines through the stages."""
 
     def __init__(self, config: EngineConfig, spec: llama.ModelSpec, params,
                  attention: AttentionBackend | None = None, mesh=None):
@@ -67,6 +76,9 @@ class ModelRunner:
         self.attention = attention or get_attention_backend(config.attention_backend)
         self.mesh = mesh
         self.num_kv_heads = llama.kv_heads_for(spec, parallel.tp_size(mesh))
+        self.num_stages = parallel.pp_size(mesh)
+        # Pipeline stage-ticks that ran a micro-batch, of all (the rest is the pipeline's idle time).
+        self.busy_stage_ticks = self.stage_ticks = 0
         # Where the step's inputs go: the device, or every device of the mesh (replicated).
         self._inputs_sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
                                  else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
@@ -86,31 +98,49 @@ class ModelRunner:
         dtype = jnp_dtype(config.dtype)
         self.kv_cache = self._allocate_kv_cache()
         # Host pages for swapped-out requests: [layers, k/v, kv_heads, slots, block_size, head_dim]
-        # (numpy zeros: the OS commits memory only for slots ever written).
-        self.swap_pool = np.zeros((spec.num_layers, 2, self.num_kv_heads, config.cache.num_swap_blocks,
-                                   self.block_size, spec.head_dim), kernels.storage_dtype(dtype))
+        # ([layer slots, k/v, stages, ...] with pipeline stages; numpy zeros: the OS commits
+        # memory only for slots ever written).
+        stages = (self.num_stages,) if self.num_stages > 1 else ()
+        self.swap_pool = np.zeros((spec.num_layers // self.num_stages, 2, *stages, self.num_kv_heads,
+                                   config.cache.num_swap_blocks, self.block_size, spec.head_dim),
+                                  kernels.storage_dtype(dtype))
         self._step = jax.jit(functools.partial(_step, spec=spec, attention=self.attention, mesh=self.mesh),
                              static_argnames=("layout",), donate_argnums=(1,))
         self._inv_freq = spec.inv_freq()
         self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.max_blocks, self.block_size,
                                       spec.vocab_size)
-        self._buffers: dict[Bucket, _BucketBuffers] = {}
+        self._buffers: dict[tuple[Bucket, int], _BucketBuffers] = {}
         self._no_penalty_tokens: dict[int, jax.Array] = {}
 
     # ----- host-side inputs -----
-    def _bucket_buffers(self, bucket: Bucket) -> _BucketBuffers:
-        if bucket not in self._buffers:
+    PADDING = -1    # `_bucket_buffers` micro-batch index of the all-padding inputs (warm-up, idle micro-batches)
+
+    def _bucket_buffers(self, bucket: Bucket, micro: int = 0) -> _BucketBuffers:
+        """The persistent buffers of one bucket (and micro-batch, with pipeline stages)."""
+        if (bucket, micro) not in self._buffers:
             S = bucket.num_seqs
-            self._buffers[bucket] = _BucketBuffers(
+            self._buffers[bucket, micro] = _BucketBuffers(
                 bucket, StepInputs.zeros(bucket.num_tokens, S, self.max_blocks, self.spec.head_dim),
                 SamplingMetadata.zeros(S))
+        if bucket.num_seqs not in self._no_penalty_tokens:
             # Requests without penalties share one device array of -1s (no [S, L] transfer).
-            self._no_penalty_tokens[S] = jax.device_put(
-                np.full((S, self.config.scheduler.max_model_len), -1, np.int32), self._inputs_sharding)
-        return self._buffers[bucket]
+            stages = (self.num_stages,) if self.num_stages > 1 else ()
+            self._no_penalty_tokens[bucket.num_seqs] = jax.device_put(
+                np.full((*stages, bucket.num_seqs, self.config.scheduler.max_model_len), -1, np.int32),
+                self._inputs_sharding)
+        return self._buffers[bucket, micro]
 
-    def prepare(self, scheduled) -> tuple[np.ndarray, np.ndarray, _BucketBuffers]:
-        """Fill the bucket's buffers for `scheduled` [(request, num_new_tokens)].
+    def _demand(self, scheduled) -> tuple[int, int, int, int]:
+        """What a bucket must hold for `scheduled`: (tokens, decodes, prefill rows, sequences)."""
+        q_lens = np.fromiter((q for _, q in scheduled), np.int32, len(scheduled))
+        chunks = q_lens[q_lens > 1]
+        return (int(q_lens.sum()), len(q_lens) - len(chunks),
+                int(cdiv(chunks, self.attention.prefill_row_tokens).sum()), len(q_lens))
+
+    def prepare(self, scheduled, bucket: Bucket | None = None,
+                micro: int = 0) -> tuple[np.ndarray, np.ndarray, _BucketBuffers]:
+        """Fill the bucket's buffers for `scheduled` [(request, num_new_tokens)] (in `bucket`,
+        else the smallest that holds them; into micro-batch `micro`'s buffers).
 
         Sequences are laid out decodes first (longest context first: the CPU kernels walk
         pages per group of consecutive rows), then prompt chunks. Returns `(order, has_token,
@@ -128,9 +158,8 @@ class ModelRunner:
         q_lens, computed, rows = q_lens[order], computed[order], rows[order]
         num_decodes = int(is_decode.sum())
         num_tokens = int(q_lens.sum())
-        bucket = pick_bucket(self.buckets, num_tokens, num_decodes,
-                             int(cdiv(q_lens[num_decodes:], self.attention.prefill_row_tokens).sum()), n)
-        buffers = self._bucket_buffers(bucket)
+        bucket = bucket or pick_bucket(self.buckets, *self._demand(scheduled))
+        buffers = self._bucket_buffers(bucket, micro)
         inputs, sampling = buffers.inputs, buffers.sampling
         ib, bs = self.input_batch, self.block_size
 
@@ -152,8 +181,48 @@ class ModelRunner:
         inputs.attn_metadata = self.attention.build_metadata(
             q_lens=q_lens, seq_lens=seq_lens, block_tables=inputs.block_tables[:n], num_decodes=num_decodes,
             bucket=bucket)
-        ib.fill_sampling(sampling, rows, self._no_penalty_tokens[bucket.num_seqs])
+        ib.fill_sampling(sampling, rows, None if self.num_stages > 1 else self._no_penalty_tokens[bucket.num_seqs])
         return order, seq_lens == ib.num_tokens[rows], buffers
+
+    def prepare_step(self, scheduled):
+        """The step's packed inputs for `scheduled`: `(rows, has_token, buffers, packed)`, where
+        the output row `rows[i]` holds scheduled[i]'s token (if `has_token[i]`), `buffers` are
+        the (first) micro-batch's, `packed` the `_call` arguments after the layout.
+
+        With pipeline stages the batch is split into `num_stages` micro-batches of about equal
+        tokens, all in the bucket that holds the largest; output row m * S + j is micro-batch
+        m's j-th sequence."""
+        n = len(scheduled)
+        rows, has_token = np.empty(n, np.int64), np.empty(n, bool)
+        if self.num_stages == 1:
+            order, has, buffers = self.prepare(scheduled)
+            rows[order], has_token[order] = np.arange(n), has
+            return rows, has_token, buffers, self._pack(buffers)
+        groups = _split(np.fromiter((q for _, q in scheduled), np.int64, n), self.num_stages)
+        bucket = pick_bucket(self.buckets, *np.max([self._demand([scheduled[i] for i in g]) for g in groups], axis=0))
+        micro = []
+        for m, group in enumerate(groups):
+            if not len(group):
+                micro.append(self._ready_buffers(bucket))
+                continue
+            order, has, buffers = self.prepare([scheduled[i] for i in group], bucket, m)
+            rows[group[order]] = m * bucket.num_seqs + np.arange(len(group))
+            has_token[group[order]] = has
+            self._pack(buffers)
+            micro.append(buffers)
+            self.busy_stage_ticks += self.num_stages
+        self.stage_ticks += self.num_stages * (2 * self.num_stages - 1)
+        return rows, has_token, micro[0], self._stack(micro)
+
+    def _stack(self, micro: list[_BucketBuffers]):
+        """Micro-batches' packed inputs as the pipelined step takes them: `[M, ...]` each."""
+        penalties = [b.sampling.penalty_tokens for b in micro]
+        if all(p is None for p in penalties):
+            penalty_tokens = self._no_penalty_tokens[micro[0].bucket.num_seqs]
+        else:
+            fill = np.full((micro[0].bucket.num_seqs, self.config.scheduler.max_model_len), -1, np.int32)
+            penalty_tokens = np.stack([fill if p is None else p for p in penalties])
+        return np.stack([b.ints for b in micro]), np.stack([b.floats for b in micro]), penalty_tokens
 
     # ----- the step -----
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -165,8 +234,7 @@ class ModelRunner:
         self.swap_in(scheduler_output.swap_in)
         n = len(scheduler_output.scheduled)
         t0 = time.perf_counter()
-        order, has_token, buffers = self.prepare(scheduler_output.scheduled) if n else (None, None, None)
-        packed = self._pack(buffers) if n else None
+        rows, has_token, buffers, packed = self.prepare_step(scheduler_output.scheduled) if n else (None,) * 4
         if self.channel is not None:
             self._announce(buffers, packed, scheduler_output.block_copies)
         self.copy_pages(*scheduler_output.block_copies)
@@ -179,12 +247,10 @@ class ModelRunner:
         # XLA:CPU's virtual devices deadlock in their collectives (README, Sharding).
         tokens, logprob, top_lp, top_ids = (_fetch(x) for x in (tokens, logprob, top_lp, top_ids))
         t2 = time.perf_counter()
-        inverse = np.empty(n, np.int64)
-        inverse[order] = np.arange(n)
-        sampled = np.where(has_token, tokens[:n], -1).astype(np.int32)
-        return ModelRunnerOutput(sampled[inverse], logprob[:n][inverse], top_lp[:n][inverse], top_ids[:n][inverse],
+        sampled = np.where(has_token, tokens[rows], -1).astype(np.int32)
+        return ModelRunnerOutput(sampled, logprob[rows], top_lp[rows], top_ids[rows],
                                  {"prepare": t1 - t0, "device": t2 - t1,
-                                  "bucket_tokens": buffers.inputs.token_ids.shape[0]})
+                                  "bucket_tokens": buffers.inputs.token_ids.shape[0] * self.num_stages})
 
     def _pack(self, buffers: _BucketBuffers):
         """The bucket's inputs packed: (ints, floats, penalty tokens)."""
@@ -207,7 +273,7 @@ class ModelRunner:
     # ----- several processes: the leader announces, the others follow -----
     def _announce(self, buffers: _BucketBuffers | None, packed, copies) -> None:
         src, dst = copies
-        penalties = packed is not None and isinstance(packed[2], np.ndarray)
+        penalties = packed is not None and isinstance(packed[2], np.ndarray)   # else the cached -1s
         bucket = self.buckets.index(buffers.bucket) if buffers is not None else -1
         self.channel.send_header(parallel.StepChannel.STEP, bucket, len(src), penalties)
         if len(src):
@@ -225,12 +291,11 @@ class ModelRunner:
                 src, dst = self.channel.arrays(np.zeros(num_copies, np.int32), np.zeros(num_copies, np.int32))
                 self.copy_pages(list(src), list(dst))
             if bucket >= 0:
-                buffers = self._ready_buffers(self.buckets[bucket])
-                ints, floats = self.channel.arrays(buffers.ints, buffers.floats)
-                S = self.buckets[bucket].num_seqs
-                penalty_tokens = (self.channel.arrays(np.zeros((S, self.config.scheduler.max_model_len), np.int32))[0]
-                                  if penalties else self._no_penalty_tokens[S])
-                self.kv_cache = self._call(buffers.layout, ints, floats, penalty_tokens)[-1]
+                layout, ints, floats, no_penalties = self._padding(self.buckets[bucket])
+                ints, floats = self.channel.arrays(ints, floats)
+                penalty_tokens = (self.channel.arrays(np.zeros(no_penalties.shape, np.int32))[0]
+                                  if penalties else no_penalties)
+                self.kv_cache = self._call(layout, ints, floats, penalty_tokens)[-1]
 
     def stop_followers(self) -> None:
         """On process 0: let the other processes' `follow` return."""
@@ -239,14 +304,20 @@ class ModelRunner:
             self.channel = None
 
     def _ready_buffers(self, bucket: Bucket) -> _BucketBuffers:
-        """The bucket's buffers with their packed layout known (as after warm-up)."""
-        buffers = self._bucket_buffers(bucket)
+        """The bucket's all-padding inputs, packed (they write no KV and sample nothing used)."""
+        buffers = self._bucket_buffers(bucket, self.PADDING)
         if buffers.layout is None:
             buffers.inputs.attn_metadata = self.attention.dummy_metadata(bucket, self.max_blocks)
-            self.input_batch.fill_sampling(buffers.sampling, np.zeros(0, np.int64),
-                                           self._no_penalty_tokens[bucket.num_seqs])
+            self.input_batch.fill_sampling(buffers.sampling, np.zeros(0, np.int64), None)
             self._pack(buffers)
         return buffers
+
+    def _padding(self, bucket: Bucket):
+        """A whole step of padding in `bucket`: (layout, ints, floats, penalty tokens)."""
+        buffers = self._ready_buffers(bucket)
+        if self.num_stages == 1:
+            return buffers.layout, buffers.ints, buffers.floats, self._no_penalty_tokens[bucket.num_seqs]
+        return (buffers.layout, *self._stack([buffers] * self.num_stages))
 
     def warmup(self, progress: bool = True) -> float:
         """Compile every bucket (all-padding batches write nowhere). Returns seconds taken."""
@@ -254,8 +325,7 @@ class ModelRunner:
 
         start = time.perf_counter()
         for bucket in tqdm(self.buckets, desc="compiling buckets", disable=not progress, unit="bucket"):
-            buffers = self._ready_buffers(bucket)
-            out = self._call(buffers.layout, buffers.ints, buffers.floats, self._no_penalty_tokens[bucket.num_seqs])
+            out = self._call(*self._padding(bucket))
             self.kv_cache = out[-1]
             jax.block_until_ready(out[0])
         return time.perf_counter() - start
@@ -269,13 +339,21 @@ class ModelRunner:
         return True
 
     def _allocate_kv_cache(self):
-        """Zeroed pages made where they live (each device only its own heads)."""
-        spec = self.spec
+        """Zeroed pages made where they live (each device only its own stage's layers and its
+        own heads): a list over layers of (k, v) `[kv_heads, pages, page, head_dim]`, or with
+        pipeline stages over a stage's layer slots of `[stages, kv_heads, ...]`."""
+        spec, stages = self.spec, self.num_stages
         where = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if self.mesh is None
                  else parallel.kv_sharding(self.mesh))
-        make = functools.partial(kernels.allocate_kv_cache, spec.num_layers, self.num_kv_heads,
-                                 self.config.cache.num_blocks, self.block_size, spec.head_dim,
-                                 jnp_dtype(self.config.dtype))
+
+        def make():
+            cache = kernels.allocate_kv_cache(spec.num_layers // stages, self.num_kv_heads,
+                                              self.config.cache.num_blocks, self.block_size, spec.head_dim,
+                                              jnp_dtype(self.config.dtype))
+            if stages == 1:
+                return cache
+            return [tuple(jnp.broadcast_to(x, (stages, *x.shape)) for x in kv) for kv in cache]
+
         return jax.jit(make, out_shardings=where)()
 
     # ----- moving pages -----
@@ -289,13 +367,13 @@ class ModelRunner:
         """Save device pages to host slots: pairs of (page, slot)."""
         if pairs:
             pages, slots = _pad_pow2(*zip(*pairs))
-            self.swap_pool[:, :, :, slots] = np.asarray(_gather_pages(self.kv_cache, pages))
+            self.swap_pool[..., slots, :, :] = np.asarray(_gather_pages(self.kv_cache, pages))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Restore host slots into device pages: pairs of (slot, page)."""
         if pairs:
             slots, pages = _pad_pow2(*zip(*pairs))
-            self.kv_cache = _scatter_pages(self.kv_cache, pages, jnp.asarray(self.swap_pool[:, :, :, slots]))
+            self.kv_cache = _scatter_pages(self.kv_cache, pages, jnp.asarray(self.swap_pool[..., slots, :, :]))
 
 
 @dataclasses.dataclass
@@ -315,6 +393,19 @@ def _fetch(x) -> np.ndarray:
     return np.asarray(x.addressable_data(0)) if not x.is_fully_addressable else np.asarray(jax.device_get(x))
 
 
+def _split(q_lens: np.ndarray, parts: int) -> list[np.ndarray]:
+    """Indices of `q_lens` dealt into `parts` groups of about equal tokens (largest first, each
+    to the group with the fewest tokens, then the fewest sequences), each in ascending order."""
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    load = [[0, 0] for _ in range(parts)]
+    for i in np.argsort(-q_lens, kind="stable"):
+        g = min(range(parts), key=lambda j: load[j])
+        groups[g].append(int(i))
+        load[g][0] += int(q_lens[i])
+        load[g][1] += 1
+    return [np.asarray(sorted(g), np.int64) for g in groups]
+
+
 def _fill(buf: np.ndarray, values, pad) -> None:
     """buf[:len(values)] = values, the rest = pad."""
     n = len(values)
@@ -329,20 +420,24 @@ def _pad_pow2(a, b) -> tuple[np.ndarray, np.ndarray]:
     return (np.asarray(list(a) + [a[0]] * pad, np.int32), np.asarray(list(b) + [b[0]] * pad, np.int32))
 
 
+# The page axis is the third from last in both cache layouts (`_allocate_kv_cache`).
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _copy_pages(kv_cache, src, dst):
-    return [(k.at[:, dst].set(k[:, src]), v.at[:, dst].set(v[:, src])) for k, v in kv_cache]
+    return [(k.at[..., dst, :, :].set(k[..., src, :, :]), v.at[..., dst, :, :].set(v[..., src, :, :]))
+            for k, v in kv_cache]
 
 
 @jax.jit
 def _gather_pages(kv_cache, pages):
-    """-> [layers, 2, kv_heads, len(pages), block_size, head_dim]"""
-    return jnp.stack([jnp.stack([k[:, pages], v[:, pages]]) for k, v in kv_cache])
+    """-> [layers, 2, (stages,) kv_heads, len(pages), block_size, head_dim]"""
+    return jnp.stack([jnp.stack([k[..., pages, :, :], v[..., pages, :, :]]) for k, v in kv_cache])
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _scatter_pages(kv_cache, pages, data):
-    return [(k.at[:, pages].set(data[i, 0]), v.at[:, pages].set(data[i, 1])) for i, (k, v) in enumerate(kv_cache)]
+    return [(k.at[..., pages, :, :].set(data[i, 0]), v.at[..., pages, :, :].set(data[i, 1]))
+            for i, (k, v) in enumerate(kv_cache)]
 
 
 __all__ = ["ModelRunner"]
