@@ -66,7 +66,8 @@ def test_flags_round_trip_to_engine_args():
         model="m", dtype="float32", max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256,
         max_num_prefill_seqs=4, block_size=32, kv_cache_memory=64 << 20, gpu_memory_utilization=0.5,
         num_gpu_blocks_override=100, swap_space=1.5, preemption_mode="swap", enable_prefix_caching=False, seed=3,
-        max_logprobs=5, tensor_parallel_size=2, data_parallel_size=3, distributed_coordinator="10.0.0.1:1234",
+        max_logprobs=5, tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=3,
+        distributed_coordinator="10.0.0.1:1234",
         num_processes=2, process_id=1, served_model_name="mine",
         compilation_cache_dir="", params_cache_dir="/params", attention_backend="reference", warmup=False)
     assert all(getattr(expected, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(EngineArgs)
@@ -75,7 +76,8 @@ def test_flags_round_trip_to_engine_args():
              "--max-num-batched-tokens", "256", "--max-num-prefill-seqs", "4", "--block-size", "32",
              "--kv-cache-memory", "64MiB", "--gpu-memory-utilization", "0.5", "--num-gpu-blocks-override", "100",
              "--swap-space", "1.5", "--preemption-mode", "swap", "--no-enable-prefix-caching", "--seed", "3",
-             "--max-logprobs", "5", "--tensor-parallel-size", "2", "--data-parallel-size", "3",
+             "--max-logprobs", "5", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2",
+             "--data-parallel-size", "3",
              "--distributed-coordinator", "10.0.0.1:1234", "--num-processes", "2", "--process-id", "1",
              "--compilation-cache-dir", "", "--params-cache-dir", "/params", "--attention-backend", "reference",
              "--no-warmup"]

@@ -117,3 +117,38 @@ def test_two_processes_generate_what_one_does(tiny_model_dir, tmp_path):
     expected = offline_llm(tiny_model_dir).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24,
                                                                             ignore_eos=True), use_tqdm=False)
     assert json.loads(out.read_text()) == [o.outputs[0].token_ids for o in expected]
+
+
+def test_when_a_follower_dies_the_leader_fails_its_requests_and_exits(tiny_model_dir, tmp_path):
+    """`jaxllm serve` over two processes; killing the follower mid-stream makes the leader's
+    next step fail (its collectives lose their peer): the open stream gets an error, and the
+    leader exits with status 1 instead of serving on."""
+    import random
+
+    import openai
+    from live_server import start_server
+    from tiny_model import tiny_engine_flags
+
+    port = random.Random().randrange(20000, 40000)
+    group = ["--tensor-parallel-size", "2", "--distributed-coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    follower = subprocess.Popen([sys.executable, "-m", "jaxllm.entrypoints.cli", "serve", "--model", tiny_model_dir,
+                                 *tiny_engine_flags(), *group, "--process-id", "1"],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = None
+    try:
+        server = start_server(tiny_model_dir, str(tmp_path), *group, "--process-id", "0")
+        stream = server.client.completions.create(model=server.model, prompt="Once upon a time", max_tokens=400,
+                                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        assert next(chunks).choices[0].text is not None
+        follower.kill()
+        with pytest.raises(openai.APIError):
+            for _ in chunks:
+                pass
+        assert server.proc.wait(60) == 1
+        assert "cannot go on" in server.log()
+    finally:
+        follower.kill()
+        if server is not None:
+            server.stop()

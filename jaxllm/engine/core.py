@@ -5,7 +5,8 @@
 Requests go in as `Request`s (token ids, sampling params); each step returns
 `EngineCoreOutputs` (new token ids, logprobs, finish reasons). A step that raises ends only its
 own requests (finish reason "error", traceback logged once); if it took the donated KV cache
-with it, the cache is reallocated and the other running requests are recomputed. Text, choices
+with it, the cache is reallocated and the other running requests are recomputed. Over several
+processes a failed step stops the engine instead (`ProcessGroupError`). Text, choices
 and output kinds are the `OutputProcessor`'s business (engine/output_processor.py), on the
 LLMEngine side.
 """
@@ -64,7 +65,13 @@ class EngineCore:
         t1 = time.perf_counter()
         try:
             runner_output = self.runner.execute(scheduler_output)
-        except Exception:
+        except Exception as e:
+            if self.runner.channel is not None:
+                # Over several processes the others may or may not have run this step (or may be
+                # gone: a collective failed): nothing can be trusted, so the engine stops.
+                self.runner.channel = None      # nobody to release: shutdown() sends nothing
+                raise ProcessGroupError("an engine step failed over several processes (if a process died, its "
+                                        f"collectives fail); the engine cannot go on: {type(e).__name__}: {e}") from e
             # Only this step's requests fail; the engine goes on serving the others.
             logger.exception("engine step failed; its %d request(s) end with an error: %s",
                              len(scheduler_output.scheduled), [r.request_id for r, _ in scheduler_output.scheduled])
@@ -74,6 +81,10 @@ class EngineCore:
         if not scheduler_output.is_empty:
             self.stats.record_step(scheduler_output, runner_output, outputs, t1 - t0, time.perf_counter() - t2)
         return outputs
+
+
+class ProcessGroupError(RuntimeError):
+    """A step over several processes failed (e.g. one of them died): the engine is unusable."""
 
 
 class DataParallelEngineCore:

@@ -8,6 +8,7 @@ model) loads inside the subcommand.
 from __future__ import annotations
 
 import argparse
+import logging
 import dataclasses
 import os
 import re
@@ -215,7 +216,15 @@ def run_serve(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     server_args = from_flags(ServerArgs, args)
     server_args.verify()
-    return run_server(engine_args(args), server_args)
+    code = run_server(engine_args(args), server_args)
+    if code and args.num_processes > 1:
+        # The engine stopped (e.g. another process died). JAX's distributed runtime would wait at
+        # exit for the processes that are gone, then abort; leave now with our own status.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 # ----------------------------------------------------------------------------- generate and chat
