@@ -67,7 +67,7 @@ class ModelRunner:
     pipeline parallelism, with `params` already laid out by `llama.shard_layout` for it (as
     `load_model(..., tensor_parallel_size=tp, pipeline_parallel_size=pp)` gives them); see
     jaxllm/parallel.py. With pp stages, each step's batch is split into pp micro-batches of
-    one bucket (`prepare_micro`) that the step pipelines through the stages."""
+    one bucket (`prepare_step`) that the step pipelines through the stages."""
 
     def __init__(self, config: EngineConfig, spec: llama.ModelSpec, params,
                  attention: AttentionBackend | None = None, mesh=None):

@@ -3,6 +3,10 @@
 - `GuardedH11Protocol` closes a connection whose client has not sent a whole request (headers
   and body) within `request_read_timeout` seconds of starting it, or of connecting. uvicorn
   has no such timer, so a client trickling bytes (slowloris) would hold a connection forever.
+  It also closes a refused request's connection gently (a lingering close): uvicorn answers
+  a malformed or oversized request with 400 and closes at once, and if the client is still
+  sending (a 64 KiB header), the unread bytes make the kernel reset the connection, which can
+  destroy the 400 before the client reads it.
 - `Server` turns SIGTERM/SIGINT into a drain: stop accepting, answer new requests on open
   connections with 503, let running requests finish for `shutdown_timeout` seconds, then end
   every open stream with an error event and `[DONE]` (`Shutdown.stop_streams`), and exit 0 (uvicorn
@@ -20,20 +24,26 @@ import weakref
 
 import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
 logger = logging.getLogger("jaxllm.server")
+
+
+LINGER_S = 2.0     # how long a refused client's remaining bytes are read and dropped
 
 
 def guarded_protocol(read_timeout: float) -> type[H11Protocol]:
     class GuardedH11Protocol(H11Protocol):
         _timer: asyncio.TimerHandle | None = None
+        _lingering = False
 
         def connection_made(self, transport):
             super().connection_made(transport)
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            if self._lingering:
+                return          # what a refused client still sends: dropped
             if self._timer is None and self.conn.their_state is h11.IDLE:
                 self._arm()     # the first bytes of a request on a kept-alive connection
             super().data_received(data)
@@ -52,6 +62,18 @@ def guarded_protocol(read_timeout: float) -> type[H11Protocol]:
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
+
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's 400 for a request h11 refuses, then a half-close instead of a close."""
+            headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]
+            for event in (h11.Response(status_code=400, headers=headers, reason=STATUS_PHRASES[400]),
+                          h11.Data(data=msg.encode("ascii")), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self._disarm()
+            self._lingering = True
+            if self.transport.can_write_eof():
+                self.transport.write_eof()      # the response goes out, then our FIN
+            self.loop.call_later(LINGER_S, self.transport.close)   # at the latest; the client's EOF closes it sooner
 
         def _too_slow(self) -> None:
             self._timer = None
