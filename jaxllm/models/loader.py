@@ -216,7 +216,7 @@ def _cache_key(kind: str, path: str, name: str, dtype: str, tensor_parallel_size
         files = [path]
     else:
         files = [os.path.join(path, "config.json"), *safetensors_files(path)]
-    # One process keeps its old keys.
+    # One device (tp 1, pp 1) keeps its old keys.
     layout = f"|tp{tensor_parallel_size}" if tensor_parallel_size > 1 else ""
     layout += f"|pp{pipeline_parallel_size}" if pipeline_parallel_size > 1 else ""
     h = hashlib.sha256(f"v{CACHE_FORMAT_VERSION}|{dtype}{layout}".encode())
