@@ -49,15 +49,15 @@ def _step(params, kv_cache, ints, floats, penalty_tokens, *, layout: PackedLayou
                                                       mesh=mesh, unpack=lambda i, f: layout.unpack(i, f)[0])
         sampling = SamplingMetadata.concat([layout.unpack(i, f)[1] for i, f in zip(ints, floats)])
         sampling.penalty_tokens = penalty_tokens.reshape(-1, penalty_tokens.shape[-1])
-        tokens, logprob, top_lp, top_ids = sampler.sample(logits, sampling, attention.argmax_logsumexp)
-        return tokens, logprob, top_lp, top_ids, kv_cache
-    inputs, sampling = layout.unpack(ints, floats)
-    sampling = dataclasses.replace(sampling, penalty_tokens=penalty_tokens)
-    if mesh is None:
-        hidden, kv_cache = llama.forward(params, kv_cache, inputs, spec, attention=attention)
-        logits = llama.compute_logits(params, hidden[inputs.logits_indices], spec)
     else:
-        logits, kv_cache = parallel.sharded_forward(params, kv_cache, inputs, spec, attention=attention, mesh=mesh)
+        inputs, sampling = layout.unpack(ints, floats)
+        sampling = dataclasses.replace(sampling, penalty_tokens=penalty_tokens)
+        if mesh is None:
+            hidden, kv_cache = llama.forward(params, kv_cache, inputs, spec, attention=attention)
+            logits = llama.compute_logits(params, hidden[inputs.logits_indices], spec)
+        else:
+            logits, kv_cache = parallel.sharded_forward(params, kv_cache, inputs, spec, attention=attention,
+                                                        mesh=mesh)
     tokens, logprob, top_lp, top_ids = sampler.sample(logits, sampling, attention.argmax_logsumexp)
     return tokens, logprob, top_lp, top_ids, kv_cache
 
@@ -130,9 +130,9 @@ class ModelRunner:
                 self._inputs_sharding)
         return self._buffers[bucket, micro]
 
-    def _demand(self, scheduled) -> tuple[int, int, int, int]:
-        """What a bucket must hold for `scheduled`: (tokens, decodes, prefill rows, sequences)."""
-        q_lens = np.fromiter((q for _, q in scheduled), np.int32, len(scheduled))
+    def _demand(self, q_lens: np.ndarray) -> tuple[int, int, int, int]:
+        """What a bucket must hold for sequences of these query lengths: (tokens, decodes,
+        prefill rows, sequences)."""
         chunks = q_lens[q_lens > 1]
         return (int(q_lens.sum()), len(q_lens) - len(chunks),
                 int(cdiv(chunks, self.attention.prefill_row_tokens).sum()), len(q_lens))
@@ -158,7 +158,7 @@ class ModelRunner:
         q_lens, computed, rows = q_lens[order], computed[order], rows[order]
         num_decodes = int(is_decode.sum())
         num_tokens = int(q_lens.sum())
-        bucket = bucket or pick_bucket(self.buckets, *self._demand(scheduled))
+        bucket = bucket or pick_bucket(self.buckets, *self._demand(q_lens))
         buffers = self._bucket_buffers(bucket, micro)
         inputs, sampling = buffers.inputs, buffers.sampling
         ib, bs = self.input_batch, self.block_size
@@ -198,8 +198,9 @@ class ModelRunner:
             order, has, buffers = self.prepare(scheduled)
             rows[order], has_token[order] = np.arange(n), has
             return rows, has_token, buffers, self._pack(buffers)
-        groups = _split(np.fromiter((q for _, q in scheduled), np.int64, n), self.num_stages)
-        bucket = pick_bucket(self.buckets, *np.max([self._demand([scheduled[i] for i in g]) for g in groups], axis=0))
+        q_lens = np.fromiter((q for _, q in scheduled), np.int32, n)
+        groups = _split(q_lens, self.num_stages)
+        bucket = pick_bucket(self.buckets, *np.max([self._demand(q_lens[g]) for g in groups], axis=0))
         micro = []
         for m, group in enumerate(groups):
             if not len(group):
