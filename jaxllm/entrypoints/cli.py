@@ -183,12 +183,35 @@ def _version() -> str:
     return __version__
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a line is logged (test runners swap it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _):
+        pass
+
+
+def _log_to_stderr() -> None:
+    """jaxllm's INFO lines (the dtype picked, the weights loaded) and warnings on stderr."""
+    log = logging.getLogger("jaxllm")
+    if not log.handlers:
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("jaxllm %(levelname)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
+    _log_to_stderr()
     try:
         return args.run(args) or 0
     except KeyboardInterrupt:
