@@ -196,13 +196,14 @@ class _StderrHandler(logging.StreamHandler):
 
 
 def _log_to_stderr() -> None:
-    """jaxllm's INFO lines (the dtype picked, the weights loaded) and warnings on stderr."""
+    """jaxllm's INFO lines (the dtype picked, the weights loaded) and warnings on stderr, once each."""
     log = logging.getLogger("jaxllm")
     if not log.handlers:
         handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("jaxllm %(levelname)s: %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
+        log.propagate = False   # once: libraries may give the root logger a handler later
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,82 @@
+"""The dtype question on this CPU: XLA:CPU dots in float32 vs bf16 x bf16 -> f32, on the
+default model's weight shapes, next to what `dtype="auto"` picks here.
+
+    python benchmarks/dots.py                 # M = 2, 16, 64, 128, 512 rows
+
+On CPUs without native bf16 dots (no AVX512_BF16, no AMX) XLA widens the bf16 operands on
+every call; this shows by how much that loses (or, for memory-bound shapes, wins) here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
+sys.path.insert(0, HERE)
+from workload import RESULTS, machine_info, now_iso, versions  # noqa: E402
+
+del sys.path[0]
+
+# SmolLM2-135M's weights (K, N): fused QKV, attention output, fused gate/up, down, LM head.
+SHAPES = {"wqkv": (576, 960), "wo": (576, 576), "w_gate_up": (576, 3072), "w_down": (1536, 576),
+          "lm_head": (576, 49152)}
+
+
+def seconds(f, reps: int) -> float:
+    f()
+    f()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def main(argv=None) -> int:
+    from jaxllm.utils import cpu_flags, resolve_dtype
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="2,16,64,128,512", help="M values, comma-separated")
+    ap.add_argument("--out", default=os.path.join(RESULTS, "dots.json"))
+    args = ap.parse_args(argv)
+    dot = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+    rng = np.random.default_rng(0)
+    simd = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
+    pick, why = resolve_dtype("auto", "cpu")
+    print(f"{machine_info()['cpu']}; flags: {' '.join(simd)}\ndtype='auto' picks {pick}: {why}\n")
+    print(f"{'weight':10s} {'M':>4s} {'f32 GFLOP/s':>12s} {'bf16 GFLOP/s':>13s} {'bf16/f32':>9s}")
+    rows = []
+    for name, (k, n) in SHAPES.items():
+        w32 = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32))
+        w16 = w32.astype(jnp.bfloat16)
+        for m in (int(x) for x in args.rows.split(",")):
+            x32 = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
+            x16 = x32.astype(jnp.bfloat16)
+            reps = 10 if n > 10000 else 30
+            t32 = seconds(lambda: dot(x32, w32).block_until_ready(), reps)
+            t16 = seconds(lambda: dot(x16, w16).block_until_ready(), reps)
+            flops = 2 * m * k * n
+            rows.append({"weight": name, "k": k, "n": n, "m": m, "f32_gflops": flops / t32 / 1e9,
+                         "bf16_gflops": flops / t16 / 1e9})
+            print(f"{name:10s} {m:4d} {flops / t32 / 1e9:12.1f} {flops / t16 / 1e9:13.1f} {t32 / t16:8.2f}x",
+                  flush=True)
+    result = {"date": now_iso(), "machine": machine_info(), "simd_flags": simd, "versions": versions(),
+              "auto_dtype": pick, "auto_reason": why, "rows": rows}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
