@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -22,24 +21,13 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, HERE)
-from workload import RESULTS, machine_info, now_iso, versions  # noqa: E402
+from workload import RESULTS, machine_info, now_iso, timeit, versions  # noqa: E402
 
 del sys.path[0]
 
 # SmolLM2-135M's weights (K, N): fused QKV, attention output, fused gate/up, down, LM head.
 SHAPES = {"wqkv": (576, 960), "wo": (576, 576), "w_gate_up": (576, 3072), "w_down": (1536, 576),
           "lm_head": (576, 49152)}
-
-
-def seconds(f, reps: int) -> float:
-    f()
-    f()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 def main(argv=None) -> int:
@@ -63,8 +51,8 @@ def main(argv=None) -> int:
             x32 = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
             x16 = x32.astype(jnp.bfloat16)
             reps = 10 if n > 10000 else 30
-            t32 = seconds(lambda: dot(x32, w32).block_until_ready(), reps)
-            t16 = seconds(lambda: dot(x16, w16).block_until_ready(), reps)
+            t32 = timeit(lambda: dot(x32, w32).block_until_ready(), reps)
+            t16 = timeit(lambda: dot(x16, w16).block_until_ready(), reps)
             flops = 2 * m * k * n
             rows.append({"weight": name, "k": k, "n": n, "m": m, "f32_gflops": flops / t32 / 1e9,
                          "bf16_gflops": flops / t16 / 1e9})

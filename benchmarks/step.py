@@ -17,7 +17,7 @@ import argparse
 import json
 import os
 import platform
-import statistics
+import sys
 import time
 
 import jax
@@ -33,15 +33,12 @@ from jaxllm.models.loader import load_model
 from jaxllm.runner.model_runner import ModelRunner
 from jaxllm.sampling_params import SamplingParams
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
+sys.path.insert(0, HERE)
+from workload import timeit  # noqa: E402
 
-def timeit(fn, repeat=5):
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+del sys.path[0]
 
 
 def matmul_peak(dtype) -> float:

@@ -12,6 +12,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import time
 
 import numpy as np
 
@@ -126,6 +127,17 @@ def versions(names=VERSIONED) -> dict:
         except importlib.metadata.PackageNotFoundError:
             pass
     return out
+
+
+def timeit(fn, repeat=5) -> float:
+    """Median seconds of `repeat` calls of `fn`, after one untimed call (compilation, caches)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
 
 
 def now_iso() -> str:
