@@ -31,7 +31,7 @@ SHAPES = {"wqkv": (576, 960), "wo": (576, 576), "w_gate_up": (576, 3072), "w_dow
 
 
 def main(argv=None) -> int:
-    from jaxllm.utils import cpu_flags, resolve_dtype
+    from jaxllm.utils import resolve_dtype
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="2,16,64,128,512", help="M values, comma-separated")
@@ -39,9 +39,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     dot = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
     rng = np.random.default_rng(0)
-    simd = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
+    machine = machine_info()
     pick, why = resolve_dtype("auto", "cpu")
-    print(f"{machine_info()['cpu']}; flags: {' '.join(simd)}\ndtype='auto' picks {pick}: {why}\n")
+    print(f"{machine['cpu']} (family {machine['cpu_family']}); flags: {machine['simd']}\n"
+          f"dtype='auto' picks {pick}: {why}\n")
     print(f"{'weight':10s} {'M':>4s} {'f32 GFLOP/s':>12s} {'bf16 GFLOP/s':>13s} {'bf16/f32':>9s}")
     rows = []
     for name, (k, n) in SHAPES.items():
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
                          "bf16_gflops": flops / t16 / 1e9})
             print(f"{name:10s} {m:4d} {flops / t32 / 1e9:12.1f} {flops / t16 / 1e9:13.1f} {t32 / t16:8.2f}x",
                   flush=True)
-    result = {"date": now_iso(), "machine": machine_info(), "simd_flags": simd, "versions": versions(),
+    result = {"date": now_iso(), "machine": machine, "versions": versions(),
               "auto_dtype": pick, "auto_reason": why, "rows": rows}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

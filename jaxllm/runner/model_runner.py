@@ -6,8 +6,9 @@ The step function is pure:
         -> (tokens, logprobs, top_logprobs, top_ids, kv_cache)
 
 with `kv_cache` donated, so the pages are updated in place. Its shapes come from a small set
-of buckets (runner/compile.py), all compiled at start-up; the persistent compilation cache
-makes the next start fast. The inputs (`StepInputs`, `SamplingMetadata`) are built by
+of buckets (runner/compile.py), all compiled at start-up (on one thread per core), each kept
+on disk by the executable store (runner/executables.py), which the next start loads without
+tracing. The inputs (`StepInputs`, `SamplingMetadata`) are built by
 `prepare` from the persistent rows of `InputBatch` (runner/input_batch.py), packed into one
 int32 and one float32 buffer (`PackedLayout`, static per bucket) and unpacked inside the step;
 the penalty tokens, `[S, max_model_len]` and usually a cached array of -1s, travel apart.
@@ -17,15 +18,17 @@ not `lax.scan` over stacked ones. Measured on the real step (`benchmarks/step.py
 --compare-scan 1,32`, default model, bf16, context 512, 3 GiB pool, with the jnp attention
 of the time): unrolled 33 ms (batch 1) and 171 ms (batch 32) per step; scan 2270 ms at both,
 because the scanned page arrays are rewritten whole every step (and scan slices each layer's
-weights into fresh buffers). Scan compiles faster per bucket; the persistent compilation
-cache pays the unrolled price once (see the README's start-up figures).
+weights into fresh buffers). Scan compiles faster per bucket; the executable store pays the
+unrolled price once (see the README's start-up figures).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +40,8 @@ from jaxllm.config import EngineConfig
 from jaxllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from jaxllm.models import llama
 from jaxllm.runner import sampler
-from jaxllm.runner.compile import Bucket, make_buckets, pick_bucket
+from jaxllm.runner.compile import Bucket, CompilationCounter, make_buckets, pick_bucket
+from jaxllm.runner.executables import ExecutableStore
 from jaxllm.runner.input_batch import InputBatch, PackedLayout, SamplingMetadata, StepInputs
 from jaxllm.sampling_params import MAX_LOGPROBS
 from jaxllm.utils import cdiv, jnp_dtype
@@ -106,6 +110,13 @@ class ModelRunner:
                                   kernels.storage_dtype(dtype))
         self._step = jax.jit(functools.partial(_step, spec=spec, attention=self.attention, mesh=self.mesh),
                              static_argnames=("layout",), donate_argnums=(1,))
+        # The step compiled per packed layout (one per bucket), loaded from or saved to the
+        # executable store when there is one (one process: over several, each would race).
+        self._compiled: dict[PackedLayout, jax.stages.Compiled] = {}
+        cache_dir = config.compilation_cache_dir
+        self.store = (ExecutableStore(os.path.join(cache_dir, "executables"), repr((spec, self.attention, mesh)))
+                      if cache_dir and jax.process_count() == 1 else None)
+        self.executables_loaded = 0     # steps this runner took from the store (the rest it compiled)
         self._inv_freq = spec.inv_freq()
         self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.max_blocks, self.block_size,
                                       spec.vocab_size)
@@ -267,9 +278,30 @@ class ModelRunner:
         return buffers.ints, buffers.floats, penalty_tokens
 
     def _call(self, layout: PackedLayout, ints, floats, penalty_tokens):
-        """Send the packed inputs, run the jitted step."""
-        ints, floats, penalty_tokens = jax.device_put((ints, floats, penalty_tokens), self._inputs_sharding)
-        return self._step(self.params, self.kv_cache, ints, floats, penalty_tokens, layout=layout)
+        """Send the packed inputs, run the step compiled for `layout`."""
+        args = (self.params, self.kv_cache,
+                *jax.device_put((ints, floats, penalty_tokens), self._inputs_sharding))
+        step = self._compiled.get(layout)
+        if step is None:
+            step, loaded = self._compile(layout, args)
+            self._compiled[layout] = step
+            self.executables_loaded += loaded
+        return step(*args)
+
+    def _compile(self, layout: PackedLayout, args) -> tuple[jax.stages.Compiled, bool]:
+        """The step for `layout`: from the executable store, else traced, compiled and saved.
+        Returns it and whether it was loaded. Safe to call from several threads at once."""
+        key = self.store.key(layout, args) if self.store is not None else None
+        compiled = self.store.load(key) if key is not None else None
+        if compiled is not None:
+            return compiled, True
+        with CompilationCounter(cache_hits=True) as hits:   # (hits on any thread: at worst a save skipped)
+            compiled = self._step.lower(*args, layout=layout).compile()
+        # An executable that JAX's persistent cache loaded (a caller may have turned it on) runs,
+        # but serialized again it fails to run (jax 0.10.2: "Function ... not found").
+        if key is not None and not hits.count:
+            self.store.save(key, compiled)
+        return compiled, False
 
     # ----- several processes: the leader announces, the others follow -----
     def _announce(self, buffers: _BucketBuffers | None, packed, copies) -> None:
@@ -321,14 +353,23 @@ class ModelRunner:
         return (buffers.layout, *self._stack([buffers] * self.num_stages))
 
     def warmup(self, progress: bool = True) -> float:
-        """Compile every bucket (all-padding batches write nowhere). Returns seconds taken."""
+        """Compile (or load) every bucket's step. Returns seconds taken."""
         from tqdm.auto import tqdm
 
         start = time.perf_counter()
-        for bucket in tqdm(self.buckets, desc="compiling buckets", disable=not progress, unit="bucket"):
-            out = self._call(*self._padding(bucket))
-            self.kv_cache = out[-1]
-            jax.block_until_ready(out[0])
+        todo = {}
+        for bucket in self.buckets:
+            layout, *packed = self._padding(bucket)
+            if layout not in self._compiled:
+                todo[layout] = (self.params, self.kv_cache, *jax.device_put(packed, self._inputs_sharding))
+        # XLA compiles and loads with the GIL released: one thread per core runs them side by side.
+        workers = max(1, min(len(todo), len(os.sched_getaffinity(0))))
+        with (ThreadPoolExecutor(workers) as pool,
+              tqdm(total=len(todo), desc="compiling buckets", disable=not progress, unit="bucket") as bar):
+            for layout, (step, loaded) in zip(todo, pool.map(lambda item: self._compile(*item), todo.items())):
+                self._compiled[layout] = step
+                self.executables_loaded += loaded
+                bar.update()
         return time.perf_counter() - start
 
     def recover(self) -> bool:

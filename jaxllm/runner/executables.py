@@ -1,0 +1,109 @@
+"""Compiled steps kept on disk as executables, so a warm start neither traces nor lowers.
+
+JAX's persistent compilation cache (runner/compile.py) saves XLA's work, but it is keyed by the
+lowered program: every start still traces and lowers the 30-layer step once per bucket (about
+two thirds of a warm start's warm-up). `ExecutableStore` keeps each bucket's compiled step
+(`jax.experimental.serialize_executable`) under a key computed without tracing: the versions
+of jax, jaxlib and jaxllm's own sources (Python and C++), the device and its CPU flags,
+XLA_FLAGS, the step's static arguments (model spec, attention backend, mesh, packed layout)
+and the shape, dtype and sharding of every argument. Anything that could change the program
+changes the key; a stale or unreadable file is skipped (and rewritten).
+
+Loading executes code from the file (pickle): the store reads only its own directory, under
+jaxllm's cache root or the user's `compilation_cache_dir`.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import tempfile
+
+import jax
+
+from jaxllm.utils import cpu_flags
+
+logger = logging.getLogger("jaxllm")
+
+_FORMAT = b"jaxllm-executable-1"
+
+
+@functools.cache
+def _sources_digest() -> bytes:
+    """Hash of jaxllm's sources (every .py file and the C++ kernels), names and bytes."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            if name.endswith((".py", ".cc", ".h")):
+                path = os.path.join(folder, name)
+                with open(path, "rb") as f:
+                    h.update(os.path.relpath(path, root).encode() + b"\0" + f.read() + b"\0")
+    return h.digest()
+
+
+def _environment() -> bytes:
+    device = jax.devices()[0]
+    parts = [_FORMAT, jax.__version__, jax.lib.__version__, device.platform, device.client.platform_version,
+             str(jax.device_count()), str(jax.process_count()), " ".join(sorted(cpu_flags())),
+             os.environ.get("XLA_FLAGS", ""), str(jax.config.jax_enable_x64),
+             str(jax.config.jax_default_matmul_precision)]
+    return b"\0".join(p if isinstance(p, bytes) else p.encode() for p in parts) + _sources_digest()
+
+
+def _describe(x) -> str:
+    sharding = getattr(x, "sharding", None)
+    return f"{x.shape}:{x.dtype}:{sharding}"
+
+
+class ExecutableStore:
+    """Compiled steps in `directory`, one file per key (`key`, `load`, `save`)."""
+
+    def __init__(self, directory: str, static: str):
+        """`static`: a description of everything the step closes over (spec, backend, mesh)."""
+        self.directory = directory
+        self._base = hashlib.sha256(_environment() + b"\0" + static.encode()).digest()
+
+    def key(self, layout, args) -> str:
+        """Key of the step compiled for packed layout `layout` and arguments `args`."""
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        h = hashlib.sha256(self._base)
+        for part in (repr(layout), str(treedef), *map(_describe, leaves)):
+            h.update(part.encode() + b"\0")
+        return h.hexdigest()[:32]
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.directory, f"step-{key}.bin")
+
+    def load(self, key: str):
+        """The `jax.stages.Compiled` saved under `key`, or None (missing or unreadable)."""
+        from jax.experimental import serialize_executable
+
+        path = self._path(key)
+        if not os.path.exists(path):
+            return None
+        try:
+            with open(path, "rb") as f:
+                payload, in_tree, out_tree = pickle.load(f)
+            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        except Exception as e:  # a truncated or foreign file: compile afresh and overwrite it
+            logger.warning("ignoring the unreadable compiled step %s (%s: %s)", path, type(e).__name__, e)
+            return None
+
+    def save(self, key: str, compiled) -> None:
+        """Write `compiled` under `key` (atomically; failures are logged, not raised)."""
+        from jax.experimental import serialize_executable
+
+        try:
+            payload = pickle.dumps(serialize_executable.serialize(compiled))
+            os.makedirs(self.directory, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(payload)
+            os.replace(tmp, self._path(key))
+        except Exception as e:  # a step that cannot be serialized still runs; the next start recompiles
+            logger.warning("could not save the compiled step (%s: %s)", type(e).__name__, e)

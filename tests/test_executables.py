@@ -1,0 +1,97 @@
+"""The executable store (runner/executables.py): a warm start loads every compiled step from
+disk, runs it without compiling and gives the tokens a fresh compile gives; its keys follow what
+the step depends on; bad files are recompiled; steps JAX's own cache loaded are not saved."""
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.runner.compile import no_compile_guard
+from jaxllm.runner.executables import ExecutableStore
+from tiny_model import TINY_ENGINE_ARGS
+
+PROMPTS = ["Hello there", "The capital of France is", "def fibonacci(n):" * 9]
+
+
+def greedy(max_tokens):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+def token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _files(directory):
+    return sorted(os.listdir(os.path.join(directory, "executables")))
+
+
+def test_a_warm_start_loads_every_step_and_gives_the_same_tokens(tiny_model_dir, tmp_path, caplog):
+    cache = str(tmp_path)
+    cold = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, compilation_cache_dir=cache)
+    buckets = len(cold.engine.runner.buckets)
+    assert cold.engine.runner.executables_loaded == 0 and len(_files(cache)) == buckets
+    expected = token_ids(cold.generate(PROMPTS, greedy(12), use_tqdm=False))
+    del cold
+
+    warm = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, compilation_cache_dir=cache)
+    assert warm.engine.runner.executables_loaded == buckets
+    with no_compile_guard():     # the loaded steps run as they are
+        assert token_ids(warm.generate(PROMPTS, greedy(12), use_tqdm=False)) == expected
+    del warm
+
+    # A damaged file is skipped with a warning, compiled afresh and written again.
+    victim = os.path.join(cache, "executables", _files(cache)[0])
+    with open(victim, "r+b") as f:
+        f.truncate(100)
+    with caplog.at_level(logging.WARNING, logger="jaxllm"):
+        again = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, compilation_cache_dir=cache)
+    assert "ignoring the unreadable compiled step" in caplog.text
+    assert again.engine.runner.executables_loaded == buckets - 1 and os.path.getsize(victim) > 100
+    assert token_ids(again.generate(PROMPTS, greedy(12), use_tqdm=False)) == expected
+
+
+def test_keys_follow_what_the_step_depends_on(tmp_path, monkeypatch):
+    store = ExecutableStore(str(tmp_path), "spec A")
+    args = (np.zeros((4, 8), np.float32), [np.zeros(3, np.int32)])
+    key = store.key("layout 1", args)
+    assert store.key("layout 1", (np.ones((4, 8), np.float32), [np.ones(3, np.int32)])) == key   # values don't count
+    others = [store.key("layout 2", args),
+              store.key("layout 1", (np.zeros((4, 9), np.float32), [np.zeros(3, np.int32)])),
+              store.key("layout 1", (np.zeros((4, 8), np.float16), [np.zeros(3, np.int32)])),
+              store.key("layout 1", (np.zeros((4, 8), np.float32), (np.zeros(3, np.int32),))),
+              store.key("layout 1", (jax.device_put(np.zeros((4, 8), np.float32)), [np.zeros(3, np.int32)])),
+              ExecutableStore(str(tmp_path), "spec B").key("layout 1", args)]
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true")
+    others.append(ExecutableStore(str(tmp_path), "spec A").key("layout 1", args))
+    assert len({key, *others}) == len(others) + 1
+
+
+def test_steps_loaded_from_jax_persistent_cache_are_not_saved(tiny_model_dir, tmp_path):
+    """With JAX's own cache on (as a JAX user may have it), a step it loads must not enter the
+    store: re-serialized, such an executable fails to run on jax 0.10.2. Run in a subprocess,
+    as turning JAX's cache on is for the whole process."""
+    script = textwrap.dedent(f"""
+        from jaxllm import LLM, SamplingParams
+        from jaxllm.runner.compile import enable_persistent_cache
+        import sys; sys.path.insert(0, "tests")
+        from tiny_model import TINY_ENGINE_ARGS
+        enable_persistent_cache({str(tmp_path / "jax")!r})
+        greedy = SamplingParams(temperature=0, max_tokens=6)
+        outs = []
+        for store in ("first", "second", "second"):
+            llm = LLM({tiny_model_dir!r}, **TINY_ENGINE_ARGS, compilation_cache_dir={str(tmp_path)!r} + "/" + store)
+            outs.append(llm.generate(["Hello there"], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+            print(store, llm.engine.runner.executables_loaded)
+        assert outs[0] == outs[1] == outs[2], outs
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:3] == ["first 0", "second 0", "second 0"]
+    assert _files(str(tmp_path / "first")) and not os.path.exists(tmp_path / "second" / "executables")
