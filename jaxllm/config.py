@@ -94,6 +94,9 @@ class EngineArgs:
         None, "paged attention implementation: 'native' (C++ CPU kernel), 'cpu' (jnp rows), 'pallas' (GPU), "
               "'reference' (dense oracle); default: by platform", choices=ATTENTION_BACKENDS)
     warmup: bool = option(True, "compile every step shape at start-up (off: compile on first use)")
+    background_compile: bool = option(
+        False, "with warmup, start serving while the step shapes compile: a batch runs in the smallest "
+               "compiled shape that holds it, or waits for its own (one process only)")
 
     def verify(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -172,6 +175,7 @@ class EngineConfig:
     pipeline_parallel_size: int
     compilation_cache_dir: str
     warmup: bool
+    background_compile: bool
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -246,4 +250,5 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
         pipeline_parallel_size=args.pipeline_parallel_size,
         compilation_cache_dir=compilation_cache_dir,
         warmup=args.warmup,
+        background_compile=args.background_compile,
     )

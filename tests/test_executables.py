@@ -57,7 +57,7 @@ def test_a_warm_start_loads_every_step_and_gives_the_same_tokens(tiny_model_dir,
 
 
 def test_keys_follow_what_the_step_depends_on(tmp_path, monkeypatch):
-    store = ExecutableStore(str(tmp_path), "spec A")
+    store = ExecutableStore(str(tmp_path), "spec A", jax.devices()[:1])
     args = (np.zeros((4, 8), np.float32), [np.zeros(3, np.int32)])
     key = store.key("layout 1", args)
     assert store.key("layout 1", (np.ones((4, 8), np.float32), [np.ones(3, np.int32)])) == key   # values don't count
@@ -66,9 +66,9 @@ def test_keys_follow_what_the_step_depends_on(tmp_path, monkeypatch):
               store.key("layout 1", (np.zeros((4, 8), np.float16), [np.zeros(3, np.int32)])),
               store.key("layout 1", (np.zeros((4, 8), np.float32), (np.zeros(3, np.int32),))),
               store.key("layout 1", (jax.device_put(np.zeros((4, 8), np.float32)), [np.zeros(3, np.int32)])),
-              ExecutableStore(str(tmp_path), "spec B").key("layout 1", args)]
+              ExecutableStore(str(tmp_path), "spec B", jax.devices()[:1]).key("layout 1", args)]
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true")
-    others.append(ExecutableStore(str(tmp_path), "spec A").key("layout 1", args))
+    others.append(ExecutableStore(str(tmp_path), "spec A", jax.devices()[:1]).key("layout 1", args))
     assert len({key, *others}) == len(others) + 1
 
 
@@ -95,3 +95,37 @@ def test_steps_loaded_from_jax_persistent_cache_are_not_saved(tiny_model_dir, tm
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[:3] == ["first 0", "second 0", "second 0"]
     assert _files(str(tmp_path / "first")) and not os.path.exists(tmp_path / "second" / "executables")
+
+
+def test_background_compile_gives_the_same_tokens(tiny_model_dir, tmp_path):
+    cache = str(tmp_path)
+    llm = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, compilation_cache_dir=cache, background_compile=True)
+    runner = llm.engine.runner
+    assert len(runner._pending) + len(runner._compiled) == len(runner.buckets)
+    got = token_ids(llm.generate(PROMPTS, greedy(12), use_tqdm=False))
+    runner.wait_compiled()
+    assert not runner._pending and set(runner._compiled) == set(runner.buckets)
+    with no_compile_guard():
+        assert token_ids(llm.generate(PROMPTS, greedy(12), use_tqdm=False)) == got
+    reference = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, compilation_cache_dir="")     # compiled up front
+    assert token_ids(reference.generate(PROMPTS, greedy(12), use_tqdm=False)) == got
+
+
+def test_a_step_takes_the_smallest_ready_bucket_that_holds_it(tiny_model_dir):
+    from concurrent.futures import Future
+
+    runner = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, warmup=False, compilation_cache_dir="").engine.runner
+    one_decode = (1, 1, 0, 1)             # tokens, decodes, prefill rows, sequences
+    smallest, largest = runner.buckets[0], runner.buckets[-1]
+    futures = {b: Future() for b in runner.buckets}
+    runner._pending = dict(futures)
+    assert runner._pick(one_decode) == smallest                       # nothing ready: wait for its own
+    runner._compiled = {largest: None}
+    del runner._pending[largest]
+    assert runner._pick(one_decode) == largest                        # a larger ready one serves at once
+    futures[runner.buckets[1]].set_result(None)
+    assert runner._pick(one_decode) == runner.buckets[1]              # the smallest ready one
+    futures[smallest].set_result(None)
+    assert runner._pick(one_decode) == smallest
+    assert runner._pick((largest.num_tokens, 0, 1, 1)) == largest    # only the largest holds it
+    runner._pending = {}

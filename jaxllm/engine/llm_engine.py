@@ -73,7 +73,9 @@ class LLMEngine:
         self.scheduler, self.kv_cache_manager, self.runner, self.stats = (
             first.scheduler, first.kv_cache_manager, first.runner, stats)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.warmup_seconds = sum(r.runner.warmup(progress) for r in self.replicas) if self.config.warmup else 0.0
+        background = self.config.background_compile and not many_processes
+        self.warmup_seconds = (sum(r.runner.warmup(progress, background) for r in self.replicas)
+                               if self.config.warmup else 0.0)
         self._rng = random.Random(self.config.seed)
         # n > 1: the other choices wait until the first has computed the prompt, then reuse
         # its pages through the prefix cache (first choice's id -> its replica, the others).

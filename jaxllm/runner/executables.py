@@ -57,15 +57,19 @@ def _environment() -> bytes:
 
 def _describe(x) -> str:
     sharding = getattr(x, "sharding", None)
-    return f"{x.shape}:{x.dtype}:{sharding}"
+    devices = sorted(d.id for d in sharding.device_set) if sharding is not None else None
+    return f"{x.shape}:{x.dtype}:{sharding}:{devices}"   # (a sharding's repr leaves its devices out)
 
 
 class ExecutableStore:
     """Compiled steps in `directory`, one file per key (`key`, `load`, `save`)."""
 
-    def __init__(self, directory: str, static: str):
-        """`static`: a description of everything the step closes over (spec, backend, mesh)."""
+    def __init__(self, directory: str, static: str, devices):
+        """`static`: a description of everything the step closes over (spec, backend, mesh);
+        `devices`: the devices the step runs on, in the mesh's order (or the one device)."""
         self.directory = directory
+        self.devices = list(devices)
+        static += f"\0devices {[d.id for d in self.devices]}"
         self._base = hashlib.sha256(_environment() + b"\0" + static.encode()).digest()
 
     def key(self, layout, args) -> str:
@@ -89,7 +93,8 @@ class ExecutableStore:
         try:
             with open(path, "rb") as f:
                 payload, in_tree, out_tree = pickle.load(f)
-            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                             execution_devices=self.devices)
         except Exception as e:  # a truncated or foreign file: compile afresh and overwrite it
             logger.warning("ignoring the unreadable compiled step %s (%s: %s)", path, type(e).__name__, e)
             return None

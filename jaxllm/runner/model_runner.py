@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -112,10 +112,14 @@ class ModelRunner:
                              static_argnames=("layout",), donate_argnums=(1,))
         # The step compiled per packed layout (one per bucket), loaded from or saved to the
         # executable store when there is one (one process: over several, each would race).
-        self._compiled: dict[PackedLayout, jax.stages.Compiled] = {}
+        self._compiled: dict[Bucket, jax.stages.Compiled] = {}
+        # Buckets still compiling or loading on `_pool` (`warmup(background=True)`).
+        self._pending: dict[Bucket, Future] = {}
+        self._pool: ThreadPoolExecutor | None = None
         cache_dir = config.compilation_cache_dir
-        self.store = (ExecutableStore(os.path.join(cache_dir, "executables"), repr((spec, self.attention, mesh)))
-                      if cache_dir and jax.process_count() == 1 else None)
+        devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
+        self.store = (ExecutableStore(os.path.join(cache_dir, "executables"), repr((spec, self.attention, mesh)),
+                                      devices) if cache_dir and jax.process_count() == 1 else None)
         self.executables_loaded = 0     # steps this runner took from the store (the rest it compiled)
         self._inv_freq = spec.inv_freq()
         self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.max_blocks, self.block_size,
@@ -169,7 +173,7 @@ class ModelRunner:
         q_lens, computed, rows = q_lens[order], computed[order], rows[order]
         num_decodes = int(is_decode.sum())
         num_tokens = int(q_lens.sum())
-        bucket = bucket or pick_bucket(self.buckets, *self._demand(q_lens))
+        bucket = bucket or self._pick(self._demand(q_lens))
         buffers = self._bucket_buffers(bucket, micro)
         inputs, sampling = buffers.inputs, buffers.sampling
         ib, bs = self.input_batch, self.block_size
@@ -211,7 +215,7 @@ class ModelRunner:
             return rows, has_token, buffers, self._pack(buffers)
         q_lens = np.fromiter((q for _, q in scheduled), np.int32, n)
         groups = _split(q_lens, self.num_stages)
-        bucket = pick_bucket(self.buckets, *np.max([self._demand(q_lens[g]) for g in groups], axis=0))
+        bucket = self._pick(np.max([self._demand(q_lens[g]) for g in groups], axis=0))
         micro = []
         for m, group in enumerate(groups):
             if not len(group):
@@ -254,7 +258,7 @@ class ModelRunner:
             empty = np.zeros((0, MAX_LOGPROBS))
             return ModelRunnerOutput(np.zeros(0, np.int32), np.zeros(0, np.float32), empty, empty)
         t1 = time.perf_counter()
-        tokens, logprob, top_lp, top_ids, self.kv_cache = self._call(buffers.layout, *packed)
+        tokens, logprob, top_lp, top_ids, self.kv_cache = self._call(buffers.bucket, *packed)
         # Waiting for every step's tokens keeps one sharded step in flight: with ~32 queued,
         # XLA:CPU's virtual devices deadlock in their collectives (README, Sharding).
         tokens, logprob, top_lp, top_ids = (_fetch(x) for x in (tokens, logprob, top_lp, top_ids))
@@ -277,16 +281,45 @@ class ModelRunner:
         buffers.sampling.penalty_tokens = penalty_tokens
         return buffers.ints, buffers.floats, penalty_tokens
 
-    def _call(self, layout: PackedLayout, ints, floats, penalty_tokens):
-        """Send the packed inputs, run the step compiled for `layout`."""
-        args = (self.params, self.kv_cache,
-                *jax.device_put((ints, floats, penalty_tokens), self._inputs_sharding))
-        step = self._compiled.get(layout)
-        if step is None:
-            step, loaded = self._compile(layout, args)
-            self._compiled[layout] = step
-            self.executables_loaded += loaded
-        return step(*args)
+    def _call(self, bucket: Bucket, ints, floats, penalty_tokens):
+        """Send the packed inputs, run the bucket's step."""
+        step = self._compiled.get(bucket) or self._ready(bucket)
+        return step(self.params, self.kv_cache, *jax.device_put((ints, floats, penalty_tokens), self._inputs_sharding))
+
+    def _pick(self, demand) -> Bucket:
+        """The smallest bucket that holds `demand` (`_demand`'s tuple) and is compiled, else the
+        smallest that holds it (the step then waits for it, or compiles it at once)."""
+        fits = [b for b in self.buckets if b.fits(*demand)] or [pick_bucket(self.buckets, *demand)]  # (raises)
+        return next((b for b in fits if b in self._compiled or (b in self._pending and self._pending[b].done())),
+                    fits[0])
+
+    def _ready(self, bucket: Bucket, cancel: bool = True) -> jax.stages.Compiled:
+        """The bucket's step: its background compilation's result (waiting if it is under way),
+        or (`cancel`: if it has not started) compiled here and now."""
+        future = self._pending.pop(bucket, None)
+        if future is not None and not (cancel and future.cancel()):
+            step, loaded = future.result()
+        else:
+            step, loaded = self._compile(*self._compile_args(bucket))
+        self._compiled[bucket] = step
+        self.executables_loaded += loaded
+        if not self._pending and self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+        return step
+
+    def wait_compiled(self) -> None:
+        """Return once every bucket's step is ready (after `warmup(background=True)`)."""
+        for bucket in list(self._pending):
+            self._ready(bucket, cancel=False)
+
+    def _compile_args(self, bucket: Bucket):
+        """(layout, abstract step arguments) of the bucket: shapes, dtypes and shardings only, so
+        compiling in the background never touches the KV cache that steps donate meanwhile."""
+        layout, *packed = self._padding(bucket)
+        args = (self.params, self.kv_cache, *jax.device_put(packed, self._inputs_sharding))
+        return layout, jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                              args)
 
     def _compile(self, layout: PackedLayout, args) -> tuple[jax.stages.Compiled, bool]:
         """The step for `layout`: from the executable store, else traced, compiled and saved.
@@ -324,11 +357,11 @@ class ModelRunner:
                 src, dst = self.channel.arrays(np.zeros(num_copies, np.int32), np.zeros(num_copies, np.int32))
                 self.copy_pages(list(src), list(dst))
             if bucket >= 0:
-                layout, ints, floats, no_penalties = self._padding(self.buckets[bucket])
+                _, ints, floats, no_penalties = self._padding(self.buckets[bucket])
                 ints, floats = self.channel.arrays(ints, floats)
                 penalty_tokens = (self.channel.arrays(np.zeros(no_penalties.shape, np.int32))[0]
                                   if penalties else no_penalties)
-                self.kv_cache = self._call(layout, ints, floats, penalty_tokens)[-1]
+                self.kv_cache = self._call(self.buckets[bucket], ints, floats, penalty_tokens)[-1]
 
     def stop_followers(self) -> None:
         """On process 0: let the other processes' `follow` return."""
@@ -352,24 +385,30 @@ class ModelRunner:
             return buffers.layout, buffers.ints, buffers.floats, self._no_penalty_tokens[bucket.num_seqs]
         return (buffers.layout, *self._stack([buffers] * self.num_stages))
 
-    def warmup(self, progress: bool = True) -> float:
-        """Compile (or load) every bucket's step. Returns seconds taken."""
+    def warmup(self, progress: bool = True, background: bool = False) -> float:
+        """Compile (or load) every bucket's step, on one thread per core (XLA compiles and loads
+        with the GIL released). With `background`, return at once: a step whose bucket is not
+        ready takes a larger ready one that holds it, else waits for (or compiles) its own;
+        `wait_compiled` waits for all. Returns seconds taken."""
         from tqdm.auto import tqdm
 
         start = time.perf_counter()
-        todo = {}
-        for bucket in self.buckets:
-            layout, *packed = self._padding(bucket)
-            if layout not in self._compiled:
-                todo[layout] = (self.params, self.kv_cache, *jax.device_put(packed, self._inputs_sharding))
-        # XLA compiles and loads with the GIL released: one thread per core runs them side by side.
-        workers = max(1, min(len(todo), len(os.sched_getaffinity(0))))
-        with (ThreadPoolExecutor(workers) as pool,
-              tqdm(total=len(todo), desc="compiling buckets", disable=not progress, unit="bucket") as bar):
-            for layout, (step, loaded) in zip(todo, pool.map(lambda item: self._compile(*item), todo.items())):
-                self._compiled[layout] = step
-                self.executables_loaded += loaded
-                bar.update()
+        todo = [b for b in self.buckets if b not in self._compiled and b not in self._pending]
+        if not todo:
+            return 0.0
+        bar = tqdm(total=len(todo), desc="compiling buckets", disable=not progress, unit="bucket")
+
+        def one_done(_):
+            bar.update()
+            if bar.n >= bar.total:
+                bar.close()
+        self._pool = self._pool or ThreadPoolExecutor(len(os.sched_getaffinity(0)), thread_name_prefix="jaxllm-compile")
+        for bucket in todo:
+            future = self._pool.submit(self._compile, *self._compile_args(bucket))
+            future.add_done_callback(one_done)
+            self._pending[bucket] = future
+        if not background:
+            self.wait_compiled()
         return time.perf_counter() - start
 
     def recover(self) -> bool:
