@@ -318,7 +318,28 @@ def results_markdown(results: str = RESULTS, serving_files: list[str] = (), run_
         for r in step["rows"]:
             out.append(f"| {r['kind']} batch {r['batch']} | {r['tokens']} | {r['step_ms']:.1f} | "
                        f"{r['tokens_per_s']:.0f} | {r['roofline_ms']:.1f} | {100 * r['fraction_of_roofline']:.0f}% |")
+        split = [r for r in step["rows"] if "gemm_ms" in r]
+        if split:
+            out += ["", "Where a decode step's time goes (each part timed alone at the step's shapes; "
+                    "`benchmarks/step.py`):", "",
+                    "| batch | step ms | host | GEMMs | attention | sampler | other | GEMM GFLOP/s | attention GB/s |",
+                    "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            for r in split:
+                out.append(f"| {r['batch']} | {r['step_ms']:.1f} | "
+                           + " | ".join(f"{r[k + '_ms']:.1f}" for k in ("host", "gemm", "attention", "sampler", "other"))
+                           + f" | {r['gemm_gflops']:.0f} | {r['attention_gbs']:.1f} |")
+        if isinstance(step.get("machine"), dict):
+            out += ["", _provenance(step)]
         out.append("")
+    startup = _load_json(os.path.join(results, "startup.json"))
+    if startup:
+        out += ["### Start-up to the first token", "",
+                "| start | to first token s | import | engine (of which warm-up) | first token | steps loaded |",
+                "|---|---:|---:|---:|---:|---:|"]
+        for r in startup["runs"]:
+            out.append(f"| {r['kind']} | {r['process_s']:.1f} | {r['import_s']:.1f} | {r['engine_s']:.1f} "
+                       f"({r['warmup_s']:.1f}) | {r['first_token_s']:.2f} | {r['steps_loaded']}/{r['buckets']} |")
+        out += ["", _provenance(startup), ""]
     return "\n".join(out)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -40,7 +41,7 @@ t3 = time.perf_counter()
 runner = llm.engine.runner
 print("RESULT " + json.dumps({"import_s": t1 - t0, "engine_s": t2 - t1, "warmup_s": llm.engine.warmup_seconds,
                               "first_token_s": t3 - t2, "buckets": len(runner.buckets),
-                              "steps_loaded": runner.executables_loaded, "dtype": llm.engine.config.dtype}))
+                              "steps_loaded": runner.steps.loaded, "dtype": llm.engine.config.dtype}))
 """
 
 
@@ -78,6 +79,7 @@ def main(argv=None) -> int:
                   f"{row['dtype']})", flush=True)
     warm = sorted(r["process_s"] for r in runs[1:])
     result = {"date": now_iso(), "machine": machine, "versions": versions(), "engine_args": engine_args,
+              "command": shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
               "cold_s": runs[0]["process_s"], "warm_median_s": warm[len(warm) // 2] if warm else None, "runs": runs}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

@@ -1,11 +1,18 @@
-"""Step time of the jitted model step vs batch shape, next to this machine's roofline.
+"""Step time of the jitted model step vs batch shape, where it goes, and this machine's roofline.
 
-    python benchmarks/step.py [--dtype bfloat16] [--context 512] [--out benchmarks/results/step.json]
+    python benchmarks/step.py [--dtype auto] [--context 512] [--out benchmarks/results/step.json]
 
 Decode steps of batch 1..256 at a fixed context, and prefill steps of 64..512 prompt tokens,
 each timed through the real ModelRunner (host preparation + device step + sampling). The
 roofline is measured by the same script: matmul peak for the dtype (a [512, 576] x
 [576, 1536] GEMM, the model's shape) and donated read+write memory bandwidth.
+
+Each decode step is also split into parts, each timed alone at the step's shapes: host (the
+runner's input preparation and the transfers around the step), GEMMs (every layer's QKV, output,
+gate/up and down projections chained as in the model, plus the LM head on the sampled rows),
+attention (the backend's kernel over every layer's pages) and the sampler; "other" is the rest
+of the step (norms, RoPE, KV writes, embedding). GEMMs are shown in GFLOP/s against the matmul
+peak, attention in GB/s of KV pages read against the memory bandwidth.
 
 `--compare-scan` also times the same forward pass with `lax.scan` over stacked layer weights
 and stacked KV pages (the alternative to the runner's unrolled loop), compile time included.
@@ -16,7 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import shlex
 import sys
 import time
 
@@ -36,7 +43,7 @@ from jaxllm.sampling_params import SamplingParams
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, HERE)
-from workload import timeit  # noqa: E402
+from workload import machine_info, now_iso, timeit, versions  # noqa: E402
 
 del sys.path[0]
 
@@ -116,9 +123,40 @@ def compare_scan(runner, spec, params, kv: KVCacheManager, batch: int, context: 
     return dict(batch=batch, context=context, **{f"{k}_{m}": v for k, d in out.items() for m, v in d.items()})
 
 
+def breakdown(runner, spec, params, scheduled) -> dict:
+    """Seconds of the step's parts for `scheduled`, each timed alone at the step's shapes."""
+    from jaxllm.runner import sampler
+
+    _, _, buffers = runner.prepare(scheduled)
+    inputs = jax.device_put(buffers.inputs)
+    T, S = inputs.token_ids.shape[0], buffers.bucket.num_seqs
+    x = jnp.ones((T, spec.hidden_size), jnp.float32)
+
+    @jax.jit
+    def gemms(params, x):
+        for layer in params["layers"]:
+            qkv = llama.matmul(x, layer["wqkv"])
+            x = x + llama.matmul(qkv[:, :spec.q_size], layer["wo"])
+            gate, up = jnp.split(llama.matmul(x, layer["w_gate_up"]), 2, axis=-1)
+            x = x + llama.matmul(jax.nn.silu(gate) * up, layer["w_down"])
+        return llama.compute_logits(params, x[:S], spec)
+
+    @jax.jit
+    def attention(kv_cache, q, inputs):
+        return [runner.attention.forward(q, k, v, inputs) for k, v in kv_cache]
+
+    q = jnp.ones((T, spec.num_heads, spec.head_dim), jnp.float32)
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((S, spec.vocab_size), np.float32))
+    sampling = jax.device_put(buffers.sampling)
+    sample = jax.jit(lambda logits, s: sampler.sample(logits, s, runner.attention.argmax_logsumexp))
+    return {"gemm": timeit(lambda: gemms(params, x).block_until_ready(), 5),
+            "attention": timeit(lambda: jax.block_until_ready(attention(runner.kv_cache, q, inputs)), 5),
+            "sampler": timeit(lambda: jax.block_until_ready(sample(logits, sampling)), 5)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto (what the engine picks here), float32 or bfloat16")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--batches", default="1,8,32,64,128,256")
     ap.add_argument("--prefill", default="64,128,256,512")
@@ -126,6 +164,11 @@ def main():
     ap.add_argument("--compare-scan", default="", help="decode batch sizes to time with lax.scan too, e.g. 1,32")
     args = ap.parse_args()
 
+    from jaxllm.utils import resolve_dtype
+
+    args.dtype, why = resolve_dtype(args.dtype, jax.devices()[0].platform)
+    machine = machine_info()
+    print(f"{machine['cpu']} (family {machine['cpu_family']}); flags: {machine['simd']}; dtype {args.dtype} ({why})")
     loaded = load_model(None, dtype=args.dtype, progress=False)
     spec = loaded.spec
     eargs = EngineArgs(dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=2048,
@@ -134,7 +177,8 @@ def main():
     runner = ModelRunner(config, spec, loaded.params)
     rng = np.random.default_rng(0)
     weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(loaded.params))
-    peak = matmul_peak(jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
+    llama_dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    peak = matmul_peak(llama_dtype)
     bw = memory_bandwidth()
     flops_per_token = 2 * sum(x.size for layer in loaded.params["layers"] for k, x in layer.items() if x.ndim == 2)
     lm_head_flops = 2 * spec.hidden_size * spec.vocab_size
@@ -143,7 +187,11 @@ def main():
     def measure(kind, batch, num_new):
         kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size)
         scheduled = make_requests(kv, batch, args.context if kind == "decode" else num_new, num_new, rng)
-        dt = timeit(lambda: runner.execute(SchedulerOutput(scheduled)), 3)
+        timings = []
+
+        def step():
+            timings.append(runner.execute(SchedulerOutput(scheduled)).timings)
+        dt = timeit(step, 3)
         tokens = batch * num_new
         flops = tokens * flops_per_token + batch * lm_head_flops
         roof = max(flops / peak, weight_bytes / bw)
@@ -153,6 +201,19 @@ def main():
         r = rows[-1]
         print(f"{kind:8s} batch {batch:4d} tokens {tokens:4d}: {r['step_ms']:8.1f} ms  {r['tokens_per_s']:8.1f} tok/s"
               f"  roofline {r['roofline_ms']:7.1f} ms ({100 * r['fraction_of_roofline']:.0f}%)", flush=True)
+        if kind != "decode":
+            return
+        parts = breakdown(runner, spec, runner.params, scheduled)
+        parts["host"] = max(0.0, dt - float(np.median([t["device"] for t in timings])))
+        parts["other"] = max(0.0, dt - sum(parts.values()))
+        kv_bytes = (2 * batch * args.context * spec.num_kv_heads * spec.head_dim * spec.num_layers
+                    * jnp.dtype(llama_dtype).itemsize)
+        r.update({f"{k}_ms": v * 1e3 for k, v in parts.items()},
+                 gemm_gflops=flops / parts["gemm"] / 1e9, attention_gbs=kv_bytes / parts["attention"] / 1e9)
+        print("    " + ", ".join(f"{k} {v * 1e3:.1f} ms ({100 * v / dt:.0f}%)" for k, v in parts.items())
+              + f"; GEMMs {r['gemm_gflops']:.0f} GFLOP/s ({100 * r['gemm_gflops'] * 1e9 / peak:.0f}% of peak), "
+              f"attention {r['attention_gbs']:.1f} GB/s ({100 * r['attention_gbs'] * 1e9 / bw:.0f}% of bandwidth)",
+              flush=True)
 
     print(f"matmul peak {peak / 1e9:.0f} GFLOP/s ({args.dtype}), memory {bw / 1e9:.1f} GB/s, "
           f"weights {weight_bytes / 1e6:.0f} MB")
@@ -166,8 +227,8 @@ def main():
         scan_rows.append(compare_scan(runner, spec, runner.params, kv, int(b), args.context, rng))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(machine=platform.processor() or platform.machine(), cpus=os.cpu_count(), jax=jax.__version__,
-                       dtype=args.dtype, matmul_peak_flops=peak, memory_bandwidth=bw, weight_bytes=weight_bytes,
+        json.dump(dict(date=now_iso(), machine=machine, versions=versions(),
+                       command=shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:]), dtype=args.dtype, matmul_peak_flops=peak, memory_bandwidth=bw, weight_bytes=weight_bytes,
                        rows=rows, scan_vs_unrolled=scan_rows), f, indent=1)
 
 

@@ -35,12 +35,12 @@ def test_a_warm_start_loads_every_step_and_gives_the_same_tokens(tiny_model_dir,
     cache = str(tmp_path)
     cold = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, compilation_cache_dir=cache)
     buckets = len(cold.engine.runner.buckets)
-    assert cold.engine.runner.executables_loaded == 0 and len(_files(cache)) == buckets
+    assert cold.engine.runner.steps.loaded == 0 and len(_files(cache)) == buckets
     expected = token_ids(cold.generate(PROMPTS, greedy(12), use_tqdm=False))
     del cold
 
     warm = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, compilation_cache_dir=cache)
-    assert warm.engine.runner.executables_loaded == buckets
+    assert warm.engine.runner.steps.loaded == buckets
     with no_compile_guard():     # the loaded steps run as they are
         assert token_ids(warm.generate(PROMPTS, greedy(12), use_tqdm=False)) == expected
     del warm
@@ -52,7 +52,7 @@ def test_a_warm_start_loads_every_step_and_gives_the_same_tokens(tiny_model_dir,
     with caplog.at_level(logging.WARNING, logger="jaxllm"):
         again = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, compilation_cache_dir=cache)
     assert "ignoring the unreadable compiled step" in caplog.text
-    assert again.engine.runner.executables_loaded == buckets - 1 and os.path.getsize(victim) > 100
+    assert again.engine.runner.steps.loaded == buckets - 1 and os.path.getsize(victim) > 100
     assert token_ids(again.generate(PROMPTS, greedy(12), use_tqdm=False)) == expected
 
 
@@ -87,7 +87,7 @@ def test_steps_loaded_from_jax_persistent_cache_are_not_saved(tiny_model_dir, tm
         for store in ("first", "second", "second"):
             llm = LLM({tiny_model_dir!r}, **TINY_ENGINE_ARGS, compilation_cache_dir={str(tmp_path)!r} + "/" + store)
             outs.append(llm.generate(["Hello there"], greedy, use_tqdm=False)[0].outputs[0].token_ids)
-            print(store, llm.engine.runner.executables_loaded)
+            print(store, llm.engine.runner.steps.loaded)
         assert outs[0] == outs[1] == outs[2], outs
     """)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -101,10 +101,10 @@ def test_background_compile_gives_the_same_tokens(tiny_model_dir, tmp_path):
     cache = str(tmp_path)
     llm = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, compilation_cache_dir=cache, background_compile=True)
     runner = llm.engine.runner
-    assert len(runner._pending) + len(runner._compiled) == len(runner.buckets)
+    assert len(runner.steps.pending) + len(runner.steps.ready) == len(runner.buckets)
     got = token_ids(llm.generate(PROMPTS, greedy(12), use_tqdm=False))
     runner.wait_compiled()
-    assert not runner._pending and set(runner._compiled) == set(runner.buckets)
+    assert not runner.steps.pending and set(runner.steps.ready) == set(runner.buckets)
     with no_compile_guard():
         assert token_ids(llm.generate(PROMPTS, greedy(12), use_tqdm=False)) == got
     reference = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, compilation_cache_dir="")     # compiled up front
@@ -118,14 +118,14 @@ def test_a_step_takes_the_smallest_ready_bucket_that_holds_it(tiny_model_dir):
     one_decode = (1, 1, 0, 1)             # tokens, decodes, prefill rows, sequences
     smallest, largest = runner.buckets[0], runner.buckets[-1]
     futures = {b: Future() for b in runner.buckets}
-    runner._pending = dict(futures)
-    assert runner._pick(one_decode) == smallest                       # nothing ready: wait for its own
-    runner._compiled = {largest: None}
-    del runner._pending[largest]
-    assert runner._pick(one_decode) == largest                        # a larger ready one serves at once
+    runner.steps.pending = dict(futures)
+    assert runner.steps.pick(one_decode) == smallest                       # nothing ready: wait for its own
+    runner.steps.ready = {largest: None}
+    del runner.steps.pending[largest]
+    assert runner.steps.pick(one_decode) == largest                        # a larger ready one serves at once
     futures[runner.buckets[1]].set_result(None)
-    assert runner._pick(one_decode) == runner.buckets[1]              # the smallest ready one
+    assert runner.steps.pick(one_decode) == runner.buckets[1]              # the smallest ready one
     futures[smallest].set_result(None)
-    assert runner._pick(one_decode) == smallest
-    assert runner._pick((largest.num_tokens, 0, 1, 1)) == largest    # only the largest holds it
-    runner._pending = {}
+    assert runner.steps.pick(one_decode) == smallest
+    assert runner.steps.pick((largest.num_tokens, 0, 1, 1)) == largest    # only the largest holds it
+    runner.steps.pending = {}

@@ -1,4 +1,5 @@
-"""Compiled steps kept on disk as executables, so a warm start neither traces nor lowers.
+"""Each bucket's compiled step (`CompiledSteps`), kept on disk as an executable
+(`ExecutableStore`), so a warm start neither traces nor lowers.
 
 JAX's persistent compilation cache (runner/compile.py) saves XLA's work, but it is keyed by the
 lowered program: every start still traces and lowers the 30-layer step once per bucket (about
@@ -21,9 +22,12 @@ import logging
 import os
 import pickle
 import tempfile
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 
+from jaxllm.runner.compile import Bucket, CompilationCounter, pick_bucket
 from jaxllm.utils import cpu_flags
 
 logger = logging.getLogger("jaxllm")
@@ -112,3 +116,88 @@ class ExecutableStore:
             os.replace(tmp, self._path(key))
         except Exception as e:  # a step that cannot be serialized still runs; the next start recompiles
             logger.warning("could not save the compiled step (%s: %s)", type(e).__name__, e)
+
+
+class CompiledSteps:
+    """The step compiled per bucket: loaded from `store` or compiled (and saved there), on one
+    thread per core (XLA compiles and loads with the GIL released), up front or in the background.
+
+    `jitted(*args, layout=...)` is the step; `abstract_args(bucket) -> (layout, args)` gives a
+    bucket's static layout and abstract arguments (called on the caller's thread only)."""
+
+    def __init__(self, jitted, buckets: list[Bucket], store: ExecutableStore | None, abstract_args):
+        self.jitted, self.buckets, self.store = jitted, buckets, store
+        self._abstract_args = abstract_args
+        self.ready: dict[Bucket, jax.stages.Compiled] = {}
+        self.pending: dict[Bucket, Future] = {}      # compiling or loading on `_pool`
+        self._pool: ThreadPoolExecutor | None = None
+        self.loaded = 0                              # steps taken from the store (the rest were compiled)
+
+    def compile(self, layout, args) -> tuple[jax.stages.Compiled, bool]:
+        """The step for `layout` and `args`: from the store, else traced, compiled and saved.
+        Returns it and whether it was loaded. Safe to call from several threads at once."""
+        key = self.store.key(layout, args) if self.store is not None else None
+        compiled = self.store.load(key) if key is not None else None
+        if compiled is not None:
+            return compiled, True
+        with CompilationCounter(cache_hits=True) as hits:   # (hits on any thread: at worst a save skipped)
+            compiled = self.jitted.lower(*args, layout=layout).compile()
+        # An executable that JAX's persistent cache loaded (a caller may have turned it on) runs,
+        # but serialized again it fails to run (jax 0.10.2: "Function ... not found").
+        if key is not None and not hits.count:
+            self.store.save(key, compiled)
+        return compiled, False
+
+    def start(self, progress: bool = True, background: bool = False) -> float:
+        """Compile (or load) every bucket's step. With `background`, return at once: `pick`
+        prefers ready buckets and `get` waits for (or compiles) the one asked for; `wait`
+        waits for all. Returns seconds taken."""
+        from tqdm.auto import tqdm
+
+        start = time.perf_counter()
+        todo = [b for b in self.buckets if b not in self.ready and b not in self.pending]
+        if not todo:
+            return 0.0
+        bar = tqdm(total=len(todo), desc="compiling buckets", disable=not progress, unit="bucket")
+
+        def one_done(_):
+            bar.update()
+            if bar.n >= bar.total:
+                bar.close()
+        self._pool = self._pool or ThreadPoolExecutor(len(os.sched_getaffinity(0)), thread_name_prefix="jaxllm-compile")
+        for bucket in todo:
+            future = self._pool.submit(self.compile, *self._abstract_args(bucket))
+            future.add_done_callback(one_done)
+            self.pending[bucket] = future
+        if not background:
+            self.wait()
+        return time.perf_counter() - start
+
+    def pick(self, demand) -> Bucket:
+        """The smallest bucket that holds `demand` (tokens, decodes, prefill rows, sequences) and
+        is ready, else the smallest that holds it (`get` then waits for it, or compiles it)."""
+        fits = [b for b in self.buckets if b.fits(*demand)] or [pick_bucket(self.buckets, *demand)]  # (raises)
+        return next((b for b in fits if b in self.ready or (b in self.pending and self.pending[b].done())), fits[0])
+
+    def get(self, bucket: Bucket, cancel: bool = True) -> jax.stages.Compiled:
+        """The bucket's step: ready, or its background compilation's result (waiting if it is
+        under way), or (`cancel`: if that has not started) compiled here and now."""
+        step = self.ready.get(bucket)
+        if step is not None:
+            return step
+        future = self.pending.pop(bucket, None)
+        if future is not None and not (cancel and future.cancel()):
+            step, loaded = future.result()
+        else:
+            step, loaded = self.compile(*self._abstract_args(bucket))
+        self.ready[bucket] = step
+        self.loaded += loaded
+        if not self.pending and self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+        return step
+
+    def wait(self) -> None:
+        """Return once every started bucket is ready."""
+        for bucket in list(self.pending):
+            self.get(bucket, cancel=False)

@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -40,8 +39,8 @@ from jaxllm.config import EngineConfig
 from jaxllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from jaxllm.models import llama
 from jaxllm.runner import sampler
-from jaxllm.runner.compile import Bucket, CompilationCounter, make_buckets, pick_bucket
-from jaxllm.runner.executables import ExecutableStore
+from jaxllm.runner.compile import Bucket, make_buckets
+from jaxllm.runner.executables import CompiledSteps, ExecutableStore
 from jaxllm.runner.input_batch import InputBatch, PackedLayout, SamplingMetadata, StepInputs
 from jaxllm.sampling_params import MAX_LOGPROBS
 from jaxllm.utils import cdiv, jnp_dtype
@@ -108,19 +107,15 @@ class ModelRunner:
         self.swap_pool = np.zeros((spec.num_layers // self.num_stages, 2, *stages, self.num_kv_heads,
                                    config.cache.num_swap_blocks, self.block_size, spec.head_dim),
                                   kernels.storage_dtype(dtype))
-        self._step = jax.jit(functools.partial(_step, spec=spec, attention=self.attention, mesh=self.mesh),
-                             static_argnames=("layout",), donate_argnums=(1,))
-        # The step compiled per packed layout (one per bucket), loaded from or saved to the
-        # executable store when there is one (one process: over several, each would race).
-        self._compiled: dict[Bucket, jax.stages.Compiled] = {}
-        # Buckets still compiling or loading on `_pool` (`warmup(background=True)`).
-        self._pending: dict[Bucket, Future] = {}
-        self._pool: ThreadPoolExecutor | None = None
+        step = jax.jit(functools.partial(_step, spec=spec, attention=self.attention, mesh=self.mesh),
+                       static_argnames=("layout",), donate_argnums=(1,))
+        # Each bucket's compiled step, kept in the executable store when there is one (one
+        # process: over several, each would race on the files).
         cache_dir = config.compilation_cache_dir
         devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
-        self.store = (ExecutableStore(os.path.join(cache_dir, "executables"), repr((spec, self.attention, mesh)),
-                                      devices) if cache_dir and jax.process_count() == 1 else None)
-        self.executables_loaded = 0     # steps this runner took from the store (the rest it compiled)
+        store = (ExecutableStore(os.path.join(cache_dir, "executables"), repr((spec, self.attention, mesh)), devices)
+                 if cache_dir and jax.process_count() == 1 else None)
+        self.steps = CompiledSteps(step, self.buckets, store, self._abstract_args)
         self._inv_freq = spec.inv_freq()
         self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.max_blocks, self.block_size,
                                       spec.vocab_size)
@@ -173,7 +168,7 @@ class ModelRunner:
         q_lens, computed, rows = q_lens[order], computed[order], rows[order]
         num_decodes = int(is_decode.sum())
         num_tokens = int(q_lens.sum())
-        bucket = bucket or self._pick(self._demand(q_lens))
+        bucket = bucket or self.steps.pick(self._demand(q_lens))
         buffers = self._bucket_buffers(bucket, micro)
         inputs, sampling = buffers.inputs, buffers.sampling
         ib, bs = self.input_batch, self.block_size
@@ -215,7 +210,7 @@ class ModelRunner:
             return rows, has_token, buffers, self._pack(buffers)
         q_lens = np.fromiter((q for _, q in scheduled), np.int32, n)
         groups = _split(q_lens, self.num_stages)
-        bucket = self._pick(np.max([self._demand(q_lens[g]) for g in groups], axis=0))
+        bucket = self.steps.pick(np.max([self._demand(q_lens[g]) for g in groups], axis=0))
         micro = []
         for m, group in enumerate(groups):
             if not len(group):
@@ -283,58 +278,16 @@ class ModelRunner:
 
     def _call(self, bucket: Bucket, ints, floats, penalty_tokens):
         """Send the packed inputs, run the bucket's step."""
-        step = self._compiled.get(bucket) or self._ready(bucket)
-        return step(self.params, self.kv_cache, *jax.device_put((ints, floats, penalty_tokens), self._inputs_sharding))
+        inputs = jax.device_put((ints, floats, penalty_tokens), self._inputs_sharding)
+        return self.steps.get(bucket)(self.params, self.kv_cache, *inputs)
 
-    def _pick(self, demand) -> Bucket:
-        """The smallest bucket that holds `demand` (`_demand`'s tuple) and is compiled, else the
-        smallest that holds it (the step then waits for it, or compiles it at once)."""
-        fits = [b for b in self.buckets if b.fits(*demand)] or [pick_bucket(self.buckets, *demand)]  # (raises)
-        return next((b for b in fits if b in self._compiled or (b in self._pending and self._pending[b].done())),
-                    fits[0])
-
-    def _ready(self, bucket: Bucket, cancel: bool = True) -> jax.stages.Compiled:
-        """The bucket's step: its background compilation's result (waiting if it is under way),
-        or (`cancel`: if it has not started) compiled here and now."""
-        future = self._pending.pop(bucket, None)
-        if future is not None and not (cancel and future.cancel()):
-            step, loaded = future.result()
-        else:
-            step, loaded = self._compile(*self._compile_args(bucket))
-        self._compiled[bucket] = step
-        self.executables_loaded += loaded
-        if not self._pending and self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
-        return step
-
-    def wait_compiled(self) -> None:
-        """Return once every bucket's step is ready (after `warmup(background=True)`)."""
-        for bucket in list(self._pending):
-            self._ready(bucket, cancel=False)
-
-    def _compile_args(self, bucket: Bucket):
+    def _abstract_args(self, bucket: Bucket):
         """(layout, abstract step arguments) of the bucket: shapes, dtypes and shardings only, so
         compiling in the background never touches the KV cache that steps donate meanwhile."""
         layout, *packed = self._padding(bucket)
         args = (self.params, self.kv_cache, *jax.device_put(packed, self._inputs_sharding))
         return layout, jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                               args)
-
-    def _compile(self, layout: PackedLayout, args) -> tuple[jax.stages.Compiled, bool]:
-        """The step for `layout`: from the executable store, else traced, compiled and saved.
-        Returns it and whether it was loaded. Safe to call from several threads at once."""
-        key = self.store.key(layout, args) if self.store is not None else None
-        compiled = self.store.load(key) if key is not None else None
-        if compiled is not None:
-            return compiled, True
-        with CompilationCounter(cache_hits=True) as hits:   # (hits on any thread: at worst a save skipped)
-            compiled = self._step.lower(*args, layout=layout).compile()
-        # An executable that JAX's persistent cache loaded (a caller may have turned it on) runs,
-        # but serialized again it fails to run (jax 0.10.2: "Function ... not found").
-        if key is not None and not hits.count:
-            self.store.save(key, compiled)
-        return compiled, False
 
     # ----- several processes: the leader announces, the others follow -----
     def _announce(self, buffers: _BucketBuffers | None, packed, copies) -> None:
@@ -386,30 +339,12 @@ class ModelRunner:
         return (buffers.layout, *self._stack([buffers] * self.num_stages))
 
     def warmup(self, progress: bool = True, background: bool = False) -> float:
-        """Compile (or load) every bucket's step, on one thread per core (XLA compiles and loads
-        with the GIL released). With `background`, return at once: a step whose bucket is not
-        ready takes a larger ready one that holds it, else waits for (or compiles) its own;
-        `wait_compiled` waits for all. Returns seconds taken."""
-        from tqdm.auto import tqdm
+        """Compile (or load) every bucket's step; see `CompiledSteps.start`. Returns seconds taken."""
+        return self.steps.start(progress, background)
 
-        start = time.perf_counter()
-        todo = [b for b in self.buckets if b not in self._compiled and b not in self._pending]
-        if not todo:
-            return 0.0
-        bar = tqdm(total=len(todo), desc="compiling buckets", disable=not progress, unit="bucket")
-
-        def one_done(_):
-            bar.update()
-            if bar.n >= bar.total:
-                bar.close()
-        self._pool = self._pool or ThreadPoolExecutor(len(os.sched_getaffinity(0)), thread_name_prefix="jaxllm-compile")
-        for bucket in todo:
-            future = self._pool.submit(self._compile, *self._compile_args(bucket))
-            future.add_done_callback(one_done)
-            self._pending[bucket] = future
-        if not background:
-            self.wait_compiled()
-        return time.perf_counter() - start
+    def wait_compiled(self) -> None:
+        """Return once every bucket's step is ready (after `warmup(background=True)`)."""
+        self.steps.wait()
 
     def recover(self) -> bool:
         """After a failed step: reallocate the KV cache if the failure consumed it (the step
