@@ -39,7 +39,8 @@ def test_a_warm_start_loads_every_step_and_gives_the_same_tokens(tiny_model_dir,
     expected = token_ids(cold.generate(PROMPTS, greedy(12), use_tqdm=False))
     del cold
 
-    warm = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, compilation_cache_dir=cache)
+    warm = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, compilation_cache_dir=cache)   # loads in the background
+    warm.engine.runner.wait_compiled()
     assert warm.engine.runner.steps.loaded == buckets
     with no_compile_guard():     # the loaded steps run as they are
         assert token_ids(warm.generate(PROMPTS, greedy(12), use_tqdm=False)) == expected
@@ -51,6 +52,7 @@ def test_a_warm_start_loads_every_step_and_gives_the_same_tokens(tiny_model_dir,
         f.truncate(100)
     with caplog.at_level(logging.WARNING, logger="jaxllm"):
         again = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, compilation_cache_dir=cache)
+        again.engine.runner.wait_compiled()
     assert "ignoring the unreadable compiled step" in caplog.text
     assert again.engine.runner.steps.loaded == buckets - 1 and os.path.getsize(victim) > 100
     assert token_ids(again.generate(PROMPTS, greedy(12), use_tqdm=False)) == expected

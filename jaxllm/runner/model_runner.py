@@ -99,7 +99,9 @@ class ModelRunner:
         self.buckets = make_buckets(sched.max_num_seqs, sched.max_num_batched_tokens,
                                     self.attention.prefill_row_tokens, sched.max_num_prefill_seqs)
         dtype = jnp_dtype(config.dtype)
-        self.kv_cache = self._allocate_kv_cache()
+        self._make_kv_cache = self._kv_cache_maker()
+        # With warm-up the pages are allocated there, while the steps load or compile.
+        self.kv_cache = None if config.warmup else self._make_kv_cache()
         # Host pages for swapped-out requests: [layers, k/v, kv_heads, slots, block_size, head_dim]
         # ([layer slots, k/v, stages, ...] with pipeline stages; numpy zeros: the OS commits
         # memory only for slots ever written).
@@ -285,7 +287,7 @@ class ModelRunner:
         """(layout, abstract step arguments) of the bucket: shapes, dtypes and shardings only, so
         compiling in the background never touches the KV cache that steps donate meanwhile."""
         layout, *packed = self._padding(bucket)
-        args = (self.params, self.kv_cache, *jax.device_put(packed, self._inputs_sharding))
+        args = (self.params, jax.eval_shape(self._make_kv_cache), *jax.device_put(packed, self._inputs_sharding))
         return layout, jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                               args)
 
@@ -339,8 +341,16 @@ class ModelRunner:
         return (buffers.layout, *self._stack([buffers] * self.num_stages))
 
     def warmup(self, progress: bool = True, background: bool = False) -> float:
-        """Compile (or load) every bucket's step; see `CompiledSteps.start`. Returns seconds taken."""
-        return self.steps.start(progress, background)
+        """Compile (or load) every bucket's step, and allocate the KV pages meanwhile. Returns
+        once all are ready, or at once with `background` or when every step comes from the
+        executable store (see `CompiledSteps`). Returns seconds taken."""
+        start = time.perf_counter()
+        stored = self.steps.start(progress)
+        if self.kv_cache is None:
+            self.kv_cache = self._make_kv_cache()
+        if not (background or stored):
+            self.steps.wait()
+        return time.perf_counter() - start
 
     def wait_compiled(self) -> None:
         """Return once every bucket's step is ready (after `warmup(background=True)`)."""
@@ -351,13 +361,13 @@ class ModelRunner:
         donates it). Returns whether it did, i.e. whether every page's contents are lost."""
         if not any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.kv_cache)):
             return False
-        self.kv_cache = self._allocate_kv_cache()
+        self.kv_cache = self._make_kv_cache()
         return True
 
-    def _allocate_kv_cache(self):
-        """Zeroed pages made where they live (each device only its own stage's layers and its
-        own heads): a list over layers of (k, v) `[kv_heads, pages, page, head_dim]`, or with
-        pipeline stages over a stage's layer slots of `[stages, kv_heads, ...]`."""
+    def _kv_cache_maker(self):
+        """A jitted function making zeroed pages where they live (each device only its own
+        stage's layers and its own heads): a list over layers of (k, v) `[kv_heads, pages, page,
+        head_dim]`, or with pipeline stages over a stage's layer slots of `[stages, kv_heads, ...]`."""
         spec, stages = self.spec, self.num_stages
         where = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if self.mesh is None
                  else parallel.kv_sharding(self.mesh))
@@ -370,7 +380,7 @@ class ModelRunner:
                 return cache
             return [tuple(jnp.broadcast_to(x, (stages, *x.shape)) for x in kv) for kv in cache]
 
-        return jax.jit(make, out_shardings=where)()
+        return jax.jit(make, out_shardings=where)
 
     # ----- moving pages -----
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
@@ -436,7 +446,7 @@ def _pad_pow2(a, b) -> tuple[np.ndarray, np.ndarray]:
     return (np.asarray(list(a) + [a[0]] * pad, np.int32), np.asarray(list(b) + [b[0]] * pad, np.int32))
 
 
-# The page axis is the third from last in both cache layouts (`_allocate_kv_cache`).
+# The page axis is the third from last in both cache layouts (`_kv_cache_maker`).
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _copy_pages(kv_cache, src, dst):
