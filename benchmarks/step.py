@@ -8,7 +8,7 @@ roofline is measured by the same script: matmul peak for the dtype (a [512, 576]
 [576, 1536] GEMM, the model's shape) and donated read+write memory bandwidth.
 
 Each decode step is also split into parts, each timed alone at the step's shapes: host (the
-runner's input preparation and the transfers around the step), GEMMs (every layer's QKV, output,
+runner's input preparation, timed inside the step), GEMMs (every layer's QKV, output,
 gate/up and down projections chained as in the model, plus the LM head on the sampled rows),
 attention (the backend's kernel over every layer's pages) and the sampler; "other" is the rest
 of the step (norms, RoPE, KV writes, embedding). GEMMs are shown in GFLOP/s against the matmul
@@ -204,7 +204,7 @@ def main():
         if kind != "decode":
             return
         parts = breakdown(runner, spec, runner.params, scheduled)
-        parts["host"] = max(0.0, dt - float(np.median([t["device"] for t in timings])))
+        parts["host"] = float(np.median([t["prepare"] for t in timings]))
         parts["other"] = max(0.0, dt - sum(parts.values()))
         kv_bytes = (2 * batch * args.context * spec.num_kv_heads * spec.head_dim * spec.num_layers
                     * jnp.dtype(llama_dtype).itemsize)
