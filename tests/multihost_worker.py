@@ -5,7 +5,9 @@ tests/test_sharding.py:
 
 Each process has one CPU device; the model is split over both (tensor_parallel_size=2). Process
 0 generates the test batch and writes the token ids to OUT.json, then releases process 1, which
-follows its steps until then.
+follows its steps until then. Both start with dtype="auto", and process 1 poses as the other
+CPU kind (its CPU flags changed so that alone it would pick the other dtype): both must run in
+process 0's pick, which each writes to OUT.json.dtype<process id>.
 """
 
 from __future__ import annotations
@@ -19,11 +21,16 @@ PROMPTS = [f"Request {i}: the quick brown fox jumps over the lazy dog " * (1 + i
 
 
 def main() -> int:
-    from jaxllm import LLM, SamplingParams
+    from jaxllm import LLM, SamplingParams, utils
 
     model_dir, out_path, port, process_id = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    if process_id == 1:
+        flags = frozenset() if utils.resolve_dtype("auto", "cpu")[0] == "bfloat16" else frozenset({"avx512_bf16"})
+        utils.cpu_flags = lambda: flags
     llm = LLM(model_dir, tensor_parallel_size=2, distributed_coordinator=f"127.0.0.1:{port}", num_processes=2,
-              process_id=process_id, **TINY_ENGINE_ARGS)
+              process_id=process_id, **{**TINY_ENGINE_ARGS, "dtype": "auto"})
+    with open(f"{out_path}.dtype{process_id}", "w") as f:
+        f.write(llm.engine.config.dtype)
     if not llm.engine.is_leader:
         llm.engine.follow()
         return 0

@@ -154,8 +154,19 @@ def test_two_processes_generate_what_one_does(tiny_model_dir, tmp_path):
         assert follower.wait(timeout=120) == 0, follower.stderr.read()[-4000:]   # released by the leader
     finally:
         follower.kill()
-    expected = offline_llm(tiny_model_dir).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24,
-                                                                            ignore_eos=True), use_tqdm=False)
+    # dtype="auto": both processes run in process 0's pick, though process 1's flags say otherwise.
+    from jaxllm.utils import resolve_dtype
+
+    picked = resolve_dtype("auto", "cpu")[0]
+    assert [(tmp_path / f"out.json.dtype{i}").read_text() for i in (0, 1)] == [picked, picked]
+    if picked == "float32":
+        one = offline_llm(tiny_model_dir)
+    else:
+        from jaxllm import LLM
+        from tiny_model import TINY_ENGINE_ARGS
+
+        one = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "dtype": picked})
+    expected = one.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert json.loads(out.read_text()) == [o.outputs[0].token_ids for o in expected]
 
 
