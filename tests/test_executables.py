@@ -131,3 +131,22 @@ def test_a_step_takes_the_smallest_ready_bucket_that_holds_it(tiny_model_dir):
     assert runner.steps.pick(one_decode) == smallest
     assert runner.steps.pick((largest.num_tokens, 0, 1, 1)) == largest    # only the largest holds it
     runner.steps.pending = {}
+
+
+def test_the_store_keeps_under_its_size_dropping_the_least_recently_used(tmp_path):
+    import jax.numpy as jnp
+
+    f = jax.jit(lambda x: x * 2 + 1)
+    store = ExecutableStore(str(tmp_path), "spec", jax.devices()[:1])
+    keys = []
+    for n in (3, 4, 5):
+        compiled = f.lower(jnp.zeros(n)).compile()
+        keys.append(store.key("layout", (jnp.zeros(n),)))
+        store.save(keys[-1], compiled)
+        os.utime(store._path(keys[-1]), (1000 + n, 1000 + n))    # saved in this order
+    size = os.path.getsize(store._path(keys[0]))
+    assert store.load(keys[0])(jnp.ones(3)).tolist() == [3.0, 3.0, 3.0]    # a load refreshes keys[0]
+    store.max_bytes = int(2.5 * size)
+    compiled = f.lower(jnp.zeros(6)).compile()
+    store.save(store.key("layout", (jnp.zeros(6),)), compiled)
+    assert [store.has(k) for k in keys] == [True, False, False] and len(os.listdir(tmp_path)) == 2

@@ -16,6 +16,7 @@ jaxllm's cache root or the user's `compilation_cache_dir`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -67,10 +68,12 @@ def _describe(x) -> str:
 class ExecutableStore:
     """Compiled steps in `directory`, one file per key (`key`, `load`, `save`)."""
 
-    def __init__(self, directory: str, static: str, devices):
+    def __init__(self, directory: str, static: str, devices, max_bytes: int = 2 << 30):
         """`static`: a description of everything the step closes over (spec, backend, mesh);
-        `devices`: the devices the step runs on, in the mesh's order (or the one device)."""
+        `devices`: the devices the step runs on, in the mesh's order (or the one device);
+        `max_bytes`: the most the directory keeps (least recently used steps go first)."""
         self.directory = directory
+        self.max_bytes = max_bytes
         self.devices = list(devices)
         static += f"\0devices {[d.id for d in self.devices]}"
         self._base = hashlib.sha256(_environment() + b"\0" + static.encode()).digest()
@@ -99,8 +102,10 @@ class ExecutableStore:
         try:
             with open(path, "rb") as f:
                 payload, in_tree, out_tree = pickle.load(f)
-            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
-                                                             execution_devices=self.devices)
+            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                                 execution_devices=self.devices)
+            os.utime(path)          # its mtime is its last use: `_evict` drops the least recently used
+            return compiled
         except Exception as e:  # a truncated or foreign file: compile afresh and overwrite it
             logger.warning("ignoring the unreadable compiled step %s (%s: %s)", path, type(e).__name__, e)
             return None
@@ -116,8 +121,26 @@ class ExecutableStore:
             with os.fdopen(fd, "wb") as f:
                 f.write(payload)
             os.replace(tmp, self._path(key))
+            self._evict()
         except Exception as e:  # a step that cannot be serialized still runs; the next start recompiles
             logger.warning("could not save the compiled step (%s: %s)", type(e).__name__, e)
+
+    def _evict(self) -> None:
+        """Keep the directory under `max_bytes`, dropping the least recently used steps (every
+        change to jaxllm's sources or the settings leaves the old keys' files unused)."""
+        entries = []
+        for name in os.listdir(self.directory):
+            if name.startswith("step-") and name.endswith(".bin"):
+                with contextlib.suppress(OSError):
+                    st = os.stat(os.path.join(self.directory, name))
+                    entries.append((st.st_mtime, st.st_size, name))
+        total = sum(size for _, size, _ in entries)
+        for _, size, name in sorted(entries):
+            if total <= self.max_bytes:
+                break
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.directory, name))
+            total -= size
 
 
 class CompiledSteps:
