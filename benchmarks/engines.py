@@ -156,6 +156,7 @@ class JaxllmEngine(Engine):
 
         self.llm = LLM(self.opts["model"], dtype=self.dtype, max_num_seqs=self.opts["max_num_seqs"],
                        max_num_batched_tokens=self.opts["max_num_batched_tokens"])
+        self.llm.engine.runner.wait_compiled()   # a warm start loads its steps in the background: count it as start-up
 
     def generate(self, workload):
         from jaxllm import SamplingParams

@@ -200,7 +200,7 @@ def plot_step(step: dict, path: str) -> None:
         ax.set_ylabel("ms per step")
         ax.set_title(f"{kind} step ({step.get('dtype', '')})")
         ax.legend()
-    _finish(plt, fig, None, path)
+    _finish(plt, fig, step if isinstance(step.get("machine"), dict) else None, path)
 
 
 # ----------------------------------------------------------------------------- markdown

@@ -181,9 +181,9 @@ class CompiledSteps:
         from tqdm.auto import tqdm
 
         todo = {b: self._abstract_args(b) for b in self.buckets if b not in self.ready and b not in self.pending}
-        stored = self.store is not None and all(self.store.has(self.store.key(*job)) for job in todo.values())
         if not todo:
-            return stored
+            return False
+        stored = self.store is not None and all(self.store.has(self.store.key(*job)) for job in todo.values())
         bar = tqdm(total=len(todo), desc="compiling buckets", disable=not progress, unit="bucket")
 
         def one_done(_):
