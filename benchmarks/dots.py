@@ -21,7 +21,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, HERE)
-from workload import RESULTS, machine_info, now_iso, timeit, versions  # noqa: E402
+from workload import RESULTS, cpu_line, machine_info, now_iso, timeit, versions  # noqa: E402
 
 del sys.path[0]
 
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     machine = machine_info()
     pick, why = resolve_dtype("auto", "cpu")
-    print(f"{machine['cpu']} (family {machine['cpu_family']}); flags: {machine['simd']}\n"
+    print(f"{cpu_line(machine)}\n"
           f"dtype='auto' picks {pick}: {why}\n")
     print(f"{'weight':10s} {'M':>4s} {'f32 GFLOP/s':>12s} {'bf16 GFLOP/s':>13s} {'bf16/f32':>9s}")
     rows = []

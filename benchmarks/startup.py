@@ -26,7 +26,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, HERE)
-from workload import RESULTS, ROOT, machine_info, now_iso, versions  # noqa: E402
+from workload import RESULTS, ROOT, cpu_line, machine_info, now_iso, versions  # noqa: E402
 
 del sys.path[0]
 
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     engine_args = {"model": args.model, "dtype": args.dtype, "background_compile": args.background_compile}
     machine = machine_info()
-    print(f"{machine['cpu']} (family {machine['cpu_family']}); flags: {machine['simd']}", flush=True)
+    print(cpu_line(machine), flush=True)
     runs = []
     with tempfile.TemporaryDirectory(prefix="jaxllm-startup-") as root:
         for i in range(1 + args.warm):

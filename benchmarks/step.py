@@ -43,7 +43,7 @@ from jaxllm.sampling_params import SamplingParams
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, HERE)
-from workload import machine_info, now_iso, timeit, versions  # noqa: E402
+from workload import cpu_line, machine_info, now_iso, timeit, versions  # noqa: E402
 
 del sys.path[0]
 
@@ -168,7 +168,7 @@ def main():
 
     args.dtype, why = resolve_dtype(args.dtype, jax.devices()[0].platform)
     machine = machine_info()
-    print(f"{machine['cpu']} (family {machine['cpu_family']}); flags: {machine['simd']}; dtype {args.dtype} ({why})")
+    print(f"{cpu_line(machine)}; dtype {args.dtype} ({why})")
     loaded = load_model(None, dtype=args.dtype, progress=False)
     spec = loaded.spec
     eargs = EngineArgs(dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=2048,

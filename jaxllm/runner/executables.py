@@ -158,10 +158,12 @@ class CompiledSteps:
         self._pool: ThreadPoolExecutor | None = None
         self.loaded = 0                              # steps taken from the store (the rest were compiled)
 
-    def compile(self, layout, args) -> tuple[jax.stages.Compiled, bool]:
-        """The step for `layout` and `args`: from the store, else traced, compiled and saved.
-        Returns it and whether it was loaded. Safe to call from several threads at once."""
-        key = self.store.key(layout, args) if self.store is not None else None
+    def compile(self, layout, args, key: str | None = None) -> tuple[jax.stages.Compiled, bool]:
+        """The step for `layout` and `args` (store key `key`, if already known): from the store,
+        else traced, compiled and saved. Returns it and whether it was loaded. Safe to call from
+        several threads at once."""
+        if key is None and self.store is not None:
+            key = self.store.key(layout, args)
         compiled = self.store.load(key) if key is not None else None
         if compiled is not None:
             return compiled, True
@@ -183,7 +185,8 @@ class CompiledSteps:
         todo = {b: self._abstract_args(b) for b in self.buckets if b not in self.ready and b not in self.pending}
         if not todo:
             return False
-        stored = self.store is not None and all(self.store.has(self.store.key(*job)) for job in todo.values())
+        keys = {b: self.store.key(*job) if self.store is not None else None for b, job in todo.items()}
+        stored = self.store is not None and all(self.store.has(key) for key in keys.values())
         bar = tqdm(total=len(todo), desc="compiling buckets", disable=not progress, unit="bucket")
 
         def one_done(_):
@@ -192,7 +195,7 @@ class CompiledSteps:
                 bar.close()
         self._pool = self._pool or ThreadPoolExecutor(len(os.sched_getaffinity(0)), thread_name_prefix="jaxllm-compile")
         for bucket, job in todo.items():
-            future = self._pool.submit(self.compile, *job)
+            future = self._pool.submit(self.compile, *job, keys[bucket])
             future.add_done_callback(one_done)
             self.pending[bucket] = future
         return stored

@@ -100,6 +100,7 @@ class ModelRunner:
                                     self.attention.prefill_row_tokens, sched.max_num_prefill_seqs)
         dtype = jnp_dtype(config.dtype)
         self._make_kv_cache = self._kv_cache_maker()
+        self._kv_shapes = jax.eval_shape(self._make_kv_cache)     # (with shardings) for compiling without pages
         # With warm-up the pages are allocated there, while the steps load or compile.
         self.kv_cache = None if config.warmup else self._make_kv_cache()
         # Host pages for swapped-out requests: [layers, k/v, kv_heads, slots, block_size, head_dim]
@@ -287,7 +288,7 @@ class ModelRunner:
         """(layout, abstract step arguments) of the bucket: shapes, dtypes and shardings only, so
         compiling in the background never touches the KV cache that steps donate meanwhile."""
         layout, *packed = self._padding(bucket)
-        args = (self.params, jax.eval_shape(self._make_kv_cache), *jax.device_put(packed, self._inputs_sharding))
+        args = (self.params, self._kv_shapes, *jax.device_put(packed, self._inputs_sharding))
         return layout, jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                               args)
 
