@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxllm.kernels import native
+from test_config import lscpu_flags
 from test_paged_attention import MIXED, assert_matches_reference, make_batch
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no native kernel: {native.unavailable_reason()}")
@@ -20,11 +21,13 @@ TOL = 2e-5
 
 
 def check(args, **kwargs):
+    """Every code path this CPU's build has (portable, AVX2, AVX-512) against the oracle."""
     # make_batch gives bf16 q with a bf16 cache; the engine's q is f32 (a bf16 result would
     # round away the comparison).
     args = (args[0].astype(np.float32), *args[1:])
-    out = jax.jit(lambda *a: native.paged_attention_cpu(*a, **kwargs))(*args)
-    assert_matches_reference(out, args, TOL, **kwargs)
+    for path in ("auto", *native.kernel_paths()):
+        out = jax.jit(lambda *a: native.paged_attention_cpu(*a, path=path, **kwargs))(*args)
+        assert_matches_reference(out, args, TOL, **kwargs)
 
 
 @pytest.mark.parametrize("cache_dtype", ["float32", "uint16", "bfloat16"])
@@ -85,6 +88,16 @@ def test_rejects_unsupported_shapes():
     with pytest.raises(Exception, match="head_dim <= 256"):
         q = args[0]
         jax.block_until_ready(native.paged_attention_cpu(q[:, :8], *args[1:]))
+
+
+def test_kernel_paths_follow_the_cpu():
+    # The build has the SIMD paths this CPU's flags allow (-march=native), so each is tested here.
+    flags = lscpu_flags()
+    expected = ("portable",) + (("avx2",) if {"avx2", "fma"} <= flags else ()) + (("avx512",) if "avx512f" in flags else ())
+    assert native.kernel_paths() == expected
+    args = make_batch(0, [1], [5])
+    with pytest.raises(ValueError, match="not in this build"):
+        native.paged_attention_cpu(*args, path="sse9")
 
 
 def test_build_is_cached(tmp_path):

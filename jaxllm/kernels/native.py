@@ -1,7 +1,8 @@
 """jaxllm's CPU kernels in C++ (csrc/), as XLA FFI calls.
 
 `paged_attention_cpu` has the ragged contract of `ragged_paged_attention_reference`
-(csrc/paged_attention.h, .cc, and paged_attention_avx512.cc for CPUs with AVX-512);
+(csrc/paged_attention.h, .cc, and paged_attention_avx512.cc / paged_attention_avx2.cc for
+CPUs with AVX-512 / AVX2 + FMA; `kernel_paths()` lists the paths the build has);
 `argmax_logsumexp` gives greedy sampling's two row reductions in one pass (csrc/sampling.cc).
 csrc/cpu_kernels.cc, which includes them all, is compiled on first use with the system C++
 compiler (`$CXX`, else `c++`) against the XLA FFI headers that ship with jaxlib, with
@@ -100,16 +101,29 @@ def build(cache_dir: str | None = None) -> str:
     return path
 
 
+# The attention kernel's code paths, narrowest first (csrc/paged_attention.h's KernelPath).
+PATHS = ("portable", "avx2", "avx512")
+_path_bits = 0
+
+
 @functools.cache
 def _load() -> str | None:
     """Build, load and register the kernels once per process; None on success, else why not."""
+    global _path_bits
     try:
         lib = ctypes.cdll.LoadLibrary(build())
         for target, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        _path_bits = lib.JaxllmPagedAttentionPaths()
     except (OSError, RuntimeError, AttributeError) as e:
         return str(e)
     return None
+
+
+def kernel_paths() -> tuple[str, ...]:
+    """The attention kernel's code paths in this build (what -march=native allows), narrowest first."""
+    require()
+    return tuple(name for i, name in enumerate(PATHS, start=1) if _path_bits & (1 << i))
 
 
 def available() -> bool:
@@ -137,13 +151,16 @@ def argmax_logsumexp(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def paged_attention_cpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                        sm_scale=None, sliding_window=None, logits_soft_cap=None):
+                        sm_scale=None, sliding_window=None, logits_soft_cap=None, path="auto"):
     """Ragged paged attention on XLA:CPU (contract: `ragged_paged_attention_reference`).
 
     q is computed in float32; pages are float32 or bf16 stored as uint16 (kv_write.py). The
-    result has q's dtype.
+    result has q's dtype. `path` ("auto", or one of `kernel_paths()`) is the widest code path
+    the kernel may take; a shape a path has no code for falls back to a narrower one.
     """
     require()
+    if path != "auto" and path not in kernel_paths():
+        raise ValueError(f"kernel path {path!r} is not in this build: {kernel_paths()}")
     head_dim = q.shape[-1]
     sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
     if k_pages.dtype == jnp.bfloat16:  # callers normally pass the uint16 storage already
@@ -154,5 +171,6 @@ def paged_attention_cpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, n
                jnp.asarray(block_tables, jnp.int32), jnp.asarray(cu_q_lens, jnp.int32),
                jnp.asarray(num_seqs, jnp.int32).reshape(()),
                sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
-               soft_cap=np.float32(logits_soft_cap or 0.0))
+               soft_cap=np.float32(logits_soft_cap or 0.0),
+               path=np.int32(0 if path == "auto" else PATHS.index(path) + 1))
     return out.astype(q.dtype)

@@ -1,5 +1,6 @@
 // Ragged paged attention: work items, the portable path and the FFI handler (see
-// paged_attention.h for the contract; the AVX-512 path is in paged_attention_avx512.cc).
+// paged_attention.h for the contract; the SIMD paths are in paged_attention_avx512.cc and
+// paged_attention_avx2.cc).
 
 #include "paged_attention.h"
 
@@ -116,7 +117,9 @@ void attend_portable(const PagedAttentionArgs& a, const WorkItem& item, Scratch&
 }
 
 void attend(const PagedAttentionArgs& a, const WorkItem& item, Scratch& s) {
-  if (attend_avx512(a, item, s)) return;
+  const bool any = a.path == kAuto;
+  if ((any || a.path >= kAvx512) && attend_avx512(a, item, s)) return;
+  if ((any || a.path >= kAvx2) && attend_avx2(a, item, s)) return;
   if (a.bf16_pages)
     attend_portable<uint16_t>(a, item, s);
   else
@@ -159,7 +162,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                               ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> kv_lens,
                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
                               ffi::Buffer<ffi::S32> num_seqs, ffi::ResultBuffer<ffi::F32> out,
-                              float sm_scale, int32_t sliding_window, float soft_cap) {
+                              float sm_scale, int32_t sliding_window, float soft_cap, int32_t path) {
   const auto qd = q.dimensions();
   const auto kd = k_pages.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || block_tables.dimensions().size() != 2)
@@ -187,6 +190,9 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   a.sm_scale = sm_scale;
   a.soft_cap = soft_cap;
   a.sliding_window = sliding_window;
+  if (path < kAuto || path > kAvx512 || (path != kAuto && !(built_paths() & (1 << path))))
+    return ffi::Error::InvalidArgument("paged attention: this build has no such kernel path");
+  a.path = path;
   a.q_heads_per_kv_head = a.num_q_heads / a.num_kv_heads;
   if (a.head_dim > kMaxHeadDim || a.q_heads_per_kv_head > kMaxRows || a.num_q_heads % a.num_kv_heads)
     return ffi::Error::InvalidArgument(
@@ -221,4 +227,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionCpu, jaxllm::PagedAttentionImp
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")
-                                  .Attr<float>("soft_cap"));
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int32_t>("path"));
+
+// The kernel paths this library was built with (bit p: KernelPath p), for tests and benchmarks.
+extern "C" int32_t JaxllmPagedAttentionPaths() { return jaxllm::built_paths(); }

@@ -9,8 +9,10 @@
 // query heads of the kv head) stay in registers/L1 while the sequence's pages stream through
 // once, converted to f32 a chunk of keys at a time, with an online softmax. Items are handed
 // out longest first to the caller thread and XLA's intra-op thread pool (parallel_for.h).
-// Each item runs the AVX-512 path (paged_attention_avx512.cc) for head_dim 32, 64, 128 or 256
-// when built for AVX-512, else the portable path (paged_attention.cc).
+// Each item runs the widest path the build has for its head_dim: AVX-512
+// (paged_attention_avx512.cc; head_dim 32, 64, 128 or 256), else AVX2 + FMA
+// (paged_attention_avx2.cc; head_dim a multiple of 32), else the portable path
+// (paged_attention.cc). The `path` argument can force a narrower one (for tests and benchmarks).
 //
 // Words: a "page" (or "block", as in block_tables) is page_size consecutive tokens of one
 // sequence in the KV cache; a "tile" is the query tokens of one work item; a "chunk" is the
@@ -19,6 +21,8 @@
 
 #include <algorithm>
 #include <cstdint>
+
+#include "simd.h"
 
 namespace jaxllm {
 
@@ -49,7 +53,23 @@ struct PagedAttentionArgs {
   float sm_scale;               // scores are sm_scale * (q . k)
   float soft_cap;               // 0: none; else scores become soft_cap * tanh(score / soft_cap)
   int32_t sliding_window;       // 0: none; else a query at position p sees keys p - window + 1 .. p
+  int32_t path;                 // a KernelPath: the widest path to try (kAuto: any)
 };
+
+// The code paths of the kernel, narrowest first; a build has those its -march allows.
+enum KernelPath : int32_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3 };
+
+// Bit p set: path p is built into this library.
+inline int32_t built_paths() {
+  int32_t bits = 1 << kPortable;
+#ifdef JAXLLM_AVX2
+  bits |= 1 << kAvx2;
+#endif
+#ifdef __AVX512F__
+  bits |= 1 << kAvx512;
+#endif
+  return bits;
+}
 
 // One unit of parallel work: query tokens [tile * tile_tokens, ...) of sequence `seq` (at most
 // tile_tokens of them), with the query heads of kv head `kv_head`.
@@ -119,6 +139,8 @@ inline void store_output_rows(const PagedAttentionArgs& a, const WorkItem& item,
 // Runs `item` on the AVX-512 path and returns true, or returns false where that path does not
 // apply (a build without AVX-512, or a head_dim it has no code for).
 bool attend_avx512(const PagedAttentionArgs& a, const WorkItem& item, Scratch& scratch);
+// The same for the AVX2 path (a build without AVX2 + FMA, or a head_dim not a multiple of 32).
+bool attend_avx2(const PagedAttentionArgs& a, const WorkItem& item, Scratch& scratch);
 
 // The key (or value) row of cache position `pos` of one sequence, inside a page of `pages`.
 template <typename KV>

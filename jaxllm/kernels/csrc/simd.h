@@ -1,8 +1,9 @@
-// Named SIMD helpers of jaxllm's CPU kernels: bf16 -> f32 widening (scalar and 16 at a time),
-// a polynomial exp, a 16x16 word transpose, and row reductions (max, sum of exp). The vector
-// helpers exist only under `#ifdef __AVX512F__`, beside the scalar to_f32 that the portable
-// path uses; max_of and sum_exp run their AVX-512 loop where built for it and a portable loop
-// (vectorized by the compiler for what -march allows) for the rest of the row.
+// Named SIMD helpers of jaxllm's CPU kernels: bf16 -> f32 widening (scalar, and 8 or 16 at a
+// time), a polynomial exp (8 or 16 wide), a 16x16 word transpose, a 4-way horizontal sum, and
+// row reductions (max, sum of exp). The 16-wide helpers exist only under `#ifdef __AVX512F__`,
+// the 8-wide ones under `#ifdef __AVX2__` (with FMA), beside the scalar to_f32 of the portable
+// path; max_of and sum_exp run the widest loop the build has and a scalar loop for the rest of
+// the row.
 #pragma once
 
 #include <algorithm>
@@ -10,8 +11,13 @@
 #include <cstdint>
 #include <cstring>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+// The AVX2 path needs FMA beside AVX2 (every AVX2 CPU jaxllm targets has both).
+#if defined(__AVX2__) && defined(__FMA__)
+#define JAXLLM_AVX2 1
 #endif
 
 namespace jaxllm {
@@ -84,6 +90,52 @@ inline __m512 exp_f32x16(__m512 x) {
 }
 #endif  // __AVX512F__
 
+#ifdef JAXLLM_AVX2
+// 8 consecutive cache elements (bf16 bits or f32) as 8 f32.
+inline __m256 load_f32x8(const uint16_t* bf16_bits) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bf16_bits));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 load_f32x8(const float* x) { return _mm256_loadu_ps(x); }
+
+// e^x for x <= 0 (and -1e30 -> 0): exp_f32x16's reduction and polynomial, 8 wide; 2^n is built
+// in the exponent bits (n >= -127 after the clamp, where the bits give 0).
+inline __m256 exp_f32x8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+}
+
+// The four sums of the 8 lanes of a, b, c and d, in that order.
+inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+inline float reduce_max(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float reduce_add(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif  // JAXLLM_AVX2
+
 // max(x[0], ..., x[n - 1]); -inf for n = 0.
 inline float max_of(const float* x, int64_t n) {
   float m = -INFINITY;
@@ -92,6 +144,10 @@ inline float max_of(const float* x, int64_t n) {
   __m512 vmax = _mm512_set1_ps(-INFINITY);
   for (; i + 16 <= n; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(x + i));
   m = _mm512_reduce_max_ps(vmax);
+#elif defined(JAXLLM_AVX2)
+  __m256 vmax = _mm256_set1_ps(-INFINITY);
+  for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(x + i));
+  m = reduce_max(vmax);
 #endif
   for (; i < n; ++i) m = std::max(m, x[i]);
   return m;
@@ -106,6 +162,11 @@ inline float sum_exp(const float* x, int64_t n, float shift) {
   const __m512 vshift = _mm512_set1_ps(shift);
   for (; i + 16 <= n; i += 16) acc = _mm512_add_ps(acc, exp_f32x16(_mm512_sub_ps(_mm512_loadu_ps(x + i), vshift)));
   sum = _mm512_reduce_add_ps(acc);
+#elif defined(JAXLLM_AVX2)
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 vshift = _mm256_set1_ps(shift);
+  for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, exp_f32x8(_mm256_sub_ps(_mm256_loadu_ps(x + i), vshift)));
+  sum = reduce_add(acc);
 #endif
   for (; i < n; ++i) sum += std::exp(x[i] - shift);
   return sum;
