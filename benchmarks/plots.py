@@ -121,19 +121,25 @@ def plot_throughput(rows: list[dict], path: str) -> None:
     _finish(plt, fig, rows[0], path)
 
 
+def _level(run: dict) -> str:
+    """A serving run's load: its request rate, or "c=N" for a closed loop of N in flight."""
+    c = run.get("max_concurrency")
+    return f"c={c}" if c and run["request_rate"] == "inf" else str(run["request_rate"])
+
+
 def plot_serving(sweeps: list[dict], path: str) -> None:
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for sweep in sweeps:
         runs = sweep["runs"]
-        xs = [str(r["request_rate"]) for r in runs]
+        xs = [_level(r) for r in runs]
         for ax, metric in zip(axes[:2], ("ttft", "tpot")):
             for pct, style in (("p50_ms", "-o"), ("p99_ms", "--x")):
                 ax.plot(xs, [r[metric][pct] for r in runs], style, label=f"{sweep['label']} {pct[:3]}")
         axes[2].plot(xs, [r["output_throughput"] for r in runs], "-o", label=sweep["label"])
     for ax, title in zip(axes, ("time to first token (ms)", "time per output token (ms)", "output tokens / s")):
         ax.set_title(title)
-        ax.set_xlabel("request rate (req/s)")
+        ax.set_xlabel("request rate (req/s), or c=N in flight")
         ax.legend(fontsize=8)
     axes[0].set_yscale("log")
     _finish(plt, fig, sweeps[0], path)
@@ -265,11 +271,13 @@ def results_markdown(results: str = RESULTS, serving_files: list[str] = (), run_
         w = sweep["workload"]
         out += [f"### Online serving: {sweep['label']}", "",
                 f"{w['num_requests']} requests, {w['prompt_tokens']} prompt + {w['output_tokens']} output tokens, "
-                "Poisson arrivals, streamed /v1/completions. Latencies in ms as mean / p50 / p99.", "",
-                "| rate req/s | req/s | output tok/s | TTFT | TPOT | ITL | e2e |", "|---|---:|---:|---|---|---|---|"]
+                "Poisson arrivals (or closed loops of N in flight), streamed /v1/completions. Latencies in ms as "
+                "mean / p50 / p99.", "",
+                "| rate req/s (c=N: N in flight) | req/s | output tok/s | TTFT | TPOT | ITL | e2e |",
+                "|---|---:|---:|---|---|---|---|"]
         for r in sweep["runs"]:
             flag = "" if r["verified"] else " (FAILED/WRONG)"
-            out.append(f"| {r['request_rate']}{flag} | {r['request_throughput']:.2f} | {r['output_throughput']:.1f} | "
+            out.append(f"| {_level(r)}{flag} | {r['request_throughput']:.2f} | {r['output_throughput']:.1f} | "
                        f"{_ms(r['ttft'])} | {_ms(r['tpot'])} | {_ms(r['itl'])} | {_ms(r['e2e'])} |")
         out += ["", _provenance(sweep), ""]
     mem = _load_json(os.path.join(results, "memory.json"))

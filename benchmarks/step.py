@@ -87,7 +87,7 @@ def compare_scan(runner, spec, params, kv: KVCacheManager, batch: int, context: 
     v_all = jnp.stack([v for _, v in runner.kv_cache])
 
     def scan_forward(params, stacked, k_all, v_all, b):
-        x = params["embed"][b.token_ids].astype(jnp.float32)
+        x = llama.embed(params, b.token_ids)
 
         def body(x, layer_and_cache):
             layer, k_pages, v_pages = layer_and_cache
@@ -180,7 +180,10 @@ def main():
     llama_dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     peak = matmul_peak(llama_dtype)
     bw = memory_bandwidth()
-    flops_per_token = 2 * sum(x.size for layer in loaded.params["layers"] for k, x in layer.items() if x.ndim == 2)
+    # The layers' matrices (packed ones are PackedWeights): 2 FLOPs per weight per token.
+    flops_per_token = 2 * sum(np.size(x.panels if isinstance(x, llama.PackedWeight) else x)
+                              for layer in loaded.params["layers"] for name, x in layer.items()
+                              if name in llama.PACKED)
     lm_head_flops = 2 * spec.hidden_size * spec.vocab_size
     rows = []
 

@@ -97,6 +97,9 @@ class EngineArgs:
     background_compile: bool = option(
         False, "with warmup, start serving while the step shapes compile: a batch runs in the smallest "
                "compiled shape that holds it, or waits for its own (one process only)")
+    packed_weights: bool = option(
+        True, "on one CPU device with the native kernels: pack each float32 weight matrix once for jaxllm's "
+              "C++ GEMM (XLA's dot repacks it on every call)")
 
     def verify(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -176,6 +179,7 @@ class EngineConfig:
     compilation_cache_dir: str
     warmup: bool
     background_compile: bool
+    packed_weights: bool
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -251,4 +255,5 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
         compilation_cache_dir=compilation_cache_dir,
         warmup=args.warmup,
         background_compile=args.background_compile,
+        packed_weights=args.packed_weights,
     )

@@ -43,6 +43,26 @@ def test_greedy_matches_hf(llm, hf_model):
         assert out.outputs[0].finish_reason == "length"
 
 
+def test_packed_weights_match_hf_and_xla_dots(llm, hf_model, tiny_model_dir):
+    # The default engine packs every float32 matrix for the C++ GEMM (all of the tiny model's
+    # split into 16-column panels); without packing the same weights go through XLA's dots.
+    from jaxllm.models import llama
+
+    params = llm.engine.runner.params
+    assert all(isinstance(layer[name], llama.PackedWeight) for layer in params["layers"] for name in llama.PACKED)
+    assert isinstance(params["embed"], llama.PackedWeight)  # tied: the LM head too
+    plain = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, packed_weights=False)
+    assert not isinstance(plain.engine.runner.params["embed"], llama.PackedWeight)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    packed_out, plain_out = (engine.generate(PROMPTS, params, use_tqdm=False) for engine in (llm, plain))
+    for prompt, a, b in zip(PROMPTS, packed_out, plain_out):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == hf_greedy(hf_model, a.prompt_token_ids, 12)
+        for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert lp_a.keys() == lp_b.keys()
+            np.testing.assert_allclose([lp.logprob for lp in lp_a.values()], [lp.logprob for lp in lp_b.values()],
+                                       atol=1e-4)
+
+
 def test_outputs_independent_of_batch_and_order(llm):
     batched = token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False))
     alone = [token_ids(llm.generate([p], greedy(), use_tqdm=False))[0] for p in PROMPTS[:2]]

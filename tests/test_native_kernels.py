@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 
@@ -88,6 +89,30 @@ def test_rejects_unsupported_shapes():
     with pytest.raises(Exception, match="head_dim <= 256"):
         q = args[0]
         jax.block_until_ready(native.paged_attention_cpu(q[:, :8], *args[1:]))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, 96, 97, 200])
+def test_matmul_packed_matches_numpy(rows):
+    # Row counts around the 6-row register blocks and the 96-row work items; K not a multiple
+    # of anything; a weight packed from [K, N] and from its transpose (a tied LM head).
+    rng = np.random.default_rng(rows)
+    k, n = 37, 48
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    ref = x.astype(np.float64) @ w
+    for packed in (native.pack_weight(w), native.pack_weight(np.ascontiguousarray(w.T), transposed=True)):
+        assert packed.shape == (n // 16, k, 16)
+        for path in ("auto", *native.kernel_paths()):  # the AVX-512 build runs the AVX2 code
+            y = jax.jit(functools.partial(native.matmul_packed, path=path))(x, packed)
+            np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    batched = jax.jit(native.matmul_packed)(x.reshape(1, rows, k), native.pack_weight(w))
+    np.testing.assert_allclose(batched[0], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_matmul_packed_rejects_mismatched_shapes():
+    assert not native.packable((64, 40)) and native.packable((64, 48)) and native.packable((48, 7), transposed=True)
+    with pytest.raises(Exception, match="matmul_packed"):
+        jax.block_until_ready(native.matmul_packed(np.ones((2, 8), np.float32), np.ones((1, 9, 16), np.float32)))
 
 
 def test_kernel_paths_follow_the_cpu():

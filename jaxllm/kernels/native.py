@@ -3,7 +3,8 @@
 `paged_attention_cpu` has the ragged contract of `ragged_paged_attention_reference`
 (csrc/paged_attention.h, .cc, and paged_attention_avx512.cc / paged_attention_avx2.cc for
 CPUs with AVX-512 / AVX2 + FMA; `kernel_paths()` lists the paths the build has);
-`argmax_logsumexp` gives greedy sampling's two row reductions in one pass (csrc/sampling.cc).
+`argmax_logsumexp` gives greedy sampling's two row reductions in one pass (csrc/sampling.cc);
+`matmul_packed` multiplies by an f32 weight packed once by `pack_weight` (csrc/gemm.cc).
 csrc/cpu_kernels.cc, which includes them all, is compiled on first use with the system C++
 compiler (`$CXX`, else `c++`) against the XLA FFI headers that ship with jaxlib, with
 `-O3 -march=native` and fast math, into `<cache root>/native/` (keyed by every file in csrc/,
@@ -32,7 +33,8 @@ from jaxllm.utils import default_cache_root
 
 # FFI target name -> symbol of its handler in the library
 TARGETS = {"jaxllm_paged_attention_cpu": "JaxllmPagedAttentionCpu",
-           "jaxllm_argmax_logsumexp_cpu": "JaxllmArgmaxLogsumexpCpu"}
+           "jaxllm_argmax_logsumexp_cpu": "JaxllmArgmaxLogsumexpCpu",
+           "jaxllm_matmul_packed_cpu": "JaxllmMatmulPackedCpu"}
 # The one translation unit: it includes the other files of its folder.
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "cpu_kernels.cc")
 # -ffast-math for vectorised reductions, but with infinities kept: banned tokens' logits are -inf.
@@ -101,7 +103,7 @@ def build(cache_dir: str | None = None) -> str:
     return path
 
 
-# The attention kernel's code paths, narrowest first (csrc/paged_attention.h's KernelPath).
+# The kernels' code paths, narrowest first (csrc/simd.h's KernelPath).
 PATHS = ("portable", "avx2", "avx512")
 _path_bits = 0
 
@@ -114,14 +116,14 @@ def _load() -> str | None:
         lib = ctypes.cdll.LoadLibrary(build())
         for target, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-        _path_bits = lib.JaxllmPagedAttentionPaths()
+        _path_bits = lib.JaxllmKernelPaths()
     except (OSError, RuntimeError, AttributeError) as e:
         return str(e)
     return None
 
 
 def kernel_paths() -> tuple[str, ...]:
-    """The attention kernel's code paths in this build (what -march=native allows), narrowest first."""
+    """The kernels' code paths in this build (what -march=native allows), narrowest first."""
     require()
     return tuple(name for i, name in enumerate(PATHS, start=1) if _path_bits & (1 << i))
 
@@ -150,6 +152,46 @@ def argmax_logsumexp(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return call(x.astype(jnp.float32))
 
 
+PANEL = 16  # columns per panel of a packed weight (csrc/gemm.cc)
+
+
+def pack_weight(w: np.ndarray, transposed: bool = False) -> np.ndarray:
+    """A weight w [K, N] (or, `transposed`, [N, K]: an embedding table used as the LM head)
+    as the panels `matmul_packed` reads: [N / 16, K, 16] float32. N must be a multiple of 16."""
+    w = np.asarray(w, np.float32)
+    if transposed:
+        n, k = w.shape
+        return np.ascontiguousarray(w.reshape(n // PANEL, PANEL, k).transpose(0, 2, 1))
+    k, n = w.shape
+    return np.ascontiguousarray(w.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2))
+
+
+def packable(shape, transposed: bool = False) -> bool:
+    """Whether a 2-D weight of this shape can be packed (its output dimension splits into panels)."""
+    return len(shape) == 2 and shape[0 if transposed else 1] % PANEL == 0
+
+
+def _path_attr(path: str) -> np.int32:
+    """A `path` argument ("auto" or one of `kernel_paths()`) as the kernels' KernelPath number."""
+    if path == "auto":
+        return np.int32(0)
+    if path not in kernel_paths():
+        raise ValueError(f"kernel path {path!r} is not in this build: {kernel_paths()}")
+    return np.int32(PATHS.index(path) + 1)
+
+
+def matmul_packed(x: jax.Array, w_packed: jax.Array, path: str = "auto") -> jax.Array:
+    """x [..., K] f32 @ the weight packed by `pack_weight` -> [..., N] f32 (csrc/gemm.cc).
+    `path`: as for `paged_attention_cpu` (the GEMM has portable and AVX2 code)."""
+    require()
+    path_attr = _path_attr(path)
+    n = w_packed.shape[0] * PANEL
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    call = jax.ffi.ffi_call("jaxllm_matmul_packed_cpu", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
+    return call(x2, w_packed, path=path_attr).reshape(*lead, n)
+
+
 def paged_attention_cpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                         sm_scale=None, sliding_window=None, logits_soft_cap=None, path="auto"):
     """Ragged paged attention on XLA:CPU (contract: `ragged_paged_attention_reference`).
@@ -159,8 +201,7 @@ def paged_attention_cpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, n
     the kernel may take; a shape a path has no code for falls back to a narrower one.
     """
     require()
-    if path != "auto" and path not in kernel_paths():
-        raise ValueError(f"kernel path {path!r} is not in this build: {kernel_paths()}")
+    path_attr = _path_attr(path)
     head_dim = q.shape[-1]
     sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
     if k_pages.dtype == jnp.bfloat16:  # callers normally pass the uint16 storage already
@@ -172,5 +213,5 @@ def paged_attention_cpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, n
                jnp.asarray(num_seqs, jnp.int32).reshape(()),
                sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
                soft_cap=np.float32(logits_soft_cap or 0.0),
-               path=np.int32(0 if path == "auto" else PATHS.index(path) + 1))
+               path=path_attr)
     return out.astype(q.dtype)

@@ -22,7 +22,9 @@ Params pytree (weights stored `[in, out]` so activations multiply on the left):
 
 Matrix weights are float32 or bfloat16; activations stay float32 and, with bf16 weights,
 are cast to bf16 only as dot operands with float32 accumulation (XLA:CPU runs that natively;
-a bf16-output dot converts the whole weight to f32 on every call).
+a bf16-output dot converts the whole weight to f32 on every call). On one CPU device with the
+native kernels, float32 matrices are replaced once by `PackedWeight`s (`pack_params`), which
+`matmul` multiplies with the C++ GEMM of kernels/csrc/gemm.cc.
 
 Tensor parallelism (Megatron layout; jaxllm/parallel.py runs it under `shard_map`):
 `TP_SPLIT_DIMS` says which dimension of each parameter is split over the "model" mesh axis
@@ -101,9 +103,49 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PackedWeight:
+    """A float32 weight [in, out] packed once into 16-column panels `[out / 16, in, 16]`
+    (`kernels.native.pack_weight`) for the C++ GEMM: XLA:CPU's dot repacks its weight on every
+    call, most of a dot's time at decode batch sizes. A packed embedding table serves both the
+    lookup (`embed`) and the tied LM head."""
+
+    panels: jax.Array
+
+
+def matmul(x: jax.Array, w) -> jax.Array:
     """`x [..., in] f32 @ w [in, out]` with f32 accumulation, in the weight's dtype."""
+    if isinstance(w, PackedWeight):
+        from jaxllm.kernels import native
+
+        return native.matmul_packed(x, w.panels)
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+# The matrices `pack_params` packs: those `matmul` multiplies (and the embedding, tied or not).
+PACKED = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+def pack_params(params, spec: ModelSpec):
+    """Replace, in place, each float32 matrix of `params` (one device, no shard layout) by its
+    `PackedWeight`, one at a time so that at most one matrix exists twice. Matrices whose
+    output size is not a multiple of 16 stay as they are. Returns `params`."""
+    from jaxllm.kernels import native
+
+    def pack(w, transposed=False):
+        if isinstance(w, PackedWeight) or w.dtype != jnp.float32 or not native.packable(w.shape, transposed):
+            return w
+        return PackedWeight(native.pack_weight(np.asarray(w), transposed))
+
+    for layer in params["layers"]:
+        for name in PACKED:
+            layer[name] = pack(layer[name])
+    if "lm_head" in params:
+        params["lm_head"] = pack(params["lm_head"])
+    if spec.tie_word_embeddings:  # the table is the LM head too
+        params["embed"] = pack(params["embed"], transposed=True)
+    return params
 
 
 def rope_tables(positions, inv_freq, xp=jnp):
@@ -159,6 +201,8 @@ def embed(params, token_ids: jax.Array, axis: str | None = None) -> jax.Array:
     """Embedding rows [T, hidden] f32; with `axis`, each shard holds a slice of the vocabulary
     and contributes the rows it has (zeros elsewhere), summed over the axis."""
     table = params["embed"]
+    if isinstance(table, PackedWeight):  # [vocab / 16, hidden, 16]: token t is column t % 16 of panel t // 16
+        return table.panels[token_ids // 16, :, token_ids % 16]
     if axis is None:
         return table[token_ids].astype(jnp.float32)
     rows = table.shape[0]
@@ -195,7 +239,10 @@ def compute_logits(params, hidden: jax.Array, spec: ModelSpec, axis: str | None 
         # Contract against embed [vocab, hidden] directly: `jnp.dot(h, embed.T)` materialised
         # the transpose on every call on XLA:CPU (4-20x slower).
         w = params["embed"]
-        logits = jnp.einsum("sh,vh->sv", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        if isinstance(w, PackedWeight):  # packed as the LM head: [vocab / 16, hidden, 16]
+            logits = matmul(h, w)
+        else:
+            logits = jnp.einsum("sh,vh->sv", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
     else:
         logits = matmul(h, params["lm_head"])
     return logits if axis is None else jax.lax.all_gather(logits, axis, axis=1, tiled=True)

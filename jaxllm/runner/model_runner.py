@@ -70,7 +70,9 @@ class ModelRunner:
     pipeline parallelism, with `params` already laid out by `llama.shard_layout` for it (as
     `load_model(..., tensor_parallel_size=tp, pipeline_parallel_size=pp)` gives them); see
     jaxllm/parallel.py. With pp stages, each step's batch is split into pp micro-batches of
-    one bucket (`prepare_step`) that the step pipelines through the stages."""
+    one bucket (`prepare_step`) that the step pipelines through the stages. Without a mesh, on
+    the native CPU backend, float32 matrices of `params` are packed in place for the C++ GEMM
+    (`llama.pack_params`, `EngineArgs.packed_weights`)."""
 
     def __init__(self, config: EngineConfig, spec: llama.ModelSpec, params,
                  attention: AttentionBackend | None = None, mesh=None):
@@ -90,6 +92,8 @@ class ModelRunner:
         # Commit params and the cache to the device(s): warm-up and serving then pass arrays with
         # the same sharding, so the programs compiled at warm-up are the ones served from.
         if mesh is None:
+            if config.packed_weights and self.attention.name == "native":
+                params = llama.pack_params(params, spec)  # in place: the unpacked matrices are freed
             self.params = jax.device_put(params, jax.devices()[0])
         else:
             self.params = parallel.shard_params(params, mesh)

@@ -231,4 +231,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionCpu, jaxllm::PagedAttentionImp
                                   .Attr<int32_t>("path"));
 
 // The kernel paths this library was built with (bit p: KernelPath p), for tests and benchmarks.
-extern "C" int32_t JaxllmPagedAttentionPaths() { return jaxllm::built_paths(); }
+extern "C" int32_t JaxllmKernelPaths() { return jaxllm::built_paths(); }

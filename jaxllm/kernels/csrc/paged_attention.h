@@ -56,21 +56,6 @@ struct PagedAttentionArgs {
   int32_t path;                 // a KernelPath: the widest path to try (kAuto: any)
 };
 
-// The code paths of the kernel, narrowest first; a build has those its -march allows.
-enum KernelPath : int32_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3 };
-
-// Bit p set: path p is built into this library.
-inline int32_t built_paths() {
-  int32_t bits = 1 << kPortable;
-#ifdef JAXLLM_AVX2
-  bits |= 1 << kAvx2;
-#endif
-#ifdef __AVX512F__
-  bits |= 1 << kAvx512;
-#endif
-  return bits;
-}
-
 // One unit of parallel work: query tokens [tile * tile_tokens, ...) of sequence `seq` (at most
 // tile_tokens of them), with the query heads of kv head `kv_head`.
 struct WorkItem {

@@ -1,6 +1,6 @@
-// Named SIMD helpers of jaxllm's CPU kernels: bf16 -> f32 widening (scalar, and 8 or 16 at a
-// time), a polynomial exp (8 or 16 wide), a 16x16 word transpose, a 4-way horizontal sum, and
-// row reductions (max, sum of exp). The 16-wide helpers exist only under `#ifdef __AVX512F__`,
+// The kernels' code paths (KernelPath) and named SIMD helpers: bf16 -> f32 widening (scalar,
+// and 8 or 16 at a time), a polynomial exp (8 or 16 wide), a 16x16 word transpose, a 4-way
+// horizontal sum, and row reductions (max, sum of exp). The 16-wide helpers exist only under `#ifdef __AVX512F__`,
 // the 8-wide ones under `#ifdef __AVX2__` (with FMA), beside the scalar to_f32 of the portable
 // path; max_of and sum_exp run the widest loop the build has and a scalar loop for the rest of
 // the row.
@@ -21,6 +21,22 @@
 #endif
 
 namespace jaxllm {
+
+// The kernels' code paths, narrowest first; a build has those its -march allows (attention
+// has all three, the GEMM portable and AVX2). A `path` argument names the widest to try.
+enum KernelPath : int32_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3 };
+
+// Bit p set: path p is built into this library.
+inline int32_t built_paths() {
+  int32_t bits = 1 << kPortable;
+#ifdef JAXLLM_AVX2
+  bits |= 1 << kAvx2;
+#endif
+#ifdef __AVX512F__
+  bits |= 1 << kAvx512;
+#endif
+  return bits;
+}
 
 // A bf16 value is the upper half of an f32: widening puts its 16 bits on top of 16 zeros.
 inline float to_f32(uint16_t bf16_bits) {
