@@ -127,16 +127,17 @@ def matmul(x: jax.Array, w) -> jax.Array:
 PACKED = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
-def pack_params(params, spec: ModelSpec):
-    """Replace, in place, each float32 matrix of `params` (one device, no shard layout) by its
-    `PackedWeight`, one at a time so that at most one matrix exists twice. Matrices whose
-    output size is not a multiple of 16 stay as they are. Returns `params`."""
+def pack_params(params, spec: ModelSpec, device):
+    """Replace, in place, each float32 matrix of `params` (no shard layout) by its
+    `PackedWeight` on `device`, one at a time so that at most one matrix exists twice (the
+    whole tree packed, then placed, held every matrix three times at once). Matrices whose output
+    size is not a multiple of 16 stay as they are. Returns `params`."""
     from jaxllm.kernels import native
 
     def pack(w, transposed=False):
         if isinstance(w, PackedWeight) or w.dtype != jnp.float32 or not native.packable(w.shape, transposed):
             return w
-        return PackedWeight(native.pack_weight(np.asarray(w), transposed))
+        return PackedWeight(jax.device_put(native.pack_weight(np.asarray(w), transposed), device))
 
     for layer in params["layers"]:
         for name in PACKED:

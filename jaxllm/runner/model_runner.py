@@ -93,7 +93,8 @@ class ModelRunner:
         # the same sharding, so the programs compiled at warm-up are the ones served from.
         if mesh is None:
             if config.packed_weights and self.attention.name == "native":
-                params = llama.pack_params(params, spec)  # in place: the unpacked matrices are freed
+                # In place, one matrix at a time: the unpacked ones are freed as it goes.
+                params = llama.pack_params(params, spec, jax.devices()[0])
             self.params = jax.device_put(params, jax.devices()[0])
         else:
             self.params = parallel.shard_params(params, mesh)
