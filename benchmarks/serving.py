@@ -211,7 +211,8 @@ def launch_server(args, tmp: str) -> tuple[subprocess.Popen, str]:
     else:
         cmd = [sys.executable, "-m", "jaxllm.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-               "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--uvicorn-log-level", "warning"]
+               "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--uvicorn-log-level", "warning",
+               "--no-background-compile"]  # every shape compiled before /health answers: a steady server
         if args.model_path:
             cmd += ["--model", args.model_path]
     cmd += shlex.split(args.serve_args)
