@@ -116,7 +116,8 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   parallel_for(pool, groups * row_chunks, [&](int64_t item) {
     const int64_t chunk = item % row_chunks, group = item / row_chunks;
     const int64_t r0 = chunk * kRowChunk, r1 = std::min(g.M, r0 + kRowChunk);
-    for (int64_t p = group * per_item; p < std::min(panels, (group + 1) * per_item); ++p) panel_block(g, p, r0, r1, path);
+    const int64_t p1 = std::min(panels, (group + 1) * per_item);
+    for (int64_t p = group * per_item; p < p1; ++p) panel_block(g, p, r0, r1, path);
   });
   return ffi::Error::Success();
 }
