@@ -1,10 +1,12 @@
 """The dtype question on this CPU: XLA:CPU dots in float32 vs bf16 x bf16 -> f32, on the
-default model's weight shapes, next to what `dtype="auto"` picks here.
+default model's weight shapes, next to what `dtype="auto"` picks here; and jaxllm's packed f32
+GEMM (`kernels.native.matmul_packed`, the engine's path for float32 weights on one CPU device).
 
-    python benchmarks/dots.py                 # M = 2, 16, 64, 128, 512 rows
+    python benchmarks/dots.py                 # M = 1, 2, 8, 16, 32, 64, 128, 512 rows
 
 On CPUs without native bf16 dots (no AVX512_BF16, no AMX) XLA widens the bf16 operands on
-every call; this shows by how much that loses (or, for memory-bound shapes, wins) here.
+every call; this shows by how much that loses (or, for memory-bound shapes, wins) here. XLA's
+f32 dot repacks the weight on every call; the packed GEMM reads weights packed once.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ SHAPES = {"wqkv": (576, 960), "wo": (576, 576), "w_gate_up": (576, 3072), "w_dow
 
 
 def main(argv=None) -> int:
+    from jaxllm.kernels import native
     from jaxllm.utils import resolve_dtype
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="2,16,64,128,512", help="M values, comma-separated")
+    ap.add_argument("--rows", default="1,2,8,16,32,64,128,512", help="M values, comma-separated")
     ap.add_argument("--out", default=os.path.join(RESULTS, "dots.json"))
     args = ap.parse_args(argv)
     dot = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
@@ -43,22 +46,27 @@ def main(argv=None) -> int:
     pick, why = resolve_dtype("auto", "cpu")
     print(f"{cpu_line(machine)}\n"
           f"dtype='auto' picks {pick}: {why}\n")
-    print(f"{'weight':10s} {'M':>4s} {'f32 GFLOP/s':>12s} {'bf16 GFLOP/s':>13s} {'bf16/f32':>9s}")
+    packed_dot = jax.jit(native.matmul_packed) if native.available() else None
+    print(f"{'weight':10s} {'M':>4s} {'f32 GFLOP/s':>12s} {'bf16 GFLOP/s':>13s} {'bf16/f32':>9s} "
+          f"{'packed f32 GFLOP/s':>19s} {'packed/f32':>11s}")
     rows = []
     for name, (k, n) in SHAPES.items():
         w32 = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32))
         w16 = w32.astype(jnp.bfloat16)
+        packed = jnp.asarray(native.pack_weight(np.asarray(w32))) if packed_dot else None
         for m in (int(x) for x in args.rows.split(",")):
             x32 = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
             x16 = x32.astype(jnp.bfloat16)
             reps = 10 if n > 10000 else 30
             t32 = timeit(lambda: dot(x32, w32).block_until_ready(), reps)
             t16 = timeit(lambda: dot(x16, w16).block_until_ready(), reps)
+            tp = timeit(lambda: packed_dot(x32, packed).block_until_ready(), reps) if packed_dot else None
             flops = 2 * m * k * n
             rows.append({"weight": name, "k": k, "n": n, "m": m, "f32_gflops": flops / t32 / 1e9,
-                         "bf16_gflops": flops / t16 / 1e9})
-            print(f"{name:10s} {m:4d} {flops / t32 / 1e9:12.1f} {flops / t16 / 1e9:13.1f} {t32 / t16:8.2f}x",
-                  flush=True)
+                         "bf16_gflops": flops / t16 / 1e9, "packed_f32_gflops": flops / tp / 1e9 if tp else None})
+            packed_cols = f" {flops / tp / 1e9:19.1f} {t32 / tp:10.2f}x" if tp else ""
+            print(f"{name:10s} {m:4d} {flops / t32 / 1e9:12.1f} {flops / t16 / 1e9:13.1f} {t32 / t16:8.2f}x"
+                  + packed_cols, flush=True)
     result = {"date": now_iso(), "machine": machine, "versions": versions(),
               "auto_dtype": pick, "auto_reason": why, "rows": rows}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -123,15 +123,15 @@ def matmul(x: jax.Array, w) -> jax.Array:
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
-# The matrices `pack_params` packs: those `matmul` multiplies (and the embedding, tied or not).
+# The layer matrices `pack_params` packs (besides the LM head, or the embedding table when tied).
 PACKED = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
 def pack_params(params, spec: ModelSpec, device):
     """Replace, in place, each float32 matrix of `params` (no shard layout) by its
-    `PackedWeight` on `device`, one at a time so that at most one matrix exists twice (the
-    whole tree packed, then placed, held every matrix three times at once). Matrices whose output
-    size is not a multiple of 16 stay as they are. Returns `params`."""
+    `PackedWeight` on `device`, one matrix at a time: the extra memory is one matrix at most
+    (packing the whole tree, then placing it, held each matrix up to three times). Matrices whose
+    output size is not a multiple of 16 stay as they are. Returns `params`."""
     from jaxllm.kernels import native
 
     def pack(w, transposed=False):

@@ -7,7 +7,9 @@
 // time, 8 dims per FMA, and one horizontal-add tree per row gives its 4 scores. That suits a
 // decode, whose few rows (the query heads of one kv head) could not amortise a transpose of
 // the chunk. P @ V accumulates 3 rows x 32 dims in registers, V rows loaded once per key and
-// reused by the 3 rows. Softmax uses the 8-wide polynomial exp.
+// reused by the 3 rows. Softmax uses the 8-wide polynomial exp. The next chunk's rows are
+// prefetched into L2 while a chunk is computed. AVX-512 builds keep this path for the head sizes
+// their own path has no code for.
 
 #include <algorithm>
 #include <cmath>
