@@ -53,9 +53,9 @@ def test_packed_weights_match_hf_and_xla_dots(llm, hf_model, tiny_model_dir):
     assert isinstance(params["embed"], llama.PackedWeight)  # tied: the LM head too
     plain = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, packed_weights=False)
     assert not isinstance(plain.engine.runner.params["embed"], llama.PackedWeight)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
-    packed_out, plain_out = (engine.generate(PROMPTS, params, use_tqdm=False) for engine in (llm, plain))
-    for prompt, a, b in zip(PROMPTS, packed_out, plain_out):
+    sampling = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    packed_out, plain_out = (engine.generate(PROMPTS, sampling, use_tqdm=False) for engine in (llm, plain))
+    for a, b in zip(packed_out, plain_out):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids == hf_greedy(hf_model, a.prompt_token_ids, 12)
         for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert lp_a.keys() == lp_b.keys()
