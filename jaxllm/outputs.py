@@ -35,3 +35,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token (None for the first),
+    # each the prompt token's Logprob plus the top ones, as for generated tokens.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -84,10 +84,11 @@ class SamplingParams:
             bad("min_tokens", self.min_tokens, "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            bad("logprobs", self.logprobs, f"in [0, {MAX_LOGPROBS}]")
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                bad(name, value, f"an integer in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", self.seed, "an integer")
         if any(not s for s in self.stop):

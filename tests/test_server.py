@@ -149,6 +149,32 @@ def test_completions_n_seed_stop_logprobs(server):
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
+def test_completions_echo_with_logprobs_scores_the_prompt(server):
+    # How evaluation tools score text: echo + logprobs returns the prompt tokens' logprobs
+    # (the first has none), then the completion's; streamed, the first chunk carries them.
+    reference = server.offline.generate(PROMPTS[1], greedy(4, ignore_eos=True, logprobs=2, prompt_logprobs=2),
+                                        use_tqdm=False)[0]
+    ids = reference.prompt_token_ids
+    kwargs = dict(model=server.model, prompt=PROMPTS[1], max_tokens=4, temperature=0, echo=True, logprobs=2,
+                  extra_body={"ignore_eos": True})
+    plain = server.client.completions.create(**kwargs).choices[0]
+    streamed = list(server.client.completions.create(**kwargs, stream=True))
+    first = streamed[0].choices[0].logprobs
+    assert plain.text == PROMPTS[1] + reference.outputs[0].text
+    lp = plain.logprobs
+    assert len(lp.tokens) == len(ids) + 4 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for p, (token, entry) in enumerate(zip(ids[1:], reference.prompt_logprobs[1:]), start=1):
+        assert lp.tokens[p] == entry[token].decoded_token
+        assert lp.token_logprobs[p] == pytest.approx(entry[token].logprob, abs=1e-4)
+        assert len(lp.top_logprobs[p]) >= 2
+    assert lp.text_offset == sorted(lp.text_offset)
+    assert lp.token_logprobs[len(ids):] == pytest.approx(
+        [e[t].logprob for t, e in zip(reference.outputs[0].token_ids, reference.outputs[0].logprobs)], abs=1e-4)
+    assert first.tokens[:len(ids)] == lp.tokens[:len(ids)]
+    assert first.token_logprobs[:len(ids)] == pytest.approx(lp.token_logprobs[:len(ids)], abs=1e-6)
+    assert sum(len(c.choices[0].logprobs.tokens) for c in streamed if c.choices) == len(ids) + 4
+
+
 # ----------------------------------------------------------------------------- chat
 
 

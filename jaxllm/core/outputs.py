@@ -54,12 +54,15 @@ class ModelRunnerOutput:
     sampled_token_ids: [n] int32, -1 where the request is mid-prompt (no token this step).
     logprobs: [n] f32, the sampled tokens' logprobs.
     top_logprobs, top_token_ids: [n, MAX_LOGPROBS], filled when a request asked for logprobs.
+    prompt_logprobs: request id -> (logprob [c], rank [c], top logprobs [c, K], top ids [c, K])
+        of the prompt tokens this step covered, for requests that asked for them.
     """
 
     sampled_token_ids: np.ndarray
     logprobs: np.ndarray
     top_logprobs: np.ndarray
     top_token_ids: np.ndarray
+    prompt_logprobs: dict[str, tuple] = dataclasses.field(default_factory=dict)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
@@ -68,6 +71,8 @@ class EngineCoreOutput:
     """What one request got from a step: a new token (none mid-prompt) and, once it ends, why.
 
     top_logprobs: (token ids, logprobs) of the request's `logprobs` best tokens, or None.
+    prompt_logprobs: with the first token of a request that asked for them, its prompt
+        tokens' (logprob [P-1], rank [P-1], top logprobs [P-1, K], top ids [P-1, K]).
     finish_reason: "stop" | "length" | "abort" | None; stop_reason: the stop token id.
     """
 
@@ -79,6 +84,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     scheduled_time: float | None = None
+    prompt_logprobs: tuple | None = None
 
 
 @dataclasses.dataclass(slots=True)

@@ -46,6 +46,12 @@ class Request:
     # search appends the tokens it chooses (`append_output_token`).
     append_sampled_tokens: bool = True
 
+    # Prompt logprobs (the first choice of a request that asks for them): per computed chunk,
+    # (logprob [c], rank [c], top logprobs [c, K], top ids [c, K]) of prompt tokens 1, 2, ...;
+    # None when not asked for. `num_prompt_logprobs` counts the prompt tokens covered so far.
+    prompt_logprobs: list[tuple] | None = None
+    num_prompt_logprobs: int = 0
+
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     cumulative_logprob: float = 0.0
     num_computed_tokens: int = 0

@@ -27,6 +27,8 @@ import collections
 import time
 from collections.abc import Iterable
 
+import numpy as np
+
 from jaxllm.config import SchedulerConfig
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
@@ -156,7 +158,8 @@ class Scheduler:
                     break
                 swap_in += pairs
             else:
-                computed = self.kv.get_computed_blocks(request)
+                # Prompt logprobs come from computing the prompt: no cached prefix for them.
+                computed = [] if request.prompt_logprobs is not None else self.kv.get_computed_blocks(request)
                 num_cached = len(computed) * self.kv.block_size
                 num_new = min(request.num_tokens - num_cached, budget)
                 if not self.kv.allocate_slots(request, num_new, computed):
@@ -194,9 +197,16 @@ class Scheduler:
             num_prompt_tokens += max(0, min(num_new, request.num_prompt_tokens - request.num_computed_tokens))
             request.num_computed_tokens += num_new
             self.kv.cache_full_blocks(request)
+            chunk = runner_output.prompt_logprobs.get(request.request_id)
+            if chunk is not None:
+                request.prompt_logprobs.append(chunk)
+                request.num_prompt_logprobs += len(chunk[0])
             token = int(runner_output.sampled_token_ids[i])
             if token < 0:    # mid-prompt: no token yet
                 continue
+            prompt_logprobs = None
+            if request.prompt_logprobs is not None and not request.output_token_ids:
+                prompt_logprobs = tuple(np.concatenate(c) for c in zip(*request.prompt_logprobs))
             k = request.sampling_params.logprobs
             top = None
             if k is not None:
@@ -214,7 +224,7 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 request.request_id, [token], logprob, top, finish_reason=request.finish_reason,
                 stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens,
-                scheduled_time=request.scheduled_time))
+                scheduled_time=request.scheduled_time, prompt_logprobs=prompt_logprobs))
         return EngineCoreOutputs(outputs, num_prompt_tokens, num_generated, time.monotonic())
 
     def fail_step(self, scheduler_output: SchedulerOutput, cache_lost: bool) -> EngineCoreOutputs:

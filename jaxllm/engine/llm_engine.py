@@ -122,6 +122,8 @@ class LLMEngine:
                 request_id=request_id if params.n == 1 else f"{i}_{request_id}", prompt_token_ids=prompt_token_ids,
                 sampling_params=params, eos_token_ids=self.eos_token_ids, seed=seed,
                 parent_id=request_id, index=i, prompt=prompt, arrival_time=now))
+        if params.prompt_logprobs is not None:
+            choices[0].prompt_logprobs = []      # the request's prompt logprobs come from its first choice
         if any(self.output_processor.is_tracked(c.request_id) for c in choices):
             raise ValueError(f"request_id {request_id!r} clashes with a running request's choice ids")
         replica = self.engine_core.add_request(choices[0])   # raises (nothing kept) if the scheduler refuses it
@@ -168,6 +170,12 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs ({self.config.max_logprobs})")
+        if params.prompt_logprobs is not None:
+            if params.prompt_logprobs > self.config.max_logprobs:
+                raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds max_logprobs "
+                                 f"({self.config.max_logprobs})")
+            if self.runner.mesh is not None:
+                raise ValueError("prompt_logprobs is not supported with tensor, pipeline or data parallelism yet")
         if params.n > self.config.scheduler.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs ({self.config.scheduler.max_num_seqs})")
         # A sequence that cannot fit in the whole pool would preempt itself forever.

@@ -51,6 +51,8 @@ class RequestState:
     seqs: dict[str, SequenceState]
     num_cached_tokens: int = 0
     scheduled_time: float | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -110,6 +112,9 @@ class OutputProcessor:
             state, seq = entry
             if seq.index == 0:
                 state.num_cached_tokens, state.scheduled_time = out.num_cached_tokens, out.scheduled_time
+            if out.prompt_logprobs is not None:
+                state.prompt_logprobs = self._prompt_logprobs_entries(state.prompt_token_ids, out.prompt_logprobs,
+                                                                      state.params.prompt_logprobs)
             for token in out.new_token_ids:
                 seq.token_ids.append(token)
                 seq.cumulative_logprob += out.new_logprob
@@ -141,6 +146,18 @@ class OutputProcessor:
         if token not in entry:
             entry[token] = Logprob(logprob, None, self._token_text(token))
         return entry
+
+    def _prompt_logprobs_entries(self, prompt_token_ids: list[int], arrays, k: int) -> list[dict[int, Logprob] | None]:
+        """[None, then per prompt token its Logprob (with rank) and the top ones]."""
+        entries: list[dict[int, Logprob] | None] = [None]
+        if not arrays:      # a one-token prompt
+            return entries
+        for token, lp, rank, top_lp, top_ids in zip(prompt_token_ids[1:], *(a.tolist() for a in arrays)):
+            entry = {tid: Logprob(v, r + 1, self._token_text(tid))
+                     for r, (tid, v) in enumerate(zip(top_ids[:k], top_lp))}
+            entry[token] = Logprob(lp, rank, self._token_text(token))
+            entries.append(entry)
+        return entries
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -174,9 +191,14 @@ class OutputProcessor:
                 stop_reason=seq.stop_reason))
         if not completions:
             return None
+        prompt_logprobs = state.prompt_logprobs
+        if delta and state.prompt_logprobs_sent:    # a stream carries them once
+            prompt_logprobs = None
+        elif delta and prompt_logprobs is not None:
+            state.prompt_logprobs_sent = True
         first = next(iter(state.seqs.values()))
         last_token_time = max((s.last_token_time or 0) for s in state.seqs.values())
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished,
-                             num_cached_tokens=state.num_cached_tokens,
+                             num_cached_tokens=state.num_cached_tokens, prompt_logprobs=prompt_logprobs,
                              metrics={"arrival_time": state.arrival_time, "first_token_time": first.first_token_time,
                                       "scheduled_time": state.scheduled_time, "last_token_time": last_token_time})

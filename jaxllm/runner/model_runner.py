@@ -3,7 +3,7 @@
 The step function is pure:
 
     step(params, kv_cache, ints, floats, penalty_tokens, *, layout)
-        -> (tokens, logprobs, top_logprobs, top_ids, kv_cache)
+        -> (tokens, logprobs, top_logprobs, top_ids, hidden, kv_cache)
 
 with `kv_cache` donated, so the pages are updated in place. Its shapes come from a small set
 of buckets (runner/compile.py), all compiled at start-up (on one thread per core), each kept
@@ -42,11 +42,13 @@ from jaxllm.runner import sampler
 from jaxllm.runner.compile import Bucket, make_buckets
 from jaxllm.runner.executables import CompiledSteps, ExecutableStore
 from jaxllm.runner.input_batch import InputBatch, PackedLayout, SamplingMetadata, StepInputs
+from jaxllm.runner.prompt_logprobs import PromptLogprobs
 from jaxllm.sampling_params import MAX_LOGPROBS
 from jaxllm.utils import cdiv, jnp_dtype
 
 
 def _step(params, kv_cache, ints, floats, penalty_tokens, *, layout: PackedLayout, spec, attention, mesh):
+    hidden = None     # [T, hidden] before the final norm, kept for prompt logprobs (one device only)
     if parallel.pp_size(mesh) > 1:     # [M, ...]: micro-batches through the pipeline stages
         logits, kv_cache = parallel.pipelined_forward(params, kv_cache, ints, floats, spec=spec, attention=attention,
                                                       mesh=mesh, unpack=lambda i, f: layout.unpack(i, f)[0])
@@ -62,7 +64,7 @@ def _step(params, kv_cache, ints, floats, penalty_tokens, *, layout: PackedLayou
             logits, kv_cache = parallel.sharded_forward(params, kv_cache, inputs, spec, attention=attention,
                                                         mesh=mesh)
     tokens, logprob, top_lp, top_ids = sampler.sample(logits, sampling, attention.argmax_logsumexp)
-    return tokens, logprob, top_lp, top_ids, kv_cache
+    return tokens, logprob, top_lp, top_ids, hidden, kv_cache
 
 
 class ModelRunner:
@@ -127,6 +129,7 @@ class ModelRunner:
         self._inv_freq = spec.inv_freq()
         self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.max_blocks, self.block_size,
                                       spec.vocab_size)
+        self.prompt_logprobs = PromptLogprobs(spec)
         self._buffers: dict[tuple[Bucket, int], _BucketBuffers] = {}
         self._no_penalty_tokens: dict[int, jax.Array] = {}
 
@@ -259,17 +262,19 @@ class ModelRunner:
         self.copy_pages(*scheduler_output.block_copies)
         if n == 0:
             empty = np.zeros((0, MAX_LOGPROBS))
-            return ModelRunnerOutput(np.zeros(0, np.int32), np.zeros(0, np.float32), empty, empty)
+            return ModelRunnerOutput(np.zeros(0, np.int32), np.zeros(0, np.float32), empty, empty, {})
         t1 = time.perf_counter()
-        tokens, logprob, top_lp, top_ids, self.kv_cache = self._call(buffers.bucket, *packed)
+        tokens, logprob, top_lp, top_ids, hidden, self.kv_cache = self._call(buffers.bucket, *packed)
         # Waiting for every step's tokens keeps one sharded step in flight: with ~32 queued,
         # XLA:CPU's virtual devices deadlock in their collectives (README, Sharding).
         tokens, logprob, top_lp, top_ids = (_fetch(x) for x in (tokens, logprob, top_lp, top_ids))
+        prompt_logprobs = self.prompt_logprobs(self.params, scheduler_output.scheduled, rows,
+                                               buffers.inputs.query_start_loc, hidden)
         t2 = time.perf_counter()
         sampled = np.where(has_token, tokens[rows], -1).astype(np.int32)
-        return ModelRunnerOutput(sampled, logprob[rows], top_lp[rows], top_ids[rows],
-                                 {"prepare": t1 - t0, "device": t2 - t1,
-                                  "bucket_tokens": buffers.inputs.token_ids.shape[0] * self.num_stages})
+        return ModelRunnerOutput(sampled, logprob[rows], top_lp[rows], top_ids[rows], prompt_logprobs,
+                                 timings={"prepare": t1 - t0, "device": t2 - t1,
+                                          "bucket_tokens": buffers.inputs.token_ids.shape[0] * self.num_stages})
 
     def _pack(self, buffers: _BucketBuffers):
         """The bucket's inputs packed: (ints, floats, penalty tokens)."""

@@ -139,8 +139,6 @@ class CompletionRequest(SamplingRequest):
             return "suffix"
         if self.best_of is not None and self.best_of != (self.n or 1):
             return "best_of"
-        if self.echo and self.logprobs is not None:
-            return "echo"  # echo with logprobs needs prompt logprobs
         return super().unsupported()
 
 

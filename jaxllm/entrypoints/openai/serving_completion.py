@@ -1,8 +1,10 @@
 """/v1/completions: one or more prompts (text or token ids), `n` choices each, optionally echoed,
-with the completions API's logprobs (text offsets), plain or streamed."""
+with the completions API's logprobs (text offsets; an echoed prompt's too, as evaluation tools
+score text), plain or streamed."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -11,7 +13,14 @@ from fastapi import Request
 from jaxllm.entrypoints.openai.middleware import request_id_of
 from jaxllm.entrypoints.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
 from jaxllm.entrypoints.openai.serving_engine import ChoiceState, MergedOutputs, OpenAIServing
-from jaxllm.entrypoints.openai.serving_utils import APIError, completion_logprobs, finish_reason, sse
+from jaxllm.entrypoints.openai.serving_utils import (
+    APIError,
+    completion_logprobs,
+    echo_logprobs,
+    finish_reason,
+    joined_logprobs,
+    sse,
+)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -48,6 +57,15 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo:
             echo = [text if text is not None else await self.in_worker(self.tokenizer.decode, ids)
                     for text, ids in prompts]
+        # Echo with logprobs: the prompt's logprobs lead each choice's (per prompt, once known).
+        prompt_lp: list = [None] * len(prompts)
+        if request.echo and request.logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=request.logprobs)
+
+        def note_prompt_logprobs(i: int, out) -> None:
+            if out.prompt_logprobs is not None and prompt_lp[i] is None:
+                ids = prompts[i][1]
+                prompt_lp[i] = echo_logprobs(ids, out.prompt_logprobs, self.tokenizer.decode(ids[:1]))
 
         def usage() -> UsageInfo:
             prompt_tokens = sum(len(ids) for _, ids in prompts)
@@ -57,6 +75,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
         async def collect(outputs: MergedOutputs) -> CompletionResponse:
             async for i, out in outputs:
+                note_prompt_logprobs(i, out)
                 for delta in out.outputs:
                     choices[i * n + delta.index].add(delta)
             result = []
@@ -64,7 +83,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 prefix = echo[index // n]
                 logprobs = None
                 if request.logprobs is not None:
-                    logprobs = completion_logprobs(c.token_ids, c.logprobs, len(prefix))
+                    logprobs = joined_logprobs(prompt_lp[index // n],
+                                               completion_logprobs(c.token_ids, c.logprobs, len(prefix)))
                 result.append(CompletionChoice(index=index, text=prefix + c.text, logprobs=logprobs,
                                                finish_reason=finish_reason(c.finish_reason),
                                                stop_reason=c.stop_reason))
@@ -73,6 +93,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
         async def stream(outputs: MergedOutputs) -> AsyncIterator[str]:
             async for i, out in outputs:
+                note_prompt_logprobs(i, out)
                 for delta in out.outputs:
                     index = i * n + delta.index
                     c = choices[index]
@@ -83,6 +104,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         start = c.text_offset if not first else len(echo[i])
                         logprobs = completion_logprobs(delta.token_ids, delta.logprobs or [], start)
                         c.text_offset = start + sum(len(t) for t in logprobs.tokens)
+                        if first:
+                            logprobs = joined_logprobs(prompt_lp[i], logprobs)
                     c.add(delta)
                     choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
                                               finish_reason=finish_reason(delta.finish_reason),

@@ -110,6 +110,21 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
     return out
 
 
+def echo_logprobs(prompt_token_ids: list[int], entries: list[dict[int, Logprob] | None],
+                  first_token_text: str) -> CompletionLogProbs:
+    """An echoed prompt's logprobs (`RequestOutput.prompt_logprobs`): the first token has none."""
+    rest = completion_logprobs(prompt_token_ids[1:], entries[1:], len(first_token_text))
+    return CompletionLogProbs(text_offset=[0, *rest.text_offset], token_logprobs=[None, *rest.token_logprobs],
+                              tokens=[first_token_text, *rest.tokens], top_logprobs=[None, *rest.top_logprobs])
+
+
+def joined_logprobs(a: CompletionLogProbs | None, b: CompletionLogProbs) -> CompletionLogProbs:
+    """`a`'s tokens then `b`'s (an echoed prompt's, then the completion's)."""
+    if a is None:
+        return b
+    return CompletionLogProbs(**{name: getattr(a, name) + getattr(b, name) for name in CompletionLogProbs.model_fields})
+
+
 def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]]) -> ChatChoiceLogprobs:
     def item(lp: Logprob, cls=ChatTopLogprob, **extra):
         token = lp.decoded_token or ""
