@@ -9,6 +9,7 @@ Resolving never builds or loads anything: the attention backend is chosen from i
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 
@@ -21,6 +22,15 @@ DEFAULT_KV_CACHE_MEMORY = 2 << 30  # bytes; on CPU the pool lives in host RAM
 # The names of jaxllm.attention.BACKENDS, listed here so that checking a config imports no kernels.
 ATTENTION_BACKENDS = ("native", "cpu", "pallas", "reference")
 PREEMPTION_MODES = ("recompute", "swap")
+MAX_SPECULATIVE_TOKENS = 15     # a step verifies at most this many drafts per request
+
+
+def json_object(text: str) -> dict:
+    """A command-line flag's JSON object."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def option(default, help: str, **metadata):
@@ -100,6 +110,10 @@ class EngineArgs:
     packed_weights: bool = option(
         True, "on one CPU device with the native kernels: pack each float32 weight matrix once for jaxllm's "
               "C++ GEMM (XLA's dot repacks it on every call)")
+    speculative_config: dict | str | None = option(
+        None, "speculative decoding, a JSON object as in vLLM: {\"method\": \"ngram\", \"num_speculative_tokens\": "
+              "K, \"prompt_lookup_min\": N, \"prompt_lookup_max\": N, \"disable_by_batch_size\": B} (default: "
+              "off)", metavar="JSON", type=json_object)
 
     def verify(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -145,6 +159,68 @@ class EngineArgs:
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        speculative = SpeculativeConfig.parse(self.speculative_config)
+        if speculative is not None and self.pipeline_parallel_size > 1:
+            raise ValueError("speculative decoding is not supported with pipeline_parallel_size > 1 yet")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (jaxllm/spec_decode): `num_speculative_tokens` drafts per running
+    request per step, proposed by `method`, verified by the model in the same step. Steps
+    speculate only while at most `disable_by_batch_size` requests run: bigger batches are
+    compute-bound on CPU, where verifying k drafts costs about k + 1 tokens' work."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    disable_by_batch_size: int = 8
+
+    METHODS = ("ngram",)
+
+    def max_seqs(self, scheduler: SchedulerConfig) -> int:
+        """Most sequences a speculating step holds: disable_by_batch_size, within max_num_seqs
+        and the token budget (each sequence brings up to 1 + num_speculative_tokens tokens)."""
+        return min(self.disable_by_batch_size, scheduler.max_num_seqs,
+                   scheduler.max_num_batched_tokens // (self.num_speculative_tokens + 1))
+
+    @classmethod
+    def parse(cls, config: dict | str | None) -> SpeculativeConfig | None:
+        """From vLLM's `speculative_config` (a dict or its JSON); raises ValueError when bad.
+        For n-gram, prompt_lookup_min and _max default to each other, or both to 5 (vLLM's)."""
+        if config is None:
+            return None
+        if isinstance(config, str):
+            try:
+                config = json.loads(config)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {config!r}")
+        config = dict(config)
+        if "model" in config and config.get("method") in (None, "draft_model"):
+            raise ValueError("speculative decoding with a draft model is not supported yet; use method 'ngram'")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown or unsupported field(s) {unknown}; known: {sorted(known)}")
+        method = config.get("method")
+        if method not in cls.METHODS:
+            raise ValueError(f"speculative_config method must be one of {cls.METHODS}, got {method!r}")
+        lo, hi = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
+        lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
+        out = cls(method, config.get("num_speculative_tokens"), lo, hi, config.get("disable_by_batch_size", 8))
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+            value = getattr(out, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config {name} must be a positive integer, got {value!r}")
+        if out.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}")
+        if out.prompt_lookup_min > out.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min ({out.prompt_lookup_min}) exceeds "
+                             f"prompt_lookup_max ({out.prompt_lookup_max})")
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +256,7 @@ class EngineConfig:
     warmup: bool
     background_compile: bool
     packed_weights: bool
+    speculative: SpeculativeConfig | None = None
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -256,4 +333,5 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
         warmup=args.warmup,
         background_compile=args.background_compile,
         packed_weights=args.packed_weights,
+        speculative=SpeculativeConfig.parse(args.speculative_config),
     )

@@ -28,9 +28,9 @@ def state(S, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, presence=0.0, fr
                 frequency_penalty=flat(frequency, np.float32), repetition_penalty=flat(repetition, np.float32),
                 seeds=np.arange(S, dtype=np.uint32) if seeds is None else seeds,
                 output_index=np.zeros(S, np.int32), output_start=flat(output_start, np.int32),
-                penalty_tokens=penalty_tokens, banned_tokens=banned_tokens,
+                penalty_tokens=penalty_tokens, banned_tokens=banned_tokens, draft_tokens=np.full(S, -1, np.int32),
                 flags=np.array([temperature == 0, top_k > 0 or top_p < 1, presence != 0 or frequency != 0 or repetition != 1,
-                                logprobs, bool(banned)]))
+                                logprobs, bool(banned), False]))
 
 
 def reference_probs(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):

@@ -41,14 +41,17 @@ def next_token(request: Request) -> int:
 def fake_output(scheduler_output, tokens=None) -> ModelRunnerOutput:
     """A token for each scheduled request whose new tokens reach its last one (`tokens` maps
     request ids to forced tokens)."""
-    sampled = []
+    sampled, num_sampled = [], []
     for request, n in scheduler_output.scheduled:
         done = request.num_computed_tokens + n == request.num_tokens
         forced = (tokens or {}).get(request.request_id)
-        sampled.append((forced if forced is not None else next_token(request)) if done else -1)
+        if done:
+            sampled.append(forced if forced is not None else next_token(request))
+        num_sampled.append(int(done))
     n = len(sampled)
     return ModelRunnerOutput(np.asarray(sampled, np.int32), np.full(n, -0.5, np.float32),
-                             np.zeros((n, MAX_LOGPROBS), np.float32), np.zeros((n, MAX_LOGPROBS), np.int32))
+                             np.zeros((n, MAX_LOGPROBS), np.float32), np.zeros((n, MAX_LOGPROBS), np.int32),
+                             np.asarray(num_sampled))
 
 
 def step(scheduler, tokens=None):
@@ -353,3 +356,59 @@ def test_beam_like_request_swapped_back_in_is_not_scheduled_without_tokens():
     beam.append_output_token(42, -0.1)        # the search appends its choice: now it has work
     out = s.schedule()
     assert scheduled(out) == {"beam": 1}
+
+
+# ----- speculative decoding -----
+
+class FixedDrafts:
+    def propose(self, tokens, room):
+        return [7, 8, 9][:room]
+
+
+def runner_output(tokens: list[list[int]]) -> ModelRunnerOutput:
+    flat = [t for ts in tokens for t in ts]
+    n = len(flat)
+    return ModelRunnerOutput(np.asarray(flat, np.int32), np.full(n, -0.5, np.float32),
+                             np.zeros((n, MAX_LOGPROBS), np.float32), np.zeros((n, MAX_LOGPROBS), np.int32),
+                             np.asarray([len(ts) for ts in tokens]))
+
+
+def test_speculation_schedules_drafts_and_gives_back_rejected_pages():
+    s = make_scheduler(block_size=4)
+    s.proposer, s.max_spec_seqs = FixedDrafts(), 8
+    r = make_request("a", 6, max_tokens=20)
+    s.add_request(r)
+    out = s.schedule()
+    assert scheduled(out) == {"a": 6} and r.spec_token_ids == []       # no drafts for a prompt
+    s.update_from_output(out, runner_output([[4]]))
+    out = s.schedule()                                                   # decoding: newest token + 3 drafts
+    assert scheduled(out) == {"a": 4} and r.spec_token_ids == [7, 8, 9] and len(r.block_ids) == 3
+    core = s.update_from_output(out, runner_output([[5]]))               # every draft rejected
+    assert core.outputs[0].new_token_ids == [5] and (core.num_draft_tokens, core.num_accepted_tokens) == (3, 0)
+    assert r.output_token_ids == [4, 5] and r.num_computed_tokens == r.num_tokens - 1 == 7
+    assert len(r.block_ids) == 2 and s.kv.num_used_blocks == 2          # the drafts' third page is back
+    out = s.schedule()
+    core = s.update_from_output(out, runner_output([[7, 8, 1]]))         # two accepted, then a correction
+    assert core.outputs[0].new_token_ids == [7, 8, 1] and core.num_accepted_tokens == 2
+    assert r.num_computed_tokens == r.num_tokens - 1 == 10
+    # A waiting request: no drafts while it waits to be admitted.
+    s.add_request(make_request("b", 3))
+    assert scheduled(s.schedule())["a"] == 1
+
+
+def test_speculation_stops_at_max_tokens_and_stop_tokens():
+    s = make_scheduler(block_size=4)
+    s.proposer, s.max_spec_seqs = FixedDrafts(), 8
+    r = make_request("a", 5, max_tokens=3, stop_token_ids=[8])
+    s.add_request(r)
+    s.update_from_output(s.schedule(), runner_output([[6]]))
+    out = s.schedule()
+    assert scheduled(out) == {"a": 2}          # room for one draft: max_tokens 3, one out, one more to come
+    core = s.update_from_output(out, runner_output([[7, 9]]))
+    assert r.output_token_ids == [6, 7, 9] and core.outputs[0].finish_reason == "length"
+    r2 = make_request("b", 5, max_tokens=10, stop_token_ids=[8])
+    s.add_request(r2)
+    s.update_from_output(s.schedule(), runner_output([[6]]))
+    core = s.update_from_output(s.schedule(), runner_output([[7, 8, 9, 3]]))
+    assert r2.output_token_ids == [6, 7, 8] and core.outputs[0].finish_reason == "stop"
+    assert s.kv.num_used_blocks == 0

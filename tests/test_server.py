@@ -329,7 +329,8 @@ def test_metrics_move_as_requests_complete(server):
 
     before = server.metrics()
     for name in ("jaxllm:num_requests_running", "jaxllm:num_requests_waiting", "jaxllm:kv_cache_usage_perc",
-                 "jaxllm:num_preemptions_total", "jaxllm:time_to_first_token_seconds_count"):
+                 "jaxllm:num_preemptions_total", "jaxllm:time_to_first_token_seconds_count",
+                 "jaxllm:spec_decode_num_draft_tokens_total", "jaxllm:spec_decode_num_accepted_tokens_total"):
         assert (name, ()) in before, name
     prompt = [random.Random(time.time_ns()).randrange(100, 40000) for _ in range(20)]  # no cached prefix
     server.client.completions.create(model=server.model, prompt=prompt, max_tokens=7, temperature=0,

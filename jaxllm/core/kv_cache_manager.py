@@ -206,6 +206,13 @@ class KVCacheManager:
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the request's pages past the first `num_tokens` tokens (those that held
+        rejected drafts), as `free` frees a whole table."""
+        keep = self.blocks_needed(num_tokens)
+        self._free_pages(request.block_ids[keep:])
+        del request.block_ids[keep:]
+
     def take_pending_copies(self) -> tuple[list[int], list[int]]:
         """The queued copy-on-write copies as (src pages, dst pages); run them before the step."""
         dst = list(self.pending_copies)
@@ -216,7 +223,11 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Return a request's pages. Cached pages go to the back of the eviction order (the
         tail of a sequence first out), uncached ones to the front."""
-        for block_id in reversed(request.block_ids):
+        self._free_pages(request.block_ids)
+        request.block_ids = []
+
+    def _free_pages(self, block_ids: list[int]) -> None:
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
@@ -224,7 +235,6 @@ class KVCacheManager:
                 self.pending_copies.pop(block_id, None)   # a copy into a page nobody holds
                 if block.block_hash is None:
                     self.free_blocks.move_to_end(block_id, last=False)
-        request.block_ids = []
 
     # ----- swapping -----
     def can_swap_out(self, request: Request) -> bool:

@@ -49,11 +49,13 @@ class SchedulerOutput:
 
 @dataclasses.dataclass(slots=True)
 class ModelRunnerOutput:
-    """The step's results, row i for `SchedulerOutput.scheduled[i]`.
+    """The step's results: the tokens each of `SchedulerOutput.scheduled` got, request i's
+    `num_sampled[i]` of them after request i - 1's (none mid-prompt; one; with speculative
+    decoding its accepted drafts and one more).
 
-    sampled_token_ids: [n] int32, -1 where the request is mid-prompt (no token this step).
-    logprobs: [n] f32, the sampled tokens' logprobs.
-    top_logprobs, top_token_ids: [n, MAX_LOGPROBS], filled when a request asked for logprobs.
+    sampled_token_ids: [N] int32; logprobs: [N] f32, each token's logprob.
+    top_logprobs, top_token_ids: [N, MAX_LOGPROBS], filled when a request asked for logprobs.
+    num_sampled: [n] int.
     prompt_logprobs: request id -> (logprob [c], rank [c], top logprobs [c, K], top ids [c, K])
         of the prompt tokens this step covered, for requests that asked for them.
     """
@@ -62,15 +64,18 @@ class ModelRunnerOutput:
     logprobs: np.ndarray
     top_logprobs: np.ndarray
     top_token_ids: np.ndarray
+    num_sampled: np.ndarray
     prompt_logprobs: dict[str, tuple] = dataclasses.field(default_factory=dict)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(slots=True)
 class EngineCoreOutput:
-    """What one request got from a step: a new token (none mid-prompt) and, once it ends, why.
+    """What one request got from a step: new tokens (none mid-prompt, several with speculative
+    decoding) and, once it ends, why.
 
-    top_logprobs: (token ids, logprobs) of the request's `logprobs` best tokens, or None.
+    new_logprobs: each new token's logprob.
+    top_logprobs: per new token, (token ids, logprobs) of the request's `logprobs` best, or None.
     prompt_logprobs: with the first token of a request that asked for them, its prompt
         tokens' (logprob [P-1], rank [P-1], top logprobs [P-1, K], top ids [P-1, K]).
     finish_reason: "stop" | "length" | "abort" | None; stop_reason: the stop token id.
@@ -78,8 +83,8 @@ class EngineCoreOutput:
 
     request_id: str
     new_token_ids: list[int]
-    new_logprob: float | None = None
-    top_logprobs: tuple[list[int], list[float]] | None = None
+    new_logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -92,4 +97,6 @@ class EngineCoreOutputs:
     outputs: list[EngineCoreOutput]
     num_prompt_tokens: int = 0       # prompt tokens computed this step
     num_generated_tokens: int = 0
+    num_draft_tokens: int = 0        # speculative decoding: drafts verified this step
+    num_accepted_tokens: int = 0     # and accepted
     timestamp: float = 0.0           # time.monotonic() when the step's tokens arrived

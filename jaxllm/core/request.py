@@ -53,6 +53,7 @@ class Request:
     num_prompt_logprobs: int = 0
 
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)   # drafts for the next step
     cumulative_logprob: float = 0.0
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache

@@ -11,7 +11,11 @@ by default its pages are freed and its tokens recomputed when it is admitted aga
 (`preemption_mode="recompute"`); with `"swap"` its pages are copied to host memory and copied
 back when it resumes (falling back to recompute when the host pool is full).
 
-After the step, `update_from_output` appends each request's sampled token, checks its stop
+Speculative decoding (with a `proposer`): when every running request is decoding, nothing
+waits and at most `max_spec_seqs` run, each request gets drafts (`Request.spec_token_ids`)
+and is scheduled for its newest token plus them; the step verifies them all at once.
+
+After the step, `update_from_output` appends each request's sampled tokens, checks its stop
 conditions (EOS, stop token ids, max_tokens, min_tokens, max_model_len), frees the pages of
 finished requests, and reports all of it as `EngineCoreOutputs`. Stop *strings* need the
 text, so the output processor finds them and the engine ends those requests with
@@ -36,9 +40,14 @@ from jaxllm.core.request import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, proposer=None,
+                 max_spec_seqs: int = 0):
+        """`proposer`: drafts for speculative decoding (jaxllm/spec_decode), in steps of at most
+        `max_spec_seqs` sequences."""
         self.config = config
         self.kv = kv_cache_manager
+        self.proposer = proposer
+        self.max_spec_seqs = max_spec_seqs
         self.requests: dict[str, Request] = {}        # every unfinished request, by id
         # FCFS queue; a request aborted while waiting stays here, finished, until it reaches
         # the front (so an abort is O(1), not a scan of the queue).
@@ -114,7 +123,23 @@ class Scheduler:
         preempted.add(request.request_id)
         self.waiting.appendleft(request)
 
+    def _propose_drafts(self) -> bool:
+        """Drafts for every running request, if this step speculates (see the module doc)."""
+        if (self.proposer is None or not 0 < len(self.running) <= self.max_spec_seqs or len(self.requests) >
+                len(self.running) or any(r.num_tokens - r.num_computed_tokens != 1 for r in self.running)):
+            return False
+        for request in self.running:
+            if not request.append_sampled_tokens:
+                continue
+            # Room for the drafts and one more token, within max_tokens and the context.
+            room = min(request.max_tokens - len(request.output_token_ids),
+                       self.config.max_model_len - request.num_tokens) - 1
+            if room > 0:
+                request.spec_token_ids = self.proposer.propose(np.asarray(request.all_token_ids), room)
+        return True
+
     def schedule(self) -> SchedulerOutput:
+        speculate = self._propose_drafts()
         budget = self.config.max_num_batched_tokens
         prefill_slots = self.config.max_num_prefill_seqs
         scheduled: list[tuple[Request, int]] = []
@@ -126,11 +151,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new == 0 or (num_new > 1 and prefill_slots == 0):
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = min(remaining + (len(request.spec_token_ids) if speculate else 0), budget)
+            if num_new == 0 or (remaining > 1 and prefill_slots == 0):
                 i += 1      # nothing to compute (a beam waiting for its token) / no prompt slot left
                 continue
-            if num_new > 1:
+            if remaining > 1:
                 prefill_slots -= 1
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running[-1]
@@ -190,42 +216,62 @@ class Scheduler:
         """Advance every scheduled request by its computed tokens, append its sampled token,
         finish the requests that hit a stop condition, and report what each got."""
         outputs: list[EngineCoreOutput] = []
-        num_prompt_tokens = num_generated = 0
+        num_prompt_tokens = num_generated = num_drafts = num_accepted = 0
+        ends = np.cumsum(runner_output.num_sampled)
         for i, (request, num_new) in enumerate(scheduler_output.scheduled):
             if request.status is not RequestStatus.RUNNING:
                 continue
             num_prompt_tokens += max(0, min(num_new, request.num_prompt_tokens - request.num_computed_tokens))
-            request.num_computed_tokens += num_new
-            self.kv.cache_full_blocks(request)
+            drafted = max(0, request.num_computed_tokens + num_new - request.num_tokens)
+            request.num_computed_tokens += num_new - drafted
+            request.spec_token_ids = []
             chunk = runner_output.prompt_logprobs.get(request.request_id)
             if chunk is not None:
                 request.prompt_logprobs.append(chunk)
                 request.num_prompt_logprobs += len(chunk[0])
-            token = int(runner_output.sampled_token_ids[i])
-            if token < 0:    # mid-prompt: no token yet
+            num_sampled = int(runner_output.num_sampled[i])
+            if num_sampled == 0:    # mid-prompt: no token yet
+                self.kv.cache_full_blocks(request)
+                continue
+            rows = range(ends[i] - num_sampled, ends[i])
+            num_drafts += drafted
+            num_accepted += num_sampled - 1
+            k = request.sampling_params.logprobs
+            top = None
+            if k is not None:
+                top = [(runner_output.top_token_ids[r, :k].tolist(), runner_output.top_logprobs[r, :k].tolist())
+                       for r in rows]
+            if not request.append_sampled_tokens:
+                num_generated += 1
+                self.kv.cache_full_blocks(request)
+                outputs.append(EngineCoreOutput(request.request_id, [], top_logprobs=top))
                 continue
             prompt_logprobs = None
             if request.prompt_logprobs is not None and not request.output_token_ids:
                 prompt_logprobs = tuple(np.concatenate(c) for c in zip(*request.prompt_logprobs))
-            k = request.sampling_params.logprobs
-            top = None
-            if k is not None:
-                top = (runner_output.top_token_ids[i, :k].tolist(), runner_output.top_logprobs[i, :k].tolist())
-            num_generated += 1
-            if not request.append_sampled_tokens:
-                outputs.append(EngineCoreOutput(request.request_id, [], top_logprobs=top))
-                continue
-            logprob = float(runner_output.logprobs[i])
-            request.append_output_token(token, logprob)
-            status = self.check_stop(request)
+            tokens, logprobs, status = [], [], None
+            for r in rows:
+                tokens.append(int(runner_output.sampled_token_ids[r]))
+                logprobs.append(float(runner_output.logprobs[r]))
+                request.append_output_token(tokens[-1], logprobs[-1])
+                status = self.check_stop(request)
+                if status is not None:
+                    break
+            num_generated += len(tokens)
+            if drafted:     # the accepted drafts' KV stays; the pages past it are given back
+                request.num_computed_tokens = request.num_tokens - 1
+                self.kv.trim(request, request.num_tokens)
+            self.kv.cache_full_blocks(request)
             if status is not None:
                 self.running.remove(request)
                 self._free_request(request, status)
             outputs.append(EngineCoreOutput(
-                request.request_id, [token], logprob, top, finish_reason=request.finish_reason,
-                stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens,
-                scheduled_time=request.scheduled_time, prompt_logprobs=prompt_logprobs))
-        return EngineCoreOutputs(outputs, num_prompt_tokens, num_generated, time.monotonic())
+                request.request_id, tokens, logprobs, top[:len(tokens)] if top else None,
+                finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+                num_cached_tokens=request.num_cached_tokens, scheduled_time=request.scheduled_time,
+                prompt_logprobs=prompt_logprobs))
+        return EngineCoreOutputs(outputs, num_prompt_tokens, num_generated, num_drafts, num_accepted,
+                                 time.monotonic())
 
     def fail_step(self, scheduler_output: SchedulerOutput, cache_lost: bool) -> EngineCoreOutputs:
         """The step of `scheduler_output` failed: end its requests with FINISHED_ERROR. With

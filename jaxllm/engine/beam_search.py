@@ -236,7 +236,7 @@ def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams, *,
                 for out in engine.engine_core.step().outputs:
                     search = owner.get(out.request_id)
                     if search is not None and out.top_logprobs is not None:
-                        search.top[out.request_id] = out.top_logprobs
+                        search.top[out.request_id] = out.top_logprobs[0]
                 if engine.stats.num_steps == steps:
                     raise RuntimeError("beam search made no progress: the engine scheduled nothing")
                 for i, search in list(active.items()):

@@ -24,6 +24,7 @@ from jaxllm.core.outputs import EngineCoreOutputs, ModelRunnerOutput, SchedulerO
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.runner.model_runner import ModelRunner
+from jaxllm.spec_decode import NgramProposer
 
 logger = logging.getLogger("jaxllm")
 
@@ -37,7 +38,11 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(cache.num_blocks, cache.block_size,
                                                enable_prefix_caching=cache.enable_prefix_caching,
                                                num_swap_blocks=cache.num_swap_blocks)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        spec_decode = config.speculative
+        proposer = (NgramProposer(spec_decode.num_speculative_tokens, spec_decode.prompt_lookup_min,
+                                  spec_decode.prompt_lookup_max) if spec_decode is not None else None)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, proposer,
+                                   spec_decode.max_seqs(config.scheduler) if spec_decode is not None else 0)
         self.runner = ModelRunner(config, spec, params, mesh=mesh)
         self.stats = stats or EngineStats()
 
@@ -122,6 +127,8 @@ class DataParallelEngineCore:
                 merged.outputs += out.outputs
                 merged.num_prompt_tokens += out.num_prompt_tokens
                 merged.num_generated_tokens += out.num_generated_tokens
+                merged.num_draft_tokens += out.num_draft_tokens
+                merged.num_accepted_tokens += out.num_accepted_tokens
                 merged.timestamp = max(merged.timestamp, out.timestamp)
         return merged
 
@@ -134,6 +141,8 @@ class EngineStats:
     generation_tokens: int = 0
     num_steps: int = 0
     num_preemptions: int = 0
+    num_draft_tokens: int = 0        # speculative decoding: drafts verified
+    num_accepted_tokens: int = 0     # and accepted
     finished: dict = dataclasses.field(default_factory=dict)
     time_schedule: float = 0.0
     time_prepare: float = 0.0
@@ -146,6 +155,8 @@ class EngineStats:
         self.num_preemptions += scheduler_output.num_preempted
         self.generation_tokens += outputs.num_generated_tokens
         self.prompt_tokens += outputs.num_prompt_tokens
+        self.num_draft_tokens += outputs.num_draft_tokens
+        self.num_accepted_tokens += outputs.num_accepted_tokens
         self.time_schedule += t_schedule
         self.time_prepare += runner_output.timings["prepare"]
         self.time_device += runner_output.timings["device"]

@@ -115,13 +115,13 @@ class OutputProcessor:
             if out.prompt_logprobs is not None:
                 state.prompt_logprobs = self._prompt_logprobs_entries(state.prompt_token_ids, out.prompt_logprobs,
                                                                       state.params.prompt_logprobs)
-            for token in out.new_token_ids:
+            for j, (token, logprob) in enumerate(zip(out.new_token_ids, out.new_logprobs)):
                 seq.token_ids.append(token)
-                seq.cumulative_logprob += out.new_logprob
+                seq.cumulative_logprob += logprob
                 seq.first_token_time = seq.first_token_time or now
                 seq.last_token_time = now
                 if seq.logprobs is not None:
-                    seq.logprobs.append(self._logprobs_entry(token, out.new_logprob, out.top_logprobs))
+                    seq.logprobs.append(self._logprobs_entry(token, logprob, out.top_logprobs and out.top_logprobs[j]))
                 stop = seq.detok.add_token(token) if seq.detok is not None else None
                 if stop is not None and len(seq.token_ids) >= state.params.min_tokens:
                     seq.finish_reason, seq.stop_reason = "stop", stop

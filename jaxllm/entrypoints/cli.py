@@ -82,7 +82,7 @@ def add_dataclass_args(group, cls, *, skip=(), defaults=None) -> None:
             continue
         default = (defaults or {}).get(field.name, getattr(instance, field.name))
         kwargs = {"default": default, "help": _help_with_default(meta["help"], default)}
-        value_type = _flag_type(cls.__name__, field.name, hints[field.name])
+        value_type = meta.get("type") or _flag_type(cls.__name__, field.name, hints[field.name])
         if value_type is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:

@@ -50,6 +50,10 @@ class _EngineCounters:
         yield self._counter("num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions)
         yield self._counter("prefix_cache_queries", "Prefix cache queries, in tokens.", queries)
         yield self._counter("prefix_cache_hits", "Prefix cache hits, in tokens.", hits)
+        yield self._counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
+                            stats.num_draft_tokens)
+        yield self._counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+                            stats.num_accepted_tokens)
         success = CounterMetricFamily(PREFIX + "request_success", "Count of finished requests, by finish reason.",
                                       labels=[*self.labels, "finished_reason"])
         for reason, count in sorted(dict(stats.finished).items()):  # dict(): the engine thread may add a key

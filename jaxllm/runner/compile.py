@@ -17,17 +17,26 @@ class Bucket:
     num_tokens: T, flat tokens of the step. num_decode_rows: one-token attention rows
     (decodes). num_prefill_rows: attention rows of `prefill_row_tokens` query tokens (prompt
     chunks; only the `cpu` attention backend's shapes depend on them).
-    num_seqs: S, sequences that get logits and a sampled token.
+    num_seqs: S, sequences. all_logits: every token gets logits and a sampled token (R = T
+    rows: speculative decoding verifies each draft); else each sequence's last token (R = S).
     """
 
     num_tokens: int
     num_decode_rows: int
     num_prefill_rows: int
     num_seqs: int
+    all_logits: bool = False
 
-    def fits(self, num_tokens: int, num_decode: int, num_prefill_rows: int, num_seqs: int) -> bool:
+    @property
+    def num_logits(self) -> int:
+        """R: rows of logits (and of sampling state) in the step."""
+        return self.num_tokens if self.all_logits else self.num_seqs
+
+    def fits(self, num_tokens: int, num_decode: int, num_prefill_rows: int, num_seqs: int,
+             all_logits: bool = False) -> bool:
         return (num_tokens <= self.num_tokens and num_decode <= self.num_decode_rows
-                and num_prefill_rows <= self.num_prefill_rows and num_seqs <= self.num_seqs)
+                and num_prefill_rows <= self.num_prefill_rows and num_seqs <= self.num_seqs
+                and self.all_logits >= all_logits)
 
 
 def _powers_of_two(lo: int, hi: int) -> list[int]:
@@ -39,10 +48,12 @@ def _powers_of_two(lo: int, hi: int) -> list[int]:
 
 
 def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, prefill_row_tokens: int,
-                 max_num_prefill_seqs: int) -> list[Bucket]:
+                 max_num_prefill_seqs: int, num_speculative_tokens: int = 0, max_spec_seqs: int = 0) -> list[Bucket]:
     """Decode-only buckets (powers of two from 2 — a one-row batch is padded to two, since a
     single-row dot is a slow GEMV on XLA:CPU — plus 48, 96, ...) and mixed buckets (32 tokens
-    up to max_num_batched_tokens) for steps with prompt chunks."""
+    up to max_num_batched_tokens) for steps with prompt chunks. With speculative decoding, also
+    verification buckets: d sequences of up to 1 + num_speculative_tokens tokens each, logits
+    for every token, for d in powers of two up to max_spec_seqs."""
     decode_sizes = _powers_of_two(2, max(2, max_num_seqs))
     # Between larger powers of two, also 1.5x (48) and from 64 on quarter steps (80, 96, 112,
     # ...): a draining decode batch then pads at most ~20%. Below 32 rows a step costs about
@@ -56,17 +67,22 @@ def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, prefill_row_tok
         d = min(t, max_num_seqs)
         rows = -(-t // prefill_row_tokens) + max_num_prefill_seqs
         buckets.append(Bucket(t, d, rows, d + max_num_prefill_seqs))
-    return sorted(set(buckets), key=lambda b: (b.num_tokens, b.num_seqs, b.num_prefill_rows))
+    k = num_speculative_tokens
+    if k:
+        for d in _powers_of_two(2, max(2, min(max_spec_seqs, max_num_seqs))):
+            if d * (k + 1) <= max_num_batched_tokens:
+                buckets.append(Bucket(d * (k + 1), d, d, d, all_logits=True))
+    return sorted(set(buckets), key=lambda b: (b.num_tokens, b.num_seqs, b.num_prefill_rows, b.all_logits))
 
 
 def pick_bucket(buckets: list[Bucket], num_tokens: int, num_decode: int, num_prefill_rows: int,
-                num_seqs: int) -> Bucket:
+                num_seqs: int, all_logits: bool = False) -> Bucket:
     for bucket in buckets:
-        if bucket.fits(num_tokens, num_decode, num_prefill_rows, num_seqs):
+        if bucket.fits(num_tokens, num_decode, num_prefill_rows, num_seqs, all_logits):
             return bucket
     raise ValueError(
         f"no compiled bucket holds {num_tokens} tokens, {num_decode} decodes, "
-        f"{num_prefill_rows} prefill rows, {num_seqs} sequences")
+        f"{num_prefill_rows} prefill rows, {num_seqs} sequences" + (" with logits for every token" * all_logits))
 
 
 def enable_persistent_cache(cache_dir: str) -> None:

@@ -14,7 +14,8 @@ Shapes (T = bucket tokens, S = bucket sequences, P = pages per sequence, L = max
     token_ids, positions, slot_mapping [T] int32    (slot -1 = padding, written nowhere)
     block_tables [S, P] int32, seq_lens [S] int32   (cache length after this step)
     query_start_loc [S + 1] int32                   (sequence s owns tokens [qsl[s], qsl[s+1]))
-    num_seqs [] int32, logits_indices [S] int32     (each sequence's last token)
+    num_seqs [] int32, logits_indices [R] int32     (the tokens that get logits: R = S, each
+                                                    sequence's last; or R = T, every token)
     rope_cos, rope_sin [T, 1, head_dim / 2] f32
 """
 
@@ -29,8 +30,8 @@ import numpy as np
 from jaxllm.core.request import Request
 
 NUM_BANNED = 32   # stop/EOS ids a request can hold back under min_tokens
-FLAG_ALL_GREEDY, FLAG_TOP_K_TOP_P, FLAG_PENALTIES, FLAG_LOGPROBS, FLAG_BANNED = range(5)
-NUM_FLAGS = 5
+FLAG_ALL_GREEDY, FLAG_TOP_K_TOP_P, FLAG_PENALTIES, FLAG_LOGPROBS, FLAG_BANNED, FLAG_DRAFTS = range(6)
+NUM_FLAGS = 6
 
 
 @jax.tree_util.register_dataclass
@@ -49,12 +50,13 @@ class StepInputs:
     attn_metadata: dict     # the attention backend's own arrays (jaxllm/attention.py)
 
     @classmethod
-    def zeros(cls, num_tokens: int, num_seqs: int, max_blocks: int, head_dim: int) -> StepInputs:
+    def zeros(cls, num_tokens: int, num_seqs: int, max_blocks: int, head_dim: int,
+              num_logits: int | None = None) -> StepInputs:
         i32 = np.int32
         return cls(token_ids=np.zeros(num_tokens, i32), positions=np.zeros(num_tokens, i32),
                    slot_mapping=np.full(num_tokens, -1, i32), block_tables=np.zeros((num_seqs, max_blocks), i32),
                    query_start_loc=np.zeros(num_seqs + 1, i32), seq_lens=np.zeros(num_seqs, i32),
-                   num_seqs=np.zeros((), i32), logits_indices=np.zeros(num_seqs, i32),
+                   num_seqs=np.zeros((), i32), logits_indices=np.zeros(num_logits or num_seqs, i32),
                    rope_cos=np.ones((num_tokens, 1, head_dim // 2), np.float32),
                    rope_sin=np.zeros((num_tokens, 1, head_dim // 2), np.float32), attn_metadata={})
 
@@ -62,7 +64,7 @@ class StepInputs:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingMetadata:
-    """Per-sequence sampling state `[S]` (runner/sampler.py applies it)."""
+    """Per-row sampling state `[R]`, a row per logits row (runner/sampler.py applies it)."""
 
     temperature: np.ndarray         # f32, 0 = greedy
     top_p: np.ndarray               # f32
@@ -76,6 +78,7 @@ class SamplingMetadata:
     output_start: np.ndarray        # int32, prompt length (where outputs start in penalty_tokens)
     penalty_tokens: np.ndarray      # [S, L] int32 prompt + output ids, -1 padding
     banned_tokens: np.ndarray       # [S, NUM_BANNED] int32 ids masked out (under min_tokens), -1 padding
+    draft_tokens: np.ndarray        # int32, the draft this row's token verifies (speculative decoding), -1 none
     flags: np.ndarray               # [NUM_FLAGS] bool, batch-wide: which sampler stages run
 
     @classmethod
@@ -87,7 +90,7 @@ class SamplingMetadata:
                    repetition_penalty=np.ones(num_seqs, f32), seeds=np.zeros(num_seqs, np.uint32),
                    output_index=np.zeros(num_seqs, i32), output_start=np.zeros(num_seqs, i32),
                    penalty_tokens=None, banned_tokens=np.full((num_seqs, NUM_BANNED), -1, i32),
-                   flags=np.zeros(NUM_FLAGS, np.bool_))
+                   draft_tokens=np.full(num_seqs, -1, i32), flags=np.zeros(NUM_FLAGS, np.bool_))
 
     @classmethod
     def concat(cls, parts: list[SamplingMetadata]) -> SamplingMetadata:
@@ -193,23 +196,29 @@ class InputBatch:
         self.uses_top_k_top_p[row] = p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0)
         return row
 
-    def fill_sampling(self, out: SamplingMetadata, rows: np.ndarray, no_penalty_tokens) -> None:
-        """Write the sampling state of `rows` (the step's sequences, in order) into `out`."""
+    def fill_sampling(self, out: SamplingMetadata, rows: np.ndarray, no_penalty_tokens,
+                      positions: np.ndarray | None = None, drafts: np.ndarray | None = None) -> None:
+        """Write the sampling state of the step's logits rows into `out`: row i samples the
+        token after position `positions[i]` (default: the newest token) of input-batch row
+        `rows[i]`, verifying `drafts[i]` (default: none)."""
         n = len(rows)
         for name, neutral in _ROW_PARAMS.items():
             buf = getattr(out, name)
             buf[:n] = self.params[name][rows]
             buf[n:] = neutral
-        num_out = self.num_tokens[rows] - self.num_prompt_tokens[rows]
+        seen = self.num_tokens[rows] if positions is None else positions + 1     # tokens before the sampled one
+        num_out = np.maximum(seen - self.num_prompt_tokens[rows], 0)
         out.output_index[:n], out.output_index[n:] = num_out, 0
         out.output_start[:n], out.output_start[n:] = self.num_prompt_tokens[rows], 0
         holding = num_out < self.min_tokens[rows]
         out.banned_tokens[:n] = np.where(holding[:, None], self.banned[rows], -1)
         out.banned_tokens[n:] = -1
+        out.draft_tokens[:n] = -1 if drafts is None else drafts
+        out.draft_tokens[n:] = -1
         penalties = self.uses_penalties[rows]
         if penalties.any():
             L = self.max_model_len
-            keep = penalties[:, None] & (np.arange(L)[None, :] < self.num_tokens[rows][:, None])
+            keep = penalties[:, None] & (np.arange(L)[None, :] < seen[:, None])
             tokens = np.full((len(out.temperature), L), -1, np.int32)
             tokens[:n] = np.where(keep, self.token_ids[rows], -1)
             out.penalty_tokens = tokens
@@ -221,6 +230,7 @@ class InputBatch:
         out.flags[FLAG_PENALTIES] = penalties.any()
         out.flags[FLAG_LOGPROBS] = self.wants_logprobs[rows].any()
         out.flags[FLAG_BANNED] = (out.banned_tokens[:n] >= 0).any()
+        out.flags[FLAG_DRAFTS] = drafts is not None and (drafts >= 0).any()
 
 
 @dataclasses.dataclass(frozen=True)

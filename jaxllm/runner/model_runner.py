@@ -38,6 +38,7 @@ from jaxllm.attention import AttentionBackend, get_attention_backend
 from jaxllm.config import EngineConfig
 from jaxllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from jaxllm.models import llama
+from jaxllm.runner import pages as page_moves
 from jaxllm.runner import sampler
 from jaxllm.runner.compile import Bucket, make_buckets
 from jaxllm.runner.executables import CompiledSteps, ExecutableStore
@@ -103,8 +104,11 @@ class ModelRunner:
         sched = config.scheduler
         self.block_size = config.cache.block_size
         self.max_blocks = config.max_blocks_per_seq
+        drafts = config.speculative
         self.buckets = make_buckets(sched.max_num_seqs, sched.max_num_batched_tokens,
-                                    self.attention.prefill_row_tokens, sched.max_num_prefill_seqs)
+                                    self.attention.prefill_row_tokens, sched.max_num_prefill_seqs,
+                                    drafts.num_speculative_tokens if drafts else 0,
+                                    drafts.max_seqs(sched) if drafts else 0)
         dtype = jnp_dtype(config.dtype)
         self._make_kv_cache = self._kv_cache_maker()
         self._kv_shapes = jax.eval_shape(self._make_kv_cache)     # (with shardings) for compiling without pages
@@ -138,57 +142,64 @@ class ModelRunner:
 
     def _bucket_buffers(self, bucket: Bucket, micro: int = 0) -> _BucketBuffers:
         """The persistent buffers of one bucket (and micro-batch, with pipeline stages)."""
+        R = bucket.num_logits
         if (bucket, micro) not in self._buffers:
-            S = bucket.num_seqs
             self._buffers[bucket, micro] = _BucketBuffers(
-                bucket, StepInputs.zeros(bucket.num_tokens, S, self.max_blocks, self.spec.head_dim),
-                SamplingMetadata.zeros(S))
-        if bucket.num_seqs not in self._no_penalty_tokens:
-            # Requests without penalties share one device array of -1s (no [S, L] transfer).
+                bucket, StepInputs.zeros(bucket.num_tokens, bucket.num_seqs, self.max_blocks, self.spec.head_dim, R),
+                SamplingMetadata.zeros(R))
+        if R not in self._no_penalty_tokens:
+            # Requests without penalties share one device array of -1s (no [R, L] transfer).
             stages = (self.num_stages,) if self.num_stages > 1 else ()
-            self._no_penalty_tokens[bucket.num_seqs] = jax.device_put(
-                np.full((*stages, bucket.num_seqs, self.config.scheduler.max_model_len), -1, np.int32),
-                self._inputs_sharding)
+            self._no_penalty_tokens[R] = jax.device_put(
+                np.full((*stages, R, self.config.scheduler.max_model_len), -1, np.int32), self._inputs_sharding)
         return self._buffers[bucket, micro]
 
-    def _demand(self, q_lens: np.ndarray) -> tuple[int, int, int, int]:
+    def _demand(self, q_lens: np.ndarray, drafts: bool = False) -> tuple[int, int, int, int, bool]:
         """What a bucket must hold for sequences of these query lengths: (tokens, decodes,
-        prefill rows, sequences)."""
+        prefill rows, sequences, logits for every token: some carry drafts to verify)."""
         chunks = q_lens[q_lens > 1]
         return (int(q_lens.sum()), len(q_lens) - len(chunks),
-                int(cdiv(chunks, self.attention.prefill_row_tokens).sum()), len(q_lens))
+                int(cdiv(chunks, self.attention.prefill_row_tokens).sum()), len(q_lens), drafts)
 
     def prepare(self, scheduled, bucket: Bucket | None = None,
-                micro: int = 0) -> tuple[np.ndarray, np.ndarray, _BucketBuffers]:
+                micro: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, _BucketBuffers]:
         """Fill the bucket's buffers for `scheduled` [(request, num_new_tokens)] (in `bucket`,
         else the smallest that holds them; into micro-batch `micro`'s buffers).
 
         Sequences are laid out decodes first (longest context first: the CPU kernels walk
-        pages per group of consecutive rows), then prompt chunks. Returns `(order, has_token,
-        buffers)`: `order[j]` is the index into `scheduled` of the j-th sequence, `has_token[j]`
-        whether its last token is the sequence's newest (a token is sampled), `buffers` the
-        bucket's filled `StepInputs` and `SamplingMetadata`.
+        pages per group of consecutive rows), then prompt chunks and drafted sequences. A
+        request scheduled past its tokens carries drafts (`Request.spec_token_ids`): they are
+        its query's last tokens, and the step gives every token logits (an `all_logits`
+        bucket). Returns `(order, first, count, buffers)`: `order[j]` is the index into
+        `scheduled` of the j-th sequence; its sampled tokens are logits rows `first[j] ..
+        first[j] + count[j] - 1` (none mid-prompt; the newest token's, then each draft's);
+        `buffers` the bucket's filled `StepInputs` and `SamplingMetadata`.
         """
         n = len(scheduled)
         requests = [r for r, _ in scheduled]
         q_lens = np.fromiter((q for _, q in scheduled), np.int32, n)
         computed = np.fromiter((r.num_computed_tokens for r in requests), np.int32, n)
-        rows = self.input_batch.rows_for(requests)
+        ib, bs = self.input_batch, self.block_size
+        rows = ib.rows_for(requests)
+        known = ib.num_tokens[rows]                      # tokens the requests have (drafts excluded)
+        for i in np.flatnonzero(computed + q_lens > known):
+            k = computed[i] + q_lens[i] - known[i]
+            ib.token_ids[rows[i], known[i]:known[i] + k] = requests[i].spec_token_ids[:k]
         is_decode = q_lens == 1
         order = np.lexsort((np.where(is_decode, -computed, 0), ~is_decode))
-        q_lens, computed, rows = q_lens[order], computed[order], rows[order]
+        q_lens, computed, rows, known = q_lens[order], computed[order], rows[order], known[order]
         num_decodes = int(is_decode.sum())
         num_tokens = int(q_lens.sum())
-        bucket = bucket or self.steps.pick(self._demand(q_lens))
+        seq_lens = computed + q_lens
+        drafts = bool((seq_lens > known).any())
+        bucket = bucket or self.steps.pick(self._demand(q_lens, drafts))
         buffers = self._bucket_buffers(bucket, micro)
         inputs, sampling = buffers.inputs, buffers.sampling
-        ib, bs = self.input_batch, self.block_size
 
         ends = np.cumsum(q_lens, dtype=np.int32)
         seq_of_token = np.repeat(np.arange(n), q_lens)
         positions = np.arange(num_tokens, dtype=np.int32) + np.repeat(computed - (ends - q_lens), q_lens)
         token_rows = rows[seq_of_token]
-        seq_lens = computed + q_lens
         _fill(inputs.positions, positions, 0)
         _fill(inputs.token_ids, ib.token_ids[token_rows, positions], 0)
         _fill(inputs.slot_mapping, ib.block_table[token_rows, positions // bs] * bs + positions % bs, -1)
@@ -197,28 +208,40 @@ class ModelRunner:
         inputs.query_start_loc[0] = 0
         _fill(inputs.query_start_loc[1:], ends, num_tokens)
         inputs.num_seqs[...] = n
-        _fill(inputs.logits_indices, ends - 1, 0)
         inputs.rope_cos, inputs.rope_sin = llama.rope_tables(inputs.positions, self._inv_freq, xp=np)
         inputs.attn_metadata = self.attention.build_metadata(
             q_lens=q_lens, seq_lens=seq_lens, block_tables=inputs.block_tables[:n], num_decodes=num_decodes,
             bucket=bucket)
-        ib.fill_sampling(sampling, rows, None if self.num_stages > 1 else self._no_penalty_tokens[bucket.num_seqs])
-        return order, seq_lens == ib.num_tokens[rows], buffers
+        no_penalties = None if self.num_stages > 1 else self._no_penalty_tokens[bucket.num_logits]
+        count = np.maximum(seq_lens - known + 1, 0)     # the newest token's row, then each draft's
+        if bucket.all_logits:    # a row per token; the one after each draft verifies it
+            _fill(inputs.logits_indices, np.arange(num_tokens), 0)
+            nxt = np.minimum(positions + 1, ib.token_ids.shape[1] - 1)
+            verifies = (positions + 1 < seq_lens[seq_of_token]) & (positions + 1 >= known[seq_of_token])
+            ib.fill_sampling(sampling, token_rows, no_penalties, positions=positions,
+                             drafts=np.where(verifies, ib.token_ids[token_rows, nxt], -1))
+            first = ends - q_lens + (known - 1 - computed)
+        else:
+            _fill(inputs.logits_indices, ends - 1, 0)
+            ib.fill_sampling(sampling, rows, no_penalties)
+            first = np.arange(n)
+        return order, first, count, buffers
 
     def prepare_step(self, scheduled):
-        """The step's packed inputs for `scheduled`: `(rows, has_token, buffers, packed)`, where
-        the output row `rows[i]` holds scheduled[i]'s token (if `has_token[i]`), `buffers` are
-        the (first) micro-batch's, `packed` the `_call` arguments after the layout.
+        """The step's packed inputs for `scheduled`: `(seqs, first, count, buffers, packed)`:
+        scheduled[i] is the step's sequence `seqs[i]`, its sampled tokens are output rows
+        `first[i] ..` (`count[i]` of them: `prepare`); `buffers` are the (first) micro-batch's,
+        `packed` the `_call` arguments after the layout.
 
         With pipeline stages the batch is split into `num_stages` micro-batches of about equal
         tokens, all in the bucket that holds the largest; output row m * S + j is micro-batch
-        m's j-th sequence."""
+        m's j-th sequence (no drafts there)."""
         n = len(scheduled)
-        rows, has_token = np.empty(n, np.int64), np.empty(n, bool)
+        seqs, first, count = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
         if self.num_stages == 1:
-            order, has, buffers = self.prepare(scheduled)
-            rows[order], has_token[order] = np.arange(n), has
-            return rows, has_token, buffers, self._pack(buffers)
+            order, f, c, buffers = self.prepare(scheduled)
+            seqs[order], first[order], count[order] = np.arange(n), f, c
+            return seqs, first, count, buffers, self._pack(buffers)
         q_lens = np.fromiter((q for _, q in scheduled), np.int32, n)
         groups = _split(q_lens, self.num_stages)
         bucket = self.steps.pick(np.max([self._demand(q_lens[g]) for g in groups], axis=0))
@@ -227,20 +250,20 @@ class ModelRunner:
             if not len(group):
                 micro.append(self._ready_buffers(bucket))
                 continue
-            order, has, buffers = self.prepare([scheduled[i] for i in group], bucket, m)
-            rows[group[order]] = m * bucket.num_seqs + np.arange(len(group))
-            has_token[group[order]] = has
+            order, f, c, buffers = self.prepare([scheduled[i] for i in group], bucket, m)
+            seqs[group[order]] = first[group[order]] = m * bucket.num_seqs + f
+            count[group[order]] = c
             self._pack(buffers)
             micro.append(buffers)
             self.busy_stage_ticks += self.num_stages
         self.stage_ticks += self.num_stages * (2 * self.num_stages - 1)
-        return rows, has_token, micro[0], self._stack(micro)
+        return seqs, first, count, micro[0], self._stack(micro)
 
     def _stack(self, micro: list[_BucketBuffers]):
         """Micro-batches' packed inputs as the pipelined step takes them: `[M, ...]` each."""
         penalties = [b.sampling.penalty_tokens for b in micro]
         if all(p is None for p in penalties):
-            penalty_tokens = self._no_penalty_tokens[micro[0].bucket.num_seqs]
+            penalty_tokens = self._no_penalty_tokens[micro[0].bucket.num_logits]
         else:
             fill = np.full((micro[0].bucket.num_seqs, self.config.scheduler.max_model_len), -1, np.int32)
             penalty_tokens = np.stack([fill if p is None else p for p in penalties])
@@ -256,23 +279,25 @@ class ModelRunner:
         self.swap_in(scheduler_output.swap_in)
         n = len(scheduler_output.scheduled)
         t0 = time.perf_counter()
-        rows, has_token, buffers, packed = self.prepare_step(scheduler_output.scheduled) if n else (None,) * 4
+        seqs, first, count, buffers, packed = self.prepare_step(scheduler_output.scheduled) if n else (None,) * 5
         if self.channel is not None:
             self._announce(buffers, packed, scheduler_output.block_copies)
         self.copy_pages(*scheduler_output.block_copies)
         if n == 0:
             empty = np.zeros((0, MAX_LOGPROBS))
-            return ModelRunnerOutput(np.zeros(0, np.int32), np.zeros(0, np.float32), empty, empty, {})
+            return ModelRunnerOutput(np.zeros(0, np.int32), np.zeros(0, np.float32), empty, empty, np.zeros(0, int))
         t1 = time.perf_counter()
         tokens, logprob, top_lp, top_ids, hidden, self.kv_cache = self._call(buffers.bucket, *packed)
         # Waiting for every step's tokens keeps one sharded step in flight: with ~32 queued,
         # XLA:CPU's virtual devices deadlock in their collectives (README, Sharding).
         tokens, logprob, top_lp, top_ids = (_fetch(x) for x in (tokens, logprob, top_lp, top_ids))
-        prompt_logprobs = self.prompt_logprobs(self.params, scheduler_output.scheduled, rows,
+        prompt_logprobs = self.prompt_logprobs(self.params, scheduler_output.scheduled, seqs,
                                                buffers.inputs.query_start_loc, hidden)
         t2 = time.perf_counter()
-        sampled = np.where(has_token, tokens[rows], -1).astype(np.int32)
-        return ModelRunnerOutput(sampled, logprob[rows], top_lp[rows], top_ids[rows], prompt_logprobs,
+        count = _accepted(tokens, first, count, scheduler_output.scheduled)
+        out_rows = np.repeat(first - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
+        return ModelRunnerOutput(tokens[out_rows].astype(np.int32), logprob[out_rows], top_lp[out_rows],
+                                 top_ids[out_rows], count, prompt_logprobs,
                                  timings={"prepare": t1 - t0, "device": t2 - t1,
                                           "bucket_tokens": buffers.inputs.token_ids.shape[0] * self.num_stages})
 
@@ -348,7 +373,7 @@ class ModelRunner:
         """A whole step of padding in `bucket`: (layout, ints, floats, penalty tokens)."""
         buffers = self._ready_buffers(bucket)
         if self.num_stages == 1:
-            return buffers.layout, buffers.ints, buffers.floats, self._no_penalty_tokens[bucket.num_seqs]
+            return buffers.layout, buffers.ints, buffers.floats, self._no_penalty_tokens[bucket.num_logits]
         return (buffers.layout, *self._stack([buffers] * self.num_stages))
 
     def warmup(self, progress: bool = True, background: bool = False) -> float:
@@ -397,20 +422,21 @@ class ModelRunner:
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy whole pages src[i] -> dst[i] in every layer (copy-on-write)."""
         if len(src):
-            src, dst = _pad_pow2(src, dst)
-            self.kv_cache = _copy_pages(self.kv_cache, src, dst)
+            src, dst = page_moves.pad_pow2(src, dst)
+            self.kv_cache = page_moves.copy_pages(self.kv_cache, src, dst)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Save device pages to host slots: pairs of (page, slot)."""
         if pairs:
-            pages, slots = _pad_pow2(*zip(*pairs))
-            self.swap_pool[..., slots, :, :] = np.asarray(_gather_pages(self.kv_cache, pages))
+            pages, slots = page_moves.pad_pow2(*zip(*pairs))
+            self.swap_pool[..., slots, :, :] = np.asarray(page_moves.gather_pages(self.kv_cache, pages))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Restore host slots into device pages: pairs of (slot, page)."""
         if pairs:
-            slots, pages = _pad_pow2(*zip(*pairs))
-            self.kv_cache = _scatter_pages(self.kv_cache, pages, jnp.asarray(self.swap_pool[..., slots, :, :]))
+            slots, pages = page_moves.pad_pow2(*zip(*pairs))
+            saved = jnp.asarray(self.swap_pool[..., slots, :, :])
+            self.kv_cache = page_moves.scatter_pages(self.kv_cache, pages, saved)
 
 
 @dataclasses.dataclass
@@ -428,6 +454,20 @@ class _BucketBuffers:
 def _fetch(x) -> np.ndarray:
     """A step output on the host; over several processes the (replicated) local copy."""
     return np.asarray(x.addressable_data(0)) if not x.is_fully_addressable else np.asarray(jax.device_get(x))
+
+
+def _accepted(tokens: np.ndarray, first: np.ndarray, count: np.ndarray, scheduled) -> np.ndarray:
+    """How many of each request's sampled rows it keeps: with drafts, row j's token is kept
+    while row j - 1's equalled draft j (the sampler returns the draft exactly when it accepts
+    it), so a request keeps its accepted drafts and one token more."""
+    count = count.copy()
+    for i in np.flatnonzero(count > 1):
+        drafts = scheduled[i][0].spec_token_ids
+        j = 0
+        while j < count[i] - 1 and tokens[first[i] + j] == drafts[j]:
+            j += 1
+        count[i] = j + 1
+    return count
 
 
 def _split(q_lens: np.ndarray, parts: int) -> list[np.ndarray]:
@@ -448,33 +488,6 @@ def _fill(buf: np.ndarray, values, pad) -> None:
     n = len(values)
     buf[:n] = values
     buf[n:] = pad
-
-
-def _pad_pow2(a, b) -> tuple[np.ndarray, np.ndarray]:
-    """Pad index pairs to a power of two by repeating the first pair (an identical copy), so
-    only log2(n) shapes are ever compiled."""
-    pad = (1 << (len(a) - 1).bit_length()) - len(a)
-    return (np.asarray(list(a) + [a[0]] * pad, np.int32), np.asarray(list(b) + [b[0]] * pad, np.int32))
-
-
-# The page axis is the third from last in both cache layouts (`_kv_cache_maker`).
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _copy_pages(kv_cache, src, dst):
-    return [(k.at[..., dst, :, :].set(k[..., src, :, :]), v.at[..., dst, :, :].set(v[..., src, :, :]))
-            for k, v in kv_cache]
-
-
-@jax.jit
-def _gather_pages(kv_cache, pages):
-    """-> [layers, 2, (stages,) kv_heads, len(pages), block_size, head_dim]"""
-    return jnp.stack([jnp.stack([k[..., pages, :, :], v[..., pages, :, :]]) for k, v in kv_cache])
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _scatter_pages(kv_cache, pages, data):
-    return [(k.at[..., pages, :, :].set(data[i, 0]), v.at[..., pages, :, :].set(data[i, 1]))
-            for i, (k, v) in enumerate(kv_cache)]
 
 
 __all__ = ["ModelRunner"]

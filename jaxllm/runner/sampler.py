@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jaxllm.runner.input_batch import (
     FLAG_ALL_GREEDY,
     FLAG_BANNED,
+    FLAG_DRAFTS,
     FLAG_LOGPROBS,
     FLAG_PENALTIES,
     FLAG_TOP_K_TOP_P,
@@ -80,7 +81,12 @@ def apply_penalties(logits, s):
 
 
 def _sample_random(logits, s):
-    """Temperature, min_p, top_k, top_p, then one inverse-CDF draw per row."""
+    """Temperature, min_p, top_k, top_p, then one inverse-CDF draw per row.
+
+    A row with a draft token d (speculative decoding) first accepts d with probability p(d),
+    else draws from p with d taken out: rejection sampling against a proposal that puts all
+    its mass on d, so the token's distribution is exactly p whatever the draft (n-gram and
+    greedy draft models propose that way)."""
     temp = jnp.where(s.temperature > 0, s.temperature, 1.0)
     logits = logits / temp[:, None]
     probs = jax.nn.softmax(logits, axis=-1)
@@ -98,19 +104,31 @@ def _sample_random(logits, s):
         return keep & ((prob_keys >= t[:, None]) | (s.top_p >= 1.0)[:, None])
 
     keep = jax.lax.cond(s.flags[FLAG_TOP_K_TOP_P], top_k_top_p, lambda k: k, keep)
+    keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(s.seeds, s.output_index)
+
+    def verify_drafts(keep):   # -> (accepted [S], keep without each rejected draft)
+        rows = jnp.arange(logits.shape[0])
+        draft = jnp.maximum(s.draft_tokens, 0)
+        p_draft = jnp.where(keep[rows, draft], probs[rows, draft], 0.0) / jnp.where(keep, probs, 0.0).sum(-1)
+        u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1), dtype=jnp.float32))(keys)
+        accepted = (s.draft_tokens >= 0) & (u < p_draft)
+        rejected = (s.draft_tokens >= 0) & ~accepted
+        return accepted, keep & ~(rejected[:, None] & (jnp.arange(logits.shape[-1])[None, :] == draft[:, None]))
+
+    accepted, keep = jax.lax.cond(s.flags[FLAG_DRAFTS], verify_drafts,
+                                  lambda k: (jnp.zeros(k.shape[0], jnp.bool_), k), keep)
     masked = jnp.where(keep, probs, 0.0)
     cdf = jnp.cumsum(masked, axis=-1)
-    keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(s.seeds, s.output_index)
     u = jax.vmap(lambda key: jax.random.uniform(key, dtype=jnp.float32))(keys) * cdf[:, -1]
     token = jnp.sum(cdf <= u[:, None], axis=-1)
     # Guard the float edge (u == total): fall back to the last kept token.
     last_kept = logits.shape[-1] - 1 - jnp.argmax(keep[:, ::-1], axis=-1)
-    return jnp.minimum(token, last_kept).astype(jnp.int32)
+    return jnp.where(accepted, s.draft_tokens, jnp.minimum(token, last_kept)).astype(jnp.int32)
 
 
 def sample(logits: jax.Array, s: SamplingMetadata, argmax_logsumexp=_xla_argmax_logsumexp,
            ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """logits [S, V] f32 -> (tokens [S] int32, token logprob [S] f32,
+    """logits [S, V] f32 (a row per logits row) -> (tokens [S] int32, token logprob [S] f32,
     top_logprobs [S, MAX_LOGPROBS] f32, top_ids [S, MAX_LOGPROBS] int32).
 
     Logprobs are those of the model's raw distribution (before penalties and temperature),

@@ -1,0 +1,143 @@
+"""Speculative decoding (n-gram): decode latency with and without it, on a workload where it
+applies and one where it does not.
+
+    python benchmarks/spec_decode.py                          # default model, 8 prompts per workload
+    python benchmarks/spec_decode.py --num-prompts 4 --max-tokens 64   # a quick check
+
+Workloads (greedy, `ignore_eos`, --max-tokens tokens each):
+- "repeat": chat prompts asking the model to repeat a passage of this repository's README
+  (a different passage per prompt), the shape of quoting, extraction and code-editing
+  requests, whose outputs copy their inputs;
+- "random": prompts of random token ids (no special tokens), whose outputs rarely repeat them.
+
+One engine (default model, --dtype, the given --speculative-config) runs each workload with
+speculation off (its scheduler's proposer removed: the same compiled steps, no drafts) and on,
+alternating, at --batches requests at a time (1: one request alone; 4: four submitted
+together), after a warm-up. Reported per case: output tokens per second of wall time, mean
+TPOT ((last token - first token) / (tokens - 1), per request), mean TTFT, engine steps, and
+for speculation the drafts proposed and the acceptance rate (accepted / proposed); and whether
+the outputs were the same both ways (greedy: they must be).
+
+JSON to --out (default benchmarks/results/spec_decode.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import statistics
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
+sys.path.insert(0, HERE)
+from workload import RESULTS, ROOT, cpu_line, machine_info, now_iso, versions, vocab_info  # noqa: E402
+
+del sys.path[0]
+
+
+def repeat_prompts(llm, n: int, words: int = 90) -> list[list[int]]:
+    """Chat prompts asking to repeat passages of about `words` words of the README."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = re.sub(r"```.*?```|\|[^\n]*\||[#`*]", " ", f.read(), flags=re.S)
+    tokens = text.split()
+    prompts = []
+    for i in range(n):
+        passage = " ".join(tokens[i * words:(i + 1) * words])
+        messages = [{"role": "user", "content": f"Repeat the following text exactly, word for word:\n\n{passage}"}]
+        prompts.append(llm.engine.apply_chat_template(messages))
+    return prompts
+
+
+def random_prompts(model: str | None, n: int, length: int, seed: int) -> list[list[int]]:
+    vocab_size, special = vocab_info(model)
+    allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(special, dtype=np.int64))
+    rng = np.random.default_rng(seed)
+    return [allowed[rng.integers(0, len(allowed), length)].tolist() for _ in range(n)]
+
+
+def run(llm, prompts: list[list[int]], batch: int, max_tokens: int) -> dict:
+    from jaxllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    stats = llm.engine.stats
+    drafts0, accepted0, steps0 = stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_steps
+    tpot, ttft, outputs = [], [], []
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        for out in llm.generate([{"prompt_token_ids": p} for p in prompts[i:i + batch]], params, use_tqdm=False):
+            m = out.metrics
+            n = len(out.outputs[0].token_ids)
+            tpot.append((m["last_token_time"] - m["first_token_time"]) / max(n - 1, 1))
+            ttft.append(m["first_token_time"] - m["arrival_time"])
+            outputs.append(out.outputs[0].token_ids)
+    wall = time.perf_counter() - t0
+    num_out = sum(len(o) for o in outputs)
+    drafts, accepted = stats.num_draft_tokens - drafts0, stats.num_accepted_tokens - accepted0
+    return {"output_tokens_per_s": num_out / wall, "mean_tpot_ms": 1000 * statistics.fmean(tpot),
+            "mean_ttft_ms": 1000 * statistics.fmean(ttft), "wall_s": wall, "output_tokens": num_out,
+            "draft_tokens": drafts, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafts if drafts else None, "steps": stats.num_steps - steps0,
+            "outputs": outputs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--num-prompts", type=int, default=8, help="prompts per workload (default: %(default)s)")
+    ap.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (default: %(default)s)")
+    ap.add_argument("--random-len", type=int, default=256, help="random prompts' length (default: %(default)s)")
+    ap.add_argument("--batches", default="1,4", help="requests submitted together (default: %(default)s)")
+    ap.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
+                    '"prompt_lookup_min": 2, "prompt_lookup_max": 4}', help="(default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=os.path.join(RESULTS, "spec_decode.json"))
+    args = ap.parse_args()
+
+    from jaxllm import LLM
+
+    config = json.loads(args.speculative_config)
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=16, max_model_len=1024, kv_cache_memory=512 << 20,
+              speculative_config=config)
+    proposer = llm.engine.scheduler.proposer
+    workloads = {"repeat": repeat_prompts(llm, args.num_prompts),
+                 "random": random_prompts(args.model, args.num_prompts, args.random_len, args.seed)}
+    machine = machine_info()
+    print(f"CPU: {cpu_line(machine)}; dtype {llm.engine.config.dtype}; speculative_config {config}", flush=True)
+    rows = []
+    for name, prompts in workloads.items():
+        for batch in map(int, args.batches.split(",")):
+            for speculate in (False, True):       # warm-up: every bucket these cases use
+                llm.engine.scheduler.proposer = proposer if speculate else None
+                run(llm, prompts[:batch], batch, 16)
+            result = {}
+            for speculate in (False, True):
+                llm.engine.scheduler.proposer = proposer if speculate else None
+                result[speculate] = run(llm, prompts, batch, args.max_tokens)
+            off, on = result[False], result[True]
+            same = off.pop("outputs") == on.pop("outputs")
+            row = {"workload": name, "batch": batch, "off": off, "on": on, "same_outputs": same,
+                   "speedup": on["output_tokens_per_s"] / off["output_tokens_per_s"]}
+            rows.append(row)
+            print(f"{name:7s} batch {batch}: off {off['output_tokens_per_s']:6.1f} tok/s, TPOT "
+                  f"{off['mean_tpot_ms']:5.1f} ms | on {on['output_tokens_per_s']:6.1f} tok/s, TPOT "
+                  f"{on['mean_tpot_ms']:5.1f} ms, acceptance {on['acceptance_rate'] or 0:.0%} of "
+                  f"{on['draft_tokens']} drafts | {row['speedup']:.2f}x, same outputs: {same}", flush=True)
+    result = {"benchmark": "spec_decode", "command": "python " + shlex.join(sys.argv), "date": now_iso(),
+              "machine": machine, "versions": versions(), "dtype": llm.engine.config.dtype,
+              "speculative_config": config, "max_tokens": args.max_tokens, "rows": rows}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

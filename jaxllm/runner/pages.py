@@ -1,0 +1,37 @@
+"""Whole-page moves in the KV cache (copy-on-write copies, swaps to and from host memory),
+jitted with index arrays padded to powers of two so only a few shapes are ever compiled."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def pad_pow2(a, b) -> tuple[np.ndarray, np.ndarray]:
+    """Pad index pairs to a power of two by repeating the first pair (an identical copy), so
+    only log2(n) shapes are ever compiled."""
+    pad = (1 << (len(a) - 1).bit_length()) - len(a)
+    return (np.asarray(list(a) + [a[0]] * pad, np.int32), np.asarray(list(b) + [b[0]] * pad, np.int32))
+
+
+# The page axis is the third from last in both cache layouts (`ModelRunner._kv_cache_maker`).
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def copy_pages(kv_cache, src, dst):
+    return [(k.at[..., dst, :, :].set(k[..., src, :, :]), v.at[..., dst, :, :].set(v[..., src, :, :]))
+            for k, v in kv_cache]
+
+
+@jax.jit
+def gather_pages(kv_cache, pages):
+    """-> [layers, 2, (stages,) kv_heads, len(pages), block_size, head_dim]"""
+    return jnp.stack([jnp.stack([k[..., pages, :, :], v[..., pages, :, :]]) for k, v in kv_cache])
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def scatter_pages(kv_cache, pages, data):
+    return [(k.at[..., pages, :, :].set(data[i, 0]), v.at[..., pages, :, :].set(data[i, 1]))
+            for i, (k, v) in enumerate(kv_cache)]
