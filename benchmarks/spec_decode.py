@@ -4,19 +4,21 @@ applies and one where it does not.
     python benchmarks/spec_decode.py                          # default model, 8 prompts per workload
     python benchmarks/spec_decode.py --num-prompts 4 --max-tokens 64   # a quick check
 
-Workloads (greedy, `ignore_eos`, --max-tokens tokens each):
+Workloads (`ignore_eos`, --max-tokens tokens each):
 - "repeat": chat prompts asking the model to repeat a passage of this repository's README
   (a different passage per prompt), the shape of quoting, extraction and code-editing
-  requests, whose outputs copy their inputs;
-- "random": prompts of random token ids (no special tokens), whose outputs rarely repeat them.
+  requests, whose outputs copy their inputs; greedy;
+- "random": prompts of random token ids (no special tokens), sampled at temperature 1 (seeded):
+  outputs that do not repeat their input. (Greedy, the small model falls into loops after such
+  prompts, which n-gram drafts then predict.)
 
-One engine (default model, --dtype, the given --speculative-config) runs each workload with
+One engine (default model, --dtype, the given --speculative-config, no prefix caching) runs each workload with
 speculation off (its scheduler's proposer removed: the same compiled steps, no drafts) and on,
 alternating, at --batches requests at a time (1: one request alone; 4: four submitted
 together), after a warm-up. Reported per case: output tokens per second of wall time, mean
 TPOT ((last token - first token) / (tokens - 1), per request), mean TTFT, engine steps, and
 for speculation the drafts proposed and the acceptance rate (accepted / proposed); and whether
-the outputs were the same both ways (greedy: they must be).
+the outputs were the same both ways (greedy: they must be; sampled, only their distribution is).
 
 JSON to --out (default benchmarks/results/spec_decode.json).
 """
@@ -62,16 +64,18 @@ def random_prompts(model: str | None, n: int, length: int, seed: int) -> list[li
     return [allowed[rng.integers(0, len(allowed), length)].tolist() for _ in range(n)]
 
 
-def run(llm, prompts: list[list[int]], batch: int, max_tokens: int) -> dict:
+def run(llm, prompts: list[list[int]], batch: int, max_tokens: int, temperature: float) -> dict:
     from jaxllm import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens, ignore_eos=True)
+              for i in range(len(prompts))]
     stats = llm.engine.stats
     drafts0, accepted0, steps0 = stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_steps
     tpot, ttft, outputs = [], [], []
     t0 = time.perf_counter()
     for i in range(0, len(prompts), batch):
-        for out in llm.generate([{"prompt_token_ids": p} for p in prompts[i:i + batch]], params, use_tqdm=False):
+        group = [{"prompt_token_ids": p} for p in prompts[i:i + batch]]
+        for out in llm.generate(group, params[i:i + batch], use_tqdm=False):
             m = out.metrics
             n = len(out.outputs[0].token_ids)
             tpot.append((m["last_token_time"] - m["first_token_time"]) / max(n - 1, 1))
@@ -104,26 +108,28 @@ def main() -> None:
     from jaxllm import LLM
 
     config = json.loads(args.speculative_config)
+    # No prefix caching: each case computes its prompts itself (the cases share them).
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=16, max_model_len=1024, kv_cache_memory=512 << 20,
-              speculative_config=config)
+              enable_prefix_caching=False, speculative_config=config)
     proposer = llm.engine.scheduler.proposer
-    workloads = {"repeat": repeat_prompts(llm, args.num_prompts),
-                 "random": random_prompts(args.model, args.num_prompts, args.random_len, args.seed)}
+    workloads = {"repeat": (repeat_prompts(llm, args.num_prompts), 0.0),
+                 "random": (random_prompts(args.model, args.num_prompts, args.random_len, args.seed), 1.0)}
     machine = machine_info()
     print(f"CPU: {cpu_line(machine)}; dtype {llm.engine.config.dtype}; speculative_config {config}", flush=True)
     rows = []
-    for name, prompts in workloads.items():
+    for name, (prompts, temperature) in workloads.items():
         for batch in map(int, args.batches.split(",")):
             for speculate in (False, True):       # warm-up: every bucket these cases use
                 llm.engine.scheduler.proposer = proposer if speculate else None
-                run(llm, prompts[:batch], batch, 16)
+                run(llm, prompts[:batch], batch, 16, temperature)
             result = {}
             for speculate in (False, True):
                 llm.engine.scheduler.proposer = proposer if speculate else None
-                result[speculate] = run(llm, prompts, batch, args.max_tokens)
+                result[speculate] = run(llm, prompts, batch, args.max_tokens, temperature)
             off, on = result[False], result[True]
             same = off.pop("outputs") == on.pop("outputs")
-            row = {"workload": name, "batch": batch, "off": off, "on": on, "same_outputs": same,
+            row = {"workload": name, "temperature": temperature, "batch": batch, "off": off, "on": on,
+                   "same_outputs": same,
                    "speedup": on["output_tokens_per_s"] / off["output_tokens_per_s"]}
             rows.append(row)
             print(f"{name:7s} batch {batch}: off {off['output_tokens_per_s']:6.1f} tok/s, TPOT "

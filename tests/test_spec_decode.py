@@ -10,6 +10,7 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.runner import input_batch, sampler
+from jaxllm.runner.compile import CompilationCounter
 from jaxllm.spec_decode.ngram import propose_ngram
 from test_sampler import LOGITS, V, reference_probs, state
 from tiny_model import TINY_ENGINE_ARGS
@@ -95,8 +96,9 @@ def test_greedy_with_speculation_equals_without(llm, spec_llm, monkeypatch):
     spec = spec_llm.generate(PROMPTS, params, use_tqdm=False)
     monkeypatch.setattr(spec_llm.engine.scheduler, "proposer",
                         OracleProposer([o.prompt_token_ids + o.outputs[0].token_ids for o in plain]))
-    spec += [spec_llm.generate([p], params, use_tqdm=False)[0] for p in PROMPTS]
-    spec += spec_llm.generate(PROMPTS, params, use_tqdm=False)
+    with CompilationCounter() as compiles:
+        spec += [spec_llm.generate([p], params, use_tqdm=False)[0] for p in PROMPTS]
+        spec += spec_llm.generate(PROMPTS, params, use_tqdm=False)
     for a, b in zip(spec, plain * 3):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
@@ -104,6 +106,7 @@ def test_greedy_with_speculation_equals_without(llm, spec_llm, monkeypatch):
             np.testing.assert_allclose([x.logprob for x in lp_a.values()], [x.logprob for x in lp_b.values()],
                                        atol=1e-4)
     drafted, accepted = stats.num_draft_tokens - drafts0, stats.num_accepted_tokens - accepted0
+    assert compiles.count == 0      # every verification shape was compiled at start-up
     assert 0.15 * drafted < accepted < drafted     # drafts fully, partly and not at all accepted
     assert spec_llm.engine.kv_cache_manager.num_used_blocks == 0
 
@@ -124,6 +127,12 @@ def test_speculation_with_stops_chunks_preemption_and_sampling(llm, tiny_model_d
     assert cut.token_ids == full[:full.index(full[9]) + 1] and cut.finish_reason == "stop"
     short = small.generate(PROMPTS[:1], greedy(5), use_tqdm=False)[0].outputs[0]
     assert short.token_ids == full[:5] and short.finish_reason == "length"
+    # A stop string found mid-step: the text and tokens end where they end without speculation.
+    text = reference[2].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    expect = llm.generate(PROMPTS[2:3], greedy(24, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    got = small.generate(PROMPTS[2:3], greedy(24, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert (got.text, got.token_ids, got.finish_reason) == (expect.text, expect.token_ids, "stop")
     # Seeded sampling with drafts stays reproducible, and n > 1 works.
     seeded = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=24, ignore_eos=True)
     a, b = (small.generate(PROMPTS, seeded, use_tqdm=False) for _ in range(2))
@@ -139,8 +148,9 @@ def test_ngram_speculation_on_the_default_model():
     prompt = ("Repeat this list exactly, twice: apples, pears, plums, cherries, grapes, lemons, limes, "
               "oranges, melons, figs.\nAnswer: apples, pears, plums, cherries, grapes, lemons")
     params = greedy(48)
-    plain = LLM(max_num_seqs=4, max_model_len=512).generate([prompt], params, use_tqdm=False)[0]
-    spec = LLM(max_num_seqs=4, max_model_len=512, speculative_config={**SPEC, "prompt_lookup_min": 2})
+    args = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256)  # as test_engine's
+    plain = LLM(None, **args).generate([prompt], params, use_tqdm=False)[0]
+    spec = LLM(None, **args, speculative_config={**SPEC, "prompt_lookup_min": 2})
     out = spec.generate([prompt], params, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == plain.outputs[0].token_ids
     assert spec.engine.stats.num_accepted_tokens > 0.5 * spec.engine.stats.num_draft_tokens > 0
@@ -155,3 +165,27 @@ def test_ngram_speculation_on_the_default_model():
 def test_bad_speculative_configs_rejected(tiny_model_dir, config, match):
     with pytest.raises(ValueError, match=match):
         LLM(tiny_model_dir, **TINY_ENGINE_ARGS, speculative_config=config)
+
+
+def test_streaming_with_speculation(tiny_model_dir, llm):
+    # Several tokens per step reach a delta stream together, in order.
+    import asyncio
+
+    from jaxllm import AsyncLLM
+
+    reference = llm.generate([PROMPTS[0]], greedy(24), use_tqdm=False)[0]
+    expected = reference.outputs[0]
+    engine = AsyncLLM(**{**TINY_ENGINE_ARGS, "model": tiny_model_dir}, speculative_config=SPEC)
+    engine.engine.scheduler.proposer = OracleProposer([reference.prompt_token_ids + expected.token_ids])
+
+    async def main():
+        return [o.outputs[0] async for o in engine.generate(PROMPTS[0], greedy(24), "s", output_kind="delta")]
+
+    try:
+        deltas = asyncio.run(main())
+        assert [t for d in deltas for t in d.token_ids] == expected.token_ids
+        assert "".join(d.text for d in deltas) == expected.text
+        assert any(len(d.token_ids) > 1 for d in deltas)
+        assert engine.engine.kv_cache_manager.num_used_blocks == 0
+    finally:
+        engine.shutdown()

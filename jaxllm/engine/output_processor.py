@@ -127,6 +127,7 @@ class OutputProcessor:
                     seq.finish_reason, seq.stop_reason = "stop", stop
                     if out.finish_reason is None:
                         reqs_to_abort.append(out.request_id)
+                    break       # tokens after it (a step's accepted drafts) are not the request's
             if seq.finish_reason is None and out.finish_reason is not None:
                 seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
             touched[state.request_id] = state

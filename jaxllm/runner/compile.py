@@ -52,8 +52,8 @@ def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, prefill_row_tok
     """Decode-only buckets (powers of two from 2 — a one-row batch is padded to two, since a
     single-row dot is a slow GEMV on XLA:CPU — plus 48, 96, ...) and mixed buckets (32 tokens
     up to max_num_batched_tokens) for steps with prompt chunks. With speculative decoding, also
-    verification buckets: d sequences of up to 1 + num_speculative_tokens tokens each, logits
-    for every token, for d in powers of two up to max_spec_seqs."""
+    verification buckets: d sequences holding 2d or d (1 + num_speculative_tokens) tokens, with
+    logits for every token, for d in powers of two from 1 up to max_spec_seqs."""
     decode_sizes = _powers_of_two(2, max(2, max_num_seqs))
     # Between larger powers of two, also 1.5x (48) and from 64 on quarter steps (80, 96, 112,
     # ...): a draining decode batch then pads at most ~20%. Below 32 rows a step costs about
@@ -68,10 +68,13 @@ def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, prefill_row_tok
         rows = -(-t // prefill_row_tokens) + max_num_prefill_seqs
         buckets.append(Bucket(t, d, rows, d + max_num_prefill_seqs))
     k = num_speculative_tokens
-    if k:
-        for d in _powers_of_two(2, max(2, min(max_spec_seqs, max_num_seqs))):
-            if d * (k + 1) <= max_num_batched_tokens:
-                buckets.append(Bucket(d * (k + 1), d, d, d, all_logits=True))
+    if k:    # from one sequence (its k + 1 tokens are rows enough for the GEMMs)
+        for d in _powers_of_two(1, max(1, min(max_spec_seqs, max_num_seqs))):
+            # Every sequence with k drafts, or about one draft each (where few drafts are proposed,
+            # a step padded to d * (k + 1) rows would cost up to 1.5x a decode step).
+            for t in {2 * d, d * (k + 1)}:
+                if t <= max_num_batched_tokens:
+                    buckets.append(Bucket(t, d, d, d, all_logits=True))
     return sorted(set(buckets), key=lambda b: (b.num_tokens, b.num_seqs, b.num_prefill_rows, b.all_logits))
 
 
