@@ -112,7 +112,8 @@ class EngineArgs:
               "C++ GEMM (XLA's dot repacks it on every call)")
     speculative_config: dict | str | None = option(
         None, "speculative decoding, a JSON object as in vLLM: {\"method\": \"ngram\", \"num_speculative_tokens\": "
-              "K, \"prompt_lookup_min\": N, \"prompt_lookup_max\": N, \"disable_by_batch_size\": B} (default: "
+              "K, \"prompt_lookup_min\": N, \"prompt_lookup_max\": N, \"disable_by_batch_size\": B}, or a draft "
+              "model with the same vocabulary: {\"model\": PATH_OR_ID, \"num_speculative_tokens\": K} (default: "
               "off)", metavar="JSON", type=json_object)
 
     def verify(self) -> None:
@@ -162,6 +163,10 @@ class EngineArgs:
         speculative = SpeculativeConfig.parse(self.speculative_config)
         if speculative is not None and self.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding is not supported with pipeline_parallel_size > 1 yet")
+        if (speculative is not None and speculative.method == "draft_model"
+                and self.tensor_parallel_size * self.data_parallel_size * self.num_processes > 1):
+            raise ValueError("a draft model runs on one device: not with tensor or data parallelism or several "
+                             "processes yet")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,11 +178,12 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_min: int
-    prompt_lookup_max: int
+    prompt_lookup_min: int = 0      # n-gram
+    prompt_lookup_max: int = 0
     disable_by_batch_size: int = 8
+    model: str | None = None        # draft model: a path or hub id, as for the target
 
-    METHODS = ("ngram",)
+    METHODS = ("ngram", "draft_model")
 
     def max_seqs(self, scheduler: SchedulerConfig) -> int:
         """Most sequences a speculating step holds: disable_by_batch_size, within max_num_seqs
@@ -188,7 +194,8 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, config: dict | str | None) -> SpeculativeConfig | None:
         """From vLLM's `speculative_config` (a dict or its JSON); raises ValueError when bad.
-        For n-gram, prompt_lookup_min and _max default to each other, or both to 5 (vLLM's)."""
+        For n-gram, prompt_lookup_min and _max default to each other, or both to 5 (vLLM's); a
+        `model` without a method means a draft model."""
         if config is None:
             return None
         if isinstance(config, str):
@@ -199,19 +206,27 @@ class SpeculativeConfig:
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {config!r}")
         config = dict(config)
-        if "model" in config and config.get("method") in (None, "draft_model"):
-            raise ValueError("speculative decoding with a draft model is not supported yet; use method 'ngram'")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
+                 "model"}
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown or unsupported field(s) {unknown}; known: {sorted(known)}")
-        method = config.get("method")
+        model = config.get("model")
+        method = config.get("method") or ("draft_model" if model is not None else None)
         if method not in cls.METHODS:
             raise ValueError(f"speculative_config method must be one of {cls.METHODS}, got {method!r}")
-        lo, hi = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
-        lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
-        out = cls(method, config.get("num_speculative_tokens"), lo, hi, config.get("disable_by_batch_size", 8))
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+        if method == "draft_model":
+            if not isinstance(model, str) or not model:
+                raise ValueError("speculative_config: a draft model needs 'model', its path or hub id")
+            lo = hi = 0
+        else:
+            lo, hi = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
+            lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
+        out = cls(method, config.get("num_speculative_tokens"), lo, hi, config.get("disable_by_batch_size", 8),
+                  model if method == "draft_model" else None)
+        checked = ["num_speculative_tokens", "disable_by_batch_size"] + (
+            ["prompt_lookup_min", "prompt_lookup_max"] if method == "ngram" else [])
+        for name in checked:
             value = getattr(out, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config {name} must be a positive integer, got {value!r}")

@@ -14,6 +14,7 @@ from jaxllm.core.outputs import ModelRunnerOutput
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxllm.spec_decode.proposer import Proposer
 
 EOS = 2
 
@@ -360,7 +361,9 @@ def test_beam_like_request_swapped_back_in_is_not_scheduled_without_tokens():
 
 # ----- speculative decoding -----
 
-class FixedDrafts:
+class FixedDrafts(Proposer):
+    num_speculative_tokens = 3
+
     def propose(self, tokens, room):
         return [7, 8, 9][:room]
 

@@ -12,6 +12,7 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.runner import input_batch, sampler
 from jaxllm.runner.compile import CompilationCounter
 from jaxllm.spec_decode.ngram import propose_ngram
+from jaxllm.spec_decode.proposer import Proposer
 from test_sampler import LOGITS, V, reference_probs, state
 from tiny_model import TINY_ENGINE_ARGS
 
@@ -62,13 +63,14 @@ def greedy(max_tokens=32, **kw):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
-class OracleProposer:
+class OracleProposer(Proposer):
     """Drafts from known continuations (the tiny random model never repeats itself, so n-gram
     drafts would all be rejected): the true next tokens, with every `wrong_every`-th draft
     position replaced by a wrong token, so steps accept all, some or none of their drafts."""
 
     def __init__(self, sequences, k=4, wrong_every=3):
         self.sequences, self.k, self.wrong_every, self.calls = sequences, k, wrong_every, 0
+        self.num_speculative_tokens = k
 
     def propose(self, tokens, k):
         self.calls += 1
@@ -141,6 +143,39 @@ def test_speculation_with_stops_chunks_preemption_and_sampling(llm, tiny_model_d
     assert small.engine.kv_cache_manager.num_used_blocks == 0
 
 
+def test_draft_model_speculation(llm, tiny_model_dir, tmp_path):
+    # The target itself as its draft: every greedy draft is right. A different (1-layer) random
+    # model: drafts mostly wrong. Either way the outputs are the target's; a small token
+    # budget and pool make the draft catch up over prompt chunks and after preemptions.
+    from tiny_model import build_tiny_model
+
+    reference = llm.generate(PROMPTS, greedy(24, logprobs=1), use_tqdm=False)
+    other = build_tiny_model(str(tmp_path / "draft"), num_layers=1)
+    for draft, small in ((tiny_model_dir, False), (other, True)):
+        args = {**TINY_ENGINE_ARGS, "max_num_batched_tokens": 16} if small else TINY_ENGINE_ARGS
+        if small:
+            args = {**args, "num_gpu_blocks_override": 24, "block_size": 4}
+        engine = LLM(tiny_model_dir, **args, speculative_config={"model": draft, "num_speculative_tokens": 3})
+        outs = engine.generate(PROMPTS, greedy(24, logprobs=1), use_tqdm=False)
+        alone = engine.generate(PROMPTS[:1], greedy(24, logprobs=1), use_tqdm=False)
+        for a, b in zip(outs + alone, reference + reference[:1]):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        stats = engine.engine.stats
+        if not small:
+            assert stats.num_accepted_tokens == stats.num_draft_tokens > 0     # its own drafts: all accepted
+        else:
+            assert stats.num_draft_tokens > 0 and stats.num_preemptions > 0
+        assert engine.engine.kv_cache_manager.num_used_blocks == 0
+    with pytest.raises(ValueError, match="vocabulary"):
+        import transformers
+
+        cfg = transformers.AutoConfig.from_pretrained(other)
+        cfg.vocab_size = 1000
+        transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "small-vocab")
+        LLM(tiny_model_dir, **TINY_ENGINE_ARGS,
+            speculative_config={"model": str(tmp_path / "small-vocab"), "num_speculative_tokens": 2})
+
+
 @pytest.mark.slow
 def test_ngram_speculation_on_the_default_model():
     # A prompt the real model continues by repeating it: n-gram drafts get accepted, and the
@@ -161,6 +196,7 @@ def test_ngram_speculation_on_the_default_model():
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup"),
     ({"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}, "bogus"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
 ])
 def test_bad_speculative_configs_rejected(tiny_model_dir, config, match):
     with pytest.raises(ValueError, match=match):

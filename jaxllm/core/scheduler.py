@@ -128,14 +128,19 @@ class Scheduler:
         if (self.proposer is None or not 0 < len(self.running) <= self.max_spec_seqs or len(self.requests) >
                 len(self.running) or any(r.num_tokens - r.num_computed_tokens != 1 for r in self.running)):
             return False
+        requests, rooms = [], []
         for request in self.running:
             if not request.append_sampled_tokens:
                 continue
-            # Room for the drafts and one more token, within max_tokens and the context.
-            room = min(request.max_tokens - len(request.output_token_ids),
-                       self.config.max_model_len - request.num_tokens) - 1
-            if room > 0:
-                request.spec_token_ids = self.proposer.propose(np.asarray(request.all_token_ids), room)
+            # Room for the drafts and one more token, within max_tokens and the context; and
+            # the pages for them (a draft model writes its KV there), if the pool has them.
+            room = min(self.proposer.num_speculative_tokens, request.max_tokens - len(request.output_token_ids) - 1,
+                       self.config.max_model_len - request.num_tokens - 1)
+            if room > 0 and self.kv.allocate_slots(request, 1 + room):
+                requests.append(request)
+                rooms.append(room)
+        if requests:
+            self.proposer.propose_batch(requests, rooms)
         return True
 
     def schedule(self) -> SchedulerOutput:
@@ -258,9 +263,10 @@ class Scheduler:
                 if status is not None:
                     break
             num_generated += len(tokens)
-            if drafted:     # the accepted drafts' KV stays; the pages past it are given back
+            if drafted:     # the accepted drafts' KV stays
                 request.num_computed_tokens = request.num_tokens - 1
-                self.kv.trim(request, request.num_tokens)
+            if len(request.block_ids) > self.kv.blocks_needed(request.num_tokens):
+                self.kv.trim(request, request.num_tokens)    # pages held for drafts go back
             self.kv.cache_full_blocks(request)
             if status is not None:
                 self.running.remove(request)

@@ -24,7 +24,7 @@ from jaxllm.core.outputs import EngineCoreOutputs, ModelRunnerOutput, SchedulerO
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.runner.model_runner import ModelRunner
-from jaxllm.spec_decode import NgramProposer
+from jaxllm.spec_decode import DraftModelProposer, NgramProposer
 
 logger = logging.getLogger("jaxllm")
 
@@ -33,14 +33,19 @@ class EngineCore:
     """One replica: a scheduler and KV pool over one model runner (on one device, or on the
     tensor-parallel `mesh`). `stats` may be shared with other replicas."""
 
-    def __init__(self, config: EngineConfig, spec, params, mesh=None, stats: EngineStats | None = None):
+    def __init__(self, config: EngineConfig, spec, params, mesh=None, stats: EngineStats | None = None,
+                 draft=None):
+        """`draft`: the draft model (`LoadedModel`) of draft-model speculative decoding."""
         cache = config.cache
         self.kv_cache_manager = KVCacheManager(cache.num_blocks, cache.block_size,
                                                enable_prefix_caching=cache.enable_prefix_caching,
                                                num_swap_blocks=cache.num_swap_blocks)
-        spec_decode = config.speculative
-        proposer = (NgramProposer(spec_decode.num_speculative_tokens, spec_decode.prompt_lookup_min,
-                                  spec_decode.prompt_lookup_max) if spec_decode is not None else None)
+        spec_decode, proposer = config.speculative, None
+        if spec_decode is not None and spec_decode.method == "ngram":
+            proposer = NgramProposer(spec_decode.num_speculative_tokens, spec_decode.prompt_lookup_min,
+                                     spec_decode.prompt_lookup_max)
+        elif spec_decode is not None:
+            proposer = DraftModelProposer(config, draft.spec, draft.params, spec_decode.num_speculative_tokens)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, proposer,
                                    spec_decode.max_seqs(config.scheduler) if spec_decode is not None else 0)
         self.runner = ModelRunner(config, spec, params, mesh=mesh)

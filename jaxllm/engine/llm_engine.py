@@ -62,10 +62,11 @@ class LLMEngine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
+        draft = self._load_draft(args, loaded.spec, progress)
         stats = EngineStats()
         self.replicas = [EngineCore(self.config, loaded.spec,
                                     loaded.params if row is None else parallel.replica_params(loaded.params, row),
-                                    mesh=row, stats=stats)
+                                    mesh=row, stats=stats, draft=draft)
                          for row in parallel.replica_meshes(mesh)]
         self.engine_core = self.replicas[0] if len(self.replicas) == 1 else DataParallelEngineCore(self.replicas)
         # The (first) replica's parts, for tests and benchmarks; metrics use the totals below.
@@ -76,10 +77,28 @@ class LLMEngine:
         background = self.config.background_compile and not many_processes
         self.warmup_seconds = (sum(r.runner.warmup(progress, background) for r in self.replicas)
                                if self.config.warmup else 0.0)
+        if self.config.warmup and self.scheduler.proposer is not None:
+            self.warmup_seconds += self.scheduler.proposer.warmup(progress, background)
         self._rng = random.Random(self.config.seed)
         # n > 1: the other choices wait until the first has computed the prompt, then reuse
         # its pages through the prefix cache (first choice's id -> its replica, the others).
         self._pending_choices: dict[str, tuple[int, list[Request]]] = {}
+
+    def _load_draft(self, args: EngineArgs, spec, progress: bool):
+        """The draft model of draft-model speculative decoding (checked against the target), or None."""
+        from jaxllm.models.loader import load_model
+
+        speculative = self.config.speculative
+        if speculative is None or speculative.method != "draft_model":
+            return None
+        draft = load_model(speculative.model, dtype=args.dtype, cache_dir=args.params_cache_dir, progress=progress)
+        if draft.spec.vocab_size != spec.vocab_size:
+            raise ValueError(f"the draft model {speculative.model!r} has a vocabulary of {draft.spec.vocab_size} "
+                             f"tokens, the target {spec.vocab_size}: they must share one")
+        if draft.spec.max_position_embeddings < self.config.scheduler.max_model_len:
+            raise ValueError(f"the draft model's context ({draft.spec.max_position_embeddings}) is shorter than "
+                             f"max_model_len ({self.config.scheduler.max_model_len})")
+        return draft
 
     # ----- requests -----
     def tokenize(self, prompt: str) -> list[int]:

@@ -5,6 +5,8 @@ How a step verifies drafts (in the fixed-shape step, with exact rejection sampli
 runner/sampler.py and core/scheduler.py; ARCHITECTURE.md has the whole picture.
 """
 
+from jaxllm.spec_decode.draft_model import DraftModelProposer
 from jaxllm.spec_decode.ngram import NgramProposer
+from jaxllm.spec_decode.proposer import Proposer
 
-__all__ = ["NgramProposer"]
+__all__ = ["DraftModelProposer", "NgramProposer", "Proposer"]

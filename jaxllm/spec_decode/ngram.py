@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from jaxllm.spec_decode.proposer import Proposer
+
 
 def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
     """Up to `k` draft tokens continuing `tokens` [L] int, or none (an empty array)."""
@@ -26,11 +28,11 @@ def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndar
     return tokens[:0]
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Drafts for running requests from their own tokens (`Request.spec_token_ids`)."""
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int):
-        self.k = num_speculative_tokens
+        self.k = self.num_speculative_tokens = num_speculative_tokens
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
 
     def propose(self, tokens: np.ndarray, room: int) -> list[int]:

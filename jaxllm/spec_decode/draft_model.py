@@ -1,0 +1,104 @@
+"""Draft-model proposer: a smaller model with the target's vocabulary proposes drafts by
+greedy decoding.
+
+It runs its own `ModelRunner` (its own compiled steps and KV pool) on the target's page ids:
+its pool has as many pages as the target's, and a request's draft KV lives in the same page
+ids as its target KV, so the scheduler's block tables, allocation and freeing serve both.
+Per request it keeps a shadow `Request` (greedy sampling params, the real request's tokens and
+pages) with its own `num_computed_tokens`: after a step, the draft KV stays valid up to where
+the shadow's tokens (the real ones plus its drafts) agree with the request's, so each round
+first catches up on the tokens it has not seen (a whole prompt the first time, in chunks of
+the token budget; then the target's newest token), then decodes up to k tokens.
+
+Drafts proposed greedily are a point mass for the verifier, so the target's rejection
+sampling keeps its distribution exactly (runner/sampler.py). A draft that is wrong (stale KV
+in a page the target copied on write, say) only lowers the acceptance rate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxllm.core.outputs import SchedulerOutput
+from jaxllm.core.request import Request
+from jaxllm.sampling_params import SamplingParams
+from jaxllm.spec_decode.proposer import Proposer
+
+
+@dataclasses.dataclass(eq=False)
+class _Shadow:
+    request: Request              # the draft model's view: greedy, its own computed count
+    source: Request               # the real request
+    num_preemptions: int
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, config, spec, params, num_speculative_tokens: int):
+        from jaxllm.runner.model_runner import ModelRunner
+
+        self.num_speculative_tokens = num_speculative_tokens
+        self.runner = ModelRunner(dataclasses.replace(config, speculative=None), spec, params)
+        self.budget = config.scheduler.max_num_batched_tokens
+        self.max_chunks = config.scheduler.max_num_prefill_seqs
+        self.max_model_len = config.scheduler.max_model_len
+        self.shadows: dict[str, _Shadow] = {}
+
+    def warmup(self, progress: bool, background: bool) -> float:
+        return self.runner.warmup(progress, background)
+
+    def _shadow(self, request: Request) -> Request:
+        """The request's shadow, its computed count cut back to what still matches."""
+        entry = self.shadows.get(request.request_id)
+        fresh = entry is None or entry.source is not request or entry.num_preemptions != request.num_preemptions
+        if fresh:     # new, or preempted since (its pages changed): compute it all
+            shadow = Request(request.request_id, request.prompt_token_ids,
+                             SamplingParams(temperature=0.0, max_tokens=self.max_model_len))
+            entry = self.shadows[request.request_id] = _Shadow(shadow, request, request.num_preemptions)
+        shadow = entry.request
+        # Draft KV is valid where the shadow's tokens (the real ones and its drafts) agree with the
+        # request's now; the newest token always remains to compute.
+        have = np.asarray(shadow.output_token_ids[:len(request.output_token_ids)])
+        agree = np.flatnonzero(have != np.asarray(request.output_token_ids[:len(have)]))
+        same = request.num_prompt_tokens + (int(agree[0]) if len(agree) else len(have))
+        shadow.num_computed_tokens = min(shadow.num_computed_tokens, same, request.num_tokens - 1)
+        shadow.output_token_ids = list(request.output_token_ids)
+        shadow.block_ids = request.block_ids
+        return shadow
+
+    def propose_batch(self, requests: list[Request], rooms: list[int]) -> None:
+        for request_id, entry in list(self.shadows.items()):      # forget finished requests
+            if entry.source.status.finished:
+                del self.shadows[request_id]
+        self.runner.input_batch.remove(list(self.runner.input_batch.row_of))    # rows rebuilt from the shadows
+        shadows = [self._shadow(r) for r in requests]
+        drafts: list[list[int]] = [[] for _ in requests]
+        # Catch up (each shadow's tokens but the newest may be several prompt chunks), then
+        # decode: each step gives every shadow whose query reached its end one more draft.
+        while True:
+            budget, chunks, scheduled = self.budget, 0, []
+            for i, (shadow, room) in enumerate(zip(shadows, rooms)):
+                todo = shadow.num_tokens - shadow.num_computed_tokens
+                if len(drafts[i]) >= min(room, self.num_speculative_tokens) or budget == 0 or todo == 0:
+                    continue
+                if todo > 1:
+                    if chunks == self.max_chunks:
+                        continue
+                    chunks += 1
+                n = min(todo, budget)
+                scheduled.append((i, n))
+                budget -= n
+            if not scheduled:
+                break
+            out = self.runner.execute(SchedulerOutput([(shadows[i], n) for i, n in scheduled]))
+            offset = 0
+            for (i, n), count in zip(scheduled, out.num_sampled):
+                shadows[i].num_computed_tokens += n
+                if count:
+                    token = int(out.sampled_token_ids[offset])
+                    drafts[i].append(token)
+                    shadows[i].output_token_ids.append(token)
+                offset += count
+        for request, tokens in zip(requests, drafts):
+            request.spec_token_ids = tokens
