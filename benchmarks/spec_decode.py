@@ -20,6 +20,10 @@ TPOT ((last token - first token) / (tokens - 1), per request), mean TTFT, engine
 for speculation the drafts proposed and the acceptance rate (accepted / proposed); and whether
 the outputs were the same both ways (greedy: they must be; sampled, only their distribution is).
 
+With --draft-layers N the proposer is a draft model instead: the target's first N decoder
+layers with its final norm and LM head (an untrained early exit; no smaller model with the
+default model's vocabulary is at hand offline).
+
 JSON to --out (default benchmarks/results/spec_decode.json).
 """
 
@@ -42,6 +46,27 @@ sys.path.insert(0, HERE)
 from workload import RESULTS, ROOT, cpu_line, machine_info, now_iso, versions, vocab_info  # noqa: E402
 
 del sys.path[0]
+
+
+def truncated_draft(model: str | None, layers: int) -> str:
+    """An HF directory of the model's first `layers` decoder layers (with its final norm, LM
+    head and tokenizer): a draft model with the target's vocabulary, made without training
+    ("early exit"), for want of a published smaller model with SmolLM2's tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engines import cache_dir, hf_directory
+    from workload import default_model_path
+
+    src = hf_directory(model or default_model_path())
+    out = os.path.join(cache_dir(), f"{os.path.basename(src)}-first{layers}")
+    if not os.path.exists(os.path.join(out, "config.json")):
+        full = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+        full.model.layers = full.model.layers[:layers]
+        full.config.num_hidden_layers = layers
+        full.save_pretrained(out)
+        AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    return out
 
 
 def repeat_prompts(llm, n: int, words: int = 90) -> list[list[int]]:
@@ -101,6 +126,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4", help="requests submitted together (default: %(default)s)")
     ap.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
                     '"prompt_lookup_min": 2, "prompt_lookup_max": 4}', help="(default: %(default)s)")
+    ap.add_argument("--draft-layers", type=int, default=None, metavar="N",
+                    help="speculate with a draft model: the target's first N layers (overrides the config's method)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(RESULTS, "spec_decode.json"))
     args = ap.parse_args()
@@ -108,6 +135,10 @@ def main() -> None:
     from jaxllm import LLM
 
     config = json.loads(args.speculative_config)
+    if args.draft_layers:
+        sys.path.insert(0, HERE)
+        config = {"model": truncated_draft(args.model, args.draft_layers),
+                  "num_speculative_tokens": config.get("num_speculative_tokens", 4)}
     # No prefix caching: each case computes its prompts itself (the cases share them).
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=16, max_model_len=1024, kv_cache_memory=512 << 20,
               enable_prefix_caching=False, speculative_config=config)

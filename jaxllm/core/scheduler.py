@@ -130,13 +130,16 @@ class Scheduler:
             return False
         requests, rooms = [], []
         for request in self.running:
+            request.spec_token_ids = []
             if not request.append_sampled_tokens:
                 continue
             # Room for the drafts and one more token, within max_tokens and the context; and
-            # the pages for them (a draft model writes its KV there), if the pool has them.
+            # the pages for them (a draft model writes its KV there), if the pool has them with
+            # a page to spare for every running request (drafts never cause a preemption).
             room = min(self.proposer.num_speculative_tokens, request.max_tokens - len(request.output_token_ids) - 1,
                        self.config.max_model_len - request.num_tokens - 1)
-            if room > 0 and self.kv.allocate_slots(request, 1 + room):
+            if (room > 0 and self.kv.num_free_blocks >= len(self.running) + self.kv.blocks_needed(1 + room)
+                    and self.kv.allocate_slots(request, 1 + room)):
                 requests.append(request)
                 rooms.append(room)
         if requests:
