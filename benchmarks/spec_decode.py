@@ -14,8 +14,8 @@ Workloads (`ignore_eos`, --max-tokens tokens each):
 
 One engine (default model, --dtype, the given --speculative-config, no prefix caching) runs each workload with
 speculation off (its scheduler's proposer removed: the same compiled steps, no drafts) and on,
-alternating, at --batches requests at a time (1: one request alone; 4: four submitted
-together), after a warm-up. Reported per case: output tokens per second of wall time, mean
+alternating, --repeats times, at --batches requests at a time (1: one request alone; 4: four
+submitted together), after a warm-up; each mode's median run is reported. Reported per case: output tokens per second of wall time, mean
 TPOT ((last token - first token) / (tokens - 1), per request), mean TTFT, engine steps, and
 for speculation the drafts proposed and the acceptance rate (accepted / proposed); and whether
 the outputs were the same both ways (greedy: they must be; sampled, only their distribution is).
@@ -128,6 +128,8 @@ def main() -> None:
                     '"prompt_lookup_min": 2, "prompt_lookup_max": 4}', help="(default: %(default)s)")
     ap.add_argument("--draft-layers", type=int, default=None, metavar="N",
                     help="speculate with a draft model: the target's first N layers (overrides the config's method)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each case and mode, alternating; the median is "
+                    "reported (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(RESULTS, "spec_decode.json"))
     args = ap.parse_args()
@@ -153,12 +155,17 @@ def main() -> None:
             for speculate in (False, True):       # warm-up: every bucket these cases use
                 llm.engine.scheduler.proposer = proposer if speculate else None
                 run(llm, prompts[:batch], batch, 16, temperature)
-            result = {}
-            for speculate in (False, True):
-                llm.engine.scheduler.proposer = proposer if speculate else None
-                result[speculate] = run(llm, prompts, batch, args.max_tokens, temperature)
-            off, on = result[False], result[True]
-            same = off.pop("outputs") == on.pop("outputs")
+            runs = {False: [], True: []}
+            for _ in range(args.repeats):      # alternating, so drifts in the machine's speed hit both
+                for speculate in (False, True):
+                    llm.engine.scheduler.proposer = proposer if speculate else None
+                    runs[speculate].append(run(llm, prompts, batch, args.max_tokens, temperature))
+            same = all(r["outputs"] == runs[False][0]["outputs"] for r in runs[True])
+            # Each mode's median run by throughput.
+            off, on = (sorted(r, key=lambda x: x["output_tokens_per_s"])[len(r) // 2] for r in runs.values())
+            off.pop("outputs"), on.pop("outputs")
+            off["runs_tokens_per_s"] = [r["output_tokens_per_s"] for r in runs[False]]
+            on["runs_tokens_per_s"] = [r["output_tokens_per_s"] for r in runs[True]]
             row = {"workload": name, "temperature": temperature, "batch": batch, "off": off, "on": on,
                    "same_outputs": same,
                    "speedup": on["output_tokens_per_s"] / off["output_tokens_per_s"]}
