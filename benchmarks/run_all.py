@@ -1,6 +1,6 @@
 """The standard benchmark set (`make bench`): throughput against every peer that is installed,
 the serving sweep (jaxllm, and vLLM when its venv exists), KV memory, attention kernels, the
-model step, cold and warm start-up, then the plots and RESULTS.md.
+model step, cold and warm start-up, speculative decoding on and off, then the plots and RESULTS.md.
 
     python benchmarks/run_all.py                  # full size: run it on an idle machine
     python benchmarks/run_all.py --quick --results /tmp/bench   # smoke-test sizes, ~15 minutes
@@ -22,7 +22,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PARTS = ("throughput", "serving", "serving-vllm", "memory", "kernels", "step", "startup", "plots")
+PARTS = ("throughput", "serving", "serving-vllm", "memory", "kernels", "step", "startup", "spec_decode", "plots")
 
 # (engine, dtype): jaxllm in both dtypes, the seeds' baseline, HF's own continuous batching as
 # PEERS.md measured it, and the optional peers (skipped with a message when not installed).
@@ -60,6 +60,8 @@ def commands(args) -> dict[str, list[str]]:
            if args.quick else []),
         "step": py + [os.path.join(HERE, "step.py")] + (["--batches", "1,8", "--prefill", "64"] if args.quick else []),
         "startup": py + [os.path.join(HERE, "startup.py")] + (["--warm", "1"] if args.quick else []),
+        "spec_decode": py + [os.path.join(HERE, "spec_decode.py")]
+        + (["--num-prompts", "2", "--max-tokens", "32", "--repeats", "1"] if args.quick else []),
         "plots": py + [os.path.join(HERE, "plots.py")],
     }
     return {part: cmd + out.get(part, ["--out", os.path.join(res, f"{part}.json")]) for part, cmd in cmds.items()}
