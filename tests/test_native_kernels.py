@@ -79,6 +79,25 @@ def test_rejects_invalid_block_table():
     check((q, k, v, kv_lens, unused, cu_q_lens, num_seqs))
 
 
+def test_rejects_inconsistent_inputs_without_touching_memory():
+    q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs = make_batch(0, [1, 3], [20, 5])
+
+    def run(*args):
+        return jax.block_until_ready(native.paged_attention_cpu(*args))
+
+    with pytest.raises(Exception, match="inconsistent cu_q_lens"):      # a query starting before q
+        run(q, k, v, kv_lens, block_tables, cu_q_lens.at[0].set(-2), num_seqs)
+    with pytest.raises(Exception, match="shorter than num_seqs"):
+        run(q, k, v, kv_lens, block_tables, cu_q_lens[:2], num_seqs)
+    with pytest.raises(Exception, match="kv heads"):
+        run(q, k[:0], v[:0], kv_lens, block_tables, cu_q_lens, num_seqs)
+    # A sequence without queries is not read, whatever its kv_lens and table say.
+    idle = cu_q_lens.at[2].set(cu_q_lens[1])
+    out = run(q, k, v, kv_lens.at[1].set(10**6), block_tables.at[1].set(-1), idle, num_seqs)
+    ref = run(q, k, v, kv_lens, block_tables, idle, num_seqs)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
 def test_wide_head_groups_use_shorter_tiles():
     # 7 query heads per kv head (Qwen2-7B's ratio): tiles of 64 // 7 = 9 tokens.
     check(make_batch(6, [1, 30, 1], [40, 30, 70], num_q_heads=14, num_kv_heads=2, head_dim=32, pages_per_seq=5))

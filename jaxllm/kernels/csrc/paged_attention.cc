@@ -132,7 +132,8 @@ ffi::Error make_work_items(const PagedAttentionArgs& a, std::vector<WorkItem>& i
   for (int32_t s = 0; s < a.num_seqs; ++s) {
     const int64_t q_len = a.cu_q_lens[s + 1] - a.cu_q_lens[s];
     if (q_len <= 0) continue;
-    if (a.cu_q_lens[s + 1] > a.num_tokens || a.kv_lens[s] < q_len || a.kv_lens[s] > a.pages_per_seq * a.page_size)
+    if (a.cu_q_lens[s] < 0 || a.cu_q_lens[s + 1] > a.num_tokens || a.kv_lens[s] < q_len ||
+        a.kv_lens[s] > a.pages_per_seq * a.page_size)
       return ffi::Error::InvalidArgument("paged attention: inconsistent cu_q_lens / kv_lens");
     for (int64_t t = 0; t * a.tile_tokens < q_len; ++t) {
       const int64_t ctx = a.kv_lens[s] - q_len + std::min<int64_t>((t + 1) * a.tile_tokens, q_len);
@@ -145,9 +146,11 @@ ffi::Error make_work_items(const PagedAttentionArgs& a, std::vector<WorkItem>& i
   return ffi::Error::Success();
 }
 
-// The table entries a sequence uses must be valid page ids (no bounds checks inside).
+// The table entries a sequence with queries uses must be valid page ids (no bounds checks
+// inside); its kv_lens were checked by make_work_items. Sequences without queries are not read.
 ffi::Error check_block_tables(const PagedAttentionArgs& a) {
   for (int32_t s = 0; s < a.num_seqs; ++s) {
+    if (a.cu_q_lens[s + 1] <= a.cu_q_lens[s]) continue;
     const int64_t used = (a.kv_lens[s] + a.page_size - 1) / a.page_size;
     for (int64_t i = 0; i < used; ++i) {
       const int32_t page = a.block_tables[s * a.pages_per_seq + i];
@@ -170,6 +173,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   if (k_pages.element_type() != v_pages.element_type() ||
       (k_pages.element_type() != ffi::U16 && k_pages.element_type() != ffi::F32))
     return ffi::Error::InvalidArgument("paged attention: pages must both be u16 (bf16 bits) or f32");
+  if (kd[0] <= 0 || kd[2] <= 0 || qd[1] <= 0 || qd[2] <= 0)
+    return ffi::Error::InvalidArgument("paged attention: needs kv heads, page size, q heads and head_dim > 0");
   PagedAttentionArgs a;
   a.q = q.typed_data();
   a.k_pages = k_pages.untyped_data();
@@ -179,6 +184,9 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   a.cu_q_lens = cu_q_lens.typed_data();
   a.out = out->typed_data();
   a.num_seqs = std::min<int64_t>(num_seqs.typed_data()[0], kv_lens.dimensions()[0]);
+  if (cu_q_lens.dimensions().size() != 1 || cu_q_lens.dimensions()[0] < a.num_seqs + 1 ||
+      block_tables.dimensions()[0] < a.num_seqs)
+    return ffi::Error::InvalidArgument("paged attention: cu_q_lens / block_tables shorter than num_seqs");
   a.num_tokens = qd[0];
   a.num_q_heads = qd[1];
   a.head_dim = qd[2];
@@ -201,7 +209,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
 
   // Zero the padding rows (real rows are written by their items).
   const int64_t row_floats = a.num_q_heads * a.head_dim;
-  const int64_t real_tokens = a.num_seqs > 0 ? std::min<int64_t>(a.cu_q_lens[a.num_seqs], a.num_tokens) : 0;
+  const int64_t real_tokens =
+      a.num_seqs > 0 ? std::clamp<int64_t>(a.cu_q_lens[a.num_seqs], 0, a.num_tokens) : 0;
   std::memset(a.out + real_tokens * row_floats, 0, (a.num_tokens - real_tokens) * row_floats * sizeof(float));
   std::vector<WorkItem> items;
   if (ffi::Error err = make_work_items(a, items); err.failure()) return err;
