@@ -199,13 +199,9 @@ class SpeculativeConfig:
         if config is None:
             return None
         if isinstance(config, str):
-            try:
-                config = json.loads(config)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+            config = json_object(config)      # (a ValueError when it is not one)
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {config!r}")
-        config = dict(config)
         known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
                  "model"}
         unknown = sorted(set(config) - known)

@@ -148,6 +148,13 @@ class InputBatch:
             if row is not None:
                 self.free_rows.append(row)
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Forget the row's tokens from `num_tokens` on (the request's tokens there changed):
+        `rows_for` writes them again, with its pages from there."""
+        row = self.row_of.get(request_id)
+        if row is not None:
+            self.num_tokens[row] = min(self.num_tokens[row], num_tokens)
+
     def rows_for(self, requests: list[Request]) -> np.ndarray:
         """The rows of `requests` (added if new), brought up to date with their tokens and
         pages: only what changed since the last step is written."""

@@ -68,11 +68,13 @@ class DraftModelProposer(Proposer):
         return shadow
 
     def propose_batch(self, requests: list[Request], rooms: list[int]) -> None:
-        for request_id, entry in list(self.shadows.items()):      # forget finished requests
-            if entry.source.status.finished:
-                del self.shadows[request_id]
-        self.runner.input_batch.remove(list(self.runner.input_batch.row_of))    # rows rebuilt from the shadows
+        finished = [i for i, entry in self.shadows.items() if entry.source.status.finished]
+        for request_id in finished:
+            del self.shadows[request_id]
+        self.runner.input_batch.remove(finished)
         shadows = [self._shadow(r) for r in requests]
+        for shadow in shadows:      # its row's tokens past what still matches are rewritten
+            self.runner.input_batch.truncate(shadow.request_id, shadow.num_computed_tokens)
         drafts: list[list[int]] = [[] for _ in requests]
         # Catch up (each shadow's tokens but the newest may be several prompt chunks), then
         # decode: each step gives every shadow whose query reached its end one more draft.
