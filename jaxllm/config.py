@@ -27,7 +27,10 @@ MAX_SPECULATIVE_TOKENS = 15     # a step verifies at most this many drafts per r
 
 def json_object(text: str) -> dict:
     """A command-line flag's JSON object."""
-    value = json.loads(text)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e}): {text!r}") from None
     if not isinstance(value, dict):
         raise ValueError(f"expected a JSON object, got {text!r}")
     return value
@@ -199,7 +202,10 @@ class SpeculativeConfig:
         if config is None:
             return None
         if isinstance(config, str):
-            config = json_object(config)      # (a ValueError when it is not one)
+            try:
+                config = json_object(config)
+            except ValueError as e:
+                raise ValueError(f"speculative_config: {e}") from None
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {config!r}")
         known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
