@@ -3,7 +3,7 @@
 from jaxllm.config import EngineArgs
 from jaxllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -23,4 +23,4 @@ def __getattr__(name):
 
 
 __all__ = ["AsyncLLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "EngineArgs",
-           "LLM", "LLMEngine", "Logprob", "RequestOutput", "SamplingParams", "__version__"]
+           "LLM", "LLMEngine", "Logprob", "RequestOutput", "SamplingParams", "StructuredOutputsParams", "__version__"]

@@ -213,7 +213,7 @@ class StepChannel:
     `multihost_utils.broadcast_one_to_all`."""
 
     STOP, STEP = 0, 1
-    HEADER = 4    # op, bucket index (-1: no model step), page copies, has penalty tokens
+    HEADER = 4    # op, bucket index (-1: no model step), page copies, side inputs sent (a bit each)
 
     def __init__(self):
         from jax.experimental import multihost_utils
@@ -221,13 +221,26 @@ class StepChannel:
         self._broadcast = multihost_utils.broadcast_one_to_all
         self.is_leader = jax.process_index() == 0
 
-    def send_header(self, op: int, bucket: int = -1, num_copies: int = 0, penalties: bool = False) -> None:
-        self._broadcast(np.asarray([op, bucket, num_copies, int(penalties)], np.int32))
+    def send_header(self, op: int, bucket: int = -1, num_copies: int = 0, side: int = 0) -> None:
+        self._broadcast(np.asarray([op, bucket, num_copies, side], np.int32))
 
-    def receive_header(self) -> tuple[int, int, int, bool]:
-        op, bucket, copies, penalties = (int(x) for x in self._broadcast(np.zeros(self.HEADER, np.int32)))
-        return op, bucket, copies, bool(penalties)
+    def receive_header(self) -> tuple[int, int, int, int]:
+        op, bucket, copies, side = (int(x) for x in self._broadcast(np.zeros(self.HEADER, np.int32)))
+        return op, bucket, copies, side
 
     def arrays(self, *arrays: np.ndarray) -> list[np.ndarray]:
         """Send (leader) or receive into arrays of these shapes and dtypes (followers)."""
         return [np.asarray(x) for x in self._broadcast(tuple(np.asarray(a) for a in arrays))]
+
+
+def split_micro_batches(q_lens: np.ndarray, parts: int) -> list[np.ndarray]:
+    """Indices of `q_lens` dealt into `parts` groups of about equal tokens (largest first, each
+    to the group with the fewest tokens, then the fewest sequences), each in ascending order."""
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    load = [[0, 0] for _ in range(parts)]
+    for i in np.argsort(-q_lens, kind="stable"):
+        g = min(range(parts), key=lambda j: load[j])
+        groups[g].append(int(i))
+        load[g][0] += int(q_lens[i])
+        load[g][1] += 1
+    return [np.asarray(sorted(g), np.int64) for g in groups]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 MAX_LOGPROBS = 20
@@ -22,13 +23,65 @@ def _finite32(x) -> bool:
 
 
 @dataclasses.dataclass(slots=True)
+class StructuredOutputsParams:
+    """A constraint on a request's output (vLLM's `StructuredOutputsParams`): exactly one of
+
+    json: a JSON schema (dict or JSON text); json_object: any JSON object; regex: a regular
+    expression (Rust `regex` syntax); choice: one of these strings; grammar: a Lark grammar
+    or a GBNF/EBNF one (llama.cpp's syntax).
+
+    The grammar engine (jaxllm/structured_output) checks it when the request is added; an
+    invalid schema, regex or grammar raises ValueError there."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self):
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if len(given) != 1:
+            raise ValueError("structured outputs take exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {given or 'none'}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"json_object must be a boolean, got {self.json_object!r}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"json must be a JSON schema (an object or its JSON text), got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError("choice must be a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what the compiled grammar is cached by."""
+        if self.json_object:
+            return "json", '{"type": "object"}'
+        if self.json is not None:
+            # (keys in the schema's order: properties are generated in it)
+            return "json", self.json if isinstance(self.json, str) else json.dumps(self.json)
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
+
+
+@dataclasses.dataclass(slots=True)
 class SamplingParams:
     """Per-request decoding options. Invalid values raise ValueError at construction.
 
     temperature 0 means greedy. top_k <= 0 (or -1) disables top-k (a top_k past the vocabulary
     keeps it all); top_p 1.0 and min_p 0.0 disable theirs. Numbers must be finite. `seed` makes a request's samples reproducible whatever else is batched
     with it. `logprobs=N` returns the top-N log-probabilities (plus the sampled token's) per
-    generated token.
+    generated token. `structured_outputs` constrains the output to a JSON schema, regex,
+    choice or grammar (`StructuredOutputsParams`); the request ends with "stop" once its
+    grammar is complete.
     """
 
     n: int = 1
@@ -50,6 +103,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -93,6 +147,10 @@ class SamplingParams:
             bad("seed", self.seed, "an integer")
         if any(not s for s in self.stop):
             bad("stop", self.stop, "a list of non-empty strings")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

@@ -30,7 +30,7 @@ def state(S, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, presence=0.0, fr
                 output_index=np.zeros(S, np.int32), output_start=flat(output_start, np.int32),
                 penalty_tokens=penalty_tokens, banned_tokens=banned_tokens, draft_tokens=np.full(S, -1, np.int32),
                 flags=np.array([temperature == 0, top_k > 0 or top_p < 1, presence != 0 or frequency != 0 or repetition != 1,
-                                logprobs, bool(banned), False]))
+                                logprobs, bool(banned), False, False]))
 
 
 def reference_probs(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):

@@ -7,6 +7,7 @@ import enum
 import time
 
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.structured_output.backend import Matcher
 
 
 class RequestStatus(enum.Enum):
@@ -51,6 +52,9 @@ class Request:
     # None when not asked for. `num_prompt_logprobs` counts the prompt tokens covered so far.
     prompt_logprobs: list[tuple] | None = None
     num_prompt_logprobs: int = 0
+    # Structured output: the matcher following this sequence's output in its grammar
+    # (jaxllm/structured_output); the step masks its logits with the tokens it allows.
+    grammar: Matcher | None = None
 
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)   # drafts for the next step

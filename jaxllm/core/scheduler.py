@@ -15,8 +15,9 @@ Speculative decoding (with a `proposer`): when every running request is decoding
 waits and at most `max_spec_seqs` run, each request gets drafts (`Request.spec_token_ids`)
 and is scheduled for its newest token plus them; the step verifies them all at once.
 
-After the step, `update_from_output` appends each request's sampled tokens, checks its stop
-conditions (EOS, stop token ids, max_tokens, min_tokens, max_model_len), frees the pages of
+After the step, `update_from_output` appends each request's sampled tokens (and feeds them to
+its grammar, with structured output), checks its stop conditions (EOS, stop token ids,
+max_tokens, min_tokens, max_model_len, a complete grammar), frees the pages of
 finished requests, and reports all of it as `EngineCoreOutputs`. Stop *strings* need the
 text, so the output processor finds them and the engine ends those requests with
 `finish_requests`.
@@ -28,6 +29,7 @@ scheduler tests run it without a model (tests/test_scheduler.py).
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from collections.abc import Iterable
 
@@ -37,6 +39,8 @@ from jaxllm.config import SchedulerConfig
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from jaxllm.core.request import Request, RequestStatus
+
+logger = logging.getLogger("jaxllm")
 
 
 class Scheduler:
@@ -262,6 +266,12 @@ class Scheduler:
                 tokens.append(int(runner_output.sampled_token_ids[r]))
                 logprobs.append(float(runner_output.logprobs[r]))
                 request.append_output_token(tokens[-1], logprobs[-1])
+                if request.grammar is not None and not request.grammar.consume(tokens[-1]):
+                    # The step masks what the grammar forbids: this is a bug, not the client's doing.
+                    logger.error("request %s sampled token %d, which its grammar does not allow",
+                                 request.request_id, tokens[-1])
+                    status = RequestStatus.FINISHED_ERROR
+                    break
                 status = self.check_stop(request)
                 if status is not None:
                     break
@@ -310,8 +320,11 @@ class Scheduler:
 
     def check_stop(self, request: Request) -> RequestStatus | None:
         """The status a request ends with after its latest token, or None to go on.
-        EOS and stop token ids count only from `min_tokens` outputs on."""
+        EOS and stop token ids count only from `min_tokens` outputs on; a complete grammar
+        (structured output: nothing may follow) stops it whatever the count."""
         params = request.sampling_params
+        if request.grammar is not None and request.grammar.is_stopped:
+            return RequestStatus.FINISHED_STOPPED
         num_out = len(request.output_token_ids)
         token = request.output_token_ids[-1]
         if num_out >= params.min_tokens:

@@ -145,6 +145,10 @@ class AsyncLLM:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = (asyncio.get_running_loop(), queue)
         try:
+            if sampling_params is not None and sampling_params.structured_outputs is not None:
+                # Compile the grammar here, off the event loop and the engine thread (a large one
+                # takes a while; the backend releases the GIL): add_request finds it cached.
+                await asyncio.to_thread(self.engine.structured_output.compile, sampling_params.structured_outputs)
             await self._call(lambda: self.engine.add_request(
                 request_id, prompt, sampling_params, prompt_token_ids=token_ids, output_kind=output_kind))
         except BaseException:

@@ -24,6 +24,7 @@ from jaxllm.engine.output_processor import OUTPUT_KINDS, OutputProcessor
 from jaxllm.outputs import RequestOutput
 from jaxllm.runner import compile as compile_mod
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.structured_output import StructuredOutputManager
 from jaxllm.utils import DTYPES, resolve_dtype
 
 logger = logging.getLogger("jaxllm")
@@ -62,6 +63,7 @@ class LLMEngine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
+        self.structured_output = StructuredOutputManager(self.tokenizer, loaded.spec.vocab_size, self.eos_token_ids)
         draft = self._load_draft(args, loaded.spec, progress)
         stats = EngineStats()
         self.replicas = [EngineCore(self.config, loaded.spec,
@@ -131,6 +133,8 @@ class LLMEngine:
         banned = len(params.stop_token_ids) + len(self.eos_token_ids)
         if params.min_tokens and banned > 32:
             raise ValueError(f"at most 32 stop token ids can be held back by min_tokens, got {banned}")
+        # Compiled (or taken from the cache) before anything is queued: an invalid one raises here.
+        grammar = self.structured_output.compile(params.structured_outputs) if params.structured_outputs else None
         now = time.monotonic() if arrival_time is None else arrival_time
         choices = []
         for i in range(params.n):
@@ -140,7 +144,8 @@ class LLMEngine:
             choices.append(Request(
                 request_id=request_id if params.n == 1 else f"{i}_{request_id}", prompt_token_ids=prompt_token_ids,
                 sampling_params=params, eos_token_ids=self.eos_token_ids, seed=seed,
-                parent_id=request_id, index=i, prompt=prompt, arrival_time=now))
+                parent_id=request_id, index=i, prompt=prompt, arrival_time=now,
+                grammar=grammar.copy() if grammar is not None else None))
         if params.prompt_logprobs is not None:
             choices[0].prompt_logprobs = []      # the request's prompt logprobs come from its first choice
         if any(self.output_processor.is_tracked(c.request_id) for c in choices):

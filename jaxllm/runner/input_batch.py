@@ -30,8 +30,8 @@ import numpy as np
 from jaxllm.core.request import Request
 
 NUM_BANNED = 32   # stop/EOS ids a request can hold back under min_tokens
-FLAG_ALL_GREEDY, FLAG_TOP_K_TOP_P, FLAG_PENALTIES, FLAG_LOGPROBS, FLAG_BANNED, FLAG_DRAFTS = range(6)
-NUM_FLAGS = 6
+FLAG_ALL_GREEDY, FLAG_TOP_K_TOP_P, FLAG_PENALTIES, FLAG_LOGPROBS, FLAG_BANNED, FLAG_DRAFTS, FLAG_GRAMMAR = range(7)
+NUM_FLAGS = 7
 
 
 @jax.tree_util.register_dataclass
@@ -80,6 +80,10 @@ class SamplingMetadata:
     banned_tokens: np.ndarray       # [S, NUM_BANNED] int32 ids masked out (under min_tokens), -1 padding
     draft_tokens: np.ndarray        # int32, the draft this row's token verifies (speculative decoding), -1 none
     flags: np.ndarray               # [NUM_FLAGS] bool, batch-wide: which sampler stages run
+    # [S, ceil(vocab / 32)] int32 packed bitmask of the tokens each row may sample (structured
+    # output: bit t % 32 of word t // 32), -1 words for unconstrained rows; like penalty_tokens
+    # it travels apart, usually as a cached all-ones device array (runner/token_masks.py).
+    token_mask: np.ndarray | None = None
 
     @classmethod
     def zeros(cls, num_seqs: int) -> SamplingMetadata:
@@ -97,7 +101,7 @@ class SamplingMetadata:
         """Several batches' metadata (jax arrays, inside the step) as one, rows in order; the
         batch-wide flags combined (all greedy if each is, any other stage if any needs it)."""
         fields = {f.name: jnp.concatenate([getattr(p, f.name) for p in parts])
-                  for f in dataclasses.fields(cls) if f.name not in ("flags", "penalty_tokens")}
+                  for f in dataclasses.fields(cls) if f.name not in ("flags", "penalty_tokens", "token_mask")}
         flags = jnp.stack([p.flags for p in parts])
         flags = jnp.any(flags, axis=0).at[FLAG_ALL_GREEDY].set(jnp.all(flags[:, FLAG_ALL_GREEDY]))
         return cls(**fields, flags=flags, penalty_tokens=None)
@@ -194,7 +198,9 @@ class InputBatch:
                   "seeds": req.seed & 0xFFFFFFFF}
         for name, value in values.items():
             self.params[name][row] = value
-        self.min_tokens[row] = min(p.min_tokens, self.max_model_len)
+        # A grammar decides where a constrained output ends: min_tokens holds nothing back there
+        # (the EOS it may require would leave no token to sample).
+        self.min_tokens[row] = 0 if req.grammar is not None else min(p.min_tokens, self.max_model_len)
         banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
         self.banned[row] = -1
         self.banned[row, :len(banned[:NUM_BANNED])] = banned[:NUM_BANNED]
@@ -238,6 +244,23 @@ class InputBatch:
         out.flags[FLAG_LOGPROBS] = self.wants_logprobs[rows].any()
         out.flags[FLAG_BANNED] = (out.banned_tokens[:n] >= 0).any()
         out.flags[FLAG_DRAFTS] = drafts is not None and (drafts >= 0).any()
+
+
+class TokenMasks:
+    """One bucket's host buffer of structured-output token masks, `[R, vocab / 32]` int32, -1
+    (every token allowed) except on the rows the last `fill` wrote."""
+
+    def __init__(self, num_rows: int, words: int):
+        self.host = np.full((num_rows, words), -1, np.int32)
+        self._written = np.zeros(0, np.int64)
+
+    def fill(self, grammars) -> np.ndarray:
+        """grammars: [(matcher, row, drafts)]: each matcher's mask into its row and, past each
+        draft it allows, into the next rows (`GrammarBackend.fill_masks`). Returns the buffer."""
+        self.host[self._written] = -1
+        self._written = np.concatenate([np.arange(row, row + 1 + len(drafts)) for _, row, drafts in grammars])
+        grammars[0][0].backend.fill_masks(grammars, self.host)
+        return self.host
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 The step function is pure:
 
-    step(params, kv_cache, ints, floats, penalty_tokens, *, layout)
+    step(params, kv_cache, ints, floats, penalty_tokens, token_mask, *, layout)
         -> (tokens, logprobs, top_logprobs, top_ids, hidden, kv_cache)
 
 with `kv_cache` donated, so the pages are updated in place. Its shapes come from a small set
@@ -11,7 +11,9 @@ on disk by the executable store (runner/executables.py), which the next start lo
 tracing. The inputs (`StepInputs`, `SamplingMetadata`) are built by
 `prepare` from the persistent rows of `InputBatch` (runner/input_batch.py), packed into one
 int32 and one float32 buffer (`PackedLayout`, static per bucket) and unpacked inside the step;
-the penalty tokens, `[S, max_model_len]` and usually a cached array of -1s, travel apart.
+the penalty tokens (`[R, max_model_len]`) and the structured-output token mask (`[R, vocab /
+32]`, filled by the grammar backend for the constrained rows) travel apart, each usually a
+cached device array of -1s.
 
 Layers run as an unrolled Python loop over per-layer weights and per-layer page arrays,
 not `lax.scan` over stacked ones. Measured on the real step (`benchmarks/step.py
@@ -42,22 +44,26 @@ from jaxllm.runner import pages as page_moves
 from jaxllm.runner import sampler
 from jaxllm.runner.compile import Bucket, make_buckets
 from jaxllm.runner.executables import CompiledSteps, ExecutableStore
-from jaxllm.runner.input_batch import InputBatch, PackedLayout, SamplingMetadata, StepInputs
+from jaxllm.runner.input_batch import FLAG_GRAMMAR, InputBatch, PackedLayout, SamplingMetadata, StepInputs, TokenMasks
 from jaxllm.runner.prompt_logprobs import PromptLogprobs
+from jaxllm.spec_decode.verify import accepted_counts
 from jaxllm.sampling_params import MAX_LOGPROBS
+from jaxllm.structured_output import mask_words
 from jaxllm.utils import cdiv, jnp_dtype
 
 
-def _step(params, kv_cache, ints, floats, penalty_tokens, *, layout: PackedLayout, spec, attention, mesh):
+def _step(params, kv_cache, ints, floats, penalty_tokens, token_mask, *, layout: PackedLayout, spec, attention,
+          mesh):
     hidden = None     # [T, hidden] before the final norm, kept for prompt logprobs (one device only)
     if parallel.pp_size(mesh) > 1:     # [M, ...]: micro-batches through the pipeline stages
         logits, kv_cache = parallel.pipelined_forward(params, kv_cache, ints, floats, spec=spec, attention=attention,
                                                       mesh=mesh, unpack=lambda i, f: layout.unpack(i, f)[0])
         sampling = SamplingMetadata.concat([layout.unpack(i, f)[1] for i, f in zip(ints, floats)])
         sampling.penalty_tokens = penalty_tokens.reshape(-1, penalty_tokens.shape[-1])
+        sampling.token_mask = token_mask.reshape(-1, token_mask.shape[-1])
     else:
         inputs, sampling = layout.unpack(ints, floats)
-        sampling = dataclasses.replace(sampling, penalty_tokens=penalty_tokens)
+        sampling = dataclasses.replace(sampling, penalty_tokens=penalty_tokens, token_mask=token_mask)
         if mesh is None:
             hidden, kv_cache = llama.forward(params, kv_cache, inputs, spec, attention=attention)
             logits = llama.compute_logits(params, hidden[inputs.logits_indices], spec)
@@ -135,7 +141,9 @@ class ModelRunner:
                                       spec.vocab_size)
         self.prompt_logprobs = PromptLogprobs(spec)
         self._buffers: dict[tuple[Bucket, int], _BucketBuffers] = {}
+        # Per R: the side inputs' cached device arrays of -1s (no penalties, every token allowed).
         self._no_penalty_tokens: dict[int, jax.Array] = {}
+        self._all_allowed: dict[int, jax.Array] = {}
 
     # ----- host-side inputs -----
     PADDING = -1    # `_bucket_buffers` micro-batch index of the all-padding inputs (warm-up, idle micro-batches)
@@ -152,6 +160,8 @@ class ModelRunner:
             stages = (self.num_stages,) if self.num_stages > 1 else ()
             self._no_penalty_tokens[R] = jax.device_put(
                 np.full((*stages, R, self.config.scheduler.max_model_len), -1, np.int32), self._inputs_sharding)
+            self._all_allowed[R] = jax.device_put(np.full((*stages, R, mask_words(self.spec.vocab_size)), -1, np.int32),
+                                                  self._inputs_sharding)
         return self._buffers[bucket, micro]
 
     def _demand(self, q_lens: np.ndarray, drafts: bool = False) -> tuple[int, int, int, int, bool]:
@@ -212,7 +222,8 @@ class ModelRunner:
         inputs.attn_metadata = self.attention.build_metadata(
             q_lens=q_lens, seq_lens=seq_lens, block_tables=inputs.block_tables[:n], num_decodes=num_decodes,
             bucket=bucket)
-        no_penalties = None if self.num_stages > 1 else self._no_penalty_tokens[bucket.num_logits]
+        R = bucket.num_logits
+        no_penalties = None if self.num_stages > 1 else self._no_penalty_tokens[R]
         count = np.maximum(seq_lens - known + 1, 0)     # the newest token's row, then each draft's
         if bucket.all_logits:    # a row per token; the one after each draft verifies it
             _fill(inputs.logits_indices, np.arange(num_tokens), 0)
@@ -225,6 +236,16 @@ class ModelRunner:
             _fill(inputs.logits_indices, ends - 1, 0)
             ib.fill_sampling(sampling, rows, no_penalties)
             first = np.arange(n)
+        # Structured output: the constrained rows' masks, after each draft too (`count` rows).
+        grammars = [(requests[i].grammar, int(first[j]), requests[i].spec_token_ids[:count[j] - 1])
+                    for j, i in enumerate(order) if count[j] and requests[i].grammar is not None]
+        sampling.flags[FLAG_GRAMMAR] = bool(grammars)
+        if grammars:
+            if buffers.token_masks is None:
+                buffers.token_masks = TokenMasks(R, mask_words(self.spec.vocab_size))
+            sampling.token_mask = buffers.token_masks.fill(grammars)
+        else:
+            sampling.token_mask = None if self.num_stages > 1 else self._all_allowed[R]
         return order, first, count, buffers
 
     def prepare_step(self, scheduled):
@@ -243,7 +264,7 @@ class ModelRunner:
             seqs[order], first[order], count[order] = np.arange(n), f, c
             return seqs, first, count, buffers, self._pack(buffers)
         q_lens = np.fromiter((q for _, q in scheduled), np.int32, n)
-        groups = _split(q_lens, self.num_stages)
+        groups = parallel.split_micro_batches(q_lens, self.num_stages)
         bucket = self.steps.pick(np.max([self._demand(q_lens[g]) for g in groups], axis=0))
         micro = []
         for m, group in enumerate(groups):
@@ -261,13 +282,18 @@ class ModelRunner:
 
     def _stack(self, micro: list[_BucketBuffers]):
         """Micro-batches' packed inputs as the pipelined step takes them: `[M, ...]` each."""
-        penalties = [b.sampling.penalty_tokens for b in micro]
-        if all(p is None for p in penalties):
-            penalty_tokens = self._no_penalty_tokens[micro[0].bucket.num_logits]
-        else:
-            fill = np.full((micro[0].bucket.num_seqs, self.config.scheduler.max_model_len), -1, np.int32)
-            penalty_tokens = np.stack([fill if p is None else p for p in penalties])
-        return np.stack([b.ints for b in micro]), np.stack([b.floats for b in micro]), penalty_tokens
+        R = micro[0].bucket.num_logits
+
+        def stacked(name, default, width):
+            parts = [getattr(b.sampling, name) for b in micro]
+            if all(p is None for p in parts):
+                return default[R]
+            fill = np.full((R, width), -1, np.int32)
+            return np.stack([fill if p is None else p for p in parts])
+
+        return (np.stack([b.ints for b in micro]), np.stack([b.floats for b in micro]),
+                stacked("penalty_tokens", self._no_penalty_tokens, self.config.scheduler.max_model_len),
+                stacked("token_mask", self._all_allowed, mask_words(self.spec.vocab_size)))
 
     # ----- the step -----
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -294,7 +320,7 @@ class ModelRunner:
         prompt_logprobs = self.prompt_logprobs(self.params, scheduler_output.scheduled, seqs,
                                                buffers.inputs.query_start_loc, hidden)
         t2 = time.perf_counter()
-        count = _accepted(tokens, first, count, scheduler_output.scheduled)
+        count = accepted_counts(tokens, first, count, scheduler_output.scheduled)
         out_rows = np.repeat(first - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
         return ModelRunnerOutput(tokens[out_rows].astype(np.int32), logprob[out_rows], top_lp[out_rows],
                                  top_ids[out_rows], count, prompt_logprobs,
@@ -303,20 +329,21 @@ class ModelRunner:
 
     def _pack(self, buffers: _BucketBuffers):
         """The bucket's inputs packed: (ints, floats, penalty tokens)."""
-        penalty_tokens = buffers.sampling.penalty_tokens
-        buffers.sampling.penalty_tokens = None          # travels apart, not packed
-        tree = (buffers.inputs, buffers.sampling)
+        sampling = buffers.sampling
+        side = sampling.penalty_tokens, sampling.token_mask
+        sampling.penalty_tokens = sampling.token_mask = None          # travel apart, not packed
+        tree = (buffers.inputs, sampling)
         if buffers.layout is None:
             buffers.layout = PackedLayout.of(tree)
             buffers.ints = np.zeros(buffers.layout.num_ints, np.int32)
             buffers.floats = np.zeros(buffers.layout.num_floats, np.float32)
         buffers.layout.pack(tree, buffers.ints, buffers.floats)
-        buffers.sampling.penalty_tokens = penalty_tokens
-        return buffers.ints, buffers.floats, penalty_tokens
+        sampling.penalty_tokens, sampling.token_mask = side
+        return buffers.ints, buffers.floats, *side
 
-    def _call(self, bucket: Bucket, ints, floats, penalty_tokens):
+    def _call(self, bucket: Bucket, ints, floats, penalty_tokens, token_mask):
         """Send the packed inputs, run the bucket's step."""
-        inputs = jax.device_put((ints, floats, penalty_tokens), self._inputs_sharding)
+        inputs = jax.device_put((ints, floats, penalty_tokens, token_mask), self._inputs_sharding)
         return self.steps.get(bucket)(self.params, self.kv_cache, *inputs)
 
     def _abstract_args(self, bucket: Bucket):
@@ -330,29 +357,30 @@ class ModelRunner:
     # ----- several processes: the leader announces, the others follow -----
     def _announce(self, buffers: _BucketBuffers | None, packed, copies) -> None:
         src, dst = copies
-        penalties = packed is not None and isinstance(packed[2], np.ndarray)   # else the cached -1s
+        # Which side inputs are sent (host arrays), not the cached -1s: bit 0 penalties, bit 1 mask.
+        side = [isinstance(x, np.ndarray) for x in packed[2:]] if packed is not None else [False, False]
         bucket = self.buckets.index(buffers.bucket) if buffers is not None else -1
-        self.channel.send_header(parallel.StepChannel.STEP, bucket, len(src), penalties)
+        self.channel.send_header(parallel.StepChannel.STEP, bucket, len(src), side[0] | side[1] << 1)
         if len(src):
             self.channel.arrays(np.asarray(src, np.int32), np.asarray(dst, np.int32))
         if packed is not None:
-            self.channel.arrays(*packed[:2], *packed[2:] if penalties else ())
+            self.channel.arrays(*packed[:2], *(x for x, sent in zip(packed[2:], side) if sent))
 
     def follow(self) -> None:
         """On a process other than 0: run the steps process 0 announces until it stops."""
         while True:
-            op, bucket, num_copies, penalties = self.channel.receive_header()
+            op, bucket, num_copies, side = self.channel.receive_header()
             if op == parallel.StepChannel.STOP:
                 return
             if num_copies:
                 src, dst = self.channel.arrays(np.zeros(num_copies, np.int32), np.zeros(num_copies, np.int32))
                 self.copy_pages(list(src), list(dst))
             if bucket >= 0:
-                _, ints, floats, no_penalties = self._padding(self.buckets[bucket])
+                _, ints, floats, *defaults = self._padding(self.buckets[bucket])
                 ints, floats = self.channel.arrays(ints, floats)
-                penalty_tokens = (self.channel.arrays(np.zeros(no_penalties.shape, np.int32))[0]
-                                  if penalties else no_penalties)
-                self.kv_cache = self._call(self.buckets[bucket], ints, floats, penalty_tokens)[-1]
+                side = [self.channel.arrays(np.zeros(x.shape, np.int32))[0] if side >> i & 1 else x
+                        for i, x in enumerate(defaults)]
+                self.kv_cache = self._call(self.buckets[bucket], ints, floats, *side)[-1]
 
     def stop_followers(self) -> None:
         """On process 0: let the other processes' `follow` return."""
@@ -373,7 +401,8 @@ class ModelRunner:
         """A whole step of padding in `bucket`: (layout, ints, floats, penalty tokens)."""
         buffers = self._ready_buffers(bucket)
         if self.num_stages == 1:
-            return buffers.layout, buffers.ints, buffers.floats, self._no_penalty_tokens[bucket.num_logits]
+            R = bucket.num_logits
+            return buffers.layout, buffers.ints, buffers.floats, self._no_penalty_tokens[R], self._all_allowed[R]
         return (buffers.layout, *self._stack([buffers] * self.num_stages))
 
     def warmup(self, progress: bool = True, background: bool = False) -> float:
@@ -449,38 +478,12 @@ class _BucketBuffers:
     layout: PackedLayout | None = None
     ints: np.ndarray | None = None
     floats: np.ndarray | None = None
+    token_masks: TokenMasks | None = None
 
 
 def _fetch(x) -> np.ndarray:
     """A step output on the host; over several processes the (replicated) local copy."""
     return np.asarray(x.addressable_data(0)) if not x.is_fully_addressable else np.asarray(jax.device_get(x))
-
-
-def _accepted(tokens: np.ndarray, first: np.ndarray, count: np.ndarray, scheduled) -> np.ndarray:
-    """How many of each request's sampled rows it keeps: with drafts, row j's token is kept
-    while row j - 1's equalled draft j (the sampler returns the draft exactly when it accepts
-    it), so a request keeps its accepted drafts and one token more."""
-    count = count.copy()
-    for i in np.flatnonzero(count > 1):
-        drafts = scheduled[i][0].spec_token_ids
-        j = 0
-        while j < count[i] - 1 and tokens[first[i] + j] == drafts[j]:
-            j += 1
-        count[i] = j + 1
-    return count
-
-
-def _split(q_lens: np.ndarray, parts: int) -> list[np.ndarray]:
-    """Indices of `q_lens` dealt into `parts` groups of about equal tokens (largest first, each
-    to the group with the fewest tokens, then the fewest sequences), each in ascending order."""
-    groups: list[list[int]] = [[] for _ in range(parts)]
-    load = [[0, 0] for _ in range(parts)]
-    for i in np.argsort(-q_lens, kind="stable"):
-        g = min(range(parts), key=lambda j: load[j])
-        groups[g].append(int(i))
-        load[g][0] += int(q_lens[i])
-        load[g][1] += 1
-    return [np.asarray(sorted(g), np.int64) for g in groups]
 
 
 def _fill(buf: np.ndarray, values, pad) -> None:

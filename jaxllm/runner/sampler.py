@@ -30,6 +30,7 @@ from jaxllm.runner.input_batch import (
     FLAG_ALL_GREEDY,
     FLAG_BANNED,
     FLAG_DRAFTS,
+    FLAG_GRAMMAR,
     FLAG_LOGPROBS,
     FLAG_PENALTIES,
     FLAG_TOP_K_TOP_P,
@@ -63,6 +64,14 @@ def _bisect_threshold(keys: jax.Array, enough) -> jax.Array:
 
     lo, _ = jax.lax.fori_loop(0, 32, body, (keys.min(-1), keys.max(-1) + 1))
     return lo
+
+
+def apply_token_mask(logits, token_mask):
+    """Tokens a row's packed bitmask leaves out (`[R, ceil(V / 32)]` int32: bit t % 32 of
+    word t // 32) to -inf: structured output's grammar masks."""
+    bits = (token_mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(logits.shape[0], -1)[:, :logits.shape[-1]] != 0
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def apply_penalties(logits, s):
@@ -132,10 +141,13 @@ def sample(logits: jax.Array, s: SamplingMetadata, argmax_logsumexp=_xla_argmax_
     top_logprobs [S, MAX_LOGPROBS] f32, top_ids [S, MAX_LOGPROBS] int32).
 
     Logprobs are those of the model's raw distribution (before penalties and temperature),
-    as vLLM reports them. `argmax_logsumexp(x) -> (argmax, logsumexp)` per row is the
-    attention backend's (the native one does both in one C++ pass).
+    as vLLM reports them, but after a structured-output mask (`s.token_mask` under
+    FLAG_GRAMMAR): a masked-out token's logprob is -inf. `argmax_logsumexp(x) -> (argmax,
+    logsumexp)` per row is the attention backend's (the native one does both in one C++ pass).
     """
     rows = jnp.arange(logits.shape[0])
+    if s.token_mask is not None:
+        logits = jax.lax.cond(s.flags[FLAG_GRAMMAR], apply_token_mask, lambda x, _: x, logits, s.token_mask)
 
     def mask_banned(x, s):
         banned = s.banned_tokens

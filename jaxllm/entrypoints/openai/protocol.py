@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
-from jaxllm.sampling_params import FLOAT_RANGES, MAX_LOGPROBS, SamplingParams
+from jaxllm.sampling_params import FLOAT_RANGES, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 
 class OpenAIModel(BaseModel):
@@ -94,10 +94,49 @@ class SamplingRequest(RequestModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs object (json, regex,
+    # choice, grammar, json_object) and its older guided_* fields; at most one of them.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def unsupported(self) -> str | None:
         """Name of a set field this server cannot honour, if any."""
         return "logit_bias" if self.logit_bias else None
+
+    def structured_output(self) -> StructuredOutputsParams | None:
+        """The request's output constraint, or None. Raises ValueError (naming the field) if
+        several are given or one is malformed."""
+        given = {name: value for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                                          "guided_grammar") if (value := getattr(self, name)) is not None}
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            given["response_format"] = self.response_format
+        if len(given) > 1:
+            raise ValueError(f"give at most one output constraint; got {', '.join(given)}")
+        if not given:
+            return None
+        (name, value), = given.items()
+        if name == "response_format":
+            if kind == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if kind != "json_schema":
+                raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+            spec = self.response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise ValueError("response_format json_schema needs a 'schema' object")
+            return StructuredOutputsParams(json=schema)
+        if name == "structured_outputs":
+            known = {"json", "regex", "choice", "grammar", "json_object"}
+            if set(value) - known:
+                raise ValueError(f"unknown structured_outputs field(s) {sorted(set(value) - known)}; "
+                                 f"known: {sorted(known)}")
+            return StructuredOutputsParams(**value)
+        return StructuredOutputsParams(**{name.removeprefix("guided_"): value})
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError for out-of-range values."""
@@ -111,7 +150,8 @@ class SamplingRequest(RequestModel):
             repetition_penalty=pick(self.repetition_penalty, 1.0), seed=self.seed, max_tokens=max_tokens,
             min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured_output())
 
     def logprobs_field(self) -> tuple[str, int | None]:
         """(name, value) of the field giving how many top log-probabilities to return per token."""
@@ -162,7 +202,6 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     # vLLM's extras for the chat template: kwargs from an allow-list (jaxllm.chat_template), and a
     # template of the request's own only if the server runs with --trust-request-chat-template.
     add_generation_prompt: bool = True
@@ -177,8 +216,6 @@ class ChatCompletionRequest(SamplingRequest):
             return "tools"
         if self.tool_choice not in (None, "none"):
             return "tool_choice"   # needs tools
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format"
         return super().unsupported()
 
     @property

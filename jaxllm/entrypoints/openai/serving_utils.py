@@ -97,14 +97,21 @@ def _sampled(token_id: int, entry: dict[int, Logprob]) -> tuple[Logprob, list[Lo
     return entry[token_id], top
 
 
+MIN_LOGPROB = -9999.0   # JSON has no -inf: tokens a grammar rules out are reported with this (as vLLM does)
+
+
+def _json_logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
 def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], offset: int) -> CompletionLogProbs:
     out = CompletionLogProbs()
     for token_id, entry in zip(token_ids, entries):
         chosen, top = _sampled(token_id, entry)
         token = chosen.decoded_token or ""
         out.tokens.append(token)
-        out.token_logprobs.append(chosen.logprob)
-        out.top_logprobs.append({lp.decoded_token or "": lp.logprob for lp in [*top, chosen]})
+        out.token_logprobs.append(_json_logprob(chosen.logprob))
+        out.top_logprobs.append({lp.decoded_token or "": _json_logprob(lp.logprob) for lp in [*top, chosen]})
         out.text_offset.append(offset)
         offset += len(token)
     return out
@@ -128,7 +135,7 @@ def joined_logprobs(a: CompletionLogProbs | None, b: CompletionLogProbs) -> Comp
 def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]]) -> ChatChoiceLogprobs:
     def item(lp: Logprob, cls=ChatTopLogprob, **extra):
         token = lp.decoded_token or ""
-        return cls(token=token, logprob=lp.logprob, bytes=list(token.encode()), **extra)
+        return cls(token=token, logprob=_json_logprob(lp.logprob), bytes=list(token.encode()), **extra)
 
     content = []
     for token_id, entry in zip(token_ids, entries):
