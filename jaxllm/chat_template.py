@@ -19,8 +19,8 @@ from jaxllm.jinja_sandbox import ChatTemplateError, compile_template, render
 __all__ = ["ALLOWED_TEMPLATE_KWARGS", "DEFAULT_TIMEOUT_S", "MAX_OUTPUT_CHARS", "ChatTemplateError",
            "check_template_kwargs", "render_chat_template"]
 
-# Template variables a client may set: data the template reads, never code. `tools` is absent
-# until the server supports tool calls.
+# Template variables a client may set: data the template reads, never code. (`tools` comes from
+# the request's own field, checked by its model.)
 ALLOWED_TEMPLATE_KWARGS = frozenset({
     "add_generation_prompt",   # end with the assistant's header (bool)
     "continue_final_message",  # leave the last message open for the model to continue (bool)

@@ -13,7 +13,8 @@ from tiny_model import TINY_ENGINE_ARGS, build_tiny_model, offline_llm
 
 # The shared live server's limits (the hardening tests probe them; the defaults are larger).
 SERVER_FLAGS = ("--max-request-body-bytes", "1MiB", "--max-logprobs", "10", "--request-read-timeout", "3",
-                "--max-prompts-per-request", "64", "--max-stop-strings", "8")
+                "--max-prompts-per-request", "64", "--max-stop-strings", "8", "--enable-auto-tool-choice",
+                "--tool-call-parser", "hermes")
 
 
 @pytest.fixture(scope="session")

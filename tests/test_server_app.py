@@ -96,3 +96,16 @@ def test_dead_engine_fails_every_request_at_once(app_over, monkeypatch):
     assert streamed.status_code == 503
     assert health.status_code == 503
     assert len(died) == 1 and "device is gone" in str(died[0])
+
+
+def test_auto_tool_choice_needs_a_tool_call_parser(app_over):
+    app, _, _ = app_over()      # no --enable-auto-tool-choice
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"], "additionalProperties": False}}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool], "max_tokens": 40}
+    response = asyncio.run(call(app, "POST", "/v1/chat/completions", json=body))
+    assert response.status_code == 400 and "--enable-auto-tool-choice" in response.json()["error"]["message"]
+    forced = asyncio.run(call(app, "POST", "/v1/chat/completions", json={**body, "tool_choice": "required"}))
+    assert forced.status_code == 200 and forced.json()["choices"][0]["message"]["tool_calls"]
+    with pytest.raises(ValueError, match="needs --tool-call-parser"):
+        ServerArgs(enable_auto_tool_choice=True).verify()

@@ -187,11 +187,50 @@ class ContentPart(RequestModel):
     text: str | None = None
 
 
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"     # OpenAI's rule for function names
+
+
+class FunctionCallIn(RequestModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(RequestModel):
+    """A tool call of an earlier assistant message, as the client sends it back."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(RequestModel):
-    # "developer" is OpenAI's newer name for "system"; tool messages need tools, not supported yet.
-    role: Literal["system", "developer", "user", "assistant"]
+    # "developer" is OpenAI's newer name for "system"; "tool" carries a tool's result.
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None     # assistant
+    tool_call_id: str | None = None                # tool
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None       # a JSON schema of the arguments (none: any object)
+    strict: bool | None = None
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -200,8 +239,10 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    # Default: "auto" with tools, "none" without (as OpenAI).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
     # vLLM's extras for the chat template: kwargs from an allow-list (jaxllm.chat_template), and a
     # template of the request's own only if the server runs with --trust-request-chat-template.
     add_generation_prompt: bool = True
@@ -210,13 +251,6 @@ class ChatCompletionRequest(SamplingRequest):
 
     def logprobs_field(self) -> tuple[str, int | None]:
         return "top_logprobs", self.top_logprobs
-
-    def unsupported(self) -> str | None:
-        if self.tools:
-            return "tools"
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice"   # needs tools
-        return super().unsupported()
 
     @property
     def num_logprobs(self) -> int | None:
@@ -303,9 +337,21 @@ class ChatChoiceLogprobs(OpenAIModel):
     content: list[ChatLogprob] | None = None
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str          # JSON text
+
+
+class ToolCallOut(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatCompletionChoice(OpenAIModel):
@@ -325,15 +371,34 @@ class ChatCompletionResponse(OpenAIModel):
     usage: UsageInfo
 
 
-class DeltaMessage(OpenAIModel):
-    """What a stream chunk adds to a choice's message: only the fields that changed."""
-
-    role: str | None = None
-    content: str | None = None
+class SparseModel(OpenAIModel):
+    """Serialized without its None fields (stream deltas carry only what changed)."""
 
     @model_serializer(mode="wrap")
     def _only_set(self, handler):
         return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(SparseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(SparseModel):
+    """A streamed tool call: its first delta has the id, type and name; later ones add arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(SparseModel):
+    """What a stream chunk adds to a choice's message: only the fields that changed."""
+
+    role: str | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(OpenAIModel):

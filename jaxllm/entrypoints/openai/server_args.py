@@ -42,6 +42,12 @@ class ServerArgs:
     shutdown_timeout: float = option(
         30.0, "on SIGTERM, seconds running requests get to finish before their streams are ended with an "
               "error event", metavar="SECONDS")
+    enable_auto_tool_choice: bool = option(
+        False, "let the model decide when to call tools (tool_choice 'auto', the default with tools): its output "
+               "is parsed with --tool-call-parser")
+    tool_call_parser: str | None = option(
+        None, "the model family's tool-call format: hermes (Hermes, Qwen), llama3_json (Llama 3.x), mistral",
+        choices=("hermes", "llama3_json", "mistral"))
     uvicorn_log_level: str = option("info", "uvicorn's log level; 'info' logs every request",
                                   choices=("critical", "error", "warning", "info", "debug", "trace"))
 
@@ -54,6 +60,8 @@ class ServerArgs:
         for name in ("max_waiting_requests", "timeout_keep_alive"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         for name in ("request_read_timeout", "shutdown_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")

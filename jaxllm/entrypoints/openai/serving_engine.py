@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import json
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor
@@ -128,8 +129,23 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
         message = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         if m.name:
             message["name"] = m.name
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            # Templates read the arguments as an object (transformers' convention); clients send JSON text.
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
         out.append(message)
     return out
+
+
+def _arguments(arguments: str | dict):
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        raise APIError("a tool call's arguments must be a JSON object", param="messages") from None
 
 
 def api_error(e: Exception, request_id: str, request: SamplingRequest | None = None) -> APIError | None:
@@ -222,7 +238,8 @@ class OpenAIServing:
             raise APIError(f"{param} could not be tokenized: {type(e).__name__}", param=param) from e
 
     async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                          template_kwargs: dict | None = None, chat_template: str | None = None) -> list[int]:
+                          template_kwargs: dict | None = None, chat_template: str | None = None,
+                          tools: list[dict] | None = None) -> list[int]:
         try:
             template_kwargs = check_template_kwargs(template_kwargs or {})
         except ValueError as e:
@@ -232,6 +249,8 @@ class OpenAIServing:
                            "template (an operator can allow it with --trust-request-chat-template)",
                            param="chat_template")
         template_kwargs.setdefault("add_generation_prompt", add_generation_prompt)   # the kwargs' value wins
+        if tools:
+            template_kwargs["tools"] = tools
         render = functools.partial(self.llm.engine.apply_chat_template, _message_dicts(messages),
                                    chat_template=chat_template, **template_kwargs)
         try:

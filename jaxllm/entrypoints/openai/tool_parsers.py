@@ -37,7 +37,7 @@ def _call(obj, args_key: str) -> ToolCall | None:
     return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
-def _json_values(text: str) -> tuple[list, int]:
+def json_values(text: str) -> tuple[list, int]:
     """The JSON values at the start of `text` (separated by whitespace, "," or ";"), and where
     parsing stopped."""
     decoder, values, pos = json.JSONDecoder(), [], 0
@@ -95,7 +95,7 @@ class HermesParser(ToolParser):
             m = self._BLOCK.match(text, pos)
             if m is None:
                 return calls, text[pos:]
-            values, _ = _json_values(m.group(1))
+            values, _ = json_values(m.group(1))
             call = _call(values[0], "arguments") if len(values) == 1 else None
             if call is None:
                 return calls, text[pos:]
@@ -114,7 +114,7 @@ class Llama3JsonParser(ToolParser):
 
     def parse_calls(self, text):
         text = text.strip().removeprefix("<|python_tag|>")
-        values, pos = _json_values(text)
+        values, pos = json_values(text)
         calls = [_call(v, "parameters") for v in values]
         if not calls or None in calls:
             return [], text
@@ -130,12 +130,12 @@ class MistralParser(ToolParser):
     def parse_calls(self, text):
         body = text.removeprefix("[TOOL_CALLS]").lstrip()
         if body.startswith("["):        # [TOOL_CALLS][{...}, ...]
-            values, pos = _json_values(body)
+            values, pos = json_values(body)
             calls = [_call(v, "arguments") for v in values[0]] if values and isinstance(values[0], list) else []
             return ([], text) if not calls or None in calls else (calls, body[pos:])
         calls, pos = [], 0             # [TOOL_CALLS]name[ARGS]{...} (repeated)
         while (m := self._NAMED.match(text, pos)) is not None:
-            values, end = _json_values(text[m.end():])
+            values, end = json_values(text[m.end():])
             if not values or not isinstance(values[0], dict):
                 break
             calls.append(ToolCall(m.group(1), json.dumps(values[0], ensure_ascii=False)))
