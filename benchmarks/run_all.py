@@ -22,7 +22,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PARTS = ("throughput", "serving", "serving-vllm", "memory", "kernels", "step", "startup", "spec_decode", "plots")
+PARTS = ("throughput", "serving", "serving-vllm", "memory", "kernels", "step", "startup", "spec_decode", "structured_output",
+         "plots")
 
 # (engine, dtype): jaxllm in both dtypes, the seeds' baseline, HF's own continuous batching as
 # PEERS.md measured it, and the optional peers (skipped with a message when not installed).
@@ -62,6 +63,8 @@ def commands(args) -> dict[str, list[str]]:
         "startup": py + [os.path.join(HERE, "startup.py")] + (["--warm", "1"] if args.quick else []),
         "spec_decode": py + [os.path.join(HERE, "spec_decode.py")]
         + (["--num-prompts", "2", "--max-tokens", "32", "--repeats", "1"] if args.quick else []),
+        "structured_output": py + [os.path.join(HERE, "structured_output.py")]
+        + (["--samples", "1", "--batches", "1,8", "--repeats", "1"] if args.quick else []),
         "plots": py + [os.path.join(HERE, "plots.py")],
     }
     return {part: cmd + out.get(part, ["--out", os.path.join(res, f"{part}.json")]) for part, cmd in cmds.items()}

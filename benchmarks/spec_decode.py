@@ -43,7 +43,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, HERE)
-from workload import RESULTS, ROOT, cpu_line, machine_info, now_iso, versions, vocab_info  # noqa: E402
+from workload import RESULTS, ROOT, cpu_line, machine_info, now_iso, versions, vocab_info, write_result  # noqa: E402
 
 del sys.path[0]
 
@@ -177,10 +177,7 @@ def main() -> None:
     result = {"benchmark": "spec_decode", "command": "python " + shlex.join(sys.argv), "date": now_iso(),
               "machine": machine, "versions": versions(), "dtype": llm.engine.config.dtype,
               "speculative_config": config, "max_tokens": args.max_tokens, "rows": rows}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ Parts:
   token by token (median and the worst), plus each backend's one-off tokenizer set-up.
 - "validity": the default model (chat template, --samples requests per schema, temperature 1,
   seeded, max_tokens --max-tokens) under each schema's constraint; an output counts as valid
-  when `jsonschema` accepts it. Reports the rate per schema and over all.
+  when `jsonschema` accepts it. Reports the rate per schema and over all. With --unbounded,
+  the schemas without the suite's bounds on strings and decimals (see tests/schema_suite.py).
 - "overhead": one engine, the same prompts decoded --decode-tokens tokens each (ignore_eos),
   at --batches requests at a time, with every request constrained (a JSON array of objects
   whose minItems no output reaches in that many tokens, so no grammar ends early) and with
@@ -33,11 +34,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, HERE)
-from workload import RESULTS, ROOT, cpu_line, machine_info, now_iso, versions  # noqa: E402
+from workload import RESULTS, ROOT, cpu_line, machine_info, now_iso, versions, write_result  # noqa: E402
 
 del sys.path[0]
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from schema_suite import SCHEMAS  # noqa: E402
+from schema_suite import SCHEMAS, unbounded, validate  # noqa: E402
 
 del sys.path[0]
 
@@ -114,13 +115,14 @@ def backends(tokenizer, vocab_size: int, eos: list[int]) -> dict:
     return {"summary": out, "rows": rows}
 
 
-def validity(llm, samples: int, max_tokens: int) -> dict:
+def validity(llm, samples: int, max_tokens: int, bounded: bool = True) -> dict:
     import jsonschema
 
     from jaxllm import SamplingParams, StructuredOutputsParams
 
     prompts, params, names = [], [], []
     for name, prompt, schema, _ in SCHEMAS:
+        schema = schema if bounded else unbounded(schema)
         messages = [{"role": "user", "content": f"{prompt} Answer in JSON."}]
         for i in range(samples):
             prompts.append({"prompt_token_ids": llm.engine.apply_chat_template(messages)})
@@ -135,7 +137,7 @@ def validity(llm, samples: int, max_tokens: int) -> dict:
         row = per_schema.setdefault(name, {"valid": 0, "total": 0, "finish": {}, "example": None})
         text = out.outputs[0].text
         try:
-            jsonschema.validate(json.loads(text), p.structured_outputs.json)
+            validate(json.loads(text), p.structured_outputs.json)
             row["valid"] += 1
             row["example"] = row["example"] or text
         except (ValueError, jsonschema.ValidationError):
@@ -148,7 +150,7 @@ def validity(llm, samples: int, max_tokens: int) -> dict:
         print(f"{name:12s} {row['valid']}/{row['total']} valid, finish {row['finish']}; e.g. {row['example']}",
               flush=True)
     print(f"valid: {valid}/{total} = {valid / total:.1%} over {len(per_schema)} schemas ({wall:.0f} s)", flush=True)
-    return {"valid": valid, "total": total, "rate": valid / total, "samples_per_schema": samples,
+    return {"valid": valid, "total": total, "rate": valid / total, "samples_per_schema": samples, "bounded": bounded,
             "max_tokens": max_tokens, "wall_s": wall, "per_schema": per_schema}
 
 
@@ -194,6 +196,7 @@ def main() -> None:
     ap.add_argument("--parts", default="backends,validity,overhead")
     ap.add_argument("--samples", type=int, default=8, help="validity: requests per schema (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=384, help="validity: max_tokens (default: %(default)s)")
+    ap.add_argument("--unbounded", action="store_true", help="validity: the schemas without their bounds")
     ap.add_argument("--batches", default="1,8,32", help="overhead: requests at a time (default: %(default)s)")
     ap.add_argument("--decode-tokens", type=int, default=64, help="overhead: tokens per request (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=3, help="overhead: runs each way, alternating (default: %(default)s)")
@@ -213,13 +216,10 @@ def main() -> None:
     if "backends" in parts:
         result["backends"] = backends(llm.get_tokenizer(), llm.engine.spec.vocab_size, list(llm.engine.eos_token_ids))
     if "validity" in parts:
-        result["validity"] = validity(llm, args.samples, args.max_tokens)
+        result["validity"] = validity(llm, args.samples, args.max_tokens, bounded=not args.unbounded)
     if "overhead" in parts:
         result["overhead"] = overhead(llm, list(map(int, args.batches.split(","))), args.decode_tokens, args.repeats)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -153,3 +153,11 @@ def timeit(fn, repeat=5) -> float:
 def now_iso() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
+
+def write_result(path: str, result: dict) -> None:
+    """A benchmark's result as indented JSON at `path` (folders made), and say so."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+

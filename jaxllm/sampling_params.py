@@ -49,6 +49,11 @@ class StructuredOutputsParams:
             raise ValueError(f"json_object must be a boolean, got {self.json_object!r}")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise ValueError(f"json must be a JSON schema (an object or its JSON text), got {type(self.json).__name__}")
+        if isinstance(self.json, dict):
+            try:
+                json.dumps(self.json)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"json must be a JSON schema: {e}") from None
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

@@ -20,8 +20,19 @@ from tiny_model import TINY_ENGINE_ARGS
 PROMPTS = [f"Request {i}: the quick brown fox jumps over the lazy dog " * (1 + i % 6) for i in range(24)]
 
 
+def sampling_params():
+    """Greedy, 24 tokens; every 4th request under a structured-output constraint (its mask goes
+    to the follower with the step)."""
+    from jaxllm import SamplingParams, StructuredOutputsParams
+
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    constrained = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                 structured_outputs=StructuredOutputsParams(regex=r"(fox|dog)( (fox|dog))*"))
+    return [constrained if i % 4 == 0 else plain for i in range(len(PROMPTS))]
+
+
 def main() -> int:
-    from jaxllm import LLM, SamplingParams, utils
+    from jaxllm import LLM, utils
 
     model_dir, out_path, port, process_id = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     if process_id == 1:
@@ -35,7 +46,7 @@ def main() -> int:
         llm.engine.follow()
         return 0
     try:
-        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        outputs = llm.generate(PROMPTS, sampling_params(), use_tqdm=False)
     finally:
         llm.engine.shutdown()
     with open(out_path, "w") as f:

@@ -2,15 +2,26 @@
 enums, anyOf unions, $ref definitions, patterns, ranges, nullable fields), each with a prompt
 and a valid instance written in the order of its properties.
 
+Free-form values are bounded as production schemas bound them (a pydantic `max_length`,
+`max_items`, a price in cents' precision): strings have a maxLength, arrays a maxItems,
+decimals a multipleOf. Without bounds a 135M model sampling at temperature 1 can run a
+string or a number's digits on until max_tokens: the output is then cut short, not wrong,
+but it is not valid JSON (benchmarks/structured_output.py --unbounded measures that).
+
 Used by tests/test_structured_output.py (the grammar accepts each instance, token by token;
 the default model's sampled outputs validate) and benchmarks/structured_output.py.
 """
 
 from __future__ import annotations
 
-S = {"type": "string"}
+import copy
+from decimal import Decimal
+
+import jsonschema
+
+S = {"type": "string", "maxLength": 40}
 I = {"type": "integer"}
-N = {"type": "number"}
+N = {"type": "number", "multipleOf": 0.01}
 B = {"type": "boolean"}
 
 
@@ -43,7 +54,7 @@ SCHEMAS: list[tuple[str, str, dict, object]] = [
      {"order_id": 1001, "items": [{"sku": "A1", "quantity": 2}, {"sku": "B2", "quantity": 1}], "status": "paid"}),
     ("sentiment", "Classify the sentiment of: 'I loved this film!'",
      obj({"label": {"enum": ["positive", "negative", "neutral"]},
-          "confidence": {"type": "number", "minimum": 0, "maximum": 1}}),
+          "confidence": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.01}}),
      {"label": "positive", "confidence": 0.97}),
     ("weather_call", "Call the weather tool for Paris.",
      obj({"location": S, "unit": {"enum": ["celsius", "fahrenheit"]}}),
@@ -60,7 +71,7 @@ SCHEMAS: list[tuple[str, str, dict, object]] = [
           "ingredients": arr(obj({"item": S, "grams": I}), maxItems=5), "steps": arr(S, maxItems=4)}),
      {"name": "Toast", "servings": 1, "ingredients": [{"item": "bread", "grams": 50}], "steps": ["Toast it."]}),
     ("review", "Review a movie.",
-     obj({"movie": S, "rating": {"type": "integer", "minimum": 1, "maximum": 5}, "summary": S}),
+     obj({"movie": S, "rating": {"type": "integer", "minimum": 1, "maximum": 5}, "summary": {"type": "string", "maxLength": 200}}),
      {"movie": "Alien", "rating": 5, "summary": "Tense."}),
     ("nullable", "Describe a user account; the phone number may be unknown.",
      obj({"username": S, "phone": {"anyOf": [S, {"type": "null"}]}, "verified": B}),
@@ -74,8 +85,8 @@ SCHEMAS: list[tuple[str, str, dict, object]] = [
       **obj({"company": S, "ceo": {"$ref": "#/$defs/employee"}, "cto": {"$ref": "#/$defs/employee"}})},
      {"company": "Acme", "ceo": {"name": "Jo", "title": "CEO"}, "cto": {"name": "Al", "title": "CTO"}}),
     ("coordinates", "Give the coordinates of Paris.",
-     obj({"lat": {"type": "number", "minimum": -90, "maximum": 90},
-          "lon": {"type": "number", "minimum": -180, "maximum": 180}}),
+     obj({"lat": {"type": "number", "minimum": -90, "maximum": 90, "multipleOf": 0.0001},
+          "lon": {"type": "number", "minimum": -180, "maximum": 180, "multipleOf": 0.0001}}),
      {"lat": 48.85, "lon": 2.35}),
     ("color", "Pick a colour.",
      obj({"name": S, "hex": {"type": "string", "pattern": "^#[0-9a-f]{6}$"}}),
@@ -95,12 +106,13 @@ SCHEMAS: list[tuple[str, str, dict, object]] = [
      obj({"number": S, "currency": {"enum": ["EUR", "USD", "GBP"]},
           "lines": arr(obj({"description": S, "amount": N}), minItems=1, maxItems=3), "paid": B}),
      {"number": "INV-7", "currency": "EUR", "lines": [{"description": "Work", "amount": 100}], "paid": False}),
-    ("tree", "Describe a small family tree.",
-     {"$defs": {"node": obj({"name": S, "children": arr({"$ref": "#/$defs/node"}, maxItems=2)})},
-      "$ref": "#/$defs/node"},
-     {"name": "Ann", "children": [{"name": "Bo", "children": []}]}),
+    ("tree", "Describe a small family tree.",       # three generations, through $defs
+     {"$defs": {"child": obj({"name": S, "children": arr(obj({"name": S}), maxItems=3)}),
+                "parent": obj({"name": S, "children": arr({"$ref": "#/$defs/child"}, maxItems=3)})},
+      "$ref": "#/$defs/parent"},
+     {"name": "Ann", "children": [{"name": "Bo", "children": [{"name": "Cy"}]}]}),
     ("answer", "What is 2 + 2? Answer with reasoning.",
-     obj({"reasoning": S, "answer": I}),
+     obj({"reasoning": {"type": "string", "maxLength": 200}, "answer": I}),
      {"reasoning": "Two and two make four.", "answer": 4}),
     ("string_list", "List three fruits.",
      arr(S, minItems=3, maxItems=3),
@@ -110,3 +122,28 @@ SCHEMAS: list[tuple[str, str, dict, object]] = [
           "locale": {"enum": ["en", "fr", "de"]}}),
      {"dark_mode": True, "beta": False, "max_items": 20, "locale": "fr"}),
 ]
+
+
+def _multiple_of(validator, step, instance, schema):
+    """multipleOf in decimal arithmetic: jsonschema's float division calls 0.97 no multiple of 0.01."""
+    if validator.is_type(instance, "number") and Decimal(str(instance)) % Decimal(str(step)) != 0:
+        yield jsonschema.ValidationError(f"{instance} is not a multiple of {step}")
+
+
+Validator = jsonschema.validators.extend(jsonschema.Draft202012Validator, {"multipleOf": _multiple_of})
+
+
+def validate(instance, schema) -> None:
+    """jsonschema's validation (Draft 2020-12) with exact decimal multipleOf; raises ValidationError."""
+    Validator(schema).validate(instance)
+
+
+def unbounded(schema):
+    """`schema` without the bounds on free-form values (maxLength, multipleOf) that this suite
+    adds, as applications often write them."""
+    if isinstance(schema, dict):
+        return {k: unbounded(v) for k, v in schema.items() if k not in ("maxLength", "multipleOf")
+                or not isinstance(v, (int, float))}
+    if isinstance(schema, list):
+        return [unbounded(v) for v in schema]
+    return copy.deepcopy(schema)

@@ -3,7 +3,8 @@ before JAX starts, and the other tests keep one device):
 
     python tests/sharding_worker.py MODEL_DIR OUT.json TPxDP[xPP] [TPxDP[xPP] ...]
 
-Generates the same batch (greedy, float32, with logprobs) on one device and with each layout
+Generates the same batch (greedy, float32, with logprobs, every 8th request under a regex
+constraint) on one device and with each layout
 (tensor x data [x pipeline] parallel sizes, e.g. 2x1, 1x2, 2x2, 2x1x2; mesh:2x2 on a caller's
 ("data", "model") Mesh, mesh:2x1x2 on a ("data", "stage", "model") one; deep:1x1x4 on a
 4-layer copy of the model, against deep:1x1; a "+swap" suffix preempts by swapping pages to
@@ -14,6 +15,7 @@ logprobs, per-device parameter and KV bytes and each replica's share of the prom
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -23,6 +25,10 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 import jax  # noqa: E402
 
 from tiny_model import TINY_ENGINE_ARGS, build_tiny_model  # noqa: E402
+
+# The constrained requests' regex: words and single spaces, so that an output cut short by
+# max_tokens matches it too up to its last space.
+WORDS = r"(alpha|beta|gamma)( (alpha|beta|gamma))*"
 
 
 def device_bytes(tree) -> dict[str, int]:
@@ -36,12 +42,15 @@ def device_bytes(tree) -> dict[str, int]:
 
 
 def main() -> int:
-    from jaxllm import LLM, SamplingParams
+    from jaxllm import LLM, SamplingParams, StructuredOutputsParams
 
     model_dir, out_path, *layouts = sys.argv[1:]
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
     prompts = [f"Request {i}: " + " ".join(words[(i + j) % 10] for j in range(4 + 37 * (i % 7))) for i in range(64)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
+    # Every 8th request under a structured-output constraint: the token mask goes through each layout too.
+    constrained = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(regex=WORDS))
+    params = [constrained if i % 8 == 0 else params for i in range(len(prompts))]
     # 40 pages of 16 tokens for 64 requests of up to ~300 tokens: preemption happens.
     args = {**TINY_ENGINE_ARGS, "kv_cache_memory": None, "num_gpu_blocks_override": 40,
             "params_cache_dir": os.path.join(os.path.dirname(out_path), "params")}
@@ -65,6 +74,8 @@ def main() -> int:
         results[layout] = {
             "model": model,
             "token_ids": [o.outputs[0].token_ids for o in outputs],
+            "constrained": [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs[::8]],
+            "constraint": WORDS,
             "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                          for o in outputs],
             "param_bytes": device_bytes(runner.params), "kv_bytes": device_bytes(runner.kv_cache),

@@ -5,7 +5,9 @@ and plain alike, and invalid constraints answered 400 before anything runs."""
 from __future__ import annotations
 
 import json
+import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import jsonschema
@@ -14,6 +16,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from jaxllm import SamplingParams, StructuredOutputsParams
+from schema_suite import SCHEMAS, validate
 
 PET = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                         "kind": {"enum": ["cat", "dog", "fish"]},
@@ -103,3 +106,36 @@ def test_invalid_constraints_are_answered_400(server, fields, message, stream):
         with pytest.raises(openai.BadRequestError, match=message):
             create()
     server.assert_healthy()
+
+
+@pytest.mark.slow
+def test_the_default_model_answers_every_schema_validly_through_the_client(tmp_path):
+    # The real model sampling at temperature 1, two requests per schema of the suite, sent
+    # together (benchmarks/structured_output.py samples 8 per schema).
+    from jaxllm.models.loader import default_model_path
+    from live_server import start_server
+
+    path = default_model_path()
+    server = start_server(path, str(tmp_path), "--kv-cache-memory", "256MiB", "--max-model-len", "384",
+                          "--served-model-name", os.path.basename(path))
+
+    def ask(job):
+        (name, prompt, schema, _), seed = job
+        response = server.client.chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": f"{prompt} Answer in JSON."}], seed=seed,
+            temperature=1.0, max_tokens=200,
+            response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}})
+        return name, schema, response.choices[0]
+
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(ask, [(s, seed) for s in SCHEMAS for seed in (1, 2)]))
+        for name, schema, choice in answers:
+            assert choice.finish_reason == "stop", (name, choice.message.content)
+            validate(json.loads(choice.message.content), schema)
+        parsed = server.client.chat.completions.parse(
+            model=server.model, messages=[{"role": "user", "content": "Describe a pet."}], response_format=Pet,
+            temperature=1.0, seed=0, max_tokens=100).choices[0].message.parsed
+        assert isinstance(parsed, Pet)
+    finally:
+        server.stop()

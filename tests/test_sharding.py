@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -86,6 +87,8 @@ def test_parallel_generates_what_one_device_does(results, layout):
     one, many = results[reference(layout)], results[layout]
     assert many["preemptions"] > 0 and one["preemptions"] > 0     # the pool is small enough to preempt
     assert many["token_ids"] == one["token_ids"]
+    for text, reason in many["constrained"]:
+        assert re.fullmatch(many["constraint"], text if reason == "stop" else text.rsplit(" ", 1)[0]), text
     worst = max(abs(a - b) for la, lb in zip(one["logprobs"], many["logprobs"]) for a, b in zip(la, lb))
     assert worst < 1e-4
 
@@ -140,8 +143,7 @@ def test_two_processes_generate_what_one_does(tiny_model_dir, tmp_path):
     device each, the model split over both; process 0 schedules, process 1 follows its steps."""
     import random
 
-    from jaxllm import SamplingParams
-    from multihost_worker import PROMPTS
+    from multihost_worker import PROMPTS, sampling_params
     from tiny_model import offline_llm
 
     out, port = tmp_path / "out.json", random.Random().randrange(20000, 40000)
@@ -166,7 +168,7 @@ def test_two_processes_generate_what_one_does(tiny_model_dir, tmp_path):
         from tiny_model import TINY_ENGINE_ARGS
 
         one = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "dtype": picked})
-    expected = one.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    expected = one.generate(PROMPTS, sampling_params(), use_tqdm=False)
     assert json.loads(out.read_text()) == [o.outputs[0].token_ids for o in expected]
 
 

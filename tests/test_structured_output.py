@@ -19,7 +19,7 @@ from jaxllm.kernels import native
 from jaxllm.runner import input_batch, sampler
 from jaxllm.structured_output.backend import Matcher
 from test_sampler import state
-from schema_suite import SCHEMAS
+from schema_suite import SCHEMAS, validate
 from test_scheduler import make_request, make_scheduler, step
 from tiny_model import TINY_ENGINE_ARGS
 
@@ -103,10 +103,10 @@ WIDE_LOGITS = np.random.default_rng(0).normal(size=VOCAB).astype(np.float32) * 3
 
 @pytest.mark.parametrize("name, prompt, schema, example", SCHEMAS, ids=[s[0] for s in SCHEMAS])
 def test_each_schemas_grammar_accepts_a_valid_instance_and_refuses_an_invalid_one(llm, name, prompt, schema, example):
-    jsonschema.validate(example, schema)
+    validate(example, schema)
     invalid = {**example, "zzz": 1} if isinstance(example, dict) else [*example, "extra"]
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(invalid, schema)
+        validate(invalid, schema)
     engine = llm.engine
     for instance, valid in ((example, True), (invalid, False)):
         matcher = engine.structured_output.matcher(StructuredOutputsParams(json=schema))
@@ -235,3 +235,4 @@ def test_the_scheduler_feeds_the_grammar_and_stops_when_it_is_complete(grammar, 
         outputs += step(s, {"r": 77 if len(outputs) == 1 else None})[1].outputs
     assert [o.finish_reason for o in outputs] == [None] * (num_out - 1) + [reason]
     assert grammar.tokens == request.output_token_ids and s.kv.num_used_blocks == 0
+

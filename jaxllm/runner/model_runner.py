@@ -46,8 +46,8 @@ from jaxllm.runner.compile import Bucket, make_buckets
 from jaxllm.runner.executables import CompiledSteps, ExecutableStore
 from jaxllm.runner.input_batch import FLAG_GRAMMAR, InputBatch, PackedLayout, SamplingMetadata, StepInputs, TokenMasks
 from jaxllm.runner.prompt_logprobs import PromptLogprobs
-from jaxllm.spec_decode.verify import accepted_counts
 from jaxllm.sampling_params import MAX_LOGPROBS
+from jaxllm.spec_decode.verify import accepted_counts
 from jaxllm.structured_output import mask_words
 from jaxllm.utils import cdiv, jnp_dtype
 
@@ -328,7 +328,7 @@ class ModelRunner:
                                           "bucket_tokens": buffers.inputs.token_ids.shape[0] * self.num_stages})
 
     def _pack(self, buffers: _BucketBuffers):
-        """The bucket's inputs packed: (ints, floats, penalty tokens)."""
+        """The bucket's inputs packed: (ints, floats, penalty tokens, token mask)."""
         sampling = buffers.sampling
         side = sampling.penalty_tokens, sampling.token_mask
         sampling.penalty_tokens = sampling.token_mask = None          # travel apart, not packed
@@ -377,10 +377,12 @@ class ModelRunner:
                 self.copy_pages(list(src), list(dst))
             if bucket >= 0:
                 _, ints, floats, *defaults = self._padding(self.buckets[bucket])
-                ints, floats = self.channel.arrays(ints, floats)
-                side = [self.channel.arrays(np.zeros(x.shape, np.int32))[0] if side >> i & 1 else x
-                        for i, x in enumerate(defaults)]
-                self.kv_cache = self._call(self.buckets[bucket], ints, floats, *side)[-1]
+                # One broadcast, as the leader sends it: the packed inputs, then the side inputs sent.
+                sent = [i for i in range(len(defaults)) if side >> i & 1]
+                ints, floats, *got = self.channel.arrays(ints, floats,
+                                                         *(np.zeros(defaults[i].shape, np.int32) for i in sent))
+                side_inputs = [dict(zip(sent, got)).get(i, x) for i, x in enumerate(defaults)]
+                self.kv_cache = self._call(self.buckets[bucket], ints, floats, *side_inputs)[-1]
 
     def stop_followers(self) -> None:
         """On process 0: let the other processes' `follow` return."""

@@ -46,7 +46,8 @@ class ServerArgs:
         False, "let the model decide when to call tools (tool_choice 'auto', the default with tools): its output "
                "is parsed with --tool-call-parser")
     tool_call_parser: str | None = option(
-        None, "the model family's tool-call format: hermes (Hermes, Qwen), llama3_json (Llama 3.x), mistral",
+        None, "the model family's tool-call format: hermes (Hermes, Qwen), llama3_json (Llama 3.x), mistral. "
+              "Default: none (tool_choice 'auto' is refused)",
         choices=("hermes", "llama3_json", "mistral"))
     uvicorn_log_level: str = option("info", "uvicorn's log level; 'info' logs every request",
                                   choices=("critical", "error", "warning", "info", "debug", "trace"))
