@@ -33,6 +33,8 @@ CASES = [
                 '{"name": "get_time", "arguments": {"zone": "UTC"}}]', None,
      [("get_weather", WEATHER), ("get_time", TIME)]),
     ("mistral", 'Sure. [TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}', "Sure.", [("get_time", TIME)]),
+    ("mistral", '[TOOL_CALLS]get_time[ARGS] {"zone": "UTC"}[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", '
+                '"unit": "celsius"}', None, [("get_time", TIME), ("get_weather", WEATHER)]),
     ("mistral", "Plain answer.", "Plain answer.", []),
 ]
 

@@ -46,8 +46,10 @@ class OpenAIServingChat(OpenAIServing):
                 raise APIError(f"tool_choice {tools.mode!r} constrains the output itself; it cannot be combined with "
                                "response_format or structured outputs", param="tool_choice")
             params.structured_outputs = constraint
+        eos_text = ""
         if tools.mode == "auto" and tools.parser.needs_special_tokens:
-            params.skip_special_tokens = False      # its tool-call marker is a special token
+            params.skip_special_tokens = False      # its tool-call marker is a special token; EOS's text is cut
+            eos_text = getattr(self.tokenizer, "eos_token", None) or ""
         prompt_ids = await self.chat_prompt(request.messages, request.add_generation_prompt,
                                             request.chat_template_kwargs, request.chat_template,
                                             tools=tools.template_tools)
@@ -69,7 +71,7 @@ class OpenAIServingChat(OpenAIServing):
             return sse(response)
 
         def message(c: ChoiceState) -> tuple[AssistantMessage, str | None]:
-            content, calls = tools.extract(c.text)
+            content, calls = tools.extract(c.text.removesuffix(eos_text) if eos_text else c.text)
             out = [ToolCallOut(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments)) for t in calls]
             return (AssistantMessage(content=content, tool_calls=out or None),
                     tools.finish_reason(len(calls), finish_reason(c.finish_reason)))
@@ -93,7 +95,10 @@ class OpenAIServingChat(OpenAIServing):
                 for delta in out.outputs:
                     choices[delta.index].add(delta)
                     parser = parsers[delta.index]
-                    content, calls = parser.feed(delta.text)
+                    text = delta.text
+                    if eos_text and delta.finish_reason is not None:
+                        text = text.removesuffix(eos_text)
+                    content, calls = parser.feed(text)
                     if delta.finish_reason is not None:
                         more, more_calls = parser.finish()
                         content, calls = content + more, calls + more_calls

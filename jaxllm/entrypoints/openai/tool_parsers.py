@@ -135,11 +135,15 @@ class MistralParser(ToolParser):
             return ([], text) if not calls or None in calls else (calls, body[pos:])
         calls, pos = [], 0             # [TOOL_CALLS]name[ARGS]{...} (repeated)
         while (m := self._NAMED.match(text, pos)) is not None:
-            values, end = json_values(text[m.end():])
-            if not values or not isinstance(values[0], dict):
+            start = len(text) - len(text[m.end():].lstrip())
+            try:
+                args, end = json.JSONDecoder().raw_decode(text, start)
+            except json.JSONDecodeError:
                 break
-            calls.append(ToolCall(m.group(1), json.dumps(values[0], ensure_ascii=False)))
-            pos = m.end() + end
+            if not isinstance(args, dict):
+                break
+            calls.append(ToolCall(m.group(1), json.dumps(args, ensure_ascii=False)))
+            pos = end
         return calls, text[pos:]
 
 
