@@ -35,7 +35,7 @@ def test_chat_parse_returns_the_pydantic_model(server):
     for seed in range(3):
         completion = server.client.chat.completions.parse(
             model=server.model, messages=[{"role": "user", "content": "Describe a pet."}], response_format=Pet,
-            seed=seed, max_completion_tokens=100)
+            seed=seed, max_completion_tokens=200)
         message = completion.choices[0].message
         assert completion.choices[0].finish_reason == "stop"
         assert isinstance(message.parsed, Pet)
@@ -53,12 +53,12 @@ def test_chat_parse_returns_the_pydantic_model(server):
 def test_completions_follow_the_constraint_streamed_or_not_as_offline(server, fields, constraint):
     prompts = ["A pet:", "Name and number:"]
     offline = [o.outputs[0].text for o in server.offline.generate(
-        prompts, SamplingParams(temperature=1.0, seed=5, max_tokens=80, structured_outputs=constraint),
+        prompts, SamplingParams(temperature=1.0, seed=5, max_tokens=200, structured_outputs=constraint),
         use_tqdm=False)]
-    plain = server.client.completions.create(model=server.model, prompt=prompts, max_tokens=80, seed=5,
+    plain = server.client.completions.create(model=server.model, prompt=prompts, max_tokens=200, seed=5,
                                              extra_body=fields)
     streamed = [""] * len(prompts)
-    for chunk in server.client.completions.create(model=server.model, prompt=prompts, max_tokens=80, seed=5,
+    for chunk in server.client.completions.create(model=server.model, prompt=prompts, max_tokens=200, seed=5,
                                                   stream=True, extra_body=fields):
         for choice in chunk.choices:
             streamed[choice.index] += choice.text

@@ -49,7 +49,7 @@ def _streamed(server, **kwargs):
 
 @pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "get_time"}}, "required"])
 def test_forced_calls_parse_and_stream_the_same(server, choice):
-    kwargs = dict(messages=ASK, tools=TOOLS, tool_choice=choice, seed=3, max_tokens=80)
+    kwargs = dict(messages=ASK, tools=TOOLS, tool_choice=choice, seed=3, max_tokens=300)
     response = server.client.chat.completions.create(model=server.model, **kwargs)
     message = response.choices[0].message
     assert message.content is None and message.tool_calls
@@ -67,7 +67,7 @@ def test_parallel_tool_calls_false_gives_one_call(server):
     for seed in range(3):
         response = server.client.chat.completions.create(
             model=server.model, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
-            seed=seed, max_tokens=80)
+            seed=seed, max_tokens=300)
         assert len(response.choices[0].message.tool_calls) == 1
 
 
@@ -92,7 +92,7 @@ def test_auto_parses_the_models_calls_and_leaves_plain_answers_as_content(server
 
 def test_a_call_round_trips_through_a_tool_message(server):
     first = server.client.chat.completions.create(
-        model=server.model, messages=ASK, tools=TOOLS, seed=2, max_tokens=60,
+        model=server.model, messages=ASK, tools=TOOLS, seed=2, max_tokens=150,
         tool_choice={"type": "function", "function": {"name": "get_weather"}})
     call = first.choices[0].message.tool_calls[0]
     messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},

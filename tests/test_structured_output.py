@@ -37,7 +37,8 @@ PERSON = {"type": "object", "properties": {
     "required": ["name", "age", "role", "tags", "address", "score"], "additionalProperties": False}
 LARK = r"""
 start: expr
-expr: NUMBER | "(" expr OP expr ")"
+expr: NUMBER | "(" term OP term ")"
+term: NUMBER | "(" NUMBER OP NUMBER ")"
 OP: "+" | "-" | "*"
 NUMBER: /[1-9]/
 """
@@ -154,7 +155,7 @@ def test_masked_rows_sample_only_allowed_tokens_with_the_masked_distribution(sam
 
 def test_outputs_follow_their_constraints_at_temperature_1(llm):
     prompts = ["Tell me about a person.", "Call me at", "Is it raining?", "Compute:", "Greet someone."]
-    params = [SamplingParams(temperature=1.0, max_tokens=120, seed=10 * i + j, structured_outputs=c)
+    params = [SamplingParams(temperature=1.0, max_tokens=300, seed=10 * i + j, structured_outputs=c)
               for i, c in enumerate(CONSTRAINTS) for j in range(4)]
     outs = llm.generate([p for p in prompts for _ in range(4)], params, use_tqdm=False)
     for out, p in zip(outs, params):
@@ -169,7 +170,7 @@ def test_free_requests_get_the_same_output_alongside_constrained_ones(llm):
     free = ["The capital of France is", "Once upon a time", "1 2 3 4"]
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     alone = [o.outputs[0].token_ids for o in llm.generate(free, greedy, use_tqdm=False)]
-    constrained = [SamplingParams(temperature=1.0, max_tokens=60, seed=i, structured_outputs=c)
+    constrained = [SamplingParams(temperature=1.0, max_tokens=300, seed=i, structured_outputs=c)
                    for i, c in enumerate(CONSTRAINTS)]
     mixed = llm.generate(free + ["x"] * len(constrained), [greedy] * len(free) + constrained, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in mixed[:len(free)]] == alone
@@ -178,7 +179,7 @@ def test_free_requests_get_the_same_output_alongside_constrained_ones(llm):
 
 
 def test_each_of_n_choices_follows_its_own_grammar(llm):
-    params = SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=120,
+    params = SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=300,
                             structured_outputs=StructuredOutputsParams(json=PERSON))
     out = llm.generate(["A person:"], params, use_tqdm=False)[0]
     for choice in out.outputs:
