@@ -34,7 +34,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, HERE)
-from workload import RESULTS, ROOT, cpu_line, machine_info, now_iso, versions, write_result  # noqa: E402
+from workload import RESULTS, ROOT, VERSIONED, cpu_line, machine_info, now_iso, versions, write_result  # noqa: E402
 
 del sys.path[0]
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -60,8 +60,7 @@ def backends(tokenizer, vocab_size: int, eos: list[int]) -> dict:
     out = {}
     t0 = time.perf_counter()
     ll_tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
-    out["llguidance"] = {"version": llguidance.__version__ if hasattr(llguidance, "__version__") else
-                         versions(["llguidance"]).get("llguidance"), "tokenizer_s": time.perf_counter() - t0}
+    out["llguidance"] = {"version": versions(["llguidance"]).get("llguidance"), "tokenizer_s": time.perf_counter() - t0}
     try:
         import xgrammar as xgr
         t0 = time.perf_counter()
@@ -211,7 +210,7 @@ def main() -> None:
     machine = machine_info()
     print(f"CPU: {cpu_line(machine)}; dtype {llm.engine.config.dtype}", flush=True)
     result = {"benchmark": "structured_output", "command": "python " + shlex.join(sys.argv), "date": now_iso(),
-              "machine": machine, "versions": versions((*versions.__defaults__[0], "llguidance", "xgrammar")),
+              "machine": machine, "versions": versions((*VERSIONED, "llguidance", "xgrammar")),
               "dtype": llm.engine.config.dtype}
     if "backends" in parts:
         result["backends"] = backends(llm.get_tokenizer(), llm.engine.spec.vocab_size, list(llm.engine.eos_token_ids))

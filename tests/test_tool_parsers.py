@@ -21,6 +21,8 @@ CASES = [
      [("get_weather", WEATHER), ("get_time", TIME)]),
     ("hermes", '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}', None, [("get_time", TIME)]),  # unclosed
     ("hermes", "No tools needed: 2 + 2 = 4.", "No tools needed: 2 + 2 = 4.", []),
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>\n<tool_call>oops</tool_call>',
+     "<tool_call>oops</tool_call>", [("get_time", TIME)]),      # a block that does not parse stays content
     ("hermes", "<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),   # kept as content
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', None,
      [("get_weather", WEATHER)]),

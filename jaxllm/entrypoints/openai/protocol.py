@@ -8,6 +8,7 @@ handlers (`serving_engine.OpenAIServing.check_request`).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Literal
 
@@ -131,7 +132,7 @@ class SamplingRequest(RequestModel):
                 raise ValueError("response_format json_schema needs a 'schema' object")
             return StructuredOutputsParams(json=schema)
         if name == "structured_outputs":
-            known = {"json", "regex", "choice", "grammar", "json_object"}
+            known = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
             if set(value) - known:
                 raise ValueError(f"unknown structured_outputs field(s) {sorted(set(value) - known)}; "
                                  f"known: {sorted(known)}")

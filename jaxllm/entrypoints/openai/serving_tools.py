@@ -20,10 +20,16 @@ import json
 
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest
 from jaxllm.entrypoints.openai.serving_utils import APIError
-from jaxllm.entrypoints.openai.tool_parsers import ToolCall, ToolParser, json_values
+from jaxllm.entrypoints.openai.tool_parsers import ToolCall, ToolParser, json_values, new_call_id
 from jaxllm.sampling_params import StructuredOutputsParams
 
 ANY_OBJECT = {"type": "object"}
+
+
+def _required_calls(values: list) -> list[ToolCall]:
+    """The calls among the elements of a `required` output's JSON array."""
+    return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in values
+            if isinstance(c, dict) and isinstance(c.get("name"), str) and "parameters" in c]
 
 
 @dataclasses.dataclass
@@ -82,10 +88,8 @@ class ToolCalling:
             return None, [ToolCall(self.name, text)]
         if self.mode == "required":
             values, _ = json_values(text)
-            calls = values[0] if values and isinstance(values[0], list) else []
-            out = [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls
-                   if isinstance(c, dict) and isinstance(c.get("name"), str) and "parameters" in c]
-            return (None, out) if out else (text, [])       # (cut short by max_tokens: no call)
+            calls = _required_calls(values[0]) if values and isinstance(values[0], list) else []
+            return (None, calls) if calls else (text, [])       # (cut short by max_tokens: no call)
         content, calls = self.parser.extract(text)
         return content, calls if self.parallel else calls[:1]
 
@@ -104,8 +108,8 @@ class ToolCallStream:
         self.calling = calling
         self.parsed = calling.parser.stream() if calling.mode == "auto" else None
         self.text = ""
+        self.pos: int | None = None      # required: where the array's next element begins
         self.num_calls = 0
-        self.named_id: str | None = None
 
     def _deltas(self, calls: list[ToolCall]) -> list[ToolDelta]:
         if not self.calling.parallel:
@@ -122,18 +126,20 @@ class ToolCallStream:
             content, calls = self.parsed.feed(delta)
             return content, self._deltas(calls)
         if mode == "named":     # the arguments as they come
-            if self.named_id is None:
-                self.named_id = ToolCall(self.calling.name, "").id
+            if not self.num_calls:
                 self.num_calls = 1
-                return "", [ToolDelta(0, self.named_id, self.calling.name, delta)]
+                return "", [ToolDelta(0, new_call_id(), self.calling.name, delta)]
             return "", [ToolDelta(0, arguments=delta)] if delta else []
         # required: each element of the JSON array once it is complete
         self.text += delta
-        start = self.text.find("[")
-        values, _ = json_values(self.text[start + 1:]) if start >= 0 else ([], 0)
-        calls = [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in values
-                 if isinstance(c, dict) and "name" in c and "parameters" in c]
-        return "", self._deltas(calls[self.num_calls:])
+        if self.pos is None:
+            start = self.text.find("[")
+            if start < 0:
+                return "", []
+            self.pos = start + 1
+        values, end = json_values(self.text[self.pos:])
+        self.pos += end
+        return "", self._deltas(_required_calls(values))
 
     def finish(self) -> tuple[str, list[ToolDelta]]:
         if self.calling.mode == "auto":

@@ -22,11 +22,15 @@ import re
 import uuid
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 @dataclasses.dataclass
 class ToolCall:
     name: str
     arguments: str          # JSON text, as the OpenAI API carries it
-    id: str = dataclasses.field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str = dataclasses.field(default_factory=new_call_id)
 
 
 def _call(obj, args_key: str) -> ToolCall | None:
@@ -61,6 +65,10 @@ class ToolParser:
     markers: tuple[str, ...]
     # The marker is a special token, which the detokenizer must keep in the text.
     needs_special_tokens = False
+    # Streaming: the text that completes a call (None: calls are complete when the output is).
+    end_marker: str | None = None
+    # A call is the whole output (held while only whitespace has come).
+    whole_output = False
 
     def parse_calls(self, text: str) -> tuple[list[ToolCall], str]:
         """`text` starts at a marker: the complete calls at its start, and the rest of it."""
@@ -87,6 +95,7 @@ class ToolParser:
 class HermesParser(ToolParser):
     name = "hermes"
     markers = ("<tool_call>",)
+    end_marker = "</tool_call>"
     _BLOCK = re.compile(r"\s*<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
     def parse_calls(self, text):
@@ -106,6 +115,7 @@ class HermesParser(ToolParser):
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     markers = ("<|python_tag|>", "{")
+    whole_output = True
 
     def find_start(self, text):
         # A call is the whole output: a JSON object first (after whitespace, or the python tag).
@@ -165,10 +175,12 @@ class ToolStream:
         self.text = ""              # everything so far
         self.sent = 0               # characters of `text` already returned as content
         self.in_calls = False       # a tool call began at `sent`
+        self.parsed = 0             # calls in `text` before this are returned
         self.num_calls = 0
 
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
         self.text += delta
+        content = ""
         if not self.in_calls:
             pending = self.text[self.sent:]
             start = self.parser.find_start(pending)
@@ -177,30 +189,28 @@ class ToolStream:
                 # for a format whose call is the whole output, anything before its first text).
                 keep = max((k for m in self.parser.markers for k in range(1, len(m))
                             if pending.endswith(m[:k])), default=0)
-                if isinstance(self.parser, Llama3JsonParser) and not pending.strip():
+                if self.parser.whole_output and not pending.strip():
                     keep = len(pending)
-                out = pending[:len(pending) - keep]
-                self.sent += len(out)
-                return out, []
-            out = pending[:start]
-            self.sent += start
+                content = pending[:len(pending) - keep]
+                self.sent += len(content)
+                return content, []
+            content = pending[:start]
+            self.sent = self.parsed = self.sent + start
             self.in_calls = True
-            return out, self._complete_calls()
-        return "", self._complete_calls()
+        return content, self._complete_calls()
+
+    def _parse(self, end: int) -> tuple[list[ToolCall], str]:
+        """The calls in text[parsed:end] (past them: `parsed`), and the text after them."""
+        calls, rest = self.parser.parse_calls(self.text[self.parsed:end])
+        self.parsed = end - len(rest)
+        self.num_calls += len(calls)
+        return calls, rest
 
     def _complete_calls(self) -> list[ToolCall]:
-        """Calls complete in the held text past those already returned. Hermes blocks are complete
-        at their closing tag; the JSON formats' calls only when the output is."""
-        if not isinstance(self.parser, HermesParser):
-            return []
-        held = self.text[self.sent:]
-        closed = held.rfind("</tool_call>")
-        if closed < 0:
-            return []
-        calls, _ = self.parser.parse_calls(held[:closed + len("</tool_call>")])
-        new = calls[self.num_calls:]
-        self.num_calls = len(calls)
-        return new
+        """The calls that a closing marker has completed since the last ones returned."""
+        end = self.parser.end_marker
+        closed = self.text.rfind(end, self.parsed) if end is not None else -1
+        return self._parse(closed + len(end))[0] if closed >= 0 else []
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """What was held back: the remaining calls and any text after them, or all of it as
@@ -209,9 +219,7 @@ class ToolStream:
         self.sent = len(self.text)
         if not self.in_calls:
             return held, []
-        calls, rest = self.parser.parse_calls(held)
-        if not calls:       # the marker led nowhere: it was content after all
+        calls, rest = self._parse(len(self.text))
+        if not self.num_calls:      # the marker led nowhere: it was content after all
             return held, []
-        new = calls[self.num_calls:]
-        self.num_calls = len(calls)
-        return rest.strip(), new
+        return rest.strip(), calls
