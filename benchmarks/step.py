@@ -35,7 +35,7 @@ from jaxllm.config import EngineArgs, resolve_config
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.outputs import SchedulerOutput
 from jaxllm.core.request import Request
-from jaxllm.models import llama
+from jaxllm.models import decoder
 from jaxllm.models.loader import load_model
 from jaxllm.runner.model_runner import ModelRunner
 from jaxllm.sampling_params import SamplingParams
@@ -87,18 +87,18 @@ def compare_scan(runner, spec, params, kv: KVCacheManager, batch: int, context: 
     v_all = jnp.stack([v for _, v in runner.kv_cache])
 
     def scan_forward(params, stacked, k_all, v_all, b):
-        x = llama.embed(params, b.token_ids)
+        x = decoder.embed(params, b.token_ids, b.positions, spec)
 
         def body(x, layer_and_cache):
             layer, k_pages, v_pages = layer_and_cache
-            x, k_pages, v_pages = llama.decoder_layer(layer, k_pages, v_pages, x, b, spec,
-                                                      attention=runner.attention)
+            x, k_pages, v_pages = decoder.decoder_layer(layer, k_pages, v_pages, x, b, spec, index=0,
+                                                        attention=runner.attention)
             return x, (k_pages, v_pages)
         x, (k_all, v_all) = jax.lax.scan(body, x, (stacked, k_all, v_all))
         return x, k_all, v_all
 
     def unrolled_forward(params, kv_cache, b):
-        return llama.forward(params, kv_cache, b, spec, attention=runner.attention)
+        return decoder.forward(params, kv_cache, b, spec, attention=runner.attention)
 
     out = {}
     for name, fn, args, donate in (("unrolled", unrolled_forward, (params, runner.kv_cache, dev_batch), (1,)),
@@ -135,11 +135,11 @@ def breakdown(runner, spec, params, scheduled) -> dict:
     @jax.jit
     def gemms(params, x):
         for layer in params["layers"]:
-            qkv = llama.matmul(x, layer["wqkv"])
-            x = x + llama.matmul(qkv[:, :spec.q_size], layer["wo"])
-            gate, up = jnp.split(llama.matmul(x, layer["w_gate_up"]), 2, axis=-1)
-            x = x + llama.matmul(jax.nn.silu(gate) * up, layer["w_down"])
-        return llama.compute_logits(params, x[:S], spec)
+            qkv = decoder.matmul(x, layer["wqkv"])
+            x = x + decoder.matmul(qkv[:, :spec.q_size], layer["wo"])
+            gate, up = jnp.split(decoder.matmul(x, layer["w_gate_up"]), 2, axis=-1)
+            x = x + decoder.matmul(jax.nn.silu(gate) * up, layer["w_down"])
+        return decoder.compute_logits(params, x[:S], spec)
 
     @jax.jit
     def attention(kv_cache, q, inputs):
@@ -181,9 +181,9 @@ def main():
     peak = matmul_peak(llama_dtype)
     bw = memory_bandwidth()
     # The layers' matrices (packed ones are PackedWeights): 2 FLOPs per weight per token.
-    flops_per_token = 2 * sum(np.size(x.panels if isinstance(x, llama.PackedWeight) else x)
+    flops_per_token = 2 * sum(np.size(x.panels if isinstance(x, decoder.PackedWeight) else x)
                               for layer in loaded.params["layers"] for name, x in layer.items()
-                              if name in llama.PACKED)
+                              if name in decoder.PACKED)
     lm_head_flops = 2 * spec.hidden_size * spec.vocab_size
     rows = []
 

@@ -8,8 +8,10 @@ Each backend has the same small interface:
   `kernels.write_kv`);
 - `build_metadata(...)` (host, numpy): any inputs it needs beyond the ragged step inputs
   (`StepInputs.attn_metadata`); `dummy_metadata(bucket)` gives the same shapes for warm-up;
-- `forward(q, k_pages, v_pages, inputs)` (device): ragged paged attention of q over the
-  block tables, the contract of `kernels.ragged_paged_attention_reference`;
+- `forward(q, k_pages, v_pages, inputs, *, sliding_window, sm_scale)` (device): ragged paged
+  attention of q over the block tables, the contract of `kernels.ragged_paged_attention_reference`
+  (`sliding_window` None or the window in tokens, `sm_scale` None for head_dim ** -0.5: static,
+  per layer);
 - `argmax_logsumexp(logits)`: the greedy sampler's two row reductions (the native backend
   does both in one C++ pass).
 
@@ -58,12 +60,12 @@ class AttentionBackend:
     def dummy_metadata(self, bucket, max_blocks: int) -> dict:
         return {}
 
-    def kernel(self, q, k_pages, v_pages, seq_lens, block_tables, query_start_loc, num_seqs):
+    def kernel(self, q, k_pages, v_pages, seq_lens, block_tables, query_start_loc, num_seqs, **options):
         raise NotImplementedError
 
-    def forward(self, q, k_pages, v_pages, inputs):
+    def forward(self, q, k_pages, v_pages, inputs, *, sliding_window=None, sm_scale=None):
         return self.kernel(q, k_pages, v_pages, inputs.seq_lens, inputs.block_tables, inputs.query_start_loc,
-                           inputs.num_seqs)
+                           inputs.num_seqs, sliding_window=sliding_window, sm_scale=sm_scale)
 
     def argmax_logsumexp(self, logits):
         """logits [S, V] f32 -> (argmax [S] int32, logsumexp [S] f32)."""
@@ -73,15 +75,15 @@ class AttentionBackend:
 class ReferenceBackend(AttentionBackend):
     name = "reference"
 
-    def kernel(self, *args):
-        return kernels.ragged_paged_attention_reference(*args)
+    def kernel(self, *args, **options):
+        return kernels.ragged_paged_attention_reference(*args, **options)
 
 
 class PallasBackend(AttentionBackend):
     name = "pallas"
 
-    def kernel(self, *args):
-        return kernels.ragged_paged_attention(*args)
+    def kernel(self, *args, **options):
+        return kernels.ragged_paged_attention(*args, **options)
 
 
 class NativeBackend(AttentionBackend):
@@ -93,8 +95,8 @@ class NativeBackend(AttentionBackend):
         native.require()   # builds (or loads from the cache) and registers the C++ kernels
         self._native = native
 
-    def kernel(self, *args):
-        return self._native.paged_attention_cpu(*args)
+    def kernel(self, *args, **options):
+        return self._native.paged_attention_cpu(*args, **options)
 
     def argmax_logsumexp(self, logits):
         return self._native.argmax_logsumexp(logits)
@@ -140,7 +142,7 @@ class RowsBackend(AttentionBackend):
                              f"{group}_q_lens": np.zeros(rows, np.int32)})
         return meta
 
-    def forward(self, q, k_pages, v_pages, inputs):
+    def forward(self, q, k_pages, v_pages, inputs, *, sliding_window=None, sm_scale=None):
         meta = inputs.attn_metadata
         q_pad = jnp.concatenate([q, jnp.zeros_like(q[:1])])  # row T is the padding sink
         out = jnp.zeros_like(q_pad)
@@ -150,7 +152,7 @@ class RowsBackend(AttentionBackend):
                 continue
             o = kernels.paged_attention_rows(
                 q_pad[idx], k_pages, v_pages, meta[f"{group}_block_tables"], meta[f"{group}_kv_lens"],
-                meta[f"{group}_q_lens"], rows_per_part=rows_per_part)
+                meta[f"{group}_q_lens"], rows_per_part=rows_per_part, sliding_window=sliding_window, sm_scale=sm_scale)
             out = out.at[idx].set(o)
         return out[:q.shape[0]]
 

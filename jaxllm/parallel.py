@@ -5,7 +5,7 @@ The mesh has axes ("data", "stage", "model"). Each slice of it along "data" is a
 replica, an `EngineCore` with its own scheduler and KV pool (engine/core.py,
 `DataParallelEngineCore`). Within a replica, the decoder layers are split into pipeline stages
 along "stage", and each stage's layers over "model" by tensor parallelism (Megatron layout, the
-rules next to the model: `llama.TP_SPLIT_DIMS`, `llama.shard_layout`). For TP 2 x PP 2:
+rules next to the model: `layout.TP_SPLIT_DIMS`, `layout.shard_layout`). For TP 2 x PP 2:
 
     mesh ("stage", "model"):    model 0              model 1
       stage 0 (layers 0..L/2)   device 0             device 1
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxllm.models import llama
+from jaxllm.models import decoder, layout
 
 DATA_AXIS, STAGE_AXIS, MODEL_AXIS = "data", "stage", "model"
 
@@ -80,10 +80,10 @@ def _vocab_axes(mesh: Mesh):
 
 
 def spec_for(path, mesh: Mesh) -> P:
-    """The PartitionSpec of the parameter at tree `path` on `mesh`, from `llama.TP_SPLIT_DIMS`
+    """The PartitionSpec of the parameter at tree `path` on `mesh`, from `layout.TP_SPLIT_DIMS`
     (by its name); with pipeline stages, a layer's arrays are stacked over "stage" first."""
     name = getattr(path[-1], "key", None)
-    dim = llama.TP_SPLIT_DIMS.get(name)
+    dim = layout.TP_SPLIT_DIMS.get(name)
     split = _vocab_axes(mesh) if name in ("embed", "lm_head") else MODEL_AXIS
     spec = [] if dim is None else [None] * dim + [split]
     if pp_size(mesh) > 1 and getattr(path[0], "key", None) == "layers":
@@ -97,7 +97,7 @@ def param_specs(params, mesh: Mesh):
 
 
 def shard_params(params, mesh: Mesh):
-    """Place `params` (in `llama.shard_layout` for the mesh's sizes) on the mesh: each device
+    """Place `params` (in `layout.shard_layout` for the mesh's sizes) on the mesh: each device
     gets its shard (replicated over "data"). Arrays already placed so are left as they are."""
     return jax.tree_util.tree_map_with_path(
         lambda path, x: jax.device_put(x, NamedSharding(mesh, spec_for(path, mesh))), params)
@@ -125,15 +125,15 @@ def kv_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, kv_spec(mesh))
 
 
-def sharded_forward(params, kv_cache, inputs, spec: llama.ModelSpec, *, attention, mesh: Mesh):
-    """`llama.forward` + `compute_logits` on the rows to sample, one shard per device.
+def sharded_forward(params, kv_cache, inputs, spec: decoder.ModelSpec, *, attention, mesh: Mesh):
+    """`decoder.forward` + `compute_logits` on the rows to sample, one shard per device.
     Returns (logits [N, vocab] replicated, kv_cache sharded by KV head)."""
     tp = tp_size(mesh)
-    local = llama.tp_local_spec(spec, tp)
+    local = layout.tp_local_spec(spec, tp)
 
     def shard(params, kv_cache, inputs):
-        hidden, kv_cache = llama.forward(params, kv_cache, inputs, local, attention=attention, axis=MODEL_AXIS)
-        logits = llama.compute_logits(params, hidden[inputs.logits_indices], local, axis=MODEL_AXIS)
+        hidden, kv_cache = decoder.forward(params, kv_cache, inputs, local, attention=attention, axis=MODEL_AXIS)
+        logits = decoder.compute_logits(params, hidden[inputs.logits_indices], local, axis=MODEL_AXIS)
         return logits, kv_cache
 
     # check_vma off: the gathered logits are the same on every shard, which the type system
@@ -142,7 +142,7 @@ def sharded_forward(params, kv_cache, inputs, spec: llama.ModelSpec, *, attentio
                          out_specs=(P(), P(MODEL_AXIS)), check_vma=False)(params, kv_cache, inputs)
 
 
-def pipelined_forward(params, kv_cache, ints, floats, *, unpack, spec: llama.ModelSpec, attention, mesh: Mesh):
+def pipelined_forward(params, kv_cache, ints, floats, *, unpack, spec: decoder.ModelSpec, attention, mesh: Mesh):
     """The forward of M micro-batches through the pipeline stages, as one program.
 
     `ints`, `floats` `[M, ...]`: each micro-batch's packed step inputs; `unpack(ints[m],
@@ -156,7 +156,7 @@ def pipelined_forward(params, kv_cache, ints, floats, *, unpack, spec: llama.Mod
     """
     tp, pp = tp_size(mesh), pp_size(mesh)
     num_micro = ints.shape[0]
-    local = llama.tp_local_spec(spec, tp, pp)
+    local = layout.tp_local_spec(spec, tp, pp)
     vocab = (STAGE_AXIS, MODEL_AXIS)
 
     def shard(params, kv_cache, ints, floats):
@@ -165,7 +165,8 @@ def pipelined_forward(params, kv_cache, ints, floats, *, unpack, spec: llama.Mod
         cache = [(k[0], v[0]) for k, v in kv_cache]
         micro = [unpack(ints[m], floats[m]) for m in range(num_micro)]
         tokens = micro[0].token_ids.shape[0]
-        embedded = llama.embed(params, jnp.concatenate([x.token_ids for x in micro]), vocab)
+        embedded = decoder.embed(params, jnp.concatenate([x.token_ids for x in micro]),
+                                 jnp.concatenate([x.positions for x in micro]), local, vocab)
         embedded = embedded.reshape(num_micro, tokens, -1)
         carry, last = None, []
         for t in range(num_micro + pp - 1):
@@ -178,14 +179,15 @@ def pipelined_forward(params, kv_cache, ints, floats, *, unpack, spec: llama.Mod
             if carry is not None:
                 x = jnp.where(stage == 0, x, carry)
             for i, layer in enumerate(layers):
-                x, k, v = llama.decoder_layer(layer, *cache[i], x, inputs, local, attention=attention, axis=MODEL_AXIS)
+                x, k, v = decoder.decoder_layer(layer, *cache[i], x, inputs, local, index=i, attention=attention,
+                                                axis=MODEL_AXIS)
                 cache[i] = (k, v)
             if t >= pp - 1:     # the last stage just finished micro-batch t - (pp - 1)
                 last.append(x[micro[t - pp + 1].logits_indices])
             carry = jax.lax.ppermute(x, STAGE_AXIS, [(s, s + 1) for s in range(pp - 1)])
         hidden = jnp.concatenate(last)
         hidden = jax.lax.psum(jnp.where(stage == pp - 1, hidden, 0.0), STAGE_AXIS)
-        logits = llama.compute_logits(params, hidden, local, axis=vocab)
+        logits = decoder.compute_logits(params, hidden, local, axis=vocab)
         return logits, [(k[None], v[None]) for k, v in cache]
 
     return jax.shard_map(shard, mesh=mesh, in_specs=(param_specs(params, mesh), kv_spec(mesh), P(), P()),

@@ -1,12 +1,15 @@
 """Shared fixtures (the tiny model, its engine and its HF twin) and helpers for building a
-paged, ragged `llama.forward` batch by hand."""
+paged, ragged `decoder.forward` batch by hand."""
 
 from __future__ import annotations
 
+import gc
+
+import jax
 import numpy as np
 import pytest
 
-from jaxllm.models import llama
+from jaxllm.models import decoder
 from jaxllm.runner.compile import Bucket
 from jaxllm.runner.input_batch import StepInputs
 from tiny_model import TINY_ENGINE_ARGS, build_tiny_model, offline_llm
@@ -15,6 +18,17 @@ from tiny_model import TINY_ENGINE_ARGS, build_tiny_model, offline_llm
 SERVER_FLAGS = ("--max-request-body-bytes", "1MiB", "--max-logprobs", "10", "--request-read-timeout", "3",
                 "--max-prompts-per-request", "64", "--max-stop-strings", "8", "--enable-auto-tool-choice",
                 "--tool-call-parser", "hermes")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def free_compiled_code():
+    """After each module, drop the executables nothing refers to any more: each holds its
+    machine code in memory maps, and one process running the whole suite otherwise reaches
+    the kernel's limit on them (vm.max_map_count, 65530), where LLVM fails to allocate."""
+    yield
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +69,7 @@ def hf_model(tiny_model_dir):
 
 
 def make_batch(chunks, block_tables, *, spec, page_size: int, num_tokens: int, num_seqs: int, attention=None):
-    """One step's `StepInputs` for `llama.forward`, laid out as the runner lays them out.
+    """One step's `StepInputs` for `decoder.forward`, laid out as the runner lays them out.
 
     chunks: per sequence `(token_ids, start)`: its new tokens sit at positions
         `start .. start + len(token_ids) - 1` (the cache already holds positions `< start`).
@@ -72,7 +86,7 @@ def make_batch(chunks, block_tables, *, spec, page_size: int, num_tokens: int, n
     total = int(q_lens.sum())
     assert total <= num_tokens and len(order) <= num_seqs
 
-    inputs = StepInputs.zeros(num_tokens, num_seqs, tables.shape[1], spec.head_dim)
+    inputs = StepInputs.zeros(num_tokens, num_seqs, tables.shape[1], len(spec.inv_freq()))
     where, t = {}, 0
     for s, table in zip(order, tables):
         ids, start = chunks[s]
@@ -87,7 +101,7 @@ def make_batch(chunks, block_tables, *, spec, page_size: int, num_tokens: int, n
     inputs.query_start_loc[1:] = total
     inputs.query_start_loc[1 : n + 1] = np.cumsum(q_lens)
     inputs.num_seqs[...] = n
-    inputs.rope_cos, inputs.rope_sin = llama.rope_tables(inputs.positions, spec.inv_freq(), xp=np)
+    inputs.rope_cos, inputs.rope_sin = decoder.rope_tables(inputs.positions, spec.inv_freq(), xp=np)
     if attention is not None:
         num_decodes = int((q_lens == 1).sum())
         rows = num_tokens // attention.prefill_row_tokens + num_seqs

@@ -9,11 +9,11 @@ import pytest
 
 from jaxllm.config import EngineArgs, kv_bytes_per_token, resolve_config
 from jaxllm.engine.llm_engine import _available_memory
-from jaxllm.models.llama import ModelSpec
+from jaxllm.models.decoder import ModelSpec
 from jaxllm.utils import cpu_flags, resolve_dtype
 
 SPEC = ModelSpec(architecture="LlamaForCausalLM", vocab_size=100, hidden_size=64, intermediate_size=128,
-                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4,
+                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, norm_eps=1e-5, rope_theta=1e4,
                  max_position_embeddings=512)
 GiB = 1 << 30
 

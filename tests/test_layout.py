@@ -82,7 +82,7 @@ def test_source_files_stay_small():
 
 def test_resolving_a_config_loads_no_kernels():
     code = ("import sys; from jaxllm.config import EngineArgs, resolve_config; "
-            "from jaxllm.models.llama import ModelSpec; "
+            "from jaxllm.models.decoder import ModelSpec; "
             "spec = ModelSpec('LlamaForCausalLM', 100, 64, 128, 2, 4, 2, 16, 1e-5, 1e4, 512); "
             "resolve_config(EngineArgs(), spec, 'tiny'); "
             "print(sorted(m for m in sys.modules if m.startswith('jaxllm.kernels')))")

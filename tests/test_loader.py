@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 
 import jax
@@ -19,7 +20,7 @@ import pytest
 from conftest import make_batch
 from jaxllm.attention import ReferenceBackend
 from jaxllm import kernels
-from jaxllm.models import llama, loader
+from jaxllm.models import decoder, loader
 from jaxllm.models.loader import ModelNotFoundError, load_model, restore_params, save_params
 from jaxllm.models.registry import UnsupportedModelError
 
@@ -35,8 +36,9 @@ def _chat_ids(tokenizer, conversation):
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def _prefill_logits(loaded, token_lists):
-    """Logits at every position of each prompt, all prompts in one ragged paged step."""
+def _prefill_logits(loaded, token_lists, attention=None):
+    """Logits at every position of each prompt, all prompts in one ragged paged step (with the
+    reference attention unless told)."""
     spec, page_size = loaded.spec, 16
     pages = [-(-len(t) // page_size) for t in token_lists]
     tables = np.zeros((len(token_lists), max(pages)), np.int32)
@@ -48,8 +50,8 @@ def _prefill_logits(loaded, token_lists):
                               num_tokens=num_tokens, num_seqs=len(token_lists))
     cache = kernels.allocate_kv_cache(spec.num_layers, spec.num_kv_heads, int(first[-1]), page_size,
                                       spec.head_dim, jnp.float32)
-    hidden, _ = llama.forward(loaded.params, cache, batch, spec, attention=ReferenceBackend())
-    logits = np.asarray(llama.compute_logits(loaded.params, hidden, spec))
+    hidden, _ = decoder.forward(loaded.params, cache, batch, spec, attention=attention or ReferenceBackend())
+    logits = np.asarray(decoder.compute_logits(loaded.params, hidden, spec))
     return [logits[where[s]] for s in range(len(token_lists))]
 
 
@@ -156,23 +158,46 @@ def _llama3_rope_factors(theta, head_dim, factor, low, high, orig):
     return np.array(out, np.float32)
 
 
-def _write_hf_and_gguf(tmp_path, arch):
-    """A tiny random HF model of `arch` and the GGUF llama.cpp would convert it to."""
+# Per test case: (HF class prefix, GGUF architecture, config keys).
+GGUF_CASES = {
+    "llama": ("Llama", "llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                       "original_max_position_embeddings": 8192},
+                                      max_position_embeddings=16384)),
+    "qwen2": ("Qwen2", "qwen2", {}),
+    "qwen3": ("Qwen3", "qwen3", dict(head_dim=32, tie_word_embeddings=True)),
+    "phi3": ("Phi3", "phi3", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=48)),
+    # llama.cpp fixes Gemma 3's layer pattern (5 windowed : 1 global), local RoPE base and query scale.
+    "gemma3": ("Gemma3Text", "gemma3", dict(num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16,
+                                            sliding_window=48, sliding_window_pattern=6, rope_local_base_freq=10000.0,
+                                            pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "mixtral": ("Mixtral", "llama", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3Moe", "qwen3moe", dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                               norm_topk_prob=True)),
+}
+# Names that differ from LLAMA_CPP_NAMES per GGUF architecture, and the experts' stacked names.
+LLAMA_CPP_ARCH_NAMES = {
+    "phi3": {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
+    "gemma3": {"post_attention_layernorm.weight": "post_attention_norm.weight",
+               "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+               "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
+}
+EXPERT_NAMES = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps", "gate_proj": "ffn_gate_exps",
+                "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+
+
+def _write_hf_and_gguf(tmp_path, case):
+    """A tiny random HF model and the GGUF llama.cpp's converter would write from it (its tensor
+    names, Q/K permutation for "llama", Gemma's norms stored as 1 + w, experts stacked)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     import gguf
 
-    cls, config_kw = {
-        "llama": ("Llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                 "original_max_position_embeddings": 8192},
-                                 max_position_embeddings=16384)),
-        "qwen2": ("Qwen2", {}),
-        "qwen3": ("Qwen3", dict(head_dim=32, tie_word_embeddings=True)),
-    }[arch]
-    config = getattr(transformers, f"{cls}Config")(**{**TINY, **config_kw}, architectures=[f"{cls}ForCausalLM"])
+    cls, arch, config_kw = GGUF_CASES[case]
+    config = getattr(transformers, f"{cls}Config")(**{**TINY, **config_kw},
+                                                    architectures=[f"{cls.removesuffix('Text')}ForCausalLM"])
     torch.manual_seed(0)
-    model = getattr(transformers, f"{cls}ForCausalLM")(config)
+    model = getattr(transformers, f"{cls.removesuffix('Text')}ForCausalLM")(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -180,7 +205,7 @@ def _write_hf_and_gguf(tmp_path, arch):
     hf_dir = tmp_path / "hf"
     model.save_pretrained(hf_dir)
 
-    writer = gguf.GGUFWriter(str(tmp_path / f"tiny-{arch}.F32.gguf"), arch)
+    writer = gguf.GGUFWriter(str(tmp_path / f"tiny-{case}.F32.gguf"), arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -188,17 +213,37 @@ def _write_hf_and_gguf(tmp_path, arch):
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    for name, p in model.state_dict().items():
-        w = p.numpy()
+    if getattr(config, "sliding_window", None):
+        writer.add_sliding_window(config.sliding_window)
+    if getattr(config, "num_local_experts", None):
+        writer.add_expert_count(config.num_local_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if case == "qwen3_moe":
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    names = {**LLAMA_CPP_NAMES, **LLAMA_CPP_ARCH_NAMES.get(arch, {})}
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    from safetensors.numpy import load_file
+
+    for name, w in load_file(hf_dir / "model.safetensors").items():   # the names on disk
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w = w + 1
         if name.startswith("model.layers."):
             layer, suffix = name.removeprefix("model.layers.").split(".", 1)
-            gguf_name = f"blk.{layer}.{LLAMA_CPP_NAMES[suffix]}"
+            expert = re.fullmatch(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight", suffix)
+            if expert:       # stacked over the experts once all are read
+                experts.setdefault((layer, EXPERT_NAMES[expert.group(2)]), {})[int(expert.group(1))] = w
+                continue
+            if suffix in ("block_sparse_moe.gate.weight", "mlp.gate.weight"):
+                gguf_name = f"blk.{layer}.ffn_gate_inp.weight"
+            else:
+                gguf_name = f"blk.{layer}.{names[suffix]}"
             if arch == "llama" and suffix == "self_attn.q_proj.weight":
                 w = _llama_cpp_permute(w, config.num_attention_heads)
             if arch == "llama" and suffix == "self_attn.k_proj.weight":
@@ -207,19 +252,20 @@ def _write_hf_and_gguf(tmp_path, arch):
             gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                          "lm_head.weight": "output.weight"}[name]
         writer.add_tensor(gguf_name, np.ascontiguousarray(w))
-    if arch == "llama":
-        r = config.rope_parameters
+    for (layer, stacked), per_expert in experts.items():
+        writer.add_tensor(f"blk.{layer}.{stacked}.weight", np.stack([per_expert[e] for e in sorted(per_expert)]))
+    if case == "llama":
         writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(
-            r["rope_theta"], head_dim, r["factor"], r["low_freq_factor"], r["high_freq_factor"],
-            r["original_max_position_embeddings"]))
+            rope["rope_theta"], head_dim, rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+            rope["original_max_position_embeddings"]))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return str(hf_dir), str(tmp_path / f"tiny-{arch}.F32.gguf")
+    return str(hf_dir), str(tmp_path / f"tiny-{case}.F32.gguf")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", list(GGUF_CASES))
 def test_gguf_converted_from_hf_loads_the_same_params(tmp_path, arch):
     hf_dir, gguf_file = _write_hf_and_gguf(tmp_path, arch)
     from_hf = load_model(hf_dir, use_cache=False, progress=False)

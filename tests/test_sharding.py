@@ -34,10 +34,10 @@ def reference(layout: str) -> str:
 
 
 def tiny_spec(num_layers: int = 2):
-    from jaxllm.models import llama
+    from jaxllm.models import decoder, layout
 
-    return llama.ModelSpec(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=64, intermediate_size=128,
-                           num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+    return decoder.ModelSpec(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=64, intermediate_size=128,
+                           num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=16, norm_eps=1e-5,
                            rope_theta=1e4, max_position_embeddings=512)
 
 
@@ -45,14 +45,14 @@ def test_sizes_that_do_not_divide_the_model_are_refused_clearly():
     import jax
 
     from jaxllm import parallel
-    from jaxllm.models import llama
+    from jaxllm.models import decoder, layout
 
     with pytest.raises(ValueError, match="4 attention heads.*2 KV heads.*intermediate size 128"):
-        llama.check_tensor_parallel(tiny_spec(), 3)
+        layout.check_tensor_parallel(tiny_spec(), 3)
     with pytest.raises(ValueError, match="pipeline_parallel_size=3 does not divide this model's 2 layers"):
-        llama.shard_layout({"layers": [{}, {}]}, tiny_spec(), 1, 3)
+        layout.shard_layout({"layers": [{}, {}]}, tiny_spec(), 1, 3)
     with pytest.raises(ValueError, match="vocabulary size 49152"):
-        llama.check_pipeline_parallel(tiny_spec(num_layers=5), 1, 5)
+        layout.check_pipeline_parallel(tiny_spec(num_layers=5), 1, 5)
     with pytest.raises(ValueError, match=f"needs 4 devices; {jax.device_count()} cpu device.*device_count=4"):
         parallel.make_mesh(2, 1, 2, devices=jax.devices()[:1])
 
@@ -60,11 +60,11 @@ def test_sizes_that_do_not_divide_the_model_are_refused_clearly():
 def test_pipeline_layout_stacks_each_stage_s_layers_by_slot():
     import numpy as np
 
-    from jaxllm.models import llama
+    from jaxllm.models import decoder, layout
 
     spec = tiny_spec(num_layers=4)
     layers = [{"attn_norm": np.full(3, i, np.float32), "wo": np.full((2, 2), 10 + i, np.float32)} for i in range(4)]
-    out = llama.shard_layout({"layers": layers, "final_norm": np.ones(3)}, spec, 1, 2)
+    out = layout.shard_layout({"layers": layers, "final_norm": np.ones(3)}, spec, 1, 2)
     assert len(out["layers"]) == 2 and out["final_norm"].shape == (3,)
     for slot in range(2):
         for stage in range(2):     # stage s holds layers 2s, 2s + 1

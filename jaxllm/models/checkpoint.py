@@ -1,9 +1,11 @@
 """What the checkpoint formats share: the one converter `build_params` from weights in HF
-names and layout (`Linear` weights `[out, in]`) to the params pytree of `llama.py`, the shape
+names and layout (`Linear` weights `[out, in]`) to the params pytree of `decoder.py`, the shape
 check and progress bar used while reading, and `ModelNotFoundError`.
 
 `hf_checkpoint.py` reads an HF directory and `gguf_checkpoint.py` a GGUF file; both hand their
-tensors to `build_params` under HF names, so the fused layout is written once.
+tensors to `build_params` under HF names, so each family's names and fused layouts are written
+once, here: `_llama_layer` (Llama, Mistral, Qwen2/3, Phi-3, Gemma 3, Mixtral, Qwen3-MoE),
+`_opt_layer`, `_gpt_neox_layer` and `_falcon_layer`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.models.llama import ModelSpec
+from jaxllm.models.decoder import ModelSpec
+
+# Stored `[out, in]` (experts `[E, out, in]`) by HF, `[in, out]` here, in the weight dtype.
+_MATRICES = ("wqkv", "wo", "w_gate_up", "w_up", "w_down", "lm_head", "experts_gate_up", "experts_down")
+_WEIGHT_DTYPE = ("embed", "pos_embed", *_MATRICES)
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -23,49 +29,217 @@ class ModelNotFoundError(FileNotFoundError):
 
 def build_params(get: Callable[[str, tuple], Any], has: Callable[[str], bool], spec: ModelSpec,
                  dtype: str) -> dict:
-    """Fuse weights given in HF names and layout into the llama.py params pytree.
+    """Fuse weights given in HF names and layout into the decoder.py params pytree.
 
     get(name, shape) returns the tensor (numpy, or a jax array on the CPU) checked to have
     `shape`; HF `Linear` weights are `[out, in]`. has(name) says whether the checkpoint holds
     `name`. Fusing happens in numpy, and each result is put on the default device once.
     """
-    h, q, kv, ff, hd = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size, spec.head_dim
-    wdtype = jnp.dtype(dtype)
-
-    def matrix(in_dim: int, *parts: tuple[str, int]) -> jax.Array:
-        """`[out_i, in_dim]` weights -> fused `[in_dim, sum(out_i)]` in the weight dtype."""
-        ws = [np.asarray(get(name, (out, in_dim))) for name, out in parts]
-        return jnp.asarray(np.concatenate(ws).T, dtype=wdtype)
-
-    def vector(*parts: tuple[str, int]) -> jax.Array:
-        return jnp.asarray(np.concatenate([np.asarray(get(name, (size,))) for name, size in parts]), jnp.float32)
-
-    params = {"embed": jnp.asarray(np.asarray(get("model.embed_tokens.weight", (spec.vocab_size, h))), wdtype),
-              "layers": []}
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        layer = {
-            "attn_norm": vector((p + "input_layernorm.weight", h)),
-            "wqkv": matrix(h, (p + "self_attn.q_proj.weight", q), (p + "self_attn.k_proj.weight", kv),
-                           (p + "self_attn.v_proj.weight", kv)),
-            "wo": matrix(q, (p + "self_attn.o_proj.weight", h)),
-            "mlp_norm": vector((p + "post_attention_layernorm.weight", h)),
-            "w_gate_up": matrix(h, (p + "mlp.gate_proj.weight", ff), (p + "mlp.up_proj.weight", ff)),
-            "w_down": matrix(ff, (p + "mlp.down_proj.weight", h)),
-        }
-        if spec.qkv_bias:
-            layer["bqkv"] = vector((p + "self_attn.q_proj.bias", q), (p + "self_attn.k_proj.bias", kv),
-                                   (p + "self_attn.v_proj.bias", kv))
-        if spec.qk_norm:
-            layer["q_norm"] = vector((p + "self_attn.q_norm.weight", hd))
-            layer["k_norm"] = vector((p + "self_attn.k_norm.weight", hd))
-        params["layers"].append(layer)
-    params["final_norm"] = vector(("model.norm.weight", h))
+    read = _Reader(get, has, spec)
+    arch = spec.architecture
+    if arch == "OPTForCausalLM":
+        top, layer_fn, prefix = _opt_top(read, spec), _opt_layer, "model.decoder.layers."
+    elif arch == "GPTNeoXForCausalLM":
+        top, layer_fn, prefix = _neox_top(read, spec), _gpt_neox_layer, "gpt_neox.layers."
+    elif arch == "FalconForCausalLM":
+        top, layer_fn, prefix = _falcon_top(read, spec), _falcon_layer, "transformer.h."
+    else:
+        top, layer_fn, prefix = _llama_top(read, spec), _llama_layer, "model.layers."
     if not spec.tie_word_embeddings:
-        if not has("lm_head.weight"):
+        if not has("lm_head.weight") and "lm_head" not in top:
             raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
-        params["lm_head"] = matrix(h, ("lm_head.weight", spec.vocab_size))
+        if "lm_head" not in top:
+            top["lm_head"] = read.matrix(("lm_head.weight", spec.vocab_size))
+    wdtype = jnp.dtype(dtype)
+    params = {name: _finish(name, x, wdtype) for name, x in top.items()}
+    params["layers"] = [{name: _finish(name, x, wdtype) for name, x in layer_fn(read, f"{prefix}{i}.", spec, i).items()}
+                        for i in range(spec.num_layers)]
     return params
+
+
+def _finish(name: str, x: np.ndarray, wdtype) -> jax.Array:
+    if name in _MATRICES:
+        return jnp.asarray(np.swapaxes(x, -1, -2), dtype=wdtype)
+    if name == "router":
+        return jnp.asarray(x.T, jnp.float32)
+    return jnp.asarray(x, wdtype if name in _WEIGHT_DTYPE else jnp.float32)
+
+
+class _Reader:
+    """Reads tensors as numpy; `matrix` concatenates `[out_i, in]` parts along out."""
+
+    def __init__(self, get, has, spec: ModelSpec):
+        self.get, self.has, self.spec = get, has, spec
+
+    def tensor(self, name: str, shape: tuple) -> np.ndarray:
+        return np.asarray(self.get(name, tuple(shape)))
+
+    def matrix(self, *parts: tuple[str, int], in_dim: int | None = None) -> np.ndarray:
+        in_dim = self.spec.hidden_size if in_dim is None else in_dim
+        return np.concatenate([self.tensor(name, (out, in_dim)) for name, out in parts])
+
+    def vector(self, *parts: tuple[str, int]) -> np.ndarray:
+        return np.concatenate([self.tensor(name, (size,)) for name, size in parts]).astype(np.float32)
+
+    def norm(self, out: dict, key: str, name: str, bias: bool = False, plus_one: bool = False) -> None:
+        """out[key] (and out[key + "_bias"]) from the norm `name` (`.weight`, `.bias`)."""
+        h = self.spec.hidden_size
+        out[key] = self.vector((name + ".weight", h)) + (1.0 if plus_one else 0.0)
+        if bias:
+            out[key + "_bias"] = self.vector((name + ".bias", h))
+
+
+def _split_heads(w: np.ndarray, spec: ModelSpec) -> np.ndarray:
+    """Rows of a fused QKV laid out per KV head `[kv_heads, q_per_kv + 2, head_dim, ...]` (its
+    q heads, then k, v: GPT-NeoX's and Falcon's layout; for multi-query that is `[q; k; v]`)
+    -> `[q; k; v]`."""
+    groups, q_per_group = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads
+    g = w.reshape(groups, q_per_group + 2, spec.head_dim, *w.shape[1:])
+    q = g[:, :q_per_group].reshape(spec.q_size, *w.shape[1:])
+    k = g[:, q_per_group].reshape(spec.kv_size, *w.shape[1:])
+    v = g[:, q_per_group + 1].reshape(spec.kv_size, *w.shape[1:])
+    return np.concatenate([q, k, v])
+
+
+# ----------------------------------------------------------------------------- Llama-like families
+
+
+def _llama_top(read: _Reader, spec: ModelSpec) -> dict:
+    out = {"embed": read.tensor("model.embed_tokens.weight", (spec.vocab_size, spec.hidden_size))}
+    read.norm(out, "final_norm", "model.norm", plus_one=spec.architecture == "Gemma3ForCausalLM")
+    return out
+
+
+def _llama_layer(read: _Reader, p: str, spec: ModelSpec, index: int) -> dict:
+    h, q, kv, hd = spec.hidden_size, spec.q_size, spec.kv_size, spec.head_dim
+    gemma = spec.architecture == "Gemma3ForCausalLM"
+    out: dict = {}
+    read.norm(out, "attn_norm", p + "input_layernorm", plus_one=gemma)
+    if read.has(p + "self_attn.qkv_proj.weight"):   # Phi-3
+        out["wqkv"] = read.matrix((p + "self_attn.qkv_proj.weight", q + 2 * kv))
+    else:
+        out["wqkv"] = read.matrix(*((p + f"self_attn.{x}_proj.weight", n) for x, n in (("q", q), ("k", kv), ("v", kv))))
+    if spec.qkv_bias:
+        out["bqkv"] = read.vector(*((p + f"self_attn.{x}_proj.bias", n) for x, n in (("q", q), ("k", kv), ("v", kv))))
+    if spec.qk_norm:
+        out["q_norm"] = read.vector((p + "self_attn.q_norm.weight", hd)) + (1.0 if gemma else 0.0)
+        out["k_norm"] = read.vector((p + "self_attn.k_norm.weight", hd)) + (1.0 if gemma else 0.0)
+    out["wo"] = read.matrix((p + "self_attn.o_proj.weight", h), in_dim=q)
+    if gemma:
+        read.norm(out, "post_attn_norm", p + "post_attention_layernorm", plus_one=True)
+        read.norm(out, "mlp_norm", p + "pre_feedforward_layernorm", plus_one=True)
+        read.norm(out, "post_mlp_norm", p + "post_feedforward_layernorm", plus_one=True)
+    else:
+        read.norm(out, "mlp_norm", p + "post_attention_layernorm")
+    if spec.is_moe(index):
+        out.update(_experts(read, p, spec))
+        return out
+    ff = spec.intermediate_size
+    if read.has(p + "mlp.gate_up_proj.weight"):     # Phi-3
+        out["w_gate_up"] = read.matrix((p + "mlp.gate_up_proj.weight", 2 * ff))
+    else:
+        out["w_gate_up"] = read.matrix((p + "mlp.gate_proj.weight", ff), (p + "mlp.up_proj.weight", ff))
+    out["w_down"] = read.matrix((p + "mlp.down_proj.weight", h), in_dim=ff)
+    return out
+
+
+def _experts(read: _Reader, p: str, spec: ModelSpec) -> dict:
+    """Router and stacked expert weights, from Mixtral's `block_sparse_moe.experts.E.w1/w3/w2`,
+    Qwen3-MoE's `mlp.experts.E.gate_proj/up_proj/down_proj`, or fused `mlp.experts.gate_up_proj`
+    `[E, 2F, hidden]` and `down_proj` `[E, hidden, F]`."""
+    h, ff, num = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
+    mixtral = read.has(p + "block_sparse_moe.gate.weight")
+    base = p + ("block_sparse_moe." if mixtral else "mlp.")
+    out = {"router": read.tensor(base + "gate.weight", (num, h))}
+    if read.has(base + "experts.gate_up_proj"):
+        out["experts_gate_up"] = read.tensor(base + "experts.gate_up_proj", (num, 2 * ff, h))
+        out["experts_down"] = read.tensor(base + "experts.down_proj", (num, h, ff))
+        return out
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    e = base + "experts.{}."
+    out["experts_gate_up"] = np.stack([read.matrix((e.format(j) + gate + ".weight", ff), (e.format(j) + up + ".weight", ff))
+                                       for j in range(num)])
+    out["experts_down"] = np.stack([read.matrix((e.format(j) + down + ".weight", h), in_dim=ff) for j in range(num)])
+    return out
+
+
+# ----------------------------------------------------------------------------- OPT, GPT-NeoX, Falcon
+
+
+def _opt_top(read: _Reader, spec: ModelSpec) -> dict:
+    d = "model.decoder."
+    # OPT's position table has 2 extra rows first (position p is row p + 2).
+    pos = read.tensor(d + "embed_positions.weight", (spec.max_position_embeddings + 2, spec.hidden_size))
+    out = {"embed": read.tensor(d + "embed_tokens.weight", (spec.vocab_size, spec.hidden_size)), "pos_embed": pos[2:]}
+    read.norm(out, "final_norm", d + "final_layer_norm", bias=True)
+    return out
+
+
+def _opt_layer(read: _Reader, p: str, spec: ModelSpec, index: int) -> dict:
+    h, q, kv, ff = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
+    a = p + "self_attn."
+    out = {"wqkv": read.matrix((a + "q_proj.weight", q), (a + "k_proj.weight", kv), (a + "v_proj.weight", kv)),
+           "wo": read.matrix((a + "out_proj.weight", h), in_dim=q),
+           "w_up": read.matrix((p + "fc1.weight", ff)), "w_down": read.matrix((p + "fc2.weight", h), in_dim=ff)}
+    if spec.qkv_bias:
+        out.update(bqkv=read.vector((a + "q_proj.bias", q), (a + "k_proj.bias", kv), (a + "v_proj.bias", kv)),
+                   bo=read.vector((a + "out_proj.bias", h)), b_up=read.vector((p + "fc1.bias", ff)),
+                   b_down=read.vector((p + "fc2.bias", h)))
+    read.norm(out, "attn_norm", p + "self_attn_layer_norm", bias=True)
+    read.norm(out, "mlp_norm", p + "final_layer_norm", bias=True)
+    return out
+
+
+def _neox_top(read: _Reader, spec: ModelSpec) -> dict:
+    out = {"embed": read.tensor("gpt_neox.embed_in.weight", (spec.vocab_size, spec.hidden_size))}
+    read.norm(out, "final_norm", "gpt_neox.final_layer_norm", bias=True)
+    if not spec.tie_word_embeddings:
+        out["lm_head"] = read.matrix(("embed_out.weight", spec.vocab_size))
+    return out
+
+
+def _gpt_neox_layer(read: _Reader, p: str, spec: ModelSpec, index: int) -> dict:
+    h, q, ff = spec.hidden_size, spec.q_size, spec.intermediate_size
+    a = p + "attention."
+    qkv = read.tensor(a + "query_key_value.weight", (3 * q, h))
+    out = {"wqkv": _split_heads(qkv, spec), "wo": read.matrix((a + "dense.weight", h), in_dim=q),
+           "w_up": read.matrix((p + "mlp.dense_h_to_4h.weight", ff)),
+           "b_up": read.vector((p + "mlp.dense_h_to_4h.bias", ff)),
+           "w_down": read.matrix((p + "mlp.dense_4h_to_h.weight", h), in_dim=ff),
+           "b_down": read.vector((p + "mlp.dense_4h_to_h.bias", h))}
+    if spec.qkv_bias:
+        out["bqkv"] = _split_heads(read.vector((a + "query_key_value.bias", 3 * q)), spec)
+        out["bo"] = read.vector((a + "dense.bias", h))
+    read.norm(out, "attn_norm", p + "input_layernorm", bias=True)
+    read.norm(out, "mlp_norm", p + "post_attention_layernorm", bias=True)
+    return out
+
+
+def _falcon_top(read: _Reader, spec: ModelSpec) -> dict:
+    out = {"embed": read.tensor("transformer.word_embeddings.weight", (spec.vocab_size, spec.hidden_size))}
+    read.norm(out, "final_norm", "transformer.ln_f", bias=True)
+    return out
+
+
+def _falcon_layer(read: _Reader, p: str, spec: ModelSpec, index: int) -> dict:
+    h, q, kv, ff = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
+    a = p + "self_attention."
+    qkv = read.tensor(a + "query_key_value.weight", (q + 2 * kv, h))
+    out = {"wqkv": _split_heads(qkv, spec), "wo": read.matrix((a + "dense.weight", h), in_dim=q),
+           "w_up": read.matrix((p + "mlp.dense_h_to_4h.weight", ff)),
+           "w_down": read.matrix((p + "mlp.dense_4h_to_h.weight", h), in_dim=ff)}
+    if spec.qkv_bias:
+        out.update(bqkv=_split_heads(read.vector((a + "query_key_value.bias", q + 2 * kv)), spec), bo=read.vector((a + "dense.bias", h)),
+                   b_up=read.vector((p + "mlp.dense_h_to_4h.bias", ff)), b_down=read.vector((p + "mlp.dense_4h_to_h.bias", h)))
+    if read.has(p + "ln_attn.weight"):                    # new architecture, two norms
+        read.norm(out, "attn_norm", p + "ln_attn", bias=True)
+        read.norm(out, "mlp_norm", p + "ln_mlp", bias=True)
+    else:
+        read.norm(out, "attn_norm", p + "input_layernorm", bias=True)
+        # Parallel attention reads one norm for both branches; sequential has its own.
+        read.norm(out, "mlp_norm", p + ("input_layernorm" if spec.parallel_residual else "post_attention_layernorm"),
+                  bias=True)
+    return out
 
 
 def check_shape(name: str, arr, shape: tuple, source: str):

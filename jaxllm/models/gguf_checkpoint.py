@@ -20,12 +20,14 @@ from typing import Any
 import numpy as np
 
 from jaxllm.models.checkpoint import build_params, check_shape, progress_bar
-from jaxllm.models.llama import ModelSpec
+from jaxllm.models.decoder import ModelSpec
 from jaxllm.models.registry import UnsupportedModelError, spec_from_hf_config
 
 logger = logging.getLogger(__name__)
 
-_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# A "llama" GGUF with experts is a Mixtral.
+_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                       "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 # GGUF tensor name -> HF name (`{i}` is the layer).
 _GGUF_TO_HF = {
@@ -46,7 +48,20 @@ _GGUF_TO_HF = {
     "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.mlp.gate.weight",
+    # Stacked experts [E, out, in]: gate and up are read together (`_STACKED`).
+    "blk.{i}.ffn_down_exps.weight": "model.layers.{i}.mlp.experts.down_proj",
 }
+# Per architecture, where its names differ from the above.
+_GGUF_TO_HF_ARCH = {
+    "phi3": {"blk.{i}.attn_qkv.weight": "model.layers.{i}.self_attn.qkv_proj.weight",
+             "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.gate_up_proj.weight"},      # [gate; up]
+    "gemma3": {"blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+               "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+               "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight"},
+}
+_MIXTRAL_MOE = {"model.layers.{i}.mlp.gate.weight": "model.layers.{i}.block_sparse_moe.gate.weight",
+                "model.layers.{i}.mlp.experts.down_proj": "model.layers.{i}.block_sparse_moe.experts.down_proj"}
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -186,15 +201,15 @@ def _gguf_spec(path: str, metadata: dict, tensors: dict[str, GGUFTensor]) -> Mod
         num_kv_heads = num_kv_heads[0]
     hidden = int(md("embedding_length"))
     head_dim = int(md("attention.key_length", hidden // num_heads))
-    if int(md("rope.dimension_count", head_dim)) != head_dim:
-        raise UnsupportedModelError(f"{path}: partial RoPE (rope.dimension_count != head_dim {head_dim})")
+    rotary = int(md("rope.dimension_count", head_dim))
     embed = tensors.get("token_embd.weight")
     if embed is None:
         raise ValueError(f"{path}: GGUF has no token_embd.weight")
     tok = "tokenizer.ggml."
     eos = [metadata[tok + k] for k in ("eos_token_id", "eot_token_id", "eom_token_id") if tok + k in metadata]
+    experts = metadata.get(f"{arch}.expert_count")
     config = {
-        "architectures": [_GGUF_ARCHITECTURES[arch]],
+        "architectures": ["MixtralForCausalLM" if arch == "llama" and experts else _GGUF_ARCHITECTURES[arch]],
         "vocab_size": embed.shape[0],
         "hidden_size": hidden,
         "intermediate_size": int(md("feed_forward_length")),
@@ -209,9 +224,29 @@ def _gguf_spec(path: str, metadata: dict, tensors: dict[str, GGUFTensor]) -> Mod
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": metadata.get(tok + "bos_token_id"),
         "eos_token_id": list(dict.fromkeys(eos)),
+        "partial_rotary_factor": rotary / head_dim,
     }
+    if experts:
+        config.update(num_local_experts=int(experts), num_experts_per_tok=int(md("expert_used_count")),
+                      moe_intermediate_size=int(md("expert_feed_forward_length", config["intermediate_size"])),
+                      norm_topk_prob=bool(metadata.get(f"{arch}.expert_weights_norm", True)))  # llama.cpp's default
+    if arch == "phi3" and "rope_factors_long.weight" in tensors:
+        config["rope_scaling"] = {"rope_type": "longrope"}     # registry.py rejects it by name
+    window = metadata.get(f"{arch}.attention.sliding_window")
+    if window:
+        config["sliding_window"] = int(window)
+    if arch == "gemma3":
+        # What llama.cpp fixes for every Gemma 3 rather than storing: 5 sliding-window layers
+        # to 1 global, a local RoPE base of 10k, and the query scale (27B: hidden / heads).
+        config.update(sliding_window_pattern=6, rope_local_base_freq=10000.0, hidden_activation="gelu_pytorch_tanh",
+                      query_pre_attn_scalar=hidden // num_heads if config["num_hidden_layers"] == 62 else head_dim)
+        end_of_turn = _token_id(metadata, "<end_of_turn>")   # llama.cpp ends chat turns on it too
+        if end_of_turn is not None:
+            config["eos_token_id"] = list(dict.fromkeys([*config["eos_token_id"], end_of_turn]))
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
-    if scaling != "none":
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(md("rope.scaling.factor"))}
+    elif scaling != "none":
         config["rope_scaling"] = {"rope_type": scaling}  # registry.py rejects it by name
     spec = spec_from_hf_config(config)
     if "rope_freqs.weight" in tensors:  # Llama 3.x: scaled frequencies stored as a tensor
@@ -220,6 +255,13 @@ def _gguf_spec(path: str, metadata: dict, tensors: dict[str, GGUFTensor]) -> Mod
             path, spec, _dequantize(tensors["rope_freqs.weight"]), orig_ctx)
         spec = spec_from_hf_config(config)
     return spec
+
+
+def _token_id(metadata: dict, text: str) -> int | None:
+    try:
+        return (metadata.get("tokenizer.ggml.tokens") or []).index(text)
+    except ValueError:
+        return None
 
 
 def _llama3_scaling_from_freqs(path: str, spec: ModelSpec, freq_factors: np.ndarray, orig_ctx) -> dict:
@@ -238,26 +280,39 @@ def load_gguf(path: str, dtype: str, progress: bool):
     metadata, tensors = read_gguf(path)
     spec = _gguf_spec(path, metadata, tensors)
 
+    arch = metadata["general.architecture"]
+    names = {**_GGUF_TO_HF, **_GGUF_TO_HF_ARCH.get(arch, {})}
+    if spec.architecture == "MixtralForCausalLM":
+        names = {g: _MIXTRAL_MOE.get(h, h) for g, h in names.items()}
     hf_to_gguf = {}
     for gguf_name in tensors:
         m = _BLOCK_NAME.fullmatch(gguf_name)
         pattern, layer = (f"blk.{{i}}.{m.group(2)}", m.group(1)) if m else (gguf_name, None)
-        if pattern in _GGUF_TO_HF:
-            hf_to_gguf[_GGUF_TO_HF[pattern].format(i=layer)] = gguf_name
+        if pattern in names:
+            hf_to_gguf[names[pattern].format(i=layer)] = gguf_name
+        elif pattern == "blk.{i}.ffn_gate_exps.weight":   # with ffn_up_exps: the experts' fused gate/up
+            hf_name = names["blk.{i}.ffn_down_exps.weight"].replace("down_proj", "gate_up_proj").format(i=layer)
+            hf_to_gguf[hf_name] = (gguf_name, f"blk.{layer}.ffn_up_exps.weight")
     permuted = {"self_attn.q_proj": spec.num_heads, "self_attn.k_proj": spec.num_kv_heads}
-    unpermute = metadata["general.architecture"] == "llama"  # qwen2/3 use NEOX RoPE: unpermuted
+    unpermute = arch == "llama"  # the others use NEOX RoPE: unpermuted
 
     bar = progress_bar(len(hf_to_gguf), os.path.basename(path), progress)
 
     def get(name: str, shape: tuple):
         if name not in hf_to_gguf:
             raise ValueError(f"{path}: GGUF has no tensor for {name}")
-        w = _dequantize(tensors[hf_to_gguf[name]])
+        source = hf_to_gguf[name]
+        if isinstance(source, tuple):
+            w = np.concatenate([_dequantize(tensors[s]) for s in source], axis=1)
+        else:
+            w = _dequantize(tensors[source])
         heads = next((n for k, n in permuted.items() if k in name), None)
         if unpermute and heads is not None:
             w = _unpermute_rope(w, heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w = w - 1.0         # llama.cpp stores Gemma's (1 + w); build_params adds the 1
         bar.update(1)
-        return check_shape(hf_to_gguf[name], w, shape, path)
+        return check_shape(str(source), w, shape, path)
 
     with bar:
         params = build_params(get, lambda n: n in hf_to_gguf, spec, dtype)

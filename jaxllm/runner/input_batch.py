@@ -16,7 +16,7 @@ Shapes (T = bucket tokens, S = bucket sequences, P = pages per sequence, L = max
     query_start_loc [S + 1] int32                   (sequence s owns tokens [qsl[s], qsl[s+1]))
     num_seqs [] int32, logits_indices [R] int32     (the tokens that get logits: R = S, each
                                                     sequence's last; or R = T, every token)
-    rope_cos, rope_sin [T, 1, head_dim / 2] f32
+    rope_cos, rope_sin [T, 1, W] f32                (W = len(ModelSpec.inv_freq()))
 """
 
 from __future__ import annotations
@@ -50,15 +50,15 @@ class StepInputs:
     attn_metadata: dict     # the attention backend's own arrays (jaxllm/attention.py)
 
     @classmethod
-    def zeros(cls, num_tokens: int, num_seqs: int, max_blocks: int, head_dim: int,
+    def zeros(cls, num_tokens: int, num_seqs: int, max_blocks: int, rope_width: int,
               num_logits: int | None = None) -> StepInputs:
         i32 = np.int32
         return cls(token_ids=np.zeros(num_tokens, i32), positions=np.zeros(num_tokens, i32),
                    slot_mapping=np.full(num_tokens, -1, i32), block_tables=np.zeros((num_seqs, max_blocks), i32),
                    query_start_loc=np.zeros(num_seqs + 1, i32), seq_lens=np.zeros(num_seqs, i32),
                    num_seqs=np.zeros((), i32), logits_indices=np.zeros(num_logits or num_seqs, i32),
-                   rope_cos=np.ones((num_tokens, 1, head_dim // 2), np.float32),
-                   rope_sin=np.zeros((num_tokens, 1, head_dim // 2), np.float32), attn_metadata={})
+                   rope_cos=np.ones((num_tokens, 1, rope_width), np.float32),
+                   rope_sin=np.zeros((num_tokens, 1, rope_width), np.float32), attn_metadata={})
 
 
 @jax.tree_util.register_dataclass

@@ -39,7 +39,7 @@ from jaxllm import kernels, parallel
 from jaxllm.attention import AttentionBackend, get_attention_backend
 from jaxllm.config import EngineConfig
 from jaxllm.core.outputs import ModelRunnerOutput, SchedulerOutput
-from jaxllm.models import llama
+from jaxllm.models import decoder, layout
 from jaxllm.runner import pages as page_moves
 from jaxllm.runner import sampler
 from jaxllm.runner.compile import Bucket, make_buckets
@@ -65,8 +65,8 @@ def _step(params, kv_cache, ints, floats, penalty_tokens, token_mask, *, layout:
         inputs, sampling = layout.unpack(ints, floats)
         sampling = dataclasses.replace(sampling, penalty_tokens=penalty_tokens, token_mask=token_mask)
         if mesh is None:
-            hidden, kv_cache = llama.forward(params, kv_cache, inputs, spec, attention=attention)
-            logits = llama.compute_logits(params, hidden[inputs.logits_indices], spec)
+            hidden, kv_cache = decoder.forward(params, kv_cache, inputs, spec, attention=attention)
+            logits = decoder.compute_logits(params, hidden[inputs.logits_indices], spec)
         else:
             logits, kv_cache = parallel.sharded_forward(params, kv_cache, inputs, spec, attention=attention,
                                                         mesh=mesh)
@@ -76,20 +76,20 @@ def _step(params, kv_cache, ints, floats, penalty_tokens, token_mask, *, layout:
 
 class ModelRunner:
     """`mesh`: one replica's ("data", "stage", "model") Mesh (data size 1) for tensor and
-    pipeline parallelism, with `params` already laid out by `llama.shard_layout` for it (as
+    pipeline parallelism, with `params` already laid out by `layout.shard_layout` for it (as
     `load_model(..., tensor_parallel_size=tp, pipeline_parallel_size=pp)` gives them); see
     jaxllm/parallel.py. With pp stages, each step's batch is split into pp micro-batches of
     one bucket (`prepare_step`) that the step pipelines through the stages. Without a mesh, on
     the native CPU backend, float32 matrices of `params` are packed in place for the C++ GEMM
-    (`llama.pack_params`, `EngineArgs.packed_weights`)."""
+    (`decoder.pack_params`, `EngineArgs.packed_weights`)."""
 
-    def __init__(self, config: EngineConfig, spec: llama.ModelSpec, params,
+    def __init__(self, config: EngineConfig, spec: decoder.ModelSpec, params,
                  attention: AttentionBackend | None = None, mesh=None):
         self.config = config
         self.spec = spec
         self.attention = attention or get_attention_backend(config.attention_backend)
         self.mesh = mesh
-        self.num_kv_heads = llama.kv_heads_for(spec, parallel.tp_size(mesh))
+        self.num_kv_heads = layout.kv_heads_for(spec, parallel.tp_size(mesh))
         self.num_stages = parallel.pp_size(mesh)
         # Pipeline stage-ticks that ran a micro-batch, of all (the rest is the pipeline's idle time).
         self.busy_stage_ticks = self.stage_ticks = 0
@@ -103,7 +103,7 @@ class ModelRunner:
         if mesh is None:
             if config.packed_weights and self.attention.name == "native":
                 # In place, one matrix at a time: the unpacked ones are freed as it goes.
-                params = llama.pack_params(params, spec, jax.devices()[0])
+                params = decoder.pack_params(params, spec, jax.devices()[0])
             self.params = jax.device_put(params, jax.devices()[0])
         else:
             self.params = parallel.shard_params(params, mesh)
@@ -153,7 +153,7 @@ class ModelRunner:
         R = bucket.num_logits
         if (bucket, micro) not in self._buffers:
             self._buffers[bucket, micro] = _BucketBuffers(
-                bucket, StepInputs.zeros(bucket.num_tokens, bucket.num_seqs, self.max_blocks, self.spec.head_dim, R),
+                bucket, StepInputs.zeros(bucket.num_tokens, bucket.num_seqs, self.max_blocks, len(self._inv_freq), R),
                 SamplingMetadata.zeros(R))
         if R not in self._no_penalty_tokens:
             # Requests without penalties share one device array of -1s (no [R, L] transfer).
@@ -218,7 +218,7 @@ class ModelRunner:
         inputs.query_start_loc[0] = 0
         _fill(inputs.query_start_loc[1:], ends, num_tokens)
         inputs.num_seqs[...] = n
-        inputs.rope_cos, inputs.rope_sin = llama.rope_tables(inputs.positions, self._inv_freq, xp=np)
+        inputs.rope_cos, inputs.rope_sin = decoder.rope_tables(inputs.positions, self._inv_freq, xp=np)
         inputs.attn_metadata = self.attention.build_metadata(
             q_lens=q_lens, seq_lens=seq_lens, block_tables=inputs.block_tables[:n], num_decodes=num_decodes,
             bucket=bucket)

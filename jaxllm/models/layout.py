@@ -1,0 +1,131 @@
+"""The params of `decoder.py` laid out for tensor and pipeline parallelism (jaxllm/parallel.py
+runs them under `shard_map`).
+
+Tensor parallelism (Megatron layout): `TP_SPLIT_DIMS` says which dimension of each parameter
+is split over the "model" mesh axis (column-parallel wqkv, w_gate_up / w_up and the experts'
+gate/up, row-parallel wo, w_down and the experts' down, vocabulary-parallel embed and lm_head;
+the rest replicated, output biases included: they are added once, after the sum). `tp_layout`
+regroups the fused columns so that each shard's slice holds its own heads' q, k, v (and its
+gate, up), with KV heads repeated when there are fewer than shards. Each shard then runs the
+decoder with `tp_local_spec`'s head counts.
+
+Pipeline parallelism: `shard_layout` also stacks the layers of each of `pp` stages (layer slot
+i of every stage in one `[pp, ...]` array, split over the "stage" axis); each stage's shards
+run `decoder_layer` on their slots (parallel.py, `pipelined_forward`), with the vocabulary split
+over stages and shards together. Slot i must then be the same kind of layer in every stage
+(window, RoPE base, MoE or dense), which `check_pipeline_parallel` checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxllm.models.decoder import ModelSpec
+
+# Which dimension of each parameter (by name, in a layer or at the top) is split over the
+# tensor-parallel axis; parameters not listed are replicated.
+TP_SPLIT_DIMS = {"embed": 0, "lm_head": 1, "wqkv": 1, "bqkv": 0, "wo": 0, "w_gate_up": 1, "b_gate_up": 0,
+                 "w_up": 1, "b_up": 0, "w_down": 0, "experts_gate_up": 2, "experts_down": 1}
+
+
+def check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
+    """Raise ValueError if `spec` cannot be split `tp` ways."""
+    problems = []
+    if spec.num_heads % tp:
+        problems.append(f"{spec.num_heads} attention heads")
+    if spec.num_kv_heads % tp and tp % spec.num_kv_heads:
+        problems.append(f"{spec.num_kv_heads} KV heads (neither a multiple nor a divisor of {tp})")
+    if spec.intermediate_size % tp:
+        problems.append(f"intermediate size {spec.intermediate_size}")
+    if spec.moe_intermediate_size % tp:
+        problems.append(f"expert intermediate size {spec.moe_intermediate_size}")
+    if spec.vocab_size % tp:
+        problems.append(f"vocabulary size {spec.vocab_size}")
+    if problems:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide this model's " + ", ".join(problems))
+
+
+def kv_heads_for(spec: ModelSpec, tp: int) -> int:
+    """KV heads stored over all shards: the model's, or `tp` when it has fewer (each shard then
+    holds a copy of the one head its query heads use)."""
+    return max(spec.num_kv_heads, tp)
+
+
+def tp_local_spec(spec: ModelSpec, tp: int, pp: int = 1) -> ModelSpec:
+    """The spec one shard computes with (`pp` > 1: one pipeline stage's shard, with its layer
+    slots and its slice of the vocabulary, which is split over stages and shards together)."""
+    per_stage = spec.num_layers // pp
+    return dataclasses.replace(
+        spec, num_heads=spec.num_heads // tp, num_kv_heads=kv_heads_for(spec, tp) // tp,
+        intermediate_size=spec.intermediate_size // tp, moe_intermediate_size=spec.moe_intermediate_size // tp,
+        vocab_size=spec.vocab_size // (tp * pp), num_layers=per_stage, layer_windows=spec.layer_windows[:per_stage],
+        moe_layers=tuple(i for i in spec.moe_layers if i < per_stage))
+
+
+def tp_layout(params, spec: ModelSpec, tp: int):
+    """`params` with the fused columns regrouped per shard (see the module docstring), as host
+    (numpy) arrays; any `tp` passing `check_tensor_parallel`. tp 1 returns `params` unchanged."""
+    if tp == 1:
+        return params
+    check_tensor_parallel(spec, tp)
+    repeat = kv_heads_for(spec, tp) // spec.num_kv_heads
+    hd = spec.head_dim
+
+    def qkv_columns(w):            # [..., (q + 2 kv) * hd] -> the same, grouped [q_s, k_s, v_s] per shard
+        q, k, v = np.split(w, [spec.q_size, spec.q_size + spec.kv_size], axis=-1)
+        k, v = (np.repeat(t.reshape(*t.shape[:-1], spec.num_kv_heads, hd), repeat, axis=-2)
+                .reshape(*t.shape[:-1], -1) for t in (k, v))
+        return _interleave([q, k, v], tp)
+
+    def layer_layout(layer):
+        out = dict(layer)
+        for name in ("wqkv", "bqkv"):
+            if name in layer:
+                out[name] = qkv_columns(layer[name])
+        for name in ("w_gate_up", "b_gate_up", "experts_gate_up"):
+            if name in layer:
+                out[name] = _interleave(np.split(np.asarray(layer[name]), 2, axis=-1), tp)
+        return out
+
+    return {**params, "layers": [layer_layout(layer) for layer in params["layers"]]}
+
+
+def check_pipeline_parallel(spec: ModelSpec, tp: int, pp: int) -> None:
+    """Raise ValueError if `spec` cannot be split into `pp` stages of `tp` shards."""
+    problems = []
+    if spec.num_layers % pp:
+        problems.append(f"{spec.num_layers} layers")
+    elif any(_layer_kind(spec, i) != _layer_kind(spec, i % (spec.num_layers // pp)) for i in range(spec.num_layers)):
+        problems.append("layer pattern (each stage must hold the same sequence of windowed, global, dense and "
+                        "MoE layers)")
+    if spec.vocab_size % (tp * pp):
+        problems.append(f"vocabulary size {spec.vocab_size} (split over tensor x pipeline = {tp * pp} devices)")
+    if problems:
+        raise ValueError(f"pipeline_parallel_size={pp} does not divide this model's " + ", ".join(problems))
+
+
+def _layer_kind(spec: ModelSpec, layer: int) -> tuple:
+    return spec.window(layer), spec.rope_variant(layer), spec.is_moe(layer)
+
+
+def shard_layout(params, spec: ModelSpec, tp: int = 1, pp: int = 1):
+    """`params` laid out for `tp` tensor-parallel shards (`tp_layout`) and `pp` pipeline stages:
+    with pp > 1, "layers" becomes a list of the `num_layers // pp` layer slots of a stage, each
+    array stacked `[pp, ...]` over the stages (stage s, slot i = layer s * num_layers // pp + i),
+    so that the "stage" mesh axis splits the stacked dimension. Host (numpy) arrays."""
+    params = tp_layout(params, spec, tp)
+    if pp == 1:
+        return params
+    check_pipeline_parallel(spec, tp, pp)
+    per_stage = spec.num_layers // pp
+    layers = params["layers"]
+    return {**params, "layers": [{name: np.stack([np.asarray(layers[s * per_stage + i][name]) for s in range(pp)])
+                                  for name in layers[i]} for i in range(per_stage)]}
+
+
+def _interleave(parts, tp: int):
+    """Concatenate, along the last axis, shard s's slice of every part, for s in order."""
+    chunks = [np.split(np.asarray(part), tp, axis=-1) for part in parts]
+    return np.concatenate([chunk[s] for s in range(tp) for chunk in chunks], axis=-1)

@@ -1,0 +1,68 @@
+"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE): top-k routing, then each token's experts.
+
+Layer params (E experts, F = the expert intermediate size, split over the tensor-parallel
+axis like a dense MLP's):
+
+    router:           [hidden, E] f32
+    experts_gate_up:  [E, hidden, 2 * F]   (gate, up fused per expert)
+    experts_down:     [E, F, hidden]
+
+Routing follows HF: softmax over the router logits in float32, the top k, renormalised to
+sum to 1 when `spec.norm_topk_prob` (Mixtral always; Qwen3-MoE per its config).
+
+Two ways to run the experts, both exact:
+
+- `grouped`: the T * k (token, expert) pairs sorted by expert (`dispatch`), multiplied with
+  `jax.lax.ragged_dot` (one group of rows per expert), then weighted and summed back per token;
+- `dense`: every expert on every token, weighted by a [T, E] matrix that is zero outside
+  each token's top k (E / k times the FLOPs, but plain batched matmuls).
+
+`benchmarks/models.py` measures both; `MOE_IMPL` is the faster on CPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+MOE_IMPL = "grouped"
+
+
+def route(h: jax.Array, router: jax.Array, spec) -> tuple[jax.Array, jax.Array]:
+    """h [T, hidden] -> (weights [T, k] f32, experts [T, k] int32)."""
+    probs = jax.nn.softmax(jnp.dot(h, router, preferred_element_type=jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, spec.num_experts_per_tok)
+    if spec.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def dispatch(h: jax.Array, router: jax.Array, spec):
+    """Routing and the sort by expert: -> (rows [T * k, hidden], the token of each row [T * k],
+    each row's routing weight [T * k], rows per expert [E] int32). Row p holds one (token,
+    expert) pair; the pairs of expert e are rows sum(sizes[:e]) .. sum(sizes[:e + 1]) - 1."""
+    weights, experts = route(h, router, spec)
+    flat = experts.reshape(-1)                          # [T * k]: pair p is token p // k's choice p % k
+    order = jnp.argsort(flat, stable=True)
+    token_of = order // spec.num_experts_per_tok
+    group_sizes = jnp.bincount(flat, length=spec.num_experts).astype(jnp.int32)
+    return h[token_of], token_of, weights.reshape(-1)[order], group_sizes
+
+
+def moe_mlp(layer, h: jax.Array, spec, act, impl: str | None = None) -> jax.Array:
+    """The experts' weighted sum for h [T, hidden] (normed), before the row-parallel sum;
+    `act` is the activation of the gate."""
+    gate_up, down = layer["experts_gate_up"], layer["experts_down"]
+    if (impl or MOE_IMPL) == "dense":
+        weights, experts = route(h, layer["router"], spec)
+        dense_weights = jnp.zeros((h.shape[0], spec.num_experts), jnp.float32)
+        dense_weights = dense_weights.at[jnp.arange(h.shape[0])[:, None], experts].set(weights)
+        gate, up = jnp.split(jnp.einsum("th,ehf->etf", h.astype(gate_up.dtype), gate_up,
+                                        preferred_element_type=jnp.float32), 2, axis=-1)
+        y = jnp.einsum("etf,efh->eth", (act(gate) * up).astype(down.dtype), down, preferred_element_type=jnp.float32)
+        return jnp.einsum("eth,te->th", y, dense_weights)
+    rows, token_of, row_weights, group_sizes = dispatch(h, layer["router"], spec)
+    gate, up = jnp.split(jax.lax.ragged_dot(rows.astype(gate_up.dtype), gate_up, group_sizes,
+                                            preferred_element_type=jnp.float32), 2, axis=-1)
+    y = jax.lax.ragged_dot((act(gate) * up).astype(down.dtype), down, group_sizes, preferred_element_type=jnp.float32)
+    return jnp.zeros(h.shape, jnp.float32).at[token_of].add(y * row_weights[:, None])
