@@ -158,6 +158,8 @@ def _llama3_rope_factors(theta, head_dim, factor, low, high, orig):
     return np.array(out, np.float32)
 
 
+TINY_LN = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
+               tie_word_embeddings=False)
 # Per test case: (HF class prefix, GGUF architecture, config keys).
 GGUF_CASES = {
     "llama": ("Llama", "llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
@@ -174,6 +176,11 @@ GGUF_CASES = {
     "mixtral": ("Mixtral", "llama", dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": ("Qwen3Moe", "qwen3moe", dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                                norm_topk_prob=True)),
+    # LayerNorm families: configs of their own keys (TINY's Llama names would be saved with them).
+    "gpt_neox": ("GPTNeoX", "gptneox", dict(TINY_LN, intermediate_size=96)),
+    "falcon": ("Falcon", "falcon", dict(TINY_LN, ffn_hidden_size=96)),                 # multi-query
+    "falcon_new": ("Falcon", "falcon", dict(TINY_LN, ffn_hidden_size=96, new_decoder_architecture=True,
+                                            num_kv_heads=2, bias=True)),
 }
 # Names that differ from LLAMA_CPP_NAMES per GGUF architecture, and the experts' stacked names.
 LLAMA_CPP_ARCH_NAMES = {
@@ -181,6 +188,15 @@ LLAMA_CPP_ARCH_NAMES = {
     "gemma3": {"post_attention_layernorm.weight": "post_attention_norm.weight",
                "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
+}
+# GPT-NeoX's and Falcon's names (HF -> GGUF, without .weight / .bias), in llama.cpp's tensor_mapping.
+LAYER_NORM_FAMILY_NAMES = {
+    "gpt_neox.embed_in": "token_embd", "gpt_neox.final_layer_norm": "output_norm", "embed_out": "output",
+    "transformer.word_embeddings": "token_embd", "transformer.ln_f": "output_norm", "lm_head": "output",
+    "input_layernorm": "attn_norm", "ln_attn": "attn_norm", "ln_mlp": "attn_norm_2",
+    "attention.query_key_value": "attn_qkv", "self_attention.query_key_value": "attn_qkv",
+    "attention.dense": "attn_output", "self_attention.dense": "attn_output",
+    "post_attention_layernorm": "ffn_norm", "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down",
 }
 EXPERT_NAMES = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps", "gate_proj": "ffn_gate_exps",
                 "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
@@ -194,7 +210,8 @@ def _write_hf_and_gguf(tmp_path, case):
     import gguf
 
     cls, arch, config_kw = GGUF_CASES[case]
-    config = getattr(transformers, f"{cls}Config")(**{**TINY, **config_kw},
+    layer_norm = arch in ("gptneox", "falcon")
+    config = getattr(transformers, f"{cls}Config")(**(config_kw if layer_norm else {**TINY, **config_kw}),
                                                     architectures=[f"{cls.removesuffix('Text')}ForCausalLM"])
     torch.manual_seed(0)
     model = getattr(transformers, f"{cls.removesuffix('Text')}ForCausalLM")(config)
@@ -209,8 +226,11 @@ def _write_hf_and_gguf(tmp_path, case):
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
+    heads = config.num_attention_heads
+    if layer_norm:
+        return _write_layer_norm_gguf(writer, config, arch, hf_dir, tmp_path / f"tiny-{case}.F32.gguf")
     writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count(heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters
@@ -263,6 +283,43 @@ def _write_hf_and_gguf(tmp_path, case):
     writer.write_tensors_to_file()
     writer.close()
     return str(hf_dir), str(tmp_path / f"tiny-{case}.F32.gguf")
+
+
+def _write_layer_norm_gguf(writer, config, arch, hf_dir, path):
+    """GPT-NeoX / Falcon as llama.cpp's converter writes them: its names, LayerNorm eps, and the
+    fused QKV reordered from per-KV-head groups (q heads, k, v) to [q; k; v]."""
+    from safetensors.numpy import load_file
+
+    heads, hidden = config.num_attention_heads, config.hidden_size
+    head_dim = hidden // heads
+    if arch == "gptneox":
+        kv_heads, ff, eps = heads, config.intermediate_size, config.layer_norm_eps
+        writer.add_rope_dimension_count(int(head_dim * config.rope_parameters["partial_rotary_factor"]))
+        writer.add_parallel_residual(config.use_parallel_residual)
+    else:
+        kv_heads = config.num_kv_heads if config.new_decoder_architecture else 1 if config.multi_query else heads
+        ff, eps = config.ffn_hidden_size, config.layer_norm_epsilon
+    writer.add_feed_forward_length(ff)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_eps(eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    for name, w in load_file(hf_dir / "model.safetensors").items():
+        stem, kind = name.rsplit(".", 1)
+        layer = re.fullmatch(r"(?:gpt_neox\.layers|transformer\.h)\.(\d+)\.(.+)", stem)
+        gguf_name = (f"blk.{layer.group(1)}.{LAYER_NORM_FAMILY_NAMES[layer.group(2)]}" if layer
+                     else LAYER_NORM_FAMILY_NAMES[stem]) + f".{kind}"
+        if "query_key_value" in stem:
+            groups = w.reshape(kv_heads, heads // kv_heads + 2, head_dim, *w.shape[1:])
+            w = np.concatenate([groups[:, :-2].reshape(heads * head_dim, *w.shape[1:]),
+                                groups[:, -2].reshape(kv_heads * head_dim, *w.shape[1:]),
+                                groups[:, -1].reshape(kv_heads * head_dim, *w.shape[1:])])
+        writer.add_tensor(gguf_name, np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(hf_dir), str(path)
 
 
 @pytest.mark.parametrize("arch", list(GGUF_CASES))

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -120,6 +122,48 @@ def test_unknown_architecture_lists_the_supported_ones():
     with pytest.raises(UnsupportedModelError) as e:
         spec_from_hf_config({"architectures": ["GPT2LMHeadModel"]})
     assert all(arch in str(e.value) for arch in SUPPORTED_ARCHITECTURES)
+
+
+# --------------------------------------------------------------------------- sharded, hub ids
+
+# (model, tensor x pipeline): experts split over the shards, a KV head repeated per shard
+# (multi-query on 4), biases added after the shards' sum, and stages of windowed + global layers.
+SHARDED = {"mixtral": "2x1", "falcon": "4x1", "opt": "2x1", "gemma3": "2x2"}
+
+
+def test_families_sharded_generate_what_one_device_does(tmp_path):
+    cases = []
+    for kind, layout in SHARDED.items():
+        # Gemma 3 over 2 stages needs the same layer kinds in each: 4 layers, windowed and global in turn.
+        extra = dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2) \
+            if kind == "gemma3" else {}
+        build_hf_model(kind, tmp_path / kind, **extra)
+        cases.append(f"{tmp_path / kind}:{layout}")
+    out = tmp_path / "out.json"
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "family_sharding_worker.py")
+    subprocess.run([sys.executable, worker, str(out), *cases], check=True, timeout=1200)
+    for case, runs in json.loads(out.read_text()).items():
+        one, sharded = runs["one"], runs["sharded"]
+        assert sharded["token_ids"] == one["token_ids"], case
+        worst = max(abs(a - b) for la, lb in zip(one["logprobs"], sharded["logprobs"]) for a, b in zip(la, lb))
+        assert worst < 1e-4, case
+
+
+def test_hub_id_loads_from_a_local_hub_cache(tmp_path, monkeypatch):
+    """`LLM("facebook/opt-125m")`-style ids resolve through the Hugging Face cache's layout
+    (models--org--name/refs/main -> snapshots/<commit>/), offline."""
+    from huggingface_hub import constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--facebook--opt-125m"
+    build_hf_model("opt", repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    loaded = load_model("facebook/opt-125m", use_cache=False, progress=False)
+    assert loaded.name == "facebook/opt-125m" and loaded.source == str(repo / "snapshots" / commit)
+    assert loaded.spec.architecture == "OPTForCausalLM" and loaded.spec.position == "learned"
 
 
 # --------------------------------------------------------------------------- a real checkpoint

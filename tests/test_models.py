@@ -72,9 +72,10 @@ DECODE_STEPS = 3
 F32_TOL = 1e-4
 
 
-def build_hf_model(kind: str, path) -> "torch.nn.Module":
+def build_hf_model(kind: str, path, **overrides) -> "torch.nn.Module":
+    """The tiny random HF model `kind` of MODELS (with config `overrides`), saved at `path`."""
     config_cls, model_cls, extra = MODELS[kind]
-    keys = extra if "vocab_size" in extra else {**COMMON, **extra}
+    keys = {**(extra if "vocab_size" in extra else {**COMMON, **extra}), **overrides}
     config = getattr(transformers, config_cls)(**keys, architectures=[model_cls])
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).eval()

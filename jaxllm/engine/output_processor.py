@@ -160,8 +160,9 @@ class OutputProcessor:
             entries.append(entry)
         return entries
 
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def _token_text(self, token_id: int) -> str | None:
+        """The token's text, or None for a model without a tokenizer (token ids only)."""
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     def _make_output(self, state: RequestState) -> RequestOutput | None:
         finished = state.finished

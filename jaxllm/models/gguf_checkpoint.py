@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 # A "llama" GGUF with experts is a Mixtral.
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                       "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                       "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                       "gptneox": "GPTNeoXForCausalLM", "falcon": "FalconForCausalLM"}
 
 # GGUF tensor name -> HF name (`{i}` is the layer).
 _GGUF_TO_HF = {
@@ -60,6 +61,28 @@ _GGUF_TO_HF_ARCH = {
                "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
                "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight"},
 }
+# GPT-NeoX and Falcon: LayerNorms with biases, a fused QKV that llama.cpp's converter reorders
+# to [q; k; v] (`_group_heads` puts back HF's per-KV-head layout).
+_LAYER_NORM_NAMES = {
+    "gptneox": {"token_embd.weight": "gpt_neox.embed_in.weight", "output.weight": "embed_out.weight",
+                "output_norm.{w}": "gpt_neox.final_layer_norm.{w}",
+                "blk.{i}.attn_norm.{w}": "gpt_neox.layers.{i}.input_layernorm.{w}",
+                "blk.{i}.attn_qkv.{w}": "gpt_neox.layers.{i}.attention.query_key_value.{w}",
+                "blk.{i}.attn_output.{w}": "gpt_neox.layers.{i}.attention.dense.{w}",
+                "blk.{i}.ffn_norm.{w}": "gpt_neox.layers.{i}.post_attention_layernorm.{w}",
+                "blk.{i}.ffn_up.{w}": "gpt_neox.layers.{i}.mlp.dense_h_to_4h.{w}",
+                "blk.{i}.ffn_down.{w}": "gpt_neox.layers.{i}.mlp.dense_4h_to_h.{w}"},
+    "falcon": {"token_embd.weight": "transformer.word_embeddings.weight", "output.weight": "lm_head.weight",
+               "output_norm.{w}": "transformer.ln_f.{w}",
+               "blk.{i}.attn_norm.{w}": "transformer.h.{i}.input_layernorm.{w}",
+               "blk.{i}.attn_qkv.{w}": "transformer.h.{i}.self_attention.query_key_value.{w}",
+               "blk.{i}.attn_output.{w}": "transformer.h.{i}.self_attention.dense.{w}",
+               "blk.{i}.ffn_up.{w}": "transformer.h.{i}.mlp.dense_h_to_4h.{w}",
+               "blk.{i}.ffn_down.{w}": "transformer.h.{i}.mlp.dense_4h_to_h.{w}"},
+}
+# Falcon's new architecture has two norms per layer.
+_FALCON_TWO_NORMS = {"blk.{i}.attn_norm.{w}": "transformer.h.{i}.ln_attn.{w}",
+                     "blk.{i}.attn_norm_2.{w}": "transformer.h.{i}.ln_mlp.{w}"}
 _MIXTRAL_MOE = {"model.layers.{i}.mlp.gate.weight": "model.layers.{i}.block_sparse_moe.gate.weight",
                 "model.layers.{i}.mlp.experts.down_proj": "model.layers.{i}.block_sparse_moe.experts.down_proj"}
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(.+)")
@@ -171,6 +194,16 @@ def _dequantize(t: GGUFTensor) -> np.ndarray:
         raise UnsupportedModelError(f"tensor {t.name}: {e}") from e
 
 
+def _group_heads(w: np.ndarray, spec: ModelSpec) -> np.ndarray:
+    """`[q; k; v]` rows (llama.cpp's fused QKV) -> HF's per-KV-head groups `[kv_heads, q_per_kv
+    + 2, head_dim, ...]` (its q heads, then k, v), the layout `checkpoint._split_heads` reads."""
+    rest = w.shape[1:]
+    q, k, v = np.split(w, [spec.q_size, spec.q_size + spec.kv_size])
+    q = q.reshape(spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim, *rest)
+    k, v = (t.reshape(spec.num_kv_heads, 1, spec.head_dim, *rest) for t in (k, v))
+    return np.concatenate([q, k, v], axis=1).reshape(w.shape)
+
+
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's `permute` of Q/K rows (interleaved RoPE pairs -> rotate-half halves).
 
@@ -205,6 +238,8 @@ def _gguf_spec(path: str, metadata: dict, tensors: dict[str, GGUFTensor]) -> Mod
     embed = tensors.get("token_embd.weight")
     if embed is None:
         raise ValueError(f"{path}: GGUF has no token_embd.weight")
+    layer_norm = arch in _LAYER_NORM_NAMES
+    eps_key = "attention.layer_norm_epsilon" if layer_norm else "attention.layer_norm_rms_epsilon"
     tok = "tokenizer.ggml."
     eos = [metadata[tok + k] for k in ("eos_token_id", "eot_token_id", "eom_token_id") if tok + k in metadata]
     experts = metadata.get(f"{arch}.expert_count")
@@ -218,7 +253,7 @@ def _gguf_spec(path: str, metadata: dict, tensors: dict[str, GGUFTensor]) -> Mod
         "num_key_value_heads": int(num_kv_heads),
         "head_dim": head_dim,
         # GGUF stores eps as float32: 1e-5 reads back as 9.99999974e-06.
-        "rms_norm_eps": float(str(np.float32(md("attention.layer_norm_rms_epsilon")))),
+        "rms_norm_eps": float(str(np.float32(md(eps_key)))),
         "rope_theta": float(md("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(md("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in tensors,
@@ -230,6 +265,14 @@ def _gguf_spec(path: str, metadata: dict, tensors: dict[str, GGUFTensor]) -> Mod
         config.update(num_local_experts=int(experts), num_experts_per_tok=int(md("expert_used_count")),
                       moe_intermediate_size=int(md("expert_feed_forward_length", config["intermediate_size"])),
                       norm_topk_prob=bool(metadata.get(f"{arch}.expert_weights_norm", True)))  # llama.cpp's default
+    if arch == "gptneox":
+        config.update(layer_norm_eps=config["rms_norm_eps"], rotary_pct=rotary / head_dim, attention_bias=True,
+                      use_parallel_residual=bool(metadata.get("gptneox.use_parallel_residual", True)))
+    if arch == "falcon":   # llama.cpp runs attention and MLP in parallel, as every Falcon does
+        config.update(layer_norm_epsilon=config["rms_norm_eps"], num_kv_heads=config["num_key_value_heads"],
+                      new_decoder_architecture="blk.0.attn_norm_2.weight" in tensors, parallel_attn=True,
+                      multi_query=config["num_key_value_heads"] == 1, bias="blk.0.attn_qkv.bias" in tensors,
+                      ffn_hidden_size=config["intermediate_size"])
     if arch == "phi3" and "rope_factors_long.weight" in tensors:
         config["rope_scaling"] = {"rope_type": "longrope"}     # registry.py rejects it by name
     window = metadata.get(f"{arch}.attention.sliding_window")
@@ -281,7 +324,12 @@ def load_gguf(path: str, dtype: str, progress: bool):
     spec = _gguf_spec(path, metadata, tensors)
 
     arch = metadata["general.architecture"]
-    names = {**_GGUF_TO_HF, **_GGUF_TO_HF_ARCH.get(arch, {})}
+    if arch in _LAYER_NORM_NAMES:
+        two_norms = _FALCON_TWO_NORMS if "blk.0.attn_norm_2.weight" in tensors else {}
+        names = {g.format(i="{i}", w=w): h.format(i="{i}", w=w) for g, h in {**_LAYER_NORM_NAMES[arch], **two_norms}.items()
+                 for w in ("weight", "bias")}
+    else:
+        names = {**_GGUF_TO_HF, **_GGUF_TO_HF_ARCH.get(arch, {})}
     if spec.architecture == "MixtralForCausalLM":
         names = {g: _MIXTRAL_MOE.get(h, h) for g, h in names.items()}
     hf_to_gguf = {}
@@ -311,6 +359,8 @@ def load_gguf(path: str, dtype: str, progress: bool):
             w = _unpermute_rope(w, heads)
         if arch == "gemma3" and name.endswith("norm.weight"):
             w = w - 1.0         # llama.cpp stores Gemma's (1 + w); build_params adds the 1
+        if "query_key_value" in name:
+            w = _group_heads(w, spec)
         bar.update(1)
         return check_shape(str(source), w, shape, path)
 

@@ -10,14 +10,17 @@ axis like a dense MLP's):
 Routing follows HF: softmax over the router logits in float32, the top k, renormalised to
 sum to 1 when `spec.norm_topk_prob` (Mixtral always; Qwen3-MoE per its config).
 
-Two ways to run the experts, both exact:
+Three ways to run the experts, all exact; `expert_impl` picks one per step shape:
 
-- `grouped`: the T * k (token, expert) pairs sorted by expert (`dispatch`), multiplied with
-  `jax.lax.ragged_dot` (one group of rows per expert), then weighted and summed back per token;
+- `gather`: each (token, expert) pair's weights gathered and multiplied on their own: reads
+  only the chosen experts, T * k of them, so it wins while T * k <= E (decode at small batch);
 - `dense`: every expert on every token, weighted by a [T, E] matrix that is zero outside
-  each token's top k (E / k times the FLOPs, but plain batched matmuls).
-
-`benchmarks/models.py` measures both; `MOE_IMPL` is the faster on CPU.
+  each token's top k (E / k times the FLOPs, but plain batched matmuls): the CPU's choice
+  beyond that;
+- `grouped`: the T * k pairs sorted by expert (`dispatch`), multiplied with
+  `jax.lax.ragged_dot` (one group of rows per expert), then weighted and summed back per
+  token: a grouped GEMM on GPU; XLA:CPU's ragged_dot was 1.3-4x slower than `dense` at every
+  size `benchmarks/models.py` measured.
 """
 
 from __future__ import annotations
@@ -25,7 +28,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-MOE_IMPL = "grouped"
+
+
+def expert_impl(num_tokens: int, spec) -> str:
+    """The expert computation for a step of `num_tokens` tokens (static: shapes are)."""
+    if jax.default_backend() != "cpu":
+        return "grouped"
+    return "gather" if num_tokens * spec.num_experts_per_tok <= spec.num_experts else "dense"
 
 
 def route(h: jax.Array, router: jax.Array, spec) -> tuple[jax.Array, jax.Array]:
@@ -53,7 +62,15 @@ def moe_mlp(layer, h: jax.Array, spec, act, impl: str | None = None) -> jax.Arra
     """The experts' weighted sum for h [T, hidden] (normed), before the row-parallel sum;
     `act` is the activation of the gate."""
     gate_up, down = layer["experts_gate_up"], layer["experts_down"]
-    if (impl or MOE_IMPL) == "dense":
+    impl = impl or expert_impl(h.shape[0], spec)
+    if impl == "gather":
+        weights, experts = route(h, layer["router"], spec)
+        gate, up = jnp.split(jnp.einsum("th,tkhf->tkf", h.astype(gate_up.dtype), gate_up[experts],
+                                        preferred_element_type=jnp.float32), 2, axis=-1)
+        y = jnp.einsum("tkf,tkfh->tkh", (act(gate) * up).astype(down.dtype), down[experts],
+                       preferred_element_type=jnp.float32)
+        return jnp.einsum("tkh,tk->th", y, weights)
+    if impl == "dense":
         weights, experts = route(h, layer["router"], spec)
         dense_weights = jnp.zeros((h.shape[0], spec.num_experts), jnp.float32)
         dense_weights = dense_weights.at[jnp.arange(h.shape[0])[:, None], experts].set(weights)

@@ -115,8 +115,10 @@ def _partial_rotary(c: _Config, head_dim: int, *keys) -> int | None:
     return None if factor == 1.0 else int(head_dim * factor)
 
 
-def _windows(c: _Config, num_layers: int, max_pos: int, default_use: bool) -> tuple[int, ...]:
-    """Per layer: the sliding window, 0 for global attention (() when every layer is global)."""
+def _windows(c: _Config, num_layers: int, default_use: bool) -> tuple[int, ...]:
+    """Per layer: the sliding window, 0 for global attention (() when every layer is global).
+    A window as long as the context masks nothing but still marks the layer's kind (Gemma 3's
+    sliding layers take the local RoPE base whatever their window)."""
     window = c.get("sliding_window")
     types = c.get("layer_types")
     if types is None:
@@ -132,7 +134,7 @@ def _windows(c: _Config, num_layers: int, max_pos: int, default_use: bool) -> tu
     unknown = set(types) - {"sliding_attention", "full_attention"}
     if unknown:
         raise UnsupportedModelError(f"{c.arch}: layer_types {sorted(unknown)} not implemented")
-    if not window or int(window) >= max_pos:
+    if not window:
         return ()
     windows = tuple(int(window) if t == "sliding_attention" else 0 for t in types)
     return windows if any(windows) else ()
@@ -161,11 +163,9 @@ def _llama(c: _Config, f: dict) -> dict:
     else:
         out.update(_rope(c))
     out["rotary_dim"] = _partial_rotary(c, f["head_dim"], "partial_rotary_factor")
-    out["layer_windows"] = _windows(c, f["num_layers"], f["max_position_embeddings"],
+    out["layer_windows"] = _windows(c, f["num_layers"],
                                     default_use=arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
                                                          "Gemma3ForCausalLM"))
-    if out["layer_windows"] and arch == "Gemma3ForCausalLM" and all(out["layer_windows"]):
-        out["local_rope_theta"] = None     # no global layer: the local base would never be used
     experts = c.get("num_local_experts", "num_experts")
     if arch in ("MixtralForCausalLM", "Qwen3MoeForCausalLM") and experts:
         sparse_step = int(c.get("decoder_sparse_step", default=1))
