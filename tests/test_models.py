@@ -167,9 +167,15 @@ def test_logits_match_hf_float32(model_pair, impl):
 BF16_TOL = 0.03
 
 
+# The `jnp` rows backend in bf16 on a few families (each of the others: native only).
+BF16_ROWS_KINDS = ("llama3_rope", "qwen3", "gemma3", "falcon")
+
+
 @pytest.mark.parametrize("impl", ["native", "cpu"])
 def test_logits_bfloat16_close_to_hf(model_pair, impl):
     kind, path, seqs, expected = model_pair
+    if impl == "cpu" and kind not in BF16_ROWS_KINDS:
+        pytest.skip("bf16 through the jnp rows backend: checked on BF16_ROWS_KINDS")
     loaded = load_model(str(path), dtype="bfloat16", use_cache=False, progress=False)
     assert loaded.params["layers"][0]["wqkv"].dtype == jnp.bfloat16
     assert loaded.params["layers"][0]["attn_norm"].dtype == jnp.float32

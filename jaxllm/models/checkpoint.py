@@ -36,20 +36,17 @@ def build_params(get: Callable[[str, tuple], Any], has: Callable[[str], bool], s
     `name`. Fusing happens in numpy, and each result is put on the default device once.
     """
     read = _Reader(get, has, spec)
-    arch = spec.architecture
-    if arch == "OPTForCausalLM":
-        top, layer_fn, prefix = _opt_top(read, spec), _opt_layer, "model.decoder.layers."
-    elif arch == "GPTNeoXForCausalLM":
-        top, layer_fn, prefix = _neox_top(read, spec), _gpt_neox_layer, "gpt_neox.layers."
-    elif arch == "FalconForCausalLM":
-        top, layer_fn, prefix = _falcon_top(read, spec), _falcon_layer, "transformer.h."
-    else:
-        top, layer_fn, prefix = _llama_top(read, spec), _llama_layer, "model.layers."
+    layer_fn, prefix, embed, final_norm, lm_head = _FAMILIES.get(spec.architecture, _FAMILIES["llama"])
+    h = spec.hidden_size
+    top = {"embed": read.tensor(embed + ".weight", (spec.vocab_size, h))}
+    read.norm(top, "final_norm", final_norm, bias=spec.norm == "layer", plus_one=spec.architecture == "Gemma3ForCausalLM")
+    if spec.position == "learned":     # OPT: 2 extra rows first (position p is row p + 2)
+        pos = read.tensor("model.decoder.embed_positions.weight", (spec.max_position_embeddings + 2, h))
+        top["pos_embed"] = pos[2:]
     if not spec.tie_word_embeddings:
-        if not has("lm_head.weight") and "lm_head" not in top:
-            raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
-        if "lm_head" not in top:
-            top["lm_head"] = read.matrix(("lm_head.weight", spec.vocab_size))
+        if not has(lm_head + ".weight"):
+            raise ValueError(f"checkpoint has no {lm_head}.weight and tie_word_embeddings is false")
+        top["lm_head"] = read.matrix((lm_head + ".weight", spec.vocab_size))
     wdtype = jnp.dtype(dtype)
     params = {name: _finish(name, x, wdtype) for name, x in top.items()}
     params["layers"] = [{name: _finish(name, x, wdtype) for name, x in layer_fn(read, f"{prefix}{i}.", spec, i).items()}
@@ -102,12 +99,6 @@ def _split_heads(w: np.ndarray, spec: ModelSpec) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- Llama-like families
-
-
-def _llama_top(read: _Reader, spec: ModelSpec) -> dict:
-    out = {"embed": read.tensor("model.embed_tokens.weight", (spec.vocab_size, spec.hidden_size))}
-    read.norm(out, "final_norm", "model.norm", plus_one=spec.architecture == "Gemma3ForCausalLM")
-    return out
 
 
 def _llama_layer(read: _Reader, p: str, spec: ModelSpec, index: int) -> dict:
@@ -166,15 +157,6 @@ def _experts(read: _Reader, p: str, spec: ModelSpec) -> dict:
 # ----------------------------------------------------------------------------- OPT, GPT-NeoX, Falcon
 
 
-def _opt_top(read: _Reader, spec: ModelSpec) -> dict:
-    d = "model.decoder."
-    # OPT's position table has 2 extra rows first (position p is row p + 2).
-    pos = read.tensor(d + "embed_positions.weight", (spec.max_position_embeddings + 2, spec.hidden_size))
-    out = {"embed": read.tensor(d + "embed_tokens.weight", (spec.vocab_size, spec.hidden_size)), "pos_embed": pos[2:]}
-    read.norm(out, "final_norm", d + "final_layer_norm", bias=True)
-    return out
-
-
 def _opt_layer(read: _Reader, p: str, spec: ModelSpec, index: int) -> dict:
     h, q, kv, ff = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
     a = p + "self_attn."
@@ -187,14 +169,6 @@ def _opt_layer(read: _Reader, p: str, spec: ModelSpec, index: int) -> dict:
                    b_down=read.vector((p + "fc2.bias", h)))
     read.norm(out, "attn_norm", p + "self_attn_layer_norm", bias=True)
     read.norm(out, "mlp_norm", p + "final_layer_norm", bias=True)
-    return out
-
-
-def _neox_top(read: _Reader, spec: ModelSpec) -> dict:
-    out = {"embed": read.tensor("gpt_neox.embed_in.weight", (spec.vocab_size, spec.hidden_size))}
-    read.norm(out, "final_norm", "gpt_neox.final_layer_norm", bias=True)
-    if not spec.tie_word_embeddings:
-        out["lm_head"] = read.matrix(("embed_out.weight", spec.vocab_size))
     return out
 
 
@@ -212,12 +186,6 @@ def _gpt_neox_layer(read: _Reader, p: str, spec: ModelSpec, index: int) -> dict:
         out["bo"] = read.vector((a + "dense.bias", h))
     read.norm(out, "attn_norm", p + "input_layernorm", bias=True)
     read.norm(out, "mlp_norm", p + "post_attention_layernorm", bias=True)
-    return out
-
-
-def _falcon_top(read: _Reader, spec: ModelSpec) -> dict:
-    out = {"embed": read.tensor("transformer.word_embeddings.weight", (spec.vocab_size, spec.hidden_size))}
-    read.norm(out, "final_norm", "transformer.ln_f", bias=True)
     return out
 
 
@@ -240,6 +208,17 @@ def _falcon_layer(read: _Reader, p: str, spec: ModelSpec, index: int) -> dict:
         read.norm(out, "mlp_norm", p + ("input_layernorm" if spec.parallel_residual else "post_attention_layernorm"),
                   bias=True)
     return out
+
+
+# Per family: (layer reader, layer name prefix, embeddings, final norm, LM head), by architecture.
+_FAMILIES = {
+    "llama": (_llama_layer, "model.layers.", "model.embed_tokens", "model.norm", "lm_head"),
+    "OPTForCausalLM": (_opt_layer, "model.decoder.layers.", "model.decoder.embed_tokens",
+                       "model.decoder.final_layer_norm", "lm_head"),
+    "GPTNeoXForCausalLM": (_gpt_neox_layer, "gpt_neox.layers.", "gpt_neox.embed_in", "gpt_neox.final_layer_norm",
+                           "embed_out"),
+    "FalconForCausalLM": (_falcon_layer, "transformer.h.", "transformer.word_embeddings", "transformer.ln_f", "lm_head"),
+}
 
 
 def check_shape(name: str, arr, shape: tuple, source: str):

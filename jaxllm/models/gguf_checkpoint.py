@@ -2,9 +2,11 @@
 
 `read_gguf` is a small reader of the header and tensor table (data stays memory-mapped);
 tensors are dequantized with `gguf.quants.dequantize`. The metadata becomes an HF-style config
-(`_gguf_spec`), the tensors are renamed to HF names, and the Q/K rows that llama.cpp's converter
-permutes for its interleaved RoPE are permuted back, so `build_params` and one rotate-half RoPE
-serve GGUF and HF checkpoints alike. The tokenizer is built by transformers from the metadata.
+(`_gguf_spec`), the tensors are renamed to HF names, and what llama.cpp's converter changed is
+changed back: the Q/K rows it permutes for its interleaved RoPE ("llama"), Gemma's norms it
+stores as `1 + w`, GPT-NeoX's and Falcon's fused QKV it reorders to `[q; k; v]`, and experts it
+stacks (read as one fused tensor). So `build_params` and one rotate-half RoPE serve GGUF and HF
+checkpoints alike. The tokenizer is built by transformers from the metadata.
 """
 
 from __future__ import annotations
