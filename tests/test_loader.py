@@ -167,6 +167,7 @@ GGUF_CASES = {
                                                        "original_max_position_embeddings": 8192},
                                       max_position_embeddings=16384)),
     "qwen2": ("Qwen2", "qwen2", {}),
+    "mistral": ("Mistral", "llama", dict(sliding_window=48)),   # a "llama" GGUF with a window
     "qwen3": ("Qwen3", "qwen3", dict(head_dim=32, tie_word_embeddings=True)),
     "phi3": ("Phi3", "phi3", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=48)),
     # llama.cpp fixes Gemma 3's layer pattern (5 windowed : 1 global), local RoPE base and query scale.
@@ -333,6 +334,8 @@ def test_gguf_converted_from_hf_loads_the_same_params(tmp_path, arch):
     assert dataclasses.replace(from_gguf.spec, **ids) == dataclasses.replace(from_hf.spec, **ids)
     if arch == "llama":
         assert from_gguf.spec.llama3_rope_scaling == (8.0, 1.0, 4.0, 8192)
+    if arch == "mistral":
+        assert from_gguf.spec.layer_windows == (48, 48)
     assert jax.tree.structure(from_gguf.params) == jax.tree.structure(from_hf.params)
     jax.tree.map(np.testing.assert_array_equal, from_gguf.params, from_hf.params)
 

@@ -27,7 +27,7 @@ from jaxllm.models.registry import UnsupportedModelError, spec_from_hf_config
 
 logger = logging.getLogger(__name__)
 
-# A "llama" GGUF with experts is a Mixtral.
+# A "llama" GGUF with experts is a Mixtral, with a sliding window a Mistral (`_hf_architecture`).
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                        "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
                        "gptneox": "GPTNeoXForCausalLM", "falcon": "FalconForCausalLM"}
@@ -246,7 +246,7 @@ def _gguf_spec(path: str, metadata: dict, tensors: dict[str, GGUFTensor]) -> Mod
     eos = [metadata[tok + k] for k in ("eos_token_id", "eot_token_id", "eom_token_id") if tok + k in metadata]
     experts = metadata.get(f"{arch}.expert_count")
     config = {
-        "architectures": ["MixtralForCausalLM" if arch == "llama" and experts else _GGUF_ARCHITECTURES[arch]],
+        "architectures": [_hf_architecture(arch, experts, metadata.get(f"{arch}.attention.sliding_window"))],
         "vocab_size": embed.shape[0],
         "hidden_size": hidden,
         "intermediate_size": int(md("feed_forward_length")),
@@ -300,6 +300,15 @@ def _gguf_spec(path: str, metadata: dict, tensors: dict[str, GGUFTensor]) -> Mod
             path, spec, _dequantize(tensors["rope_freqs.weight"]), orig_ctx)
         spec = spec_from_hf_config(config)
     return spec
+
+
+def _hf_architecture(arch: str, experts, window) -> str:
+    """llama.cpp writes Mistral (a sliding window) and Mixtral (experts) as "llama"."""
+    if arch == "llama" and experts:
+        return "MixtralForCausalLM"
+    if arch == "llama" and window:
+        return "MistralForCausalLM"
+    return _GGUF_ARCHITECTURES[arch]
 
 
 def _token_id(metadata: dict, text: str) -> int | None:
