@@ -19,6 +19,11 @@ Parts:
   (each pair's expert weights gathered), `dense` (every expert on every token, zero-weighted
   outside the top k) and `grouped` (`jax.lax.ragged_dot` over the pairs sorted by expert);
   `moe.expert_impl` is what the engine picks at that size.
+- "window_kv": the `window` model on long requests (--long-requests prompts of
+  --long-input-len tokens, 32 outputs each, max_model_len 4096): the KV pages its requests
+  hold at the busiest step, per KV cache group (global layers, windowed layers), and the
+  bytes they take against the bytes the same requests would take if every layer kept every
+  page (what the engine did before windowed layers released theirs); and output tokens/s.
 
 JSON to --out (default benchmarks/results/models.json).
 """
@@ -137,9 +142,55 @@ def experts(spec, layer, token_counts) -> list[dict]:
     return rows
 
 
+def window_kv(path: str, args, cache_dir: str) -> dict:
+    import numpy as np
+
+    from jaxllm import LLM, SamplingParams
+    from jaxllm.config import kv_bytes_per_token
+
+    llm = LLM(path, params_cache_dir=cache_dir, dtype=args.dtype, max_model_len=4096)
+    core, spec, cache = llm.engine.engine_core, llm.engine.spec, llm.engine.config.cache
+    kv = core.kv_cache_manager
+    layers = [spec.num_layers - sum(1 for i in range(spec.num_layers) if spec.window(i)),
+              sum(1 for i in range(spec.num_layers) if spec.window(i))]
+    page_bytes = kv_bytes_per_token(spec, cache.dtype) // spec.num_layers * cache.block_size   # one layer's page
+    peak = {"held": [0, 0], "tokens": 0}
+    step = core.step
+
+    def watched():
+        out = step()
+        held = [sum(len(g.held(r)) for r in core.scheduler.running) for g in kv.groups]
+        if held[0] > peak["held"][0]:
+            peak["held"] = held
+        return out
+
+    core.step = watched
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(3, VOCAB, args.long_input_len).tolist()}
+               for _ in range(args.long_requests)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, detokenize=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    held = peak["held"]
+    with_groups = page_bytes * (held[0] * layers[0] + held[1] * layers[1])
+    one_pool = page_bytes * held[0] * spec.num_layers
+    out = {"requests": args.long_requests, "input_len": args.long_input_len, "output_len": 32,
+           "window": max(spec.layer_windows), "layers_global_windowed": layers,
+           "pool_pages_per_group": [g.num_blocks for g in kv.groups], "peak_pages_held_per_group": held,
+           "peak_kv_mib": with_groups / 2**20, "peak_kv_mib_if_every_layer_kept_every_page": one_pool / 2**20,
+           "output_tok_s": tokens / wall, "wall_s": wall}
+    print(f"window_kv: {args.long_requests} x {args.long_input_len}-token prompts, pages held at the peak "
+          f"{held} (global, windowed layers) = {out['peak_kv_mib']:.1f} MiB of KV, against "
+          f"{out['peak_kv_mib_if_every_layer_kept_every_page']:.1f} MiB if every layer kept every page "
+          f"({one_pool / with_groups:.2f}x); {out['output_tok_s']:.1f} output tok/s", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="throughput,routing,experts")
+    ap.add_argument("--parts", default="throughput,routing,experts,window_kv")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--num-prompts", type=int, default=128)
     ap.add_argument("--input-len", type=parse_range, default=(32, 256))
@@ -147,6 +198,8 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=128, help="the sliding window of the `window` model")
     ap.add_argument("--batches", default="1,8,32", help="routing: decode batches (default: %(default)s)")
     ap.add_argument("--tokens", default="1,4,8,32,256,1024", help="experts: tokens (default: %(default)s)")
+    ap.add_argument("--long-requests", type=int, default=8, help="window_kv: requests (default: %(default)s)")
+    ap.add_argument("--long-input-len", type=int, default=3000, help="window_kv: prompt tokens (default: %(default)s)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "models.json"))
     args = ap.parse_args()
     parts = args.parts.split(",")
@@ -159,8 +212,8 @@ def main() -> None:
               "machine": machine, "versions": versions()}
     requests = random_workload(args.num_prompts, args.input_len, args.output_len, 0, VOCAB, [0, 1, 2])
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in ("moe", "window"):
-            if kind == "window" and "throughput" not in parts:
+        for kind, uses in (("moe", {"throughput", "routing", "experts"}), ("window", {"throughput"})):
+            if not uses & set(parts):
                 continue
             llm = LLM(build(kind, os.path.join(tmp, kind), args.window), params_cache_dir=os.path.join(tmp, "cache"),
                       dtype=args.dtype, max_model_len=512)
@@ -187,6 +240,9 @@ def main() -> None:
             if "experts" in parts:
                 out["experts"] = experts(spec, layer, list(map(int, args.tokens.split(","))))
             del llm
+        if "window_kv" in parts:
+            result["window_kv"] = window_kv(build("window", os.path.join(tmp, "window"), args.window), args,
+                                            os.path.join(tmp, "cache"))
     write_result(args.out, result)
 
 

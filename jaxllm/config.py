@@ -256,6 +256,20 @@ class CacheConfig:
     dtype: str
     enable_prefix_caching: bool
     num_swap_blocks: int = 0        # host pages for swapped-out requests (preemption_mode="swap")
+    # Sliding windows (core/kv_cache_manager.py): pages before every query's window are freed
+    # when `sliding_window` > 0; with `num_window_blocks` > 0 the windowed layers have their
+    # own pool of that many pages (a model that mixes windowed and global layers).
+    sliding_window: int = 0
+    num_window_blocks: int = 0
+
+    @property
+    def group_windows(self) -> tuple[int, ...]:
+        """Per KV cache group, its window (0: none); the windowed layers are group 1, if any."""
+        return (0, self.sliding_window) if self.num_window_blocks else (self.sliding_window,)
+
+    @property
+    def group_num_blocks(self) -> tuple[int, ...]:
+        return (self.num_blocks, self.num_window_blocks) if self.num_window_blocks else (self.num_blocks,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,6 +301,17 @@ def kv_bytes_per_token(spec, dtype: str, tensor_parallel_size: int = 1) -> int:
     return 2 * spec.num_layers * kv_heads * spec.head_dim * DTYPES[check_dtype(dtype)]
 
 
+def sliding_window(spec, max_model_len: int, speculative: SpeculativeConfig | None) -> tuple[int, int]:
+    """(the window past which KV pages are freed, 0 for none; how many layers have a window).
+    The largest of the layers' windows, and none when it spans max_model_len or a draft model
+    shares the block tables (it attends over every page)."""
+    windows = [spec.window(i) or 0 for i in range(spec.num_layers)]
+    window = max(windows)
+    if not window or window >= max_model_len or (speculative is not None and speculative.method == "draft_model"):
+        return 0, 0
+    return window, sum(1 for w in windows if w)
+
+
 def kv_cache_budget(args: EngineArgs, available_memory: int | None) -> int:
     """Bytes for the KV pool: `kv_cache_memory`, else `gpu_memory_utilization` of
     `available_memory` (what the device has left once the weights are loaded), else 2 GiB."""
@@ -314,13 +339,27 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
         raise ValueError(
             f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
             f"({spec.max_position_embeddings})")
+    speculative = SpeculativeConfig.parse(args.speculative_config)
+    max_batched = max(args.max_num_batched_tokens, args.max_num_seqs)
+    window, windowed_layers = sliding_window(spec, max_model_len, speculative)
     page_bytes = kv_bytes_per_token(spec, dtype, args.tensor_parallel_size) * args.block_size
+    num_window_blocks = 0
     if args.num_gpu_blocks_override is not None:
         num_blocks = args.num_gpu_blocks_override
+        num_window_blocks = num_blocks if 0 < windowed_layers < spec.num_layers else 0
     else:
         budget = kv_cache_budget(args, available_memory)
         num_blocks = budget // page_bytes
-        if num_blocks < 2:
+        if 0 < windowed_layers < spec.num_layers:
+            # Two pools, in the proportion a request of max_model_len holds at its peak in each:
+            # every page in the global layers, a window and a chunk in the windowed ones.
+            layer_page_bytes = page_bytes // spec.num_layers
+            full = -(-max_model_len // args.block_size)
+            windowed = min(full, -(-(window - 1 + max_batched) // args.block_size) + 1)
+            requests = budget / (layer_page_bytes * (full * (spec.num_layers - windowed_layers)
+                                                     + windowed * windowed_layers))
+            num_blocks, num_window_blocks = int(requests * full), int(requests * windowed)
+        if min(num_blocks, num_window_blocks or num_blocks) < 2:
             raise ValueError(
                 f"the KV cache budget ({budget / 2**20:.1f} MiB) holds {num_blocks} pages of "
                 f"{page_bytes / 2**10:.0f} KiB; raise kv_cache_memory or gpu_memory_utilization")
@@ -328,7 +367,6 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
     compilation_cache_dir = args.compilation_cache_dir
     if compilation_cache_dir is None:
         compilation_cache_dir = os.path.join(default_cache_root(), "xla")
-    max_batched = max(args.max_num_batched_tokens, args.max_num_seqs)
     return EngineConfig(
         model_name=args.served_model_name or model_name,
         dtype=dtype,
@@ -342,7 +380,8 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
             preemption_mode=args.preemption_mode,
         ),
         cache=CacheConfig(block_size=args.block_size, num_blocks=int(num_blocks), dtype=dtype,
-                          enable_prefix_caching=args.enable_prefix_caching, num_swap_blocks=num_swap_blocks),
+                          enable_prefix_caching=args.enable_prefix_caching, num_swap_blocks=num_swap_blocks,
+                          sliding_window=window, num_window_blocks=num_window_blocks),
         attention_backend=args.attention_backend,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
@@ -350,5 +389,5 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
         warmup=args.warmup,
         background_compile=args.background_compile,
         packed_weights=args.packed_weights,
-        speculative=SpeculativeConfig.parse(args.speculative_config),
+        speculative=speculative,
     )

@@ -175,6 +175,8 @@ def pipelined_forward(params, kv_cache, ints, floats, *, unpack, spec: decoder.M
             mine = jnp.clip(m, 0, num_micro - 1)
             inputs = unpack(ints[mine], floats[mine])
             inputs.slot_mapping = jnp.where(busy, inputs.slot_mapping, -1)
+            if inputs.window_slot_mapping is not None:
+                inputs.window_slot_mapping = jnp.where(busy, inputs.window_slot_mapping, -1)
             x = embedded[min(t, num_micro - 1)]
             if carry is not None:
                 x = jnp.where(stage == 0, x, carry)

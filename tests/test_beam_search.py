@@ -109,14 +109,14 @@ def test_beams_share_pages_and_copy_exactly_when_they_diverge_inside_a_page(llm,
             for j, block_id in enumerate(req.block_ids):
                 holders.setdefault(block_id, []).append((j, req))
         for block_id, held in holders.items():
-            assert kv.blocks[block_id].ref_cnt == len(held)
+            assert kv.groups[0].blocks[block_id].ref_cnt == len(held)
             assert len({j for j, _ in held}) == 1
             j = held[0][0]
             end = min(r.num_computed_tokens for _, r in held)
             assert len({tuple(r.all_token_ids[j * bs:min(end, (j + 1) * bs)]) for _, r in held}) == 1
         peak["used"] = max(peak["used"], kv.num_used_blocks)
         peak["unshared"] = max(peak["unshared"], sum(len(r.block_ids) for r in engine.scheduler.running))
-        peak["max_ref"] = max([peak["max_ref"]] + [kv.blocks[b].ref_cnt for b in holders])
+        peak["max_ref"] = max([peak["max_ref"]] + [kv.groups[0].blocks[b].ref_cnt for b in holders])
 
     real_step = engine.engine_core.step
 
@@ -136,7 +136,7 @@ def test_beams_share_pages_and_copy_exactly_when_they_diverge_inside_a_page(llm,
     assert kv.num_copies - copies0 == len(forks_mid_page)
     assert peak["max_ref"] >= 4     # a prompt's pages are held by all 4 of its beams
     assert peak["used"] < peak["unshared"]
-    assert kv.num_used_blocks == 0 and not kv.pending_copies
+    assert kv.num_used_blocks == 0 and not kv.groups[0].pending_copies
 
 
 def test_small_pool_runs_prompts_as_they_fit(tiny_model_dir, hf_model):

@@ -194,9 +194,9 @@ def test_gemma3_270m_gguf_matches_transformers(gemma3_gguf, tmp_path):
     assert (spec.rope_theta, spec.local_rope_theta, spec.attn_scale) == (1e6, 1e4, 256 ** -0.5)
     folder, file = os.path.split(gemma3_gguf)
     reference_tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-    text = " ".join(f"Item {i} of the list is the number {i * i}." for i in range(60))
+    text = " ".join(f"Item {i} of the list is the number {i * i}." for i in range(40))
     ids = llm.get_tokenizer()(text).input_ids
-    assert ids == reference_tok(text).input_ids and len(ids) > 700          # past the window
+    assert ids == reference_tok(text).input_ids and len(ids) > 520          # past the window
     assert reference_tok.convert_ids_to_tokens(list(spec.eos_token_ids)) == ["<eos>", "<end_of_turn>"]
 
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()

@@ -109,11 +109,11 @@ def test_forced_hash_collisions_never_return_wrong_kv(llm_on, reference, monkeyp
     h0 = kv.prefix_hits
     outs = [llm_on.generate([p], greedy(12), use_tqdm=False)[0] for p in prompts]
     assert token_ids(outs) == reference
-    assert set(kv.cached) == {42} and len(kv.cached[42]) > 10
+    assert set(kv.groups[0].cached) == {42} and len(kv.groups[0].cached[42]) > 10
     assert [o.num_cached_tokens for o in outs] == EXPECTED_CACHED
     assert kv.prefix_hits - h0 == sum(o.num_cached_tokens for o in outs)
     kv.reset_prefix_cache()
-    assert not kv.cached
+    assert not kv.groups[0].cached
 
 
 def test_eviction_and_preemption_give_same_outputs(tiny_model_dir, llm_off):
@@ -126,14 +126,14 @@ def test_eviction_and_preemption_give_same_outputs(tiny_model_dir, llm_off):
     kv = small.engine.kv_cache_manager
     assert token_ids(small.generate([warm], greedy(12), use_tqdm=False)) == expected[:1]
     probe = Request("probe", warm + expected[0][0] + [1], greedy())
-    assert len(kv.get_computed_blocks(probe)) == 6   # 25 computed tokens: 6 full pages
+    assert len(kv.get_computed_blocks(probe)[0]) == 6   # 25 computed tokens: 6 full pages
     outs = small.generate(prompts * 2, greedy(12), use_tqdm=False)
     assert token_ids(outs) == expected[1:] * 2
     assert small.engine.stats.num_preemptions > 0
     assert kv.prefix_hits > 0
     assert kv.num_used_blocks == 0
     # The pool could not keep everything: the warm-up prompt's pages were evicted since.
-    assert len(kv.get_computed_blocks(probe)) < 6
+    assert len(kv.get_computed_blocks(probe)[0]) < 6
     # Caching off under the same pressure gives the same outputs.
     kv.enable_prefix_caching = False
     kv.reset_prefix_cache()
@@ -172,7 +172,7 @@ def test_n_samples_hold_the_prompt_pages_once(llm_on):
     assert all(r is not None and len(r.output_token_ids) >= 2 for r in reqs)
     tables = [r.block_ids for r in reqs]
     assert all(t[:shared] == tables[0][:shared] for t in tables)
-    assert all(kv.blocks[b].ref_cnt == n for b in tables[0][:shared])
+    assert all(kv.groups[0].blocks[b].ref_cnt == n for b in tables[0][:shared])
     own = [b for t in tables for b in t[shared:]]
     assert len(own) == len(set(own)) and not set(own) & set(tables[0][:shared])
     assert kv.num_used_blocks == shared + len(own)
@@ -206,7 +206,7 @@ def test_prefix_queries_counted_once_per_admission():
     req = _request(10)                         # first's 8 tokens + 2: hits 2 pages, needs 1 more
     for _ in range(2):
         computed = kv.get_computed_blocks(req)
-        assert len(computed) == 2 and not kv.allocate_slots(req, 10 - 8, computed)   # blocked
+        assert len(computed[0]) == 2 and not kv.allocate_slots(req, 10 - 8, computed)   # blocked
     kv.free(hog)
     assert kv.allocate_slots(req, 10 - 8, kv.get_computed_blocks(req))
     assert kv.prefix_queries == 8 + 8 + 10
@@ -220,19 +220,19 @@ def test_fork_shares_pages_and_copies_only_on_divergent_write():
     child = _request(10, "child")
     kv.fork(parent, child)
     assert child.block_ids == parent.block_ids and child.num_computed_tokens == 10
-    assert [kv.blocks[b].ref_cnt for b in parent.block_ids] == [2, 2, 2]
+    assert [kv.groups[0].blocks[b].ref_cnt for b in parent.block_ids] == [2, 2, 2]
     assert kv.request_usage(child) == (3, 3)
     used = kv.num_used_blocks
     # Both write their own next token into the shared, partly filled page 2.
     parent.output_token_ids.append(1)
     child.output_token_ids.append(2)
     assert kv.allocate_slots(parent, 1)
-    src, dst = kv.take_pending_copies()
+    [(src, dst)] = kv.take_pending_copies()
     assert src == [child.block_ids[2]] and dst == [parent.block_ids[2]] and kv.num_copies == 1
     assert kv.allocate_slots(child, 1)         # now the only holder: writes in place
-    assert kv.take_pending_copies() == ([], []) and kv.num_copies == 1
+    assert kv.take_pending_copies() == [([], [])] and kv.num_copies == 1
     assert parent.block_ids[:2] == child.block_ids[:2] and parent.block_ids[2] != child.block_ids[2]
-    assert [kv.blocks[b].ref_cnt for b in child.block_ids] == [2, 2, 1]
+    assert [kv.groups[0].blocks[b].ref_cnt for b in child.block_ids] == [2, 2, 1]
     assert kv.num_used_blocks == used + 1
     parent.num_computed_tokens += 1
     child.num_computed_tokens += 1
@@ -247,7 +247,7 @@ def test_fork_shares_pages_and_copies_only_on_divergent_write():
     for r, tok in ((child, 4), (grandchild, 5)):
         r.output_token_ids.append(tok)
         assert kv.allocate_slots(r, 1)
-    assert kv.take_pending_copies() == ([], []) and kv.num_copies == 1
+    assert kv.take_pending_copies() == [([], [])] and kv.num_copies == 1
     assert child.block_ids[:3] == grandchild.block_ids[:3] and child.block_ids[3] != grandchild.block_ids[3]
 
     # A fork that is dropped before writing leaves the page to the other: no copy.
@@ -262,12 +262,12 @@ def test_fork_shares_pages_and_copies_only_on_divergent_write():
     other = _request(13, "other")
     kv.fork(grandchild, other)
     other.output_token_ids.append(7)
-    assert kv.allocate_slots(other, 1) and kv.pending_copies
+    assert kv.allocate_slots(other, 1) and kv.groups[0].pending_copies
     kv.free(other)
-    assert kv.take_pending_copies() == ([], [])
+    assert kv.take_pending_copies() == [([], [])]
     for r in (parent, child, grandchild):
         kv.free(r)
-    assert kv.num_used_blocks == 0 and all(b.ref_cnt == 0 for b in kv.blocks)
+    assert kv.num_used_blocks == 0 and all(b.ref_cnt == 0 for b in kv.groups[0].blocks)
 
 
 def test_copy_on_write_fails_cleanly_without_free_pages():
@@ -280,6 +280,6 @@ def test_copy_on_write_fails_cleanly_without_free_pages():
     _run(kv, hog, 4)                           # the last free page
     parent.output_token_ids.append(1)
     assert not kv.allocate_slots(parent, 1)    # a copy needs a page: nothing changes
-    assert parent.block_ids == child.block_ids and not kv.pending_copies
+    assert parent.block_ids == child.block_ids and not kv.groups[0].pending_copies
     kv.free(hog)
     assert kv.allocate_slots(parent, 1) and kv.num_copies == 1

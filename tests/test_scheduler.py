@@ -285,9 +285,9 @@ def check_invariants(s: Scheduler, out=None):
     for r in live:
         for b in r.block_ids:
             holders[b] = holders.get(b, 0) + 1
-    for block in kv.blocks:                                   # no page leaked or double-freed
+    for block in kv.groups[0].blocks:                                   # no page leaked or double-freed
         assert block.ref_cnt == holders.get(block.block_id, 0)
-        assert (block.block_id in kv.free_blocks) == (block.ref_cnt == 0)
+        assert (block.block_id in kv.groups[0].free_blocks) == (block.ref_cnt == 0)
     swapped = [slot for r in live for slot in r.swap_slots]
     assert len(swapped) == len(set(swapped)) and not set(swapped) & set(kv.free_swap_slots)
     assert len(swapped) + len(kv.free_swap_slots) == kv.num_swap_blocks

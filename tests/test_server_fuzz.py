@@ -15,7 +15,7 @@ from schemathesis.specs.openapi.checks import (
 
 from live_server import AUTH
 
-EXAMPLES = 100   # per operation and mode
+EXAMPLES = 60    # per operation and mode
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 OPERATIONS = ["GET /health", "GET /version", "GET /metrics", "GET /v1/models", "POST /v1/completions",
               "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize"]

@@ -1,7 +1,8 @@
 """Tensor, pipeline and data parallelism on 4 virtual CPU devices (tests/sharding_worker.py, in
 a subprocess so the other tests keep one device): TP 2, TP 4 (fewer KV heads than shards:
-replicated groups), DP 2, TP 2 x DP 2, PP 2, PP 4 (on a 4-layer model) and TP 2 x PP 2 generate
-exactly what one device does (float32 greedy, 64 requests, chunked prefill and preemption);
+replicated groups), DP 2, PP 2, PP 4 (on a 4-layer model) and TP 2 x PP 2 (also on a caller's
+Mesh) generate exactly what one device does (float32 greedy, 32 requests, chunked prefill and
+preemption; TP x DP: the server test below);
 each device holds 1/(tp * pp) of the split weights and of its replica's KV pages; data-parallel
 replicas share the requests."""
 
@@ -20,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # tensor x data [x pipeline] parallel sizes; "mesh:": on a caller's ("data", ["stage",] "model")
 # Mesh, with the weights restored from the params cache the layout before it wrote; "deep:": a
 # 4-layer model; "+swap": preemption swaps pages to the host
-LAYOUTS = ("2x1", "4x1", "1x2", "mesh:2x2", "1x1x2+swap", "2x1x2", "mesh:2x1x2", "deep:1x1x4")
+LAYOUTS = ("2x1", "4x1", "1x2", "1x1x2+swap", "2x1x2", "mesh:2x1x2", "deep:1x1x4")
 
 
 def sizes(layout: str) -> tuple[int, int, int]:

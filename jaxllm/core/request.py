@@ -61,7 +61,10 @@ class Request:
     cumulative_logprob: float = 0.0
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
-    block_ids: list[int] = dataclasses.field(default_factory=list)
+    # Per KV cache group (core/kv_cache_manager.py): the block table, and how many of its
+    # first pages were released (slid out of the group's window).
+    block_tables: list[list[int]] = dataclasses.field(default_factory=lambda: [[]])
+    num_released_blocks: list[int] = dataclasses.field(default_factory=lambda: [0])
     block_hashes: list[int] = dataclasses.field(default_factory=list)
     swap_slots: list[int] = dataclasses.field(default_factory=list)   # host pages while swapped out
     status: RequestStatus = RequestStatus.WAITING
@@ -69,6 +72,15 @@ class Request:
     num_preemptions: int = 0
     # Timestamps (time.monotonic) for metrics.
     scheduled_time: float | None = None
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The block table of group 0 (of every layer, for a model with one group)."""
+        return self.block_tables[0]
+
+    @block_ids.setter
+    def block_ids(self, block_ids: list[int]) -> None:
+        self.block_tables[0] = block_ids
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -198,7 +198,7 @@ class Scheduler:
             else:
                 # Prompt logprobs come from computing the prompt: no cached prefix for them.
                 computed = [] if request.prompt_logprobs is not None else self.kv.get_computed_blocks(request)
-                num_cached = len(computed) * self.kv.block_size
+                num_cached = len(computed[0]) * self.kv.block_size if computed else 0
                 num_new = min(request.num_tokens - num_cached, budget)
                 if not self.kv.allocate_slots(request, num_new, computed):
                     break

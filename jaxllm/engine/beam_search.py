@@ -66,7 +66,8 @@ class BeamSearchParams:
 @dataclasses.dataclass(slots=True)
 class BeamSearchSequence:
     """One finished hypothesis. `tokens` holds the prompt and the generated tokens (as in vLLM),
-    `text` their decoding; `score` is `cum_logprob / num_generated ** length_penalty`."""
+    `text` their decoding (None for a model without a tokenizer); `score` is
+    `cum_logprob / num_generated ** length_penalty`."""
 
     tokens: list[int]
     cum_logprob: float
@@ -180,8 +181,8 @@ class _PromptSearch:
         self.engine.engine_core.finish_requests([b.request_id for b in beams], RequestStatus.FINISHED_STOPPED)
 
     def output(self, tokenizer) -> BeamSearchOutput:
-        for seq in self.finished:
-            seq.text = tokenizer.decode(seq.tokens, skip_special_tokens=True)
+        for seq in self.finished:    # no text from a model without a tokenizer (token ids only)
+            seq.text = tokenizer.decode(seq.tokens, skip_special_tokens=True) if tokenizer is not None else None
         return BeamSearchOutput(self.finished)
 
 

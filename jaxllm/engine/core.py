@@ -37,9 +37,9 @@ class EngineCore:
                  draft=None):
         """`draft`: the draft model (`LoadedModel`) of draft-model speculative decoding."""
         cache = config.cache
-        self.kv_cache_manager = KVCacheManager(cache.num_blocks, cache.block_size,
+        self.kv_cache_manager = KVCacheManager(cache.group_num_blocks, cache.block_size,
                                                enable_prefix_caching=cache.enable_prefix_caching,
-                                               num_swap_blocks=cache.num_swap_blocks)
+                                               num_swap_blocks=cache.num_swap_blocks, windows=cache.group_windows)
         spec_decode, proposer = config.speculative, None
         if spec_decode is not None and spec_decode.method == "ngram":
             proposer = NgramProposer(spec_decode.num_speculative_tokens, spec_decode.prompt_lookup_min,

@@ -204,11 +204,8 @@ class LLMEngine:
             raise ValueError(f"n={params.n} exceeds max_num_seqs ({self.config.scheduler.max_num_seqs})")
         # A sequence that cannot fit in the whole pool would preempt itself forever.
         max_tokens = params.max_tokens or max_len - len(prompt_token_ids)
-        need = self.kv_cache_manager.blocks_needed(min(len(prompt_token_ids) + max_tokens, max_len))
-        if need > self.kv_cache_manager.num_blocks:
-            raise ValueError(
-                f"prompt + max_tokens needs {need} KV pages but the pool only has "
-                f"{self.kv_cache_manager.num_blocks}; lower max_tokens or raise kv_cache_memory")
+        self.kv_cache_manager.check_fits(min(len(prompt_token_ids) + max_tokens, max_len),
+                                         self.config.scheduler.max_num_batched_tokens)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Stop requests now and free their pages. Unknown ids are ignored."""

@@ -275,6 +275,8 @@ def self_attention(layer, k_pages, v_pages, h, inputs, spec: ModelSpec, index: i
         rope = (inputs.rope_cos[..., lo : lo + spec.rope_half], inputs.rope_sin[..., lo : lo + spec.rope_half])
         q = apply_rope(q, rope)
         k = apply_rope(k, rope)
+    if spec.window(index) is not None and inputs.window_block_tables is not None:
+        inputs = inputs.window_view()      # a windowed layer with its own pages (a window KV cache group)
     k_pages, v_pages = attention.write_kv(k_pages, v_pages, k, v, inputs.slot_mapping)
     o = attention.forward(q, k_pages, v_pages, inputs, sliding_window=spec.window(index), sm_scale=spec.attn_scale)
     return matmul(o.reshape(num_tokens, spec.q_size), layer["wo"]), k_pages, v_pages

@@ -13,6 +13,8 @@ Shapes (T = bucket tokens, S = bucket sequences, P = pages per sequence, L = max
 
     token_ids, positions, slot_mapping [T] int32    (slot -1 = padding, written nowhere)
     block_tables [S, P] int32, seq_lens [S] int32   (cache length after this step)
+    window_*: a model with a window group (two KV cache groups, core/kv_cache_manager.py)
+    has the windowed layers' slot_mapping, block_tables and attn_metadata here; else None
     query_start_loc [S + 1] int32                   (sequence s owns tokens [qsl[s], qsl[s+1]))
     num_seqs [] int32, logits_indices [R] int32     (the tokens that get logits: R = S, each
                                                     sequence's last; or R = T, every token)
@@ -28,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.core.request import Request
+from jaxllm.runner.compile import Bucket
 
 NUM_BANNED = 32   # stop/EOS ids a request can hold back under min_tokens
 FLAG_ALL_GREEDY, FLAG_TOP_K_TOP_P, FLAG_PENALTIES, FLAG_LOGPROBS, FLAG_BANNED, FLAG_DRAFTS, FLAG_GRAMMAR = range(7)
@@ -48,17 +51,30 @@ class StepInputs:
     rope_cos: np.ndarray
     rope_sin: np.ndarray
     attn_metadata: dict     # the attention backend's own arrays (jaxllm/attention.py)
+    window_slot_mapping: np.ndarray | None = None
+    window_block_tables: np.ndarray | None = None
+    window_attn_metadata: dict | None = None
 
     @classmethod
     def zeros(cls, num_tokens: int, num_seqs: int, max_blocks: int, rope_width: int,
-              num_logits: int | None = None) -> StepInputs:
+              num_logits: int | None = None, window_group: bool = False) -> StepInputs:
         i32 = np.int32
-        return cls(token_ids=np.zeros(num_tokens, i32), positions=np.zeros(num_tokens, i32),
-                   slot_mapping=np.full(num_tokens, -1, i32), block_tables=np.zeros((num_seqs, max_blocks), i32),
-                   query_start_loc=np.zeros(num_seqs + 1, i32), seq_lens=np.zeros(num_seqs, i32),
-                   num_seqs=np.zeros((), i32), logits_indices=np.zeros(num_logits or num_seqs, i32),
-                   rope_cos=np.ones((num_tokens, 1, rope_width), np.float32),
-                   rope_sin=np.zeros((num_tokens, 1, rope_width), np.float32), attn_metadata={})
+        inputs = cls(token_ids=np.zeros(num_tokens, i32), positions=np.zeros(num_tokens, i32),
+                     slot_mapping=np.full(num_tokens, -1, i32), block_tables=np.zeros((num_seqs, max_blocks), i32),
+                     query_start_loc=np.zeros(num_seqs + 1, i32), seq_lens=np.zeros(num_seqs, i32),
+                     num_seqs=np.zeros((), i32), logits_indices=np.zeros(num_logits or num_seqs, i32),
+                     rope_cos=np.ones((num_tokens, 1, rope_width), np.float32),
+                     rope_sin=np.zeros((num_tokens, 1, rope_width), np.float32), attn_metadata={})
+        if window_group:
+            inputs.window_slot_mapping = inputs.slot_mapping.copy()
+            inputs.window_block_tables = inputs.block_tables.copy()
+            inputs.window_attn_metadata = {}
+        return inputs
+
+    def window_view(self) -> StepInputs:
+        """These inputs as the windowed layers of a two-group model read them (their pages)."""
+        return dataclasses.replace(self, slot_mapping=self.window_slot_mapping, block_tables=self.window_block_tables,
+                                   attn_metadata=self.window_attn_metadata)
 
 
 @jax.tree_util.register_dataclass
@@ -115,7 +131,8 @@ _ROW_PARAMS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "pres
 class InputBatch:
     """Rows of per-request state that persist across steps."""
 
-    def __init__(self, max_rows: int, max_model_len: int, max_blocks: int, block_size: int, vocab_size: int):
+    def __init__(self, max_rows: int, max_model_len: int, max_blocks: int, block_size: int, vocab_size: int,
+                 num_groups: int = 1):
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -124,7 +141,7 @@ class InputBatch:
         self.token_ids = np.zeros((0, max_model_len), np.int32)
         self.num_tokens = np.zeros(0, np.int32)          # tokens written into the row
         self.num_prompt_tokens = np.zeros(0, np.int32)
-        self.block_table = np.zeros((0, max_blocks), np.int32)
+        self.block_table = np.zeros((0, num_groups, max_blocks), np.int32)   # per KV cache group
         self.min_tokens = np.zeros(0, np.int32)
         self.banned = np.zeros((0, NUM_BANNED), np.int32)   # ids held back until min_tokens
         self.params = {name: np.zeros(0, np.float32 if isinstance(v, float) else np.int64)
@@ -175,8 +192,9 @@ class InputBatch:
                     self.num_tokens[row] = num_tokens
                 # Pages from the one being written on: new pages, and a copy-on-write copy.
                 first = req.num_computed_tokens // bs
-                tail = req.block_ids[first:]
-                self.block_table[row, first:first + len(tail)] = tail
+                for g, table in enumerate(req.block_tables):
+                    tail = table[first:]
+                    self.block_table[row, g, first:first + len(tail)] = tail
             rows[i] = row
         return rows
 
@@ -190,7 +208,8 @@ class InputBatch:
         self.num_tokens[row] = len(tokens)
         self.num_prompt_tokens[row] = req.num_prompt_tokens
         self.block_table[row] = 0
-        self.block_table[row, :len(req.block_ids)] = req.block_ids
+        for g, table in enumerate(req.block_tables):     # released pages included: never read
+            self.block_table[row, g, :len(table)] = table
         p = req.sampling_params
         values = {"temperature": p.temperature, "top_p": p.top_p, "top_k": min(max(p.top_k, 0), self.vocab_size),
                   "min_p": p.min_p, "presence_penalty": p.presence_penalty,
@@ -313,3 +332,23 @@ class PackedLayout:
                 x = x != 0
             out.append(x)
         return jax.tree_util.tree_unflatten(self.treedef, out)
+
+
+@dataclasses.dataclass
+class BucketBuffers:
+    """One bucket's persistent host buffers: the inputs, and the packed copy that is sent."""
+
+    bucket: Bucket
+    inputs: StepInputs
+    sampling: SamplingMetadata
+    layout: PackedLayout | None = None
+    ints: np.ndarray | None = None
+    floats: np.ndarray | None = None
+    token_masks: TokenMasks | None = None
+
+
+def fill(buf: np.ndarray, values, pad) -> None:
+    """buf[:len(values)] = values, the rest = pad."""
+    n = len(values)
+    buf[:n] = values
+    buf[n:] = pad

@@ -15,13 +15,7 @@ the penalty tokens (`[R, max_model_len]`) and the structured-output token mask (
 32]`, filled by the grammar backend for the constrained rows) travel apart, each usually a
 cached device array of -1s.
 
-Layers run as an unrolled Python loop over per-layer weights and per-layer page arrays,
-not `lax.scan` over stacked ones. Measured on the real step (`benchmarks/step.py
---compare-scan 1,32`, default model, bf16, context 512, 3 GiB pool, with the jnp attention
-of the time): unrolled 33 ms (batch 1) and 171 ms (batch 32) per step; scan 2270 ms at both,
-because the scanned page arrays are rewritten whole every step (and scan slices each layer's
-weights into fresh buffers). Scan compiles faster per bucket; the executable store pays the
-unrolled price once (see the README's start-up figures).
+Layers run as an unrolled loop, not `lax.scan` (measured: ARCHITECTURE.md, section 4).
 """
 
 from __future__ import annotations
@@ -44,7 +38,8 @@ from jaxllm.runner import pages as page_moves
 from jaxllm.runner import sampler
 from jaxllm.runner.compile import Bucket, make_buckets
 from jaxllm.runner.executables import CompiledSteps, ExecutableStore
-from jaxllm.runner.input_batch import FLAG_GRAMMAR, InputBatch, PackedLayout, SamplingMetadata, StepInputs, TokenMasks
+from jaxllm.runner.input_batch import (FLAG_GRAMMAR, BucketBuffers, InputBatch, PackedLayout, SamplingMetadata,
+                                      StepInputs, TokenMasks, fill)
 from jaxllm.runner.prompt_logprobs import PromptLogprobs
 from jaxllm.sampling_params import MAX_LOGPROBS
 from jaxllm.spec_decode.verify import accepted_counts
@@ -91,6 +86,11 @@ class ModelRunner:
         self.mesh = mesh
         self.num_kv_heads = layout.kv_heads_for(spec, parallel.tp_size(mesh))
         self.num_stages = parallel.pp_size(mesh)
+        # The KV cache group of each layer (slot of a stage): 1 for the windowed layers of a
+        # model with a window group (core/kv_cache_manager.py), else 0.
+        self.window_group = bool(config.cache.num_window_blocks)
+        self.layer_groups = tuple(int(self.window_group and spec.window(i) is not None)
+                                  for i in range(spec.num_layers // self.num_stages))
         # Pipeline stage-ticks that ran a micro-batch, of all (the rest is the pipeline's idle time).
         self.busy_stage_ticks = self.stage_ticks = 0
         # Where the step's inputs go: the device, or every device of the mesh (replicated).
@@ -138,9 +138,9 @@ class ModelRunner:
         self.steps = CompiledSteps(step, self.buckets, store, self._abstract_args)
         self._inv_freq = spec.inv_freq()
         self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.max_blocks, self.block_size,
-                                      spec.vocab_size)
+                                      spec.vocab_size, len(config.cache.group_windows))
         self.prompt_logprobs = PromptLogprobs(spec)
-        self._buffers: dict[tuple[Bucket, int], _BucketBuffers] = {}
+        self._buffers: dict[tuple[Bucket, int], BucketBuffers] = {}
         # Per R: the side inputs' cached device arrays of -1s (no penalties, every token allowed).
         self._no_penalty_tokens: dict[int, jax.Array] = {}
         self._all_allowed: dict[int, jax.Array] = {}
@@ -148,12 +148,13 @@ class ModelRunner:
     # ----- host-side inputs -----
     PADDING = -1    # `_bucket_buffers` micro-batch index of the all-padding inputs (warm-up, idle micro-batches)
 
-    def _bucket_buffers(self, bucket: Bucket, micro: int = 0) -> _BucketBuffers:
+    def _bucket_buffers(self, bucket: Bucket, micro: int = 0) -> BucketBuffers:
         """The persistent buffers of one bucket (and micro-batch, with pipeline stages)."""
         R = bucket.num_logits
         if (bucket, micro) not in self._buffers:
-            self._buffers[bucket, micro] = _BucketBuffers(
-                bucket, StepInputs.zeros(bucket.num_tokens, bucket.num_seqs, self.max_blocks, len(self._inv_freq), R),
+            self._buffers[bucket, micro] = BucketBuffers(
+                bucket, StepInputs.zeros(bucket.num_tokens, bucket.num_seqs, self.max_blocks, len(self._inv_freq), R,
+                                         self.window_group),
                 SamplingMetadata.zeros(R))
         if R not in self._no_penalty_tokens:
             # Requests without penalties share one device array of -1s (no [R, L] transfer).
@@ -172,7 +173,7 @@ class ModelRunner:
                 int(cdiv(chunks, self.attention.prefill_row_tokens).sum()), len(q_lens), drafts)
 
     def prepare(self, scheduled, bucket: Bucket | None = None,
-                micro: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, _BucketBuffers]:
+                micro: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, BucketBuffers]:
         """Fill the bucket's buffers for `scheduled` [(request, num_new_tokens)] (in `bucket`,
         else the smallest that holds them; into micro-batch `micro`'s buffers).
 
@@ -210,30 +211,36 @@ class ModelRunner:
         seq_of_token = np.repeat(np.arange(n), q_lens)
         positions = np.arange(num_tokens, dtype=np.int32) + np.repeat(computed - (ends - q_lens), q_lens)
         token_rows = rows[seq_of_token]
-        _fill(inputs.positions, positions, 0)
-        _fill(inputs.token_ids, ib.token_ids[token_rows, positions], 0)
-        _fill(inputs.slot_mapping, ib.block_table[token_rows, positions // bs] * bs + positions % bs, -1)
-        _fill(inputs.block_tables, ib.block_table[rows], 0)
-        _fill(inputs.seq_lens, seq_lens, 0)
+        fill(inputs.positions, positions, 0)
+        fill(inputs.token_ids, ib.token_ids[token_rows, positions], 0)
+        fill(inputs.seq_lens, seq_lens, 0)
         inputs.query_start_loc[0] = 0
-        _fill(inputs.query_start_loc[1:], ends, num_tokens)
+        fill(inputs.query_start_loc[1:], ends, num_tokens)
         inputs.num_seqs[...] = n
         inputs.rope_cos, inputs.rope_sin = decoder.rope_tables(inputs.positions, self._inv_freq, xp=np)
-        inputs.attn_metadata = self.attention.build_metadata(
-            q_lens=q_lens, seq_lens=seq_lens, block_tables=inputs.block_tables[:n], num_decodes=num_decodes,
-            bucket=bucket)
+        tables = [(inputs.slot_mapping, inputs.block_tables)]
+        if self.window_group:
+            tables.append((inputs.window_slot_mapping, inputs.window_block_tables))
+        for g, (slots, block_tables) in enumerate(tables):      # per KV cache group
+            fill(slots, ib.block_table[token_rows, g, positions // bs] * bs + positions % bs, -1)
+            fill(block_tables, ib.block_table[rows, g], 0)
+        metadata = [self.attention.build_metadata(q_lens=q_lens, seq_lens=seq_lens, block_tables=block_tables[:n],
+                                                  num_decodes=num_decodes, bucket=bucket) for _, block_tables in tables]
+        inputs.attn_metadata = metadata[0]
+        if self.window_group:
+            inputs.window_attn_metadata = metadata[1]
         R = bucket.num_logits
         no_penalties = None if self.num_stages > 1 else self._no_penalty_tokens[R]
         count = np.maximum(seq_lens - known + 1, 0)     # the newest token's row, then each draft's
         if bucket.all_logits:    # a row per token; the one after each draft verifies it
-            _fill(inputs.logits_indices, np.arange(num_tokens), 0)
+            fill(inputs.logits_indices, np.arange(num_tokens), 0)
             nxt = np.minimum(positions + 1, ib.token_ids.shape[1] - 1)
             verifies = (positions + 1 < seq_lens[seq_of_token]) & (positions + 1 >= known[seq_of_token])
             ib.fill_sampling(sampling, token_rows, no_penalties, positions=positions,
                              drafts=np.where(verifies, ib.token_ids[token_rows, nxt], -1))
             first = ends - q_lens + (known - 1 - computed)
         else:
-            _fill(inputs.logits_indices, ends - 1, 0)
+            fill(inputs.logits_indices, ends - 1, 0)
             ib.fill_sampling(sampling, rows, no_penalties)
             first = np.arange(n)
         # Structured output: the constrained rows' masks, after each draft too (`count` rows).
@@ -280,7 +287,7 @@ class ModelRunner:
         self.stage_ticks += self.num_stages * (2 * self.num_stages - 1)
         return seqs, first, count, micro[0], self._stack(micro)
 
-    def _stack(self, micro: list[_BucketBuffers]):
+    def _stack(self, micro: list[BucketBuffers]):
         """Micro-batches' packed inputs as the pipelined step takes them: `[M, ...]` each."""
         R = micro[0].bucket.num_logits
 
@@ -308,7 +315,7 @@ class ModelRunner:
         seqs, first, count, buffers, packed = self.prepare_step(scheduler_output.scheduled) if n else (None,) * 5
         if self.channel is not None:
             self._announce(buffers, packed, scheduler_output.block_copies)
-        self.copy_pages(*scheduler_output.block_copies)
+        self.copy_pages(scheduler_output.block_copies)
         if n == 0:
             empty = np.zeros((0, MAX_LOGPROBS))
             return ModelRunnerOutput(np.zeros(0, np.int32), np.zeros(0, np.float32), empty, empty, np.zeros(0, int))
@@ -327,7 +334,7 @@ class ModelRunner:
                                  timings={"prepare": t1 - t0, "device": t2 - t1,
                                           "bucket_tokens": buffers.inputs.token_ids.shape[0] * self.num_stages})
 
-    def _pack(self, buffers: _BucketBuffers):
+    def _pack(self, buffers: BucketBuffers):
         """The bucket's inputs packed: (ints, floats, penalty tokens, token mask)."""
         sampling = buffers.sampling
         side = sampling.penalty_tokens, sampling.token_mask
@@ -355,14 +362,16 @@ class ModelRunner:
                                               args)
 
     # ----- several processes: the leader announces, the others follow -----
-    def _announce(self, buffers: _BucketBuffers | None, packed, copies) -> None:
-        src, dst = copies
+    def _announce(self, buffers: BucketBuffers | None, packed, copies) -> None:
+        src = [p for s, _ in copies for p in s]
+        dst = [p for _, d in copies for p in d]
+        groups = [g for g, (s, _) in enumerate(copies) for _ in s]
         # Which side inputs are sent (host arrays), not the cached -1s: bit 0 penalties, bit 1 mask.
         side = [isinstance(x, np.ndarray) for x in packed[2:]] if packed is not None else [False, False]
         bucket = self.buckets.index(buffers.bucket) if buffers is not None else -1
         self.channel.send_header(parallel.StepChannel.STEP, bucket, len(src), side[0] | side[1] << 1)
         if len(src):
-            self.channel.arrays(np.asarray(src, np.int32), np.asarray(dst, np.int32))
+            self.channel.arrays(np.asarray(src, np.int32), np.asarray(dst, np.int32), np.asarray(groups, np.int32))
         if packed is not None:
             self.channel.arrays(*packed[:2], *(x for x, sent in zip(packed[2:], side) if sent))
 
@@ -373,8 +382,9 @@ class ModelRunner:
             if op == parallel.StepChannel.STOP:
                 return
             if num_copies:
-                src, dst = self.channel.arrays(np.zeros(num_copies, np.int32), np.zeros(num_copies, np.int32))
-                self.copy_pages(list(src), list(dst))
+                src, dst, groups = self.channel.arrays(*(np.zeros(num_copies, np.int32) for _ in range(3)))
+                self.copy_pages([(list(src[groups == g]), list(dst[groups == g]))
+                                 for g in range(len(self.config.cache.group_windows))])
             if bucket >= 0:
                 _, ints, floats, *defaults = self._padding(self.buckets[bucket])
                 # One broadcast, as the leader sends it: the packed inputs, then the side inputs sent.
@@ -390,11 +400,13 @@ class ModelRunner:
             self.channel.send_header(parallel.StepChannel.STOP)
             self.channel = None
 
-    def _ready_buffers(self, bucket: Bucket) -> _BucketBuffers:
+    def _ready_buffers(self, bucket: Bucket) -> BucketBuffers:
         """The bucket's all-padding inputs, packed (they write no KV and sample nothing used)."""
         buffers = self._bucket_buffers(bucket, self.PADDING)
         if buffers.layout is None:
             buffers.inputs.attn_metadata = self.attention.dummy_metadata(bucket, self.max_blocks)
+            if self.window_group:
+                buffers.inputs.window_attn_metadata = self.attention.dummy_metadata(bucket, self.max_blocks)
             self.input_batch.fill_sampling(buffers.sampling, np.zeros(0, np.int64), None)
             self._pack(buffers)
         return buffers
@@ -434,15 +446,16 @@ class ModelRunner:
     def _kv_cache_maker(self):
         """A jitted function making zeroed pages where they live (each device only its own
         stage's layers and its own heads): a list over layers of (k, v) `[kv_heads, pages, page,
-        head_dim]`, or with pipeline stages over a stage's layer slots of `[stages, kv_heads, ...]`."""
+        head_dim]`, or with pipeline stages over a stage's layer slots of `[stages, kv_heads, ...]`.
+        Each layer has its KV cache group's number of pages."""
         spec, stages = self.spec, self.num_stages
         where = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if self.mesh is None
                  else parallel.kv_sharding(self.mesh))
+        pages = self.config.cache.group_num_blocks
 
         def make():
-            cache = kernels.allocate_kv_cache(spec.num_layers // stages, self.num_kv_heads,
-                                              self.config.cache.num_blocks, self.block_size, spec.head_dim,
-                                              jnp_dtype(self.config.dtype))
+            cache = [kernels.allocate_kv_cache(1, self.num_kv_heads, pages[g], self.block_size, spec.head_dim,
+                                               jnp_dtype(self.config.dtype))[0] for g in self.layer_groups]
             if stages == 1:
                 return cache
             return [tuple(jnp.broadcast_to(x, (stages, *x.shape)) for x in kv) for kv in cache]
@@ -450,11 +463,13 @@ class ModelRunner:
         return jax.jit(make, out_shardings=where)
 
     # ----- moving pages -----
-    def copy_pages(self, src: list[int], dst: list[int]) -> None:
-        """Copy whole pages src[i] -> dst[i] in every layer (copy-on-write)."""
-        if len(src):
-            src, dst = page_moves.pad_pow2(src, dst)
-            self.kv_cache = page_moves.copy_pages(self.kv_cache, src, dst)
+    def copy_pages(self, copies: list[tuple[list[int], list[int]]]) -> None:
+        """Per KV cache group, copy whole pages src[i] -> dst[i] in each of its layers (copy-on-write)."""
+        for g, (src, dst) in enumerate(copies):
+            if len(src):
+                src, dst = page_moves.pad_pow2(src, dst)
+                layers = tuple(i for i, group in enumerate(self.layer_groups) if group == g)
+                self.kv_cache = page_moves.copy_pages(self.kv_cache, src, dst, layers=layers)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Save device pages to host slots: pairs of (page, slot)."""
@@ -470,29 +485,9 @@ class ModelRunner:
             self.kv_cache = page_moves.scatter_pages(self.kv_cache, pages, saved)
 
 
-@dataclasses.dataclass
-class _BucketBuffers:
-    """One bucket's persistent host buffers: the inputs, and the packed copy that is sent."""
-
-    bucket: Bucket
-    inputs: StepInputs
-    sampling: SamplingMetadata
-    layout: PackedLayout | None = None
-    ints: np.ndarray | None = None
-    floats: np.ndarray | None = None
-    token_masks: TokenMasks | None = None
-
-
 def _fetch(x) -> np.ndarray:
     """A step output on the host; over several processes the (replicated) local copy."""
     return np.asarray(x.addressable_data(0)) if not x.is_fully_addressable else np.asarray(jax.device_get(x))
-
-
-def _fill(buf: np.ndarray, values, pad) -> None:
-    """buf[:len(values)] = values, the rest = pad."""
-    n = len(values)
-    buf[:n] = values
-    buf[n:] = pad
 
 
 __all__ = ["ModelRunner"]

@@ -19,10 +19,11 @@ def pad_pow2(a, b) -> tuple[np.ndarray, np.ndarray]:
 
 # The page axis is the third from last in both cache layouts (`ModelRunner._kv_cache_maker`).
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def copy_pages(kv_cache, src, dst):
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("layers",))
+def copy_pages(kv_cache, src, dst, *, layers: tuple[int, ...]):
+    """Copy pages src -> dst in the cache's `layers` (one KV cache group's)."""
     return [(k.at[..., dst, :, :].set(k[..., src, :, :]), v.at[..., dst, :, :].set(v[..., src, :, :]))
-            for k, v in kv_cache]
+            if i in layers else (k, v) for i, (k, v) in enumerate(kv_cache)]
 
 
 @jax.jit
