@@ -12,8 +12,9 @@ Each backend has the same small interface:
   attention of q over the block tables, the contract of `kernels.ragged_paged_attention_reference`
   (`sliding_window` None or the window in tokens, `sm_scale` None for head_dim ** -0.5: static,
   per layer);
-- `argmax_logsumexp(logits)`: the greedy sampler's two row reductions (the native backend
-  does both in one C++ pass).
+- `argmax_logsumexp(logits)`: the greedy sampler's two row reductions, and
+  `draw(logits, s, u, u_draft)`: the sampled rows' tokens (`runner.sampler.draw_xla`); the
+  native backend does each in C++.
 
 | name        | where         | what                                                            |
 |-------------|---------------|-----------------------------------------------------------------|
@@ -71,6 +72,12 @@ class AttentionBackend:
         """logits [S, V] f32 -> (argmax [S] int32, logsumexp [S] f32)."""
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), jax.nn.logsumexp(logits, axis=-1)
 
+    def draw(self, logits, s, u, u_draft):
+        """Sampled rows' tokens [S] int32 from processed logits [S, V] (runner/sampler.py)."""
+        from jaxllm.runner import sampler
+
+        return sampler.draw_xla(logits, s, u, u_draft)
+
 
 class ReferenceBackend(AttentionBackend):
     name = "reference"
@@ -100,6 +107,9 @@ class NativeBackend(AttentionBackend):
 
     def argmax_logsumexp(self, logits):
         return self._native.argmax_logsumexp(logits)
+
+    def draw(self, logits, s, u, u_draft):
+        return self._native.sample_rows(logits, s.temperature, s.min_p, s.top_k, s.top_p, s.draft_tokens, u, u_draft)
 
 
 # Rows per part of the `cpu` backend (see kernels.paged_attention_rows): parts walk pages only

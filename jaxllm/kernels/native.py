@@ -3,7 +3,8 @@
 `paged_attention_cpu` has the ragged contract of `ragged_paged_attention_reference`
 (csrc/paged_attention.h, .cc, and paged_attention_avx512.cc / paged_attention_avx2.cc for
 CPUs with AVX-512 / AVX2 + FMA; `kernel_paths()` lists the paths the build has);
-`argmax_logsumexp` gives greedy sampling's two row reductions in one pass (csrc/sampling.cc);
+`argmax_logsumexp` gives greedy sampling's two row reductions in one pass and `sample_rows`
+a sampled row's token (csrc/sampling.cc);
 `matmul_packed` multiplies by an f32 weight packed once by `pack_weight` (csrc/gemm.cc).
 csrc/cpu_kernels.cc, which includes them all, is compiled on first use with the system C++
 compiler (`$CXX`, else `c++`) against the XLA FFI headers that ship with jaxlib, with
@@ -34,6 +35,7 @@ from jaxllm.utils import default_cache_root
 # FFI target name -> symbol of its handler in the library
 TARGETS = {"jaxllm_paged_attention_cpu": "JaxllmPagedAttentionCpu",
            "jaxllm_argmax_logsumexp_cpu": "JaxllmArgmaxLogsumexpCpu",
+           "jaxllm_sample_rows_cpu": "JaxllmSampleRowsCpu",
            "jaxllm_matmul_packed_cpu": "JaxllmMatmulPackedCpu"}
 # The one translation unit: it includes the other files of its folder.
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "cpu_kernels.cc")
@@ -150,6 +152,18 @@ def argmax_logsumexp(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     call = jax.ffi.ffi_call("jaxllm_argmax_logsumexp_cpu", (jax.ShapeDtypeStruct((rows,), jnp.int32),
                                                             jax.ShapeDtypeStruct((rows,), jnp.float32)))
     return call(x.astype(jnp.float32))
+
+
+def sample_rows(logits, temperature, min_p, top_k, top_p, draft_tokens, u, u_draft) -> jax.Array:
+    """Each row's sampled token, as `runner.sampler.draw_xla` draws it (temperature, min_p,
+    top_k, top_p, a draft accepted or taken out, inverse CDF with the uniform `u`); logits
+    [rows, vocab], the rest [rows]. A greedy row (temperature 0) gets 0."""
+    require()
+    rows = logits.shape[0]
+    f32, i32 = (lambda a: jnp.asarray(a, jnp.float32)), (lambda a: jnp.asarray(a, jnp.int32))
+    call = jax.ffi.ffi_call("jaxllm_sample_rows_cpu", jax.ShapeDtypeStruct((rows,), jnp.int32))
+    return call(f32(logits), f32(temperature), f32(min_p), i32(top_k), f32(top_p), i32(draft_tokens), f32(u),
+                f32(u_draft))
 
 
 PANEL = 16  # columns per panel of a packed weight (csrc/gemm.cc)

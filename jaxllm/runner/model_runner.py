@@ -65,7 +65,7 @@ def _step(params, kv_cache, ints, floats, penalty_tokens, token_mask, *, layout:
         else:
             logits, kv_cache = parallel.sharded_forward(params, kv_cache, inputs, spec, attention=attention,
                                                         mesh=mesh)
-    tokens, logprob, top_lp, top_ids = sampler.sample(logits, sampling, attention.argmax_logsumexp)
+    tokens, logprob, top_lp, top_ids = sampler.sample(logits, sampling, attention.argmax_logsumexp, attention.draw)
     return tokens, logprob, top_lp, top_ids, hidden, kv_cache
 
 

@@ -7,8 +7,8 @@ pays for one argmax.
 
 No full-vocabulary sort: top-k and top-p cut-offs are found by bisection over the float32
 bit patterns (32 passes of compare-and-sum, exact), and a token is drawn by inverse CDF on the
-unsorted, masked probabilities with one uniform per request. The uniform comes from
-`fold_in(key(seed), output_index)`, so a seeded request draws the same tokens whatever else
+unsorted, masked probabilities with one uniform per request. The uniform is a hash of
+(seed, output_index) (`uniforms`), so a seeded request draws the same tokens whatever else
 is in the batch, and after a preemption.
 
 The sampling state is a `SamplingMetadata` (runner/input_batch.py: fields and shapes);
@@ -18,7 +18,9 @@ The greedy path runs on every decode step over [S, vocab]; the sampled token's l
 `logit - logsumexp` (no [S, vocab] log_softmax is written unless top logprobs are asked
 for). With the native attention backend (the CPU default) the argmax and logsumexp are one
 pass of the C++ kernel (`kernels.native.argmax_logsumexp`): on [128, 49152] XLA:CPU took 14 ms for
-`jnp.argmax` and 6 ms for the logsumexp, the kernel about 3.5 ms for both (2 threads).
+`jnp.argmax` and 6 ms for the logsumexp, the kernel about 3.5 ms for both (2 threads). The
+sampled rows' draw is C++ there too (`kernels.native.sample_rows`): in XLA it is about 60
+kernels, three quarters of each step shape's compile time.
 """
 
 from __future__ import annotations
@@ -89,13 +91,40 @@ def apply_penalties(logits, s):
     return logits - s.presence_penalty[:, None] * (out_counts > 0)
 
 
-def _sample_random(logits, s):
-    """Temperature, min_p, top_k, top_p, then one inverse-CDF draw per row.
+def _mix(x: jax.Array) -> jax.Array:
+    """A uint32 -> uint32 bijection that spreads every input bit over the output (Wellons'
+    "lowbias32" integer hash)."""
+    x ^= x >> 16
+    x *= jnp.uint32(0x7FEB352D)
+    x ^= x >> 15
+    x *= jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
 
-    A row with a draft token d (speculative decoding) first accepts d with probability p(d),
-    else draws from p with d taken out: rejection sampling against a proposal that puts all
-    its mass on d, so the token's distribution is exactly p whatever the draft (n-gram and
-    greedy draft models propose that way)."""
+
+def uniforms(s: SamplingMetadata) -> tuple[jax.Array, jax.Array]:
+    """Each row's two uniforms in [0, 1): the draw's, and a draft's acceptance test's, hashed
+    from (seed, output_index, which), so a seeded request draws the same numbers whatever else
+    is in the batch and after a preemption. A counter hash, not jax.random's threefry: a few
+    integer ops in one kernel, where threefry's fold_in and uniform compiled to ~0.6 s of every
+    step shape."""
+    seed = _mix(s.seeds.astype(jnp.uint32) ^ jnp.uint32(0x9E3779B9))
+    index = s.output_index.astype(jnp.uint32) * jnp.uint32(2)
+
+    def uniform(which: int) -> jax.Array:
+        bits = _mix(seed ^ _mix(index + jnp.uint32(which) + jnp.uint32(0x85EBCA6B)))
+        return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+    return uniform(0), uniform(1)
+
+
+def draw_xla(logits, s, u, u_draft):
+    """Temperature, min_p, top_k, top_p, then one inverse-CDF draw per row with the uniform `u`.
+
+    A row with a draft token d (speculative decoding) first accepts d with probability p(d)
+    (`u_draft < p(d)`), else draws from p with d taken out: rejection sampling against a
+    proposal that puts all its mass on d, so the token's distribution is exactly p whatever
+    the draft (n-gram and greedy draft models propose that way). The native backend's
+    `kernels.native.sample_rows` does the same row by row in C++."""
     temp = jnp.where(s.temperature > 0, s.temperature, 1.0)
     logits = logits / temp[:, None]
     probs = jax.nn.softmax(logits, axis=-1)
@@ -113,14 +142,12 @@ def _sample_random(logits, s):
         return keep & ((prob_keys >= t[:, None]) | (s.top_p >= 1.0)[:, None])
 
     keep = jax.lax.cond(s.flags[FLAG_TOP_K_TOP_P], top_k_top_p, lambda k: k, keep)
-    keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(s.seeds, s.output_index)
 
     def verify_drafts(keep):   # -> (accepted [S], keep without each rejected draft)
         rows = jnp.arange(logits.shape[0])
         draft = jnp.maximum(s.draft_tokens, 0)
         p_draft = jnp.where(keep[rows, draft], probs[rows, draft], 0.0) / jnp.where(keep, probs, 0.0).sum(-1)
-        u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1), dtype=jnp.float32))(keys)
-        accepted = (s.draft_tokens >= 0) & (u < p_draft)
+        accepted = (s.draft_tokens >= 0) & (u_draft < p_draft)
         rejected = (s.draft_tokens >= 0) & ~accepted
         return accepted, keep & ~(rejected[:, None] & (jnp.arange(logits.shape[-1])[None, :] == draft[:, None]))
 
@@ -128,14 +155,13 @@ def _sample_random(logits, s):
                                   lambda k: (jnp.zeros(k.shape[0], jnp.bool_), k), keep)
     masked = jnp.where(keep, probs, 0.0)
     cdf = jnp.cumsum(masked, axis=-1)
-    u = jax.vmap(lambda key: jax.random.uniform(key, dtype=jnp.float32))(keys) * cdf[:, -1]
-    token = jnp.sum(cdf <= u[:, None], axis=-1)
+    token = jnp.sum(cdf <= (u * cdf[:, -1])[:, None], axis=-1)
     # Guard the float edge (u == total): fall back to the last kept token.
     last_kept = logits.shape[-1] - 1 - jnp.argmax(keep[:, ::-1], axis=-1)
     return jnp.where(accepted, s.draft_tokens, jnp.minimum(token, last_kept)).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, s: SamplingMetadata, argmax_logsumexp=_xla_argmax_logsumexp,
+def sample(logits: jax.Array, s: SamplingMetadata, argmax_logsumexp=_xla_argmax_logsumexp, draw=draw_xla,
            ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """logits [S, V] f32 (a row per logits row) -> (tokens [S] int32, token logprob [S] f32,
     top_logprobs [S, MAX_LOGPROBS] f32, top_ids [S, MAX_LOGPROBS] int32).
@@ -143,7 +169,8 @@ def sample(logits: jax.Array, s: SamplingMetadata, argmax_logsumexp=_xla_argmax_
     Logprobs are those of the model's raw distribution (before penalties and temperature),
     as vLLM reports them, but after a structured-output mask (`s.token_mask` under
     FLAG_GRAMMAR): a masked-out token's logprob is -inf. `argmax_logsumexp(x) -> (argmax,
-    logsumexp)` per row is the attention backend's (the native one does both in one C++ pass).
+    logsumexp)` per row and `draw(logits, s, u, u_draft) -> tokens` (see `draw_xla`) are the
+    attention backend's (the native one has both in C++).
     """
     rows = jnp.arange(logits.shape[0])
     if s.token_mask is not None:
@@ -163,7 +190,7 @@ def sample(logits: jax.Array, s: SamplingMetadata, argmax_logsumexp=_xla_argmax_
     tokens = jax.lax.cond(
         s.flags[FLAG_ALL_GREEDY],
         lambda: greedy_tokens,
-        lambda: jnp.where(s.temperature > 0, _sample_random(processed(), s), greedy_tokens),
+        lambda: jnp.where(s.temperature > 0, draw(processed(), s, *uniforms(s)), greedy_tokens),
     )
     token_logprob = logits[rows, tokens] - lse
     top_lp, top_ids = jax.lax.cond(
