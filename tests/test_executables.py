@@ -113,6 +113,18 @@ def test_background_compile_gives_the_same_tokens(tiny_model_dir, tmp_path):
     assert token_ids(reference.generate(PROMPTS, greedy(12), use_tqdm=False)) == got
 
 
+def test_shutdown_cancels_the_shapes_not_yet_compiling(tiny_model_dir):
+    """A server stopped while it compiles in the background exits without compiling the rest
+    (the pool's threads are joined at exit); a cancelled shape still compiles when asked for."""
+    llm = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, compilation_cache_dir="", background_compile=True)
+    steps = llm.engine.runner.steps
+    pending = dict(steps.pending)
+    llm.engine.shutdown()
+    cancelled = [bucket for bucket, future in pending.items() if future.cancelled()]
+    assert cancelled and len(cancelled) < len(pending) + len(steps.ready)
+    assert steps.get(cancelled[0]) is steps.ready[cancelled[0]]
+
+
 def test_a_step_takes_the_smallest_ready_bucket_that_holds_it(tiny_model_dir):
     from concurrent.futures import Future
 

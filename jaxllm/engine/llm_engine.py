@@ -253,7 +253,10 @@ class LLMEngine:
         self.runner.follow()
 
     def shutdown(self) -> None:
-        """On process 0 over several processes: release the followers (their `follow()` returns)."""
+        """Stop compiling step shapes in the background, and on process 0 over several
+        processes, release the followers (their `follow()` returns)."""
+        for replica in self.replicas:
+            replica.runner.steps.stop()
         self.runner.stop_followers()
 
     # ----- introspection -----

@@ -187,7 +187,7 @@ class CompiledSteps:
             return False
         keys = {b: self.store.key(*job) if self.store is not None else None for b, job in todo.items()}
         stored = self.store is not None and all(self.store.has(key) for key in keys.values())
-        bar = tqdm(total=len(todo), desc="compiling buckets", disable=not progress, unit="bucket")
+        bar = tqdm(total=len(todo), desc="compiling buckets", disable=None if progress else True, unit="bucket")
 
         def one_done(_):
             bar.update()
@@ -223,6 +223,13 @@ class CompiledSteps:
             self._pool.shutdown(wait=False)
             self._pool = None
         return step
+
+    def stop(self) -> None:
+        """Cancel the compilations that have not started: a shutdown waits for at most the ones
+        under way (the pool's threads are joined at exit). A bucket asked for later compiles then."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     def wait(self) -> None:
         """Return once every started bucket is ready."""
