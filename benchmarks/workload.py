@@ -31,36 +31,24 @@ def default_model_path() -> str:
 
 def vocab_info(model: str | None) -> tuple[int, list[int]]:
     """(vocab size, special token ids) of `model` (None: the bundled GGUF)."""
-    path = model or default_model_path()
-    if path.endswith(".gguf"):
-        from jaxllm.models.loader import read_gguf
+    from jaxllm.bench.datasets import vocab_info as info
 
-        metadata, _ = read_gguf(path)
-        types = np.asarray(metadata["tokenizer.ggml.token_type"])
-        return len(types), np.nonzero(types != 1)[0].tolist()  # 1 = normal token
-    from jaxllm.models.loader import load_model
-
-    tok = load_model(path, progress=False).tokenizer
-    return len(tok), sorted(set(tok.all_special_ids))
+    return info(model)
 
 
 def parse_range(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(":")
-    lo, hi = int(lo), int(hi or lo)
-    if not 1 <= lo <= hi:
-        raise argparse.ArgumentTypeError(f"range must be LO:HI with 1 <= LO <= HI, got {text!r}")
-    return lo, hi
+    """'LO:HI' -> (lo, hi), as `jaxllm bench` parses it."""
+    from jaxllm.bench.commands import parse_range as parse
+
+    return parse(text)
 
 
 def random_workload(num_prompts: int, input_len_range: tuple[int, int], output_len_range: tuple[int, int],
                     seed: int, vocab_size: int, special_ids: list[int]) -> list[dict]:
-    """vLLM's random dataset: uniform lengths (both ends included), uniform non-special token ids."""
-    rng = np.random.default_rng(seed)
-    allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(special_ids, dtype=np.int64))
-    input_lens = rng.integers(input_len_range[0], input_len_range[1] + 1, num_prompts)
-    output_lens = rng.integers(output_len_range[0], output_len_range[1] + 1, num_prompts)
-    return [{"prompt_token_ids": allowed[rng.integers(0, len(allowed), n)].tolist(), "max_tokens": int(m)}
-            for n, m in zip(input_lens, output_lens)]
+    """vLLM's random dataset (`jaxllm bench`'s: jaxllm.bench.datasets)."""
+    from jaxllm.bench.datasets import random_workload as make
+
+    return make(num_prompts, input_len_range, output_len_range, seed, vocab_size, special_ids)
 
 
 def load_dataset(path: str) -> list[dict]:
@@ -105,20 +93,9 @@ def make_workload(args) -> tuple[list[dict], dict]:
 
 def machine_info() -> dict:
     """The CPU (model name, family, the SIMD flags that pick code paths), cores, memory, OS."""
-    cpu = platform.processor() or platform.machine()
-    mem_gib, family, flags = None, None, []
-    try:
-        with open("/proc/cpuinfo") as f:
-            fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
-        fields = {k.strip(): v.strip() for k, v in fields.items()}
-        cpu, family, flags = fields.get("model name", cpu), fields.get("cpu family"), fields.get("flags", "").split()
-        with open("/proc/meminfo") as f:
-            mem_gib = round(int(next(line.split()[1] for line in f if line.startswith("MemTotal"))) / 2**20, 1)
-    except OSError:
-        pass
-    simd = " ".join(sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c"))))
-    return {"cpu": cpu, "cpu_family": family, "simd": simd, "cores": os.cpu_count(), "memory_gib": mem_gib,
-            "platform": platform.platform()}
+    from jaxllm.bench import machine_info as info
+
+    return info()
 
 
 def cpu_line(machine: dict) -> str:

@@ -103,13 +103,15 @@ def test_server_flags_round_trip_to_server_args(monkeypatch):
                           max_request_body_bytes=1 << 20, max_prompts_per_request=3, max_stop_strings=2,
                           max_waiting_requests=7, limit_concurrency=11, timeout_keep_alive=2, request_read_timeout=4.5,
                           max_header_bytes=8 << 10, shutdown_timeout=1.5, uvicorn_log_level="error",
-                          enable_auto_tool_choice=True, tool_call_parser="mistral")
+                          enable_auto_tool_choice=True, tool_call_parser="mistral", disable_playground=True,
+                          disable_log_requests=True, disable_log_stats=True, log_stats_interval=2.5)
     assert all(getattr(expected, f.name) != getattr(ServerArgs(), f.name) for f in dataclasses.fields(ServerArgs))
     flags = ["--host", "0.0.0.0", "--port", "9", "--api-key", "k", "--trust-request-chat-template",
              "--max-request-body-bytes", "1MiB", "--max-prompts-per-request", "3", "--max-stop-strings", "2",
              "--max-waiting-requests", "7", "--limit-concurrency", "11", "--timeout-keep-alive", "2",
              "--request-read-timeout", "4.5", "--max-header-bytes", "8KiB", "--shutdown-timeout", "1.5",
-             "--enable-auto-tool-choice", "--tool-call-parser", "mistral",
+             "--enable-auto-tool-choice", "--tool-call-parser", "mistral", "--disable-playground",
+             "--disable-log-requests", "--disable-log-stats", "--log-stats-interval", "2.5",
              "--uvicorn-log-level", "error"]
     assert cli.from_flags(ServerArgs, parse(["serve", *flags])) == expected
     monkeypatch.setenv("JAXLLM_API_KEY", "from-env")

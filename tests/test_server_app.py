@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 
 import httpx
 import pytest
 
 from jaxllm.engine.async_llm import AsyncLLM
+from jaxllm.entrypoints.metrics import StatLogger
 from jaxllm.entrypoints.openai import serving_tokenization
 from jaxllm.entrypoints.openai.api_server import build_app
 from jaxllm.entrypoints.openai.http_server import Shutdown
@@ -111,3 +113,40 @@ def test_auto_tool_choice_needs_a_tool_call_parser(app_over):
     assert forced.status_code == 200 and forced.json()["choices"][0]["message"]["tool_calls"]
     with pytest.raises(ValueError, match="needs --tool-call-parser"):
         ServerArgs(enable_auto_tool_choice=True).verify()
+
+
+def test_playground_page_is_served_without_the_key_unless_disabled(app_over):
+    app, _, _ = app_over(api_key="k")
+    page = asyncio.run(call(app, "GET", "/"))
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "/v1/chat/completions" in page.text and "<script" in page.text   # self-contained: no external URL
+    assert "http://" not in page.text and "https://" not in page.text
+    assert asyncio.run(call(app, "GET", "/v1/models")).status_code == 401     # the API still needs the key
+    app, _, _ = app_over(disable_playground=True)
+    assert asyncio.run(call(app, "GET", "/")).status_code == 404
+
+
+def test_each_finished_request_is_one_log_line_and_stats_are_logged(app_over, caplog):
+    app, async_llm, _ = app_over()
+    stats = StatLogger(async_llm.engine, 10.0)
+    with caplog.at_level(logging.INFO, logger="jaxllm.server"):
+        stats.log()                                  # nothing happened yet: no line
+        response = asyncio.run(call(app, "POST", "/v1/completions",
+                                    json={"prompt": "Hello there", "max_tokens": 7, "ignore_eos": True}))
+        stats.log()
+    assert response.status_code == 200, response.text
+    usage, request_id = response.json()["usage"], response.headers["x-request-id"]
+    lines = [r.getMessage() for r in caplog.records]
+    mine = [line for line in lines if line.startswith(f"request cmpl-{request_id}-0:")]
+    assert len(mine) == 1, lines
+    match = re.fullmatch(r"request \S+: (\d+) prompt tokens \((\d+) cached\), (\d+) output tokens, "
+                         r"TTFT ([\d.]+) s, e2e ([\d.]+) s, finish length", mine[0])
+    assert match, mine[0]
+    prompt, _, output, ttft, e2e = (float(x) for x in match.groups())
+    assert usage["completion_tokens"] == 7 and (prompt, output) == (usage["prompt_tokens"], 7)
+    assert 0 < ttft <= e2e
+    engine_lines = [line for line in lines if line.startswith("engine: ")]
+    assert len(engine_lines) == 1, lines
+    assert re.fullmatch(r"engine: prompt [\d.]+ tok/s, generation [\d.]+ tok/s, running 0, waiting 0, "
+                        r"KV cache 0\.0%, prefix cache hit rate [\d.]+%", engine_lines[0]), engine_lines[0]
+    assert float(engine_lines[0].split("generation ")[1].split()[0]) > 0

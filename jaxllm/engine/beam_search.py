@@ -225,7 +225,7 @@ def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams, *,
     results: dict[int, BeamSearchOutput] = {}
 
     try:
-        with tqdm(total=len(prompts), desc="beam search", disable=not use_tqdm, unit="prompt") as bar:
+        with tqdm(total=len(prompts), desc="beam search", disable=None if use_tqdm else True, unit="prompt") as bar:
             while queue or active:
                 while queue and (not active or (
                         (len(active) + 1) * width <= max_num_seqs

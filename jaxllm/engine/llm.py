@@ -67,7 +67,7 @@ class LLM:
         start = time.perf_counter()
         stats = self.engine.stats
         gen0, prompt0 = stats.generation_tokens, stats.prompt_tokens
-        with tqdm(total=len(ids), desc="generating", disable=not use_tqdm, unit="req") as bar:
+        with tqdm(total=len(ids), desc="generating", disable=None if use_tqdm else True, unit="req") as bar:
             while len(results) < len(ids):
                 for out in self.engine.step():
                     if out.finished:

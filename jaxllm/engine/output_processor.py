@@ -203,4 +203,5 @@ class OutputProcessor:
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished,
                              num_cached_tokens=state.num_cached_tokens, prompt_logprobs=prompt_logprobs,
                              metrics={"arrival_time": state.arrival_time, "first_token_time": first.first_token_time,
-                                      "scheduled_time": state.scheduled_time, "last_token_time": last_token_time})
+                                      "scheduled_time": state.scheduled_time, "last_token_time": last_token_time,
+                                      "num_generation_tokens": sum(len(s.token_ids) for s in state.seqs.values())})

@@ -61,6 +61,8 @@ SERVE_ONLY_FIELDS = ("served_model_name",)
 # compile (a cold start reaches its first token in seconds instead of compiling every shape first).
 SERVE_DEFAULTS = {"background_compile": True}
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
 
 def add_engine_args(parser: argparse.ArgumentParser, *, serving: bool = False) -> None:
     """One flag per `EngineArgs` field (see `add_dataclass_args`)."""
@@ -117,6 +119,11 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
     return from_flags(EngineArgs, args)
 
 
+def add_log_level(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                        help="jaxllm's log level (uvicorn's: --uvicorn-log-level) (default: %(default)s)")
+
+
 def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-tokens", type=int, default=max_tokens,
@@ -154,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  python -c \"from openai import OpenAI; c = OpenAI(base_url='http://127.0.0.1:8080/v1', "
                "api_key='secret'); print(c.models.list())\"")
     add_engine_args(serve, serving=True)
+    add_log_level(serve)
     add_dataclass_args(serve.add_argument_group("server (limits: see README, Hardening)"), ServerArgs,
                        defaults={"api_key": os.environ.get("JAXLLM_API_KEY")})
     serve.set_defaults(run=run_serve)
@@ -168,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--file", metavar="PATH", help="read prompts from a file, one per line ('-' for stdin)")
     add_sampling_args(generate, max_tokens=128)
     add_engine_args(generate)
+    add_log_level(generate)
     generate.set_defaults(run=run_generate)
 
     chat = commands.add_parser(
@@ -178,7 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
     add_sampling_args(chat, max_tokens=512)
     add_engine_args(chat)
+    add_log_level(chat)
     chat.set_defaults(run=run_chat)
+
+    from jaxllm.bench.commands import add_bench_parser
+
+    add_bench_parser(commands, add_engine_args, engine_args)
     return parser
 
 
@@ -200,15 +214,16 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
-def _log_to_stderr() -> None:
-    """jaxllm's INFO lines (the dtype picked, the weights loaded) and warnings on stderr, once each."""
+def _log_to_stderr(level: str = "info") -> None:
+    """jaxllm's log lines at `level` and above (INFO: the dtype picked, the weights loaded, each
+    finished request, the engine's stats) on stderr, once each, with the time."""
     log = logging.getLogger("jaxllm")
     if not log.handlers:
         handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("jaxllm %(levelname)s: %(message)s"))
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s jaxllm: %(message)s", "%m-%d %H:%M:%S"))
         log.addHandler(handler)
-        log.setLevel(logging.INFO)
         log.propagate = False   # once: libraries may give the root logger a handler later
+    log.setLevel(level.upper())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    _log_to_stderr()
+    _log_to_stderr(getattr(args, "log_level", "info"))
     try:
         return args.run(args) or 0
     except KeyboardInterrupt:

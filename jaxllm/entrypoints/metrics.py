@@ -1,21 +1,27 @@
 """Prometheus metrics for the server, named as vLLM's (`vllm:x` -> `jaxllm:x`) so that existing
-dashboards port over by changing the prefix.
+dashboards port over by changing the prefix, and the server's log lines about the work.
 
 Gauges and counters are read from the engine at scrape time (the engine keeps the counts;
 nothing is double-booked here). Latency histograms are observed by the server as each
 request's outputs stream past, from the engine's own timestamps (`RequestOutput.metrics`,
-time.monotonic() taken on the engine thread).
+time.monotonic() taken on the engine thread); the same pass logs one line per finished
+request. `StatLogger` logs the engine's throughput, queue and KV cache every few seconds.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
+import time
 from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
 from jaxllm.outputs import RequestOutput
+
+logger = logging.getLogger("jaxllm.server")
 
 PREFIX = "jaxllm:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -94,21 +100,31 @@ class ServerMetrics:
             "request_queue_time_seconds", "Histogram of time spent waiting in the queue, in seconds.",
             REQUEST_BUCKETS)
 
-    async def track(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-        """Pass one request's outputs through, observing its latencies. Expects one output per
-        engine step (output_kind "delta" or "cumulative"), so the gap between two outputs'
-        `last_token_time` is an inter-token latency."""
-        last_token_time = None
-        async with contextlib.aclosing(outputs):
-            async for out in outputs:
-                times = out.metrics or {}
-                now = times.get("last_token_time")
-                if last_token_time is not None and now is not None and now > last_token_time:
-                    self.inter_token_latency.observe(now - last_token_time)
-                last_token_time = now
-                if out.finished and not any(c.finish_reason == "abort" for c in out.outputs):
-                    self._observe_finished(times)
-                yield out
+    async def track(self, outputs: AsyncIterator[RequestOutput], log: bool = True) -> AsyncIterator[RequestOutput]:
+        """Pass one request's outputs through, observing its latencies, and (`log`) log a line
+        when it ends. Expects one output per engine step (output_kind "delta" or
+        "cumulative"), so the gap between two outputs' `last_token_time` is an inter-token latency."""
+        last_token_time, last, ended = None, None, None
+        try:
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    times = out.metrics or {}
+                    now = times.get("last_token_time")
+                    if last_token_time is not None and now is not None and now > last_token_time:
+                        self.inter_token_latency.observe(now - last_token_time)
+                    last_token_time, last = now, out
+                    if out.finished and not any(c.finish_reason == "abort" for c in out.outputs):
+                        self._observe_finished(times)
+                    yield out
+        except (GeneratorExit, asyncio.CancelledError):
+            ended = "client gone"
+            raise
+        except Exception:
+            ended = "failed"
+            raise
+        finally:
+            if log and last is not None:
+                log_request(last, ended)
 
     def _observe_finished(self, times: dict) -> None:
         arrival = times.get("arrival_time")
@@ -123,3 +139,49 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def log_request(out: RequestOutput, ended: str | None = None) -> None:
+    """One INFO line for a request that ended: id, tokens, TTFT, end-to-end time and finish
+    reason (`ended` says why a request that did not finish stopped)."""
+    times = out.metrics or {}
+    arrival, first, last = times.get("arrival_time"), times.get("first_token_time"), times.get("last_token_time")
+    reasons = sorted({c.finish_reason for c in out.outputs if c.finish_reason}) if out.finished else []
+    seconds = lambda t: f"{t - arrival:.3f} s" if arrival is not None and t else "-"  # noqa: E731
+    logger.info("request %s: %d prompt tokens (%d cached), %d output tokens, TTFT %s, e2e %s, finish %s",
+                out.request_id, len(out.prompt_token_ids), out.num_cached_tokens,
+                times.get("num_generation_tokens", 0), seconds(first), seconds(last or time.monotonic()),
+                ",".join(reasons) or ended or "unfinished")
+
+
+class StatLogger:
+    """Logs the engine's state every `interval` seconds while it has work (or had some since
+    the last line), as vLLM does: prompt and generation throughput, running and waiting
+    requests, KV cache usage and the prefix cache hit rate over the interval."""
+
+    def __init__(self, engine, interval: float):
+        self.engine, self.interval = engine, interval
+        self._last = self._read()
+
+    def _read(self) -> tuple[float, int, int, int, int]:
+        stats, (queries, hits) = self.engine.stats, self.engine.prefix_cache_tokens
+        return time.monotonic(), stats.prompt_tokens, stats.generation_tokens, queries, hits
+
+    def log(self) -> None:
+        """One line, unless the engine was idle throughout the interval."""
+        engine = self.engine
+        now = self._read()
+        seconds, prompt, generation, queries, hits = (b - a for a, b in zip(self._last, now))
+        seconds = max(seconds, 1e-9)
+        self._last = now
+        running, waiting = engine.num_running_requests, engine.num_waiting_requests
+        if not (prompt or generation or running or waiting):
+            return
+        logger.info("engine: prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV cache %.1f%%, "
+                    "prefix cache hit rate %.1f%%", prompt / seconds, generation / seconds, running, waiting,
+                    100 * engine.kv_cache_usage, 100 * hits / queries if queries else 0.0)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            self.log()

@@ -232,4 +232,4 @@ def progress_bar(total: int, name: str, enabled: bool):
     """A tqdm bar counting the `total` tensors read (off unless `enabled`)."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=f"Loading {name}", unit="tensor", disable=not enabled, leave=False)
+    return tqdm(total=total, desc=f"Loading {name}", unit="tensor", disable=None if enabled else True, leave=False)

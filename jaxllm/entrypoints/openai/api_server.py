@@ -10,19 +10,22 @@ base in `serving_engine.py` and the helpers in `serving_utils.py`.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import pathlib
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import HTMLResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxllm
 from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError
-from jaxllm.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
+from jaxllm.entrypoints.metrics import CONTENT_TYPE, ServerMetrics, StatLogger
 from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
     DetokenizeResponse, ErrorResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
@@ -35,6 +38,7 @@ from jaxllm.entrypoints.openai.middleware import RequestGuard, request_id_of
 from jaxllm.entrypoints.openai.server_args import ServerArgs
 
 logger = logging.getLogger("jaxllm.server")
+PLAYGROUND = pathlib.Path(__file__).with_name("playground") / "index.html"
 
 
 # ----------------------------------------------------------------------------- the app
@@ -66,10 +70,21 @@ def build_app(llm: AsyncLLM, args: ServerArgs | None = None, shutdown: Shutdown 
     """The FastAPI app serving `llm` under the limits in `args`."""
     args = args or ServerArgs()
     shutdown = shutdown or Shutdown()
-    app = FastAPI(title="jaxllm", version=jaxllm.__version__,
+    engine = llm.engine
+    stat_logger = None if args.disable_log_stats else StatLogger(engine, args.log_stats_interval)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        task = asyncio.create_task(stat_logger.run()) if stat_logger is not None else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+
+    app = FastAPI(title="jaxllm", version=jaxllm.__version__, lifespan=lifespan,
                   description="OpenAI-compatible API for jaxllm (completions, chat, models), plus tokenize, "
                               "detokenize, health, version and Prometheus metrics.")
-    engine = llm.engine
     server_metrics = ServerMetrics(engine, engine.model_name)
     workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxllm-tokenizer")
     parts = (llm, server_metrics, args, shutdown, workers)
@@ -118,6 +133,12 @@ def build_app(llm: AsyncLLM, args: ServerArgs | None = None, shutdown: Shutdown 
         if shutdown.draining:
             return error_response("the server is shutting down", 503)
         return Response(status_code=200)
+
+    if not args.disable_playground:
+        @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+        async def playground():
+            """The chat playground (playground/index.html): a page that calls /v1/chat/completions."""
+            return HTMLResponse(PLAYGROUND.read_text(encoding="utf-8"))
 
     @app.get("/version")
     async def version():

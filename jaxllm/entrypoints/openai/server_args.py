@@ -11,7 +11,7 @@ import dataclasses
 from jaxllm.config import option
 
 # Paths served without the API key: nothing behind them runs the model or its tokenizer.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect",
+OPEN_PATHS = frozenset({"/", "/health", "/metrics", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect",
                         "/redoc"})
 
 
@@ -49,6 +49,12 @@ class ServerArgs:
         None, "the model family's tool-call format: hermes (Hermes, Qwen), llama3_json (Llama 3.x), mistral. "
               "Default: none (tool_choice 'auto' is refused)",
         choices=("hermes", "llama3_json", "mistral"))
+    disable_playground: bool = option(False, "do not serve the chat playground page at /")
+    disable_log_requests: bool = option(
+        False, "do not log a line per finished request (id, tokens, TTFT, end-to-end time, finish reason)")
+    disable_log_stats: bool = option(
+        False, "do not log the engine's throughput, queue and KV cache usage every --log-stats-interval")
+    log_stats_interval: float = option(10.0, "seconds between two engine stats lines", metavar="SECONDS")
     uvicorn_log_level: str = option("info", "uvicorn's log level; 'info' logs every request",
                                   choices=("critical", "error", "warning", "info", "debug", "trace"))
 
@@ -63,6 +69,6 @@ class ServerArgs:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-        for name in ("request_read_timeout", "shutdown_timeout"):
+        for name in ("request_read_timeout", "shutdown_timeout", "log_stats_interval"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")

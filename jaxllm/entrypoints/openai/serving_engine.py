@@ -265,7 +265,8 @@ class OpenAIServing:
             raise APIError(f"the server is at capacity ({limit} requests running or queued); retry later", 429,
                            headers={"Retry-After": "1"})
         streams = [self.metrics.track(self.llm.generate({"prompt": text, "prompt_token_ids": ids}, params,
-                                                        f"{request_id}-{i}", output_kind="delta"))
+                                                        f"{request_id}-{i}", output_kind="delta"),
+                                       log=not self.args.disable_log_requests)
                    for i, (text, ids) in enumerate(prompts)]
         outputs = MergedOutputs(streams)
         self.shutdown.register(outputs)
