@@ -22,8 +22,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PARTS = ("throughput", "serving", "serving-vllm", "memory", "kernels", "step", "startup", "spec_decode", "structured_output",
-         "models", "plots")
+PARTS = ("throughput", "serving", "serving-vllm", "memory", "kernels", "sampler", "step", "startup", "spec_decode",
+         "structured_output", "models", "plots")
 
 # (engine, dtype): jaxllm in both dtypes, the seeds' baseline, HF's own continuous batching as
 # PEERS.md measured it, and the optional peers (skipped with a message when not installed).
@@ -59,6 +59,7 @@ def commands(args) -> dict[str, list[str]]:
         "kernels": py + [os.path.join(HERE, "kernels.py")]
         + (["--batches", "1,8", "--context", "128", "--prefill", "64", "--repeat", "3", "--min-seconds", "0.1"]
            if args.quick else []),
+        "sampler": py + [os.path.join(HERE, "sampler.py")] + (["--compiles", "1", "--repeat", "2"] if args.quick else []),
         "step": py + [os.path.join(HERE, "step.py")] + (["--batches", "1,8", "--prefill", "64"] if args.quick else []),
         "startup": py + [os.path.join(HERE, "startup.py")] + (["--warm", "1"] if args.quick else []),
         "spec_decode": py + [os.path.join(HERE, "spec_decode.py")]

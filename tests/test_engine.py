@@ -308,3 +308,20 @@ def test_async_llm_streams_and_cancel_frees_pages(tiny_model_dir, llm):
         assert not engine.engine.has_unfinished_requests()
     finally:
         engine.shutdown()
+
+
+def test_progress_bar_shows_on_a_terminal_only(llm, monkeypatch, capsys):
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    params = SamplingParams(temperature=0, max_tokens=2)
+    llm.generate(["Hello"], params)                      # use_tqdm's default: a bar, where it can be seen
+    assert "generating" not in capsys.readouterr().err   # stderr here is captured, not a terminal
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    llm.generate(["Hello"], params)
+    assert "generating" in terminal.getvalue()

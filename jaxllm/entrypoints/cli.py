@@ -1,5 +1,6 @@
 """The `jaxllm` command: `serve` (OpenAI-compatible server), `generate` (complete prompts,
-streamed to the terminal) and `chat` (talk to the model in the terminal).
+streamed to the terminal), `chat` (talk to the model in the terminal) and `bench`
+(throughput, latency, a server under load: jaxllm/bench/commands.py).
 
 Only argparse is imported up front, so `jaxllm --help` answers at once; the engine (JAX, the
 model) loads inside the subcommand.
@@ -35,6 +36,7 @@ examples:
   jaxllm chat --system "You are a pirate."           chat in the terminal (/reset, /exit)
   jaxllm serve                                       OpenAI API at http://127.0.0.1:8000/v1
   jaxllm serve --model Qwen/Qwen2.5-0.5B-Instruct --port 8080 --api-key secret
+  jaxllm bench throughput --output-json t.json       offline throughput, as `vllm bench` measures it
 
 then, with the server running:
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
