@@ -48,6 +48,7 @@ from workload import (  # noqa: E402
 
 del sys.path[0]
 # The client is `jaxllm bench serve`'s, so both report the same figures.
+from jaxllm.bench.commands import parse_rate  # noqa: E402
 from jaxllm.bench.serve import print_row, run_rate  # noqa: E402
 
 
@@ -159,12 +160,6 @@ def fresh_prompts(workload: list[dict], run: int) -> list[dict]:
     return [dict(w, prompt_token_ids=[workload[(j + run) % n]["prompt_token_ids"][0], *w["prompt_token_ids"][1:]])
             for j, w in enumerate(workload)]
 
-
-def parse_rate(text: str) -> float:
-    rate = float(text)
-    if not rate > 0:
-        raise argparse.ArgumentTypeError(f"request rate must be > 0 or inf, got {text!r}")
-    return rate
 
 
 def main(argv=None):

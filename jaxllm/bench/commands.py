@@ -33,7 +33,8 @@ def parse_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def _rate(text: str) -> float:
+def parse_rate(text: str) -> float:
+    """A request rate in requests/s: > 0, or inf."""
     rate = float(text)
     if not rate > 0:
         raise argparse.ArgumentTypeError(f"request rate must be > 0 or inf, got {text!r}")
@@ -92,7 +93,7 @@ def add_bench_parser(commands, add_engine_args, engine_args) -> None:
     serve.add_argument("--tokenizer", default=None, metavar="MODEL",
                        help="model files whose vocabulary the prompts are drawn from (default: the bundled SmolLM2)")
     serve.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="(default: $OPENAI_API_KEY)")
-    serve.add_argument("--request-rate", type=_rate, default=float("inf"), help="requests/s, or inf (default: inf)")
+    serve.add_argument("--request-rate", type=parse_rate, default=float("inf"), help="requests/s, or inf (default: inf)")
     serve.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no bound)")
     _add_dataset_args(serve)
     serve.add_argument("--save-result", action="store_true", help="write the results as JSON")
@@ -214,8 +215,12 @@ def run_serve(args) -> int:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = args.model
     if model is None:
-        response = httpx.get(base_url + "/v1/models", headers=headers, timeout=30)
-        response.raise_for_status()
+        try:
+            response = httpx.get(base_url + "/v1/models", headers=headers, timeout=30)
+            response.raise_for_status()
+        except httpx.HTTPError as e:
+            print(f"jaxllm bench serve: error: no server answers at {base_url}: {e}", file=sys.stderr)
+            return 1
         model = response.json()["data"][0]["id"]
     requests = workload(args, args.tokenizer)
     # One short request first, as vLLM's client and benchmarks/serving.py send: it checks the

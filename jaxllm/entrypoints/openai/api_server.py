@@ -5,7 +5,9 @@ handlers that answer OpenAI's error JSON) and runs it (`bind_socket`, `run_serve
 hardened uvicorn in `http_server.py`). The handlers live by
 route group: `serving_completion.py` (/v1/completions), `serving_chat.py`
 (/v1/chat/completions), `serving_tokenization.py` (/tokenize, /detokenize), over the shared
-base in `serving_engine.py` and the helpers in `serving_utils.py`.
+base in `serving_engine.py` and the helpers in `serving_utils.py`; `playground/index.html` is
+the chat page at /. `metrics.py` (beside this package) has the Prometheus metrics and the log
+lines about requests and the engine.
 """
 
 from __future__ import annotations
