@@ -63,11 +63,13 @@ def load_dataset(path: str) -> list[dict]:
 
 def add_workload_args(ap: argparse.ArgumentParser, model_flag: str = "--model") -> None:
     """Workload options; `model_flag` names the option for the model files (its vocabulary)."""
+    from jaxllm.bench.commands import STANDARD   # the standard workload, as `jaxllm bench` runs it
+
     g = ap.add_argument_group("workload")
     g.add_argument("--dataset", default=None, help="JSON list of {prompt_token_ids, max_tokens} (default: random)")
-    g.add_argument("--num-prompts", type=int, default=128)
-    g.add_argument("--input-len-range", type=parse_range, default=(32, 256), metavar="LO:HI")
-    g.add_argument("--output-len-range", type=parse_range, default=(32, 128), metavar="LO:HI")
+    g.add_argument("--num-prompts", type=int, default=STANDARD["num_prompts"])
+    g.add_argument("--input-len-range", type=parse_range, default=STANDARD["input_len_range"], metavar="LO:HI")
+    g.add_argument("--output-len-range", type=parse_range, default=STANDARD["output_len_range"], metavar="LO:HI")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(model_flag, dest="model", default=None,
                    help="model files: its vocabulary, and what the engines load (default: the bundled SmolLM2 GGUF)")
