@@ -22,6 +22,8 @@ DEFAULT_KV_CACHE_MEMORY = 2 << 30  # bytes; on CPU the pool lives in host RAM
 # The names of jaxllm.attention.BACKENDS, listed here so that checking a config imports no kernels.
 ATTENTION_BACKENDS = ("native", "cpu", "pallas", "reference")
 PREEMPTION_MODES = ("recompute", "swap")
+# jaxllm.quantization.METHODS (config checks import no JAX code); tests/test_quantization.py checks they agree.
+QUANTIZATION_METHODS = ("int8", "int4", "w8a8")
 MAX_SPECULATIVE_TOKENS = 15     # a step verifies at most this many drafts per request
 
 
@@ -53,6 +55,11 @@ class EngineArgs:
     dtype: str = option(
         "auto", "weight and KV-cache dtype; 'auto' picks bfloat16 on accelerators and on CPUs with native bf16 "
                 "dots (AVX512_BF16 or AMX), float32 on other CPUs", choices=DTYPE_CHOICES)
+    quantization: str | None = option(
+        None, "quantize the weights on load: 'int8' (int8 per output channel), 'int4' (4-bit in groups of 32, "
+              "the LM head int8), both weight-only; 'w8a8' (int8 weights and per-token int8 activations: fast "
+              "with VNNI/AMX, less accurate); default: none (see jaxllm/quantization)",
+        choices=QUANTIZATION_METHODS)
     max_model_len: int | None = option(None, "context length, prompt plus output (default: the model's)",
                                      metavar="TOKENS")
     max_num_seqs: int = option(128, "most sequences in one batch", metavar="N")
@@ -163,6 +170,13 @@ class EngineArgs:
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
+        if self.quantization is not None and (self.tensor_parallel_size * self.pipeline_parallel_size
+                                              * self.data_parallel_size * self.num_processes > 1
+                                              or self.mesh is not None):
+            raise ValueError("quantization runs on one device: not with tensor, pipeline or data parallelism, "
+                             "a mesh or several processes yet")
         speculative = SpeculativeConfig.parse(self.speculative_config)
         if speculative is not None and self.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding is not supported with pipeline_parallel_size > 1 yet")
@@ -288,6 +302,7 @@ class EngineConfig:
     background_compile: bool
     packed_weights: bool
     speculative: SpeculativeConfig | None = None
+    quantization: str | None = None
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -390,4 +405,5 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
         background_compile=args.background_compile,
         packed_weights=args.packed_weights,
         speculative=speculative,
+        quantization=args.quantization,
     )

@@ -17,6 +17,7 @@ from tiny_model import tiny_engine_flags
     ("throughput", ["--num-prompts", "--random-input-len", "--random-output-len", "--random-range-ratio",
                     "--dataset-name", "--output-json", "--max-num-seqs"]),
     ("latency", ["--input-len", "--output-len", "--batch-size", "--num-iters-warmup", "--num-iters", "--output-json"]),
+    ("perplexity", ["--text-file", "--window", "--output-json", "--quantization"]),
     ("serve", ["--base-url", "--host", "--port", "--model", "--request-rate", "--max-concurrency", "--num-prompts",
                "--random-input-len", "--save-result", "--result-dir", "--result-filename"]),
 ])

@@ -1,10 +1,12 @@
-"""`jaxllm bench throughput | latency | serve`: jaxllm measured the way `vllm bench` measures vLLM,
+"""`jaxllm bench throughput | latency | perplexity | serve`: jaxllm measured the way `vllm bench` measures vLLM,
 with vLLM's flag names and JSON results.
 
 - throughput: an offline batch (`LLM.generate`) over vLLM's random dataset, greedy with
   ignore_eos (every request gives exactly its max_tokens); requests/s and tokens/s.
 - latency: one batch of `--batch-size` prompts of `--input-len` tokens, `--output-len` tokens
   each, timed end to end `--num-iters` times after `--num-iters-warmup`.
+- perplexity: of the model on a text (a public-domain one ships with jaxllm), e.g. to see
+  what `--quantization` costs (jaxllm/bench/perplexity.py).
 - serve: a running OpenAI-compatible server (jaxllm's or any other) under Poisson arrivals
   (`--request-rate`) or a concurrency bound (`--max-concurrency`); TTFT, TPOT, ITL and
   end-to-end latency. The client is benchmarks/serving.py's (jaxllm/bench/serve.py).
@@ -62,7 +64,7 @@ def add_bench_parser(commands, add_engine_args, engine_args) -> None:
     """`jaxllm bench` and its three commands, on the main parser's subparsers; `add_engine_args`
     and `engine_args` are the CLI's (its engine flags, and the EngineArgs they give)."""
     formatter = argparse.RawDescriptionHelpFormatter
-    bench = commands.add_parser("bench", formatter_class=formatter, help="benchmark throughput, latency or a server",
+    bench = commands.add_parser("bench", formatter_class=formatter, help="benchmark throughput, latency, perplexity or a server",
                                 description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1])
     kinds = bench.add_subparsers(dest="bench_command", metavar="KIND", title="kinds", required=True)
 
@@ -83,6 +85,15 @@ def add_bench_parser(commands, add_engine_args, engine_args) -> None:
     latency.add_argument("--output-json", default=None, metavar="PATH", help="write the results as JSON")
     add_engine_args(latency)
     latency.set_defaults(run=run_latency, engine_args=engine_args)
+
+    ppl = kinds.add_parser("perplexity", formatter_class=formatter, help="perplexity on a text",
+                           epilog="example:\n  jaxllm bench perplexity --quantization int8")
+    ppl.add_argument("--text-file", default=None, metavar="PATH",
+                     help="UTF-8 text to score (default: the public-domain text that ships with jaxllm)")
+    ppl.add_argument("--window", type=int, default=512, help="tokens per scored window (default: %(default)s)")
+    ppl.add_argument("--output-json", default=None, metavar="PATH", help="write the results as JSON")
+    add_engine_args(ppl)
+    ppl.set_defaults(run=run_perplexity, engine_args=engine_args)
 
     serve = kinds.add_parser("serve", formatter_class=formatter, help="a running server under load",
                              epilog="example:\n  jaxllm serve &\n  jaxllm bench serve --request-rate 4 --num-prompts 64")
@@ -200,6 +211,20 @@ def run_latency(args) -> int:
     print(f"Avg latency: {result['avg_latency']:.3f} seconds")
     for p, value in percentiles.items():
         print(f"{p}% percentile latency: {value:.3f} seconds")
+    _write(args.output_json, result)
+    return 0
+
+
+def run_perplexity(args) -> int:
+    from jaxllm.bench.perplexity import perplexity
+
+    text = None
+    if args.text_file is not None:
+        with open(args.text_file, encoding="utf-8") as f:
+            text = f.read()
+    result = {**perplexity(_load(args), text, args.window), "window": args.window,
+              "quantization": args.quantization, **provenance()}
+    print(f"Perplexity: {result['perplexity']:.4f} over {result['tokens']} tokens ({result['windows']} windows)")
     _write(args.output_json, result)
     return 0
 

@@ -5,7 +5,8 @@
 CPUs with AVX-512 / AVX2 + FMA; `kernel_paths()` lists the paths the build has);
 `argmax_logsumexp` gives greedy sampling's two row reductions in one pass and `sample_rows`
 a sampled row's token (csrc/sampling.cc);
-`matmul_packed` multiplies by an f32 weight packed once by `pack_weight` (csrc/gemm.cc).
+`matmul_packed` multiplies by an f32 weight packed once by `pack_weight`, `matmul_quantized`
+by int8 or int4 codes packed by `pack_codes` (csrc/gemm.cc).
 csrc/cpu_kernels.cc, which includes them all, is compiled on first use with the system C++
 compiler (`$CXX`, else `c++`) against the XLA FFI headers that ship with jaxlib, with
 `-O3 -march=native` and fast math, into `<cache root>/native/` (keyed by every file in csrc/,
@@ -36,7 +37,8 @@ from jaxllm.utils import default_cache_root
 TARGETS = {"jaxllm_paged_attention_cpu": "JaxllmPagedAttentionCpu",
            "jaxllm_argmax_logsumexp_cpu": "JaxllmArgmaxLogsumexpCpu",
            "jaxllm_sample_rows_cpu": "JaxllmSampleRowsCpu",
-           "jaxllm_matmul_packed_cpu": "JaxllmMatmulPackedCpu"}
+           "jaxllm_matmul_packed_cpu": "JaxllmMatmulPackedCpu",
+           "jaxllm_matmul_quantized_cpu": "JaxllmMatmulQuantCpu"}
 # The one translation unit: it includes the other files of its folder.
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "cpu_kernels.cc")
 # -ffast-math for vectorised reductions, but with infinities kept: banned tokens' logits are -inf.
@@ -204,6 +206,33 @@ def matmul_packed(x: jax.Array, w_packed: jax.Array, path: str = "auto") -> jax.
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     call = jax.ffi.ffi_call("jaxllm_matmul_packed_cpu", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
     return call(x2, w_packed, path=path_attr).reshape(*lead, n)
+
+
+def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Integer codes [K, N] (int8 for 8 bits, 0..15 for 4 bits) as the panels
+    `matmul_quantized` reads: int8 [N / 16, K, 16], or for 4 bits uint8 [N / 16, K, 8] with
+    column j of a panel in byte j's low nibble and column j + 8 in its high nibble."""
+    k, n = codes.shape
+    panels = np.asarray(codes).reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
+    if bits == 8:
+        return np.ascontiguousarray(panels, np.int8)
+    u = panels.astype(np.uint8)
+    return np.ascontiguousarray(u[..., : PANEL // 2] | (u[..., PANEL // 2 :] << 4))
+
+
+def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array | None, bits: int,
+                     path: str = "auto") -> jax.Array:
+    """x [..., K] f32 @ w -> [..., N] f32, w [K, N] given by the panels of `pack_codes`, and
+    scale (and offset, or None) [G, N]: w[k, n] = code * scale[g, n] + offset[g, n] for the
+    group g = k // (K / G) (csrc/gemm.cc dequantizes a panel at a time; x stays f32)."""
+    require()
+    path_attr = _path_attr(path)
+    n = codes.shape[0] * PANEL
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    offset = jnp.zeros((0,), jnp.float32) if offset is None else offset
+    call = jax.ffi.ffi_call("jaxllm_matmul_quantized_cpu", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
+    return call(x2, codes, scale, offset, bits=np.int32(bits), path=path_attr).reshape(*lead, n)
 
 
 def paged_attention_cpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,

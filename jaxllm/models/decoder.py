@@ -60,6 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.models import moe
+from jaxllm.quantization import weights as quant
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -191,7 +192,10 @@ class PackedWeight:
 
 
 def matmul(x: jax.Array, w) -> jax.Array:
-    """`x [..., in] f32 @ w [in, out]` with f32 accumulation, in the weight's dtype."""
+    """`x [..., in] f32 @ w [in, out]` with f32 accumulation, in the weight's dtype (or its
+    quantization's path: jaxllm/quantization)."""
+    if isinstance(w, quant.QuantizedWeight):
+        return quant.matmul(x, w)
     if isinstance(w, PackedWeight):
         from jaxllm.kernels import native
 
@@ -211,7 +215,8 @@ def pack_params(params, spec: ModelSpec, device):
     from jaxllm.kernels import native
 
     def pack(w, transposed=False):
-        if isinstance(w, PackedWeight) or w.dtype != jnp.float32 or not native.packable(w.shape, transposed):
+        if isinstance(w, (PackedWeight, quant.QuantizedWeight)) or w.dtype != jnp.float32 \
+                or not native.packable(w.shape, transposed):
             return w
         return PackedWeight(jax.device_put(native.pack_weight(np.asarray(w), transposed), device))
 
@@ -335,6 +340,8 @@ def embed(params, token_ids: jax.Array, positions: jax.Array, spec: ModelSpec, a
 def _token_rows(table, token_ids: jax.Array, axis: str | None) -> jax.Array:
     if isinstance(table, PackedWeight):  # [vocab / 16, hidden, 16]: token t is column t % 16 of panel t // 16
         return table.panels[token_ids // 16, :, token_ids % 16]
+    if isinstance(table, quant.QuantizedWeight):  # quantized as the LM head [hidden, vocab]
+        return quant.embedding_rows(table, token_ids)
     if axis is None:
         return table[token_ids].astype(jnp.float32)
     rows = table.shape[0]
@@ -372,7 +379,7 @@ def compute_logits(params, hidden: jax.Array, spec: ModelSpec, axis: str | None 
         # Contract against embed [vocab, hidden] directly: `jnp.dot(h, embed.T)` materialised
         # the transpose on every call on XLA:CPU (4-20x slower).
         w = params["embed"]
-        if isinstance(w, PackedWeight):  # packed as the LM head: [vocab / 16, hidden, 16]
+        if isinstance(w, (PackedWeight, quant.QuantizedWeight)):  # stored as the LM head [hidden, vocab]
             logits = matmul(h, w)
         else:
             logits = jnp.einsum("sh,vh->sv", h.astype(w.dtype), w, preferred_element_type=jnp.float32)

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm import kernels, parallel
+from jaxllm import kernels, parallel, quantization
 from jaxllm.attention import AttentionBackend, get_attention_backend
 from jaxllm.config import EngineConfig
 from jaxllm.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -101,6 +101,9 @@ class ModelRunner:
         # Commit params and the cache to the device(s): warm-up and serving then pass arrays with
         # the same sharding, so the programs compiled at warm-up are the ones served from.
         if mesh is None:
+            if config.quantization:   # in place, one matrix at a time (before packing the rest)
+                params = quantization.quantize_params(params, spec, config.quantization,
+                                                      native=self.attention.name == "native", device=jax.devices()[0])
             if config.packed_weights and self.attention.name == "native":
                 # In place, one matrix at a time: the unpacked ones are freed as it goes.
                 params = decoder.pack_params(params, spec, jax.devices()[0])

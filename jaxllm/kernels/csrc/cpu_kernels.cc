@@ -7,7 +7,8 @@
 //   paged_attention_avx512.cc  the AVX-512 path (head_dim 32, 64, 128, 256)
 //   paged_attention_avx2.cc    the AVX2 + FMA path (head_dim a multiple of 32)
 //   sampling.cc                greedy sampling's argmax + logsumexp, sampled rows' draw, FFI handlers
-//   gemm.cc                    f32 matmul against weights packed once into 16-column panels
+//   gemm.cc                    matmul against weights packed once into 16-column panels: f32, or
+//                              int8 / int4 codes dequantized a panel at a time
 //   simd.h                     code paths (KernelPath), bf16 widening, exp, transpose, reductions
 //   parallel_for.h             work sharing over XLA's intra-op thread pool
 

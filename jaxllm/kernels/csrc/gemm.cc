@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "parallel_for.h"
 #include "simd.h"
@@ -61,8 +62,7 @@ inline void panel_rows(const float* __restrict x, const float* __restrict panel,
   }
 }
 
-void panel_block_avx2(const GemmArgs& g, int64_t p, int64_t r0, int64_t r1) {
-  const float* panel = g.w + p * g.K * kPanel;
+void panel_block_avx2(const GemmArgs& g, const float* panel, int64_t p, int64_t r0, int64_t r1) {
   const int64_t K = g.K, N = g.N;
   int64_t r = r0;
   for (; r + 6 <= r1; r += 6) panel_rows<6>(g.x + r * K, panel, g.y + r * N + p * kPanel, K, N);
@@ -79,8 +79,7 @@ void panel_block_avx2(const GemmArgs& g, int64_t p, int64_t r0, int64_t r1) {
 #endif  // JAXLLM_AVX2
 
 // Portable: one row at a time, the 16 sums in an array the compiler can keep in vectors.
-void panel_block_portable(const GemmArgs& g, int64_t p, int64_t r0, int64_t r1) {
-  const float* panel = g.w + p * g.K * kPanel;
+void panel_block_portable(const GemmArgs& g, const float* panel, int64_t p, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     float acc[kPanel] = {};
     const float* x = g.x + r * g.K;
@@ -90,13 +89,33 @@ void panel_block_portable(const GemmArgs& g, int64_t p, int64_t r0, int64_t r1) 
   }
 }
 
-// y[r0 .. r1 - 1, panel p's columns], on the widest path allowed (a KernelPath, as for attention).
-void panel_block(const GemmArgs& g, int64_t p, int64_t r0, int64_t r1, int32_t path) {
+// y[r0 .. r1 - 1, panel p's columns] from `panel` (g.w's panel p, or a dequantized copy of
+// it), on the widest path allowed (a KernelPath, as for attention).
+void panel_block(const GemmArgs& g, const float* panel, int64_t p, int64_t r0, int64_t r1, int32_t path) {
 #ifdef JAXLLM_AVX2
-  if (path == kAuto || path >= kAvx2) return panel_block_avx2(g, p, r0, r1);
+  if (path == kAuto || path >= kAvx2) return panel_block_avx2(g, panel, p, r0, r1);
 #endif
-  panel_block_portable(g, p, r0, r1);
+  panel_block_portable(g, panel, p, r0, r1);
 }
+
+// Work items of a [M, K] x [K, N] product: (chunk of up to kRowChunk rows, group of panels),
+// about 8 per thread, each at least one panel; item i covers rows [r0, r1) and panels [p0, p1).
+struct GemmItems {
+  int64_t panels, row_chunks, per_item, count;
+  GemmItems(int64_t M, int64_t N, int64_t threads) {
+    panels = N / kPanel;
+    row_chunks = (M + kRowChunk - 1) / kRowChunk;
+    per_item = std::max<int64_t>(1, panels * row_chunks / (8 * std::max<int64_t>(1, threads)));
+    count = (panels + per_item - 1) / per_item * row_chunks;
+  }
+  void bounds(int64_t item, int64_t M, int64_t& r0, int64_t& r1, int64_t& p0, int64_t& p1) const {
+    const int64_t chunk = item % row_chunks, group = item / row_chunks;
+    r0 = chunk * kRowChunk;
+    r1 = std::min(M, r0 + kRowChunk);
+    p0 = group * per_item;
+    p1 = std::min(panels, p0 + per_item);
+  }
+};
 
 ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                             ffi::ResultBuffer<ffi::F32> y, int32_t path) {
@@ -107,17 +126,127 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   if (path < kAuto || path > kAvx512 || (path != kAuto && !(built_paths() & (1 << path))))
     return ffi::Error::InvalidArgument("matmul_packed: this build has no such kernel path");
   GemmArgs g{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[0] * kPanel};
-  const int64_t panels = wd[0];
-  const int64_t row_chunks = (g.M + kRowChunk - 1) / kRowChunk;
-  // About 8 items per thread, each at least one panel.
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t per_item = std::max<int64_t>(1, panels * row_chunks / (8 * threads));
-  const int64_t groups = (panels + per_item - 1) / per_item;
-  parallel_for(pool, groups * row_chunks, [&](int64_t item) {
-    const int64_t chunk = item % row_chunks, group = item / row_chunks;
-    const int64_t r0 = chunk * kRowChunk, r1 = std::min(g.M, r0 + kRowChunk);
-    const int64_t p1 = std::min(panels, (group + 1) * per_item);
-    for (int64_t p = group * per_item; p < p1; ++p) panel_block(g, p, r0, r1, path);
+  const GemmItems items(g.M, g.N, pool.num_threads());
+  parallel_for(pool, items.count, [&](int64_t item) {
+    int64_t r0, r1, p0, p1;
+    items.bounds(item, g.M, r0, r1, p0, p1);
+    for (int64_t p = p0; p < p1; ++p) panel_block(g, g.w + p * g.K * kPanel, p, r0, r1, path);
+  });
+  return ffi::Error::Success();
+}
+
+
+// ---------------------------------------------------------------------------- quantized weights
+// y = x @ w with w stored as integer codes in the same panels, dequantized one panel at a time
+// into a per-thread f32 copy that the f32 kernel above then multiplies (weight-only
+// quantization: x stays f32). The copy is made once per work item, which covers up to
+// kRowChunk rows, so at decode and prefill batch sizes the dequantization is a small part of
+// the work, and the weights are read at 1/4 (int8) or 1/8 (int4) of the f32 bytes.
+//
+//   codes, 8 bits: int8 [N / 16, K, 16] (column j of panel row k at byte j);
+//          4 bits: uint8 [N / 16, K, 8] (byte j: column j in the low nibble, j + 8 in the high);
+//   scale, offset: f32 [G, N], G groups of K / G rows; w[k, n] = code * scale[g, n] + offset[g, n]
+//          with g = k / (K / G). Without offsets (an empty array) w = code * scale.
+
+struct QuantPanel {
+  const void* codes;
+  const float *scale, *offset;  // offset: nullptr when there is none
+  int64_t K, N, group;          // group: rows of K per scale row
+  int bits;
+};
+
+// Column n0 .. n0 + 15's scales and offsets of group g.
+inline const float* group_row(const float* a, const QuantPanel& q, int64_t g, int64_t p) {
+  return a + g * q.N + p * kPanel;
+}
+
+void dequantize_panel_portable(const QuantPanel& q, int64_t p, float* out) {
+  for (int64_t k = 0; k < q.K; ++k) {
+    const int64_t g = k / q.group;
+    const float* s = group_row(q.scale, q, g, p);
+    const float* o = q.offset ? group_row(q.offset, q, g, p) : nullptr;
+    for (int64_t j = 0; j < kPanel; ++j) {
+      float code;
+      if (q.bits == 8) {
+        code = static_cast<const int8_t*>(q.codes)[(p * q.K + k) * kPanel + j];
+      } else {
+        const uint8_t byte = static_cast<const uint8_t*>(q.codes)[(p * q.K + k) * (kPanel / 2) + j % 8];
+        code = j < 8 ? (byte & 15) : (byte >> 4);
+      }
+      out[k * kPanel + j] = o ? code * s[j] + o[j] : code * s[j];
+    }
+  }
+}
+
+#ifdef JAXLLM_AVX2
+void dequantize_panel_avx2(const QuantPanel& q, int64_t p, float* out) {
+  const __m256i low4 = _mm256_set1_epi32(15);
+  for (int64_t k0 = 0; k0 < q.K; k0 += q.group) {
+    const int64_t g = k0 / q.group, k1 = std::min(q.K, k0 + q.group);
+    const float* s = group_row(q.scale, q, g, p);
+    const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+    const __m256 o0 = q.offset ? _mm256_loadu_ps(group_row(q.offset, q, g, p)) : _mm256_setzero_ps();
+    const __m256 o1 = q.offset ? _mm256_loadu_ps(group_row(q.offset, q, g, p) + 8) : _mm256_setzero_ps();
+    for (int64_t k = k0; k < k1; ++k) {
+      __m256i c0, c1;
+      if (q.bits == 8) {
+        const __m128i bytes = _mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(q.codes) + (p * q.K + k) * kPanel));
+        c0 = _mm256_cvtepi8_epi32(bytes);
+        c1 = _mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8));
+      } else {
+        const __m128i bytes = _mm_loadl_epi64(
+            reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(q.codes) + (p * q.K + k) * (kPanel / 2)));
+        const __m256i wide = _mm256_cvtepu8_epi32(bytes);
+        c0 = _mm256_and_si256(wide, low4);
+        c1 = _mm256_srli_epi32(wide, 4);
+      }
+      _mm256_storeu_ps(out + k * kPanel, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0), s0, o0));
+      _mm256_storeu_ps(out + k * kPanel + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), s1, o1));
+    }
+  }
+}
+#endif  // JAXLLM_AVX2
+
+void dequantize_panel(const QuantPanel& q, int64_t p, float* out, int32_t path) {
+#ifdef JAXLLM_AVX2
+  if (path == kAuto || path >= kAvx2) return dequantize_panel_avx2(q, p, out);
+#endif
+  dequantize_panel_portable(q, p, out);
+}
+
+struct PanelScratch {
+  std::vector<float> panel;
+};
+
+ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+                           ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+                           ffi::ResultBuffer<ffi::F32> y, int32_t bits, int32_t path) {
+  const auto xd = x.dimensions();
+  const auto cd = codes.dimensions();
+  const auto sd = scale.dimensions();
+  const bool int8 = bits == 8 && codes.element_type() == ffi::DataType::S8;
+  const bool int4 = bits == 4 && codes.element_type() == ffi::DataType::U8;
+  if (xd.size() != 2 || cd.size() != 3 || !(int8 || int4) || cd[2] != (int8 ? kPanel : kPanel / 2) ||
+      cd[1] != xd[1] || sd.size() != 2 || sd[1] != cd[0] * kPanel || sd[0] < 1 || xd[1] % sd[0] != 0 ||
+      (offset.element_count() != 0 && offset.element_count() != scale.element_count()))
+    return ffi::Error::InvalidArgument(
+        "matmul_quantized: needs x [M, K], codes int8 [N / 16, K, 16] (bits 8) or uint8 [N / 16, K, 8] (bits 4), "
+        "scale [G, N] with G dividing K, offset empty or like scale");
+  if (path < kAuto || path > kAvx512 || (path != kAuto && !(built_paths() & (1 << path))))
+    return ffi::Error::InvalidArgument("matmul_quantized: this build has no such kernel path");
+  GemmArgs g{x.typed_data(), nullptr, y->typed_data(), xd[0], xd[1], cd[0] * kPanel};
+  const QuantPanel q{codes.untyped_data(), scale.typed_data(),
+                     offset.element_count() ? offset.typed_data() : nullptr, g.K, g.N, g.K / sd[0], bits};
+  const GemmItems items(g.M, g.N, pool.num_threads());
+  parallel_for<PanelScratch>(pool, items.count, [&](int64_t item, PanelScratch& scratch) {
+    int64_t r0, r1, p0, p1;
+    items.bounds(item, g.M, r0, r1, p0, p1);
+    scratch.panel.resize(g.K * kPanel);
+    for (int64_t p = p0; p < p1; ++p) {
+      dequantize_panel(q, p, scratch.panel.data(), path);
+      panel_block(g, scratch.panel.data(), p, r0, r1, path);
+    }
   });
   return ffi::Error::Success();
 }
@@ -131,4 +260,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulPackedCpu, jaxllm::MatmulPackedImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w_packed
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y
+                                  .Attr<int32_t>("path"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulQuantCpu, jaxllm::MatmulQuantImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::AnyBuffer>()         // codes
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // offset (or empty)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y
+                                  .Attr<int32_t>("bits")
                                   .Attr<int32_t>("path"));

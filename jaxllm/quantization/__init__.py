@@ -1,0 +1,45 @@
+"""Weight quantization: `LLM(model, quantization=...)`, quantized on load from any float
+checkpoint (HF or GGUF; a GGUF is dequantized first).
+
+| method | weights                                              | activations              |
+|--------|------------------------------------------------------|--------------------------|
+| `int8` | int8, a scale per output channel                     | float (weight-only)      |
+| `int4` | 4-bit codes, a scale and an offset per 32 input rows | float (weight-only)      |
+|        | (the LM head: int8 as for `int8`)                    |                          |
+| `w8a8` | int8, a scale per output channel                     | int8, a scale per token  |
+
+The layer matrices (fused QKV, attention output, MLP) and the LM head are quantized (the
+embedding table too when it is the LM head); norms, biases, an untied embedding table, routers
+and experts stay float. Measured on the default model (benchmarks/quantization.py, README):
+`int8` and `int4` cost 1-2% and ~6% perplexity, `w8a8` ~9% (a 135M model's activations have
+outlier channels that one scale per token flattens; per-token scales were kept because scales
+per group of input rows need a dot per group).
+
+How a quantized weight is multiplied (`matmul`):
+
+- **Packed, weight-only** (`layout="panels"`: one CPU device with the native kernels): the C++
+  GEMM (kernels/csrc/gemm.cc) dequantizes one 16-column panel at a time into an f32 copy and
+  runs its f32 kernel on it: x stays f32, the weights take 1/4 or 1/8 of their f32 bytes, and
+  the speed is the f32 GEMM's from 32 rows up.
+- **W8A8** (`activations="int8"`): each row of x is quantized to int8 with its own scale and
+  XLA runs an `int8 x int8 -> int32` dot (YNNPACK's VNNI / AMX kernels on CPUs that have them,
+  1.3-3.8x a bf16 dot there; on AVX2-only CPUs no faster than f32), then rescales.
+- **Plain, weight-only** (other backends, GPUs): dequantized inside the jitted step (saves
+  memory, not time).
+
+Sharded runs (tensor, pipeline or data parallel) do not take quantized weights yet: `EngineArgs`
+refuses the combination.
+"""
+
+from jaxllm.quantization.weights import (
+    METHODS,
+    QuantizedWeight,
+    dequantize,
+    matmul,
+    quantize_matrix,
+    quantize_params,
+    weight_bytes,
+)
+
+__all__ = ["METHODS", "QuantizedWeight", "dequantize", "matmul", "quantize_matrix",
+           "quantize_params", "weight_bytes"]

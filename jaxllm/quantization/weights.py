@@ -1,0 +1,187 @@
+"""Quantized weight matrices: the pytree leaf type, quantizing on load, and the matmul (see
+the package docstring for the methods and paths)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# method -> (bits, rows of K per scale group; None: one group, a scale per output channel)
+METHODS = {"int8": (8, None), "int4": (4, 32), "w8a8": (8, None)}
+# The layer matrices that are quantized (as decoder.PACKED; MoE experts are not).
+LAYER_MATRICES = ("wqkv", "wo", "w_gate_up", "w_up", "w_down")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class QuantizedWeight:
+    """A weight w [K, N] (K inputs, N outputs) as integer codes with scales:
+    w[k, n] = code[k, n] * scale[g, n] (+ offset[g, n]) for the group g = k // (K / G).
+
+    codes: `layout="plain"`: int8 [K, N] (8 bits), or uint8 [K, N / 2] holding two 4-bit codes
+        (column j in the low nibble, column j + N / 2 in the high one);
+        `layout="panels"`: as `kernels.native.pack_codes` lays them out for the C++ GEMM.
+    scale, offset: f32 [G, N]; offset is None for symmetric codes (the 8-bit ones).
+    activations: "int8" multiplies as W8A8 (x quantized per row, an int8 dot), "float" as
+        weight-only (x stays f32).
+    """
+
+    codes: jax.Array
+    scale: jax.Array
+    offset: jax.Array | None
+    bits: int = dataclasses.field(metadata=dict(static=True))
+    layout: str = dataclasses.field(metadata=dict(static=True))
+    activations: str = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(K, N), as the float weight's."""
+        return self.codes.shape[1 if self.layout == "panels" else 0], self.scale.shape[1]
+
+
+def quantize_matrix(w: np.ndarray, bits: int, group_size: int | None):
+    """w [K, N] float -> (codes [K, N], scale [G, N] f32, offset [G, N] f32 or None).
+
+    8 bits: symmetric, codes in [-127, 127], scale = max|w| / 127 per group and column.
+    4 bits: affine, codes in [0, 15], offset = the group's minimum, scale = its range / 15.
+    `group_size` rows of K per group (None: all of K); a K it does not divide gets one group."""
+    w = np.asarray(w, np.float32)
+    k, n = w.shape
+    groups = 1 if group_size is None or k % group_size else k // group_size
+    wg = w.reshape(groups, k // groups, n)
+    if bits == 8:
+        scale = np.abs(wg).max(axis=1) / 127.0
+        scale[scale == 0] = 1.0
+        codes = np.clip(np.rint(wg / scale[:, None]), -127, 127).astype(np.int8)
+        return codes.reshape(k, n), scale.astype(np.float32), None
+    if bits != 4:
+        raise ValueError(f"{bits}-bit codes are not supported (8 or 4)")
+    lo, hi = wg.min(axis=1), wg.max(axis=1)
+    scale = (hi - lo) / 15.0
+    scale[scale == 0] = 1.0
+    codes = np.clip(np.rint((wg - lo[:, None]) / scale[:, None]), 0, 15).astype(np.uint8)
+    return codes.reshape(k, n), scale.astype(np.float32), lo.astype(np.float32)
+
+
+def _pack_plain_int4(codes: np.ndarray) -> np.ndarray:
+    half = codes.shape[1] // 2
+    return np.ascontiguousarray(codes[:, :half] | (codes[:, half:] << 4))
+
+
+def make_weight(w: np.ndarray, method: str, *, panels: bool, activations: str, device=None) -> QuantizedWeight:
+    """Quantize w [K, N] by `method` into a QuantizedWeight on `device`: packed for the C++
+    GEMM when `panels` (and N allows it), else plain."""
+    from jaxllm.kernels import native
+
+    bits, group_size = METHODS[method]
+    codes, scale, offset = quantize_matrix(w, bits, group_size)
+    k, n = codes.shape
+    if activations == "int8" and (bits != 8 or scale.shape[0] != 1):
+        raise ValueError("W8A8 needs 8-bit codes with one scale per output channel")
+    layout = "panels" if panels and activations == "float" and native.packable((k, n)) else "plain"
+    if layout == "panels":
+        codes = native.pack_codes(codes, bits)
+    elif bits == 4:
+        if n % 2:
+            raise ValueError(f"4-bit codes need an even number of columns, not {n}")
+        codes = _pack_plain_int4(codes)
+    put = functools.partial(jax.device_put, device=device)
+    return QuantizedWeight(put(codes), put(scale), None if offset is None else put(offset), bits, layout,
+                           activations)
+
+
+def _unpacked_codes(w: QuantizedWeight) -> jax.Array:
+    """The codes as f32 [K, N]."""
+    c = w.codes
+    if w.layout == "panels":
+        if w.bits == 4:
+            c = jnp.concatenate([c & 15, c >> 4], axis=-1)
+        c = jnp.transpose(c, (1, 0, 2)).reshape(c.shape[1], -1)
+    elif w.bits == 4:
+        c = jnp.concatenate([c & 15, c >> 4], axis=1)
+    return c.astype(jnp.float32)
+
+
+def dequantize(w: QuantizedWeight) -> jax.Array:
+    """The f32 weight [K, N] the codes stand for."""
+    codes = _unpacked_codes(w)
+    rows = codes.shape[0] // w.scale.shape[0]
+    out = codes * jnp.repeat(w.scale, rows, axis=0)
+    return out if w.offset is None else out + jnp.repeat(w.offset, rows, axis=0)
+
+
+def matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """x [..., K] f32 @ w -> [..., N] f32 (the paths: see the package docstring)."""
+    if w.layout == "panels":
+        from jaxllm.kernels import native
+
+        return native.matmul_quantized(x, w.codes, w.scale, w.offset, w.bits)
+    if w.activations == "int8":
+        x = x.astype(jnp.float32)
+        x_scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0
+        x_scale = jnp.where(x_scale == 0, 1.0, x_scale)
+        xq = jnp.clip(jnp.rint(x / x_scale), -127, 127).astype(jnp.int8)
+        acc = jax.lax.dot_general(xq, w.codes, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+        return acc.astype(jnp.float32) * x_scale * w.scale[0]
+    return jnp.dot(x.astype(jnp.float32), dequantize(w), preferred_element_type=jnp.float32)
+
+
+def embedding_rows(w: QuantizedWeight, token_ids: jax.Array) -> jax.Array:
+    """Rows [T, K] f32 of a tied embedding table stored as its LM head (token t is column t)."""
+    t = token_ids
+    c = w.codes
+    if w.layout == "panels":
+        col = t % 16
+        if w.bits == 8:
+            codes = c[t // 16, :, col]
+        else:
+            byte = c[t // 16, :, col % 8]
+            codes = jnp.where((col >= 8)[:, None], byte >> 4, byte & 15)
+    elif w.bits == 8:
+        codes = c[:, t].T
+    else:
+        half = c.shape[1]
+        byte = c[:, t % half].T
+        codes = jnp.where((t >= half)[:, None], byte >> 4, byte & 15)
+    rows = codes.shape[1] // w.scale.shape[0]
+    out = codes.astype(jnp.float32) * jnp.repeat(w.scale[:, t].T, rows, axis=1)
+    return out if w.offset is None else out + jnp.repeat(w.offset[:, t].T, rows, axis=1)
+
+
+def quantize_params(params: dict, spec, method: str, *, native: bool, device=None) -> dict:
+    """Replace, in place, the layer matrices and the LM head (the embedding table when tied)
+    of a one-device params tree by QuantizedWeights on `device`, one matrix at a time.
+    `native`: the C++ kernels serve this run (the packed weight-only layout where it applies).
+    With `int4` the LM head gets int8 codes (as llama.cpp keeps its output matrix at 6-8 bits)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown quantization {method!r}: choose one of {sorted(METHODS)}")
+    activations = "int8" if method == "w8a8" else "float"
+
+    def make(w, head=False):
+        if isinstance(w, QuantizedWeight):
+            return w
+        return make_weight(np.asarray(w, np.float32), "int8" if head and method == "int4" else method,
+                           panels=native, activations=activations, device=device)
+
+    for layer in params["layers"]:
+        for name in LAYER_MATRICES:
+            if name in layer:
+                layer[name] = make(layer[name])
+    if "lm_head" in params:
+        params["lm_head"] = make(params["lm_head"], head=True)
+    if spec.tie_word_embeddings and not isinstance(params["embed"], QuantizedWeight):
+        params["embed"] = make(np.ascontiguousarray(np.asarray(params["embed"], np.float32).T), head=True)
+    logger.info("weights quantized: %s", method)
+    return params
+
+
+def weight_bytes(params) -> int:
+    """Bytes of every array in a params tree (quantized codes, scales and offsets included)."""
+    return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(params))

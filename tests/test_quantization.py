@@ -1,0 +1,222 @@
+"""Weight quantization (jaxllm/quantization): the schemes against hand-written NumPy, the C++
+quantized GEMM and every matmul path against a NumPy reference of the same scheme, whole
+quantized engines against the float engine on a checkpoint whose weights were replaced by
+their quantized values (the same scheme applied in NumPy to the HF weights), and the
+perplexity tool against HF transformers."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.config import QUANTIZATION_METHODS, EngineArgs
+from jaxllm.kernels import native
+from jaxllm.quantization import METHODS, QuantizedWeight, dequantize, matmul, quantize_matrix, weight_bytes
+from jaxllm.quantization.weights import embedding_rows, make_weight
+from tiny_model import TINY_ENGINE_ARGS, offline_llm
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C++ kernels: {native.unavailable_reason()}")
+
+
+def reference_weight(w: np.ndarray, bits: int, group: int | None) -> np.ndarray:
+    """The scheme by hand: what each weight becomes (float64)."""
+    k, n = w.shape
+    rows = k if group is None or k % group else group
+    out = np.empty((k, n))
+    for g0 in range(0, k, rows):
+        block = w[g0 : g0 + rows].astype(np.float64)
+        if bits == 8:
+            s = np.abs(block).max(0) / 127
+            s[s == 0] = 1
+            out[g0 : g0 + rows] = np.clip(np.round(block / s), -127, 127) * s
+        else:
+            lo, s = block.min(0), (block.max(0) - block.min(0)) / 15
+            s[s == 0] = 1
+            out[g0 : g0 + rows] = np.clip(np.round((block - lo) / s), 0, 15) * s + lo
+    return out
+
+
+def test_methods_agree_with_the_config_choices():
+    assert tuple(METHODS) == QUANTIZATION_METHODS
+
+
+@pytest.mark.parametrize("bits, group", [(8, None), (8, 16), (4, 32), (4, None)])
+def test_quantize_matrix_matches_the_scheme(bits, group):
+    rng = np.random.default_rng(bits)
+    w = rng.standard_normal((64, 48)).astype(np.float32)
+    w[:, 3] = 0.0                                    # a zero column keeps a usable scale
+    codes, scale, offset = quantize_matrix(w, bits, group)
+    groups = 1 if group is None else 64 // group
+    assert scale.shape == (groups, 48) and (offset is None) == (bits == 8)
+    lo, hi = (-127, 127) if bits == 8 else (0, 15)
+    assert codes.min() >= lo and codes.max() <= hi and codes.dtype == (np.int8 if bits == 8 else np.uint8)
+    rows = 64 // groups
+    deq = codes * np.repeat(scale, rows, 0) + (0 if offset is None else np.repeat(offset, rows, 0))
+    np.testing.assert_allclose(deq, reference_weight(w, bits, group), rtol=1e-5, atol=1e-6)
+    assert np.abs(deq - w).max() <= np.repeat(scale, rows, 0).max() / 2 * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, 97])
+@pytest.mark.parametrize("bits, groups, with_offset", [(8, 1, False), (8, 3, True), (4, 3, True), (4, 1, True)])
+def test_matmul_quantized_matches_numpy(rows, bits, groups, with_offset):
+    # Row counts around the 6-row register blocks and the 96-row work items; K = 39 (not a
+    # multiple of the vector width), 3 panels.
+    rng = np.random.default_rng(rows * 10 + bits)
+    k, n = 39, 48
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    codes = rng.integers(-127, 128, (k, n)) if bits == 8 else rng.integers(0, 16, (k, n))
+    scale = rng.random((groups, n)).astype(np.float32)
+    offset = rng.standard_normal((groups, n)).astype(np.float32) if with_offset else None
+    w = codes * np.repeat(scale, k // groups, 0) + (0 if offset is None else np.repeat(offset, k // groups, 0))
+    ref = x.astype(np.float64) @ w
+    packed = native.pack_codes(codes, bits)
+    assert packed.shape == (n // 16, k, 16 if bits == 8 else 8)
+    for path in ("auto", *native.kernel_paths()):
+        y = jax.jit(functools.partial(native.matmul_quantized, bits=bits, path=path))(x, packed, scale, offset)
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_matmul_quantized_rejects_mismatched_shapes():
+    x = np.ones((2, 32), np.float32)
+    codes = native.pack_codes(np.zeros((32, 16), np.int8), 8)
+    with pytest.raises(Exception, match="matmul_quantized"):   # 5 groups do not divide K = 32
+        jax.block_until_ready(native.matmul_quantized(x, codes, np.ones((5, 16), np.float32), None, 8))
+    with pytest.raises(Exception, match="matmul_quantized"):   # 8-bit codes called as 4-bit
+        jax.block_until_ready(native.matmul_quantized(x, codes, np.ones((1, 16), np.float32), None, 4))
+
+
+def w8a8_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """W8A8 by hand: int8 rows of x (a scale per row), int8 columns of w (a scale per column),
+    an exact integer dot, then both scales."""
+    xs = np.abs(x).max(1, keepdims=True) / 127
+    ws = np.abs(w).max(0, keepdims=True) / 127
+    xq = np.clip(np.round(x / xs), -127, 127).astype(np.int64)
+    wq = np.clip(np.round(w / ws), -127, 127).astype(np.int64)
+    return (xq @ wq) * xs * ws
+
+
+@pytest.mark.parametrize("method, panels", [("int8", True), ("int8", False), ("int4", True), ("int4", False),
+                                            ("w8a8", False)])
+def test_every_matmul_path_matches_its_numpy_reference(method, panels):
+    rng = np.random.default_rng(len(method) + panels)
+    k, n = 96, 80
+    w = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
+    x = rng.standard_normal((7, k)).astype(np.float32)
+    x[:, 5] *= 30                                        # an outlier channel
+    q = make_weight(w, method, panels=panels, activations="int8" if method == "w8a8" else "float")
+    assert isinstance(q, QuantizedWeight) and q.layout == ("panels" if panels else "plain") and q.shape == (k, n)
+    bits, group = METHODS[method]
+    deq = reference_weight(w, bits, group)
+    np.testing.assert_allclose(dequantize(q), deq, rtol=1e-5, atol=1e-6)
+    ref = w8a8_reference(x, w) if method == "w8a8" else x.astype(np.float64) @ deq
+    y = jax.jit(matmul)(x, q)
+    np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+    tokens = np.array([0, 17, 79, 40, 8, 15, 16])      # columns in every panel position and nibble half
+    np.testing.assert_allclose(jax.jit(embedding_rows)(q, tokens), deq.T[tokens], rtol=1e-5, atol=1e-6)
+
+
+def test_quantization_is_refused_where_it_cannot_run():
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineArgs(quantization="fp3").verify()
+    with pytest.raises(ValueError, match="quantization runs on one device"):
+        EngineArgs(quantization="int8", tensor_parallel_size=2).verify()
+
+
+def fake_quantized_checkpoint(model_dir: str, method: str, out: str) -> str:
+    """`model_dir` with every matrix (the Linear weights and the tied embedding) replaced by the
+    values `method` gives it, in float32: the float engine on it is the quantized engine's
+    reference. Fusing QKV and gate/up concatenates output columns, which have their own scales,
+    so quantizing each HF matrix alone gives the same values."""
+    import torch
+    import transformers
+
+    bits, group = METHODS[method]
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:   # [out, in]; the LM head (here the embedding) is int8 under int4
+                head = "embed" in name or "lm_head" in name
+                b, g = (8, None) if head and method == "int4" else (bits, group)
+                p.copy_(torch.from_numpy(reference_weight(p.numpy().T, b, g).T.astype(np.float32)))
+    model.save_pretrained(out)
+    for name in os.listdir(model_dir):
+        if "token" in name or "template" in name:
+            shutil.copy(os.path.join(model_dir, name), out)
+    return out
+
+
+PROMPTS = ["Hello, my name is", "The capital of France is", "1 2 3 4 5", "def main():"]
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_weight_only_engine_matches_the_float_engine_on_quantized_values(method, tiny_model_dir, tmp_path):
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2)
+    ref_llm = LLM(fake_quantized_checkpoint(tiny_model_dir, method, str(tmp_path / method)), **TINY_ENGINE_ARGS)
+    ref = ref_llm.generate(PROMPTS, greedy, use_tqdm=False)
+    del ref_llm
+    llm = LLM(tiny_model_dir, quantization=method, **TINY_ENGINE_ARGS)
+    out = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    for a, b in zip(out, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        np.testing.assert_allclose(a.outputs[0].cumulative_logprob, b.outputs[0].cumulative_logprob, rtol=1e-3)
+    # Memory: the tiny model is mostly its tied 49152 x 64 embedding, 1/4 (int8) of f32 plus scales.
+    float_bytes = weight_bytes(offline_llm(tiny_model_dir).engine.runner.params)
+    quant_bytes = weight_bytes(llm.engine.runner.params)
+    assert quant_bytes < 0.3 * float_bytes, (quant_bytes, float_bytes)
+
+
+def test_w8a8_engine_stays_close_to_the_float_engine_on_quantized_values(tiny_model_dir, tmp_path):
+    # Activations are rounded too (each layer's product is checked exactly above), so the
+    # reference is the float engine on the int8 weights' values and the measure is how close the
+    # first token's distribution stays: within 0.3 nats (a wrong scale anywhere moves it by many).
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+    ref_llm = LLM(fake_quantized_checkpoint(tiny_model_dir, "w8a8", str(tmp_path / "w8a8")), **TINY_ENGINE_ARGS)
+    ref = ref_llm.generate(PROMPTS, params, use_tqdm=False)
+    del ref_llm
+    out = LLM(tiny_model_dir, quantization="w8a8", **TINY_ENGINE_ARGS).generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(out, ref):
+        a_lp, b_lp = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for token in set(a_lp) & set(b_lp):
+            assert abs(a_lp[token].logprob - b_lp[token].logprob) < 0.3
+
+
+def test_perplexity_matches_hf_transformers(tiny_model_dir, tmp_path):
+    import torch
+    import transformers
+
+    from jaxllm.bench.perplexity import DEFAULT_TEXT, perplexity
+    from jaxllm.entrypoints import cli
+    from tiny_model import tiny_engine_flags
+
+    with open(DEFAULT_TEXT, encoding="utf-8") as f:
+        text = f.read()[:1500]
+    llm = offline_llm(tiny_model_dir)
+    result = perplexity(llm, text, window=100)
+    ids = llm.get_tokenizer()(text, add_special_tokens=False)["input_ids"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(ids), 100):
+            window = torch.tensor([ids[i : i + 100]])
+            if window.shape[1] < 2:
+                continue
+            logp = torch.log_softmax(model(window).logits[0, :-1].double(), -1)
+            nll -= logp.gather(1, window[0, 1:, None]).sum().item()
+            count += window.shape[1] - 1
+    assert result["tokens"] == count and result["windows"] == -(-len(ids) // 100)
+    assert math.isclose(result["perplexity"], math.exp(nll / count), rel_tol=1e-3)
+    # The CLI reports the same figure.
+    (tmp_path / "text.txt").write_text(text, encoding="utf-8")
+    out = tmp_path / "ppl.json"
+    assert cli.main(["bench", "perplexity", "--model", tiny_model_dir, *tiny_engine_flags(), "--window", "100",
+                     "--text-file", str(tmp_path / "text.txt"), "--output-json", str(out)]) == 0
+    assert math.isclose(json.loads(out.read_text())["perplexity"], result["perplexity"], rel_tol=1e-6)
