@@ -1,6 +1,8 @@
 """The dtype question on this CPU: XLA:CPU dots in float32 vs bf16 x bf16 -> f32, on the
 default model's weight shapes, next to what `dtype="auto"` picks here; and jaxllm's packed f32
-GEMM (`kernels.native.matmul_packed`, the engine's path for float32 weights on one CPU device).
+GEMM (`kernels.native.matmul_packed`, the engine's path for float32 weights on one CPU device),
+and the quantized weights' paths (jaxllm/quantization): `int8` and `int4` codes in the C++ GEMM
+(weight-only) and `w8a8` through XLA's int8 dot.
 
     python benchmarks/dots.py                 # M = 1, 2, 8, 16, 32, 64, 128, 512 rows
 
@@ -46,14 +48,21 @@ def main(argv=None) -> int:
     pick, why = resolve_dtype("auto", "cpu")
     print(f"{cpu_line(machine)}\n"
           f"dtype='auto' picks {pick}: {why}\n")
+    from jaxllm.quantization import matmul as quantized_matmul
+    from jaxllm.quantization.weights import make_weight
+
     packed_dot = jax.jit(native.matmul_packed) if native.available() else None
+    quantized_dot = jax.jit(quantized_matmul)
     print(f"{'weight':10s} {'M':>4s} {'f32 GFLOP/s':>12s} {'bf16 GFLOP/s':>13s} {'bf16/f32':>9s} "
-          f"{'packed f32 GFLOP/s':>19s} {'packed/f32':>11s}")
+          f"{'packed f32 GFLOP/s':>19s} {'packed/f32':>11s}   GFLOP/s of int8 / int4 (C++) / w8a8 (XLA)")
     rows = []
     for name, (k, n) in SHAPES.items():
         w32 = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32))
         w16 = w32.astype(jnp.bfloat16)
         packed = jnp.asarray(native.pack_weight(np.asarray(w32))) if packed_dot else None
+        quantized = {method: make_weight(np.asarray(w32), method, panels=packed_dot is not None,
+                                         activations="int8" if method == "w8a8" else "float")
+                     for method in ("int8", "int4", "w8a8")}
         for m in (int(x) for x in args.rows.split(",")):
             x32 = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
             x16 = x32.astype(jnp.bfloat16)
@@ -62,11 +71,14 @@ def main(argv=None) -> int:
             t16 = timeit(lambda: dot(x16, w16).block_until_ready(), reps)
             tp = timeit(lambda: packed_dot(x32, packed).block_until_ready(), reps) if packed_dot else None
             flops = 2 * m * k * n
+            tq = {method: timeit(lambda w=w: quantized_dot(x32, w).block_until_ready(), reps)
+                  for method, w in quantized.items()}
             rows.append({"weight": name, "k": k, "n": n, "m": m, "f32_gflops": flops / t32 / 1e9,
-                         "bf16_gflops": flops / t16 / 1e9, "packed_f32_gflops": flops / tp / 1e9 if tp else None})
+                         "bf16_gflops": flops / t16 / 1e9, "packed_f32_gflops": flops / tp / 1e9 if tp else None,
+                         **{f"{method}_gflops": flops / t / 1e9 for method, t in tq.items()}})
             packed_cols = f" {flops / tp / 1e9:19.1f} {t32 / tp:10.2f}x" if tp else ""
             print(f"{name:10s} {m:4d} {flops / t32 / 1e9:12.1f} {flops / t16 / 1e9:13.1f} {t32 / t16:8.2f}x"
-                  + packed_cols, flush=True)
+                  + packed_cols + "   " + " / ".join(f"{flops / t / 1e9:.1f}" for t in tq.values()), flush=True)
     result = {"date": now_iso(), "machine": machine, "versions": versions(),
               "auto_dtype": pick, "auto_reason": why, "rows": rows}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

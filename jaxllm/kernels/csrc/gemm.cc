@@ -1,6 +1,7 @@
 // y [M, N] = x [M, K] @ w, f32, with w packed once at load time (`pack_weight` in native.py)
 // into panels of 16 columns: w_packed [N / 16, K, 16], panel p holding columns 16p .. 16p + 15
-// of w, row k of the panel the 16 weights that multiply x[:, k].
+// of w, row k of the panel the 16 weights that multiply x[:, k]. Quantized weights (int8 or
+// int4 codes in the same panels) are below ("quantized weights").
 //
 // Why: XLA:CPU hands each f32 dot to YNNPACK, which repacks the whole weight matrix on every
 // call. At decode batch sizes that repacking is most of the dot's time (a [8, 576] x [576,
@@ -179,31 +180,86 @@ void dequantize_panel_portable(const QuantPanel& q, int64_t p, float* out) {
 }
 
 #ifdef JAXLLM_AVX2
-void dequantize_panel_avx2(const QuantPanel& q, int64_t p, float* out) {
-  const __m256i low4 = _mm256_set1_epi32(15);
+// Panel row k's 16 weights, dequantized into two vectors (columns 0-7, 8-15) with the group's
+// scales s0, s1 and offsets o0, o1.
+inline void dequantize_row_avx2(const QuantPanel& q, int64_t p, int64_t k, __m256 s0, __m256 s1, __m256 o0,
+                                __m256 o1, __m256& w0, __m256& w1) {
+  __m256i c0, c1;
+  if (q.bits == 8) {
+    const __m128i bytes = _mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(q.codes) + (p * q.K + k) * kPanel));
+    c0 = _mm256_cvtepi8_epi32(bytes);
+    c1 = _mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8));
+  } else {
+    const __m128i bytes = _mm_loadl_epi64(
+        reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(q.codes) + (p * q.K + k) * (kPanel / 2)));
+    const __m256i wide = _mm256_cvtepu8_epi32(bytes);
+    c0 = _mm256_and_si256(wide, _mm256_set1_epi32(15));
+    c1 = _mm256_srli_epi32(wide, 4);
+  }
+  w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0), s0, o0);
+  w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), s1, o1);
+}
+
+// Calls fn(k0, k1, s0, s1, o0, o1) for each scale group [k0, k1) of panel p.
+template <typename Fn>
+inline void for_each_group_avx2(const QuantPanel& q, int64_t p, Fn fn) {
   for (int64_t k0 = 0; k0 < q.K; k0 += q.group) {
-    const int64_t g = k0 / q.group, k1 = std::min(q.K, k0 + q.group);
+    const int64_t g = k0 / q.group;
     const float* s = group_row(q.scale, q, g, p);
-    const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
-    const __m256 o0 = q.offset ? _mm256_loadu_ps(group_row(q.offset, q, g, p)) : _mm256_setzero_ps();
-    const __m256 o1 = q.offset ? _mm256_loadu_ps(group_row(q.offset, q, g, p) + 8) : _mm256_setzero_ps();
+    const float* o = q.offset ? group_row(q.offset, q, g, p) : nullptr;
+    fn(k0, std::min(q.K, k0 + q.group), _mm256_loadu_ps(s), _mm256_loadu_ps(s + 8),
+       o ? _mm256_loadu_ps(o) : _mm256_setzero_ps(), o ? _mm256_loadu_ps(o + 8) : _mm256_setzero_ps());
+  }
+}
+
+void dequantize_panel_avx2(const QuantPanel& q, int64_t p, float* out) {
+  for_each_group_avx2(q, p, [&](int64_t k0, int64_t k1, __m256 s0, __m256 s1, __m256 o0, __m256 o1) {
     for (int64_t k = k0; k < k1; ++k) {
-      __m256i c0, c1;
-      if (q.bits == 8) {
-        const __m128i bytes = _mm_loadu_si128(
-            reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(q.codes) + (p * q.K + k) * kPanel));
-        c0 = _mm256_cvtepi8_epi32(bytes);
-        c1 = _mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8));
-      } else {
-        const __m128i bytes = _mm_loadl_epi64(
-            reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(q.codes) + (p * q.K + k) * (kPanel / 2)));
-        const __m256i wide = _mm256_cvtepu8_epi32(bytes);
-        c0 = _mm256_and_si256(wide, low4);
-        c1 = _mm256_srli_epi32(wide, 4);
-      }
-      _mm256_storeu_ps(out + k * kPanel, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0), s0, o0));
-      _mm256_storeu_ps(out + k * kPanel + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), s1, o1));
+      __m256 w0, w1;
+      dequantize_row_avx2(q, p, k, s0, s1, o0, o1, w0, w1);
+      _mm256_storeu_ps(out + k * kPanel, w0);
+      _mm256_storeu_ps(out + k * kPanel + 8, w1);
     }
+  });
+}
+
+// For a few rows (decoding small batches) a panel copy costs more than the product: y rows
+// [r, r + R), panel p's columns, with each row of weights dequantized into registers as used.
+template <int R>
+void quant_panel_rows_avx2(const QuantPanel& q, const float* __restrict x, int64_t p, float* __restrict y,
+                           int64_t ldy) {
+  __m256 acc0[R], acc1[R];
+#pragma GCC unroll 6
+  for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
+  for_each_group_avx2(q, p, [&](int64_t k0, int64_t k1, __m256 s0, __m256 s1, __m256 o0, __m256 o1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      __m256 b0, b1;
+      dequantize_row_avx2(q, p, k, s0, s1, o0, o1, b0, b1);
+#pragma GCC unroll 6
+      for (int i = 0; i < R; ++i) {
+        const __m256 a = _mm256_broadcast_ss(x + i * q.K + k);
+        acc0[i] = _mm256_fmadd_ps(a, b0, acc0[i]);
+        acc1[i] = _mm256_fmadd_ps(a, b1, acc1[i]);
+      }
+    }
+  });
+#pragma GCC unroll 6
+  for (int i = 0; i < R; ++i) {
+    _mm256_storeu_ps(y + i * ldy, acc0[i]);
+    _mm256_storeu_ps(y + i * ldy + 8, acc1[i]);
+  }
+}
+
+void quant_panel_block_avx2(const QuantPanel& q, const GemmArgs& g, int64_t p, int64_t r0, int64_t r1) {
+  int64_t r = r0;
+  for (; r + 4 <= r1; r += 4) quant_panel_rows_avx2<4>(q, g.x + r * g.K, p, g.y + r * g.N + p * kPanel, g.N);
+  const float* x = g.x + r * g.K;
+  float* y = g.y + r * g.N + p * kPanel;
+  switch (r1 - r) {
+    case 3: quant_panel_rows_avx2<3>(q, x, p, y, g.N); break;
+    case 2: quant_panel_rows_avx2<2>(q, x, p, y, g.N); break;
+    case 1: quant_panel_rows_avx2<1>(q, x, p, y, g.N); break;
   }
 }
 #endif  // JAXLLM_AVX2
@@ -214,6 +270,9 @@ void dequantize_panel(const QuantPanel& q, int64_t p, float* out, int32_t path) 
 #endif
   dequantize_panel_portable(q, p, out);
 }
+
+// Up to this many rows in a work item, the AVX2 path dequantizes in registers, not a panel copy.
+constexpr int64_t kDirectRows = 8;
 
 struct PanelScratch {
   std::vector<float> panel;
@@ -242,6 +301,12 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   parallel_for<PanelScratch>(pool, items.count, [&](int64_t item, PanelScratch& scratch) {
     int64_t r0, r1, p0, p1;
     items.bounds(item, g.M, r0, r1, p0, p1);
+#ifdef JAXLLM_AVX2
+    if (r1 - r0 <= kDirectRows && (path == kAuto || path >= kAvx2)) {
+      for (int64_t p = p0; p < p1; ++p) quant_panel_block_avx2(q, g, p, r0, r1);
+      return;
+    }
+#endif
     scratch.panel.resize(g.K * kPanel);
     for (int64_t p = p0; p < p1; ++p) {
       dequantize_panel(q, p, scratch.panel.data(), path);
