@@ -23,7 +23,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PARTS = ("throughput", "serving", "serving-vllm", "memory", "kernels", "sampler", "step", "startup", "spec_decode",
-         "structured_output", "models", "plots")
+         "structured_output", "models", "quantization", "plots")
 
 # (engine, dtype): jaxllm in both dtypes, the seeds' baseline, HF's own continuous batching as
 # PEERS.md measured it, and the optional peers (skipped with a message when not installed).
@@ -68,6 +68,7 @@ def commands(args) -> dict[str, list[str]]:
         + (["--samples", "1", "--batches", "1,8", "--repeats", "1"] if args.quick else []),
         "models": py + [os.path.join(HERE, "models.py")] + (["--num-prompts", "8", "--batches", "1,8", "--tokens", "1,32"]
                                                             if args.quick else []),
+        "quantization": py + [os.path.join(HERE, "quantization.py")] + workload,
         "plots": py + [os.path.join(HERE, "plots.py")],
     }
     return {part: cmd + out.get(part, ["--out", os.path.join(res, f"{part}.json")]) for part, cmd in cmds.items()}

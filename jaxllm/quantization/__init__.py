@@ -11,9 +11,10 @@ checkpoint (HF or GGUF; a GGUF is dequantized first).
 The layer matrices (fused QKV, attention output, MLP) and the LM head are quantized (the
 embedding table too when it is the LM head); norms, biases, an untied embedding table, routers
 and experts stay float. Measured on the default model (benchmarks/quantization.py, README):
-`int8` and `int4` cost 1-2% and ~6% perplexity, `w8a8` ~9% (a 135M model's activations have
-outlier channels that one scale per token flattens; per-token scales were kept because scales
-per group of input rows need a dot per group).
+perplexity +1.1% (`int8`), +0.1% (`int4`, whose Q4_1 layers land on nearly their own grid;
+a 4-bit LM head cost 6.5%, hence 8 bits there), +9.1% (`w8a8`: the model's activations have
+outlier channels that one scale per token flattens; a scale per 32 input rows brought it to
++2.2%, but needs an int8 dot per group).
 
 How a quantized weight is multiplied (`matmul`):
 

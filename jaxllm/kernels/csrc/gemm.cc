@@ -272,7 +272,7 @@ void dequantize_panel(const QuantPanel& q, int64_t p, float* out, int32_t path) 
 }
 
 // Up to this many rows in a work item, the AVX2 path dequantizes in registers, not a panel copy.
-constexpr int64_t kDirectRows = 8;
+constexpr int64_t kDirectRows = 4;
 
 struct PanelScratch {
   std::vector<float> panel;
