@@ -33,12 +33,13 @@ def reference_weight(w: np.ndarray, bits: int, group: int | None) -> np.ndarray:
     out = np.empty((k, n))
     for g0 in range(0, k, rows):
         block = w[g0 : g0 + rows].astype(np.float64)
-        if bits == 8:
-            s = np.abs(block).max(0) / 127
+        if bits == 8:   # the scale kept as f32
+            s = (np.abs(block).max(0) / 127).astype(np.float32).astype(np.float64)
             s[s == 0] = 1
             out[g0 : g0 + rows] = np.clip(np.round(block / s), -127, 127) * s
-        else:
-            lo, s = block.min(0), (block.max(0) - block.min(0)) / 15
+        else:   # the offset (the minimum) and the scale (the range / 15) kept as f16
+            lo = block.min(0).astype(np.float16).astype(np.float64)
+            s = ((block.max(0) - lo) / 15).astype(np.float16).astype(np.float64)
             s[s == 0] = 1
             out[g0 : g0 + rows] = np.clip(np.round((block - lo) / s), 0, 15) * s + lo
     return out
@@ -58,24 +59,34 @@ def test_quantize_matrix_matches_the_scheme(bits, group):
     assert scale.shape == (groups, 48) and (offset is None) == (bits == 8)
     lo, hi = (-127, 127) if bits == 8 else (0, 15)
     assert codes.min() >= lo and codes.max() <= hi and codes.dtype == (np.int8 if bits == 8 else np.uint8)
+    assert scale.dtype == (np.float32 if bits == 8 else np.float16)
     rows = 64 // groups
+    scale, offset = scale.astype(np.float64), None if offset is None else offset.astype(np.float64)
     deq = codes * np.repeat(scale, rows, 0) + (0 if offset is None else np.repeat(offset, rows, 0))
     np.testing.assert_allclose(deq, reference_weight(w, bits, group), rtol=1e-5, atol=1e-6)
-    assert np.abs(deq - w).max() <= np.repeat(scale, rows, 0).max() / 2 * (1 + 1e-5)
+    # Within half a step of w, and (f16 rounding of the offset and scale) a little more at 4 bits.
+    assert np.abs(deq - w).max() <= np.repeat(scale, rows, 0).max() * (0.5 if bits == 8 else 0.6)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 6, 13, 97])
+@pytest.mark.parametrize("rows", [1, 4, 5, 6, 13, 97])
 @pytest.mark.parametrize("bits, groups, with_offset", [(8, 1, False), (8, 3, True), (4, 3, True), (4, 1, True)])
-def test_matmul_quantized_matches_numpy(rows, bits, groups, with_offset):
-    # Row counts around the 6-row register blocks and the 96-row work items; K = 39 (not a
-    # multiple of the vector width), 3 panels.
+@pytest.mark.parametrize("scale_dtype", [np.float32, np.float16])
+def test_matmul_quantized_matches_numpy(rows, bits, groups, with_offset, scale_dtype):
+    # Row counts around the 4-row in-register path, the 6-row register blocks and the 96-row
+    # work items; K = 39 (not a multiple of the vector width), 3 panels; f16 scales include
+    # subnormal, zero-exponent-edge and negative values.
     rng = np.random.default_rng(rows * 10 + bits)
     k, n = 39, 48
     x = rng.standard_normal((rows, k)).astype(np.float32)
     codes = rng.integers(-127, 128, (k, n)) if bits == 8 else rng.integers(0, 16, (k, n))
-    scale = rng.random((groups, n)).astype(np.float32)
-    offset = rng.standard_normal((groups, n)).astype(np.float32) if with_offset else None
-    w = codes * np.repeat(scale, k // groups, 0) + (0 if offset is None else np.repeat(offset, k // groups, 0))
+    scale = rng.random((groups, n)).astype(scale_dtype)
+    offset = rng.standard_normal((groups, n)).astype(scale_dtype) if with_offset else None
+    if scale_dtype == np.float16:
+        scale[0, :4] = [6e-8, 3e-5, 6.1e-5, 65504.0]
+        if offset is not None:
+            offset[0, :2] = [-3e-6, 0.0]
+    w = (codes * np.repeat(scale.astype(np.float64), k // groups, 0)
+         + (0 if offset is None else np.repeat(offset.astype(np.float64), k // groups, 0)))
     ref = x.astype(np.float64) @ w
     packed = native.pack_codes(codes, bits)
     assert packed.shape == (n // 16, k, 16 if bits == 8 else 8)

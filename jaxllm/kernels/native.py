@@ -223,14 +223,14 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
 def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array | None, bits: int,
                      path: str = "auto") -> jax.Array:
     """x [..., K] f32 @ w -> [..., N] f32, w [K, N] given by the panels of `pack_codes`, and
-    scale (and offset, or None) [G, N]: w[k, n] = code * scale[g, n] + offset[g, n] for the
+    scale (and offset, or None) [G, N], f32 or f16: w[k, n] = code * scale[g, n] + offset[g, n] for the
     group g = k // (K / G) (csrc/gemm.cc dequantizes a panel at a time; x stays f32)."""
     require()
     path_attr = _path_attr(path)
     n = codes.shape[0] * PANEL
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    offset = jnp.zeros((0,), jnp.float32) if offset is None else offset
+    offset = jnp.zeros((0,), scale.dtype) if offset is None else offset
     call = jax.ffi.ffi_call("jaxllm_matmul_quantized_cpu", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
     return call(x2, codes, scale, offset, bits=np.int32(bits), path=path_attr).reshape(*lead, n)
 

@@ -28,7 +28,8 @@ class QuantizedWeight:
     codes: `layout="plain"`: int8 [K, N] (8 bits), or uint8 [K, N / 2] holding two 4-bit codes
         (column j in the low nibble, column j + N / 2 in the high one);
         `layout="panels"`: as `kernels.native.pack_codes` lays them out for the C++ GEMM.
-    scale, offset: f32 [G, N]; offset is None for symmetric codes (the 8-bit ones).
+    scale, offset: [G, N], f32 (8 bits) or f16 (4 bits); offset is None for symmetric codes
+        (the 8-bit ones).
     activations: "int8" multiplies as W8A8 (x quantized per row, an int8 dot), "float" as
         weight-only (x stays f32).
     """
@@ -47,27 +48,29 @@ class QuantizedWeight:
 
 
 def quantize_matrix(w: np.ndarray, bits: int, group_size: int | None):
-    """w [K, N] float -> (codes [K, N], scale [G, N] f32, offset [G, N] f32 or None).
+    """w [K, N] float -> (codes [K, N], scale [G, N], offset [G, N] or None).
 
-    8 bits: symmetric, codes in [-127, 127], scale = max|w| / 127 per group and column.
-    4 bits: affine, codes in [0, 15], offset = the group's minimum, scale = its range / 15.
+    8 bits: symmetric, codes in [-127, 127], scale = max|w| / 127 per group and column (f32).
+    4 bits: affine, codes in [0, 15], offset = the group's minimum, scale = its range / 15 (f16).
     `group_size` rows of K per group (None: all of K); a K it does not divide gets one group."""
     w = np.asarray(w, np.float32)
     k, n = w.shape
     groups = 1 if group_size is None or k % group_size else k // group_size
-    wg = w.reshape(groups, k // groups, n)
+    # Codes are rounded in float64 against the scales as stored (f32 or f16).
+    wg = w.reshape(groups, k // groups, n).astype(np.float64)
     if bits == 8:
-        scale = np.abs(wg).max(axis=1) / 127.0
+        scale = (np.abs(wg).max(axis=1) / 127.0).astype(np.float32)
         scale[scale == 0] = 1.0
         codes = np.clip(np.rint(wg / scale[:, None]), -127, 127).astype(np.int8)
-        return codes.reshape(k, n), scale.astype(np.float32), None
+        return codes.reshape(k, n), scale, None
     if bits != 4:
         raise ValueError(f"{bits}-bit codes are not supported (8 or 4)")
-    lo, hi = wg.min(axis=1), wg.max(axis=1)
-    scale = (hi - lo) / 15.0
+    # f16 scales and offsets (as GGUF's Q4_1 keeps its d and m): 5 bits a weight, not 6.
+    lo = wg.min(axis=1).astype(np.float16)
+    scale = ((wg.max(axis=1) - lo) / 15.0).astype(np.float16)
     scale[scale == 0] = 1.0
     codes = np.clip(np.rint((wg - lo[:, None]) / scale[:, None]), 0, 15).astype(np.uint8)
-    return codes.reshape(k, n), scale.astype(np.float32), lo.astype(np.float32)
+    return codes.reshape(k, n), scale, lo
 
 
 def _pack_plain_int4(codes: np.ndarray) -> np.ndarray:
@@ -113,8 +116,8 @@ def dequantize(w: QuantizedWeight) -> jax.Array:
     """The f32 weight [K, N] the codes stand for."""
     codes = _unpacked_codes(w)
     rows = codes.shape[0] // w.scale.shape[0]
-    out = codes * jnp.repeat(w.scale, rows, axis=0)
-    return out if w.offset is None else out + jnp.repeat(w.offset, rows, axis=0)
+    out = codes * jnp.repeat(w.scale.astype(jnp.float32), rows, axis=0)
+    return out if w.offset is None else out + jnp.repeat(w.offset.astype(jnp.float32), rows, axis=0)
 
 
 def matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
@@ -151,8 +154,8 @@ def embedding_rows(w: QuantizedWeight, token_ids: jax.Array) -> jax.Array:
         byte = c[:, t % half].T
         codes = jnp.where((t >= half)[:, None], byte >> 4, byte & 15)
     rows = codes.shape[1] // w.scale.shape[0]
-    out = codes.astype(jnp.float32) * jnp.repeat(w.scale[:, t].T, rows, axis=1)
-    return out if w.offset is None else out + jnp.repeat(w.offset[:, t].T, rows, axis=1)
+    out = codes.astype(jnp.float32) * jnp.repeat(w.scale[:, t].T.astype(jnp.float32), rows, axis=1)
+    return out if w.offset is None else out + jnp.repeat(w.offset[:, t].T.astype(jnp.float32), rows, axis=1)
 
 
 def quantize_params(params: dict, spec, method: str, *, native: bool, device=None) -> dict:

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "parallel_for.h"
@@ -146,26 +147,55 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
 //
 //   codes, 8 bits: int8 [N / 16, K, 16] (column j of panel row k at byte j);
 //          4 bits: uint8 [N / 16, K, 8] (byte j: column j in the low nibble, j + 8 in the high);
-//   scale, offset: f32 [G, N], G groups of K / G rows; w[k, n] = code * scale[g, n] + offset[g, n]
-//          with g = k / (K / G). Without offsets (an empty array) w = code * scale.
+//   scale, offset: f32 or f16 [G, N], G groups of K / G rows; w[k, n] = code * scale[g, n] +
+//          offset[g, n] with g = k / (K / G). Without offsets (an empty array) w = code * scale.
 
 struct QuantPanel {
   const void* codes;
-  const float *scale, *offset;  // offset: nullptr when there is none
-  int64_t K, N, group;          // group: rows of K per scale row
+  const void *scale, *offset;  // offset: nullptr when there is none
+  bool half;                   // scale and offset are f16 (else f32)
+  int64_t K, N, group;         // group: rows of K per scale row
   int bits;
 };
 
-// Column n0 .. n0 + 15's scales and offsets of group g.
-inline const float* group_row(const float* a, const QuantPanel& q, int64_t g, int64_t p) {
-  return a + g * q.N + p * kPanel;
+// IEEE half -> float (normal, subnormal, zero, inf, NaN).
+inline float half_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: man * 2^-24, normalised
+    uint32_t m = man, shifts = 0;
+    while (!(m & 0x400)) m <<= 1, ++shifts;
+    bits = sign | ((113 - shifts) << 23) | ((m & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Panel p's 16 scales (and offsets, zeros without them) of group g, as floats.
+inline void group_scales(const QuantPanel& q, int64_t g, int64_t p, float* s, float* o) {
+  const int64_t at = g * q.N + p * kPanel;
+  for (int64_t j = 0; j < kPanel; ++j) {
+    if (q.half) {
+      s[j] = half_to_f32(static_cast<const uint16_t*>(q.scale)[at + j]);
+      o[j] = q.offset ? half_to_f32(static_cast<const uint16_t*>(q.offset)[at + j]) : 0.f;
+    } else {
+      s[j] = static_cast<const float*>(q.scale)[at + j];
+      o[j] = q.offset ? static_cast<const float*>(q.offset)[at + j] : 0.f;
+    }
+  }
 }
 
 void dequantize_panel_portable(const QuantPanel& q, int64_t p, float* out) {
+  float s[kPanel], o[kPanel];
   for (int64_t k = 0; k < q.K; ++k) {
-    const int64_t g = k / q.group;
-    const float* s = group_row(q.scale, q, g, p);
-    const float* o = q.offset ? group_row(q.offset, q, g, p) : nullptr;
+    if (k % q.group == 0) group_scales(q, k / q.group, p, s, o);
     for (int64_t j = 0; j < kPanel; ++j) {
       float code;
       if (q.bits == 8) {
@@ -174,7 +204,7 @@ void dequantize_panel_portable(const QuantPanel& q, int64_t p, float* out) {
         const uint8_t byte = static_cast<const uint8_t*>(q.codes)[(p * q.K + k) * (kPanel / 2) + j % 8];
         code = j < 8 ? (byte & 15) : (byte >> 4);
       }
-      out[k * kPanel + j] = o ? code * s[j] + o[j] : code * s[j];
+      out[k * kPanel + j] = code * s[j] + o[j];
     }
   }
 }
@@ -204,12 +234,11 @@ inline void dequantize_row_avx2(const QuantPanel& q, int64_t p, int64_t k, __m25
 // Calls fn(k0, k1, s0, s1, o0, o1) for each scale group [k0, k1) of panel p.
 template <typename Fn>
 inline void for_each_group_avx2(const QuantPanel& q, int64_t p, Fn fn) {
+  float s[kPanel], o[kPanel];
   for (int64_t k0 = 0; k0 < q.K; k0 += q.group) {
-    const int64_t g = k0 / q.group;
-    const float* s = group_row(q.scale, q, g, p);
-    const float* o = q.offset ? group_row(q.offset, q, g, p) : nullptr;
-    fn(k0, std::min(q.K, k0 + q.group), _mm256_loadu_ps(s), _mm256_loadu_ps(s + 8),
-       o ? _mm256_loadu_ps(o) : _mm256_setzero_ps(), o ? _mm256_loadu_ps(o + 8) : _mm256_setzero_ps());
+    group_scales(q, k0 / q.group, p, s, o);
+    fn(k0, std::min(q.K, k0 + q.group), _mm256_loadu_ps(s), _mm256_loadu_ps(s + 8), _mm256_loadu_ps(o),
+       _mm256_loadu_ps(o + 8));
   }
 }
 
@@ -279,7 +308,7 @@ struct PanelScratch {
 };
 
 ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
-                           ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+                           ffi::AnyBuffer scale, ffi::AnyBuffer offset,
                            ffi::ResultBuffer<ffi::F32> y, int32_t bits, int32_t path) {
   const auto xd = x.dimensions();
   const auto cd = codes.dimensions();
@@ -288,15 +317,18 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   const bool int4 = bits == 4 && codes.element_type() == ffi::DataType::U8;
   if (xd.size() != 2 || cd.size() != 3 || !(int8 || int4) || cd[2] != (int8 ? kPanel : kPanel / 2) ||
       cd[1] != xd[1] || sd.size() != 2 || sd[1] != cd[0] * kPanel || sd[0] < 1 || xd[1] % sd[0] != 0 ||
-      (offset.element_count() != 0 && offset.element_count() != scale.element_count()))
+      !(scale.element_type() == ffi::DataType::F32 || scale.element_type() == ffi::DataType::F16) ||
+      (offset.element_count() != 0 &&
+       (offset.element_count() != scale.element_count() || offset.element_type() != scale.element_type())))
     return ffi::Error::InvalidArgument(
         "matmul_quantized: needs x [M, K], codes int8 [N / 16, K, 16] (bits 8) or uint8 [N / 16, K, 8] (bits 4), "
-        "scale [G, N] with G dividing K, offset empty or like scale");
+        "scale f32 or f16 [G, N] with G dividing K, offset empty or like scale");
   if (path < kAuto || path > kAvx512 || (path != kAuto && !(built_paths() & (1 << path))))
     return ffi::Error::InvalidArgument("matmul_quantized: this build has no such kernel path");
   GemmArgs g{x.typed_data(), nullptr, y->typed_data(), xd[0], xd[1], cd[0] * kPanel};
-  const QuantPanel q{codes.untyped_data(), scale.typed_data(),
-                     offset.element_count() ? offset.typed_data() : nullptr, g.K, g.N, g.K / sd[0], bits};
+  const QuantPanel q{codes.untyped_data(), scale.untyped_data(),
+                     offset.element_count() ? offset.untyped_data() : nullptr,
+                     scale.element_type() == ffi::DataType::F16, g.K, g.N, g.K / sd[0], bits};
   const GemmItems items(g.M, g.N, pool.num_threads());
   parallel_for<PanelScratch>(pool, items.count, [&](int64_t item, PanelScratch& scratch) {
     int64_t r0, r1, p0, p1;
@@ -332,8 +364,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulQuantCpu, jaxllm::MatmulQuantImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::AnyBuffer>()         // codes
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // offset (or empty)
+                                  .Arg<ffi::AnyBuffer>()         // scale, f32 or f16
+                                  .Arg<ffi::AnyBuffer>()         // offset (or empty), as scale
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y
                                   .Attr<int32_t>("bits")
                                   .Attr<int32_t>("path"));
