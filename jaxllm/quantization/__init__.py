@@ -12,7 +12,7 @@ The layer matrices (fused QKV, attention output, MLP) and the LM head are quanti
 embedding table too when it is the LM head); norms, biases, an untied embedding table, routers
 and experts stay float. Measured on the default model (benchmarks/quantization.py, README):
 perplexity +1.1% (`int8`), +0.1% (`int4`, whose Q4_1 layers land on nearly their own grid;
-a 4-bit LM head cost 6.5%, hence 8 bits there), +9.1% (`w8a8`: the model's activations have
+a 4-bit LM head cost 6.5%, hence 8 bits there), +9.6% (`w8a8`: the model's activations have
 outlier channels that one scale per token flattens; a scale per 32 input rows brought it to
 +2.2%, but needs an int8 dot per group).
 
