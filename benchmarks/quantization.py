@@ -11,8 +11,8 @@ prompts 32-256, outputs 32-128 tokens, greedy, ignore_eos) timed after a short w
 the bytes of the engine's weights (`quantization.weight_bytes`: codes, scales, offsets, and
 the float arrays), and greedy agreement: 16 prompts cut from the same text, 64 greedy tokens
 each; the share of tokens equal to the baseline's (bf16 if it ran, else the first config) up to
-each output's first difference, and the share of outputs equal whole. JSON to --out (default benchmarks/results/quantization.json) and a markdown
-table on stdout.
+each output's first difference, and the share of outputs equal whole. JSON to --out (default
+benchmarks/results/quantization.json) and a markdown table on stdout.
 """
 
 from __future__ import annotations

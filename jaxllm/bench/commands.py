@@ -64,7 +64,8 @@ def add_bench_parser(commands, add_engine_args, engine_args) -> None:
     """`jaxllm bench` and its three commands, on the main parser's subparsers; `add_engine_args`
     and `engine_args` are the CLI's (its engine flags, and the EngineArgs they give)."""
     formatter = argparse.RawDescriptionHelpFormatter
-    bench = commands.add_parser("bench", formatter_class=formatter, help="benchmark throughput, latency, perplexity or a server",
+    bench = commands.add_parser("bench", formatter_class=formatter,
+                                help="benchmark throughput, latency, perplexity or a server",
                                 description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1])
     kinds = bench.add_subparsers(dest="bench_command", metavar="KIND", title="kinds", required=True)
 

@@ -223,8 +223,8 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
 def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array | None, bits: int,
                      path: str = "auto") -> jax.Array:
     """x [..., K] f32 @ w -> [..., N] f32, w [K, N] given by the panels of `pack_codes`, and
-    scale (and offset, or None) [G, N], f32 or f16: w[k, n] = code * scale[g, n] + offset[g, n] for the
-    group g = k // (K / G) (csrc/gemm.cc dequantizes a panel at a time; x stays f32)."""
+    scale (and offset, or None) [G, N], f32 or f16: w[k, n] = code * scale[g, n] + offset[g, n]
+    for the group g = k // (K / G) (csrc/gemm.cc dequantizes a panel at a time; x stays f32)."""
     require()
     path_attr = _path_attr(path)
     n = codes.shape[0] * PANEL

@@ -67,7 +67,8 @@ template <int R>
 inline void panel_rows(const float* __restrict x, const float* __restrict panel, float* __restrict y, int64_t K,
                        int64_t ldy) {
   rows_times_panel<R>(x, K, y, ldy, [&](auto fma) {
-    for (int64_t k = 0; k < K; ++k) fma(k, _mm256_loadu_ps(panel + k * kPanel), _mm256_loadu_ps(panel + k * kPanel + 8));
+    for (int64_t k = 0; k < K; ++k)
+      fma(k, _mm256_loadu_ps(panel + k * kPanel), _mm256_loadu_ps(panel + k * kPanel + 8));
   });
 }
 
