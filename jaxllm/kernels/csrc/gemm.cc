@@ -39,37 +39,29 @@ struct GemmArgs {
 };
 
 #ifdef JAXLLM_AVX2
-// y rows [r, r + R), 16 columns: R x 2 vectors of sums in registers. `each_k(fma)` calls
-// fma(k, b0, b1) for k = 0 .. K - 1 with row k's 16 weights (from a panel, or dequantized as
-// they are read); the arguments are plain locals so the compiler keeps the sums in registers.
-template <int R, typename EachK>
-inline void rows_times_panel(const float* __restrict x, int64_t K, float* __restrict y, int64_t ldy, EachK each_k) {
+// y rows [r, r + R), columns [col, col + 16): R x 2 vectors of sums over all K, in registers
+// (the arguments are plain locals so the compiler keeps them there).
+template <int R>
+inline void panel_rows(const float* __restrict x, const float* __restrict panel, float* __restrict y, int64_t K,
+                       int64_t ldy) {
   // Fully unrolled over the rows: GCC otherwise mirrors the sums to the stack every k.
   __m256 acc0[R], acc1[R];
 #pragma GCC unroll 6
   for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
-  each_k([&](int64_t k, __m256 b0, __m256 b1) {
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(panel + k * kPanel), b1 = _mm256_loadu_ps(panel + k * kPanel + 8);
 #pragma GCC unroll 6
     for (int i = 0; i < R; ++i) {
       const __m256 a = _mm256_broadcast_ss(x + i * K + k);
       acc0[i] = _mm256_fmadd_ps(a, b0, acc0[i]);
       acc1[i] = _mm256_fmadd_ps(a, b1, acc1[i]);
     }
-  });
+  }
 #pragma GCC unroll 6
   for (int i = 0; i < R; ++i) {
     _mm256_storeu_ps(y + i * ldy, acc0[i]);
     _mm256_storeu_ps(y + i * ldy + 8, acc1[i]);
   }
-}
-
-template <int R>
-inline void panel_rows(const float* __restrict x, const float* __restrict panel, float* __restrict y, int64_t K,
-                       int64_t ldy) {
-  rows_times_panel<R>(x, K, y, ldy, [&](auto fma) {
-    for (int64_t k = 0; k < K; ++k)
-      fma(k, _mm256_loadu_ps(panel + k * kPanel), _mm256_loadu_ps(panel + k * kPanel + 8));
-  });
 }
 
 void panel_block_avx2(const GemmArgs& g, const float* panel, int64_t p, int64_t r0, int64_t r1) {
@@ -263,18 +255,32 @@ void dequantize_panel_avx2(const QuantPanel& q, int64_t p, float* out) {
 
 // For a few rows (decoding small batches) a panel copy costs more than the product: y rows
 // [r, r + R), panel p's columns, with each row of weights dequantized into registers as used.
+// The register block repeats panel_rows' on purpose: the f32 GEMM (the engine's default path)
+// keeps the code it was tuned and measured with; a version sharing one block through a lambda
+// could not be told apart from it in timings on a noisy 2-vCPU machine, so it was not taken.
 template <int R>
 void quant_panel_rows_avx2(const QuantPanel& q, const float* __restrict x, int64_t p, float* __restrict y,
                            int64_t ldy) {
-  rows_times_panel<R>(x, q.K, y, ldy, [&](auto fma) {
-    for_each_group_avx2(q, p, [&](int64_t k0, int64_t k1, __m256 s0, __m256 s1, __m256 o0, __m256 o1) {
-      for (int64_t k = k0; k < k1; ++k) {
-        __m256 b0, b1;
-        dequantize_row_avx2(q, p, k, s0, s1, o0, o1, b0, b1);
-        fma(k, b0, b1);
+  __m256 acc0[R], acc1[R];
+#pragma GCC unroll 6
+  for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
+  for_each_group_avx2(q, p, [&](int64_t k0, int64_t k1, __m256 s0, __m256 s1, __m256 o0, __m256 o1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      __m256 b0, b1;
+      dequantize_row_avx2(q, p, k, s0, s1, o0, o1, b0, b1);
+#pragma GCC unroll 6
+      for (int i = 0; i < R; ++i) {
+        const __m256 a = _mm256_broadcast_ss(x + i * q.K + k);
+        acc0[i] = _mm256_fmadd_ps(a, b0, acc0[i]);
+        acc1[i] = _mm256_fmadd_ps(a, b1, acc1[i]);
       }
-    });
+    }
   });
+#pragma GCC unroll 6
+  for (int i = 0; i < R; ++i) {
+    _mm256_storeu_ps(y + i * ldy, acc0[i]);
+    _mm256_storeu_ps(y + i * ldy + 8, acc1[i]);
+  }
 }
 
 void quant_panel_block_avx2(const QuantPanel& q, const GemmArgs& g, int64_t p, int64_t r0, int64_t r1) {
