@@ -61,9 +61,16 @@ def _add_dataset_args(parser: argparse.ArgumentParser, seed: bool = True) -> Non
 
 
 def add_bench_parser(commands, add_engine_args, engine_args) -> None:
-    """`jaxllm bench` and its three commands, on the main parser's subparsers; `add_engine_args`
+    """`jaxllm bench` and its four commands, on the main parser's subparsers; `add_engine_args`
     and `engine_args` are the CLI's (its engine flags, and the EngineArgs they give)."""
     formatter = argparse.RawDescriptionHelpFormatter
+
+    def offline(parser, run) -> None:
+        """The flags every command that runs its own engine ends with, and what it runs."""
+        parser.add_argument("--output-json", default=None, metavar="PATH", help="write the results as JSON")
+        add_engine_args(parser)
+        parser.set_defaults(run=run, engine_args=engine_args)
+
     bench = commands.add_parser("bench", formatter_class=formatter,
                                 help="benchmark throughput, latency, perplexity or a server",
                                 description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1])
@@ -72,9 +79,7 @@ def add_bench_parser(commands, add_engine_args, engine_args) -> None:
     throughput = kinds.add_parser("throughput", formatter_class=formatter, help="offline batch throughput",
                                   epilog="example:\n  jaxllm bench throughput --num-prompts 128 --output-json t.json")
     _add_dataset_args(throughput, seed=False)
-    throughput.add_argument("--output-json", default=None, metavar="PATH", help="write the results as JSON")
-    add_engine_args(throughput)
-    throughput.set_defaults(run=run_throughput, engine_args=engine_args)
+    offline(throughput, run_throughput)
 
     latency = kinds.add_parser("latency", formatter_class=formatter, help="latency of one batch",
                                epilog="example:\n  jaxllm bench latency --batch-size 8 --input-len 32 --output-len 128")
@@ -83,18 +88,14 @@ def add_bench_parser(commands, add_engine_args, engine_args) -> None:
     latency.add_argument("--batch-size", type=int, default=8, help="(default: %(default)s)")
     latency.add_argument("--num-iters-warmup", type=int, default=2, help="(default: %(default)s)")
     latency.add_argument("--num-iters", type=int, default=5, help="(default: %(default)s)")
-    latency.add_argument("--output-json", default=None, metavar="PATH", help="write the results as JSON")
-    add_engine_args(latency)
-    latency.set_defaults(run=run_latency, engine_args=engine_args)
+    offline(latency, run_latency)
 
     ppl = kinds.add_parser("perplexity", formatter_class=formatter, help="perplexity on a text",
                            epilog="example:\n  jaxllm bench perplexity --quantization int8")
     ppl.add_argument("--text-file", default=None, metavar="PATH",
                      help="UTF-8 text to score (default: the public-domain text that ships with jaxllm)")
     ppl.add_argument("--window", type=int, default=512, help="tokens per scored window (default: %(default)s)")
-    ppl.add_argument("--output-json", default=None, metavar="PATH", help="write the results as JSON")
-    add_engine_args(ppl)
-    ppl.set_defaults(run=run_perplexity, engine_args=engine_args)
+    offline(ppl, run_perplexity)
 
     serve = kinds.add_parser("serve", formatter_class=formatter, help="a running server under load",
                              epilog="example:\n  jaxllm serve &\n  jaxllm bench serve --request-rate 4 --num-prompts 64")
