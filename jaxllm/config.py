@@ -22,8 +22,9 @@ DEFAULT_KV_CACHE_MEMORY = 2 << 30  # bytes; on CPU the pool lives in host RAM
 # The names of jaxllm.attention.BACKENDS, listed here so that checking a config imports no kernels.
 ATTENTION_BACKENDS = ("native", "cpu", "pallas", "reference")
 PREEMPTION_MODES = ("recompute", "swap")
-# jaxllm.quantization.METHODS (config checks import no JAX code); tests/test_quantization.py checks they agree.
-QUANTIZATION_METHODS = ("int8", "int4", "w8a8")
+# jaxllm.quantization's METHODS + CHECKPOINT_METHODS (config checks import no JAX code);
+# tests/test_quantization.py checks they agree.
+QUANTIZATION_METHODS = ("int8", "int4", "w8a8", "gguf", "awq", "gptq", "none")
 MAX_SPECULATIVE_TOKENS = 15     # a step verifies at most this many drafts per request
 
 
@@ -58,7 +59,10 @@ class EngineArgs:
     quantization: str | None = option(
         None, "quantize the weights on load: 'int8' (int8 per output channel), 'int4' (4-bit in groups of 32, "
               "the LM head int8), both weight-only; 'w8a8' (int8 weights and per-token int8 activations: fast "
-              "with VNNI/AMX, less accurate); default: none (see jaxllm/quantization)",
+              "with VNNI/AMX, less accurate); 'gguf' (a GGUF's own quantized blocks, kept), 'awq', 'gptq' "
+              "(read from the checkpoint's quantization_config); 'none' (a GGUF dequantized to the dtype). "
+              "Default: an AWQ/GPTQ checkpoint as it is; a GGUF kept quantized where the dtype is float32 "
+              "on a CPU with the C++ kernels, else dequantized (see jaxllm/quantization)",
         choices=QUANTIZATION_METHODS)
     max_model_len: int | None = option(None, "context length, prompt plus output (default: the model's)",
                                      metavar="TOKENS")
@@ -172,7 +176,7 @@ class EngineArgs:
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.quantization not in (None, *QUANTIZATION_METHODS):
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
-        if self.quantization is not None and (self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.quantization not in (None, "none") and (self.tensor_parallel_size * self.pipeline_parallel_size
                                               * self.data_parallel_size * self.num_processes > 1
                                               or self.mesh is not None):
             raise ValueError("quantization runs on one device: not with tensor, pipeline or data parallelism, "

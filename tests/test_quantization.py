@@ -16,10 +16,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxllm import LLM, SamplingParams
+from jaxllm import LLM, SamplingParams, quantization
 from jaxllm.config import QUANTIZATION_METHODS, EngineArgs
 from jaxllm.kernels import native
-from jaxllm.quantization import METHODS, QuantizedWeight, dequantize, matmul, quantize_matrix, weight_bytes
+from jaxllm.quantization import CHECKPOINT_METHODS, METHODS, QuantizedWeight, dequantize, matmul, quantize_matrix, weight_bytes
 from jaxllm.quantization.weights import embedding_rows, make_weight
 from tiny_model import TINY_ENGINE_ARGS, offline_llm
 
@@ -46,7 +46,7 @@ def reference_weight(w: np.ndarray, bits: int, group: int | None) -> np.ndarray:
 
 
 def test_methods_agree_with_the_config_choices():
-    assert tuple(METHODS) == QUANTIZATION_METHODS
+    assert (*METHODS, *CHECKPOINT_METHODS, "none") == QUANTIZATION_METHODS
 
 
 @pytest.mark.parametrize("bits, group", [(8, None), (8, 16), (4, 32), (4, None)])
@@ -231,3 +231,126 @@ def test_perplexity_matches_hf_transformers(tiny_model_dir, tmp_path):
     assert cli.main(["bench", "perplexity", "--model", tiny_model_dir, *tiny_engine_flags(), "--window", "100",
                      "--text-file", str(tmp_path / "text.txt"), "--output-json", str(out)]) == 0
     assert math.isclose(json.loads(out.read_text())["perplexity"], result["perplexity"], rel_tol=1e-6)
+
+
+# ----------------------------------------------------------------------------- GGUF blocks kept
+
+
+def gguf_blocks(rng, shape: tuple[int, int], ggml_type: int) -> np.ndarray:
+    """Raw GGUF rows [out, bytes] of `ggml_type`: gguf-py's quantizer where it has one, else
+    random blocks with small f16 super-block scales (the K-quants)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+    from gguf.quants import quantize
+
+    try:
+        return quantize((0.3 * rng.standard_normal(shape)).astype(np.float32), ggml_type)
+    except NotImplementedError:
+        elems, size = GGML_QUANT_SIZES[ggml_type]
+        blocks = rng.integers(0, 256, (shape[0], shape[1] // elems, size), dtype=np.uint8)
+        for at in {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}[ggml_type]:   # d (and dmin)
+            d = rng.uniform(2e-4, 1e-3, blocks.shape[:2]).astype(np.float16)
+            blocks[..., at : at + 2] = d[..., None].view(np.uint8)
+        return blocks.reshape(shape[0], -1)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_blocks_keep_exactly_the_values_gguf_py_dequantizes(name):
+    from gguf.constants import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    from jaxllm.quantization.gguf_blocks import gguf_rows
+
+    t = T[name]
+    rng = np.random.default_rng(int(t))
+    data = gguf_blocks(rng, (24, 512), t)
+    rows = gguf_rows(data, t, (24, 512))
+    assert rows.bits == (4 if name in ("Q4_0", "Q4_1", "Q4_K") else 8)
+    np.testing.assert_array_equal(rows.dequantize(), dequantize(data, t).reshape(24, 512))
+    # ... and the C++ GEMM and the plain path multiply by those values.
+    weight = rows.to_weight()
+    x = rng.standard_normal((5, 512)).astype(np.float32)
+    ref = x.astype(np.float64) @ dequantize(data, t).reshape(24, 512).T.astype(np.float64)
+    for w in (weight, quantization.weights.relayout(weight, panels=True)):
+        np.testing.assert_allclose(matmul(x, w), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_fused_parts_of_different_block_types_share_the_widest_format():
+    from gguf.constants import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    from jaxllm.quantization.checkpoint import concat_rows
+    from jaxllm.quantization.gguf_blocks import gguf_rows
+
+    rng = np.random.default_rng(0)
+    parts = [(T.Q4_K, 32), (T.Q6_K, 16), (T.Q4_1, 16)]
+    datas = [gguf_blocks(rng, (out, 256), t) for t, out in parts]
+    fused = concat_rows([gguf_rows(d, t, (out, 256)) for d, (t, out) in zip(datas, parts)])
+    assert (fused.bits, fused.scale.shape, fused.scale.dtype) == (8, (64, 16), np.float32)
+    ref = np.concatenate([dequantize(d, t).reshape(out, 256) for d, (t, out) in zip(datas, parts)])
+    np.testing.assert_array_equal(fused.dequantize(), ref)
+    # Four-bit parts with f16 scales stay so.
+    q41 = [gguf_rows(gguf_blocks(rng, (16, 256), T.Q4_1), T.Q4_1, (16, 256)) for _ in range(2)]
+    both = concat_rows(q41)
+    assert (both.bits, both.scale.dtype) == (4, np.float16)
+
+
+def write_quantized_gguf(path: str) -> str:
+    """A tiny 2-layer Llama GGUF (no tokenizer) whose matrices use every kept block type, fused
+    parts of different types included; a Q8_0 embedding is the (tied) LM head."""
+    import gguf
+    from gguf.constants import GGMLQuantizationType as T
+
+    hidden, ff, heads, kv_heads, vocab = 256, 512, 4, 2, 512
+    head_dim = hidden // heads
+    writer = gguf.GGUFWriter(path, "llama")
+    for add, value in [("block_count", 2), ("context_length", 512), ("embedding_length", hidden),
+                       ("feed_forward_length", ff), ("head_count", heads), ("head_count_kv", kv_heads),
+                       ("layer_norm_rms_eps", 1e-5), ("rope_freq_base", 10000.0)]:
+        getattr(writer, f"add_{add}")(value)
+    rng = np.random.default_rng(1)
+    layers = [{"attn_q": T.Q4_K, "attn_k": T.Q6_K, "attn_v": T.Q8_0, "attn_output": T.Q4_0, "ffn_gate": T.Q4_1,
+               "ffn_up": T.Q5_K, "ffn_down": T.Q5_0},
+              {"attn_q": T.Q4_1, "attn_k": T.Q4_1, "attn_v": T.Q4_1, "attn_output": T.Q5_1, "ffn_gate": T.Q4_K,
+               "ffn_up": T.Q4_K, "ffn_down": T.Q6_K}]
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv_heads * head_dim, hidden),
+              "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, hidden), "ffn_gate": (ff, hidden),
+              "ffn_up": (ff, hidden), "ffn_down": (hidden, ff)}
+    writer.add_tensor("token_embd.weight", gguf_blocks(rng, (vocab, hidden), T.Q8_0), raw_dtype=T.Q8_0)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for i, types in enumerate(layers):
+        for name, t in types.items():
+            writer.add_tensor(f"blk.{i}.{name}.weight", gguf_blocks(rng, shapes[name], t), raw_dtype=t)
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_engine_kept_quantized_matches_the_dequantized_engine(tiny_model_dir, tmp_path):
+    # The reference: the same file dequantized by gguf-py into the float32 engine (checked
+    # against HF transformers in test_loader.py).
+    path = write_quantized_gguf(str(tmp_path / "tiny.gguf"))
+    prompts = [{"prompt_token_ids": list(range(i, i + 7 + 3 * i))} for i in range(4)]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2, detokenize=False)
+    args = dict(TINY_ENGINE_ARGS, params_cache_dir=str(tmp_path / "params"))
+    ref_llm = LLM(path, quantization="none", **args)
+    ref = ref_llm.generate(prompts, greedy, use_tqdm=False)
+    float_bytes = weight_bytes(ref_llm.engine.runner.params)
+    del ref_llm
+    for run in range(2):        # the second from the params cache
+        llm = LLM(path, **args)      # float32 on a CPU with the C++ kernels: kept quantized by default
+        assert llm.engine.config.quantization == "gguf"
+        params = llm.engine.runner.params
+        assert isinstance(params["embed"], QuantizedWeight) and params["embed"].layout == "panels"
+        assert [params["layers"][i]["wqkv"].bits for i in range(2)] == [8, 4]
+        out = llm.generate(prompts, greedy, use_tqdm=False)
+        for a, b in zip(out, ref):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            np.testing.assert_allclose(a.outputs[0].cumulative_logprob, b.outputs[0].cumulative_logprob, rtol=1e-4)
+        assert weight_bytes(params) < 0.4 * float_bytes, (weight_bytes(params), float_bytes)
+        del llm
+    with pytest.raises(ValueError, match="needs a GGUF"):
+        LLM(tiny_model_dir, quantization="gguf", **TINY_ENGINE_ARGS)

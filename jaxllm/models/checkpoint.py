@@ -17,10 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.models.decoder import ModelSpec
+from jaxllm.quantization.checkpoint import QuantizedRows, concat_rows, dense, permute_rows
 
 # Stored `[out, in]` (experts `[E, out, in]`) by HF, `[in, out]` here, in the weight dtype.
 _MATRICES = ("wqkv", "wo", "w_gate_up", "w_up", "w_down", "lm_head", "experts_gate_up", "experts_down")
 _WEIGHT_DTYPE = ("embed", "pos_embed", *_MATRICES)
+# The matrices a checkpoint's quantized weights stay quantized in (the others are dequantized).
+_QUANTIZED_MATRICES = ("wqkv", "wo", "w_gate_up", "w_up", "w_down", "lm_head")
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -32,16 +35,20 @@ def build_params(get: Callable[[str, tuple], Any], has: Callable[[str], bool], s
     """Fuse weights given in HF names and layout into the decoder.py params pytree.
 
     get(name, shape) returns the tensor (numpy, or a jax array on the CPU) checked to have
-    `shape`; HF `Linear` weights are `[out, in]`. has(name) says whether the checkpoint holds
+    `shape`; HF `Linear` weights are `[out, in]`, or a quantized checkpoint's `QuantizedRows`,
+    which stay quantized in the layer matrices and the LM head (the embedding table too when it
+    is the LM head) and are dequantized elsewhere. has(name) says whether the checkpoint holds
     `name`. Fusing happens in numpy, and each result is put on the default device once.
     """
     read = _Reader(get, has, spec)
     layer_fn, prefix, embed, final_norm, lm_head = _FAMILIES.get(spec.architecture, _FAMILIES["llama"])
     h = spec.hidden_size
     top = {"embed": read.tensor(embed + ".weight", (spec.vocab_size, h))}
+    if isinstance(top["embed"], QuantizedRows) and not spec.tie_word_embeddings:
+        top["embed"] = dense(top["embed"])
     read.norm(top, "final_norm", final_norm, bias=spec.norm == "layer", plus_one=spec.architecture == "Gemma3ForCausalLM")
     if spec.position == "learned":     # OPT: 2 extra rows first (position p is row p + 2)
-        pos = read.tensor("model.decoder.embed_positions.weight", (spec.max_position_embeddings + 2, h))
+        pos = dense(read.tensor("model.decoder.embed_positions.weight", (spec.max_position_embeddings + 2, h)))
         top["pos_embed"] = pos[2:]
     if not spec.tie_word_embeddings:
         if not has(lm_head + ".weight"):
@@ -54,7 +61,11 @@ def build_params(get: Callable[[str, tuple], Any], has: Callable[[str], bool], s
     return params
 
 
-def _finish(name: str, x: np.ndarray, wdtype) -> jax.Array:
+def _finish(name: str, x, wdtype):
+    if isinstance(x, QuantizedRows):
+        if name in _QUANTIZED_MATRICES or name == "embed":    # a tied table: quantized as the LM head
+            return x.to_weight()
+        x = dense(x)
     if name in _MATRICES:
         return jnp.asarray(np.swapaxes(x, -1, -2), dtype=wdtype)
     if name == "router":
@@ -68,15 +79,16 @@ class _Reader:
     def __init__(self, get, has, spec: ModelSpec):
         self.get, self.has, self.spec = get, has, spec
 
-    def tensor(self, name: str, shape: tuple) -> np.ndarray:
-        return np.asarray(self.get(name, tuple(shape)))
+    def tensor(self, name: str, shape: tuple):
+        x = self.get(name, tuple(shape))
+        return x if isinstance(x, QuantizedRows) else np.asarray(x)
 
-    def matrix(self, *parts: tuple[str, int], in_dim: int | None = None) -> np.ndarray:
+    def matrix(self, *parts: tuple[str, int], in_dim: int | None = None):
         in_dim = self.spec.hidden_size if in_dim is None else in_dim
-        return np.concatenate([self.tensor(name, (out, in_dim)) for name, out in parts])
+        return concat_rows([self.tensor(name, (out, in_dim)) for name, out in parts])
 
     def vector(self, *parts: tuple[str, int]) -> np.ndarray:
-        return np.concatenate([self.tensor(name, (size,)) for name, size in parts]).astype(np.float32)
+        return np.concatenate([dense(self.tensor(name, (size,))) for name, size in parts]).astype(np.float32)
 
     def norm(self, out: dict, key: str, name: str, bias: bool = False, plus_one: bool = False) -> None:
         """out[key] (and out[key + "_bias"]) from the norm `name` (`.weight`, `.bias`)."""
@@ -86,10 +98,12 @@ class _Reader:
             out[key + "_bias"] = self.vector((name + ".bias", h))
 
 
-def _split_heads(w: np.ndarray, spec: ModelSpec) -> np.ndarray:
+def _split_heads(w, spec: ModelSpec):
     """Rows of a fused QKV laid out per KV head `[kv_heads, q_per_kv + 2, head_dim, ...]` (its
     q heads, then k, v: GPT-NeoX's and Falcon's layout; for multi-query that is `[q; k; v]`)
     -> `[q; k; v]`."""
+    if isinstance(w, QuantizedRows):
+        return permute_rows(w, lambda rows: _split_heads(rows, spec))
     groups, q_per_group = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads
     g = w.reshape(groups, q_per_group + 2, spec.head_dim, *w.shape[1:])
     q = g[:, :q_per_group].reshape(spec.q_size, *w.shape[1:])
@@ -141,16 +155,17 @@ def _experts(read: _Reader, p: str, spec: ModelSpec) -> dict:
     h, ff, num = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
     mixtral = read.has(p + "block_sparse_moe.gate.weight")
     base = p + ("block_sparse_moe." if mixtral else "mlp.")
-    out = {"router": read.tensor(base + "gate.weight", (num, h))}
+    out = {"router": dense(read.tensor(base + "gate.weight", (num, h)))}
     if read.has(base + "experts.gate_up_proj"):
         out["experts_gate_up"] = read.tensor(base + "experts.gate_up_proj", (num, 2 * ff, h))
         out["experts_down"] = read.tensor(base + "experts.down_proj", (num, h, ff))
         return out
     gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     e = base + "experts.{}."
-    out["experts_gate_up"] = np.stack([read.matrix((e.format(j) + gate + ".weight", ff), (e.format(j) + up + ".weight", ff))
-                                       for j in range(num)])
-    out["experts_down"] = np.stack([read.matrix((e.format(j) + down + ".weight", h), in_dim=ff) for j in range(num)])
+    out["experts_gate_up"] = np.stack([dense(read.matrix((e.format(j) + gate + ".weight", ff),
+                                                         (e.format(j) + up + ".weight", ff))) for j in range(num)])
+    out["experts_down"] = np.stack([dense(read.matrix((e.format(j) + down + ".weight", h), in_dim=ff))
+                                    for j in range(num)])
     return out
 
 

@@ -1,7 +1,8 @@
 """A GGUF file -> (spec, params, tokenizer).
 
 `read_gguf` is a small reader of the header and tensor table (data stays memory-mapped);
-tensors are dequantized with `gguf.quants.dequantize`. The metadata becomes an HF-style config
+tensors are dequantized with `gguf.quants.dequantize`, or with `keep_quantized` the matrices
+stay in their blocks' codes and scales (`quantization/gguf_blocks.py`). The metadata becomes an HF-style config
 (`_gguf_spec`), the tensors are renamed to HF names, and what llama.cpp's converter changed is
 changed back: the Q/K rows it permutes for its interleaved RoPE ("llama"), Gemma's norms it
 stores as `1 + w`, GPT-NeoX's and Falcon's fused QKV it reorders to `[q; k; v]`, and experts it
@@ -24,6 +25,8 @@ import numpy as np
 from jaxllm.models.checkpoint import build_params, check_shape, progress_bar
 from jaxllm.models.decoder import ModelSpec
 from jaxllm.models.registry import UnsupportedModelError, spec_from_hf_config
+from jaxllm.quantization.checkpoint import dense, permute_rows
+from jaxllm.quantization.gguf_blocks import gguf_rows
 
 logger = logging.getLogger(__name__)
 
@@ -330,7 +333,9 @@ def _llama3_scaling_from_freqs(path: str, spec: ModelSpec, freq_factors: np.ndar
     return scaling
 
 
-def load_gguf(path: str, dtype: str, progress: bool):
+def load_gguf(path: str, dtype: str, progress: bool, keep_quantized: bool = False):
+    """-> (spec, params, tokenizer); with `keep_quantized` the quantized matrices of the types
+    `gguf_blocks` maps stay quantized (`QuantizedWeight`s in params)."""
     metadata, tensors = read_gguf(path)
     spec = _gguf_spec(path, metadata, tensors)
 
@@ -364,14 +369,16 @@ def load_gguf(path: str, dtype: str, progress: bool):
         if isinstance(source, tuple):
             w = np.concatenate([_dequantize(tensors[s]) for s in source], axis=1)
         else:
-            w = _dequantize(tensors[source])
+            t = tensors[source]
+            w = gguf_rows(t.data, t.ggml_type, t.shape) if keep_quantized else None
+            w = _dequantize(t) if w is None else w
         heads = next((n for k, n in permuted.items() if k in name), None)
         if unpermute and heads is not None:
-            w = _unpermute_rope(w, heads)
+            w = permute_rows(w, lambda rows: _unpermute_rope(rows, heads))
         if arch == "gemma3" and name.endswith("norm.weight"):
-            w = w - 1.0         # llama.cpp stores Gemma's (1 + w); build_params adds the 1
+            w = dense(w) - 1.0         # llama.cpp stores Gemma's (1 + w); build_params adds the 1
         if "query_key_value" in name:
-            w = _group_heads(w, spec)
+            w = permute_rows(w, lambda rows: _group_heads(rows, spec))
         bar.update(1)
         return check_shape(str(source), w, shape, path)
 

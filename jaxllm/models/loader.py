@@ -41,6 +41,8 @@ from jaxllm.models.hf_checkpoint import load_hf_dir, safetensors_files
 from jaxllm import parallel
 from jaxllm.models import layout
 from jaxllm.models.decoder import ModelSpec
+from jaxllm.quantization.checkpoint import from_saved, to_saved
+from jaxllm.quantization.weights import QuantizedWeight
 from jaxllm.utils import check_dtype, default_cache_root
 
 __all__ = ["LoadedModel", "ModelNotFoundError", "default_model_path", "load_model", "read_gguf", "restore_params",
@@ -61,6 +63,7 @@ class LoadedModel:
     tokenizer: Any          # transformers PreTrainedTokenizerFast, None if the checkpoint has none
     source: str             # resolved path the weights came from
     name: str               # served model name
+    quantization: str | None = None   # "gguf", "awq", "gptq": the checkpoint's quantized weights kept
 
 
 # ----------------------------------------------------------------------------- resolution
@@ -143,10 +146,14 @@ def _hub_snapshot(repo_id: str) -> str:
 def load_model(
     model: str | None = None, *, dtype: str = "float32", cache_dir: str | None = None,
     use_cache: bool = True, progress: bool = True, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-    mesh=None,
+    mesh=None, quantization: str | None = None,
 ) -> LoadedModel:
     """Load a Llama-family model's spec, params (matrices in `dtype`, norms and biases f32)
     and tokenizer. See the module docstring for what `model` may be.
+
+    `quantization`: "gguf" keeps a GGUF's quantized matrices in their codes and scales
+    (`QuantizedWeight`s; an error for other checkpoints), "auto" does so when the model is a
+    GGUF; anything else dequantizes a GGUF. `LoadedModel.quantization` says what was kept.
 
     With `tensor_parallel_size` or `pipeline_parallel_size` > 1 the params come laid out for
     that many shards and stages (`layout.shard_layout`; the params cache keeps them so). With
@@ -155,21 +162,31 @@ def load_model(
     dtype = str(jnp.dtype(dtype)) if not isinstance(dtype, str) else dtype
     check_dtype(dtype)
     kind, path, name = _resolve(model)
+    if quantization == "gguf" and kind != "gguf":
+        raise ValueError(f"quantization='gguf' needs a GGUF model, and {path} is an HF checkpoint")
+    keep_gguf = kind == "gguf" and quantization in ("gguf", "auto")
+    if keep_gguf and (tensor_parallel_size > 1 or pipeline_parallel_size > 1 or mesh is not None):
+        raise ValueError("a GGUF's quantized weights run on one device: not with tensor or pipeline parallelism")
 
     entry = None
     if use_cache:
         root = cache_dir or os.path.join(default_cache_root(), "params")
         entry = os.path.join(root, _cache_key(kind, path, name, dtype, tensor_parallel_size,
-                                                 pipeline_parallel_size))
+                                                 pipeline_parallel_size, keep_gguf))
         cached = _restore_cached(entry, path, name, mesh)
         if cached is not None:
             logger.info("loaded %s from the params cache %s", name, entry)
             return cached
 
-    load = load_gguf if kind == "gguf" else load_hf_dir
-    spec, params, tokenizer = load(path, dtype, progress)
+    if kind == "gguf":
+        spec, params, tokenizer = load_gguf(path, dtype, progress, keep_quantized=keep_gguf)
+    else:
+        spec, params, tokenizer = load_hf_dir(path, dtype, progress)
     params = layout.shard_layout(params, spec, tensor_parallel_size, pipeline_parallel_size)
-    loaded = LoadedModel(spec=spec, params=params, tokenizer=tokenizer, source=path, name=name)
+    kept = any(isinstance(x, QuantizedWeight) for x in jax.tree_util.tree_leaves(
+        params, is_leaf=lambda x: isinstance(x, QuantizedWeight)))
+    loaded = LoadedModel(spec=spec, params=params, tokenizer=tokenizer, source=path, name=name,
+                         quantization="gguf" if kept else None)
     if entry is not None:
         _save_cached(entry, loaded)
     if mesh is not None:
@@ -211,7 +228,7 @@ def restore_params(path: str, mesh=None):
 
 
 def _cache_key(kind: str, path: str, name: str, dtype: str, tensor_parallel_size: int = 1,
-               pipeline_parallel_size: int = 1) -> str:
+               pipeline_parallel_size: int = 1, keep_quantized: bool = False) -> str:
     if kind == "gguf":
         files = [path]
     else:
@@ -219,6 +236,7 @@ def _cache_key(kind: str, path: str, name: str, dtype: str, tensor_parallel_size
     # One device (tp 1, pp 1) keeps its old keys.
     layout = f"|tp{tensor_parallel_size}" if tensor_parallel_size > 1 else ""
     layout += f"|pp{pipeline_parallel_size}" if pipeline_parallel_size > 1 else ""
+    layout += "|quantized" if keep_quantized else ""
     h = hashlib.sha256(f"v{CACHE_FORMAT_VERSION}|{dtype}{layout}".encode())
     for file in files:
         st = os.stat(file)
@@ -247,7 +265,7 @@ def _restore_cached(entry: str, path: str, name: str, mesh=None) -> LoadedModel 
         with open(meta_file) as f:
             meta = json.load(f)
         spec = _spec_from_json(meta["spec"])
-        params = restore_params(os.path.join(entry, "params"), mesh)
+        params = from_saved(restore_params(os.path.join(entry, "params"), mesh), meta.get("quantized", {}))
         tokenizer = None
         if meta["has_tokenizer"]:  # not AutoTokenizer: it imports torch (~2 s)
             from transformers import PreTrainedTokenizerFast
@@ -257,7 +275,8 @@ def _restore_cached(entry: str, path: str, name: str, mesh=None) -> LoadedModel 
         logger.warning("ignoring unreadable params cache %s (%s: %s)", entry, type(e).__name__, e)
         shutil.rmtree(entry, ignore_errors=True)
         return None
-    return LoadedModel(spec=spec, params=params, tokenizer=tokenizer, source=path, name=name)
+    return LoadedModel(spec=spec, params=params, tokenizer=tokenizer, source=path, name=name,
+                       quantization=meta.get("quantization"))
 
 
 def _save_cached(entry: str, loaded: LoadedModel) -> None:
@@ -267,11 +286,13 @@ def _save_cached(entry: str, loaded: LoadedModel) -> None:
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        save_params(loaded.params, os.path.join(tmp, "params"))
+        tree, quantized = to_saved(loaded.params)
+        save_params(tree, os.path.join(tmp, "params"))
         if loaded.tokenizer is not None:
             loaded.tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
         meta = {"spec": _spec_to_json(loaded.spec), "has_tokenizer": loaded.tokenizer is not None,
-                "source": loaded.source, "name": loaded.name}
+                "source": loaded.source, "name": loaded.name, "quantization": loaded.quantization,
+                "quantized": quantized}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
         if not os.path.exists(entry):  # else another process just wrote it

@@ -33,6 +33,7 @@ refuses the combination.
 """
 
 from jaxllm.quantization.weights import (
+    CHECKPOINT_METHODS,
     METHODS,
     QuantizedWeight,
     dequantize,
@@ -42,5 +43,5 @@ from jaxllm.quantization.weights import (
     weight_bytes,
 )
 
-__all__ = ["METHODS", "QuantizedWeight", "dequantize", "matmul", "quantize_matrix",
+__all__ = ["CHECKPOINT_METHODS", "METHODS", "QuantizedWeight", "dequantize", "matmul", "quantize_matrix",
            "quantize_params", "weight_bytes"]

@@ -15,6 +15,8 @@ logger = logging.getLogger(__name__)
 
 # method -> (bits, rows of K per scale group; None: one group, a scale per output channel)
 METHODS = {"int8": (8, None), "int4": (4, 32), "w8a8": (8, None)}
+# Methods whose quantized weights come from the checkpoint as they are (models/loader.py).
+CHECKPOINT_METHODS = ("gguf", "awq", "gptq")
 # The layer matrices that are quantized (as decoder.PACKED; MoE experts are not).
 LAYER_MATRICES = ("wqkv", "wo", "w_gate_up", "w_up", "w_down")
 
@@ -32,6 +34,8 @@ class QuantizedWeight:
         (the 8-bit ones).
     activations: "int8" multiplies as W8A8 (x quantized per row, an int8 dot), "float" as
         weight-only (x stays f32).
+    perm: None, or int32 [K] (GPTQ's act-order): the codes' row i is the weight's row perm[i],
+        so that the groups are contiguous; x's columns are taken in that order first.
     """
 
     codes: jax.Array
@@ -40,6 +44,7 @@ class QuantizedWeight:
     bits: int = dataclasses.field(metadata=dict(static=True))
     layout: str = dataclasses.field(metadata=dict(static=True))
     activations: str = dataclasses.field(metadata=dict(static=True))
+    perm: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -102,7 +107,7 @@ def make_weight(w: np.ndarray, method: str, *, panels: bool, activations: str, d
 
 def _unpacked_codes(w: QuantizedWeight) -> jax.Array:
     """The codes as f32 [K, N]."""
-    c = w.codes
+    c = jnp.asarray(w.codes)
     if w.layout == "panels":
         if w.bits == 4:
             c = jnp.concatenate([c & 15, c >> 4], axis=-1)
@@ -113,7 +118,7 @@ def _unpacked_codes(w: QuantizedWeight) -> jax.Array:
 
 
 def dequantize(w: QuantizedWeight) -> jax.Array:
-    """The f32 weight [K, N] the codes stand for."""
+    """The f32 weight [K, N] the codes stand for (its rows in `perm` order when there is one)."""
     codes = _unpacked_codes(w)
     rows = codes.shape[0] // w.scale.shape[0]
     out = codes * jnp.repeat(w.scale.astype(jnp.float32), rows, axis=0)
@@ -122,6 +127,8 @@ def dequantize(w: QuantizedWeight) -> jax.Array:
 
 def matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """x [..., K] f32 @ w -> [..., N] f32 (the paths: see the package docstring)."""
+    if w.perm is not None:
+        x = jnp.take(x, w.perm, axis=-1)
     if w.layout == "panels":
         from jaxllm.kernels import native
 
@@ -158,17 +165,37 @@ def embedding_rows(w: QuantizedWeight, token_ids: jax.Array) -> jax.Array:
     return out if w.offset is None else out + jnp.repeat(w.offset[:, t].T.astype(jnp.float32), rows, axis=1)
 
 
+def relayout(w: QuantizedWeight, panels: bool, device=None) -> QuantizedWeight:
+    """A weight-only QuantizedWeight in the packed layout of the C++ GEMM when `panels` (and its
+    N allows it), else plain; on `device`."""
+    from jaxllm.kernels import native
+
+    k, n = w.shape
+    panels = panels and w.activations == "float" and native.packable((k, n))
+    if (w.layout == "panels") == panels:
+        return jax.device_put(w, device)
+    codes = np.asarray(_unpacked_codes(w)).astype(np.int8 if w.bits == 8 else np.uint8)
+    codes = native.pack_codes(codes, w.bits) if panels else _pack_plain_int4(codes) if w.bits == 4 else codes
+    put = functools.partial(jax.device_put, device=device)
+    return QuantizedWeight(put(codes), put(w.scale), put(w.offset), w.bits, "panels" if panels else "plain",
+                           w.activations, put(w.perm))
+
+
 def quantize_params(params: dict, spec, method: str, *, native: bool, device=None) -> dict:
     """Replace, in place, the layer matrices and the LM head (the embedding table when tied)
     of a one-device params tree by QuantizedWeights on `device`, one matrix at a time.
     `native`: the C++ kernels serve this run (the packed weight-only layout where it applies).
-    With `int4` the LM head gets int8 codes (as llama.cpp keeps its output matrix at 6-8 bits)."""
-    if method not in METHODS:
-        raise ValueError(f"unknown quantization {method!r}: choose one of {sorted(METHODS)}")
+    With `int4` the LM head gets int8 codes (as llama.cpp keeps its output matrix at 6-8 bits).
+    Weights the checkpoint gave quantized (`CHECKPOINT_METHODS`) are only laid out for the run;
+    with those methods, float weights stay float."""
+    if method not in METHODS and method not in CHECKPOINT_METHODS:
+        raise ValueError(f"unknown quantization {method!r}: choose one of {sorted(METHODS) + list(CHECKPOINT_METHODS)}")
     activations = "int8" if method == "w8a8" else "float"
 
     def make(w, head=False):
         if isinstance(w, QuantizedWeight):
+            return relayout(w, native, device)
+        if method not in METHODS:
             return w
         return make_weight(np.asarray(w, np.float32), "int8" if head and method == "int4" else method,
                            panels=native, activations=activations, device=device)
@@ -179,7 +206,9 @@ def quantize_params(params: dict, spec, method: str, *, native: bool, device=Non
                 layer[name] = make(layer[name])
     if "lm_head" in params:
         params["lm_head"] = make(params["lm_head"], head=True)
-    if spec.tie_word_embeddings and not isinstance(params["embed"], QuantizedWeight):
+    if isinstance(params["embed"], QuantizedWeight):
+        params["embed"] = make(params["embed"])
+    elif spec.tie_word_embeddings and method in METHODS:
         params["embed"] = make(np.ascontiguousarray(np.asarray(params["embed"], np.float32).T), head=True)
     logger.info("weights quantized: %s", method)
     return params

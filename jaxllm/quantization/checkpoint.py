@@ -1,0 +1,151 @@
+"""Quantized weights as checkpoints hold them: `QuantizedRows`, what the GGUF, AWQ and GPTQ
+readers give `models/checkpoint.build_params` in place of a float `[out, in]` Linear weight,
+and the params cache's round trip of `QuantizedWeight` leaves (`to_saved`, `from_saved`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.quantization.weights import QuantizedWeight, _pack_plain_int4
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class QuantizedRows:
+    """A quantized Linear weight in HF's `[out, in]` orientation, one code a byte:
+    w[o, perm[i]] = codes[o, i] * scale[o, g] (+ offset[o, g]) for the group g = i // (in / G).
+
+    codes: uint8 [out, in] in 0..15 (bits 4) or int8 [out, in] (bits 8).
+    scale, offset: f16 or f32 [out, G] (offset None: symmetric codes).
+    perm: None, or int32 [in] (GPTQ act-order: the input rows sorted by group).
+    """
+
+    codes: np.ndarray
+    scale: np.ndarray
+    offset: np.ndarray | None
+    bits: int
+    perm: np.ndarray | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape
+
+    def take(self, rows: np.ndarray) -> QuantizedRows:
+        """The output rows `rows`, in that order."""
+        return QuantizedRows(self.codes[rows], self.scale[rows], None if self.offset is None else self.offset[rows],
+                             self.bits, self.perm)
+
+    def dequantize(self) -> np.ndarray:
+        """The f32 weight [out, in]."""
+        rep = self.codes.shape[1] // self.scale.shape[1]
+        w = self.codes.astype(np.float32) * np.repeat(self.scale.astype(np.float32), rep, axis=1)
+        if self.offset is not None:
+            w += np.repeat(self.offset.astype(np.float32), rep, axis=1)
+        if self.perm is None:
+            return w
+        out = np.empty_like(w)
+        out[:, self.perm] = w
+        return out
+
+    def to_weight(self) -> QuantizedWeight:
+        """The QuantizedWeight [in, out] (plain layout, weight-only) on the default device."""
+        codes = np.ascontiguousarray(self.codes.T)
+        if self.bits == 4:
+            if codes.shape[1] % 2:
+                raise ValueError(f"4-bit codes need an even number of outputs, not {codes.shape[1]}")
+            codes = _pack_plain_int4(codes)
+        put = jnp.asarray
+        return QuantizedWeight(put(codes), put(np.ascontiguousarray(self.scale.T)),
+                               None if self.offset is None else put(np.ascontiguousarray(self.offset.T)),
+                               self.bits, "plain", "float", None if self.perm is None else put(self.perm))
+
+
+def permute_rows(w, fn):
+    """fn(w) for an array; for QuantizedRows, its rows taken in the order fn gives to row numbers
+    (fn: a permutation of rows along the first axis, e.g. a reshape and swapaxes)."""
+    if isinstance(w, QuantizedRows):
+        return w.take(fn(np.arange(w.shape[0])))
+    return fn(w)
+
+
+def dense(w) -> np.ndarray:
+    """A checkpoint tensor as a float array (QuantizedRows dequantized)."""
+    return w.dequantize() if isinstance(w, QuantizedRows) else np.asarray(w)
+
+
+def concat_rows(parts: list) -> QuantizedRows | np.ndarray:
+    """Parts of one fused matrix concatenated along `out`. Quantized parts of different formats
+    (as a GGUF's Q4_K q/k with its Q6_K v) share the widest: 8-bit codes when any part has them,
+    the finest groups, offsets when any has them, f32 scales unless all are f16. Float parts, or
+    act-order parts with different orders, make the whole float."""
+    if not all(isinstance(p, QuantizedRows) for p in parts):
+        return np.concatenate([dense(p) for p in parts])
+    perms = [p.perm for p in parts]
+    if any((a is None) != (perms[0] is None) or (a is not None and not np.array_equal(a, perms[0])) for a in perms):
+        logger.warning("fused parts with different act-orders: dequantized to float")
+        return np.concatenate([p.dequantize() for p in parts])
+    if len(parts) == 1:
+        return parts[0]
+    bits = max(p.bits for p in parts)
+    groups = max(p.scale.shape[1] for p in parts)
+    if any(groups % p.scale.shape[1] for p in parts):
+        return np.concatenate([p.dequantize() for p in parts])
+    dtype = np.float16 if all(p.scale.dtype == np.float16 for p in parts) else np.float32
+    with_offset = any(p.offset is not None for p in parts)
+
+    def widen(p: QuantizedRows):
+        rep = groups // p.scale.shape[1]
+        offset = np.zeros_like(p.scale) if p.offset is None else p.offset
+        return (p.codes.astype(np.int8) if bits == 8 else p.codes, np.repeat(p.scale, rep, axis=1).astype(dtype),
+                np.repeat(offset, rep, axis=1).astype(dtype))
+
+    codes, scale, offset = zip(*(widen(p) for p in parts))
+    return QuantizedRows(np.concatenate(codes), np.concatenate(scale),
+                         np.concatenate(offset) if with_offset else None, bits, perms[0])
+
+
+# ----------------------------------------------------------------------------- params cache
+
+_FIELDS = ("codes", "scale", "offset", "perm")
+
+
+def to_saved(params: dict) -> tuple[dict, dict]:
+    """(a params tree of arrays only, {path: [bits, layout, activations]}) for saving: each
+    QuantizedWeight becomes a dict of its arrays."""
+    statics = {}
+
+    def convert(path, x):
+        if isinstance(x, QuantizedWeight):
+            statics[jax.tree_util.keystr(path)] = [x.bits, x.layout, x.activations]
+            return {f: getattr(x, f) for f in _FIELDS if getattr(x, f) is not None}
+        return x
+
+    tree = jax.tree_util.tree_map_with_path(convert, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return tree, statics
+
+
+def from_saved(tree: dict, statics: dict) -> dict:
+    """The inverse of `to_saved`."""
+    if not statics:
+        return tree
+
+    def walk(path, node):
+        key = jax.tree_util.keystr(path)
+        if key in statics:
+            bits, layout, activations = statics[key]
+            return QuantizedWeight(node["codes"], node["scale"], node.get("offset"), bits, layout, activations,
+                                   node.get("perm"))
+        if isinstance(node, dict):
+            return {k: walk((*path, jax.tree_util.DictKey(k)), v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk((*path, jax.tree_util.SequenceKey(i)), v) for i, v in enumerate(node)]
+        return node
+
+    return walk((), tree)

@@ -1,0 +1,118 @@
+"""GGUF's quantized blocks as integer codes with scales (`gguf_rows`), so a GGUF's matrices run
+quantized as they are (`quantization="gguf"`) rather than dequantized on load.
+
+Each block type maps exactly (up to the f32 rounding of code * scale + offset) onto
+`QuantizedRows` codes with a scale (and offset) per group of input rows:
+
+| type        | llama.cpp's weight          | codes here       | scale, offset per |
+|-------------|-----------------------------|------------------|-------------------|
+| Q4_0        | d * (q - 8)                 | 4-bit q          | 32 rows, f16      |
+| Q4_1        | d * q + m                   | 4-bit q          | 32 rows, f16      |
+| Q5_0        | d * (q - 16)                | int8 q - 16      | 32 rows, f16      |
+| Q5_1        | d * q + m                   | int8 q           | 32 rows, f16      |
+| Q8_0        | d * q                       | int8 q           | 32 rows, f16      |
+| Q4_K        | d * sc_j * q - dmin * m_j   | 4-bit q          | 32 rows, f32      |
+| Q5_K        | d * sc_j * q - dmin * m_j   | int8 q           | 32 rows, f32      |
+| Q6_K        | d * sc_j * (q - 32)         | int8 q - 32      | 16 rows, f32      |
+
+The K-quants' two-level scales (an f16 per 256 rows times a 6- or 8-bit one per sub-block)
+are multiplied out into f32 scales (exact: at most 19 significant bits), so they take more
+memory here than in the file (Q4_K 6 bits a weight instead of 4.5). Other types (Q2_K, Q3_K,
+the IQ types, ...) return None: the reader dequantizes them to float.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from jaxllm.quantization.checkpoint import QuantizedRows
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Two bytes [..., 2] a value -> f16 [...]."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+
+def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
+    """Bytes [..., n * width] -> 4-bit codes [..., n, 2 * width]: per chunk of `width` bytes,
+    the low nibbles of its bytes, then the high ones (llama.cpp's order)."""
+    chunks = qs.reshape(*qs.shape[:-1], -1, 1, width) >> np.array([0, 4], np.uint8).reshape(2, 1)
+    return (chunks & 15).reshape(*qs.shape[:-1], -1, 2 * width)
+
+
+def _bits(b: np.ndarray, shifts: list[int], mask: int) -> np.ndarray:
+    """Bytes [..., c, w] -> [..., c, len(shifts), w]: bit fields (b >> s) & mask."""
+    return (b[..., None, :] >> np.array(shifts, np.uint8).reshape(-1, 1)) & np.uint8(mask)
+
+
+def _legacy(blocks: np.ndarray, t: int):
+    """Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks [..., bytes] -> (codes [..., 32], scale, offset)."""
+    d = _f16(blocks[..., 0:2])
+    if t == T.Q8_0:
+        return blocks[..., 2:].view(np.int8), d, None
+    with_min = t in (T.Q4_1, T.Q5_1)
+    m = _f16(blocks[..., 2:4]) if with_min else None
+    rest = blocks[..., 4 if with_min else 2:]
+    if t in (T.Q4_0, T.Q4_1):
+        q = _nibbles(rest, 16)[..., 0, :]
+        if with_min:
+            return q, d, m
+        with np.errstate(over="ignore"):
+            return q, d, (np.float16(-8) * d).astype(np.float16)
+    qh = np.ascontiguousarray(rest[..., :4]).view(np.uint32)          # bit j: code j's fifth bit
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    q = (_nibbles(rest[..., 4:], 16)[..., 0, :] | (high << 4)).astype(np.int8)
+    return (q, d, m) if with_min else (q - np.int8(16), d, None)
+
+
+def _k_scales(scales: np.ndarray):
+    """Q4_K / Q5_K's 12 bytes -> (8 scales, 8 mins), 6 bits each."""
+    from gguf.quants import Q4_K
+
+    sc, mins = Q4_K.get_scale_min(scales.reshape(-1, 12))
+    return sc.reshape(*scales.shape[:-1], 8), mins.reshape(*scales.shape[:-1], 8)
+
+
+def _k_quant(blocks: np.ndarray, t: int):
+    """Q4_K / Q5_K / Q6_K super-blocks [..., bytes] -> (codes [..., 256], scale, offset [..., sub-blocks])."""
+    if t == T.Q6_K:
+        ql, qh, sc, d = blocks[..., :128], blocks[..., 128:192], blocks[..., 192:208], _f16(blocks[..., 208:210])
+        low = _nibbles(ql, 64)                                        # [..., 2, 128]
+        high = _bits(qh.reshape(*qh.shape[:-1], 2, 32), [0, 2, 4, 6], 3).reshape(low.shape)
+        q = (low | (high << 4)).astype(np.int8) - np.int8(32)
+        scale = d[..., None].astype(np.float32) * sc.view(np.int8).astype(np.float32)
+        return q.reshape(*q.shape[:-2], 256), scale, None
+    d, dmin = _f16(blocks[..., 0:2]).astype(np.float32), _f16(blocks[..., 2:4]).astype(np.float32)
+    sc, mins = _k_scales(blocks[..., 4:16])
+    scale = d[..., None] * sc.astype(np.float32)
+    offset = -(dmin[..., None] * mins.astype(np.float32))
+    if t == T.Q4_K:
+        return _nibbles(blocks[..., 16:144], 32).reshape(*blocks.shape[:-1], 256), scale, offset
+    qh, qs = blocks[..., 16:48], blocks[..., 48:176]
+    high = _bits(qh, list(range(8)), 1)                               # [..., 8, 32]: sub-block j is bit j
+    q = _nibbles(qs, 32).reshape(high.shape) | (high << 4)
+    return q.reshape(*blocks.shape[:-1], 256).astype(np.int8), scale, offset
+
+
+_LEGACY = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
+_K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
+SUPPORTED = _LEGACY + _K_QUANTS
+
+
+def gguf_rows(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> QuantizedRows | None:
+    """A 2-D GGUF tensor's raw rows (uint8 [out, bytes a row]) of `shape` [out, in] as
+    QuantizedRows, or None when its type is not kept quantized (float types included)."""
+    if ggml_type not in SUPPORTED or len(shape) != 2:
+        return None
+    out, k = shape
+    block_elems, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    blocks = np.asarray(data).reshape(out, k // block_elems, block_bytes)
+    codes, scale, offset = (_legacy if ggml_type in _LEGACY else _k_quant)(blocks, ggml_type)
+    scale = scale.reshape(out, -1)
+    if offset is not None:
+        offset = offset.reshape(out, -1)
+        if not np.isfinite(offset).all():     # Q4_0's -8 d past f16's range: keep it in f32
+            scale, offset = scale.astype(np.float32), -8 * scale.astype(np.float32)
+    bits = 4 if ggml_type in (T.Q4_0, T.Q4_1, T.Q4_K) else 8
+    return QuantizedRows(np.ascontiguousarray(codes.reshape(out, k)), scale, offset, bits)
