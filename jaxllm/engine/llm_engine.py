@@ -22,6 +22,7 @@ from jaxllm.core.request import Request, RequestStatus
 from jaxllm.engine.core import DataParallelEngineCore, EngineCore, EngineStats
 from jaxllm.engine.output_processor import OUTPUT_KINDS, OutputProcessor
 from jaxllm.outputs import RequestOutput
+from jaxllm.quantization import CHECKPOINT_METHODS
 from jaxllm.runner import compile as compile_mod
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.structured_output import StructuredOutputManager
@@ -53,6 +54,9 @@ class LLMEngine:
         if loaded.quantization and args.quantization not in (None, loaded.quantization):
             raise ValueError(f"{loaded.source} is already quantized ({loaded.quantization}): it cannot be "
                              f"loaded with quantization={args.quantization!r}")
+        if args.quantization in CHECKPOINT_METHODS and loaded.quantization != args.quantization:
+            raise ValueError(f"quantization={args.quantization!r} needs a checkpoint quantized so, and "
+                             f"{loaded.source} has no {args.quantization} weights")
         asked = None if args.quantization == "none" else args.quantization
         args = dataclasses.replace(args, quantization=asked or loaded.quantization)
         self.config: EngineConfig = resolve_config(args, loaded.spec, loaded.name,
@@ -309,7 +313,6 @@ def _load_quantization(args: EngineArgs, platform: str, mesh, many_processes: bo
     blocks ("auto") where they run at the float32 engine's speed (one CPU device with the C++
     GEMM, float32 the dtype), saving 2/3 of the weight memory or more."""
     from jaxllm.kernels import native
-    from jaxllm.quantization import CHECKPOINT_METHODS
 
     if args.quantization is not None:     # "none" included
         return args.quantization if args.quantization in CHECKPOINT_METHODS else None

@@ -1,6 +1,8 @@
 """An HF checkpoint directory -> (spec, params, tokenizer): `config.json` (plus
 `generation_config.json`'s EOS ids), safetensors weights (`model.safetensors`, a sharded
-`model.safetensors.index.json`, or any `*.safetensors`), and the tokenizer files.
+`model.safetensors.index.json`, or any `*.safetensors`), and the tokenizer files. An AWQ or
+GPTQ checkpoint (`quantization_config`) gives its quantized Linears as `QuantizedRows`
+(`quantization/gptq_awq.py`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import jax
 
 from jaxllm.models.checkpoint import ModelNotFoundError, build_params, check_shape, progress_bar
 from jaxllm.models.registry import spec_from_hf_config
+from jaxllm.quantization.gptq_awq import checkpoint_quantization, quantized_linear
 
 logger = logging.getLogger(__name__)
 
@@ -20,8 +23,7 @@ logger = logging.getLogger(__name__)
 def load_hf_dir(path: str, dtype: str, progress: bool):
     from safetensors import safe_open
 
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
+    config = _read_config(path)
     gen_path = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_path):  # vLLM also stops on generation_config's eos ids
         with open(gen_path) as f:
@@ -30,6 +32,7 @@ def load_hf_dir(path: str, dtype: str, progress: bool):
             eos = _as_list(config.get("eos_token_id")) + _as_list(gen_eos)
             config = {**config, "eos_token_id": list(dict.fromkeys(eos))}
     spec = spec_from_hf_config(config)
+    quant = checkpoint_quantization(config)
 
     files = safetensors_files(path)
     index: dict[str, str] = {}
@@ -48,7 +51,19 @@ def load_hf_dir(path: str, dtype: str, progress: bool):
         # A checkpoint saved from the bare model (not *ForCausalLM) has no "model." prefix.
         return name if name in index else name.removeprefix("model.")
 
+    def quantized(name: str) -> bool:       # a Linear stored as qweight, qzeros, scales (AWQ / GPTQ)
+        return quant is not None and name.endswith(".weight") and key(name[:-7] + ".qweight") in index
+
     def get(name: str, shape: tuple):
+        if quantized(name):
+            rows = quantized_linear(lambda suffix: read(name[:-7] + suffix), quant, shape)
+            bar.update(1)
+            return rows
+        arr = read(name)
+        bar.update(1)
+        return check_shape(name, arr, shape, index[key(name)])
+
+    def read(name: str):
         file = index.get(key(name))
         if file is None:
             raise ValueError(f"{path}: checkpoint has no tensor {key(name)!r}")
@@ -58,12 +73,29 @@ def load_hf_dir(path: str, dtype: str, progress: bool):
                 arr = handles[file].get_tensor(key(name))
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"{file}: cannot read tensor {key(name)!r} (truncated or corrupt): {e}") from e
-        bar.update(1)
-        return check_shape(name, arr, shape, file)
+        return arr
 
     with bar:
-        params = build_params(get, lambda n: key(n) in index, spec, dtype)
+        params = build_params(get, lambda n: key(n) in index or quantized(n), spec, dtype)
     return spec, params, _hf_tokenizer(path)
+
+
+def hf_quantization(path: str) -> str | None:
+    """The quantization method ("awq", "gptq") of the HF checkpoint at `path`, or None."""
+    quant = checkpoint_quantization(_read_config(path))
+    return quant and quant["method"]
+
+
+def _read_config(path: str) -> dict:
+    """config.json, with an older AutoGPTQ checkpoint's `quantize_config.json` as its
+    `quantization_config`."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    legacy = os.path.join(path, "quantize_config.json")
+    if "quantization_config" not in config and os.path.isfile(legacy):
+        with open(legacy) as f:
+            config["quantization_config"] = {"quant_method": "gptq", **json.load(f)}
+    return config
 
 
 def _as_list(x) -> list:

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from jaxllm.models.checkpoint import ModelNotFoundError
 from jaxllm.models.gguf_checkpoint import load_gguf, read_gguf
-from jaxllm.models.hf_checkpoint import load_hf_dir, safetensors_files
+from jaxllm.models.hf_checkpoint import hf_quantization, load_hf_dir, safetensors_files
 from jaxllm import parallel
 from jaxllm.models import layout
 from jaxllm.models.decoder import ModelSpec
@@ -165,8 +165,10 @@ def load_model(
     if quantization == "gguf" and kind != "gguf":
         raise ValueError(f"quantization='gguf' needs a GGUF model, and {path} is an HF checkpoint")
     keep_gguf = kind == "gguf" and quantization in ("gguf", "auto")
-    if keep_gguf and (tensor_parallel_size > 1 or pipeline_parallel_size > 1 or mesh is not None):
-        raise ValueError("a GGUF's quantized weights run on one device: not with tensor or pipeline parallelism")
+    method = "gguf" if keep_gguf else hf_quantization(path) if kind == "hf" else None
+    if method and (tensor_parallel_size > 1 or pipeline_parallel_size > 1 or mesh is not None):
+        raise ValueError(f"{path}: {method}-quantized weights run on one device, not with tensor or pipeline "
+                         f"parallelism yet")
 
     entry = None
     if use_cache:
@@ -186,7 +188,7 @@ def load_model(
     kept = any(isinstance(x, QuantizedWeight) for x in jax.tree_util.tree_leaves(
         params, is_leaf=lambda x: isinstance(x, QuantizedWeight)))
     loaded = LoadedModel(spec=spec, params=params, tokenizer=tokenizer, source=path, name=name,
-                         quantization="gguf" if kept else None)
+                         quantization=method if kept else None)
     if entry is not None:
         _save_cached(entry, loaded)
     if mesh is not None:

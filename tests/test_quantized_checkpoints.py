@@ -1,0 +1,255 @@
+"""Quantized checkpoints run as they are: GGUF blocks (`quantization/gguf_blocks.py`) against
+gguf-py's own dequantization, and AWQ / GPTQ checkpoints written here by reference packers
+(the formats as AutoAWQ and AutoGPTQ define them) against the float engine on the weights
+those codes stand for."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.kernels import native
+from jaxllm.models.loader import load_model
+from jaxllm.quantization import QuantizedWeight, matmul, weight_bytes
+from jaxllm.quantization.weights import relayout
+from tiny_model import TINY_ENGINE_ARGS
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C++ kernels: {native.unavailable_reason()}")
+
+
+def gguf_blocks(rng, shape: tuple[int, int], ggml_type: int) -> np.ndarray:
+    """Raw GGUF rows [out, bytes] of `ggml_type`: gguf-py's quantizer where it has one, else
+    random blocks with small f16 super-block scales (the K-quants)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+    from gguf.quants import quantize
+
+    try:
+        return quantize((0.3 * rng.standard_normal(shape)).astype(np.float32), ggml_type)
+    except NotImplementedError:
+        elems, size = GGML_QUANT_SIZES[ggml_type]
+        blocks = rng.integers(0, 256, (shape[0], shape[1] // elems, size), dtype=np.uint8)
+        for at in {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}[ggml_type]:   # d (and dmin)
+            d = rng.uniform(2e-4, 1e-3, blocks.shape[:2]).astype(np.float16)
+            blocks[..., at : at + 2] = d[..., None].view(np.uint8)
+        return blocks.reshape(shape[0], -1)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_blocks_keep_exactly_the_values_gguf_py_dequantizes(name):
+    from gguf.constants import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    from jaxllm.quantization.gguf_blocks import gguf_rows
+
+    t = T[name]
+    rng = np.random.default_rng(int(t))
+    data = gguf_blocks(rng, (24, 512), t)
+    rows = gguf_rows(data, t, (24, 512))
+    assert rows.bits == (4 if name in ("Q4_0", "Q4_1", "Q4_K") else 8)
+    np.testing.assert_array_equal(rows.dequantize(), dequantize(data, t).reshape(24, 512))
+    # ... and the C++ GEMM and the plain path multiply by those values.
+    weight = rows.to_weight()
+    x = rng.standard_normal((5, 512)).astype(np.float32)
+    ref = x.astype(np.float64) @ dequantize(data, t).reshape(24, 512).T.astype(np.float64)
+    for w in (weight, relayout(weight, panels=True)):
+        np.testing.assert_allclose(matmul(x, w), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_fused_parts_of_different_block_types_share_the_widest_format():
+    from gguf.constants import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    from jaxllm.quantization.checkpoint import concat_rows
+    from jaxllm.quantization.gguf_blocks import gguf_rows
+
+    rng = np.random.default_rng(0)
+    parts = [(T.Q4_K, 32), (T.Q6_K, 16), (T.Q4_1, 16)]
+    datas = [gguf_blocks(rng, (out, 256), t) for t, out in parts]
+    fused = concat_rows([gguf_rows(d, t, (out, 256)) for d, (t, out) in zip(datas, parts)])
+    assert (fused.bits, fused.scale.shape, fused.scale.dtype) == (8, (64, 16), np.float32)
+    ref = np.concatenate([dequantize(d, t).reshape(out, 256) for d, (t, out) in zip(datas, parts)])
+    np.testing.assert_array_equal(fused.dequantize(), ref)
+    # Four-bit parts with f16 scales stay so.
+    q41 = [gguf_rows(gguf_blocks(rng, (16, 256), T.Q4_1), T.Q4_1, (16, 256)) for _ in range(2)]
+    both = concat_rows(q41)
+    assert (both.bits, both.scale.dtype) == (4, np.float16)
+
+
+def write_quantized_gguf(path: str) -> str:
+    """A tiny 2-layer Llama GGUF (no tokenizer) whose matrices use every kept block type, fused
+    parts of different types included; a Q8_0 embedding is the (tied) LM head."""
+    import gguf
+    from gguf.constants import GGMLQuantizationType as T
+
+    hidden, ff, heads, kv_heads, vocab = 256, 512, 4, 2, 512
+    head_dim = hidden // heads
+    writer = gguf.GGUFWriter(path, "llama")
+    for add, value in [("block_count", 2), ("context_length", 512), ("embedding_length", hidden),
+                       ("feed_forward_length", ff), ("head_count", heads), ("head_count_kv", kv_heads),
+                       ("layer_norm_rms_eps", 1e-5), ("rope_freq_base", 10000.0)]:
+        getattr(writer, f"add_{add}")(value)
+    rng = np.random.default_rng(1)
+    layers = [{"attn_q": T.Q4_K, "attn_k": T.Q6_K, "attn_v": T.Q8_0, "attn_output": T.Q4_0, "ffn_gate": T.Q4_1,
+               "ffn_up": T.Q5_K, "ffn_down": T.Q5_0},
+              {"attn_q": T.Q4_1, "attn_k": T.Q4_1, "attn_v": T.Q4_1, "attn_output": T.Q5_1, "ffn_gate": T.Q4_K,
+               "ffn_up": T.Q4_K, "ffn_down": T.Q6_K}]
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv_heads * head_dim, hidden),
+              "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, hidden), "ffn_gate": (ff, hidden),
+              "ffn_up": (ff, hidden), "ffn_down": (hidden, ff)}
+    writer.add_tensor("token_embd.weight", gguf_blocks(rng, (vocab, hidden), T.Q8_0), raw_dtype=T.Q8_0)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for i, types in enumerate(layers):
+        for name, t in types.items():
+            writer.add_tensor(f"blk.{i}.{name}.weight", gguf_blocks(rng, shapes[name], t), raw_dtype=t)
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_engine_kept_quantized_matches_the_dequantized_engine(tiny_model_dir, tmp_path):
+    # The reference: the same file dequantized by gguf-py into the float32 engine (checked
+    # against HF transformers in test_loader.py).
+    path = write_quantized_gguf(str(tmp_path / "tiny.gguf"))
+    prompts = [{"prompt_token_ids": list(range(i, i + 7 + 3 * i))} for i in range(4)]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2, detokenize=False)
+    args = dict(TINY_ENGINE_ARGS, params_cache_dir=str(tmp_path / "params"))
+    ref_llm = LLM(path, quantization="none", **args)
+    ref = ref_llm.generate(prompts, greedy, use_tqdm=False)
+    float_bytes = weight_bytes(ref_llm.engine.runner.params)
+    del ref_llm
+    for run in range(2):        # the second from the params cache
+        llm = LLM(path, **args)      # float32 on a CPU with the C++ kernels: kept quantized by default
+        assert llm.engine.config.quantization == "gguf"
+        params = llm.engine.runner.params
+        assert isinstance(params["embed"], QuantizedWeight) and params["embed"].layout == "panels"
+        assert [params["layers"][i]["wqkv"].bits for i in range(2)] == [8, 4]
+        out = llm.generate(prompts, greedy, use_tqdm=False)
+        for a, b in zip(out, ref):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            np.testing.assert_allclose(a.outputs[0].cumulative_logprob, b.outputs[0].cumulative_logprob, rtol=1e-4)
+        assert weight_bytes(params) < 0.4 * float_bytes, (weight_bytes(params), float_bytes)
+        del llm
+    with pytest.raises(ValueError, match="needs a GGUF"):
+        LLM(tiny_model_dir, quantization="gguf", **TINY_ENGINE_ARGS)
+
+
+# ----------------------------------------------------------------------------- AWQ and GPTQ
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def quantize_groups(w: np.ndarray, bits: int, group: int, perm: np.ndarray | None):
+    """w [out, in] -> q [in, out], zeros [G, out] (integers), f16 scales [G, out], and the
+    weight [out, in] they stand for; input row perm[i] (row i without perm) is in group i // group."""
+    out, k = w.shape
+    order = np.arange(k) if perm is None else perm
+    g_idx = np.empty(k, np.int64)
+    g_idx[order] = np.arange(k) // group
+    top = (1 << bits) - 1
+    q = np.empty((k, out), np.int64)
+    zeros, scales = np.empty((k // group, out), np.int64), np.empty((k // group, out), np.float16)
+    for g in range(k // group):
+        rows = g_idx == g
+        lo, hi = w[:, rows].min(1), w[:, rows].max(1)
+        scales[g] = ((hi - lo) / top).astype(np.float16)
+        s = scales[g].astype(np.float64)
+        zeros[g] = np.clip(np.round(-lo / s), 0, top)
+        q[rows] = np.clip(np.round(w[:, rows] / s[:, None] + zeros[g][:, None]), 0, top).T
+    deq = (scales[g_idx].astype(np.float64) * (q - zeros[g_idx])).T
+    return q, zeros, scales, g_idx, deq
+
+
+def pack_along(values: np.ndarray, bits: int, axis: int, order=None) -> np.ndarray:
+    """Integers -> int32 words of 32 / bits fields along `axis` (field j at bits j * bits;
+    with `order`, field j holds value order[j] of each run of 32 / bits)."""
+    per = 32 // bits
+    v = np.moveaxis(values.astype(np.uint32), axis, 0)
+    words = np.zeros((v.shape[0] // per, *v.shape[1:]), np.uint32)
+    for j in range(per):
+        words |= v[(order[j] if order else j)::per] << np.uint32(bits * j)
+    return np.ascontiguousarray(np.moveaxis(words, 0, axis)).view(np.int32)
+
+
+def write_quantized_hf(model_dir: str, method: str, bits: int, act_order: bool, out: str, ref: str):
+    """`model_dir`'s layer Linears as an AWQ / GPTQ checkpoint in `out` (group size 32), and the
+    float checkpoint of the values its codes stand for in `ref`."""
+    import torch
+    import transformers
+    from safetensors.numpy import save_file
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    rng = np.random.default_rng(bits)
+    tensors, perms = {}, {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            linear = name.startswith("model.layers.") and p.ndim == 2
+            if not linear:
+                tensors[name] = p.numpy().copy()
+                continue
+            prefix = name.removesuffix(".weight")
+            # One act-order per input: q/k/v share theirs, as gate/up do (GPTQ sorts each layer's
+            # input rows by its Hessian, the same matrix for Linears reading the same input).
+            shared = prefix.rsplit(".", 1)[0] + ("" if prefix.endswith(("o_proj", "down_proj")) else "/in")
+            if act_order and shared not in perms:
+                perms[shared] = rng.permutation(p.shape[1])
+            q, zeros, scales, g_idx, deq = quantize_groups(p.numpy(), bits, 32, perms.get(shared))
+            p.copy_(torch.from_numpy(deq.astype(np.float32)))
+            if method == "awq":
+                tensors[prefix + ".qweight"] = pack_along(q, 4, 1, AWQ_ORDER)
+                tensors[prefix + ".qzeros"] = pack_along(zeros, 4, 1, AWQ_ORDER)
+            else:
+                tensors[prefix + ".qweight"] = pack_along(q, bits, 0)
+                tensors[prefix + ".qzeros"] = pack_along(zeros - 1, bits, 1)     # stored minus one
+                tensors[prefix + ".g_idx"] = g_idx.astype(np.int32)
+            tensors[prefix + ".scales"] = scales
+    model.save_pretrained(ref)
+    os.makedirs(out)
+    save_file(tensors, os.path.join(out, "model.safetensors"))
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+                                      "version": "gemm"} if method == "awq" else
+                                     {"quant_method": "gptq", "bits": bits, "group_size": 32, "desc_act": act_order,
+                                      "sym": False})
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    for name in os.listdir(model_dir):
+        if "token" in name or "template" in name:
+            for d in (out, ref):
+                shutil.copy(os.path.join(model_dir, name), d)
+
+
+@pytest.mark.parametrize("method, bits, act_order", [("awq", 4, False), ("gptq", 4, True), ("gptq", 8, False)])
+def test_awq_and_gptq_checkpoints_match_the_float_engine_on_their_values(method, bits, act_order, tiny_model_dir,
+                                                                           tmp_path):
+    out, ref_dir = str(tmp_path / method), str(tmp_path / "ref")
+    write_quantized_hf(tiny_model_dir, method, bits, act_order, out, ref_dir)
+    prompts = ["Hello, my name is", "The capital of France is", "1 2 3 4 5", "def main():"]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2)
+    args = dict(TINY_ENGINE_ARGS, params_cache_dir=str(tmp_path / "params"))
+    ref_llm = LLM(ref_dir, **args)
+    ref = ref_llm.generate(prompts, greedy, use_tqdm=False)
+    del ref_llm
+    llm = LLM(out, **args)
+    assert llm.engine.config.quantization == method
+    wqkv = llm.engine.runner.params["layers"][0]["wqkv"]
+    assert isinstance(wqkv, QuantizedWeight) and wqkv.bits == bits and (wqkv.perm is not None) == act_order
+    for a, b in zip(llm.generate(prompts, greedy, use_tqdm=False), ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        np.testing.assert_allclose(a.outputs[0].cumulative_logprob, b.outputs[0].cumulative_logprob, rtol=1e-3)
+    del llm
+    with pytest.raises(ValueError, match="already quantized"):
+        LLM(out, quantization="int8", **args)
+    with pytest.raises(ValueError, match="needs a checkpoint quantized so"):
+        LLM(ref_dir, quantization=method, **args)
+    with pytest.raises(ValueError, match="one device"):
+        load_model(out, tensor_parallel_size=2, use_cache=False)
