@@ -3,6 +3,7 @@
     python benchmarks/memory.py                       # the standard random workload
     python benchmarks/memory.py --kv-budget 256MiB    # also run the engine inside that budget
     python benchmarks/memory.py --kv-budget 256MiB --preemption-modes recompute,swap
+    python benchmarks/memory.py --kv-budget 64MiB --kv-cache-dtypes auto,int8   # int8 pages: ~2x the sequences
 
 Runs the workload through jaxllm's engine and, after every step, records the pages in use
 (`kv_cache_manager.num_used_blocks`) and the tokens actually stored in them (each running
@@ -15,8 +16,9 @@ and how many sequences fit a fixed KV budget (--budget, default 2 GiB) each way:
 budget // max_model_len; paged = budget / the mean pages a running request held. With
 --kv-budget the engine also runs with a pool of that size, and the peak number of sequences it
 actually held at once is reported, once per `--preemption-modes` entry (recompute: preempted
-requests are recomputed; swap: their pages go to host memory and back), with the wall time of
-each. JSON to --out (default benchmarks/results/memory.json).
+requests are recomputed; swap: their pages go to host memory and back) and `--kv-cache-dtypes`
+entry (auto: pages in --dtype; int8: int8 codes with a scale per token and head), with the
+wall time of each. JSON to --out (default benchmarks/results/memory.json).
 """
 
 from __future__ import annotations
@@ -126,6 +128,8 @@ def main(argv=None):
     ap.add_argument("--preemption-modes", default="recompute",
                     help="comma-separated preemption modes to run the --kv-budget engine with (recompute, swap)")
     ap.add_argument("--swap-space", type=float, default=4.0, help="GiB of host pages for --preemption-modes swap")
+    ap.add_argument("--kv-cache-dtypes", default="auto",
+                    help="comma-separated KV cache dtypes to run the --kv-budget engine with (auto, int8)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "memory.json"))
     args = ap.parse_args(argv)
 
@@ -143,18 +147,21 @@ def main(argv=None):
                   max_model_len=trace["max_model_len"], verified=trace["verified"],
                   num_preemptions=trace["num_preemptions"])
     if args.kv_budget:
+        llm_spec = llm.engine.spec
         del llm
-        for mode in args.preemption_modes.split(","):
+        for mode, kv_dtype in ((m, d) for m in args.preemption_modes.split(",") for d in args.kv_cache_dtypes.split(",")):
             small = LLM(args.model, kv_cache_memory=args.kv_budget, preemption_mode=mode, swap_space=args.swap_space,
-                        **common)
+                        kv_cache_dtype=kv_dtype, **common)
             t = run_trace(small, workload)
-            result.setdefault("engine_in_budget", {})[mode] = {
+            run_bytes = kv_bytes_per_token(llm_spec, small.engine.config.cache.dtype)
+            result.setdefault("engine_in_budget", {})[mode if kv_dtype == "auto" else f"{mode}, kv {kv_dtype}"] = {
+                "kv_cache_dtype": small.engine.config.cache.dtype, "kv_bytes_per_token": run_bytes,
                 "kv_budget_bytes": args.kv_budget, "num_blocks": t["num_blocks"],
                 "peak_running": int(t["running"].max()), "mean_running": float(t["running"][t["running"] > 0].mean()),
                 "num_preemptions": t["num_preemptions"], "wall_s": t["wall_s"],
                 "pages_swapped_out": small.engine.kv_cache_manager.num_swapped_out,
                 "peak_usage": float(t["used_blocks"].max() / t["num_blocks"]), "verified": t["verified"],
-                "contiguous_max_model_len_fits": args.kv_budget // bytes_per_token // t["max_model_len"]}
+                "contiguous_max_model_len_fits": args.kv_budget // run_bytes // t["max_model_len"]}
             del small
     result.update(workload=desc, date=now_iso(), machine=machine_info(), versions=versions(),
                   command=shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:]))
@@ -172,7 +179,8 @@ def main(argv=None):
         print(f"  {label:32s} waste {100 * r['waste_fraction']:5.1f}%  peak {r['peak_bytes'] / gib:7.3f} GiB  "
               f"sequences in {args.budget / gib:g} GiB: {r['seqs_in_budget']:.0f}")
     for mode, e in result.get("engine_in_budget", {}).items():
-        print(f"  engine in {args.kv_budget / 2**20:g} MiB ({e['num_blocks']} pages), preemption by {mode}: peak "
+        print(f"  engine in {args.kv_budget / 2**20:g} MiB ({e['num_blocks']} pages of {e['kv_cache_dtype']}, "
+              f"{e['kv_bytes_per_token']} B/token), preemption by {mode}: peak "
               f"{e['peak_running']} running, {e['num_preemptions']} preemptions, {e['pages_swapped_out']} pages "
               f"swapped out, {e['wall_s']:.1f} s (contiguous max_model_len fits {e['contiguous_max_model_len_fits']})")
     ok = result["verified"] and all(e["verified"] for e in result.get("engine_in_budget", {}).values())

@@ -1,11 +1,12 @@
 """Quantization table: perplexity, standard-workload throughput and weight memory of each
 `quantization=` method beside the float dtypes, one engine per subprocess, in one run.
 
-    python benchmarks/quantization.py                          # none:auto none:bfloat16 int8 int4 w8a8
+    python benchmarks/quantization.py        # none:auto none:bfloat16 gguf int8 int4 w8a8 gguf:auto:int8
     python benchmarks/quantization.py --configs int8,int4 --num-prompts 32
 
-A config is METHOD[:DTYPE] (METHOD `none` for no quantization; DTYPE as `LLM(dtype=...)`,
-default auto). Each runs in a fresh process: perplexity on the shipped public-domain text
+A config is METHOD[:DTYPE[:KV]] (METHOD as `LLM(quantization=...)`: `none` dequantizes a GGUF
+to the dtype, `gguf` keeps its blocks; DTYPE as `LLM(dtype=...)`, default auto; KV as
+`LLM(kv_cache_dtype=...)`, default auto). Each runs in a fresh process: perplexity on the shipped public-domain text
 (jaxllm/bench/perplexity.py, windows of 512 tokens), then the standard workload (128 requests,
 prompts 32-256, outputs 32-128 tokens, greedy, ignore_eos) timed after a short warm-up request,
 the bytes of the engine's weights (`quantization.weight_bytes`: codes, scales, offsets, and
@@ -31,7 +32,7 @@ from workload import RESULTS, add_workload_args, cpu_line, machine_info, make_wo
 
 del sys.path[0]
 
-BITS = {"none": None, "int8": "8", "int4": "4 (LM head 8)", "w8a8": "8 / 8"}
+BITS = {"none": None, "int8": "8", "int4": "4 (LM head 8)", "w8a8": "8 / 8", "gguf": "the file's blocks"}
 
 
 def worker(spec: dict) -> dict:
@@ -39,9 +40,8 @@ def worker(spec: dict) -> dict:
     from jaxllm.bench.perplexity import perplexity
     from jaxllm.quantization import weight_bytes
 
-    method = None if spec["method"] == "none" else spec["method"]
     t0 = time.perf_counter()
-    llm = LLM(spec["model"], dtype=spec["dtype"], quantization=method)
+    llm = LLM(spec["model"], dtype=spec["dtype"], quantization=spec["method"], kv_cache_dtype=spec["kv"])
     start_s = time.perf_counter() - t0
     ppl = perplexity(llm)
     agreement = llm.generate(spec["agreement_prompts"], SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
@@ -55,7 +55,8 @@ def worker(spec: dict) -> dict:
     wall = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert tokens == sum(r["max_tokens"] for r in requests), "an engine gave the wrong number of tokens"
-    return {"method": spec["method"], "dtype": llm.engine.config.dtype, "perplexity": ppl["perplexity"],
+    return {"method": spec["method"], "dtype": llm.engine.config.dtype, "kv_cache_dtype": llm.engine.config.cache.dtype,
+            "perplexity": ppl["perplexity"],
             "ppl_tokens": ppl["tokens"], "output_tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall,
             "weight_bytes": weight_bytes(llm.engine.runner.params), "start_s": start_s,
             "greedy_tokens": [o.outputs[0].token_ids for o in agreement]}
@@ -80,7 +81,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default="none:auto,none:bfloat16,int8,int4,w8a8", help="METHOD[:DTYPE],...")
+    ap.add_argument("--configs", default="none:auto,none:bfloat16,gguf,int8,int4,w8a8,gguf:auto:int8", help="METHOD[:DTYPE],...")
     ap.add_argument("--out", default=os.path.join(RESULTS, "quantization.json"))
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     add_workload_args(ap)
@@ -96,11 +97,11 @@ def main(argv=None) -> int:
     rows = []
     prompts = agreement_prompts()
     for config in args.configs.split(","):
-        method, _, dtype = config.partition(":")
+        method, dtype, kv = (config.split(":") + ["auto", "auto"])[:3]
         spec_path = os.path.join(RESULTS, f".quantization-{os.getpid()}.json")
         with open(spec_path, "w") as f:
-            json.dump({"method": method, "dtype": dtype or "auto", "model": args.model, "workload": workload,
-                       "agreement_prompts": prompts}, f)
+            json.dump({"method": method, "dtype": dtype or "auto", "kv": kv or "auto", "model": args.model,
+                       "workload": workload, "agreement_prompts": prompts}, f)
         try:
             proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", spec_path],
                                   capture_output=True, text=True, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
@@ -114,16 +115,18 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"{config}: ppl {row['perplexity']:.3f}, {row['output_tok_s']:.1f} output tok/s, "
               f"weights {row['weight_bytes'] / 2**20:.1f} MiB", flush=True)
-    base = next((r for r in rows if r["method"] == "none" and r["dtype"] == "bfloat16"), rows[0])
+    base = next((r for r in rows if r["method"] == "none" and r["dtype"] == "bfloat16"
+                 and r["kv_cache_dtype"] == "bfloat16"), rows[0])
     for r in rows:
         r["greedy_token_agreement"], r["greedy_output_agreement"] = agreement(r["greedy_tokens"],
                                                                               base["greedy_tokens"])
-    print(f"\n| method | dtype | bits (weights / activations) | perplexity | vs {base['dtype']} | output tok/s | "
-          f"vs {base['dtype']} | weights MiB | vs {base['dtype']} | greedy agreement (tokens / outputs) |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    vs = f"vs {base['dtype']}"
+    print(f"\n| method | dtype | KV cache | bits (weights / activations) | perplexity | {vs} | output tok/s | {vs} | "
+          f"weights MiB | {vs} | greedy agreement (tokens / outputs) |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['method']} | {r['dtype']} | {BITS.get(r['method']) or r['dtype']} | {r['perplexity']:.3f} | "
-              f"{r['perplexity'] / base['perplexity']:.3f}x | {r['output_tok_s']:.1f} | "
+        print(f"| {r['method']} | {r['dtype']} | {r['kv_cache_dtype']} | {BITS.get(r['method']) or r['dtype']} | "
+              f"{r['perplexity']:.3f} | {r['perplexity'] / base['perplexity']:.3f}x | {r['output_tok_s']:.1f} | "
               f"{r['output_tok_s'] / base['output_tok_s']:.2f}x | {r['weight_bytes'] / 2**20:.1f} | "
               f"{r['weight_bytes'] / base['weight_bytes']:.2f}x | "
               f"{r['greedy_token_agreement']:.0%} / {r['greedy_output_agreement']:.0%} |")

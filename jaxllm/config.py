@@ -25,6 +25,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 # jaxllm.quantization's METHODS + CHECKPOINT_METHODS (config checks import no JAX code);
 # tests/test_quantization.py checks they agree.
 QUANTIZATION_METHODS = ("int8", "int4", "w8a8", "gguf", "awq", "gptq", "none")
+KV_CACHE_DTYPES = ("auto", "int8")
 MAX_SPECULATIVE_TOKENS = 15     # a step verifies at most this many drafts per request
 
 
@@ -64,6 +65,9 @@ class EngineArgs:
               "Default: an AWQ/GPTQ checkpoint as it is; a GGUF kept quantized where the dtype is float32 "
               "on a CPU with the C++ kernels, else dequantized (see jaxllm/quantization)",
         choices=QUANTIZATION_METHODS)
+    kv_cache_dtype: str = option(
+        "auto", "KV cache dtype: 'auto' (the dtype), or 'int8' (int8 codes with an f32 scale per token and "
+                "head: about half a bf16 cache, twice the sequences in the same memory)", choices=KV_CACHE_DTYPES)
     max_model_len: int | None = option(None, "context length, prompt plus output (default: the model's)",
                                      metavar="TOKENS")
     max_num_seqs: int = option(128, "most sequences in one batch", metavar="N")
@@ -167,6 +171,8 @@ class EngineArgs:
             raise ValueError(f"num_gpu_blocks_override must be >= 2, got {self.num_gpu_blocks_override}")
         if not self.swap_space >= 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.preemption_mode == "swap" and self.swap_space <= 0:
@@ -271,7 +277,7 @@ class SchedulerConfig:
 class CacheConfig:
     block_size: int
     num_blocks: int
-    dtype: str
+    dtype: str                      # the pages' dtype: float32, bfloat16 or int8 (kernels/kv_write.py)
     enable_prefix_caching: bool
     num_swap_blocks: int = 0        # host pages for swapped-out requests (preemption_mode="swap")
     # Sliding windows (core/kv_cache_manager.py): pages before every query's window are freed
@@ -314,10 +320,12 @@ class EngineConfig:
 
 
 def kv_bytes_per_token(spec, dtype: str, tensor_parallel_size: int = 1) -> int:
-    """KV bytes per token over all devices: with fewer KV heads than devices, each device keeps
-    a copy of the head its query heads use."""
+    """KV bytes per token over all devices, for a cache of `dtype` (a float dtype, or "int8":
+    head_dim codes and a 4-byte scale per token and head): with fewer KV heads than devices,
+    each device keeps a copy of the head its query heads use."""
     kv_heads = max(spec.num_kv_heads, tensor_parallel_size)
-    return 2 * spec.num_layers * kv_heads * spec.head_dim * DTYPES[check_dtype(dtype)]
+    row = spec.head_dim + 4 if dtype == "int8" else spec.head_dim * DTYPES[check_dtype(dtype)]
+    return 2 * spec.num_layers * kv_heads * row
 
 
 def sliding_window(spec, max_model_len: int, speculative: SpeculativeConfig | None) -> tuple[int, int]:
@@ -353,6 +361,7 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
     the device memory left after the weights; for dtype "auto", the `platform` it runs on)."""
     args.verify()
     dtype, _ = resolve_dtype(args.dtype, platform)
+    kv_dtype = dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     max_model_len = args.max_model_len or spec.max_position_embeddings
     if max_model_len > spec.max_position_embeddings:
         raise ValueError(
@@ -361,7 +370,7 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
     speculative = SpeculativeConfig.parse(args.speculative_config)
     max_batched = max(args.max_num_batched_tokens, args.max_num_seqs)
     window, windowed_layers = sliding_window(spec, max_model_len, speculative)
-    page_bytes = kv_bytes_per_token(spec, dtype, args.tensor_parallel_size) * args.block_size
+    page_bytes = kv_bytes_per_token(spec, kv_dtype, args.tensor_parallel_size) * args.block_size
     num_window_blocks = 0
     if args.num_gpu_blocks_override is not None:
         num_blocks = args.num_gpu_blocks_override
@@ -398,7 +407,7 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
             max_num_prefill_seqs=min(args.max_num_prefill_seqs, args.max_num_seqs),
             preemption_mode=args.preemption_mode,
         ),
-        cache=CacheConfig(block_size=args.block_size, num_blocks=int(num_blocks), dtype=dtype,
+        cache=CacheConfig(block_size=args.block_size, num_blocks=int(num_blocks), dtype=kv_dtype,
                           enable_prefix_caching=args.enable_prefix_caching, num_swap_blocks=num_swap_blocks,
                           sliding_window=window, num_window_blocks=num_window_blocks),
         attention_backend=args.attention_backend,

@@ -66,7 +66,7 @@ def test_flags_round_trip_to_engine_args():
     # Every field off its default (kv_cache_memory with gpu_memory_utilization would fail verify(),
     # which parsing does not run).
     expected = EngineArgs(
-        model="m", dtype="float32", quantization="int4", max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256,
+        model="m", dtype="float32", quantization="int4", kv_cache_dtype="int8", max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256,
         max_num_prefill_seqs=4, block_size=32, kv_cache_memory=64 << 20, gpu_memory_utilization=0.5,
         num_gpu_blocks_override=100, swap_space=1.5, preemption_mode="swap", enable_prefix_caching=False, seed=3,
         max_logprobs=5, tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=3,
@@ -77,7 +77,8 @@ def test_flags_round_trip_to_engine_args():
         speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert all(getattr(expected, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(EngineArgs)
                if f.name != "mesh")
-    flags = ["--model", "m", "--dtype", "float32", "--quantization", "int4", "--max-model-len", "1024", "--max-num-seqs", "8",
+    flags = ["--model", "m", "--dtype", "float32", "--quantization", "int4", "--kv-cache-dtype", "int8",
+             "--max-model-len", "1024", "--max-num-seqs", "8",
              "--max-num-batched-tokens", "256", "--max-num-prefill-seqs", "4", "--block-size", "32",
              "--kv-cache-memory", "64MiB", "--gpu-memory-utilization", "0.5", "--num-gpu-blocks-override", "100",
              "--swap-space", "1.5", "--preemption-mode", "swap", "--no-enable-prefix-caching", "--seed", "3",

@@ -31,7 +31,7 @@ def check(args, **kwargs):
         assert_matches_reference(out, args, TOL, **kwargs)
 
 
-@pytest.mark.parametrize("cache_dtype", ["float32", "uint16", "bfloat16"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "uint16", "bfloat16", "int8"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_mixed_prefill_and_decode(cache_dtype, seed):
     check(make_batch(seed, **MIXED, cache_dtype=cache_dtype))
@@ -43,7 +43,7 @@ def test_long_prompts_span_tiles_and_chunks():
     check(make_batch(5, [1, 40, 17, 1, 3], [200, 90, 17, 65, 130], pages_per_seq=13, cache_dtype="uint16"))
 
 
-@pytest.mark.parametrize("cache_dtype", ["float32", "uint16"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "uint16", "int8"])
 def test_sliding_window_and_soft_cap(cache_dtype):
     args = make_batch(3, [1, 40, 1, 19], [150, 90, 33, 19], pages_per_seq=10, cache_dtype=cache_dtype)
     check(args, sliding_window=20)
@@ -54,11 +54,13 @@ def test_sliding_window_and_soft_cap(cache_dtype):
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,page_size",
                          [(4, 4, 32, 8), (8, 2, 128, 32), (12, 3, 64, 16), (6, 2, 80, 16)])
-def test_head_groups_and_page_sizes(num_q_heads, num_kv_heads, head_dim, page_size):
+@pytest.mark.parametrize("cache_dtype", ["float32", "int8"])
+def test_head_groups_and_page_sizes(num_q_heads, num_kv_heads, head_dim, page_size, cache_dtype):
     # MHA with small pages, GQA 4 with head_dim 128 and pages of 32, GQA 4 at this model's
-    # shapes; head_dim 80 takes the portable (non-AVX-512) path.
+    # shapes; head_dim 80 takes the portable path (no SIMD path has code for it).
     args = make_batch(4, [1, 21, 1, 2], [9, 30, 100, 120], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                      head_dim=head_dim, page_size=page_size, pages_per_seq=-(-128 // page_size))
+                      head_dim=head_dim, page_size=page_size, pages_per_seq=-(-128 // page_size),
+                      cache_dtype=cache_dtype)
     check(args)
 
 

@@ -232,3 +232,54 @@ def test_perplexity_matches_hf_transformers(tiny_model_dir, tmp_path):
                      "--text-file", str(tmp_path / "text.txt"), "--output-json", str(out)]) == 0
     assert math.isclose(json.loads(out.read_text())["perplexity"], result["perplexity"], rel_tol=1e-6)
 
+
+
+def test_int8_kv_cache_engine(tiny_model_dir):
+    # The C++ kernel on int8 pages against the dense jnp oracle on the same pages (both read
+    # what the KV write stored), and the float cache's first tokens kept. (Swaps and sharding
+    # of int8 pages: tests/test_sharding.py.)
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, logprobs=3)
+    native_llm = LLM(tiny_model_dir, kv_cache_dtype="int8", **TINY_ENGINE_ARGS)
+    out = native_llm.generate(PROMPTS, greedy, use_tqdm=False)
+    float_llm = offline_llm(tiny_model_dir)
+    spec, cache = native_llm.engine.spec, native_llm.engine.config.cache
+    assert cache.dtype == "int8" and native_llm.engine.runner.kv_cache[0][0].dtype == np.int8
+    assert native_llm.engine.runner.kv_cache[0][0].shape[-1] == spec.head_dim + 4
+    # Blocks in the same budget: f32 rows of head_dim floats against head_dim codes and a scale.
+    ratio = cache.num_blocks / float_llm.engine.config.cache.num_blocks
+    assert ratio == pytest.approx(4 * spec.head_dim / (spec.head_dim + 4), rel=1e-3)
+    del native_llm
+    oracle = LLM(tiny_model_dir, kv_cache_dtype="int8", attention_backend="reference", **TINY_ENGINE_ARGS)
+    for a, b in zip(out, oracle.generate(PROMPTS, greedy, use_tqdm=False)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        np.testing.assert_allclose(a.outputs[0].cumulative_logprob, b.outputs[0].cumulative_logprob, rtol=1e-4)
+    del oracle
+    for a, b in zip(out, float_llm.generate(PROMPTS, greedy, use_tqdm=False)):
+        first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        assert a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0]
+        for token in set(first_a) & set(first_b):
+            assert abs(first_a[token].logprob - first_b[token].logprob) < 0.1
+
+
+@pytest.mark.parametrize("method, k, n, scale_dtype", [("int8", 96, 128, None), ("int4", 96, 256, None),
+                                                       ("int4", 64, 128, np.float32)])
+def test_pallas_quantized_matmul_matches_numpy_and_lowers_for_cuda(method, k, n, scale_dtype):
+    # The GPU path of plain weights, in interpret mode against the dequantized weight in NumPy,
+    # and lowered for cuda (Triton); f32 scales as the K-quants and AWQ / GPTQ carry them.
+    from jaxllm.kernels.quant_matmul import quantized_matmul
+
+    rng = np.random.default_rng(k + n)
+    weight = make_weight(rng.standard_normal((k, n)).astype(np.float32), method, panels=False, activations="float")
+    if scale_dtype is not None:
+        weight = QuantizedWeight(weight.codes, weight.scale.astype(scale_dtype), weight.offset.astype(scale_dtype),
+                                 weight.bits, weight.layout, weight.activations)
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    ref = x.astype(np.float64) @ np.asarray(dequantize(weight), np.float64)
+    out = quantized_matmul(x, weight.codes, weight.scale, weight.offset, bits=weight.bits, interpret=True)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    sds = jax.ShapeDtypeStruct
+    abstract = [sds((7, k), np.float32), *(None if a is None else sds(a.shape, a.dtype)
+                                          for a in (weight.codes, weight.scale, weight.offset))]
+    text = jax.jit(functools.partial(quantized_matmul, bits=weight.bits)).trace(*abstract).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text

@@ -82,7 +82,7 @@ def test_reference_matches_dense(q_lens, ctx_lens):
     np.testing.assert_allclose(np.asarray(out), dense_attention(b), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dtype,atol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
+@pytest.mark.parametrize("dtype,atol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2), (jnp.int8, 2e-5)])
 @pytest.mark.parametrize("q_lens,ctx_lens", CASES)
 @pytest.mark.parametrize("row_tokens,rows_per_part", [(1, None), (4, None), (1, 2), (4, 3)])
 def test_rows_path_matches_reference(q_lens, ctx_lens, dtype, atol, row_tokens, rows_per_part):
@@ -116,3 +116,22 @@ def test_write_kv_in_place_and_padding_dropped():
     np.testing.assert_array_equal(k2[:, 1, 1], expect[0])
     np.testing.assert_array_equal(k2[:, 3, 2], expect[1])
     assert np.count_nonzero(k2) == np.count_nonzero(expect[:2])  # the padded token wrote nowhere
+
+
+def test_int8_rows_hold_codes_and_a_scale_per_token_and_head():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 2, 8)).astype(np.float32)
+    x[1, 0] = 0.0                                          # a zero row keeps a usable scale
+    rows = np.asarray(kernels.kv_write.quantize_rows(jnp.asarray(x)))
+    assert rows.shape == (5, 2, 12) and rows.dtype == np.int8
+    scale = np.abs(x).max(-1) / 127
+    codes = np.round(x / np.where(scale > 0, scale, 1)[..., None])
+    np.testing.assert_array_equal(rows[..., :8], codes)
+    np.testing.assert_array_equal(rows[..., 8:].copy().view(np.float32)[..., 0], np.where(scale > 0, scale, 1).astype(np.float32))
+    np.testing.assert_allclose(np.asarray(kernels.logical_pages(jnp.asarray(rows))), x, atol=scale.max() / 2 + 1e-7)
+    # Written through write_kv into the right slot, the padding token nowhere.
+    k_pages = kernels.allocate_kv_cache(1, 2, 4, 4, 8, jnp.int8)[0][0]
+    assert k_pages.shape == (2, 4, 4, 12)
+    k2, _ = jax.jit(kernels.write_kv)(k_pages, k_pages, x[:2], x[:2], np.array([6, -1], np.int32))
+    np.testing.assert_array_equal(np.asarray(k2)[:, 1, 2], rows[0])
+    assert np.count_nonzero(np.asarray(k2)) == np.count_nonzero(rows[0])

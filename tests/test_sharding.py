@@ -21,17 +21,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # tensor x data [x pipeline] parallel sizes; "mesh:": on a caller's ("data", ["stage",] "model")
 # Mesh, with the weights restored from the params cache the layout before it wrote; "deep:": a
 # 4-layer model; "+swap": preemption swaps pages to the host
-LAYOUTS = ("2x1", "4x1", "1x2", "1x1x2+swap", "2x1x2", "mesh:2x1x2", "deep:1x1x4")
+LAYOUTS = ("2x1", "4x1", "1x2", "1x1x2+swap", "2x1x2", "mesh:2x1x2", "deep:1x1x4", "int8:2x1x2+swap")
 
 
 def sizes(layout: str) -> tuple[int, int, int]:
-    """"[mesh:|deep:]TPxDP[xPP][+swap]" -> (tp, dp, pp)."""
+    """"[mesh:|deep:|int8:]TPxDP[xPP][+swap]" -> (tp, dp, pp)."""
     tp, dp, pp = (list(map(int, layout.split(":")[-1].removesuffix("+swap").split("x"))) + [1])[:3]
     return tp, dp, pp
 
 
 def reference(layout: str) -> str:
-    return "deep:1x1" if layout.startswith("deep:") else "1x1"
+    """The one-device run a layout is compared with (deep: the 4-layer model; int8: an int8 KV cache)."""
+    prefix = layout.partition(":")[0]
+    return f"{prefix}:1x1" if prefix in ("deep", "int8") else "1x1"
 
 
 def tiny_spec(num_layers: int = 2):

@@ -45,8 +45,8 @@ class LLMEngine:
                                     args.pipeline_parallel_size)
         platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
         args = dataclasses.replace(args, dtype=_resolve_dtype(args.dtype, platform, many_processes))
-        # Over several processes each reads the checkpoint itself (no shared params cache to race on).
         self._load_quantization = _load_quantization(args, platform, mesh, many_processes)
+        # Over several processes each reads the checkpoint itself (no shared params cache to race on).
         loaded = load_model(args.model, dtype=args.dtype, cache_dir=args.params_cache_dir, progress=progress,
                             tensor_parallel_size=args.tensor_parallel_size,
                             pipeline_parallel_size=args.pipeline_parallel_size, mesh=mesh,

@@ -1,7 +1,7 @@
 """Paged attention kernels: the Pallas GPU kernel, the C++ CPU kernel, the jnp reference and
 row path, the KV write."""
 
-from jaxllm.kernels.kv_write import allocate_kv_cache, logical_pages, storage_dtype, write_kv
+from jaxllm.kernels.kv_write import allocate_kv_cache, logical_pages, row_width, storage_dtype, write_kv
 from jaxllm.kernels.native import paged_attention_cpu
 from jaxllm.kernels.paged_attention import ragged_paged_attention
 from jaxllm.kernels.reference import (
@@ -18,6 +18,7 @@ __all__ = [
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "ragged_to_rows",
+    "row_width",
     "storage_dtype",
     "write_kv",
 ]

@@ -5,7 +5,8 @@ of many sequences, each attending causally to its own paged KV cache.
 
     q:            [T, num_q_heads, head_dim]     (rows past cu_q_lens[num_seqs] are padding)
     k_pages:      [num_kv_heads, num_pages, page_size, head_dim]   (same for v_pages)
-                  float32, bfloat16, or bfloat16 stored as uint16 bit patterns (kv_write.py)
+                  float32, bfloat16, or bfloat16 stored as uint16 bit patterns; or int8 rows
+                  [..., head_dim + 4], codes then the f32 scale's bytes (kv_write.py)
     kv_lens:      [S] int32   tokens in each sequence's cache, this step's included
     block_tables: [S, pages_per_seq] int32
     cu_q_lens:    [S + 1] int32   sequence s owns rows cu_q_lens[s]:cu_q_lens[s+1] of q
@@ -49,13 +50,26 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxllm.kernels.kv_write import logical_pages
+from jaxllm.kernels.kv_write import INT8_SCALE_BYTES, logical_pages
 
 NEG_INF = -1e30
 
 
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
+
+
+def _load_rows(pages_ref, page_ids, head_dim: int):
+    """Pages `page_ids` of a KV head as [pages, page_size, head_dim] in their logical dtype; int8
+    rows dequantized, each scale assembled from its 4 bytes (Triton has no narrowing bitcast)."""
+    if pages_ref.dtype != jnp.int8:
+        return logical_pages(pages_ref[page_ids])
+    bits = None
+    for j in range(INT8_SCALE_BYTES):
+        byte = pages_ref[page_ids, :, head_dim + j].astype(jnp.int32) & 0xFF
+        bits = byte if bits is None else bits | (byte << (8 * j))
+    scale = lax.bitcast_convert_type(bits, jnp.float32)
+    return pages_ref[page_ids, :, pl.ds(0, head_dim)].astype(jnp.float32) * scale[..., None]
 
 
 def _ragged_paged_attention_kernel(
@@ -84,7 +98,7 @@ def _ragged_paged_attention_kernel(
     @pl.when(seq >= 0)
     def _():
         page_size = k_pages_ref.shape[1]
-        head_dim = k_pages_ref.shape[2]
+        head_dim = q_ref.shape[1]
         tile_keys = pages_per_tile * page_size
         tile_q = tile_rows // group
 
@@ -110,8 +124,8 @@ def _ragged_paged_attention_kernel(
         def body(i, carry):
             m, l, acc = carry
             page_ids = block_tables_ref[seq, pl.ds(i * pages_per_tile, pages_per_tile)]
-            k = logical_pages(k_pages_ref[page_ids]).reshape(tile_keys, head_dim)
-            v = logical_pages(v_pages_ref[page_ids]).reshape(tile_keys, head_dim)
+            k = _load_rows(k_pages_ref, page_ids, head_dim).reshape(tile_keys, head_dim)
+            v = _load_rows(v_pages_ref, page_ids, head_dim).reshape(tile_keys, head_dim)
             s = pltriton.dot(q, k, trans_b=True) * sm_scale                # [tile_rows, tile_keys] f32
             if logits_soft_cap is not None:
                 s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
@@ -162,8 +176,8 @@ def ragged_paged_attention(
     if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
         raise ValueError(f"k_pages {k_pages.shape} {k_pages.dtype} and v_pages "
                          f"{v_pages.shape} {v_pages.dtype} must match")
-    if head_dim_k != head_dim:
-        raise ValueError(f"q head_dim {head_dim} != cache head_dim {head_dim_k}")
+    if head_dim_k != head_dim + (INT8_SCALE_BYTES if k_pages.dtype == jnp.int8 else 0):
+        raise ValueError(f"q head_dim {head_dim} does not match the cache rows ({head_dim_k}, {k_pages.dtype})")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of "
                          f"num_kv_heads {num_kv_heads}")
@@ -185,11 +199,12 @@ def ragged_paged_attention(
     tile_keys = pages_per_tile * page_size
     sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
 
-    if k_pages.dtype not in (jnp.float32, jnp.bfloat16, jnp.uint16):
-        raise ValueError(f"cache dtype {k_pages.dtype} must be float32, bfloat16 or uint16 "
-                         "(bfloat16 bit patterns)")
-    # Both dot operands in the cache's logical dtype; accumulation is float32 either way.
-    compute_dtype = jnp.float32 if k_pages.dtype == jnp.float32 else jnp.bfloat16
+    if k_pages.dtype not in (jnp.float32, jnp.bfloat16, jnp.uint16, jnp.int8):
+        raise ValueError(f"cache dtype {k_pages.dtype} must be float32, bfloat16, uint16 "
+                         "(bfloat16 bit patterns) or int8 (codes and scales)")
+    # Both dot operands in the cache's logical dtype (int8: dequantized to float32);
+    # accumulation is float32 either way.
+    compute_dtype = jnp.bfloat16 if k_pages.dtype in (jnp.bfloat16, jnp.uint16) else jnp.float32
 
     # Number the query tiles of all sequences; static bound on how many there can be.
     seq_ids = jnp.arange(num_seqs_max, dtype=jnp.int32)

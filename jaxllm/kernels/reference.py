@@ -19,7 +19,7 @@ tokens of one sequence (`ragged_to_rows`), decodes in a group of one-token rows 
 chunks in a group of `row_tokens`-token rows; each group walks its sequences' pages in chunks
 with an online softmax, so the work follows the longest context in the batch, not
 `max_model_len`. bf16 caches are stored as uint16 bit patterns (see kv_write.py); the dots
-take bf16 operands with float32 accumulation.
+take bf16 operands with float32 accumulation. int8 caches are dequantized a chunk at a time.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def paged_attention_rows(
     q_rows, k_pages, v_pages, block_tables, kv_lens, q_lens = map(
         jnp.asarray, (q_rows, k_pages, v_pages, block_tables, kv_lens, q_lens))
     num_rows, row_tokens, num_q_heads, head_dim = q_rows.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
+    num_kv_heads, _, page_size, row = k_pages.shape
     group = num_q_heads // num_kv_heads
     sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
     pages_per_seq = block_tables.shape[1]
@@ -131,10 +131,8 @@ def paged_attention_rows(
         pages = jax.lax.dynamic_slice_in_dim(block_tables, i * chunk_pages, chunk_pages, axis=1)
         # Gather whole pages as flat [page_size * head_dim] slabs, without bounds handling
         # (block tables only hold valid ids): 3x faster than indexing the 4-D pool on XLA:CPU.
-        k = logical_pages(k_slabs.at[:, pages].get(mode="promise_in_bounds"))
-        v = logical_pages(v_slabs.at[:, pages].get(mode="promise_in_bounds"))
-        k = k.reshape(num_kv_heads, num_rows, chunk, head_dim)
-        v = v.reshape(num_kv_heads, num_rows, chunk, head_dim)
+        k = logical_pages(k_slabs.at[:, pages].get(mode="promise_in_bounds").reshape(num_kv_heads, num_rows, chunk, row))
+        v = logical_pages(v_slabs.at[:, pages].get(mode="promise_in_bounds").reshape(num_kv_heads, num_rows, chunk, row))
         s = jnp.einsum("krqd,krcd->krqc", q, k.astype(dot_dtype), preferred_element_type=jnp.float32)
         k_pos = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
         s, mask = _mask_scores(s, q_pos[None, :, :, None], k_pos[None, None, None, :],
@@ -147,8 +145,8 @@ def paged_attention_rows(
                         preferred_element_type=jnp.float32)
         return m_new, l, acc * alpha[..., None] + pv
 
-    k_slabs = k_pages.reshape(num_kv_heads, -1, page_size * head_dim)
-    v_slabs = v_pages.reshape(num_kv_heads, -1, page_size * head_dim)
+    k_slabs = k_pages.reshape(num_kv_heads, -1, page_size * row)
+    v_slabs = v_pages.reshape(num_kv_heads, -1, page_size * row)
     rows_q = group * row_tokens
     init = (
         jnp.full((num_kv_heads, num_rows, rows_q), NEG_INF, jnp.float32),

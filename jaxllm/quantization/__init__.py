@@ -1,5 +1,7 @@
-"""Weight quantization: `LLM(model, quantization=...)`, quantized on load from any float
-checkpoint (HF or GGUF; a GGUF is dequantized first).
+"""Weight quantization: `LLM(model, quantization=...)`. Quantized checkpoints run as they are
+(`gguf`: a GGUF's blocks, `gguf_blocks.py`; `awq`, `gptq`: `gptq_awq.py`; both read into
+`checkpoint.QuantizedRows` by the model loaders); float checkpoints (HF or GGUF, a GGUF
+dequantized first) are quantized on load by these methods:
 
 | method | weights                                              | activations              |
 |--------|------------------------------------------------------|--------------------------|
@@ -25,11 +27,13 @@ How a quantized weight is multiplied (`matmul`):
 - **W8A8** (`activations="int8"`): each row of x is quantized to int8 with its own scale and
   XLA runs an `int8 x int8 -> int32` dot (YNNPACK's VNNI / AMX kernels on CPUs that have them,
   1.3-3.8x a bf16 dot there; on AVX2-only CPUs no faster than f32), then rescales.
-- **Plain, weight-only** (other backends, GPUs): dequantized inside the jitted step (saves
-  memory, not time).
+- **Plain, weight-only**: on GPUs a Pallas (Triton) kernel reads the codes as they are and
+  dequantizes them tile by tile in registers (`kernels/quant_matmul.py`: a quarter or an eighth
+  of the f32 weight's bytes streamed); on CPUs with the other attention backends, and for shapes
+  the kernel does not tile, dequantized inside the jitted step by XLA (memory, not time).
 
 Sharded runs (tensor, pipeline or data parallel) do not take quantized weights yet: `EngineArgs`
-refuses the combination.
+and the loader refuse the combination.
 """
 
 from jaxllm.quantization.weights import (

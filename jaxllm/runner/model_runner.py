@@ -118,18 +118,19 @@ class ModelRunner:
                                     self.attention.prefill_row_tokens, sched.max_num_prefill_seqs,
                                     drafts.num_speculative_tokens if drafts else 0,
                                     drafts.max_seqs(sched) if drafts else 0)
-        dtype = jnp_dtype(config.dtype)
+        kv_dtype = _kv_dtype(config.cache.dtype)
         self._make_kv_cache = self._kv_cache_maker()
         self._kv_shapes = jax.eval_shape(self._make_kv_cache)     # (with shardings) for compiling without pages
         # With warm-up the pages are allocated there, while the steps load or compile.
         self.kv_cache = None if config.warmup else self._make_kv_cache()
-        # Host pages for swapped-out requests: [layers, k/v, kv_heads, slots, block_size, head_dim]
+        # Host pages for swapped-out requests: [layers, k/v, kv_heads, slots, block_size, row]
         # ([layer slots, k/v, stages, ...] with pipeline stages; numpy zeros: the OS commits
         # memory only for slots ever written).
         stages = (self.num_stages,) if self.num_stages > 1 else ()
         self.swap_pool = np.zeros((spec.num_layers // self.num_stages, 2, *stages, self.num_kv_heads,
-                                   config.cache.num_swap_blocks, self.block_size, spec.head_dim),
-                                  kernels.storage_dtype(dtype))
+                                   config.cache.num_swap_blocks, self.block_size,
+                                   kernels.row_width(spec.head_dim, kv_dtype)),
+                                  kernels.storage_dtype(kv_dtype))
         step = jax.jit(functools.partial(_step, spec=spec, attention=self.attention, mesh=self.mesh),
                        static_argnames=("layout",), donate_argnums=(1,))
         # Each bucket's compiled step, kept in the executable store when there is one (one
@@ -458,7 +459,7 @@ class ModelRunner:
 
         def make():
             cache = [kernels.allocate_kv_cache(1, self.num_kv_heads, pages[g], self.block_size, spec.head_dim,
-                                               jnp_dtype(self.config.dtype))[0] for g in self.layer_groups]
+                                               _kv_dtype(self.config.cache.dtype))[0] for g in self.layer_groups]
             if stages == 1:
                 return cache
             return [tuple(jnp.broadcast_to(x, (stages, *x.shape)) for x in kv) for kv in cache]
@@ -486,6 +487,11 @@ class ModelRunner:
             slots, pages = page_moves.pad_pow2(*zip(*pairs))
             saved = jnp.asarray(self.swap_pool[..., slots, :, :])
             self.kv_cache = page_moves.scatter_pages(self.kv_cache, pages, saved)
+
+
+def _kv_dtype(name: str):
+    """The jnp dtype of the KV cache's `CacheConfig.dtype`."""
+    return jnp.int8 if name == "int8" else jnp_dtype(name)
 
 
 def _fetch(x) -> np.ndarray:

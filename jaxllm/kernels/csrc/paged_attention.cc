@@ -20,18 +20,16 @@ namespace jaxllm {
 namespace {
 
 // Widens the rows of cache positions [first, first + n) (n <= kChunkKeys) of one sequence and
-// kv head to f32 rows dst[n, head_dim], a page's run of them at a time.
+// kv head to f32 rows dst[n, head_dim] (int8 rows times their scales).
 template <typename KV>
 void widen_chunk(const PagedAttentionArgs& a, const KV* pages, const int32_t* block_table, int64_t kv_head,
                  int64_t first, int n, float* dst) {
-  const int64_t P = a.page_size, D = a.head_dim;
-  for (int done = 0; done < n;) {
-    const int64_t pos = first + done;
-    const int take = static_cast<int>(std::min<int64_t>(P - pos % P, n - done));
-    const KV* src = kv_row(a, pages, block_table, kv_head, pos);
-    float* d = dst + static_cast<int64_t>(done) * D;
-    for (int64_t i = 0; i < take * D; ++i) d[i] = to_f32(src[i]);
-    done += take;
+  const int64_t D = a.head_dim;
+  for (int j = 0; j < n; ++j) {
+    const KV* src = kv_row(a, pages, block_table, kv_head, first + j);
+    const float scale = row_scale(a, src);
+    float* d = dst + static_cast<int64_t>(j) * D;
+    for (int64_t i = 0; i < D; ++i) d[i] = to_f32(src[i]) * scale;
   }
 }
 
@@ -120,8 +118,10 @@ void attend(const PagedAttentionArgs& a, const WorkItem& item, Scratch& s) {
   const bool any = a.path == kAuto;
   if ((any || a.path >= kAvx512) && attend_avx512(a, item, s)) return;
   if ((any || a.path >= kAvx2) && attend_avx2(a, item, s)) return;
-  if (a.bf16_pages)
+  if (a.kv_type == kKvBf16)
     attend_portable<uint16_t>(a, item, s);
+  else if (a.kv_type == kKvInt8)
+    attend_portable<int8_t>(a, item, s);
   else
     attend_portable<float>(a, item, s);
 }
@@ -170,9 +170,12 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   const auto kd = k_pages.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || block_tables.dimensions().size() != 2)
     return ffi::Error::InvalidArgument("paged attention: bad ranks");
-  if (k_pages.element_type() != v_pages.element_type() ||
-      (k_pages.element_type() != ffi::U16 && k_pages.element_type() != ffi::F32))
-    return ffi::Error::InvalidArgument("paged attention: pages must both be u16 (bf16 bits) or f32");
+  const auto kv = k_pages.element_type();
+  if (kv != v_pages.element_type() || (kv != ffi::U16 && kv != ffi::F32 && kv != ffi::S8) ||
+      v_pages.dimensions().size() != 4 || v_pages.element_count() != k_pages.element_count())
+    return ffi::Error::InvalidArgument("paged attention: pages must both be u16 (bf16 bits), f32 or s8, alike");
+  if (kd[3] != qd[2] + (kv == ffi::S8 ? 4 : 0))
+    return ffi::Error::InvalidArgument("paged attention: a cache row must be head_dim wide (int8: head_dim + 4)");
   if (kd[0] <= 0 || kd[2] <= 0 || qd[1] <= 0 || qd[2] <= 0)
     return ffi::Error::InvalidArgument("paged attention: needs kv heads, page size, q heads and head_dim > 0");
   PagedAttentionArgs a;
@@ -194,7 +197,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   a.num_pages = kd[1];
   a.page_size = kd[2];
   a.pages_per_seq = block_tables.dimensions()[1];
-  a.bf16_pages = k_pages.element_type() == ffi::U16;
+  a.kv_type = kv == ffi::U16 ? kKvBf16 : kv == ffi::S8 ? kKvInt8 : kKvF32;
+  a.row_stride = kd[3];
   a.sm_scale = sm_scale;
   a.soft_cap = soft_cap;
   a.sliding_window = sliding_window;

@@ -9,7 +9,8 @@
 // the chunk. P @ V accumulates 3 rows x 32 dims in registers, V rows loaded once per key and
 // reused by the 3 rows. Softmax uses the 8-wide polynomial exp. The next chunk's rows are
 // prefetched into L2 while a chunk is computed. AVX-512 builds keep this path for the head sizes
-// their own path has no code for.
+// their own path has no code for, and for int8 caches: there a key row's scale multiplies its
+// scores after the dot, and a value row's scale its softmax weights before P @ V.
 
 #include <algorithm>
 #include <cmath>
@@ -134,6 +135,15 @@ void chunk_pv(const PagedAttentionArgs& a, float (*acc)[kMaxHeadDim], const floa
   }
 }
 
+// scores[r][j] *= the scale of int8 row rows[j], for M rows and n keys.
+inline void scale_columns(const PagedAttentionArgs& a, const int8_t* const* rows, float (*scores)[kChunkKeys], int M,
+                          int n) {
+  float scale[kChunkKeys];
+  for (int j = 0; j < n; ++j) scale[j] = row_scale(a, rows[j]);
+  for (int r = 0; r < M; ++r)
+    for (int j = 0; j < n; ++j) scores[r][j] *= scale[j];
+}
+
 template <typename KV>
 void attend_avx2_item(const PagedAttentionArgs& a, const WorkItem& item, Scratch& s) {
   const KV* k_pages = static_cast<const KV*>(a.k_pages);
@@ -150,8 +160,8 @@ void attend_avx2_item(const PagedAttentionArgs& a, const WorkItem& item, Scratch
       const KV* v = kv_row(a, v_pages, rows.block_table, item.kv_head, first + j);
       const int run = static_cast<int>(std::min<int64_t>(a.page_size - (first + j) % a.page_size, n - j));
       for (int i = 0; i < run; ++i, ++j) {
-        krows[j] = k + i * a.head_dim;
-        vrows[j] = v + i * a.head_dim;
+        krows[j] = k + i * a.row_stride;
+        vrows[j] = v + i * a.row_stride;
       }
     }
     // Bring the next chunk's rows into L2 while this one is computed: a sequence's pages lie
@@ -164,7 +174,7 @@ void attend_avx2_item(const PagedAttentionArgs& a, const WorkItem& item, Scratch
         const int64_t pos = first + kChunkKeys + j;
         const char* k = reinterpret_cast<const char*>(kv_row(a, k_pages, rows.block_table, item.kv_head, pos));
         const char* v = reinterpret_cast<const char*>(kv_row(a, v_pages, rows.block_table, item.kv_head, pos));
-        for (int64_t b = 0; b < a.head_dim * static_cast<int64_t>(sizeof(KV)); b += 64) {
+        for (int64_t b = 0; b < a.row_stride * static_cast<int64_t>(sizeof(KV)); b += 64) {
           _mm_prefetch(k + b, _MM_HINT_T1);
           _mm_prefetch(v + b, _MM_HINT_T1);
         }
@@ -173,7 +183,9 @@ void attend_avx2_item(const PagedAttentionArgs& a, const WorkItem& item, Scratch
     // Keys past n (up to the next multiple of kKeyBlock) re-read a valid row; softmax masks them.
     for (int j = n; j % kKeyBlock; ++j) krows[j] = krows[n - 1];
     chunk_scores<KV>(a, s.q, krows, s.scores, rows.M, n);
+    if constexpr (sizeof(KV) == 1) scale_columns(a, krows, s.scores, rows.M, n);
     for (int r = 0; r < rows.M; ++r) alpha[r] = softmax_row(a, rows, r, first, n, s.scores[r]);
+    if constexpr (sizeof(KV) == 1) scale_columns(a, vrows, s.scores, rows.M, n);
     chunk_pv<KV>(a, s.acc, alpha, s.scores, vrows, n, rows.M);
   }
   store_output_rows(a, item, s, rows);
@@ -183,8 +195,10 @@ void attend_avx2_item(const PagedAttentionArgs& a, const WorkItem& item, Scratch
 
 bool attend_avx2(const PagedAttentionArgs& a, const WorkItem& item, Scratch& s) {
   if (a.head_dim % 32 != 0) return false;
-  if (a.bf16_pages)
+  if (a.kv_type == kKvBf16)
     attend_avx2_item<uint16_t>(a, item, s);
+  else if (a.kv_type == kKvInt8)
+    attend_avx2_item<int8_t>(a, item, s);
   else
     attend_avx2_item<float>(a, item, s);
   return true;

@@ -215,7 +215,7 @@ void attend_avx512_item(const PagedAttentionArgs& a, const WorkItem& item, Scrat
 
 template <int DV>
 bool attend_avx512_head_dim(const PagedAttentionArgs& a, const WorkItem& item, Scratch& s) {
-  if (a.bf16_pages)
+  if (a.kv_type == kKvBf16)
     attend_avx512_item<uint16_t, DV>(a, item, s);
   else
     attend_avx512_item<float, DV>(a, item, s);
@@ -225,6 +225,7 @@ bool attend_avx512_head_dim(const PagedAttentionArgs& a, const WorkItem& item, S
 }  // namespace
 
 bool attend_avx512(const PagedAttentionArgs& a, const WorkItem& item, Scratch& s) {
+  if (a.kv_type == kKvInt8) return false;  // the AVX2 path reads int8 rows
   switch (a.head_dim) {
     case 32: return attend_avx512_head_dim<2>(a, item, s);
     case 64: return attend_avx512_head_dim<4>(a, item, s);

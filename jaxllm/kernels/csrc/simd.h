@@ -53,6 +53,7 @@ inline float to_f32(uint16_t bf16_bits) {
   return f;
 }
 inline float to_f32(float x) { return x; }
+inline float to_f32(int8_t code) { return static_cast<float>(code); }
 
 #ifdef __AVX512F__
 // 16 consecutive cache elements (bf16 bits or f32) as 16 f32.
@@ -116,6 +117,9 @@ inline __m256 load_f32x8(const uint16_t* bf16_bits) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 inline __m256 load_f32x8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load_f32x8(const int8_t* codes) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes))));
+}
 
 // e^x for x <= 0 (and -1e30 -> 0): exp_f32x16's reduction and polynomial, 8 wide; 2^n is built
 // in the exponent bits (n >= -127 after the clamp, where the bits give 0).
