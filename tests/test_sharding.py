@@ -93,7 +93,9 @@ def test_parallel_generates_what_one_device_does(results, layout):
     for text, reason in many["constrained"]:
         assert re.fullmatch(many["constraint"], text if reason == "stop" else text.rsplit(" ", 1)[0]), text
     worst = max(abs(a - b) for la, lb in zip(one["logprobs"], many["logprobs"]) for a, b in zip(la, lb))
-    assert worst < 1e-4
+    # int8 pages: keys and values summed in another order may round to a neighbouring code (a
+    # step of max / 127), which moves logprobs by ~1e-3 where f32 moves them by ~1e-6.
+    assert worst < (1e-2 if layout.startswith("int8:") else 1e-4)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
