@@ -63,7 +63,8 @@ def build_params(get: Callable[[str, tuple], Any], has: Callable[[str], bool], s
 
 def _finish(name: str, x, wdtype):
     if isinstance(x, QuantizedRows):
-        if name in _QUANTIZED_MATRICES or name == "embed":    # a tied table: quantized as the LM head
+        # A tied table stays quantized as the LM head (its lookup reads rows in their order: no act-order).
+        if name in _QUANTIZED_MATRICES or (name == "embed" and x.perm is None):
             return x.to_weight()
         x = dense(x)
     if name in _MATRICES:

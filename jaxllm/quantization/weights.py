@@ -140,7 +140,7 @@ def matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
         xq = jnp.clip(jnp.rint(x / x_scale), -127, 127).astype(jnp.int8)
         acc = jax.lax.dot_general(xq, w.codes, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
         return acc.astype(jnp.float32) * x_scale * w.scale[0]
-    if jax.default_backend() != "cpu":          # GPUs: the codes dequantized tile by tile in a Pallas kernel
+    if jax.default_backend() == "gpu":          # the codes dequantized tile by tile in a Pallas (Triton) kernel
         from jaxllm.kernels import quant_matmul
 
         k, n = w.shape
