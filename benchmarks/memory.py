@@ -149,7 +149,8 @@ def main(argv=None):
     if args.kv_budget:
         llm_spec = llm.engine.spec
         del llm
-        for mode, kv_dtype in ((m, d) for m in args.preemption_modes.split(",") for d in args.kv_cache_dtypes.split(",")):
+        runs = [(m, d) for m in args.preemption_modes.split(",") for d in args.kv_cache_dtypes.split(",")]
+        for mode, kv_dtype in runs:
             small = LLM(args.model, kv_cache_memory=args.kv_budget, preemption_mode=mode, swap_space=args.swap_space,
                         kv_cache_dtype=kv_dtype, **common)
             t = run_trace(small, workload)

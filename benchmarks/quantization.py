@@ -81,7 +81,8 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default="none:auto,none:bfloat16,gguf,int8,int4,w8a8,gguf:auto:int8", help="METHOD[:DTYPE],...")
+    ap.add_argument("--configs", default="none:auto,none:bfloat16,gguf,int8,int4,w8a8,gguf:auto:int8",
+                    help="METHOD[:DTYPE[:KV]],...")
     ap.add_argument("--out", default=os.path.join(RESULTS, "quantization.json"))
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     add_workload_args(ap)

@@ -19,7 +19,8 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import QUANTIZATION_METHODS, EngineArgs
 from jaxllm.kernels import native
-from jaxllm.quantization import CHECKPOINT_METHODS, METHODS, QuantizedWeight, dequantize, matmul, quantize_matrix, weight_bytes
+from jaxllm.quantization import (CHECKPOINT_METHODS, METHODS, QuantizedWeight, dequantize, matmul, quantize_matrix,
+                                 weight_bytes)
 from jaxllm.quantization.weights import embedding_rows, make_weight
 from tiny_model import TINY_ENGINE_ARGS, offline_llm
 

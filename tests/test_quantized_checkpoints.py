@@ -209,7 +209,8 @@ def write_quantized_hf(model_dir: str, method: str, bits: int, act_order: bool, 
             else:
                 tensors[prefix + ".qweight"] = pack_along(q, bits, 0)
                 tensors[prefix + ".qzeros"] = pack_along(zeros - 1, bits, 1)     # stored minus one
-                tensors[prefix + ".g_idx"] = g_idx.astype(np.int32)
+                if act_order or bits == 4:      # the 8-bit case leaves g_idx out, as some checkpoints do
+                    tensors[prefix + ".g_idx"] = g_idx.astype(np.int32)
             tensors[prefix + ".scales"] = scales
     model.save_pretrained(ref)
     os.makedirs(out)

@@ -127,7 +127,8 @@ def test_int8_rows_hold_codes_and_a_scale_per_token_and_head():
     scale = np.abs(x).max(-1) / 127
     codes = np.round(x / np.where(scale > 0, scale, 1)[..., None])
     np.testing.assert_array_equal(rows[..., :8], codes)
-    np.testing.assert_array_equal(rows[..., 8:].copy().view(np.float32)[..., 0], np.where(scale > 0, scale, 1).astype(np.float32))
+    stored = rows[..., 8:].copy().view(np.float32)[..., 0]
+    np.testing.assert_array_equal(stored, np.where(scale > 0, scale, 1).astype(np.float32))
     np.testing.assert_allclose(np.asarray(kernels.logical_pages(jnp.asarray(rows))), x, atol=scale.max() / 2 + 1e-7)
     # Written through write_kv into the right slot, the padding token nowhere.
     k_pages = kernels.allocate_kv_cache(1, 2, 4, 4, 8, jnp.int8)[0][0]

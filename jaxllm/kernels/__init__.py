@@ -1,7 +1,14 @@
 """Paged attention kernels: the Pallas GPU kernel, the C++ CPU kernel, the jnp reference and
 row path, the KV write."""
 
-from jaxllm.kernels.kv_write import allocate_kv_cache, logical_pages, row_width, storage_dtype, write_kv
+from jaxllm.kernels.kv_write import (
+    allocate_kv_cache,
+    cache_dtype,
+    logical_pages,
+    row_width,
+    storage_dtype,
+    write_kv,
+)
 from jaxllm.kernels.native import paged_attention_cpu
 from jaxllm.kernels.paged_attention import ragged_paged_attention
 from jaxllm.kernels.reference import (
@@ -12,6 +19,7 @@ from jaxllm.kernels.reference import (
 
 __all__ = [
     "allocate_kv_cache",
+    "cache_dtype",
     "logical_pages",
     "paged_attention_cpu",
     "paged_attention_rows",

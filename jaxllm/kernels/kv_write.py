@@ -21,6 +21,11 @@ import jax.numpy as jnp
 INT8_SCALE_BYTES = 4
 
 
+def cache_dtype(name: str) -> jnp.dtype:
+    """The logical dtype of a cache named as `CacheConfig.dtype` ("float32", "bfloat16", "int8")."""
+    return jnp.dtype({"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}[name])
+
+
 def storage_dtype(dtype) -> jnp.dtype:
     """The dtype a cache of logical `dtype` is stored in."""
     dtype = jnp.dtype(dtype)

@@ -129,10 +129,11 @@ def paged_attention_rows(
     def body(i, carry):
         m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(block_tables, i * chunk_pages, chunk_pages, axis=1)
-        # Gather whole pages as flat [page_size * head_dim] slabs, without bounds handling
+        # Gather whole pages as flat [page_size * row] slabs, without bounds handling
         # (block tables only hold valid ids): 3x faster than indexing the 4-D pool on XLA:CPU.
-        k = logical_pages(k_slabs.at[:, pages].get(mode="promise_in_bounds").reshape(num_kv_heads, num_rows, chunk, row))
-        v = logical_pages(v_slabs.at[:, pages].get(mode="promise_in_bounds").reshape(num_kv_heads, num_rows, chunk, row))
+        chunk_rows = (num_kv_heads, num_rows, chunk, row)
+        k = logical_pages(k_slabs.at[:, pages].get(mode="promise_in_bounds").reshape(chunk_rows))
+        v = logical_pages(v_slabs.at[:, pages].get(mode="promise_in_bounds").reshape(chunk_rows))
         s = jnp.einsum("krqd,krcd->krqc", q, k.astype(dot_dtype), preferred_element_type=jnp.float32)
         k_pos = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
         s, mask = _mask_scores(s, q_pos[None, :, :, None], k_pos[None, None, None, :],

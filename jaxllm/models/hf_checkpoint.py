@@ -56,7 +56,9 @@ def load_hf_dir(path: str, dtype: str, progress: bool):
 
     def get(name: str, shape: tuple):
         if quantized(name):
-            rows = quantized_linear(lambda suffix: read(name[:-7] + suffix), quant, shape)
+            prefix = name[:-7]
+            rows = quantized_linear(lambda suffix: read(prefix + suffix) if key(prefix + suffix) in index else None,
+                                    quant, shape)
             bar.update(1)
             return rows
         arr = read(name)

@@ -62,25 +62,31 @@ def _unpack(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
     return fields.reshape(shape).astype(np.int32)
 
 
-def quantized_linear(read: Callable[[str], np.ndarray], qc: dict, shape: tuple[int, int]) -> QuantizedRows:
-    """The Linear of `shape` [out, in] from its tensors (`read(".qweight")` etc.) as QuantizedRows."""
+def quantized_linear(read: Callable[[str], np.ndarray | None], qc: dict, shape: tuple[int, int]) -> QuantizedRows:
+    """The Linear of `shape` [out, in] from its tensors (`read(".qweight")` etc.; None for a
+    tensor the checkpoint lacks) as QuantizedRows."""
     out, k = shape
     bits = qc["bits"]
-    scales = np.asarray(read(".scales"), np.float32)               # [G, out]
+    t = {suffix: read(suffix) for suffix in (".qweight", ".qzeros", ".scales", ".g_idx")}
+    missing = [suffix for suffix in (".qweight", ".qzeros", ".scales") if t[suffix] is None]
+    if missing:
+        raise ValueError(f"a quantized Linear of shape {shape} has no {', '.join(missing)}")
+    scales = np.asarray(t[".scales"], np.float32)                  # [G, out]
     if qc["method"] == "awq":
-        q = _unpack(read(".qweight"), 4, 1).reshape(k, out // 8, 8)[..., np.argsort(_AWQ_ORDER)].reshape(k, out)
-        zeros = _unpack(read(".qzeros"), 4, 1).reshape(-1, out // 8, 8)[..., np.argsort(_AWQ_ORDER)].reshape(-1, out)
+        q = _unpack(t[".qweight"], 4, 1).reshape(k, out // 8, 8)[..., np.argsort(_AWQ_ORDER)].reshape(k, out)
+        zeros = _unpack(t[".qzeros"], 4, 1).reshape(-1, out // 8, 8)[..., np.argsort(_AWQ_ORDER)].reshape(-1, out)
     else:
-        q = _unpack(read(".qweight"), bits, 0)                      # [in, out]
-        zeros = _unpack(read(".qzeros"), bits, 1) + (0 if qc["v2"] else 1)
+        q = _unpack(t[".qweight"], bits, 0)                         # [in, out]
+        zeros = _unpack(t[".qzeros"], bits, 1) + (0 if qc["v2"] else 1)
     groups = scales.shape[0]
     if q.shape != (k, out) or zeros.shape != (groups, out) or k % groups:
         raise ValueError(f"quantized Linear of shape {shape}: qweight unpacks to {q.shape}, qzeros to "
                          f"{zeros.shape}, scales are {scales.shape}")
     perm = None
     if qc["method"] == "gptq":
-        g_idx = np.asarray(read(".g_idx"), np.int64)
         contiguous = np.arange(k) // (k // groups)
+        # Absent in some checkpoints: contiguous groups.
+        g_idx = contiguous if t[".g_idx"] is None else np.asarray(t[".g_idx"], np.int64)
         if not np.array_equal(g_idx, contiguous):     # act-order: sort the rows by group
             perm = np.argsort(g_idx, kind="stable").astype(np.int32)
             if not np.array_equal(g_idx[perm], contiguous):

@@ -44,7 +44,7 @@ from jaxllm.runner.prompt_logprobs import PromptLogprobs
 from jaxllm.sampling_params import MAX_LOGPROBS
 from jaxllm.spec_decode.verify import accepted_counts
 from jaxllm.structured_output import mask_words
-from jaxllm.utils import cdiv, jnp_dtype
+from jaxllm.utils import cdiv
 
 
 def _step(params, kv_cache, ints, floats, penalty_tokens, token_mask, *, layout: PackedLayout, spec, attention,
@@ -118,7 +118,7 @@ class ModelRunner:
                                     self.attention.prefill_row_tokens, sched.max_num_prefill_seqs,
                                     drafts.num_speculative_tokens if drafts else 0,
                                     drafts.max_seqs(sched) if drafts else 0)
-        kv_dtype = _kv_dtype(config.cache.dtype)
+        kv_dtype = kernels.cache_dtype(config.cache.dtype)
         self._make_kv_cache = self._kv_cache_maker()
         self._kv_shapes = jax.eval_shape(self._make_kv_cache)     # (with shardings) for compiling without pages
         # With warm-up the pages are allocated there, while the steps load or compile.
@@ -459,7 +459,8 @@ class ModelRunner:
 
         def make():
             cache = [kernels.allocate_kv_cache(1, self.num_kv_heads, pages[g], self.block_size, spec.head_dim,
-                                               _kv_dtype(self.config.cache.dtype))[0] for g in self.layer_groups]
+                                               kernels.cache_dtype(self.config.cache.dtype))[0]
+                     for g in self.layer_groups]
             if stages == 1:
                 return cache
             return [tuple(jnp.broadcast_to(x, (stages, *x.shape)) for x in kv) for kv in cache]
@@ -487,11 +488,6 @@ class ModelRunner:
             slots, pages = page_moves.pad_pow2(*zip(*pairs))
             saved = jnp.asarray(self.swap_pool[..., slots, :, :])
             self.kv_cache = page_moves.scatter_pages(self.kv_cache, pages, saved)
-
-
-def _kv_dtype(name: str):
-    """The jnp dtype of the KV cache's `CacheConfig.dtype`."""
-    return jnp.int8 if name == "int8" else jnp_dtype(name)
 
 
 def _fetch(x) -> np.ndarray:
