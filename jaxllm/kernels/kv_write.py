@@ -37,12 +37,18 @@ def row_width(head_dim: int, dtype) -> int:
     return head_dim + INT8_SCALE_BYTES if jnp.dtype(dtype) == jnp.int8 else head_dim
 
 
-def quantize_rows(x: jax.Array) -> jax.Array:
-    """x [..., head_dim] -> int8 rows [..., head_dim + 4]: codes and the f32 scale's bytes."""
+def int8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., D] -> (int8 codes [..., D], f32 scales [...]): symmetric, a scale of max |x| / 127
+    per row (1 for a zero row). The int8 KV cache's rows, and W8A8's activations."""
     x = x.astype(jnp.float32)
     scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
     scale = jnp.where(scale > 0, scale, 1.0)
-    codes = jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8)
+    return jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8), scale
+
+
+def quantize_rows(x: jax.Array) -> jax.Array:
+    """x [..., head_dim] -> int8 rows [..., head_dim + 4]: codes and the f32 scale's bytes."""
+    codes, scale = int8_rows(x)
     return jnp.concatenate([codes, jax.lax.bitcast_convert_type(scale, jnp.int8)], axis=-1)
 
 

@@ -105,21 +105,21 @@ def make_weight(w: np.ndarray, method: str, *, panels: bool, activations: str, d
                            activations)
 
 
-def _unpacked_codes(w: QuantizedWeight) -> jax.Array:
-    """The codes as f32 [K, N]."""
-    c = jnp.asarray(w.codes)
+def _unpacked_codes(w: QuantizedWeight, xp=jnp):
+    """The codes [K, N], one a byte, as `xp` (jnp inside a step, numpy on the host) arrays."""
+    c = xp.asarray(w.codes)
     if w.layout == "panels":
         if w.bits == 4:
-            c = jnp.concatenate([c & 15, c >> 4], axis=-1)
-        c = jnp.transpose(c, (1, 0, 2)).reshape(c.shape[1], -1)
+            c = xp.concatenate([c & 15, c >> 4], axis=-1)
+        c = xp.transpose(c, (1, 0, 2)).reshape(c.shape[1], -1)
     elif w.bits == 4:
-        c = jnp.concatenate([c & 15, c >> 4], axis=1)
-    return c.astype(jnp.float32)
+        c = xp.concatenate([c & 15, c >> 4], axis=1)
+    return c
 
 
 def dequantize(w: QuantizedWeight) -> jax.Array:
     """The f32 weight [K, N] the codes stand for (its rows in `perm` order when there is one)."""
-    codes = _unpacked_codes(w)
+    codes = _unpacked_codes(w).astype(jnp.float32)
     rows = codes.shape[0] // w.scale.shape[0]
     out = codes * jnp.repeat(w.scale.astype(jnp.float32), rows, axis=0)
     return out if w.offset is None else out + jnp.repeat(w.offset.astype(jnp.float32), rows, axis=0)
@@ -134,12 +134,11 @@ def matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
 
         return native.matmul_quantized(x, w.codes, w.scale, w.offset, w.bits)
     if w.activations == "int8":
-        x = x.astype(jnp.float32)
-        x_scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0
-        x_scale = jnp.where(x_scale == 0, 1.0, x_scale)
-        xq = jnp.clip(jnp.rint(x / x_scale), -127, 127).astype(jnp.int8)
+        from jaxllm.kernels.kv_write import int8_rows
+
+        xq, x_scale = int8_rows(x)
         acc = jax.lax.dot_general(xq, w.codes, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
-        return acc.astype(jnp.float32) * x_scale * w.scale[0]
+        return acc.astype(jnp.float32) * x_scale[..., None] * w.scale[0]
     if jax.default_backend() == "gpu":          # the codes dequantized tile by tile in a Pallas (Triton) kernel
         from jaxllm.kernels import quant_matmul
 
@@ -180,7 +179,7 @@ def relayout(w: QuantizedWeight, panels: bool, device=None) -> QuantizedWeight:
     panels = panels and w.activations == "float" and native.packable((k, n))
     if (w.layout == "panels") == panels:
         return jax.device_put(w, device)
-    codes = np.asarray(_unpacked_codes(w)).astype(np.int8 if w.bits == 8 else np.uint8)
+    codes = _unpacked_codes(w, np)       # on the host: jnp ops here would compile a program per shape
     codes = native.pack_codes(codes, w.bits) if panels else _pack_plain_int4(codes) if w.bits == 4 else codes
     put = functools.partial(jax.device_put, device=device)
     return QuantizedWeight(put(codes), put(w.scale), put(w.offset), w.bits, "panels" if panels else "plain",
