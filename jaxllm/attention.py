@@ -20,7 +20,9 @@ Each backend has the same small interface:
 |-------------|---------------|-----------------------------------------------------------------|
 | `native`    | CPU (default) | the C++ XLA FFI kernel (kernels/native.py), built on first use   |
 | `cpu`       | CPU           | `jnp` rows: sequences regrouped on the host into query rows     |
-| `pallas`    | GPU (default) | the Pallas Triton kernel (kernels/paged_attention.py)           |
+| `mosaic`    | GPU (default on Hopper) | the Pallas Mosaic GPU kernel (kernels/paged_attention_mgpu.py); |
+|             |               | calls it cannot serve (f32 / int8 pages) go to the Triton kernel |
+| `pallas`    | GPU (default elsewhere) | the Pallas Triton kernel (kernels/paged_attention.py)  |
 | `reference` | any           | the dense `jnp` oracle (slow; for tests)                        |
 
 Choosing `native` builds the C++ library (seconds, cached on disk); nothing else here builds
@@ -91,6 +93,34 @@ class PallasBackend(AttentionBackend):
 
     def kernel(self, *args, **options):
         return kernels.ragged_paged_attention(*args, **options)
+
+
+class MosaicBackend(AttentionBackend):
+    """The Mosaic GPU kernel (warpgroup MMAs: compute capability 9.x), or the Triton kernel for a
+    cache layout it does not read (decided per layer at trace time, logged once)."""
+
+    name = "mosaic"
+
+    def __init__(self):
+        self._fallbacks: set[str] = set()
+
+    def kernel(self, q, k_pages, *args, **options):
+        from jaxllm.kernels import paged_attention_mgpu
+
+        why = paged_attention_mgpu.unsupported(q.shape, k_pages.dtype, k_pages.shape[2])
+        if why is None:
+            return paged_attention_mgpu.ragged_paged_attention_mgpu(q, k_pages, *args, **options)
+        if why not in self._fallbacks:
+            self._fallbacks.add(why)
+            logger.info("attention: the Triton kernel serves a %s", why)
+        return kernels.ragged_paged_attention(q, k_pages, *args, **options)
+
+
+def mosaic_gpu_capable(device) -> bool:
+    """Whether `device` runs the Mosaic GPU kernel: a CUDA GPU of compute capability 9.x (Hopper's
+    warpgroup MMA; Blackwell's tcgen05 MMAs are another kernel, not written yet)."""
+    capability = str(getattr(device, "compute_capability", ""))
+    return device.platform == "gpu" and capability.split(".")[0] == "9"
 
 
 class NativeBackend(AttentionBackend):
@@ -173,20 +203,24 @@ def _padded(x: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-BACKENDS = {cls.name: cls for cls in (NativeBackend, RowsBackend, PallasBackend, ReferenceBackend)}
+BACKENDS = {cls.name: cls for cls in (NativeBackend, RowsBackend, MosaicBackend, PallasBackend, ReferenceBackend)}
 
 
 def get_attention_backend(name: str | None = None, platform: str | None = None) -> AttentionBackend:
     """The backend called `name`, or the platform's default: on CPU the C++ kernel, or the
-    `jnp` rows when it cannot be built here (no C++ compiler; logged as a warning); on GPU
-    the Pallas kernel."""
+    `jnp` rows when it cannot be built here (no C++ compiler; logged as a warning); on a Hopper
+    GPU the Mosaic GPU kernel, on other GPUs the Triton one."""
     platform = platform or jax.default_backend()
     if name is not None:
         if name not in BACKENDS:
             raise ValueError(f"attention backend must be one of {tuple(BACKENDS)}, got {name!r}")
         return BACKENDS[name]()
     if platform != "cpu":
-        return PallasBackend()
+        try:
+            device = jax.devices(platform)[0]
+        except RuntimeError:        # a platform this process has no device of (tests, lowering)
+            return PallasBackend()
+        return MosaicBackend() if mosaic_gpu_capable(device) else PallasBackend()
     try:
         return NativeBackend()
     except RuntimeError as e:
@@ -194,4 +228,4 @@ def get_attention_backend(name: str | None = None, platform: str | None = None) 
         return RowsBackend()
 
 
-__all__ = ["AttentionBackend", "BACKENDS", "get_attention_backend"]
+__all__ = ["AttentionBackend", "BACKENDS", "get_attention_backend", "mosaic_gpu_capable"]

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_MEMORY = 2 << 30  # bytes; on CPU the pool lives in host RAM
 # The names of jaxllm.attention.BACKENDS, listed here so that checking a config imports no kernels.
-ATTENTION_BACKENDS = ("native", "cpu", "pallas", "reference")
+ATTENTION_BACKENDS = ("native", "cpu", "mosaic", "pallas", "reference")
 PREEMPTION_MODES = ("recompute", "swap")
 # jaxllm.quantization's METHODS + CHECKPOINT_METHODS (config checks import no JAX code);
 # tests/test_quantization.py checks they agree.
@@ -119,8 +119,9 @@ class EngineArgs:
     params_cache_dir: str | None = option(
         None, "where converted weights are kept between runs (default: $JAXLLM_CACHE_DIR/params)", metavar="DIR")
     attention_backend: str | None = option(
-        None, "paged attention implementation: 'native' (C++ CPU kernel), 'cpu' (jnp rows), 'pallas' (GPU), "
-              "'reference' (dense oracle); default: by platform", choices=ATTENTION_BACKENDS)
+        None, "paged attention implementation: 'native' (C++ CPU kernel), 'cpu' (jnp rows), 'mosaic' (GPU, "
+              "Mosaic GPU kernel), 'pallas' (GPU, Triton kernel), 'reference' (dense oracle); default: by "
+              "platform", choices=ATTENTION_BACKENDS)
     warmup: bool = option(True, "compile every step shape at start-up (off: compile on first use)")
     background_compile: bool = option(
         False, "with warmup, start serving while the step shapes compile: a batch runs in the smallest "

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cuda_lowering import arg, gpu_mesh, lower_for_cuda
+
 from jaxllm.kernels.kv_write import to_storage
 from jaxllm.kernels.paged_attention import ragged_paged_attention
 from jaxllm.kernels.reference import ragged_paged_attention_reference
@@ -148,47 +150,45 @@ def test_rejects_bad_shapes():
                                cu_q_lens, num_seqs)
 
 
-def lower_for_cuda(num_q_heads, num_kv_heads, head_dim, cache_dtype, **kwargs):
-    sds = jax.ShapeDtypeStruct
+def lower_kernel(num_q_heads, num_kv_heads, head_dim, cache_dtype, **kwargs):
     num_tokens, num_seqs_max, num_pages, page_size, pages_per_seq = 256, 64, 2048, 16, 128
     q_dtype = jnp.bfloat16 if cache_dtype == jnp.uint16 or cache_dtype == jnp.bfloat16 else jnp.float32
     row = head_dim + (4 if cache_dtype == jnp.int8 else 0)        # int8 rows: codes, then the scale
-    pages = sds((num_kv_heads, num_pages, page_size, row), cache_dtype)
-    args = (sds((num_tokens, num_q_heads, head_dim), q_dtype), pages, pages,
-            sds((num_seqs_max,), jnp.int32), sds((num_seqs_max, pages_per_seq), jnp.int32),
-            sds((num_seqs_max + 1,), jnp.int32), sds((), jnp.int32))
-    f = functools.partial(ragged_paged_attention, **kwargs)
-    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    pages = arg((num_kv_heads, num_pages, page_size, row), cache_dtype)
+    args = (arg((num_tokens, num_q_heads, head_dim), q_dtype), pages, pages,
+            arg((num_seqs_max,), jnp.int32), arg((num_seqs_max, pages_per_seq), jnp.int32),
+            arg((num_seqs_max + 1,), jnp.int32), arg((), jnp.int32))
+    return lower_for_cuda(functools.partial(ragged_paged_attention, **kwargs), *args)
 
 
 @pytest.mark.parametrize("cache_dtype", [jnp.uint16, jnp.float32, jnp.int8], ids=["bf16", "f32", "int8"])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128)],
                          ids=["default_model", "llama3_8b"])
 def test_lowers_for_cuda_with_triton(num_q_heads, num_kv_heads, head_dim, cache_dtype):
-    text = lower_for_cuda(num_q_heads, num_kv_heads, head_dim, cache_dtype)
+    text = lower_kernel(num_q_heads, num_kv_heads, head_dim, cache_dtype)
     assert "__gpu$xla.gpu.triton" in text
     assert "ragged_paged_attention" in text
 
 
 def test_lowers_for_cuda_with_window_and_soft_cap():
-    text = lower_for_cuda(32, 8, 128, jnp.bfloat16, sliding_window=4096, logits_soft_cap=50.0)
+    text = lower_kernel(32, 8, 128, jnp.bfloat16, sliding_window=4096, logits_soft_cap=50.0)
     assert "__gpu$xla.gpu.triton" in text
 
 
 def test_lowers_for_cuda_per_shard_under_shard_map():
     """Tensor parallelism runs the kernel per shard (jaxllm/parallel.py): Llama-3-8B's 32 query
     and 8 KV heads over an abstract 8-device mesh leave each shard 4 query heads and 1 KV head."""
-    from jax.sharding import AbstractMesh, PartitionSpec as P
+    from jax.sharding import PartitionSpec as P
 
-    sds = jax.ShapeDtypeStruct
-    mesh = AbstractMesh((8,), ("model",))
+    mesh = gpu_mesh(8)
     num_tokens, num_seqs_max, pages_per_seq = 256, 64, 128
-    pages = sds((8, 2048, 16, 128), jnp.uint16)
-    args = (sds((num_tokens, 32, 128), jnp.bfloat16), pages, pages, sds((num_seqs_max,), jnp.int32),
-            sds((num_seqs_max, pages_per_seq), jnp.int32), sds((num_seqs_max + 1,), jnp.int32), sds((), jnp.int32))
+    pages = arg((8, 2048, 16, 128), jnp.uint16, mesh, P("model"))
+    args = (arg((num_tokens, 32, 128), jnp.bfloat16, mesh, P(None, "model")), pages, pages,
+            arg((num_seqs_max,), jnp.int32), arg((num_seqs_max, pages_per_seq), jnp.int32),
+            arg((num_seqs_max + 1,), jnp.int32), arg((), jnp.int32))
     per_shard = jax.shard_map(ragged_paged_attention, mesh=mesh, check_vma=False,
                               in_specs=(P(None, "model"), P("model"), P("model"), P(), P(), P(), P()),
                               out_specs=P(None, "model"))
-    text = jax.jit(per_shard).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(per_shard, *args, mesh=mesh)
     assert "__gpu$xla.gpu.triton" in text
     assert f"tensor<{num_tokens}x4x128xbf16>" in text and f"tensor<1x2048x16x128xui16>" in text

@@ -115,6 +115,8 @@ class LLMEngine:
 
     # ----- requests -----
     def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.model_name!r} has no tokenizer: give prompt_token_ids")
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def add_request(self, request_id: str, prompt: str | list[int] | None = None,
@@ -136,6 +138,10 @@ class LLMEngine:
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.check_prompt(prompt_token_ids, params)
         params = dataclasses.replace(params)
+        if self.tokenizer is None:      # token ids in, token ids out (vLLM's skip_tokenizer_init)
+            if params.stop:
+                raise ValueError(f"model {self.model_name!r} has no tokenizer: stop strings need one")
+            params.detokenize = False
         if params.max_tokens is None:
             params.max_tokens = self.config.scheduler.max_model_len - len(prompt_token_ids)
             if params.min_tokens > params.max_tokens:

@@ -1,0 +1,270 @@
+"""Ragged paged attention as a Pallas Mosaic GPU kernel (Hopper warpgroup MMA, TMA page copies).
+
+The same contract as `paged_attention.ragged_paged_attention` (the Triton kernel) and the
+`jnp` oracle `reference.ragged_paged_attention_reference`: one call serves a whole ragged
+batch of decodes and prefill chunks over the paged KV cache.
+
+Why a second GPU kernel: Pallas' Triton backend is deprecated from jax 0.11; Mosaic GPU is
+JAX's own GPU kernel language from then on. The Triton kernel stays for what this one does
+not cover (see `unsupported`): float32 and int8 caches (an int8 row of head_dim + 4 bytes is
+not 16-byte aligned, which TMA needs), pre-Hopper GPUs.
+
+Work partition (as the Triton kernel's): the query heads sharing a KV head (`group`, padded to
+a power of two) are folded into the rows of one 64-row tile (one warpgroup's MMA height), so
+each K/V page is read once per KV head (GQA). A tile holds `64 // group` consecutive tokens of
+one sequence. Before the kernel, `jnp` ops number the tiles (`tile_seq`, `tile_q_start`) and
+gather q into `[num_kv_heads, num_tiles, 64, head_dim]`; after it, the tokens' rows are
+gathered back from the per-tile output, so the kernel never stores a partial tile. The grid is
+(num_kv_heads, num_tiles). Each program copies its q tile into shared memory, then walks its
+sequence's key blocks (`block_kv` keys = whole pages, each page a TMA copy addressed through
+the block table) through a ring of `stages` shared-memory slots: block i+stages is copied
+while block i is multiplied. Scores and P @ V are warpgroup MMAs (bf16 in, f32 accumulate);
+the online softmax runs in f32 registers. Sliding windows start at the first block the
+window sees; no split over a long context yet (few long decodes use few SMs).
+
+Checked without a GPU (tests/test_paged_attention_mgpu.py): numerics in Mosaic GPU's interpret
+mode (`interpret=True`), which simulates shared memory, TMA copies and barriers on the CPU;
+there the MMAs are `lax.dot_general` on the same shared-memory tiles (the interpreter has no
+transposed MMA operand) and the register-layout hints are dropped. Lowering for `cuda` on
+CPU runs Mosaic GPU's layout inference, which rejects kernels that could never compile.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+NEG_INF = -1e30
+BLOCK_Q = 64            # query rows per program: one warpgroup's MMA height
+SWIZZLE = 128           # bytes: shared-memory swizzle of every MMA operand
+
+
+def unsupported(q_shape, cache_dtype, page_size: int) -> str | None:
+    """Why this kernel cannot serve a call (None if it can): the caller then uses Triton."""
+    _, num_q_heads, head_dim = q_shape
+    cache_dtype = jnp.dtype(cache_dtype)
+    if cache_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16)):
+        return f"{cache_dtype} cache (the Mosaic GPU kernel reads bfloat16 pages)"
+    if head_dim % 64 or head_dim > 256:
+        return f"head_dim {head_dim} (needs a multiple of 64, at most 256)"
+    if page_size % 8 or (64 % page_size and page_size % 64):
+        return f"page_size {page_size} (needs 8, 16, 32, 64 or a multiple of 64)"
+    return None
+
+
+def _kernel(tile_seq_ref, tile_q_start_ref, cu_q_lens_ref, kv_lens_ref, block_tables_ref,
+            q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar, *,
+            group: int, pages_per_block: int, stages: int, sm_scale: float,
+            sliding_window: int | None, logits_soft_cap: float | None, interpret: bool):
+    """One (KV head, query tile) program. Refs without _smem/_bar are in global memory:
+    q_ref / o_ref [num_kv_heads, num_tiles, BLOCK_Q, head_dim], k_ref / v_ref the page pools."""
+    h, b = lax.axis_index("kv_head"), lax.axis_index("tile")
+    head_dim = q_smem.shape[1]
+    page_size = k_ref.shape[2]
+    block_kv = pages_per_block * page_size
+
+    def mma(a_ref, b_ref, transpose_b: bool):
+        """a @ b (or a @ b.T) of two shared-memory tiles, bf16 in, f32 out."""
+        if interpret:
+            dims = (((1,), (1 if transpose_b else 0,)), ((), ()))
+            return lax.dot_general(a_ref[...], b_ref[...], dims, preferred_element_type=jnp.float32)
+        n = b_ref.shape[0] if transpose_b else b_ref.shape[1]
+
+        def scope(acc_ref):
+            plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)) if transpose_b else b_ref)
+            return acc_ref[...]
+        return pl.run_scoped(scope, plgpu.ACC((a_ref.shape[0], n), jnp.float32))
+
+    def layout(x, to):          # register layout hints; the interpreter has no layouts
+        return x if interpret else plgpu.layout_cast(x, to)
+
+    def iota(dim):
+        shape = (BLOCK_Q, block_kv)
+        if interpret:
+            return lax.broadcasted_iota(jnp.int32, shape, dim)
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+    seq = tile_seq_ref[b]
+
+    @pl.when(seq >= 0)
+    def _():
+        plgpu.copy_gmem_to_smem(q_ref.at[h, b], q_smem, q_bar.at[0])
+        q_start = cu_q_lens_ref[seq]
+        q_len = cu_q_lens_ref[seq + 1] - q_start
+        kv_len = kv_lens_ref[seq]
+        first_tok = tile_q_start_ref[b]
+        # Row r is token first_tok + r // group at cache position base + r // group.
+        base = kv_len - q_len + first_tok
+        last_pos = base + jnp.minimum(BLOCK_Q // group, q_len - first_tok) - 1
+        hi = lax.div(last_pos + block_kv, jnp.int32(block_kv))
+        lo = jnp.int32(0)
+        if sliding_window is not None:
+            lo = lax.div(jnp.maximum(base - sliding_window + 1, 0), jnp.int32(block_kv))
+
+        def fetch(i, slot):        # key block i -> ring slot: one TMA copy per page
+            for j in range(pages_per_block):
+                page = block_tables_ref[seq, i * pages_per_block + j]
+                rows = pl.ds(j * page_size, page_size)
+                plgpu.copy_gmem_to_smem(k_ref.at[h, page], k_smem.at[slot, rows], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[h, page], v_smem.at[slot, rows], v_bar.at[slot])
+
+        for s in range(stages):
+            @pl.when(lo + s < hi)
+            def _():
+                fetch(lo + s, s)
+
+        def body(i, carry):
+            m, l, acc = carry
+            slot = lax.rem(i - lo, jnp.int32(stages))
+            plgpu.barrier_wait(k_bar.at[slot])
+            s = mma(q_smem, k_smem.at[slot], True) * sm_scale
+            if logits_soft_cap is not None:
+                s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+            # key k is visible to row r iff k <= base + r // group, i.e. (k - base) * group <= r
+            # (rows past the sequence's tokens compute garbage that nobody gathers)
+            r, k = iota(0), iota(1) + i * block_kv
+            mask = (k - base) * group <= r
+            if sliding_window is not None:   # k > base + r // group - window
+                mask &= (k - base + sliding_window) * group > r
+            s = jnp.where(mask, s, NEG_INF)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            # Keys past kv_len (a last page's stale slots) get weight exactly 0; unlike the Triton
+            # kernel their V rows are not zeroed, so they must be finite (0 * NaN in the MMA):
+            # the pool starts zeroed and only ever holds written keys/values.
+            p = jnp.where(mask, jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
+            alpha = jnp.exp(m - m_new)
+            l = l * alpha + p.sum(axis=1)
+            p_smem[...] = p.astype(p_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.barrier_wait(v_bar.at[slot])
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + mma(p_smem, v_smem.at[slot], False)
+
+            @pl.when(i + stages < hi)   # the slot's MMAs are done: refill it
+            def _():
+                fetch(i + stages, slot)
+            return m_new, l, acc
+
+        rows = plgpu.Layout.WGMMA.reduce(1)
+        init = (layout(jnp.full((BLOCK_Q,), NEG_INF, jnp.float32), rows),
+                layout(jnp.full((BLOCK_Q,), 0.0, jnp.float32), rows),
+                layout(jnp.full((BLOCK_Q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA))
+        plgpu.barrier_wait(q_bar.at[0])
+        _, l, acc = lax.fori_loop(lo, hi, body, init)
+        acc = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])
+        q_smem[...] = acc.astype(q_smem.dtype)      # q is no longer needed: stage the output
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[h, b])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _tiles(cu_q_lens, num_seqs, num_tokens: int, tile_q: int):
+    """Number the query tiles of all sequences: (tile_seq [NT] (-1: unused), tile_q_start [NT],
+    first tile of each sequence [S]); NT is a static bound on how many there can be."""
+    num_seqs_max = cu_q_lens.shape[0] - 1
+    seq_ids = jnp.arange(num_seqs_max, dtype=jnp.int32)
+    q_lens = jnp.where(seq_ids < num_seqs, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    tiles_per_seq = (q_lens + tile_q - 1) // tile_q
+    tiles_end = jnp.cumsum(tiles_per_seq).astype(jnp.int32)
+    tiles_start = tiles_end - tiles_per_seq
+    num_tiles = (num_tokens + min(num_seqs_max, num_tokens) * (tile_q - 1)) // tile_q
+    tile_idx = jnp.arange(num_tiles, dtype=jnp.int32)
+    tile_seq = jnp.minimum(jnp.searchsorted(tiles_end, tile_idx, side="right"), num_seqs_max - 1)
+    tile_seq = tile_seq.astype(jnp.int32)
+    tile_q_start = (tile_idx - tiles_start[tile_seq]) * tile_q
+    tile_seq = jnp.where(tile_idx < tiles_end[-1], tile_seq, -1)
+    return tile_seq, tile_q_start, tiles_start
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "logits_soft_cap", "interpret",
+                                             "block_kv", "stages"))
+def ragged_paged_attention_mgpu(
+    q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
+    sm_scale=None, sliding_window=None, logits_soft_cap=None, interpret=False, block_kv=64, stages=3,
+):
+    """Ragged paged attention (shapes: `paged_attention.py`). Static knobs: `block_kv` keys per
+    pipeline step (whole pages, a multiple of 64), `stages` shared-memory slots in the ring."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    num_seqs_max, pages_per_seq = block_tables.shape
+    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"k_pages {k_pages.shape} {k_pages.dtype} and v_pages {v_pages.shape} "
+                         f"{v_pages.dtype} must match")
+    if k_pages.shape[-1] != head_dim:
+        raise ValueError(f"q head_dim {head_dim} does not match the cache rows ({k_pages.shape[-1]})")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    if (why := unsupported(q.shape, k_pages.dtype, page_size)) is not None:
+        raise ValueError(f"the Mosaic GPU kernel does not serve a {why}")
+    group = num_q_heads // num_kv_heads
+    group_pad = pl.next_power_of_2(group)
+    if group_pad > BLOCK_Q:
+        raise ValueError(f"{group} query heads per KV head: at most {BLOCK_Q}")
+    if block_kv % 64 or block_kv % page_size or stages < 1:
+        raise ValueError(f"block_kv {block_kv} must be a multiple of 64 and of page_size {page_size}; "
+                         f"stages {stages} >= 1")
+    tile_q = BLOCK_Q // group_pad
+    pages_per_block = block_kv // page_size
+    sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
+    if k_pages.dtype == jnp.uint16:              # bf16 bit patterns (kv_write.storage_dtype)
+        k_pages = lax.bitcast_convert_type(k_pages, jnp.bfloat16)
+        v_pages = lax.bitcast_convert_type(v_pages, jnp.bfloat16)
+    dtype = k_pages.dtype
+    cu_q_lens = cu_q_lens.astype(jnp.int32)
+    tile_seq, tile_q_start, tiles_start = _tiles(cu_q_lens, num_seqs, num_tokens, tile_q)
+    num_tiles = tile_seq.shape[0]
+
+    # q tiles [num_kv_heads, num_tiles, BLOCK_Q, head_dim]: row r of tile b is query head
+    # r % group_pad of the KV head's group, token tile_q_start[b] + r // group_pad of its sequence.
+    r = jnp.arange(BLOCK_Q, dtype=jnp.int32)
+    seq = jnp.maximum(tile_seq, 0)[:, None]
+    tok = tile_q_start[:, None] + r[None] // group_pad
+    valid = (tile_seq[:, None] >= 0) & (tok < cu_q_lens[seq + 1] - cu_q_lens[seq]) & (r[None] % group_pad < group)
+    token = jnp.where(valid, cu_q_lens[seq] + tok, 0)
+    head = jnp.minimum(r % group_pad, group - 1)
+    qg = q.astype(dtype).reshape(num_tokens, num_kv_heads, group, head_dim)[token, :, head[None]]
+    qg = jnp.where(valid[..., None, None], qg, jnp.zeros_like(qg)).transpose(2, 0, 1, 3)
+
+    pad_pages = -pages_per_seq % pages_per_block
+    block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pad_pages)))
+    tiling = plgpu.TilingTransform((8, SWIZZLE // dtype.itemsize))
+    smem = functools.partial(plgpu.SMEM, dtype=dtype, transforms=(tiling, plgpu.SwizzleTransform(SWIZZLE)))
+    kernel = functools.partial(
+        _kernel, group=group_pad, pages_per_block=pages_per_block, stages=stages, sm_scale=sm_scale,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, interpret=bool(interpret))
+    out = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct(qg.shape, dtype),
+        grid=(num_kv_heads, num_tiles),
+        grid_names=("kv_head", "tile"),
+        scratch_types=[smem((BLOCK_Q, head_dim)), smem((stages, block_kv, head_dim)),
+                       smem((stages, block_kv, head_dim)), smem((BLOCK_Q, block_kv)),
+                       plgpu.Barrier(num_barriers=1),
+                       plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
+                       plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages)],
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret_params() if interpret else None,
+    )(tile_seq, tile_q_start, cu_q_lens, kv_lens.astype(jnp.int32), block_tables, qg, k_pages, v_pages)
+
+    # Back to [T, num_q_heads, head_dim]: token t of sequence s is row ((t - cu[s]) % tile_q) *
+    # group_pad + g of tile tiles_start[s] + (t - cu[s]) // tile_q.
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    t_seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], t, side="right"), 0, num_seqs_max - 1)
+    local = t - cu_q_lens[t_seq]
+    t_tile = jnp.clip(tiles_start[t_seq] + local // tile_q, 0, num_tiles - 1)
+    t_row = (local % tile_q)[:, None] * group_pad + jnp.arange(group, dtype=jnp.int32)[None]
+    o = out[:, t_tile[:, None], t_row]                       # [num_kv_heads, T, group, head_dim]
+    o = o.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+    real = t < cu_q_lens[num_seqs]
+    return jnp.where(real[:, None, None], o, jnp.zeros_like(o))
+
+
+def _interpret_params():
+    """Mosaic GPU's interpret mode (CPU): simulated shared memory, TMA copies and barriers."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
