@@ -212,7 +212,7 @@ def main(argv=None):
     ap.add_argument("--engine-backend", default=None, help="attention backend for the engine (default: the platform's)")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "jaxllm-gpu-bench"))
     ap.add_argument("--smoke", action="store_true",
-                    help="tiny shapes, 2 repeats, no warm-up; on CPU the kernels are interpreted (a test runs this)")
+                    help="tiny shapes, 1 repeat, no warm-up; on CPU the kernels are interpreted (a test runs this)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "gpu.json"))
     args = ap.parse_args(argv)
     device = jax.devices()[0]
@@ -220,7 +220,7 @@ def main(argv=None):
     shape = dict(LLAMA3_8B, layers=args.layers)
     if args.smoke:
         shape = SMOKE
-        args.contexts, args.batch, args.repeat, args.num_prompts = [40, 100], 3, 2, 4
+        args.contexts, args.batch, args.repeat, args.num_prompts = [100], 3, 1, 4
     elif args.interpret:
         raise SystemExit("no GPU here: run with --smoke (tiny shapes in interpret mode), or on a GPU")
     label = f"{device.device_kind} (compute capability {getattr(device, 'compute_capability', '-')})"

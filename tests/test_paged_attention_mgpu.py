@@ -145,7 +145,7 @@ def test_gpu_benchmark_smoke(tmp_path):
     spec.loader.exec_module(bench)
     result = bench.main(["--smoke", "--out", str(tmp_path / "gpu.json"), "--workdir", str(tmp_path)])
     rows = result["kernels"]
-    assert [r["kernel"] for r in rows] == ["mosaic", "triton"] * 3
+    assert [r["kernel"] for r in rows] == ["mosaic", "triton"] * 2
     assert not [r for r in rows if "error" in r]
     assert [r["max_abs_err"] < TOL for r in rows if "max_abs_err" in r] == [True, True]
     workload = random_workload(4, (32, 256), (32, 128), 0, bench.SMOKE["vocab"], [])

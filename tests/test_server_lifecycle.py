@@ -59,9 +59,11 @@ class Stream(threading.Thread):
 
 def test_full_queue_then_sigterm_drains_and_exits_zero(tiny_model_dir, tmp_path):
     server = start_server(tiny_model_dir, str(tmp_path), "--max-num-seqs", "2", "--max-waiting-requests", "1",
-                          "--shutdown-timeout", "2", faults=["--step-delay", "0.05"])
+                          "--shutdown-timeout", "6", faults=["--step-delay", "0.05"])
     try:
-        short, long = Stream(server, 10), Stream(server, 400)      # 0.5 s and 20 s of steps
+        # 3 s and 20 s of steps: the short one still runs when the queue is full (on a busy
+        # machine a 0.5 s one could end first and let the queued one in) and ends in the grace.
+        short, long = Stream(server, 60), Stream(server, 400)
         for s in (short, long):
             assert s.started.wait(60) and s.status == 200
         queued = Stream(server, 400)                                # waits for a free row

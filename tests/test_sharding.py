@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # tensor x data [x pipeline] parallel sizes; "mesh:": on a caller's ("data", ["stage",] "model")
 # Mesh, with the weights restored from the params cache the layout before it wrote; "deep:": a
 # 4-layer model; "+swap": preemption swaps pages to the host
-LAYOUTS = ("2x1", "4x1", "1x2", "1x1x2+swap", "2x1x2", "mesh:2x1x2", "deep:1x1x4", "int8:2x1x2+swap")
+LAYOUTS = ("2x1", "4x1", "1x2", "2x1x2", "mesh:2x1x2", "deep:1x1x4", "int8:2x1x2+swap")
 
 
 def sizes(layout: str) -> tuple[int, int, int]:

@@ -155,6 +155,43 @@ def _ragged_paged_attention_kernel(
         pltriton.store(o_ref.at[rows, :], o.astype(o_ref.dtype), mask=row_valid[:, None])
 
 
+def check_shapes(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens) -> None:
+    """The contract's shapes (module docstring), checked for every GPU kernel: ValueError if not."""
+    _, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, _, row = k_pages.shape
+    num_seqs_max = block_tables.shape[0]
+    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"k_pages {k_pages.shape} {k_pages.dtype} and v_pages "
+                         f"{v_pages.shape} {v_pages.dtype} must match")
+    if row != head_dim + (INT8_SCALE_BYTES if k_pages.dtype == jnp.int8 else 0):
+        raise ValueError(f"q head_dim {head_dim} does not match the cache rows ({row}, {k_pages.dtype})")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    if kv_lens.shape != (num_seqs_max,) or cu_q_lens.shape != (num_seqs_max + 1,):
+        raise ValueError(f"kv_lens {kv_lens.shape} / cu_q_lens {cu_q_lens.shape} do not match "
+                         f"block_tables {block_tables.shape}")
+
+
+def query_tiles(cu_q_lens, num_seqs, num_tokens: int, tile_q: int):
+    """Number the query tiles (`tile_q` consecutive tokens of one sequence) of all sequences:
+    (tile_seq [NT] (-1 for an unused slot), tile_q_start [NT] (the tile's first token within its
+    sequence), tiles_start [S] (each sequence's first tile)). NT = (T + min(S, T) * (tile_q - 1))
+    // tile_q is a static bound on how many there can be. `jnp` on device, no host sync."""
+    num_seqs_max = cu_q_lens.shape[0] - 1
+    seq_ids = jnp.arange(num_seqs_max, dtype=jnp.int32)
+    q_lens = jnp.where(seq_ids < num_seqs, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    tiles_per_seq = (q_lens + tile_q - 1) // tile_q
+    tiles_end = jnp.cumsum(tiles_per_seq).astype(jnp.int32)
+    tiles_start = tiles_end - tiles_per_seq
+    num_tiles = (num_tokens + min(num_seqs_max, num_tokens) * (tile_q - 1)) // tile_q
+    tile_idx = jnp.arange(num_tiles, dtype=jnp.int32)
+    tile_seq = jnp.minimum(jnp.searchsorted(tiles_end, tile_idx, side="right"), num_seqs_max - 1)
+    tile_seq = tile_seq.astype(jnp.int32)
+    tile_q_start = (tile_idx - tiles_start[tile_seq]) * tile_q
+    tile_seq = jnp.where(tile_idx < tiles_end[-1], tile_seq, -1)
+    return tile_seq, tile_q_start, tiles_start
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "logits_soft_cap", "interpret",
@@ -170,24 +207,14 @@ def ragged_paged_attention(
     Static tuning knobs: `tile_rows` query rows per program (tokens x padded group),
     `tile_keys` keys per inner step (rounded to whole pages).
     """
+    check_shapes(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens)
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, head_dim_k = k_pages.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
     num_seqs_max, pages_per_seq = block_tables.shape
-    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
-        raise ValueError(f"k_pages {k_pages.shape} {k_pages.dtype} and v_pages "
-                         f"{v_pages.shape} {v_pages.dtype} must match")
-    if head_dim_k != head_dim + (INT8_SCALE_BYTES if k_pages.dtype == jnp.int8 else 0):
-        raise ValueError(f"q head_dim {head_dim} does not match the cache rows ({head_dim_k}, {k_pages.dtype})")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of "
-                         f"num_kv_heads {num_kv_heads}")
     if not _is_pow2(head_dim) or head_dim < 16:
         raise ValueError(f"head_dim {head_dim} must be a power of two >= 16 (Triton tiles)")
     if not _is_pow2(page_size):
         raise ValueError(f"page_size {page_size} must be a power of two (Triton tiles)")
-    if kv_lens.shape != (num_seqs_max,) or cu_q_lens.shape != (num_seqs_max + 1,):
-        raise ValueError(f"kv_lens {kv_lens.shape} / cu_q_lens {cu_q_lens.shape} do not match "
-                         f"block_tables {block_tables.shape}")
     if not _is_pow2(tile_rows) or not _is_pow2(tile_keys):
         raise ValueError(f"tile_rows {tile_rows} and tile_keys {tile_keys} must be powers of two")
 
@@ -206,17 +233,8 @@ def ragged_paged_attention(
     # accumulation is float32 either way.
     compute_dtype = jnp.bfloat16 if k_pages.dtype in (jnp.bfloat16, jnp.uint16) else jnp.float32
 
-    # Number the query tiles of all sequences; static bound on how many there can be.
-    seq_ids = jnp.arange(num_seqs_max, dtype=jnp.int32)
-    q_lens = jnp.where(seq_ids < num_seqs, cu_q_lens[1:] - cu_q_lens[:-1], 0)
-    tiles_per_seq = (q_lens + tile_q - 1) // tile_q
-    tiles_end = jnp.cumsum(tiles_per_seq)
-    num_tiles = (num_tokens + min(num_seqs_max, num_tokens) * (tile_q - 1)) // tile_q
-    tile_idx = jnp.arange(num_tiles, dtype=jnp.int32)
-    tile_seq = jnp.minimum(jnp.searchsorted(tiles_end, tile_idx, side="right"), num_seqs_max - 1)
-    tile_seq = tile_seq.astype(jnp.int32)
-    tile_q_start = (tile_idx - (tiles_end[tile_seq] - tiles_per_seq[tile_seq])) * tile_q
-    tile_seq = jnp.where(tile_idx < tiles_end[-1], tile_seq, -1)
+    tile_seq, tile_q_start, _ = query_tiles(cu_q_lens, num_seqs, num_tokens, tile_q)
+    num_tiles = tile_seq.shape[0]
 
     # [num_kv_heads, (T + tile_q) * group_pad, head_dim]: a tile of tile_q tokens is a
     # contiguous run of tile_rows rows; the tile_q extra tokens keep the last tile in bounds.

@@ -39,6 +39,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxllm.kernels.paged_attention import check_shapes, query_tiles
+
 NEG_INF = -1e30
 BLOCK_Q = 64            # query rows per program: one warpgroup's MMA height
 SWIZZLE = 128           # bytes: shared-memory swizzle of every MMA operand
@@ -162,24 +164,6 @@ def _kernel(tile_seq_ref, tile_q_start_ref, cu_q_lens_ref, kv_lens_ref, block_ta
         plgpu.wait_smem_to_gmem(0)
 
 
-def _tiles(cu_q_lens, num_seqs, num_tokens: int, tile_q: int):
-    """Number the query tiles of all sequences: (tile_seq [NT] (-1: unused), tile_q_start [NT],
-    first tile of each sequence [S]); NT is a static bound on how many there can be."""
-    num_seqs_max = cu_q_lens.shape[0] - 1
-    seq_ids = jnp.arange(num_seqs_max, dtype=jnp.int32)
-    q_lens = jnp.where(seq_ids < num_seqs, cu_q_lens[1:] - cu_q_lens[:-1], 0)
-    tiles_per_seq = (q_lens + tile_q - 1) // tile_q
-    tiles_end = jnp.cumsum(tiles_per_seq).astype(jnp.int32)
-    tiles_start = tiles_end - tiles_per_seq
-    num_tiles = (num_tokens + min(num_seqs_max, num_tokens) * (tile_q - 1)) // tile_q
-    tile_idx = jnp.arange(num_tiles, dtype=jnp.int32)
-    tile_seq = jnp.minimum(jnp.searchsorted(tiles_end, tile_idx, side="right"), num_seqs_max - 1)
-    tile_seq = tile_seq.astype(jnp.int32)
-    tile_q_start = (tile_idx - tiles_start[tile_seq]) * tile_q
-    tile_seq = jnp.where(tile_idx < tiles_end[-1], tile_seq, -1)
-    return tile_seq, tile_q_start, tiles_start
-
-
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "logits_soft_cap", "interpret",
                                              "block_kv", "stages"))
 def ragged_paged_attention_mgpu(
@@ -188,16 +172,10 @@ def ragged_paged_attention_mgpu(
 ):
     """Ragged paged attention (shapes: `paged_attention.py`). Static knobs: `block_kv` keys per
     pipeline step (whole pages, a multiple of 64), `stages` shared-memory slots in the ring."""
+    check_shapes(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     num_seqs_max, pages_per_seq = block_tables.shape
-    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
-        raise ValueError(f"k_pages {k_pages.shape} {k_pages.dtype} and v_pages {v_pages.shape} "
-                         f"{v_pages.dtype} must match")
-    if k_pages.shape[-1] != head_dim:
-        raise ValueError(f"q head_dim {head_dim} does not match the cache rows ({k_pages.shape[-1]})")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
     if (why := unsupported(q.shape, k_pages.dtype, page_size)) is not None:
         raise ValueError(f"the Mosaic GPU kernel does not serve a {why}")
     group = num_q_heads // num_kv_heads
@@ -215,7 +193,7 @@ def ragged_paged_attention_mgpu(
         v_pages = lax.bitcast_convert_type(v_pages, jnp.bfloat16)
     dtype = k_pages.dtype
     cu_q_lens = cu_q_lens.astype(jnp.int32)
-    tile_seq, tile_q_start, tiles_start = _tiles(cu_q_lens, num_seqs, num_tokens, tile_q)
+    tile_seq, tile_q_start, tiles_start = query_tiles(cu_q_lens, num_seqs, num_tokens, tile_q)
     num_tiles = tile_seq.shape[0]
 
     # q tiles [num_kv_heads, num_tiles, BLOCK_Q, head_dim]: row r of tile b is query head
