@@ -15,10 +15,10 @@ each K/V page is read once per KV head (GQA). A tile holds `64 // group` consecu
 one sequence. Before the kernel, `jnp` ops number the tiles (`tile_seq`, `tile_q_start`) and
 gather q into `[num_kv_heads, num_tiles, 64, head_dim]`; after it, the tokens' rows are
 gathered back from the per-tile output, so the kernel never stores a partial tile. The grid is
-(num_kv_heads, num_tiles). Each program copies its q tile into shared memory, then walks its
-sequence's key blocks (`block_kv` keys = whole pages, each page a TMA copy addressed through
-the block table) through a ring of `stages` shared-memory slots: block i+stages is copied
-while block i is multiplied. Scores and P @ V are warpgroup MMAs (bf16 in, f32 accumulate);
+(num_kv_heads, num_tiles). Each program copies its q tile and its sequence's block-table row
+into shared memory (so a page id is a shared-memory read), then walks the sequence's key
+blocks (`block_kv` keys = whole pages, one TMA copy per page) through a ring of `stages`
+shared-memory slots: block i+stages is copied while block i is multiplied. Scores and P @ V are warpgroup MMAs (bf16 in, f32 accumulate);
 the online softmax runs in f32 registers. Sliding windows start at the first block the
 window sees; no split over a long context yet (few long decodes use few SMs).
 
@@ -32,6 +32,7 @@ CPU runs Mosaic GPU's layout inference, which rejects kernels that could never c
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +61,8 @@ def unsupported(q_shape, cache_dtype, page_size: int) -> str | None:
 
 
 def _kernel(tile_seq_ref, tile_q_start_ref, cu_q_lens_ref, kv_lens_ref, block_tables_ref,
-            q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar, *,
+            q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, p_smem, table_smem, q_bar, table_bar, k_bar,
+            v_bar, *,
             group: int, pages_per_block: int, stages: int, sm_scale: float,
             sliding_window: int | None, logits_soft_cap: float | None, interpret: bool):
     """One (KV head, query tile) program. Refs without _smem/_bar are in global memory:
@@ -96,6 +98,7 @@ def _kernel(tile_seq_ref, tile_q_start_ref, cu_q_lens_ref, kv_lens_ref, block_ta
     @pl.when(seq >= 0)
     def _():
         plgpu.copy_gmem_to_smem(q_ref.at[h, b], q_smem, q_bar.at[0])
+        plgpu.copy_gmem_to_smem(block_tables_ref.at[seq], table_smem, table_bar.at[0])
         q_start = cu_q_lens_ref[seq]
         q_len = cu_q_lens_ref[seq + 1] - q_start
         kv_len = kv_lens_ref[seq]
@@ -110,11 +113,12 @@ def _kernel(tile_seq_ref, tile_q_start_ref, cu_q_lens_ref, kv_lens_ref, block_ta
 
         def fetch(i, slot):        # key block i -> ring slot: one TMA copy per page
             for j in range(pages_per_block):
-                page = block_tables_ref[seq, i * pages_per_block + j]
+                page = table_smem[i * pages_per_block + j]
                 rows = pl.ds(j * page_size, page_size)
                 plgpu.copy_gmem_to_smem(k_ref.at[h, page], k_smem.at[slot, rows], k_bar.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[h, page], v_smem.at[slot, rows], v_bar.at[slot])
 
+        plgpu.barrier_wait(table_bar.at[0])
         for s in range(stages):
             @pl.when(lo + s < hi)
             def _():
@@ -207,7 +211,7 @@ def ragged_paged_attention_mgpu(
     qg = q.astype(dtype).reshape(num_tokens, num_kv_heads, group, head_dim)[token, :, head[None]]
     qg = jnp.where(valid[..., None, None], qg, jnp.zeros_like(qg)).transpose(2, 0, 1, 3)
 
-    pad_pages = -pages_per_seq % pages_per_block
+    pad_pages = -pages_per_seq % math.lcm(pages_per_block, 4)     # a row's TMA copy: 16-byte multiples
     block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pad_pages)))
     tiling = plgpu.TilingTransform((8, SWIZZLE // dtype.itemsize))
     smem = functools.partial(plgpu.SMEM, dtype=dtype, transforms=(tiling, plgpu.SwizzleTransform(SWIZZLE)))
@@ -221,7 +225,8 @@ def ragged_paged_attention_mgpu(
         grid_names=("kv_head", "tile"),
         scratch_types=[smem((BLOCK_Q, head_dim)), smem((stages, block_kv, head_dim)),
                        smem((stages, block_kv, head_dim)), smem((BLOCK_Q, block_kv)),
-                       plgpu.Barrier(num_barriers=1),
+                       plgpu.SMEM((pages_per_seq + pad_pages,), jnp.int32),
+                       plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=1),
                        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
                        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages)],
         compiler_params=plgpu.CompilerParams(approx_math=True),
