@@ -7,8 +7,8 @@
 Kernels (Llama-3-8B's attention: 32 query / 8 KV heads of 128, bf16 pages of 16 tokens): the
 Mosaic GPU kernel and the Triton kernel on decode-only batches at each context (as many
 sequences as `--kv-gib` of KV holds, at most `--batch`) and on a mixed batch (decodes and
-prefill chunks). Each reports the median time of `--repeat` calls, the bytes it must read (the
-sequences' K/V pages, the block tables, q, and the output it writes), those bytes over the time,
+prefill chunks). Each reports the median time of `--repeat` calls, the bytes it must move (the
+K/V rows of the sequences' tokens, the block tables, q, and the output it writes), those bytes over the time,
 and MBU: that rate over this device's copy bandwidth, measured first (a device-to-device copy,
 bytes read plus written).
 

@@ -175,15 +175,17 @@ def test_lowers_for_cuda_with_window_and_soft_cap():
     assert "__gpu$xla.gpu.triton" in text
 
 
-def test_lowers_for_cuda_per_shard_under_shard_map():
-    """Tensor parallelism runs the kernel per shard (jaxllm/parallel.py): Llama-3-8B's 32 query
-    and 8 KV heads over an abstract 8-device mesh leave each shard 4 query heads and 1 KV head."""
+@pytest.mark.parametrize("num_q_heads", [32, 64], ids=["llama3_8b", "llama3_70b"])
+def test_lowers_for_cuda_per_shard_under_shard_map(num_q_heads):
+    """Tensor parallelism runs the kernel per shard (jaxllm/parallel.py): Llama-3-8B's 32 (70B's
+    64) query and 8 KV heads over an abstract 8-device mesh leave each shard 4 (8) query heads
+    and 1 KV head."""
     from jax.sharding import PartitionSpec as P
 
     mesh = gpu_mesh(8)
     num_tokens, num_seqs_max, pages_per_seq = 256, 64, 128
     pages = arg((8, 2048, 16, 128), jnp.uint16, mesh, P("model"))
-    args = (arg((num_tokens, 32, 128), jnp.bfloat16, mesh, P(None, "model")), pages, pages,
+    args = (arg((num_tokens, num_q_heads, 128), jnp.bfloat16, mesh, P(None, "model")), pages, pages,
             arg((num_seqs_max,), jnp.int32), arg((num_seqs_max, pages_per_seq), jnp.int32),
             arg((num_seqs_max + 1,), jnp.int32), arg((), jnp.int32))
     per_shard = jax.shard_map(ragged_paged_attention, mesh=mesh, check_vma=False,
@@ -191,4 +193,4 @@ def test_lowers_for_cuda_per_shard_under_shard_map():
                               out_specs=P(None, "model"))
     text = lower_for_cuda(per_shard, *args, mesh=mesh)
     assert "__gpu$xla.gpu.triton" in text
-    assert f"tensor<{num_tokens}x4x128xbf16>" in text and f"tensor<1x2048x16x128xui16>" in text
+    assert f"tensor<{num_tokens}x{num_q_heads // 8}x128xbf16>" in text and "tensor<1x2048x16x128xui16>" in text
