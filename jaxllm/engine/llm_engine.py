@@ -21,6 +21,7 @@ from jaxllm.config import EngineArgs, EngineConfig, resolve_config
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.engine.core import DataParallelEngineCore, EngineCore, EngineStats
 from jaxllm.engine.output_processor import OUTPUT_KINDS, OutputProcessor
+from jaxllm.models import calibration
 from jaxllm.outputs import RequestOutput
 from jaxllm.quantization import CHECKPOINT_METHODS
 from jaxllm.runner import compile as compile_mod
@@ -68,6 +69,8 @@ class LLMEngine:
             compile_mod.enable_persistent_cache(self.config.compilation_cache_dir)
         self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
+        if self.config.quantization == "w8a8":      # float weights (a quantized checkpoint was refused above)
+            calibration.smooth_for_w8a8(loaded.params, loaded.spec, self.tokenizer)
         self.model_name = self.config.model_name
         eos = set(loaded.spec.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:

@@ -191,9 +191,24 @@ class PackedWeight:
     panels: jax.Array
 
 
+@dataclasses.dataclass
+class Observed:
+    """A layer matrix under calibration (models/calibration.py): `matmul` keeps in
+    `maxima[key]` the largest |x| it has seen in each input channel (under a trace, the traced
+    value, which the traced function returns)."""
+
+    weight: object
+    key: object
+    maxima: dict
+
+
 def matmul(x: jax.Array, w) -> jax.Array:
     """`x [..., in] f32 @ w [in, out]` with f32 accumulation, in the weight's dtype (or its
     quantization's path: jaxllm/quantization)."""
+    if isinstance(w, Observed):
+        seen = jnp.max(jnp.abs(x.reshape(-1, x.shape[-1]).astype(jnp.float32)), axis=0)
+        w.maxima[w.key] = jnp.maximum(w.maxima[w.key], seen) if w.key in w.maxima else seen
+        return matmul(x, w.weight)
     if isinstance(w, quant.QuantizedWeight):
         return quant.matmul(x, w)
     if isinstance(w, PackedWeight):
