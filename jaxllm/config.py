@@ -59,8 +59,8 @@ class EngineArgs:
                 "dots (AVX512_BF16 or AMX), float32 on other CPUs", choices=DTYPE_CHOICES)
     quantization: str | None = option(
         None, "quantize the weights on load: 'int8' (int8 per output channel), 'int4' (4-bit in groups of 32, "
-              "the LM head int8), both weight-only; 'w8a8' (int8 weights and per-token int8 activations: fast "
-              "with VNNI/AMX, less accurate); 'gguf' (a GGUF's own quantized blocks, kept), 'awq', 'gptq' "
+              "the LM head int8), both weight-only; 'w8a8' (int8 weights and per-token int8 activations, "
+              "smoothed from a calibration run at load: fast with VNNI/AMX); 'gguf' (a GGUF's own quantized blocks, kept), 'awq', 'gptq' "
               "(read from the checkpoint's quantization_config); 'none' (a GGUF dequantized to the dtype). "
               "Default: an AWQ/GPTQ checkpoint as it is; a GGUF kept quantized where the dtype is float32 "
               "on a CPU with the C++ kernels, else dequantized (see jaxllm/quantization)",
@@ -183,11 +183,13 @@ class EngineArgs:
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.quantization not in (None, *QUANTIZATION_METHODS):
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
-        if self.quantization not in (None, "none") and (self.tensor_parallel_size * self.pipeline_parallel_size
-                                              * self.data_parallel_size * self.num_processes > 1
-                                              or self.mesh is not None):
-            raise ValueError("quantization runs on one device: not with tensor, pipeline or data parallelism, "
-                             "a mesh or several processes yet")
+        sharded = self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size > 1
+        if self.quantization in ("gguf", "awq", "gptq") and (sharded or self.mesh is not None):
+            raise ValueError(f"quantization={self.quantization!r} (a checkpoint's quantized weights) runs on one "
+                             "device: not with tensor, pipeline or data parallelism or a mesh yet; 'int8', 'int4' "
+                             "and 'w8a8' quantize a float checkpoint and shard")
+        if self.quantization not in (None, "none") and self.num_processes > 1:
+            raise ValueError("quantization runs in one process, not over several processes yet")
         speculative = SpeculativeConfig.parse(self.speculative_config)
         if speculative is not None and self.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding is not supported with pipeline_parallel_size > 1 yet")

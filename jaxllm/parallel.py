@@ -81,14 +81,30 @@ def _vocab_axes(mesh: Mesh):
 
 def spec_for(path, mesh: Mesh) -> P:
     """The PartitionSpec of the parameter at tree `path` on `mesh`, from `layout.TP_SPLIT_DIMS`
-    (by its name); with pipeline stages, a layer's arrays are stacked over "stage" first."""
+    (by its name); with pipeline stages, a layer's arrays are stacked over "stage" first.
+    A QuantizedWeight's codes, scales and offsets split as its matrix does (a tied embedding
+    table is quantized as the LM head [hidden, vocab]: its dimension 1)."""
+    field = getattr(path[-1], "name", None)      # a QuantizedWeight's field
+    if field is not None:
+        path = path[:-1]
     name = getattr(path[-1], "key", None)
     dim = layout.TP_SPLIT_DIMS.get(name)
+    if field is not None and name == "embed":
+        dim = 1
     split = _vocab_axes(mesh) if name in ("embed", "lm_head") else MODEL_AXIS
     spec = [] if dim is None else [None] * dim + [split]
     if pp_size(mesh) > 1 and getattr(path[0], "key", None) == "layers":
         spec = [STAGE_AXIS, *spec]
     return P(*spec)
+
+
+def quantized_parts(mesh: Mesh) -> dict:
+    """{name: (column parts, row parts)} for `quantization.quantize_params` on `mesh`: each
+    matrix's codes and scales split as `spec_for` splits them."""
+    tp = tp_size(mesh)
+    vocab = (tp * pp_size(mesh), 1)
+    return {"wqkv": (tp, 1), "w_gate_up": (tp, 1), "w_up": (tp, 1), "wo": (1, tp), "w_down": (1, tp),
+            "experts_gate_up": (tp, 1), "experts_down": (1, tp), "lm_head": vocab, "embed": vocab}
 
 
 def param_specs(params, mesh: Mesh):

@@ -7,7 +7,8 @@ Generates the same batch (greedy, float32, with logprobs, every 8th request unde
 constraint) on one device and with each layout
 (tensor x data [x pipeline] parallel sizes, e.g. 2x1, 1x2, 2x2, 2x1x2; mesh:2x2 on a caller's
 ("data", "model") Mesh, mesh:2x1x2 on a ("data", "stage", "model") one; deep:1x1x4 on a
-4-layer copy of the model, against deep:1x1; int8:... with an int8 KV cache, against int8:1x1;
+4-layer copy of the model, against deep:1x1; int8:... with an int8 KV cache and int4 weights
+(`quantization="int4"`), against int8:1x1; w8a8:... with W8A8 weights, against w8a8:1x1;
 a "+swap" suffix preempts by swapping pages to the host), with a KV
 pool small enough to preempt and prompts long enough to be chunked, and writes the token ids,
 logprobs, per-device parameter and KV bytes and each replica's share of the prompts to OUT.json.
@@ -55,12 +56,14 @@ def main() -> int:
     args = {**TINY_ENGINE_ARGS, "kv_cache_memory": None, "num_gpu_blocks_override": 40,
             "params_cache_dir": os.path.join(os.path.dirname(out_path), "params")}
     results = {}
-    references = [f"{p}:1x1" for p in ("deep", "int8") if any(layout.startswith(f"{p}:") for layout in layouts)]
+    references = [f"{p}:1x1" for p in ("deep", "int8", "w8a8") if any(layout.startswith(f"{p}:") for layout in layouts)]
     for layout in ["1x1", *references, *layouts]:
         # "mesh:TPxDP[xPP]": the same, on a Mesh the caller built; "deep:...": on 4 layers;
-        # "int8:...": with an int8 KV cache.
+        # "int8:...": with an int8 KV cache and int4 weights; "w8a8:...": with W8A8 weights.
         own_mesh, is_deep = layout.startswith("mesh:"), layout.startswith("deep:")
-        kv = {"kv_cache_dtype": "int8"} if layout.startswith("int8:") else {}
+        quantized = {"kv_cache_dtype": "int8", "quantization": "int4"} if layout.startswith("int8:") else {}
+        if layout.startswith("w8a8:"):
+            quantized = {"quantization": "w8a8"}
         tp, dp, pp = (list(map(int, layout.split(":")[-1].removesuffix("+swap").split("x"))) + [1])[:3]
         swap = {"preemption_mode": "swap", "swap_space": 0.01} if layout.endswith("+swap") else {}
         model = build_tiny_model(os.path.join(os.path.dirname(out_path), "deep"), 4) if is_deep else model_dir
@@ -69,7 +72,7 @@ def main() -> int:
             mesh = (jax.make_mesh((dp, pp, tp), ("data", "stage", "model")) if pp > 1
                     else jax.make_mesh((dp, tp), ("data", "model")))
         llm = LLM(model, tensor_parallel_size=tp, data_parallel_size=dp, pipeline_parallel_size=pp, mesh=mesh,
-                  **args, **swap, **kv)
+                  **args, **swap, **quantized)
         engine = llm.engine
         outputs = llm.generate(prompts, params, use_tqdm=False)
         runner = engine.runner

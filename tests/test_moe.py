@@ -59,3 +59,28 @@ def test_cpu_gathers_the_chosen_experts_only_while_they_are_fewer_than_all():
     spec = Spec(num_experts=16, num_experts_per_tok=4)
     assert jax.default_backend() == "cpu"
     assert [moe.expert_impl(t, spec) for t in (1, 4, 5, 256)] == ["gather", "gather", "dense", "dense"]
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("impl", ["gather", "dense", "grouped"])
+def test_quantized_experts_compute_with_their_quantized_values(impl, method):
+    # `quantization=` stores the expert stacks as codes and scales (each expert's matrix
+    # quantized on its own); every impl then gives the NumPy loop over the experts' quantized values.
+    from jaxllm.quantization import METHODS
+    from jaxllm.quantization.weights import make_sharded_weight
+    from test_quantization import reference_weight
+
+    spec = Spec()
+    rng = np.random.default_rng(7)
+    hidden, ff = 64, 32                                  # 4-bit groups of 32 rows
+    layer = {"router": rng.standard_normal((hidden, spec.num_experts)).astype(np.float32),
+             "experts_gate_up": rng.standard_normal((spec.num_experts, hidden, 2 * ff)).astype(np.float32) / 8,
+             "experts_down": rng.standard_normal((spec.num_experts, ff, hidden)).astype(np.float32) / 6}
+    h = rng.standard_normal((5, hidden)).astype(np.float32)
+    bits, group = METHODS[method]
+    names = ("experts_gate_up", "experts_down")
+    quantized = {**layer, **{n: make_sharded_weight(layer[n], method, "float") for n in names}}
+    values = {**layer, **{n: np.stack([reference_weight(w, bits, group) for w in layer[n]]) for n in names}}
+    got = np.asarray(jax.jit(lambda layer, h: moe.moe_mlp(layer, h, spec, jax.nn.silu, impl))(quantized, h))
+    np.testing.assert_allclose(got, numpy_moe(values, h, spec), rtol=1e-4, atol=1e-5)
+    assert np.abs(got - numpy_moe(layer, h, spec)).max() > 1e-4          # the codes, not the float weights

@@ -21,7 +21,7 @@ from jaxllm.config import EngineArgs, EngineConfig, resolve_config
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.engine.core import DataParallelEngineCore, EngineCore, EngineStats
 from jaxllm.engine.output_processor import OUTPUT_KINDS, OutputProcessor
-from jaxllm.models import calibration
+from jaxllm.models import calibration, layout
 from jaxllm.outputs import RequestOutput
 from jaxllm.quantization import CHECKPOINT_METHODS
 from jaxllm.runner import compile as compile_mod
@@ -48,10 +48,13 @@ class LLMEngine:
         args = dataclasses.replace(args, dtype=_resolve_dtype(args.dtype, platform, many_processes))
         self._load_quantization = _load_quantization(args, platform, mesh, many_processes)
         # Over several processes each reads the checkpoint itself (no shared params cache to race on).
+        # W8A8 smooths the unsharded weights (below), then lays them out for the mesh.
+        smooth = args.quantization == "w8a8"
         loaded = load_model(args.model, dtype=args.dtype, cache_dir=args.params_cache_dir, progress=progress,
-                            tensor_parallel_size=args.tensor_parallel_size,
-                            pipeline_parallel_size=args.pipeline_parallel_size, mesh=mesh,
-                            use_cache=not many_processes, quantization=self._load_quantization)
+                            tensor_parallel_size=1 if smooth else args.tensor_parallel_size,
+                            pipeline_parallel_size=1 if smooth else args.pipeline_parallel_size,
+                            mesh=None if smooth else mesh, use_cache=not many_processes,
+                            quantization=self._load_quantization)
         if loaded.quantization and args.quantization not in (None, loaded.quantization):
             raise ValueError(f"{loaded.source} is already quantized ({loaded.quantization}): it cannot be "
                              f"loaded with quantization={args.quantization!r}")
@@ -69,8 +72,11 @@ class LLMEngine:
             compile_mod.enable_persistent_cache(self.config.compilation_cache_dir)
         self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
-        if self.config.quantization == "w8a8":      # float weights (a quantized checkpoint was refused above)
+        if smooth:      # float weights (a quantized checkpoint was refused above)
             calibration.smooth_for_w8a8(loaded.params, loaded.spec, self.tokenizer)
+            if mesh is not None:
+                loaded.params = parallel.shard_params(layout.shard_layout(
+                    loaded.params, loaded.spec, parallel.tp_size(mesh), parallel.pp_size(mesh)), mesh)
         self.model_name = self.config.model_name
         eos = set(loaded.spec.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:

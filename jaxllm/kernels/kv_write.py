@@ -37,11 +37,12 @@ def row_width(head_dim: int, dtype) -> int:
     return head_dim + INT8_SCALE_BYTES if jnp.dtype(dtype) == jnp.int8 else head_dim
 
 
-def int8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def int8_rows(x: jax.Array, amax: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """x [..., D] -> (int8 codes [..., D], f32 scales [...]): symmetric, a scale of max |x| / 127
-    per row (1 for a zero row). The int8 KV cache's rows, and W8A8's activations."""
+    per row (1 for a zero row), or of `amax` [...] when given. The int8 KV cache's rows, and
+    W8A8's activations."""
     x = x.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    scale = (jnp.max(jnp.abs(x), axis=-1) if amax is None else amax) / 127.0
     scale = jnp.where(scale > 0, scale, 1.0)
     return jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8), scale
 

@@ -202,15 +202,16 @@ class Observed:
     maxima: dict
 
 
-def matmul(x: jax.Array, w) -> jax.Array:
+def matmul(x: jax.Array, w, axis: str | None = None) -> jax.Array:
     """`x [..., in] f32 @ w [in, out]` with f32 accumulation, in the weight's dtype (or its
-    quantization's path: jaxllm/quantization)."""
+    quantization's path: jaxllm/quantization). `axis`: the tensor-parallel axis when w is a
+    row-parallel shard (W8A8 scales activations over every shard)."""
     if isinstance(w, Observed):
         seen = jnp.max(jnp.abs(x.reshape(-1, x.shape[-1]).astype(jnp.float32)), axis=0)
         w.maxima[w.key] = jnp.maximum(w.maxima[w.key], seen) if w.key in w.maxima else seen
         return matmul(x, w.weight)
     if isinstance(w, quant.QuantizedWeight):
-        return quant.matmul(x, w)
+        return quant.matmul(x, w, axis)
     if isinstance(w, PackedWeight):
         from jaxllm.kernels import native
 
@@ -279,7 +280,7 @@ def _plus_bias(x: jax.Array, layer: dict, *names: str) -> jax.Array:
     return x
 
 
-def self_attention(layer, k_pages, v_pages, h, inputs, spec: ModelSpec, index: int, attention):
+def self_attention(layer, k_pages, v_pages, h, inputs, spec: ModelSpec, index: int, attention, axis=None):
     """Attention of h [T, hidden] (normed) over the paged cache, after writing this step's
     keys and values. Returns (the output projection before the row-parallel sum, k_pages, v_pages)."""
     num_tokens = h.shape[0]
@@ -299,10 +300,10 @@ def self_attention(layer, k_pages, v_pages, h, inputs, spec: ModelSpec, index: i
         inputs = inputs.window_view()      # a windowed layer with its own pages (a window KV cache group)
     k_pages, v_pages = attention.write_kv(k_pages, v_pages, k, v, inputs.slot_mapping)
     o = attention.forward(q, k_pages, v_pages, inputs, sliding_window=spec.window(index), sm_scale=spec.attn_scale)
-    return matmul(o.reshape(num_tokens, spec.q_size), layer["wo"]), k_pages, v_pages
+    return matmul(o.reshape(num_tokens, spec.q_size), layer["wo"], axis), k_pages, v_pages
 
 
-def dense_mlp(layer, h: jax.Array, spec: ModelSpec) -> jax.Array:
+def dense_mlp(layer, h: jax.Array, spec: ModelSpec, axis: str | None = None) -> jax.Array:
     """The MLP of h [T, hidden] before the row-parallel sum (and before the output bias)."""
     act = ACTIVATIONS[spec.hidden_act]
     if spec.gated_mlp:
@@ -310,13 +311,13 @@ def dense_mlp(layer, h: jax.Array, spec: ModelSpec) -> jax.Array:
         a = act(gate) * up
     else:
         a = act(_plus_bias(matmul(h, layer["w_up"]), layer, "b_up"))
-    return matmul(a, layer["w_down"])
+    return matmul(a, layer["w_down"], axis)
 
 
-def mlp(layer, h: jax.Array, spec: ModelSpec, index: int) -> jax.Array:
+def mlp(layer, h: jax.Array, spec: ModelSpec, index: int, axis: str | None = None) -> jax.Array:
     if spec.is_moe(index):
         return moe.moe_mlp(layer, h, spec, ACTIVATIONS[spec.hidden_act])
-    return dense_mlp(layer, h, spec)
+    return dense_mlp(layer, h, spec, axis)
 
 
 def decoder_layer(layer, k_pages, v_pages, x, inputs, spec: ModelSpec, *, index: int, attention,
@@ -325,15 +326,15 @@ def decoder_layer(layer, k_pages, v_pages, x, inputs, spec: ModelSpec, *, index:
     `attention`: its `AttentionBackend`, `axis`: the tensor-parallel mesh axis when run per
     shard). Returns (x, k_pages, v_pages)."""
     attn, k_pages, v_pages = self_attention(layer, k_pages, v_pages, norm(x, layer, "attn_norm", spec), inputs,
-                                            spec, index, attention)
+                                            spec, index, attention, axis)
     if spec.parallel_residual:   # one sum over the shards for both branches
-        out = attn + mlp(layer, norm(x, layer, "mlp_norm", spec), spec, index)
+        out = attn + mlp(layer, norm(x, layer, "mlp_norm", spec), spec, index, axis)
         return x + _plus_bias(_reduce(out, axis), layer, "bo", "b_down"), k_pages, v_pages
     attn = _plus_bias(_reduce(attn, axis), layer, "bo")
     if spec.sandwich_norm:
         attn = norm(attn, layer, "post_attn_norm", spec)
     x = x + attn
-    out = _plus_bias(_reduce(mlp(layer, norm(x, layer, "mlp_norm", spec), spec, index), axis), layer, "b_down")
+    out = _plus_bias(_reduce(mlp(layer, norm(x, layer, "mlp_norm", spec), spec, index, axis), axis), layer, "b_down")
     if spec.sandwich_norm:
         out = norm(out, layer, "post_mlp_norm", spec)
     return x + out, k_pages, v_pages
@@ -355,14 +356,17 @@ def embed(params, token_ids: jax.Array, positions: jax.Array, spec: ModelSpec, a
 def _token_rows(table, token_ids: jax.Array, axis: str | None) -> jax.Array:
     if isinstance(table, PackedWeight):  # [vocab / 16, hidden, 16]: token t is column t % 16 of panel t // 16
         return table.panels[token_ids // 16, :, token_ids % 16]
-    if isinstance(table, quant.QuantizedWeight):  # quantized as the LM head [hidden, vocab]
-        return quant.embedding_rows(table, token_ids)
+    quantized = isinstance(table, quant.QuantizedWeight)    # quantized as the LM head [hidden, vocab]
+
+    def lookup(ids):
+        return quant.embedding_rows(table, ids) if quantized else table[ids].astype(jnp.float32)
+
     if axis is None:
-        return table[token_ids].astype(jnp.float32)
-    rows = table.shape[0]
+        return lookup(token_ids)
+    rows = table.shape[1] if quantized else table.shape[0]
     local = token_ids - jax.lax.axis_index(axis) * rows
     mine = (local >= 0) & (local < rows)
-    x = jnp.where(mine[:, None], table[jnp.clip(local, 0, rows - 1)].astype(jnp.float32), 0.0)
+    x = jnp.where(mine[:, None], lookup(jnp.clip(local, 0, rows - 1)), 0.0)
     return jax.lax.psum(x, axis)
 
 

@@ -7,6 +7,8 @@ axis like a dense MLP's):
     experts_gate_up:  [E, hidden, 2 * F]   (gate, up fused per expert)
     experts_down:     [E, F, hidden]
 
+(with `quantization=`, the two expert stacks are QuantizedWeights: `expert_weights`.)
+
 Routing follows HF: softmax over the router logits in float32, the top k, renormalised to
 sum to 1 when `spec.norm_topk_prob` (Mixtral always; Qwen3-MoE per its config).
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxllm.quantization import weights as quant
 
 
 def expert_impl(num_tokens: int, spec) -> str:
@@ -58,18 +61,29 @@ def dispatch(h: jax.Array, router: jax.Array, spec):
     return h[token_of], token_of, weights.reshape(-1)[order], group_sizes
 
 
+def expert_weights(w, experts: jax.Array | None = None) -> jax.Array:
+    """A layer's expert stack [E, K, N] as an array, or the chosen experts' [T, k, K, N]; a
+    quantized stack (`quantization=`) is dequantized in the step, only the chosen experts when
+    they are given."""
+    if isinstance(w, quant.QuantizedWeight):
+        if experts is not None:
+            w = jax.tree_util.tree_map(lambda a: a[experts], w)
+        return quant.dequantize(w)
+    return w if experts is None else w[experts]
+
+
 def moe_mlp(layer, h: jax.Array, spec, act, impl: str | None = None) -> jax.Array:
     """The experts' weighted sum for h [T, hidden] (normed), before the row-parallel sum;
     `act` is the activation of the gate."""
-    gate_up, down = layer["experts_gate_up"], layer["experts_down"]
     impl = impl or expert_impl(h.shape[0], spec)
     if impl == "gather":
         weights, experts = route(h, layer["router"], spec)
-        gate, up = jnp.split(jnp.einsum("th,tkhf->tkf", h.astype(gate_up.dtype), gate_up[experts],
+        gate_up, down = (expert_weights(layer[name], experts) for name in ("experts_gate_up", "experts_down"))
+        gate, up = jnp.split(jnp.einsum("th,tkhf->tkf", h.astype(gate_up.dtype), gate_up,
                                         preferred_element_type=jnp.float32), 2, axis=-1)
-        y = jnp.einsum("tkf,tkfh->tkh", (act(gate) * up).astype(down.dtype), down[experts],
-                       preferred_element_type=jnp.float32)
+        y = jnp.einsum("tkf,tkfh->tkh", (act(gate) * up).astype(down.dtype), down, preferred_element_type=jnp.float32)
         return jnp.einsum("tkh,tk->th", y, weights)
+    gate_up, down = expert_weights(layer["experts_gate_up"]), expert_weights(layer["experts_down"])
     if impl == "dense":
         weights, experts = route(h, layer["router"], spec)
         dense_weights = jnp.zeros((h.shape[0], spec.num_experts), jnp.float32)

@@ -8,15 +8,17 @@ dequantized first) are quantized on load by these methods:
 | `int8` | int8, a scale per output channel                     | float (weight-only)      |
 | `int4` | 4-bit codes, a scale and an offset per 32 input rows | float (weight-only)      |
 |        | (the LM head: int8 as for `int8`)                    |                          |
-| `w8a8` | int8, a scale per output channel                     | int8, a scale per token  |
+| `w8a8` | int8, a scale per output channel, after smoothing    | int8, a scale per token  |
 
 The layer matrices (fused QKV, attention output, MLP) and the LM head are quantized (the
-embedding table too when it is the LM head); norms, biases, an untied embedding table, routers
-and experts stay float. Measured on the default model (benchmarks/quantization.py, README):
+embedding table too when it is the LM head); norms, biases, an untied embedding table and routers
+stay float; MoE experts' stacks take the method's codes, weight-only (int8 under `w8a8`),
+dequantized in the step (models/moe.py). Measured on the default model (benchmarks/quantization.py, README):
 perplexity +1.1% (`int8`), +0.1% (`int4`, whose Q4_1 layers land on nearly their own grid;
-a 4-bit LM head cost 6.5%, hence 8 bits there), +9.6% (`w8a8`: the model's activations have
-outlier channels that one scale per token flattens; a scale per 32 input rows brought it to
-+2.2%, but needs an int8 dot per group).
+a 4-bit LM head cost 6.5%, hence 8 bits there), +1.0% (`w8a8`). The model's activations have
+outlier channels that one scale per token flattens (+9.6% perplexity as such), so `w8a8` first
+smooths them (`smoothing.py`, SmoothQuant's folding, from a calibration run of the float model
+over a text jaxllm ships: `models/calibration.py`).
 
 How a quantized weight is multiplied (`matmul`):
 
@@ -32,8 +34,12 @@ How a quantized weight is multiplied (`matmul`):
   of the f32 weight's bytes streamed); on CPUs with the other attention backends, and for shapes
   the kernel does not tile, dequantized inside the jitted step by XLA (memory, not time).
 
-Sharded runs (tensor, pipeline or data parallel) do not take quantized weights yet: `EngineArgs`
-and the loader refuse the combination.
+Sharded runs (tensor, pipeline, data parallel, a caller's mesh): `int8`, `int4` and `w8a8`
+quantize the float weights in their shard layout and each device holds its share of the codes
+and scales (`make_sharded_weight`, split by `parallel.spec_for`), with the one-device weight's
+values; the matmuls take the plain paths above (on CPU the C++ GEMM serves one device only).
+A checkpoint's quantized weights (`gguf`, `awq`, `gptq`) run on one device: `EngineArgs` and
+the loader refuse them sharded. No quantization runs over several processes yet.
 """
 
 from jaxllm.quantization.weights import (

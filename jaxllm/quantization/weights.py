@@ -17,8 +17,10 @@ logger = logging.getLogger(__name__)
 METHODS = {"int8": (8, None), "int4": (4, 32), "w8a8": (8, None)}
 # Methods whose quantized weights come from the checkpoint as they are (models/loader.py).
 CHECKPOINT_METHODS = ("gguf", "awq", "gptq")
-# The layer matrices that are quantized (as decoder.PACKED; MoE experts are not).
+# The layer matrices that are quantized (as decoder.PACKED), and the MoE experts' stacks
+# [E, K, N] (weight-only, plain layout, whatever the method: models/moe.py dequantizes them).
 LAYER_MATRICES = ("wqkv", "wo", "w_gate_up", "w_up", "w_down")
+EXPERT_MATRICES = ("experts_gate_up", "experts_down")
 
 
 @jax.tree_util.register_dataclass
@@ -48,8 +50,8 @@ class QuantizedWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        """(K, N), as the float weight's."""
-        return self.codes.shape[1 if self.layout == "panels" else 0], self.scale.shape[1]
+        """(K, N), as the float weight's (of each matrix of a stack)."""
+        return self.codes.shape[1 if self.layout == "panels" else -2], self.scale.shape[-1]
 
 
 def quantize_matrix(w: np.ndarray, bits: int, group_size: int | None):
@@ -105,28 +107,64 @@ def make_weight(w: np.ndarray, method: str, *, panels: bool, activations: str, d
                            activations)
 
 
+def make_sharded_weight(w: np.ndarray, method: str, activations: str, columns: int = 1, rows: int = 1
+                        ) -> QuantizedWeight:
+    """Quantize w [K, N] (or a stack [..., K, N]: a pipeline's stages, experts; each matrix on
+    its own) into a plain-layout QuantizedWeight of host arrays that split evenly into `columns` parts
+    along N or `rows` parts along K (`parallel.shard_params` places them): the codes and scales
+    are those of the whole matrix, so every shard computes with the one-device weight's values.
+    Split over rows, one scale row per output channel is repeated for each part (each shard then
+    holds [1, N]) and groups must not straddle parts; 4-bit codes are packed within each column
+    part."""
+    bits, group_size = METHODS[method]
+
+    def one(x):
+        codes, scale, offset = quantize_matrix(x, bits, group_size)
+        k, n = codes.shape
+        groups = scale.shape[0]
+        if rows > 1 and groups == 1:
+            scale, offset = np.repeat(scale, rows, axis=0), None if offset is None else np.repeat(offset, rows, axis=0)
+        elif groups % rows:
+            raise ValueError(f"{method}: a [{k}, {n}] matrix in {groups} groups of {k // groups} rows cannot be split "
+                             f"over {rows} shards along its rows")
+        if bits == 4:
+            if n % (2 * columns):
+                raise ValueError(f"{method}: {n} columns do not split into {columns} parts of an even width")
+            codes = np.concatenate([_pack_plain_int4(c) for c in np.split(codes, columns, axis=1)], axis=1)
+        return codes, scale, offset
+
+    w = np.asarray(w, np.float32)
+    parts = [one(x) for x in w.reshape(-1, *w.shape[-2:])]
+    codes, scale, offset = (None if parts[0][i] is None else
+                            np.stack([p[i] for p in parts]).reshape(*w.shape[:-2], *parts[0][i].shape)
+                            for i in range(3))
+    return QuantizedWeight(codes, scale, offset, bits, "plain", activations)
+
+
 def _unpacked_codes(w: QuantizedWeight, xp=jnp):
-    """The codes [K, N], one a byte, as `xp` (jnp inside a step, numpy on the host) arrays."""
+    """The codes [..., K, N], one a byte, as `xp` (jnp inside a step, numpy on the host) arrays."""
     c = xp.asarray(w.codes)
     if w.layout == "panels":
         if w.bits == 4:
             c = xp.concatenate([c & 15, c >> 4], axis=-1)
         c = xp.transpose(c, (1, 0, 2)).reshape(c.shape[1], -1)
     elif w.bits == 4:
-        c = xp.concatenate([c & 15, c >> 4], axis=1)
+        c = xp.concatenate([c & 15, c >> 4], axis=-1)
     return c
 
 
 def dequantize(w: QuantizedWeight) -> jax.Array:
-    """The f32 weight [K, N] the codes stand for (its rows in `perm` order when there is one)."""
+    """The f32 weight [..., K, N] the codes stand for (its rows in `perm` order when there is one)."""
     codes = _unpacked_codes(w).astype(jnp.float32)
-    rows = codes.shape[0] // w.scale.shape[0]
-    out = codes * jnp.repeat(w.scale.astype(jnp.float32), rows, axis=0)
-    return out if w.offset is None else out + jnp.repeat(w.offset.astype(jnp.float32), rows, axis=0)
+    rows = codes.shape[-2] // w.scale.shape[-2]
+    out = codes * jnp.repeat(w.scale.astype(jnp.float32), rows, axis=-2)
+    return out if w.offset is None else out + jnp.repeat(w.offset.astype(jnp.float32), rows, axis=-2)
 
 
-def matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """x [..., K] f32 @ w -> [..., N] f32 (the paths: see the package docstring)."""
+def matmul(x: jax.Array, w: QuantizedWeight, axis=None) -> jax.Array:
+    """x [..., K] f32 @ w -> [..., N] f32 (the paths: see the package docstring). `axis`: the
+    tensor-parallel mesh axis when w is a row-parallel shard (x holds a slice of K): W8A8 then
+    scales each row by its largest |x| over every shard, as one device would."""
     if w.perm is not None:
         x = jnp.take(x, w.perm, axis=-1)
     if w.layout == "panels":
@@ -136,7 +174,8 @@ def matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     if w.activations == "int8":
         from jaxllm.kernels.kv_write import int8_rows
 
-        xq, x_scale = int8_rows(x)
+        amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+        xq, x_scale = int8_rows(x, amax if axis is None else jax.lax.pmax(amax, axis))
         acc = jax.lax.dot_general(xq, w.codes, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
         return acc.astype(jnp.float32) * x_scale[..., None] * w.scale[0]
     if jax.default_backend() == "gpu":          # the codes dequantized tile by tile in a Pallas (Triton) kernel
@@ -186,35 +225,54 @@ def relayout(w: QuantizedWeight, panels: bool, device=None) -> QuantizedWeight:
                            w.activations, put(w.perm))
 
 
-def quantize_params(params: dict, spec, method: str, *, native: bool, device=None) -> dict:
+def quantize_params(params: dict, spec, method: str, *, native: bool, device=None, parts=None) -> dict:
     """Replace, in place, the layer matrices and the LM head (the embedding table when tied)
-    of a one-device params tree by QuantizedWeights on `device`, one matrix at a time.
-    `native`: the C++ kernels serve this run (the packed weight-only layout where it applies).
+    of a params tree by QuantizedWeights, one matrix at a time.
+
+    One device (`parts` None): on `device`; `native`: the C++ kernels serve this run (the packed
+    weight-only layout where it applies). Sharded (`parts`: {name: (column parts, row parts)}
+    for the tree's `layout.shard_layout`, from `parallel.quantized_parts`): plain-layout host
+    arrays that split so (`make_sharded_weight`), for `parallel.shard_params` to place.
     With `int4` the LM head gets int8 codes (as llama.cpp keeps its output matrix at 6-8 bits).
-    Weights the checkpoint gave quantized (`CHECKPOINT_METHODS`) are only laid out for the run;
-    with those methods, float weights stay float."""
+    MoE experts get the method's codes, weight-only (int8 under `w8a8`), in the plain layout.
+    Weights the checkpoint gave quantized (`CHECKPOINT_METHODS`) are only laid out for the run
+    (one device); with those methods, float weights stay float."""
     if method not in METHODS and method not in CHECKPOINT_METHODS:
         raise ValueError(f"unknown quantization {method!r}: choose one of {sorted(METHODS) + list(CHECKPOINT_METHODS)}")
     activations = "int8" if method == "w8a8" else "float"
 
-    def make(w, head=False):
+    def make(w, name, head=False):
         if isinstance(w, QuantizedWeight):
+            if parts is not None:
+                raise ValueError(f"{method}-quantized checkpoint weights run on one device, not sharded")
             return relayout(w, native, device)
         if method not in METHODS:
             return w
-        return make_weight(np.asarray(w, np.float32), "int8" if head and method == "int4" else method,
-                           panels=native, activations=activations, device=device)
+        m = "int8" if head and method == "int4" else method
+        if parts is not None:
+            return make_sharded_weight(w, m, activations, *parts[name])
+        return make_weight(np.asarray(w, np.float32), m, panels=native, activations=activations, device=device)
+
+    def make_experts(w, name):
+        if method not in METHODS:
+            return w
+        q = make_sharded_weight(w, method if method != "w8a8" else "int8", "float",
+                                *(parts[name] if parts is not None else (1, 1)))
+        return q if parts is not None else jax.device_put(q, device)
 
     for layer in params["layers"]:
         for name in LAYER_MATRICES:
             if name in layer:
-                layer[name] = make(layer[name])
+                layer[name] = make(layer[name], name)
+        for name in EXPERT_MATRICES:
+            if name in layer:
+                layer[name] = make_experts(layer[name], name)
     if "lm_head" in params:
-        params["lm_head"] = make(params["lm_head"], head=True)
+        params["lm_head"] = make(params["lm_head"], "lm_head", head=True)
     if isinstance(params["embed"], QuantizedWeight):
-        params["embed"] = make(params["embed"])
+        params["embed"] = make(params["embed"], "embed")
     elif spec.tie_word_embeddings and method in METHODS:
-        params["embed"] = make(np.ascontiguousarray(np.asarray(params["embed"], np.float32).T), head=True)
+        params["embed"] = make(np.ascontiguousarray(np.asarray(params["embed"], np.float32).T), "embed", head=True)
     logger.info("weights quantized: %s", method)
     return params
 

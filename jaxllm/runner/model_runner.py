@@ -100,10 +100,11 @@ class ModelRunner:
         self.channel = parallel.StepChannel() if jax.process_count() > 1 else None
         # Commit params and the cache to the device(s): warm-up and serving then pass arrays with
         # the same sharding, so the programs compiled at warm-up are the ones served from.
+        if config.quantization:   # in place, one matrix at a time (before packing the rest)
+            params = quantization.quantize_params(
+                params, spec, config.quantization, native=self.attention.name == "native" and mesh is None,
+                device=jax.devices()[0], parts=None if mesh is None else parallel.quantized_parts(mesh))
         if mesh is None:
-            if config.quantization:   # in place, one matrix at a time (before packing the rest)
-                params = quantization.quantize_params(params, spec, config.quantization,
-                                                      native=self.attention.name == "native", device=jax.devices()[0])
             if config.packed_weights and self.attention.name == "native":
                 # In place, one matrix at a time: the unpacked ones are freed as it goes.
                 params = decoder.pack_params(params, spec, jax.devices()[0])
