@@ -119,15 +119,16 @@ def test_each_device_holds_its_share(results, layout):
     # byte and an f16 scale and offset per 32 rows; the embedding (the LM head) int8 with an f32
     # scale per token. w8a8: a byte and an f32 scale per output column (the row-parallel wo and
     # w_down: every shard holds all of its columns' scales).
-    columns = hidden * (q_size + 2 * kv_size) + 2 * hidden * inter
-    rows = q_size * hidden + inter * hidden
-    embed = config.vocab_size * hidden * 4
+    columns = hidden * (q_size + 2 * kv_size) + 2 * hidden * inter      # weights of the column-parallel ones
+    rows = q_size * hidden + inter * hidden                              # and of the row-parallel ones
     if layout.startswith("int8:"):
         columns, rows, embed = columns * 5 // 8, rows * 5 // 8, config.vocab_size * (hidden + 4)
     elif layout.startswith("w8a8:"):
         columns += 4 * (q_size + 2 * kv_size + 2 * inter)
         rows += 4 * 2 * hidden * tp
         embed = config.vocab_size * (hidden + 4)
+    else:
+        columns, rows, embed = 4 * columns, 4 * rows, 4 * config.vocab_size * hidden
     split = layers // pp * (columns + rows) // tp + embed // (tp * pp)
     norms = 4 * (layers // pp * 2 * hidden + hidden)         # each stage's layer norms, and the final norm
     # The first replica's arrays: on tp * pp devices, each with its share.

@@ -22,7 +22,7 @@ produces x, so no op is added to the step:
 MoE layers' MLPs and ungated w_down (act(up) is not linear in up) are left as they are.
 On the default model (perplexity on the shipped public-domain text, bf16 23.88, W8A8 without
 smoothing 26.17 (+9.6%)), calibrated on the separate text `quantization/data/calibration.txt`:
-alpha 0.4: 25.05, 0.5: 24.55, 0.6: 24.19, 0.7: 24.13 (+1.0%), 0.8: 24.65. alpha was chosen on
+alpha 0.5: 24.55, 0.6: 24.19, 0.7: 24.13 (+1.0%), 0.8: 24.65. alpha was chosen on
 that same perplexity text, so the figure is a little optimistic for other text.
 """
 
