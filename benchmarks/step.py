@@ -80,7 +80,7 @@ def make_requests(kv: KVCacheManager, batch: int, context: int, num_new: int, rn
 def compare_scan(runner, spec, params, kv: KVCacheManager, batch: int, context: int, rng) -> dict:
     """Unrolled (the runner's forward) vs lax.scan over stacked layers, same batch."""
     scheduled = make_requests(kv, batch, context, 1, rng)
-    _, _, buffers = runner.prepare(scheduled)
+    *_, buffers = runner.prepare(scheduled)
     dev_batch = jax.device_put(buffers.inputs)
     stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *params["layers"])
     k_all = jnp.stack([k for k, _ in runner.kv_cache])
@@ -127,7 +127,7 @@ def breakdown(runner, spec, params, scheduled) -> dict:
     """Seconds of the step's parts for `scheduled`, each timed alone at the step's shapes."""
     from jaxllm.runner import sampler
 
-    _, _, buffers = runner.prepare(scheduled)
+    *_, buffers = runner.prepare(scheduled)
     inputs = jax.device_put(buffers.inputs)
     T, S = inputs.token_ids.shape[0], buffers.bucket.num_seqs
     x = jnp.ones((T, spec.hidden_size), jnp.float32)

@@ -60,7 +60,8 @@ class EngineArgs:
     quantization: str | None = option(
         None, "quantize the weights on load: 'int8' (int8 per output channel), 'int4' (4-bit in groups of 32, "
               "the LM head int8), both weight-only; 'w8a8' (int8 weights and per-token int8 activations, "
-              "smoothed from a calibration run at load: fast with VNNI/AMX); 'gguf' (a GGUF's own quantized blocks, kept), 'awq', 'gptq' "
+              "smoothed from a calibration run at load: fast with VNNI/AMX); 'gguf' (a GGUF's own quantized "
+              "blocks, kept), 'awq', 'gptq' "
               "(read from the checkpoint's quantization_config); 'none' (a GGUF dequantized to the dtype). "
               "Default: an AWQ/GPTQ checkpoint as it is; a GGUF kept quantized where the dtype is float32 "
               "on a CPU with the C++ kernels, else dequantized (see jaxllm/quantization)",

@@ -160,7 +160,8 @@ def test_sharded_weights_split_into_the_one_device_values(method, columns, rows)
             shard = QuantizedWeight(*(np.split(np.asarray(f[stage]), max(columns, rows), axis=axis)[part]
                                       if f is not None else None for f in (q.codes, q.scale, q.offset)),
                                     q.bits, q.layout, q.activations)
-            np.testing.assert_array_equal(dequantize(shard), np.split(np.asarray(whole), max(columns, rows), axis)[part])
+            want = np.split(np.asarray(whole), max(columns, rows), axis)[part]
+            np.testing.assert_array_equal(dequantize(shard), want)
     with pytest.raises(ValueError, match="4 groups of 32 rows cannot be split over 3 shards"):
         make_sharded_weight(w[0], "int4", "float", rows=3)
 
