@@ -97,7 +97,7 @@ def check_pipeline_parallel(spec: ModelSpec, tp: int, pp: int) -> None:
     problems = []
     if spec.num_layers % pp:
         problems.append(f"{spec.num_layers} layers")
-    elif any(_layer_kind(spec, i) != _layer_kind(spec, i % (spec.num_layers // pp)) for i in range(spec.num_layers)):
+    elif any(layer_kind(spec, i) != layer_kind(spec, i % (spec.num_layers // pp)) for i in range(spec.num_layers)):
         problems.append("layer pattern (each stage must hold the same sequence of windowed, global, dense and "
                         "MoE layers)")
     if spec.vocab_size % (tp * pp):
@@ -106,7 +106,8 @@ def check_pipeline_parallel(spec: ModelSpec, tp: int, pp: int) -> None:
         raise ValueError(f"pipeline_parallel_size={pp} does not divide this model's " + ", ".join(problems))
 
 
-def _layer_kind(spec: ModelSpec, layer: int) -> tuple:
+def layer_kind(spec: ModelSpec, layer: int) -> tuple:
+    """What a layer's step depends on besides its weights: (window, RoPE table, MoE or dense)."""
     return spec.window(layer), spec.rope_variant(layer), spec.is_moe(layer)
 
 

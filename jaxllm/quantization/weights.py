@@ -174,8 +174,8 @@ def matmul(x: jax.Array, w: QuantizedWeight, axis=None) -> jax.Array:
     if w.activations == "int8":
         from jaxllm.kernels.kv_write import int8_rows
 
-        amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
-        xq, x_scale = int8_rows(x, amax if axis is None else jax.lax.pmax(amax, axis))
+        amax = None if axis is None else jax.lax.pmax(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1), axis)
+        xq, x_scale = int8_rows(x, amax)
         acc = jax.lax.dot_general(xq, w.codes, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
         return acc.astype(jnp.float32) * x_scale[..., None] * w.scale[0]
     if jax.default_backend() == "gpu":          # the codes dequantized tile by tile in a Pallas (Triton) kernel
