@@ -130,6 +130,25 @@ def test_matmul_packed_matches_numpy(rows):
     np.testing.assert_allclose(batched[0], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("live", [0, 1, 7, 97, 200, 500])
+def test_gemms_skip_rows_past_the_live_count(live):
+    # `rows` (traced, as the step passes its real token count): the first rows are the product,
+    # the rest zeros, whatever their input was; a count past the rows means all of them.
+    rng = np.random.default_rng(live)
+    k, n, m = 40, 32, 200
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    codes = rng.integers(-127, 128, (k, n))
+    scale = rng.random((2, n)).astype(np.float32)
+    w_q = codes * np.repeat(scale.astype(np.float64), k // 2, 0)
+    for y, weight in ((jax.jit(native.matmul_packed)(x, native.pack_weight(w), rows=live), w),
+                      (jax.jit(functools.partial(native.matmul_quantized, bits=8))(
+                          x, native.pack_codes(codes, 8), scale, None, rows=np.int32(live)), w_q)):
+        y, ref = np.asarray(y), x.astype(np.float64) @ weight
+        np.testing.assert_allclose(y[:live], ref[:live], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+        assert not y[live:].any()
+
+
 def test_matmul_packed_rejects_mismatched_shapes():
     assert not native.packable((64, 40)) and native.packable((64, 48)) and native.packable((48, 7), transposed=True)
     with pytest.raises(Exception, match="matmul_packed"):

@@ -196,16 +196,23 @@ def _path_attr(path: str) -> np.int32:
     return np.int32(PATHS.index(path) + 1)
 
 
-def matmul_packed(x: jax.Array, w_packed: jax.Array, path: str = "auto") -> jax.Array:
+def _live_rows(rows) -> jax.Array:
+    """The `rows` argument of the GEMMs as the kernels take it: an int32 scalar, or [0] for all."""
+    return jnp.zeros((0,), jnp.int32) if rows is None else jnp.asarray(rows, jnp.int32).reshape(())
+
+
+def matmul_packed(x: jax.Array, w_packed: jax.Array, path: str = "auto", rows=None) -> jax.Array:
     """x [..., K] f32 @ the weight packed by `pack_weight` -> [..., N] f32 (csrc/gemm.cc).
-    `path`: as for `paged_attention_cpu` (the GEMM has portable and AVX2 code)."""
+    `path`: as for `paged_attention_cpu` (the GEMM has portable and AVX2 code). `rows` (an
+    int32 scalar, may be traced): only x's first `rows` rows (of x flattened to 2-D) are
+    multiplied, the rest of the result is zeros; None: all."""
     require()
     path_attr = _path_attr(path)
     n = w_packed.shape[0] * PANEL
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     call = jax.ffi.ffi_call("jaxllm_matmul_packed_cpu", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
-    return call(x2, w_packed, path=path_attr).reshape(*lead, n)
+    return call(x2, w_packed, _live_rows(rows), path=path_attr).reshape(*lead, n)
 
 
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -221,10 +228,11 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
 
 
 def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array | None, bits: int,
-                     path: str = "auto") -> jax.Array:
+                     path: str = "auto", rows=None) -> jax.Array:
     """x [..., K] f32 @ w -> [..., N] f32, w [K, N] given by the panels of `pack_codes`, and
     scale (and offset, or None) [G, N], f32 or f16: w[k, n] = code * scale[g, n] + offset[g, n]
-    for the group g = k // (K / G) (csrc/gemm.cc dequantizes a panel at a time; x stays f32)."""
+    for the group g = k // (K / G) (csrc/gemm.cc dequantizes a panel at a time; x stays f32).
+    `rows`: as for `matmul_packed`."""
     require()
     path_attr = _path_attr(path)
     n = codes.shape[0] * PANEL
@@ -232,7 +240,7 @@ def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: j
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     offset = jnp.zeros((0,), scale.dtype) if offset is None else offset
     call = jax.ffi.ffi_call("jaxllm_matmul_quantized_cpu", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
-    return call(x2, codes, scale, offset, bits=np.int32(bits), path=path_attr).reshape(*lead, n)
+    return call(x2, codes, scale, offset, _live_rows(rows), bits=np.int32(bits), path=path_attr).reshape(*lead, n)
 
 
 def paged_attention_cpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,

@@ -202,20 +202,23 @@ class Observed:
     maxima: dict
 
 
-def matmul(x: jax.Array, w, axis: str | None = None) -> jax.Array:
+def matmul(x: jax.Array, w, axis: str | None = None, rows: jax.Array | None = None) -> jax.Array:
     """`x [..., in] f32 @ w [in, out]` with f32 accumulation, in the weight's dtype (or its
     quantization's path: jaxllm/quantization). `axis`: the tensor-parallel axis when w is a
-    row-parallel shard (W8A8 scales activations over every shard)."""
+    row-parallel shard (W8A8 scales activations over every shard). `rows` (an int32 scalar,
+    traced): only x's first `rows` rows are real, the rest a bucket's padding; the C++ GEMMs
+    (packed and panel-quantized weights) skip the padding and give zeros there, the other
+    paths compute every row."""
     if isinstance(w, Observed):
         seen = jnp.max(jnp.abs(x.reshape(-1, x.shape[-1]).astype(jnp.float32)), axis=0)
         w.maxima[w.key] = jnp.maximum(w.maxima[w.key], seen) if w.key in w.maxima else seen
         return matmul(x, w.weight)
     if isinstance(w, quant.QuantizedWeight):
-        return quant.matmul(x, w, axis)
+        return quant.matmul(x, w, axis, rows)
     if isinstance(w, PackedWeight):
         from jaxllm.kernels import native
 
-        return native.matmul_packed(x, w.panels)
+        return native.matmul_packed(x, w.panels, rows=rows)
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
@@ -283,8 +286,8 @@ def _plus_bias(x: jax.Array, layer: dict, *names: str) -> jax.Array:
 def self_attention(layer, k_pages, v_pages, h, inputs, spec: ModelSpec, index: int, attention, axis=None):
     """Attention of h [T, hidden] (normed) over the paged cache, after writing this step's
     keys and values. Returns (the output projection before the row-parallel sum, k_pages, v_pages)."""
-    num_tokens = h.shape[0]
-    qkv = _plus_bias(matmul(h, layer["wqkv"]), layer, "bqkv")
+    num_tokens, rows = h.shape[0], inputs.num_tokens()
+    qkv = _plus_bias(matmul(h, layer["wqkv"], rows=rows), layer, "bqkv")
     q = qkv[:, : spec.q_size].reshape(num_tokens, spec.num_heads, spec.head_dim)
     k = qkv[:, spec.q_size : spec.q_size + spec.kv_size].reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
     v = qkv[:, spec.q_size + spec.kv_size :].reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
@@ -300,24 +303,25 @@ def self_attention(layer, k_pages, v_pages, h, inputs, spec: ModelSpec, index: i
         inputs = inputs.window_view()      # a windowed layer with its own pages (a window KV cache group)
     k_pages, v_pages = attention.write_kv(k_pages, v_pages, k, v, inputs.slot_mapping)
     o = attention.forward(q, k_pages, v_pages, inputs, sliding_window=spec.window(index), sm_scale=spec.attn_scale)
-    return matmul(o.reshape(num_tokens, spec.q_size), layer["wo"], axis), k_pages, v_pages
+    return matmul(o.reshape(num_tokens, spec.q_size), layer["wo"], axis, rows), k_pages, v_pages
 
 
-def dense_mlp(layer, h: jax.Array, spec: ModelSpec, axis: str | None = None) -> jax.Array:
-    """The MLP of h [T, hidden] before the row-parallel sum (and before the output bias)."""
+def dense_mlp(layer, h: jax.Array, spec: ModelSpec, axis: str | None = None, rows=None) -> jax.Array:
+    """The MLP of h [T, hidden] before the row-parallel sum (and before the output bias);
+    `rows`: h's real rows (see `matmul`)."""
     act = ACTIVATIONS[spec.hidden_act]
     if spec.gated_mlp:
-        gate, up = jnp.split(_plus_bias(matmul(h, layer["w_gate_up"]), layer, "b_gate_up"), 2, axis=-1)
+        gate, up = jnp.split(_plus_bias(matmul(h, layer["w_gate_up"], rows=rows), layer, "b_gate_up"), 2, axis=-1)
         a = act(gate) * up
     else:
-        a = act(_plus_bias(matmul(h, layer["w_up"]), layer, "b_up"))
-    return matmul(a, layer["w_down"], axis)
+        a = act(_plus_bias(matmul(h, layer["w_up"], rows=rows), layer, "b_up"))
+    return matmul(a, layer["w_down"], axis, rows)
 
 
-def mlp(layer, h: jax.Array, spec: ModelSpec, index: int, axis: str | None = None) -> jax.Array:
+def mlp(layer, h: jax.Array, spec: ModelSpec, index: int, axis: str | None = None, rows=None) -> jax.Array:
     if spec.is_moe(index):
         return moe.moe_mlp(layer, h, spec, ACTIVATIONS[spec.hidden_act])
-    return dense_mlp(layer, h, spec, axis)
+    return dense_mlp(layer, h, spec, axis, rows)
 
 
 def decoder_layer(layer, k_pages, v_pages, x, inputs, spec: ModelSpec, *, index: int, attention,
@@ -328,13 +332,14 @@ def decoder_layer(layer, k_pages, v_pages, x, inputs, spec: ModelSpec, *, index:
     attn, k_pages, v_pages = self_attention(layer, k_pages, v_pages, norm(x, layer, "attn_norm", spec), inputs,
                                             spec, index, attention, axis)
     if spec.parallel_residual:   # one sum over the shards for both branches
-        out = attn + mlp(layer, norm(x, layer, "mlp_norm", spec), spec, index, axis)
+        out = attn + mlp(layer, norm(x, layer, "mlp_norm", spec), spec, index, axis, inputs.num_tokens())
         return x + _plus_bias(_reduce(out, axis), layer, "bo", "b_down"), k_pages, v_pages
     attn = _plus_bias(_reduce(attn, axis), layer, "bo")
     if spec.sandwich_norm:
         attn = norm(attn, layer, "post_attn_norm", spec)
     x = x + attn
-    out = _plus_bias(_reduce(mlp(layer, norm(x, layer, "mlp_norm", spec), spec, index, axis), axis), layer, "b_down")
+    out = mlp(layer, norm(x, layer, "mlp_norm", spec), spec, index, axis, inputs.num_tokens())
+    out = _plus_bias(_reduce(out, axis), layer, "b_down")
     if spec.sandwich_norm:
         out = norm(out, layer, "post_mlp_norm", spec)
     return x + out, k_pages, v_pages
@@ -390,18 +395,19 @@ def forward(params, kv_cache, inputs, spec: ModelSpec, *, attention, axis: str |
     return x, new_cache
 
 
-def compute_logits(params, hidden: jax.Array, spec: ModelSpec, axis: str | None = None) -> jax.Array:
+def compute_logits(params, hidden: jax.Array, spec: ModelSpec, axis: str | None = None, rows=None) -> jax.Array:
     """hidden: [N, hidden] f32 -> logits [N, vocab] f32 (final norm + LM head). With `axis`,
-    each shard computes its slice of the vocabulary and the slices are gathered."""
+    each shard computes its slice of the vocabulary and the slices are gathered. `rows`: the
+    real rows of hidden, the first ones (see `matmul`)."""
     h = norm(hidden, params, "final_norm", spec)
     if spec.tie_word_embeddings:
         # Contract against embed [vocab, hidden] directly: `jnp.dot(h, embed.T)` materialised
         # the transpose on every call on XLA:CPU (4-20x slower).
         w = params["embed"]
         if isinstance(w, (PackedWeight, quant.QuantizedWeight)):  # stored as the LM head [hidden, vocab]
-            logits = matmul(h, w)
+            logits = matmul(h, w, rows=rows)
         else:
             logits = jnp.einsum("sh,vh->sv", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
     else:
-        logits = matmul(h, params["lm_head"])
+        logits = matmul(h, params["lm_head"], rows=rows)
     return logits if axis is None else jax.lax.all_gather(logits, axis, axis=1, tiled=True)

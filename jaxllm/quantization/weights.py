@@ -161,16 +161,17 @@ def dequantize(w: QuantizedWeight) -> jax.Array:
     return out if w.offset is None else out + jnp.repeat(w.offset.astype(jnp.float32), rows, axis=-2)
 
 
-def matmul(x: jax.Array, w: QuantizedWeight, axis=None) -> jax.Array:
+def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None) -> jax.Array:
     """x [..., K] f32 @ w -> [..., N] f32 (the paths: see the package docstring). `axis`: the
     tensor-parallel mesh axis when w is a row-parallel shard (x holds a slice of K): W8A8 then
-    scales each row by its largest |x| over every shard, as one device would."""
+    scales each row by its largest |x| over every shard, as one device would. `rows`: see
+    `decoder.matmul`."""
     if w.perm is not None:
         x = jnp.take(x, w.perm, axis=-1)
     if w.layout == "panels":
         from jaxllm.kernels import native
 
-        return native.matmul_quantized(x, w.codes, w.scale, w.offset, w.bits)
+        return native.matmul_quantized(x, w.codes, w.scale, w.offset, w.bits, rows=rows)
     if w.activations == "int8":
         from jaxllm.kernels.kv_write import int8_rows
 

@@ -71,6 +71,15 @@ class StepInputs:
             inputs.window_attn_metadata = {}
         return inputs
 
+    def num_tokens(self):
+        """The step's real tokens (the rest of the bucket's T rows are padding), as a scalar."""
+        return self.query_start_loc[self.num_seqs]
+
+    def num_logits(self):
+        """At least the real rows of `logits_indices` (they come first): every token's with a
+        row per token (speculative verification), else one per sequence."""
+        return self.num_tokens() if self.logits_indices.shape[0] == self.token_ids.shape[0] else self.num_seqs
+
     def window_view(self) -> StepInputs:
         """These inputs as the windowed layers of a two-group model read them (their pages)."""
         return dataclasses.replace(self, slot_mapping=self.window_slot_mapping, block_tables=self.window_block_tables,

@@ -61,7 +61,7 @@ def _step(params, kv_cache, ints, floats, penalty_tokens, token_mask, *, layout:
         sampling = dataclasses.replace(sampling, penalty_tokens=penalty_tokens, token_mask=token_mask)
         if mesh is None:
             hidden, kv_cache = decoder.forward(params, kv_cache, inputs, spec, attention=attention)
-            logits = decoder.compute_logits(params, hidden[inputs.logits_indices], spec)
+            logits = decoder.compute_logits(params, hidden[inputs.logits_indices], spec, rows=inputs.num_logits())
         else:
             logits, kv_cache = parallel.sharded_forward(params, kv_cache, inputs, spec, attention=attention,
                                                         mesh=mesh)

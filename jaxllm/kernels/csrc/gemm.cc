@@ -8,6 +8,9 @@
 // 3072] dot ran at 40 GFLOP/s on Zen 3 against 175 at M = 512). Here the panel is the packed
 // form, read once per block of up to kRowChunk rows of x.
 //
+// Only the first `rows` rows of x are multiplied (a runtime scalar: the step's real tokens, or
+// the rows that sample); the rest of y is zeros, so a bucket's padding costs no GEMM work.
+//
 // Work items are (chunk of up to kRowChunk rows, group of panels), shared over the caller and
 // XLA's intra-op pool (parallel_for.h). Inside an item, each panel is swept by blocks of up to
 // 6 rows: 6 x 16 accumulators in 12 AVX2 registers, one broadcast of x and two loads of the
@@ -119,8 +122,15 @@ struct GemmItems {
   }
 };
 
+// The rows to compute: the `rows` input clamped to [0, M]; y's rows past them are zeroed.
+int64_t live_rows(ffi::Buffer<ffi::S32> rows, int64_t M, int64_t N, float* y) {
+  const int64_t live = rows.element_count() ? std::clamp<int64_t>(rows.typed_data()[0], 0, M) : M;
+  std::memset(y + live * N, 0, (M - live) * N * sizeof(float));
+  return live;
+}
+
 ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                            ffi::ResultBuffer<ffi::F32> y, int32_t path) {
+                            ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t path) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[2] != kPanel || wd[1] != xd[1])
@@ -128,6 +138,7 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   if (path < kAuto || path > kAvx512 || (path != kAuto && !(built_paths() & (1 << path))))
     return ffi::Error::InvalidArgument("matmul_packed: this build has no such kernel path");
   GemmArgs g{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[0] * kPanel};
+  g.M = live_rows(rows, g.M, g.N, g.y);
   const GemmItems items(g.M, g.N, pool.num_threads());
   parallel_for(pool, items.count, [&](int64_t item) {
     int64_t r0, r1, p0, p1;
@@ -311,7 +322,7 @@ struct PanelScratch {
 };
 
 ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
-                           ffi::AnyBuffer scale, ffi::AnyBuffer offset,
+                           ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::Buffer<ffi::S32> rows,
                            ffi::ResultBuffer<ffi::F32> y, int32_t bits, int32_t path) {
   const auto xd = x.dimensions();
   const auto cd = codes.dimensions();
@@ -329,6 +340,7 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   if (path < kAuto || path > kAvx512 || (path != kAuto && !(built_paths() & (1 << path))))
     return ffi::Error::InvalidArgument("matmul_quantized: this build has no such kernel path");
   GemmArgs g{x.typed_data(), nullptr, y->typed_data(), xd[0], xd[1], cd[0] * kPanel};
+  g.M = live_rows(rows, g.M, g.N, g.y);
   const QuantPanel q{codes.untyped_data(), scale.untyped_data(),
                      offset.element_count() ? offset.untyped_data() : nullptr,
                      scale.element_type() == ffi::DataType::F16, g.K, g.N, g.K / sd[0], bits};
@@ -359,6 +371,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulPackedCpu, jaxllm::MatmulPackedImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w_packed
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows: [] or [1], or empty for all
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y
                                   .Attr<int32_t>("path"));
 
@@ -369,6 +382,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulQuantCpu, jaxllm::MatmulQuantImpl,
                                   .Arg<ffi::AnyBuffer>()         // codes
                                   .Arg<ffi::AnyBuffer>()         // scale, f32 or f16
                                   .Arg<ffi::AnyBuffer>()         // offset (or empty), as scale
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows, as for matmul_packed
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y
                                   .Attr<int32_t>("bits")
                                   .Attr<int32_t>("path"));
