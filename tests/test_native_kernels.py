@@ -149,6 +149,40 @@ def test_gemms_skip_rows_past_the_live_count(live):
         assert not y[live:].any()
 
 
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, 97])
+def test_matmul_packed_swiglu_matches_numpy(rows):
+    # silu(x @ gate) * (x @ up) from one [gate | up] weight: gate values of both signs and large
+    # magnitudes (silu's two branches, exp's clamp), every code path, a live-row count.
+    rng = np.random.default_rng(rows)
+    k, inter = 24, 32
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = (rng.standard_normal((k, 2 * inter)) * 3).astype(np.float32)
+    w[:, 0] = 40.0
+    g, u = np.split(x.astype(np.float64) @ w, 2, axis=1)
+    ref = g / (1 + np.exp(-g)) * u
+    for path in ("auto", *native.kernel_paths()):
+        y = jax.jit(functools.partial(native.matmul_packed, path=path, swiglu=True))(x, native.pack_weight(w))
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    live = jax.jit(functools.partial(native.matmul_packed, swiglu=True))(x, native.pack_weight(w), rows=rows // 2)
+    np.testing.assert_allclose(live[: rows // 2], ref[: rows // 2], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    assert not np.asarray(live[rows // 2:]).any()
+
+
+def test_argmax_logsumexp_first_max_anywhere():
+    # The first index of the maximum: ties inside one 8-lane block and across blocks, the
+    # maximum in the tail past the last full block (vocab 3003), at index 0; against numpy.
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 3003)).astype(np.float32)
+    x[0, [10, 13]] = 9.0
+    x[1, [5, 2990]] = 9.0
+    x[2, 3001:] = 9.0
+    x[3, 0] = 9.0
+    idx, lse = jax.jit(native.argmax_logsumexp)(x)
+    np.testing.assert_array_equal(np.asarray(idx), np.argmax(x, -1))
+    ref = x.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(lse), np.log(np.exp(ref).sum(-1)), rtol=1e-6)
+
+
 def test_matmul_packed_rejects_mismatched_shapes():
     assert not native.packable((64, 40)) and native.packable((64, 48)) and native.packable((48, 7), transposed=True)
     with pytest.raises(Exception, match="matmul_packed"):

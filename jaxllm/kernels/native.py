@@ -201,18 +201,21 @@ def _live_rows(rows) -> jax.Array:
     return jnp.zeros((0,), jnp.int32) if rows is None else jnp.asarray(rows, jnp.int32).reshape(())
 
 
-def matmul_packed(x: jax.Array, w_packed: jax.Array, path: str = "auto", rows=None) -> jax.Array:
+def matmul_packed(x: jax.Array, w_packed: jax.Array, path: str = "auto", rows=None,
+                  swiglu: bool = False) -> jax.Array:
     """x [..., K] f32 @ the weight packed by `pack_weight` -> [..., N] f32 (csrc/gemm.cc).
     `path`: as for `paged_attention_cpu` (the GEMM has portable and AVX2 code). `rows` (an
     int32 scalar, may be traced): only x's first `rows` rows (of x flattened to 2-D) are
-    multiplied, the rest of the result is zeros; None: all."""
+    multiplied, the rest of the result is zeros; None: all. `swiglu`: the weight is a gated
+    MLP's [gate | up] (N / 2 columns each, N / 2 a multiple of 16) and the result
+    `silu(x @ gate) * (x @ up)` [..., N / 2], in one pass."""
     require()
     path_attr = _path_attr(path)
-    n = w_packed.shape[0] * PANEL
+    n = w_packed.shape[0] * PANEL // (2 if swiglu else 1)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     call = jax.ffi.ffi_call("jaxllm_matmul_packed_cpu", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
-    return call(x2, w_packed, _live_rows(rows), path=path_attr).reshape(*lead, n)
+    return call(x2, w_packed, _live_rows(rows), path=path_attr, swiglu=np.int32(swiglu)).reshape(*lead, n)
 
 
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:

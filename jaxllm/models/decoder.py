@@ -310,7 +310,13 @@ def dense_mlp(layer, h: jax.Array, spec: ModelSpec, axis: str | None = None, row
     """The MLP of h [T, hidden] before the row-parallel sum (and before the output bias);
     `rows`: h's real rows (see `matmul`)."""
     act = ACTIVATIONS[spec.hidden_act]
-    if spec.gated_mlp:
+    w = layer.get("w_gate_up")
+    if (isinstance(w, PackedWeight) and spec.hidden_act == "silu" and "b_gate_up" not in layer
+            and w.panels.shape[0] % 2 == 0):     # gate and up each whole panels
+        from jaxllm.kernels import native     # gate, up and silu(gate) * up in one C++ pass
+
+        a = native.matmul_packed(h, w.panels, rows=rows, swiglu=True)
+    elif spec.gated_mlp:
         gate, up = jnp.split(_plus_bias(matmul(h, layer["w_gate_up"], rows=rows), layer, "b_gate_up"), 2, axis=-1)
         a = act(gate) * up
     else:

@@ -18,6 +18,7 @@
 // forcing it, for tests) a portable loop over the same layout runs.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -103,6 +104,50 @@ void panel_block(const GemmArgs& g, const float* panel, int64_t p, int64_t r0, i
   panel_block_portable(g, panel, p, r0, r1);
 }
 
+// ------------------------------------------------------------------ SwiGLU epilogue (swiglu = 1)
+// w is a gated MLP's gate and up halves side by side ([K, 2I]: gate columns, then up columns,
+// panels 0 .. I/16 - 1 and I/16 .. 2I/16 - 1), and y [M, I] = silu(x @ gate) * (x @ up): for
+// each block of up to 6 rows, the gate panel's and the up panel's sums go to two small
+// buffers in L1, then the epilogue writes y. No [M, 2I] intermediate, and no separate pass
+// of XLA's (exp, divide) fusion over it.
+
+// silu(g) * u, 8 wide: silu(g) = g / (1 + e^-g), computed as g * (g >= 0 ? 1 : e) / (1 + e)
+// with e = e^-|g|, so that exp_f32x8 only ever sees x <= 0.
+#ifdef JAXLLM_AVX2
+inline __m256 swiglu_f32x8(__m256 g, __m256 u) {
+  const __m256 e = exp_f32x8(_mm256_or_ps(g, _mm256_set1_ps(-0.f)));  // the sign bit set: -|g|
+  const __m256 num = _mm256_blendv_ps(e, _mm256_set1_ps(1.f), _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_GE_OQ));
+  return _mm256_mul_ps(_mm256_div_ps(_mm256_mul_ps(g, num), _mm256_add_ps(_mm256_set1_ps(1.f), e)), u);
+}
+#endif
+
+inline float swiglu_f32(float g, float u) { return g / (1.f + std::exp(-g)) * u; }
+
+// y rows [r0, r1), pair p's 16 columns: the epilogue over gate panel p and up panel p + pairs.
+void swiglu_block(const GemmArgs& g, int64_t p, int64_t r0, int64_t r1, int32_t path) {
+  const int64_t K = g.K, pairs = g.N / 2 / kPanel, ldy = g.N / 2;
+  const float* gate = g.w + p * K * kPanel;
+  const float* up = g.w + (p + pairs) * K * kPanel;
+  alignas(64) float tg[6 * kPanel], tu[6 * kPanel];
+  for (int64_t r = r0; r < r1; r += 6) {
+    const int64_t R = std::min<int64_t>(6, r1 - r);
+    const GemmArgs tmp_g{g.x + r * K, nullptr, tg, R, K, kPanel}, tmp_u{g.x + r * K, nullptr, tu, R, K, kPanel};
+    panel_block(tmp_g, gate, 0, 0, R, path);
+    panel_block(tmp_u, up, 0, 0, R, path);
+    float* y = g.y + r * ldy + p * kPanel;
+    int64_t i = 0;
+#ifdef JAXLLM_AVX2
+    if (path == kAuto || path >= kAvx2) {
+      for (; i < R * kPanel; i += 8) {
+        const int64_t row = i / kPanel, col = i % kPanel;
+        _mm256_storeu_ps(y + row * ldy + col, swiglu_f32x8(_mm256_load_ps(tg + i), _mm256_load_ps(tu + i)));
+      }
+    }
+#endif
+    for (; i < R * kPanel; ++i) y[(i / kPanel) * ldy + i % kPanel] = swiglu_f32(tg[i], tu[i]);
+  }
+}
+
 // Work items of a [M, K] x [K, N] product: (chunk of up to kRowChunk rows, group of panels),
 // about 8 per thread, each at least one panel; item i covers rows [r0, r1) and panels [p0, p1).
 struct GemmItems {
@@ -130,20 +175,26 @@ int64_t live_rows(ffi::Buffer<ffi::S32> rows, int64_t M, int64_t N, float* y) {
 }
 
 ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                            ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t path) {
+                            ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t path, int32_t swiglu) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kPanel || wd[1] != xd[1])
-    return ffi::Error::InvalidArgument("matmul_packed: needs x [M, K] and w [N / 16, K, 16]");
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kPanel || wd[1] != xd[1] || (swiglu && wd[0] % 2))
+    return ffi::Error::InvalidArgument("matmul_packed: needs x [M, K] and w [N / 16, K, 16] (N / 16 even for swiglu)");
   if (path < kAuto || path > kAvx512 || (path != kAuto && !(built_paths() & (1 << path))))
     return ffi::Error::InvalidArgument("matmul_packed: this build has no such kernel path");
   GemmArgs g{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[0] * kPanel};
-  g.M = live_rows(rows, g.M, g.N, g.y);
-  const GemmItems items(g.M, g.N, pool.num_threads());
+  g.M = live_rows(rows, g.M, swiglu ? g.N / 2 : g.N, g.y);
+  // With the epilogue, the items split the I / 16 panel pairs (their output panels).
+  const GemmItems items(g.M, swiglu ? g.N / 2 : g.N, pool.num_threads());
   parallel_for(pool, items.count, [&](int64_t item) {
     int64_t r0, r1, p0, p1;
     items.bounds(item, g.M, r0, r1, p0, p1);
-    for (int64_t p = p0; p < p1; ++p) panel_block(g, g.w + p * g.K * kPanel, p, r0, r1, path);
+    for (int64_t p = p0; p < p1; ++p) {
+      if (swiglu)
+        swiglu_block(g, p, r0, r1, path);
+      else
+        panel_block(g, g.w + p * g.K * kPanel, p, r0, r1, path);
+    }
   });
   return ffi::Error::Success();
 }
@@ -373,7 +424,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulPackedCpu, jaxllm::MatmulPackedImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w_packed
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows: [] or [1], or empty for all
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y
-                                  .Attr<int32_t>("path"));
+                                  .Attr<int32_t>("path")
+                                  .Attr<int32_t>("swiglu"));  // 1: y = silu(gate) * up (see swiglu_block)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulQuantCpu, jaxllm::MatmulQuantImpl,
                               ffi::Ffi::Bind()

@@ -34,8 +34,15 @@ constexpr int64_t kSumChunk = 1024;
 // The first index in row[0, n) that holds m (n - 1 if none does, e.g. for a NaN max).
 int64_t first_index_of(const float* row, int64_t n, float m) {
   int64_t i = 0;
+#ifdef JAXLLM_AVX2
+  const __m256 vm = _mm256_set1_ps(m);  // 8 at a time: the scalar scan was ~15% of the kernel
+  for (; i + 8 <= n; i += 8) {
+    const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), vm, _CMP_EQ_OQ));
+    if (hits) return i + __builtin_ctz(hits);
+  }
+#endif
   while (i < n - 1 && !(row[i] == m)) ++i;
-  return i;
+  return std::min(i, n - 1);
 }
 
 // log(sum_i exp(row[i])) for a row whose maximum is m.
