@@ -97,6 +97,31 @@ def test_matmul_quantized_matches_numpy(rows, bits, groups, with_offset, scale_d
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("rows", [1, 5, 13])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_matmul_quantized_swiglu_matches_numpy(rows, bits):
+    # silu(x @ gate) * (x @ up) from the codes of [gate | up] (2 panels each), with offsets,
+    # every code path, and a live-row count.
+    rng = np.random.default_rng(rows + bits)
+    k, n = 40, 64
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    codes = rng.integers(-127, 128, (k, n)) if bits == 8 else rng.integers(0, 16, (k, n))
+    scale = rng.random((2, n)).astype(np.float32) * 0.3
+    offset = rng.standard_normal((2, n)).astype(np.float32)
+    w = codes * np.repeat(scale.astype(np.float64), k // 2, 0) + np.repeat(offset.astype(np.float64), k // 2, 0)
+    g, u = np.split(x.astype(np.float64) @ w, 2, axis=1)
+    ref = g / (1 + np.exp(-g)) * u
+    packed = native.pack_codes(codes, bits)
+    for path in ("auto", *native.kernel_paths()):
+        y = jax.jit(functools.partial(native.matmul_quantized, bits=bits, path=path, swiglu=True))(
+            x, packed, scale, offset)
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    live = jax.jit(functools.partial(native.matmul_quantized, bits=bits, swiglu=True))(
+        x, packed, scale, offset, rows=np.int32(rows - 1))
+    np.testing.assert_allclose(live[: rows - 1], ref[: rows - 1], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    assert not np.asarray(live[rows - 1:]).any()
+
+
 def test_matmul_quantized_rejects_mismatched_shapes():
     x = np.ones((2, 32), np.float32)
     codes = native.pack_codes(np.zeros((32, 16), np.int8), 8)

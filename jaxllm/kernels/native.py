@@ -231,19 +231,20 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
 
 
 def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array | None, bits: int,
-                     path: str = "auto", rows=None) -> jax.Array:
+                     path: str = "auto", rows=None, swiglu: bool = False) -> jax.Array:
     """x [..., K] f32 @ w -> [..., N] f32, w [K, N] given by the panels of `pack_codes`, and
     scale (and offset, or None) [G, N], f32 or f16: w[k, n] = code * scale[g, n] + offset[g, n]
     for the group g = k // (K / G) (csrc/gemm.cc dequantizes a panel at a time; x stays f32).
-    `rows`: as for `matmul_packed`."""
+    `rows`, `swiglu`: as for `matmul_packed`."""
     require()
     path_attr = _path_attr(path)
-    n = codes.shape[0] * PANEL
+    n = codes.shape[0] * PANEL // (2 if swiglu else 1)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     offset = jnp.zeros((0,), scale.dtype) if offset is None else offset
     call = jax.ffi.ffi_call("jaxllm_matmul_quantized_cpu", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
-    return call(x2, codes, scale, offset, _live_rows(rows), bits=np.int32(bits), path=path_attr).reshape(*lead, n)
+    return call(x2, codes, scale, offset, _live_rows(rows), bits=np.int32(bits), path=path_attr,
+                swiglu=np.int32(swiglu)).reshape(*lead, n)
 
 
 def paged_attention_cpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,

@@ -202,24 +202,35 @@ class Observed:
     maxima: dict
 
 
-def matmul(x: jax.Array, w, axis: str | None = None, rows: jax.Array | None = None) -> jax.Array:
+def matmul(x: jax.Array, w, axis: str | None = None, rows: jax.Array | None = None, swiglu: bool = False) -> jax.Array:
     """`x [..., in] f32 @ w [in, out]` with f32 accumulation, in the weight's dtype (or its
     quantization's path: jaxllm/quantization). `axis`: the tensor-parallel axis when w is a
     row-parallel shard (W8A8 scales activations over every shard). `rows` (an int32 scalar,
     traced): only x's first `rows` rows are real, the rest a bucket's padding; the C++ GEMMs
     (packed and panel-quantized weights) skip the padding and give zeros there, the other
-    paths compute every row."""
+    paths compute every row. `swiglu`: w is a gated MLP's [gate | up] and the result is
+    `silu(x @ gate) * (x @ up)` [..., out / 2], computed in the C++ GEMMs' epilogue where they run."""
+    if swiglu and not _fuses_swiglu(w):
+        gate, up = jnp.split(matmul(x, w, axis, rows), 2, axis=-1)
+        return jax.nn.silu(gate) * up
     if isinstance(w, Observed):
         seen = jnp.max(jnp.abs(x.reshape(-1, x.shape[-1]).astype(jnp.float32)), axis=0)
         w.maxima[w.key] = jnp.maximum(w.maxima[w.key], seen) if w.key in w.maxima else seen
         return matmul(x, w.weight)
     if isinstance(w, quant.QuantizedWeight):
-        return quant.matmul(x, w, axis, rows)
+        return quant.matmul(x, w, axis, rows, swiglu)
     if isinstance(w, PackedWeight):
         from jaxllm.kernels import native
 
-        return native.matmul_packed(x, w.panels, rows=rows)
+        return native.matmul_packed(x, w.panels, rows=rows, swiglu=swiglu)
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def _fuses_swiglu(w) -> bool:
+    """Whether w's GEMM has the SwiGLU epilogue: C++ panels, gate and up each whole panels."""
+    if isinstance(w, PackedWeight):
+        return w.panels.shape[0] % 2 == 0
+    return isinstance(w, quant.QuantizedWeight) and quant.fuses_swiglu(w)
 
 
 # The layer matrices `pack_params` packs (besides the LM head, or the embedding table when tied).
@@ -310,12 +321,8 @@ def dense_mlp(layer, h: jax.Array, spec: ModelSpec, axis: str | None = None, row
     """The MLP of h [T, hidden] before the row-parallel sum (and before the output bias);
     `rows`: h's real rows (see `matmul`)."""
     act = ACTIVATIONS[spec.hidden_act]
-    w = layer.get("w_gate_up")
-    if (isinstance(w, PackedWeight) and spec.hidden_act == "silu" and "b_gate_up" not in layer
-            and w.panels.shape[0] % 2 == 0):     # gate and up each whole panels
-        from jaxllm.kernels import native     # gate, up and silu(gate) * up in one C++ pass
-
-        a = native.matmul_packed(h, w.panels, rows=rows, swiglu=True)
+    if spec.gated_mlp and spec.hidden_act == "silu" and "b_gate_up" not in layer:
+        a = matmul(h, layer["w_gate_up"], rows=rows, swiglu=True)
     elif spec.gated_mlp:
         gate, up = jnp.split(_plus_bias(matmul(h, layer["w_gate_up"], rows=rows), layer, "b_gate_up"), 2, axis=-1)
         a = act(gate) * up

@@ -161,17 +161,18 @@ def dequantize(w: QuantizedWeight) -> jax.Array:
     return out if w.offset is None else out + jnp.repeat(w.offset.astype(jnp.float32), rows, axis=-2)
 
 
-def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None) -> jax.Array:
+def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None, swiglu: bool = False) -> jax.Array:
     """x [..., K] f32 @ w -> [..., N] f32 (the paths: see the package docstring). `axis`: the
     tensor-parallel mesh axis when w is a row-parallel shard (x holds a slice of K): W8A8 then
     scales each row by its largest |x| over every shard, as one device would. `rows`: see
-    `decoder.matmul`."""
+    `decoder.matmul`; `swiglu` too, for the "panels" layout only (`fuses_swiglu`)."""
     if w.perm is not None:
         x = jnp.take(x, w.perm, axis=-1)
     if w.layout == "panels":
         from jaxllm.kernels import native
 
-        return native.matmul_quantized(x, w.codes, w.scale, w.offset, w.bits, rows=rows)
+        return native.matmul_quantized(x, w.codes, w.scale, w.offset, w.bits, rows=rows, swiglu=swiglu)
+    assert not swiglu, "the SwiGLU epilogue needs the panels layout"
     if w.activations == "int8":
         from jaxllm.kernels.kv_write import int8_rows
 
@@ -186,6 +187,12 @@ def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None) -> jax.Array:
         if quant_matmul.supported(k, n, w.scale.shape[0], w.bits):
             return quant_matmul.quantized_matmul(x, w.codes, w.scale, w.offset, bits=w.bits)
     return jnp.dot(x.astype(jnp.float32), dequantize(w), preferred_element_type=jnp.float32)
+
+
+def fuses_swiglu(w: QuantizedWeight) -> bool:
+    """Whether `matmul(..., swiglu=True)` runs for w: C++ panels whose gate and up halves are
+    whole panels."""
+    return w.layout == "panels" and w.codes.shape[0] % 2 == 0
 
 
 def embedding_rows(w: QuantizedWeight, token_ids: jax.Array) -> jax.Array:

@@ -123,11 +123,11 @@ inline __m256 swiglu_f32x8(__m256 g, __m256 u) {
 
 inline float swiglu_f32(float g, float u) { return g / (1.f + std::exp(-g)) * u; }
 
-// y rows [r0, r1), pair p's 16 columns: the epilogue over gate panel p and up panel p + pairs.
-void swiglu_block(const GemmArgs& g, int64_t p, int64_t r0, int64_t r1, int32_t path) {
-  const int64_t K = g.K, pairs = g.N / 2 / kPanel, ldy = g.N / 2;
-  const float* gate = g.w + p * K * kPanel;
-  const float* up = g.w + (p + pairs) * K * kPanel;
+// y rows [r0, r1), output panel p's 16 columns (y [M, N / 2]), from f32 panels `gate` and `up`
+// (g.w's panels p and p + N / 32, or their dequantized copies).
+void swiglu_block(const GemmArgs& g, const float* gate, const float* up, int64_t p, int64_t r0, int64_t r1,
+                  int32_t path) {
+  const int64_t K = g.K, ldy = g.N / 2;
   alignas(64) float tg[6 * kPanel], tu[6 * kPanel];
   for (int64_t r = r0; r < r1; r += 6) {
     const int64_t R = std::min<int64_t>(6, r1 - r);
@@ -193,7 +193,7 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
     items.bounds(item, g.M, r0, r1, p0, p1);
     for (int64_t p = p0; p < p1; ++p) {
       if (swiglu)
-        swiglu_block(g, p, r0, r1, path);
+        swiglu_block(g, g.w + p * g.K * kPanel, g.w + (p + g.N / 2 / kPanel) * g.K * kPanel, p, r0, r1, path);
       else
         panel_block(g, g.w + p * g.K * kPanel, p, r0, r1, path);
     }
@@ -376,7 +376,7 @@ struct PanelScratch {
 
 ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                            ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::Buffer<ffi::S32> rows,
-                           ffi::ResultBuffer<ffi::F32> y, int32_t bits, int32_t path) {
+                           ffi::ResultBuffer<ffi::F32> y, int32_t bits, int32_t path, int32_t swiglu) {
   const auto xd = x.dimensions();
   const auto cd = codes.dimensions();
   const auto sd = scale.dimensions();
@@ -386,21 +386,33 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
       cd[1] != xd[1] || sd.size() != 2 || sd[1] != cd[0] * kPanel || sd[0] < 1 || xd[1] % sd[0] != 0 ||
       !(scale.element_type() == ffi::DataType::F32 || scale.element_type() == ffi::DataType::F16) ||
       (offset.element_count() != 0 &&
-       (offset.element_count() != scale.element_count() || offset.element_type() != scale.element_type())))
+       (offset.element_count() != scale.element_count() || offset.element_type() != scale.element_type())) ||
+      (swiglu && cd[0] % 2))
     return ffi::Error::InvalidArgument(
         "matmul_quantized: needs x [M, K], codes int8 [N / 16, K, 16] (bits 8) or uint8 [N / 16, K, 8] (bits 4), "
-        "scale f32 or f16 [G, N] with G dividing K, offset empty or like scale");
+        "scale f32 or f16 [G, N] with G dividing K, offset empty or like scale (N / 16 even for swiglu)");
   if (path < kAuto || path > kAvx512 || (path != kAuto && !(built_paths() & (1 << path))))
     return ffi::Error::InvalidArgument("matmul_quantized: this build has no such kernel path");
   GemmArgs g{x.typed_data(), nullptr, y->typed_data(), xd[0], xd[1], cd[0] * kPanel};
-  g.M = live_rows(rows, g.M, g.N, g.y);
+  g.M = live_rows(rows, g.M, swiglu ? g.N / 2 : g.N, g.y);
   const QuantPanel q{codes.untyped_data(), scale.untyped_data(),
                      offset.element_count() ? offset.untyped_data() : nullptr,
                      scale.element_type() == ffi::DataType::F16, g.K, g.N, g.K / sd[0], bits};
-  const GemmItems items(g.M, g.N, pool.num_threads());
+  const GemmItems items(g.M, swiglu ? g.N / 2 : g.N, pool.num_threads());
   parallel_for<PanelScratch>(pool, items.count, [&](int64_t item, PanelScratch& scratch) {
     int64_t r0, r1, p0, p1;
     items.bounds(item, g.M, r0, r1, p0, p1);
+    if (swiglu) {  // gate panel p and up panel p + N / 32, both dequantized, then the epilogue
+      scratch.panel.resize(2 * g.K * kPanel);
+      float* gate = scratch.panel.data();
+      float* up = gate + g.K * kPanel;
+      for (int64_t p = p0; p < p1; ++p) {
+        dequantize_panel(q, p, gate, path);
+        dequantize_panel(q, p + g.N / 2 / kPanel, up, path);
+        swiglu_block(g, gate, up, p, r0, r1, path);
+      }
+      return;
+    }
 #ifdef JAXLLM_AVX2
     if (r1 - r0 <= kDirectRows && (path == kAuto || path >= kAvx2)) {
       for (int64_t p = p0; p < p1; ++p) quant_panel_block_avx2(q, g, p, r0, r1);
@@ -439,4 +451,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulQuantCpu, jaxllm::MatmulQuantImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows, as for matmul_packed
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y
                                   .Attr<int32_t>("bits")
-                                  .Attr<int32_t>("path"));
+                                  .Attr<int32_t>("path")
+                                  .Attr<int32_t>("swiglu"));  // as for matmul_packed
