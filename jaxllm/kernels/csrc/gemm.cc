@@ -123,6 +123,18 @@ inline __m256 swiglu_f32x8(__m256 g, __m256 u) {
 
 inline float swiglu_f32(float g, float u) { return g / (1.f + std::exp(-g)) * u; }
 
+// y[i][0 .. 15] = silu(tg[i]) * tu[i] for R rows of 16 (row stride ldy).
+void swiglu_store(const float* tg, const float* tu, float* y, int64_t ldy, int64_t R, int32_t path) {
+  int64_t i = 0;
+#ifdef JAXLLM_AVX2
+  if (path == kAuto || path >= kAvx2) {
+    for (; i < R * kPanel; i += 8)
+      _mm256_storeu_ps(y + (i / kPanel) * ldy + i % kPanel, swiglu_f32x8(_mm256_load_ps(tg + i), _mm256_load_ps(tu + i)));
+  }
+#endif
+  for (; i < R * kPanel; ++i) y[(i / kPanel) * ldy + i % kPanel] = swiglu_f32(tg[i], tu[i]);
+}
+
 // y rows [r0, r1), output panel p's 16 columns (y [M, N / 2]), from f32 panels `gate` and `up`
 // (g.w's panels p and p + N / 32, or their dequantized copies).
 void swiglu_block(const GemmArgs& g, const float* gate, const float* up, int64_t p, int64_t r0, int64_t r1,
@@ -134,17 +146,7 @@ void swiglu_block(const GemmArgs& g, const float* gate, const float* up, int64_t
     const GemmArgs tmp_g{g.x + r * K, nullptr, tg, R, K, kPanel}, tmp_u{g.x + r * K, nullptr, tu, R, K, kPanel};
     panel_block(tmp_g, gate, 0, 0, R, path);
     panel_block(tmp_u, up, 0, 0, R, path);
-    float* y = g.y + r * ldy + p * kPanel;
-    int64_t i = 0;
-#ifdef JAXLLM_AVX2
-    if (path == kAuto || path >= kAvx2) {
-      for (; i < R * kPanel; i += 8) {
-        const int64_t row = i / kPanel, col = i % kPanel;
-        _mm256_storeu_ps(y + row * ldy + col, swiglu_f32x8(_mm256_load_ps(tg + i), _mm256_load_ps(tu + i)));
-      }
-    }
-#endif
-    for (; i < R * kPanel; ++i) y[(i / kPanel) * ldy + i % kPanel] = swiglu_f32(tg[i], tu[i]);
+    swiglu_store(tg, tu, g.y + r * ldy + p * kPanel, ldy, R, path);
   }
 }
 
@@ -347,15 +349,16 @@ void quant_panel_rows_avx2(const QuantPanel& q, const float* __restrict x, int64
   }
 }
 
-void quant_panel_block_avx2(const QuantPanel& q, const GemmArgs& g, int64_t p, int64_t r0, int64_t r1) {
-  int64_t r = r0;
-  for (; r + 4 <= r1; r += 4) quant_panel_rows_avx2<4>(q, g.x + r * g.K, p, g.y + r * g.N + p * kPanel, g.N);
-  const float* x = g.x + r * g.K;
-  float* y = g.y + r * g.N + p * kPanel;
-  switch (r1 - r) {
-    case 3: quant_panel_rows_avx2<3>(q, x, p, y, g.N); break;
-    case 2: quant_panel_rows_avx2<2>(q, x, p, y, g.N); break;
-    case 1: quant_panel_rows_avx2<1>(q, x, p, y, g.N); break;
+// Panel p's columns of R rows of y (from row x, into y with row stride ldy), in registers.
+void quant_panel_block_avx2(const QuantPanel& q, const float* x, int64_t p, float* y, int64_t ldy, int64_t R) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) quant_panel_rows_avx2<4>(q, x + r * q.K, p, y + r * ldy, ldy);
+  x += r * q.K;
+  y += r * ldy;
+  switch (R - r) {
+    case 3: quant_panel_rows_avx2<3>(q, x, p, y, ldy); break;
+    case 2: quant_panel_rows_avx2<2>(q, x, p, y, ldy); break;
+    case 1: quant_panel_rows_avx2<1>(q, x, p, y, ldy); break;
   }
 }
 #endif  // JAXLLM_AVX2
@@ -402,7 +405,18 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   parallel_for<PanelScratch>(pool, items.count, [&](int64_t item, PanelScratch& scratch) {
     int64_t r0, r1, p0, p1;
     items.bounds(item, g.M, r0, r1, p0, p1);
-    if (swiglu) {  // gate panel p and up panel p + N / 32, both dequantized, then the epilogue
+    if (swiglu) {  // gate panel p and up panel p + N / 32, then the epilogue
+#ifdef JAXLLM_AVX2
+      if (r1 - r0 <= kDirectRows && (path == kAuto || path >= kAvx2)) {
+        alignas(64) float tg[kDirectRows * kPanel], tu[kDirectRows * kPanel];
+        for (int64_t p = p0; p < p1; ++p) {
+          quant_panel_block_avx2(q, g.x + r0 * g.K, p, tg, kPanel, r1 - r0);
+          quant_panel_block_avx2(q, g.x + r0 * g.K, p + g.N / 2 / kPanel, tu, kPanel, r1 - r0);
+          swiglu_store(tg, tu, g.y + r0 * (g.N / 2) + p * kPanel, g.N / 2, r1 - r0, path);
+        }
+        return;
+      }
+#endif
       scratch.panel.resize(2 * g.K * kPanel);
       float* gate = scratch.panel.data();
       float* up = gate + g.K * kPanel;
@@ -415,7 +429,8 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
     }
 #ifdef JAXLLM_AVX2
     if (r1 - r0 <= kDirectRows && (path == kAuto || path >= kAvx2)) {
-      for (int64_t p = p0; p < p1; ++p) quant_panel_block_avx2(q, g, p, r0, r1);
+      for (int64_t p = p0; p < p1; ++p)
+        quant_panel_block_avx2(q, g.x + r0 * g.K, p, g.y + r0 * g.N + p * kPanel, g.N, r1 - r0);
       return;
     }
 #endif
