@@ -128,8 +128,10 @@ void swiglu_store(const float* tg, const float* tu, float* y, int64_t ldy, int64
   int64_t i = 0;
 #ifdef JAXLLM_AVX2
   if (path == kAuto || path >= kAvx2) {
-    for (; i < R * kPanel; i += 8)
-      _mm256_storeu_ps(y + (i / kPanel) * ldy + i % kPanel, swiglu_f32x8(_mm256_load_ps(tg + i), _mm256_load_ps(tu + i)));
+    for (; i < R * kPanel; i += 8) {
+      const __m256 out = swiglu_f32x8(_mm256_load_ps(tg + i), _mm256_load_ps(tu + i));
+      _mm256_storeu_ps(y + (i / kPanel) * ldy + i % kPanel, out);
+    }
   }
 #endif
   for (; i < R * kPanel; ++i) y[(i / kPanel) * ldy + i % kPanel] = swiglu_f32(tg[i], tu[i]);

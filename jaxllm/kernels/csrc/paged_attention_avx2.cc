@@ -9,11 +9,12 @@
 // the chunk. P @ V accumulates 3 rows x 32 dims in registers, V rows loaded once per key and
 // reused by the 3 rows. Softmax uses the 8-wide polynomial exp. Prefetches run one phase
 // ahead, spread over the loops: a chunk's value rows while its keys are read, the next chunk's
-// key rows while its values are (on family 23, batch 128 at context 512, this took 12-14% off
-// the kernel with consecutive pages; one burst of the whole next chunk into L2 at each chunk's
-// start, measured on Zen 3 before, gained nothing there: the core stalled on the burst). AVX-512 builds keep this path for the head sizes
-// their own path has no code for, and for int8 caches: there a key row's scale multiplies its
-// scores after the dot, and a value row's scale its softmax weights before P @ V.
+// key rows while its values are. (On family 23, 128 decodes at context 512: 12-14% off the
+// kernel with each sequence's pages consecutive, ~2% with pages in random order, against one
+// burst of the whole next chunk into L2 at each chunk's start, which there was no faster than
+// no prefetch at all: the core stalls on the burst.) AVX-512 builds keep this path for the
+// head sizes their own path has no code for, and for int8 caches: there a key row's scale
+// multiplies its scores after the dot, and a value row's scale its softmax weights before P @ V.
 
 #include <algorithm>
 #include <cmath>
