@@ -9,9 +9,9 @@ roofline is measured by the same script: matmul peak for the dtype (a [512, 576]
 
 Each decode step is also split into parts, each timed alone at the step's shapes: host (the
 runner's input preparation, timed inside the step), GEMMs (every layer's QKV, output,
-gate/up and down projections chained as in the model, plus the LM head on the sampled rows),
-attention (the backend's kernel over every layer's pages) and the sampler; "other" is the rest
-of the step (norms, RoPE, KV writes, embedding). GEMMs are shown in GFLOP/s against the matmul
+gate/up (with SwiGLU) and down projections chained as in the model, plus the LM head on the
+sampled rows), attention (the backend's kernel over every layer's pages) and the sampler;
+"other" is the rest of the step (norms, RoPE, KV writes, embedding). GEMMs are shown in GFLOP/s against the matmul
 peak, attention in GB/s of KV pages read against the memory bandwidth.
 
 `--compare-scan` also times the same forward pass with `lax.scan` over stacked layer weights
@@ -137,8 +137,7 @@ def breakdown(runner, spec, params, scheduled) -> dict:
         for layer in params["layers"]:
             qkv = decoder.matmul(x, layer["wqkv"])
             x = x + decoder.matmul(qkv[:, :spec.q_size], layer["wo"])
-            gate, up = jnp.split(decoder.matmul(x, layer["w_gate_up"]), 2, axis=-1)
-            x = x + decoder.matmul(jax.nn.silu(gate) * up, layer["w_down"])
+            x = x + decoder.matmul(decoder.matmul(x, layer["w_gate_up"], swiglu=True), layer["w_down"])
         return decoder.compute_logits(params, x[:S], spec)
 
     @jax.jit
