@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # The engine pulls in the model loader (transformers, orbax): import it on first use.
+    # The engine pulls in the model loader (transformers): import it on first use.
     if name == "LLM":
         from jaxllm.engine.llm import LLM
         return LLM

@@ -1,6 +1,6 @@
 """jaxllm/models/loader.py (and the hf_checkpoint.py / gguf_checkpoint.py readers behind it): the
 default GGUF model against transformers' own GGUF loading, GGUF written from HF weights
-(llama.cpp's Q/K permutation, Qwen2/Qwen3 tensors, Llama 3 RoPE factors), the orbax cache, and
+(llama.cpp's Q/K permutation, Qwen2/Qwen3 tensors, Llama 3 RoPE factors), the params cache, and
 the errors for models that cannot be loaded."""
 
 from __future__ import annotations
@@ -111,14 +111,16 @@ def test_cached_load_restores_the_same_model(default_model):
 
 def test_save_restore_params_round_trip(tmp_path):
     params = {"embed": jnp.arange(12.0).reshape(3, 4).astype(jnp.bfloat16),
-              "layers": [{"w": jnp.full((2, 2), i, jnp.float32)} for i in range(3)],
+              "layers": [{"w": jnp.full((2, 2), i, jnp.float32), "codes": jnp.arange(-3, 3, dtype=jnp.int8),
+                          "scale": np.linspace(-1, 1, 6).astype(np.float16).reshape(2, 3)} for i in range(3)],
               "final_norm": jnp.ones(4)}
     save_params(params, str(tmp_path / "ckpt"))
     save_params(params, str(tmp_path / "ckpt"))        # overwrites
     restored = restore_params(str(tmp_path / "ckpt"))
     assert jax.tree.structure(restored) == jax.tree.structure(params)
-    assert restored["embed"].dtype == jnp.bfloat16
-    jax.tree.map(np.testing.assert_array_equal, restored, params)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(params)):
+        assert isinstance(got, jax.Array) and got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
 
 
 # --------------------------------------------------------------------------- GGUF from HF weights

