@@ -1,12 +1,13 @@
 """Quantization table: perplexity, standard-workload throughput and weight memory of each
 `quantization=` method beside the float dtypes, one engine per subprocess, in one run.
 
-    python benchmarks/quantization.py        # none:auto none:bfloat16 gguf int8 int4 w8a8 gguf:auto:int8
+    python benchmarks/quantization.py        # every method (the list: --configs' default)
     python benchmarks/quantization.py --configs int8,int4 --num-prompts 32
 
-A config is METHOD[:DTYPE[:KV]] (METHOD as `LLM(quantization=...)`: `none` dequantizes a GGUF
+A config is METHOD[:DTYPE[:KV[:ACT]]] (METHOD as `LLM(quantization=...)`: `none` dequantizes a GGUF
 to the dtype, `gguf` keeps its blocks; DTYPE as `LLM(dtype=...)`, default auto; KV as
-`LLM(kv_cache_dtype=...)`, default auto). Each runs in a fresh process: perplexity on the shipped public-domain text
+`LLM(kv_cache_dtype=...)`, default auto; ACT `int8` for `LLM(int8_activations=True)`, e.g.
+`gguf:auto:auto:int8`). Each runs in a fresh process: perplexity on the shipped public-domain text
 (jaxllm/bench/perplexity.py, windows of 512 tokens), then the standard workload (128 requests,
 prompts 32-256, outputs 32-128 tokens, greedy, ignore_eos) timed after a short warm-up request,
 the bytes of the engine's weights (`quantization.weight_bytes`: codes, scales, offsets, and
@@ -41,7 +42,8 @@ def worker(spec: dict) -> dict:
     from jaxllm.quantization import weight_bytes
 
     t0 = time.perf_counter()
-    llm = LLM(spec["model"], dtype=spec["dtype"], quantization=spec["method"], kv_cache_dtype=spec["kv"])
+    llm = LLM(spec["model"], dtype=spec["dtype"], quantization=spec["method"], kv_cache_dtype=spec["kv"],
+              int8_activations=spec["act"] == "int8")
     start_s = time.perf_counter() - t0
     ppl = perplexity(llm)
     agreement = llm.generate(spec["agreement_prompts"], SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
@@ -56,6 +58,7 @@ def worker(spec: dict) -> dict:
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert tokens == sum(r["max_tokens"] for r in requests), "an engine gave the wrong number of tokens"
     return {"method": spec["method"], "dtype": llm.engine.config.dtype, "kv_cache_dtype": llm.engine.config.cache.dtype,
+            "int8_activations": llm.engine.config.int8_activations,
             "perplexity": ppl["perplexity"],
             "ppl_tokens": ppl["tokens"], "output_tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall,
             "weight_bytes": weight_bytes(llm.engine.runner.params), "start_s": start_s,
@@ -81,8 +84,9 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default="none:auto,none:bfloat16,gguf,int8,int4,w8a8,gguf:auto:int8",
-                    help="METHOD[:DTYPE[:KV]],...")
+    ap.add_argument("--configs", default="none:auto,none:bfloat16,gguf,gguf:auto:auto:int8,int8,int4,int4:auto:auto:int8,"
+                                        "w8a8,gguf:auto:int8",
+                    help="METHOD[:DTYPE[:KV[:ACT]]],...")
     ap.add_argument("--out", default=os.path.join(RESULTS, "quantization.json"))
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     add_workload_args(ap)
@@ -98,10 +102,10 @@ def main(argv=None) -> int:
     rows = []
     prompts = agreement_prompts()
     for config in args.configs.split(","):
-        method, dtype, kv = (config.split(":") + ["auto", "auto"])[:3]
+        method, dtype, kv, act = (config.split(":") + ["auto", "auto", "float"])[:4]
         spec_path = os.path.join(RESULTS, f".quantization-{os.getpid()}.json")
         with open(spec_path, "w") as f:
-            json.dump({"method": method, "dtype": dtype or "auto", "kv": kv or "auto", "model": args.model,
+            json.dump({"method": method, "dtype": dtype or "auto", "kv": kv or "auto", "act": act, "model": args.model,
                        "workload": workload, "agreement_prompts": prompts}, f)
         try:
             proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", spec_path],
@@ -126,7 +130,8 @@ def main(argv=None) -> int:
           f"weights MiB | {vs} | greedy agreement (tokens / outputs) |")
     print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['method']} | {r['dtype']} | {r['kv_cache_dtype']} | {BITS.get(r['method']) or r['dtype']} | "
+        act = " (int8 activations)" if r.get("int8_activations") else ""
+        print(f"| {r['method']}{act} | {r['dtype']} | {r['kv_cache_dtype']} | {BITS.get(r['method']) or r['dtype']} | "
               f"{r['perplexity']:.3f} | {r['perplexity'] / base['perplexity']:.3f}x | {r['output_tok_s']:.1f} | "
               f"{r['output_tok_s'] / base['output_tok_s']:.2f}x | {r['weight_bytes'] / 2**20:.1f} | "
               f"{r['weight_bytes'] / base['weight_bytes']:.2f}x | "

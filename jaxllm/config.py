@@ -127,6 +127,10 @@ class EngineArgs:
     background_compile: bool = option(
         False, "with warmup, start serving while the step shapes compile: a batch runs in the smallest "
                "compiled shape that holds it, or waits for its own (one process only)")
+    int8_activations: bool = option(
+        False, "4-bit weight codes (a GGUF's Q4_0 / Q4_1, int4) multiply activations quantized to int8 per "
+               "block of 32, as llama.cpp does: integer dot products, ~1.3x the quantized GEMM's speed on "
+               "AVX2 (one CPU device with the C++ kernels; elsewhere the activations stay float)")
     packed_weights: bool = option(
         True, "on one CPU device with the native kernels: pack each float32 weight matrix once for jaxllm's "
               "C++ GEMM (XLA's dot repacks it on every call)")
@@ -315,6 +319,7 @@ class EngineConfig:
     warmup: bool
     background_compile: bool
     packed_weights: bool
+    int8_activations: bool = False
     speculative: SpeculativeConfig | None = None
     quantization: str | None = None
 
@@ -421,6 +426,7 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
         warmup=args.warmup,
         background_compile=args.background_compile,
         packed_weights=args.packed_weights,
+        int8_activations=args.int8_activations,
         speculative=speculative,
         quantization=args.quantization,
     )

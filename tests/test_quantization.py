@@ -131,6 +131,87 @@ def test_matmul_quantized_rejects_mismatched_shapes():
         jax.block_until_ready(native.matmul_quantized(x, codes, np.ones((1, 16), np.float32), None, 4))
 
 
+def act8_reference(x: np.ndarray, codes: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> np.ndarray:
+    """4-bit codes x int8 activations by hand: each row of x rounded per block of 32 columns to
+    q * d (d = max|x| / 127, in f32 as the kernel computes it), the blocks' integer sums scaled."""
+    m, k = x.shape
+    rows = k // scale.shape[0]
+    xb = x.astype(np.float32).reshape(m, k // 32, 32)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.rint(xb * inv).astype(np.float64)
+    d = (amax / np.float32(127)).astype(np.float64)[..., 0]
+    cb = codes.reshape(k // 32, 32, -1).astype(np.float64)
+    s = np.repeat(scale.astype(np.float64), rows // 32, 0)          # per block of 32
+    y = np.einsum("mbk,bkn,bn,mb->mn", q, cb, s, d)
+    if offset is not None:
+        y += xb.astype(np.float64).sum(-1) @ np.repeat(offset.astype(np.float64), rows // 32, 0)
+    return y
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 97])
+@pytest.mark.parametrize("groups, with_offset, scale_dtype", [(4, True, np.float16), (2, False, np.float32)])
+def test_matmul_quantized_int8_activations_matches_numpy(rows, groups, with_offset, scale_dtype):
+    # act8: rows around the 4-row register blocks and the 96-row work items; K = 128 in groups
+    # of 32 or 64 rows (each scale spans 1 or 2 activation blocks), 3 panels, a zero block, a
+    # row whose largest |x| sits on a block's edge.
+    rng = np.random.default_rng(rows)
+    k, n = 128, 48
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    x[0, 32:64] = 0.0
+    x[-1, 95] = 9.0
+    codes = rng.integers(0, 16, (k, n))
+    scale = (rng.random((groups, n)) * 0.3).astype(scale_dtype)
+    offset = rng.standard_normal((groups, n)).astype(scale_dtype) if with_offset else None
+    ref = act8_reference(x, codes, scale, offset)
+    packed = native.pack_codes(codes, 4)
+    for path in ("auto", *native.kernel_paths()):
+        y = jax.jit(functools.partial(native.matmul_quantized, bits=4, path=path, act8=True))(x, packed, scale, offset)
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    # The same rounding in jnp, and the float product it approximates (within about 1%).
+    q, d = native.quantize_act8(x)
+    np.testing.assert_allclose(np.asarray(q, np.float64).reshape(rows, -1, 32) * np.asarray(d)[..., None],
+                               x.reshape(rows, -1, 32), atol=np.abs(x).max() / 254 * 1.001)
+    w = codes * np.repeat(scale.astype(np.float64), k // groups, 0)
+    w = w if offset is None else w + np.repeat(offset.astype(np.float64), k // groups, 0)
+    exact = x.astype(np.float64) @ w
+    assert np.abs(ref - exact).max() < 0.02 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("rows", [2, 7])
+def test_matmul_quantized_int8_activations_swiglu_and_live_rows(rows):
+    rng = np.random.default_rng(rows)
+    k, n = 64, 64
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    codes = rng.integers(0, 16, (k, n))
+    scale = (rng.random((2, n)) * 0.3).astype(np.float16)
+    offset = rng.standard_normal((2, n)).astype(np.float16)
+    g, u = np.split(act8_reference(x, codes, scale, offset), 2, axis=1)
+    ref = g / (1 + np.exp(-g)) * u
+    packed = native.pack_codes(codes, 4)
+    for path in ("auto", *native.kernel_paths()):
+        y = jax.jit(functools.partial(native.matmul_quantized, bits=4, path=path, swiglu=True, act8=True))(
+            x, packed, scale, offset)
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    live = jax.jit(functools.partial(native.matmul_quantized, bits=4, act8=True))(
+        x, packed, scale, offset, rows=np.int32(rows - 1))
+    np.testing.assert_allclose(live[: rows - 1], act8_reference(x, codes, scale, offset)[: rows - 1], rtol=1e-5,
+                               atol=1e-4)
+    assert not np.asarray(live[rows - 1:]).any()
+
+
+def test_matmul_quantized_int8_activations_rejects_what_it_cannot_run():
+    x = np.ones((2, 64), np.float32)
+    int8_codes = native.pack_codes(np.zeros((64, 16), np.int8), 8)
+    with pytest.raises(Exception, match="int8 activations"):   # 8-bit codes (int16 sums could overflow)
+        jax.block_until_ready(native.matmul_quantized(x, int8_codes, np.ones((1, 16), np.float32), None, 8,
+                                                      act8=True))
+    int4_codes = native.pack_codes(np.zeros((64, 16), np.uint8), 4)
+    with pytest.raises(Exception, match="int8 activations"):   # groups of 16 rows: not whole blocks of 32
+        jax.block_until_ready(native.matmul_quantized(x, int4_codes, np.ones((4, 16), np.float16), None, 4,
+                                                      act8=True))
+
+
 def w8a8_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """W8A8 by hand: int8 rows of x (a scale per row), int8 columns of w (a scale per column),
     an exact integer dot, then both scales."""
@@ -242,6 +323,23 @@ def test_w8a8_engine_stays_close_to_the_float_engine(tiny_model_dir):
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
     ref = offline_llm(tiny_model_dir).generate(PROMPTS, params, use_tqdm=False)
     out = LLM(tiny_model_dir, quantization="w8a8", **TINY_ENGINE_ARGS).generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(out, ref):
+        a_lp, b_lp = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for token in set(a_lp) & set(b_lp):
+            assert abs(a_lp[token].logprob - b_lp[token].logprob) < 0.3
+
+
+def test_int8_activations_engine_stays_close_to_the_weight_only_engine(tiny_model_dir):
+    # int4 weights with int8 activations (llama.cpp's scheme; each product checked above) against
+    # the same weights with float activations: the first token's distribution within 0.3 nats.
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+    ref = LLM(tiny_model_dir, quantization="int4", **TINY_ENGINE_ARGS).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(tiny_model_dir, quantization="int4", int8_activations=True, **TINY_ENGINE_ARGS)
+    layer = llm.engine.runner.params["layers"][0]
+    assert {layer[name].activations for name in ("wqkv", "wo", "w_gate_up", "w_down") if name in layer} == {"int8"}
+    assert llm.engine.runner.params["embed"].activations == "float"      # the LM head: 8-bit codes
+    out = llm.generate(PROMPTS, params, use_tqdm=False)
     for a, b in zip(out, ref):
         a_lp, b_lp = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

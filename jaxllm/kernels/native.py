@@ -231,11 +231,13 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
 
 
 def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array | None, bits: int,
-                     path: str = "auto", rows=None, swiglu: bool = False) -> jax.Array:
+                     path: str = "auto", rows=None, swiglu: bool = False, act8: bool = False) -> jax.Array:
     """x [..., K] f32 @ w -> [..., N] f32, w [K, N] given by the panels of `pack_codes`, and
     scale (and offset, or None) [G, N], f32 or f16: w[k, n] = code * scale[g, n] + offset[g, n]
-    for the group g = k // (K / G) (csrc/gemm.cc dequantizes a panel at a time; x stays f32).
-    `rows`, `swiglu`: as for `matmul_packed`."""
+    for the group g = k // (K / G) (csrc/gemm_quant.cc dequantizes a panel at a time; x stays
+    f32). `act8` (4-bit codes, K / G a multiple of 32): x is quantized to int8 per row and block
+    of 32 columns first, as llama.cpp does, and the products are integer sums (`quantize_act8`
+    is the same rounding in jnp). `rows`, `swiglu`: as for `matmul_packed`."""
     require()
     path_attr = _path_attr(path)
     n = codes.shape[0] * PANEL // (2 if swiglu else 1)
@@ -244,7 +246,20 @@ def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: j
     offset = jnp.zeros((0,), scale.dtype) if offset is None else offset
     call = jax.ffi.ffi_call("jaxllm_matmul_quantized_cpu", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
     return call(x2, codes, scale, offset, _live_rows(rows), bits=np.int32(bits), path=path_attr,
-                swiglu=np.int32(swiglu)).reshape(*lead, n)
+                swiglu=np.int32(swiglu), act8=np.int32(act8)).reshape(*lead, n)
+
+
+ACT_BLOCK = 32  # columns of x per int8 scale with `matmul_quantized(..., act8=True)`
+
+
+def quantize_act8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., K] f32 -> (q, d): x ~ q * d per block of 32 columns, q int8 in [-127, 127],
+    d = max|x| / 127 per block [..., K / 32] (what `matmul_quantized(..., act8=True)` computes with)."""
+    xb = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, ACT_BLOCK)
+    amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+    inv = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
+    q = jnp.round(xb * inv).astype(jnp.int8).reshape(x.shape)
+    return q, (amax / 127.0)[..., 0]
 
 
 def paged_attention_cpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,

@@ -171,7 +171,8 @@ def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None, swiglu: bool 
     if w.layout == "panels":
         from jaxllm.kernels import native
 
-        return native.matmul_quantized(x, w.codes, w.scale, w.offset, w.bits, rows=rows, swiglu=swiglu)
+        return native.matmul_quantized(x, w.codes, w.scale, w.offset, w.bits, rows=rows, swiglu=swiglu,
+                                       act8=w.activations == "int8")
     assert not swiglu, "the SwiGLU epilogue needs the panels layout"
     if w.activations == "int8":
         from jaxllm.kernels.kv_write import int8_rows
@@ -233,7 +234,19 @@ def relayout(w: QuantizedWeight, panels: bool, device=None) -> QuantizedWeight:
                            w.activations, put(w.perm))
 
 
-def quantize_params(params: dict, spec, method: str, *, native: bool, device=None, parts=None) -> dict:
+def with_int8_activations(w: QuantizedWeight) -> QuantizedWeight:
+    """w set to multiply int8-quantized activations (`native.matmul_quantized(..., act8=True)`)
+    where the C++ GEMM can: 4-bit codes in panels, groups a multiple of 32 rows; else w as it is."""
+    from jaxllm.kernels import native
+
+    k, _ = w.shape
+    if w.layout != "panels" or w.bits != 4 or w.perm is not None or (k // w.scale.shape[0]) % native.ACT_BLOCK:
+        return w
+    return dataclasses.replace(w, activations="int8")
+
+
+def quantize_params(params: dict, spec, method: str, *, native: bool, device=None, parts=None,
+                    int8_activations: bool = False) -> dict:
     """Replace, in place, the layer matrices and the LM head (the embedding table when tied)
     of a params tree by QuantizedWeights, one matrix at a time.
 
@@ -244,7 +257,8 @@ def quantize_params(params: dict, spec, method: str, *, native: bool, device=Non
     With `int4` the LM head gets int8 codes (as llama.cpp keeps its output matrix at 6-8 bits).
     MoE experts get the method's codes, weight-only (int8 under `w8a8`), in the plain layout.
     Weights the checkpoint gave quantized (`CHECKPOINT_METHODS`) are only laid out for the run
-    (one device); with those methods, float weights stay float."""
+    (one device); with those methods, float weights stay float. `int8_activations`: the 4-bit
+    panel weights then multiply int8 activations (`with_int8_activations`)."""
     if method not in METHODS and method not in CHECKPOINT_METHODS:
         raise ValueError(f"unknown quantization {method!r}: choose one of {sorted(METHODS) + list(CHECKPOINT_METHODS)}")
     activations = "int8" if method == "w8a8" else "float"
@@ -253,13 +267,16 @@ def quantize_params(params: dict, spec, method: str, *, native: bool, device=Non
         if isinstance(w, QuantizedWeight):
             if parts is not None:
                 raise ValueError(f"{method}-quantized checkpoint weights run on one device, not sharded")
-            return relayout(w, native, device)
-        if method not in METHODS:
+            w = relayout(w, native, device)
+        elif method not in METHODS:
             return w
-        m = "int8" if head and method == "int4" else method
-        if parts is not None:
-            return make_sharded_weight(w, m, activations, *parts[name])
-        return make_weight(np.asarray(w, np.float32), m, panels=native, activations=activations, device=device)
+        elif parts is not None:
+            return make_sharded_weight(w, "int8" if head and method == "int4" else method, activations,
+                                       *parts[name])
+        else:
+            w = make_weight(np.asarray(w, np.float32), "int8" if head and method == "int4" else method,
+                            panels=native, activations=activations, device=device)
+        return with_int8_activations(w) if int8_activations else w
 
     def make_experts(w, name):
         if method not in METHODS:

@@ -114,6 +114,7 @@ class ModelRunner:
         if config.quantization:   # in place, one matrix at a time (before packing the rest)
             params = quantization.quantize_params(
                 params, spec, config.quantization, native=self.attention.name == "native" and mesh is None,
+                int8_activations=config.int8_activations,
                 device=jax.devices()[0], parts=None if mesh is None else parallel.quantized_parts(mesh))
         if mesh is None:
             if config.packed_weights and self.attention.name == "native":

@@ -7,8 +7,9 @@
 //   paged_attention_avx512.cc  the AVX-512 path (head_dim 32, 64, 128, 256)
 //   paged_attention_avx2.cc    the AVX2 + FMA path (head_dim a multiple of 32)
 //   sampling.cc                greedy sampling's argmax + logsumexp, sampled rows' draw, FFI handlers
-//   gemm.cc                    matmul against weights packed once into 16-column panels: f32, or
-//                              int8 / int4 codes dequantized a panel at a time
+//   gemm.cc                    matmul against f32 weights packed once into 16-column panels
+//   gemm_quant.cc              the same with int8 / int4 codes in the panels: dequantized a panel
+//                              at a time, or int4 codes x int8 activations
 //   simd.h                     code paths (KernelPath), bf16 widening, exp, transpose, reductions
 //   parallel_for.h             work sharing over XLA's intra-op thread pool
 
@@ -17,3 +18,4 @@
 #include "paged_attention_avx2.cc"
 #include "sampling.cc"
 #include "gemm.cc"
+#include "gemm_quant.cc"

@@ -1,7 +1,7 @@
 // y [M, N] = x [M, K] @ w, f32, with w packed once at load time (`pack_weight` in native.py)
 // into panels of 16 columns: w_packed [N / 16, K, 16], panel p holding columns 16p .. 16p + 15
 // of w, row k of the panel the 16 weights that multiply x[:, k]. Quantized weights (int8 or
-// int4 codes in the same panels) are below ("quantized weights").
+// int4 codes in the same panels) are in gemm_quant.cc.
 //
 // Why: XLA:CPU hands each f32 dot to YNNPACK, which repacks the whole weight matrix on every
 // call. At decode batch sizes that repacking is most of the dot's time (a [8, 576] x [576,
@@ -16,6 +16,8 @@
 // 6 rows: 6 x 16 accumulators in 12 AVX2 registers, one broadcast of x and two loads of the
 // panel per k (the AVX2 + FMA path; AVX-512 CPUs run it too). Without AVX2 (or with `path`
 // forcing it, for tests) a portable loop over the same layout runs.
+
+#pragma once
 
 #include <algorithm>
 #include <cmath>
@@ -129,7 +131,7 @@ void swiglu_store(const float* tg, const float* tu, float* y, int64_t ldy, int64
 #ifdef JAXLLM_AVX2
   if (path == kAuto || path >= kAvx2) {
     for (; i < R * kPanel; i += 8) {
-      const __m256 out = swiglu_f32x8(_mm256_load_ps(tg + i), _mm256_load_ps(tu + i));
+      const __m256 out = swiglu_f32x8(_mm256_loadu_ps(tg + i), _mm256_loadu_ps(tu + i));
       _mm256_storeu_ps(y + (i / kPanel) * ldy + i % kPanel, out);
     }
   }
@@ -205,246 +207,6 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   return ffi::Error::Success();
 }
 
-
-// ---------------------------------------------------------------------------- quantized weights
-// y = x @ w with w stored as integer codes in the same panels, dequantized one panel at a time
-// into a per-thread f32 copy that the f32 kernel above then multiplies (weight-only
-// quantization: x stays f32). The copy is made once per work item, which covers up to
-// kRowChunk rows, so at decode and prefill batch sizes the dequantization is a small part of
-// the work, and the weights are read at 1/4 (int8) or 1/8 (int4) of the f32 bytes.
-//
-//   codes, 8 bits: int8 [N / 16, K, 16] (column j of panel row k at byte j);
-//          4 bits: uint8 [N / 16, K, 8] (byte j: column j in the low nibble, j + 8 in the high);
-//   scale, offset: f32 or f16 [G, N], G groups of K / G rows; w[k, n] = code * scale[g, n] +
-//          offset[g, n] with g = k / (K / G). Without offsets (an empty array) w = code * scale.
-
-struct QuantPanel {
-  const void* codes;
-  const void *scale, *offset;  // offset: nullptr when there is none
-  bool half;                   // scale and offset are f16 (else f32)
-  int64_t K, N, group;         // group: rows of K per scale row
-  int bits;
-};
-
-// IEEE half -> float (normal, subnormal, zero, inf, NaN).
-inline float half_to_f32(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-  uint32_t bits;
-  if (exp == 31) {
-    bits = sign | 0x7f800000u | (man << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {  // subnormal: man * 2^-24, normalised
-    uint32_t m = man, shifts = 0;
-    while (!(m & 0x400)) m <<= 1, ++shifts;
-    bits = sign | ((113 - shifts) << 23) | ((m & 0x3ff) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// Panel p's 16 scales (and offsets, zeros without them) of group g, as floats.
-inline void group_scales(const QuantPanel& q, int64_t g, int64_t p, float* s, float* o) {
-  const int64_t at = g * q.N + p * kPanel;
-  for (int64_t j = 0; j < kPanel; ++j) {
-    if (q.half) {
-      s[j] = half_to_f32(static_cast<const uint16_t*>(q.scale)[at + j]);
-      o[j] = q.offset ? half_to_f32(static_cast<const uint16_t*>(q.offset)[at + j]) : 0.f;
-    } else {
-      s[j] = static_cast<const float*>(q.scale)[at + j];
-      o[j] = q.offset ? static_cast<const float*>(q.offset)[at + j] : 0.f;
-    }
-  }
-}
-
-void dequantize_panel_portable(const QuantPanel& q, int64_t p, float* out) {
-  float s[kPanel], o[kPanel];
-  for (int64_t k = 0; k < q.K; ++k) {
-    if (k % q.group == 0) group_scales(q, k / q.group, p, s, o);
-    for (int64_t j = 0; j < kPanel; ++j) {
-      float code;
-      if (q.bits == 8) {
-        code = static_cast<const int8_t*>(q.codes)[(p * q.K + k) * kPanel + j];
-      } else {
-        const uint8_t byte = static_cast<const uint8_t*>(q.codes)[(p * q.K + k) * (kPanel / 2) + j % 8];
-        code = j < 8 ? (byte & 15) : (byte >> 4);
-      }
-      out[k * kPanel + j] = code * s[j] + o[j];
-    }
-  }
-}
-
-#ifdef JAXLLM_AVX2
-// Panel row k's 16 weights, dequantized into two vectors (columns 0-7, 8-15) with the group's
-// scales s0, s1 and offsets o0, o1.
-inline void dequantize_row_avx2(const QuantPanel& q, int64_t p, int64_t k, __m256 s0, __m256 s1, __m256 o0,
-                                __m256 o1, __m256& w0, __m256& w1) {
-  __m256i c0, c1;
-  if (q.bits == 8) {
-    const __m128i bytes = _mm_loadu_si128(
-        reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(q.codes) + (p * q.K + k) * kPanel));
-    c0 = _mm256_cvtepi8_epi32(bytes);
-    c1 = _mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8));
-  } else {
-    const __m128i bytes = _mm_loadl_epi64(
-        reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(q.codes) + (p * q.K + k) * (kPanel / 2)));
-    const __m256i wide = _mm256_cvtepu8_epi32(bytes);
-    c0 = _mm256_and_si256(wide, _mm256_set1_epi32(15));
-    c1 = _mm256_srli_epi32(wide, 4);
-  }
-  w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0), s0, o0);
-  w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), s1, o1);
-}
-
-// Calls fn(k0, k1, s0, s1, o0, o1) for each scale group [k0, k1) of panel p.
-template <typename Fn>
-inline void for_each_group_avx2(const QuantPanel& q, int64_t p, Fn fn) {
-  float s[kPanel], o[kPanel];
-  for (int64_t k0 = 0; k0 < q.K; k0 += q.group) {
-    group_scales(q, k0 / q.group, p, s, o);
-    fn(k0, std::min(q.K, k0 + q.group), _mm256_loadu_ps(s), _mm256_loadu_ps(s + 8), _mm256_loadu_ps(o),
-       _mm256_loadu_ps(o + 8));
-  }
-}
-
-void dequantize_panel_avx2(const QuantPanel& q, int64_t p, float* out) {
-  for_each_group_avx2(q, p, [&](int64_t k0, int64_t k1, __m256 s0, __m256 s1, __m256 o0, __m256 o1) {
-    for (int64_t k = k0; k < k1; ++k) {
-      __m256 w0, w1;
-      dequantize_row_avx2(q, p, k, s0, s1, o0, o1, w0, w1);
-      _mm256_storeu_ps(out + k * kPanel, w0);
-      _mm256_storeu_ps(out + k * kPanel + 8, w1);
-    }
-  });
-}
-
-// For a few rows (decoding small batches) a panel copy costs more than the product: y rows
-// [r, r + R), panel p's columns, with each row of weights dequantized into registers as used.
-// The register block repeats panel_rows' on purpose: the f32 GEMM (the engine's default path)
-// keeps the code it was tuned and measured with; a version sharing one block through a lambda
-// could not be told apart from it in timings on a noisy 2-vCPU machine, so it was not taken.
-template <int R>
-void quant_panel_rows_avx2(const QuantPanel& q, const float* __restrict x, int64_t p, float* __restrict y,
-                           int64_t ldy) {
-  __m256 acc0[R], acc1[R];
-#pragma GCC unroll 6
-  for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
-  for_each_group_avx2(q, p, [&](int64_t k0, int64_t k1, __m256 s0, __m256 s1, __m256 o0, __m256 o1) {
-    for (int64_t k = k0; k < k1; ++k) {
-      __m256 b0, b1;
-      dequantize_row_avx2(q, p, k, s0, s1, o0, o1, b0, b1);
-#pragma GCC unroll 6
-      for (int i = 0; i < R; ++i) {
-        const __m256 a = _mm256_broadcast_ss(x + i * q.K + k);
-        acc0[i] = _mm256_fmadd_ps(a, b0, acc0[i]);
-        acc1[i] = _mm256_fmadd_ps(a, b1, acc1[i]);
-      }
-    }
-  });
-#pragma GCC unroll 6
-  for (int i = 0; i < R; ++i) {
-    _mm256_storeu_ps(y + i * ldy, acc0[i]);
-    _mm256_storeu_ps(y + i * ldy + 8, acc1[i]);
-  }
-}
-
-// Panel p's columns of R rows of y (from row x, into y with row stride ldy), in registers.
-void quant_panel_block_avx2(const QuantPanel& q, const float* x, int64_t p, float* y, int64_t ldy, int64_t R) {
-  int64_t r = 0;
-  for (; r + 4 <= R; r += 4) quant_panel_rows_avx2<4>(q, x + r * q.K, p, y + r * ldy, ldy);
-  x += r * q.K;
-  y += r * ldy;
-  switch (R - r) {
-    case 3: quant_panel_rows_avx2<3>(q, x, p, y, ldy); break;
-    case 2: quant_panel_rows_avx2<2>(q, x, p, y, ldy); break;
-    case 1: quant_panel_rows_avx2<1>(q, x, p, y, ldy); break;
-  }
-}
-#endif  // JAXLLM_AVX2
-
-void dequantize_panel(const QuantPanel& q, int64_t p, float* out, int32_t path) {
-#ifdef JAXLLM_AVX2
-  if (path == kAuto || path >= kAvx2) return dequantize_panel_avx2(q, p, out);
-#endif
-  dequantize_panel_portable(q, p, out);
-}
-
-// Up to this many rows in a work item, the AVX2 path dequantizes in registers, not a panel copy.
-constexpr int64_t kDirectRows = 4;
-
-struct PanelScratch {
-  std::vector<float> panel;
-};
-
-ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
-                           ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::Buffer<ffi::S32> rows,
-                           ffi::ResultBuffer<ffi::F32> y, int32_t bits, int32_t path, int32_t swiglu) {
-  const auto xd = x.dimensions();
-  const auto cd = codes.dimensions();
-  const auto sd = scale.dimensions();
-  const bool int8 = bits == 8 && codes.element_type() == ffi::DataType::S8;
-  const bool int4 = bits == 4 && codes.element_type() == ffi::DataType::U8;
-  if (xd.size() != 2 || cd.size() != 3 || !(int8 || int4) || cd[2] != (int8 ? kPanel : kPanel / 2) ||
-      cd[1] != xd[1] || sd.size() != 2 || sd[1] != cd[0] * kPanel || sd[0] < 1 || xd[1] % sd[0] != 0 ||
-      !(scale.element_type() == ffi::DataType::F32 || scale.element_type() == ffi::DataType::F16) ||
-      (offset.element_count() != 0 &&
-       (offset.element_count() != scale.element_count() || offset.element_type() != scale.element_type())) ||
-      (swiglu && cd[0] % 2))
-    return ffi::Error::InvalidArgument(
-        "matmul_quantized: needs x [M, K], codes int8 [N / 16, K, 16] (bits 8) or uint8 [N / 16, K, 8] (bits 4), "
-        "scale f32 or f16 [G, N] with G dividing K, offset empty or like scale (N / 16 even for swiglu)");
-  if (path < kAuto || path > kAvx512 || (path != kAuto && !(built_paths() & (1 << path))))
-    return ffi::Error::InvalidArgument("matmul_quantized: this build has no such kernel path");
-  GemmArgs g{x.typed_data(), nullptr, y->typed_data(), xd[0], xd[1], cd[0] * kPanel};
-  g.M = live_rows(rows, g.M, swiglu ? g.N / 2 : g.N, g.y);
-  const QuantPanel q{codes.untyped_data(), scale.untyped_data(),
-                     offset.element_count() ? offset.untyped_data() : nullptr,
-                     scale.element_type() == ffi::DataType::F16, g.K, g.N, g.K / sd[0], bits};
-  const GemmItems items(g.M, swiglu ? g.N / 2 : g.N, pool.num_threads());
-  parallel_for<PanelScratch>(pool, items.count, [&](int64_t item, PanelScratch& scratch) {
-    int64_t r0, r1, p0, p1;
-    items.bounds(item, g.M, r0, r1, p0, p1);
-    if (swiglu) {  // gate panel p and up panel p + N / 32, then the epilogue
-#ifdef JAXLLM_AVX2
-      if (r1 - r0 <= kDirectRows && (path == kAuto || path >= kAvx2)) {
-        alignas(64) float tg[kDirectRows * kPanel], tu[kDirectRows * kPanel];
-        for (int64_t p = p0; p < p1; ++p) {
-          quant_panel_block_avx2(q, g.x + r0 * g.K, p, tg, kPanel, r1 - r0);
-          quant_panel_block_avx2(q, g.x + r0 * g.K, p + g.N / 2 / kPanel, tu, kPanel, r1 - r0);
-          swiglu_store(tg, tu, g.y + r0 * (g.N / 2) + p * kPanel, g.N / 2, r1 - r0, path);
-        }
-        return;
-      }
-#endif
-      scratch.panel.resize(2 * g.K * kPanel);
-      float* gate = scratch.panel.data();
-      float* up = gate + g.K * kPanel;
-      for (int64_t p = p0; p < p1; ++p) {
-        dequantize_panel(q, p, gate, path);
-        dequantize_panel(q, p + g.N / 2 / kPanel, up, path);
-        swiglu_block(g, gate, up, p, r0, r1, path);
-      }
-      return;
-    }
-#ifdef JAXLLM_AVX2
-    if (r1 - r0 <= kDirectRows && (path == kAuto || path >= kAvx2)) {
-      for (int64_t p = p0; p < p1; ++p)
-        quant_panel_block_avx2(q, g.x + r0 * g.K, p, g.y + r0 * g.N + p * kPanel, g.N, r1 - r0);
-      return;
-    }
-#endif
-    scratch.panel.resize(g.K * kPanel);
-    for (int64_t p = p0; p < p1; ++p) {
-      dequantize_panel(q, p, scratch.panel.data(), path);
-      panel_block(g, scratch.panel.data(), p, r0, r1, path);
-    }
-  });
-  return ffi::Error::Success();
-}
-
 }  // namespace
 }  // namespace jaxllm
 
@@ -457,16 +219,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulPackedCpu, jaxllm::MatmulPackedImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y
                                   .Attr<int32_t>("path")
                                   .Attr<int32_t>("swiglu"));  // 1: y = silu(gate) * up (see swiglu_block)
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulQuantCpu, jaxllm::MatmulQuantImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::AnyBuffer>()         // codes
-                                  .Arg<ffi::AnyBuffer>()         // scale, f32 or f16
-                                  .Arg<ffi::AnyBuffer>()         // offset (or empty), as scale
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows, as for matmul_packed
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // y
-                                  .Attr<int32_t>("bits")
-                                  .Attr<int32_t>("path")
-                                  .Attr<int32_t>("swiglu"));  // as for matmul_packed

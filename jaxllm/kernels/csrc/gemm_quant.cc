@@ -1,0 +1,461 @@
+// Matmul against quantized weights: int8 or int4 codes in gemm.cc's 16-column panels.
+
+#pragma once
+
+#include "gemm.cc"
+
+namespace jaxllm {
+namespace {
+
+// ---------------------------------------------------------------------------- quantized weights
+// y = x @ w with w stored as integer codes in the same panels, dequantized one panel at a time
+// into a per-thread f32 copy that the f32 kernel above then multiplies (weight-only
+// quantization: x stays f32). The copy is made once per work item, which covers up to
+// kRowChunk rows, so at decode and prefill batch sizes the dequantization is a small part of
+// the work, and the weights are read at 1/4 (int8) or 1/8 (int4) of the f32 bytes.
+//
+//   codes, 8 bits: int8 [N / 16, K, 16] (column j of panel row k at byte j);
+//          4 bits: uint8 [N / 16, K, 8] (byte j: column j in the low nibble, j + 8 in the high);
+//   scale, offset: f32 or f16 [G, N], G groups of K / G rows; w[k, n] = code * scale[g, n] +
+//          offset[g, n] with g = k / (K / G). Without offsets (an empty array) w = code * scale.
+
+struct QuantPanel {
+  const void* codes;
+  const void *scale, *offset;  // offset: nullptr when there is none
+  bool half;                   // scale and offset are f16 (else f32)
+  int64_t K, N, group;         // group: rows of K per scale row
+  int bits;
+};
+
+// IEEE half -> float (normal, subnormal, zero, inf, NaN).
+inline float half_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: man * 2^-24, normalised
+    uint32_t m = man, shifts = 0;
+    while (!(m & 0x400)) m <<= 1, ++shifts;
+    bits = sign | ((113 - shifts) << 23) | ((m & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Panel p's 16 scales (and offsets, zeros without them) of group g, as floats.
+inline void group_scales(const QuantPanel& q, int64_t g, int64_t p, float* s, float* o) {
+  const int64_t at = g * q.N + p * kPanel;
+  for (int64_t j = 0; j < kPanel; ++j) {
+    if (q.half) {
+      s[j] = half_to_f32(static_cast<const uint16_t*>(q.scale)[at + j]);
+      o[j] = q.offset ? half_to_f32(static_cast<const uint16_t*>(q.offset)[at + j]) : 0.f;
+    } else {
+      s[j] = static_cast<const float*>(q.scale)[at + j];
+      o[j] = q.offset ? static_cast<const float*>(q.offset)[at + j] : 0.f;
+    }
+  }
+}
+
+void dequantize_panel_portable(const QuantPanel& q, int64_t p, float* out) {
+  float s[kPanel], o[kPanel];
+  for (int64_t k = 0; k < q.K; ++k) {
+    if (k % q.group == 0) group_scales(q, k / q.group, p, s, o);
+    for (int64_t j = 0; j < kPanel; ++j) {
+      float code;
+      if (q.bits == 8) {
+        code = static_cast<const int8_t*>(q.codes)[(p * q.K + k) * kPanel + j];
+      } else {
+        const uint8_t byte = static_cast<const uint8_t*>(q.codes)[(p * q.K + k) * (kPanel / 2) + j % 8];
+        code = j < 8 ? (byte & 15) : (byte >> 4);
+      }
+      out[k * kPanel + j] = code * s[j] + o[j];
+    }
+  }
+}
+
+#ifdef JAXLLM_AVX2
+// Panel row k's 16 weights, dequantized into two vectors (columns 0-7, 8-15) with the group's
+// scales s0, s1 and offsets o0, o1.
+inline void dequantize_row_avx2(const QuantPanel& q, int64_t p, int64_t k, __m256 s0, __m256 s1, __m256 o0,
+                                __m256 o1, __m256& w0, __m256& w1) {
+  __m256i c0, c1;
+  if (q.bits == 8) {
+    const __m128i bytes = _mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(q.codes) + (p * q.K + k) * kPanel));
+    c0 = _mm256_cvtepi8_epi32(bytes);
+    c1 = _mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8));
+  } else {
+    const __m128i bytes = _mm_loadl_epi64(
+        reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(q.codes) + (p * q.K + k) * (kPanel / 2)));
+    const __m256i wide = _mm256_cvtepu8_epi32(bytes);
+    c0 = _mm256_and_si256(wide, _mm256_set1_epi32(15));
+    c1 = _mm256_srli_epi32(wide, 4);
+  }
+  w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0), s0, o0);
+  w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), s1, o1);
+}
+
+// Calls fn(k0, k1, s0, s1, o0, o1) for each scale group [k0, k1) of panel p.
+template <typename Fn>
+inline void for_each_group_avx2(const QuantPanel& q, int64_t p, Fn fn) {
+  float s[kPanel], o[kPanel];
+  for (int64_t k0 = 0; k0 < q.K; k0 += q.group) {
+    group_scales(q, k0 / q.group, p, s, o);
+    fn(k0, std::min(q.K, k0 + q.group), _mm256_loadu_ps(s), _mm256_loadu_ps(s + 8), _mm256_loadu_ps(o),
+       _mm256_loadu_ps(o + 8));
+  }
+}
+
+void dequantize_panel_avx2(const QuantPanel& q, int64_t p, float* out) {
+  for_each_group_avx2(q, p, [&](int64_t k0, int64_t k1, __m256 s0, __m256 s1, __m256 o0, __m256 o1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      __m256 w0, w1;
+      dequantize_row_avx2(q, p, k, s0, s1, o0, o1, w0, w1);
+      _mm256_storeu_ps(out + k * kPanel, w0);
+      _mm256_storeu_ps(out + k * kPanel + 8, w1);
+    }
+  });
+}
+
+// For a few rows (decoding small batches) a panel copy costs more than the product: y rows
+// [r, r + R), panel p's columns, with each row of weights dequantized into registers as used.
+// The register block repeats panel_rows' on purpose: the f32 GEMM (the engine's default path)
+// keeps the code it was tuned and measured with; a version sharing one block through a lambda
+// could not be told apart from it in timings on a noisy 2-vCPU machine, so it was not taken.
+template <int R>
+void quant_panel_rows_avx2(const QuantPanel& q, const float* __restrict x, int64_t p, float* __restrict y,
+                           int64_t ldy) {
+  __m256 acc0[R], acc1[R];
+#pragma GCC unroll 6
+  for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
+  for_each_group_avx2(q, p, [&](int64_t k0, int64_t k1, __m256 s0, __m256 s1, __m256 o0, __m256 o1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      __m256 b0, b1;
+      dequantize_row_avx2(q, p, k, s0, s1, o0, o1, b0, b1);
+#pragma GCC unroll 6
+      for (int i = 0; i < R; ++i) {
+        const __m256 a = _mm256_broadcast_ss(x + i * q.K + k);
+        acc0[i] = _mm256_fmadd_ps(a, b0, acc0[i]);
+        acc1[i] = _mm256_fmadd_ps(a, b1, acc1[i]);
+      }
+    }
+  });
+#pragma GCC unroll 6
+  for (int i = 0; i < R; ++i) {
+    _mm256_storeu_ps(y + i * ldy, acc0[i]);
+    _mm256_storeu_ps(y + i * ldy + 8, acc1[i]);
+  }
+}
+
+// Panel p's columns of R rows of y (from row x, into y with row stride ldy), in registers.
+void quant_panel_block_avx2(const QuantPanel& q, const float* x, int64_t p, float* y, int64_t ldy, int64_t R) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) quant_panel_rows_avx2<4>(q, x + r * q.K, p, y + r * ldy, ldy);
+  x += r * q.K;
+  y += r * ldy;
+  switch (R - r) {
+    case 3: quant_panel_rows_avx2<3>(q, x, p, y, ldy); break;
+    case 2: quant_panel_rows_avx2<2>(q, x, p, y, ldy); break;
+    case 1: quant_panel_rows_avx2<1>(q, x, p, y, ldy); break;
+  }
+}
+#endif  // JAXLLM_AVX2
+
+void dequantize_panel(const QuantPanel& q, int64_t p, float* out, int32_t path) {
+#ifdef JAXLLM_AVX2
+  if (path == kAuto || path >= kAvx2) return dequantize_panel_avx2(q, p, out);
+#endif
+  dequantize_panel_portable(q, p, out);
+}
+
+// ----------------------------------------------- 4-bit codes x int8 activations (act8 = 1)
+// llama.cpp's scheme for its 4-bit formats: each row of x is quantized per block of 32 columns
+// (x ~ q * d, q int8 in [-127, 127], d = max|x| / 127) and a block's products are integer sums,
+// scaled once per block: y[r, n] = sum over blocks b of isum(r, b, n) * scale[g, n] * d[r, b] +
+// offset[g, n] * xsum[r, b], where isum sums code * q over the block and xsum sums x (as
+// floats) over it. On AVX2, vpmaddubsw multiplies 32 byte pairs (unsigned codes 0..15 by signed
+// q) at once, and 8 of its int16 results add up without overflow (8 * 2 * 15 * 127 < 2^15).
+// Only 4-bit codes: with 8-bit ones the int16 sums could overflow.
+
+constexpr int64_t kActBlock = 32;
+
+struct ActQ8 {         // rows of x quantized per block of kActBlock columns
+  const int8_t* q;     // [rows, K]
+  const float* d;      // [rows, K / kActBlock]: the blocks' scales
+  const float* s;      // [rows, K / kActBlock]: x's sums over the blocks
+  int64_t K, blocks;
+  ActQ8 at(int64_t r) const { return {q + r * K, d + r * blocks, s + r * blocks, K, blocks}; }
+};
+
+// Rows [r0, r1) of x [M, K] quantized into q, d, s (laid out as ActQ8's).
+void quantize_rows(const float* x, int64_t r0, int64_t r1, int64_t K, int8_t* q, float* d, float* s) {
+  const int64_t blocks = K / kActBlock;
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + r * K + b * kActBlock;
+      float amax = 0.f, sum = 0.f;
+      for (int64_t j = 0; j < kActBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      for (int64_t j = 0; j < kActBlock; ++j) sum += xb[j];
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      for (int64_t j = 0; j < kActBlock; ++j)
+        q[r * K + b * kActBlock + j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+      d[r * blocks + b] = amax / 127.f;
+      s[r * blocks + b] = sum;
+    }
+  }
+}
+
+void q4a8_rows_portable(const QuantPanel& q, const ActQ8& a, int64_t p, float* y, int64_t ldy, int64_t R) {
+  const uint8_t* codes = static_cast<const uint8_t*>(q.codes) + p * q.K * (kPanel / 2);
+  float s[kPanel], o[kPanel];
+  for (int64_t i = 0; i < R; ++i) std::fill(y + i * ldy, y + i * ldy + kPanel, 0.f);
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const int64_t k0 = b * kActBlock;
+    if (k0 % q.group == 0) group_scales(q, k0 / q.group, p, s, o);
+    for (int64_t i = 0; i < R; ++i) {
+      for (int64_t j = 0; j < kPanel; ++j) {
+        int32_t isum = 0;
+        for (int64_t k = k0; k < k0 + kActBlock; ++k) {
+          const uint8_t byte = codes[k * (kPanel / 2) + j % 8];
+          isum += (j < 8 ? byte & 15 : byte >> 4) * a.q[i * a.K + k];
+        }
+        y[i * ldy + j] += isum * (s[j] * a.d[i * a.blocks + b]) + o[j] * a.s[i * a.blocks + b];
+      }
+    }
+  }
+}
+
+#ifdef JAXLLM_AVX2
+// Panel p as q4a8_rows_avx2 reads it: `out` per 4 rows of K 32 bytes for columns 0-7, then 32
+// for columns 8-15, each column's 4 codes side by side (one byte each); `scales` per group its
+// 16 scales then 16 offsets, as floats. The 32 code bytes of 4 rows (8 a row, two columns a
+// byte) are split into nibbles and transposed by vpermd + vpshufb.
+void q4a8_unpack_panel_avx2(const QuantPanel& q, int64_t p, uint8_t* out, float* scales) {
+  for (int64_t g = 0; g < q.K / q.group; ++g) group_scales(q, g, p, scales + g * 2 * kPanel, scales + (g * 2 + 1) * kPanel);
+  const __m256i low4 = _mm256_set1_epi8(15);
+  const __m256i by_column = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256i transpose = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                             0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const uint8_t* codes = static_cast<const uint8_t*>(q.codes) + p * q.K * (kPanel / 2);
+  for (int64_t k = 0; k < q.K; k += 4) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + k * (kPanel / 2)));
+    const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k * kPanel),
+                        _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(lo, by_column), transpose));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k * kPanel + 32),
+                        _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(hi, by_column), transpose));
+  }
+}
+
+// R rows of y, panel p's 16 columns, from the unpacked panel: per 4 rows of K one broadcast of
+// 4 bytes of q meets 8 columns x 4 codes in each vpmaddubsw. 2R int16 sums stay in registers
+// over a block; y is summed in memory once a block.
+template <int R>
+void q4a8_rows_avx2(const QuantPanel& q, const uint8_t* __restrict panel, const float* __restrict scales,
+                    const ActQ8& a, float* __restrict y, int64_t ldy) {
+  const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 6
+  for (int i = 0; i < R; ++i) std::fill(y + i * ldy, y + i * ldy + kPanel, 0.f);
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const int64_t k0 = b * kActBlock;
+    const float* s = scales + k0 / q.group * 2 * kPanel;
+    const float* o = s + kPanel;
+    __m256i i0[R], i1[R];  // int16 sums: columns 0-7 and 8-15, two per column
+#pragma GCC unroll 6
+    for (int i = 0; i < R; ++i) i0[i] = i1[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int64_t k = k0; k < k0 + kActBlock; k += 4) {
+      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kPanel));
+      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kPanel + 32));
+#pragma GCC unroll 6
+      for (int i = 0; i < R; ++i) {
+        int32_t four;
+        std::memcpy(&four, a.q + i * a.K + k, sizeof four);
+        const __m256i xq = _mm256_set1_epi32(four);
+        i0[i] = _mm256_add_epi16(i0[i], _mm256_maddubs_epi16(lo, xq));
+        i1[i] = _mm256_add_epi16(i1[i], _mm256_maddubs_epi16(hi, xq));
+      }
+    }
+    const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8), o0 = _mm256_loadu_ps(o),
+                 o1 = _mm256_loadu_ps(o + 8);
+#pragma GCC unroll 6
+    for (int i = 0; i < R; ++i) {
+      const __m256 d = _mm256_set1_ps(a.d[i * a.blocks + b]), xs = _mm256_set1_ps(a.s[i * a.blocks + b]);
+      float* yi = y + i * ldy;
+      _mm256_storeu_ps(yi, _mm256_fmadd_ps(o0, xs, _mm256_fmadd_ps(
+          _mm256_cvtepi32_ps(_mm256_madd_epi16(i0[i], ones)), _mm256_mul_ps(s0, d), _mm256_loadu_ps(yi))));
+      _mm256_storeu_ps(yi + 8, _mm256_fmadd_ps(o1, xs, _mm256_fmadd_ps(
+          _mm256_cvtepi32_ps(_mm256_madd_epi16(i1[i], ones)), _mm256_mul_ps(s1, d), _mm256_loadu_ps(yi + 8))));
+    }
+  }
+}
+#endif  // JAXLLM_AVX2
+
+struct Q4A8Scratch {
+  std::vector<uint8_t> panel;  // the unpacked panel's codes
+  std::vector<float> scales;   // and its scales and offsets
+  std::vector<float> sums;     // with the SwiGLU epilogue: the item's gate and up sums
+};
+
+// Rows [r0, r1) of x (quantized in a), panel p's columns, into y (row stride ldy).
+void q4a8_block(const QuantPanel& q, const ActQ8& a, int64_t p, int64_t r0, int64_t r1, float* y, int64_t ldy,
+                Q4A8Scratch& scratch, int32_t path) {
+#ifdef JAXLLM_AVX2
+  if (path == kAuto || path >= kAvx2) {
+    scratch.panel.resize(q.K * kPanel);
+    scratch.scales.resize(q.K / q.group * 2 * kPanel);
+    const uint8_t* panel = scratch.panel.data();
+    const float* scales = scratch.scales.data();
+    q4a8_unpack_panel_avx2(q, p, scratch.panel.data(), scratch.scales.data());
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) q4a8_rows_avx2<4>(q, panel, scales, a.at(r), y + (r - r0) * ldy, ldy);
+    y += (r - r0) * ldy;
+    const ActQ8 rest = a.at(r);
+    switch (r1 - r) {
+      case 5: q4a8_rows_avx2<5>(q, panel, scales, rest, y, ldy); break;
+      case 4: q4a8_rows_avx2<4>(q, panel, scales, rest, y, ldy); break;
+      case 3: q4a8_rows_avx2<3>(q, panel, scales, rest, y, ldy); break;
+      case 2: q4a8_rows_avx2<2>(q, panel, scales, rest, y, ldy); break;
+      case 1: q4a8_rows_avx2<1>(q, panel, scales, rest, y, ldy); break;
+    }
+    return;
+  }
+#endif
+  q4a8_rows_portable(q, a.at(r0), p, y, ldy, r1 - r0);
+}
+
+// y = x @ w for 4-bit codes with x quantized as above (MatmulQuantImpl's act8 path).
+void matmul_q4a8(ffi::ThreadPool& pool, const GemmArgs& g, const QuantPanel& q, int32_t path, int32_t swiglu) {
+  const int64_t blocks = g.K / kActBlock, rows_per_item = 16;
+  thread_local std::vector<int8_t> xq;  // grown, never shrunk: one allocation per calling thread
+  thread_local std::vector<float> xd;
+  xq.resize(std::max<size_t>(xq.size(), g.M * g.K));
+  xd.resize(std::max<size_t>(xd.size(), 2 * g.M * blocks));
+  const ActQ8 a{xq.data(), xd.data(), xd.data() + g.M * blocks, g.K, blocks};
+  int8_t* q8 = xq.data();
+  float *d = xd.data(), *s = d + g.M * blocks;
+  parallel_for(pool, (g.M + rows_per_item - 1) / rows_per_item, [&](int64_t i) {
+    quantize_rows(g.x, i * rows_per_item, std::min(g.M, (i + 1) * rows_per_item), g.K, q8, d, s);
+  });
+  const int64_t n_out = swiglu ? g.N / 2 : g.N;
+  const GemmItems items(g.M, n_out, pool.num_threads());
+  parallel_for<Q4A8Scratch>(pool, items.count, [&](int64_t item, Q4A8Scratch& scratch) {
+    int64_t r0, r1, p0, p1;
+    items.bounds(item, g.M, r0, r1, p0, p1);
+    if (!swiglu) {
+      for (int64_t p = p0; p < p1; ++p) q4a8_block(q, a, p, r0, r1, g.y + r0 * g.N + p * kPanel, g.N, scratch, path);
+      return;
+    }
+    // Gate panel p's and up panel p + N / 32's sums for the item's rows, then the epilogue.
+    scratch.sums.resize(2 * (r1 - r0) * kPanel);
+    float *gate = scratch.sums.data(), *up = gate + (r1 - r0) * kPanel;
+    for (int64_t p = p0; p < p1; ++p) {
+      q4a8_block(q, a, p, r0, r1, gate, kPanel, scratch, path);
+      q4a8_block(q, a, p + g.N / 2 / kPanel, r0, r1, up, kPanel, scratch, path);
+      swiglu_store(gate, up, g.y + r0 * n_out + p * kPanel, n_out, r1 - r0, path);
+    }
+  });
+}
+
+// Up to this many rows in a work item, the AVX2 path dequantizes in registers, not a panel copy.
+constexpr int64_t kDirectRows = 4;
+
+struct PanelScratch {
+  std::vector<float> panel;
+};
+
+ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+                           ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::Buffer<ffi::S32> rows,
+                           ffi::ResultBuffer<ffi::F32> y, int32_t bits, int32_t path, int32_t swiglu,
+                           int32_t act8) {
+  const auto xd = x.dimensions();
+  const auto cd = codes.dimensions();
+  const auto sd = scale.dimensions();
+  const bool int8 = bits == 8 && codes.element_type() == ffi::DataType::S8;
+  const bool int4 = bits == 4 && codes.element_type() == ffi::DataType::U8;
+  if (xd.size() != 2 || cd.size() != 3 || !(int8 || int4) || cd[2] != (int8 ? kPanel : kPanel / 2) ||
+      cd[1] != xd[1] || sd.size() != 2 || sd[1] != cd[0] * kPanel || sd[0] < 1 || xd[1] % sd[0] != 0 ||
+      !(scale.element_type() == ffi::DataType::F32 || scale.element_type() == ffi::DataType::F16) ||
+      (offset.element_count() != 0 &&
+       (offset.element_count() != scale.element_count() || offset.element_type() != scale.element_type())) ||
+      (swiglu && cd[0] % 2))
+    return ffi::Error::InvalidArgument(
+        "matmul_quantized: needs x [M, K], codes int8 [N / 16, K, 16] (bits 8) or uint8 [N / 16, K, 8] (bits 4), "
+        "scale f32 or f16 [G, N] with G dividing K, offset empty or like scale (N / 16 even for swiglu)");
+  if (path < kAuto || path > kAvx512 || (path != kAuto && !(built_paths() & (1 << path))))
+    return ffi::Error::InvalidArgument("matmul_quantized: this build has no such kernel path");
+  if (act8 && !(int4 && xd[1] % kActBlock == 0 && (xd[1] / sd[0]) % kActBlock == 0))
+    return ffi::Error::InvalidArgument("matmul_quantized: int8 activations need 4-bit codes in groups of a multiple "
+                                       "of 32 rows of K");
+  GemmArgs g{x.typed_data(), nullptr, y->typed_data(), xd[0], xd[1], cd[0] * kPanel};
+  g.M = live_rows(rows, g.M, swiglu ? g.N / 2 : g.N, g.y);
+  const QuantPanel q{codes.untyped_data(), scale.untyped_data(),
+                     offset.element_count() ? offset.untyped_data() : nullptr,
+                     scale.element_type() == ffi::DataType::F16, g.K, g.N, g.K / sd[0], bits};
+  if (act8) {
+    if (g.M) matmul_q4a8(pool, g, q, path, swiglu);
+    return ffi::Error::Success();
+  }
+  const GemmItems items(g.M, swiglu ? g.N / 2 : g.N, pool.num_threads());
+  parallel_for<PanelScratch>(pool, items.count, [&](int64_t item, PanelScratch& scratch) {
+    int64_t r0, r1, p0, p1;
+    items.bounds(item, g.M, r0, r1, p0, p1);
+    if (swiglu) {  // gate panel p and up panel p + N / 32, then the epilogue
+#ifdef JAXLLM_AVX2
+      if (r1 - r0 <= kDirectRows && (path == kAuto || path >= kAvx2)) {
+        alignas(64) float tg[kDirectRows * kPanel], tu[kDirectRows * kPanel];
+        for (int64_t p = p0; p < p1; ++p) {
+          quant_panel_block_avx2(q, g.x + r0 * g.K, p, tg, kPanel, r1 - r0);
+          quant_panel_block_avx2(q, g.x + r0 * g.K, p + g.N / 2 / kPanel, tu, kPanel, r1 - r0);
+          swiglu_store(tg, tu, g.y + r0 * (g.N / 2) + p * kPanel, g.N / 2, r1 - r0, path);
+        }
+        return;
+      }
+#endif
+      scratch.panel.resize(2 * g.K * kPanel);
+      float* gate = scratch.panel.data();
+      float* up = gate + g.K * kPanel;
+      for (int64_t p = p0; p < p1; ++p) {
+        dequantize_panel(q, p, gate, path);
+        dequantize_panel(q, p + g.N / 2 / kPanel, up, path);
+        swiglu_block(g, gate, up, p, r0, r1, path);
+      }
+      return;
+    }
+#ifdef JAXLLM_AVX2
+    if (r1 - r0 <= kDirectRows && (path == kAuto || path >= kAvx2)) {
+      for (int64_t p = p0; p < p1; ++p)
+        quant_panel_block_avx2(q, g.x + r0 * g.K, p, g.y + r0 * g.N + p * kPanel, g.N, r1 - r0);
+      return;
+    }
+#endif
+    scratch.panel.resize(g.K * kPanel);
+    for (int64_t p = p0; p < p1; ++p) {
+      dequantize_panel(q, p, scratch.panel.data(), path);
+      panel_block(g, scratch.panel.data(), p, r0, r1, path);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxllm
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulQuantCpu, jaxllm::MatmulQuantImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::AnyBuffer>()         // codes
+                                  .Arg<ffi::AnyBuffer>()         // scale, f32 or f16
+                                  .Arg<ffi::AnyBuffer>()         // offset (or empty), as scale
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows, as for matmul_packed
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y
+                                  .Attr<int32_t>("bits")
+                                  .Attr<int32_t>("path")
+                                  .Attr<int32_t>("swiglu")  // as for matmul_packed
+                                  .Attr<int32_t>("act8"));  // 1: x quantized to int8 (4-bit codes; see matmul_q4a8)
