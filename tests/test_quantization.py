@@ -347,6 +347,14 @@ def test_int8_activations_engine_stays_close_to_the_weight_only_engine(tiny_mode
             assert abs(a_lp[token].logprob - b_lp[token].logprob) < 0.3
 
 
+def test_int8_activations_without_4_bit_weights_warns(tiny_model_dir, caplog):
+    # A float model (no quantization) has nothing to run so: said at start-up, not ignored.
+    with caplog.at_level("WARNING", logger="jaxllm"):
+        llm = LLM(tiny_model_dir, int8_activations=True, **TINY_ENGINE_ARGS)
+    assert "activations stay float" in caplog.text
+    assert llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_perplexity_matches_hf_transformers(tiny_model_dir, tmp_path):
     import torch
     import transformers

@@ -24,6 +24,7 @@ from jaxllm.engine.output_processor import OUTPUT_KINDS, OutputProcessor
 from jaxllm.models import calibration, layout
 from jaxllm.outputs import RequestOutput
 from jaxllm.quantization import CHECKPOINT_METHODS
+from jaxllm.quantization.weights import int8_activation_weights
 from jaxllm.runner import compile as compile_mod
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.structured_output import StructuredOutputManager
@@ -88,6 +89,10 @@ class LLMEngine:
         first = self.replicas[0]
         self.scheduler, self.kv_cache_manager, self.runner, self.stats = (
             first.scheduler, first.kv_cache_manager, first.runner, stats)
+        if args.int8_activations and not int8_activation_weights(first.runner.params):
+            logger.warning("int8_activations: no weight of this run has 4-bit codes in the C++ GEMM (quantization=%s, "
+                           "%s backend); the activations stay float", self.config.quantization,
+                           first.runner.attention.name)
         background = self.config.background_compile and not many_processes
         self.warmup_seconds = (sum(r.runner.warmup(progress, background) for r in self.replicas)
                                if self.config.warmup else 0.0)

@@ -5,8 +5,8 @@
 CPUs with AVX-512 / AVX2 + FMA; `kernel_paths()` lists the paths the build has);
 `argmax_logsumexp` gives greedy sampling's two row reductions in one pass and `sample_rows`
 a sampled row's token (csrc/sampling.cc);
-`matmul_packed` multiplies by an f32 weight packed once by `pack_weight`, `matmul_quantized`
-by int8 or int4 codes packed by `pack_codes` (csrc/gemm.cc).
+`matmul_packed` multiplies by an f32 weight packed once by `pack_weight` (csrc/gemm.cc),
+`matmul_quantized` by int8 or int4 codes packed by `pack_codes` (csrc/gemm_quant.cc).
 csrc/cpu_kernels.cc, which includes them all, is compiled on first use with the system C++
 compiler (`$CXX`, else `c++`) against the XLA FFI headers that ship with jaxlib, with
 `-O3 -march=native` and fast math, into `<cache root>/native/` (keyed by every file in csrc/,

@@ -23,9 +23,15 @@ over a text jaxllm ships: `models/calibration.py`).
 How a quantized weight is multiplied (`matmul`):
 
 - **Packed, weight-only** (`layout="panels"`: one CPU device with the native kernels): the C++
-  GEMM (kernels/csrc/gemm.cc) dequantizes one 16-column panel at a time into an f32 copy and
-  runs its f32 kernel on it: x stays f32, the weights take 1/4 or 1/8 of their f32 bytes, and
-  the speed is the f32 GEMM's from 32 rows up.
+  GEMM (kernels/csrc/gemm_quant.cc) dequantizes one 16-column panel at a time into an f32 copy
+  and runs its f32 kernel on it: x stays f32, the weights take 1/4 or 1/8 of their f32 bytes,
+  and the speed is the f32 GEMM's from 32 rows up.
+- **Packed 4-bit codes x int8 activations** (`EngineArgs.int8_activations`, off by default;
+  `activations="int8"` on a panels weight, `with_int8_activations`): llama.cpp's scheme for its
+  4-bit formats. The C++ GEMM rounds each row of x to int8 per block of 32 columns (a scale per
+  block) and sums code x int8 products as integers (AVX2 `vpmaddubsw`), scaling once a block:
+  about 1.3x the weight-only panels' speed on AVX2 from 16 rows up, at a perplexity cost
+  (README, Quantization).
 - **W8A8** (`activations="int8"`): each row of x is quantized to int8 with its own scale and
   XLA runs an `int8 x int8 -> int32` dot (YNNPACK's VNNI / AMX kernels on CPUs that have them,
   1.3-3.8x a bf16 dot there; on AVX2-only CPUs no faster than f32), then rescales.

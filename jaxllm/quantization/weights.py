@@ -245,6 +245,12 @@ def with_int8_activations(w: QuantizedWeight) -> QuantizedWeight:
     return dataclasses.replace(w, activations="int8")
 
 
+def int8_activation_weights(params) -> int:
+    """How many weights of a params tree multiply int8-quantized activations."""
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return sum(isinstance(x, QuantizedWeight) and x.activations == "int8" for x in leaves)
+
+
 def quantize_params(params: dict, spec, method: str, *, native: bool, device=None, parts=None,
                     int8_activations: bool = False) -> dict:
     """Replace, in place, the layer matrices and the LM head (the embedding table when tied)
