@@ -109,6 +109,32 @@ def test_cached_load_restores_the_same_model(default_model):
     assert _chat_ids(cached.tokenizer, CHAT) == _chat_ids(loaded.tokenizer, CHAT)
 
 
+def test_cached_tokenizer_on_a_thread_and_broken_entries(default_model):
+    loaded, cache_dir = default_model
+    (entry,) = os.listdir(cache_dir)
+    tokenizer_dir = os.path.join(cache_dir, entry, "tokenizer")
+    threaded = load_model(cache_dir=cache_dir, progress=False, tokenizer_thread=True)
+    assert threaded.pending_tokenizer is not None and threaded.tokenizer is None   # on its thread until resolved
+    text = "<|im_start|>user\nhello there<|im_end|>"
+    assert threaded.resolve_tokenizer()(text).input_ids == loaded.tokenizer(text).input_ids
+    # A tokenizer file that does not parse fails where the tokenizer is resolved, saying where.
+    shutil.copy(os.path.join(tokenizer_dir, "tokenizer.json"), os.path.join(str(cache_dir), "keep.json"))
+    try:
+        with open(os.path.join(tokenizer_dir, "tokenizer.json"), "w") as f:
+            f.write("{not json")
+        with pytest.raises(RuntimeError, match="params cache"):
+            load_model(cache_dir=cache_dir, progress=False, tokenizer_thread=True).resolve_tokenizer()
+        # A missing one makes the entry unreadable: rebuilt from the model file.
+        os.remove(os.path.join(tokenizer_dir, "tokenizer.json"))
+        rebuilt = load_model(cache_dir=cache_dir, progress=False, tokenizer_thread=True)
+        assert rebuilt.resolve_tokenizer()(text).input_ids == loaded.tokenizer(text).input_ids
+    finally:
+        if not os.path.exists(os.path.join(tokenizer_dir, "tokenizer.json")):
+            os.makedirs(tokenizer_dir, exist_ok=True)
+            shutil.copy(os.path.join(str(cache_dir), "keep.json"), os.path.join(tokenizer_dir, "tokenizer.json"))
+        os.remove(os.path.join(str(cache_dir), "keep.json"))
+
+
 def test_save_restore_params_round_trip(tmp_path):
     params = {"embed": jnp.arange(12.0).reshape(3, 4).astype(jnp.bfloat16),
               "layers": [{"w": jnp.full((2, 2), i, jnp.float32), "codes": jnp.arange(-3, 3, dtype=jnp.int8),

@@ -73,7 +73,12 @@ class LoadedModel:
     def resolve_tokenizer(self):
         """The tokenizer, waiting for it if it is still loading on its thread."""
         if self.pending_tokenizer is not None:
-            self.tokenizer, self.pending_tokenizer = self.pending_tokenizer.result(), None
+            try:
+                self.tokenizer = self.pending_tokenizer.result()
+            except Exception as e:
+                raise RuntimeError(f"could not load the tokenizer kept in the params cache with {self.name} "
+                                   f"({type(e).__name__}: {e}); delete that cache entry to rebuild it") from e
+            self.pending_tokenizer = None
         return self.tokenizer
 
 
@@ -305,6 +310,8 @@ def _restore_cached(entry: str, path: str, name: str, mesh=None, tokenizer_threa
             meta = json.load(f)
         spec = _spec_from_json(meta["spec"])
         tokenizer = pending = None
+        if meta["has_tokenizer"] and not os.path.isfile(os.path.join(entry, "tokenizer", "tokenizer.json")):
+            raise FileNotFoundError("the tokenizer's files are missing")
         if meta["has_tokenizer"] and tokenizer_thread:
             pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tokenizer")
             pending = pool.submit(_load_tokenizer, os.path.join(entry, "tokenizer"))
