@@ -2,7 +2,8 @@
 default model's weight shapes, next to what `dtype="auto"` picks here; and jaxllm's packed f32
 GEMM (`kernels.native.matmul_packed`, the engine's path for float32 weights on one CPU device),
 and the quantized weights' paths (jaxllm/quantization): `int8` and `int4` codes in the C++ GEMM
-(weight-only) and `w8a8` through XLA's int8 dot.
+(weight-only), `int4` codes with int8 activations in the C++ GEMM (`int8_activations`), and
+`w8a8` through XLA's int8 dot.
 
     python benchmarks/dots.py                 # M = 1, 2, 8, 16, 32, 64, 128, 512 rows
 
@@ -49,12 +50,12 @@ def main(argv=None) -> int:
     print(f"{cpu_line(machine)}\n"
           f"dtype='auto' picks {pick}: {why}\n")
     from jaxllm.quantization import matmul as quantized_matmul
-    from jaxllm.quantization.weights import make_weight
+    from jaxllm.quantization.weights import make_weight, with_int8_activations
 
     packed_dot = jax.jit(native.matmul_packed) if native.available() else None
     quantized_dot = jax.jit(quantized_matmul)
     print(f"{'weight':10s} {'M':>4s} {'f32 GFLOP/s':>12s} {'bf16 GFLOP/s':>13s} {'bf16/f32':>9s} "
-          f"{'packed f32 GFLOP/s':>19s} {'packed/f32':>11s}   GFLOP/s of int8 / int4 (C++) / w8a8 (XLA)")
+          f"{'packed f32 GFLOP/s':>19s} {'packed/f32':>11s}   GFLOP/s of int8 / int4 (C++) / w8a8 (XLA) / int4 x int8 (C++)")
     rows = []
     for name, (k, n) in SHAPES.items():
         w32 = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32))
@@ -63,6 +64,7 @@ def main(argv=None) -> int:
         quantized = {method: make_weight(np.asarray(w32), method, panels=packed_dot is not None,
                                          activations="int8" if method == "w8a8" else "float")
                      for method in ("int8", "int4", "w8a8")}
+        quantized["int4_act8"] = with_int8_activations(quantized["int4"])
         for m in (int(x) for x in args.rows.split(",")):
             x32 = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
             x16 = x32.astype(jnp.bfloat16)

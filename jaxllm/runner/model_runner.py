@@ -438,6 +438,8 @@ class ModelRunner:
         executable store (see `CompiledSteps`). Returns seconds taken."""
         start = time.perf_counter()
         stored = self.steps.start(progress)
+        # The pages (on their thread since __init__): once warm-up returns, nothing compiles.
+        jax.block_until_ready(self.kv_cache)
         if not (background or stored):
             self.steps.wait()
         return time.perf_counter() - start
