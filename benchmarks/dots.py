@@ -55,7 +55,8 @@ def main(argv=None) -> int:
     packed_dot = jax.jit(native.matmul_packed) if native.available() else None
     quantized_dot = jax.jit(quantized_matmul)
     print(f"{'weight':10s} {'M':>4s} {'f32 GFLOP/s':>12s} {'bf16 GFLOP/s':>13s} {'bf16/f32':>9s} "
-          f"{'packed f32 GFLOP/s':>19s} {'packed/f32':>11s}   GFLOP/s of int8 / int4 (C++) / w8a8 (XLA) / int4 x int8 (C++)")
+          f"{'packed f32 GFLOP/s':>19s} {'packed/f32':>11s}   "
+          "GFLOP/s of int8 / int4 (C++) / w8a8 (XLA) / int4 x int8 (C++)")
     rows = []
     for name, (k, n) in SHAPES.items():
         w32 = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32))

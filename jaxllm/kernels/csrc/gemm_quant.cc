@@ -236,7 +236,8 @@ void q4a8_rows_portable(const QuantPanel& q, const ActQ8& a, int64_t p, float* y
 // 16 scales then 16 offsets, as floats. The 32 code bytes of 4 rows (8 a row, two columns a
 // byte) are split into nibbles and transposed by vpermd + vpshufb.
 void q4a8_unpack_panel_avx2(const QuantPanel& q, int64_t p, uint8_t* out, float* scales) {
-  for (int64_t g = 0; g < q.K / q.group; ++g) group_scales(q, g, p, scales + g * 2 * kPanel, scales + (g * 2 + 1) * kPanel);
+  for (int64_t g = 0; g < q.K / q.group; ++g)
+    group_scales(q, g, p, scales + g * 2 * kPanel, scales + (g * 2 + 1) * kPanel);
   const __m256i low4 = _mm256_set1_epi8(15);
   const __m256i by_column = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
   const __m256i transpose = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
