@@ -235,9 +235,9 @@ def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: j
     """x [..., K] f32 @ w -> [..., N] f32, w [K, N] given by the panels of `pack_codes`, and
     scale (and offset, or None) [G, N], f32 or f16: w[k, n] = code * scale[g, n] + offset[g, n]
     for the group g = k // (K / G) (csrc/gemm_quant.cc dequantizes a panel at a time; x stays
-    f32). `act8` (4-bit codes, K / G a multiple of 32): x is quantized to int8 per row and block
-    of 32 columns first, as llama.cpp does, and the products are integer sums (`quantize_act8`
-    is the same rounding in jnp). `rows`, `swiglu`: as for `matmul_packed`."""
+    f32). `act8` (4-bit codes, K / G a multiple of `ACT_BLOCK`): x is first quantized to int8
+    per row and block of 32 columns (q = round(x * 127 / max|x|), the scale max|x| / 127), as
+    llama.cpp does, and the products are integer sums. `rows`, `swiglu`: as for `matmul_packed`."""
     require()
     path_attr = _path_attr(path)
     n = codes.shape[0] * PANEL // (2 if swiglu else 1)
@@ -250,16 +250,6 @@ def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: j
 
 
 ACT_BLOCK = 32  # columns of x per int8 scale with `matmul_quantized(..., act8=True)`
-
-
-def quantize_act8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [..., K] f32 -> (q, d): x ~ q * d per block of 32 columns, q int8 in [-127, 127],
-    d = max|x| / 127 per block [..., K / 32] (what `matmul_quantized(..., act8=True)` computes with)."""
-    xb = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, ACT_BLOCK)
-    amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
-    inv = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
-    q = jnp.round(xb * inv).astype(jnp.int8).reshape(x.shape)
-    return q, (amax / 127.0)[..., 0]
 
 
 def paged_attention_cpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,

@@ -276,12 +276,11 @@ def quantize_params(params: dict, spec, method: str, *, native: bool, device=Non
             w = relayout(w, native, device)
         elif method not in METHODS:
             return w
-        elif parts is not None:
-            return make_sharded_weight(w, "int8" if head and method == "int4" else method, activations,
-                                       *parts[name])
         else:
-            w = make_weight(np.asarray(w, np.float32), "int8" if head and method == "int4" else method,
-                            panels=native, activations=activations, device=device)
+            m = "int8" if head and method == "int4" else method
+            if parts is not None:
+                return make_sharded_weight(w, m, activations, *parts[name])
+            w = make_weight(np.asarray(w, np.float32), m, panels=native, activations=activations, device=device)
         return with_int8_activations(w) if int8_activations else w
 
     def make_experts(w, name):
