@@ -1,6 +1,7 @@
 """The dtype question on this CPU: XLA:CPU dots in float32 vs bf16 x bf16 -> f32, on the
-default model's weight shapes, next to what `dtype="auto"` picks here; and jaxllm's packed f32
-GEMM (`kernels.native.matmul_packed`, the engine's path for float32 weights on one CPU device),
+default model's weight shapes, next to what `dtype="auto"` picks here; and jaxllm's packed
+GEMMs (`kernels.native.matmul_packed`, the engine's path for float32 weights on one CPU device,
+and for bf16 weights where the CPU has AVX512_BF16),
 and the quantized weights' paths (jaxllm/quantization): `int8` and `int4` codes in the C++ GEMM
 (weight-only), `int4` codes with int8 activations in the C++ GEMM (`int8_activations`), and
 `w8a8` through XLA's int8 dot.
@@ -55,13 +56,15 @@ def main(argv=None) -> int:
     packed_dot = jax.jit(native.matmul_packed) if native.available() else None
     quantized_dot = jax.jit(quantized_matmul)
     print(f"{'weight':10s} {'M':>4s} {'f32 GFLOP/s':>12s} {'bf16 GFLOP/s':>13s} {'bf16/f32':>9s} "
-          f"{'packed f32 GFLOP/s':>19s} {'packed/f32':>11s}   "
+          f"{'packed f32 GFLOP/s':>19s} {'packed/f32':>11s} {'packed bf16':>12s} {'/bf16':>6s}   "
           "GFLOP/s of int8 / int4 (C++) / w8a8 (XLA) / int4 x int8 (C++)")
     rows = []
     for name, (k, n) in SHAPES.items():
         w32 = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32))
         w16 = w32.astype(jnp.bfloat16)
         packed = jnp.asarray(native.pack_weight(np.asarray(w32))) if packed_dot else None
+        packed16 = (jnp.asarray(native.pack_weight(np.asarray(w32), dtype=jnp.bfloat16))
+                    if native.bf16_gemm_native() else None)
         quantized = {method: make_weight(np.asarray(w32), method, panels=packed_dot is not None,
                                          activations="int8" if method == "w8a8" else "float")
                      for method in ("int8", "int4", "w8a8")}
@@ -73,13 +76,16 @@ def main(argv=None) -> int:
             t32 = timeit(lambda: dot(x32, w32).block_until_ready(), reps)
             t16 = timeit(lambda: dot(x16, w16).block_until_ready(), reps)
             tp = timeit(lambda: packed_dot(x32, packed).block_until_ready(), reps) if packed_dot else None
+            tp16 = timeit(lambda: packed_dot(x32, packed16).block_until_ready(), reps) if packed16 is not None else None
             flops = 2 * m * k * n
             tq = {method: timeit(lambda w=w: quantized_dot(x32, w).block_until_ready(), reps)
                   for method, w in quantized.items()}
             rows.append({"weight": name, "k": k, "n": n, "m": m, "f32_gflops": flops / t32 / 1e9,
                          "bf16_gflops": flops / t16 / 1e9, "packed_f32_gflops": flops / tp / 1e9 if tp else None,
+                         "packed_bf16_gflops": flops / tp16 / 1e9 if tp16 else None,
                          **{f"{method}_gflops": flops / t / 1e9 for method, t in tq.items()}})
             packed_cols = f" {flops / tp / 1e9:19.1f} {t32 / tp:10.2f}x" if tp else ""
+            packed_cols += f" {flops / tp16 / 1e9:12.1f} {t16 / tp16:5.2f}x" if tp16 else ""
             print(f"{name:10s} {m:4d} {flops / t32 / 1e9:12.1f} {flops / t16 / 1e9:13.1f} {t32 / t16:8.2f}x"
                   + packed_cols + "   " + " / ".join(f"{flops / t / 1e9:.1f}" for t in tq.values()), flush=True)
     result = {"date": now_iso(), "machine": machine, "versions": versions(),

@@ -155,7 +155,7 @@ class JaxllmEngine(Engine):
         from jaxllm import LLM
 
         self.llm = LLM(self.opts["model"], dtype=self.dtype, max_num_seqs=self.opts["max_num_seqs"],
-                       max_num_batched_tokens=self.opts["max_num_batched_tokens"])
+                       max_num_batched_tokens=self.opts["max_num_batched_tokens"], **self.opts.get("engine_args", {}))
         self.llm.engine.runner.wait_compiled()   # a warm start loads its steps in the background: count it as start-up
 
     def generate(self, workload):

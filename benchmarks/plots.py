@@ -40,7 +40,7 @@ def latest_throughput(results: str, run_id: str | None = None) -> list[dict]:
     run_id = run_id or rows[-1].get("run_id")
     picked = {}
     for r in rows:
-        if r.get("run_id") == run_id:
+        if r.get("run_id") == run_id and not r.get("engine_args"):   # engines with their defaults
             picked[(r["engine"], r["dtype"])] = r
     return list(picked.values())
 

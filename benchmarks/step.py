@@ -160,6 +160,8 @@ def main():
     ap.add_argument("--batches", default="1,8,32,64,128,256")
     ap.add_argument("--prefill", default="64,128,256,512")
     ap.add_argument("--out", default="benchmarks/results/step.json")
+    ap.add_argument("--no-packed-weights", action="store_true",
+                    help="leave the weights to XLA's dots (EngineArgs.packed_weights=False), for a before/after")
     ap.add_argument("--compare-scan", default="", help="decode batch sizes to time with lax.scan too, e.g. 1,32")
     args = ap.parse_args()
 
@@ -171,7 +173,7 @@ def main():
     loaded = load_model(None, dtype=args.dtype, progress=False)
     spec = loaded.spec
     eargs = EngineArgs(dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=2048,
-                       kv_cache_memory=3 << 30, warmup=False)
+                       kv_cache_memory=3 << 30, warmup=False, packed_weights=not args.no_packed_weights)
     config = resolve_config(eargs, spec, loaded.name)
     runner = ModelRunner(config, spec, loaded.params)
     rng = np.random.default_rng(0)

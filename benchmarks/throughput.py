@@ -111,8 +111,22 @@ def engine_available(name: str, python: str) -> str | None:
     return None
 
 
-def parse_engine(text: str, default_dtype: str) -> tuple[str, str]:
+def parse_engine(text: str, default_dtype: str) -> tuple[str, str, dict]:
+    """NAME[:DTYPE][+KEY=VALUE...] -> (name, dtype, jaxllm engine arguments); a VALUE is read as
+    JSON where it parses (true, 4, "x"), else as a string."""
+    text, *pairs = text.split("+")
+    engine_args = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq:
+            raise SystemExit(f"engine argument {pair!r}: expected KEY=VALUE")
+        try:
+            engine_args[key] = json.loads(value)
+        except json.JSONDecodeError:
+            engine_args[key] = value
     name, _, dtype = text.partition(":")
+    if engine_args and name != "jaxllm":
+        raise SystemExit(f"engine arguments ({', '.join(pairs)}) are for jaxllm only, not {name}")
     dtype = {"f32": "float32", "fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype or default_dtype)
     if name not in ENGINE_NAMES:
         raise SystemExit(f"unknown engine {name!r}; choose from {', '.join(ENGINE_NAMES)}")
@@ -122,12 +136,14 @@ def parse_engine(text: str, default_dtype: str) -> tuple[str, str]:
         from jaxllm.utils import resolve_dtype
 
         dtype = resolve_dtype("auto", "cpu")[0]
-    return name, dtype
+    return name, dtype, engine_args
 
 
-def run_engine(name: str, dtype: str, args, workload_path: str, desc: dict, model: str) -> dict | None:
+def run_engine(name: str, dtype: str, engine_args: dict, args, workload_path: str, desc: dict,
+               model: str) -> dict | None:
     python = sys.executable
-    opts = {"engine": name, "dtype": dtype, "model": model, "max_num_seqs": args.max_num_seqs,
+    opts = {"engine": name, "dtype": dtype, "engine_args": engine_args, "model": model,
+            "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens, "hf_batch_size": args.hf_batch_size,
             "threads": args.threads or os.cpu_count(), "llama_batch": args.llama_batch,
             "llama_parallel": args.llama_parallel}
@@ -141,17 +157,19 @@ def run_engine(name: str, dtype: str, args, workload_path: str, desc: dict, mode
         spec_path = os.path.join(tmp, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(opts, f)
-        print(f"\n=== {name} {dtype}: {desc['num_requests']} requests, {desc['prompt_tokens']} prompt + "
+        print(f"\n=== {label(name, dtype, engine_args)}: {desc['num_requests']} requests, "
+              f"{desc['prompt_tokens']} prompt + "
               f"{desc['output_tokens']} output tokens", flush=True)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
         code, peak = run_process([python, WORKER, spec_path], env)
         if code != 0 or not os.path.exists(opts["result"]):
-            print(f"!!! {name} {dtype} failed (exit code {code})", flush=True)
+            print(f"!!! {label(name, dtype, engine_args)} failed (exit code {code})", flush=True)
             return None
         with open(opts["result"]) as f:
             res = json.load(f)
     wall = res["wall_s"]
-    row = {"engine": name, "dtype": dtype, "wall_s": wall, "output_tok_s": res["output_tokens"] / wall,
+    row = {"engine": name, "dtype": dtype, "engine_args": engine_args, "wall_s": wall,
+           "output_tok_s": res["output_tokens"] / wall,
            "total_tok_s": (res["output_tokens"] + desc["prompt_tokens"]) / wall,
            "requests_s": desc["num_requests"] / wall,
            "prompt_tokens": desc["prompt_tokens"], "output_tokens": res["output_tokens"],
@@ -161,9 +179,14 @@ def run_engine(name: str, dtype: str, args, workload_path: str, desc: dict, mode
            "versions": versions(), "engine_versions": res["versions"],  # the worker's (vllm: its own venv)
            "command": shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:]), "run_id": args.run_id}
     status = "ok" if res["verified"] else f"WRONG TOKEN COUNTS {res['wrong_counts']}"
-    print(f"--- {name} {dtype}: {wall:.1f} s, {row['output_tok_s']:.1f} output tok/s, {row['total_tok_s']:.1f} total "
+    print(f"--- {label(name, dtype, engine_args)}: {wall:.1f} s, {row['output_tok_s']:.1f} output tok/s, "
+          f"{row['total_tok_s']:.1f} total "
           f"tok/s, start-up {res['startup_s']:.1f} s, peak RSS {row['peak_rss_mib']:.0f} MiB, {status}", flush=True)
     return row
+
+
+def label(name: str, dtype: str, engine_args: dict) -> str:
+    return " ".join([name, dtype] + [f"{k}={json.dumps(v)}" for k, v in engine_args.items()])
 
 
 def print_profile(row: dict) -> None:
@@ -183,8 +206,10 @@ def print_profile(row: dict) -> None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engine", action="append", default=None, metavar="NAME[:DTYPE]",
-                    help=f"one of {', '.join(ENGINE_NAMES)}; repeat for several (default: jaxllm)")
+    ap.add_argument("--engine", action="append", default=None, metavar="NAME[:DTYPE][+KEY=VALUE...]",
+                    help=f"one of {', '.join(ENGINE_NAMES)}; repeat for several (default: jaxllm). For jaxllm, "
+                         "+KEY=VALUE pairs are engine arguments, e.g. jaxllm:bf16+packed_weights=false or "
+                         "jaxllm+quantization=gguf+int8_activations=true")
     ap.add_argument("--dtype", default="auto", choices=DTYPES, help="dtype of engines given without one")
     add_workload_args(ap)
     g = ap.add_argument_group("engines")
@@ -213,23 +238,24 @@ def main(argv=None):
         workload_path = os.path.join(tmp, "workload.json")
         with open(workload_path, "w") as f:
             json.dump(workload, f)
-        for name, dtype in engines:
+        for name, dtype, engine_args in engines:
             why = engine_available(name, args.vllm_python)
             if why:
-                print(f"\n=== {name} {dtype}: skipped: {why}", flush=True)
+                print(f"\n=== {label(name, dtype, engine_args)}: skipped: {why}", flush=True)
                 continue
-            row = run_engine(name, dtype, args, workload_path, desc, model)
+            row = run_engine(name, dtype, engine_args, args, workload_path, desc, model)
             if row is None or not row["verified"]:
-                failed.append(f"{name}:{dtype}")
+                failed.append(label(name, dtype, engine_args))
             if row is not None:
                 rows.append(row)
                 os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
                 with open(args.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
     if rows:
-        print(f"\n{'engine':10s} {'dtype':9s} {'wall s':>8s} {'out tok/s':>10s} {'total tok/s':>12s} {'peak RSS':>9s}")
+        print(f"\n{'engine':40s} {'wall s':>8s} {'out tok/s':>10s} {'total tok/s':>12s} {'peak RSS':>9s}")
         for r in rows:
-            print(f"{r['engine']:10s} {r['dtype']:9s} {r['wall_s']:8.1f} {r['output_tok_s']:10.1f} "
+            print(f"{label(r['engine'], r['dtype'], r['engine_args']):40s} {r['wall_s']:8.1f} "
+                  f"{r['output_tok_s']:10.1f} "
                   f"{r['total_tok_s']:12.1f} {r['peak_rss_mib']:7.0f}Mi{'' if r['verified'] else '  WRONG COUNTS'}")
     if args.profile:
         for r in rows:

@@ -133,8 +133,8 @@ class EngineArgs:
                "AVX2, +1.9% perplexity on the default model (one CPU device with the C++ kernels; elsewhere "
                "the activations stay float)")
     packed_weights: bool = option(
-        True, "on one CPU device with the native kernels: pack each float32 weight matrix once for jaxllm's "
-              "C++ GEMM (XLA's dot repacks it on every call)")
+        True, "on one CPU device with the native kernels: pack each float32 weight matrix (and bf16 ones where "
+              "the CPU has AVX512_BF16) once for jaxllm's C++ GEMMs (XLA's dot repacks it on every call)")
     speculative_config: dict | str | None = option(
         None, "speculative decoding, a JSON object as in vLLM: {\"method\": \"ngram\", \"num_speculative_tokens\": "
               "K, \"prompt_lookup_min\": N, \"prompt_lookup_max\": N, \"disable_by_batch_size\": B}, or a draft "

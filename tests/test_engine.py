@@ -64,6 +64,32 @@ def test_packed_weights_match_hf_and_xla_dots(llm, hf_model, tiny_model_dir):
                                        atol=1e-4)
 
 
+def test_bf16_weights_packed_where_the_cpu_has_bf16_dots(tiny_model_dir):
+    # With AVX512_BF16 the bf16 matrices are packed for the C++ bf16 GEMM; elsewhere they stay
+    # with XLA's bf16 dot. Either way the tokens and log-probs are those of XLA's dots (the
+    # same bf16 products, f32 sums in another order).
+    from jaxllm.kernels import native
+    from jaxllm.models import decoder
+
+    args = dict(TINY_ENGINE_ARGS, dtype="bfloat16")
+    packed, plain = LLM(tiny_model_dir, **args), LLM(tiny_model_dir, **args, packed_weights=False)
+    params = packed.engine.runner.params
+    if native.bf16_gemm_native():
+        assert isinstance(params["embed"], decoder.PackedWeight) and params["embed"].panels.ndim == 4
+        assert all(isinstance(layer[name], decoder.PackedWeight) and layer[name].panels.dtype == jax.numpy.bfloat16
+                   for layer in params["layers"] for name in decoder.PACKED if name in layer)
+    else:
+        assert not isinstance(params["embed"], decoder.PackedWeight)
+    assert not isinstance(plain.engine.runner.params["embed"], decoder.PackedWeight)
+    sampling = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    for a, b in zip(*(engine.generate(PROMPTS, sampling, use_tqdm=False) for engine in (packed, plain))):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert lp_a.keys() == lp_b.keys()
+            np.testing.assert_allclose([lp.logprob for lp in lp_a.values()], [lp.logprob for lp in lp_b.values()],
+                                       atol=2e-3)
+
+
 def test_outputs_independent_of_batch_and_order(llm):
     batched = token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False))
     alone = [token_ids(llm.generate([p], greedy(), use_tqdm=False))[0] for p in PROMPTS[:2]]

@@ -168,6 +168,58 @@ def test_matmul_packed_swiglu_matches_numpy(rows):
     assert not np.asarray(live[rows // 2:]).any()
 
 
+def bf16(a):
+    """a rounded to bf16, as float64 (the values the bf16 GEMM multiplies: products exact, f32 sums)."""
+    return np.asarray(np.asarray(a, np.float32).astype(jax.numpy.bfloat16), np.float64)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 25, 97, 200])
+def test_matmul_packed_bf16_matches_numpy(rows):
+    # Row counts around the 12-row register blocks and the 96-row work items; 3 panels (a pair
+    # and a single one); packed from [K, N] and from the transpose; every code path here.
+    rng = np.random.default_rng(rows)
+    k, n = 38, 48
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    ref = bf16(x) @ bf16(w)
+    for packed in (native.pack_weight(w, dtype=jax.numpy.bfloat16),
+                   native.pack_weight(np.ascontiguousarray(w.T), transposed=True, dtype=jax.numpy.bfloat16)):
+        assert packed.shape == (n // 16, k // 2, 16, 2) and packed.dtype == jax.numpy.bfloat16
+        for path in ("auto", *native.kernel_paths()):   # AVX-512 without AVX512_BF16 runs the portable loop
+            y = jax.jit(functools.partial(native.matmul_packed, path=path))(x, packed)
+            np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    live = jax.jit(native.matmul_packed)(x, native.pack_weight(w, dtype=jax.numpy.bfloat16), rows=rows // 2)
+    np.testing.assert_allclose(live[: rows // 2], ref[: rows // 2], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    assert not np.asarray(live[rows // 2:]).any()
+
+
+@pytest.mark.parametrize("rows", [1, 12, 29])
+def test_matmul_packed_bf16_swiglu_matches_numpy(rows):
+    rng = np.random.default_rng(rows)
+    k, inter = 24, 32
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = (rng.standard_normal((k, 2 * inter)) * 3).astype(np.float32)
+    w[:, 0] = 40.0
+    g, u = np.split(bf16(x) @ bf16(w), 2, axis=1)
+    ref = g / (1 + np.exp(-g)) * u
+    packed = native.pack_weight(w, dtype=jax.numpy.bfloat16)
+    for path in ("auto", *native.kernel_paths()):
+        y = jax.jit(functools.partial(native.matmul_packed, path=path, swiglu=True))(x, packed, rows=rows - 1)
+        np.testing.assert_allclose(y[: rows - 1], ref[: rows - 1], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+        assert not np.asarray(y[rows - 1:]).any()
+
+
+def test_bf16_gemm_native_follows_the_cpu():
+    # AVX512_BF16 dots exactly where the CPU has them (the build is -march=native); the engine
+    # packs bf16 weights only then.
+    assert native.bf16_gemm_native() == ("avx512_bf16" in lscpu_flags())
+    assert native.packable((38, 48), dtype=jax.numpy.bfloat16)
+    assert not native.packable((37, 48), dtype=jax.numpy.bfloat16) and native.packable((37, 48))
+    with pytest.raises(Exception, match="matmul_packed_bf16"):
+        jax.block_until_ready(native.matmul_packed(np.ones((2, 8), np.float32),
+                                                   np.ones((1, 3, 16, 2), jax.numpy.bfloat16)))
+
+
 def test_argmax_logsumexp_first_max_anywhere():
     # The first index of the maximum: ties inside one 8-lane block and across blocks, the
     # maximum in the tail past the last full block (vocab 3003), at index 0; against numpy.

@@ -5,7 +5,8 @@
 CPUs with AVX-512 / AVX2 + FMA; `kernel_paths()` lists the paths the build has);
 `argmax_logsumexp` gives greedy sampling's two row reductions in one pass and `sample_rows`
 a sampled row's token (csrc/sampling.cc);
-`matmul_packed` multiplies by an f32 weight packed once by `pack_weight` (csrc/gemm.cc),
+`matmul_packed` multiplies by an f32 or bf16 weight packed once by `pack_weight` (csrc/gemm.cc,
+csrc/gemm_bf16.cc: AVX512_BF16 dots where the CPU has them, `bf16_gemm_native()`),
 `matmul_quantized` by int8 or int4 codes packed by `pack_codes` (csrc/gemm_quant.cc).
 csrc/cpu_kernels.cc, which includes them all, is compiled on first use with the system C++
 compiler (`$CXX`, else `c++`) against the XLA FFI headers that ship with jaxlib, with
@@ -38,6 +39,7 @@ TARGETS = {"jaxllm_paged_attention_cpu": "JaxllmPagedAttentionCpu",
            "jaxllm_argmax_logsumexp_cpu": "JaxllmArgmaxLogsumexpCpu",
            "jaxllm_sample_rows_cpu": "JaxllmSampleRowsCpu",
            "jaxllm_matmul_packed_cpu": "JaxllmMatmulPackedCpu",
+           "jaxllm_matmul_packed_bf16_cpu": "JaxllmMatmulPackedBf16Cpu",
            "jaxllm_matmul_quantized_cpu": "JaxllmMatmulQuantCpu"}
 # The one translation unit: it includes the other files of its folder.
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "cpu_kernels.cc")
@@ -110,17 +112,19 @@ def build(cache_dir: str | None = None) -> str:
 # The kernels' code paths, narrowest first (csrc/simd.h's KernelPath).
 PATHS = ("portable", "avx2", "avx512")
 _path_bits = 0
+_bf16_native = False
 
 
 @functools.cache
 def _load() -> str | None:
     """Build, load and register the kernels once per process; None on success, else why not."""
-    global _path_bits
+    global _path_bits, _bf16_native
     try:
         lib = ctypes.cdll.LoadLibrary(build())
         for target, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
         _path_bits = lib.JaxllmKernelPaths()
+        _bf16_native = bool(lib.JaxllmBf16GemmNative())
     except (OSError, RuntimeError, AttributeError) as e:
         return str(e)
     return None
@@ -130,6 +134,12 @@ def kernel_paths() -> tuple[str, ...]:
     """The kernels' code paths in this build (what -march=native allows), narrowest first."""
     require()
     return tuple(name for i, name in enumerate(PATHS, start=1) if _path_bits & (1 << i))
+
+
+def bf16_gemm_native() -> bool:
+    """Whether bf16 packed weights multiply with AVX512_BF16 dots in this build (else a portable
+    loop, slower than XLA's bf16 dot: the engine then leaves bf16 weights unpacked)."""
+    return available() and _bf16_native
 
 
 def available() -> bool:
@@ -171,20 +181,31 @@ def sample_rows(logits, temperature, min_p, top_k, top_p, draft_tokens, u, u_dra
 PANEL = 16  # columns per panel of a packed weight (csrc/gemm.cc)
 
 
-def pack_weight(w: np.ndarray, transposed: bool = False) -> np.ndarray:
+def pack_weight(w: np.ndarray, transposed: bool = False, dtype=np.float32) -> np.ndarray:
     """A weight w [K, N] (or, `transposed`, [N, K]: an embedding table used as the LM head)
-    as the panels `matmul_packed` reads: [N / 16, K, 16] float32. N must be a multiple of 16."""
+    as the panels `matmul_packed` reads: float32 [N / 16, K, 16]; or with dtype bfloat16
+    [N / 16, K / 2, 16, 2], rows 2 kp and 2 kp + 1 of a column side by side (the pairs
+    AVX512_BF16's dot multiplies). N must be a multiple of 16 (and K even for bf16)."""
     w = np.asarray(w, np.float32)
     if transposed:
         n, k = w.shape
-        return np.ascontiguousarray(w.reshape(n // PANEL, PANEL, k).transpose(0, 2, 1))
-    k, n = w.shape
-    return np.ascontiguousarray(w.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2))
+        panels = w.reshape(n // PANEL, PANEL, k).transpose(0, 2, 1)
+    else:
+        k, n = w.shape
+        panels = w.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
+    if np.dtype(dtype) == np.float32:
+        return np.ascontiguousarray(panels)
+    pairs = panels.reshape(n // PANEL, k // 2, 2, PANEL).transpose(0, 1, 3, 2)
+    return np.ascontiguousarray(pairs.astype(jnp.bfloat16))
 
 
-def packable(shape, transposed: bool = False) -> bool:
-    """Whether a 2-D weight of this shape can be packed (its output dimension splits into panels)."""
-    return len(shape) == 2 and shape[0 if transposed else 1] % PANEL == 0
+def packable(shape, transposed: bool = False, dtype=np.float32) -> bool:
+    """Whether a 2-D weight of this shape can be packed (its output dimension splits into
+    panels; for bf16, its input dimension into pairs)."""
+    if len(shape) != 2:
+        return False
+    k, n = (shape[1], shape[0]) if transposed else shape
+    return n % PANEL == 0 and (np.dtype(dtype) == np.float32 or k % 2 == 0)
 
 
 def _path_attr(path: str) -> np.int32:
@@ -203,8 +224,10 @@ def _live_rows(rows) -> jax.Array:
 
 def matmul_packed(x: jax.Array, w_packed: jax.Array, path: str = "auto", rows=None,
                   swiglu: bool = False) -> jax.Array:
-    """x [..., K] f32 @ the weight packed by `pack_weight` -> [..., N] f32 (csrc/gemm.cc).
-    `path`: as for `paged_attention_cpu` (the GEMM has portable and AVX2 code). `rows` (an
+    """x [..., K] @ the weight packed by `pack_weight` -> [..., N] f32: with f32 panels x in f32
+    (csrc/gemm.cc), with bf16 panels x rounded to bf16 and f32 sums (csrc/gemm_bf16.cc).
+    `path`: as for `paged_attention_cpu` (f32: portable and AVX2 code; bf16: portable and
+    AVX-512, the latter with AVX512_BF16 only). `rows` (an
     int32 scalar, may be traced): only x's first `rows` rows (of x flattened to 2-D) are
     multiplied, the rest of the result is zeros; None: all. `swiglu`: the weight is a gated
     MLP's [gate | up] (N / 2 columns each, N / 2 a multiple of 16) and the result
@@ -213,8 +236,10 @@ def matmul_packed(x: jax.Array, w_packed: jax.Array, path: str = "auto", rows=No
     path_attr = _path_attr(path)
     n = w_packed.shape[0] * PANEL // (2 if swiglu else 1)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    call = jax.ffi.ffi_call("jaxllm_matmul_packed_cpu", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
+    bf16 = w_packed.dtype == jnp.bfloat16
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16 if bf16 else jnp.float32)
+    call = jax.ffi.ffi_call("jaxllm_matmul_packed_bf16_cpu" if bf16 else "jaxllm_matmul_packed_cpu",
+                            jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
     return call(x2, w_packed, _live_rows(rows), path=path_attr, swiglu=np.int32(swiglu)).reshape(*lead, n)
 
 

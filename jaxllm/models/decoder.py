@@ -42,8 +42,9 @@ Params pytree (weights stored `[in, out]` so activations multiply on the left):
 Matrix weights are float32 or bfloat16; activations stay float32 and, with bf16 weights,
 are cast to bf16 only as dot operands with float32 accumulation (XLA:CPU runs that natively;
 a bf16-output dot converts the whole weight to f32 on every call). On one CPU device with the
-native kernels, float32 matrices are replaced once by `PackedWeight`s (`pack_params`), which
-`matmul` multiplies with the C++ GEMM of kernels/csrc/gemm.cc.
+native kernels, float32 matrices (and bf16 ones, where the CPU has AVX512_BF16) are replaced
+once by `PackedWeight`s (`pack_params`), which `matmul` multiplies with the C++ GEMMs of
+kernels/csrc/gemm.cc and gemm_bf16.cc.
 
 Sharding: `layout.py` lays the params out for tensor and pipeline parallelism; each shard runs
 this same code with its local spec and `axis` set to the tensor-parallel mesh axis, over which
@@ -183,10 +184,11 @@ def norm(x: jax.Array, params: dict, name: str, spec: ModelSpec) -> jax.Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PackedWeight:
-    """A float32 weight [in, out] packed once into 16-column panels `[out / 16, in, 16]`
-    (`kernels.native.pack_weight`) for the C++ GEMM: XLA:CPU's dot repacks its weight on every
-    call, most of a dot's time at decode batch sizes. A packed embedding table serves both the
-    lookup (`embed`) and the tied LM head."""
+    """A float32 weight [in, out] packed once into 16-column panels `[out / 16, in, 16]`, or a
+    bf16 one into panels of row pairs `[out / 16, in / 2, 16, 2]` (`kernels.native.pack_weight`),
+    for the C++ GEMMs: XLA:CPU's dot repacks its weight on every call, most of a dot's time at
+    decode batch sizes. A packed embedding table serves both the lookup (`embed`) and the tied
+    LM head."""
 
     panels: jax.Array
 
@@ -240,15 +242,18 @@ PACKED = ("wqkv", "wo", "w_gate_up", "w_up", "w_down")
 def pack_params(params, spec: ModelSpec, device):
     """Replace, in place, each float32 matrix of `params` (no shard layout) by its
     `PackedWeight` on `device`, one matrix at a time: the extra memory is one matrix at most
-    (packing the whole tree, then placing it, held each matrix up to three times). Matrices whose
-    output size is not a multiple of 16 stay as they are. Returns `params`."""
+    (packing the whole tree, then placing it, held each matrix up to three times). bf16 matrices
+    too where the C++ bf16 GEMM has AVX512_BF16 dots (elsewhere XLA's bf16 dot is faster than its
+    portable loop). Matrices that do not split into panels stay as they are. Returns `params`."""
     from jaxllm.kernels import native
 
+    dtypes = (jnp.float32, jnp.bfloat16) if native.bf16_gemm_native() else (jnp.float32,)
+
     def pack(w, transposed=False):
-        if isinstance(w, (PackedWeight, quant.QuantizedWeight)) or w.dtype != jnp.float32 \
-                or not native.packable(w.shape, transposed):
+        if isinstance(w, (PackedWeight, quant.QuantizedWeight)) or w.dtype not in dtypes \
+                or not native.packable(w.shape, transposed, w.dtype):
             return w
-        return PackedWeight(jax.device_put(native.pack_weight(np.asarray(w), transposed), device))
+        return PackedWeight(jax.device_put(native.pack_weight(np.asarray(w), transposed, w.dtype), device))
 
     for layer in params["layers"]:
         for name in PACKED:
@@ -373,6 +378,9 @@ def embed(params, token_ids: jax.Array, positions: jax.Array, spec: ModelSpec, a
 
 def _token_rows(table, token_ids: jax.Array, axis: str | None) -> jax.Array:
     if isinstance(table, PackedWeight):  # [vocab / 16, hidden, 16]: token t is column t % 16 of panel t // 16
+        if table.panels.ndim == 4:        # bf16 [vocab / 16, hidden / 2, 16, 2]
+            rows = table.panels[token_ids // 16, :, token_ids % 16, :]
+            return rows.reshape(*token_ids.shape, -1).astype(jnp.float32)
         return table.panels[token_ids // 16, :, token_ids % 16]
     quantized = isinstance(table, quant.QuantizedWeight)    # quantized as the LM head [hidden, vocab]
 

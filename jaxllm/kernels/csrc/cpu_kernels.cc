@@ -10,6 +10,7 @@
 //   gemm.cc                    matmul against f32 weights packed once into 16-column panels
 //   gemm_quant.cc              the same with int8 / int4 codes in the panels: dequantized a panel
 //                              at a time, or int4 codes x int8 activations
+//   gemm_bf16.cc               bf16 weights packed once into panels of K-pairs, AVX512_BF16 dots
 //   simd.h                     code paths (KernelPath), bf16 widening, exp, transpose, reductions
 //   parallel_for.h             work sharing over XLA's intra-op thread pool
 
@@ -19,3 +20,4 @@
 #include "sampling.cc"
 #include "gemm.cc"
 #include "gemm_quant.cc"
+#include "gemm_bf16.cc"

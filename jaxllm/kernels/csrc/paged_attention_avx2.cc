@@ -77,7 +77,7 @@ void chunk_scores(const PagedAttentionArgs& a, const float (*q)[kMaxHeadDim], co
 // Row r's online-softmax step over the chunk's keys [first, first + n): soft-caps and masks
 // its scores in srow, replaces them by weights exp(score - m_new) (zero where masked), updates
 // the row's m and l, and returns alpha = exp(m_old - m_new), its accumulator's rescale factor.
-inline float softmax_row(const PagedAttentionArgs& a, QueryRows& rows, int r, int64_t first, int n, float* srow) {
+inline float softmax_row_avx2(const PagedAttentionArgs& a, QueryRows& rows, int r, int64_t first, int n, float* srow) {
   const int nv = (n + 7) / 8;
   // Keys this row may see form the range [lo, hi) of the chunk.
   const int hi = static_cast<int>(std::min<int64_t>(n, rows.qpos[r] - first + 1));
@@ -209,7 +209,7 @@ void attend_avx2_item(const PagedAttentionArgs& a, const WorkItem& item, Scratch
     for (int j = n; j % kKeyBlock; ++j) kr[j] = kr[n - 1];
     chunk_scores<KV>(a, s.q, kr, s.scores, rows.M, n, vr, row_bytes);
     if constexpr (sizeof(KV) == 1) scale_columns(a, kr, s.scores, rows.M, n);
-    for (int r = 0; r < rows.M; ++r) alpha[r] = softmax_row(a, rows, r, first, n, s.scores[r]);
+    for (int r = 0; r < rows.M; ++r) alpha[r] = softmax_row_avx2(a, rows, r, first, n, s.scores[r]);
     if constexpr (sizeof(KV) == 1) scale_columns(a, vr, s.scores, rows.M, n);
     chunk_pv<KV>(a, s.acc, alpha, s.scores, vr, n, rows.M, krows[c ^ 1], next_n, row_bytes);
     n = next_n;
