@@ -120,3 +120,14 @@ def test_engine_logs_the_dtype_auto_picks_and_loads_in_it(tiny_model_dir, tmp_pa
     assert {leaf.dtype.name for leaf in jax.tree.leaves(llm.engine.runner.params)} == {expected}
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("dtype auto")] == [
         f"dtype auto: {expected} ({resolve_dtype('auto', 'cpu')[1]})"]
+
+
+def test_native_kernels_build_wherever_a_compiler_exists():
+    # The kernel tests skip without the native library; this one does not, so a build that
+    # fails on some CPU's -march (as a duplicate AVX2/AVX-512 helper once did on AVX-512 CPUs,
+    # silently sending them to the jnp fallback) fails the suite on that CPU.
+    from jaxllm.kernels import native
+
+    if native._compiler() is None:
+        pytest.skip("no C++ compiler here: the engine uses the jnp attention backend")
+    assert native.available(), native.unavailable_reason()
