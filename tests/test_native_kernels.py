@@ -175,10 +175,10 @@ def bf16(a):
 
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 25, 97, 200])
 def test_matmul_packed_bf16_matches_numpy(rows):
-    # Row counts around the 12-row register blocks and the 96-row work items; 3 panels (a pair
-    # and a single one); packed from [K, N] and from the transpose; every code path here.
+    # Row counts around the 6- and 12-row register blocks and the 96-row work items; 7 panels
+    # (four, two and one at a time); packed from [K, N] and from the transpose; every code path.
     rng = np.random.default_rng(rows)
-    k, n = 38, 48
+    k, n = 38, 112
     x = rng.standard_normal((rows, k)).astype(np.float32)
     w = rng.standard_normal((k, n)).astype(np.float32)
     ref = bf16(x) @ bf16(w)
@@ -195,8 +195,9 @@ def test_matmul_packed_bf16_matches_numpy(rows):
 
 @pytest.mark.parametrize("rows", [1, 12, 29])
 def test_matmul_packed_bf16_swiglu_matches_numpy(rows):
+    # 3 output panels: a pair (gate and up panels four at a time) and a single one.
     rng = np.random.default_rng(rows)
-    k, inter = 24, 32
+    k, inter = 24, 48
     x = rng.standard_normal((rows, k)).astype(np.float32)
     w = (rng.standard_normal((k, 2 * inter)) * 3).astype(np.float32)
     w[:, 0] = 40.0
