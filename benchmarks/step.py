@@ -5,7 +5,8 @@
 Decode steps of batch 1..256 at a fixed context, and prefill steps of 64..512 prompt tokens,
 each timed through the real ModelRunner (host preparation + device step + sampling). The
 roofline is measured by the same script: matmul peak for the dtype (a [512, 576] x
-[576, 1536] GEMM, the model's shape) and donated read+write memory bandwidth.
+[576, 1536] GEMM, the model's shape, through the engine's packed GEMM where it packs weights)
+and donated read+write memory bandwidth.
 
 Each decode step is also split into parts, each timed alone at the step's shapes: host (the
 runner's input preparation, timed inside the step), GEMMs (every layer's QKV, output,
@@ -48,10 +49,19 @@ from workload import cpu_line, machine_info, now_iso, timeit, versions  # noqa: 
 del sys.path[0]
 
 
-def matmul_peak(dtype) -> float:
-    a = jnp.ones((512, 576), dtype)
-    b = jnp.ones((576, 1536), dtype)
-    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+def matmul_peak(dtype, packed: bool) -> float:
+    """FLOP/s of a [512, 576] x [576, 1536] product in `dtype`: through the engine's packed
+    C++ GEMM when it packs its weights (`packed`), else XLA's dot."""
+    if packed:
+        from jaxllm.kernels import native
+
+        a = jnp.ones((512, 576), jnp.float32)
+        b = jnp.asarray(native.pack_weight(np.ones((576, 1536), np.float32), dtype=dtype))
+        f = jax.jit(native.matmul_packed)
+    else:
+        a = jnp.ones((512, 576), dtype)
+        b = jnp.ones((576, 1536), dtype)
+        f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
     return 2 * 512 * 576 * 1536 / timeit(lambda: f(a, b).block_until_ready(), 20)
 
 
@@ -179,7 +189,8 @@ def main():
     rng = np.random.default_rng(0)
     weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(loaded.params))
     llama_dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-    peak = matmul_peak(llama_dtype)
+    packed = any(isinstance(w, decoder.PackedWeight) for w in runner.params["layers"][0].values())
+    peak = matmul_peak(llama_dtype, packed)
     bw = memory_bandwidth()
     # The layers' matrices (packed ones are PackedWeights): 2 FLOPs per weight per token.
     flops_per_token = 2 * sum(np.size(x.panels if isinstance(x, decoder.PackedWeight) else x)
@@ -219,7 +230,8 @@ def main():
               f"attention {r['attention_gbs']:.1f} GB/s ({100 * r['attention_gbs'] * 1e9 / bw:.0f}% of bandwidth)",
               flush=True)
 
-    print(f"matmul peak {peak / 1e9:.0f} GFLOP/s ({args.dtype}), memory {bw / 1e9:.1f} GB/s, "
+    path = "packed C++ GEMM" if packed else "XLA dot"
+    print(f"matmul peak {peak / 1e9:.0f} GFLOP/s ({args.dtype}, {path}), memory {bw / 1e9:.1f} GB/s, "
           f"weights {weight_bytes / 1e6:.0f} MB")
     for b in map(int, args.batches.split(",")):
         measure("decode", b, 1)
@@ -232,7 +244,8 @@ def main():
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(date=now_iso(), machine=machine, versions=versions(),
-                       command=shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:]), dtype=args.dtype, matmul_peak_flops=peak, memory_bandwidth=bw, weight_bytes=weight_bytes,
+                       command=shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:]), dtype=args.dtype,
+                       packed_weights=packed, matmul_peak_flops=peak, memory_bandwidth=bw, weight_bytes=weight_bytes,
                        rows=rows, scan_vs_unrolled=scan_rows), f, indent=1)
 
 
