@@ -112,22 +112,39 @@ def test_rejects_unsupported_shapes():
         jax.block_until_ready(native.paged_attention_cpu(q[:, :8], *args[1:]))
 
 
-@pytest.mark.parametrize("rows", [1, 5, 6, 13, 96, 97, 200])
-def test_matmul_packed_matches_numpy(rows):
-    # Row counts around the 6-row register blocks and the 96-row work items; K not a multiple
-    # of anything; a weight packed from [K, N] and from its transpose (a tied LM head).
+def rounded(a, dtype):
+    """a as float64, rounded to bf16 first for dtype bfloat16: the values the bf16 GEMM
+    multiplies (the products are exact, the sums f32)."""
+    a = np.asarray(a, np.float32)
+    return np.asarray(a.astype(jax.numpy.bfloat16) if dtype == "bfloat16" else a, np.float64)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows", [1, 5, 6, 12, 13, 25, 96, 97, 200])
+def test_matmul_packed_matches_numpy(rows, dtype):
+    # Row counts around the register blocks (6 rows for f32; 6 and 12 for bf16) and the 96-row
+    # work items; 7 panels (bf16 takes them four, two and one at a time); K odd where the dtype
+    # allows (bf16 packs row pairs); a weight packed from [K, N] and from its transpose (a tied
+    # LM head); every code path here (f32 has AVX2 code, bf16 AVX512_BF16: other paths run the
+    # portable loop); a live-row count.
     rng = np.random.default_rng(rows)
-    k, n = 37, 48
+    k, n = (38 if dtype == "bfloat16" else 37), 112
     x = rng.standard_normal((rows, k)).astype(np.float32)
     w = rng.standard_normal((k, n)).astype(np.float32)
-    ref = x.astype(np.float64) @ w
-    for packed in (native.pack_weight(w), native.pack_weight(np.ascontiguousarray(w.T), transposed=True)):
-        assert packed.shape == (n // 16, k, 16)
-        for path in ("auto", *native.kernel_paths()):  # the AVX-512 build runs the AVX2 code
+    ref = rounded(x, dtype) @ rounded(w, dtype)
+    shape = (n // 16, k // 2, 16, 2) if dtype == "bfloat16" else (n // 16, k, 16)
+    for packed in (native.pack_weight(w, dtype=dtype),
+                   native.pack_weight(np.ascontiguousarray(w.T), transposed=True, dtype=dtype)):
+        assert packed.shape == shape and packed.dtype == dtype
+        for path in ("auto", *native.kernel_paths()):
             y = jax.jit(functools.partial(native.matmul_packed, path=path))(x, packed)
             np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    batched = jax.jit(native.matmul_packed)(x.reshape(1, rows, k), native.pack_weight(w))
+    packed = native.pack_weight(w, dtype=dtype)
+    batched = jax.jit(native.matmul_packed)(x.reshape(1, rows, k), packed)
     np.testing.assert_allclose(batched[0], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    live = jax.jit(native.matmul_packed)(x, packed, rows=rows // 2)
+    np.testing.assert_allclose(live[: rows // 2], ref[: rows // 2], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    assert not np.asarray(live[rows // 2:]).any()
 
 
 @pytest.mark.parametrize("live", [0, 1, 7, 97, 200, 500])
@@ -149,65 +166,26 @@ def test_gemms_skip_rows_past_the_live_count(live):
         assert not y[live:].any()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 6, 13, 97])
-def test_matmul_packed_swiglu_matches_numpy(rows):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows", [1, 5, 6, 12, 13, 29, 97])
+def test_matmul_packed_swiglu_matches_numpy(rows, dtype):
     # silu(x @ gate) * (x @ up) from one [gate | up] weight: gate values of both signs and large
-    # magnitudes (silu's two branches, exp's clamp), every code path, a live-row count.
-    rng = np.random.default_rng(rows)
-    k, inter = 24, 32
-    x = rng.standard_normal((rows, k)).astype(np.float32)
-    w = (rng.standard_normal((k, 2 * inter)) * 3).astype(np.float32)
-    w[:, 0] = 40.0
-    g, u = np.split(x.astype(np.float64) @ w, 2, axis=1)
-    ref = g / (1 + np.exp(-g)) * u
-    for path in ("auto", *native.kernel_paths()):
-        y = jax.jit(functools.partial(native.matmul_packed, path=path, swiglu=True))(x, native.pack_weight(w))
-        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    live = jax.jit(functools.partial(native.matmul_packed, swiglu=True))(x, native.pack_weight(w), rows=rows // 2)
-    np.testing.assert_allclose(live[: rows // 2], ref[: rows // 2], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    assert not np.asarray(live[rows // 2:]).any()
-
-
-def bf16(a):
-    """a rounded to bf16, as float64 (the values the bf16 GEMM multiplies: products exact, f32 sums)."""
-    return np.asarray(np.asarray(a, np.float32).astype(jax.numpy.bfloat16), np.float64)
-
-
-@pytest.mark.parametrize("rows", [1, 5, 12, 13, 25, 97, 200])
-def test_matmul_packed_bf16_matches_numpy(rows):
-    # Row counts around the 6- and 12-row register blocks and the 96-row work items; 7 panels
-    # (four, two and one at a time); packed from [K, N] and from the transpose; every code path.
-    rng = np.random.default_rng(rows)
-    k, n = 38, 112
-    x = rng.standard_normal((rows, k)).astype(np.float32)
-    w = rng.standard_normal((k, n)).astype(np.float32)
-    ref = bf16(x) @ bf16(w)
-    for packed in (native.pack_weight(w, dtype=jax.numpy.bfloat16),
-                   native.pack_weight(np.ascontiguousarray(w.T), transposed=True, dtype=jax.numpy.bfloat16)):
-        assert packed.shape == (n // 16, k // 2, 16, 2) and packed.dtype == jax.numpy.bfloat16
-        for path in ("auto", *native.kernel_paths()):   # AVX-512 without AVX512_BF16 runs the portable loop
-            y = jax.jit(functools.partial(native.matmul_packed, path=path))(x, packed)
-            np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    live = jax.jit(native.matmul_packed)(x, native.pack_weight(w, dtype=jax.numpy.bfloat16), rows=rows // 2)
-    np.testing.assert_allclose(live[: rows // 2], ref[: rows // 2], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    assert not np.asarray(live[rows // 2:]).any()
-
-
-@pytest.mark.parametrize("rows", [1, 12, 29])
-def test_matmul_packed_bf16_swiglu_matches_numpy(rows):
-    # 3 output panels: a pair (gate and up panels four at a time) and a single one.
+    # magnitudes (silu's two branches, exp's clamp), 3 output panels (bf16: a pair, whose gate
+    # and up panels make four, and a single one), every code path, a live-row count.
     rng = np.random.default_rng(rows)
     k, inter = 24, 48
     x = rng.standard_normal((rows, k)).astype(np.float32)
     w = (rng.standard_normal((k, 2 * inter)) * 3).astype(np.float32)
     w[:, 0] = 40.0
-    g, u = np.split(bf16(x) @ bf16(w), 2, axis=1)
+    g, u = np.split(rounded(x, dtype) @ rounded(w, dtype), 2, axis=1)
     ref = g / (1 + np.exp(-g)) * u
-    packed = native.pack_weight(w, dtype=jax.numpy.bfloat16)
+    packed = native.pack_weight(w, dtype=dtype)
     for path in ("auto", *native.kernel_paths()):
-        y = jax.jit(functools.partial(native.matmul_packed, path=path, swiglu=True))(x, packed, rows=rows - 1)
-        np.testing.assert_allclose(y[: rows - 1], ref[: rows - 1], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-        assert not np.asarray(y[rows - 1:]).any()
+        y = jax.jit(functools.partial(native.matmul_packed, path=path, swiglu=True))(x, packed)
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    live = jax.jit(functools.partial(native.matmul_packed, swiglu=True))(x, packed, rows=rows // 2)
+    np.testing.assert_allclose(live[: rows // 2], ref[: rows // 2], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    assert not np.asarray(live[rows // 2:]).any()
 
 
 def test_bf16_gemm_native_follows_the_cpu():

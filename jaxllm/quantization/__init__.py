@@ -29,12 +29,13 @@ How a quantized weight is multiplied (`matmul`):
 - **Packed 4-bit codes x int8 activations** (`EngineArgs.int8_activations`, off by default;
   `activations="int8"` on a panels weight, `with_int8_activations`): llama.cpp's scheme for its
   4-bit formats. The C++ GEMM rounds each row of x to int8 per block of 32 columns (a scale per
-  block) and sums code x int8 products as integers (AVX2 `vpmaddubsw`), scaling once a block:
-  about 1.3x the weight-only panels' speed on AVX2 from 16 rows up, at a perplexity cost
-  (README, Quantization).
+  block) and sums code x int8 products as integers (AVX2 `vpmaddubsw`, AVX512_VNNI
+  `vpdpbusd`), scaling once a block: about 1.3x the weight-only panels' speed on AVX2 from 16
+  rows up, 310-510 GFLOP/s on Zen 4, at a perplexity cost (README, Quantization).
 - **W8A8** (`activations="int8"`): each row of x is quantized to int8 with its own scale and
-  XLA runs an `int8 x int8 -> int32` dot (YNNPACK's VNNI / AMX kernels on CPUs that have them,
-  1.3-3.8x a bf16 dot there; on AVX2-only CPUs no faster than f32), then rescales.
+  XLA runs an `int8 x int8 -> int32` dot (YNNPACK's VNNI / AMX kernels on CPUs that have them:
+  1.3-3.8x a bf16 dot on a Xeon with AMX, slower than bf16 on Zen 4's VNNI; on AVX2-only CPUs
+  no faster than f32), then rescales.
 - **Plain, weight-only**: on GPUs a Pallas (Triton) kernel reads the codes as they are and
   dequantizes them tile by tile in registers (`kernels/quant_matmul.py`: a quarter or an eighth
   of the f32 weight's bytes streamed); on CPUs with the other attention backends, and for shapes
