@@ -7,7 +7,8 @@ CPUs with AVX-512 / AVX2 + FMA; `kernel_paths()` lists the paths the build has);
 a sampled row's token (csrc/sampling.cc);
 `matmul_packed` multiplies by an f32 or bf16 weight packed once by `pack_weight` (csrc/gemm.cc,
 csrc/gemm_bf16.cc: AVX512_BF16 dots where the CPU has them, `bf16_gemm_native()`),
-`matmul_quantized` by int8 or int4 codes packed by `pack_codes` (csrc/gemm_quant.cc).
+`matmul_quantized` by int8 or int4 codes packed by `pack_codes` (csrc/gemm_quant.cc, and
+csrc/gemm_q4a8.cc for int4 codes x int8 activations).
 csrc/cpu_kernels.cc, which includes them all, is compiled on first use with the system C++
 compiler (`$CXX`, else `c++`) against the XLA FFI headers that ship with jaxlib, with
 `-O3 -march=native` and fast math, into `<cache root>/native/` (keyed by every file in csrc/,

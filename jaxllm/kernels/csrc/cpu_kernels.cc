@@ -8,8 +8,9 @@
 //   paged_attention_avx2.cc    the AVX2 + FMA path (head_dim a multiple of 32)
 //   sampling.cc                greedy sampling's argmax + logsumexp, sampled rows' draw, FFI handlers
 //   gemm.cc                    matmul against f32 weights packed once into 16-column panels
-//   gemm_quant.cc              the same with int8 / int4 codes in the panels: dequantized a panel
-//                              at a time, or int4 codes x int8 activations
+//   gemm_quant_panel.h         int8 / int4 codes in those panels, with their scales and offsets
+//   gemm_quant.cc              matmul against them, dequantized a panel at a time; the FFI handler
+//   gemm_q4a8.cc               its act8 path: int4 codes x int8 activations (AVX2, AVX512_VNNI)
 //   gemm_bf16.cc               bf16 weights packed once into panels of K-pairs, AVX512_BF16 dots
 //   simd.h                     code paths (KernelPath), bf16 widening, exp, transpose, reductions
 //   parallel_for.h             work sharing over XLA's intra-op thread pool

@@ -170,26 +170,6 @@ ffi::Error check_block_tables(const PagedAttentionArgs& a) {
   return ffi::Error::Success();
 }
 
-// Asks for the first keys `item` reads (K and V rows of up to one chunk) to come into L2. The
-// items are handed out in order, one per idle thread, so a thread's next item is about `threads`
-// further on: prefetched when it starts an item, its first chunk (which no prefetch inside an
-// item covers, and a decode reads only a few chunks) arrives while the current one computes.
-inline void prefetch_item_start(const PagedAttentionArgs& a, const WorkItem& item) {
-  if (a.sliding_window > 0) return;  // such items start further in
-  const int64_t elem = a.kv_type == kKvF32 ? 4 : a.kv_type == kKvBf16 ? 2 : 1;
-  const int64_t row_bytes = a.row_stride * elem;
-  const int64_t n = std::min<int64_t>(kChunkKeys, a.kv_lens[item.seq]);
-  const int32_t* block_table = a.block_tables + item.seq * a.pages_per_seq;
-  for (int64_t pos = 0; pos < n; pos += a.page_size) {
-    const int64_t page_start = ((item.kv_head * a.num_pages + block_table[pos / a.page_size]) * a.page_size) * row_bytes;
-    const int64_t bytes = std::min<int64_t>(a.page_size, n - pos) * row_bytes;
-    for (int64_t b = 0; b < bytes; b += 64) {
-      __builtin_prefetch(static_cast<const char*>(a.k_pages) + page_start + b, 0, 2);
-      __builtin_prefetch(static_cast<const char*>(a.v_pages) + page_start + b, 0, 2);
-    }
-  }
-}
-
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
                               ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> kv_lens,
                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
@@ -248,13 +228,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   std::vector<WorkItem> items;
   if (ffi::Error err = make_work_items(a, items); err.failure()) return err;
   if (ffi::Error err = check_block_tables(a); err.failure()) return err;
-  const int64_t n = static_cast<int64_t>(items.size()), ahead = std::max<int64_t>(1, pool.num_threads());
-  parallel_for<Scratch>(pool, n, [&](int64_t i, Scratch& scratch) {
-#ifdef PFI
-    if (i + ahead < n) prefetch_item_start(a, items[i + ahead]);
-#endif
-    attend(a, items[i], scratch);
-  });
+  parallel_for<Scratch>(pool, static_cast<int64_t>(items.size()),
+                        [&](int64_t i, Scratch& scratch) { attend(a, items[i], scratch); });
   return ffi::Error::Success();
 }
 

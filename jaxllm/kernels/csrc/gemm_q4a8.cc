@@ -1,0 +1,266 @@
+// 4-bit codes x int8 activations: MatmulQuantImpl's act8 path (gemm_quant.cc).
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "gemm.cc"
+#include "gemm_quant_panel.h"
+#include "parallel_for.h"
+#include "simd.h"
+
+namespace jaxllm {
+namespace {
+
+// ----------------------------------------------- 4-bit codes x int8 activations (act8 = 1)
+// llama.cpp's scheme for its 4-bit formats: each row of x is quantized per block of 32 columns
+// (x ~ q * d, q int8 in [-127, 127], d = max|x| / 127) and a block's products are integer sums,
+// scaled once per block: y[r, n] = sum over blocks b of isum(r, b, n) * scale[g, n] * d[r, b] +
+// offset[g, n] * xsum[r, b], where isum sums code * q over the block and xsum sums x (as
+// floats) over it. On AVX2, vpmaddubsw multiplies 32 byte pairs (unsigned codes 0..15 by signed
+// q) at once, and 8 of its int16 results add up without overflow (8 * 2 * 15 * 127 < 2^15).
+// Only 4-bit codes: with 8-bit ones the int16 sums could overflow.
+
+constexpr int64_t kActBlock = 32;
+
+struct ActQ8 {         // rows of x quantized per block of kActBlock columns
+  const int8_t* q;     // [rows, K]
+  const float* d;      // [rows, K / kActBlock]: the blocks' scales
+  const float* s;      // [rows, K / kActBlock]: x's sums over the blocks
+  int64_t K, blocks;
+  ActQ8 at(int64_t r) const { return {q + r * K, d + r * blocks, s + r * blocks, K, blocks}; }
+};
+
+// Rows [r0, r1) of x [M, K] quantized into q, d, s (laid out as ActQ8's).
+void quantize_rows(const float* x, int64_t r0, int64_t r1, int64_t K, int8_t* q, float* d, float* s) {
+  const int64_t blocks = K / kActBlock;
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + r * K + b * kActBlock;
+      float amax = 0.f, sum = 0.f;
+      for (int64_t j = 0; j < kActBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      for (int64_t j = 0; j < kActBlock; ++j) sum += xb[j];
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      for (int64_t j = 0; j < kActBlock; ++j)
+        q[r * K + b * kActBlock + j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+      d[r * blocks + b] = amax / 127.f;
+      s[r * blocks + b] = sum;
+    }
+  }
+}
+
+void q4a8_rows_portable(const QuantPanel& q, const ActQ8& a, int64_t p, float* y, int64_t ldy, int64_t R) {
+  const uint8_t* codes = static_cast<const uint8_t*>(q.codes) + p * q.K * (kPanel / 2);
+  float s[kPanel], o[kPanel];
+  for (int64_t i = 0; i < R; ++i) std::fill(y + i * ldy, y + i * ldy + kPanel, 0.f);
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const int64_t k0 = b * kActBlock;
+    if (k0 % q.group == 0) group_scales(q, k0 / q.group, p, s, o);
+    for (int64_t i = 0; i < R; ++i) {
+      for (int64_t j = 0; j < kPanel; ++j) {
+        int32_t isum = 0;
+        for (int64_t k = k0; k < k0 + kActBlock; ++k) {
+          const uint8_t byte = codes[k * (kPanel / 2) + j % 8];
+          isum += (j < 8 ? byte & 15 : byte >> 4) * a.q[i * a.K + k];
+        }
+        y[i * ldy + j] += isum * (s[j] * a.d[i * a.blocks + b]) + o[j] * a.s[i * a.blocks + b];
+      }
+    }
+  }
+}
+
+#ifdef JAXLLM_AVX2
+// Panel p as q4a8_rows_avx2 reads it: `out` per 4 rows of K 32 bytes for columns 0-7, then 32
+// for columns 8-15, each column's 4 codes side by side (one byte each); `scales` per group its
+// 16 scales then 16 offsets, as floats. The 32 code bytes of 4 rows (8 a row, two columns a
+// byte) are split into nibbles and transposed by vpermd + vpshufb.
+void q4a8_unpack_panel_avx2(const QuantPanel& q, int64_t p, uint8_t* out, float* scales) {
+  for (int64_t g = 0; g < q.K / q.group; ++g)
+    group_scales(q, g, p, scales + g * 2 * kPanel, scales + (g * 2 + 1) * kPanel);
+  const __m256i low4 = _mm256_set1_epi8(15);
+  const __m256i by_column = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256i transpose = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                             0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const uint8_t* codes = static_cast<const uint8_t*>(q.codes) + p * q.K * (kPanel / 2);
+  for (int64_t k = 0; k < q.K; k += 4) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + k * (kPanel / 2)));
+    const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k * kPanel),
+                        _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(lo, by_column), transpose));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k * kPanel + 32),
+                        _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(hi, by_column), transpose));
+  }
+}
+
+// R rows of y, panel p's 16 columns, from the unpacked panel: per 4 rows of K one broadcast of
+// 4 bytes of q meets 8 columns x 4 codes in each vpmaddubsw. 2R int16 sums stay in registers
+// over a block; y is summed in memory once a block.
+template <int R>
+void q4a8_rows_avx2(const QuantPanel& q, const uint8_t* __restrict panel, const float* __restrict scales,
+                    const ActQ8& a, float* __restrict y, int64_t ldy) {
+  const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 6
+  for (int i = 0; i < R; ++i) std::fill(y + i * ldy, y + i * ldy + kPanel, 0.f);
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const int64_t k0 = b * kActBlock;
+    const float* s = scales + k0 / q.group * 2 * kPanel;
+    const float* o = s + kPanel;
+    __m256i i0[R], i1[R];  // int16 sums: columns 0-7 and 8-15, two per column
+#pragma GCC unroll 6
+    for (int i = 0; i < R; ++i) i0[i] = i1[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int64_t k = k0; k < k0 + kActBlock; k += 4) {
+      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kPanel));
+      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kPanel + 32));
+#pragma GCC unroll 6
+      for (int i = 0; i < R; ++i) {
+        int32_t four;
+        std::memcpy(&four, a.q + i * a.K + k, sizeof four);
+        const __m256i xq = _mm256_set1_epi32(four);
+        i0[i] = _mm256_add_epi16(i0[i], _mm256_maddubs_epi16(lo, xq));
+        i1[i] = _mm256_add_epi16(i1[i], _mm256_maddubs_epi16(hi, xq));
+      }
+    }
+    const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8), o0 = _mm256_loadu_ps(o),
+                 o1 = _mm256_loadu_ps(o + 8);
+#pragma GCC unroll 6
+    for (int i = 0; i < R; ++i) {
+      const __m256 d = _mm256_set1_ps(a.d[i * a.blocks + b]), xs = _mm256_set1_ps(a.s[i * a.blocks + b]);
+      float* yi = y + i * ldy;
+      _mm256_storeu_ps(yi, _mm256_fmadd_ps(o0, xs, _mm256_fmadd_ps(
+          _mm256_cvtepi32_ps(_mm256_madd_epi16(i0[i], ones)), _mm256_mul_ps(s0, d), _mm256_loadu_ps(yi))));
+      _mm256_storeu_ps(yi + 8, _mm256_fmadd_ps(o1, xs, _mm256_fmadd_ps(
+          _mm256_cvtepi32_ps(_mm256_madd_epi16(i1[i], ones)), _mm256_mul_ps(s1, d), _mm256_loadu_ps(yi + 8))));
+    }
+  }
+}
+#endif  // JAXLLM_AVX2
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#define JAXLLM_AVX512_VNNI 1
+// q4a8_rows_avx2 with AVX512_VNNI: the unpacked panel's 64 bytes per 4 rows of K are the 16
+// columns' 4 codes each, in column order, so one vpdpbusd multiplies them by a broadcast of 4
+// bytes of q and adds the 4 products to each column's int32 sum: one instruction where AVX2
+// takes two vpmaddubsw and two adds, with no int16 stage.
+template <int R>
+void q4a8_rows_vnni(const QuantPanel& q, const uint8_t* __restrict panel, const float* __restrict scales,
+                    const ActQ8& a, float* __restrict y, int64_t ldy) {
+  __m512 acc[R];
+#pragma GCC unroll 12
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const int64_t k0 = b * kActBlock;
+    const float* s = scales + k0 / q.group * 2 * kPanel;
+    __m512i isum[R];
+#pragma GCC unroll 12
+    for (int i = 0; i < R; ++i) isum[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int64_t k = k0; k < k0 + kActBlock; k += 4) {
+      const __m512i codes = _mm512_loadu_si512(panel + k * kPanel);
+#pragma GCC unroll 12
+      for (int i = 0; i < R; ++i) {
+        int32_t four;
+        std::memcpy(&four, a.q + i * a.K + k, sizeof four);
+        isum[i] = _mm512_dpbusd_epi32(isum[i], codes, _mm512_set1_epi32(four));
+      }
+    }
+    const __m512 scale = _mm512_loadu_ps(s), offset = _mm512_loadu_ps(s + kPanel);
+#pragma GCC unroll 12
+    for (int i = 0; i < R; ++i) {
+      const __m512 d = _mm512_set1_ps(a.d[i * a.blocks + b]), xs = _mm512_set1_ps(a.s[i * a.blocks + b]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(scale, d), acc[i]);
+      acc[i] = _mm512_fmadd_ps(offset, xs, acc[i]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + i * ldy, acc[i]);
+}
+#endif  // AVX512_VNNI
+
+struct Q4A8Scratch {
+  std::vector<uint8_t> panel;  // the unpacked panel's codes
+  std::vector<float> scales;   // and its scales and offsets
+  std::vector<float> sums;     // with the SwiGLU epilogue: the item's gate and up sums
+};
+
+// Rows [r0, r1) of x (quantized in a), panel p's columns, into y (row stride ldy).
+void q4a8_block(const QuantPanel& q, const ActQ8& a, int64_t p, int64_t r0, int64_t r1, float* y, int64_t ldy,
+                Q4A8Scratch& scratch, int32_t path) {
+#ifdef JAXLLM_AVX2
+  if (path == kAuto || path >= kAvx2) {
+    scratch.panel.resize(q.K * kPanel);
+    scratch.scales.resize(q.K / q.group * 2 * kPanel);
+    const uint8_t* panel = scratch.panel.data();
+    const float* scales = scratch.scales.data();
+    q4a8_unpack_panel_avx2(q, p, scratch.panel.data(), scratch.scales.data());
+    int64_t r = r0;
+#ifdef JAXLLM_AVX512_VNNI
+    if (path == kAuto || path >= kAvx512) {
+      for (; r + 8 <= r1; r += 8) q4a8_rows_vnni<8>(q, panel, scales, a.at(r), y + (r - r0) * ldy, ldy);
+      y += (r - r0) * ldy;
+      const ActQ8 rest = a.at(r);
+      switch (r1 - r) {
+#define JAXLLM_VNNI_CASE(n) \
+  case n: q4a8_rows_vnni<n>(q, panel, scales, rest, y, ldy); break;
+        JAXLLM_VNNI_CASE(7) JAXLLM_VNNI_CASE(6) JAXLLM_VNNI_CASE(5) JAXLLM_VNNI_CASE(4) JAXLLM_VNNI_CASE(3)
+        JAXLLM_VNNI_CASE(2) JAXLLM_VNNI_CASE(1)
+#undef JAXLLM_VNNI_CASE
+      }
+      return;
+    }
+#endif
+    for (; r + 4 <= r1; r += 4) q4a8_rows_avx2<4>(q, panel, scales, a.at(r), y + (r - r0) * ldy, ldy);
+    y += (r - r0) * ldy;
+    const ActQ8 rest = a.at(r);
+    switch (r1 - r) {
+      case 5: q4a8_rows_avx2<5>(q, panel, scales, rest, y, ldy); break;
+      case 4: q4a8_rows_avx2<4>(q, panel, scales, rest, y, ldy); break;
+      case 3: q4a8_rows_avx2<3>(q, panel, scales, rest, y, ldy); break;
+      case 2: q4a8_rows_avx2<2>(q, panel, scales, rest, y, ldy); break;
+      case 1: q4a8_rows_avx2<1>(q, panel, scales, rest, y, ldy); break;
+    }
+    return;
+  }
+#endif
+  q4a8_rows_portable(q, a.at(r0), p, y, ldy, r1 - r0);
+}
+
+// y = x @ w for 4-bit codes with x quantized as above (MatmulQuantImpl's act8 path).
+void matmul_q4a8(ffi::ThreadPool& pool, const GemmArgs& g, const QuantPanel& q, int32_t path, int32_t swiglu) {
+  const int64_t blocks = g.K / kActBlock, rows_per_item = 16;
+  thread_local std::vector<int8_t> xq;  // grown, never shrunk: one allocation per calling thread
+  thread_local std::vector<float> xd;
+  xq.resize(std::max<size_t>(xq.size(), g.M * g.K));
+  xd.resize(std::max<size_t>(xd.size(), 2 * g.M * blocks));
+  const ActQ8 a{xq.data(), xd.data(), xd.data() + g.M * blocks, g.K, blocks};
+  int8_t* q8 = xq.data();
+  float *d = xd.data(), *s = d + g.M * blocks;
+  parallel_for(pool, (g.M + rows_per_item - 1) / rows_per_item, [&](int64_t i) {
+    quantize_rows(g.x, i * rows_per_item, std::min(g.M, (i + 1) * rows_per_item), g.K, q8, d, s);
+  });
+  const int64_t n_out = swiglu ? g.N / 2 : g.N;
+  const GemmItems items(g.M, n_out, pool.num_threads());
+  parallel_for<Q4A8Scratch>(pool, items.count, [&](int64_t item, Q4A8Scratch& scratch) {
+    int64_t r0, r1, p0, p1;
+    items.bounds(item, g.M, r0, r1, p0, p1);
+    if (!swiglu) {
+      for (int64_t p = p0; p < p1; ++p) q4a8_block(q, a, p, r0, r1, g.y + r0 * g.N + p * kPanel, g.N, scratch, path);
+      return;
+    }
+    // Gate panel p's and up panel p + N / 32's sums for the item's rows, then the epilogue.
+    scratch.sums.resize(2 * (r1 - r0) * kPanel);
+    float *gate = scratch.sums.data(), *up = gate + (r1 - r0) * kPanel;
+    for (int64_t p = p0; p < p1; ++p) {
+      q4a8_block(q, a, p, r0, r1, gate, kPanel, scratch, path);
+      q4a8_block(q, a, p + g.N / 2 / kPanel, r0, r1, up, kPanel, scratch, path);
+      swiglu_store(gate, up, g.y + r0 * n_out + p * kPanel, n_out, r1 - r0, path);
+    }
+  });
+}
+
+}  // namespace
+}  // namespace jaxllm

@@ -1,0 +1,63 @@
+// Quantized weights' panels: int8 or int4 codes in gemm.cc's 16-column panels, with their
+// scales and offsets (shared by gemm_quant.cc and gemm_q4a8.cc).
+
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "gemm.cc"
+
+namespace jaxllm {
+namespace {
+
+// The layout (`pack_codes` in native.py):
+//   codes, 8 bits: int8 [N / 16, K, 16] (column j of panel row k at byte j);
+//          4 bits: uint8 [N / 16, K, 8] (byte j: column j in the low nibble, j + 8 in the high);
+//   scale, offset: f32 or f16 [G, N], G groups of K / G rows; w[k, n] = code * scale[g, n] +
+//          offset[g, n] with g = k / (K / G). Without offsets (an empty array) w = code * scale.
+
+struct QuantPanel {
+  const void* codes;
+  const void *scale, *offset;  // offset: nullptr when there is none
+  bool half;                   // scale and offset are f16 (else f32)
+  int64_t K, N, group;         // group: rows of K per scale row
+  int bits;
+};
+
+// IEEE half -> float (normal, subnormal, zero, inf, NaN).
+inline float half_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: man * 2^-24, normalised
+    uint32_t m = man, shifts = 0;
+    while (!(m & 0x400)) m <<= 1, ++shifts;
+    bits = sign | ((113 - shifts) << 23) | ((m & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Panel p's 16 scales (and offsets, zeros without them) of group g, as floats.
+inline void group_scales(const QuantPanel& q, int64_t g, int64_t p, float* s, float* o) {
+  const int64_t at = g * q.N + p * kPanel;
+  for (int64_t j = 0; j < kPanel; ++j) {
+    if (q.half) {
+      s[j] = half_to_f32(static_cast<const uint16_t*>(q.scale)[at + j]);
+      o[j] = q.offset ? half_to_f32(static_cast<const uint16_t*>(q.offset)[at + j]) : 0.f;
+    } else {
+      s[j] = static_cast<const float*>(q.scale)[at + j];
+      o[j] = q.offset ? static_cast<const float*>(q.offset)[at + j] : 0.f;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace jaxllm
