@@ -157,13 +157,13 @@ def run_engine(name: str, dtype: str, engine_args: dict, args, workload_path: st
         spec_path = os.path.join(tmp, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(opts, f)
-        print(f"\n=== {label(name, dtype, engine_args)}: {desc['num_requests']} requests, "
+        print(f"\n=== {engine_label(name, dtype, engine_args)}: {desc['num_requests']} requests, "
               f"{desc['prompt_tokens']} prompt + "
               f"{desc['output_tokens']} output tokens", flush=True)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
         code, peak = run_process([python, WORKER, spec_path], env)
         if code != 0 or not os.path.exists(opts["result"]):
-            print(f"!!! {label(name, dtype, engine_args)} failed (exit code {code})", flush=True)
+            print(f"!!! {engine_label(name, dtype, engine_args)} failed (exit code {code})", flush=True)
             return None
         with open(opts["result"]) as f:
             res = json.load(f)
@@ -179,13 +179,14 @@ def run_engine(name: str, dtype: str, engine_args: dict, args, workload_path: st
            "versions": versions(), "engine_versions": res["versions"],  # the worker's (vllm: its own venv)
            "command": shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:]), "run_id": args.run_id}
     status = "ok" if res["verified"] else f"WRONG TOKEN COUNTS {res['wrong_counts']}"
-    print(f"--- {label(name, dtype, engine_args)}: {wall:.1f} s, {row['output_tok_s']:.1f} output tok/s, "
+    print(f"--- {engine_label(name, dtype, engine_args)}: {wall:.1f} s, {row['output_tok_s']:.1f} output tok/s, "
           f"{row['total_tok_s']:.1f} total "
           f"tok/s, start-up {res['startup_s']:.1f} s, peak RSS {row['peak_rss_mib']:.0f} MiB, {status}", flush=True)
     return row
 
 
-def label(name: str, dtype: str, engine_args: dict) -> str:
+def engine_label(name: str, dtype: str, engine_args: dict) -> str:
+    """An engine, its dtype and its engine arguments, e.g. 'jaxllm bfloat16 packed_weights=false'."""
     return " ".join([name, dtype] + [f"{k}={json.dumps(v)}" for k, v in engine_args.items()])
 
 
@@ -196,7 +197,8 @@ def print_profile(row: dict) -> None:
     parts = [("host scheduling", p["schedule_s"]), ("input preparation", p["prepare_s"]),
              ("device step (model + sampling)", p["device_s"]), ("update + detokenization", p["update_s"])]
     parts.append(("other (generate loop, outputs)", wall - sum(t for _, t in parts)))
-    print(f"\njaxllm {row['dtype']} profile: {p['num_steps']} steps in {wall:.2f} s "
+    name = engine_label(row["engine"], row["dtype"], row.get("engine_args", {}))
+    print(f"\n{name} profile: {p['num_steps']} steps in {wall:.2f} s "
           f"({wall / steps * 1e3:.1f} ms/step), "
           f"{p['generation_tokens'] / steps:.1f} sampled + {p['prompt_tokens'] / steps:.1f} prompt tokens per step, "
           f"{p['num_preemptions']} preemptions, warm-up {row['extra']['warmup_s']:.1f} s")
@@ -241,11 +243,11 @@ def main(argv=None):
         for name, dtype, engine_args in engines:
             why = engine_available(name, args.vllm_python)
             if why:
-                print(f"\n=== {label(name, dtype, engine_args)}: skipped: {why}", flush=True)
+                print(f"\n=== {engine_label(name, dtype, engine_args)}: skipped: {why}", flush=True)
                 continue
             row = run_engine(name, dtype, engine_args, args, workload_path, desc, model)
             if row is None or not row["verified"]:
-                failed.append(label(name, dtype, engine_args))
+                failed.append(engine_label(name, dtype, engine_args))
             if row is not None:
                 rows.append(row)
                 os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -254,7 +256,7 @@ def main(argv=None):
     if rows:
         print(f"\n{'engine':40s} {'wall s':>8s} {'out tok/s':>10s} {'total tok/s':>12s} {'peak RSS':>9s}")
         for r in rows:
-            print(f"{label(r['engine'], r['dtype'], r['engine_args']):40s} {r['wall_s']:8.1f} "
+            print(f"{engine_label(r['engine'], r['dtype'], r['engine_args']):40s} {r['wall_s']:8.1f} "
                   f"{r['output_tok_s']:10.1f} "
                   f"{r['total_tok_s']:12.1f} {r['peak_rss_mib']:7.0f}Mi{'' if r['verified'] else '  WRONG COUNTS'}")
     if args.profile:
