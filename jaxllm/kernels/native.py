@@ -187,17 +187,16 @@ def pack_weight(w: np.ndarray, transposed: bool = False, dtype=np.float32) -> np
     as the panels `matmul_packed` reads: float32 [N / 16, K, 16]; or with dtype bfloat16
     [N / 16, K / 2, 16, 2], rows 2 kp and 2 kp + 1 of a column side by side (the pairs
     AVX512_BF16's dot multiplies). N must be a multiple of 16 (and K even for bf16)."""
-    w = np.asarray(w, np.float32)
+    w = np.asarray(w).astype(dtype, copy=False)   # a bf16 weight is rearranged without an f32 copy
     if transposed:
         n, k = w.shape
         panels = w.reshape(n // PANEL, PANEL, k).transpose(0, 2, 1)
     else:
         k, n = w.shape
         panels = w.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
-    if np.dtype(dtype) == np.float32:
+    if w.dtype == np.float32:
         return np.ascontiguousarray(panels)
-    pairs = panels.reshape(n // PANEL, k // 2, 2, PANEL).transpose(0, 1, 3, 2)
-    return np.ascontiguousarray(pairs.astype(jnp.bfloat16))
+    return np.ascontiguousarray(panels.reshape(n // PANEL, k // 2, 2, PANEL).transpose(0, 1, 3, 2))
 
 
 def packable(shape, transposed: bool = False, dtype=np.float32) -> bool:

@@ -1,6 +1,7 @@
 // The AVX2 path of paged attention (see paged_attention.h), for head_dim a multiple of 32 (up
-// to 256), on CPUs with AVX2 and FMA but no AVX-512 (Zen 2, Zen 3, older Xeons), where it
-// replaces the portable path.
+// to 256): on CPUs with AVX2 and FMA but no AVX-512 (Zen 2, Zen 3, older Xeons) it replaces the
+// portable path, and on AVX-512 CPUs it serves the items of a few query tokens (decodes; see
+// attend() in paged_attention.cc).
 //
 // It reads K and V where they lie in the pages (no widened copy of the chunk): a chunk's rows
 // are found once through the block table, as pointers. Scores take 3 query rows x 4 keys at a
@@ -12,8 +13,8 @@
 // key rows while its values are. (On family 23, 128 decodes at context 512: 12-14% off the
 // kernel with each sequence's pages consecutive, ~2% with pages in random order, against one
 // burst of the whole next chunk into L2 at each chunk's start, which there was no faster than
-// no prefetch at all: the core stalls on the burst.) AVX-512 builds keep this path for the
-// head sizes their own path has no code for, and for int8 caches: there a key row's scale
+// no prefetch at all: the core stalls on the burst.) AVX-512 builds also keep this path for
+// the head sizes their own path has no code for, and for int8 caches: there a key row's scale
 // multiplies its scores after the dot, and a value row's scale its softmax weights before P @ V.
 
 #include <algorithm>

@@ -23,7 +23,8 @@
 namespace jaxllm {
 
 // The kernels' code paths, narrowest first; a build has those its -march allows (attention
-// has all three, the GEMM portable and AVX2). A `path` argument names the widest to try.
+// has all three; the f32 GEMM portable and AVX2, the bf16 one portable and AVX-512 with BF16).
+// A `path` argument names the widest to try.
 enum KernelPath : int32_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3 };
 
 // Bit p set: path p is built into this library.
