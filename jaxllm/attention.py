@@ -12,7 +12,8 @@ Each backend has the same small interface:
   attention of q over the block tables, the contract of `kernels.ragged_paged_attention_reference`
   (`sliding_window` None or the window in tokens, `sm_scale` None for head_dim ** -0.5: static,
   per layer);
-- `argmax_logsumexp(logits)`: the greedy sampler's two row reductions, and
+- `argmax_logsumexp(logits, token_mask)`: the greedy sampler's two row reductions (over the
+  tokens a structured-output mask allows), and
   `draw(logits, s, u, u_draft)`: the sampled rows' tokens (`runner.sampler.draw_xla`); the
   native backend does each in C++.
 
@@ -70,9 +71,12 @@ class AttentionBackend:
         return self.kernel(q, k_pages, v_pages, inputs.seq_lens, inputs.block_tables, inputs.query_start_loc,
                            inputs.num_seqs, sliding_window=sliding_window, sm_scale=sm_scale)
 
-    def argmax_logsumexp(self, logits):
-        """logits [S, V] f32 -> (argmax [S] int32, logsumexp [S] f32)."""
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), jax.nn.logsumexp(logits, axis=-1)
+    def argmax_logsumexp(self, logits, token_mask=None):
+        """logits [S, V] f32 -> (argmax [S] int32, logsumexp [S] f32), over the tokens a packed
+        `token_mask` [S, ceil(V / 32)] allows (None: all)."""
+        from jaxllm.runner import sampler
+
+        return sampler.xla_argmax_logsumexp(logits, token_mask)
 
     def draw(self, logits, s, u, u_draft):
         """Sampled rows' tokens [S] int32 from processed logits [S, V] (runner/sampler.py)."""
@@ -135,8 +139,8 @@ class NativeBackend(AttentionBackend):
     def kernel(self, *args, **options):
         return self._native.paged_attention_cpu(*args, **options)
 
-    def argmax_logsumexp(self, logits):
-        return self._native.argmax_logsumexp(logits)
+    def argmax_logsumexp(self, logits, token_mask=None):
+        return self._native.argmax_logsumexp(logits, token_mask)
 
     def draw(self, logits, s, u, u_draft):
         return self._native.sample_rows(logits, s.temperature, s.min_p, s.top_k, s.top_p, s.draft_tokens, u, u_draft)

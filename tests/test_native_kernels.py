@@ -214,6 +214,28 @@ def test_argmax_logsumexp_first_max_anywhere():
     np.testing.assert_allclose(np.asarray(lse), np.log(np.exp(ref).sum(-1)), rtol=1e-6)
 
 
+def test_argmax_logsumexp_over_the_tokens_a_mask_allows():
+    # A structured-output mask (bit t % 32 of word t // 32): rows all allowed (the kernel's
+    # fast path), a row that masks out its maximum, a sparse row, a row allowing one token in
+    # the last partial word; against numpy over the allowed tokens.
+    rng = np.random.default_rng(1)
+    vocab = 3003
+    x = rng.standard_normal((5, vocab)).astype(np.float32)
+    allowed = np.ones((5, vocab), bool)
+    allowed[1, np.argmax(x[1])] = False
+    allowed[2] = rng.random(vocab) < 0.01
+    allowed[3] = False
+    allowed[3, vocab - 2] = True
+    bits = np.zeros((5, 32 * -(-vocab // 32)), np.uint8)
+    bits[:, :vocab] = allowed
+    bits[0, vocab:] = 1                  # bits past the vocabulary are ignored
+    mask = np.packbits(bits, axis=1, bitorder="little").view(np.int32)
+    idx, lse = jax.jit(native.argmax_logsumexp)(x, mask)
+    ref = np.where(allowed, x.astype(np.float64), -np.inf)
+    np.testing.assert_array_equal(np.asarray(idx), np.argmax(ref, -1))
+    np.testing.assert_allclose(np.asarray(lse), np.log(np.exp(ref).sum(-1)), rtol=1e-6)
+
+
 def test_matmul_packed_rejects_mismatched_shapes():
     assert not native.packable((64, 40)) and native.packable((64, 48)) and native.packable((48, 7), transposed=True)
     with pytest.raises(Exception, match="matmul_packed"):

@@ -158,13 +158,16 @@ def require() -> None:
         raise RuntimeError(f"jaxllm's native CPU kernels are unavailable: {reason}")
 
 
-def argmax_logsumexp(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [rows, vocab] -> (first index of each row's max [rows] int32, logsumexp [rows] f32)."""
+def argmax_logsumexp(x: jax.Array, token_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """x [rows, vocab] -> (first index of each row's max [rows] int32, logsumexp [rows] f32),
+    over the tokens `token_mask` allows (a packed bitmask [rows, ceil(vocab / 32)] int32, as
+    runner.sampler.apply_token_mask reads it; None: all)."""
     require()
     rows = x.shape[0]
+    mask = jnp.zeros((0, 0), jnp.int32) if token_mask is None else jnp.asarray(token_mask, jnp.int32)
     call = jax.ffi.ffi_call("jaxllm_argmax_logsumexp_cpu", (jax.ShapeDtypeStruct((rows,), jnp.int32),
                                                             jax.ShapeDtypeStruct((rows,), jnp.float32)))
-    return call(x.astype(jnp.float32))
+    return call(x.astype(jnp.float32), mask)
 
 
 def sample_rows(logits, temperature, min_p, top_k, top_p, draft_tokens, u, u_draft) -> jax.Array:
