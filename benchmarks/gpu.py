@@ -12,6 +12,10 @@ K/V rows of the sequences' tokens, the block tables, q, and the output it writes
 and MBU: that rate over this device's copy bandwidth, measured first (a device-to-device copy,
 bytes read plus written).
 
+Quantized matmul: the Triton kernel that reads int8 / int4 codes as they are (the GPU path of
+weight-only quantization) against a bf16 `jnp.dot` of the dequantized weight, on the MLP's up
+projection at `--quant-rows` rows: time, and the codes' and scales' bytes over the time.
+
 Engine: random weights of a Llama-3-8B shape (`--layers` of them, bf16; written once as a
 checkpoint under `--workdir`) through `LLM.generate` on the standard workload (128 requests,
 prompts 32-256, outputs 32-128, greedy, ignore_eos): output tok/s and device time per step.
@@ -135,6 +139,47 @@ def format_row(row: dict) -> str:
             f"{row['gb_s']:.0f} | {100 * row['mbu']:.0f}% |")
 
 
+def quant_rows(args, shape: dict, bandwidth: float) -> list[dict]:
+    """The Triton quantized matmul (int8 and int4 codes dequantized in registers) against a
+    bf16 `jnp.dot` of the same weight, on the MLP's up projection [hidden, intermediate] at a
+    few row counts; the first row count also checks the numbers against the dequantized weight."""
+    from jaxllm.kernels.quant_matmul import quantized_matmul
+    from jaxllm.quantization.weights import dequantize, make_weight
+
+    k, n = shape["hidden"], shape["intermediate"]
+    w = (0.02 * np.random.default_rng(0).standard_normal((k, n))).astype(np.float32)
+    rows = []
+    for method in ("int8", "int4"):
+        weight = make_weight(w, method, panels=False, activations="float")
+        dense = dequantize(weight).astype(jnp.bfloat16)
+        weight_bytes = sum(a.nbytes for a in (weight.codes, weight.scale, weight.offset) if a is not None)
+        quant = jax.jit(lambda x, c, s, o, bits=weight.bits: quantized_matmul(x, c, s, o, bits=bits,
+                                                                               interpret=args.interpret))
+        plain = jax.jit(lambda x, d: jnp.dot(x.astype(jnp.bfloat16), d, preferred_element_type=jnp.float32))
+        for i, m in enumerate(args.quant_rows):
+            x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
+            row = {"method": method, "rows": m, "k": k, "n": n, "weight_bytes": weight_bytes}
+            try:
+                if i == 0:
+                    ref = np.asarray(x, np.float64) @ np.asarray(dequantize(weight), np.float64)
+                    got = np.asarray(quant(x, weight.codes, weight.scale, weight.offset))
+                    row["max_rel_err"] = float(np.abs(got - ref).max() / np.abs(ref).max())
+                row["ms"] = 1e3 * timed(quant, x, weight.codes, weight.scale, weight.offset, repeat=args.repeat)
+                row["bf16_ms"] = 1e3 * timed(plain, x, dense, repeat=args.repeat)
+            except Exception as e:     # report and go on: the other rows still say something
+                row["error"] = f"{type(e).__name__}: {e}"[:500]
+            else:
+                row["gb_s"] = weight_bytes / row["ms"] * 1e-6
+                row["mbu"] = row["gb_s"] * 1e9 / bandwidth
+            rows.append(row)
+            if "error" in row:
+                print(f"| {method} | {m} | failed: {row['error'][:120]} | | | |", flush=True)
+            else:
+                print(f"| {method} | {m} | {row['ms']:.3f} | {row['bf16_ms']:.3f} | {row['gb_s']:.0f} | "
+                      f"{100 * row['mbu']:.0f}% |", flush=True)
+    return rows
+
+
 def write_checkpoint(path: str, shape: dict, seed: int = 0) -> str:
     """A Llama checkpoint of `shape` with random float16 weights (0.02 x N(0, 1); tensors are
     windows of one random buffer, enough for a timing run), unless `path` already holds one."""
@@ -205,7 +250,11 @@ def main(argv=None):
     ap.add_argument("--kv-gib", type=float, default=8.0, help="most KV bytes per case")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--skip-kernels", action="store_true", help="leave out the attention kernels' rows")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--skip-quant", action="store_true", help="leave out the quantized matmul's rows")
+    ap.add_argument("--quant-rows", default="1,16,128", type=lambda s: [int(x) for x in s.split(",")],
+                    help="row counts of x for the quantized matmul")
     ap.add_argument("--layers", type=int, default=LLAMA3_8B["layers"], help="decoder layers of the engine's model")
     ap.add_argument("--num-prompts", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=128)
@@ -220,16 +269,20 @@ def main(argv=None):
     shape = dict(LLAMA3_8B, layers=args.layers)
     if args.smoke:
         shape = SMOKE
-        args.contexts, args.batch, args.repeat, args.num_prompts = [100], 3, 1, 4
+        args.contexts, args.batch, args.repeat, args.num_prompts, args.quant_rows = [100], 3, 1, 4, [3]
     elif args.interpret:
         raise SystemExit("no GPU here: run with --smoke (tiny shapes in interpret mode), or on a GPU")
     label = f"{device.device_kind} (compute capability {getattr(device, 'compute_capability', '-')})"
     bandwidth = copy_bandwidth(64 << 20 if args.smoke else 4 << 30, args.repeat)
     print(f"# {label}; jax {jax.__version__}; copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
-    print("| case | kernel | ms | MiB moved | GB/s | MBU |\n|---|---|---:|---:|---:|---:|")
+    if not args.skip_kernels:
+        print("| case | kernel | ms | MiB moved | GB/s | MBU |\n|---|---|---:|---:|---:|---:|")
     result = {"date": now_iso(), "device": label, "versions": versions(), "copy_gb_s": bandwidth / 1e9,
               "attention_shape": {k: shape[k] for k in ("heads", "kv_heads", "head_dim")},
-              "page_size": args.page_size, "kernels": kernel_rows(args, shape, bandwidth)}
+              "page_size": args.page_size, "kernels": [] if args.skip_kernels else kernel_rows(args, shape, bandwidth)}
+    if not args.skip_quant:
+        print("\n| codes | rows | quantized ms | bf16 dot ms | weight GB/s | MBU |\n|---|---:|---:|---:|---:|---:|")
+        result["quantized_matmul"] = quant_rows(args, shape, bandwidth)
     if not args.skip_engine:
         result["engine"] = engine_row(args, shape)
         e = result["engine"]

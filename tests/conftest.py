@@ -31,6 +31,17 @@ def free_compiled_code():
     gc.collect()
 
 
+@pytest.fixture(autouse=True)
+def ieee_float32_dots_on_a_gpu():
+    """On a GPU, float32 dots as IEEE float32, as on the CPU (JAX's default there is TF32), so
+    that the float32 tolerances against HF and NumPy mean the same on every device."""
+    if jax.default_backend() != "gpu":
+        yield
+        return
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A random 2-layer Llama with the default model's tokenizer (tests/tiny_model.py)."""

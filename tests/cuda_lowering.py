@@ -1,4 +1,5 @@
-"""Lowering for `cuda` on a machine without a GPU, on every JAX line we support.
+"""The GPU kernels' tests without a GPU (lowering for `cuda`, on every JAX line we support) and
+with one (`INTERPRET`: the same numerics tests run the kernels compiled, not interpreted).
 
 jax 0.10 lowers a Pallas GPU kernel for `cuda` as it is; from jax 0.11 the Triton lowering asks
 which GPU it is for, given as an abstract device of an abstract mesh (an H100 here), and
@@ -16,6 +17,11 @@ try:                                    # jax >= 0.11
     from jax.sharding import AbstractDevice, AxisType, use_abstract_mesh
 except ImportError:                     # jax 0.10
     AbstractDevice = None
+
+
+# Where JAX's default backend is a GPU, the kernels' numerics tests run them compiled for it;
+# elsewhere in Pallas interpret mode on the CPU.
+INTERPRET = jax.default_backend() != "gpu"
 
 
 def gpu_mesh(devices: int = 1, axis: str = "model") -> AbstractMesh:

@@ -351,3 +351,22 @@ def test_progress_bar_shows_on_a_terminal_only(llm, monkeypatch, capsys):
     monkeypatch.setattr(sys, "stderr", terminal)
     llm.generate(["Hello"], params)
     assert "generating" in terminal.getvalue()
+
+
+def test_packed_step_inputs_round_trip_on_256_byte_boundaries():
+    """The step's inputs travel in one int32 and one float32 buffer; each leaf comes back equal,
+    from an offset that is a multiple of 256 bytes (the Mosaic GPU kernel's TMA needs it: XLA
+    passes a slice of the buffer to a custom call as it is)."""
+    from jaxllm.runner.input_batch import PackedLayout
+
+    tree = {"ids": np.arange(3, dtype=np.int32), "temps": np.linspace(0, 1, 10, dtype=np.float32).reshape(2, 5),
+            "flags": np.array([True, False, True]), "bits": np.array([0xFFFFFFFF, 7], np.uint32),
+            "tables": np.arange(130, dtype=np.int32).reshape(2, 65)}
+    layout = PackedLayout.of(tree)
+    assert all(offset * 4 % 256 == 0 for _, offset, _, _ in layout.leaves)
+    ints, floats = np.zeros(layout.num_ints, np.int32), np.zeros(layout.num_floats, np.float32)
+    layout.pack(tree, ints, floats)
+    back = jax.jit(layout.unpack)(ints, floats)
+    for name, value in tree.items():
+        np.testing.assert_array_equal(np.asarray(back[name]), value)
+        assert back[name].dtype == value.dtype

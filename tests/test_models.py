@@ -152,7 +152,12 @@ def model_pair(request, tmp_path_factory):
     return request.param, path, seqs, hf_logits(hf, seqs)
 
 
-@pytest.mark.parametrize("impl", ["native", "cpu", "reference"])
+# The device's kernel: the C++ one on CPU; on a GPU (the default backend) the two Pallas kernels
+# (Mosaic GPU sends f32 caches and head_dims under 64 on to Triton). The `jnp` ones run anywhere.
+DEVICE_IMPLS = ["mosaic", "pallas"] if jax.default_backend() == "gpu" else ["native"]
+
+
+@pytest.mark.parametrize("impl", [*DEVICE_IMPLS, "cpu", "reference"])
 def test_logits_match_hf_float32(model_pair, impl):
     kind, path, seqs, expected = model_pair
     loaded = load_model(str(path), use_cache=False, progress=False)
@@ -171,7 +176,7 @@ BF16_TOL = 0.03
 BF16_ROWS_KINDS = ("llama3_rope", "qwen3", "gemma3", "falcon")
 
 
-@pytest.mark.parametrize("impl", ["native", "cpu"])
+@pytest.mark.parametrize("impl", [*DEVICE_IMPLS, "cpu"])
 def test_logits_bfloat16_close_to_hf(model_pair, impl):
     kind, path, seqs, expected = model_pair
     if impl == "cpu" and kind not in BF16_ROWS_KINDS:

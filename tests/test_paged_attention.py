@@ -1,7 +1,7 @@
 """The Pallas ragged paged attention kernel against the jnp oracle.
 
-Numerics run the kernel in Pallas interpret mode on CPU; the GPU (Triton) lowering is
-checked by lowering for `cuda` without a GPU.
+Numerics run the kernel in Pallas interpret mode on CPU (compiled where a GPU is the default
+backend); the GPU (Triton) lowering is checked by lowering for `cuda` without a GPU.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cuda_lowering import arg, gpu_mesh, lower_for_cuda
+from cuda_lowering import INTERPRET, arg, gpu_mesh, lower_for_cuda
 
 from jaxllm.kernels.kv_write import to_storage
 from jaxllm.kernels.paged_attention import ragged_paged_attention
@@ -74,7 +74,7 @@ def make_batch(seed, q_lens, kv_lens, *, num_q_heads=9, num_kv_heads=3, head_dim
 
 
 def check(args, tol, tile_keys=64, **kwargs):
-    out = ragged_paged_attention(*args, interpret=True, tile_keys=tile_keys, **kwargs)
+    out = ragged_paged_attention(*args, interpret=INTERPRET, tile_keys=tile_keys, **kwargs)
     return assert_matches_reference(out, args, tol, **kwargs)
 
 
@@ -116,8 +116,8 @@ def test_random_ragged_batch():
 def test_plain_bf16_cache_matches_uint16_storage():
     a = make_batch(2, **MIXED, cache_dtype="uint16")
     b = make_batch(2, **MIXED, cache_dtype="bfloat16")
-    out_a = ragged_paged_attention(*a, interpret=True)
-    out_b = ragged_paged_attention(*b, interpret=True)
+    out_a = ragged_paged_attention(*a, interpret=INTERPRET)
+    out_b = ragged_paged_attention(*b, interpret=INTERPRET)
     np.testing.assert_array_equal(np.asarray(out_a, np.float32), np.asarray(out_b, np.float32))
 
 

@@ -1,8 +1,9 @@
 """The Mosaic GPU ragged paged attention kernel against the jnp oracle, and the GPU backend choice.
 
 Numerics run in Mosaic GPU's interpret mode on CPU (simulated shared memory, TMA copies and
-barriers); the GPU lowering is checked by lowering for `cuda` without a GPU, which runs Mosaic
-GPU's own lowering (layouts, MMA shapes, shared-memory tiling) in Python.
+barriers), compiled where a GPU is the default backend; the GPU lowering is checked by lowering
+for `cuda` without a GPU, which runs Mosaic GPU's own lowering (layouts, MMA shapes,
+shared-memory tiling) in Python.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cuda_lowering import arg, gpu_mesh, lower_for_cuda
+from cuda_lowering import INTERPRET, arg, gpu_mesh, lower_for_cuda
 from test_paged_attention import MIXED, assert_matches_reference, make_batch
 
 from jaxllm import attention
@@ -25,7 +26,7 @@ TOL = 3e-2          # bf16 pages, q and softmax weights rounded to bf16 before t
 
 
 def check(args, **kwargs):
-    out = ragged_paged_attention_mgpu(*args, interpret=True, **kwargs)
+    out = ragged_paged_attention_mgpu(*args, interpret=INTERPRET, **kwargs)
     options = {k: v for k, v in kwargs.items() if k in ("sliding_window", "logits_soft_cap", "sm_scale")}
     return assert_matches_reference(out, args, TOL, **options)
 
@@ -43,6 +44,13 @@ def test_long_contexts_wrap_the_copy_ring():
     """Contexts of up to 10 key blocks through a ring of 2 slots: every slot is refilled."""
     args = make_batch(1, q_lens=[1, 3, 40], kv_lens=[600, 97, 300], page_size=16, pages_per_seq=38,
                       cache_dtype="bfloat16")
+    check(args, stages=2)
+
+
+def test_block_table_rows_longer_than_one_copy():
+    """Rows of 300 pages (an engine's max_model_len / page_size often passes 256, TMA's limit per
+    copy) arrive in chunks; the long sequence's last keys sit on pages past the first chunk."""
+    args = make_batch(3, q_lens=[1, 2], kv_lens=[2200, 9], page_size=8, pages_per_seq=300, cache_dtype="uint16")
     check(args, stages=2)
 
 
@@ -118,7 +126,7 @@ def test_mosaic_backend_sends_other_caches_to_triton(monkeypatch, caplog):
     from jaxllm import kernels
 
     args = make_batch(3, **MIXED, cache_dtype="int8")
-    triton = functools.partial(kernels.ragged_paged_attention, interpret=True)
+    triton = functools.partial(kernels.ragged_paged_attention, interpret=INTERPRET)
     monkeypatch.setattr(kernels, "ragged_paged_attention", triton)
     backend = attention.get_attention_backend("mosaic")
     with caplog.at_level(logging.INFO, logger="jaxllm.attention"):
@@ -131,7 +139,8 @@ def test_mosaic_backend_sends_other_caches_to_triton(monkeypatch, caplog):
 
 def test_gpu_benchmark_smoke(tmp_path):
     """benchmarks/gpu.py at tiny shapes (on CPU the kernels run interpreted), so that it runs on
-    the first GPU: both kernels' rows, the first case against the oracle, and the engine over the
+    the first GPU: both kernels' rows, the first case against the oracle, the quantized matmul's
+    rows against the dequantized weight, and the engine over the
     random checkpoint it writes, which has no tokenizer (token ids in, token ids out)."""
     import importlib.util
     import pathlib
@@ -148,6 +157,9 @@ def test_gpu_benchmark_smoke(tmp_path):
     assert [r["kernel"] for r in rows] == ["mosaic", "triton"] * 2
     assert not [r for r in rows if "error" in r]
     assert [r["max_abs_err"] < TOL for r in rows if "max_abs_err" in r] == [True, True]
+    quant = result["quantized_matmul"]
+    assert [(r["method"], "error" in r) for r in quant] == [("int8", False), ("int4", False)]
+    assert all(r["max_rel_err"] < 1e-4 for r in quant)      # f32 dots over the same dequantized weight
     workload = random_workload(4, (32, 256), (32, 128), 0, bench.SMOKE["vocab"], [])
     assert result["engine"]["output_tokens"] == sum(w["max_tokens"] for w in workload)
 

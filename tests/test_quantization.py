@@ -22,7 +22,7 @@ from jaxllm.kernels import native
 from jaxllm.quantization import (CHECKPOINT_METHODS, METHODS, QuantizedWeight, dequantize, matmul, quantize_matrix,
                                  weight_bytes)
 from jaxllm.quantization.weights import embedding_rows, make_sharded_weight, make_weight
-from cuda_lowering import arg, lower_for_cuda
+from cuda_lowering import INTERPRET, arg, lower_for_cuda
 from tiny_model import TINY_ENGINE_ARGS, offline_llm
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C++ kernels: {native.unavailable_reason()}")
@@ -428,7 +428,7 @@ def test_pallas_quantized_matmul_matches_numpy_and_lowers_for_cuda(method, k, n,
                                  weight.bits, weight.layout, weight.activations)
     x = rng.standard_normal((5, k)).astype(np.float32)
     ref = x.astype(np.float64) @ np.asarray(dequantize(weight), np.float64)
-    out = quantized_matmul(x, weight.codes, weight.scale, weight.offset, bits=weight.bits, interpret=True)
+    out = quantized_matmul(x, weight.codes, weight.scale, weight.offset, bits=weight.bits, interpret=INTERPRET)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     abstract = [arg((7, k), np.float32), *(None if a is None else arg(a.shape, a.dtype)
                                           for a in (weight.codes, weight.scale, weight.offset))]

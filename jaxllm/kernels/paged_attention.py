@@ -59,6 +59,14 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def dot_precision():
+    """The precision of the Triton kernels' dots, taken from JAX's config as `jnp.dot` takes it:
+    float32 operands multiply as TF32 on GPUs by default (Pallas' DEFAULT), as IEEE float32 under
+    `jax.default_matmul_precision("highest")` (or "float32"). bf16 operands are unaffected."""
+    wanted = str(jax.config.jax_default_matmul_precision or "").lower()
+    return lax.Precision.HIGHEST if wanted in ("highest", "float32") else None
+
+
 def _load_rows(pages_ref, page_ids, head_dim: int):
     """Pages `page_ids` of a KV head as [pages, page_size, head_dim] in their logical dtype; int8
     rows dequantized, each scale assembled from its 4 bytes (Triton has no narrowing bitcast)."""
@@ -91,6 +99,7 @@ def _ragged_paged_attention_kernel(
     sm_scale: float,
     sliding_window: int | None,
     logits_soft_cap: float | None,
+    precision,
 ):
     b = pl.program_id(1)
     seq = tile_seq_ref[b]
@@ -126,7 +135,7 @@ def _ragged_paged_attention_kernel(
             page_ids = block_tables_ref[seq, pl.ds(i * pages_per_tile, pages_per_tile)]
             k = _load_rows(k_pages_ref, page_ids, head_dim).reshape(tile_keys, head_dim)
             v = _load_rows(v_pages_ref, page_ids, head_dim).reshape(tile_keys, head_dim)
-            s = pltriton.dot(q, k, trans_b=True) * sm_scale                # [tile_rows, tile_keys] f32
+            s = pltriton.dot(q, k, trans_b=True, precision=precision) * sm_scale   # [tile_rows, tile_keys] f32
             if logits_soft_cap is not None:
                 s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
             k_pos = i * tile_keys + lax.broadcasted_iota(jnp.int32, (tile_keys,), 0)
@@ -141,7 +150,7 @@ def _ragged_paged_attention_kernel(
             # Slots past the sequence's end in its last page may hold stale bits (even NaN):
             # p is 0 there, but 0 * NaN is not.
             v = jnp.where((k_pos < kv_len)[:, None], v, jnp.zeros_like(v))
-            acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v)
+            acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v, precision=precision)
             return m_new, l, acc
 
         init = (
@@ -247,7 +256,7 @@ def ragged_paged_attention(
     kernel = functools.partial(
         _ragged_paged_attention_kernel, group=group_pad, tile_rows=tile_rows,
         pages_per_tile=pages_per_tile, sm_scale=sm_scale, sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
+        logits_soft_cap=logits_soft_cap, precision=dot_precision(),
     )
 
     def whole(x):           # small int32 metadata, read by scalar loads

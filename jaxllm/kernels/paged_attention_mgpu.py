@@ -16,9 +16,9 @@ one sequence. Before the kernel, `jnp` ops number the tiles (`tile_seq`, `tile_q
 gather q into `[num_kv_heads, num_tiles, 64, head_dim]`; after it, the tokens' rows are
 gathered back from the per-tile output, so the kernel never stores a partial tile. The grid is
 (num_kv_heads, num_tiles). Each program copies its q tile and its sequence's block-table row
-into shared memory (so a page id is a shared-memory read), then walks the sequence's key
-blocks (`block_kv` keys = whole pages, one TMA copy per page) through a ring of `stages`
-shared-memory slots: block i+stages is copied while block i is multiplied. Scores and P @ V are warpgroup MMAs (bf16 in, f32 accumulate);
+(in copies of at most 256 entries, TMA's limit along a dimension) into shared memory (so a
+page id is a shared-memory read), then walks the sequence's key blocks (`block_kv` keys =
+whole pages, one TMA copy per page) through a ring of `stages` shared-memory slots: block i+stages is copied while block i is multiplied. Scores and P @ V are warpgroup MMAs (bf16 in, f32 accumulate);
 the online softmax runs in f32 registers. Sliding windows start at the first block the
 window sees; no split over a long context yet (few long decodes use few SMs).
 
@@ -45,6 +45,7 @@ from jaxllm.kernels.paged_attention import check_shapes, query_tiles
 NEG_INF = -1e30
 BLOCK_Q = 64            # query rows per program: one warpgroup's MMA height
 SWIZZLE = 128           # bytes: shared-memory swizzle of every MMA operand
+TABLE_CHUNK = 256       # block-table entries per TMA copy (a copy moves at most 256 along a dimension)
 
 
 def unsupported(q_shape, cache_dtype, page_size: int) -> str | None:
@@ -98,7 +99,10 @@ def _kernel(tile_seq_ref, tile_q_start_ref, cu_q_lens_ref, kv_lens_ref, block_ta
     @pl.when(seq >= 0)
     def _():
         plgpu.copy_gmem_to_smem(q_ref.at[h, b], q_smem, q_bar.at[0])
-        plgpu.copy_gmem_to_smem(block_tables_ref.at[seq], table_smem, table_bar.at[0])
+        width = min(table_smem.shape[0], TABLE_CHUNK)
+        for c in range(table_smem.shape[0] // width):     # the row in copies of <= TABLE_CHUNK entries
+            cols = pl.ds(c * width, width)
+            plgpu.copy_gmem_to_smem(block_tables_ref.at[seq, cols], table_smem.at[cols], table_bar.at[0])
         q_start = cu_q_lens_ref[seq]
         q_len = cu_q_lens_ref[seq + 1] - q_start
         kv_len = kv_lens_ref[seq]
@@ -212,6 +216,9 @@ def ragged_paged_attention_mgpu(
     qg = jnp.where(valid[..., None, None], qg, jnp.zeros_like(qg)).transpose(2, 0, 1, 3)
 
     pad_pages = -pages_per_seq % math.lcm(pages_per_block, 4)     # a row's TMA copy: 16-byte multiples
+    if pages_per_seq + pad_pages > TABLE_CHUNK:                  # copied in whole chunks
+        pad_pages += -(pages_per_seq + pad_pages) % TABLE_CHUNK
+    table_copies = max(1, (pages_per_seq + pad_pages) // TABLE_CHUNK)
     block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pad_pages)))
     tiling = plgpu.TilingTransform((8, SWIZZLE // dtype.itemsize))
     smem = functools.partial(plgpu.SMEM, dtype=dtype, transforms=(tiling, plgpu.SwizzleTransform(SWIZZLE)))
@@ -226,7 +233,7 @@ def ragged_paged_attention_mgpu(
         scratch_types=[smem((BLOCK_Q, head_dim)), smem((stages, block_kv, head_dim)),
                        smem((stages, block_kv, head_dim)), smem((BLOCK_Q, block_kv)),
                        plgpu.SMEM((pages_per_seq + pad_pages,), jnp.int32),
-                       plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=1),
+                       plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_arrivals=table_copies, num_barriers=1),
                        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
                        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages)],
         compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -10,7 +10,8 @@ tile, so a decode step streams a quarter (int8) or an eighth (int4) of the f32 w
 
 Grid: (M / block_m, N / block_n); each program walks K in steps of `block_k` rows, which lie in
 one scale group (block_k divides K / G), loads that group's scales and offsets once, widens the
-codes to f32, scales them and accumulates one `dot` per step. A 4-bit tile of output columns
+codes to f32, scales them and accumulates one `dot` per step (TF32 on GPUs unless JAX's matmul
+precision says "highest": `paged_attention.dot_precision`). A 4-bit tile of output columns
 lies wholly in the low or the high half, so it reads its bytes and shifts by 0 or 4.
 `supported` says whether shapes tile (powers of two dividing the dimensions); callers fall back
 to dequantizing in XLA otherwise.
@@ -26,6 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jaxllm.kernels.paged_attention import dot_precision
+
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32
 
 
@@ -35,7 +38,7 @@ def supported(k: int, n: int, groups: int, bits: int) -> bool:
     return k % BLOCK_K == 0 and (k // groups) % BLOCK_K == 0 and cols % BLOCK_N == 0 and k % groups == 0
 
 
-def _kernel(*refs, bits: int, group_rows: int, half_cols: int):
+def _kernel(*refs, bits: int, group_rows: int, half_cols: int, precision):
     x_ref, codes_ref, scale_ref, o_ref = refs[0], refs[1], refs[2], refs[-1]
     offset_ref = refs[3] if len(refs) == 5 else None
     n0 = pl.program_id(1) * BLOCK_N
@@ -43,7 +46,6 @@ def _kernel(*refs, bits: int, group_rows: int, half_cols: int):
     if bits == 4:
         high = n0 >= half_cols                       # this tile's columns sit in the high nibbles
         cols = pl.ds(jnp.where(high, n0 - half_cols, n0), BLOCK_N)
-        shift = jnp.where(high, 4, 0)
     else:
         cols = pl.ds(n0, BLOCK_N)
 
@@ -51,12 +53,12 @@ def _kernel(*refs, bits: int, group_rows: int, half_cols: int):
         rows = pl.ds(i * BLOCK_K, BLOCK_K)
         g = (i * BLOCK_K) // group_rows
         c = codes_ref[rows, cols].astype(jnp.int32)
-        if bits == 4:
-            c = (c >> shift) & 15
+        if bits == 4:   # (a shift by a `where` of two constants lowers to an i1 operand in Triton)
+            c = jnp.where(high, c >> 4, c) & 15
         w = c.astype(jnp.float32) * scale_ref[g, pl.ds(n0, BLOCK_N)].astype(jnp.float32)[None, :]
         if offset_ref is not None:
             w = w + offset_ref[g, pl.ds(n0, BLOCK_N)].astype(jnp.float32)[None, :]
-        return acc + pltriton.dot(x_ref[:, rows].astype(jnp.float32), w)
+        return acc + pltriton.dot(x_ref[:, rows].astype(jnp.float32), w, precision=precision)
 
     acc = lax.fori_loop(0, k // BLOCK_K, body, jnp.zeros((BLOCK_M, BLOCK_N), jnp.float32))
     o_ref[...] = acc
@@ -73,7 +75,8 @@ def quantized_matmul(x, codes, scale, offset, *, bits: int, interpret: bool = Fa
     x2 = x.reshape(-1, k).astype(jnp.float32)
     m = x2.shape[0]
     x2 = jnp.pad(x2, ((0, -m % BLOCK_M), (0, 0)))
-    kernel = functools.partial(_kernel, bits=bits, group_rows=k // groups, half_cols=n // 2)
+    kernel = functools.partial(_kernel, bits=bits, group_rows=k // groups, half_cols=n // 2,
+                               precision=dot_precision())
 
     def whole(a):
         return pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)
