@@ -12,8 +12,13 @@ Each decode step is also split into parts, each timed alone at the step's shapes
 runner's input preparation, timed inside the step), GEMMs (every layer's QKV, output,
 gate/up (with SwiGLU) and down projections chained as in the model, plus the LM head on the
 sampled rows), attention (the backend's kernel over every layer's pages) and the sampler;
-"other" is the rest of the step (norms, RoPE, KV writes, embedding). GEMMs are shown in GFLOP/s against the matmul
-peak, attention in GB/s of KV pages read against the memory bandwidth.
+"other" is the rest of the step (norms, RoPE, KV writes, embedding). GEMMs are shown in
+GFLOP/s against the matmul peak, attention in GB/s of KV pages read against the memory
+bandwidth.
+
+The weights are what the engine runs by default here (`--quantization` as EngineArgs' to pick
+others): on a float32 CPU with the C++ kernels, the default model's Q4_1 blocks kept for the
+quantized GEMM; elsewhere the dequantized dtype. The peak stays the float GEMM's.
 
 `--compare-scan` also times the same forward pass with `lax.scan` over stacked layer weights
 and stacked KV pages (the alternative to the runner's unrolled loop), compile time included.
@@ -22,6 +27,7 @@ and stacked KV pages (the alternative to the runner's unrolled loop), compile ti
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -36,8 +42,10 @@ from jaxllm.config import EngineArgs, resolve_config
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.outputs import SchedulerOutput
 from jaxllm.core.request import Request
+from jaxllm.engine.llm_engine import load_quantization
 from jaxllm.models import decoder
 from jaxllm.models.loader import load_model
+from jaxllm.quantization import QuantizedWeight
 from jaxllm.runner.model_runner import ModelRunner
 from jaxllm.sampling_params import SamplingParams
 
@@ -172,6 +180,8 @@ def main():
     ap.add_argument("--out", default="benchmarks/results/step.json")
     ap.add_argument("--no-packed-weights", action="store_true",
                     help="leave the weights to XLA's dots (EngineArgs.packed_weights=False), for a before/after")
+    ap.add_argument("--quantization", default=None,
+                    help="as EngineArgs.quantization (default: what the engine picks here; 'none': dequantized)")
     ap.add_argument("--compare-scan", default="", help="decode batch sizes to time with lax.scan too, e.g. 1,32")
     args = ap.parse_args()
 
@@ -180,20 +190,27 @@ def main():
     args.dtype, why = resolve_dtype(args.dtype, jax.devices()[0].platform)
     machine = machine_info()
     print(f"{cpu_line(machine)}; dtype {args.dtype} ({why})")
-    loaded = load_model(None, dtype=args.dtype, progress=False)
-    spec = loaded.spec
     eargs = EngineArgs(dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=2048,
-                       kv_cache_memory=3 << 30, warmup=False, packed_weights=not args.no_packed_weights)
+                       kv_cache_memory=3 << 30, warmup=False, packed_weights=not args.no_packed_weights,
+                       quantization=args.quantization)
+    loaded = load_model(None, dtype=args.dtype, progress=False,
+                        quantization=load_quantization(eargs, jax.devices()[0].platform, None, False))
+    spec = loaded.spec
+    eargs = dataclasses.replace(eargs, quantization=loaded.quantization)
     config = resolve_config(eargs, spec, loaded.name)
     runner = ModelRunner(config, spec, loaded.params)
     rng = np.random.default_rng(0)
     weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(loaded.params))
     llama_dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-    packed = any(isinstance(w, decoder.PackedWeight) for w in runner.params["layers"][0].values())
+    # The C++ GEMM's weights (float panels, or codes in panels): its float peak is the reference.
+    packed = any(isinstance(w, decoder.PackedWeight) or (isinstance(w, QuantizedWeight) and w.layout == "panels")
+                 for w in runner.params["layers"][0].values())
     peak = matmul_peak(llama_dtype, packed)
     bw = memory_bandwidth()
-    # The layers' matrices (packed ones are PackedWeights): 2 FLOPs per weight per token.
-    flops_per_token = 2 * sum(np.size(x.panels if isinstance(x, decoder.PackedWeight) else x)
+    # The layers' matrices (packed ones are PackedWeights, quantized ones QuantizedWeights):
+    # 2 FLOPs per weight per token.
+    flops_per_token = 2 * sum(np.prod(x.shape) if isinstance(x, QuantizedWeight)
+                              else np.size(x.panels if isinstance(x, decoder.PackedWeight) else x)
                               for layer in loaded.params["layers"] for name, x in layer.items()
                               if name in decoder.PACKED)
     lm_head_flops = 2 * spec.hidden_size * spec.vocab_size
@@ -232,7 +249,7 @@ def main():
 
     path = "packed C++ GEMM" if packed else "XLA dot"
     print(f"matmul peak {peak / 1e9:.0f} GFLOP/s ({args.dtype}, {path}), memory {bw / 1e9:.1f} GB/s, "
-          f"weights {weight_bytes / 1e6:.0f} MB")
+          f"weights {weight_bytes / 1e6:.0f} MB (quantization {loaded.quantization or 'none'})")
     for b in map(int, args.batches.split(",")):
         measure("decode", b, 1)
     for p in map(int, args.prefill.split(",")):
@@ -245,6 +262,7 @@ def main():
     with open(args.out, "w") as f:
         json.dump(dict(date=now_iso(), machine=machine, versions=versions(),
                        command=shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:]), dtype=args.dtype,
+                       quantization=loaded.quantization,
                        packed_weights=packed, matmul_peak_flops=peak, memory_bandwidth=bw, weight_bytes=weight_bytes,
                        rows=rows, scan_vs_unrolled=scan_rows), f, indent=1)
 

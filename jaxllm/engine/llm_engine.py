@@ -47,7 +47,7 @@ class LLMEngine:
                                     args.pipeline_parallel_size)
         platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
         args = dataclasses.replace(args, dtype=_resolve_dtype(args.dtype, platform, many_processes))
-        self._load_quantization = _load_quantization(args, platform, mesh, many_processes)
+        self._load_quantization = load_quantization(args, platform, mesh, many_processes)
         # Over several processes each reads the checkpoint itself (no shared params cache to race on).
         # W8A8 smooths the unsharded weights (below), then lays them out for the mesh.
         smooth = args.quantization == "w8a8"
@@ -329,7 +329,7 @@ def _resolve_dtype(dtype: str, platform: str, many_processes: bool) -> str:
     return resolved
 
 
-def _load_quantization(args: EngineArgs, platform: str, mesh, many_processes: bool) -> str | None:
+def load_quantization(args: EngineArgs, platform: str, mesh, many_processes: bool) -> str | None:
     """What `load_model` keeps quantized: the asked checkpoint method; with none asked, a GGUF's
     blocks ("auto") where they run at the float32 engine's speed (one CPU device with the C++
     GEMM, float32 the dtype), saving 2/3 of the weight memory or more."""
