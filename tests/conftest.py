@@ -12,6 +12,7 @@ import pytest
 from jaxllm.models import decoder
 from jaxllm.runner.compile import Bucket
 from jaxllm.runner.input_batch import StepInputs
+from cuda_lowering import ON_GPU
 from tiny_model import TINY_ENGINE_ARGS, build_tiny_model, offline_llm
 
 # The shared live server's limits (the hardening tests probe them; the defaults are larger).
@@ -35,7 +36,7 @@ def free_compiled_code():
 def ieee_float32_dots_on_a_gpu():
     """On a GPU, float32 dots as IEEE float32, as on the CPU (JAX's default there is TF32), so
     that the float32 tolerances against HF and NumPy mean the same on every device."""
-    if jax.default_backend() != "gpu":
+    if not ON_GPU:
         yield
         return
     with jax.default_matmul_precision("highest"):

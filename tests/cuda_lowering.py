@@ -21,7 +21,8 @@ except ImportError:                     # jax 0.10
 
 # Where JAX's default backend is a GPU, the kernels' numerics tests run them compiled for it;
 # elsewhere in Pallas interpret mode on the CPU.
-INTERPRET = jax.default_backend() != "gpu"
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
 
 
 def gpu_mesh(devices: int = 1, axis: str = "model") -> AbstractMesh:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import make_batch, shuffled_block_tables
+from cuda_lowering import ON_GPU
 from jaxllm import kernels
 from jaxllm.attention import BACKENDS
 from jaxllm.models import decoder
@@ -154,7 +155,7 @@ def model_pair(request, tmp_path_factory):
 
 # The device's kernel: the C++ one on CPU; on a GPU (the default backend) the two Pallas kernels
 # (Mosaic GPU sends f32 caches and head_dims under 64 on to Triton). The `jnp` ones run anywhere.
-DEVICE_IMPLS = ["mosaic", "pallas"] if jax.default_backend() == "gpu" else ["native"]
+DEVICE_IMPLS = ["mosaic", "pallas"] if ON_GPU else ["native"]
 
 
 @pytest.mark.parametrize("impl", [*DEVICE_IMPLS, "cpu", "reference"])

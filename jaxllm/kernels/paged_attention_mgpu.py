@@ -18,8 +18,9 @@ gathered back from the per-tile output, so the kernel never stores a partial til
 (num_kv_heads, num_tiles). Each program copies its q tile and its sequence's block-table row
 (in copies of at most 256 entries, TMA's limit along a dimension) into shared memory (so a
 page id is a shared-memory read), then walks the sequence's key blocks (`block_kv` keys =
-whole pages, one TMA copy per page) through a ring of `stages` shared-memory slots: block i+stages is copied while block i is multiplied. Scores and P @ V are warpgroup MMAs (bf16 in, f32 accumulate);
-the online softmax runs in f32 registers. Sliding windows start at the first block the
+whole pages, one TMA copy per page) through a ring of `stages` shared-memory slots: block
+i+stages is copied while block i is multiplied. Scores and P @ V are warpgroup MMAs (bf16 in,
+f32 accumulate); the online softmax runs in f32 registers. Sliding windows start at the first block the
 window sees; no split over a long context yet (few long decodes use few SMs).
 
 Checked without a GPU (tests/test_paged_attention_mgpu.py): numerics in Mosaic GPU's interpret
