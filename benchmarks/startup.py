@@ -3,9 +3,11 @@ default settings, then a one-token `generate`), cold and warm.
 
     python benchmarks/startup.py                 # one cold start, then --warm warm ones
     python benchmarks/startup.py --warm 5 --dtype float32
+    python benchmarks/startup.py --compile-first --out benchmarks/results/startup-compile-first.json
 
 Cold: an empty cache root (`JAXLLM_CACHE_DIR`), so the C++ kernels are built, the weights
-converted and every step compiled. Warm: the same cache root again, as every later start of the
+converted and the steps compiled (by default in the background: the first token waits for
+the shapes its steps need; `--compile-first`: for all of them). Warm: the same cache root again, as every later start of the
 same model and settings finds it. Each start runs in its own process; besides the total (from
 just before this script starts the process to the first token), each reports its import, engine
 construction (of which warm-up: compiling or loading the steps) and first-token seconds. Writes
@@ -64,10 +66,11 @@ def main(argv=None) -> int:
     ap.add_argument("--warm", type=int, default=3, help="warm starts after the cold one")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2 GGUF")
-    ap.add_argument("--background-compile", action="store_true", help="the engine option of that name")
+    ap.add_argument("--compile-first", action="store_true",
+                    help="background_compile=False: every step shape compiled before LLM() returns")
     ap.add_argument("--out", default=os.path.join(RESULTS, "startup.json"))
     args = ap.parse_args(argv)
-    engine_args = {"model": args.model, "dtype": args.dtype, "background_compile": args.background_compile}
+    engine_args = {"model": args.model, "dtype": args.dtype, "background_compile": not args.compile_first}
     machine = machine_info()
     print(cpu_line(machine), flush=True)
     runs = []

@@ -4,8 +4,8 @@
 
 Each backend has the same small interface:
 
-- `write_kv(k_pages, v_pages, k, v, slot_mapping)`: store this step's keys/values (shared:
-  `kernels.write_kv`);
+- `write_kv(k_pages, v_pages, k, v, slot_mapping)`: store this step's keys/values
+  (`kernels.write_kv`, a scatter; the native backend's is one in-place C++ call);
 - `build_metadata(...)` (host, numpy): any inputs it needs beyond the ragged step inputs
   (`StepInputs.attn_metadata`); `dummy_metadata(bucket)` gives the same shapes for warm-up;
 - `forward(q, k_pages, v_pages, inputs, *, sliding_window, sm_scale)` (device): ragged paged
@@ -135,6 +135,9 @@ class NativeBackend(AttentionBackend):
 
         native.require()   # builds (or loads from the cache) and registers the C++ kernels
         self._native = native
+
+    def write_kv(self, k_pages, v_pages, k, v, slot_mapping):
+        return self._native.write_kv(k_pages, v_pages, k, v, slot_mapping)
 
     def kernel(self, *args, **options):
         return self._native.paged_attention_cpu(*args, **options)

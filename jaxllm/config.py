@@ -125,8 +125,9 @@ class EngineArgs:
               "platform", choices=ATTENTION_BACKENDS)
     warmup: bool = option(True, "compile every step shape at start-up (off: compile on first use)")
     background_compile: bool = option(
-        False, "with warmup, start serving while the step shapes compile: a batch runs in the smallest "
-               "compiled shape that holds it, or waits for its own (one process only)")
+        True, "with warmup, start at once and compile the step shapes in the background: a batch runs in "
+              "the smallest compiled shape that holds it, or compiles its own (one process only; off: every "
+              "shape is compiled before the engine returns)")
     int8_activations: bool = option(
         False, "4-bit weight codes (a GGUF's Q4_0 / Q4_1, int4) multiply activations quantized to int8 per "
                "block of 32, as llama.cpp does: integer dot products, ~1.3x the quantized GEMM's speed on "

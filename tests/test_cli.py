@@ -58,11 +58,8 @@ def test_every_engine_args_field_has_a_flag(capsys):
 
 def test_flags_round_trip_to_engine_args():
     defaults = EngineArgs()
-    for command in ("generate", "chat"):
+    for command in ("generate", "chat", "serve"):
         assert cli.engine_args(cli.build_parser().parse_args([command])) == defaults
-    # A server starts answering while the step shapes compile.
-    assert cli.engine_args(cli.build_parser().parse_args(["serve"])) == dataclasses.replace(defaults,
-                                                                                           background_compile=True)
     # Every field off its default (kv_cache_memory with gpu_memory_utilization would fail verify(),
     # which parsing does not run).
     expected = EngineArgs(
@@ -73,7 +70,7 @@ def test_flags_round_trip_to_engine_args():
         distributed_coordinator="10.0.0.1:1234",
         num_processes=2, process_id=1, served_model_name="mine",
         compilation_cache_dir="", params_cache_dir="/params", attention_backend="reference", warmup=False,
-        background_compile=True, int8_activations=True, packed_weights=False,
+        background_compile=False, int8_activations=True, packed_weights=False,
         speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert all(getattr(expected, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(EngineArgs)
                if f.name != "mesh")
@@ -86,7 +83,7 @@ def test_flags_round_trip_to_engine_args():
              "--data-parallel-size", "3",
              "--distributed-coordinator", "10.0.0.1:1234", "--num-processes", "2", "--process-id", "1",
              "--compilation-cache-dir", "", "--params-cache-dir", "/params", "--attention-backend", "reference",
-             "--no-warmup", "--background-compile", "--int8-activations", "--no-packed-weights",
+             "--no-warmup", "--no-background-compile", "--int8-activations", "--no-packed-weights",
              "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
     parse = cli.build_parser().parse_args
     assert cli.engine_args(parse(["serve", *flags, "--served-model-name", "mine"])) == expected

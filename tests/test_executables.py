@@ -101,7 +101,7 @@ def test_steps_loaded_from_jax_persistent_cache_are_not_saved(tiny_model_dir, tm
 
 def test_background_compile_gives_the_same_tokens(tiny_model_dir, tmp_path):
     cache = str(tmp_path)
-    llm = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, compilation_cache_dir=cache, background_compile=True)
+    llm = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "background_compile": True}, compilation_cache_dir=cache)
     runner = llm.engine.runner
     assert len(runner.steps.pending) + len(runner.steps.ready) == len(runner.buckets)
     got = token_ids(llm.generate(PROMPTS, greedy(12), use_tqdm=False))
@@ -116,7 +116,7 @@ def test_background_compile_gives_the_same_tokens(tiny_model_dir, tmp_path):
 def test_shutdown_cancels_the_shapes_not_yet_compiling(tiny_model_dir):
     """A server stopped while it compiles in the background exits without compiling the rest
     (the pool's threads are joined at exit); a cancelled shape still compiles when asked for."""
-    llm = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, compilation_cache_dir="", background_compile=True)
+    llm = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "background_compile": True}, compilation_cache_dir="")
     steps = llm.engine.runner.steps
     pending = dict(steps.pending)
     llm.engine.shutdown()

@@ -1,4 +1,5 @@
-"""The C++ CPU paged attention kernel (XLA FFI) against the jnp oracle."""
+"""The C++ CPU kernels (XLA FFI) against their references: paged attention against the jnp
+oracle, the GEMMs against NumPy, the KV write against the scatter, the sampler's reductions."""
 
 from __future__ import annotations
 
@@ -110,6 +111,44 @@ def test_rejects_unsupported_shapes():
     with pytest.raises(Exception, match="head_dim <= 256"):
         q = args[0]
         jax.block_until_ready(native.paged_attention_cpu(q[:, :8], *args[1:]))
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "int8"])
+def test_write_kv_stores_the_bytes_the_scatter_stores(cache_dtype):
+    """The C++ KV write against kv_write.py's scatter: the same bytes in every slot (bf16
+    rounding, int8 codes and scales included), padding and out-of-range slots written nowhere,
+    and the pages updated in place when donated."""
+    from jaxllm import kernels
+
+    rng = np.random.default_rng(4)
+    heads, pages, page_size, head_dim, tokens = 3, 7, 4, 64, 10
+    k_pages, v_pages = kernels.allocate_kv_cache(1, heads, pages, page_size, head_dim,
+                                                 kernels.kv_write.cache_dtype(cache_dtype))[0]
+    # Pages already holding other tokens' rows (random bytes), which must survive.
+    k_pages = jax.numpy.asarray(rng.integers(-100, 100, k_pages.shape).astype(k_pages.dtype))
+    v_pages = jax.numpy.asarray(rng.integers(-100, 100, v_pages.shape).astype(v_pages.dtype))
+    k = rng.standard_normal((tokens, heads, head_dim)).astype(np.float32) * 3
+    v = rng.standard_normal((tokens, heads, head_dim)).astype(np.float32)
+    k[2] = 0.0                       # int8: a zero row keeps a scale of 1
+    k[3, 0, :4] = [0.5, 1.5, -2.5, 1e-30]     # halfway cases round to even
+    slots = np.array([0, 5, -1, 27, 3, pages * page_size, 14, 9, 26, -5], np.int32)
+    want = jax.jit(kernels.write_kv)(k_pages, v_pages, k, v, slots)
+    before = [np.asarray(x).copy() for x in (k_pages, v_pages)]
+    got = jax.jit(native.write_kv, donate_argnums=(0, 1))(k_pages, v_pages, k, v, slots)
+    for g, w, old in zip(got, want, before):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        assert not np.array_equal(np.asarray(g), old)
+
+
+def test_write_kv_rejects_mismatched_shapes():
+    from jaxllm import kernels
+
+    k_pages, v_pages = kernels.allocate_kv_cache(1, 2, 4, 4, 8, jax.numpy.float32)[0]
+    x = np.zeros((3, 2, 8), np.float32)
+    with pytest.raises(Exception, match="do not match"):
+        jax.block_until_ready(native.write_kv(k_pages, v_pages, x[:, :1], x[:, :1], np.zeros(3, np.int32)))
+    with pytest.raises(Exception, match="do not match"):
+        jax.block_until_ready(native.write_kv(k_pages, v_pages, x, x, np.zeros(2, np.int32)))
 
 
 def rounded(a, dtype):
@@ -260,10 +299,10 @@ def test_build_is_cached(tmp_path):
 
 
 def test_build_key_covers_every_file_in_csrc(tmp_path, monkeypatch):
-    # cpu_kernels.cc only includes the other files: an edited header must give a new library.
+    # The compiled units only include the other files: an edited header must give a new library.
     csrc = tmp_path / "csrc"
-    shutil.copytree(os.path.dirname(native.SOURCE), csrc)
-    monkeypatch.setattr(native, "SOURCE", str(csrc / "cpu_kernels.cc"))
+    shutil.copytree(os.path.dirname(native.SOURCES[0]), csrc)
+    monkeypatch.setattr(native, "SOURCES", tuple(str(csrc / os.path.basename(src)) for src in native.SOURCES))
     before = native._sources_digest()
     with open(csrc / "simd.h", "a") as f:
         f.write("// edited\n")
@@ -278,7 +317,7 @@ def test_build_reports_compiler_errors(tmp_path, monkeypatch):
     broken = tmp_path / "broken.cc"
     broken.write_text("this is not C++")
     monkeypatch.undo()
-    monkeypatch.setattr(native, "SOURCE", str(broken))
+    monkeypatch.setattr(native, "SOURCES", (native.SOURCES[0], str(broken)))
     with pytest.raises(RuntimeError, match="compiling the CPU kernels failed"):
         native.build(str(tmp_path))
     assert not list(tmp_path.glob("*.so")), "a failed build must leave no library behind"

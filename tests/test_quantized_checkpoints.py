@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
@@ -140,6 +141,29 @@ def test_gguf_engine_kept_quantized_matches_the_dequantized_engine(tiny_model_di
         del llm
     with pytest.raises(ValueError, match="needs a GGUF"):
         LLM(tiny_model_dir, quantization="gguf", **TINY_ENGINE_ARGS)
+
+
+def test_gguf_engine_loads_float_weights_when_the_kernel_build_fails(tmp_path, monkeypatch):
+    """The engine decides to keep a GGUF's blocks before the C++ kernels' build (on its thread)
+    is done; if the build then fails, it loads the weights as floats for the jnp paths."""
+    path = write_quantized_gguf(str(tmp_path / "tiny.gguf"))
+    prompts = [{"prompt_token_ids": list(range(i, i + 7 + 3 * i))} for i in range(3)]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False)
+    args = dict(TINY_ENGINE_ARGS, params_cache_dir=str(tmp_path / "params"))
+    ref = LLM(path, quantization="none", attention_backend="cpu", **args).generate(prompts, greedy, use_tqdm=False)
+
+    def failed():
+        raise RuntimeError("jaxllm's native CPU kernels are unavailable: the build failed (simulated)")
+
+    monkeypatch.setattr(native, "expected", lambda: True)      # a compiler is there, the build under way
+    monkeypatch.setattr(native, "available", lambda: False)
+    monkeypatch.setattr(native, "require", failed)
+    llm = LLM(path, **args)
+    assert llm.engine.config.quantization is None and llm.engine.runner.attention.name == "cpu"
+    assert not any(isinstance(w, QuantizedWeight) for w in jax.tree_util.tree_leaves(
+        llm.engine.runner.params, is_leaf=lambda x: isinstance(x, QuantizedWeight)))
+    out = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
 
 
 # ----------------------------------------------------------------------------- AWQ and GPTQ

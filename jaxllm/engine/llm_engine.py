@@ -35,6 +35,7 @@ logger = logging.getLogger("jaxllm")
 
 class LLMEngine:
     def __init__(self, engine_args: EngineArgs | None = None, *, progress: bool = True, **kwargs):
+        from jaxllm.kernels import native
         from jaxllm.models.loader import load_model
 
         args = engine_args or EngineArgs(**kwargs)
@@ -46,6 +47,8 @@ class LLMEngine:
         mesh = parallel.engine_mesh(args.mesh, args.tensor_parallel_size, args.data_parallel_size,
                                     args.pipeline_parallel_size)
         platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
+        if platform == "cpu" and args.attention_backend in (None, "native"):
+            native.start_build()    # (a first start compiles them: on their thread while the model loads)
         args = dataclasses.replace(args, dtype=_resolve_dtype(args.dtype, platform, many_processes))
         self._load_quantization = load_quantization(args, platform, mesh, many_processes)
         # Over several processes each reads the checkpoint itself (no shared params cache to race on).
@@ -56,6 +59,11 @@ class LLMEngine:
                             pipeline_parallel_size=1 if smooth else args.pipeline_parallel_size,
                             mesh=None if smooth else mesh, use_cache=not many_processes,
                             quantization=self._load_quantization, tokenizer_thread=True)
+        if self._load_quantization == "auto" and not native.available():
+            # The blocks were kept for the C++ GEMM, whose build then failed: float weights instead.
+            self._load_quantization = None
+            loaded = load_model(args.model, dtype=args.dtype, cache_dir=args.params_cache_dir, progress=progress,
+                                use_cache=not many_processes, tokenizer_thread=True)
         if loaded.quantization and args.quantization not in (None, loaded.quantization):
             raise ValueError(f"{loaded.source} is already quantized ({loaded.quantization}): it cannot be "
                              f"loaded with quantization={args.quantization!r}")
@@ -340,7 +348,7 @@ def load_quantization(args: EngineArgs, platform: str, mesh, many_processes: boo
         return args.quantization if args.quantization in CHECKPOINT_METHODS else None
     one_device = mesh is None and not many_processes and args.data_parallel_size == 1
     if one_device and platform == "cpu" and args.dtype == "float32" and args.attention_backend in (None, "native") \
-            and native.available():
+            and native.expected():     # (not waiting for their build: see LLMEngine)
         return "auto"
     return None
 

@@ -59,10 +59,6 @@ def parse_size(text: str) -> int:
 SERVE_ONLY_FIELDS = ("served_model_name",)
 
 
-# Where `serve`'s defaults differ from EngineArgs': a server answers while the step shapes
-# compile (a cold start reaches its first token in seconds instead of compiling every shape first).
-SERVE_DEFAULTS = {"background_compile": True}
-
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -70,7 +66,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, serving: bool = False) -
     """One flag per `EngineArgs` field (see `add_dataclass_args`)."""
     group = parser.add_argument_group("model and engine (names as in vLLM)")
     skip = () if serving else SERVE_ONLY_FIELDS
-    add_dataclass_args(group, EngineArgs, skip=skip, defaults=SERVE_DEFAULTS if serving else None)
+    add_dataclass_args(group, EngineArgs, skip=skip)
 
 
 def add_dataclass_args(group, cls, *, skip=(), defaults=None) -> None:

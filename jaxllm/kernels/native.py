@@ -8,8 +8,10 @@ a sampled row's token (csrc/sampling.cc);
 `matmul_packed` multiplies by an f32 or bf16 weight packed once by `pack_weight` (csrc/gemm.cc,
 csrc/gemm_bf16.cc: AVX512_BF16 dots where the CPU has them, `bf16_gemm_native()`),
 `matmul_quantized` by int8 or int4 codes packed by `pack_codes` (csrc/gemm_quant.cc, and
-csrc/gemm_q4a8.cc for int4 codes x int8 activations).
-csrc/cpu_kernels.cc, which includes them all, is compiled on first use with the system C++
+csrc/gemm_q4a8.cc for int4 codes x int8 activations); `write_kv` is kv_write.py's `write_kv`
+in place (csrc/kv_write.cc: one handler instead of an LLVM module per layer's scatter).
+csrc/cpu_kernels_attention.cc and cpu_kernels_gemm.cc, which include them all, are compiled
+side by side on first use (on a thread of their own: `start_build`) with the system C++
 compiler (`$CXX`, else `c++`) against the XLA FFI headers that ship with jaxlib, with
 `-O3 -march=native` and fast math, into `<cache root>/native/` (keyed by every file in csrc/,
 the flags, the compiler, jaxlib's version and the CPU), then loaded with ctypes and registered
@@ -21,13 +23,14 @@ worked; without a compiler the engine falls back to the jnp rows backend
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+from concurrent.futures import Future
 
 import jax
 import jax.numpy as jnp
@@ -41,9 +44,11 @@ TARGETS = {"jaxllm_paged_attention_cpu": "JaxllmPagedAttentionCpu",
            "jaxllm_sample_rows_cpu": "JaxllmSampleRowsCpu",
            "jaxllm_matmul_packed_cpu": "JaxllmMatmulPackedCpu",
            "jaxllm_matmul_packed_bf16_cpu": "JaxllmMatmulPackedBf16Cpu",
-           "jaxllm_matmul_quantized_cpu": "JaxllmMatmulQuantCpu"}
-# The one translation unit: it includes the other files of its folder.
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "cpu_kernels.cc")
+           "jaxllm_matmul_quantized_cpu": "JaxllmMatmulQuantCpu",
+           "jaxllm_write_kv_cpu": "JaxllmWriteKvCpu"}
+# The translation units, compiled side by side: they include the other files of their folder.
+SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", name)
+                for name in ("cpu_kernels_attention.cc", "cpu_kernels_gemm.cc"))
 # -ffast-math for vectorised reductions, but with infinities kept: banned tokens' logits are -inf.
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-fPIC")
 # Linked in a second command without -ffast-math: linking with it adds crtfastmath.o, whose
@@ -68,8 +73,8 @@ def _compiler() -> str | None:
 
 
 def _sources_digest() -> bytes:
-    """Hash of every file beside SOURCE (names and bytes): a changed header rebuilds too."""
-    folder = os.path.dirname(SOURCE)
+    """Hash of every file beside SOURCES (names and bytes): a changed header rebuilds too."""
+    folder = os.path.dirname(SOURCES[0])
     h = hashlib.sha256()
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
@@ -95,17 +100,23 @@ def build(cache_dir: str | None = None) -> str:
     # Compile to a private name, then rename: concurrent processes never load a partial file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(fd)
-    obj = tmp[:-3] + ".o"
+    objs = [f"{tmp[:-3]}-{i}.o" for i in range(len(SOURCES))]
     try:
-        for cmd in ([cxx, *FLAGS, "-I", jax.ffi.include_dir(), "-c", SOURCE, "-o", obj],
-                    [cxx, *LINK_FLAGS, obj, "-o", tmp]):
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+        steps = [[cxx, *FLAGS, "-I", jax.ffi.include_dir(), "-c", src, "-o", obj] for src, obj in zip(SOURCES, objs)]
+        procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for cmd in steps]
+        errors = [proc.communicate()[1] for proc in procs]      # (the units compile side by side)
+        steps.append([cxx, *LINK_FLAGS, *objs, "-o", tmp])
+        if all(proc.returncode == 0 for proc in procs):
+            procs.append(subprocess.run(steps[-1], capture_output=True, text=True))
+            errors.append(procs[-1].stderr)
+        for cmd, proc, stderr in zip(steps, procs, errors):
             if proc.returncode != 0:
                 os.unlink(tmp)
-                raise RuntimeError(f"compiling the CPU kernels failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
+                raise RuntimeError(f"compiling the CPU kernels failed:\n{' '.join(cmd)}\n{stderr[-4000:]}")
     finally:
-        if os.path.exists(obj):
-            os.unlink(obj)
+        for obj in objs:
+            if os.path.exists(obj):
+                os.unlink(obj)
     os.replace(tmp, path)
     return path
 
@@ -116,9 +127,45 @@ _path_bits = 0
 _bf16_native = False
 
 
-@functools.cache
+def start_build() -> None:
+    """Start building (or loading) the kernels on a thread of their own, and return: a cold
+    build takes 10-20 s of one core, which `LLMEngine` spends reading the model meanwhile.
+    `available()` and every kernel wait for it."""
+    global _loading
+    with _loading_lock:
+        if _loading is None:
+            _loading = Future()
+            threading.Thread(target=_load_into, args=(_loading,), name="jaxllm-native-build").start()
+
+
+def _load_into(future: Future) -> None:
+    try:
+        reason = _load_once()
+    except BaseException as e:  # (waiters must never hang)
+        reason = f"{type(e).__name__}: {e}"
+    future.set_result(reason)
+
+
+def expected() -> bool:
+    """Whether the kernels are loaded, or are being built or could be (a compiler is there),
+    without waiting: a build that fails later says so through `available()`."""
+    if _loading is not None and _loading.done():
+        return _loading.result() is None
+    return _loading is not None or _compiler() is not None
+
+
 def _load() -> str | None:
-    """Build, load and register the kernels once per process; None on success, else why not."""
+    """Build, load and register the kernels once per process (waiting for `start_build`'s
+    thread); None on success, else why not."""
+    start_build()
+    return _loading.result()
+
+
+_loading: Future | None = None
+_loading_lock = threading.Lock()
+
+
+def _load_once() -> str | None:
     global _path_bits, _bf16_native
     try:
         lib = ctypes.cdll.LoadLibrary(build())
@@ -303,3 +350,15 @@ def paged_attention_cpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, n
                soft_cap=np.float32(logits_soft_cap or 0.0),
                path=path_attr)
     return out.astype(q.dtype)
+
+
+def write_kv(k_pages, v_pages, k_new, v_new, slot_mapping):
+    """`kernels.write_kv` (same contract, same stored bytes) as one in-place FFI call: the pages
+    are aliased to the results, so donate them to the enclosing jit as for the scatter."""
+    require()
+    call = jax.ffi.ffi_call("jaxllm_write_kv_cpu",
+                            (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                             jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
+                            input_output_aliases={0: 0, 1: 1})
+    return call(k_pages, v_pages, k_new.astype(jnp.float32), v_new.astype(jnp.float32),
+                jnp.asarray(slot_mapping, jnp.int32))

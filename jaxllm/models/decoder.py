@@ -403,17 +403,24 @@ def forward(params, kv_cache, inputs, spec: ModelSpec, *, attention, axis: str |
         `[num_kv_heads, num_pages, page_size, head_dim]` (bf16 caches stored as uint16 bits).
     inputs: the step's `StepInputs` (runner/input_batch.py: token ids, positions, slot mapping,
         RoPE tables, block tables, ...); attention: an `AttentionBackend` (jaxllm/attention.py).
-    Returns `(hidden [T, hidden] f32, new kv_cache)`. Layers run as an unrolled loop; see
-    runner/model_runner.py for why not `lax.scan`. With `axis`, this is one tensor-parallel
-    shard's part (see the module docstring).
+    Returns `(hidden [T, hidden] f32, new kv_cache)`. Layers run as an unrolled loop (see
+    runner/model_runner.py for why not `lax.scan`) of calls to one nested jit per kind of layer
+    (window, RoPE table, MoE or dense): JAX traces and lowers each kind once per step shape, not
+    each layer (XLA inlines the calls, so the compiled step is the same). With `axis`, this is
+    one tensor-parallel shard's part (see the module docstring).
     """
     x = embed(params, inputs.token_ids, inputs.positions, spec, axis)
     new_cache = []
+    kinds: dict = {}    # kind -> the first layer of that kind, which stands for the others
     for index, (layer, (k_pages, v_pages)) in enumerate(zip(params["layers"], kv_cache)):
-        x, k_pages, v_pages = decoder_layer(layer, k_pages, v_pages, x, inputs, spec, index=index,
-                                            attention=attention, axis=axis)
+        first = kinds.setdefault((spec.window(index), spec.rope_variant(index), spec.is_moe(index)), index)
+        x, k_pages, v_pages = _decoder_layer_jit(layer, k_pages, v_pages, x, inputs, spec, index=first,
+                                                 attention=attention, axis=axis)
         new_cache.append((k_pages, v_pages))
     return x, new_cache
+
+
+_decoder_layer_jit = jax.jit(decoder_layer, static_argnames=("spec", "index", "attention", "axis"))
 
 
 def compute_logits(params, hidden: jax.Array, spec: ModelSpec, axis: str | None = None, rows=None) -> jax.Array:

@@ -194,11 +194,19 @@ class CompiledSteps:
             if bar.n >= bar.total:
                 bar.close()
         self._pool = self._pool or ThreadPoolExecutor(len(os.sched_getaffinity(0)), thread_name_prefix="jaxllm-compile")
-        for bucket, job in todo.items():
-            future = self._pool.submit(self.compile, *job, keys[bucket])
+        for bucket in sorted(todo, key=self._first_needed):
+            future = self._pool.submit(self.compile, *todo[bucket], keys[bucket])
             future.add_done_callback(one_done)
             self.pending[bucket] = future
         return stored
+
+    def _first_needed(self, bucket: Bucket) -> tuple:
+        """Compile order: the smallest bucket of each kind first (a request's first step is a
+        prompt chunk, its next ones decodes), then the rest from the smallest."""
+        kind = (bucket.num_prefill_rows > 0, bucket.all_logits)
+        smallest = min((b for b in self.buckets if (b.num_prefill_rows > 0, b.all_logits) == kind),
+                       key=lambda b: b.num_tokens)
+        return bucket != smallest, bucket.num_tokens
 
     def pick(self, demand) -> Bucket:
         """The smallest bucket that holds `demand` (tokens, decodes, prefill rows, sequences) and

@@ -1,24 +1,26 @@
-// jaxllm's CPU kernel library, built by kernels/native.py from this one translation unit:
-// parsing XLA's FFI headers takes ~2.5 s, and once is enough. Each file included here also
+// jaxllm's CPU kernel library is built by kernels/native.py from two translation units compiled
+// side by side, this one and cpu_kernels_gemm.cc (parsing XLA's FFI headers takes ~2.5 s, so
+// not one per file; two halve a cold build's wait on two cores). Each file they include also
 // compiles on its own.
 //
 //   paged_attention.h          the attention kernel's contract: arguments, work items, scratch
 //   paged_attention.cc         work items, the portable path, the FFI handler
 //   paged_attention_avx512.cc  the AVX-512 path (head_dim 32, 64, 128, 256)
 //   paged_attention_avx2.cc    the AVX2 + FMA path (head_dim a multiple of 32)
+//   kv_write.cc                a step's keys and values into their cache slots, in place
+//   simd.h                     code paths (KernelPath), bf16 widening, exp, transpose, reductions
+//   parallel_for.h             work sharing over XLA's intra-op thread pool
+//
+// and in cpu_kernels_gemm.cc:
+//
 //   sampling.cc                greedy sampling's argmax + logsumexp, sampled rows' draw, FFI handlers
 //   gemm.cc                    matmul against f32 weights packed once into 16-column panels
 //   gemm_quant_panel.h         int8 / int4 codes in those panels, with their scales and offsets
 //   gemm_quant.cc              matmul against them, dequantized a panel at a time; the FFI handler
 //   gemm_q4a8.cc               its act8 path: int4 codes x int8 activations (AVX2, AVX512_VNNI)
 //   gemm_bf16.cc               bf16 weights packed once into panels of K-pairs, AVX512_BF16 dots
-//   simd.h                     code paths (KernelPath), bf16 widening, exp, transpose, reductions
-//   parallel_for.h             work sharing over XLA's intra-op thread pool
 
 #include "paged_attention.cc"
 #include "paged_attention_avx512.cc"
 #include "paged_attention_avx2.cc"
-#include "sampling.cc"
-#include "gemm.cc"
-#include "gemm_quant.cc"
-#include "gemm_bf16.cc"
+#include "kv_write.cc"

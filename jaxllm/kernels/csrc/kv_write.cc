@@ -1,0 +1,106 @@
+// Writing a step's keys and values into their cache slots (kernels/kv_write.py's `write_kv`),
+// in place: the pages are aliased to the outputs.
+//
+// In XLA the write is one scatter per layer and K/V. Its result is the same, but XLA:CPU gives
+// each scatter an LLVM module of its own (fusions of the same shape share one): 60 of a
+// 30-layer step's ~120 modules, about 40% of every step shape's compile. Here one handler
+// serves them all, and the [tokens, heads, head_dim] rows are read as they come (no transpose).
+//
+// Storage formats (kv_write.py): f32 rows; bf16 as uint16 bits, rounded to nearest even as
+// XLA's convert does; int8 rows of head_dim codes then the 4 bytes of their f32 scale,
+// symmetric, scale = max |x| / 127 (1 for a zero row), code = clip(round-half-even(x / scale)).
+// The divisions are done in double and rounded to f32: under -ffast-math that is still the
+// correctly rounded f32 quotient that XLA computes, so the codes match the jnp write exactly.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "simd.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxllm {
+namespace {
+
+inline uint16_t to_bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float div_f32(float a, float b) { return static_cast<float>(static_cast<double>(a) / static_cast<double>(b)); }
+
+// One row of `d` floats into its slot's row of storage `kind`.
+void store_row(const float* x, int64_t d, ffi::DataType kind, void* dst) {
+  if (kind == ffi::F32) {
+    std::memcpy(dst, x, d * sizeof(float));
+  } else if (kind == ffi::U16) {
+    auto* out = static_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < d; ++i) out[i] = to_bf16_bits(x[i]);
+  } else {  // S8: codes, then the scale's bytes
+    float amax = 0.0f;
+    for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+    float scale = div_f32(amax, 127.0f);
+    if (!(scale > 0.0f)) scale = 1.0f;
+    auto* out = static_cast<int8_t*>(dst);
+    for (int64_t i = 0; i < d; ++i)
+      out[i] = static_cast<int8_t>(std::clamp(std::nearbyint(div_f32(x[i], scale)), -127.0f, 127.0f));
+    std::memcpy(out + d, &scale, sizeof scale);
+  }
+}
+
+ffi::Error WriteKvImpl(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new,
+                       ffi::Buffer<ffi::S32> slot_mapping, ffi::Result<ffi::AnyBuffer> k_out,
+                       ffi::Result<ffi::AnyBuffer> v_out) {
+  const auto pd = k_pages.dimensions();
+  const auto nd = k_new.dimensions();
+  const auto kind = k_pages.element_type();
+  if (pd.size() != 4 || nd.size() != 3 || v_pages.dimensions().size() != 4 || v_new.dimensions().size() != 3)
+    return ffi::Error::InvalidArgument("write_kv: pages must be [heads, pages, page_size, row], new rows [T, heads, D]");
+  if ((kind != ffi::F32 && kind != ffi::U16 && kind != ffi::S8) || v_pages.element_type() != kind ||
+      v_pages.element_count() != k_pages.element_count())
+    return ffi::Error::InvalidArgument("write_kv: pages must both be f32, u16 (bf16 bits) or s8, alike");
+  if (k_new.element_type() != ffi::F32 || v_new.element_type() != ffi::F32 || v_new.element_count() != k_new.element_count())
+    return ffi::Error::InvalidArgument("write_kv: new keys and values must both be f32, alike");
+  const int64_t heads = pd[0], num_slots = pd[1] * pd[2], row = pd[3];
+  const int64_t tokens = nd[0], d = nd[2];
+  if (nd[1] != heads || row != d + (kind == ffi::S8 ? 4 : 0) || slot_mapping.element_count() != tokens)
+    return ffi::Error::InvalidArgument("write_kv: heads, head_dim or tokens do not match the pages");
+  // In place: XLA hands the pages' buffers back as the outputs (input_output_aliases).
+  if (k_out->untyped_data() != k_pages.untyped_data() || v_out->untyped_data() != v_pages.untyped_data())
+    return ffi::Error::InvalidArgument("write_kv: the pages must be aliased to the outputs");
+  const int64_t row_bytes = row * (kind == ffi::F32 ? 4 : kind == ffi::U16 ? 2 : 1);
+  const int32_t* slots = slot_mapping.typed_data();
+  const auto* k = static_cast<const float*>(k_new.untyped_data());
+  const auto* v = static_cast<const float*>(v_new.untyped_data());
+  auto* kp = static_cast<char*>(k_out->untyped_data());
+  auto* vp = static_cast<char*>(v_out->untyped_data());
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0 || slot >= num_slots) continue;  // padding: written nowhere
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t at = (h * num_slots + slot) * row_bytes;
+      store_row(k + (t * heads + h) * d, d, kind, kp + at);
+      store_row(v + (t * heads + h) * d, d, kind, vp + at);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxllm
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmWriteKvCpu, jaxllm::WriteKvImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()         // k_pages (aliased to k_out)
+                                  .Arg<ffi::AnyBuffer>()         // v_pages (aliased to v_out)
+                                  .Arg<ffi::AnyBuffer>()         // k_new [T, heads, head_dim] f32
+                                  .Arg<ffi::AnyBuffer>()         // v_new
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping [T]
+                                  .Ret<ffi::AnyBuffer>()         // k_out
+                                  .Ret<ffi::AnyBuffer>());       // v_out
