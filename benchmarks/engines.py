@@ -156,7 +156,7 @@ class JaxllmEngine(Engine):
 
         self.llm = LLM(self.opts["model"], dtype=self.dtype, max_num_seqs=self.opts["max_num_seqs"],
                        max_num_batched_tokens=self.opts["max_num_batched_tokens"], **self.opts.get("engine_args", {}))
-        self.llm.engine.runner.wait_compiled()   # (compiled or loaded in the background: count it as start-up)
+        self.llm.engine.wait_compiled()   # (compiled or loaded in the background: count it as start-up)
 
     def generate(self, workload):
         from jaxllm import SamplingParams

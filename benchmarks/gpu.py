@@ -228,7 +228,7 @@ def engine_row(args, shape: dict) -> dict:
     t = time.perf_counter()
     llm = LLM(path, dtype="bfloat16", attention_backend=args.engine_backend, max_num_seqs=args.max_num_seqs,
               params_cache_dir=os.path.join(args.workdir, "params"), warmup=not args.smoke)
-    llm.engine.runner.wait_compiled()
+    llm.engine.wait_compiled()
     start_s = time.perf_counter() - t
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=w["max_tokens"]) for w in workload]
     t = time.perf_counter()

@@ -140,6 +140,7 @@ def main(argv=None):
     common = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   max_model_len=args.max_model_len, enable_prefix_caching=False)
     llm = LLM(args.model, **common)
+    llm.engine.wait_compiled()
     bytes_per_token = kv_bytes_per_token(llm.engine.spec, args.dtype)
     trace = run_trace(llm, workload)
     result = analyse(trace, args.budget, bytes_per_token)
@@ -153,6 +154,7 @@ def main(argv=None):
         for mode, kv_dtype in runs:
             small = LLM(args.model, kv_cache_memory=args.kv_budget, preemption_mode=mode, swap_space=args.swap_space,
                         kv_cache_dtype=kv_dtype, **common)
+            small.engine.wait_compiled()
             t = run_trace(small, workload)
             run_bytes = kv_bytes_per_token(llm_spec, small.engine.config.cache.dtype)
             result.setdefault("engine_in_budget", {})[mode if kv_dtype == "auto" else f"{mode}, kv {kv_dtype}"] = {

@@ -149,6 +149,7 @@ def window_kv(path: str, args, cache_dir: str) -> dict:
     from jaxllm.config import kv_bytes_per_token
 
     llm = LLM(path, params_cache_dir=cache_dir, dtype=args.dtype, max_model_len=4096)
+    llm.engine.wait_compiled()
     core, spec, cache = llm.engine.engine_core, llm.engine.spec, llm.engine.config.cache
     kv = core.kv_cache_manager
     layers = [spec.num_layers - sum(1 for i in range(spec.num_layers) if spec.window(i)),
@@ -217,6 +218,7 @@ def main() -> None:
                 continue
             llm = LLM(build(kind, os.path.join(tmp, kind), args.window), params_cache_dir=os.path.join(tmp, "cache"),
                       dtype=args.dtype, max_model_len=512)
+            llm.engine.wait_compiled()
             spec = llm.engine.spec
             out = result[kind] = {"config": MODELS[kind][2], "dtype": llm.engine.config.dtype,
                                   "layer_windows": list(spec.layer_windows)}

@@ -136,6 +136,7 @@ def main(argv=None):
     prompts = make_prompts(args)
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
+    llm.engine.wait_compiled()
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(temperature=0, max_tokens=4),
                  use_tqdm=False)   # warm-up beyond compilation: first transfers, allocator
 

@@ -44,6 +44,7 @@ def worker(spec: dict) -> dict:
     t0 = time.perf_counter()
     llm = LLM(spec["model"], dtype=spec["dtype"], quantization=spec["method"], kv_cache_dtype=spec["kv"],
               int8_activations=spec["act"] == "int8")
+    llm.engine.wait_compiled()
     start_s = time.perf_counter() - t0
     ppl = perplexity(llm)
     agreement = llm.generate(spec["agreement_prompts"], SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),

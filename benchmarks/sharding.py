@@ -72,6 +72,7 @@ def run_layout(model_dir: str, layout: str, args, cache_dir: str) -> dict:
     llm = LLM(model_dir, dtype="float32", tensor_parallel_size=tp, data_parallel_size=dp,
               pipeline_parallel_size=pp, max_num_seqs=32,
               max_num_batched_tokens=256, max_model_len=1024, kv_cache_memory=64 << 20, params_cache_dir=cache_dir)
+    llm.engine.wait_compiled()
     startup = time.perf_counter() - start
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(100, 40000, int(rng.integers(32, 256))).tolist()}

@@ -144,6 +144,7 @@ def main() -> None:
     # No prefix caching: each case computes its prompts itself (the cases share them).
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=16, max_model_len=1024, kv_cache_memory=512 << 20,
               enable_prefix_caching=False, speculative_config=config)
+    llm.engine.wait_compiled()
     proposer = llm.engine.scheduler.proposer
     workloads = {"repeat": (repeat_prompts(llm, args.num_prompts), 0.0),
                  "random": (random_prompts(args.model, args.num_prompts, args.random_len, args.seed), 1.0)}

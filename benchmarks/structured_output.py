@@ -207,6 +207,7 @@ def main() -> None:
 
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(32, *map(int, args.batches.split(","))),
               max_model_len=1024, kv_cache_memory=1 << 30)
+    llm.engine.wait_compiled()
     machine = machine_info()
     print(f"CPU: {cpu_line(machine)}; dtype {llm.engine.config.dtype}", flush=True)
     result = {"benchmark": "structured_output", "command": "python " + shlex.join(sys.argv), "date": now_iso(),

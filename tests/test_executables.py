@@ -105,7 +105,7 @@ def test_background_compile_gives_the_same_tokens(tiny_model_dir, tmp_path):
     runner = llm.engine.runner
     assert len(runner.steps.pending) + len(runner.steps.ready) == len(runner.buckets)
     got = token_ids(llm.generate(PROMPTS, greedy(12), use_tqdm=False))
-    runner.wait_compiled()
+    llm.engine.wait_compiled()
     assert not runner.steps.pending and set(runner.steps.ready) == set(runner.buckets)
     with no_compile_guard():
         assert token_ids(llm.generate(PROMPTS, greedy(12), use_tqdm=False)) == got
@@ -143,6 +143,33 @@ def test_a_step_takes_the_smallest_ready_bucket_that_holds_it(tiny_model_dir):
     assert runner.steps.pick(one_decode) == smallest
     assert runner.steps.pick((largest.num_tokens, 0, 1, 1)) == largest    # only the largest holds it
     runner.steps.pending = {}
+
+
+def test_background_compilation_starts_with_the_first_shapes_a_request_needs():
+    """A request's first step is a prompt chunk, its next ones decodes: the smallest shape of
+    each kind is compiled first, then the rest from the smallest."""
+    from jaxllm.runner.compile import make_buckets
+    from jaxllm.runner.executables import CompiledSteps
+
+    class Jitted:       # a step that compiles at once
+        def lower(self, bucket, layout):
+            return self
+
+        def compile(self):
+            return "compiled"
+
+    buckets = make_buckets(max_num_seqs=128, max_num_batched_tokens=512, prefill_row_tokens=32,
+                           max_num_prefill_seqs=8, num_speculative_tokens=2, max_spec_seqs=4)
+    steps = CompiledSteps(Jitted(), buckets, None, lambda bucket: (None, (bucket,)))
+    steps.start(progress=False)
+    submitted = list(steps.pending)          # in the order they went to the pool
+    steps.wait()
+    # (tokens, has prompt-chunk rows, all logits): 2 decodes, 32 tokens with chunks, 1 sequence + 1 draft
+    assert {(b.num_tokens, b.num_prefill_rows > 0, b.all_logits) for b in submitted[:3]} == \
+        {(2, False, False), (32, True, False), (2, True, True)}
+    rest = submitted[3:]
+    assert [b.num_tokens for b in rest] == sorted(b.num_tokens for b in rest)
+    assert set(steps.ready) == set(buckets)
 
 
 def test_the_store_keeps_under_its_size_dropping_the_least_recently_used(tmp_path):

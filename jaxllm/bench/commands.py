@@ -154,7 +154,9 @@ def _load(args):
     from jaxllm.engine.llm import LLM
 
     fields = vars(args.engine_args(args))
-    return LLM(fields.pop("model"), **fields)
+    llm = LLM(fields.pop("model"), **fields)
+    llm.engine.wait_compiled()      # (timed runs start once every step shape is compiled)
+    return llm
 
 
 def _greedy(max_tokens: int):

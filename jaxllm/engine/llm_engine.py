@@ -292,6 +292,16 @@ class LLMEngine:
         """On a process other than 0: run the steps process 0's engine announces, until it shuts down."""
         self.runner.follow()
 
+    def wait_compiled(self) -> None:
+        """Return once every step shape is compiled (or loaded): the engine compiles them in the
+        background by default (`background_compile`), and a benchmark that times steady steps
+        waits for that first."""
+        for replica in self.replicas:
+            replica.runner.wait_compiled()
+        draft = getattr(self.scheduler.proposer, "runner", None)     # a draft model's steps
+        if draft is not None:
+            draft.wait_compiled()
+
     def shutdown(self) -> None:
         """Stop compiling step shapes in the background, and on process 0 over several
         processes, release the followers (their `follow()` returns)."""

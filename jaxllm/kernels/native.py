@@ -129,8 +129,8 @@ _bf16_native = False
 
 def start_build() -> None:
     """Start building (or loading) the kernels on a thread of their own, and return: a cold
-    build takes 10-20 s of one core, which `LLMEngine` spends reading the model meanwhile.
-    `available()` and every kernel wait for it."""
+    build takes 10-20 s on two cores (its two units side by side), which `LLMEngine` spends
+    reading the model meanwhile. `available()` and every kernel wait for it."""
     global _loading
     with _loading_lock:
         if _loading is None:
