@@ -17,7 +17,6 @@
 #include <cstdint>
 #include <cstring>
 
-#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
