@@ -125,6 +125,17 @@ def test_shutdown_cancels_the_shapes_not_yet_compiling(tiny_model_dir):
     assert steps.get(cancelled[0]) is steps.ready[cancelled[0]]
 
 
+def test_a_dropped_engine_stops_compiling_in_the_background(tiny_model_dir):
+    """An engine replaced while it compiles (a notebook cell run again) cancels the shapes not
+    yet compiling: its steps hold the runner weakly, so dropping the engine frees it."""
+    llm = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "background_compile": True}, compilation_cache_dir="")
+    pending = dict(llm.engine.runner.steps.pending)
+    del llm
+    cancelled = [future for future in pending.values() if future.cancelled()]
+    # Only the shapes the pool's threads (one per core) had started went on.
+    assert cancelled and len(pending) - len(cancelled) <= len(os.sched_getaffinity(0))
+
+
 def test_a_step_takes_the_smallest_ready_bucket_that_holds_it(tiny_model_dir):
     from concurrent.futures import Future
 

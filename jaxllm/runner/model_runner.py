@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import os
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -148,7 +149,11 @@ class ModelRunner:
         devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
         store = (ExecutableStore(os.path.join(cache_dir, "executables"), repr((spec, self.attention, mesh)), devices)
                  if cache_dir and jax.process_count() == 1 else None)
-        self.steps = CompiledSteps(step, self.buckets, store, self._abstract_args)
+        # The steps hold the runner weakly, and a runner dropped while its steps compile in the
+        # background cancels the ones not yet started (an engine replaced in a notebook stops).
+        runner = weakref.ref(self)
+        self.steps = CompiledSteps(step, self.buckets, store, lambda bucket: runner()._abstract_args(bucket))
+        weakref.finalize(self, self.steps.stop)
         self._inv_freq = spec.inv_freq()
         self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.max_blocks, self.block_size,
                                       spec.vocab_size, len(config.cache.group_windows))
