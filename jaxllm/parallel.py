@@ -197,8 +197,8 @@ def pipelined_forward(params, kv_cache, ints, floats, *, unpack, spec: decoder.M
             if carry is not None:
                 x = jnp.where(stage == 0, x, carry)
             for i, layer in enumerate(layers):
-                x, k, v = decoder.decoder_layer(layer, *cache[i], x, inputs, local, index=i, attention=attention,
-                                                axis=MODEL_AXIS)
+                x, k, v = decoder.shared_decoder_layer(layer, *cache[i], x, inputs, local, index=i,
+                                                       attention=attention, axis=MODEL_AXIS)
                 cache[i] = (k, v)
             if t >= pp - 1:     # the last stage just finished micro-batch t - (pp - 1)
                 last.append(x[micro[t - pp + 1].logits_indices])

@@ -404,20 +404,31 @@ def forward(params, kv_cache, inputs, spec: ModelSpec, *, attention, axis: str |
     inputs: the step's `StepInputs` (runner/input_batch.py: token ids, positions, slot mapping,
         RoPE tables, block tables, ...); attention: an `AttentionBackend` (jaxllm/attention.py).
     Returns `(hidden [T, hidden] f32, new kv_cache)`. Layers run as an unrolled loop (see
-    runner/model_runner.py for why not `lax.scan`) of calls to one nested jit per kind of layer
-    (window, RoPE table, MoE or dense): JAX traces and lowers each kind once per step shape, not
-    each layer (XLA inlines the calls, so the compiled step is the same). With `axis`, this is
-    one tensor-parallel shard's part (see the module docstring).
+    runner/model_runner.py for why not `lax.scan`) of `shared_decoder_layer` calls. With `axis`,
+    this is one tensor-parallel shard's part (see the module docstring).
     """
     x = embed(params, inputs.token_ids, inputs.positions, spec, axis)
     new_cache = []
-    kinds: dict = {}    # kind -> the first layer of that kind, which stands for the others
     for index, (layer, (k_pages, v_pages)) in enumerate(zip(params["layers"], kv_cache)):
-        first = kinds.setdefault((spec.window(index), spec.rope_variant(index), spec.is_moe(index)), index)
-        x, k_pages, v_pages = _decoder_layer_jit(layer, k_pages, v_pages, x, inputs, spec, index=first,
-                                                 attention=attention, axis=axis)
+        x, k_pages, v_pages = shared_decoder_layer(layer, k_pages, v_pages, x, inputs, spec, index=index,
+                                                   attention=attention, axis=axis)
         new_cache.append((k_pages, v_pages))
     return x, new_cache
+
+
+def shared_decoder_layer(layer, k_pages, v_pages, x, inputs, spec: ModelSpec, *, index: int, attention,
+                         axis: str | None = None):
+    """`decoder_layer`, as one nested jit per kind of layer (window, RoPE table, MoE or dense):
+    JAX traces and lowers each kind once per step shape instead of every layer (30 for the
+    default model), and XLA inlines the calls, so the compiled step is the same."""
+    kind = _layer_kind(spec, index)
+    first = next(i for i in range(index + 1) if _layer_kind(spec, i) == kind)   # stands for its kind
+    return _decoder_layer_jit(layer, k_pages, v_pages, x, inputs, spec, index=first, attention=attention, axis=axis)
+
+
+def _layer_kind(spec: ModelSpec, index: int) -> tuple:
+    """What of layer `index` its code depends on (besides its weights and pages)."""
+    return spec.window(index), spec.rope_variant(index), spec.is_moe(index)
 
 
 _decoder_layer_jit = jax.jit(decoder_layer, static_argnames=("spec", "index", "attention", "axis"))

@@ -1,13 +1,9 @@
 """ModelRunner: a SchedulerOutput -> typed step inputs -> one jitted call -> ModelRunnerOutput.
 
-The step function is pure:
-
-    step(params, kv_cache, ints, floats, penalty_tokens, token_mask, *, layout)
-        -> (tokens, logprobs, top_logprobs, top_ids, hidden, kv_cache)
-
-with `kv_cache` donated, so the pages are updated in place. Its shapes come from a small set
-of buckets (runner/compile.py), all compiled at start-up (on one thread per core), each kept
-on disk by the executable store (runner/executables.py), which the next start loads without
+The jitted call is runner/device_step.py's pure `step`, with `kv_cache` donated, so the pages
+are updated in place. Its shapes come from a small set of buckets (runner/compile.py), all
+compiled at start-up (on one thread per core, by default in the background), each kept on
+disk by the executable store (runner/executables.py), which the next start loads without
 tracing. The inputs (`StepInputs`, `SamplingMetadata`) are built by
 `prepare` from the persistent rows of `InputBatch` (runner/input_batch.py), packed into one
 int32 and one float32 buffer (`PackedLayout`, static per bucket) and unpacked inside the step;
@@ -20,7 +16,6 @@ Layers run as an unrolled loop, not `lax.scan` (measured: ARCHITECTURE.md, secti
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import time
@@ -36,8 +31,8 @@ from jaxllm.attention import AttentionBackend, get_attention_backend
 from jaxllm.config import EngineConfig
 from jaxllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from jaxllm.models import decoder, layout
+from jaxllm.runner import device_step
 from jaxllm.runner import pages as page_moves
-from jaxllm.runner import sampler
 from jaxllm.runner.compile import Bucket, make_buckets
 from jaxllm.runner.executables import CompiledSteps, ExecutableStore
 from jaxllm.runner.input_batch import (FLAG_GRAMMAR, BucketBuffers, InputBatch, PackedLayout, SamplingMetadata,
@@ -47,28 +42,6 @@ from jaxllm.sampling_params import MAX_LOGPROBS
 from jaxllm.spec_decode.verify import accepted_counts
 from jaxllm.structured_output import mask_words
 from jaxllm.utils import cdiv
-
-
-def _step(params, kv_cache, ints, floats, penalty_tokens, token_mask, *, layout: PackedLayout, spec, attention,
-          mesh):
-    hidden = None     # [T, hidden] before the final norm, kept for prompt logprobs (one device only)
-    if parallel.pp_size(mesh) > 1:     # [M, ...]: micro-batches through the pipeline stages
-        logits, kv_cache = parallel.pipelined_forward(params, kv_cache, ints, floats, spec=spec, attention=attention,
-                                                      mesh=mesh, unpack=lambda i, f: layout.unpack(i, f)[0])
-        sampling = SamplingMetadata.concat([layout.unpack(i, f)[1] for i, f in zip(ints, floats)])
-        sampling.penalty_tokens = penalty_tokens.reshape(-1, penalty_tokens.shape[-1])
-        sampling.token_mask = token_mask.reshape(-1, token_mask.shape[-1])
-    else:
-        inputs, sampling = layout.unpack(ints, floats)
-        sampling = dataclasses.replace(sampling, penalty_tokens=penalty_tokens, token_mask=token_mask)
-        if mesh is None:
-            hidden, kv_cache = decoder.forward(params, kv_cache, inputs, spec, attention=attention)
-            logits = decoder.compute_logits(params, hidden[inputs.logits_indices], spec, rows=inputs.num_logits())
-        else:
-            logits, kv_cache = parallel.sharded_forward(params, kv_cache, inputs, spec, attention=attention,
-                                                        mesh=mesh)
-    tokens, logprob, top_lp, top_ids = sampler.sample(logits, sampling, attention.argmax_logsumexp, attention.draw)
-    return tokens, logprob, top_lp, top_ids, hidden, kv_cache
 
 
 class ModelRunner:
@@ -141,7 +114,7 @@ class ModelRunner:
                                    config.cache.num_swap_blocks, self.block_size,
                                    kernels.row_width(spec.head_dim, kv_dtype)),
                                   kernels.storage_dtype(kv_dtype))
-        step = jax.jit(functools.partial(_step, spec=spec, attention=self.attention, mesh=self.mesh),
+        step = jax.jit(functools.partial(device_step.step, spec=spec, attention=self.attention, mesh=self.mesh),
                        static_argnames=("layout",), donate_argnums=(1,))
         # Each bucket's compiled step, kept in the executable store when there is one (one
         # process: over several, each would race on the files).

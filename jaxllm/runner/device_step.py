@@ -1,0 +1,41 @@
+"""The device program of one engine step: pure, jitted once per bucket by `ModelRunner`.
+
+    step(params, kv_cache, ints, floats, penalty_tokens, token_mask, *, layout, spec, attention, mesh)
+        -> (tokens, logprobs, top_logprobs, top_ids, hidden, kv_cache)
+
+`ints` / `floats` are the bucket's packed inputs (`PackedLayout.unpack` gives `StepInputs` and
+`SamplingMetadata`); the penalty tokens and the structured-output token mask travel apart. With
+pipeline stages they carry one micro-batch per stage (`[M, ...]`). `hidden` (before the final
+norm, for prompt logprobs) is returned on one device only, else None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxllm import parallel
+from jaxllm.models import decoder
+from jaxllm.runner import sampler
+from jaxllm.runner.input_batch import PackedLayout, SamplingMetadata
+
+
+def step(params, kv_cache, ints, floats, penalty_tokens, token_mask, *, layout: PackedLayout, spec, attention,
+          mesh):
+    hidden = None     # [T, hidden] before the final norm, kept for prompt logprobs (one device only)
+    if parallel.pp_size(mesh) > 1:     # [M, ...]: micro-batches through the pipeline stages
+        logits, kv_cache = parallel.pipelined_forward(params, kv_cache, ints, floats, spec=spec, attention=attention,
+                                                      mesh=mesh, unpack=lambda i, f: layout.unpack(i, f)[0])
+        sampling = SamplingMetadata.concat([layout.unpack(i, f)[1] for i, f in zip(ints, floats)])
+        sampling.penalty_tokens = penalty_tokens.reshape(-1, penalty_tokens.shape[-1])
+        sampling.token_mask = token_mask.reshape(-1, token_mask.shape[-1])
+    else:
+        inputs, sampling = layout.unpack(ints, floats)
+        sampling = dataclasses.replace(sampling, penalty_tokens=penalty_tokens, token_mask=token_mask)
+        if mesh is None:
+            hidden, kv_cache = decoder.forward(params, kv_cache, inputs, spec, attention=attention)
+            logits = decoder.compute_logits(params, hidden[inputs.logits_indices], spec, rows=inputs.num_logits())
+        else:
+            logits, kv_cache = parallel.sharded_forward(params, kv_cache, inputs, spec, attention=attention,
+                                                        mesh=mesh)
+    tokens, logprob, top_lp, top_ids = sampler.sample(logits, sampling, attention.argmax_logsumexp, attention.draw)
+    return tokens, logprob, top_lp, top_ids, hidden, kv_cache
