@@ -13,12 +13,13 @@ and MBU: that rate over this device's copy bandwidth, measured first (a device-t
 bytes read plus written).
 
 Quantized matmul: the Triton kernel that reads int8 / int4 codes as they are (the GPU path of
-weight-only quantization) against a bf16 `jnp.dot` of the dequantized weight, on the MLP's up
-projection at `--quant-rows` rows: time, and the codes' and scales' bytes over the time.
+weight-only quantization) against a bf16 `jnp.dot` of the dequantized weight, on Llama-3-8B's
+matrices at `--quant-rows` rows (`gpu_quant.py`, which also searches tilings).
 
 Engine: random weights of a Llama-3-8B shape (`--layers` of them, bf16; written once as a
 checkpoint under `--workdir`) through `LLM.generate` on the standard workload (128 requests,
-prompts 32-256, outputs 32-128, greedy, ignore_eos): output tok/s and device time per step.
+prompts 32-256, outputs 32-128, greedy, ignore_eos), `--quantization` as `LLM` takes it: output
+tok/s and device time per step.
 
 It needs only what the GPU image has (jax, numpy, safetensors) besides jaxllm itself. JSON to
 --out (default benchmarks/results/gpu.json) and a table on stdout.
@@ -27,6 +28,7 @@ It needs only what the GPU image has (jax, numpy, safetensors) besides jaxllm it
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -37,6 +39,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, HERE)
+import gpu_quant  # noqa: E402
 from workload import RESULTS, now_iso, random_workload, versions, write_result  # noqa: E402
 
 del sys.path[0]
@@ -139,47 +142,6 @@ def format_row(row: dict) -> str:
             f"{row['gb_s']:.0f} | {100 * row['mbu']:.0f}% |")
 
 
-def quant_rows(args, shape: dict, bandwidth: float) -> list[dict]:
-    """The Triton quantized matmul (int8 and int4 codes dequantized in registers) against a
-    bf16 `jnp.dot` of the same weight, on the MLP's up projection [hidden, intermediate] at a
-    few row counts; the first row count also checks the numbers against the dequantized weight."""
-    from jaxllm.kernels.quant_matmul import quantized_matmul
-    from jaxllm.quantization.weights import dequantize, make_weight
-
-    k, n = shape["hidden"], shape["intermediate"]
-    w = (0.02 * np.random.default_rng(0).standard_normal((k, n))).astype(np.float32)
-    rows = []
-    for method in ("int8", "int4"):
-        weight = make_weight(w, method, panels=False, activations="float")
-        dense = dequantize(weight).astype(jnp.bfloat16)
-        weight_bytes = sum(a.nbytes for a in (weight.codes, weight.scale, weight.offset) if a is not None)
-        quant = jax.jit(lambda x, c, s, o, bits=weight.bits: quantized_matmul(x, c, s, o, bits=bits,
-                                                                               interpret=args.interpret))
-        plain = jax.jit(lambda x, d: jnp.dot(x.astype(jnp.bfloat16), d, preferred_element_type=jnp.float32))
-        for i, m in enumerate(args.quant_rows):
-            x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
-            row = {"method": method, "rows": m, "k": k, "n": n, "weight_bytes": weight_bytes}
-            try:
-                if i == 0:
-                    ref = np.asarray(x, np.float64) @ np.asarray(dequantize(weight), np.float64)
-                    got = np.asarray(quant(x, weight.codes, weight.scale, weight.offset))
-                    row["max_rel_err"] = float(np.abs(got - ref).max() / np.abs(ref).max())
-                row["ms"] = 1e3 * timed(quant, x, weight.codes, weight.scale, weight.offset, repeat=args.repeat)
-                row["bf16_ms"] = 1e3 * timed(plain, x, dense, repeat=args.repeat)
-            except Exception as e:     # report and go on: the other rows still say something
-                row["error"] = f"{type(e).__name__}: {e}"[:500]
-            else:
-                row["gb_s"] = weight_bytes / row["ms"] * 1e-6
-                row["mbu"] = row["gb_s"] * 1e9 / bandwidth
-            rows.append(row)
-            if "error" in row:
-                print(f"| {method} | {m} | failed: {row['error'][:120]} | | | |", flush=True)
-            else:
-                print(f"| {method} | {m} | {row['ms']:.3f} | {row['bf16_ms']:.3f} | {row['gb_s']:.0f} | "
-                      f"{100 * row['mbu']:.0f}% |", flush=True)
-    return rows
-
-
 def write_checkpoint(path: str, shape: dict, seed: int = 0) -> str:
     """A Llama checkpoint of `shape` with random float16 weights (0.02 x N(0, 1); tensors are
     windows of one random buffer, enough for a timing run), unless `path` already holds one."""
@@ -220,14 +182,15 @@ def write_checkpoint(path: str, shape: dict, seed: int = 0) -> str:
     return path
 
 
-def engine_row(args, shape: dict) -> dict:
+def engine_row(args, shape: dict, quantization: str | None) -> dict:
     from jaxllm import LLM, SamplingParams
 
     path = write_checkpoint(os.path.join(args.workdir, f"llama3-8b-shape-{shape['layers']}l"), shape)
     workload = random_workload(args.num_prompts, (32, 256), (32, 128), 0, shape["vocab"], [])
     t = time.perf_counter()
     llm = LLM(path, dtype="bfloat16", attention_backend=args.engine_backend, max_num_seqs=args.max_num_seqs,
-              params_cache_dir=os.path.join(args.workdir, "params"), warmup=not args.smoke)
+              quantization=quantization, params_cache_dir=os.path.join(args.workdir, "params"),
+              warmup=not args.smoke)
     llm.engine.wait_compiled()
     start_s = time.perf_counter() - t
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=w["max_tokens"]) for w in workload]
@@ -236,7 +199,10 @@ def engine_row(args, shape: dict) -> dict:
     wall = time.perf_counter() - t
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     stats = llm.engine.stats
-    return {"layers": shape["layers"], "attention_backend": llm.engine.runner.attention.name,
+    del llm, outputs
+    gc.collect()        # the next engine's KV pool takes the device memory this one held
+    return {"layers": shape["layers"], "quantization": quantization,
+            "attention_backend": llm.engine.runner.attention.name,
             "requests": len(workload), "output_tokens": out_tokens, "wall_s": wall, "out_tok_s": out_tokens / wall,
             "steps": stats.num_steps, "device_ms_per_step": 1e3 * stats.time_device / max(stats.num_steps, 1),
             "start_s": start_s}
@@ -253,8 +219,9 @@ def main(argv=None):
     ap.add_argument("--skip-kernels", action="store_true", help="leave out the attention kernels' rows")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-quant", action="store_true", help="leave out the quantized matmul's rows")
-    ap.add_argument("--quant-rows", default="1,16,128", type=lambda s: [int(x) for x in s.split(",")],
-                    help="row counts of x for the quantized matmul")
+    ap.add_argument("--quant-rows", default="1,16,128,1024", help="row counts of x for the quantized matmul")
+    ap.add_argument("--quantization", default="none", type=lambda s: [None if q == "none" else q for q in s.split(",")],
+                    help="the engine's quantization, a run for each (none: bf16 weights; e.g. none,int4)")
     ap.add_argument("--layers", type=int, default=LLAMA3_8B["layers"], help="decoder layers of the engine's model")
     ap.add_argument("--num-prompts", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=128)
@@ -269,7 +236,7 @@ def main(argv=None):
     shape = dict(LLAMA3_8B, layers=args.layers)
     if args.smoke:
         shape = SMOKE
-        args.contexts, args.batch, args.repeat, args.num_prompts, args.quant_rows = [100], 3, 1, 4, [3]
+        args.contexts, args.batch, args.repeat, args.num_prompts = [100], 3, 1, 4
     elif args.interpret:
         raise SystemExit("no GPU here: run with --smoke (tiny shapes in interpret mode), or on a GPU")
     label = f"{device.device_kind} (compute capability {getattr(device, 'compute_capability', '-')})"
@@ -281,13 +248,18 @@ def main(argv=None):
               "attention_shape": {k: shape[k] for k in ("heads", "kv_heads", "head_dim")},
               "page_size": args.page_size, "kernels": [] if args.skip_kernels else kernel_rows(args, shape, bandwidth)}
     if not args.skip_quant:
-        print("\n| codes | rows | quantized ms | bf16 dot ms | weight GB/s | MBU |\n|---|---:|---:|---:|---:|---:|")
-        result["quantized_matmul"] = quant_rows(args, shape, bandwidth)
+        print("\n" + gpu_quant.HEADER)
+        quant_args = ["--smoke"] if args.smoke else ["--rows", args.quant_rows, "--repeat", str(args.repeat)]
+        result["quantized_matmul"] = gpu_quant.run(gpu_quant.parse_args(quant_args))
     if not args.skip_engine:
-        result["engine"] = engine_row(args, shape)
-        e = result["engine"]
-        print(f"engine ({e['layers']} layers, {e['attention_backend']}): {e['out_tok_s']:.1f} out tok/s, "
-              f"{e['device_ms_per_step']:.2f} ms device per step, {e['steps']} steps, start {e['start_s']:.1f} s")
+        result["engines"] = []
+        for quantization in args.quantization:
+            e = engine_row(args, shape, quantization)
+            result["engines"].append(e)
+            print(f"engine ({e['layers']} layers, {e['attention_backend']}, quantization {e['quantization']}): "
+                  f"{e['out_tok_s']:.1f} out tok/s, {e['device_ms_per_step']:.2f} ms device per step, "
+                  f"{e['steps']} steps, start {e['start_s']:.1f} s", flush=True)
+        result["engine"] = result["engines"][0]
     write_result(args.out, result)
     return result
 

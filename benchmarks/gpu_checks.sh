@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Every GPU check of one short lease on a GPU machine, in the order that tells the most if it is
-# cut short: the machine, the kernels' timings (benchmarks/gpu.py), the kernels' numerics tests
-# compiled for the GPU (tests/cuda_lowering.py's INTERPRET is false there), then the engine.
+# cut short: the machine, the attention kernels' timings (benchmarks/gpu.py), the quantized
+# matmul's against a bf16 dot and its tiling search (benchmarks/gpu_quant.py), the kernels'
+# numerics tests compiled for the GPU (tests/cuda_lowering.py's INTERPRET is false there), then
+# the engine (bf16, and each of QUANTIZATION's methods).
 #
 #   OUT=/some/dir bash benchmarks/gpu_checks.sh          # logs and JSON land in $OUT
 #
-# Each part has its own time limit (KERNELS_S, TESTS_S, ENGINE_S seconds), so one that hangs
-# still leaves the others' results; PARTS picks the parts and their order (default
-# "kernels tests engine"), TESTS_K the tests (a pytest -k expression). It needs what the GPU
+# Each part has its own time limit (KERNELS_S, QUANT_S, TESTS_S, ENGINE_S seconds), so one that
+# hangs still leaves the others' results; PARTS picks the parts and their order (default
+# "kernels quant tests engine"), TESTS_K the tests (a pytest -k expression), SWEEP the matrices
+# the tiling search runs on (SWEEP_S seconds for it). It needs what the GPU
 # image has (jax, numpy, safetensors, pytest, torch, transformers); packages it lacks (gguf)
 # travel as wheels in .whl/ (see the device tool's README), installed first.
 set -u
@@ -24,22 +27,29 @@ fi
 } 2>&1 | tee "$OUT/machine.log"
 
 kernels() {
-    timeout "${KERNELS_S:-150}" python3 benchmarks/gpu.py --skip-engine --contexts "${CONTEXTS:-1024,8192,32768}" \
-        --repeat 10 --out "$OUT/gpu-kernels.json" 2>&1 | tee "$OUT/kernels.log"
+    timeout "${KERNELS_S:-150}" python3 benchmarks/gpu.py --skip-engine --skip-quant \
+        --contexts "${CONTEXTS:-1024,8192,32768}" --repeat 10 --out "$OUT/gpu-kernels.json" 2>&1 | tee "$OUT/kernels.log"
+}
+
+quant() {
+    timeout "${QUANT_S:-300}" python3 benchmarks/gpu_quant.py --matrices "${MATRICES:-qkv,o,gate_up,down}" \
+        --sweep "${SWEEP:-gate_up,down}" --sweep-s "${SWEEP_S:-150}" --out "$OUT/gpu-quant.json" 2>&1 | tee "$OUT/quant.log"
 }
 
 tests() {
     timeout "${TESTS_S:-180}" python3 -m pytest -p no:cacheprovider -q -rfE --timeout 120 \
-        tests/test_paged_attention.py tests/test_paged_attention_mgpu.py \
         tests/test_quantization.py::test_pallas_quantized_matmul_matches_numpy_and_lowers_for_cuda \
+        tests/test_quantization.py::test_pallas_quantized_matmul_tiles_agree_with_numpy \
+        tests/test_paged_attention.py tests/test_paged_attention_mgpu.py \
         tests/test_models.py -k "${TESTS_K:-not cpu and not reference}" 2>&1 | tee "$OUT/tests.log"
 }
 
 engine() {
     timeout "${ENGINE_S:-180}" python3 benchmarks/gpu.py --skip-kernels --skip-quant --layers "${LAYERS:-4}" \
+        --quantization "none${QUANTIZATION:+,$QUANTIZATION}" \
         --out "$OUT/gpu-engine.json" 2>&1 | grep -v "Delay kernel timed out" | tee "$OUT/engine.log"
 }
 
-for part in ${PARTS:-kernels tests engine}; do
+for part in ${PARTS:-kernels quant tests engine}; do
     "$part"
 done

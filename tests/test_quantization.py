@@ -436,6 +436,40 @@ def test_pallas_quantized_matmul_matches_numpy_and_lowers_for_cuda(method, k, n,
     assert "__gpu$xla.gpu.triton" in text
 
 
+@pytest.mark.parametrize("bits, groups, tiles", [
+    (8, 1, dict(block_m=16, block_n=32, block_k=32, split_k=4)),     # K split over programs
+    (4, 4, dict(block_m=16, block_n=16, block_k=16, split_k=2)),     # several K steps per scale group
+    (4, 2, dict(block_m=32, block_n=32, block_k=64, split_k=1)),     # one step per group, two row blocks
+    (8, 8, dict(block_m=16, block_n=64, block_k=64, split_k=2)),     # four groups per step
+])
+def test_pallas_quantized_matmul_tiles_agree_with_numpy(bits, groups, tiles):
+    # Every tiling sums the same products: split K (partial sums added after), K steps that share
+    # a scale group or span several, row blocks past the batch's rows; bf16 x dots in bf16 (the codes are exact
+    # there, so x's own rounding is the only error), float32 x in float32.
+    from jaxllm.kernels.quant_matmul import Tiles, choose_tiles, fits, quantized_matmul
+
+    k, n, m = 128, 128, 37
+    rng = np.random.default_rng(bits + groups)
+    codes = rng.integers(-128, 128, (k, n)).astype(np.int8) if bits == 8 else \
+        rng.integers(0, 256, (k, n // 2)).astype(np.uint8)
+    scale = rng.uniform(0.5, 2.0, (groups, n)).astype(np.float32) / 64
+    offset = None if bits == 8 else rng.standard_normal((groups, n)).astype(np.float32) / 8
+    weight = QuantizedWeight(codes, scale, offset, bits, "plain", "float")
+    dense = np.asarray(dequantize(weight), np.float64)
+    tiles = Tiles(**tiles)
+    assert fits(tiles, k, n, groups, bits) and fits(choose_tiles(m, k, n, groups, bits), k, n, groups, bits)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    out = quantized_matmul(x, codes, scale, offset, bits=bits, tiles=tiles, interpret=INTERPRET)
+    ref = x.astype(np.float64) @ dense
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    xb = jax.numpy.asarray(x, jax.numpy.bfloat16)
+    out = quantized_matmul(xb, codes, scale, offset, bits=bits, tiles=tiles, interpret=INTERPRET)
+    ref = np.asarray(xb.astype(np.float32), np.float64) @ dense
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    with pytest.raises(ValueError, match="does not tile"):
+        quantized_matmul(x, codes, scale, offset, bits=bits, tiles=Tiles(block_k=k, split_k=2), interpret=INTERPRET)
+
+
 def test_moe_engine_quantizes_its_experts(tmp_path):
     # Mixtral's expert stacks are most of a MoE model's weights: `int8` stores them as codes
     # (dequantized in the step, only the chosen experts' at decode), and the first token's

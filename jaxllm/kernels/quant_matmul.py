@@ -1,6 +1,6 @@
 """x @ a quantized weight as a Pallas GPU kernel (Triton backend): the weight's integer codes are
-read from memory as they are (1 or 1/2 byte a weight) and dequantized in registers, tile by
-tile, so a decode step streams a quarter (int8) or an eighth (int4) of the f32 weight's bytes.
+read from memory as they are (1 or 1/2 byte a weight), so a decode step streams half (int8) or a
+quarter (int4) of the bf16 weight's bytes, which is what bounds its time.
 
     x:      [M, K] float
     codes:  int8 [K, N] (8 bits), or uint8 [K, N / 2] (4 bits: column j in the low nibble of
@@ -8,17 +8,25 @@ tile, so a decode step streams a quarter (int8) or an eighth (int4) of the f32 w
     scale:  [G, N] f32 or f16; offset: the same, or None
     returns [M, N] f32:  x @ (code * scale[g] + offset[g]), g = k // (K / G)
 
-Grid: (M / block_m, N / block_n); each program walks K in steps of `block_k` rows, which lie in
-one scale group (block_k divides K / G), loads that group's scales and offsets once, widens the
-codes to f32, scales them and accumulates one `dot` per step (TF32 on GPUs unless JAX's matmul
-precision says "highest": `paged_attention.dot_precision`). A 4-bit tile of output columns
-lies wholly in the low or the high half, so it reads its bytes and shifts by 0 or 4.
-`supported` says whether shapes tile (powers of two dividing the dimensions); callers fall back
-to dequantizing in XLA otherwise.
+Each step of a program's loop over K covers `block_k` rows, in one scale group or in whole
+groups (one dot per group then), so the scale and offset factor out of the dots: the codes go into the dot as they are (small integers,
+exact in bf16 and TF32) and the step adds `dot(x, codes) * scale[g] + rowsum(x) * offset[g]` to
+the accumulator, a [block_m, block_n] update instead of dequantizing a [block_k, block_n] tile.
+The dot is bf16 when x is bf16 (the engine's GPU dtype), otherwise float32 (TF32 on GPUs unless
+JAX's matmul precision says "highest": `paged_attention.dot_precision`).
+
+A 4-bit program loads each byte once and makes both of its columns: the low nibbles' dot writes
+output columns [n0, n0 + block_n), the high nibbles' [N / 2 + n0, ...). Small batches split K
+over `split_k` programs (partial sums added in XLA) so that a decode fills every SM.
+
+`Tiles` is one configuration; `choose_tiles` picks it from the shapes (measured on an H200:
+README, Benchmarks). `supported` says whether a weight tiles at all (power-of-two blocks dividing
+the dimensions); callers fall back to dequantizing in XLA otherwise.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -29,68 +37,146 @@ from jax.experimental.pallas import triton as pltriton
 
 from jaxllm.kernels.paged_attention import dot_precision
 
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32
+MIN_BLOCK = 16          # Triton's dots take tiles of at least 16 in each dimension
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    block_m: int = 16
+    block_n: int = 64           # output columns a program makes (each half's, for 4-bit codes)
+    block_k: int = 32           # rows of K per step of the loop: divides a scale group or whole groups
+    split_k: int = 1            # programs sharing one output tile's K (partial sums added in XLA)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _cols(n: int, bits: int) -> int:
+    """Byte columns of the codes: what a program's `block_n` tiles."""
+    return n // 2 if bits == 4 else n
+
+
+def fits(tiles: Tiles, k: int, n: int, groups: int, bits: int) -> bool:
+    """Whether `tiles` tile a [K, N] weight in `groups` scale groups."""
+    if k % groups:
+        return False
+    group_rows, sub = k // groups, min(tiles.block_k, k // groups)
+    return (group_rows % sub == 0 and tiles.block_k % sub == 0 and sub % MIN_BLOCK == 0
+            and k % (tiles.block_k * tiles.split_k) == 0 and _cols(n, bits) % tiles.block_n == 0)
 
 
 def supported(k: int, n: int, groups: int, bits: int) -> bool:
     """Whether a [K, N] weight with `groups` scale groups tiles for the kernel."""
-    cols = n // 2 if bits == 4 else n
-    return k % BLOCK_K == 0 and (k // groups) % BLOCK_K == 0 and cols % BLOCK_N == 0 and k % groups == 0
+    return fits(Tiles(block_k=MIN_BLOCK, block_n=MIN_BLOCK), k, n, groups, bits)
 
 
-def _kernel(*refs, bits: int, group_rows: int, half_cols: int, precision):
+def split_for(tiles: Tiles, m: int, k: int, n: int, groups: int, bits: int, sms: int) -> Tiles:
+    """`tiles` with K split in two until there are at least `sms` programs (or 16 splits)."""
+    programs = -(-m // tiles.block_m) * (_cols(n, bits) // tiles.block_n)
+    while programs * tiles.split_k < sms and tiles.split_k < 16:
+        wider = dataclasses.replace(tiles, split_k=2 * tiles.split_k)
+        if not fits(wider, k, n, groups, bits):
+            break
+        tiles = wider
+    return tiles
+
+
+def choose_tiles(m: int, k: int, n: int, groups: int, bits: int, sms: int = 132) -> Tiles:
+    """The tiles for x [m, K] @ a [K, N] weight: K steps of up to 128 rows (long loads keep the
+    memory busy), a row block as tall as the batch needs, and, when there are
+    fewer output tiles than `sms` streaming multiprocessors, K split until every one has work."""
+    group_rows = k // groups
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = next(b for b in (128, 64, 32, 16) if _cols(n, bits) % b == 0)
+    block_k = next((b for b in (128, 64, 32, 16) if k % b == 0 and (group_rows % b == 0 or b % group_rows == 0)),
+                   MIN_BLOCK)
+    tiles = Tiles(block_m=block_m, block_n=block_n, block_k=block_k,
+                  num_warps=4 if block_m <= 32 else 8, num_stages=4 if block_m <= 32 else 3)
+    tiles = split_for(tiles, m, k, n, groups, bits, sms)
+    return tiles if fits(tiles, k, n, groups, bits) else Tiles(block_k=MIN_BLOCK, block_n=MIN_BLOCK)
+
+
+def _kernel(*refs, bits: int, group_rows: int, half_cols: int, steps: int, tiles: Tiles, dtype, precision):
     x_ref, codes_ref, scale_ref, o_ref = refs[0], refs[1], refs[2], refs[-1]
     offset_ref = refs[3] if len(refs) == 5 else None
-    n0 = pl.program_id(1) * BLOCK_N
-    k = x_ref.shape[1]
+    bn, bk = tiles.block_n, tiles.block_k
+    n0 = pl.program_id(1) * bn
+    k0 = pl.program_id(2) * (steps * bk)
+    halves = (0, half_cols) if bits == 4 else (0,)      # output column offsets of the byte tile's columns
+
+    sub = min(bk, group_rows)      # a step's rows in one scale group: its dots and scalings
+
+    def body(i, accs):
+        for j in range(bk // sub):
+            r0 = k0 + i * bk + j * sub
+            g = r0 // group_rows
+            xt = x_ref[:, pl.ds(r0, sub)]
+            x_rows = jnp.sum(xt.astype(jnp.float32), axis=1)[:, None] if offset_ref is not None else None
+            x_dot = xt.astype(dtype)
+            c = codes_ref[pl.ds(r0, sub), pl.ds(n0, bn)].astype(jnp.int32)
+            out = []
+            for h, acc in zip(halves, accs):
+                code = ((c >> 4) & 15 if h else c & 15) if bits == 4 else c
+                part = pltriton.dot(x_dot, code.astype(dtype), precision=precision)
+                acc = acc + part * scale_ref[g, pl.ds(h + n0, bn)].astype(jnp.float32)[None, :]
+                if offset_ref is not None:
+                    acc = acc + x_rows * offset_ref[g, pl.ds(h + n0, bn)].astype(jnp.float32)[None, :]
+                out.append(acc)
+            accs = tuple(out)
+        return accs
+
+    zeros = tuple(jnp.zeros((tiles.block_m, bn), jnp.float32) for _ in halves)
+    accs = lax.fori_loop(0, steps, body, zeros)
     if bits == 4:
-        high = n0 >= half_cols                       # this tile's columns sit in the high nibbles
-        cols = pl.ds(jnp.where(high, n0 - half_cols, n0), BLOCK_N)
+        o_ref[:, 0, :] = accs[0]
+        o_ref[:, 1, :] = accs[1]
     else:
-        cols = pl.ds(n0, BLOCK_N)
-
-    def body(i, acc):
-        rows = pl.ds(i * BLOCK_K, BLOCK_K)
-        g = (i * BLOCK_K) // group_rows
-        c = codes_ref[rows, cols].astype(jnp.int32)
-        if bits == 4:   # (a shift by a `where` of two constants lowers to an i1 operand in Triton)
-            c = jnp.where(high, c >> 4, c) & 15
-        w = c.astype(jnp.float32) * scale_ref[g, pl.ds(n0, BLOCK_N)].astype(jnp.float32)[None, :]
-        if offset_ref is not None:
-            w = w + offset_ref[g, pl.ds(n0, BLOCK_N)].astype(jnp.float32)[None, :]
-        return acc + pltriton.dot(x_ref[:, rows].astype(jnp.float32), w, precision=precision)
-
-    acc = lax.fori_loop(0, k // BLOCK_K, body, jnp.zeros((BLOCK_M, BLOCK_N), jnp.float32))
-    o_ref[...] = acc
+        o_ref[...] = accs[0]
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "interpret"))
-def quantized_matmul(x, codes, scale, offset, *, bits: int, interpret: bool = False):
-    """x [..., K] @ the quantized weight -> [..., N] f32 (see the module docstring)."""
+@functools.partial(jax.jit, static_argnames=("bits", "tiles", "interpret"))
+def quantized_matmul(x, codes, scale, offset, *, bits: int, tiles: Tiles | None = None, interpret: bool = False):
+    """x [..., K] @ the quantized weight -> [..., N] f32 (see the module docstring); `tiles`
+    default to `choose_tiles`' for these shapes on this device."""
     k = x.shape[-1]
     groups, n = scale.shape
-    if not supported(k, n, groups, bits):
-        raise ValueError(f"a [{k}, {n}] weight in {groups} groups does not tile into {BLOCK_K} x {BLOCK_N} blocks")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k).astype(jnp.float32)
+    x2 = x.reshape(-1, k)
+    if x2.dtype != jnp.bfloat16:
+        x2 = x2.astype(jnp.float32)
     m = x2.shape[0]
-    x2 = jnp.pad(x2, ((0, -m % BLOCK_M), (0, 0)))
-    kernel = functools.partial(_kernel, bits=bits, group_rows=k // groups, half_cols=n // 2,
-                               precision=dot_precision())
+    if tiles is None:
+        tiles = choose_tiles(m, k, n, groups, bits, getattr(jax.devices()[0], "core_count", None) or 132)
+    if not fits(tiles, k, n, groups, bits):
+        raise ValueError(f"a [{k}, {n}] weight in {groups} groups does not tile as {tiles}")
+    x2 = jnp.pad(x2, ((0, -m % tiles.block_m), (0, 0)))
+    rows = x2.shape[0]
+    half = n // 2
+    cols = _cols(n, bits)
+    kernel = functools.partial(_kernel, bits=bits, group_rows=k // groups, half_cols=half,
+                               steps=k // (tiles.block_k * tiles.split_k), tiles=tiles,
+                               dtype=x2.dtype, precision=None if x2.dtype == jnp.bfloat16 else dot_precision())
 
     def whole(a):
-        return pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)
+        return pl.BlockSpec(a.shape, lambda i, j, s: (0,) * a.ndim)
 
     operands = [x2, codes, scale] + ([] if offset is None else [offset])
-    in_specs = [pl.BlockSpec((BLOCK_M, k), lambda i, j: (i, 0))] + [whole(a) for a in operands[1:]]
+    in_specs = [pl.BlockSpec((tiles.block_m, k), lambda i, j, s: (i, 0))] + [whole(a) for a in operands[1:]]
+    if bits == 4:   # [split, rows, 2, N / 2]: half h of byte column j is output column h * N / 2 + j
+        out_shape = (tiles.split_k, rows, 2, half)
+        out_spec = pl.BlockSpec((None, tiles.block_m, 2, tiles.block_n), lambda i, j, s: (s, i, 0, j))
+    else:
+        out_shape = (tiles.split_k, rows, n)
+        out_spec = pl.BlockSpec((None, tiles.block_m, tiles.block_n), lambda i, j, s: (s, i, j))
     out = pl.pallas_call(
         kernel,
-        grid=(x2.shape[0] // BLOCK_M, n // BLOCK_N),
+        grid=(rows // tiles.block_m, cols // tiles.block_n, tiles.split_k),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((BLOCK_M, BLOCK_N), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        out_specs=out_spec,
+        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+        compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name=f"quantized_matmul_{bits}bit",
     )(*operands)
+    out = out.reshape(tiles.split_k, rows, n)
+    out = out[0] if tiles.split_k == 1 else jnp.sum(out, axis=0)
     return out[:m].reshape(*lead, n)
