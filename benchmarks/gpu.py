@@ -199,13 +199,13 @@ def engine_row(args, shape: dict, quantization: str | None) -> dict:
     wall = time.perf_counter() - t
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     stats = llm.engine.stats
+    row = {"layers": shape["layers"], "quantization": quantization, "attention_backend": llm.engine.runner.attention.name,
+           "requests": len(workload), "output_tokens": out_tokens, "wall_s": wall, "out_tok_s": out_tokens / wall,
+           "steps": stats.num_steps, "device_ms_per_step": 1e3 * stats.time_device / max(stats.num_steps, 1),
+           "start_s": start_s}
     del llm, outputs
     gc.collect()        # the next engine's KV pool takes the device memory this one held
-    return {"layers": shape["layers"], "quantization": quantization,
-            "attention_backend": llm.engine.runner.attention.name,
-            "requests": len(workload), "output_tokens": out_tokens, "wall_s": wall, "out_tok_s": out_tokens / wall,
-            "steps": stats.num_steps, "device_ms_per_step": 1e3 * stats.time_device / max(stats.num_steps, 1),
-            "start_s": start_s}
+    return row
 
 
 def main(argv=None):

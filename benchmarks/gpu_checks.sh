@@ -33,7 +33,7 @@ kernels() {
 
 quant() {
     timeout "${QUANT_S:-300}" python3 benchmarks/gpu_quant.py --matrices "${MATRICES:-qkv,o,gate_up,down}" \
-        --sweep "${SWEEP:-gate_up,down}" --sweep-s "${SWEEP_S:-150}" --out "$OUT/gpu-quant.json" 2>&1 | tee "$OUT/quant.log"
+        --sweep "${SWEEP:-gate_up,down}" --sweep-rows "${SWEEP_ROWS:-16,128,1024}" --sweep-s "${SWEEP_S:-150}" --out "$OUT/gpu-quant.json" 2>&1 | tee "$OUT/quant.log"
 }
 
 tests() {

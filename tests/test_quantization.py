@@ -441,11 +441,14 @@ def test_pallas_quantized_matmul_matches_numpy_and_lowers_for_cuda(method, k, n,
     (4, 4, dict(block_m=16, block_n=16, block_k=16, split_k=2)),     # several K steps per scale group
     (4, 2, dict(block_m=32, block_n=32, block_k=64, split_k=1)),     # one step per group, two row blocks
     (8, 8, dict(block_m=16, block_n=64, block_k=64, split_k=2)),     # four groups per step
+    (4, 8, dict(block_m=32, block_n=32, block_k=32, split_k=2)),     # groups shorter than the row block
+    (4, 1, dict(block_m=16, block_n=16, block_k=64, split_k=1)),     # 4-bit codes, one group over K
 ])
 def test_pallas_quantized_matmul_tiles_agree_with_numpy(bits, groups, tiles):
     # Every tiling sums the same products: split K (partial sums added after), K steps that share
-    # a scale group or span several, row blocks past the batch's rows; bf16 x dots in bf16 (the codes are exact
-    # there, so x's own rounding is the only error), float32 x in float32.
+    # a scale group or span several, row blocks past the batch's rows, the scales applied at the
+    # end, per group or to the tile first; float32 x dots in float32, bf16 x in bf16, where the
+    # codes are exact (x's own rounding is the only error) and a tile scaled first is rounded.
     from jaxllm.kernels.quant_matmul import Tiles, choose_tiles, fits, quantized_matmul
 
     k, n, m = 128, 128, 37
@@ -464,8 +467,10 @@ def test_pallas_quantized_matmul_tiles_agree_with_numpy(bits, groups, tiles):
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     xb = jax.numpy.asarray(x, jax.numpy.bfloat16)
     out = quantized_matmul(xb, codes, scale, offset, bits=bits, tiles=tiles, interpret=INTERPRET)
-    ref = np.asarray(xb.astype(np.float32), np.float64) @ dense
-    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    scaled_first = groups > 1 and tiles.block_m > min(tiles.block_k, k // groups)
+    w = np.asarray(jax.numpy.asarray(dense, jax.numpy.bfloat16).astype(np.float32), np.float64) if scaled_first else dense
+    ref = np.asarray(xb.astype(np.float32), np.float64) @ w
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4 * np.abs(ref).max())
     with pytest.raises(ValueError, match="does not tile"):
         quantized_matmul(x, codes, scale, offset, bits=bits, tiles=Tiles(block_k=k, split_k=2), interpret=INTERPRET)
 

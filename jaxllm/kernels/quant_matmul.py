@@ -9,9 +9,13 @@ quarter (int4) of the bf16 weight's bytes, which is what bounds its time.
     returns [M, N] f32:  x @ (code * scale[g] + offset[g]), g = k // (K / G)
 
 Each step of a program's loop over K covers `block_k` rows, in one scale group or in whole
-groups (one dot per group then), so the scale and offset factor out of the dots: the codes go into the dot as they are (small integers,
-exact in bf16 and TF32) and the step adds `dot(x, codes) * scale[g] + rowsum(x) * offset[g]` to
-the accumulator, a [block_m, block_n] update instead of dequantizing a [block_k, block_n] tile.
+groups (one dot per group then). The scales are applied the cheapest of three ways:
+- one scale group over all of K (int8's per-channel scales): the codes go into the dots as they
+  are (small integers, exact in bf16 and TF32) and the accumulator is scaled once at the end;
+- groups of at least `block_m` rows (a decode's few rows): each group's dot of the raw codes is
+  scaled as it is added, `dot(x, codes) * scale[g] + rowsum(x) * offset[g]`, a [block_m,
+  block_n] update instead of dequantizing a [group rows, block_n] tile;
+- smaller groups (a prompt's many rows): the tile is dequantized, then multiplied.
 The dot is bf16 when x is bf16 (the engine's GPU dtype), otherwise float32 (TF32 on GPUs unless
 JAX's matmul precision says "highest": `paged_attention.dot_precision`).
 
@@ -82,15 +86,17 @@ def split_for(tiles: Tiles, m: int, k: int, n: int, groups: int, bits: int, sms:
 
 def choose_tiles(m: int, k: int, n: int, groups: int, bits: int, sms: int = 132) -> Tiles:
     """The tiles for x [m, K] @ a [K, N] weight: K steps of up to 128 rows (long loads keep the
-    memory busy), a row block as tall as the batch needs, and, when there are
-    fewer output tiles than `sms` streaming multiprocessors, K split until every one has work."""
+    memory busy), 128 output columns (64 bytes of 4-bit codes make 128), 8 warps, a row block as
+    tall as the batch needs up to 128, and, when there are fewer output tiles than `sms`
+    streaming multiprocessors, K split until every one has work. Picked from a search over
+    tilings on an H200 (`benchmarks/gpu_quant.py --sweep`)."""
     group_rows = k // groups
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = next(b for b in (128, 64, 32, 16) if _cols(n, bits) % b == 0)
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    block_n = next(b for b in ((64, 32, 16) if bits == 4 else (128, 64, 32, 16)) if _cols(n, bits) % b == 0)
     block_k = next((b for b in (128, 64, 32, 16) if k % b == 0 and (group_rows % b == 0 or b % group_rows == 0)),
                    MIN_BLOCK)
-    tiles = Tiles(block_m=block_m, block_n=block_n, block_k=block_k,
-                  num_warps=4 if block_m <= 32 else 8, num_stages=4 if block_m <= 32 else 3)
+    tiles = Tiles(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=8,
+                  num_stages=4 if block_m <= 32 else 3)
     tiles = split_for(tiles, m, k, n, groups, bits, sms)
     return tiles if fits(tiles, k, n, groups, bits) else Tiles(block_k=MIN_BLOCK, block_n=MIN_BLOCK)
 
@@ -104,28 +110,51 @@ def _kernel(*refs, bits: int, group_rows: int, half_cols: int, steps: int, tiles
     halves = (0, half_cols) if bits == 4 else (0,)      # output column offsets of the byte tile's columns
 
     sub = min(bk, group_rows)      # a step's rows in one scale group: its dots and scalings
+    whole_k = group_rows == x_ref.shape[1]                    # one scale per column: applied once, at the end
+    dequantize_first = not whole_k and tiles.block_m > sub    # scaling the tile costs less than the rows
 
-    def body(i, accs):
+    def scales(h, g):
+        """Group g's scales and offsets (or None) of output columns h + n0 ..., as [1, block_n]."""
+        return [None if ref is None else ref[g, pl.ds(h + n0, bn)].astype(jnp.float32)[None, :]
+                for ref in (scale_ref, offset_ref)]
+
+    def body(i, carry):
+        accs, x_sum = carry
         for j in range(bk // sub):
             r0 = k0 + i * bk + j * sub
             g = r0 // group_rows
             xt = x_ref[:, pl.ds(r0, sub)]
             x_rows = jnp.sum(xt.astype(jnp.float32), axis=1)[:, None] if offset_ref is not None else None
+            if whole_k and x_rows is not None:
+                x_sum = x_sum + x_rows
             x_dot = xt.astype(dtype)
             c = codes_ref[pl.ds(r0, sub), pl.ds(n0, bn)].astype(jnp.int32)
             out = []
             for h, acc in zip(halves, accs):
                 code = ((c >> 4) & 15 if h else c & 15) if bits == 4 else c
-                part = pltriton.dot(x_dot, code.astype(dtype), precision=precision)
-                acc = acc + part * scale_ref[g, pl.ds(h + n0, bn)].astype(jnp.float32)[None, :]
-                if offset_ref is not None:
-                    acc = acc + x_rows * offset_ref[g, pl.ds(h + n0, bn)].astype(jnp.float32)[None, :]
+                if whole_k:
+                    acc = acc + pltriton.dot(x_dot, code.astype(dtype), precision=precision)
+                    out.append(acc)
+                    continue
+                scale, offset = scales(h, g)
+                if dequantize_first:
+                    w = code.astype(jnp.float32) * scale + (0.0 if offset is None else offset)
+                    acc = acc + pltriton.dot(x_dot, w.astype(dtype), precision=precision)
+                else:
+                    acc = acc + pltriton.dot(x_dot, code.astype(dtype), precision=precision) * scale
+                    if offset is not None:
+                        acc = acc + x_rows * offset
                 out.append(acc)
             accs = tuple(out)
-        return accs
+        return accs, x_sum
 
     zeros = tuple(jnp.zeros((tiles.block_m, bn), jnp.float32) for _ in halves)
-    accs = lax.fori_loop(0, steps, body, zeros)
+    accs, x_sum = lax.fori_loop(0, steps, body, (zeros, jnp.zeros((tiles.block_m, 1), jnp.float32)))
+    if whole_k:
+        accs = list(accs)
+        for idx, h in enumerate(halves):
+            scale, offset = scales(h, 0)
+            accs[idx] = accs[idx] * scale + (0.0 if offset is None else x_sum * offset)
     if bits == 4:
         o_ref[:, 0, :] = accs[0]
         o_ref[:, 1, :] = accs[1]
