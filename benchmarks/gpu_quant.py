@@ -8,7 +8,7 @@ matrices, x in bf16 as the engine's GPU dtype has it.
 
 Timing: one jitted call multiplies x by `copies` separate copies of the weight (at least 512 MiB
 of codes together, so no copy is served from the L2 cache, and the launch cost is shared), the
-median of `--repeat` calls over the copies. Each row reports both times, the codes' and scales'
+median of `--repeat` calls over the copies after 0.3 s of calls to warm the GPU up. Each row reports both times, the codes' and scales'
 bytes over the kernel's time (GB/s), and the first row count of each matrix checks the numbers
 against the float64 product with the dequantized weight. `--sweep` times each candidate tiling
 (`candidates`) at `--sweep-rows`, each search within an equal share of `--sweep-s` seconds, and
@@ -52,8 +52,13 @@ def random_weight(k: int, n: int, method: str, seed: int):
     return QuantizedWeight(codes, scale, offset, bits, "plain", "float")
 
 
-def median_seconds(fn, *args, repeat: int) -> float:
+def median_seconds(fn, *args, repeat: int, warm_s: float = 0.3) -> float:
+    """Median seconds of `repeat` calls, after calls for `warm_s` seconds: the GPU idles at a low
+    clock between the host's work, and the first calls after it ran up to 2.5x slower."""
     jax.block_until_ready(fn(*args))
+    until = time.perf_counter() + warm_s
+    while time.perf_counter() < until:
+        jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeat):
         t = time.perf_counter()
