@@ -8,9 +8,10 @@ matrices, x in bf16 as the engine's GPU dtype has it.
 
 Timing: one jitted call multiplies x by `copies` separate copies of the weight (at least 512 MiB
 of codes together, so no copy is served from the L2 cache, and the launch cost is shared), the
-median of `--repeat` calls over the copies after 0.3 s of calls to warm the GPU up. Each row reports both times, the codes' and scales'
-bytes over the kernel's time (GB/s), and the first row count of each matrix checks the numbers
-against the float64 product with the dequantized weight. `--sweep` times each candidate tiling
+median of `--repeat` calls over the copies, after 0.3 s of calls to warm the GPU up. Each row
+reports both times, the codes' and scales' bytes over the kernel's time (GB/s), and the first
+row count of each matrix checks the numbers against the float64 product with the dequantized
+weight. `--sweep` times each candidate tiling
 (`candidates`) at `--sweep-rows`, each search within an equal share of `--sweep-s` seconds, and
 reports the fastest against `choose_tiles`' pick.
 
