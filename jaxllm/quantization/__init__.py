@@ -36,9 +36,10 @@ How a quantized weight is multiplied (`matmul`):
   XLA runs an `int8 x int8 -> int32` dot (YNNPACK's VNNI / AMX kernels on CPUs that have them:
   1.3-3.8x a bf16 dot on a Xeon with AMX, slower than bf16 on Zen 4's VNNI; on AVX2-only CPUs
   no faster than f32), then rescales.
-- **Plain, weight-only**: on GPUs a Pallas (Triton) kernel reads the codes as they are and
-  dequantizes them tile by tile in registers (`kernels/quant_matmul.py`: a quarter or an eighth
-  of the f32 weight's bytes streamed); on CPUs with the other attention backends, and for shapes
+- **Plain, weight-only**: on GPUs a Pallas (Triton) kernel reads the codes as they are and feeds
+  them to bf16 dots, scaling the accumulator (`kernels/quant_matmul.py`: half or a quarter of
+  the bf16 weight's bytes streamed; on an H200 int8 is 1.0-1.5x a bf16 dot at 1-16 rows, and
+  slower at 128 rows and more and for int4, README); on CPUs with the other attention backends, and for shapes
   the kernel does not tile, dequantized inside the jitted step by XLA (memory, not time).
 
 Sharded runs (tensor, pipeline, data parallel, a caller's mesh): `int8`, `int4` and `w8a8`
