@@ -58,7 +58,8 @@ class LLMEngine:
                             tensor_parallel_size=1 if smooth else args.tensor_parallel_size,
                             pipeline_parallel_size=1 if smooth else args.pipeline_parallel_size,
                             mesh=None if smooth else mesh, use_cache=not many_processes,
-                            quantization=self._load_quantization, tokenizer_thread=True)
+                            quantization=self._load_quantization, tokenizer_thread=True,
+                            panels=_native_gemm(args, platform, mesh, many_processes))
         if self._load_quantization == "auto" and not native.available():
             # The blocks were kept for the C++ GEMM, whose build then failed: float weights instead.
             self._load_quantization = None
@@ -352,15 +353,18 @@ def load_quantization(args: EngineArgs, platform: str, mesh, many_processes: boo
     blocks ("auto") where they run at about the float32 engine's speed (one CPU device with the
     C++ GEMM, float32 the dtype: faster at decode batches of a few rows, within a few percent on
     large ones), saving 2/3 of the weight memory or more."""
-    from jaxllm.kernels import native
-
     if args.quantization is not None:     # "none" included
         return args.quantization if args.quantization in CHECKPOINT_METHODS else None
+    return "auto" if args.dtype == "float32" and _native_gemm(args, platform, mesh, many_processes) else None
+
+
+def _native_gemm(args: EngineArgs, platform: str, mesh, many_processes: bool) -> bool:
+    """Whether quantized weights will multiply in the C++ GEMM: one CPU device with the native
+    kernels (expected: not waiting for their build, see LLMEngine)."""
+    from jaxllm.kernels import native
+
     one_device = mesh is None and not many_processes and args.data_parallel_size == 1
-    if one_device and platform == "cpu" and args.dtype == "float32" and args.attention_backend in (None, "native") \
-            and native.expected():     # (not waiting for their build: see LLMEngine)
-        return "auto"
-    return None
+    return one_device and platform == "cpu" and args.attention_backend in (None, "native") and native.expected()
 
 
 def _available_memory(args: EngineArgs) -> int | None:

@@ -80,6 +80,7 @@ class ModelRunner:
             spec.head_dim, config.cache.dtype, self.num_stages,
             jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None else parallel.kv_sharding(mesh))
         self._kv_shapes = jax.eval_shape(self._make_kv_cache)     # (with shardings) for compiling without pages
+        self._abstract_state = None     # (params, KV cache) as shapes, dtypes and shardings: `_abstract_args`
         pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-kv")
         self._kv_cache, self._kv_pending = None, pool.submit(self._make_kv_cache)
         pool.shutdown(wait=False)
@@ -348,9 +349,9 @@ class ModelRunner:
         """(layout, abstract step arguments) of the bucket: shapes, dtypes and shardings only, so
         compiling in the background never touches the KV cache that steps donate meanwhile."""
         layout, *packed = self._padding(bucket)
-        args = (self.params, self._kv_shapes, *jax.device_put(packed, self._inputs_sharding))
-        return layout, jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                              args)
+        if self._abstract_state is None:     # the same tree for every bucket: made once (and keyed once)
+            self._abstract_state = _abstract((self.params, self._kv_shapes))
+        return layout, (*self._abstract_state, *_abstract(jax.device_put(packed, self._inputs_sharding)))
 
     # ----- several processes: the leader announces, the others follow -----
     def _announce(self, buffers: BucketBuffers | None, packed, copies) -> None:
@@ -474,3 +475,7 @@ def _fetch(x) -> np.ndarray:
 
 
 __all__ = ["ModelRunner"]
+
+
+def _abstract(tree):
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
