@@ -190,11 +190,11 @@ class EngineArgs:
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.quantization not in (None, *QUANTIZATION_METHODS):
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
-        sharded = self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size > 1
-        if self.quantization in ("gguf", "awq", "gptq") and (sharded or self.mesh is not None):
+        staged = self.pipeline_parallel_size > 1 or dict(getattr(self.mesh, "shape", {})).get("stage", 1) > 1
+        if self.quantization in ("gguf", "awq", "gptq") and staged:
             raise ValueError(f"quantization={self.quantization!r} (a checkpoint's quantized weights) runs on one "
-                             "device: not with tensor, pipeline or data parallelism or a mesh yet; 'int8', 'int4' "
-                             "and 'w8a8' quantize a float checkpoint and shard")
+                             "device or tensor and data parallel, not over pipeline stages yet; 'int8', 'int4' "
+                             "and 'w8a8' quantize a float checkpoint and shard over every axis")
         if self.quantization not in (None, "none") and self.num_processes > 1:
             raise ValueError("quantization runs in one process, not over several processes yet")
         speculative = SpeculativeConfig.parse(self.speculative_config)

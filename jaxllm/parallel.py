@@ -88,7 +88,7 @@ def spec_for(path, mesh: Mesh) -> P:
     if field is not None:
         path = path[:-1]
     name = getattr(path[-1], "key", None)
-    dim = layout.TP_SPLIT_DIMS.get(name)
+    dim = None if field == "perm" else layout.TP_SPLIT_DIMS.get(name)    # (act-order: every shard's x columns)
     if field is not None and name == "embed":
         dim = 1
     split = _vocab_axes(mesh) if name in ("embed", "lm_head") else MODEL_AXIS

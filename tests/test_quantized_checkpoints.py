@@ -280,5 +280,32 @@ def test_awq_and_gptq_checkpoints_match_the_float_engine_on_their_values(method,
         LLM(out, quantization="int8", **args)
     with pytest.raises(ValueError, match="needs a checkpoint quantized so"):
         LLM(ref_dir, quantization=method, **args)
-    with pytest.raises(ValueError, match="one device"):
-        load_model(out, tensor_parallel_size=2, use_cache=False)
+    with pytest.raises(ValueError, match="not over pipeline stages"):
+        load_model(out, pipeline_parallel_size=2, use_cache=False)
+
+
+def test_quantized_checkpoints_run_tensor_parallel(tiny_model_dir, tmp_path):
+    """GGUF blocks, AWQ and GPTQ codes split over two devices (each holds half of every split
+    matrix's codes and scales) generate what one device does; GPTQ's act-order cannot split its
+    row-parallel matrices and says so."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, os.path.join(here, "quantized_sharding_worker.py"), tiny_model_dir,
+                           str(tmp_path), str(out)], env={**os.environ, "PYTHONPATH": here},
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(out.read_text())
+    for name, method in [("gguf", "gguf"), ("awq", "awq"), ("gptq8", "gptq")]:
+        one, two = results[f"{name}:1"], results[f"{name}:2"]
+        assert one["quantization"] == two["quantization"] == method
+        assert two["token_ids"] == one["token_ids"]
+        np.testing.assert_allclose(two["logprobs"], one["logprobs"], rtol=1e-4, atol=1e-4)
+        # The fused QKV splits by columns: each device holds half of the plain layout's codes
+        # and scales (one device holds all of them, packed for the C++ GEMM or not).
+        assert two["qkv_bytes"][0] == two["qkv_bytes"][1] and one["qkv_bytes"][1] == 0
+        assert abs(2 * two["qkv_bytes"][0] - one["qkv_bytes"][0]) <= 0.02 * one["qkv_bytes"][0]
+    assert "gptq-act-order:1" in results and "token_ids" in results["gptq-act-order:1"]
+    assert "cannot be split along their input rows" in results["gptq-act-order:2"]["error"]

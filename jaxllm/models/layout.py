@@ -23,6 +23,7 @@ import dataclasses
 import numpy as np
 
 from jaxllm.models.decoder import ModelSpec
+from jaxllm.quantization.weights import QuantizedWeight, permute_columns
 
 # Which dimension of each parameter (by name, in a layer or at the top) is split over the
 # tensor-parallel axis; parameters not listed are replicated.
@@ -79,14 +80,22 @@ def tp_layout(params, spec: ModelSpec, tp: int):
                 .reshape(*t.shape[:-1], -1) for t in (k, v))
         return _interleave([q, k, v], tp)
 
+    def gate_up_columns(w):
+        return _interleave(np.split(np.asarray(w), 2, axis=-1), tp)
+
+    def regroup(w, columns):
+        if isinstance(w, QuantizedWeight):      # a checkpoint's quantized matrix: the same columns
+            return permute_columns(w, columns(np.arange(w.shape[1])))
+        return columns(w)
+
     def layer_layout(layer):
         out = dict(layer)
         for name in ("wqkv", "bqkv"):
             if name in layer:
-                out[name] = qkv_columns(layer[name])
+                out[name] = regroup(layer[name], qkv_columns)
         for name in ("w_gate_up", "b_gate_up", "experts_gate_up"):
             if name in layer:
-                out[name] = _interleave(np.split(np.asarray(layer[name]), 2, axis=-1), tp)
+                out[name] = regroup(layer[name], gate_up_columns)
         return out
 
     return {**params, "layers": [layer_layout(layer) for layer in params["layers"]]}

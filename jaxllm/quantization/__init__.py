@@ -46,8 +46,11 @@ Sharded runs (tensor, pipeline, data parallel, a caller's mesh): `int8`, `int4` 
 quantize the float weights in their shard layout and each device holds its share of the codes
 and scales (`make_sharded_weight`, split by `parallel.spec_for`), with the one-device weight's
 values; the matmuls take the plain paths above (on CPU the C++ GEMM serves one device only).
-A checkpoint's quantized weights (`gguf`, `awq`, `gptq`) run on one device: `EngineArgs` and
-the loader refuse them sharded. No quantization runs over several processes yet.
+A checkpoint's quantized weights (`gguf`, `awq`, `gptq`) shard over tensor and data parallelism
+(`layout.tp_layout` regroups a fused matrix's columns with `permute_columns`;
+`shard_checkpoint_weight` packs each shard's codes), not over pipeline stages (`EngineArgs` and
+the loader refuse); act-order GPTQ splits only along columns. No quantization runs over several
+processes yet.
 """
 
 from jaxllm.quantization.weights import (

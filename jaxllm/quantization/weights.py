@@ -112,33 +112,55 @@ def make_sharded_weight(w: np.ndarray, method: str, activations: str, columns: i
     """Quantize w [K, N] (or a stack [..., K, N]: a pipeline's stages, experts; each matrix on
     its own) into a plain-layout QuantizedWeight of host arrays that split evenly into `columns` parts
     along N or `rows` parts along K (`parallel.shard_params` places them): the codes and scales
-    are those of the whole matrix, so every shard computes with the one-device weight's values.
-    Split over rows, one scale row per output channel is repeated for each part (each shard then
-    holds [1, N]) and groups must not straddle parts; 4-bit codes are packed within each column
-    part."""
+    are those of the whole matrix, so every shard computes with the one-device weight's values
+    (`_shard_fields`)."""
     bits, group_size = METHODS[method]
-
-    def one(x):
-        codes, scale, offset = quantize_matrix(x, bits, group_size)
-        k, n = codes.shape
-        groups = scale.shape[0]
-        if rows > 1 and groups == 1:
-            scale, offset = np.repeat(scale, rows, axis=0), None if offset is None else np.repeat(offset, rows, axis=0)
-        elif groups % rows:
-            raise ValueError(f"{method}: a [{k}, {n}] matrix in {groups} groups of {k // groups} rows cannot be split "
-                             f"over {rows} shards along its rows")
-        if bits == 4:
-            if n % (2 * columns):
-                raise ValueError(f"{method}: {n} columns do not split into {columns} parts of an even width")
-            codes = np.concatenate([_pack_plain_int4(c) for c in np.split(codes, columns, axis=1)], axis=1)
-        return codes, scale, offset
-
     w = np.asarray(w, np.float32)
-    parts = [one(x) for x in w.reshape(-1, *w.shape[-2:])]
+    parts = [_shard_fields(*quantize_matrix(x, bits, group_size), bits, columns, rows, method)
+             for x in w.reshape(-1, *w.shape[-2:])]
     codes, scale, offset = (None if parts[0][i] is None else
                             np.stack([p[i] for p in parts]).reshape(*w.shape[:-2], *parts[0][i].shape)
                             for i in range(3))
     return QuantizedWeight(codes, scale, offset, bits, "plain", activations)
+
+
+def _shard_fields(codes, scale, offset, bits: int, columns: int, rows: int, what: str):
+    """One matrix's (codes [K, N] one a byte, scale, offset) as plain-layout fields that split
+    into `columns` parts along N or `rows` along K. Split over rows, one scale row per output
+    channel is repeated for each part (each shard then holds [1, N]) and groups must not
+    straddle parts; 4-bit codes are packed within each column part."""
+    k, n = codes.shape
+    groups = scale.shape[0]
+    if rows > 1 and groups == 1:
+        scale, offset = np.repeat(scale, rows, axis=0), None if offset is None else np.repeat(offset, rows, axis=0)
+    elif groups % rows:
+        raise ValueError(f"{what}: a [{k}, {n}] matrix in {groups} groups of {k // groups} rows cannot be split "
+                         f"over {rows} shards along its rows")
+    if bits == 4:
+        if n % (2 * columns):
+            raise ValueError(f"{what}: {n} columns do not split into {columns} parts of an even width")
+        codes = np.concatenate([_pack_plain_int4(c) for c in np.split(codes, columns, axis=1)], axis=1)
+    return codes, scale, offset
+
+
+def permute_columns(w: QuantizedWeight, index: np.ndarray) -> QuantizedWeight:
+    """The plain-layout weight whose column j is w's column index[j] (a checkpoint's quantized
+    matrix regrouped for tensor parallelism: `layout.tp_layout`), as host arrays."""
+    codes = _unpacked_codes(w, np)[:, index]
+    take = [None if a is None else np.asarray(a)[:, index] for a in (w.scale, w.offset)]
+    return QuantizedWeight(_pack_plain_int4(codes) if w.bits == 4 else codes, *take, w.bits, "plain",
+                           w.activations, None if w.perm is None else np.asarray(w.perm))
+
+
+def shard_checkpoint_weight(w: QuantizedWeight, columns: int, rows: int, what: str) -> QuantizedWeight:
+    """A checkpoint's quantized matrix (GGUF, AWQ, GPTQ; after `layout.tp_layout`) as host
+    arrays that split into `columns` or `rows` shards (`_shard_fields`); act-order weights
+    (`perm`) only along their columns."""
+    if w.perm is not None and rows > 1:
+        raise ValueError(f"{what}: act-order weights (GPTQ's g_idx) cannot be split along their input rows")
+    offset = None if w.offset is None else np.asarray(w.offset)
+    fields = _shard_fields(_unpacked_codes(w, np), np.asarray(w.scale), offset, w.bits, columns, rows, what)
+    return QuantizedWeight(*fields, w.bits, "plain", w.activations, None if w.perm is None else np.asarray(w.perm))
 
 
 def _unpacked_codes(w: QuantizedWeight, xp=jnp):
@@ -263,7 +285,8 @@ def quantize_params(params: dict, spec, method: str, *, native: bool, device=Non
     With `int4` the LM head gets int8 codes (as llama.cpp keeps its output matrix at 6-8 bits).
     MoE experts get the method's codes, weight-only (int8 under `w8a8`), in the plain layout.
     Weights the checkpoint gave quantized (`CHECKPOINT_METHODS`) are only laid out for the run
-    (one device); with those methods, float weights stay float. `int8_activations`: the 4-bit
+    (packed on one device, split per shard when sharded); with those methods, float weights stay
+    float. `int8_activations`: the 4-bit
     panel weights then multiply int8 activations (`with_int8_activations`)."""
     if method not in METHODS and method not in CHECKPOINT_METHODS:
         raise ValueError(f"unknown quantization {method!r}: choose one of {sorted(METHODS) + list(CHECKPOINT_METHODS)}")
@@ -272,7 +295,7 @@ def quantize_params(params: dict, spec, method: str, *, native: bool, device=Non
     def make(w, name, head=False):
         if isinstance(w, QuantizedWeight):
             if parts is not None:
-                raise ValueError(f"{method}-quantized checkpoint weights run on one device, not sharded")
+                return shard_checkpoint_weight(w, *parts[name], what=f"{method} {name}")
             w = relayout(w, native, device)
         elif method not in METHODS:
             return w
