@@ -195,8 +195,6 @@ class EngineArgs:
             raise ValueError(f"quantization={self.quantization!r} (a checkpoint's quantized weights) runs on one "
                              "device or tensor and data parallel, not over pipeline stages yet; 'int8', 'int4' "
                              "and 'w8a8' quantize a float checkpoint and shard over every axis")
-        if self.quantization not in (None, "none") and self.num_processes > 1:
-            raise ValueError("quantization runs in one process, not over several processes yet")
         speculative = SpeculativeConfig.parse(self.speculative_config)
         if speculative is not None and self.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding is not supported with pipeline_parallel_size > 1 yet")

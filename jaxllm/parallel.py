@@ -121,10 +121,14 @@ def shard_params(params, mesh: Mesh):
 
 def replica_params(params, row: Mesh):
     """The shards of `params` (placed on the whole mesh) that live on one replica's row, as
-    arrays of that row's mesh; nothing is copied."""
+    arrays of that row's mesh; nothing is copied. Arrays not placed on a mesh (weights still to
+    be quantized) stay as they are, in a tree of the replica's own (its runner replaces leaves in
+    place)."""
     devices = set(row.devices.flat)
 
     def take(path, x):
+        if not isinstance(getattr(x, "sharding", None), NamedSharding):
+            return x
         shards = [s.data for s in x.addressable_shards if s.device in devices]
         return jax.make_array_from_single_device_arrays(x.shape, NamedSharding(row, spec_for(path, row)), shards)
 

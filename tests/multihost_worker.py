@@ -1,13 +1,14 @@
 """One process of a two-process jaxllm run on 127.0.0.1 (jax.distributed, gloo collectives), for
 tests/test_sharding.py:
 
-    python tests/multihost_worker.py MODEL_DIR OUT.json PORT PROCESS_ID
+    python tests/multihost_worker.py MODEL_DIR OUT.json PORT PROCESS_ID [ENGINE_ARGS_JSON]
 
 Each process has one CPU device; the model is split over both (tensor_parallel_size=2). Process
 0 generates the test batch and writes the token ids to OUT.json, then releases process 1, which
 follows its steps until then. Both start with dtype="auto", and process 1 poses as the other
 CPU kind (its CPU flags changed so that alone it would pick the other dtype): both must run in
-process 0's pick, which each writes to OUT.json.dtype<process id>.
+process 0's pick, which each writes to OUT.json.dtype<process id>. ENGINE_ARGS_JSON: more
+engine arguments (quantization, say), with which both run in float32.
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ def main() -> int:
     from jaxllm import LLM, utils
 
     model_dir, out_path, port, process_id = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    if process_id == 1:
+    extra = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
+    if process_id == 1 and not extra:
         flags = frozenset() if utils.resolve_dtype("auto", "cpu")[0] == "bfloat16" else frozenset({"avx512_bf16"})
         utils.cpu_flags = lambda: flags
     llm = LLM(model_dir, tensor_parallel_size=2, distributed_coordinator=f"127.0.0.1:{port}", num_processes=2,
-              process_id=process_id, **{**TINY_ENGINE_ARGS, "dtype": "auto"})
+              process_id=process_id, **{**TINY_ENGINE_ARGS, "dtype": "float32" if extra else "auto", **extra})
     with open(f"{out_path}.dtype{process_id}", "w") as f:
         f.write(llm.engine.config.dtype)
     if not llm.engine.is_leader:

@@ -163,9 +163,11 @@ def test_serve_tensor_and_data_parallel_answers_the_openai_client(tiny_model_dir
         assert server.stop() == 0
 
 
-def test_two_processes_generate_what_one_does(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("extra", [{}, {"quantization": "int4", "kv_cache_dtype": "int8"}], ids=["float", "int4"])
+def test_two_processes_generate_what_one_does(extra, tiny_model_dir, tmp_path):
     """Multi-host on one machine: two processes on 127.0.0.1 (jax.distributed, gloo), one CPU
-    device each, the model split over both; process 0 schedules, process 1 follows its steps."""
+    device each, the model split over both; process 0 schedules, process 1 follows its steps.
+    Quantized: each process quantizes its own shard of the weights, the KV cache int8."""
     import random
 
     from multihost_worker import PROMPTS, sampling_params
@@ -174,13 +176,23 @@ def test_two_processes_generate_what_one_does(tiny_model_dir, tmp_path):
     out, port = tmp_path / "out.json", random.Random().randrange(20000, 40000)
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": HERE}
     worker = [sys.executable, os.path.join(HERE, "multihost_worker.py"), tiny_model_dir, str(out), str(port)]
-    follower = subprocess.Popen([*worker, "1"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    tail = [json.dumps(extra)] if extra else []
+    follower = subprocess.Popen([*worker, "1", *tail], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True)
     try:
-        leader = subprocess.run([*worker, "0"], env=env, capture_output=True, text=True, timeout=600)
+        leader = subprocess.run([*worker, "0", *tail], env=env, capture_output=True, text=True, timeout=600)
         assert leader.returncode == 0, leader.stderr[-4000:]
         assert follower.wait(timeout=120) == 0, follower.stderr.read()[-4000:]   # released by the leader
     finally:
         follower.kill()
+    if extra:
+        from jaxllm import LLM
+        from tiny_model import TINY_ENGINE_ARGS
+
+        expected = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, **extra}).generate(PROMPTS, sampling_params(),
+                                                                                 use_tqdm=False)
+        assert json.loads(out.read_text()) == [o.outputs[0].token_ids for o in expected]
+        return
     # dtype="auto": both processes run in process 0's pick, though process 1's flags say otherwise.
     from jaxllm.utils import resolve_dtype
 

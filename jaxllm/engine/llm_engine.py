@@ -52,12 +52,14 @@ class LLMEngine:
         args = dataclasses.replace(args, dtype=_resolve_dtype(args.dtype, platform, many_processes))
         self._load_quantization = load_quantization(args, platform, mesh, many_processes)
         # Over several processes each reads the checkpoint itself (no shared params cache to race on).
-        # W8A8 smooths the unsharded weights (below), then lays them out for the mesh.
+        # W8A8 smooths the unsharded weights (below), then lays them out for the mesh. Weights to
+        # quantize stay on the host: the runner quantizes each shard's part, then places them.
         smooth = args.quantization == "w8a8"
+        to_quantize = args.quantization not in (None, "none")
         loaded = load_model(args.model, dtype=args.dtype, cache_dir=args.params_cache_dir, progress=progress,
                             tensor_parallel_size=1 if smooth else args.tensor_parallel_size,
                             pipeline_parallel_size=1 if smooth else args.pipeline_parallel_size,
-                            mesh=None if smooth else mesh, use_cache=not many_processes,
+                            mesh=None if to_quantize else mesh, use_cache=not many_processes,
                             quantization=self._load_quantization, tokenizer_thread=True,
                             panels=_native_gemm(args, platform, mesh, many_processes))
         if self._load_quantization == "auto" and not native.available():
@@ -84,8 +86,8 @@ class LLMEngine:
         if smooth:      # float weights (a quantized checkpoint was refused above)
             calibration.smooth_for_w8a8(loaded.params, loaded.spec, loaded.resolve_tokenizer())
             if mesh is not None:
-                loaded.params = parallel.shard_params(layout.shard_layout(
-                    loaded.params, loaded.spec, parallel.tp_size(mesh), parallel.pp_size(mesh)), mesh)
+                loaded.params = layout.shard_layout(loaded.params, loaded.spec, parallel.tp_size(mesh),
+                                                    parallel.pp_size(mesh))
         self.model_name = self.config.model_name
         draft = self._load_draft(args, loaded.spec, progress)
         stats = EngineStats()

@@ -49,8 +49,9 @@ values; the matmuls take the plain paths above (on CPU the C++ GEMM serves one d
 A checkpoint's quantized weights (`gguf`, `awq`, `gptq`) shard over tensor and data parallelism
 (`layout.tp_layout` regroups a fused matrix's columns with `permute_columns`;
 `shard_checkpoint_weight` packs each shard's codes), not over pipeline stages (`EngineArgs` and
-the loader refuse); act-order GPTQ splits only along columns. No quantization runs over several
-processes yet.
+the loader refuse); act-order GPTQ splits only along columns. Over several processes each
+quantizes the weights it read, then places its own devices' shards (the weights stay off the
+mesh until then: `LLMEngine`).
 """
 
 from jaxllm.quantization.weights import (
