@@ -59,7 +59,8 @@ class LLMEngine:
         loaded = load_model(args.model, dtype=args.dtype, cache_dir=args.params_cache_dir, progress=progress,
                             tensor_parallel_size=1 if smooth else args.tensor_parallel_size,
                             pipeline_parallel_size=1 if smooth else args.pipeline_parallel_size,
-                            mesh=None if to_quantize else mesh, use_cache=not many_processes,
+                            mesh=None if to_quantize else mesh, on_host=to_quantize and mesh is not None,
+                            use_cache=not many_processes,
                             quantization=self._load_quantization, tokenizer_thread=True,
                             panels=_native_gemm(args, platform, mesh, many_processes))
         if self._load_quantization == "auto" and not native.available():

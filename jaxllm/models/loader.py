@@ -163,6 +163,7 @@ def load_model(
     model: str | None = None, *, dtype: str = "float32", cache_dir: str | None = None,
     use_cache: bool = True, progress: bool = True, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
     mesh=None, quantization: str | None = None, tokenizer_thread: bool = False, panels: bool = False,
+    on_host: bool = False,
 ) -> LoadedModel:
     """Load a Llama-family model's spec, params (matrices in `dtype`, norms and biases f32)
     and tokenizer. See the module docstring for what `model` may be.
@@ -178,6 +179,9 @@ def load_model(
     that many shards and stages (`layout.shard_layout`; the params cache keeps them so). With
     `mesh` they are placed on it by the partition rules: restored from the cache, each device
     reads only its own shard.
+
+    `on_host`: the params come as host (numpy) arrays, also from the params cache (weights a
+    sharded run quantizes before it places them: none lands whole on one device first).
 
     `tokenizer_thread`: restored from the params cache, the tokenizer loads on a thread (importing
     transformers takes ~1 s) while the caller goes on; `LoadedModel.resolve_tokenizer` waits for it."""
@@ -197,7 +201,7 @@ def load_model(
         root = cache_dir or os.path.join(default_cache_root(), "params")
         entry = os.path.join(root, _cache_key(kind, path, name, dtype, tensor_parallel_size,
                                                  pipeline_parallel_size, keep_gguf, panels and method is not None))
-        cached = _restore_cached(entry, path, name, mesh, tokenizer_thread)
+        cached = _restore_cached(entry, path, name, mesh, tokenizer_thread, on_host)
         if cached is not None:
             logger.info("loaded %s from the params cache %s", name, entry)
             return cached
@@ -250,9 +254,9 @@ def save_params(params, path: str) -> None:
     save_file(arrays, os.path.join(path, PARAMS_FILE), metadata={"tree": json.dumps(tree)})
 
 
-def restore_params(path: str, mesh=None):
+def restore_params(path: str, mesh=None, on_host: bool = False):
     """Restore a params pytree saved by `save_params`, onto the default device, or onto `mesh`
-    by the partition rules (each device reading only its shard)."""
+    by the partition rules (each device reading only its shard), or as host arrays (`on_host`)."""
     from safetensors import safe_open
 
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -262,7 +266,8 @@ def restore_params(path: str, mesh=None):
         def load(key_path, leaf):
             name, dtype = leaf[_ARRAY], jnp.dtype(leaf["dtype"])
             if mesh is None:
-                return jax.device_put(f.get_tensor(name).view(dtype), device)
+                array = f.get_tensor(name).view(dtype)
+                return array if on_host else jax.device_put(array, device)
             part = f.get_slice(name)
             sharding = jax.sharding.NamedSharding(mesh, parallel.spec_for(key_path, mesh))
             return jax.make_array_from_callback(tuple(leaf["shape"]), sharding, lambda index: part[index].view(dtype))
@@ -307,7 +312,8 @@ def _load_tokenizer(directory: str):
     return PreTrainedTokenizerFast.from_pretrained(directory)
 
 
-def _restore_cached(entry: str, path: str, name: str, mesh=None, tokenizer_thread: bool = False) -> LoadedModel | None:
+def _restore_cached(entry: str, path: str, name: str, mesh=None, tokenizer_thread: bool = False,
+                    on_host: bool = False) -> LoadedModel | None:
     meta_file = os.path.join(entry, "meta.json")
     if not os.path.isfile(meta_file):
         return None
@@ -322,7 +328,7 @@ def _restore_cached(entry: str, path: str, name: str, mesh=None, tokenizer_threa
             pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tokenizer")
             pending = pool.submit(_load_tokenizer, os.path.join(entry, "tokenizer"))
             pool.shutdown(wait=False)
-        params = from_saved(restore_params(os.path.join(entry, "params"), mesh), meta.get("quantized", {}))
+        params = from_saved(restore_params(os.path.join(entry, "params"), mesh, on_host), meta.get("quantized", {}))
         if meta["has_tokenizer"] and not tokenizer_thread:
             tokenizer = _load_tokenizer(os.path.join(entry, "tokenizer"))
     except Exception as e:  # noqa: BLE001 - a broken cache entry is rebuilt, not fatal
