@@ -7,10 +7,10 @@
 Kernels (Llama-3-8B's attention: 32 query / 8 KV heads of 128, bf16 pages of 16 tokens): the
 Mosaic GPU kernel and the Triton kernel on decode-only batches at each context (as many
 sequences as `--kv-gib` of KV holds, at most `--batch`) and on a mixed batch (decodes and
-prefill chunks). Each reports the median time of `--repeat` calls, the bytes it must move (the
-K/V rows of the sequences' tokens, the block tables, q, and the output it writes), those bytes over the time,
-and MBU: that rate over this device's copy bandwidth, measured first (a device-to-device copy,
-bytes read plus written).
+prefill chunks). Each reports the median time of `--repeat` calls after 0.3 s of warm-up calls
+(`gpu_quant.median_seconds`), the bytes it must move (the K/V rows of the sequences' tokens, the
+block tables, q, and the output it writes), those bytes over the time, and MBU: that rate over
+this device's copy bandwidth, measured first (a device-to-device copy, bytes read plus written).
 
 Quantized matmul: the Triton kernel that reads int8 / int4 codes as they are (the GPU path of
 weight-only quantization) against a bf16 `jnp.dot` of the dequantized weight, on Llama-3-8B's
@@ -31,7 +31,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, HERE)
 import gpu_quant  # noqa: E402
+from gpu_quant import median_seconds  # noqa: E402
 from workload import RESULTS, now_iso, random_workload, versions, write_result  # noqa: E402
 
 del sys.path[0]
@@ -52,21 +52,10 @@ LLAMA3_8B = dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=
 SMOKE = dict(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, head_dim=64, vocab=512)
 
 
-def timed(fn, *args, repeat: int) -> float:
-    """Median seconds of `repeat` calls, after one to compile."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def copy_bandwidth(nbytes: int, repeat: int) -> float:
     """Bytes per second of a device-to-device copy, counting bytes read and written."""
     x = jnp.zeros(nbytes // 2, jnp.bfloat16)
-    return 2 * nbytes / timed(jax.jit(lambda a: a + 1), x, repeat=repeat)
+    return 2 * nbytes / median_seconds(jax.jit(lambda a: a + 1), x, repeat=repeat)
 
 
 def attention_case(q_lens, kv_lens, shape, page_size: int, seed: int):
@@ -124,7 +113,7 @@ def kernel_rows(args, shape, bandwidth: float) -> list[dict]:
             try:
                 if ref is not None:    # the first case also checks the numbers
                     row["max_abs_err"] = float(np.abs(np.asarray(fn(*inputs), np.float32) - ref).max())
-                seconds = timed(fn, *inputs, repeat=args.repeat)
+                seconds = median_seconds(fn, *inputs, repeat=args.repeat)
             except Exception as e:     # one kernel failing must not hide the other's figures
                 row["error"] = f"{type(e).__name__}: {e}"[:500]
             else:
