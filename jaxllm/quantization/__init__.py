@@ -38,9 +38,10 @@ How a quantized weight is multiplied (`matmul`):
   no faster than f32), then rescales.
 - **Plain, weight-only**: on GPUs a Pallas (Triton) kernel reads the codes as they are and feeds
   them to bf16 dots, scaling the accumulator (`kernels/quant_matmul.py`: half or a quarter of
-  the bf16 weight's bytes streamed; on an H200 int8 is 1.0-1.5x a bf16 dot at 1-16 rows, and
-  slower at 128 rows and more and for int4, README); on CPUs with the other attention backends, and for shapes
-  the kernel does not tile, dequantized inside the jitted step by XLA (memory, not time).
+  the bf16 weight's bytes streamed; on an H200 int8 is 1.0-1.5x a bf16 dot at 1-16 rows,
+  slower at 128 rows and more and for int4: README); on CPUs with the other attention
+  backends, and for shapes the kernel does not tile, dequantized inside the jitted step by XLA
+  (memory, not time).
 
 Sharded runs (tensor, pipeline, data parallel, a caller's mesh): `int8`, `int4` and `w8a8`
 quantize the float weights in their shard layout and each device holds its share of the codes

@@ -286,8 +286,8 @@ def quantize_params(params: dict, spec, method: str, *, native: bool, device=Non
     MoE experts get the method's codes, weight-only (int8 under `w8a8`), in the plain layout.
     Weights the checkpoint gave quantized (`CHECKPOINT_METHODS`) are only laid out for the run
     (packed on one device, split per shard when sharded); with those methods, float weights stay
-    float. `int8_activations`: the 4-bit
-    panel weights then multiply int8 activations (`with_int8_activations`)."""
+    float. `int8_activations`: the 4-bit panel weights then multiply int8 activations
+    (`with_int8_activations`)."""
     if method not in METHODS and method not in CHECKPOINT_METHODS:
         raise ValueError(f"unknown quantization {method!r}: choose one of {sorted(METHODS) + list(CHECKPOINT_METHODS)}")
     activations = "int8" if method == "w8a8" else "float"
