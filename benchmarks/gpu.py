@@ -224,6 +224,7 @@ def main(argv=None):
     args.interpret = device.platform != "gpu"
     shape = dict(LLAMA3_8B, layers=args.layers)
     if args.smoke:
+        gpu_quant.WARM_S = 0.0
         shape = SMOKE
         args.contexts, args.batch, args.repeat, args.num_prompts = [100], 3, 1, 4
     elif args.interpret:

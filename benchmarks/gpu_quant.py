@@ -53,11 +53,14 @@ def random_weight(k: int, n: int, method: str, seed: int):
     return QuantizedWeight(codes, scale, offset, bits, "plain", "float")
 
 
-def median_seconds(fn, *args, repeat: int, warm_s: float = 0.3) -> float:
-    """Median seconds of `repeat` calls, after calls for `warm_s` seconds: the GPU idles at a low
+WARM_S = 0.3      # seconds of warm-up calls before timing (0 for --smoke: nothing to warm up)
+
+
+def median_seconds(fn, *args, repeat: int) -> float:
+    """Median seconds of `repeat` calls, after calls for `WARM_S` seconds: the GPU idles at a low
     clock between the host's work, and the first calls after it ran up to 2.5x slower."""
     jax.block_until_ready(fn(*args))
-    until = time.perf_counter() + warm_s
+    until = time.perf_counter() + WARM_S
     while time.perf_counter() < until:
         jax.block_until_ready(fn(*args))
     times = []
@@ -187,7 +190,8 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=None, help="JSON of the rows")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.rows, args.repeat, args.sweep, args.sweep_rows = [3], 1, [], []
+        global WARM_S
+        args.rows, args.repeat, args.sweep, args.sweep_rows, WARM_S = [3], 1, [], [], 0.0
     return args
 
 
