@@ -167,7 +167,7 @@ def test_serve_tensor_and_data_parallel_answers_the_openai_client(tiny_model_dir
 def test_two_processes_generate_what_one_does(extra, tiny_model_dir, tmp_path):
     """Multi-host on one machine: two processes on 127.0.0.1 (jax.distributed, gloo), one CPU
     device each, the model split over both; process 0 schedules, process 1 follows its steps.
-    Quantized: each process quantizes its own shard of the weights, the KV cache int8."""
+    Quantized: each process quantizes the weights it read and places its shards; the KV cache int8."""
     import random
 
     from multihost_worker import PROMPTS, sampling_params
