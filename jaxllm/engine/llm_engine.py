@@ -50,7 +50,8 @@ class LLMEngine:
         if platform == "cpu" and args.attention_backend in (None, "native"):
             native.start_build()    # (a first start compiles them: on their thread while the model loads)
         args = dataclasses.replace(args, dtype=_resolve_dtype(args.dtype, platform, many_processes))
-        self._load_quantization = load_quantization(args, platform, mesh, many_processes)
+        native_gemm = _native_gemm(args, platform, mesh, many_processes)
+        self._load_quantization = load_quantization(args, native_gemm)
         # Over several processes each reads the checkpoint itself (no shared params cache to race on).
         # W8A8 smooths the unsharded weights (below), then lays them out for the mesh. Weights to
         # quantize stay on the host: the runner quantizes each shard's part, then places them.
@@ -62,7 +63,7 @@ class LLMEngine:
                             mesh=None if to_quantize else mesh, on_host=to_quantize and mesh is not None,
                             use_cache=not many_processes,
                             quantization=self._load_quantization, tokenizer_thread=True,
-                            panels=_native_gemm(args, platform, mesh, many_processes))
+                            panels=native_gemm)
         if self._load_quantization == "auto" and not native.available():
             # The blocks were kept for the C++ GEMM, whose build then failed: float weights instead.
             self._load_quantization = None
@@ -351,14 +352,14 @@ def _resolve_dtype(dtype: str, platform: str, many_processes: bool) -> str:
     return resolved
 
 
-def load_quantization(args: EngineArgs, platform: str, mesh, many_processes: bool) -> str | None:
+def load_quantization(args: EngineArgs, native_gemm: bool) -> str | None:
     """What `load_model` keeps quantized: the asked checkpoint method; with none asked, a GGUF's
     blocks ("auto") where they run at about the float32 engine's speed (one CPU device with the
     C++ GEMM, float32 the dtype: faster at decode batches of a few rows, within a few percent on
-    large ones), saving 2/3 of the weight memory or more."""
+    large ones), saving 2/3 of the weight memory or more. `native_gemm`: `_native_gemm`'s answer."""
     if args.quantization is not None:     # "none" included
         return args.quantization if args.quantization in CHECKPOINT_METHODS else None
-    return "auto" if args.dtype == "float32" and _native_gemm(args, platform, mesh, many_processes) else None
+    return "auto" if args.dtype == "float32" and native_gemm else None
 
 
 def _native_gemm(args: EngineArgs, platform: str, mesh, many_processes: bool) -> bool:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.attention import AttentionBackend
-from jaxllm.models import decoder, layout
+from jaxllm.models import decoder
 from jaxllm.quantization import smoothing
 from jaxllm.runner.input_batch import StepInputs
 
@@ -35,10 +35,8 @@ def activation_maxima(params, spec: decoder.ModelSpec, windows: list[list[int]])
     each run as one sequence from position 0) for the OBSERVED matrices of `params` (one
     device, no shard layout, float weights)."""
     maxima: dict = {}
-    # One compiled layer per kind of layer (window, RoPE table, MoE) and window length.
-    first_of_kind: dict = {}
-    for i in range(spec.num_layers):
-        first_of_kind.setdefault(layout.layer_kind(spec, i), i)
+    # One compiled layer per kind of layer (window, RoPE table, MoE: `decoder.first_of_kind`) and
+    # window length.
     inv_freq = spec.inv_freq()
     for ids in windows:
         n = len(ids)
@@ -53,7 +51,7 @@ def activation_maxima(params, spec: decoder.ModelSpec, windows: list[list[int]])
                             rope_cos=cos, rope_sin=sin, attn_metadata={})
         x = decoder.embed(params, inputs.token_ids, inputs.positions, spec)
         for i, layer in enumerate(params["layers"]):
-            x, seen = _observed_layer(layer, x, inputs, spec=spec, index=first_of_kind[layout.layer_kind(spec, i)])
+            x, seen = _observed_layer(layer, x, inputs, spec=spec, index=decoder.first_of_kind(spec, i))
             for name, m in seen.items():
                 m = np.asarray(m)
                 maxima[(i, name)] = np.maximum(maxima[(i, name)], m) if (i, name) in maxima else m

@@ -421,14 +421,19 @@ def shared_decoder_layer(layer, k_pages, v_pages, x, inputs, spec: ModelSpec, *,
     """`decoder_layer`, as one nested jit per kind of layer (window, RoPE table, MoE or dense):
     JAX traces and lowers each kind once per step shape instead of every layer (30 for the
     default model), and XLA inlines the calls, so the compiled step is the same."""
-    kind = _layer_kind(spec, index)
-    first = next(i for i in range(index + 1) if _layer_kind(spec, i) == kind)   # stands for its kind
-    return _decoder_layer_jit(layer, k_pages, v_pages, x, inputs, spec, index=first, attention=attention, axis=axis)
+    return _decoder_layer_jit(layer, k_pages, v_pages, x, inputs, spec, index=first_of_kind(spec, index),
+                              attention=attention, axis=axis)
 
 
-def _layer_kind(spec: ModelSpec, index: int) -> tuple:
-    """What of layer `index` its code depends on (besides its weights and pages)."""
+def layer_kind(spec: ModelSpec, index: int) -> tuple:
+    """What a layer's step depends on besides its weights: (window, RoPE table, MoE or dense)."""
     return spec.window(index), spec.rope_variant(index), spec.is_moe(index)
+
+
+def first_of_kind(spec: ModelSpec, index: int) -> int:
+    """The first layer of layer `index`'s kind, which stands for it in traced code."""
+    kind = layer_kind(spec, index)
+    return next(i for i in range(index + 1) if layer_kind(spec, i) == kind)
 
 
 _decoder_layer_jit = jax.jit(decoder_layer, static_argnames=("spec", "index", "attention", "axis"))

@@ -22,7 +22,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxllm.models.decoder import ModelSpec
+from jaxllm.models.decoder import ModelSpec, layer_kind
 from jaxllm.quantization.weights import QuantizedWeight, permute_columns
 
 # Which dimension of each parameter (by name, in a layer or at the top) is split over the
@@ -114,10 +114,6 @@ def check_pipeline_parallel(spec: ModelSpec, tp: int, pp: int) -> None:
     if problems:
         raise ValueError(f"pipeline_parallel_size={pp} does not divide this model's " + ", ".join(problems))
 
-
-def layer_kind(spec: ModelSpec, layer: int) -> tuple:
-    """What a layer's step depends on besides its weights: (window, RoPE table, MoE or dense)."""
-    return spec.window(layer), spec.rope_variant(layer), spec.is_moe(layer)
 
 
 def shard_layout(params, spec: ModelSpec, tp: int = 1, pp: int = 1):
