@@ -4,6 +4,7 @@ paged, ragged `decoder.forward` batch by hand."""
 from __future__ import annotations
 
 import gc
+import os
 
 import jax
 import numpy as np
@@ -30,6 +31,32 @@ def free_compiled_code():
     gc.collect()
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_gguf_reader_per_file():
+    """transformers, the reference for GGUF files, builds a `gguf.GGUFReader` three times per
+    model it loads (tokenizer, config, weights), and each parses the whole vocabulary one numpy
+    view per entry: ~20 s for Gemma 3's 262k tokens on a slow CPU. The reader is read-only, so
+    one per file (and size and mtime: tests write GGUFs into fresh paths) serves every load."""
+    try:
+        import gguf
+    except ImportError:         # no GGUF reference tests either
+        yield
+        return
+
+    readers, make = {}, gguf.GGUFReader
+
+    def reader(path, mode="r"):
+        stat = os.stat(path)
+        key = (os.path.abspath(path), stat.st_size, stat.st_mtime_ns, mode)
+        if key not in readers:
+            readers[key] = make(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    yield
+    gguf.GGUFReader = make
 
 
 @pytest.fixture(autouse=True)
