@@ -190,11 +190,6 @@ class EngineArgs:
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.quantization not in (None, *QUANTIZATION_METHODS):
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
-        staged = self.pipeline_parallel_size > 1 or dict(getattr(self.mesh, "shape", {})).get("stage", 1) > 1
-        if self.quantization in ("gguf", "awq", "gptq") and staged:
-            raise ValueError(f"quantization={self.quantization!r} (a checkpoint's quantized weights) runs on one "
-                             "device or tensor and data parallel, not over pipeline stages yet; 'int8', 'int4' "
-                             "and 'w8a8' quantize a float checkpoint and shard over every axis")
         speculative = SpeculativeConfig.parse(self.speculative_config)
         if speculative is not None and self.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding is not supported with pipeline_parallel_size > 1 yet")

@@ -3,11 +3,12 @@ flags must be set before JAX starts):
 
     python tests/quantized_sharding_worker.py TINY_MODEL_DIR WORKDIR OUT.json
 
-Writes a tiny GGUF of every kept block type and AWQ and act-order GPTQ checkpoints of the tiny
-model, runs the first two on one device and tensor-parallel over two (the GGUF with
-`quantization="gguf"`: sharded runs dequantize a GGUF by default), and writes the token ids,
-the logprobs and the bytes each device holds of the first layer's fused QKV to OUT.json; for
-the act-order GPTQ, tensor-parallel, the error (its row-split matrices cannot shard).
+Writes a tiny GGUF of every kept block type (its two layers in different ones) and AWQ and
+act-order GPTQ checkpoints of the tiny model, runs each on one device, tensor-parallel over two
+and over two pipeline stages (the GGUF with `quantization="gguf"`: sharded runs dequantize a
+GGUF by default), and writes the token ids, the logprobs and the bytes each device holds of
+the first layer slot's fused QKV to OUT.json under "NAME:TPxPP"; for the act-order GPTQ,
+tensor-parallel, the error (its row-split matrices cannot shard).
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ def main() -> int:
         write_quantized_hf(model_dir, method, bits, act_order, checkpoints[name], os.path.join(work, name + "-ref"))
     results = {}
     for name, path in checkpoints.items():
-        for tp in (2,) if name == "gptq-act-order" else (1, 2):     # (that one only to see it refused)
-            key = f"{name}:{tp}"
+        for tp, pp in ((1, 1), (2, 1), (1, 2)):
+            key = f"{name}:{tp}x{pp}"
             try:
-                llm = LLM(path, tensor_parallel_size=tp, warmup=False, params_cache_dir=os.path.join(work, "params"),
+                llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, warmup=False,
+                          params_cache_dir=os.path.join(work, "params"),
                           quantization="gguf" if name == "gguf" else None, **TINY_ENGINE_ARGS)
             except ValueError as e:
                 results[key] = {"error": str(e)}

@@ -242,9 +242,7 @@ def test_every_matmul_path_matches_its_numpy_reference(method, panels):
 def test_quantization_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineArgs(quantization="fp3").verify()
-    with pytest.raises(ValueError, match="'gguf'.*tensor and data parallel, not over pipeline stages.*'w8a8'"):
-        EngineArgs(quantization="gguf", pipeline_parallel_size=2).verify()
-    EngineArgs(quantization="gguf", tensor_parallel_size=2, data_parallel_size=2).verify()
+    EngineArgs(quantization="gguf", tensor_parallel_size=2, data_parallel_size=2, pipeline_parallel_size=2).verify()
     EngineArgs(quantization="int8", num_processes=2, distributed_coordinator="localhost:1").verify()
     EngineArgs(quantization="int4", tensor_parallel_size=2, pipeline_parallel_size=2).verify()
 

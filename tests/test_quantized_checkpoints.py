@@ -280,14 +280,19 @@ def test_awq_and_gptq_checkpoints_match_the_float_engine_on_their_values(method,
         LLM(out, quantization="int8", **args)
     with pytest.raises(ValueError, match="needs a checkpoint quantized so"):
         LLM(ref_dir, quantization=method, **args)
-    with pytest.raises(ValueError, match="not over pipeline stages"):
-        load_model(out, pipeline_parallel_size=2, use_cache=False)
+    # Over two pipeline stages each layer slot's matrices stack [stage, ...] in the plain layout
+    # (act-order: each stage's own row order); tests/quantized_sharding_worker.py runs them.
+    staged = load_model(out, pipeline_parallel_size=2, use_cache=False).params["layers"][0]["wqkv"]
+    assert staged.layout == "plain" and staged.codes.shape[0] == staged.scale.shape[0] == 2
+    assert (staged.perm is not None and staged.perm.shape == (2, staged.shape[0])) == act_order
 
 
-def test_quantized_checkpoints_run_tensor_parallel(tiny_model_dir, tmp_path):
+def test_quantized_checkpoints_run_tensor_and_pipeline_parallel(tiny_model_dir, tmp_path):
     """GGUF blocks and AWQ codes split over two devices (each holds half of every split matrix's
     codes and scales) generate what one device does (GPTQ's codes take the same path as AWQ's);
-    GPTQ's act-order cannot split its row-parallel matrices and says so."""
+    so do they over two pipeline stages, the GGUF's two layers in different block types (each
+    slot stacked in the wider format) and act-order GPTQ (each stage's own row order); GPTQ's
+    act-order cannot split its row-parallel matrices over tensor-parallel shards and says so."""
     import subprocess
     import sys
 
@@ -298,13 +303,19 @@ def test_quantized_checkpoints_run_tensor_parallel(tiny_model_dir, tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(out.read_text())
-    for name, method in [("gguf", "gguf"), ("awq", "awq")]:
-        one, two = results[f"{name}:1"], results[f"{name}:2"]
-        assert one["quantization"] == two["quantization"] == method
-        assert two["token_ids"] == one["token_ids"]
-        np.testing.assert_allclose(two["logprobs"], one["logprobs"], rtol=1e-4, atol=1e-4)
-        # The fused QKV splits by columns: each device holds half of the plain layout's codes
-        # and scales (one device holds all of them, packed for the C++ GEMM or not).
-        assert two["qkv_bytes"][0] == two["qkv_bytes"][1] and one["qkv_bytes"][1] == 0
-        assert abs(2 * two["qkv_bytes"][0] - one["qkv_bytes"][0]) <= 0.02 * one["qkv_bytes"][0]
-    assert "cannot be split along their input rows" in results["gptq-act-order:2"]["error"]
+    for name, method in [("gguf", "gguf"), ("awq", "awq"), ("gptq-act-order", "gptq")]:
+        one = results[f"{name}:1x1"]
+        assert one["quantization"] == method and one["qkv_bytes"][1] == 0
+        for layout in ("1x2",) if name == "gptq-act-order" else ("2x1", "1x2"):
+            many = results[f"{name}:{layout}"]
+            assert many["quantization"] == method
+            assert many["token_ids"] == one["token_ids"], layout
+            np.testing.assert_allclose(many["logprobs"], one["logprobs"], rtol=1e-4, atol=1e-4)
+            # The fused QKV splits by columns, or its slot's stack by stage: each device holds half.
+            assert many["qkv_bytes"][0] == many["qkv_bytes"][1]
+        # Tensor-parallel: half of the plain layout's codes and scales of one device (which holds
+        # them all, packed for the C++ GEMM or not).
+        if name != "gptq-act-order":
+            two = results[f"{name}:2x1"]["qkv_bytes"][0]
+            assert abs(2 * two - one["qkv_bytes"][0]) <= 0.02 * one["qkv_bytes"][0]
+    assert "cannot be split along their input rows" in results["gptq-act-order:2x1"]["error"]

@@ -23,7 +23,7 @@ import dataclasses
 import numpy as np
 
 from jaxllm.models.decoder import ModelSpec, layer_kind
-from jaxllm.quantization.weights import QuantizedWeight, permute_columns
+from jaxllm.quantization.weights import QuantizedWeight, permute_columns, stack_stages
 
 # Which dimension of each parameter (by name, in a layer or at the top) is split over the
 # tensor-parallel axis; parameters not listed are replicated.
@@ -127,8 +127,14 @@ def shard_layout(params, spec: ModelSpec, tp: int = 1, pp: int = 1):
     check_pipeline_parallel(spec, tp, pp)
     per_stage = spec.num_layers // pp
     layers = params["layers"]
-    return {**params, "layers": [{name: np.stack([np.asarray(layers[s * per_stage + i][name]) for s in range(pp)])
-                                  for name in layers[i]} for i in range(per_stage)]}
+
+    def stack(i, name):
+        parts = [layers[s * per_stage + i][name] for s in range(pp)]
+        if any(isinstance(p, QuantizedWeight) for p in parts):     # a checkpoint's quantized matrices
+            return stack_stages(parts, f"{name} of layers {[s * per_stage + i for s in range(pp)]}")
+        return np.stack([np.asarray(p) for p in parts])
+
+    return {**params, "layers": [{name: stack(i, name) for name in layers[i]} for i in range(per_stage)]}
 
 
 def _interleave(parts, tp: int):

@@ -192,9 +192,6 @@ def load_model(
         raise ValueError(f"quantization='gguf' needs a GGUF model, and {path} is an HF checkpoint")
     keep_gguf = kind == "gguf" and quantization in ("gguf", "auto")
     method = "gguf" if keep_gguf else hf_quantization(path) if kind == "hf" else None
-    if method and (pipeline_parallel_size > 1 or (mesh is not None and parallel.pp_size(mesh) > 1)):
-        raise ValueError(f"{path}: {method}-quantized weights run on one device or tensor parallel, not over "
-                         f"pipeline stages yet")
 
     entry = None
     if use_cache:

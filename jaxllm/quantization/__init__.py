@@ -47,10 +47,11 @@ Sharded runs (tensor, pipeline, data parallel, a caller's mesh): `int8`, `int4` 
 quantize the float weights in their shard layout and each device holds its share of the codes
 and scales (`make_sharded_weight`, split by `parallel.spec_for`), with the one-device weight's
 values; the matmuls take the plain paths above (on CPU the C++ GEMM serves one device only).
-A checkpoint's quantized weights (`gguf`, `awq`, `gptq`) shard over tensor and data parallelism
+A checkpoint's quantized weights (`gguf`, `awq`, `gptq`) shard over every axis too
 (`layout.tp_layout` regroups a fused matrix's columns with `permute_columns`;
-`shard_checkpoint_weight` packs each shard's codes), not over pipeline stages (`EngineArgs` and
-the loader refuse); act-order GPTQ splits only along columns. Over several processes each
+`layout.shard_layout` stacks a layer slot's matrices over the pipeline stages with
+`stack_stages`, in the widest of their formats when the layers' block types differ;
+`shard_checkpoint_weight` packs each shard's codes); act-order GPTQ splits only along columns. Over several processes each
 quantizes the weights it read, then places its own devices' shards (the weights stay off the
 mesh until then: `LLMEngine`).
 """

@@ -118,10 +118,13 @@ def make_sharded_weight(w: np.ndarray, method: str, activations: str, columns: i
     w = np.asarray(w, np.float32)
     parts = [_shard_fields(*quantize_matrix(x, bits, group_size), bits, columns, rows, method)
              for x in w.reshape(-1, *w.shape[-2:])]
-    codes, scale, offset = (None if parts[0][i] is None else
-                            np.stack([p[i] for p in parts]).reshape(*w.shape[:-2], *parts[0][i].shape)
-                            for i in range(3))
-    return QuantizedWeight(codes, scale, offset, bits, "plain", activations)
+    return QuantizedWeight(*_stacked(parts, w.shape[:-2]), bits, "plain", activations)
+
+
+def _stacked(parts: list[tuple], lead: tuple) -> tuple:
+    """Per-matrix (codes, scale, offset) -> the same fields stacked to `lead` + each's shape."""
+    return tuple(None if parts[0][i] is None else np.stack([p[i] for p in parts]).reshape(*lead, *parts[0][i].shape)
+                 for i in range(3))
 
 
 def _shard_fields(codes, scale, offset, bits: int, columns: int, rows: int, what: str):
@@ -158,9 +161,49 @@ def shard_checkpoint_weight(w: QuantizedWeight, columns: int, rows: int, what: s
     (`perm`) only along their columns."""
     if w.perm is not None and rows > 1:
         raise ValueError(f"{what}: act-order weights (GPTQ's g_idx) cannot be split along their input rows")
-    offset = None if w.offset is None else np.asarray(w.offset)
-    fields = _shard_fields(_unpacked_codes(w, np), np.asarray(w.scale), offset, w.bits, columns, rows, what)
-    return QuantizedWeight(*fields, w.bits, "plain", w.activations, None if w.perm is None else np.asarray(w.perm))
+    def flat(a):        # [..., rows, columns] (a stack of pipeline stages) -> [matrices, rows, columns]
+        return np.asarray(a).reshape(-1, *a.shape[-2:])
+
+    codes, scale = _unpacked_codes(w, np), flat(w.scale)
+    offsets = [None] * len(scale) if w.offset is None else flat(w.offset)
+    parts = [_shard_fields(c, g, o, w.bits, columns, rows, what) for c, g, o in zip(flat(codes), scale, offsets)]
+    return QuantizedWeight(*_stacked(parts, codes.shape[:-2]), w.bits, "plain", w.activations,
+                           None if w.perm is None else np.asarray(w.perm))
+
+
+def stack_stages(ws: list, what: str) -> QuantizedWeight:
+    """One layer slot's checkpoint-quantized matrices on each pipeline stage -> one plain-layout
+    weight of host arrays stacked [stages, ...], in the widest of their formats (as
+    `checkpoint.concat_rows` fuses parts): 8-bit codes when any has them, the finest groups,
+    offsets when any has them, f32 scales unless all are f16; act-order rows in each stage's
+    own order (the identity where a stage has none)."""
+    if not all(isinstance(w, QuantizedWeight) for w in ws):
+        raise ValueError(f"{what} is quantized on some pipeline stages and float on others; run it without "
+                         f"pipeline stages (or dequantize it: for a GGUF, leave `quantization` unset)")
+    bits, groups = max(w.bits for w in ws), max(w.scale.shape[-2] for w in ws)
+    if any(groups % w.scale.shape[-2] for w in ws):
+        raise ValueError(f"{what}: groups of different sizes on different pipeline stages "
+                         f"({sorted({w.shape[0] // w.scale.shape[-2] for w in ws})} rows) cannot be stacked")
+    dtype = np.float16 if all(np.asarray(w.scale).dtype == np.float16 for w in ws) else np.float32
+    with_offset = any(w.offset is not None for w in ws)
+
+    def widen(w: QuantizedWeight):
+        codes, rep = _unpacked_codes(w, np), groups // w.scale.shape[-2]
+        if bits == 8:
+            codes = codes.astype(np.int8)
+        elif codes.shape[-1] % 2:
+            raise ValueError(f"{what}: 4-bit codes need an even number of columns, not {codes.shape[-1]}")
+        else:
+            codes = _pack_plain_int4(codes)
+        scale = np.repeat(np.asarray(w.scale), rep, axis=-2).astype(dtype)
+        offset = np.zeros_like(scale) if w.offset is None else np.repeat(np.asarray(w.offset), rep, axis=-2)
+        return codes, scale, offset.astype(dtype) if with_offset else None
+
+    perm = None
+    if any(w.perm is not None for w in ws):
+        perm = np.stack([np.arange(w.shape[0], dtype=np.int32) if w.perm is None else np.asarray(w.perm, np.int32)
+                         for w in ws])
+    return QuantizedWeight(*_stacked([widen(w) for w in ws], (len(ws),)), bits, "plain", ws[0].activations, perm)
 
 
 def _unpacked_codes(w: QuantizedWeight, xp=jnp):
