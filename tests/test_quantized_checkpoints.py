@@ -290,8 +290,8 @@ def test_awq_and_gptq_checkpoints_match_the_float_engine_on_their_values(method,
 def test_quantized_checkpoints_run_tensor_and_pipeline_parallel(tiny_model_dir, tmp_path):
     """GGUF blocks and AWQ codes split over two devices (each holds half of every split matrix's
     codes and scales) generate what one device does (GPTQ's codes take the same path as AWQ's);
-    so do they over two pipeline stages, the GGUF's two layers in different block types (each
-    slot stacked in the wider format) and act-order GPTQ (each stage's own row order); GPTQ's
+    so do the GGUF over two pipeline stages, its two layers in different block types (each slot
+    stacked in the wider format), and act-order GPTQ (each stage's own row order); GPTQ's
     act-order cannot split its row-parallel matrices over tensor-parallel shards and says so."""
     import subprocess
     import sys
@@ -306,7 +306,7 @@ def test_quantized_checkpoints_run_tensor_and_pipeline_parallel(tiny_model_dir, 
     for name, method in [("gguf", "gguf"), ("awq", "awq"), ("gptq-act-order", "gptq")]:
         one = results[f"{name}:1x1"]
         assert one["quantization"] == method and one["qkv_bytes"][1] == 0
-        for layout in ("1x2",) if name == "gptq-act-order" else ("2x1", "1x2"):
+        for layout in {"gguf": ("2x1", "1x2"), "awq": ("2x1",), "gptq-act-order": ("1x2",)}[name]:
             many = results[f"{name}:{layout}"]
             assert many["quantization"] == method
             assert many["token_ids"] == one["token_ids"], layout

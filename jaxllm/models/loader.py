@@ -211,7 +211,7 @@ def load_model(
     kept = any(isinstance(x, QuantizedWeight) for x in jax.tree_util.tree_leaves(
         params, is_leaf=lambda x: isinstance(x, QuantizedWeight)))
     if kept and panels:
-        params = quantize_params(params, spec, method, native=True)
+        params = quantize_params(params, spec, method, native=True, quiet=True)
     loaded = LoadedModel(spec=spec, params=params, tokenizer=tokenizer, source=path, name=name,
                          quantization=method if kept else None)
     if entry is not None:

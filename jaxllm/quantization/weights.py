@@ -317,7 +317,7 @@ def int8_activation_weights(params) -> int:
 
 
 def quantize_params(params: dict, spec, method: str, *, native: bool, device=None, parts=None,
-                    int8_activations: bool = False) -> dict:
+                    int8_activations: bool = False, quiet: bool = False) -> dict:
     """Replace, in place, the layer matrices and the LM head (the embedding table when tied)
     of a params tree by QuantizedWeights, one matrix at a time.
 
@@ -330,7 +330,8 @@ def quantize_params(params: dict, spec, method: str, *, native: bool, device=Non
     Weights the checkpoint gave quantized (`CHECKPOINT_METHODS`) are only laid out for the run
     (packed on one device, split per shard when sharded); with those methods, float weights stay
     float. `int8_activations`: the 4-bit panel weights then multiply int8 activations
-    (`with_int8_activations`)."""
+    (`with_int8_activations`). `quiet`: no log line (the loader packing for its params cache;
+    the runner then logs the run's weights)."""
     if method not in METHODS and method not in CHECKPOINT_METHODS:
         raise ValueError(f"unknown quantization {method!r}: choose one of {sorted(METHODS) + list(CHECKPOINT_METHODS)}")
     activations = "int8" if method == "w8a8" else "float"
@@ -369,7 +370,8 @@ def quantize_params(params: dict, spec, method: str, *, native: bool, device=Non
         params["embed"] = make(params["embed"], "embed")
     elif spec.tie_word_embeddings and method in METHODS:
         params["embed"] = make(np.ascontiguousarray(np.asarray(params["embed"], np.float32).T), "embed", head=True)
-    logger.info("weights quantized: %s", method)
+    if not quiet:
+        logger.info("weights quantized: %s" if method in METHODS else "weights: the checkpoint's %s codes, kept", method)
     return params
 
 
