@@ -277,8 +277,8 @@ def headline_markdown(results: str = RESULTS) -> str:
                      f"| start-up to the first token, cold / warm (median) s | {startup['cold_s']:.1f} / "
                      f"{startup['warm_median_s']:.1f} | - | |")
     if std[1]:
-        lines.append(f"| peak RSS, standard workload, MiB | {std[0]['peak_rss_mib']:.0f} | {std[1]['peak_rss_mib']:.0f} | "
-                     f"{std[0]['peak_rss_mib'] / std[1]['peak_rss_mib']:.2f}x |")
+        rss = std[0]["peak_rss_mib"], std[1]["peak_rss_mib"]
+        lines.append(f"| peak RSS, standard workload, MiB | {rss[0]:.0f} | {rss[1]:.0f} | {rss[0] / rss[1]:.2f}x |")
     one_run = long[0] is not None and long[0].get("run_id") == std[0].get("run_id")
     out += ["### Headline: jaxllm's defaults against vLLM's best dtype", "",
             ("One `make bench` run" if one_run else "Separate runs (see each table below)")

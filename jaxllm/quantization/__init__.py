@@ -51,9 +51,9 @@ A checkpoint's quantized weights (`gguf`, `awq`, `gptq`) shard over every axis t
 (`layout.tp_layout` regroups a fused matrix's columns with `permute_columns`;
 `layout.shard_layout` stacks a layer slot's matrices over the pipeline stages with
 `stack_stages`, in the widest of their formats when the layers' block types differ;
-`shard_checkpoint_weight` packs each shard's codes); act-order GPTQ splits only along columns. Over several processes each
-quantizes the weights it read, then places its own devices' shards (the weights stay off the
-mesh until then: `LLMEngine`).
+`shard_checkpoint_weight` packs each shard's codes); act-order GPTQ splits only along columns.
+Over several processes each quantizes the weights it read, then places its own devices'
+shards (the weights stay off the mesh until then: `LLMEngine`).
 """
 
 from jaxllm.quantization.weights import (

@@ -161,6 +161,7 @@ def shard_checkpoint_weight(w: QuantizedWeight, columns: int, rows: int, what: s
     (`perm`) only along their columns."""
     if w.perm is not None and rows > 1:
         raise ValueError(f"{what}: act-order weights (GPTQ's g_idx) cannot be split along their input rows")
+
     def flat(a):        # [..., rows, columns] (a stack of pipeline stages) -> [matrices, rows, columns]
         return np.asarray(a).reshape(-1, *a.shape[-2:])
 
@@ -371,7 +372,8 @@ def quantize_params(params: dict, spec, method: str, *, native: bool, device=Non
     elif spec.tie_word_embeddings and method in METHODS:
         params["embed"] = make(np.ascontiguousarray(np.asarray(params["embed"], np.float32).T), "embed", head=True)
     if not quiet:
-        logger.info("weights quantized: %s" if method in METHODS else "weights: the checkpoint's %s codes, kept", method)
+        kept = method not in METHODS
+        logger.info("weights: the checkpoint's %s codes, kept" if kept else "weights quantized: %s", method)
     return params
 
 
