@@ -251,9 +251,9 @@ def headline_markdown(results: str = RESULTS) -> str:
         desc = (f"{label}: {w['num_requests']} requests, prompts {w['input_len_range'][0]}-{w['input_len_range'][1]}, "
                 f"outputs {w['output_len_range'][0]}-{w['output_len_range'][1]}, seed {w['seed']}; output tok/s"
                 if w["kind"] == "random" else f"{label}: output tok/s")
-        ratio = f"**{ours['output_tok_s'] / peer['output_tok_s']:.2f}x**" if peer else "-"
-        lines.append(f"| {desc} | {ours['output_tok_s']:.1f} | {peer['output_tok_s']:.1f} | {ratio} |" if peer
-                     else f"| {desc} | {ours['output_tok_s']:.1f} | - | - |")
+        theirs, ratio = ((f"{peer['output_tok_s']:.1f}", f"**{ours['output_tok_s'] / peer['output_tok_s']:.2f}x**")
+                         if peer else ("-", "-"))
+        lines.append(f"| {desc} | {ours['output_tok_s']:.1f} | {theirs} | {ratio} |")
     sweeps = {s.get("label"): s for s in _serving_runs(results, [])}
     ours, peer = sweeps.get("jaxllm"), sweeps.get("vllm")
     for run in (ours or {}).get("runs", []):
@@ -272,10 +272,9 @@ def headline_markdown(results: str = RESULTS) -> str:
             lines.append(f"| serving, {c} in flight: {what} | {mine} | {theirs} | {ratio} |")
     startup = _load_json(os.path.join(results, "startup.json"))
     if startup:
+        theirs = f"{std[1]['startup_s']:.0f} (every start)" if std[1] else "-"
         lines.append(f"| start-up to the first token, cold / warm (median) s | {startup['cold_s']:.1f} / "
-                     f"{startup['warm_median_s']:.1f} | {std[1]['startup_s']:.0f} (every start) | |" if std[1] else
-                     f"| start-up to the first token, cold / warm (median) s | {startup['cold_s']:.1f} / "
-                     f"{startup['warm_median_s']:.1f} | - | |")
+                     f"{startup['warm_median_s']:.1f} | {theirs} | |")
     if std[1]:
         rss = std[0]["peak_rss_mib"], std[1]["peak_rss_mib"]
         lines.append(f"| peak RSS, standard workload, MiB | {rss[0]:.0f} | {rss[1]:.0f} | {rss[0] / rss[1]:.2f}x |")
