@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv browser test test-quick check-py312 demo bench serve clean
+.PHONY: venv browser test test-quick check-py312 demo bench bench-headline serve clean
 
 $(STAMP): pyproject.toml Makefile
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -54,6 +54,12 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	OPENBLAS_NUM_THREADS=1 $(BIN)/python benchmarks/run_all.py
+
+# The headline parts only (jaxllm's defaults vs vLLM's best dtype: both workloads, serving,
+# start-up; about an hour on 2 cores), e.g. `make bench-headline RESULTS=benchmarks/results/zen4`.
+bench-headline: $(STAMP)
+	OPENBLAS_NUM_THREADS=1 $(BIN)/python benchmarks/run_all.py \
+		--only throughput,throughput-long,serving,serving-vllm,startup,plots $(if $(RESULTS),--results $(RESULTS),)
 
 serve: $(STAMP)
 	$(BIN)/jaxllm serve
