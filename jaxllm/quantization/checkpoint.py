@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.quantization.weights import QuantizedWeight, _pack_plain_int4
+from jaxllm.quantization.weights import QuantizedWeight, _pack_plain_int4, widest_format
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +82,9 @@ def dense(w) -> np.ndarray:
 
 def concat_rows(parts: list) -> QuantizedRows | np.ndarray:
     """Parts of one fused matrix concatenated along `out`. Quantized parts of different formats
-    (as a GGUF's Q4_K q/k with its Q6_K v) share the widest: 8-bit codes when any part has them,
-    the finest groups, offsets when any has them, f32 scales unless all are f16. Float parts, or
-    act-order parts with different orders, make the whole float."""
+    (as a GGUF's Q4_K q/k with its Q6_K v) share the widest (`weights.widest_format`). Float
+    parts, act-order parts with different orders, or group counts that do not divide, make the
+    whole float."""
     if not all(isinstance(p, QuantizedRows) for p in parts):
         return np.concatenate([dense(p) for p in parts])
     perms = [p.perm for p in parts]
@@ -93,12 +93,10 @@ def concat_rows(parts: list) -> QuantizedRows | np.ndarray:
         return np.concatenate([p.dequantize() for p in parts])
     if len(parts) == 1:
         return parts[0]
-    bits = max(p.bits for p in parts)
-    groups = max(p.scale.shape[1] for p in parts)
-    if any(groups % p.scale.shape[1] for p in parts):
+    fmt = widest_format([(p.bits, p.scale.shape[1], p.scale.dtype, p.offset is not None) for p in parts])
+    if fmt is None:
         return np.concatenate([p.dequantize() for p in parts])
-    dtype = np.float16 if all(p.scale.dtype == np.float16 for p in parts) else np.float32
-    with_offset = any(p.offset is not None for p in parts)
+    bits, groups, dtype, with_offset = fmt
 
     def widen(p: QuantizedRows):
         rep = groups // p.scale.shape[1]

@@ -172,21 +172,31 @@ def shard_checkpoint_weight(w: QuantizedWeight, columns: int, rows: int, what: s
                            None if w.perm is None else np.asarray(w.perm))
 
 
+def widest_format(parts: list[tuple]) -> tuple | None:
+    """The one format that holds each of `parts` ((bits, groups, scale dtype, has an offset) per
+    quantized matrix) exactly: 8-bit codes when any has them, the finest groups, f32 scales unless
+    all are f16, offsets when any has them -> (bits, groups, scale dtype, offsets); None when the
+    group counts do not all divide the finest."""
+    bits, groups = max(p[0] for p in parts), max(p[1] for p in parts)
+    if any(groups % p[1] for p in parts):
+        return None
+    dtype = np.float16 if all(np.dtype(p[2]) == np.float16 for p in parts) else np.float32
+    return bits, groups, dtype, any(p[3] for p in parts)
+
+
 def stack_stages(ws: list, what: str) -> QuantizedWeight:
     """One layer slot's checkpoint-quantized matrices on each pipeline stage -> one plain-layout
-    weight of host arrays stacked [stages, ...], in the widest of their formats (as
-    `checkpoint.concat_rows` fuses parts): 8-bit codes when any has them, the finest groups,
-    offsets when any has them, f32 scales unless all are f16; act-order rows in each stage's
-    own order (the identity where a stage has none)."""
+    weight of host arrays stacked [stages, ...], in the `widest_format` of theirs (as
+    `checkpoint.concat_rows` fuses parts); act-order rows in each stage's own order (the
+    identity where a stage has none)."""
     if not all(isinstance(w, QuantizedWeight) for w in ws):
         raise ValueError(f"{what} is quantized on some pipeline stages and float on others; run it without "
                          f"pipeline stages (or dequantize it: for a GGUF, leave `quantization` unset)")
-    bits, groups = max(w.bits for w in ws), max(w.scale.shape[-2] for w in ws)
-    if any(groups % w.scale.shape[-2] for w in ws):
+    fmt = widest_format([(w.bits, w.scale.shape[-2], w.scale.dtype, w.offset is not None) for w in ws])
+    if fmt is None:
         raise ValueError(f"{what}: groups of different sizes on different pipeline stages "
                          f"({sorted({w.shape[0] // w.scale.shape[-2] for w in ws})} rows) cannot be stacked")
-    dtype = np.float16 if all(np.asarray(w.scale).dtype == np.float16 for w in ws) else np.float32
-    with_offset = any(w.offset is not None for w in ws)
+    bits, groups, dtype, with_offset = fmt
 
     def widen(w: QuantizedWeight):
         codes, rep = _unpacked_codes(w, np), groups // w.scale.shape[-2]
