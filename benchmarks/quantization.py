@@ -86,7 +86,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="none:auto,none:bfloat16,gguf,gguf:auto:auto:int8,int8,int4,"
-                                        "int4:auto:auto:int8,w8a8,gguf:auto:int8",
+                                        "int4:auto:auto:int8,w8a8,gguf:auto:int8,gguf:auto:fp8_e4m3",
                     help="METHOD[:DTYPE[:KV[:ACT]]],...")
     ap.add_argument("--out", default=os.path.join(RESULTS, "quantization.json"))
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)

@@ -22,7 +22,7 @@ Each backend has the same small interface:
 | `native`    | CPU (default) | the C++ XLA FFI kernel (kernels/native.py), built on first use   |
 | `cpu`       | CPU           | `jnp` rows: sequences regrouped on the host into query rows     |
 | `mosaic`    | GPU (default on Hopper) | the Pallas Mosaic GPU kernel (kernels/paged_attention_mgpu.py); |
-|             |               | calls it cannot serve (f32 / int8 pages) go to the Triton kernel |
+|             |               | calls it cannot serve (f32 / int8 / fp8 pages) go to Triton      |
 | `pallas`    | GPU (default elsewhere) | the Pallas Triton kernel (kernels/paged_attention.py)  |
 | `reference` | any           | the dense `jnp` oracle (slow; for tests)                        |
 

@@ -25,7 +25,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 # jaxllm.quantization's METHODS + CHECKPOINT_METHODS (config checks import no JAX code);
 # tests/test_quantization.py checks they agree.
 QUANTIZATION_METHODS = ("int8", "int4", "w8a8", "gguf", "awq", "gptq", "none")
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8")   # "fp8": fp8_e4m3, as vLLM has it
 MAX_SPECULATIVE_TOKENS = 15     # a step verifies at most this many drafts per request
 
 
@@ -67,8 +67,9 @@ class EngineArgs:
               "on a CPU with the C++ kernels, else dequantized (see jaxllm/quantization)",
         choices=QUANTIZATION_METHODS)
     kv_cache_dtype: str = option(
-        "auto", "KV cache dtype: 'auto' (the dtype), or 'int8' (int8 codes with an f32 scale per token and "
-                "head: about half a bf16 cache, twice the sequences in the same memory)", choices=KV_CACHE_DTYPES)
+        "auto", "KV cache dtype: 'auto' (the dtype), 'int8' (int8 codes with an f32 scale per token and "
+                "head: about half a bf16 cache, twice the sequences in the same memory) or 'fp8_e4m3' ('fp8': "
+                "float8 E4M3 codes, same layout and size)", choices=KV_CACHE_DTYPES)
     max_model_len: int | None = option(None, "context length, prompt plus output (default: the model's)",
                                      metavar="TOKENS")
     max_num_seqs: int = option(128, "most sequences in one batch", metavar="N")
@@ -280,7 +281,7 @@ class SchedulerConfig:
 class CacheConfig:
     block_size: int
     num_blocks: int
-    dtype: str                      # the pages' dtype: float32, bfloat16 or int8 (kernels/kv_write.py)
+    dtype: str                      # the pages' dtype: float32, bfloat16, int8 or fp8_e4m3 (kernels/kv_write.py)
     enable_prefix_caching: bool
     num_swap_blocks: int = 0        # host pages for swapped-out requests (preemption_mode="swap")
     # Sliding windows (core/kv_cache_manager.py): pages before every query's window are freed
@@ -324,11 +325,11 @@ class EngineConfig:
 
 
 def kv_bytes_per_token(spec, dtype: str, tensor_parallel_size: int = 1) -> int:
-    """KV bytes per token over all devices, for a cache of `dtype` (a float dtype, or "int8":
-    head_dim codes and a 4-byte scale per token and head): with fewer KV heads than devices,
-    each device keeps a copy of the head its query heads use."""
+    """KV bytes per token over all devices, for a cache of `dtype` (a float dtype, or "int8" /
+    "fp8_e4m3": head_dim codes and a 4-byte scale per token and head): with fewer KV heads than
+    devices, each device keeps a copy of the head its query heads use."""
     kv_heads = max(spec.num_kv_heads, tensor_parallel_size)
-    row = spec.head_dim + 4 if dtype == "int8" else spec.head_dim * DTYPES[check_dtype(dtype)]
+    row = spec.head_dim + 4 if dtype in ("int8", "fp8_e4m3") else spec.head_dim * DTYPES[check_dtype(dtype)]
     return 2 * spec.num_layers * kv_heads * row
 
 
@@ -365,7 +366,7 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
     the device memory left after the weights; for dtype "auto", the `platform` it runs on)."""
     args.verify()
     dtype, _ = resolve_dtype(args.dtype, platform)
-    kv_dtype = dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    kv_dtype = {"auto": dtype, "fp8": "fp8_e4m3"}.get(args.kv_cache_dtype, args.kv_cache_dtype)
     max_model_len = args.max_model_len or spec.max_position_embeddings
     if max_model_len > spec.max_position_embeddings:
         raise ValueError(

@@ -32,7 +32,7 @@ def check(args, **kwargs):
         assert_matches_reference(out, args, TOL, **kwargs)
 
 
-@pytest.mark.parametrize("cache_dtype", ["float32", "uint16", "bfloat16", "int8"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "uint16", "bfloat16", "int8", "fp8"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_mixed_prefill_and_decode(cache_dtype, seed):
     check(make_batch(seed, **MIXED, cache_dtype=cache_dtype))
@@ -44,7 +44,7 @@ def test_long_prompts_span_tiles_and_chunks():
     check(make_batch(5, [1, 40, 17, 1, 3], [200, 90, 17, 65, 130], pages_per_seq=13, cache_dtype="uint16"))
 
 
-@pytest.mark.parametrize("cache_dtype", ["float32", "uint16", "int8"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "uint16", "int8", "fp8"])
 def test_sliding_window_and_soft_cap(cache_dtype):
     args = make_batch(3, [1, 40, 1, 19], [150, 90, 33, 19], pages_per_seq=10, cache_dtype=cache_dtype)
     check(args, sliding_window=20)
@@ -55,7 +55,7 @@ def test_sliding_window_and_soft_cap(cache_dtype):
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,page_size",
                          [(4, 4, 32, 8), (8, 2, 128, 32), (12, 3, 64, 16), (6, 2, 80, 16)])
-@pytest.mark.parametrize("cache_dtype", ["float32", "int8"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "int8", "fp8"])
 def test_head_groups_and_page_sizes(num_q_heads, num_kv_heads, head_dim, page_size, cache_dtype):
     # MHA with small pages, GQA 4 with head_dim 128 and pages of 32, GQA 4 at this model's
     # shapes; head_dim 80 takes the portable path (no SIMD path has code for it).
@@ -113,10 +113,10 @@ def test_rejects_unsupported_shapes():
         jax.block_until_ready(native.paged_attention_cpu(q[:, :8], *args[1:]))
 
 
-@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "int8", "fp8_e4m3"])
 def test_write_kv_stores_the_bytes_the_scatter_stores(cache_dtype):
     """The C++ KV write against kv_write.py's scatter: the same bytes in every slot (bf16
-    rounding, int8 codes and scales included), padding and out-of-range slots written nowhere,
+    rounding, int8 and fp8 codes and scales included), padding and out-of-range slots written nowhere,
     and the pages updated in place when donated."""
     from jaxllm import kernels
 
@@ -131,6 +131,9 @@ def test_write_kv_stores_the_bytes_the_scatter_stores(cache_dtype):
     v = rng.standard_normal((tokens, heads, head_dim)).astype(np.float32)
     k[2] = 0.0                       # int8: a zero row keeps a scale of 1
     k[3, 0, :4] = [0.5, 1.5, -2.5, 1e-30]     # halfway cases round to even
+    # fp8 (scale 1 with 448 the row's largest): ties between E4M3 codes, subnormal ones, one
+    # carrying into the smallest normal, -0.
+    k[4, 0, :7] = [448.0, 1.0625, 1.1875, 1.5 * 2**-9, 7.5 * 2**-9, -300.0, -0.0]
     slots = np.array([0, 5, -1, 27, 3, pages * page_size, 14, 9, 26, -5], np.int32)
     want = jax.jit(kernels.write_kv)(k_pages, v_pages, k, v, slots)
     before = [np.asarray(x).copy() for x in (k_pages, v_pages)]

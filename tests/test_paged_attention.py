@@ -62,8 +62,9 @@ def make_batch(seed, q_lens, kv_lens, *, num_q_heads=9, num_kv_heads=3, head_dim
     if cache_dtype == "float32":
         k_pages, v_pages = jnp.asarray(k), jnp.asarray(v)
         q = jnp.asarray(q)
-    elif cache_dtype == "int8":       # int8 rows (codes and a scale); q stays f32
-        k_pages, v_pages = to_storage(jnp.asarray(k), jnp.int8), to_storage(jnp.asarray(v), jnp.int8)
+    elif cache_dtype in ("int8", "fp8"):   # int8 / fp8 rows (codes and a scale); q stays f32
+        store = jnp.int8 if cache_dtype == "int8" else jnp.uint8
+        k_pages, v_pages = to_storage(jnp.asarray(k), store), to_storage(jnp.asarray(v), store)
         q = jnp.asarray(q)
     else:
         store = jnp.uint16 if cache_dtype == "uint16" else jnp.bfloat16
@@ -97,10 +98,10 @@ def assert_matches_reference(out, args, tol, **kwargs):
 MIXED = dict(q_lens=[1, 7, 1, 19, 1, 6], kv_lens=[1, 40, 33, 19, 64, 50])
 
 
-@pytest.mark.parametrize("cache_dtype", ["float32", "uint16", "int8"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "uint16", "int8", "fp8"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_mixed_prefill_and_decode(cache_dtype, seed):
-    # int8 pages: the oracle dequantizes the same pages, so the math is f32's.
+    # int8 / fp8 pages: the oracle dequantizes the same pages, so the math is f32's.
     tol = TOL["bfloat16" if cache_dtype == "uint16" else "float32"]
     check(make_batch(seed, **MIXED, cache_dtype=cache_dtype), tol)
 
@@ -121,7 +122,7 @@ def test_plain_bf16_cache_matches_uint16_storage():
     np.testing.assert_array_equal(np.asarray(out_a, np.float32), np.asarray(out_b, np.float32))
 
 
-@pytest.mark.parametrize("cache_dtype", ["float32", "uint16", "int8"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "uint16", "int8", "fp8"])
 def test_sliding_window_and_soft_cap(cache_dtype):
     tol = TOL["bfloat16" if cache_dtype == "uint16" else "float32"]
     args = make_batch(3, **MIXED, cache_dtype=cache_dtype)
@@ -153,7 +154,7 @@ def test_rejects_bad_shapes():
 def lower_kernel(num_q_heads, num_kv_heads, head_dim, cache_dtype, **kwargs):
     num_tokens, num_seqs_max, num_pages, page_size, pages_per_seq = 256, 64, 2048, 16, 128
     q_dtype = jnp.bfloat16 if cache_dtype == jnp.uint16 or cache_dtype == jnp.bfloat16 else jnp.float32
-    row = head_dim + (4 if cache_dtype == jnp.int8 else 0)        # int8 rows: codes, then the scale
+    row = head_dim + (4 if cache_dtype in (jnp.int8, jnp.uint8) else 0)   # int8 / fp8 rows: codes, then the scale
     pages = arg((num_kv_heads, num_pages, page_size, row), cache_dtype)
     args = (arg((num_tokens, num_q_heads, head_dim), q_dtype), pages, pages,
             arg((num_seqs_max,), jnp.int32), arg((num_seqs_max, pages_per_seq), jnp.int32),
@@ -161,7 +162,7 @@ def lower_kernel(num_q_heads, num_kv_heads, head_dim, cache_dtype, **kwargs):
     return lower_for_cuda(functools.partial(ragged_paged_attention, **kwargs), *args)
 
 
-@pytest.mark.parametrize("cache_dtype", [jnp.uint16, jnp.float32, jnp.int8], ids=["bf16", "f32", "int8"])
+@pytest.mark.parametrize("cache_dtype", [jnp.uint16, jnp.float32, jnp.int8, jnp.uint8], ids=["bf16", "f32", "int8", "fp8"])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128)],
                          ids=["default_model", "llama3_8b"])
 def test_lowers_for_cuda_with_triton(num_q_heads, num_kv_heads, head_dim, cache_dtype):

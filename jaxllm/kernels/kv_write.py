@@ -10,6 +10,11 @@ Pages are `[num_kv_heads, num_pages, page_size, row]`, a row per token and head:
   of its f32 scale (symmetric, max |x| / 127 per token and head); value = code * scale. One
   array per page pool, as for the float caches, so page copies and swaps move the scales with
   the codes; half a bf16 row and a quarter of an f32 one, plus 4 bytes.
+- fp8 (`kv_cache_dtype="fp8_e4m3"`): the same row layout with float8 E4M3 (OCP "e4m3fn": 4
+  exponent bits, 3 mantissa bits, largest 448, no infinities) codes, stored as their uint8 bit
+  patterns, and scale = max |x| / 448; value = code * scale. Where int8's 255 steps are even
+  over [-max, max], E4M3's are relative (about 6% apart at every magnitude down to 2^-6 of the
+  row's largest), so small entries of a row keep more of their precision and large ones less.
 """
 
 from __future__ import annotations
@@ -17,24 +22,33 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# Bytes after an int8 row's codes: its f32 scale.
+# Bytes after a quantized row's codes (int8 or fp8): its f32 scale.
 INT8_SCALE_BYTES = 4
+# The largest fp8 (E4M3) code's value: a row's largest |x| maps onto it.
+FP8_MAX = 448.0
 
 
 def cache_dtype(name: str) -> jnp.dtype:
-    """The logical dtype of a cache named as `CacheConfig.dtype` ("float32", "bfloat16", "int8")."""
-    return jnp.dtype({"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}[name])
+    """The logical dtype of a cache named as `CacheConfig.dtype` ("float32", "bfloat16", "int8",
+    "fp8_e4m3")."""
+    return jnp.dtype({"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8,
+                      "fp8_e4m3": jnp.float8_e4m3fn}[name])
 
 
 def storage_dtype(dtype) -> jnp.dtype:
-    """The dtype a cache of logical `dtype` is stored in."""
+    """The dtype a cache of logical `dtype` is stored in: bf16 as uint16 bits, fp8 as uint8 bits."""
     dtype = jnp.dtype(dtype)
-    return jnp.dtype(jnp.uint16) if dtype == jnp.bfloat16 else dtype
+    return jnp.dtype({jnp.dtype(jnp.bfloat16): jnp.uint16, jnp.dtype(jnp.float8_e4m3fn): jnp.uint8}.get(dtype, dtype))
+
+
+def quantized_rows(dtype) -> bool:
+    """Whether pages of (logical or storage) `dtype` hold codes and a scale per row (int8, fp8)."""
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8), jnp.dtype(jnp.float8_e4m3fn))
 
 
 def row_width(head_dim: int, dtype) -> int:
     """Elements of a cache row (one token, one head) in storage."""
-    return head_dim + INT8_SCALE_BYTES if jnp.dtype(dtype) == jnp.int8 else head_dim
+    return head_dim + INT8_SCALE_BYTES if quantized_rows(dtype) else head_dim
 
 
 def int8_rows(x: jax.Array, amax: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -42,36 +56,65 @@ def int8_rows(x: jax.Array, amax: jax.Array | None = None) -> tuple[jax.Array, j
     per row (1 for a zero row), or of `amax` [...] when given. The int8 KV cache's rows, and
     W8A8's activations."""
     x = x.astype(jnp.float32)
-    scale = (jnp.max(jnp.abs(x), axis=-1) if amax is None else amax) / 127.0
+    # Times the f32 reciprocal, not divided: XLA rewrites a division by a constant so, and the
+    # C++ KV write (csrc/kv_write.cc) must store the same scale.
+    scale = (jnp.max(jnp.abs(x), axis=-1) if amax is None else amax) * (1.0 / 127.0)
     scale = jnp.where(scale > 0, scale, 1.0)
     return jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8), scale
 
 
-def quantize_rows(x: jax.Array) -> jax.Array:
-    """x [..., head_dim] -> int8 rows [..., head_dim + 4]: codes and the f32 scale's bytes."""
-    codes, scale = int8_rows(x)
-    return jnp.concatenate([codes, jax.lax.bitcast_convert_type(scale, jnp.int8)], axis=-1)
+def fp8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., D] -> (E4M3 codes as uint8 bits [..., D], f32 scales [...]): a scale of
+    max |x| / 448 per row (1 for a zero row), each x / scale rounded to the nearest E4M3 value."""
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1) * (1.0 / FP8_MAX)     # as int8_rows' scale
+    scale = jnp.where(scale > 0, scale, 1.0)
+    codes = jnp.clip(x / scale[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    return jax.lax.bitcast_convert_type(codes, jnp.uint8), scale
+
+
+def fp8_bits_to_f32(bits: jax.Array) -> jax.Array:
+    """E4M3 codes as integer bits (any int dtype, 0..255) -> their f32 values, with integer ops
+    and a same-width bitcast only (what a Triton kernel can lower; exact, NaN codes excepted:
+    none is ever written). A normal code's exponent and mantissa bits, shifted into an f32's and
+    rebiased (7 -> 127), are its value; the subnormals (exponent 0) are mantissa * 2^-9."""
+    bits = bits.astype(jnp.int32) & 0xFF
+    mag = bits & 0x7F
+    normal = jax.lax.bitcast_convert_type((mag << 20) + (120 << 23), jnp.float32)
+    value = jnp.where(mag < 8, mag.astype(jnp.float32) * 2.0**-9, normal)
+    return jnp.where(bits >= 0x80, -value, value)
+
+
+def quantize_rows(x: jax.Array, dtype=jnp.int8) -> jax.Array:
+    """x [..., head_dim] -> rows [..., head_dim + 4] of `dtype`'s storage: the codes (int8, or
+    fp8 E4M3 bits as uint8), then the bytes of the f32 scale."""
+    codes, scale = fp8_rows(x) if jnp.dtype(dtype) != jnp.int8 else int8_rows(x)
+    return jnp.concatenate([codes, jax.lax.bitcast_convert_type(scale, codes.dtype)], axis=-1)
 
 
 def int8_row_scales(rows: jax.Array) -> jax.Array:
-    """int8 rows [..., head_dim + 4] -> their f32 scales [...]."""
+    """Quantized rows [..., head_dim + 4] (int8 or fp8) -> their f32 scales [...]."""
     return jax.lax.bitcast_convert_type(rows[..., -INT8_SCALE_BYTES:], jnp.float32)
 
 
 def logical_pages(pages: jax.Array) -> jax.Array:
-    """View stored pages (or a gather of them) in their logical dtype (int8: dequantized to f32)."""
+    """View stored pages (or a gather of them) in their logical dtype (int8 and fp8: dequantized
+    to f32)."""
     if pages.dtype == jnp.uint16:
         return jax.lax.bitcast_convert_type(pages, jnp.bfloat16)
     if pages.dtype == jnp.int8:
         return pages[..., :-INT8_SCALE_BYTES].astype(jnp.float32) * int8_row_scales(pages)[..., None]
+    if pages.dtype == jnp.uint8:
+        codes = jax.lax.bitcast_convert_type(pages[..., :-INT8_SCALE_BYTES], jnp.float8_e4m3fn)
+        return codes.astype(jnp.float32) * int8_row_scales(pages)[..., None]
     return pages
 
 
 def to_storage(x: jax.Array, storage: jnp.dtype) -> jax.Array:
     if storage == jnp.uint16:
         return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
-    if storage == jnp.int8:
-        return quantize_rows(x)
+    if quantized_rows(storage):
+        return quantize_rows(x, storage)
     return x.astype(storage)
 
 

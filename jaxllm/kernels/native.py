@@ -331,7 +331,8 @@ def paged_attention_cpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, n
                         sm_scale=None, sliding_window=None, logits_soft_cap=None, path="auto"):
     """Ragged paged attention on XLA:CPU (contract: `ragged_paged_attention_reference`).
 
-    q is computed in float32; pages are float32 or bf16 stored as uint16 (kv_write.py). The
+    q is computed in float32; pages are float32, bf16 stored as uint16, or int8 or fp8 (uint8 bits)
+    rows of codes and scales (kv_write.py). The
     result has q's dtype. `path` ("auto", or one of `kernel_paths()`) is the widest code path
     the kernel may take; a shape a path has no code for falls back to a narrower one.
     """

@@ -6,7 +6,8 @@ of many sequences, each attending causally to its own paged KV cache.
     q:            [T, num_q_heads, head_dim]     (rows past cu_q_lens[num_seqs] are padding)
     k_pages:      [num_kv_heads, num_pages, page_size, head_dim]   (same for v_pages)
                   float32, bfloat16, or bfloat16 stored as uint16 bit patterns; or int8 rows
-                  [..., head_dim + 4], codes then the f32 scale's bytes (kv_write.py)
+                  [..., head_dim + 4], codes then the f32 scale's bytes, or the same rows of
+                  fp8 (E4M3) codes stored as uint8 bit patterns (kv_write.py)
     kv_lens:      [S] int32   tokens in each sequence's cache, this step's included
     block_tables: [S, pages_per_seq] int32
     cu_q_lens:    [S + 1] int32   sequence s owns rows cu_q_lens[s]:cu_q_lens[s+1] of q
@@ -50,7 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxllm.kernels.kv_write import INT8_SCALE_BYTES, logical_pages
+from jaxllm.kernels.kv_write import INT8_SCALE_BYTES, fp8_bits_to_f32, logical_pages, quantized_rows
 
 NEG_INF = -1e30
 
@@ -69,15 +70,18 @@ def dot_precision():
 
 def _load_rows(pages_ref, page_ids, head_dim: int):
     """Pages `page_ids` of a KV head as [pages, page_size, head_dim] in their logical dtype; int8
-    rows dequantized, each scale assembled from its 4 bytes (Triton has no narrowing bitcast)."""
-    if pages_ref.dtype != jnp.int8:
+    and fp8 rows dequantized, each scale assembled from its 4 bytes (Triton has no narrowing
+    bitcast), fp8 codes decoded with integer ops (`fp8_bits_to_f32`)."""
+    if not quantized_rows(pages_ref.dtype):
         return logical_pages(pages_ref[page_ids])
     bits = None
     for j in range(INT8_SCALE_BYTES):
         byte = pages_ref[page_ids, :, head_dim + j].astype(jnp.int32) & 0xFF
         bits = byte if bits is None else bits | (byte << (8 * j))
     scale = lax.bitcast_convert_type(bits, jnp.float32)
-    return pages_ref[page_ids, :, pl.ds(0, head_dim)].astype(jnp.float32) * scale[..., None]
+    codes = pages_ref[page_ids, :, pl.ds(0, head_dim)]
+    codes = fp8_bits_to_f32(codes) if pages_ref.dtype == jnp.uint8 else codes.astype(jnp.float32)
+    return codes * scale[..., None]
 
 
 def _ragged_paged_attention_kernel(
@@ -172,7 +176,7 @@ def check_shapes(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens) -> None:
     if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
         raise ValueError(f"k_pages {k_pages.shape} {k_pages.dtype} and v_pages "
                          f"{v_pages.shape} {v_pages.dtype} must match")
-    if row != head_dim + (INT8_SCALE_BYTES if k_pages.dtype == jnp.int8 else 0):
+    if row != head_dim + (INT8_SCALE_BYTES if quantized_rows(k_pages.dtype) else 0):
         raise ValueError(f"q head_dim {head_dim} does not match the cache rows ({row}, {k_pages.dtype})")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
@@ -235,10 +239,10 @@ def ragged_paged_attention(
     tile_keys = pages_per_tile * page_size
     sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
 
-    if k_pages.dtype not in (jnp.float32, jnp.bfloat16, jnp.uint16, jnp.int8):
+    if k_pages.dtype not in (jnp.float32, jnp.bfloat16, jnp.uint16, jnp.int8, jnp.uint8):
         raise ValueError(f"cache dtype {k_pages.dtype} must be float32, bfloat16, uint16 "
-                         "(bfloat16 bit patterns) or int8 (codes and scales)")
-    # Both dot operands in the cache's logical dtype (int8: dequantized to float32);
+                         "(bfloat16 bit patterns), int8 or uint8 (int8 / fp8 codes and scales)")
+    # Both dot operands in the cache's logical dtype (int8, fp8: dequantized to float32);
     # accumulation is float32 either way.
     compute_dtype = jnp.bfloat16 if k_pages.dtype in (jnp.bfloat16, jnp.uint16) else jnp.float32
 

@@ -6,8 +6,8 @@ batch of decodes and prefill chunks over the paged KV cache.
 
 Why a second GPU kernel: Pallas' Triton backend is deprecated from jax 0.11; Mosaic GPU is
 JAX's own GPU kernel language from then on. The Triton kernel stays for what this one does
-not cover (see `unsupported`): float32 and int8 caches (an int8 row of head_dim + 4 bytes is
-not 16-byte aligned, which TMA needs), pre-Hopper GPUs.
+not cover (see `unsupported`): float32, int8 and fp8 caches (a quantized row of head_dim + 4 bytes
+is not 16-byte aligned, which TMA needs), pre-Hopper GPUs.
 
 Work partition (as the Triton kernel's): the query heads sharing a KV head (`group`, padded to
 a power of two) are folded into the rows of one 64-row tile (one warpgroup's MMA height), so

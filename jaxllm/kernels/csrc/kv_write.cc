@@ -8,8 +8,11 @@
 //
 // Storage formats (kv_write.py): f32 rows; bf16 as uint16 bits, rounded to nearest even as
 // XLA's convert does; int8 rows of head_dim codes then the 4 bytes of their f32 scale,
-// symmetric, scale = max |x| / 127 (1 for a zero row), code = clip(round-half-even(x / scale)).
-// The divisions are done in double and rounded to f32: under -ffast-math that is still the
+// symmetric, scale = max |x| * f32(1 / 127) (1 for a zero row; XLA multiplies by the reciprocal
+// where a division by a constant is written), code = clip(round-half-even(x / scale)); fp8 rows
+// the same with E4M3 codes (u8 bits), scale = max |x| * f32(1 / 448), code = x / scale clipped to
+// +-448 and rounded to the nearest E4M3 value, ties to even, as XLA's convert rounds. The
+// divisions x / scale are done in double and rounded to f32: under -ffast-math that is still the
 // correctly rounded f32 quotient that XLA computes, so the codes match the jnp write exactly.
 
 #include <algorithm>
@@ -34,6 +37,22 @@ inline uint16_t to_bf16_bits(float x) {
 
 inline float div_f32(float a, float b) { return static_cast<float>(static_cast<double>(a) / static_cast<double>(b)); }
 
+// The E4M3 code nearest x (|x| <= 448), ties to even. Below 2^-6 (the smallest normal, code 8)
+// the codes step by 2^-9, so the code is x * 2^9 rounded; above, the f32's top 3 mantissa bits,
+// rounded at the bits below them, carry into the exponent as they should, and the exponent is
+// rebiased (127 -> 7).
+inline uint8_t to_e4m3_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  u &= 0x7fffffffu;
+  float mag;
+  std::memcpy(&mag, &u, sizeof mag);
+  if (mag < 0x1p-6f) return sign | static_cast<uint8_t>(std::nearbyint(mag * 512.f));
+  u += 0x7ffffu + ((u >> 20) & 1u);
+  return sign | static_cast<uint8_t>((u >> 20) - (120u << 3));
+}
+
 // One row of `d` floats into its slot's row of storage `kind`.
 void store_row(const float* x, int64_t d, ffi::DataType kind, void* dst) {
   if (kind == ffi::F32) {
@@ -41,14 +60,17 @@ void store_row(const float* x, int64_t d, ffi::DataType kind, void* dst) {
   } else if (kind == ffi::U16) {
     auto* out = static_cast<uint16_t*>(dst);
     for (int64_t i = 0; i < d; ++i) out[i] = to_bf16_bits(x[i]);
-  } else {  // S8: codes, then the scale's bytes
+  } else {  // S8 (int8) or U8 (fp8 bits): codes, then the scale's bytes
+    const float top = kind == ffi::S8 ? 127.0f : 448.0f;
     float amax = 0.0f;
     for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
-    float scale = div_f32(amax, 127.0f);
+    float scale = amax * static_cast<float>(1.0 / top);
     if (!(scale > 0.0f)) scale = 1.0f;
-    auto* out = static_cast<int8_t*>(dst);
-    for (int64_t i = 0; i < d; ++i)
-      out[i] = static_cast<int8_t>(std::clamp(std::nearbyint(div_f32(x[i], scale)), -127.0f, 127.0f));
+    auto* out = static_cast<uint8_t*>(dst);
+    for (int64_t i = 0; i < d; ++i) {
+      const float v = std::clamp(div_f32(x[i], scale), -top, top);
+      out[i] = kind == ffi::S8 ? static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(v))) : to_e4m3_bits(v);
+    }
     std::memcpy(out + d, &scale, sizeof scale);
   }
 }
@@ -61,14 +83,15 @@ ffi::Error WriteKvImpl(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyB
   const auto kind = k_pages.element_type();
   if (pd.size() != 4 || nd.size() != 3 || v_pages.dimensions().size() != 4 || v_new.dimensions().size() != 3)
     return ffi::Error::InvalidArgument("write_kv: pages must be [heads, pages, page_size, row], new rows [T, heads, D]");
-  if ((kind != ffi::F32 && kind != ffi::U16 && kind != ffi::S8) || v_pages.element_type() != kind ||
+  const bool quantized = kind == ffi::S8 || kind == ffi::U8;
+  if ((kind != ffi::F32 && kind != ffi::U16 && !quantized) || v_pages.element_type() != kind ||
       v_pages.element_count() != k_pages.element_count())
-    return ffi::Error::InvalidArgument("write_kv: pages must both be f32, u16 (bf16 bits) or s8, alike");
+    return ffi::Error::InvalidArgument("write_kv: pages must both be f32, u16 (bf16 bits), s8 or u8 (fp8 bits), alike");
   if (k_new.element_type() != ffi::F32 || v_new.element_type() != ffi::F32 || v_new.element_count() != k_new.element_count())
     return ffi::Error::InvalidArgument("write_kv: new keys and values must both be f32, alike");
   const int64_t heads = pd[0], num_slots = pd[1] * pd[2], row = pd[3];
   const int64_t tokens = nd[0], d = nd[2];
-  if (nd[1] != heads || row != d + (kind == ffi::S8 ? 4 : 0) || slot_mapping.element_count() != tokens)
+  if (nd[1] != heads || row != d + (quantized ? 4 : 0) || slot_mapping.element_count() != tokens)
     return ffi::Error::InvalidArgument("write_kv: heads, head_dim or tokens do not match the pages");
   // In place: XLA hands the pages' buffers back as the outputs (input_output_aliases).
   if (k_out->untyped_data() != k_pages.untyped_data() || v_out->untyped_data() != v_pages.untyped_data())

@@ -131,6 +131,8 @@ void attend(const PagedAttentionArgs& a, const WorkItem& item, Scratch& s) {
     attend_portable<uint16_t>(a, item, s);
   else if (a.kv_type == kKvInt8)
     attend_portable<int8_t>(a, item, s);
+  else if (a.kv_type == kKvFp8)
+    attend_portable<uint8_t>(a, item, s);
   else
     attend_portable<float>(a, item, s);
 }
@@ -180,11 +182,12 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   if (qd.size() != 3 || kd.size() != 4 || block_tables.dimensions().size() != 2)
     return ffi::Error::InvalidArgument("paged attention: bad ranks");
   const auto kv = k_pages.element_type();
-  if (kv != v_pages.element_type() || (kv != ffi::U16 && kv != ffi::F32 && kv != ffi::S8) ||
+  const bool quantized = kv == ffi::S8 || kv == ffi::U8;
+  if (kv != v_pages.element_type() || (kv != ffi::U16 && kv != ffi::F32 && !quantized) ||
       v_pages.dimensions().size() != 4 || v_pages.element_count() != k_pages.element_count())
-    return ffi::Error::InvalidArgument("paged attention: pages must both be u16 (bf16 bits), f32 or s8, alike");
-  if (kd[3] != qd[2] + (kv == ffi::S8 ? 4 : 0))
-    return ffi::Error::InvalidArgument("paged attention: a cache row must be head_dim wide (int8: head_dim + 4)");
+    return ffi::Error::InvalidArgument("paged attention: pages must both be u16 (bf16 bits), f32, s8 or u8 (fp8 bits), alike");
+  if (kd[3] != qd[2] + (quantized ? 4 : 0))
+    return ffi::Error::InvalidArgument("paged attention: a cache row must be head_dim wide (int8, fp8: head_dim + 4)");
   if (kd[0] <= 0 || kd[2] <= 0 || qd[1] <= 0 || qd[2] <= 0)
     return ffi::Error::InvalidArgument("paged attention: needs kv heads, page size, q heads and head_dim > 0");
   PagedAttentionArgs a;
@@ -206,7 +209,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   a.num_pages = kd[1];
   a.page_size = kd[2];
   a.pages_per_seq = block_tables.dimensions()[1];
-  a.kv_type = kv == ffi::U16 ? kKvBf16 : kv == ffi::S8 ? kKvInt8 : kKvF32;
+  a.kv_type = kv == ffi::U16 ? kKvBf16 : kv == ffi::S8 ? kKvInt8 : kv == ffi::U8 ? kKvFp8 : kKvF32;
   a.row_stride = kd[3];
   a.sm_scale = sm_scale;
   a.soft_cap = soft_cap;

@@ -33,16 +33,18 @@ constexpr int kMaxHeadDim = 256;
 constexpr int kMaxRows = 64;        // tile tokens x query heads per kv head, at most
 constexpr float kNegInf = -1e30f;   // masked score (finite: -inf - -inf would be NaN)
 
-// What the pages hold: f32, bf16 bits (u16), or int8 codes with a scale per row (kv_write.py:
-// row = head_dim int8 codes, then the row's f32 scale as 4 bytes; value = code * scale).
-enum KvType : int32_t { kKvF32 = 0, kKvBf16 = 1, kKvInt8 = 2 };
+// What the pages hold: f32, bf16 bits (u16), or int8 or fp8 E4M3 (u8 bits) codes with a scale
+// per row (kv_write.py: row = head_dim codes, then the row's f32 scale as 4 bytes; value =
+// code * scale). A template's KV type is the element: float, uint16_t, int8_t or uint8_t.
+enum KvType : int32_t { kKvF32 = 0, kKvBf16 = 1, kKvInt8 = 2, kKvFp8 = 3 };
 
 // The kernel's inputs, checked by the FFI handler. T = query tokens (padding included),
 // S = sequence slots (the first num_seqs in use).
 struct PagedAttentionArgs {
   const float* q;               // [T, num_q_heads, head_dim] f32
   const void* k_pages;          // [num_kv_heads, num_pages, page_size, row] u16 (bf16 bits) or f32 (row =
-                                //   head_dim), or s8 (row = head_dim codes, then the f32 scale's 4 bytes)
+                                //   head_dim), or s8 / u8 (fp8 bits) (row = head_dim codes, then the f32
+                                //   scale's 4 bytes)
   const void* v_pages;          // same as k_pages
   const int32_t* kv_lens;       // [S] s32: tokens in each sequence's cache, this step's included
   const int32_t* block_tables;  // [S, pages_per_seq] s32: page ids of each sequence's tokens
@@ -56,7 +58,7 @@ struct PagedAttentionArgs {
   int64_t q_heads_per_kv_head;  // G = num_q_heads / num_kv_heads
   int64_t tile_tokens;          // query tokens per work item: min(16, kMaxRows / G)
   int32_t kv_type;              // a KvType: what the pages hold
-  int64_t row_stride;           // elements of a cache row: head_dim, or head_dim + 4 for int8
+  int64_t row_stride;           // elements of a cache row: head_dim, or head_dim + 4 for int8 / fp8
   float sm_scale;               // scores are sm_scale * (q . k)
   float soft_cap;               // 0: none; else scores become soft_cap * tanh(score / soft_cap)
   int32_t sliding_window;       // 0: none; else a query at position p sees keys p - window + 1 .. p
@@ -142,7 +144,7 @@ inline const KV* kv_row(const PagedAttentionArgs& a, const KV* pages, const int3
   return pages + ((kv_head * a.num_pages + block_table[pos / P]) * P + pos % P) * a.row_stride;
 }
 
-// The scale of an int8 cache row (1 for float rows).
+// The scale of an int8 or fp8 cache row (1 for float rows).
 template <typename KV>
 inline float row_scale(const PagedAttentionArgs& a, const KV* row) {
   if constexpr (sizeof(KV) == 1) {

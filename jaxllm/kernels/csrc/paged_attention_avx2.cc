@@ -14,7 +14,7 @@
 // kernel with each sequence's pages consecutive, ~2% with pages in random order, against one
 // burst of the whole next chunk into L2 at each chunk's start, which there was no faster than
 // no prefetch at all: the core stalls on the burst.) AVX-512 builds also keep this path for
-// the head sizes their own path has no code for, and for int8 caches: there a key row's scale
+// the head sizes their own path has no code for, and for int8 and fp8 caches: there a key row's scale
 // multiplies its scores after the dot, and a value row's scale its softmax weights before P @ V.
 
 #include <algorithm>
@@ -158,8 +158,9 @@ void chunk_pv(const PagedAttentionArgs& a, float (*acc)[kMaxHeadDim], const floa
   }
 }
 
-// scores[r][j] *= the scale of int8 row rows[j], for M rows and n keys.
-inline void scale_columns(const PagedAttentionArgs& a, const int8_t* const* rows, float (*scores)[kChunkKeys], int M,
+// scores[r][j] *= the scale of quantized row rows[j] (int8 or fp8), for M rows and n keys.
+template <typename KV>
+inline void scale_columns(const PagedAttentionArgs& a, const KV* const* rows, float (*scores)[kChunkKeys], int M,
                           int n) {
   float scale[kChunkKeys];
   for (int j = 0; j < n; ++j) scale[j] = row_scale(a, rows[j]);
@@ -226,6 +227,8 @@ bool attend_avx2(const PagedAttentionArgs& a, const WorkItem& item, Scratch& s) 
     attend_avx2_item<uint16_t>(a, item, s);
   else if (a.kv_type == kKvInt8)
     attend_avx2_item<int8_t>(a, item, s);
+  else if (a.kv_type == kKvFp8)
+    attend_avx2_item<uint8_t>(a, item, s);
   else
     attend_avx2_item<float>(a, item, s);
   return true;

@@ -225,7 +225,7 @@ bool attend_avx512_head_dim(const PagedAttentionArgs& a, const WorkItem& item, S
 }  // namespace
 
 bool attend_avx512(const PagedAttentionArgs& a, const WorkItem& item, Scratch& s) {
-  if (a.kv_type == kKvInt8) return false;  // the AVX2 path reads int8 rows
+  if (a.kv_type == kKvInt8 || a.kv_type == kKvFp8) return false;  // the AVX2 path reads quantized rows
   switch (a.head_dim) {
     case 32: return attend_avx512_head_dim<2>(a, item, s);
     case 64: return attend_avx512_head_dim<4>(a, item, s);

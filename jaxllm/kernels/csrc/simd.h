@@ -1,5 +1,5 @@
-// The kernels' code paths (KernelPath) and named SIMD helpers: bf16 -> f32 widening (scalar,
-// and 8 or 16 at a time), a polynomial exp (8 or 16 wide), a 16x16 word transpose, a 4-way
+// The kernels' code paths (KernelPath) and named SIMD helpers: bf16 (and fp8 E4M3) -> f32 widening
+// (scalar, and 8 or 16 at a time), a polynomial exp (8 or 16 wide), a 16x16 word transpose, a 4-way
 // horizontal sum, and row reductions (max, sum of exp). The 16-wide helpers exist only under `#ifdef __AVX512F__`,
 // the 8-wide ones under `#ifdef __AVX2__` (with FMA), beside the scalar to_f32 of the portable
 // path; max_of and sum_exp run the widest loop the build has and a scalar loop for the rest of
@@ -55,6 +55,18 @@ inline float to_f32(uint16_t bf16_bits) {
 }
 inline float to_f32(float x) { return x; }
 inline float to_f32(int8_t code) { return static_cast<float>(code); }
+// An fp8 E4M3 ("e4m3fn") code: a normal code's exponent and mantissa bits, shifted into an
+// f32's and rebiased (7 -> 127), are its value; subnormals (exponent 0) are mantissa * 2^-9.
+// Exact for every code but NaN (0x7f, 0xff), which the KV write never stores.
+inline float to_f32(uint8_t e4m3) {
+  const uint32_t mag = e4m3 & 0x7fu;
+  float f = static_cast<float>(mag) * 0x1p-9f;
+  if (mag >= 8) {
+    const uint32_t u = (mag << 20) + (120u << 23);
+    std::memcpy(&f, &u, sizeof f);
+  }
+  return e4m3 & 0x80u ? -f : f;
+}
 
 #ifdef __AVX512F__
 // 16 consecutive cache elements (bf16 bits or f32) as 16 f32.
@@ -120,6 +132,16 @@ inline __m256 load_f32x8(const uint16_t* bf16_bits) {
 inline __m256 load_f32x8(const float* x) { return _mm256_loadu_ps(x); }
 inline __m256 load_f32x8(const int8_t* codes) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes))));
+}
+// 8 fp8 E4M3 codes as 8 f32, as to_f32(uint8_t) decodes one.
+inline __m256 load_f32x8(const uint8_t* e4m3) {
+  const __m256i bits = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(e4m3)));
+  const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7f));
+  const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(0x1p-9f));
+  const __m256 value = _mm256_blendv_ps(normal, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag)));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_or_ps(value, _mm256_castsi256_ps(sign));
 }
 
 // e^x for x <= 0 (and -1e30 -> 0): exp_f32x16's reduction and polynomial, 8 wide; 2^n is built
