@@ -226,7 +226,7 @@ def main(argv=None):
     if args.smoke:
         gpu_quant.WARM_S = 0.0
         shape = SMOKE
-        args.contexts, args.batch, args.repeat, args.num_prompts = [100], 3, 1, 4
+        args.contexts, args.batch, args.repeat, args.num_prompts = [40], 3, 1, 4
     elif args.interpret:
         raise SystemExit("no GPU here: run with --smoke (tiny shapes in interpret mode), or on a GPU")
     label = f"{device.device_kind} (compute capability {getattr(device, 'compute_capability', '-')})"

@@ -41,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxllm import kernels  # noqa: E402
-from jaxllm.kernels.kv_write import storage_dtype, to_storage  # noqa: E402
+from jaxllm.kernels.kv_write import cache_dtype, row_width, storage_dtype, to_storage  # noqa: E402
 from jaxllm.attention import BACKENDS  # noqa: E402
 
 
@@ -65,7 +65,7 @@ def make_case(rng, q_lens, kv_lens, args):
     pages_per_seq = max(args.table_pages or 0, -(-max(kv_lens) // page))
     num_seqs = len(q_lens)
     num_pages = 1 + num_seqs * pages_per_seq          # page 0 is the engine's scratch page
-    store = storage_dtype(args.dtype)
+    store = storage_dtype(cache_dtype(args.dtype))
     shape = (args.num_kv_heads, num_pages, page, args.head_dim)
     k_pages = to_storage(jnp.asarray(rng.standard_normal(shape, np.float32)), store)
     v_pages = to_storage(jnp.asarray(rng.standard_normal(shape, np.float32)), store)
@@ -110,7 +110,8 @@ def measure(kind: str, q_lens: list[int], kv_lens: list[int], args, rng) -> dict
         row[f"{name}_ms"] = median_time(fn, args.repeat, args.min_seconds) * 1e3
         row[f"{name}_max_abs_diff"] = float(jnp.max(jnp.abs(fn().astype(jnp.float32) - want)))
     # KV bytes each query token's sequence reads once (K and V), over the measured time.
-    kv_bytes = sum(kv_lens) * 2 * args.num_kv_heads * args.head_dim * (2 if args.dtype == "bfloat16" else 4)
+    store = storage_dtype(cache_dtype(args.dtype))
+    kv_bytes = sum(kv_lens) * 2 * args.num_kv_heads * row_width(args.head_dim, store) * store.itemsize
     row["native_gb_s"] = kv_bytes / row["native_ms"] / 1e6
     print(f"{kind:8s} batch {row['batch']:4d} tokens {num_tokens:4d} ctx {row['mean_context']:5.0f}/{row['context']:5d}: "
           + "  ".join(f"{n} {row[f'{n}_ms']:8.3f} ms" for n in IMPLS)
@@ -131,7 +132,8 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--table-pages", type=int, default=None, help="block-table width (default: the context's pages)")
-    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="KV cache dtype")
+    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "int8", "fp8_e4m3"),
+                    help="KV cache dtype (int8, fp8_e4m3: codes and a scale per row, as the engine stores them)")
     ap.add_argument("--repeat", type=int, default=10, help="least timed calls per case")
     ap.add_argument("--min-seconds", type=float, default=1.0, help="least time per case")
     ap.add_argument("--seed", type=int, default=0)

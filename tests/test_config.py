@@ -114,7 +114,7 @@ def test_engine_logs_the_dtype_auto_picks_and_loads_in_it(tiny_model_dir, tmp_pa
 
     expected = "bfloat16" if lscpu_flags() & {"avx512_bf16", "amx_bf16"} else "float32"
     with caplog.at_level(logging.INFO, logger="jaxllm"):
-        llm = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "dtype": "auto"}, warmup=False,
+        llm = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "dtype": "auto"},
                   params_cache_dir=str(tmp_path / "params"))
     assert llm.engine.config.dtype == expected
     # Matrices in the picked dtype (packed or not); norms and biases stay float32 (load_model).

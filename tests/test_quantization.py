@@ -390,7 +390,7 @@ def test_quantized_kv_cache_engine(tiny_model_dir, kv_dtype, storage):
     # read what the KV write stored), and the float cache's first tokens kept. (Swaps and
     # sharding of quantized pages: tests/test_sharding.py.)
     greedy = SamplingParams(max_tokens=16, temperature=0.0, logprobs=3)
-    native_llm = LLM(tiny_model_dir, kv_cache_dtype=kv_dtype, warmup=False, **TINY_ENGINE_ARGS)
+    native_llm = LLM(tiny_model_dir, kv_cache_dtype=kv_dtype, **TINY_ENGINE_ARGS)
     out = native_llm.generate(PROMPTS, greedy, use_tqdm=False)
     float_llm = offline_llm(tiny_model_dir)
     spec, cache = native_llm.engine.spec, native_llm.engine.config.cache
@@ -401,8 +401,7 @@ def test_quantized_kv_cache_engine(tiny_model_dir, kv_dtype, storage):
     ratio = cache.num_blocks / float_llm.engine.config.cache.num_blocks
     assert ratio == pytest.approx(4 * spec.head_dim / (spec.head_dim + 4), rel=1e-3)
     del native_llm
-    oracle = LLM(tiny_model_dir, kv_cache_dtype=kv_dtype, attention_backend="reference", warmup=False,
-                 **TINY_ENGINE_ARGS)
+    oracle = LLM(tiny_model_dir, kv_cache_dtype=kv_dtype, attention_backend="reference", **TINY_ENGINE_ARGS)
     for a, b in zip(out, oracle.generate(PROMPTS, greedy, use_tqdm=False)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         np.testing.assert_allclose(a.outputs[0].cumulative_logprob, b.outputs[0].cumulative_logprob, rtol=1e-4)

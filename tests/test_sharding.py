@@ -1,7 +1,7 @@
 """Tensor, pipeline and data parallelism on 4 virtual CPU devices (tests/sharding_worker.py, in
 a subprocess so the other tests keep one device): TP 2, TP 4 (fewer KV heads than shards:
 replicated groups), DP 2, PP 2, PP 4 (on a 4-layer model) and TP 2 x PP 2 (also on a caller's
-Mesh) generate exactly what one device does (float32 greedy, 32 requests, chunked prefill and
+Mesh) generate exactly what one device does (float32 greedy, 16 requests, chunked prefill and
 preemption; TP x DP: the server test below);
 each device holds 1/(tp * pp) of the split weights and of its replica's KV pages; data-parallel
 replicas share the requests."""

@@ -85,7 +85,7 @@ class OracleProposer(Proposer):
 
 @pytest.fixture(scope="module")
 def spec_llm(tiny_model_dir):
-    return LLM(tiny_model_dir, **TINY_ENGINE_ARGS, speculative_config=SPEC)
+    return LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "warmup": True}, speculative_config=SPEC)   # the compile count below
 
 
 def test_greedy_with_speculation_equals_without(llm, spec_llm, monkeypatch):

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 
-# Small engine settings that keep warm-up quick; tests share them with the offline reference.
-# Every shape compiled before the engine returns (the default compiles in the background): the
-# compile guards count compilations process-wide, and tests/test_executables.py covers the default.
+# Small engine settings; tests share them with the offline reference. No warm-up: each step
+# shape compiles when first used, so a test compiles only the shapes it runs (on CI's cold
+# caches, warming every bucket of every engine up was minutes of the suite). The tests of
+# warm-up itself (the compile guards, which count compilations process-wide; warm starts;
+# tests/test_executables.py) ask for it, in the foreground (the default compiles in the background).
 TINY_ENGINE_ARGS = dict(dtype="float32", max_num_seqs=32, max_num_batched_tokens=128, max_model_len=512,
-                        kv_cache_memory=16 << 20, background_compile=False)
+                        kv_cache_memory=16 << 20, background_compile=False, warmup=False)
 
 _llms: dict[str, object] = {}
 
@@ -45,11 +47,11 @@ def build_tiny_model(path: str, num_layers: int = 2) -> str:
 
 
 def tiny_engine_flags() -> list[str]:
-    """TINY_ENGINE_ARGS as `jaxllm` command-line flags (but a server keeps the default,
-    compiling in the background: it runs in a process of its own)."""
+    """TINY_ENGINE_ARGS as `jaxllm` command-line flags (but a server keeps the default, warming
+    up in the background: it runs in a process of its own)."""
     flags = []
     for name, value in TINY_ENGINE_ARGS.items():
-        if name != "background_compile":
+        if name not in ("background_compile", "warmup"):
             flags += [f"--{name.replace('_', '-')}", str(value)]
     return flags
 
