@@ -155,6 +155,11 @@ class EngineArgs:
             raise ValueError(f"process_id must be in [0, num_processes), got {self.process_id} of {self.num_processes}")
         if self.num_processes > 1 and self.preemption_mode == "swap":
             raise ValueError("preemption_mode='swap' is not supported over several processes; use 'recompute'")
+        if self.num_processes > 1 and not self.warmup:
+            # A step compiled on first use puts its inputs on the global devices while the other
+            # processes wait in the step broadcast: the processes would wait on each other.
+            raise ValueError("warmup=False is not supported over several processes: they compile every step "
+                             "together at start-up")
         if self.mesh is not None:
             shape = dict(self.mesh.shape)
             want = (self.data_parallel_size, self.pipeline_parallel_size, self.tensor_parallel_size)

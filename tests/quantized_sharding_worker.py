@@ -40,7 +40,7 @@ def main() -> int:
         for tp, pp in ((1, 1), (2, 1)) + (((1, 2),) if name != "awq" else ()):
             key = f"{name}:{tp}x{pp}"
             try:
-                llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, warmup=False,
+                llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                           params_cache_dir=os.path.join(work, "params"),
                           quantization="gguf" if name == "gguf" else None, **TINY_ENGINE_ARGS)
             except ValueError as e:

@@ -48,6 +48,7 @@ def test_swap_space_only_with_swap_preemption():
     (dict(kv_cache_memory=8 * GiB), 4 * GiB, "exceeds"),
     (dict(preemption_mode="swap", swap_space=0), None, "swap_space > 0"),
     (dict(preemption_mode="later"), None, "preemption_mode"),
+    (dict(num_processes=2, warmup=False), None, "warmup=False is not supported over several processes"),
     (dict(attention_backend="triton"), None, "attention_backend"),
     (dict(dtype="float16"), None, "dtype"),
     (dict(max_model_len=4096), None, "max_position_embeddings"),

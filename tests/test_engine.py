@@ -9,7 +9,7 @@ import transformers
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.runner.compile import no_compile_guard
-from tiny_model import TINY_ENGINE_ARGS
+from tiny_model import TINY_ENGINE_ARGS, WARM_ENGINE_ARGS
 
 PROMPTS = [
     "Hello, my name is",
@@ -275,7 +275,7 @@ def test_bad_requests_rejected_and_others_unaffected(llm):
 
 
 def test_no_recompilation_after_warmup(tiny_model_dir):
-    llm = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "warmup": True})  # fresh: the first requests after warm-up count too
+    llm = LLM(tiny_model_dir, **WARM_ENGINE_ARGS)  # fresh: the first requests after warm-up count too
     params = [greedy(3), SamplingParams(temperature=0.8, top_k=5, max_tokens=20, logprobs=2),
               SamplingParams(temperature=1.0, presence_penalty=0.5, repetition_penalty=1.2, max_tokens=7),
               greedy(30), SamplingParams(temperature=0.5, min_p=0.1, seed=3, max_tokens=12, n=2)]

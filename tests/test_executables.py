@@ -14,7 +14,7 @@ import numpy as np
 from jaxllm import LLM, SamplingParams
 from jaxllm.runner.compile import no_compile_guard
 from jaxllm.runner.executables import ExecutableStore
-from tiny_model import TINY_ENGINE_ARGS
+from tiny_model import TINY_ENGINE_ARGS, WARM_ENGINE_ARGS
 
 PROMPTS = ["Hello there", "The capital of France is", "def fibonacci(n):" * 9]
 
@@ -33,13 +33,13 @@ def _files(directory):
 
 def test_a_warm_start_loads_every_step_and_gives_the_same_tokens(tiny_model_dir, tmp_path, caplog):
     cache = str(tmp_path)
-    cold = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "warmup": True}, compilation_cache_dir=cache)
+    cold = LLM(tiny_model_dir, **WARM_ENGINE_ARGS, compilation_cache_dir=cache)
     buckets = len(cold.engine.runner.buckets)
     assert cold.engine.runner.steps.loaded == 0 and len(_files(cache)) == buckets
     expected = token_ids(cold.generate(PROMPTS, greedy(12), use_tqdm=False))
     del cold
 
-    warm = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "warmup": True}, compilation_cache_dir=cache)   # loads in the background
+    warm = LLM(tiny_model_dir, **WARM_ENGINE_ARGS, compilation_cache_dir=cache)   # loads in the background
     warm.engine.runner.wait_compiled()
     assert warm.engine.runner.steps.loaded == buckets
     with no_compile_guard():     # the loaded steps run as they are
@@ -51,7 +51,7 @@ def test_a_warm_start_loads_every_step_and_gives_the_same_tokens(tiny_model_dir,
     with open(victim, "r+b") as f:
         f.truncate(100)
     with caplog.at_level(logging.WARNING, logger="jaxllm"):
-        again = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "warmup": True}, compilation_cache_dir=cache)
+        again = LLM(tiny_model_dir, **WARM_ENGINE_ARGS, compilation_cache_dir=cache)
         again.engine.runner.wait_compiled()
     assert "ignoring the unreadable compiled step" in caplog.text
     assert again.engine.runner.steps.loaded == buckets - 1 and os.path.getsize(victim) > 100
@@ -82,12 +82,12 @@ def test_steps_loaded_from_jax_persistent_cache_are_not_saved(tiny_model_dir, tm
         from jaxllm import LLM, SamplingParams
         from jaxllm.runner.compile import enable_persistent_cache
         import sys; sys.path.insert(0, "tests")
-        from tiny_model import TINY_ENGINE_ARGS
+        from tiny_model import WARM_ENGINE_ARGS
         enable_persistent_cache({str(tmp_path / "jax")!r})
         greedy = SamplingParams(temperature=0, max_tokens=6)
         outs = []
         for store in ("first", "second", "second"):
-            llm = LLM({tiny_model_dir!r}, **{{**TINY_ENGINE_ARGS, "warmup": True}}, compilation_cache_dir={str(tmp_path)!r} + "/" + store)
+            llm = LLM({tiny_model_dir!r}, **WARM_ENGINE_ARGS, compilation_cache_dir={str(tmp_path)!r} + "/" + store)
             outs.append(llm.generate(["Hello there"], greedy, use_tqdm=False)[0].outputs[0].token_ids)
             print(store, llm.engine.runner.steps.loaded)
         assert outs[0] == outs[1] == outs[2], outs
@@ -101,7 +101,7 @@ def test_steps_loaded_from_jax_persistent_cache_are_not_saved(tiny_model_dir, tm
 
 def test_background_compile_gives_the_same_tokens(tiny_model_dir, tmp_path):
     cache = str(tmp_path)
-    llm = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "background_compile": True, "warmup": True}, compilation_cache_dir=cache)
+    llm = LLM(tiny_model_dir, **{**WARM_ENGINE_ARGS, "background_compile": True}, compilation_cache_dir=cache)
     runner = llm.engine.runner
     assert len(runner.steps.pending) + len(runner.steps.ready) == len(runner.buckets)
     got = token_ids(llm.generate(PROMPTS, greedy(12), use_tqdm=False))
@@ -109,14 +109,14 @@ def test_background_compile_gives_the_same_tokens(tiny_model_dir, tmp_path):
     assert not runner.steps.pending and set(runner.steps.ready) == set(runner.buckets)
     with no_compile_guard():
         assert token_ids(llm.generate(PROMPTS, greedy(12), use_tqdm=False)) == got
-    reference = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "warmup": True}, compilation_cache_dir="")     # compiled up front
+    reference = LLM(tiny_model_dir, **WARM_ENGINE_ARGS, compilation_cache_dir="")     # compiled up front
     assert token_ids(reference.generate(PROMPTS, greedy(12), use_tqdm=False)) == got
 
 
 def test_shutdown_cancels_the_shapes_not_yet_compiling(tiny_model_dir):
     """A server stopped while it compiles in the background exits without compiling the rest
     (the pool's threads are joined at exit); a cancelled shape still compiles when asked for."""
-    llm = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "background_compile": True, "warmup": True}, compilation_cache_dir="")
+    llm = LLM(tiny_model_dir, **{**WARM_ENGINE_ARGS, "background_compile": True}, compilation_cache_dir="")
     steps = llm.engine.runner.steps
     pending = dict(steps.pending)
     llm.engine.shutdown()
@@ -128,7 +128,7 @@ def test_shutdown_cancels_the_shapes_not_yet_compiling(tiny_model_dir):
 def test_a_dropped_engine_stops_compiling_in_the_background(tiny_model_dir):
     """An engine replaced while it compiles (a notebook cell run again) cancels the shapes not
     yet compiling: its steps hold the runner weakly, so dropping the engine frees it."""
-    llm = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "background_compile": True, "warmup": True}, compilation_cache_dir="")
+    llm = LLM(tiny_model_dir, **{**WARM_ENGINE_ARGS, "background_compile": True}, compilation_cache_dir="")
     pending = dict(llm.engine.runner.steps.pending)
     del llm
     cancelled = [future for future in pending.values() if future.cancelled()]

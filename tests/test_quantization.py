@@ -384,38 +384,6 @@ def test_perplexity_matches_hf_transformers(tiny_model_dir, tmp_path):
 
 
 
-@pytest.mark.parametrize("kv_dtype, storage", [("int8", np.int8), ("fp8", np.uint8)])
-def test_quantized_kv_cache_engine(tiny_model_dir, kv_dtype, storage):
-    # The C++ kernel on int8 / fp8 pages against the dense jnp oracle on the same pages (both
-    # read what the KV write stored), and the float cache's first tokens kept. (Swaps and
-    # sharding of quantized pages: tests/test_sharding.py.)
-    greedy = SamplingParams(max_tokens=16, temperature=0.0, logprobs=3)
-    native_llm = LLM(tiny_model_dir, kv_cache_dtype=kv_dtype, **TINY_ENGINE_ARGS)
-    out = native_llm.generate(PROMPTS, greedy, use_tqdm=False)
-    float_llm = offline_llm(tiny_model_dir)
-    spec, cache = native_llm.engine.spec, native_llm.engine.config.cache
-    assert cache.dtype == {"fp8": "fp8_e4m3"}.get(kv_dtype, kv_dtype)
-    assert native_llm.engine.runner.kv_cache[0][0].dtype == storage
-    assert native_llm.engine.runner.kv_cache[0][0].shape[-1] == spec.head_dim + 4
-    # Blocks in the same budget: f32 rows of head_dim floats against head_dim codes and a scale.
-    ratio = cache.num_blocks / float_llm.engine.config.cache.num_blocks
-    assert ratio == pytest.approx(4 * spec.head_dim / (spec.head_dim + 4), rel=1e-3)
-    del native_llm
-    oracle = LLM(tiny_model_dir, kv_cache_dtype=kv_dtype, attention_backend="reference", **TINY_ENGINE_ARGS)
-    for a, b in zip(out, oracle.generate(PROMPTS, greedy, use_tqdm=False)):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        np.testing.assert_allclose(a.outputs[0].cumulative_logprob, b.outputs[0].cumulative_logprob, rtol=1e-4)
-    del oracle
-    # E4M3 keeps 3 mantissa bits: on Gaussian rows its rounding error is about 4x int8's (2.5%
-    # against 0.6% RMS), and so is the first logprobs' drift here (0.40 against 0.04 at most).
-    tol = {"int8": 0.1, "fp8": 0.5}[kv_dtype]
-    for a, b in zip(out, float_llm.generate(PROMPTS, greedy, use_tqdm=False)):
-        first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
-        assert a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0]
-        for token in set(first_a) & set(first_b):
-            assert abs(first_a[token].logprob - first_b[token].logprob) < tol
-
-
 @pytest.mark.parametrize("method, k, n, scale_dtype", [("int8", 96, 128, None), ("int4", 96, 256, None),
                                                        ("int4", 64, 128, np.float32)])
 def test_pallas_quantized_matmul_matches_numpy_and_lowers_for_cuda(method, k, n, scale_dtype):

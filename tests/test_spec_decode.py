@@ -14,7 +14,7 @@ from jaxllm.runner.compile import CompilationCounter
 from jaxllm.spec_decode.ngram import propose_ngram
 from jaxllm.spec_decode.proposer import Proposer
 from test_sampler import LOGITS, V, reference_probs, state
-from tiny_model import TINY_ENGINE_ARGS
+from tiny_model import TINY_ENGINE_ARGS, WARM_ENGINE_ARGS
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -85,7 +85,7 @@ class OracleProposer(Proposer):
 
 @pytest.fixture(scope="module")
 def spec_llm(tiny_model_dir):
-    return LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "warmup": True}, speculative_config=SPEC)   # the compile count below
+    return LLM(tiny_model_dir, **WARM_ENGINE_ARGS, speculative_config=SPEC)   # the compile count below
 
 
 def test_greedy_with_speculation_equals_without(llm, spec_llm, monkeypatch):

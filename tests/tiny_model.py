@@ -17,6 +17,8 @@ import os
 # tests/test_executables.py) ask for it, in the foreground (the default compiles in the background).
 TINY_ENGINE_ARGS = dict(dtype="float32", max_num_seqs=32, max_num_batched_tokens=128, max_model_len=512,
                         kv_cache_memory=16 << 20, background_compile=False, warmup=False)
+# The same with every step shape compiled before the engine returns.
+WARM_ENGINE_ARGS = {**TINY_ENGINE_ARGS, "warmup": True}
 
 _llms: dict[str, object] = {}
 
