@@ -13,8 +13,8 @@ Pages are `[num_kv_heads, num_pages, page_size, row]`, a row per token and head:
 - fp8 (`kv_cache_dtype="fp8_e4m3"`): the same row layout with float8 E4M3 (OCP "e4m3fn": 4
   exponent bits, 3 mantissa bits, largest 448, no infinities) codes, stored as their uint8 bit
   patterns, and scale = max |x| / 448; value = code * scale. Where int8's 255 steps are even
-  over [-max, max], E4M3's are relative (about 6% apart at every magnitude down to 2^-6 of the
-  row's largest), so small entries of a row keep more of their precision and large ones less.
+  over [-max, max], E4M3's are relative (6-12% apart at every magnitude down to about 2^-15 of
+  the row's largest), so small entries of a row keep more of their precision and large ones less.
 """
 
 from __future__ import annotations
