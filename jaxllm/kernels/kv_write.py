@@ -51,15 +51,20 @@ def row_width(head_dim: int, dtype) -> int:
     return head_dim + INT8_SCALE_BYTES if quantized_rows(dtype) else head_dim
 
 
+def _row_scales(x: jax.Array, top: float, amax: jax.Array | None = None) -> jax.Array:
+    """x [..., D] (f32) -> a scale per row, max |x| (or `amax`) / top; 1 for a zero row. Times the
+    f32 reciprocal, not divided: XLA rewrites a division by a constant so, and the C++ KV write
+    (csrc/kv_write.cc) must store the same scale."""
+    scale = (jnp.max(jnp.abs(x), axis=-1) if amax is None else amax) * (1.0 / top)
+    return jnp.where(scale > 0, scale, 1.0)
+
+
 def int8_rows(x: jax.Array, amax: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """x [..., D] -> (int8 codes [..., D], f32 scales [...]): symmetric, a scale of max |x| / 127
     per row (1 for a zero row), or of `amax` [...] when given. The int8 KV cache's rows, and
     W8A8's activations."""
     x = x.astype(jnp.float32)
-    # Times the f32 reciprocal, not divided: XLA rewrites a division by a constant so, and the
-    # C++ KV write (csrc/kv_write.cc) must store the same scale.
-    scale = (jnp.max(jnp.abs(x), axis=-1) if amax is None else amax) * (1.0 / 127.0)
-    scale = jnp.where(scale > 0, scale, 1.0)
+    scale = _row_scales(x, 127.0, amax)
     return jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8), scale
 
 
@@ -67,8 +72,7 @@ def fp8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [..., D] -> (E4M3 codes as uint8 bits [..., D], f32 scales [...]): a scale of
     max |x| / 448 per row (1 for a zero row), each x / scale rounded to the nearest E4M3 value."""
     x = x.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(x), axis=-1) * (1.0 / FP8_MAX)     # as int8_rows' scale
-    scale = jnp.where(scale > 0, scale, 1.0)
+    scale = _row_scales(x, FP8_MAX)
     codes = jnp.clip(x / scale[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
     return jax.lax.bitcast_convert_type(codes, jnp.uint8), scale
 
