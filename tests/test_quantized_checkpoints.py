@@ -10,6 +10,7 @@ import os
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -17,7 +18,7 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.kernels import native
 from jaxllm.models.loader import load_model
 from jaxllm.quantization import QuantizedWeight, matmul, weight_bytes
-from jaxllm.quantization.weights import relayout
+from jaxllm.quantization.weights import embedding_rows, flat_scales, relayout, with_int8_activations
 from tiny_model import TINY_ENGINE_ARGS
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C++ kernels: {native.unavailable_reason()}")
@@ -49,16 +50,36 @@ def test_gguf_blocks_keep_exactly_the_values_gguf_py_dequantizes(name):
 
     t = T[name]
     rng = np.random.default_rng(int(t))
-    data = gguf_blocks(rng, (24, 512), t)
-    rows = gguf_rows(data, t, (24, 512))
+    data = gguf_blocks(rng, (32, 512), t)
+    rows = gguf_rows(data, t, (32, 512))
     assert rows.bits == (4 if name in ("Q4_0", "Q4_1", "Q4_K") else 8)
-    np.testing.assert_array_equal(rows.dequantize(), dequantize(data, t).reshape(24, 512))
+    np.testing.assert_array_equal(rows.dequantize(), dequantize(data, t).reshape(32, 512))
     # ... and the C++ GEMM and the plain path multiply by those values.
     weight = rows.to_weight()
     x = rng.standard_normal((5, 512)).astype(np.float32)
-    ref = x.astype(np.float64) @ dequantize(data, t).reshape(24, 512).T.astype(np.float64)
+    ref = x.astype(np.float64) @ dequantize(data, t).reshape(32, 512).T.astype(np.float64)
+    assert relayout(weight, panels=True).layout == "panels"
     for w in (weight, relayout(weight, panels=True)):
         np.testing.assert_allclose(matmul(x, w), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    if t not in (T.Q4_K, T.Q5_K, T.Q6_K):
+        return
+    # The K-quants keep two-level scales (int8 sub-scales of an f16 per 256 rows): 4.625 bits a
+    # weight for Q4_K, 8.625 for the 8-bit codes ...
+    assert rows.scale.dtype == np.int8 and rows.super_scale.dtype == np.float16
+    assert rows.super_scale.shape == (32, 2) and (rows.offset is None) == (t == T.Q6_K)
+    bits = weight_bytes(relayout(weight, panels=True)) * 8 / (32 * 512)
+    assert bits <= (4.625 if t == T.Q4_K else 8.625), bits
+    # ... and every path gives exactly what the scales multiplied out give (the same f32 scales).
+    flat = flat_scales(weight)
+    assert flat.super_scale is None and flat.scale.dtype == np.float32
+    tokens = jnp.asarray([0, 5, 31, 7])
+    np.testing.assert_array_equal(embedding_rows(weight, tokens), embedding_rows(flat, tokens))
+    for a, b in [(weight, flat), (relayout(weight, panels=True), relayout(flat, panels=True))]:
+        np.testing.assert_array_equal(matmul(x, a), matmul(x, b))
+    if t == T.Q4_K:     # 4-bit codes x int8 activations (llama.cpp's scheme) read them too
+        a, b = (with_int8_activations(relayout(w, panels=True)) for w in (weight, flat))
+        assert a.activations == "int8"
+        np.testing.assert_array_equal(matmul(x, a), matmul(x, b))
 
 
 def test_fused_parts_of_different_block_types_share_the_widest_format():
@@ -75,6 +96,10 @@ def test_fused_parts_of_different_block_types_share_the_widest_format():
     assert (fused.bits, fused.scale.shape, fused.scale.dtype) == (8, (64, 16), np.float32)
     ref = np.concatenate([dequantize(d, t).reshape(out, 256) for d, (t, out) in zip(datas, parts)])
     np.testing.assert_array_equal(fused.dequantize(), ref)
+    # K-quant parts alone keep two levels: Q4_K's 32-row sub-scales repeated to Q6_K's 16.
+    two = concat_rows([gguf_rows(d, t, (out, 256)) for d, (t, out) in zip(datas[:2], parts[:2])])
+    assert (two.bits, two.scale.dtype, two.scale.shape, two.super_scale.shape) == (8, np.int8, (48, 16), (48, 1))
+    np.testing.assert_array_equal(two.dequantize(), ref[:48])
     # Four-bit parts with f16 scales stay so.
     q41 = [gguf_rows(gguf_blocks(rng, (16, 256), T.Q4_1), T.Q4_1, (16, 256)) for _ in range(2)]
     both = concat_rows(q41)

@@ -306,11 +306,14 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
 
 
 def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array | None, bits: int,
-                     path: str = "auto", rows=None, swiglu: bool = False, act8: bool = False) -> jax.Array:
+                     path: str = "auto", rows=None, swiglu: bool = False, act8: bool = False,
+                     super_scale: jax.Array | None = None, super_offset: jax.Array | None = None) -> jax.Array:
     """x [..., K] f32 @ w -> [..., N] f32, w [K, N] given by the panels of `pack_codes`, and
     scale (and offset, or None) [G, N], f32 or f16: w[k, n] = code * scale[g, n] + offset[g, n]
     for the group g = k // (K / G) (csrc/gemm_quant.cc dequantizes a panel at a time; x stays
-    f32). `act8` (4-bit codes, K / G a multiple of `ACT_BLOCK`): x is first quantized to int8
+    f32). Two-level scales (GGUF's K-quants): scale and offset are int8 sub-scales of
+    `super_scale` and `super_offset`, f16 [G / S, N]: group g's scale is
+    scale[g, n] * super_scale[g // S, n], its offset likewise. `act8` (4-bit codes, K / G a multiple of `ACT_BLOCK`): x is first quantized to int8
     per row and block of 32 columns (q = round(x * 127 / max|x|), the scale max|x| / 127), as
     llama.cpp does, and the products are integer sums. `rows`, `swiglu`: as for `matmul_packed`."""
     require()
@@ -319,8 +322,9 @@ def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: j
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     offset = jnp.zeros((0,), scale.dtype) if offset is None else offset
+    supers = [jnp.zeros((0,), jnp.float16) if a is None else a for a in (super_scale, super_offset)]
     call = jax.ffi.ffi_call("jaxllm_matmul_quantized_cpu", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
-    return call(x2, codes, scale, offset, _live_rows(rows), bits=np.int32(bits), path=path_attr,
+    return call(x2, codes, scale, offset, *supers, _live_rows(rows), bits=np.int32(bits), path=path_attr,
                 swiglu=np.int32(swiglu), act8=np.int32(act8)).reshape(*lead, n)
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.quantization.weights import QuantizedWeight, _pack_plain_int4, widest_format
+from jaxllm.quantization.weights import QuantizedWeight, _pack_plain_int4, two_level, widest_format
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +25,8 @@ class QuantizedRows:
     codes: uint8 [out, in] in 0..15 (bits 4) or int8 [out, in] (bits 8).
     scale, offset: f16 or f32 [out, G] (offset None: symmetric codes).
     perm: None, or int32 [in] (GPTQ act-order: the input rows sorted by group).
+    super_scale, super_offset: None, or (GGUF's K-quants) f16 [out, G / S], scale and offset
+        then int8 sub-scales: group g's scale is scale[o, g] * super_scale[o, g // S].
     """
 
     codes: np.ndarray
@@ -32,6 +34,8 @@ class QuantizedRows:
     offset: np.ndarray | None
     bits: int
     perm: np.ndarray | None = None
+    super_scale: np.ndarray | None = None
+    super_offset: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -39,15 +43,25 @@ class QuantizedRows:
 
     def take(self, rows: np.ndarray) -> QuantizedRows:
         """The output rows `rows`, in that order."""
-        return QuantizedRows(self.codes[rows], self.scale[rows], None if self.offset is None else self.offset[rows],
-                             self.bits, self.perm)
+        pick = lambda a: None if a is None else a[rows]      # noqa: E731
+        return QuantizedRows(self.codes[rows], self.scale[rows], pick(self.offset), self.bits, self.perm,
+                             pick(self.super_scale), pick(self.super_offset))
+
+    def scales(self):
+        """(scale, offset or None) [out, G], two-level scales multiplied out (f32)."""
+        return two_level(self.scale, self.super_scale, 1, np), two_level(self.offset, self.super_offset, 1, np)
+
+    def flat(self) -> QuantizedRows:
+        """These rows with one level of scales."""
+        return self if self.super_scale is None else QuantizedRows(self.codes, *self.scales(), self.bits, self.perm)
 
     def dequantize(self) -> np.ndarray:
         """The f32 weight [out, in]."""
-        rep = self.codes.shape[1] // self.scale.shape[1]
-        w = self.codes.astype(np.float32) * np.repeat(self.scale.astype(np.float32), rep, axis=1)
-        if self.offset is not None:
-            w += np.repeat(self.offset.astype(np.float32), rep, axis=1)
+        scale, offset = self.scales()
+        rep = self.codes.shape[1] // scale.shape[1]
+        w = self.codes.astype(np.float32) * np.repeat(scale.astype(np.float32), rep, axis=1)
+        if offset is not None:
+            w += np.repeat(offset.astype(np.float32), rep, axis=1)
         if self.perm is None:
             return w
         out = np.empty_like(w)
@@ -61,10 +75,12 @@ class QuantizedRows:
             if codes.shape[1] % 2:
                 raise ValueError(f"4-bit codes need an even number of outputs, not {codes.shape[1]}")
             codes = _pack_plain_int4(codes)
-        put = jnp.asarray
-        return QuantizedWeight(put(codes), put(np.ascontiguousarray(self.scale.T)),
-                               None if self.offset is None else put(np.ascontiguousarray(self.offset.T)),
-                               self.bits, "plain", "float", None if self.perm is None else put(self.perm))
+        def put_t(a):       # [out, ...] -> [..., out]
+            return None if a is None else jnp.asarray(np.ascontiguousarray(a.T))
+
+        return QuantizedWeight(jnp.asarray(codes), put_t(self.scale), put_t(self.offset), self.bits, "plain", "float",
+                               None if self.perm is None else jnp.asarray(self.perm), put_t(self.super_scale),
+                               put_t(self.super_offset))
 
 
 def permute_rows(w, fn):
@@ -93,25 +109,35 @@ def concat_rows(parts: list) -> QuantizedRows | np.ndarray:
         return np.concatenate([p.dequantize() for p in parts])
     if len(parts) == 1:
         return parts[0]
+    # Two-level scales stay so when every part has them over the same super-groups (Q4_K with
+    # Q6_K: int8 sub-scales both); otherwise all are multiplied out first.
+    if len({None if p.super_scale is None else p.super_scale.shape[1] for p in parts}) > 1:
+        parts = [p.flat() for p in parts]
+    two = parts[0].super_scale is not None
     fmt = widest_format([(p.bits, p.scale.shape[1], p.scale.dtype, p.offset is not None) for p in parts])
     if fmt is None:
         return np.concatenate([p.dequantize() for p in parts])
     bits, groups, dtype, with_offset = fmt
+    dtype = np.int8 if two else dtype
 
     def widen(p: QuantizedRows):
         rep = groups // p.scale.shape[1]
         offset = np.zeros_like(p.scale) if p.offset is None else p.offset
+        super_offset = None
+        if two and with_offset:
+            super_offset = np.zeros_like(p.super_scale) if p.super_offset is None else p.super_offset
         return (p.codes.astype(np.int8) if bits == 8 else p.codes, np.repeat(p.scale, rep, axis=1).astype(dtype),
-                np.repeat(offset, rep, axis=1).astype(dtype))
+                np.repeat(offset, rep, axis=1).astype(dtype), p.super_scale, super_offset)
 
-    codes, scale, offset = zip(*(widen(p) for p in parts))
-    return QuantizedRows(np.concatenate(codes), np.concatenate(scale),
-                         np.concatenate(offset) if with_offset else None, bits, perms[0])
+    codes, scale, offset, super_scale, super_offset = zip(*(widen(p) for p in parts))
+    join = lambda arrays: None if arrays[0] is None else np.concatenate(arrays)      # noqa: E731
+    return QuantizedRows(np.concatenate(codes), np.concatenate(scale), join(offset) if with_offset else None, bits,
+                         perms[0], join(super_scale), join(super_offset))
 
 
 # ----------------------------------------------------------------------------- params cache
 
-_FIELDS = ("codes", "scale", "offset", "perm")
+_FIELDS = ("codes", "scale", "offset", "perm", "super_scale", "super_offset")
 
 
 def to_saved(params: dict) -> tuple[dict, dict]:
@@ -139,7 +165,7 @@ def from_saved(tree: dict, statics: dict) -> dict:
         if key in statics:
             bits, layout, activations = statics[key]
             return QuantizedWeight(node["codes"], node["scale"], node.get("offset"), bits, layout, activations,
-                                   node.get("perm"))
+                                   node.get("perm"), node.get("super_scale"), node.get("super_offset"))
         if isinstance(node, dict):
             return {k: walk((*path, jax.tree_util.DictKey(k)), v) for k, v in node.items()}
         if isinstance(node, list):

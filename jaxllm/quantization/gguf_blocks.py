@@ -11,14 +11,16 @@ Each block type maps exactly (up to the f32 rounding of code * scale + offset) o
 | Q5_0        | d * (q - 16)                | int8 q - 16      | 32 rows, f16      |
 | Q5_1        | d * q + m                   | int8 q           | 32 rows, f16      |
 | Q8_0        | d * q                       | int8 q           | 32 rows, f16      |
-| Q4_K        | d * sc_j * q - dmin * m_j   | 4-bit q          | 32 rows, f32      |
-| Q5_K        | d * sc_j * q - dmin * m_j   | int8 q           | 32 rows, f32      |
-| Q6_K        | d * sc_j * (q - 32)         | int8 q - 32      | 16 rows, f32      |
+| Q4_K        | d * sc_j * q - dmin * m_j   | 4-bit q          | 32 rows, two-level|
+| Q5_K        | d * sc_j * q - dmin * m_j   | int8 q           | 32 rows, two-level|
+| Q6_K        | d * sc_j * (q - 32)         | int8 q - 32      | 16 rows, two-level|
 
-The K-quants' two-level scales (an f16 per 256 rows times a 6- or 8-bit one per sub-block)
-are multiplied out into f32 scales (exact: at most 19 significant bits), so they take more
-memory here than in the file (Q4_K 6 bits a weight instead of 4.5). Other types (Q2_K, Q3_K,
-the IQ types, ...) return None: the reader dequantizes them to float.
+The K-quants keep their two-level scales: the sub-block's scale (and min) as an int8
+sub-scale (`scale`, `offset`) of the super-block's f16 d (and -dmin: `super_scale`,
+`super_offset`), multiplied out only where used (in the C++ GEMM a panel's group at a time;
+exact in f32). Q4_K then takes 4.625 bits a weight (the file: 4.5, its 6-bit sub-scales
+packed), Q5_K and Q6_K 8.6 (their 5- and 6-bit codes held a byte each). Other types (Q2_K,
+Q3_K, the IQ types, ...) return None: the reader dequantizes them to float.
 """
 
 from __future__ import annotations
@@ -75,18 +77,17 @@ def _k_scales(scales: np.ndarray):
 
 
 def _k_quant(blocks: np.ndarray, t: int):
-    """Q4_K / Q5_K / Q6_K super-blocks [..., bytes] -> (codes [..., 256], scale, offset [..., sub-blocks])."""
+    """Q4_K / Q5_K / Q6_K super-blocks [..., bytes] -> (codes [..., 256], (sub-scales int8
+    [..., sub-blocks], super-scale f16 [...]), (sub-offsets, super-offset) or None)."""
     if t == T.Q6_K:
         ql, qh, sc, d = blocks[..., :128], blocks[..., 128:192], blocks[..., 192:208], _f16(blocks[..., 208:210])
         low = _nibbles(ql, 64)                                        # [..., 2, 128]
         high = _bits(qh.reshape(*qh.shape[:-1], 2, 32), [0, 2, 4, 6], 3).reshape(low.shape)
         q = (low | (high << 4)).astype(np.int8) - np.int8(32)
-        scale = d[..., None].astype(np.float32) * sc.view(np.int8).astype(np.float32)
-        return q.reshape(*q.shape[:-2], 256), scale, None
-    d, dmin = _f16(blocks[..., 0:2]).astype(np.float32), _f16(blocks[..., 2:4]).astype(np.float32)
-    sc, mins = _k_scales(blocks[..., 4:16])
-    scale = d[..., None] * sc.astype(np.float32)
-    offset = -(dmin[..., None] * mins.astype(np.float32))
+        return q.reshape(*q.shape[:-2], 256), (sc.view(np.int8), d), None
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    sc, mins = _k_scales(blocks[..., 4:16])                           # 6 bits each: int8 holds them
+    scale, offset = (sc.astype(np.int8), d), (mins.astype(np.int8), -dmin)
     if t == T.Q4_K:
         return _nibbles(blocks[..., 16:144], 32).reshape(*blocks.shape[:-1], 256), scale, offset
     qh, qs = blocks[..., 16:48], blocks[..., 48:176]
@@ -108,11 +109,17 @@ def gguf_rows(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> Quant
     out, k = shape
     block_elems, block_bytes = GGML_QUANT_SIZES[ggml_type]
     blocks = np.asarray(data).reshape(out, k // block_elems, block_bytes)
-    codes, scale, offset = (_legacy if ggml_type in _LEGACY else _k_quant)(blocks, ggml_type)
+    bits = 4 if ggml_type in (T.Q4_0, T.Q4_1, T.Q4_K) else 8
+    if ggml_type in _K_QUANTS:
+        codes, (scale, super_scale), offset = _k_quant(blocks, ggml_type)
+        offset, super_offset = (None, None) if offset is None else offset
+        flat = lambda a: None if a is None else np.ascontiguousarray(a.reshape(out, -1))     # noqa: E731
+        return QuantizedRows(np.ascontiguousarray(codes.reshape(out, k)), flat(scale), flat(offset), bits, None,
+                             flat(super_scale), flat(super_offset))
+    codes, scale, offset = _legacy(blocks, ggml_type)
     scale = scale.reshape(out, -1)
     if offset is not None:
         offset = offset.reshape(out, -1)
         if not np.isfinite(offset).all():     # Q4_0's -8 d past f16's range: keep it in f32
             scale, offset = scale.astype(np.float32), -8 * scale.astype(np.float32)
-    bits = 4 if ggml_type in (T.Q4_0, T.Q4_1, T.Q4_K) else 8
     return QuantizedRows(np.ascontiguousarray(codes.reshape(out, k)), scale, offset, bits)

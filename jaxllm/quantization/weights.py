@@ -38,6 +38,10 @@ class QuantizedWeight:
         weight-only (x stays f32).
     perm: None, or int32 [K] (GPTQ's act-order): the codes' row i is the weight's row perm[i],
         so that the groups are contiguous; x's columns are taken in that order first.
+    super_scale, super_offset: None, or (GGUF's K-quants, two-level scales) f16 [G / S, N] with
+        scale and offset int8 sub-scales [G, N]: group g's scale is
+        scale[g, n] * super_scale[g // S, n] (exact in f32), its offset likewise
+        (`group_scales`). super_offset is None when offset is.
     """
 
     codes: jax.Array
@@ -47,6 +51,8 @@ class QuantizedWeight:
     layout: str = dataclasses.field(metadata=dict(static=True))
     activations: str = dataclasses.field(metadata=dict(static=True))
     perm: jax.Array | None = None
+    super_scale: jax.Array | None = None
+    super_offset: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -150,9 +156,10 @@ def permute_columns(w: QuantizedWeight, index: np.ndarray) -> QuantizedWeight:
     """The plain-layout weight whose column j is w's column index[j] (a checkpoint's quantized
     matrix regrouped for tensor parallelism: `layout.tp_layout`), as host arrays."""
     codes = _unpacked_codes(w, np)[:, index]
-    take = [None if a is None else np.asarray(a)[:, index] for a in (w.scale, w.offset)]
-    return QuantizedWeight(_pack_plain_int4(codes) if w.bits == 4 else codes, *take, w.bits, "plain",
-                           w.activations, None if w.perm is None else np.asarray(w.perm))
+    scale, offset, super_scale, super_offset = [None if a is None else np.asarray(a)[:, index]
+                                                for a in (w.scale, w.offset, w.super_scale, w.super_offset)]
+    return QuantizedWeight(_pack_plain_int4(codes) if w.bits == 4 else codes, scale, offset, w.bits, "plain",
+                           w.activations, None if w.perm is None else np.asarray(w.perm), super_scale, super_offset)
 
 
 def shard_checkpoint_weight(w: QuantizedWeight, columns: int, rows: int, what: str) -> QuantizedWeight:
@@ -161,6 +168,7 @@ def shard_checkpoint_weight(w: QuantizedWeight, columns: int, rows: int, what: s
     (`perm`) only along their columns."""
     if w.perm is not None and rows > 1:
         raise ValueError(f"{what}: act-order weights (GPTQ's g_idx) cannot be split along their input rows")
+    w = flat_scales(w)
 
     def flat(a):        # [..., rows, columns] (a stack of pipeline stages) -> [matrices, rows, columns]
         return np.asarray(a).reshape(-1, *a.shape[-2:])
@@ -192,6 +200,7 @@ def stack_stages(ws: list, what: str) -> QuantizedWeight:
     if not all(isinstance(w, QuantizedWeight) for w in ws):
         raise ValueError(f"{what} is quantized on some pipeline stages and float on others; run it without "
                          f"pipeline stages (or dequantize it: for a GGUF, leave `quantization` unset)")
+    ws = [flat_scales(w) for w in ws]
     fmt = widest_format([(w.bits, w.scale.shape[-2], w.scale.dtype, w.offset is not None) for w in ws])
     if fmt is None:
         raise ValueError(f"{what}: groups of different sizes on different pipeline stages "
@@ -229,12 +238,39 @@ def _unpacked_codes(w: QuantizedWeight, xp=jnp):
     return c
 
 
+def two_level(sub, sup, axis: int, xp=jnp):
+    """Sub-scales (int8, G along `axis`) times their super-scales (f16, G / S along `axis`),
+    as f32; `sub` as it is when `sup` is None (one level)."""
+    if sup is None or sub is None:
+        return sub
+    rep = sub.shape[axis] // sup.shape[axis]
+    return xp.asarray(sub).astype(xp.float32) * xp.repeat(xp.asarray(sup).astype(xp.float32), rep, axis=axis)
+
+
+def group_scales(w: QuantizedWeight, xp=jnp, take=lambda a: a):
+    """w's (scale, offset or None) [..., G, N], two-level scales multiplied out (f32); `take`
+    first selects from each array (e.g. columns)."""
+    pick = lambda a: None if a is None else take(a)      # noqa: E731
+    return (two_level(pick(w.scale), pick(w.super_scale), -2, xp),
+            two_level(pick(w.offset), pick(w.super_offset), -2, xp))
+
+
+def flat_scales(w: QuantizedWeight) -> QuantizedWeight:
+    """w with two-level scales multiplied out into f32 ones (host arrays), for the paths that
+    take one level (sharding, stacking pipeline stages); w itself when it has one level."""
+    if w.super_scale is None:
+        return w
+    scale, offset = group_scales(w, np)
+    return dataclasses.replace(w, scale=scale, offset=offset, super_scale=None, super_offset=None)
+
+
 def dequantize(w: QuantizedWeight) -> jax.Array:
     """The f32 weight [..., K, N] the codes stand for (its rows in `perm` order when there is one)."""
     codes = _unpacked_codes(w).astype(jnp.float32)
-    rows = codes.shape[-2] // w.scale.shape[-2]
-    out = codes * jnp.repeat(w.scale.astype(jnp.float32), rows, axis=-2)
-    return out if w.offset is None else out + jnp.repeat(w.offset.astype(jnp.float32), rows, axis=-2)
+    scale, offset = group_scales(w)
+    rows = codes.shape[-2] // scale.shape[-2]
+    out = codes * jnp.repeat(scale.astype(jnp.float32), rows, axis=-2)
+    return out if offset is None else out + jnp.repeat(offset.astype(jnp.float32), rows, axis=-2)
 
 
 def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None, swiglu: bool = False) -> jax.Array:
@@ -248,7 +284,8 @@ def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None, swiglu: bool 
         from jaxllm.kernels import native
 
         return native.matmul_quantized(x, w.codes, w.scale, w.offset, w.bits, rows=rows, swiglu=swiglu,
-                                       act8=w.activations == "int8")
+                                       act8=w.activations == "int8", super_scale=w.super_scale,
+                                       super_offset=w.super_offset)
     assert not swiglu, "the SwiGLU epilogue needs the panels layout"
     if w.activations == "int8":
         from jaxllm.kernels.kv_write import int8_rows
@@ -262,7 +299,7 @@ def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None, swiglu: bool 
 
         k, n = w.shape
         if quant_matmul.supported(k, n, w.scale.shape[0], w.bits):
-            return quant_matmul.quantized_matmul(x, w.codes, w.scale, w.offset, bits=w.bits)
+            return quant_matmul.quantized_matmul(x, w.codes, *group_scales(w), bits=w.bits)
     return jnp.dot(x.astype(jnp.float32), dequantize(w), preferred_element_type=jnp.float32)
 
 
@@ -289,9 +326,10 @@ def embedding_rows(w: QuantizedWeight, token_ids: jax.Array) -> jax.Array:
         half = c.shape[1]
         byte = c[:, t % half].T
         codes = jnp.where((t >= half)[:, None], byte >> 4, byte & 15)
-    rows = codes.shape[1] // w.scale.shape[0]
-    out = codes.astype(jnp.float32) * jnp.repeat(w.scale[:, t].T.astype(jnp.float32), rows, axis=1)
-    return out if w.offset is None else out + jnp.repeat(w.offset[:, t].T.astype(jnp.float32), rows, axis=1)
+    scale, offset = group_scales(w, take=lambda a: a[:, t])
+    rows = codes.shape[1] // scale.shape[0]
+    out = codes.astype(jnp.float32) * jnp.repeat(scale.T.astype(jnp.float32), rows, axis=1)
+    return out if offset is None else out + jnp.repeat(offset.T.astype(jnp.float32), rows, axis=1)
 
 
 def relayout(w: QuantizedWeight, panels: bool, device=None) -> QuantizedWeight:
@@ -307,7 +345,7 @@ def relayout(w: QuantizedWeight, panels: bool, device=None) -> QuantizedWeight:
     codes = native.pack_codes(codes, w.bits) if panels else _pack_plain_int4(codes) if w.bits == 4 else codes
     put = functools.partial(jax.device_put, device=device)
     return QuantizedWeight(put(codes), put(w.scale), put(w.offset), w.bits, "panels" if panels else "plain",
-                           w.activations, put(w.perm))
+                           w.activations, put(w.perm), put(w.super_scale), put(w.super_offset))
 
 
 def with_int8_activations(w: QuantizedWeight) -> QuantizedWeight:

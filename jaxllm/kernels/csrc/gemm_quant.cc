@@ -139,23 +139,34 @@ struct PanelScratch {
 };
 
 ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
-                           ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::Buffer<ffi::S32> rows,
-                           ffi::ResultBuffer<ffi::F32> y, int32_t bits, int32_t path, int32_t swiglu,
-                           int32_t act8) {
+                           ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::AnyBuffer super_scale,
+                           ffi::AnyBuffer super_offset, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y,
+                           int32_t bits, int32_t path, int32_t swiglu, int32_t act8) {
   const auto xd = x.dimensions();
   const auto cd = codes.dimensions();
   const auto sd = scale.dimensions();
+  const auto ud = super_scale.dimensions();
   const bool int8 = bits == 8 && codes.element_type() == ffi::DataType::S8;
   const bool int4 = bits == 4 && codes.element_type() == ffi::DataType::U8;
+  const bool two_level = super_scale.element_count() != 0;
+  const auto scale_ok = [&](ffi::DataType t) {
+    return two_level ? t == ffi::DataType::S8 : (t == ffi::DataType::F32 || t == ffi::DataType::F16);
+  };
+  const bool supers_ok =
+      !two_level || (ud.size() == 2 && ud[1] == sd[1] && ud[0] >= 1 && sd[0] % ud[0] == 0 &&
+                     super_scale.element_type() == ffi::DataType::F16 &&
+                     super_offset.element_count() == (offset.element_count() ? super_scale.element_count() : 0) &&
+                     (!super_offset.element_count() || super_offset.element_type() == ffi::DataType::F16));
   if (xd.size() != 2 || cd.size() != 3 || !(int8 || int4) || cd[2] != (int8 ? kPanel : kPanel / 2) ||
       cd[1] != xd[1] || sd.size() != 2 || sd[1] != cd[0] * kPanel || sd[0] < 1 || xd[1] % sd[0] != 0 ||
-      !(scale.element_type() == ffi::DataType::F32 || scale.element_type() == ffi::DataType::F16) ||
+      !scale_ok(scale.element_type()) ||
       (offset.element_count() != 0 &&
        (offset.element_count() != scale.element_count() || offset.element_type() != scale.element_type())) ||
-      (swiglu && cd[0] % 2))
+      !supers_ok || (!two_level && super_offset.element_count()) || (swiglu && cd[0] % 2))
     return ffi::Error::InvalidArgument(
         "matmul_quantized: needs x [M, K], codes int8 [N / 16, K, 16] (bits 8) or uint8 [N / 16, K, 8] (bits 4), "
-        "scale f32 or f16 [G, N] with G dividing K, offset empty or like scale (N / 16 even for swiglu)");
+        "scale f32 or f16 [G, N] with G dividing K, offset empty or like scale (N / 16 even for swiglu); "
+        "two-level: scale and offset int8, super_scale f16 [G / S, N], super_offset like it or empty");
   if (path < kAuto || path > kAvx512 || (path != kAuto && !(built_paths() & (1 << path))))
     return ffi::Error::InvalidArgument("matmul_quantized: this build has no such kernel path");
   if (act8 && !(int4 && xd[1] % kActBlock == 0 && (xd[1] / sd[0]) % kActBlock == 0))
@@ -163,9 +174,14 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
                                        "of 32 rows of K");
   GemmArgs g{x.typed_data(), nullptr, y->typed_data(), xd[0], xd[1], cd[0] * kPanel};
   g.M = live_rows(rows, g.M, swiglu ? g.N / 2 : g.N, g.y);
-  const QuantPanel q{codes.untyped_data(), scale.untyped_data(),
-                     offset.element_count() ? offset.untyped_data() : nullptr,
-                     scale.element_type() == ffi::DataType::F16, g.K, g.N, g.K / sd[0], bits};
+  QuantPanel q{codes.untyped_data(), scale.untyped_data(),
+               offset.element_count() ? offset.untyped_data() : nullptr,
+               scale.element_type() == ffi::DataType::F16, g.K, g.N, g.K / sd[0], bits};
+  if (two_level) {
+    q.super_scale = static_cast<const uint16_t*>(super_scale.untyped_data());
+    q.super_offset = offset.element_count() ? static_cast<const uint16_t*>(super_offset.untyped_data()) : nullptr;
+    q.per_super = sd[0] / ud[0];
+  }
   if (act8) {
     if (g.M) matmul_q4a8(pool, g, q, path, swiglu);
     return ffi::Error::Success();
@@ -220,8 +236,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulQuantCpu, jaxllm::MatmulQuantImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::AnyBuffer>()         // codes
-                                  .Arg<ffi::AnyBuffer>()         // scale, f32 or f16
+                                  .Arg<ffi::AnyBuffer>()         // scale, f32 or f16 (int8 two-level)
                                   .Arg<ffi::AnyBuffer>()         // offset (or empty), as scale
+                                  .Arg<ffi::AnyBuffer>()         // super_scale f16 (or empty: one level)
+                                  .Arg<ffi::AnyBuffer>()         // super_offset f16 (or empty)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows, as for matmul_packed
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y
                                   .Attr<int32_t>("bits")

@@ -18,6 +18,9 @@ namespace {
 //          4 bits: uint8 [N / 16, K, 8] (byte j: column j in the low nibble, j + 8 in the high);
 //   scale, offset: f32 or f16 [G, N], G groups of K / G rows; w[k, n] = code * scale[g, n] +
 //          offset[g, n] with g = k / (K / G). Without offsets (an empty array) w = code * scale.
+//   Two-level (GGUF's K-quants): scale and offset int8 [G, N] sub-scales of the f16 super_scale
+//          and super_offset [G / S, N]: group g's scale is scale[g, n] * super_scale[g / S, n]
+//          (exact in f32: 8 x 11 significant bits), its offset likewise.
 
 struct QuantPanel {
   const void* codes;
@@ -25,6 +28,10 @@ struct QuantPanel {
   bool half;                   // scale and offset are f16 (else f32)
   int64_t K, N, group;         // group: rows of K per scale row
   int bits;
+  // Two-level scales: f16 [G / per_super, N] (super_offset nullptr without offsets); scale and
+  // offset are then int8. nullptr: one level.
+  const uint16_t *super_scale = nullptr, *super_offset = nullptr;
+  int64_t per_super = 1;
 };
 
 // IEEE half -> float (normal, subnormal, zero, inf, NaN).
@@ -47,12 +54,39 @@ inline float half_to_f32(uint16_t h) {
   return f;
 }
 
+// Two-level scales at `at` (the int8 sub-scales) and `super_at` (their f16 super-scales).
+inline void two_level_scales(const QuantPanel& q, int64_t at, int64_t super_at, float* s, float* o) {
+  const auto* sub_s = static_cast<const int8_t*>(q.scale) + at;
+  const auto* sub_o = q.offset ? static_cast<const int8_t*>(q.offset) + at : nullptr;
+#if defined(__F16C__) && defined(__AVX2__)
+  auto scaled = [](const int8_t* sub, const uint16_t* sup, float* out) {
+    const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub));
+    const auto* h = reinterpret_cast<const __m128i*>(sup);
+    _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)),
+                                        _mm256_cvtph_ps(_mm_loadu_si128(h))));
+    _mm256_storeu_ps(out + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(codes, 8))),
+                                            _mm256_cvtph_ps(_mm_loadu_si128(h + 1))));
+  };
+  scaled(sub_s, q.super_scale + super_at, s);
+  if (q.offset)
+    scaled(sub_o, q.super_offset + super_at, o);
+  else
+    std::fill(o, o + kPanel, 0.f);
+#else
+  for (int64_t j = 0; j < kPanel; ++j) {
+    s[j] = static_cast<float>(sub_s[j]) * half_to_f32(q.super_scale[super_at + j]);
+    o[j] = q.offset ? static_cast<float>(sub_o[j]) * half_to_f32(q.super_offset[super_at + j]) : 0.f;
+  }
+#endif
+}
+
 // Panel p's 16 scales (and offsets, zeros without them) of group g, as floats. f16 ones take
 // F16C's conversion where the build has it (every AVX2 CPU we meet): converted one at a time,
 // they were most of a decode's quantized GEMM (a 4-bit weight row of 16 columns costs a few
 // instructions, and one group's 32 conversions come every 32 rows).
 inline void group_scales(const QuantPanel& q, int64_t g, int64_t p, float* s, float* o) {
   const int64_t at = g * q.N + p * kPanel;
+  if (q.super_scale) return two_level_scales(q, at, (g / q.per_super) * q.N + p * kPanel, s, o);
 #ifdef __F16C__
   if (q.half) {
     auto widen = [](const void* halves, int64_t at, float* out) {
