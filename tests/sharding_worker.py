@@ -48,14 +48,15 @@ def main() -> int:
     model_dir, out_path, *layouts = sys.argv[1:]
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
     prompts = [f"Request {i}: " + " ".join(words[(i + j) % 10] for j in range(4 + 37 * (i % 7))) for i in range(16)]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
     # Every 8th request under a structured-output constraint: the token mask goes through each layout too.
     constrained = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(regex=WORDS))
     params = [constrained if i % 8 == 0 else params for i in range(len(prompts))]
-    # 40 pages of 16 tokens for 16 requests of up to ~300 tokens: preemption happens (2-6 times per
-    # layout; 32 requests took twice as long for no other path). Step shapes
-    # compile when first used: eleven engines warming up every bucket took most of the run.
-    args = {**TINY_ENGINE_ARGS, "kv_cache_memory": None, "num_gpu_blocks_override": 40,
+    # 36 pages of 16 tokens for 16 requests of up to ~300 tokens: preemption happens (4-5 times per
+    # layout; 32 requests, or 16 tokens each, took 1.5-2x as long for no other path: the pipeline
+    # layouts' steps cost 150-300 ms on 4 virtual devices). Step shapes compile when first used:
+    # twelve engines warming up every bucket took most of the run.
+    args = {**TINY_ENGINE_ARGS, "kv_cache_memory": None, "num_gpu_blocks_override": 36,
             "params_cache_dir": os.path.join(os.path.dirname(out_path), "params")}
     results = {}
     references = [f"{p}:1x1" for p in ("deep", "int8", "w8a8") if any(layout.startswith(f"{p}:") for layout in layouts)]

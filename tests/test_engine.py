@@ -292,7 +292,7 @@ def test_greedy_matches_hf_on_default_model():
     from jaxllm.models.loader import default_model_path
 
     path = default_model_path()
-    llm = LLM(None, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256)
+    llm = LLM(None, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, warmup=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                            dtype=torch.float32).eval()
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
