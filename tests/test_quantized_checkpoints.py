@@ -80,6 +80,13 @@ def test_gguf_blocks_keep_exactly_the_values_gguf_py_dequantizes(name):
         a, b = (with_int8_activations(relayout(w, panels=True)) for w in (weight, flat))
         assert a.activations == "int8"
         np.testing.assert_array_equal(matmul(x, a), matmul(x, b))
+    # The C++ GEMM refuses int8 sub-scales without their super-scales, and super-scales that
+    # do not divide the groups.
+    packed = relayout(weight, panels=True)
+    for super_scale in (None, packed.super_scale[:1].repeat(3, axis=0)):
+        with pytest.raises(Exception, match="two-level"):
+            native.matmul_quantized(x, packed.codes, packed.scale, packed.offset, packed.bits,
+                                    super_scale=super_scale, super_offset=packed.super_offset)
 
 
 def test_fused_parts_of_different_block_types_share_the_widest_format():
