@@ -35,7 +35,7 @@ def main() -> int:
             llm = LLM(model_dir, dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128,
                       kv_cache_memory=4 << 20, block_size=4, tensor_parallel_size=sizes[0],
                       pipeline_parallel_size=sizes[1], params_cache_dir=os.path.join(model_dir, f"cache{name}"),
-                      warmup=False, background_compile=False)      # step shapes compiled when first used
+                      warmup=False)      # step shapes compiled when first used
             outs = llm.generate(prompts, params, use_tqdm=False)
             runs[name] = {"token_ids": [o.outputs[0].token_ids for o in outs],
                           "logprobs": [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]

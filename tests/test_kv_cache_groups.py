@@ -158,7 +158,7 @@ def test_hybrid_model_generates_what_hf_does_with_window_sized_kv(tmp_path):
     llm = LLM(str(tmp_path / "model"), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16,
               max_model_len=128, kv_cache_memory=64 << 10, block_size=BS, params_cache_dir=str(tmp_path / "c"),
               speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
-              warmup=False, background_compile=False)
+              warmup=False)
     kv = llm.engine.kv_cache_manager
     assert [g.window for g in kv.groups] == [0, WINDOW] and kv.groups[1].num_blocks < kv.groups[0].num_blocks
     peak = {"window": 0, "global": 0}

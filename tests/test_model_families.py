@@ -27,7 +27,7 @@ torch = pytest.importorskip("torch")
 # One model per family (the windowed ones with a window shorter than the prompts).
 FAMILIES = ("opt", "gpt_neox", "falcon", "phi3", "gemma3", "mixtral", "qwen3_moe")
 ENGINE_ARGS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128,
-                   kv_cache_memory=4 << 20, block_size=4, warmup=False, background_compile=False)
+                   kv_cache_memory=4 << 20, block_size=4, warmup=False)
 
 
 @pytest.mark.parametrize("kind", FAMILIES)

@@ -18,7 +18,8 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.kernels import native
 from jaxllm.models.loader import load_model
 from jaxllm.quantization import QuantizedWeight, matmul, weight_bytes
-from jaxllm.quantization.weights import embedding_rows, flat_scales, relayout, with_int8_activations
+from jaxllm.quantization.weights import (dequantize as dequantize_weight, embedding_rows, flat_scales, relayout,
+                                        with_int8_activations)
 from tiny_model import TINY_ENGINE_ARGS
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C++ kernels: {native.unavailable_reason()}")
@@ -42,7 +43,7 @@ def gguf_blocks(rng, shape: tuple[int, int], ggml_type: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
-def test_gguf_blocks_keep_exactly_the_values_gguf_py_dequantizes(name):
+def test_gguf_blocks_keep_exactly_the_values_gguf_py_dequantizes(name, monkeypatch):
     from gguf.constants import GGMLQuantizationType as T
     from gguf.quants import dequantize
 
@@ -80,6 +81,12 @@ def test_gguf_blocks_keep_exactly_the_values_gguf_py_dequantizes(name):
         a, b = (with_int8_activations(relayout(w, panels=True)) for w in (weight, flat))
         assert a.activations == "int8"
         np.testing.assert_array_equal(matmul(x, a), matmul(x, b))
+    # For a GPU (the Pallas kernel takes one level) they are multiplied out once, when laid out.
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    on_gpu = relayout(weight, panels=False)
+    assert on_gpu.super_scale is None and on_gpu.scale.dtype == np.float32
+    np.testing.assert_array_equal(dequantize_weight(on_gpu), dequantize_weight(weight))
+    monkeypatch.undo()
     # The C++ GEMM refuses int8 sub-scales without their super-scales, and super-scales that
     # do not divide the groups.
     packed = relayout(weight, panels=True)

@@ -298,7 +298,7 @@ def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None, swiglu: bool 
         from jaxllm.kernels import quant_matmul
 
         k, n = w.shape
-        if quant_matmul.supported(k, n, w.scale.shape[0], w.bits):
+        if quant_matmul.supported(k, n, w.scale.shape[0], w.bits):   # (two-level scales: flat since `relayout`)
             return quant_matmul.quantized_matmul(x, w.codes, *group_scales(w), bits=w.bits)
     return jnp.dot(x.astype(jnp.float32), dequantize(w), preferred_element_type=jnp.float32)
 
@@ -339,6 +339,8 @@ def relayout(w: QuantizedWeight, panels: bool, device=None) -> QuantizedWeight:
 
     k, n = w.shape
     panels = panels and w.activations == "float" and native.packable((k, n))
+    if not panels and (device.platform if device is not None else jax.default_backend()) == "gpu":
+        w = flat_scales(w)      # once here, not in every step: the Pallas kernel takes one level
     if (w.layout == "panels") == panels:
         return jax.device_put(w, device)
     codes = _unpacked_codes(w, np)       # on the host: jnp ops here would compile a program per shape
