@@ -257,7 +257,8 @@ def group_scales(w: QuantizedWeight, xp=jnp, take=lambda a: a):
 
 def flat_scales(w: QuantizedWeight) -> QuantizedWeight:
     """w with two-level scales multiplied out into f32 ones (host arrays), for the paths that
-    take one level (sharding, stacking pipeline stages); w itself when it has one level."""
+    take one level (sharding, stacking pipeline stages, the GPU kernel: `relayout`); w itself when it
+    has one level."""
     if w.super_scale is None:
         return w
     scale, offset = group_scales(w, np)
