@@ -197,11 +197,53 @@ def test_matmul_quantized_int8_activations_swiglu_and_live_rows(rows):
     assert not np.asarray(live[rows - 1:]).any()
 
 
+def w8a8_rows_reference(x: np.ndarray, codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """8-bit codes x int8 rows by hand: each row of x rounded whole to q * d (d = max|x| / 127,
+    in f32 as `kv_write.int8_rows` computes it; 1 for a zero row), an exact integer dot, both scales."""
+    amax = np.abs(x).max(1, keepdims=True)
+    d = amax * np.float32(1 / 127)
+    d = np.where(d > 0, d, np.float32(1)).astype(np.float32)
+    q = np.clip(np.rint(x / d), -127, 127).astype(np.int64)
+    return (q @ codes.astype(np.int64)) * d.astype(np.float64) * scale.astype(np.float64)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 11, 97])
+@pytest.mark.parametrize("scale_dtype", [np.float32, np.float16])
+def test_matmul_quantized_w8a8_matches_numpy(rows, scale_dtype):
+    # W8A8 in the C++ GEMM (csrc/gemm_w8a8.cc): rows around the 4- and 8-row register blocks and
+    # the 96-row work items, 3 panels, codes at +-127, a zero row, an outlier column; the SwiGLU
+    # epilogue and a live-row count; every code path the build has.
+    rng = np.random.default_rng(rows)
+    k, n = 132, 48
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    x[:, 7] *= 40
+    x[rows // 2] = 0.0
+    codes = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    codes[0, :2] = (-127, 127)
+    scale = (rng.random((1, n)) * 0.01).astype(scale_dtype)
+    ref = w8a8_rows_reference(x, codes, scale)
+    packed = native.pack_codes(codes, 8)
+    g, u = np.split(ref[:, :32], 2, axis=1)
+    for path in ("auto", *native.kernel_paths()):
+        call = functools.partial(native.matmul_quantized, bits=8, path=path, act8=True)
+        y = jax.jit(call)(x, packed, scale, None)
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+        y = jax.jit(functools.partial(call, swiglu=True))(x, packed[:2], scale[:, :32], None)
+        np.testing.assert_allclose(y, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-5)
+    live = jax.jit(functools.partial(native.matmul_quantized, bits=8, act8=True))(
+        x, packed, scale, None, rows=np.int32(rows - 1))
+    np.testing.assert_allclose(live[: rows - 1], ref[: rows - 1], rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+    assert not np.asarray(live[rows - 1:]).any()
+
+
 def test_matmul_quantized_int8_activations_rejects_what_it_cannot_run():
     x = np.ones((2, 64), np.float32)
     int8_codes = native.pack_codes(np.zeros((64, 16), np.int8), 8)
-    with pytest.raises(Exception, match="int8 activations"):   # 8-bit codes (int16 sums could overflow)
-        jax.block_until_ready(native.matmul_quantized(x, int8_codes, np.ones((1, 16), np.float32), None, 8,
+    with pytest.raises(Exception, match="int8 activations"):   # 8-bit codes with offsets (W8A8 has none)
+        jax.block_until_ready(native.matmul_quantized(x, int8_codes, np.ones((1, 16), np.float32),
+                                                      np.ones((1, 16), np.float32), 8, act8=True))
+    with pytest.raises(Exception, match="int8 activations"):   # 8-bit codes, two scales per column
+        jax.block_until_ready(native.matmul_quantized(x, int8_codes, np.ones((2, 16), np.float32), None, 8,
                                                       act8=True))
     int4_codes = native.pack_codes(np.zeros((64, 16), np.uint8), 4)
     with pytest.raises(Exception, match="int8 activations"):   # groups of 16 rows: not whole blocks of 32
@@ -220,7 +262,7 @@ def w8a8_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("method, panels", [("int8", True), ("int8", False), ("int4", True), ("int4", False),
-                                            ("w8a8", False)])
+                                            ("w8a8", True), ("w8a8", False)])
 def test_every_matmul_path_matches_its_numpy_reference(method, panels):
     rng = np.random.default_rng(len(method) + panels)
     k, n = 96, 80

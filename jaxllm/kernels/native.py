@@ -8,7 +8,7 @@ a sampled row's token (csrc/sampling.cc);
 `matmul_packed` multiplies by an f32 or bf16 weight packed once by `pack_weight` (csrc/gemm.cc,
 csrc/gemm_bf16.cc: AVX512_BF16 dots where the CPU has them, `bf16_gemm_native()`),
 `matmul_quantized` by int8 or int4 codes packed by `pack_codes` (csrc/gemm_quant.cc, and
-csrc/gemm_q4a8.cc for int4 codes x int8 activations); `write_kv` is kv_write.py's `write_kv`
+csrc/gemm_q4a8.cc / gemm_w8a8.cc for int4 / int8 codes x int8 activations); `write_kv` is kv_write.py's `write_kv`
 in place (csrc/kv_write.cc: one handler instead of an LLVM module per layer's scatter).
 csrc/cpu_kernels_attention.cc and cpu_kernels_gemm.cc, which include them all, are compiled
 side by side on first use (on a thread of their own: `start_build`) with the system C++
@@ -313,9 +313,12 @@ def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: j
     for the group g = k // (K / G) (csrc/gemm_quant.cc dequantizes a panel at a time; x stays
     f32). Two-level scales (GGUF's K-quants): scale and offset are int8 sub-scales of
     `super_scale` and `super_offset`, f16 [G / S, N]: group g's scale is
-    scale[g, n] * super_scale[g // S, n], its offset likewise. `act8` (4-bit codes, K / G a multiple of `ACT_BLOCK`): x is first quantized to int8
+    scale[g, n] * super_scale[g // S, n], its offset likewise. `act8`: x is first quantized to
+    int8 and the products are integer sums. With 4-bit codes (K / G a multiple of `ACT_BLOCK`)
     per row and block of 32 columns (q = round(x * 127 / max|x|), the scale max|x| / 127), as
-    llama.cpp does, and the products are integer sums. `rows`, `swiglu`: as for `matmul_packed`."""
+    llama.cpp does (csrc/gemm_q4a8.cc); with 8-bit codes in [-127, 127], one scale per column
+    and no offset (W8A8; K a multiple of 4) per row, as `kv_write.int8_rows` does
+    (csrc/gemm_w8a8.cc). `rows`, `swiglu`: as for `matmul_packed`."""
     require()
     path_attr = _path_attr(path)
     n = codes.shape[0] * PANEL // (2 if swiglu else 1)

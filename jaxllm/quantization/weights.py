@@ -101,7 +101,7 @@ def make_weight(w: np.ndarray, method: str, *, panels: bool, activations: str, d
     k, n = codes.shape
     if activations == "int8" and (bits != 8 or scale.shape[0] != 1):
         raise ValueError("W8A8 needs 8-bit codes with one scale per output channel")
-    layout = "panels" if panels and activations == "float" and native.packable((k, n)) else "plain"
+    layout = "panels" if panels and _fits_panels(k, n, activations) else "plain"
     if layout == "panels":
         codes = native.pack_codes(codes, bits)
     elif bits == 4:
@@ -111,6 +111,14 @@ def make_weight(w: np.ndarray, method: str, *, panels: bool, activations: str, d
     put = functools.partial(jax.device_put, device=device)
     return QuantizedWeight(put(codes), put(scale), None if offset is None else put(offset), bits, layout,
                            activations)
+
+
+def _fits_panels(k: int, n: int, activations: str) -> bool:
+    """Whether a [K, N] weight goes into the C++ GEMM's panels: weight-only, or W8A8 (8-bit
+    codes x int8 rows, csrc/gemm_w8a8.cc) with K a multiple of 4."""
+    from jaxllm.kernels import native
+
+    return native.packable((k, n)) and (activations == "float" or k % 4 == 0)
 
 
 def make_sharded_weight(w: np.ndarray, method: str, activations: str, columns: int = 1, rows: int = 1
@@ -339,7 +347,7 @@ def relayout(w: QuantizedWeight, panels: bool, device=None) -> QuantizedWeight:
     from jaxllm.kernels import native
 
     k, n = w.shape
-    panels = panels and w.activations == "float" and native.packable((k, n))
+    panels = panels and _fits_panels(k, n, w.activations)
     if not panels and (device.platform if device is not None else jax.default_backend()) == "gpu":
         w = flat_scales(w)      # once here, not in every step: the Pallas kernel takes one level
     if (w.layout == "panels") == panels:

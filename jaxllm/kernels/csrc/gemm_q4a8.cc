@@ -140,8 +140,7 @@ void q4a8_rows_avx2(const QuantPanel& q, const uint8_t* __restrict panel, const 
 }
 #endif  // JAXLLM_AVX2
 
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
-#define JAXLLM_AVX512_VNNI 1
+#ifdef JAXLLM_AVX512_VNNI
 // q4a8_rows_avx2 with AVX512_VNNI: the unpacked panel's 64 bytes per 4 rows of K are the 16
 // columns' 4 codes each, in column order, so one vpdpbusd multiplies them by a broadcast of 4
 // bytes of q and adds the 4 products to each column's int32 sum: one instruction where AVX2

@@ -5,6 +5,7 @@
 #include "gemm.cc"
 #include "gemm_q4a8.cc"
 #include "gemm_quant_panel.h"
+#include "gemm_w8a8.cc"
 #include "parallel_for.h"
 #include "simd.h"
 
@@ -17,7 +18,8 @@ namespace {
 // (weight-only quantization: x stays f32). The copy is made once per work item, which covers
 // up to kRowChunk rows, so at decode and prefill batch sizes the dequantization is a small part
 // of the work, and the weights are read at 1/4 (int8) or 1/8 (int4) of the f32 bytes. With
-// act8, 4-bit codes multiply x rounded to int8 instead (gemm_q4a8.cc).
+// act8, 4-bit codes multiply x rounded to int8 per block of 32 instead (gemm_q4a8.cc), 8-bit
+// ones x rounded to int8 per row (W8A8: gemm_w8a8.cc).
 
 void dequantize_panel_portable(const QuantPanel& q, int64_t p, float* out) {
   float s[kPanel], o[kPanel];
@@ -169,9 +171,11 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
         "two-level: scale and offset int8, super_scale f16 [G / S, N], super_offset like it or empty");
   if (path < kAuto || path > kAvx512 || (path != kAuto && !(built_paths() & (1 << path))))
     return ffi::Error::InvalidArgument("matmul_quantized: this build has no such kernel path");
-  if (act8 && !(int4 && xd[1] % kActBlock == 0 && (xd[1] / sd[0]) % kActBlock == 0))
+  if (act8 && !(int4 && xd[1] % kActBlock == 0 && (xd[1] / sd[0]) % kActBlock == 0) &&
+      !(int8 && sd[0] == 1 && !offset.element_count() && !two_level && xd[1] % 4 == 0 && xd[1] <= kW8A8MaxK))
     return ffi::Error::InvalidArgument("matmul_quantized: int8 activations need 4-bit codes in groups of a multiple "
-                                       "of 32 rows of K");
+                                       "of 32 rows of K, or 8-bit codes with one scale per column, no offset, and K "
+                                       "a multiple of 4 up to 131072");
   GemmArgs g{x.typed_data(), nullptr, y->typed_data(), xd[0], xd[1], cd[0] * kPanel};
   g.M = live_rows(rows, g.M, swiglu ? g.N / 2 : g.N, g.y);
   QuantPanel q{codes.untyped_data(), scale.untyped_data(),
@@ -183,7 +187,8 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
     q.per_super = sd[0] / ud[0];
   }
   if (act8) {
-    if (g.M) matmul_q4a8(pool, g, q, path, swiglu);
+    if (g.M && int4) matmul_q4a8(pool, g, q, path, swiglu);
+    if (g.M && int8) matmul_w8a8(pool, g, q, path, swiglu);
     return ffi::Error::Success();
   }
   const GemmItems items(g.M, swiglu ? g.N / 2 : g.N, pool.num_threads());
@@ -245,4 +250,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulQuantCpu, jaxllm::MatmulQuantImpl,
                                   .Attr<int32_t>("bits")
                                   .Attr<int32_t>("path")
                                   .Attr<int32_t>("swiglu")  // as for matmul_packed
-                                  .Attr<int32_t>("act8"));  // 1: x quantized to int8 (4-bit codes; see matmul_q4a8)
+                                  .Attr<int32_t>("act8"));  // 1: x quantized to int8 (see matmul_q4a8, matmul_w8a8)

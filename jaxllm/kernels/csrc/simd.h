@@ -19,6 +19,10 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #define JAXLLM_AVX2 1
 #endif
+// The int8 GEMMs' vpdpbusd path (gemm_q4a8.cc, gemm_w8a8.cc).
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#define JAXLLM_AVX512_VNNI 1
+#endif
 
 namespace jaxllm {
 

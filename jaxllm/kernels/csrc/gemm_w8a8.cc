@@ -1,0 +1,219 @@
+// 8-bit codes x int8 activations, a scale per token (W8A8, `quantization="w8a8"`):
+// MatmulQuantImpl's act8 path for 8-bit codes with one scale per column (gemm_quant.cc).
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "gemm.cc"
+#include "gemm_quant_panel.h"
+#include "parallel_for.h"
+#include "simd.h"
+
+namespace jaxllm {
+namespace {
+
+// Each row r of x is quantized whole: x ~ q * d[r], q int8 in [-127, 127], d = max|x| / 127 (1
+// for a zero row), as kv_write.py's int8_rows does for the plain path; then
+// y[r, n] = isum(r, n) * d[r] * scale[n], isum the exact int32 sum of q * code over all of K
+// (|isum| <= K * 127^2 fits int32 for K up to kW8A8MaxK). The codes must lie in [-127, 127] (the
+// AVX2 path negates them). Both SIMD paths read a panel as unpacked per work item: per 4 rows
+// of K 64 bytes, each column's 4 codes side by side, in column order.
+//   AVX2: vpmaddubsw takes an unsigned and a signed operand and saturates at 2^15, so |q| is
+//     the unsigned one and the codes take q's sign (vpsignb): a pair sums to at most
+//     2 * 127^2 < 2^15. vpmaddwd with ones then widens the pairs to int32 sums.
+//   AVX512_VNNI: vpdpbusd multiplies 4 unsigned bytes by 4 signed ones into an int32 sum with
+//     no int16 stage; q + 128 (q's sign bit flipped) is the unsigned operand, and 128 times
+//     each column's code sum is taken off at the end.
+
+constexpr int64_t kW8A8MaxK = 131072;
+
+// Rows [r0, r1) of x [M, K] quantized into q [M, K] and d [M].
+void quantize_token_rows(const float* x, int64_t r0, int64_t r1, int64_t K, int8_t* q, float* d) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* xr = x + r * K;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+    const float scale = amax * (1.f / 127.f);
+    d[r] = scale > 0.f ? scale : 1.f;
+    for (int64_t k = 0; k < K; ++k)
+      q[r * K + k] = static_cast<int8_t>(std::clamp(std::nearbyint(xr[k] / d[r]), -127.f, 127.f));
+  }
+}
+
+void w8a8_rows_portable(const QuantPanel& w, const int8_t* q, const float* d, int64_t p, float* y, int64_t ldy,
+                        int64_t R) {
+  const int8_t* codes = static_cast<const int8_t*>(w.codes) + p * w.K * kPanel;
+  float s[kPanel], o[kPanel];
+  group_scales(w, 0, p, s, o);
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t j = 0; j < kPanel; ++j) {
+      int32_t isum = 0;
+      for (int64_t k = 0; k < w.K; ++k) isum += codes[k * kPanel + j] * q[i * w.K + k];
+      y[i * ldy + j] = static_cast<float>(isum) * d[i] * s[j];
+    }
+}
+
+#ifdef JAXLLM_AVX2
+// Panel p ([K, 16], a row of K's 16 codes at a time) as the SIMD paths read it: per 4 rows of K,
+// columns 0-3, 4-7, 8-11, 12-15, each with its 4 codes (two byte interleaves, then two of pairs).
+void w8a8_unpack_panel(const QuantPanel& w, int64_t p, int8_t* out) {
+  const int8_t* codes = static_cast<const int8_t*>(w.codes) + p * w.K * kPanel;
+  for (int64_t k = 0; k < w.K; k += 4) {
+    const auto* in = reinterpret_cast<const __m128i*>(codes + k * kPanel);
+    const __m128i r0 = _mm_loadu_si128(in), r1 = _mm_loadu_si128(in + 1), r2 = _mm_loadu_si128(in + 2),
+                  r3 = _mm_loadu_si128(in + 3);
+    const __m128i lo01 = _mm_unpacklo_epi8(r0, r1), lo23 = _mm_unpacklo_epi8(r2, r3);  // columns 0-7
+    const __m128i hi01 = _mm_unpackhi_epi8(r0, r1), hi23 = _mm_unpackhi_epi8(r2, r3);  // columns 8-15
+    auto* o = reinterpret_cast<__m128i*>(out + k * kPanel);
+    _mm_storeu_si128(o, _mm_unpacklo_epi16(lo01, lo23));
+    _mm_storeu_si128(o + 1, _mm_unpackhi_epi16(lo01, lo23));
+    _mm_storeu_si128(o + 2, _mm_unpacklo_epi16(hi01, hi23));
+    _mm_storeu_si128(o + 3, _mm_unpackhi_epi16(hi01, hi23));
+  }
+}
+
+// R rows of y, the unpacked panel's 16 columns: int32 sums in registers over all of K.
+template <int R>
+void w8a8_rows_avx2(const int8_t* __restrict panel, const float* __restrict s, const int8_t* __restrict q,
+                    const float* __restrict d, int64_t K, float* __restrict y, int64_t ldy) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc0[R], acc1[R];  // columns 0-7 and 8-15
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = _mm256_setzero_si256();
+  for (int64_t k = 0; k < K; k += 4) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kPanel));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kPanel + 32));
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      int32_t four;
+      std::memcpy(&four, q + i * K + k, sizeof four);
+      const __m256i xq = _mm256_set1_epi32(four), xa = _mm256_abs_epi8(xq);
+      acc0[i] = _mm256_add_epi32(acc0[i], _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w0, xq)), ones));
+      acc1[i] = _mm256_add_epi32(acc1[i], _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w1, xq)), ones));
+    }
+  }
+  const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) {
+    const __m256 di = _mm256_set1_ps(d[i]);
+    _mm256_storeu_ps(y + i * ldy, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc0[i]), di), s0));
+    _mm256_storeu_ps(y + i * ldy + 8, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc1[i]), di), s1));
+  }
+}
+#endif  // JAXLLM_AVX2
+
+#ifdef JAXLLM_AVX512_VNNI
+// R rows of y with AVX512_VNNI: one vpdpbusd per row and 4 rows of K (all 16 columns).
+// `bias`: 128 times each column's code sum.
+template <int R>
+void w8a8_rows_vnni(const int8_t* __restrict panel, const float* __restrict s, __m512i bias,
+                    const int8_t* __restrict q, const float* __restrict d, int64_t K, float* __restrict y,
+                    int64_t ldy) {
+  __m512i acc[R];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 4) {
+    const __m512i codes = _mm512_loadu_si512(panel + k * kPanel);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      uint32_t four;
+      std::memcpy(&four, q + i * K + k, sizeof four);
+      acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(static_cast<int32_t>(four ^ 0x80808080u)), codes);
+    }
+  }
+  const __m512 scale = _mm512_loadu_ps(s);
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+    _mm512_storeu_ps(y + i * ldy, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], bias)),
+                                                              _mm512_set1_ps(d[i])),
+                                                scale));
+}
+#endif  // AVX512_VNNI
+
+struct W8A8Scratch {
+  std::vector<int8_t> panel;  // the unpacked panel
+  std::vector<float> sums;    // with the SwiGLU epilogue: the item's gate and up sums
+};
+
+// Rows [r0, r1) of x (quantized in q, d), panel p's columns, into y (row stride ldy).
+void w8a8_block(const QuantPanel& w, const int8_t* q, const float* d, int64_t p, int64_t r0, int64_t r1, float* y,
+                int64_t ldy, W8A8Scratch& scratch, int32_t path) {
+  const int64_t K = w.K;
+  q += r0 * K;
+  d += r0;
+#ifdef JAXLLM_AVX2
+  if (path == kAuto || path >= kAvx2) {
+    scratch.panel.resize(K * kPanel);
+    const int8_t* panel = scratch.panel.data();
+    w8a8_unpack_panel(w, p, scratch.panel.data());
+    float s[kPanel], o[kPanel];
+    group_scales(w, 0, p, s, o);
+    int64_t r = 0;
+    const int64_t R = r1 - r0;
+#ifdef JAXLLM_AVX512_VNNI
+    if (path == kAuto || path >= kAvx512) {
+      __m512i bias = _mm512_setzero_si512();
+      for (int64_t k = 0; k < K; k += 4)
+        bias = _mm512_dpbusd_epi32(bias, _mm512_set1_epi8(1), _mm512_loadu_si512(panel + k * kPanel));
+      bias = _mm512_slli_epi32(bias, 7);
+      for (; r + 8 <= R; r += 8) w8a8_rows_vnni<8>(panel, s, bias, q + r * K, d + r, K, y + r * ldy, ldy);
+      switch (R - r) {
+#define JAXLLM_W8A8_VNNI_CASE(n) \
+  case n: w8a8_rows_vnni<n>(panel, s, bias, q + r * K, d + r, K, y + r * ldy, ldy); break;
+        JAXLLM_W8A8_VNNI_CASE(7) JAXLLM_W8A8_VNNI_CASE(6) JAXLLM_W8A8_VNNI_CASE(5) JAXLLM_W8A8_VNNI_CASE(4)
+        JAXLLM_W8A8_VNNI_CASE(3) JAXLLM_W8A8_VNNI_CASE(2) JAXLLM_W8A8_VNNI_CASE(1)
+#undef JAXLLM_W8A8_VNNI_CASE
+      }
+      return;
+    }
+#endif
+    for (; r + 4 <= R; r += 4) w8a8_rows_avx2<4>(panel, s, q + r * K, d + r, K, y + r * ldy, ldy);
+    switch (R - r) {
+      case 3: w8a8_rows_avx2<3>(panel, s, q + r * K, d + r, K, y + r * ldy, ldy); break;
+      case 2: w8a8_rows_avx2<2>(panel, s, q + r * K, d + r, K, y + r * ldy, ldy); break;
+      case 1: w8a8_rows_avx2<1>(panel, s, q + r * K, d + r, K, y + r * ldy, ldy); break;
+    }
+    return;
+  }
+#endif
+  w8a8_rows_portable(w, q, d, p, y, ldy, r1 - r0);
+}
+
+// y = x @ w for 8-bit codes with x quantized a row at a time, as above.
+void matmul_w8a8(ffi::ThreadPool& pool, const GemmArgs& g, const QuantPanel& w, int32_t path, int32_t swiglu) {
+  const int64_t rows_per_item = 16;
+  thread_local std::vector<int8_t> xq;  // grown, never shrunk: one allocation per calling thread
+  thread_local std::vector<float> xd;
+  xq.resize(std::max<size_t>(xq.size(), g.M * g.K));
+  xd.resize(std::max<size_t>(xd.size(), g.M));
+  int8_t* q = xq.data();
+  float* d = xd.data();
+  parallel_for(pool, (g.M + rows_per_item - 1) / rows_per_item, [&](int64_t i) {
+    quantize_token_rows(g.x, i * rows_per_item, std::min(g.M, (i + 1) * rows_per_item), g.K, q, d);
+  });
+  const int64_t n_out = swiglu ? g.N / 2 : g.N;
+  const GemmItems items(g.M, n_out, pool.num_threads());
+  parallel_for<W8A8Scratch>(pool, items.count, [&](int64_t item, W8A8Scratch& scratch) {
+    int64_t r0, r1, p0, p1;
+    items.bounds(item, g.M, r0, r1, p0, p1);
+    if (!swiglu) {
+      for (int64_t p = p0; p < p1; ++p) w8a8_block(w, q, d, p, r0, r1, g.y + r0 * g.N + p * kPanel, g.N, scratch, path);
+      return;
+    }
+    scratch.sums.resize(2 * (r1 - r0) * kPanel);
+    float *gate = scratch.sums.data(), *up = gate + (r1 - r0) * kPanel;
+    for (int64_t p = p0; p < p1; ++p) {
+      w8a8_block(w, q, d, p, r0, r1, gate, kPanel, scratch, path);
+      w8a8_block(w, q, d, p + g.N / 2 / kPanel, r0, r1, up, kPanel, scratch, path);
+      swiglu_store(gate, up, g.y + r0 * n_out + p * kPanel, n_out, r1 - r0, path);
+    }
+  });
+}
+
+}  // namespace
+}  // namespace jaxllm
