@@ -4,7 +4,8 @@ GEMMs (`kernels.native.matmul_packed`, the engine's path for float32 weights on 
 and for bf16 weights where the CPU has AVX512_BF16),
 and the quantized weights' paths (jaxllm/quantization): `int8` and `int4` codes in the C++ GEMM
 (weight-only), `int4` codes with int8 activations in the C++ GEMM (`int8_activations`), and
-`w8a8` through XLA's int8 dot.
+`w8a8` in the C++ GEMM (the engine's path on one CPU device) and through XLA's int8 dot (sharded
+runs' path).
 
     python benchmarks/dots.py                 # M = 1, 2, 8, 16, 32, 64, 128, 512 rows
 
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
     quantized_dot = jax.jit(quantized_matmul)
     print(f"{'weight':10s} {'M':>4s} {'f32 GFLOP/s':>12s} {'bf16 GFLOP/s':>13s} {'bf16/f32':>9s} "
           f"{'packed f32 GFLOP/s':>19s} {'packed/f32':>11s} {'packed bf16':>12s} {'/bf16':>6s}   "
-          "GFLOP/s of int8 / int4 (C++) / w8a8 (XLA) / int4 x int8 (C++)")
+          "GFLOP/s of int8 / int4 (C++) / w8a8 (C++) / int4 x int8 (C++) / w8a8 (XLA)")
     rows = []
     for name, (k, n) in SHAPES.items():
         w32 = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32))
@@ -69,6 +70,7 @@ def main(argv=None) -> int:
                                          activations="int8" if method == "w8a8" else "float")
                      for method in ("int8", "int4", "w8a8")}
         quantized["int4_act8"] = with_int8_activations(quantized["int4"])
+        quantized["w8a8_xla"] = make_weight(np.asarray(w32), "w8a8", panels=False, activations="int8")
         for m in (int(x) for x in args.rows.split(",")):
             x32 = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
             x16 = x32.astype(jnp.bfloat16)

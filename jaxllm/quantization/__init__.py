@@ -32,10 +32,15 @@ How a quantized weight is multiplied (`matmul`):
   block) and sums code x int8 products as integers (AVX2 `vpmaddubsw`, AVX512_VNNI
   `vpdpbusd`), scaling once a block: about 1.3x the weight-only panels' speed on AVX2 from 16
   rows up, 310-510 GFLOP/s on Zen 4, at a perplexity cost (README, Quantization).
-- **W8A8** (`activations="int8"`): each row of x is quantized to int8 with its own scale and
-  XLA runs an `int8 x int8 -> int32` dot (YNNPACK's VNNI / AMX kernels on CPUs that have them:
-  1.3-3.8x a bf16 dot on a Xeon with AMX, slower than bf16 on Zen 4's VNNI; on AVX2-only CPUs
-  no faster than f32), then rescales.
+- **Packed W8A8** (`activations="int8"` on a panels weight: `w8a8` on one CPU device): the C++
+  GEMM (kernels/csrc/gemm_w8a8.cc) rounds each row of x to int8 with its own scale, sums code x
+  int8 products over all of K as exact int32 (AVX2 `vpsignb` + `vpmaddubsw`, AVX512_VNNI
+  `vpdpbusd`) and applies both scales once: 1.0-1.7x the weight-only int8 panels on AVX2
+  (README, Quantization).
+- **Plain W8A8** (`activations="int8"`, sharded runs and other backends): each row of x is
+  quantized to int8 with its own scale and XLA runs an `int8 x int8 -> int32` dot (YNNPACK's
+  VNNI / AMX kernels on CPUs that have them: 1.3-3.8x a bf16 dot on a Xeon with AMX, slower
+  than bf16 on Zen 4's VNNI; on AVX2-only CPUs no faster than f32), then rescales.
 - **Plain, weight-only**: on GPUs a Pallas (Triton) kernel reads the codes as they are and feeds
   them to bf16 dots, scaling the accumulator (`kernels/quant_matmul.py`: half or a quarter of
   the bf16 weight's bytes streamed; on an H200 int8 is 1.0-1.5x a bf16 dot at 1-16 rows,

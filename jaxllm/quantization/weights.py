@@ -34,7 +34,8 @@ class QuantizedWeight:
         `layout="panels"`: as `kernels.native.pack_codes` lays them out for the C++ GEMM.
     scale, offset: [G, N], f32 (8 bits) or f16 (4 bits); offset is None for symmetric codes
         (the 8-bit ones).
-    activations: "int8" multiplies as W8A8 (x quantized per row, an int8 dot), "float" as
+    activations: "int8" multiplies as W8A8 (x quantized per row, an int8 dot; with 4-bit
+        panels, per row and block of 32: `with_int8_activations`), "float" as
         weight-only (x stays f32).
     perm: None, or int32 [K] (GPTQ's act-order): the codes' row i is the weight's row perm[i],
         so that the groups are contiguous; x's columns are taken in that order first.
