@@ -199,11 +199,12 @@ def test_matmul_quantized_int8_activations_swiglu_and_live_rows(rows):
 
 def w8a8_rows_reference(x: np.ndarray, codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """8-bit codes x int8 rows by hand: each row of x rounded whole to q * d (d = max|x| / 127,
-    in f32 as `kv_write.int8_rows` computes it; 1 for a zero row), an exact integer dot, both scales."""
+    in f32 as `kv_write.int8_rows` computes it under XLA, x times 1 / d; 1 for a zero row), an
+    exact integer dot, both scales."""
     amax = np.abs(x).max(1, keepdims=True)
     d = amax * np.float32(1 / 127)
     d = np.where(d > 0, d, np.float32(1)).astype(np.float32)
-    q = np.clip(np.rint(x / d), -127, 127).astype(np.int64)
+    q = np.clip(np.rint(x * (np.float32(1) / d)), -127, 127).astype(np.int64)
     return (q @ codes.astype(np.int64)) * d.astype(np.float64) * scale.astype(np.float64)
 
 

@@ -40,8 +40,9 @@ void quantize_token_rows(const float* x, int64_t r0, int64_t r1, int64_t K, int8
     for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
     const float scale = amax * (1.f / 127.f);
     d[r] = scale > 0.f ? scale : 1.f;
+    const float inv = 1.f / d[r];  // x times it, as XLA computes int8_rows' x / scale
     for (int64_t k = 0; k < K; ++k)
-      q[r * K + k] = static_cast<int8_t>(std::clamp(std::nearbyint(xr[k] / d[r]), -127.f, 127.f));
+      q[r * K + k] = static_cast<int8_t>(std::clamp(std::nearbyint(xr[k] * inv), -127.f, 127.f));
   }
 }
 
