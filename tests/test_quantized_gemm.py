@@ -1,0 +1,197 @@
+"""The C++ quantized GEMM (`kernels.native.matmul_quantized`, csrc/gemm_quant.cc, gemm_q4a8.cc,
+gemm_w8a8.cc) against NumPy: weight-only int8 / int4 panels, 4-bit codes x int8 activations per
+block of 32, W8A8 (8-bit codes x int8 rows), each on every code path the build has, with the
+SwiGLU epilogue and live-row counts, and the calls it refuses."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from jaxllm.kernels import native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C++ kernels: {native.unavailable_reason()}")
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 6, 13, 97])
+@pytest.mark.parametrize("bits, groups, with_offset", [(8, 1, False), (8, 3, True), (4, 3, True), (4, 1, True)])
+@pytest.mark.parametrize("scale_dtype", [np.float32, np.float16])
+def test_matmul_quantized_matches_numpy(rows, bits, groups, with_offset, scale_dtype):
+    # Row counts around the 4-row in-register path, the 6-row register blocks and the 96-row
+    # work items; K = 39 (not a multiple of the vector width), 3 panels; f16 scales include
+    # subnormal, zero-exponent-edge and negative values.
+    rng = np.random.default_rng(rows * 10 + bits)
+    k, n = 39, 48
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    codes = rng.integers(-127, 128, (k, n)) if bits == 8 else rng.integers(0, 16, (k, n))
+    scale = rng.random((groups, n)).astype(scale_dtype)
+    offset = rng.standard_normal((groups, n)).astype(scale_dtype) if with_offset else None
+    if scale_dtype == np.float16:
+        scale[0, :4] = [6e-8, 3e-5, 6.1e-5, 65504.0]
+        if offset is not None:
+            offset[0, :2] = [-3e-6, 0.0]
+    w = (codes * np.repeat(scale.astype(np.float64), k // groups, 0)
+         + (0 if offset is None else np.repeat(offset.astype(np.float64), k // groups, 0)))
+    ref = x.astype(np.float64) @ w
+    packed = native.pack_codes(codes, bits)
+    assert packed.shape == (n // 16, k, 16 if bits == 8 else 8)
+    for path in ("auto", *native.kernel_paths()):
+        y = jax.jit(functools.partial(native.matmul_quantized, bits=bits, path=path))(x, packed, scale, offset)
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("rows", [1, 5, 13])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_matmul_quantized_swiglu_matches_numpy(rows, bits):
+    # silu(x @ gate) * (x @ up) from the codes of [gate | up] (2 panels each), with offsets,
+    # every code path, and a live-row count.
+    rng = np.random.default_rng(rows + bits)
+    k, n = 40, 64
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    codes = rng.integers(-127, 128, (k, n)) if bits == 8 else rng.integers(0, 16, (k, n))
+    scale = rng.random((2, n)).astype(np.float32) * 0.3
+    offset = rng.standard_normal((2, n)).astype(np.float32)
+    w = codes * np.repeat(scale.astype(np.float64), k // 2, 0) + np.repeat(offset.astype(np.float64), k // 2, 0)
+    g, u = np.split(x.astype(np.float64) @ w, 2, axis=1)
+    ref = g / (1 + np.exp(-g)) * u
+    packed = native.pack_codes(codes, bits)
+    for path in ("auto", *native.kernel_paths()):
+        y = jax.jit(functools.partial(native.matmul_quantized, bits=bits, path=path, swiglu=True))(
+            x, packed, scale, offset)
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    live = jax.jit(functools.partial(native.matmul_quantized, bits=bits, swiglu=True))(
+        x, packed, scale, offset, rows=np.int32(rows - 1))
+    np.testing.assert_allclose(live[: rows - 1], ref[: rows - 1], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    assert not np.asarray(live[rows - 1:]).any()
+
+
+def test_matmul_quantized_rejects_mismatched_shapes():
+    x = np.ones((2, 32), np.float32)
+    codes = native.pack_codes(np.zeros((32, 16), np.int8), 8)
+    with pytest.raises(Exception, match="matmul_quantized"):   # 5 groups do not divide K = 32
+        jax.block_until_ready(native.matmul_quantized(x, codes, np.ones((5, 16), np.float32), None, 8))
+    with pytest.raises(Exception, match="matmul_quantized"):   # 8-bit codes called as 4-bit
+        jax.block_until_ready(native.matmul_quantized(x, codes, np.ones((1, 16), np.float32), None, 4))
+
+
+def act8_reference(x: np.ndarray, codes: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> np.ndarray:
+    """4-bit codes x int8 activations by hand: each row of x rounded per block of 32 columns to
+    q * d (d = max|x| / 127, in f32 as the kernel computes it), the blocks' integer sums scaled."""
+    m, k = x.shape
+    rows = k // scale.shape[0]
+    xb = x.astype(np.float32).reshape(m, k // 32, 32)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.rint(xb * inv).astype(np.float64)
+    d = (amax / np.float32(127)).astype(np.float64)[..., 0]
+    cb = codes.reshape(k // 32, 32, -1).astype(np.float64)
+    s = np.repeat(scale.astype(np.float64), rows // 32, 0)          # per block of 32
+    y = np.einsum("mbk,bkn,bn,mb->mn", q, cb, s, d)
+    if offset is not None:
+        y += xb.astype(np.float64).sum(-1) @ np.repeat(offset.astype(np.float64), rows // 32, 0)
+    return y
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 97])
+@pytest.mark.parametrize("groups, with_offset, scale_dtype", [(4, True, np.float16), (2, False, np.float32)])
+def test_matmul_quantized_int8_activations_matches_numpy(rows, groups, with_offset, scale_dtype):
+    # act8: rows around the 4-row register blocks and the 96-row work items; K = 128 in groups
+    # of 32 or 64 rows (each scale spans 1 or 2 activation blocks), 3 panels, a zero block, a
+    # row whose largest |x| sits on a block's edge.
+    rng = np.random.default_rng(rows)
+    k, n = 128, 48
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    x[0, 32:64] = 0.0
+    x[-1, 95] = 9.0
+    codes = rng.integers(0, 16, (k, n))
+    scale = (rng.random((groups, n)) * 0.3).astype(scale_dtype)
+    offset = rng.standard_normal((groups, n)).astype(scale_dtype) if with_offset else None
+    ref = act8_reference(x, codes, scale, offset)
+    packed = native.pack_codes(codes, 4)
+    for path in ("auto", *native.kernel_paths()):
+        y = jax.jit(functools.partial(native.matmul_quantized, bits=4, path=path, act8=True))(x, packed, scale, offset)
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    # The float product it approximates: within 2% of its largest value.
+    w = codes * np.repeat(scale.astype(np.float64), k // groups, 0)
+    w = w if offset is None else w + np.repeat(offset.astype(np.float64), k // groups, 0)
+    exact = x.astype(np.float64) @ w
+    assert np.abs(ref - exact).max() < 0.02 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("rows", [2, 7])
+def test_matmul_quantized_int8_activations_swiglu_and_live_rows(rows):
+    rng = np.random.default_rng(rows)
+    k, n = 64, 64
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    codes = rng.integers(0, 16, (k, n))
+    scale = (rng.random((2, n)) * 0.3).astype(np.float16)
+    offset = rng.standard_normal((2, n)).astype(np.float16)
+    g, u = np.split(act8_reference(x, codes, scale, offset), 2, axis=1)
+    ref = g / (1 + np.exp(-g)) * u
+    packed = native.pack_codes(codes, 4)
+    for path in ("auto", *native.kernel_paths()):
+        y = jax.jit(functools.partial(native.matmul_quantized, bits=4, path=path, swiglu=True, act8=True))(
+            x, packed, scale, offset)
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    live = jax.jit(functools.partial(native.matmul_quantized, bits=4, act8=True))(
+        x, packed, scale, offset, rows=np.int32(rows - 1))
+    np.testing.assert_allclose(live[: rows - 1], act8_reference(x, codes, scale, offset)[: rows - 1], rtol=1e-5,
+                               atol=1e-4)
+    assert not np.asarray(live[rows - 1:]).any()
+
+
+def w8a8_rows_reference(x: np.ndarray, codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """8-bit codes x int8 rows by hand: each row of x rounded whole to q * d (d = max|x| / 127,
+    in f32 as `kv_write.int8_rows` computes it under XLA, x times 1 / d; 1 for a zero row), an
+    exact integer dot, both scales."""
+    amax = np.abs(x).max(1, keepdims=True)
+    d = amax * np.float32(1 / 127)
+    d = np.where(d > 0, d, np.float32(1)).astype(np.float32)
+    q = np.clip(np.rint(x * (np.float32(1) / d)), -127, 127).astype(np.int64)
+    return (q @ codes.astype(np.int64)) * d.astype(np.float64) * scale.astype(np.float64)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 11, 97])
+@pytest.mark.parametrize("scale_dtype", [np.float32, np.float16])
+def test_matmul_quantized_w8a8_matches_numpy(rows, scale_dtype):
+    # W8A8 in the C++ GEMM (csrc/gemm_w8a8.cc): rows around the 4- and 8-row register blocks and
+    # the 96-row work items, 3 panels, codes at +-127, a zero row, an outlier column; the SwiGLU
+    # epilogue and a live-row count; every code path the build has.
+    rng = np.random.default_rng(rows)
+    k, n = 132, 48
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    x[:, 7] *= 40
+    x[rows // 2] = 0.0
+    codes = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    codes[0, :2] = (-127, 127)
+    scale = (rng.random((1, n)) * 0.01).astype(scale_dtype)
+    ref = w8a8_rows_reference(x, codes, scale)
+    packed = native.pack_codes(codes, 8)
+    g, u = np.split(ref[:, :32], 2, axis=1)
+    for path in ("auto", *native.kernel_paths()):
+        call = functools.partial(native.matmul_quantized, bits=8, path=path, act8=True)
+        y = jax.jit(call)(x, packed, scale, None)
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+        y = jax.jit(functools.partial(call, swiglu=True))(x, packed[:2], scale[:, :32], None)
+        np.testing.assert_allclose(y, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-5)
+    live = jax.jit(functools.partial(native.matmul_quantized, bits=8, act8=True))(
+        x, packed, scale, None, rows=np.int32(rows - 1))
+    np.testing.assert_allclose(live[: rows - 1], ref[: rows - 1], rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+    assert not np.asarray(live[rows - 1:]).any()
+
+
+def test_matmul_quantized_int8_activations_rejects_what_it_cannot_run():
+    x = np.ones((2, 64), np.float32)
+    int8_codes = native.pack_codes(np.zeros((64, 16), np.int8), 8)
+    with pytest.raises(Exception, match="int8 activations"):   # 8-bit codes with offsets (W8A8 has none)
+        jax.block_until_ready(native.matmul_quantized(x, int8_codes, np.ones((1, 16), np.float32),
+                                                      np.ones((1, 16), np.float32), 8, act8=True))
+    with pytest.raises(Exception, match="int8 activations"):   # 8-bit codes, two scales per column
+        jax.block_until_ready(native.matmul_quantized(x, int8_codes, np.ones((2, 16), np.float32), None, 8,
+                                                      act8=True))
+    int4_codes = native.pack_codes(np.zeros((64, 16), np.uint8), 4)
+    with pytest.raises(Exception, match="int8 activations"):   # groups of 16 rows: not whole blocks of 32
+        jax.block_until_ready(native.matmul_quantized(x, int4_codes, np.ones((4, 16), np.float16), None, 4,
+                                                      act8=True))
