@@ -343,8 +343,8 @@ def embedding_rows(w: QuantizedWeight, token_ids: jax.Array) -> jax.Array:
 
 
 def relayout(w: QuantizedWeight, panels: bool, device=None) -> QuantizedWeight:
-    """A weight-only QuantizedWeight in the packed layout of the C++ GEMM when `panels` (and its
-    N allows it), else plain; on `device`."""
+    """A QuantizedWeight in the packed layout of the C++ GEMM when `panels` (and its shape allows
+    it: `_fits_panels`), else plain; on `device`."""
     from jaxllm.kernels import native
 
     k, n = w.shape
