@@ -8,8 +8,8 @@ a sampled row's token (csrc/sampling.cc);
 `matmul_packed` multiplies by an f32 or bf16 weight packed once by `pack_weight` (csrc/gemm.cc,
 csrc/gemm_bf16.cc: AVX512_BF16 dots where the CPU has them, `bf16_gemm_native()`),
 `matmul_quantized` by int8 or int4 codes packed by `pack_codes` (csrc/gemm_quant.cc, and
-csrc/gemm_q4a8.cc / gemm_w8a8.cc for int4 / int8 codes x int8 activations); `write_kv` is kv_write.py's `write_kv`
-in place (csrc/kv_write.cc: one handler instead of an LLVM module per layer's scatter).
+csrc/gemm_q4a8.cc / gemm_w8a8.cc for int4 / int8 codes x int8 activations); `write_kv` is
+kv_write.py's `write_kv` in place (csrc/kv_write.cc: one handler instead of an LLVM module per layer's scatter).
 csrc/cpu_kernels_attention.cc and cpu_kernels_gemm.cc, which include them all, are compiled
 side by side on first use (on a thread of their own: `start_build`) with the system C++
 compiler (`$CXX`, else `c++`) against the XLA FFI headers that ship with jaxlib, with
@@ -317,8 +317,8 @@ def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: j
     int8 and the products are integer sums. With 4-bit codes (K / G a multiple of `ACT_BLOCK`)
     per row and block of 32 columns (q = round(x * 127 / max|x|), the scale max|x| / 127), as
     llama.cpp does (csrc/gemm_q4a8.cc); with 8-bit codes in [-127, 127], one scale per column
-    and no offset (W8A8; K a multiple of 4) per row, as `kv_write.int8_rows` does
-    (csrc/gemm_w8a8.cc). `rows`, `swiglu`: as for `matmul_packed`."""
+    and no offset (W8A8; K a multiple of 4, at most `W8A8_MAX_K`) per row, as
+    `kv_write.int8_rows` does (csrc/gemm_w8a8.cc). `rows`, `swiglu`: as for `matmul_packed`."""
     require()
     path_attr = _path_attr(path)
     n = codes.shape[0] * PANEL // (2 if swiglu else 1)
@@ -331,7 +331,8 @@ def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: j
                 swiglu=np.int32(swiglu), act8=np.int32(act8)).reshape(*lead, n)
 
 
-ACT_BLOCK = 32  # columns of x per int8 scale with `matmul_quantized(..., act8=True)`
+ACT_BLOCK = 32  # columns of x per int8 scale with `matmul_quantized(..., act8=True)` and 4-bit codes
+W8A8_MAX_K = 131072  # the largest K of 8-bit codes x int8 rows (csrc/gemm_w8a8.cc: exact int32 sums)
 
 
 def paged_attention_cpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,

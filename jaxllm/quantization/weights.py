@@ -116,10 +116,10 @@ def make_weight(w: np.ndarray, method: str, *, panels: bool, activations: str, d
 
 def _fits_panels(k: int, n: int, activations: str) -> bool:
     """Whether a [K, N] weight goes into the C++ GEMM's panels: weight-only, or W8A8 (8-bit
-    codes x int8 rows, csrc/gemm_w8a8.cc) with K a multiple of 4."""
+    codes x int8 rows, csrc/gemm_w8a8.cc) with K a multiple of 4 up to `native.W8A8_MAX_K`."""
     from jaxllm.kernels import native
 
-    return native.packable((k, n)) and (activations == "float" or k % 4 == 0)
+    return native.packable((k, n)) and (activations == "float" or (k % 4 == 0 and k <= native.W8A8_MAX_K))
 
 
 def make_sharded_weight(w: np.ndarray, method: str, activations: str, columns: int = 1, rows: int = 1
