@@ -191,6 +191,10 @@ def test_matmul_quantized_int8_activations_rejects_what_it_cannot_run():
     with pytest.raises(Exception, match="int8 activations"):   # 8-bit codes, two scales per column
         jax.block_until_ready(native.matmul_quantized(x, int8_codes, np.ones((2, 16), np.float32), None, 8,
                                                       act8=True))
+    k = native.W8A8_MAX_K + 4                                   # int32 sums could overflow
+    with pytest.raises(Exception, match="int8 activations"):
+        jax.block_until_ready(native.matmul_quantized(np.ones((1, k), np.float32), np.zeros((1, k, 16), np.int8),
+                                                      np.ones((1, 16), np.float32), None, 8, act8=True))
     int4_codes = native.pack_codes(np.zeros((64, 16), np.uint8), 4)
     with pytest.raises(Exception, match="int8 activations"):   # groups of 16 rows: not whole blocks of 32
         jax.block_until_ready(native.matmul_quantized(x, int4_codes, np.ones((4, 16), np.float16), None, 4,
