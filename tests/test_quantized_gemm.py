@@ -15,6 +15,14 @@ from jaxllm.kernels import native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C++ kernels: {native.unavailable_reason()}")
 
+
+def check_live_rows(call, args, ref: np.ndarray, atol: float):
+    """call(*args, rows=R) with R one less than x's rows: those rows as `ref`'s, the last zeros."""
+    rows = args[0].shape[0]
+    live = jax.jit(call)(*args, rows=np.int32(rows - 1))
+    np.testing.assert_allclose(live[: rows - 1], ref[: rows - 1], rtol=1e-5, atol=atol)
+    assert not np.asarray(live[rows - 1:]).any()
+
 @pytest.mark.parametrize("rows", [1, 4, 5, 6, 13, 97])
 @pytest.mark.parametrize("bits, groups, with_offset", [(8, 1, False), (8, 3, True), (4, 3, True), (4, 1, True)])
 @pytest.mark.parametrize("scale_dtype", [np.float32, np.float16])
@@ -61,10 +69,8 @@ def test_matmul_quantized_swiglu_matches_numpy(rows, bits):
         y = jax.jit(functools.partial(native.matmul_quantized, bits=bits, path=path, swiglu=True))(
             x, packed, scale, offset)
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    live = jax.jit(functools.partial(native.matmul_quantized, bits=bits, swiglu=True))(
-        x, packed, scale, offset, rows=np.int32(rows - 1))
-    np.testing.assert_allclose(live[: rows - 1], ref[: rows - 1], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    assert not np.asarray(live[rows - 1:]).any()
+    check_live_rows(functools.partial(native.matmul_quantized, bits=bits, swiglu=True), (x, packed, scale, offset),
+                    ref, atol=1e-5 * np.abs(ref).max())
 
 
 def test_matmul_quantized_rejects_mismatched_shapes():
@@ -135,11 +141,8 @@ def test_matmul_quantized_int8_activations_swiglu_and_live_rows(rows):
         y = jax.jit(functools.partial(native.matmul_quantized, bits=4, path=path, swiglu=True, act8=True))(
             x, packed, scale, offset)
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    live = jax.jit(functools.partial(native.matmul_quantized, bits=4, act8=True))(
-        x, packed, scale, offset, rows=np.int32(rows - 1))
-    np.testing.assert_allclose(live[: rows - 1], act8_reference(x, codes, scale, offset)[: rows - 1], rtol=1e-5,
-                               atol=1e-4)
-    assert not np.asarray(live[rows - 1:]).any()
+    check_live_rows(functools.partial(native.matmul_quantized, bits=4, act8=True), (x, packed, scale, offset),
+                    act8_reference(x, codes, scale, offset), atol=1e-4)
 
 
 def w8a8_rows_reference(x: np.ndarray, codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -176,10 +179,8 @@ def test_matmul_quantized_w8a8_matches_numpy(rows, scale_dtype):
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
         y = jax.jit(functools.partial(call, swiglu=True))(x, packed[:2], scale[:, :32], None)
         np.testing.assert_allclose(y, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-5)
-    live = jax.jit(functools.partial(native.matmul_quantized, bits=8, act8=True))(
-        x, packed, scale, None, rows=np.int32(rows - 1))
-    np.testing.assert_allclose(live[: rows - 1], ref[: rows - 1], rtol=1e-5, atol=1e-6 * np.abs(ref).max())
-    assert not np.asarray(live[rows - 1:]).any()
+    check_live_rows(functools.partial(native.matmul_quantized, bits=8, act8=True), (x, packed, scale, None), ref,
+                    atol=1e-6 * np.abs(ref).max())
 
 
 def test_matmul_quantized_int8_activations_rejects_what_it_cannot_run():

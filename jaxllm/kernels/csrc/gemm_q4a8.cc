@@ -241,23 +241,9 @@ void matmul_q4a8(ffi::ThreadPool& pool, const GemmArgs& g, const QuantPanel& q, 
   parallel_for(pool, (g.M + rows_per_item - 1) / rows_per_item, [&](int64_t i) {
     quantize_rows(g.x, i * rows_per_item, std::min(g.M, (i + 1) * rows_per_item), g.K, q8, d, s);
   });
-  const int64_t n_out = swiglu ? g.N / 2 : g.N;
-  const GemmItems items(g.M, n_out, pool.num_threads());
-  parallel_for<Q4A8Scratch>(pool, items.count, [&](int64_t item, Q4A8Scratch& scratch) {
-    int64_t r0, r1, p0, p1;
-    items.bounds(item, g.M, r0, r1, p0, p1);
-    if (!swiglu) {
-      for (int64_t p = p0; p < p1; ++p) q4a8_block(q, a, p, r0, r1, g.y + r0 * g.N + p * kPanel, g.N, scratch, path);
-      return;
-    }
-    // Gate panel p's and up panel p + N / 32's sums for the item's rows, then the epilogue.
-    scratch.sums.resize(2 * (r1 - r0) * kPanel);
-    float *gate = scratch.sums.data(), *up = gate + (r1 - r0) * kPanel;
-    for (int64_t p = p0; p < p1; ++p) {
-      q4a8_block(q, a, p, r0, r1, gate, kPanel, scratch, path);
-      q4a8_block(q, a, p + g.N / 2 / kPanel, r0, r1, up, kPanel, scratch, path);
-      swiglu_store(gate, up, g.y + r0 * n_out + p * kPanel, n_out, r1 - r0, path);
-    }
+  int8_rows_items<Q4A8Scratch>(pool, g, swiglu, path, [&](int64_t p, int64_t r0, int64_t r1, float* y, int64_t ldy,
+                                                         Q4A8Scratch& scratch) {
+    q4a8_block(q, a, p, r0, r1, y, ldy, scratch, path);
   });
 }
 

@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include "gemm.cc"
+#include "parallel_for.h"
 
 namespace jaxllm {
 namespace {
@@ -111,6 +112,31 @@ inline void group_scales(const QuantPanel& q, int64_t g, int64_t p, float* s, fl
       o[j] = q.offset ? static_cast<const float*>(q.offset)[at + j] : 0.f;
     }
   }
+}
+
+// The work items of a GEMM whose rows of x were quantized to int8 first (gemm_q4a8.cc,
+// gemm_w8a8.cc): block(p, r0, r1, y, ldy, scratch) writes rows [r0, r1) of panel p's 16
+// columns; with `swiglu`, gate panel p's and up panel p + N / 32's sums for the item's rows go
+// through the epilogue. Scratch (per thread) has a `sums` vector beside what block needs.
+template <typename Scratch, typename Block>
+void int8_rows_items(ffi::ThreadPool& pool, const GemmArgs& g, int32_t swiglu, int32_t path, Block block) {
+  const int64_t n_out = swiglu ? g.N / 2 : g.N;
+  const GemmItems items(g.M, n_out, pool.num_threads());
+  parallel_for<Scratch>(pool, items.count, [&](int64_t item, Scratch& scratch) {
+    int64_t r0, r1, p0, p1;
+    items.bounds(item, g.M, r0, r1, p0, p1);
+    if (!swiglu) {
+      for (int64_t p = p0; p < p1; ++p) block(p, r0, r1, g.y + r0 * g.N + p * kPanel, g.N, scratch);
+      return;
+    }
+    scratch.sums.resize(2 * (r1 - r0) * kPanel);
+    float *gate = scratch.sums.data(), *up = gate + (r1 - r0) * kPanel;
+    for (int64_t p = p0; p < p1; ++p) {
+      block(p, r0, r1, gate, kPanel, scratch);
+      block(p + g.N / 2 / kPanel, r0, r1, up, kPanel, scratch);
+      swiglu_store(gate, up, g.y + r0 * n_out + p * kPanel, n_out, r1 - r0, path);
+    }
+  });
 }
 
 }  // namespace

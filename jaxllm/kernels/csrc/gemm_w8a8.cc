@@ -197,22 +197,9 @@ void matmul_w8a8(ffi::ThreadPool& pool, const GemmArgs& g, const QuantPanel& w, 
   parallel_for(pool, (g.M + rows_per_item - 1) / rows_per_item, [&](int64_t i) {
     quantize_token_rows(g.x, i * rows_per_item, std::min(g.M, (i + 1) * rows_per_item), g.K, q, d);
   });
-  const int64_t n_out = swiglu ? g.N / 2 : g.N;
-  const GemmItems items(g.M, n_out, pool.num_threads());
-  parallel_for<W8A8Scratch>(pool, items.count, [&](int64_t item, W8A8Scratch& scratch) {
-    int64_t r0, r1, p0, p1;
-    items.bounds(item, g.M, r0, r1, p0, p1);
-    if (!swiglu) {
-      for (int64_t p = p0; p < p1; ++p) w8a8_block(w, q, d, p, r0, r1, g.y + r0 * g.N + p * kPanel, g.N, scratch, path);
-      return;
-    }
-    scratch.sums.resize(2 * (r1 - r0) * kPanel);
-    float *gate = scratch.sums.data(), *up = gate + (r1 - r0) * kPanel;
-    for (int64_t p = p0; p < p1; ++p) {
-      w8a8_block(w, q, d, p, r0, r1, gate, kPanel, scratch, path);
-      w8a8_block(w, q, d, p + g.N / 2 / kPanel, r0, r1, up, kPanel, scratch, path);
-      swiglu_store(gate, up, g.y + r0 * n_out + p * kPanel, n_out, r1 - r0, path);
-    }
+  int8_rows_items<W8A8Scratch>(pool, g, swiglu, path, [&](int64_t p, int64_t r0, int64_t r1, float* y, int64_t ldy,
+                                                         W8A8Scratch& scratch) {
+    w8a8_block(w, q, d, p, r0, r1, y, ldy, scratch, path);
   });
 }
 
