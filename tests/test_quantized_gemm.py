@@ -23,6 +23,7 @@ def check_live_rows(call, args, ref: np.ndarray, atol: float):
     np.testing.assert_allclose(live[: rows - 1], ref[: rows - 1], rtol=1e-5, atol=atol)
     assert not np.asarray(live[rows - 1:]).any()
 
+
 @pytest.mark.parametrize("rows", [1, 4, 5, 6, 13, 97])
 @pytest.mark.parametrize("bits, groups, with_offset", [(8, 1, False), (8, 3, True), (4, 3, True), (4, 1, True)])
 @pytest.mark.parametrize("scale_dtype", [np.float32, np.float16])
