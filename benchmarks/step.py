@@ -38,11 +38,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.config import EngineArgs, resolve_config
+from jaxllm.config import EngineArgs, kv_bytes_per_token, resolve_config
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.outputs import SchedulerOutput
 from jaxllm.core.request import Request
-from jaxllm.engine.llm_engine import load_quantization
+from jaxllm.engine.llm_engine import _native_gemm, load_quantization
 from jaxllm.models import decoder
 from jaxllm.models.loader import load_model
 from jaxllm.quantization import QuantizedWeight
@@ -174,6 +174,8 @@ def breakdown(runner, spec, params, scheduled) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="auto", help="auto (what the engine picks here), float32 or bfloat16")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="as EngineArgs.kv_cache_dtype (default: what the engine picks for the dtype here)")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--batches", default="1,8,32,64,128,256")
     ap.add_argument("--prefill", default="64,128,256,512")
@@ -185,16 +187,19 @@ def main():
     ap.add_argument("--compare-scan", default="", help="decode batch sizes to time with lax.scan too, e.g. 1,32")
     args = ap.parse_args()
 
-    from jaxllm.utils import resolve_dtype
+    from jaxllm.utils import resolve_dtype, resolve_kv_cache_dtype
 
-    args.dtype, why = resolve_dtype(args.dtype, jax.devices()[0].platform)
+    platform = jax.devices()[0].platform
+    asked, (args.dtype, why) = args.dtype, resolve_dtype(args.dtype, platform)
+    args.kv_cache_dtype, kv_why = resolve_kv_cache_dtype(args.kv_cache_dtype, asked, args.dtype, platform)
     machine = machine_info()
-    print(f"{cpu_line(machine)}; dtype {args.dtype} ({why})")
-    eargs = EngineArgs(dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=2048,
+    print(f"{cpu_line(machine)}; dtype {args.dtype} ({why}); KV pages {args.kv_cache_dtype} ({kv_why})")
+    eargs = EngineArgs(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=2048,
                        kv_cache_memory=3 << 30, warmup=False, packed_weights=not args.no_packed_weights,
                        quantization=args.quantization)
-    loaded = load_model(None, dtype=args.dtype, progress=False,
-                        quantization=load_quantization(eargs, jax.devices()[0].platform, None, False))
+    native_gemm = _native_gemm(eargs, platform, None, False)
+    loaded = load_model(None, dtype=args.dtype, progress=False, quantization=load_quantization(eargs, native_gemm),
+                        panels=native_gemm)
     spec = loaded.spec
     eargs = dataclasses.replace(eargs, quantization=loaded.quantization)
     config = resolve_config(eargs, spec, loaded.name)
@@ -238,8 +243,7 @@ def main():
         parts = breakdown(runner, spec, runner.params, scheduled)
         parts["host"] = float(np.median([t["prepare"] for t in timings]))
         parts["other"] = max(0.0, dt - sum(parts.values()))
-        kv_bytes = (2 * batch * args.context * spec.num_kv_heads * spec.head_dim * spec.num_layers
-                    * jnp.dtype(llama_dtype).itemsize)
+        kv_bytes = batch * args.context * kv_bytes_per_token(spec, config.cache.dtype)
         r.update({f"{k}_ms": v * 1e3 for k, v in parts.items()},
                  gemm_gflops=flops / parts["gemm"] / 1e9, attention_gbs=kv_bytes / parts["attention"] / 1e9)
         print("    " + ", ".join(f"{k} {v * 1e3:.1f} ms ({100 * v / dt:.0f}%)" for k, v in parts.items())
@@ -262,6 +266,7 @@ def main():
     with open(args.out, "w") as f:
         json.dump(dict(date=now_iso(), machine=machine, versions=versions(),
                        command=shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:]), dtype=args.dtype,
+                       kv_cache_dtype=config.cache.dtype,
                        quantization=loaded.quantization,
                        packed_weights=packed, matmul_peak_flops=peak, memory_bandwidth=bw, weight_bytes=weight_bytes,
                        rows=rows, scan_vs_unrolled=scan_rows), f, indent=1)

@@ -14,7 +14,7 @@ import logging
 import os
 
 from jaxllm.sampling_params import MAX_LOGPROBS
-from jaxllm.utils import DTYPE_CHOICES, DTYPES, check_dtype, default_cache_root, resolve_dtype
+from jaxllm.utils import DTYPE_CHOICES, DTYPES, check_dtype, default_cache_root, resolve_dtype, resolve_kv_cache_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 # jaxllm.quantization's METHODS + CHECKPOINT_METHODS (config checks import no JAX code);
 # tests/test_quantization.py checks they agree.
 QUANTIZATION_METHODS = ("int8", "int4", "w8a8", "gguf", "awq", "gptq", "none")
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8")   # "fp8": fp8_e4m3, as vLLM has it
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3", "fp8")   # "fp8": fp8_e4m3, as vLLM has it
 MAX_SPECULATIVE_TOKENS = 15     # a step verifies at most this many drafts per request
 
 
@@ -67,9 +67,10 @@ class EngineArgs:
               "on a CPU with the C++ kernels, else dequantized (see jaxllm/quantization)",
         choices=QUANTIZATION_METHODS)
     kv_cache_dtype: str = option(
-        "auto", "KV cache dtype: 'auto' (the dtype), 'int8' (int8 codes with an f32 scale per token and "
-                "head: about half a bf16 cache, twice the sequences in the same memory) or 'fp8_e4m3' ('fp8': "
-                "float8 E4M3 codes, same layout and size)", choices=KV_CACHE_DTYPES)
+        "auto", "KV cache dtype: 'auto' (the dtype; but bfloat16 where dtype 'auto' picked float32 on a CPU), "
+                "'bfloat16' or 'float32' (pages of that dtype whatever the compute dtype), 'int8' (int8 codes "
+                "with an f32 scale per token and head: about half a bf16 cache, twice the sequences in the same "
+                "memory) or 'fp8_e4m3' ('fp8': float8 E4M3 codes, same layout and size)", choices=KV_CACHE_DTYPES)
     max_model_len: int | None = option(None, "context length, prompt plus output (default: the model's)",
                                      metavar="TOKENS")
     max_num_seqs: int = option(128, "most sequences in one batch", metavar="N")
@@ -371,7 +372,7 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
     the device memory left after the weights; for dtype "auto", the `platform` it runs on)."""
     args.verify()
     dtype, _ = resolve_dtype(args.dtype, platform)
-    kv_dtype = {"auto": dtype, "fp8": "fp8_e4m3"}.get(args.kv_cache_dtype, args.kv_cache_dtype)
+    kv_dtype, _ = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype, dtype, platform)
     max_model_len = args.max_model_len or spec.max_position_embeddings
     if max_model_len > spec.max_position_embeddings:
         raise ValueError(

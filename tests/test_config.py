@@ -10,7 +10,7 @@ import pytest
 from jaxllm.config import EngineArgs, kv_bytes_per_token, resolve_config
 from jaxllm.engine.llm_engine import _available_memory
 from jaxllm.models.decoder import ModelSpec
-from jaxllm.utils import cpu_flags, resolve_dtype
+from jaxllm.utils import cpu_flags, resolve_dtype, resolve_kv_cache_dtype
 
 SPEC = ModelSpec(architecture="LlamaForCausalLM", vocab_size=100, hidden_size=64, intermediate_size=128,
                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, norm_eps=1e-5, rope_theta=1e4,
@@ -85,6 +85,14 @@ def test_auto_dtype_follows_the_device(flags, platform, expected):
         assert resolve_dtype(explicit, platform, frozenset(flags))[0] == explicit
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("float16", platform, frozenset(flags))
+    # KV pages: "auto" is the dtype, but bf16 where dtype "auto" took float32 on a CPU; an
+    # explicit dtype keeps its own pages, an explicit cache dtype always wins.
+    assert resolve_kv_cache_dtype("auto", "auto", dtype, platform)[0] == "bfloat16"
+    for explicit in ("float32", "bfloat16"):
+        assert resolve_kv_cache_dtype("auto", explicit, explicit, platform)[0] == explicit
+        for kv in ("float32", "bfloat16", "int8", "fp8_e4m3"):
+            assert resolve_kv_cache_dtype(kv, "auto", explicit, platform) == (kv, "asked for")
+    assert resolve_kv_cache_dtype("fp8", "auto", dtype, platform)[0] == "fp8_e4m3"
 
 
 def lscpu_flags() -> set[str]:
@@ -103,8 +111,11 @@ def test_auto_is_the_default_and_picks_for_this_cpu():
     expected = "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
     assert EngineArgs().dtype == "auto"
     config = resolve_config(EngineArgs(), SPEC, "tiny")
-    assert config.dtype == config.cache.dtype == expected
-    assert config.cache.num_blocks == 2 * GiB // (kv_bytes_per_token(SPEC, expected) * 16)
+    assert config.dtype == expected
+    assert config.cache.dtype == "bfloat16"        # float32 on a CPU keeps bf16 pages
+    assert config.cache.num_blocks == 2 * GiB // (kv_bytes_per_token(SPEC, "bfloat16") * 16)
+    config = resolve_config(EngineArgs(dtype="float32"), SPEC, "tiny")
+    assert config.cache.dtype == "float32"
 
 
 def test_engine_logs_the_dtype_auto_picks_and_loads_in_it(tiny_model_dir, tmp_path, caplog):
@@ -122,6 +133,12 @@ def test_engine_logs_the_dtype_auto_picks_and_loads_in_it(tiny_model_dir, tmp_pa
     assert {leaf.dtype.name for leaf in jax.tree.leaves(llm.engine.runner.params) if leaf.ndim >= 2} == {expected}
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("dtype auto")] == [
         f"dtype auto: {expected} ({resolve_dtype('auto', 'cpu')[1]})"]
+    # bf16 pages either way (stored as uint16 bits); with float32 chosen, logged as such.
+    assert llm.engine.config.cache.dtype == "bfloat16"
+    assert llm.engine.runner.kv_cache[0][0].dtype == jax.numpy.uint16
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv_cache_dtype auto")]
+    assert logged == ([f"kv_cache_dtype auto: bfloat16 ({resolve_kv_cache_dtype('auto', 'auto', 'float32', 'cpu')[1]})"]
+                      if expected == "float32" else [])
 
 
 def test_native_kernels_build_wherever_a_compiler_exists():

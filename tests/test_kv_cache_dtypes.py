@@ -88,3 +88,29 @@ def test_quantized_kv_cache_engine(tiny_model_dir, kv_dtype, storage):
         assert a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0]
         for token in set(first_a) & set(first_b):
             assert abs(first_a[token].logprob - first_b[token].logprob) < tol
+
+
+@pytest.mark.parametrize("dtype, kv_dtype", [("float32", "bfloat16"), ("bfloat16", "float32")])
+def test_float_pages_of_another_dtype_than_the_model(tiny_model_dir, dtype, kv_dtype):
+    # kv_cache_dtype="bfloat16" under a float32 model (what dtype "auto" gives on CPUs without
+    # native bf16 dots), and the other way round: the C++ kernel against the dense jnp oracle on
+    # the same pages, the block count against the model's own dtype, the first tokens kept.
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, logprobs=3)
+    args = {**TINY_ENGINE_ARGS, "dtype": dtype}
+    native_llm = LLM(tiny_model_dir, kv_cache_dtype=kv_dtype, **args)
+    out = native_llm.generate(PROMPTS, greedy, use_tqdm=False)
+    assert native_llm.engine.config.cache.dtype == kv_dtype
+    assert native_llm.engine.runner.kv_cache[0][0].dtype == kernels.storage_dtype(kernels.cache_dtype(kv_dtype))
+    same_llm = LLM(tiny_model_dir, kv_cache_dtype=dtype, **args)
+    ratio = native_llm.engine.config.cache.num_blocks / same_llm.engine.config.cache.num_blocks
+    assert ratio == pytest.approx({"bfloat16": 2.0, "float32": 0.5}[kv_dtype], rel=1e-3)
+    oracle = LLM(tiny_model_dir, kv_cache_dtype=kv_dtype, attention_backend="reference", **args)
+    for a, b in zip(out, oracle.generate(PROMPTS, greedy, use_tqdm=False)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        np.testing.assert_allclose(a.outputs[0].cumulative_logprob, b.outputs[0].cumulative_logprob, rtol=1e-3)
+    del native_llm, oracle
+    for a, b in zip(out, same_llm.generate(PROMPTS, greedy, use_tqdm=False)):
+        first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        assert a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0]
+        for token in set(first_a) & set(first_b):
+            assert abs(first_a[token].logprob - first_b[token].logprob) < 0.1

@@ -28,7 +28,7 @@ from jaxllm.quantization.weights import int8_activation_weights
 from jaxllm.runner import compile as compile_mod
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.structured_output import StructuredOutputManager
-from jaxllm.utils import DTYPES, resolve_dtype
+from jaxllm.utils import DTYPES, resolve_dtype, resolve_kv_cache_dtype
 
 logger = logging.getLogger("jaxllm")
 
@@ -49,7 +49,11 @@ class LLMEngine:
         platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
         if platform == "cpu" and args.attention_backend in (None, "native"):
             native.start_build()    # (a first start compiles them: on their thread while the model loads)
-        args = dataclasses.replace(args, dtype=_resolve_dtype(args.dtype, platform, many_processes))
+        dtype = _resolve_dtype(args.dtype, platform, many_processes)
+        kv_dtype, why = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype, dtype, platform)
+        if args.kv_cache_dtype == "auto" and kv_dtype != dtype:
+            logger.info("kv_cache_dtype auto: %s (%s)", kv_dtype, why)
+        args = dataclasses.replace(args, dtype=dtype, kv_cache_dtype=kv_dtype)
         native_gemm = _native_gemm(args, platform, mesh, many_processes)
         self._load_quantization = load_quantization(args, native_gemm)
         # Over several processes each reads the checkpoint itself (no shared params cache to race on).
