@@ -18,7 +18,8 @@ bandwidth.
 
 The weights are what the engine runs by default here (`--quantization` as EngineArgs' to pick
 others): on a float32 CPU with the C++ kernels, the default model's Q4_1 blocks kept for the
-quantized GEMM; elsewhere the dequantized dtype. The peak stays the float GEMM's.
+quantized GEMM; elsewhere the dequantized dtype. The peak stays the float GEMM's. So are the KV
+pages (`--kv-cache-dtype` as EngineArgs'): bf16 under a float32 dtype "auto" picked.
 
 `--compare-scan` also times the same forward pass with `lax.scan` over stacked layer weights
 and stacked KV pages (the alternative to the runner's unrolled loop), compile time included.
