@@ -195,9 +195,9 @@ def main():
     args.kv_cache_dtype, kv_why = resolve_kv_cache_dtype(args.kv_cache_dtype, asked, args.dtype, platform)
     machine = machine_info()
     print(f"{cpu_line(machine)}; dtype {args.dtype} ({why}); KV pages {args.kv_cache_dtype} ({kv_why})")
-    eargs = EngineArgs(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=256, max_num_batched_tokens=512, max_model_len=2048,
-                       kv_cache_memory=3 << 30, warmup=False, packed_weights=not args.no_packed_weights,
-                       quantization=args.quantization)
+    eargs = EngineArgs(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=256,
+                       max_num_batched_tokens=512, max_model_len=2048, kv_cache_memory=3 << 30, warmup=False,
+                       packed_weights=not args.no_packed_weights, quantization=args.quantization)
     native_gemm = _native_gemm(eargs, platform, None, False)
     loaded = load_model(None, dtype=args.dtype, progress=False, quantization=load_quantization(eargs, native_gemm),
                         panels=native_gemm)
