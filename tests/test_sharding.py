@@ -171,7 +171,8 @@ def test_two_processes_generate_what_one_does(extra, tiny_model_dir, tmp_path):
     import random
 
     from multihost_worker import PROMPTS, sampling_params
-    from tiny_model import offline_llm
+    from jaxllm import LLM
+    from tiny_model import TINY_ENGINE_ARGS
 
     out, port = tmp_path / "out.json", random.Random().randrange(20000, 40000)
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": HERE}
@@ -186,9 +187,6 @@ def test_two_processes_generate_what_one_does(extra, tiny_model_dir, tmp_path):
     finally:
         follower.kill()
     if extra:
-        from jaxllm import LLM
-        from tiny_model import TINY_ENGINE_ARGS
-
         expected = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, **extra}).generate(PROMPTS, sampling_params(),
                                                                                  use_tqdm=False)
         assert json.loads(out.read_text()) == [o.outputs[0].token_ids for o in expected]
@@ -198,13 +196,9 @@ def test_two_processes_generate_what_one_does(extra, tiny_model_dir, tmp_path):
 
     picked = resolve_dtype("auto", "cpu")[0]
     assert [(tmp_path / f"out.json.dtype{i}").read_text() for i in (0, 1)] == [picked, picked]
-    if picked == "float32":
-        one = offline_llm(tiny_model_dir)
-    else:
-        from jaxllm import LLM
-        from tiny_model import TINY_ENGINE_ARGS
-
-        one = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "dtype": picked})
+    # One process with dtype "auto" here: the same dtype, and the KV pages "auto" gives it.
+    one = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "dtype": "auto"})
+    assert one.engine.config.dtype == picked
     expected = one.generate(PROMPTS, sampling_params(), use_tqdm=False)
     assert json.loads(out.read_text()) == [o.outputs[0].token_ids for o in expected]
 
