@@ -372,7 +372,7 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
     the device memory left after the weights; for dtype "auto", the `platform` it runs on)."""
     args.verify()
     dtype, _ = resolve_dtype(args.dtype, platform)
-    kv_dtype, _ = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype, dtype, platform)
+    kv_dtype, _ = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype, dtype)
     max_model_len = args.max_model_len or spec.max_position_embeddings
     if max_model_len > spec.max_position_embeddings:
         raise ValueError(

@@ -87,12 +87,12 @@ def test_auto_dtype_follows_the_device(flags, platform, expected):
         resolve_dtype("float16", platform, frozenset(flags))
     # KV pages: "auto" is the dtype, but bf16 where dtype "auto" took float32 on a CPU; an
     # explicit dtype keeps its own pages, an explicit cache dtype always wins.
-    assert resolve_kv_cache_dtype("auto", "auto", dtype, platform)[0] == "bfloat16"
+    assert resolve_kv_cache_dtype("auto", "auto", dtype)[0] == "bfloat16"
     for explicit in ("float32", "bfloat16"):
-        assert resolve_kv_cache_dtype("auto", explicit, explicit, platform)[0] == explicit
+        assert resolve_kv_cache_dtype("auto", explicit, explicit)[0] == explicit
         for kv in ("float32", "bfloat16", "int8", "fp8_e4m3"):
-            assert resolve_kv_cache_dtype(kv, "auto", explicit, platform) == (kv, "asked for")
-    assert resolve_kv_cache_dtype("fp8", "auto", dtype, platform)[0] == "fp8_e4m3"
+            assert resolve_kv_cache_dtype(kv, "auto", explicit) == (kv, "asked for")
+    assert resolve_kv_cache_dtype("fp8", "auto", dtype)[0] == "fp8_e4m3"
 
 
 def lscpu_flags() -> set[str]:
@@ -137,7 +137,7 @@ def test_engine_logs_the_dtype_auto_picks_and_loads_in_it(tiny_model_dir, tmp_pa
     assert llm.engine.config.cache.dtype == "bfloat16"
     assert llm.engine.runner.kv_cache[0][0].dtype == jax.numpy.uint16
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv_cache_dtype auto")]
-    assert logged == ([f"kv_cache_dtype auto: bfloat16 ({resolve_kv_cache_dtype('auto', 'auto', 'float32', 'cpu')[1]})"]
+    assert logged == ([f"kv_cache_dtype auto: bfloat16 ({resolve_kv_cache_dtype('auto', 'auto', 'float32')[1]})"]
                       if expected == "float32" else [])
 
 
