@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import subprocess
 
 import jax
 import numpy as np
@@ -310,6 +311,25 @@ def test_build_key_covers_every_file_in_csrc(tmp_path, monkeypatch):
     with open(csrc / "simd.h", "a") as f:
         f.write("// edited\n")
     assert native._sources_digest() != before
+
+
+# x86-64-v2: the portable paths alone; x86-64-v3: AVX2 + FMA + F16C (Zen 2, Zen 3); sapphirerapids:
+# AVX-512 with BF16, VNNI and AMX (the paths of Zen 4, Zen 5 and the Intel Xeon).
+@pytest.mark.parametrize("march", ["x86-64-v2", "x86-64-v3", "sapphirerapids"])
+def test_the_kernels_compile_for_every_cpu_kind(march):
+    # The build is -march=native: each machine compiles only its own CPU's paths, so a path that
+    # does not compile would break the build on another kind unseen here (an AVX2 helper's name
+    # once clashed with the AVX-512 one, and the AVX-512 machines ran without the kernels for a
+    # day). The compiler checks every unit as that CPU's build would see it (no code generated).
+    cxx = native._compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    flags = [f for f in native.FLAGS if f not in ("-O3", "-march=native")]
+    procs = [subprocess.Popen([cxx, *flags, f"-march={march}", "-fsyntax-only", "-w", "-I", jax.ffi.include_dir(), src],
+                              stderr=subprocess.PIPE, text=True) for src in native.SOURCES]
+    for src, proc in zip(native.SOURCES, procs):
+        errors = proc.communicate()[1]
+        assert proc.returncode == 0, f"{os.path.basename(src)} does not compile for -march={march}:\n{errors[-4000:]}"
 
 
 def test_build_reports_compiler_errors(tmp_path, monkeypatch):

@@ -21,7 +21,7 @@ from jaxllm.config import QUANTIZATION_METHODS, EngineArgs
 from jaxllm.kernels import native
 from jaxllm.quantization import (CHECKPOINT_METHODS, METHODS, QuantizedWeight, dequantize, matmul, quantize_matrix,
                                  weight_bytes)
-from jaxllm.quantization.weights import embedding_rows, make_sharded_weight, make_weight
+from jaxllm.quantization.weights import embedding_rows, make_sharded_weight, make_weight, relayout
 from cuda_lowering import INTERPRET, arg, lower_for_cuda
 from tiny_model import TINY_ENGINE_ARGS, offline_llm
 
@@ -98,6 +98,10 @@ def test_every_matmul_path_matches_its_numpy_reference(method, panels):
     np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
     tokens = np.array([0, 17, 79, 40, 8, 15, 16])      # columns in every panel position and nibble half
     np.testing.assert_allclose(jax.jit(embedding_rows)(q, tokens), deq.T[tokens], rtol=1e-5, atol=1e-6)
+    other = relayout(q, panels=not panels)            # the other layout holds the same weight
+    assert other.layout == ("plain" if panels else "panels")
+    np.testing.assert_array_equal(dequantize(other), dequantize(q))
+    np.testing.assert_allclose(jax.jit(matmul)(x, other), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
 
 
 def test_quantization_is_refused_where_it_cannot_run():

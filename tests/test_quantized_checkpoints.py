@@ -167,7 +167,8 @@ def test_gguf_engine_kept_quantized_matches_the_dequantized_engine(tiny_model_di
     float_bytes = weight_bytes(ref_llm.engine.runner.params)
     del ref_llm
     packed = []
-    monkeypatch.setattr(native, "pack_codes", lambda *a, pack=native.pack_codes: packed.append(1) or pack(*a))
+    monkeypatch.setattr(native, "pack_codes",
+                        lambda *a, pack=native.pack_codes, **kw: packed.append(1) or pack(*a, **kw))
     for run in range(2):        # the second from the params cache, which keeps the packed layout
         packed.clear()
         llm = LLM(path, **args)      # float32 on a CPU with the C++ kernels: kept quantized by default

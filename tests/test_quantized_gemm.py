@@ -172,7 +172,7 @@ def test_matmul_quantized_w8a8_matches_numpy(rows, scale_dtype):
     codes[0, :2] = (-127, 127)
     scale = (rng.random((1, n)) * 0.01).astype(scale_dtype)
     ref = w8a8_rows_reference(x, codes, scale)
-    packed = native.pack_codes(codes, 8)
+    packed = native.pack_codes(codes, 8, w8a8=True)
     g, u = np.split(ref[:, :32], 2, axis=1)
     for path in ("auto", *native.kernel_paths()):
         call = functools.partial(native.matmul_quantized, bits=8, path=path, act8=True)

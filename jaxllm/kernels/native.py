@@ -293,12 +293,17 @@ def matmul_packed(x: jax.Array, w_packed: jax.Array, path: str = "auto", rows=No
     return call(x2, w_packed, _live_rows(rows), path=path_attr, swiglu=np.int32(swiglu)).reshape(*lead, n)
 
 
-def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+def pack_codes(codes: np.ndarray, bits: int, w8a8: bool = False) -> np.ndarray:
     """Integer codes [K, N] (int8 for 8 bits, 0..15 for 4 bits) as the panels
     `matmul_quantized` reads: int8 [N / 16, K, 16], or for 4 bits uint8 [N / 16, K, 8] with
-    column j of a panel in byte j's low nibble and column j + 8 in its high nibble."""
+    column j of a panel in byte j's low nibble and column j + 8 in its high nibble. `w8a8` (8
+    bits, K a multiple of 4: the codes of `act8=True`): each panel's rows in groups of 4, a
+    column's 4 codes side by side ([N / 16, K / 4, 16, 4] in the same [N / 16, K, 16] array), as
+    the int8 dot instructions take them."""
     k, n = codes.shape
     panels = np.asarray(codes).reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
+    if bits == 8 and w8a8:
+        panels = panels.reshape(n // PANEL, k // 4, 4, PANEL).transpose(0, 1, 3, 2).reshape(n // PANEL, k, PANEL)
     if bits == 8:
         return np.ascontiguousarray(panels, np.int8)
     u = panels.astype(np.uint8)
@@ -317,8 +322,9 @@ def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: j
     int8 and the products are integer sums. With 4-bit codes (K / G a multiple of `ACT_BLOCK`)
     per row and block of 32 columns (q = round(x * 127 / max|x|), the scale max|x| / 127), as
     llama.cpp does (csrc/gemm_q4a8.cc); with 8-bit codes in [-127, 127], one scale per column
-    and no offset (W8A8; K a multiple of 4, at most `W8A8_MAX_K`) per row, as
-    `kv_write.int8_rows` does (csrc/gemm_w8a8.cc). `rows`, `swiglu`: as for `matmul_packed`."""
+    and no offset (W8A8; K a multiple of 4, at most `W8A8_MAX_K`; the codes packed with
+    `w8a8=True`) per row, as `kv_write.int8_rows` does (csrc/gemm_w8a8.cc). `rows`, `swiglu`:
+    as for `matmul_packed`."""
     require()
     path_attr = _path_attr(path)
     n = codes.shape[0] * PANEL // (2 if swiglu else 1)

@@ -31,7 +31,8 @@ class QuantizedWeight:
 
     codes: `layout="plain"`: int8 [K, N] (8 bits), or uint8 [K, N / 2] holding two 4-bit codes
         (column j in the low nibble, column j + N / 2 in the high one);
-        `layout="panels"`: as `kernels.native.pack_codes` lays them out for the C++ GEMM.
+        `layout="panels"`: as `kernels.native.pack_codes` lays them out for the C++ GEMM (with
+        `w8a8=True` for 8-bit codes that multiply int8 activations: `_w8a8_panels`).
     scale, offset: [G, N], f32 (8 bits) or f16 (4 bits); offset is None for symmetric codes
         (the 8-bit ones).
     activations: "int8" multiplies as W8A8 (x quantized per row, an int8 dot; with 4-bit
@@ -104,7 +105,7 @@ def make_weight(w: np.ndarray, method: str, *, panels: bool, activations: str, d
         raise ValueError("W8A8 needs 8-bit codes with one scale per output channel")
     layout = "panels" if panels and _fits_panels(k, n, activations) else "plain"
     if layout == "panels":
-        codes = native.pack_codes(codes, bits)
+        codes = native.pack_codes(codes, bits, w8a8=activations == "int8")
     elif bits == 4:
         if n % 2:
             raise ValueError(f"4-bit codes need an even number of columns, not {n}")
@@ -241,10 +242,18 @@ def _unpacked_codes(w: QuantizedWeight, xp=jnp):
     if w.layout == "panels":
         if w.bits == 4:
             c = xp.concatenate([c & 15, c >> 4], axis=-1)
+        if _w8a8_panels(w):       # [P, K / 4, 16, 4] -> [P, K, 16]
+            p, k, n = c.shape
+            c = xp.transpose(c.reshape(p, k // 4, n, 4), (0, 1, 3, 2)).reshape(p, k, n)
         c = xp.transpose(c, (1, 0, 2)).reshape(c.shape[1], -1)
     elif w.bits == 4:
         c = xp.concatenate([c & 15, c >> 4], axis=-1)
     return c
+
+
+def _w8a8_panels(w: QuantizedWeight) -> bool:
+    """Whether w's codes are 8-bit panels in the row-groups-of-4 order of W8A8's C++ GEMM."""
+    return w.layout == "panels" and w.bits == 8 and w.activations == "int8"
 
 
 def two_level(sub, sup, axis: int, xp=jnp):
@@ -325,7 +334,10 @@ def embedding_rows(w: QuantizedWeight, token_ids: jax.Array) -> jax.Array:
     c = w.codes
     if w.layout == "panels":
         col = t % 16
-        if w.bits == 8:
+        if _w8a8_panels(w):
+            p, k, n = c.shape
+            codes = c.reshape(p, k // 4, n, 4)[t // 16, :, col, :].reshape(t.shape[0], k)
+        elif w.bits == 8:
             codes = c[t // 16, :, col]
         else:
             byte = c[t // 16, :, col % 8]
@@ -354,7 +366,10 @@ def relayout(w: QuantizedWeight, panels: bool, device=None) -> QuantizedWeight:
     if (w.layout == "panels") == panels:
         return jax.device_put(w, device)
     codes = _unpacked_codes(w, np)       # on the host: jnp ops here would compile a program per shape
-    codes = native.pack_codes(codes, w.bits) if panels else _pack_plain_int4(codes) if w.bits == 4 else codes
+    if panels:
+        codes = native.pack_codes(codes, w.bits, w8a8=w.activations == "int8")
+    elif w.bits == 4:
+        codes = _pack_plain_int4(codes)
     put = functools.partial(jax.device_put, device=device)
     return QuantizedWeight(put(codes), put(w.scale), put(w.offset), w.bits, "panels" if panels else "plain",
                            w.activations, put(w.perm), put(w.super_scale), put(w.super_offset))

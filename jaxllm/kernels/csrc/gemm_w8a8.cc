@@ -21,8 +21,10 @@ namespace {
 // for a zero row), as kv_write.py's int8_rows does for the plain path; then
 // y[r, n] = isum(r, n) * d[r] * scale[n], isum the exact int32 sum of q * code over all of K
 // (|isum| <= K * 127^2 fits int32 for K up to kW8A8MaxK). The codes must lie in [-127, 127] (the
-// AVX2 path negates them). Both SIMD paths read a panel as unpacked per work item: per 4 rows
-// of K 64 bytes, each column's 4 codes side by side, in column order.
+// AVX2 path negates them) and are stored for these paths (`pack_codes(..., w8a8=True)`): per 4
+// rows of K 64 bytes, each column's 4 codes side by side, in column order, so a 32-byte load is
+// 8 columns' 4 codes (interleaving them on every work item instead, as before 2026-11-27, took
+// 1.1-1.6x the time at 1-4 rows on an AVX2 CPU, the same from 16 rows: benchmarks/dots.py).
 //   AVX2: vpmaddubsw takes an unsigned and a signed operand and saturates at 2^15, so |q| is
 //     the unsigned one and the codes take q's sign (vpsignb): a pair sums to at most
 //     2 * 127^2 < 2^15. vpmaddwd with ones then widens the pairs to int32 sums.
@@ -54,31 +56,13 @@ void w8a8_rows_portable(const QuantPanel& w, const int8_t* q, const float* d, in
   for (int64_t i = 0; i < R; ++i)
     for (int64_t j = 0; j < kPanel; ++j) {
       int32_t isum = 0;
-      for (int64_t k = 0; k < w.K; ++k) isum += codes[k * kPanel + j] * q[i * w.K + k];
+      for (int64_t k = 0; k < w.K; ++k) isum += codes[(k / 4) * 4 * kPanel + j * 4 + k % 4] * q[i * w.K + k];
       y[i * ldy + j] = static_cast<float>(isum) * d[i] * s[j];
     }
 }
 
 #ifdef JAXLLM_AVX2
-// Panel p ([K, 16], a row of K's 16 codes at a time) as the SIMD paths read it: per 4 rows of K,
-// columns 0-3, 4-7, 8-11, 12-15, each with its 4 codes (two byte interleaves, then two of pairs).
-void w8a8_unpack_panel(const QuantPanel& w, int64_t p, int8_t* out) {
-  const int8_t* codes = static_cast<const int8_t*>(w.codes) + p * w.K * kPanel;
-  for (int64_t k = 0; k < w.K; k += 4) {
-    const auto* in = reinterpret_cast<const __m128i*>(codes + k * kPanel);
-    const __m128i r0 = _mm_loadu_si128(in), r1 = _mm_loadu_si128(in + 1), r2 = _mm_loadu_si128(in + 2),
-                  r3 = _mm_loadu_si128(in + 3);
-    const __m128i lo01 = _mm_unpacklo_epi8(r0, r1), lo23 = _mm_unpacklo_epi8(r2, r3);  // columns 0-7
-    const __m128i hi01 = _mm_unpackhi_epi8(r0, r1), hi23 = _mm_unpackhi_epi8(r2, r3);  // columns 8-15
-    auto* o = reinterpret_cast<__m128i*>(out + k * kPanel);
-    _mm_storeu_si128(o, _mm_unpacklo_epi16(lo01, lo23));
-    _mm_storeu_si128(o + 1, _mm_unpackhi_epi16(lo01, lo23));
-    _mm_storeu_si128(o + 2, _mm_unpacklo_epi16(hi01, hi23));
-    _mm_storeu_si128(o + 3, _mm_unpackhi_epi16(hi01, hi23));
-  }
-}
-
-// R rows of y, the unpacked panel's 16 columns: int32 sums in registers over all of K.
+// R rows of y, the panel's 16 columns: int32 sums in registers over all of K.
 template <int R>
 void w8a8_rows_avx2(const int8_t* __restrict panel, const float* __restrict s, const int8_t* __restrict q,
                     const float* __restrict d, int64_t K, float* __restrict y, int64_t ldy) {
@@ -137,21 +121,18 @@ void w8a8_rows_vnni(const int8_t* __restrict panel, const float* __restrict s, _
 #endif  // AVX512_VNNI
 
 struct W8A8Scratch {
-  std::vector<int8_t> panel;  // the unpacked panel
-  std::vector<float> sums;    // with the SwiGLU epilogue: the item's gate and up sums
+  std::vector<float> sums;  // with the SwiGLU epilogue: the item's gate and up sums
 };
 
 // Rows [r0, r1) of x (quantized in q, d), panel p's columns, into y (row stride ldy).
 void w8a8_block(const QuantPanel& w, const int8_t* q, const float* d, int64_t p, int64_t r0, int64_t r1, float* y,
-                int64_t ldy, W8A8Scratch& scratch, int32_t path) {
+                int64_t ldy, int32_t path) {
   const int64_t K = w.K;
   q += r0 * K;
   d += r0;
 #ifdef JAXLLM_AVX2
   if (path == kAuto || path >= kAvx2) {
-    scratch.panel.resize(K * kPanel);
-    const int8_t* panel = scratch.panel.data();
-    w8a8_unpack_panel(w, p, scratch.panel.data());
+    const int8_t* panel = static_cast<const int8_t*>(w.codes) + p * K * kPanel;
     float s[kPanel], o[kPanel];
     group_scales(w, 0, p, s, o);
     int64_t r = 0;
@@ -198,8 +179,8 @@ void matmul_w8a8(ffi::ThreadPool& pool, const GemmArgs& g, const QuantPanel& w, 
     quantize_token_rows(g.x, i * rows_per_item, std::min(g.M, (i + 1) * rows_per_item), g.K, q, d);
   });
   int8_rows_items<W8A8Scratch>(pool, g, swiglu, path, [&](int64_t p, int64_t r0, int64_t r1, float* y, int64_t ldy,
-                                                         W8A8Scratch& scratch) {
-    w8a8_block(w, q, d, p, r0, r1, y, ldy, scratch, path);
+                                                         W8A8Scratch&) {
+    w8a8_block(w, q, d, p, r0, r1, y, ldy, path);
   });
 }
 
