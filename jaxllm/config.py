@@ -67,7 +67,8 @@ class EngineArgs:
               "on a CPU with the C++ kernels, else dequantized (see jaxllm/quantization)",
         choices=QUANTIZATION_METHODS)
     kv_cache_dtype: str = option(
-        "auto", "KV cache dtype: 'auto' (the dtype; but bfloat16 where dtype 'auto' picked float32 on a CPU), "
+        "auto", "KV cache dtype: 'auto' (the dtype; but bfloat16 where dtype 'auto' picked float32 on a CPU, "
+                "unless the activations are int8: w8a8, int8_activations), "
                 "'bfloat16' or 'float32' (pages of that dtype whatever the compute dtype), 'int8' (int8 codes "
                 "with an f32 scale per token and head: about half a bf16 cache, twice the sequences in the same "
                 "memory) or 'fp8_e4m3' ('fp8': float8 E4M3 codes, same layout and size)", choices=KV_CACHE_DTYPES)
@@ -143,6 +144,10 @@ class EngineArgs:
               "K, \"prompt_lookup_min\": N, \"prompt_lookup_max\": N, \"disable_by_batch_size\": B}, or a draft "
               "model with the same vocabulary: {\"model\": PATH_OR_ID, \"num_speculative_tokens\": K} (default: "
               "off)", metavar="JSON", type=json_object)
+
+    def int8_activations_asked(self) -> bool:
+        """Whether the layers' activations are asked to be rounded to int8 (`w8a8`, or `int8_activations`)."""
+        return self.quantization == "w8a8" or self.int8_activations
 
     def verify(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -372,7 +377,7 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
     the device memory left after the weights; for dtype "auto", the `platform` it runs on)."""
     args.verify()
     dtype, _ = resolve_dtype(args.dtype, platform)
-    kv_dtype, _ = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype, dtype)
+    kv_dtype, _ = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype, dtype, args.int8_activations_asked())
     max_model_len = args.max_model_len or spec.max_position_embeddings
     if max_model_len > spec.max_position_embeddings:
         raise ValueError(

@@ -93,6 +93,8 @@ def test_auto_dtype_follows_the_device(flags, platform, expected):
         for kv in ("float32", "bfloat16", "int8", "fp8_e4m3"):
             assert resolve_kv_cache_dtype(kv, "auto", explicit) == (kv, "asked for")
     assert resolve_kv_cache_dtype("fp8", "auto", dtype)[0] == "fp8_e4m3"
+    # With int8 activations bf16 pages cost perplexity: the dtype's pages.
+    assert resolve_kv_cache_dtype("auto", "auto", dtype, int8_activations=True)[0] == dtype
 
 
 def lscpu_flags() -> set[str]:
@@ -116,6 +118,8 @@ def test_auto_is_the_default_and_picks_for_this_cpu():
     assert config.cache.num_blocks == 2 * GiB // (kv_bytes_per_token(SPEC, "bfloat16") * 16)
     config = resolve_config(EngineArgs(dtype="float32"), SPEC, "tiny")
     assert config.cache.dtype == "float32"
+    for int8_activations in (EngineArgs(quantization="w8a8"), EngineArgs(int8_activations=True)):
+        assert resolve_config(int8_activations, SPEC, "tiny").cache.dtype == expected
 
 
 def test_engine_logs_the_dtype_auto_picks_and_loads_in_it(tiny_model_dir, tmp_path, caplog):
