@@ -23,8 +23,9 @@ namespace {
 // (|isum| <= K * 127^2 fits int32 for K up to kW8A8MaxK). The codes must lie in [-127, 127] (the
 // AVX2 path negates them) and are stored for these paths (`pack_codes(..., w8a8=True)`): per 4
 // rows of K 64 bytes, each column's 4 codes side by side, in column order, so a 32-byte load is
-// 8 columns' 4 codes (interleaving them on every work item instead, as before 2026-11-27, took
-// 1.1-1.6x the time at 1-4 rows on an AVX2 CPU, the same from 16 rows: benchmarks/dots.py).
+// 8 columns' 4 codes (interleaving them on every work item instead, as before 2026-11-27, took a
+// median 1.25-1.4x the time at 1-4 rows on an AVX2 CPU, the same within noise from 16 rows:
+// benchmarks/dots.py).
 //   AVX2: vpmaddubsw takes an unsigned and a signed operand and saturates at 2^15, so |q| is
 //     the unsigned one and the codes take q's sign (vpsignb): a pair sums to at most
 //     2 * 127^2 < 2^15. vpmaddwd with ones then widens the pairs to int32 sums.
