@@ -118,8 +118,8 @@ def test_auto_is_the_default_and_picks_for_this_cpu():
     assert config.cache.num_blocks == 2 * GiB // (kv_bytes_per_token(SPEC, "bfloat16") * 16)
     config = resolve_config(EngineArgs(dtype="float32"), SPEC, "tiny")
     assert config.cache.dtype == "float32"
-    for int8_activations in (EngineArgs(quantization="w8a8"), EngineArgs(int8_activations=True)):
-        assert resolve_config(int8_activations, SPEC, "tiny").cache.dtype == expected
+    for args in (EngineArgs(quantization="w8a8"), EngineArgs(int8_activations=True)):   # int8 activations
+        assert resolve_config(args, SPEC, "tiny").cache.dtype == expected
 
 
 def test_engine_logs_the_dtype_auto_picks_and_loads_in_it(tiny_model_dir, tmp_path, caplog):
