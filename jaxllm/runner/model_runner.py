@@ -82,7 +82,7 @@ class ModelRunner:
         self._kv_shapes = jax.eval_shape(self._make_kv_cache)     # (with shardings) for compiling without pages
         self._abstract_state = None     # (params, KV cache) as shapes, dtypes and shardings: `_abstract_args`
         pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-kv")
-        self._kv_cache, self._kv_pending = None, pool.submit(self._make_kv_cache)
+        self._kv_cache, self._kv_pending = None, pool.submit(self._make_kv_cache_on_huge_pages)
         pool.shutdown(wait=False)
         # Commit params and the cache to the device(s): warm-up and serving then pass arrays with
         # the same sharding, so the programs compiled at warm-up are the ones served from.
@@ -443,8 +443,14 @@ class ModelRunner:
         donates it). Returns whether it did, i.e. whether every page's contents are lost."""
         if not any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.kv_cache)):
             return False
-        self.kv_cache = self._make_kv_cache()
+        self.kv_cache = self._make_kv_cache_on_huge_pages()
         return True
+
+    def _make_kv_cache_on_huge_pages(self):
+        cache = self._make_kv_cache()
+        if jax.devices()[0].platform == "cpu" and self.mesh is None:
+            page_moves.advise_huge_pages(cache)
+        return cache
 
     # ----- moving pages -----
     def copy_pages(self, copies: list[tuple[list[int], list[int]]]) -> None:

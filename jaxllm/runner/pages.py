@@ -4,7 +4,9 @@ powers of two so only a few shapes are ever compiled."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,36 @@ def kv_cache_maker(layer_pages, num_kv_heads: int, block_size: int, head_dim: in
         return [tuple(jnp.broadcast_to(x, (stages, *x.shape)) for x in kv) for kv in cache]
 
     return jax.jit(make, out_shardings=where)
+
+
+_HUGE = 2 << 20
+_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25
+
+
+def advise_huge_pages(cache) -> int:
+    """Back the CPU arrays of `cache` with 2 MiB pages where Linux allows it, and return the bytes
+    advised (0 elsewhere). Decode attention reads each sequence's 2 KiB pages scattered over
+    the pool, and with 4 KiB pages nearly every one misses the TLB: on a Zen 4 EPYC, 128 decodes
+    at context 256 spent about a tenth less time in attention (`madvise` MADV_HUGEPAGE, then
+    MADV_COLLAPSE for the memory already zeroed; Linux 6.1+, with transparent huge pages on
+    `madvise` or `always`). The step donates the cache, so its buffers keep their addresses.
+    Best effort: a kernel without it leaves the pages as they were."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return 0
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    advised = 0
+    for x in jax.tree_util.tree_leaves(cache):
+        if any(d.platform != "cpu" for d in x.devices()) or x.nbytes < 2 * _HUGE:
+            continue
+        start = x.unsafe_buffer_pointer()
+        lo, hi = -(-start // _HUGE) * _HUGE, (start + x.nbytes) // _HUGE * _HUGE
+        if libc.madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0 and libc.madvise(lo, hi - lo, _MADV_COLLAPSE) == 0:
+            advised += hi - lo
+    return advised
 
 
 def pad_pow2(a, b) -> tuple[np.ndarray, np.ndarray]:
