@@ -77,7 +77,10 @@ class EngineArgs:
     max_num_seqs: int = option(128, "most sequences in one batch", metavar="N")
     max_num_batched_tokens: int = option(512, "most tokens computed in one step", metavar="N")
     max_num_prefill_seqs: int = option(8, "most prompts (or prompt chunks) in one step", metavar="N")
-    block_size: int = option(16, "tokens per KV-cache page (block)", metavar="TOKENS")
+    block_size: int | None = option(
+        None, "tokens per KV-cache page (block), a power of two. Default: 64 on CPU (the attention kernel reads "
+              "each page as one run of memory, and longer runs stream faster from RAM), 16 on accelerators",
+        metavar="TOKENS")
     kv_cache_memory: int | None = option(
         None, "bytes for the KV cache, e.g. 4GiB (default: 2GiB unless --gpu-memory-utilization is given)",
         metavar="SIZE", size=True)
@@ -155,6 +158,8 @@ class EngineArgs:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_num_prefill_seqs",
                      "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
+            if name == "block_size" and value is None:
+                continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.num_processes, int) or not 0 <= self.process_id < self.num_processes:
@@ -176,7 +181,7 @@ class EngineArgs:
                                  f"got {shape}")
         if not isinstance(self.max_logprobs, int) or not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs!r}")
-        if self.block_size & (self.block_size - 1):
+        if self.block_size is not None and self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
@@ -371,6 +376,16 @@ def kv_cache_budget(args: EngineArgs, available_memory: int | None) -> int:
     return int(args.gpu_memory_utilization * available_memory)
 
 
+def default_block_size(platform: str) -> int:
+    """KV page size where `block_size` is left unset: 64 tokens on CPU, 16 elsewhere (vLLM's GPU
+    default). A CPU decode reads each sequence's pages from RAM, and each page of a kv head is one
+    contiguous run: on a Zen 4 EPYC, 128 decodes at context 256 took 0.7x the attention time with
+    pages of 64 as with pages of 16 (8 KiB runs against 2 KiB; 128 measured the same as 64), and
+    the standard workload ran about 1.08x faster. The cost: prefix caching shares whole pages
+    only, and each sequence's last page is partly empty."""
+    return 64 if platform == "cpu" else 16
+
+
 def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory: int | None = None,
                    platform: str = "cpu") -> EngineConfig:
     """Fill in what `args` leaves open from the model spec (and, for `gpu_memory_utilization`,
@@ -386,7 +401,8 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
     speculative = SpeculativeConfig.parse(args.speculative_config)
     max_batched = max(args.max_num_batched_tokens, args.max_num_seqs)
     window, windowed_layers = sliding_window(spec, max_model_len, speculative)
-    page_bytes = kv_bytes_per_token(spec, kv_dtype, args.tensor_parallel_size) * args.block_size
+    block_size = args.block_size or default_block_size(platform)
+    page_bytes = kv_bytes_per_token(spec, kv_dtype, args.tensor_parallel_size) * block_size
     num_window_blocks = 0
     if args.num_gpu_blocks_override is not None:
         num_blocks = args.num_gpu_blocks_override
@@ -398,8 +414,8 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
             # Two pools, in the proportion a request of max_model_len holds at its peak in each:
             # every page in the global layers, a window and a chunk in the windowed ones.
             layer_page_bytes = page_bytes // spec.num_layers
-            full = -(-max_model_len // args.block_size)
-            windowed = min(full, -(-(window - 1 + max_batched) // args.block_size) + 1)
+            full = -(-max_model_len // block_size)
+            windowed = min(full, -(-(window - 1 + max_batched) // block_size) + 1)
             requests = budget / (layer_page_bytes * (full * (spec.num_layers - windowed_layers)
                                                      + windowed * windowed_layers))
             num_blocks, num_window_blocks = int(requests * full), int(requests * windowed)
@@ -423,7 +439,7 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
             max_num_prefill_seqs=min(args.max_num_prefill_seqs, args.max_num_seqs),
             preemption_mode=args.preemption_mode,
         ),
-        cache=CacheConfig(block_size=args.block_size, num_blocks=int(num_blocks), dtype=kv_dtype,
+        cache=CacheConfig(block_size=block_size, num_blocks=int(num_blocks), dtype=kv_dtype,
                           enable_prefix_caching=args.enable_prefix_caching, num_swap_blocks=num_swap_blocks,
                           sliding_window=window, num_window_blocks=num_window_blocks),
         attention_backend=args.attention_backend,

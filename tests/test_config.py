@@ -18,9 +18,20 @@ SPEC = ModelSpec(architecture="LlamaForCausalLM", vocab_size=100, hidden_size=64
 GiB = 1 << 30
 
 
-def resolve(available=None, **kw):
+def resolve(available=None, platform="cpu", **kw):
     kw.setdefault("dtype", "bfloat16")
-    return resolve_config(EngineArgs(**kw), SPEC, "tiny", available_memory=available)
+    kw.setdefault("block_size", 16)   # the arithmetic below is written for pages of 16
+    return resolve_config(EngineArgs(**kw), SPEC, "tiny", available_memory=available, platform=platform)
+
+
+def test_page_size_default_follows_the_platform():
+    # Unset: 64 tokens on CPU, 16 on accelerators; given, it is kept (a power of two).
+    assert resolve(block_size=None).cache.block_size == 64
+    assert resolve(block_size=None, platform="gpu").cache.block_size == 16
+    assert resolve(block_size=None).cache.num_blocks == 2 * GiB // (kv_bytes_per_token(SPEC, "bfloat16") * 64)
+    assert resolve(block_size=32).cache.block_size == 32
+    with pytest.raises(ValueError, match="power of two"):
+        resolve(block_size=48)
 
 
 def test_kv_budget_from_memory_options():
@@ -115,7 +126,7 @@ def test_auto_is_the_default_and_picks_for_this_cpu():
     config = resolve_config(EngineArgs(), SPEC, "tiny")
     assert config.dtype == expected
     assert config.cache.dtype == "bfloat16"        # float32 on a CPU keeps bf16 pages
-    assert config.cache.num_blocks == 2 * GiB // (kv_bytes_per_token(SPEC, "bfloat16") * 16)
+    assert config.cache.num_blocks == 2 * GiB // (kv_bytes_per_token(SPEC, "bfloat16") * 64)   # pages of 64 on CPU
     config = resolve_config(EngineArgs(dtype="float32"), SPEC, "tiny")
     assert config.cache.dtype == "float32"
     for args in (EngineArgs(quantization="w8a8"), EngineArgs(int8_activations=True)):   # int8 activations

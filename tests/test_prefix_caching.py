@@ -11,7 +11,7 @@ from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.request import Request
 from tiny_model import TINY_ENGINE_ARGS
 
-BLOCK = 16   # TINY_ENGINE_ARGS' page size (the EngineArgs default)
+BLOCK = 16   # TINY_ENGINE_ARGS' page size
 # Small pool for pressure: the same shapes as test_engine's preemption test (compile cache).
 SMALL_POOL = {**TINY_ENGINE_ARGS, "num_gpu_blocks_override": 16, "block_size": 4}
 

@@ -15,8 +15,10 @@ import os
 # caches, warming every bucket of every engine up was minutes of the suite). The tests of
 # warm-up itself (the compile guards, which count compilations process-wide; warm starts;
 # tests/test_executables.py) ask for it, in the foreground (the default compiles in the background).
+# Pages of 16 (the accelerators' default; CPU's is 64): the tests' page arithmetic and their
+# preemption and prefix-caching cases are written for them.
 TINY_ENGINE_ARGS = dict(dtype="float32", max_num_seqs=32, max_num_batched_tokens=128, max_model_len=512,
-                        kv_cache_memory=16 << 20, background_compile=False, warmup=False)
+                        kv_cache_memory=16 << 20, background_compile=False, warmup=False, block_size=16)
 # The same with every step shape compiled before the engine returns.
 WARM_ENGINE_ARGS = {**TINY_ENGINE_ARGS, "warmup": True}
 
