@@ -10,7 +10,7 @@ sequence's whole block table and attend densely). "rows": the jnp row path
 each batch size at --context tokens of cache per sequence, a decode batch of --spread
 sequences with contexts uniform in 32..--context (like the standard workload's), and one
 --prefill-token prompt chunk. Head shapes default to the bundled model's (9 query heads, 3 KV
-heads, head_dim 64, pages of 16); a bf16 cache is stored as uint16 as in the engine. Times are
+heads, head_dim 64, the engine's CPU page size, 64); a bf16 cache is stored as uint16 as in the engine. Times are
 medians per call (one layer); the host-side `ragged_to_rows` is timed apart (once per step,
 not per layer). JSON to --out.
 """
@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 from jaxllm import kernels  # noqa: E402
 from jaxllm.kernels.kv_write import cache_dtype, row_width, storage_dtype, to_storage  # noqa: E402
 from jaxllm.attention import BACKENDS  # noqa: E402
+from jaxllm.config import default_block_size  # noqa: E402
 
 
 def median_time(fn, min_repeat: int, min_seconds: float) -> float:
@@ -130,7 +131,7 @@ def main(argv=None):
     ap.add_argument("--num-q-heads", type=int, default=9)
     ap.add_argument("--num-kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--page-size", type=int, default=default_block_size("cpu"))
     ap.add_argument("--table-pages", type=int, default=None, help="block-table width (default: the context's pages)")
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "int8", "fp8_e4m3"),
                     help="KV cache dtype (int8, fp8_e4m3: codes and a scale per row, as the engine stores them)")
