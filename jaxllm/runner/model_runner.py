@@ -449,7 +449,7 @@ class ModelRunner:
     def _make_kv_cache_on_huge_pages(self):
         cache = self._make_kv_cache()
         if jax.devices()[0].platform == "cpu" and self.mesh is None:
-            page_moves.zeros_on_huge_pages(cache)
+            page_moves.advise_huge_pages(cache)
         return cache
 
     # ----- moving pages -----

@@ -31,19 +31,21 @@ def kv_cache_maker(layer_pages, num_kv_heads: int, block_size: int, head_dim: in
 
 
 _HUGE = 2 << 20
-_MADV_DONTNEED, _MADV_HUGEPAGE = 4, 14
+_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25
 
 
-def zeros_on_huge_pages(cache) -> int:
-    """Move the CPU arrays of `cache`, which must hold only zeros (a new KV pool), onto 2 MiB
-    pages where Linux allows it, and return the bytes moved (0 elsewhere). Decode attention reads
-    each sequence's pages scattered over the pool, and with 4 KiB pages nearly every page read
-    misses the TLB: on a Zen 4 EPYC, 128 decodes at context 256 spent about a tenth less time in
-    attention on 2 MiB pages. How: `madvise` MADV_HUGEPAGE, then MADV_DONTNEED, which hands the
-    zeroed 4 KiB pages back (reads see zeros, as anonymous memory does), so each 2 MiB region
-    comes back as one huge page when first written (transparent huge pages on `madvise` or
-    `always`; collapsing the zeroed pages in place instead, MADV_COLLAPSE, added ~1 s to a warm
-    start). The step donates the cache, so its buffers keep their addresses. Best effort."""
+def advise_huge_pages(cache) -> int:
+    """Move the CPU arrays of `cache` (the KV pool) onto 2 MiB pages where Linux allows it, and
+    return the bytes moved (0 elsewhere). Decode attention reads each sequence's pages scattered
+    over the pool, and with 4 KiB pages nearly every page read misses the TLB: on a Zen 4 EPYC,
+    128 decodes at context 256 spent about a tenth less time in attention on 2 MiB pages. How:
+    `madvise` MADV_HUGEPAGE, then MADV_COLLAPSE, which copies the pages already there into huge
+    ones (Linux 6.1+, transparent huge pages on `madvise` or `always`). It costs ~1 s for a 2 GiB
+    pool, on the thread that zeroes the pool while the steps load (a warm start on that machine:
+    3.0 -> 4.0 s). Tried: collapsing on a thread of its own once the engine was up delayed the
+    first token more (4.3-4.5 s), and handing the zeroed pages back to be refaulted as huge pages
+    when first written (MADV_DONTNEED) ran the standard workload 0.94x as fast (the faults land
+    in the steps). The step donates the cache, so its buffers keep their addresses. Best effort."""
     if not sys.platform.startswith("linux"):
         return 0
     try:
@@ -55,10 +57,9 @@ def zeros_on_huge_pages(cache) -> int:
     for x in jax.tree_util.tree_leaves(cache):
         if any(d.platform != "cpu" for d in x.devices()) or x.nbytes < 2 * _HUGE:
             continue
-        x.block_until_ready()   # its zeros written: none may land after the pages are handed back
         start = x.unsafe_buffer_pointer()
         lo, hi = -(-start // _HUGE) * _HUGE, (start + x.nbytes) // _HUGE * _HUGE
-        if libc.madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0 and libc.madvise(lo, hi - lo, _MADV_DONTNEED) == 0:
+        if libc.madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0 and libc.madvise(lo, hi - lo, _MADV_COLLAPSE) == 0:
             moved += hi - lo
     return moved
 

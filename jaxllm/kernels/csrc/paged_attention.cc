@@ -1,4 +1,3 @@
-#define JAXLLM_PF_KEYS 64
 // Ragged paged attention: work items, the portable path and the FFI handler (see
 // paged_attention.h for the contract; the SIMD paths are in paged_attention_avx512.cc and
 // paged_attention_avx2.cc).
@@ -128,7 +127,7 @@ void prefetch_first_chunk(const PagedAttentionArgs& a, const WorkItem& item) {
   const int64_t q_len = a.cu_q_lens[item.seq + 1] - a.cu_q_lens[item.seq];
   const int64_t qpos = a.kv_lens[item.seq] - q_len + static_cast<int64_t>(item.tile) * a.tile_tokens;
   const int64_t begin = a.sliding_window > 0 ? std::max<int64_t>(0, qpos - a.sliding_window + 1) : 0;
-  const int64_t end = std::min<int64_t>(begin + JAXLLM_PF_KEYS, a.kv_lens[item.seq]);
+  const int64_t end = std::min<int64_t>(begin + kChunkKeys, a.kv_lens[item.seq]);
   const int64_t elem = a.kv_type == kKvF32 ? 4 : a.kv_type == kKvBf16 ? 2 : 1;
   const int64_t row_bytes = a.row_stride * elem;
   const int32_t* table = a.block_tables + static_cast<int64_t>(item.seq) * a.pages_per_seq;
