@@ -377,12 +377,13 @@ def kv_cache_budget(args: EngineArgs, available_memory: int | None) -> int:
 
 
 def default_block_size(platform: str) -> int:
-    """KV page size where `block_size` is left unset: 64 tokens on CPU, 16 elsewhere (vLLM's GPU
-    default). A CPU decode reads each sequence's pages from RAM, and each page of a kv head is one
-    contiguous run: on a Zen 4 EPYC, 128 decodes at context 256 took 0.7x the attention time with
-    pages of 64 as with pages of 16 (8 KiB runs against 2 KiB; 128 measured the same as 64), and
-    the standard workload ran about 1.08x faster. The cost: prefix caching shares whole pages
-    only, and each sequence's last page is partly empty."""
+    """KV page size where `block_size` is left unset: 64 tokens on CPU (vLLM's CPU backend uses
+    128), 16 elsewhere (vLLM's GPU default). A CPU decode reads each sequence's pages from RAM, and
+    each page of a kv head is one contiguous run: on a Zen 4 EPYC, 128 decodes at context 256
+    took about 0.7x the attention time with pages of 64 as with pages of 16 (8 KiB runs against
+    2 KiB; 128 measured the same as 64), contexts spread over 32-256 the same within noise, and
+    the standard workload ran 416-420 against 368-401 output tok/s (README, Benchmarks). The
+    cost: prefix caching shares whole pages only, and each sequence's last page is partly empty."""
     return 64 if platform == "cpu" else 16
 
 

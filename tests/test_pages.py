@@ -1,6 +1,6 @@
-"""The KV pool on 2 MiB pages (`pages.advise_huge_pages`): the contents kept, what a donated step
-writes too, the memory really backed by huge pages where the kernel offers
-them, nothing done elsewhere."""
+"""The KV pool on 2 MiB pages (`pages.advise_huge_pages`): the contents kept, and what a donated
+step writes after, the memory really backed by huge pages where the kernel offers them, nothing
+done elsewhere."""
 
 from __future__ import annotations
 

@@ -447,6 +447,7 @@ class ModelRunner:
         return True
 
     def _make_kv_cache_on_huge_pages(self):
+        """A zeroed pool, on 2 MiB pages where the OS allows it (one CPU device: `pages.advise_huge_pages`)."""
         cache = self._make_kv_cache()
         if jax.devices()[0].platform == "cpu" and self.mesh is None:
             page_moves.advise_huge_pages(cache)
