@@ -143,8 +143,9 @@ def write_kv(k_pages, v_pages, k_new, v_new, slot_mapping):
     return write(k_pages, k_new), write(v_pages, v_new)
 
 
-def allocate_kv_cache(num_layers, num_kv_heads, num_pages, page_size, head_dim, dtype):
-    """A zeroed cache: list over layers of `(k_pages, v_pages)` in storage dtype."""
+def allocate_kv_cache(num_layers, num_kv_heads, num_pages, page_size, head_dim, dtype, zeros=jnp.zeros):
+    """A zeroed cache: list over layers of `(k_pages, v_pages)` in storage dtype (`zeros(shape,
+    dtype)` makes each array: `native.zeros` puts a CPU pool on 2 MiB pages)."""
     shape = (num_kv_heads, num_pages, page_size, row_width(head_dim, dtype))
     store = storage_dtype(dtype)
-    return [(jnp.zeros(shape, store), jnp.zeros(shape, store)) for _ in range(num_layers)]
+    return [(zeros(shape, store), zeros(shape, store)) for _ in range(num_layers)]

@@ -45,7 +45,8 @@ TARGETS = {"jaxllm_paged_attention_cpu": "JaxllmPagedAttentionCpu",
            "jaxllm_matmul_packed_cpu": "JaxllmMatmulPackedCpu",
            "jaxllm_matmul_packed_bf16_cpu": "JaxllmMatmulPackedBf16Cpu",
            "jaxllm_matmul_quantized_cpu": "JaxllmMatmulQuantCpu",
-           "jaxllm_write_kv_cpu": "JaxllmWriteKvCpu"}
+           "jaxllm_write_kv_cpu": "JaxllmWriteKvCpu",
+           "jaxllm_zeros_cpu": "JaxllmZerosCpu"}
 # The translation units, compiled side by side: they include the other files of their folder.
 SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", name)
                 for name in ("cpu_kernels_attention.cc", "cpu_kernels_gemm.cc"))
@@ -365,6 +366,14 @@ def paged_attention_cpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, n
                soft_cap=np.float32(logits_soft_cap or 0.0),
                path=path_attr)
     return out.astype(q.dtype)
+
+
+def zeros(shape, dtype):
+    """Zeros in a new CPU buffer, on 2 MiB pages where Linux allows it (`madvise` before the zeros
+    are written; best effort): the KV pool's pages (csrc/kv_write.cc)."""
+    require()
+    # A side effect, so that XLA never merges two of them (K and V) into one buffer.
+    return jax.ffi.ffi_call("jaxllm_zeros_cpu", jax.ShapeDtypeStruct(shape, dtype), has_side_effect=True)()
 
 
 def write_kv(k_pages, v_pages, k_new, v_new, slot_mapping):

@@ -75,14 +75,17 @@ class ModelRunner:
         self.channel = parallel.StepChannel() if jax.process_count() > 1 else None
         # The pages: zeroing them (~1 s for 2 GiB, mostly page faults) runs in C++ without the GIL,
         # so a thread does it while the weights are packed and the steps load or compile.
+        # On one CPU device with the C++ kernels, the pages lie on 2 MiB pages (`native.zeros`).
+        huge = mesh is None and jax.devices()[0].platform == "cpu" and self.attention.name == "native"
         self._make_kv_cache = page_moves.kv_cache_maker(
             [config.cache.group_num_blocks[g] for g in self.layer_groups], self.num_kv_heads, config.cache.block_size,
             spec.head_dim, config.cache.dtype, self.num_stages,
-            jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None else parallel.kv_sharding(mesh))
+            jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None else parallel.kv_sharding(mesh),
+            zeros=kernels.native.zeros if huge else jnp.zeros)
         self._kv_shapes = jax.eval_shape(self._make_kv_cache)     # (with shardings) for compiling without pages
         self._abstract_state = None     # (params, KV cache) as shapes, dtypes and shardings: `_abstract_args`
         pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-kv")
-        self._kv_cache, self._kv_pending = None, pool.submit(self._make_kv_cache_on_huge_pages)
+        self._kv_cache, self._kv_pending = None, pool.submit(self._make_kv_cache)
         pool.shutdown(wait=False)
         # Commit params and the cache to the device(s): warm-up and serving then pass arrays with
         # the same sharding, so the programs compiled at warm-up are the ones served from.
@@ -443,15 +446,8 @@ class ModelRunner:
         donates it). Returns whether it did, i.e. whether every page's contents are lost."""
         if not any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.kv_cache)):
             return False
-        self.kv_cache = self._make_kv_cache_on_huge_pages()
+        self.kv_cache = self._make_kv_cache()
         return True
-
-    def _make_kv_cache_on_huge_pages(self):
-        """A zeroed pool, on 2 MiB pages where the OS allows it (one CPU device: `pages.advise_huge_pages`)."""
-        cache = self._make_kv_cache()
-        if jax.devices()[0].platform == "cpu" and self.mesh is None:
-            page_moves.advise_huge_pages(cache)
-        return cache
 
     # ----- moving pages -----
     def copy_pages(self, copies: list[tuple[list[int], list[int]]]) -> None:

@@ -7,7 +7,7 @@
 //   paged_attention.cc         work items, the portable path, the FFI handler
 //   paged_attention_avx512.cc  the AVX-512 path (head_dim 32, 64, 128, 256)
 //   paged_attention_avx2.cc    the AVX2 + FMA path (head_dim a multiple of 32)
-//   kv_write.cc                a step's keys and values into their cache slots, in place
+//   kv_write.cc                a step's keys and values into their cache slots, in place; a zeroed pool on 2 MiB pages
 //   simd.h                     code paths (KernelPath), bf16 widening, exp, transpose, reductions
 //   parallel_for.h             work sharing over XLA's intra-op thread pool
 //
