@@ -127,19 +127,14 @@ void prefetch_first_chunk(const PagedAttentionArgs& a, const WorkItem& item) {
   const int64_t q_len = a.cu_q_lens[item.seq + 1] - a.cu_q_lens[item.seq];
   const int64_t qpos = a.kv_lens[item.seq] - q_len + static_cast<int64_t>(item.tile) * a.tile_tokens;
   const int64_t begin = a.sliding_window > 0 ? std::max<int64_t>(0, qpos - a.sliding_window + 1) : 0;
-  const int64_t end = std::min<int64_t>(begin + kChunkKeys, a.kv_lens[item.seq]);
-  const int64_t elem = a.kv_type == kKvF32 ? 4 : a.kv_type == kKvBf16 ? 2 : 1;
-  const int64_t row_bytes = a.row_stride * elem;
+  const int64_t n = std::min<int64_t>(kChunkKeys, a.kv_lens[item.seq] - begin);
   const int32_t* table = a.block_tables + static_cast<int64_t>(item.seq) * a.pages_per_seq;
-  for (int64_t pos = begin; pos < end; ++pos) {
-    const int64_t row = (item.kv_head * a.num_pages + table[pos / a.page_size]) * a.page_size + pos % a.page_size;
-    const char* k = static_cast<const char*>(a.k_pages) + row * row_bytes;
-    const char* v = static_cast<const char*>(a.v_pages) + row * row_bytes;
-    for (int64_t b = 0; b < row_bytes; b += 64) {
-      __builtin_prefetch(k + b, 0, 2);  // prefetcht1
-      __builtin_prefetch(v + b, 0, 2);
-    }
-  }
+  if (a.kv_type == kKvF32)
+    prefetch_keys<float, 2>(a, table, item.kv_head, begin, n);
+  else if (a.kv_type == kKvBf16)
+    prefetch_keys<uint16_t, 2>(a, table, item.kv_head, begin, n);
+  else  // int8 and fp8 rows: bytes
+    prefetch_keys<uint8_t, 2>(a, table, item.kv_head, begin, n);
 }
 
 void attend(const PagedAttentionArgs& a, const WorkItem& item, Scratch& s) {

@@ -144,6 +144,25 @@ inline const KV* kv_row(const PagedAttentionArgs& a, const KV* pages, const int3
   return pages + ((kv_head * a.num_pages + block_table[pos / P]) * P + pos % P) * a.row_stride;
 }
 
+// Asks for the K and V rows of cache positions [first, first + n) of one sequence and kv head to
+// be brought into cache, L1 (kLocality 3: prefetcht0) or L2 (2: prefetcht1): a sequence's pages
+// lie anywhere in the pool, and the hardware prefetcher stops at each page's end.
+template <typename KV, int kLocality>
+inline void prefetch_keys(const PagedAttentionArgs& a, const int32_t* block_table, int64_t kv_head, int64_t first,
+                          int64_t n) {
+  const KV* k_pages = static_cast<const KV*>(a.k_pages);
+  const KV* v_pages = static_cast<const KV*>(a.v_pages);
+  const int64_t row_bytes = a.row_stride * static_cast<int64_t>(sizeof(KV));
+  for (int64_t j = 0; j < n; ++j) {
+    const char* k = reinterpret_cast<const char*>(kv_row(a, k_pages, block_table, kv_head, first + j));
+    const char* v = reinterpret_cast<const char*>(kv_row(a, v_pages, block_table, kv_head, first + j));
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      __builtin_prefetch(k + b, 0, kLocality);
+      __builtin_prefetch(v + b, 0, kLocality);
+    }
+  }
+}
+
 // The scale of an int8 or fp8 cache row (1 for float rows).
 template <typename KV>
 inline float row_scale(const PagedAttentionArgs& a, const KV* row) {

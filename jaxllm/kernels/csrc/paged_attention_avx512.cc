@@ -52,24 +52,6 @@ void widen_chunk_avx512(const PagedAttentionArgs& a, const int32_t* block_table,
   }
 }
 
-// Asks for keys [first, first + n) of K and V to be brought into cache: the pages of a
-// sequence are scattered over the pool, so the hardware prefetcher cannot guess the next one.
-template <typename KV>
-inline void prefetch_chunk(const PagedAttentionArgs& a, const int32_t* block_table, int64_t kv_head, int64_t first,
-                           int n) {
-  const KV* k_pages = static_cast<const KV*>(a.k_pages);
-  const KV* v_pages = static_cast<const KV*>(a.v_pages);
-  const int64_t row_bytes = a.head_dim * sizeof(KV);
-  for (int j = 0; j < n; ++j) {
-    const char* k = reinterpret_cast<const char*>(kv_row(a, k_pages, block_table, kv_head, first + j));
-    const char* v = reinterpret_cast<const char*>(kv_row(a, v_pages, block_table, kv_head, first + j));
-    for (int64_t b = 0; b < row_bytes; b += 64) {
-      _mm_prefetch(k + b, _MM_HINT_T0);
-      _mm_prefetch(v + b, _MM_HINT_T0);
-    }
-  }
-}
-
 // scores[r][j] = q[r] . k[j] for rows [r0, r0 + R) and NV vectors of 16 keys, the R x NV
 // accumulators in registers.
 template <int DV, int R, int NV>
@@ -203,8 +185,8 @@ void attend_avx512_item(const PagedAttentionArgs& a, const WorkItem& item, Scrat
     const int n = static_cast<int>(std::min<int64_t>(kChunkKeys, rows.last_pos + 1 - first));
     const int64_t next = first + kChunkKeys;
     if (next <= rows.last_pos)
-      prefetch_chunk<KV>(a, rows.block_table, item.kv_head, next,
-                         static_cast<int>(std::min<int64_t>(kChunkKeys, rows.last_pos + 1 - next)));
+      prefetch_keys<KV, 3>(a, rows.block_table, item.kv_head, next,
+                           std::min<int64_t>(kChunkKeys, rows.last_pos + 1 - next));
     widen_chunk_avx512<KV, DV>(a, rows.block_table, item.kv_head, first, n, s.keys_t, s.values);
     chunk_scores<DV>(s.q, s.keys_t, s.scores, rows.M, n);
     for (int r = 0; r < rows.M; ++r) alpha[r] = softmax_row(a, rows, r, first, n, s.scores[r]);
