@@ -4,7 +4,9 @@ them."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import sys
 
 import jax
@@ -56,11 +58,48 @@ def test_pool_is_zeros_and_takes_writes_in_place():
     np.testing.assert_array_equal(np.asarray(k), want)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or thp_mode() in (None, "never"),
-                    reason="transparent huge pages unavailable")
-def test_a_large_pool_lies_on_huge_pages():
-    x = jax.jit(lambda: native.zeros((8, 1 << 20), jnp.float32))()     # 32 MiB: a fresh mapping
+def assert_mostly_huge(x):
     start = x.unsafe_buffer_pointer()
     assert not np.asarray(x).any()
     interior = (start + x.nbytes) // (2 << 20) * (2 << 20) - -(-start // (2 << 20)) * (2 << 20)
     assert huge_bytes_in(start, start + x.nbytes) >= interior // 2    # allocation may fall back in places
+
+
+needs_thp = pytest.mark.skipif(not sys.platform.startswith("linux") or thp_mode() in (None, "never"),
+                               reason="transparent huge pages unavailable")
+
+
+@needs_thp
+def test_a_large_pool_lies_on_huge_pages():
+    assert_mostly_huge(jax.jit(lambda: native.zeros((8, 1 << 20), jnp.float32))())    # 32 MiB
+
+
+# Run in a child whose malloc never maps (glibc's MALLOC_MMAP_MAX_=0, one arena, no trimming): the
+# pool then reuses heap memory that an earlier buffer touched on 4 KiB pages, as happens in a long
+# process whose heap has a large free hole.
+REUSED_HEAP = """
+import sys
+sys.path.insert(0, {tests!r})
+import jax, jax.numpy as jnp
+from jaxllm.kernels import native
+from test_pages import assert_mostly_huge
+zeros = jax.jit(lambda: native.zeros((8, 1 << 20), jnp.float32)).lower().compile()   # madvises nothing yet
+ones = jax.jit(lambda s: jnp.full((9, 1 << 20), s, jnp.float32))(1.0)
+ones.block_until_ready()
+was = ones.unsafe_buffer_pointer()
+ones.delete()
+x = zeros()
+if x.unsafe_buffer_pointer() != was:
+    sys.exit(3)
+assert_mostly_huge(x)
+"""
+
+
+@needs_thp
+def test_a_pool_on_reused_heap_memory_lies_on_huge_pages():
+    env = dict(os.environ, MALLOC_MMAP_MAX_="0", MALLOC_ARENA_MAX="1", MALLOC_TRIM_THRESHOLD_=str(1 << 40))
+    child = subprocess.run([sys.executable, "-c", REUSED_HEAP.format(tests=os.path.dirname(__file__))], env=env,
+                           capture_output=True, text=True, timeout=300)
+    if child.returncode == 3:
+        pytest.skip("this malloc did not hand the freed buffer back")
+    assert child.returncode == 0, child.stderr[-2000:]

@@ -118,11 +118,12 @@ ffi::Error WriteKvImpl(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyB
   return ffi::Error::Success();
 }
 
-// A zeroed buffer (a new KV pool's pages) on 2 MiB pages where Linux allows it: XLA hands a large
-// output over untouched (a fresh mapping), so madvise(MADV_HUGEPAGE) before the zeros are written
-// makes each 2 MiB region fault in as one huge page. Decode attention reads each sequence's
-// pages scattered over the pool, and with 4 KiB pages nearly every page read missed the TLB.
-// (Collapsing the zeroed 4 KiB pages afterwards, MADV_COLLAPSE, cost 1-3 s of a warm start.)
+// A zeroed buffer (a new KV pool's pages) on 2 MiB pages where Linux allows it: madvise(MADV_HUGEPAGE)
+// before the zeros are written makes each 2 MiB region fault in as one huge page. Decode attention
+// reads each sequence's pages scattered over the pool, and with 4 KiB pages nearly every page read
+// missed the TLB. A large output is usually a fresh mapping, but malloc may hand back heap memory
+// already touched on 4 KiB pages, which would stay so: MADV_DONTNEED drops those first (free on an
+// untouched mapping). (Collapsing 4 KiB pages afterwards, MADV_COLLAPSE, cost 1-3 s of a warm start.)
 ffi::Error ZerosImpl(ffi::Result<ffi::AnyBuffer> out) {
   char* p = static_cast<char*>(out->untyped_data());
   const size_t n = out->size_bytes();
@@ -130,7 +131,9 @@ ffi::Error ZerosImpl(ffi::Result<ffi::AnyBuffer> out) {
   constexpr uintptr_t kHuge = uintptr_t{2} << 20;
   const uintptr_t lo = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
   const uintptr_t hi = (reinterpret_cast<uintptr_t>(p) + n) & ~(kHuge - 1);
-  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);  // best effort
+  if (hi > lo && madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE) == 0) {  // best effort
+    madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);  // the buffer is ours, its bytes unset
+  }
 #endif
   std::memset(p, 0, n);
   return ffi::Error::Success();
