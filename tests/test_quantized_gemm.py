@@ -160,11 +160,12 @@ def w8a8_rows_reference(x: np.ndarray, codes: np.ndarray, scale: np.ndarray) -> 
 @pytest.mark.parametrize("rows", [1, 3, 5, 8, 11, 97])
 @pytest.mark.parametrize("scale_dtype", [np.float32, np.float16])
 def test_matmul_quantized_w8a8_matches_numpy(rows, scale_dtype):
-    # W8A8 in the C++ GEMM (csrc/gemm_w8a8.cc): rows around the 4- and 8-row register blocks and
-    # the 96-row work items, 3 panels, codes at +-127, a zero row, an outlier column; the SwiGLU
-    # epilogue and a live-row count; every code path the build has.
+    # W8A8 in the C++ GEMM (csrc/gemm_w8a8.cc): rows around the register blocks (4 rows on AVX2,
+    # 6 rows of 4, 2 or 1 panels with VNNI) and the 96-row work items, 7 panels, codes at +-127, a
+    # zero row, an outlier column; the SwiGLU epilogue over 3 gate and 3 up panels and a live-row
+    # count; every code path the build has.
     rng = np.random.default_rng(rows)
-    k, n = 132, 48
+    k, n = 132, 112
     x = rng.standard_normal((rows, k)).astype(np.float32)
     x[:, 7] *= 40
     x[rows // 2] = 0.0
@@ -173,12 +174,12 @@ def test_matmul_quantized_w8a8_matches_numpy(rows, scale_dtype):
     scale = (rng.random((1, n)) * 0.01).astype(scale_dtype)
     ref = w8a8_rows_reference(x, codes, scale)
     packed = native.pack_codes(codes, 8, w8a8=True)
-    g, u = np.split(ref[:, :32], 2, axis=1)
+    g, u = np.split(ref[:, :96], 2, axis=1)
     for path in ("auto", *native.kernel_paths()):
         call = functools.partial(native.matmul_quantized, bits=8, path=path, act8=True)
         y = jax.jit(call)(x, packed, scale, None)
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
-        y = jax.jit(functools.partial(call, swiglu=True))(x, packed[:2], scale[:, :32], None)
+        y = jax.jit(functools.partial(call, swiglu=True))(x, packed[:6], scale[:, :96], None)
         np.testing.assert_allclose(y, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-5)
     check_live_rows(functools.partial(native.matmul_quantized, bits=8, act8=True), (x, packed, scale, None), ref,
                     atol=1e-6 * np.abs(ref).max())

@@ -45,14 +45,6 @@ struct Bf16GemmArgs {
 };
 
 #ifdef JAXLLM_AVX512_BF16
-// silu(g) * u, 16 wide: swiglu_f32x8's formulation (exp only sees -|g|).
-inline __m512 swiglu_f32x16(__m512 g, __m512 u) {
-  const __m512 e = exp_f32x16(_mm512_or_ps(g, _mm512_set1_ps(-0.f)));
-  const __mmask16 pos = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
-  const __m512 num = _mm512_mask_blend_ps(pos, e, _mm512_set1_ps(1.f));
-  return _mm512_mul_ps(_mm512_div_ps(_mm512_mul_ps(g, num), _mm512_add_ps(_mm512_set1_ps(1.f), e)), u);
-}
-
 // R rows of x against P panels w[0 .. P - 1], every sum over K in registers (P x R of them).
 // Stores panel p's 16 columns at y + 16 p; with SWIGLU (the first P / 2 panels gate panels,
 // the rest their up panels) silu(gate p) * (up p) at y + 16 p for p < P / 2. Never inlined:

@@ -125,6 +125,15 @@ inline __m512 exp_f32x16(__m512 x) {
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(y, n);
 }
+
+// silu(g) * u, 16 wide (the GEMMs' SwiGLU epilogue): g * (g >= 0 ? 1 : e) / (1 + e) with
+// e = e^-|g|, so that exp_f32x16 only sees x <= 0.
+inline __m512 swiglu_f32x16(__m512 g, __m512 u) {
+  const __m512 e = exp_f32x16(_mm512_or_ps(g, _mm512_set1_ps(-0.f)));
+  const __mmask16 pos = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
+  const __m512 num = _mm512_mask_blend_ps(pos, e, _mm512_set1_ps(1.f));
+  return _mm512_mul_ps(_mm512_div_ps(_mm512_mul_ps(g, num), _mm512_add_ps(_mm512_set1_ps(1.f), e)), u);
+}
 #endif  // __AVX512F__
 
 #ifdef JAXLLM_AVX2
