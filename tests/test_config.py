@@ -104,8 +104,10 @@ def test_auto_dtype_follows_the_device(flags, platform, expected):
         for kv in ("float32", "bfloat16", "int8", "fp8_e4m3"):
             assert resolve_kv_cache_dtype(kv, "auto", explicit) == (kv, "asked for")
     assert resolve_kv_cache_dtype("fp8", "auto", dtype)[0] == "fp8_e4m3"
-    # With int8 activations bf16 pages cost perplexity: the dtype's pages.
-    assert resolve_kv_cache_dtype("auto", "auto", dtype, int8_activations=True)[0] == dtype
+    # With int8 activations bf16 pages cost perplexity: float32 pages, whatever the dtype.
+    for asked in ("auto", "float32", "bfloat16"):
+        assert resolve_kv_cache_dtype("auto", asked, dtype, int8_activations=True)[0] == "float32"
+    assert resolve_kv_cache_dtype("int8", "auto", dtype, int8_activations=True)[0] == "int8"
 
 
 def lscpu_flags() -> set[str]:
@@ -130,7 +132,7 @@ def test_auto_is_the_default_and_picks_for_this_cpu():
     config = resolve_config(EngineArgs(dtype="float32"), SPEC, "tiny")
     assert config.cache.dtype == "float32"
     for args in (EngineArgs(quantization="w8a8"), EngineArgs(int8_activations=True)):   # int8 activations
-        assert resolve_config(args, SPEC, "tiny").cache.dtype == expected
+        assert resolve_config(args, SPEC, "tiny").cache.dtype == "float32"
 
 
 def test_engine_logs_the_dtype_auto_picks_and_loads_in_it(tiny_model_dir, tmp_path, caplog):
