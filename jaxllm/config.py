@@ -68,7 +68,7 @@ class EngineArgs:
         choices=QUANTIZATION_METHODS)
     kv_cache_dtype: str = option(
         "auto", "KV cache dtype: 'auto' (the dtype; but bfloat16 where dtype 'auto' picked float32 on a CPU, "
-                "unless the activations are int8: w8a8, int8_activations), "
+                "and float32 where the activations are int8: w8a8, int8_activations), "
                 "'bfloat16' or 'float32' (pages of that dtype whatever the compute dtype), 'int8' (int8 codes "
                 "with an f32 scale per token and head: about half a bf16 cache, twice the sequences in the same "
                 "memory) or 'fp8_e4m3' ('fp8': float8 E4M3 codes, same layout and size)", choices=KV_CACHE_DTYPES)
