@@ -50,7 +50,6 @@ void parallel_for(xla::ffi::ThreadPool& pool, int64_t n, std::function<void(int6
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
   work->drain();
-  for (int spin = 0; spin < 20000 && work->done.load(std::memory_order_acquire) != n; ++spin) __builtin_ia32_pause();
   std::unique_lock<std::mutex> lock(work->mu);
   work->cv.wait(lock, [&] { return work->done.load() == n; });
 }
