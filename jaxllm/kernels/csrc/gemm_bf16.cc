@@ -52,8 +52,8 @@ struct Bf16GemmArgs {
 // and reloaded them every k (perf annotate on Zen 4); on its own the loop keeps all in
 // registers, and the layer GEMMs ran 1.1-1.25x faster from 64 to 256 rows.
 template <int R, int P, bool SWIGLU>
-__attribute__((noinline)) void bf16_rows(const uint32_t* __restrict x, int64_t ldx, const uint32_t* const* w, float* __restrict y,
-                      int64_t ldy, int64_t KP) {
+__attribute__((noinline)) void bf16_rows(const uint32_t* __restrict x, int64_t ldx, const uint32_t* const* w,
+                                         float* __restrict y, int64_t ldy, int64_t KP) {
   const uint32_t* wp[P];
   for (int p = 0; p < P; ++p) wp[p] = w[p];
   __m512 acc[P][R];

@@ -131,7 +131,8 @@ __attribute__((noinline)) void w8a8_tile_vnni(const int8_t* const* w, const __m5
     const __m512 di = _mm512_set1_ps(d[i]);
     __m512 v[P];
     for (int p = 0; p < P; ++p)
-      v[p] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32((__m512i)acc[p][i], bias[p])), di), scale[p]);
+      v[p] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32((__m512i)acc[p][i], bias[p])), di),
+                           scale[p]);
     if (SWIGLU) {
       for (int p = 0; p < P / 2; ++p) _mm512_storeu_ps(y + i * ldy + p * kPanel, swiglu_f32x16(v[p], v[p + P / 2]));
     } else {
