@@ -14,6 +14,13 @@
 
 namespace jaxllm {
 
+// A spin-wait loop's pause (x86 `pause`; elsewhere nothing).
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
 // The state shared by the calling thread and the pool tasks of one parallel_for.
 template <typename State>
 struct ParallelFor {
@@ -50,6 +57,9 @@ void parallel_for(xla::ffi::ThreadPool& pool, int64_t n, std::function<void(int6
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
   work->drain();
+  // The last items usually finish within microseconds of this thread's: wait for them spinning
+  // (bounded) rather than sleeping on the condition variable, whose wake-up is slower.
+  for (int spin = 0; spin < 20000 && work->done.load(std::memory_order_acquire) != n; ++spin) cpu_relax();
   std::unique_lock<std::mutex> lock(work->mu);
   work->cv.wait(lock, [&] { return work->done.load() == n; });
 }
