@@ -1,9 +1,9 @@
 // The kernels' code paths (KernelPath) and named SIMD helpers: bf16 (and fp8 E4M3) -> f32 widening
 // (scalar, and 8 or 16 at a time), a polynomial exp (8 or 16 wide), SwiGLU (16 wide), a 16x16 word
-// transpose, a 4-way horizontal sum, and row reductions (max, sum of exp). The 16-wide helpers exist only under `#ifdef __AVX512F__`,
-// the 8-wide ones under `#ifdef __AVX2__` (with FMA), beside the scalar to_f32 of the portable
-// path; max_of and sum_exp run the widest loop the build has and a scalar loop for the rest of
-// the row.
+// transpose, a 4-way horizontal sum, and row reductions (max, sum of exp). The 16-wide helpers
+// exist only under `#ifdef __AVX512F__`, the 8-wide ones under `#ifdef __AVX2__` (with FMA),
+// beside the scalar to_f32 of the portable path; max_of and sum_exp run the widest loop the build
+// has and a scalar loop for the rest of the row.
 #pragma once
 
 #include <algorithm>
