@@ -18,8 +18,9 @@ matrices at `--quant-rows` rows (`gpu_quant.py`, which also searches tilings).
 
 Engine: random weights of a Llama-3-8B shape (`--layers` of them, bf16; written once as a
 checkpoint under `--workdir`) through `LLM.generate` on the standard workload (128 requests,
-prompts 32-256, outputs 32-128, greedy, ignore_eos), `--quantization` as `LLM` takes it: output
-tok/s and device time per step.
+prompts 32-256, outputs 32-128, greedy, ignore_eos), a run for each `--quantization` entry,
+`METHOD[:KV_CACHE_DTYPE]` as `LLM` takes them (`none`: bf16 weights; `none:int8`: int8 KV pages):
+output tok/s and device time per step.
 
 It needs only what the GPU image has (jax, numpy, safetensors) besides jaxllm itself. JSON to
 --out (default benchmarks/results/gpu.json) and a table on stdout.
@@ -171,14 +172,18 @@ def write_checkpoint(path: str, shape: dict, seed: int = 0) -> str:
     return path
 
 
-def engine_row(args, shape: dict, quantization: str | None) -> dict:
+def engine_row(args, shape: dict, config: str) -> dict:
+    """One `--quantization` entry's engine run."""
     from jaxllm import LLM, SamplingParams
 
+    method, _, kv = config.partition(":")
+    quantization = None if method == "none" else method
     path = write_checkpoint(os.path.join(args.workdir, f"llama3-8b-shape-{shape['layers']}l"), shape)
     workload = random_workload(args.num_prompts, (32, 256), (32, 128), 0, shape["vocab"], [])
     t = time.perf_counter()
     llm = LLM(path, dtype="bfloat16", attention_backend=args.engine_backend, max_num_seqs=args.max_num_seqs,
-              quantization=quantization, params_cache_dir=os.path.join(args.workdir, "params"),
+              quantization=quantization, kv_cache_dtype=kv or "auto",
+              params_cache_dir=os.path.join(args.workdir, "params"),
               warmup=not args.smoke)
     llm.engine.wait_compiled()
     start_s = time.perf_counter() - t
@@ -188,7 +193,9 @@ def engine_row(args, shape: dict, quantization: str | None) -> dict:
     wall = time.perf_counter() - t
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     stats = llm.engine.stats
-    row = {"layers": shape["layers"], "quantization": quantization, "attention_backend": llm.engine.runner.attention.name,
+    row = {"layers": shape["layers"], "quantization": quantization,
+           "kv_cache_dtype": str(llm.engine.config.cache.dtype),
+           "attention_backend": llm.engine.runner.attention.name,
            "requests": len(workload), "output_tokens": out_tokens, "wall_s": wall, "out_tok_s": out_tokens / wall,
            "steps": stats.num_steps, "device_ms_per_step": 1e3 * stats.time_device / max(stats.num_steps, 1),
            "start_s": start_s}
@@ -209,8 +216,9 @@ def main(argv=None):
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-quant", action="store_true", help="leave out the quantized matmul's rows")
     ap.add_argument("--quant-rows", default="1,16,128,1024", help="row counts of x for the quantized matmul")
-    ap.add_argument("--quantization", default="none", type=lambda s: [None if q == "none" else q for q in s.split(",")],
-                    help="the engine's quantization, a run for each (none: bf16 weights; e.g. none,int4)")
+    ap.add_argument("--quantization", default="none", type=lambda s: s.split(","),
+                    help="the engine's runs, each METHOD[:KV_CACHE_DTYPE] (none: bf16 weights; e.g. "
+                         "none,int4,none:int8)")
     ap.add_argument("--layers", type=int, default=LLAMA3_8B["layers"], help="decoder layers of the engine's model")
     ap.add_argument("--num-prompts", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=128)
@@ -243,10 +251,11 @@ def main(argv=None):
         result["quantized_matmul"] = gpu_quant.run(gpu_quant.parse_args(quant_args))
     if not args.skip_engine:
         result["engines"] = []
-        for quantization in args.quantization:
-            e = engine_row(args, shape, quantization)
+        for config in args.quantization:
+            e = engine_row(args, shape, config)
             result["engines"].append(e)
-            print(f"engine ({e['layers']} layers, {e['attention_backend']}, quantization {e['quantization']}): "
+            print(f"engine ({e['layers']} layers, {e['attention_backend']}, quantization {e['quantization']}, "
+                  f"KV {e['kv_cache_dtype']}): "
                   f"{e['out_tok_s']:.1f} out tok/s, {e['device_ms_per_step']:.2f} ms device per step, "
                   f"{e['steps']} steps, start {e['start_s']:.1f} s", flush=True)
         result["engine"] = result["engines"][0]

@@ -3,13 +3,13 @@
 # cut short: the machine, the attention kernels' timings (benchmarks/gpu.py), the quantized
 # matmul's against a bf16 dot and its tiling search (benchmarks/gpu_quant.py), the kernels'
 # numerics tests compiled for the GPU (tests/cuda_lowering.py's INTERPRET is false there), then
-# the engine (bf16, and each of QUANTIZATION's methods).
+# the engine (bf16, and each of QUANTIZATION's entries, METHOD[:KV_CACHE_DTYPE]).
 #
 #   OUT=/some/dir bash benchmarks/gpu_checks.sh          # logs and JSON land in $OUT
 #
 # Each part has its own time limit (KERNELS_S, QUANT_S, TESTS_S, ENGINE_S seconds), so one that
 # hangs still leaves the others' results; PARTS picks the parts and their order (default
-# "kernels quant tests engine"), TESTS_K the tests (a pytest -k expression), SWEEP the matrices
+# "kernels quant tests engine"), TEST_FILES and TESTS_K the tests (pytest paths, a -k expression), SWEEP the matrices
 # the tiling search runs on (SWEEP_S seconds for it). It needs what the GPU
 # image has (jax, numpy, safetensors, pytest, torch, transformers); packages it lacks (gguf)
 # travel as wheels in .whl/ (see the device tool's README), installed first.
@@ -38,10 +38,10 @@ quant() {
 
 tests() {
     timeout "${TESTS_S:-180}" python3 -m pytest -p no:cacheprovider -q -rfE --timeout 120 \
-        tests/test_quantization.py::test_pallas_quantized_matmul_matches_numpy_and_lowers_for_cuda \
+        ${TEST_FILES:-tests/test_quantization.py::test_pallas_quantized_matmul_matches_numpy_and_lowers_for_cuda \
         tests/test_quantization.py::test_pallas_quantized_matmul_tiles_agree_with_numpy \
-        tests/test_paged_attention.py tests/test_paged_attention_mgpu.py \
-        tests/test_models.py -k "${TESTS_K:-not cpu and not reference}" 2>&1 | tee "$OUT/tests.log"
+        tests/test_paged_attention.py tests/test_paged_attention_mgpu.py tests/test_models.py} \
+        -k "${TESTS_K:-not cpu and not reference}" 2>&1 | tee "$OUT/tests.log"
 }
 
 engine() {
