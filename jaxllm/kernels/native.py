@@ -45,6 +45,7 @@ TARGETS = {"jaxllm_paged_attention_cpu": "JaxllmPagedAttentionCpu",
            "jaxllm_matmul_packed_cpu": "JaxllmMatmulPackedCpu",
            "jaxllm_matmul_packed_bf16_cpu": "JaxllmMatmulPackedBf16Cpu",
            "jaxllm_matmul_quantized_cpu": "JaxllmMatmulQuantCpu",
+           "jaxllm_matmul_q4_bf16_cpu": "JaxllmMatmulQ4Bf16Cpu",
            "jaxllm_write_kv_cpu": "JaxllmWriteKvCpu",
            "jaxllm_zeros_cpu": "JaxllmZerosCpu"}
 # The translation units, compiled side by side: they include the other files of their folder.
@@ -294,15 +295,21 @@ def matmul_packed(x: jax.Array, w_packed: jax.Array, path: str = "auto", rows=No
     return call(x2, w_packed, _live_rows(rows), path=path_attr, swiglu=np.int32(swiglu)).reshape(*lead, n)
 
 
-def pack_codes(codes: np.ndarray, bits: int, w8a8: bool = False) -> np.ndarray:
+def pack_codes(codes: np.ndarray, bits: int, w8a8: bool = False, pairs: bool = False) -> np.ndarray:
     """Integer codes [K, N] (int8 for 8 bits, 0..15 for 4 bits) as the panels
     `matmul_quantized` reads: int8 [N / 16, K, 16], or for 4 bits uint8 [N / 16, K, 8] with
     column j of a panel in byte j's low nibble and column j + 8 in its high nibble. `w8a8` (8
     bits, K a multiple of 4: the codes of `act8=True`): each panel's rows in groups of 4, a
     column's 4 codes side by side ([N / 16, K / 4, 16, 4] in the same [N / 16, K, 16] array), as
-    the int8 dot instructions take them."""
+    the int8 dot instructions take them. `pairs` (4 bits, K a multiple of 4: the codes of
+    `matmul_q4_bf16`): uint8 [N / 16, K / 4, 32], a block of 4 rows of a panel in 32 bytes, byte
+    2 c + t holding row 4 b + t of column c in its low nibble and row 4 b + 2 + t in its high one."""
     k, n = codes.shape
     panels = np.asarray(codes).reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
+    if pairs:
+        u = panels.astype(np.uint8).reshape(n // PANEL, k // 4, 2, 2, PANEL).transpose(0, 1, 2, 4, 3)
+        u = u.reshape(n // PANEL, k // 4, 2, 2 * PANEL)
+        return np.ascontiguousarray(u[:, :, 0] | (u[:, :, 1] << 4))
     if bits == 8 and w8a8:
         panels = panels.reshape(n // PANEL, k // 4, 4, PANEL).transpose(0, 1, 3, 2).reshape(n // PANEL, k, PANEL)
     if bits == 8:
@@ -336,6 +343,26 @@ def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: j
     call = jax.ffi.ffi_call("jaxllm_matmul_quantized_cpu", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
     return call(x2, codes, scale, offset, *supers, _live_rows(rows), bits=np.int32(bits), path=path_attr,
                 swiglu=np.int32(swiglu), act8=np.int32(act8)).reshape(*lead, n)
+
+
+def matmul_q4_bf16(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array | None, path: str = "auto",
+                   rows=None, swiglu: bool = False, super_scale: jax.Array | None = None,
+                   super_offset: jax.Array | None = None) -> jax.Array:
+    """x [..., K] @ w -> [..., N] f32 with x rounded to bf16 and w [K, N] given by 4-bit codes
+    packed by `pack_codes(..., pairs=True)` and scale/offset as for `matmul_quantized` (groups a
+    multiple of 4 rows): the codes go into AVX512_BF16's bf16 dot as they are (csrc/gemm_q4bf16.cc),
+    the weights a quarter of bf16's bytes. `path`: "portable" or "avx512" (AVX512_BF16 builds
+    only); `rows`, `swiglu`: as for `matmul_packed`."""
+    require()
+    path_attr = _path_attr(path)
+    n = codes.shape[0] * PANEL // (2 if swiglu else 1)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16)
+    offset = jnp.zeros((0,), scale.dtype) if offset is None else offset
+    supers = [jnp.zeros((0,), jnp.float16) if a is None else a for a in (super_scale, super_offset)]
+    call = jax.ffi.ffi_call("jaxllm_matmul_q4_bf16_cpu", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
+    return call(x2, codes, scale, offset, *supers, _live_rows(rows), path=path_attr,
+                swiglu=np.int32(swiglu)).reshape(*lead, n)
 
 
 ACT_BLOCK = 32  # columns of x per int8 scale with `matmul_quantized(..., act8=True)` and 4-bit codes

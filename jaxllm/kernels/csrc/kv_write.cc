@@ -24,20 +24,13 @@
 #include <sys/mman.h>
 #endif
 
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace jaxllm {
 namespace {
-
-inline uint16_t to_bf16_bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 
 inline float div_f32(float a, float b) { return static_cast<float>(static_cast<double>(a) / static_cast<double>(b)); }
 

@@ -57,6 +57,14 @@ inline float to_f32(uint16_t bf16_bits) {
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
+// f32 -> bf16 bits, rounded to nearest even (as ml_dtypes and VCVTNE2PS2BF16 round).
+inline uint16_t to_bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
 inline float to_f32(float x) { return x; }
 inline float to_f32(int8_t code) { return static_cast<float>(code); }
 // An fp8 E4M3 ("e4m3fn") code: a normal code's exponent and mantissa bits, shifted into an
