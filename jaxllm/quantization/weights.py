@@ -32,12 +32,15 @@ class QuantizedWeight:
     codes: `layout="plain"`: int8 [K, N] (8 bits), or uint8 [K, N / 2] holding two 4-bit codes
         (column j in the low nibble, column j + N / 2 in the high one);
         `layout="panels"`: as `kernels.native.pack_codes` lays them out for the C++ GEMM (with
-        `w8a8=True` for 8-bit codes that multiply int8 activations: `_w8a8_panels`).
+        `w8a8=True` for 8-bit codes that multiply int8 activations: `_w8a8_panels`; with
+        `pairs=True` for 4-bit codes that multiply bf16 activations: `_bf16_pairs`).
     scale, offset: [G, N], f32 (8 bits) or f16 (4 bits); offset is None for symmetric codes
         (the 8-bit ones).
     activations: "int8" multiplies as W8A8 (x quantized per row, an int8 dot; with 4-bit
         panels, per row and block of 32: `with_int8_activations`), "float" as
-        weight-only (x stays f32).
+        weight-only (x stays f32), "bf16" as weight-only with x and the dequantized weights
+        rounded to bf16 (4-bit panels on AVX512_BF16 CPUs under dtype bfloat16:
+        `with_bf16_activations`; the packed bf16 GEMM's numbers).
     perm: None, or int32 [K] (GPTQ's act-order): the codes' row i is the weight's row perm[i],
         so that the groups are contiguous; x's columns are taken in that order first.
     super_scale, super_offset: None, or (GGUF's K-quants, two-level scales) f16 [G / S, N] with
@@ -59,7 +62,8 @@ class QuantizedWeight:
     @property
     def shape(self) -> tuple[int, int]:
         """(K, N), as the float weight's (of each matrix of a stack)."""
-        return self.codes.shape[1 if self.layout == "panels" else -2], self.scale.shape[-1]
+        k = self.codes.shape[1 if self.layout == "panels" else -2]
+        return k * (4 if _bf16_pairs(self) else 1), self.scale.shape[-1]
 
 
 def quantize_matrix(w: np.ndarray, bits: int, group_size: int | None):
@@ -239,6 +243,11 @@ def stack_stages(ws: list, what: str) -> QuantizedWeight:
 def _unpacked_codes(w: QuantizedWeight, xp=jnp):
     """The codes [..., K, N], one a byte, as `xp` (jnp inside a step, numpy on the host) arrays."""
     c = xp.asarray(w.codes)
+    if _bf16_pairs(w):          # [P, K / 4, 16 x 2] -> [P, K / 4, 2 halves, 2 rows, 16] -> [K, N]
+        p, blocks, _ = c.shape
+        c = xp.stack([c & 15, c >> 4], axis=2).reshape(p, blocks, 2, kPANEL, 2)
+        c = xp.transpose(c, (0, 1, 2, 4, 3)).reshape(p, 4 * blocks, kPANEL)
+        return xp.transpose(c, (1, 0, 2)).reshape(4 * blocks, -1)
     if w.layout == "panels":
         if w.bits == 4:
             c = xp.concatenate([c & 15, c >> 4], axis=-1)
@@ -249,6 +258,15 @@ def _unpacked_codes(w: QuantizedWeight, xp=jnp):
     elif w.bits == 4:
         c = xp.concatenate([c & 15, c >> 4], axis=-1)
     return c
+
+
+kPANEL = 16     # columns of a C++ GEMM panel (kernels.native.PANEL)
+
+
+def _bf16_pairs(w: QuantizedWeight) -> bool:
+    """Whether w's codes are 4-bit panels in the row-pairs order of the bf16 C++ GEMM
+    (`kernels.native.matmul_q4_bf16`)."""
+    return w.layout == "panels" and w.bits == 4 and w.activations == "bf16"
 
 
 def _w8a8_panels(w: QuantizedWeight) -> bool:
@@ -299,6 +317,11 @@ def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None, swiglu: bool 
     `decoder.matmul`; `swiglu` too, for the "panels" layout only (`fuses_swiglu`)."""
     if w.perm is not None:
         x = jnp.take(x, w.perm, axis=-1)
+    if _bf16_pairs(w):
+        from jaxllm.kernels import native
+
+        return native.matmul_q4_bf16(x, w.codes, w.scale, w.offset, rows=rows, swiglu=swiglu,
+                                     super_scale=w.super_scale, super_offset=w.super_offset)
     if w.layout == "panels":
         from jaxllm.kernels import native
 
@@ -332,6 +355,7 @@ def embedding_rows(w: QuantizedWeight, token_ids: jax.Array) -> jax.Array:
     """Rows [T, K] f32 of a tied embedding table stored as its LM head (token t is column t)."""
     t = token_ids
     c = w.codes
+    assert not _bf16_pairs(w), "bf16 pairs are for layer matrices, not embedding tables"
     if w.layout == "panels":
         col = t % 16
         if _w8a8_panels(w):
@@ -386,6 +410,21 @@ def with_int8_activations(w: QuantizedWeight) -> QuantizedWeight:
     return dataclasses.replace(w, activations="int8")
 
 
+def with_bf16_activations(w: QuantizedWeight, device=None) -> QuantizedWeight:
+    """w set to multiply bf16-rounded activations (`native.matmul_q4_bf16`, on `device`) where
+    that GEMM can: weight-only 4-bit codes in panels, K and the groups multiples of 4 rows; else
+    w as it is. The product is then the packed bf16 GEMM's of w's dequantized weights rounded to
+    bf16, from a quarter of their bytes (the caller checks that the CPU has AVX512_BF16 and
+    that the run's dtype is bfloat16)."""
+    from jaxllm.kernels import native
+
+    k, _ = w.shape
+    if w.layout != "panels" or w.bits != 4 or w.activations != "float" or k % 4 or (k // w.scale.shape[0]) % 4:
+        return w
+    codes = native.pack_codes(_unpacked_codes(w, np), 4, pairs=True)
+    return dataclasses.replace(w, codes=jax.device_put(codes, device), activations="bf16")
+
+
 def int8_activation_weights(params) -> int:
     """How many weights of a params tree multiply int8-quantized activations."""
     leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
@@ -393,7 +432,7 @@ def int8_activation_weights(params) -> int:
 
 
 def quantize_params(params: dict, spec, method: str, *, native: bool, device=None, parts=None,
-                    int8_activations: bool = False, quiet: bool = False) -> dict:
+                    int8_activations: bool = False, bf16_activations: bool = False, quiet: bool = False) -> dict:
     """Replace, in place, the layer matrices and the LM head (the embedding table when tied)
     of a params tree by QuantizedWeights, one matrix at a time.
 
@@ -406,7 +445,8 @@ def quantize_params(params: dict, spec, method: str, *, native: bool, device=Non
     Weights the checkpoint gave quantized (`CHECKPOINT_METHODS`) are only laid out for the run
     (packed on one device, split per shard when sharded); with those methods, float weights stay
     float. `int8_activations`: the 4-bit panel weights then multiply int8 activations
-    (`with_int8_activations`). `quiet`: no log line (the loader packing for its params cache;
+    (`with_int8_activations`); else `bf16_activations`: they multiply bf16-rounded ones
+    (`with_bf16_activations`; the layer matrices only). `quiet`: no log line (the loader packing for its params cache;
     the runner then logs the run's weights)."""
     if method not in METHODS and method not in CHECKPOINT_METHODS:
         raise ValueError(f"unknown quantization {method!r}: choose one of {sorted(METHODS) + list(CHECKPOINT_METHODS)}")
@@ -424,7 +464,9 @@ def quantize_params(params: dict, spec, method: str, *, native: bool, device=Non
             if parts is not None:
                 return make_sharded_weight(w, m, activations, *parts[name])
             w = make_weight(np.asarray(w, np.float32), m, panels=native, activations=activations, device=device)
-        return with_int8_activations(w) if int8_activations else w
+        if int8_activations:
+            return with_int8_activations(w)
+        return with_bf16_activations(w, device) if bf16_activations and name in LAYER_MATRICES else w
 
     def make_experts(w, name):
         if method not in METHODS:

@@ -90,9 +90,10 @@ class ModelRunner:
         # Commit params and the cache to the device(s): warm-up and serving then pass arrays with
         # the same sharding, so the programs compiled at warm-up are the ones served from.
         if config.quantization:   # in place, one matrix at a time (before packing the rest)
+            native = self.attention.name == "native" and mesh is None
             params = quantization.quantize_params(
-                params, spec, config.quantization, native=self.attention.name == "native" and mesh is None,
-                int8_activations=config.int8_activations,
+                params, spec, config.quantization, native=native, int8_activations=config.int8_activations,
+                bf16_activations=native and config.dtype == "bfloat16" and kernels.native.bf16_gemm_native(),
                 device=jax.devices()[0], parts=None if mesh is None else parallel.quantized_parts(mesh))
         if mesh is None:
             if config.packed_weights and self.attention.name == "native":
