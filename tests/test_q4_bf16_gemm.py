@@ -21,6 +21,13 @@ from jaxllm.quantization.weights import _unpacked_codes, make_weight, with_bf16_
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C++ kernels: {native.unavailable_reason()}")
 
 
+@pytest.fixture(autouse=True)
+def on_the_cpu():
+    """The C++ kernels run on the CPU device (on a GPU machine too)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 def bf16(a) -> np.ndarray:
     return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
 

@@ -83,6 +83,21 @@ def w8a8_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("method, panels", [("int8", True), ("int8", False), ("int4", True), ("int4", False),
                                             ("w8a8", True), ("w8a8", False)])
 def test_every_matmul_path_matches_its_numpy_reference(method, panels):
+    # On the CPU device, where the C++ GEMM's panels run (on a GPU machine too).
+    with jax.default_device(jax.devices("cpu")[0]):
+        check_matmul_paths(method, panels)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "w8a8"])
+def test_plain_matmul_matches_its_numpy_reference_on_the_default_device(method):
+    # The plain layout on whatever backend runs the tests: on a GPU the Pallas kernel (int8,
+    # int4) and XLA's int8 dot (w8a8).
+    check_matmul_paths(method, panels=False, other_layout=jax.default_backend() == "cpu")
+
+
+def check_matmul_paths(method: str, panels: bool, other_layout: bool = True):
+    """A weight quantized by `method` in one layout: its values, its product with x and its
+    embedding rows against NumPy; then (`other_layout`) the same in the other layout."""
     rng = np.random.default_rng(len(method) + panels)
     k, n = 96, 80
     w = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
@@ -98,6 +113,8 @@ def test_every_matmul_path_matches_its_numpy_reference(method, panels):
     np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
     tokens = np.array([0, 17, 79, 40, 8, 15, 16])      # columns in every panel position and nibble half
     np.testing.assert_allclose(jax.jit(embedding_rows)(q, tokens), deq.T[tokens], rtol=1e-5, atol=1e-6)
+    if not other_layout:
+        return
     other = relayout(q, panels=not panels)            # the other layout holds the same weight
     assert other.layout == ("plain" if panels else "panels")
     np.testing.assert_array_equal(dequantize(other), dequantize(q))
