@@ -3,9 +3,10 @@ default model's weight shapes, next to what `dtype="auto"` picks here; and jaxll
 GEMMs (`kernels.native.matmul_packed`, the engine's path for float32 weights on one CPU device,
 and for bf16 weights where the CPU has AVX512_BF16),
 and the quantized weights' paths (jaxllm/quantization): `int8` and `int4` codes in the C++ GEMM
-(weight-only), `int4` codes with int8 activations in the C++ GEMM (`int8_activations`), and
+(weight-only), `int4` codes with int8 activations in the C++ GEMM (`int8_activations`),
 `w8a8` in the C++ GEMM (the engine's path on one CPU device) and through XLA's int8 dot (sharded
-runs' path).
+runs' path), and on AVX512_BF16 CPUs `int4` codes x bf16 activations (weight-only `int4` under
+dtype bfloat16).
 
     python benchmarks/dots.py                 # M = 1, 2, 8, 16, 32, 64, 128, 512 rows
 
@@ -52,13 +53,14 @@ def main(argv=None) -> int:
     print(f"{cpu_line(machine)}\n"
           f"dtype='auto' picks {pick}: {why}\n")
     from jaxllm.quantization import matmul as quantized_matmul
-    from jaxllm.quantization.weights import make_weight, with_int8_activations
+    from jaxllm.quantization.weights import make_weight, with_bf16_activations, with_int8_activations
 
     packed_dot = jax.jit(native.matmul_packed) if native.available() else None
     quantized_dot = jax.jit(quantized_matmul)
     print(f"{'weight':10s} {'M':>4s} {'f32 GFLOP/s':>12s} {'bf16 GFLOP/s':>13s} {'bf16/f32':>9s} "
           f"{'packed f32 GFLOP/s':>19s} {'packed/f32':>11s} {'packed bf16':>12s} {'/bf16':>6s}   "
-          "GFLOP/s of int8 / int4 (C++) / w8a8 (C++) / int4 x int8 (C++) / w8a8 (XLA)")
+          "GFLOP/s of int8 / int4 (C++) / w8a8 (C++) / int4 x int8 (C++) / w8a8 (XLA)"
+          + (" / int4 x bf16 (C++)" if native.bf16_gemm_native() else ""))
     rows = []
     for name, (k, n) in SHAPES.items():
         w32 = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32))
@@ -71,6 +73,8 @@ def main(argv=None) -> int:
                      for method in ("int8", "int4", "w8a8")}
         quantized["int4_act8"] = with_int8_activations(quantized["int4"])
         quantized["w8a8_xla"] = make_weight(np.asarray(w32), "w8a8", panels=False, activations="int8")
+        if native.bf16_gemm_native():
+            quantized["int4_bf16"] = with_bf16_activations(quantized["int4"])
         for m in (int(x) for x in args.rows.split(",")):
             x32 = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
             x16 = x32.astype(jnp.bfloat16)

@@ -8,7 +8,8 @@ a sampled row's token (csrc/sampling.cc);
 `matmul_packed` multiplies by an f32 or bf16 weight packed once by `pack_weight` (csrc/gemm.cc,
 csrc/gemm_bf16.cc: AVX512_BF16 dots where the CPU has them, `bf16_gemm_native()`),
 `matmul_quantized` by int8 or int4 codes packed by `pack_codes` (csrc/gemm_quant.cc, and
-csrc/gemm_q4a8.cc / gemm_w8a8.cc for int4 / int8 codes x int8 activations); `write_kv` is
+csrc/gemm_q4a8.cc / gemm_w8a8.cc for int4 / int8 codes x int8 activations), `matmul_q4_bf16`
+by 4-bit codes packed with `pairs=True` (csrc/gemm_q4bf16.cc: the bf16 GEMM's numbers); `write_kv` is
 kv_write.py's `write_kv` in place (csrc/kv_write.cc: one handler instead of an LLVM module per layer's scatter).
 csrc/cpu_kernels_attention.cc and cpu_kernels_gemm.cc, which include them all, are compiled
 side by side on first use (on a thread of their own: `start_build`) with the system C++

@@ -26,6 +26,13 @@ How a quantized weight is multiplied (`matmul`):
   GEMM (kernels/csrc/gemm_quant.cc) dequantizes one 16-column panel at a time into an f32 copy
   and runs its f32 kernel on it: x stays f32, the weights take 1/4 or 1/8 of their f32 bytes,
   and the speed is the f32 GEMM's from 32 rows up.
+- **Packed 4-bit codes x bf16 activations** (`activations="bf16"`, `with_bf16_activations`: the
+  layer matrices of a weight-only 4-bit run under dtype bfloat16 on a CPU with AVX512_BF16):
+  the C++ GEMM (kernels/csrc/gemm_q4bf16.cc) turns each code into bf16(code * scale + offset) as
+  it reads it and multiplies with `vdpbf16ps`, in registers for up to 4 rows, else a panel at a
+  time into a bf16 copy that the packed bf16 GEMM's tiles run on: the packed bf16 GEMM's product
+  of the dequantized weights bit for bit, from a quarter of their bytes (0.92-0.94x its speed
+  from 64 rows, 1.0-1.3x at 1-4 rows, 1.5-2x the f32 path above on Zen 4).
 - **Packed 4-bit codes x int8 activations** (`EngineArgs.int8_activations`, off by default;
   `activations="int8"` on a panels weight, `with_int8_activations`): llama.cpp's scheme for its
   4-bit formats. The C++ GEMM rounds each row of x to int8 per block of 32 columns (a scale per
@@ -37,8 +44,9 @@ How a quantized weight is multiplied (`matmul`):
   int8 products over all of K as exact int32 (AVX2 `vpsignb` + `vpmaddubsw`, AVX512_VNNI
   `vpdpbusd`) and applies both scales once: 1.1-1.9x the weight-only int8 panels on AVX2
   (median 1.3x), and with VNNI (6 rows x 4 panels of sums in registers) on Zen 4 330-665
-  GFLOP/s of work from 64 rows, a median 1.9x the packed bf16 GEMM (README, Quantization). Its codes are stored as those instructions read them, a
-  column's 4 codes of 4 rows side by side (`pack_codes(..., w8a8=True)`).
+  GFLOP/s of work from 64 rows, a median 1.9x the packed bf16 GEMM (README, Quantization). Its
+  codes are stored as those instructions read them, a column's 4 codes of 4 rows side by side
+  (`pack_codes(..., w8a8=True)`).
 - **Plain W8A8** (`activations="int8"`, sharded runs and other backends): each row of x is
   quantized to int8 with its own scale and XLA runs an `int8 x int8 -> int32` dot (YNNPACK's
   VNNI / AMX kernels on CPUs that have them: 1.3-3.8x a bf16 dot on a Xeon with AMX, slower

@@ -336,13 +336,22 @@ def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None, swiglu: bool 
         xq, x_scale = int8_rows(x, amax)
         acc = jax.lax.dot_general(xq, w.codes, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
         return acc.astype(jnp.float32) * x_scale[..., None] * w.scale[0]
-    if jax.default_backend() == "gpu":          # the codes dequantized tile by tile in a Pallas (Triton) kernel
+    if _platform() == "gpu":          # the codes dequantized tile by tile in a Pallas (Triton) kernel
         from jaxllm.kernels import quant_matmul
 
         k, n = w.shape
         if quant_matmul.supported(k, n, w.scale.shape[0], w.bits):   # (two-level scales: flat since `relayout`)
             return quant_matmul.quantized_matmul(x, w.codes, *group_scales(w), bits=w.bits)
     return jnp.dot(x.astype(jnp.float32), dequantize(w), preferred_element_type=jnp.float32)
+
+
+def _platform() -> str:
+    """The platform arrays land on by default: `jax.default_device`'s where one is set (a CPU
+    device on a GPU machine runs the CPU paths), else the default backend's."""
+    device = jax.config.jax_default_device
+    if device is None:
+        return jax.default_backend()
+    return device if isinstance(device, str) else device.platform
 
 
 def fuses_swiglu(w: QuantizedWeight) -> bool:
@@ -385,7 +394,7 @@ def relayout(w: QuantizedWeight, panels: bool, device=None) -> QuantizedWeight:
 
     k, n = w.shape
     panels = panels and _fits_panels(k, n, w.activations)
-    if not panels and (device.platform if device is not None else jax.default_backend()) == "gpu":
+    if not panels and (device.platform if device is not None else _platform()) == "gpu":
         w = flat_scales(w)      # once here, not in every step: the Pallas kernel takes one level
     if (w.layout == "panels") == panels:
         return jax.device_put(w, device)
