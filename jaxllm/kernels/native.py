@@ -8,8 +8,9 @@ a sampled row's token (csrc/sampling.cc);
 `matmul_packed` multiplies by an f32 or bf16 weight packed once by `pack_weight` (csrc/gemm.cc,
 csrc/gemm_bf16.cc: AVX512_BF16 dots where the CPU has them, `bf16_gemm_native()`),
 `matmul_quantized` by int8 or int4 codes packed by `pack_codes` (csrc/gemm_quant.cc, and
-csrc/gemm_q4a8.cc / gemm_w8a8.cc for int4 / int8 codes x int8 activations), `matmul_q4_bf16`
-by 4-bit codes packed with `pairs=True` (csrc/gemm_q4bf16.cc: the bf16 GEMM's numbers); `write_kv` is
+csrc/gemm_q4a8.cc / gemm_w8a8.cc for int4 / int8 codes x int8 activations), `matmul_quantized_bf16`
+by 8-bit codes or 4-bit ones packed with `pairs=True` (csrc/gemm_quant_bf16.cc: the bf16 GEMM's
+numbers); `write_kv` is
 kv_write.py's `write_kv` in place (csrc/kv_write.cc: one handler instead of an LLVM module per layer's scatter).
 csrc/cpu_kernels_attention.cc and cpu_kernels_gemm.cc, which include them all, are compiled
 side by side on first use (on a thread of their own: `start_build`) with the system C++
@@ -46,7 +47,7 @@ TARGETS = {"jaxllm_paged_attention_cpu": "JaxllmPagedAttentionCpu",
            "jaxllm_matmul_packed_cpu": "JaxllmMatmulPackedCpu",
            "jaxllm_matmul_packed_bf16_cpu": "JaxllmMatmulPackedBf16Cpu",
            "jaxllm_matmul_quantized_cpu": "JaxllmMatmulQuantCpu",
-           "jaxllm_matmul_q4_bf16_cpu": "JaxllmMatmulQ4Bf16Cpu",
+           "jaxllm_matmul_quantized_bf16_cpu": "JaxllmMatmulQuantBf16Cpu",
            "jaxllm_write_kv_cpu": "JaxllmWriteKvCpu",
            "jaxllm_zeros_cpu": "JaxllmZerosCpu"}
 # The translation units, compiled side by side: they include the other files of their folder.
@@ -303,8 +304,9 @@ def pack_codes(codes: np.ndarray, bits: int, w8a8: bool = False, pairs: bool = F
     bits, K a multiple of 4: the codes of `act8=True`): each panel's rows in groups of 4, a
     column's 4 codes side by side ([N / 16, K / 4, 16, 4] in the same [N / 16, K, 16] array), as
     the int8 dot instructions take them. `pairs` (4 bits, K a multiple of 4: the codes of
-    `matmul_q4_bf16`): uint8 [N / 16, K / 4, 32], a block of 4 rows of a panel in 32 bytes, byte
-    2 c + t holding row 4 b + t of column c in its low nibble and row 4 b + 2 + t in its high one."""
+    `matmul_quantized_bf16`): uint8 [N / 16, K / 4, 32], a block of 4 rows of a panel in 32 bytes, byte
+    2 c + t holding row 4 b + t of column c in its low nibble and row 4 b + 2 + t in its high one
+    (`matmul_quantized_bf16`)."""
     k, n = codes.shape
     panels = np.asarray(codes).reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
     if pairs:
@@ -346,14 +348,15 @@ def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: j
                 swiglu=np.int32(swiglu), act8=np.int32(act8)).reshape(*lead, n)
 
 
-def matmul_q4_bf16(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array | None, path: str = "auto",
-                   rows=None, swiglu: bool = False, super_scale: jax.Array | None = None,
-                   super_offset: jax.Array | None = None) -> jax.Array:
-    """x [..., K] @ w -> [..., N] f32 with x rounded to bf16 and w [K, N] given by 4-bit codes
-    packed by `pack_codes(..., pairs=True)` and scale/offset as for `matmul_quantized` (groups a
-    multiple of 4 rows): the codes go into AVX512_BF16's bf16 dot as they are (csrc/gemm_q4bf16.cc),
-    the weights a quarter of bf16's bytes. `path`: "portable" or "avx512" (AVX512_BF16 builds
-    only); `rows`, `swiglu`: as for `matmul_packed`."""
+def matmul_quantized_bf16(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array | None, bits: int,
+                          path: str = "auto", rows=None, swiglu: bool = False, super_scale: jax.Array | None = None,
+                          super_offset: jax.Array | None = None) -> jax.Array:
+    """x [..., K] @ w -> [..., N] f32 with x rounded to bf16 and w [K, N] given by 8-bit codes
+    packed by `pack_codes` or 4-bit ones packed by `pack_codes(..., pairs=True)`, scale/offset as
+    for `matmul_quantized` (K and the groups multiples of 4 rows): each weight rounded to bf16
+    as it is read and multiplied by AVX512_BF16's bf16 dot (csrc/gemm_quant_bf16.cc), the packed
+    bf16 GEMM's product of the dequantized weights bit for bit. `path`: "portable" or "avx512"
+    (AVX512_BF16 builds only); `rows`, `swiglu`: as for `matmul_packed`."""
     require()
     path_attr = _path_attr(path)
     n = codes.shape[0] * PANEL // (2 if swiglu else 1)
@@ -361,8 +364,8 @@ def matmul_q4_bf16(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16)
     offset = jnp.zeros((0,), scale.dtype) if offset is None else offset
     supers = [jnp.zeros((0,), jnp.float16) if a is None else a for a in (super_scale, super_offset)]
-    call = jax.ffi.ffi_call("jaxllm_matmul_q4_bf16_cpu", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
-    return call(x2, codes, scale, offset, *supers, _live_rows(rows), path=path_attr,
+    call = jax.ffi.ffi_call("jaxllm_matmul_quantized_bf16_cpu", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
+    return call(x2, codes, scale, offset, *supers, _live_rows(rows), bits=np.int32(bits), path=path_attr,
                 swiglu=np.int32(swiglu)).reshape(*lead, n)
 
 

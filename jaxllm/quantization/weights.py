@@ -39,7 +39,7 @@ class QuantizedWeight:
     activations: "int8" multiplies as W8A8 (x quantized per row, an int8 dot; with 4-bit
         panels, per row and block of 32: `with_int8_activations`), "float" as
         weight-only (x stays f32), "bf16" as weight-only with x and the dequantized weights
-        rounded to bf16 (4-bit panels on AVX512_BF16 CPUs under dtype bfloat16:
+        rounded to bf16 (panels on AVX512_BF16 CPUs under dtype bfloat16:
         `with_bf16_activations`; the packed bf16 GEMM's numbers).
     perm: None, or int32 [K] (GPTQ's act-order): the codes' row i is the weight's row perm[i],
         so that the groups are contiguous; x's columns are taken in that order first.
@@ -265,7 +265,7 @@ kPANEL = 16     # columns of a C++ GEMM panel (kernels.native.PANEL)
 
 def _bf16_pairs(w: QuantizedWeight) -> bool:
     """Whether w's codes are 4-bit panels in the row-pairs order of the bf16 C++ GEMM
-    (`kernels.native.matmul_q4_bf16`)."""
+    (`kernels.native.matmul_quantized_bf16`; its 8-bit codes are the usual panels)."""
     return w.layout == "panels" and w.bits == 4 and w.activations == "bf16"
 
 
@@ -317,11 +317,11 @@ def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None, swiglu: bool 
     `decoder.matmul`; `swiglu` too, for the "panels" layout only (`fuses_swiglu`)."""
     if w.perm is not None:
         x = jnp.take(x, w.perm, axis=-1)
-    if _bf16_pairs(w):
+    if w.layout == "panels" and w.activations == "bf16":
         from jaxllm.kernels import native
 
-        return native.matmul_q4_bf16(x, w.codes, w.scale, w.offset, rows=rows, swiglu=swiglu,
-                                     super_scale=w.super_scale, super_offset=w.super_offset)
+        return native.matmul_quantized_bf16(x, w.codes, w.scale, w.offset, w.bits, rows=rows, swiglu=swiglu,
+                                            super_scale=w.super_scale, super_offset=w.super_offset)
     if w.layout == "panels":
         from jaxllm.kernels import native
 
@@ -384,7 +384,9 @@ def embedding_rows(w: QuantizedWeight, token_ids: jax.Array) -> jax.Array:
     scale, offset = group_scales(w, take=lambda a: a[:, t])
     rows = codes.shape[1] // scale.shape[0]
     out = codes.astype(jnp.float32) * jnp.repeat(scale.T.astype(jnp.float32), rows, axis=1)
-    return out if offset is None else out + jnp.repeat(offset.T.astype(jnp.float32), rows, axis=1)
+    out = out if offset is None else out + jnp.repeat(offset.T.astype(jnp.float32), rows, axis=1)
+    # With bf16 activations, the rows of a bf16 table (the packed bf16 engine's numbers).
+    return out.astype(jnp.bfloat16).astype(jnp.float32) if w.activations == "bf16" else out
 
 
 def relayout(w: QuantizedWeight, panels: bool, device=None) -> QuantizedWeight:
@@ -420,16 +422,19 @@ def with_int8_activations(w: QuantizedWeight) -> QuantizedWeight:
 
 
 def with_bf16_activations(w: QuantizedWeight, device=None) -> QuantizedWeight:
-    """w set to multiply bf16-rounded activations (`native.matmul_q4_bf16`, on `device`) where
-    that GEMM can: weight-only 4-bit codes in panels, K and the groups multiples of 4 rows; else
-    w as it is. The product is then the packed bf16 GEMM's of w's dequantized weights rounded to
-    bf16, from a quarter of their bytes (the caller checks that the CPU has AVX512_BF16 and
-    that the run's dtype is bfloat16)."""
+    """w set to multiply bf16-rounded activations (`native.matmul_quantized_bf16`, on `device`)
+    where that GEMM can: weight-only codes in panels, K and the groups multiples of 4 rows (4-bit
+    codes repacked in row pairs); else w as it is. The product is then the packed bf16 GEMM's of
+    w's dequantized weights rounded to bf16, from a quarter or half of their bytes, and embedding
+    rows are rounded to bf16 too (the caller checks that the CPU has AVX512_BF16 and that the
+    run's dtype is bfloat16)."""
     from jaxllm.kernels import native
 
     k, _ = w.shape
-    if w.layout != "panels" or w.bits != 4 or w.activations != "float" or k % 4 or (k // w.scale.shape[0]) % 4:
+    if w.layout != "panels" or w.activations != "float" or k % 4 or (k // w.scale.shape[0]) % 4:
         return w
+    if w.bits == 8:
+        return dataclasses.replace(w, activations="bf16")
     codes = native.pack_codes(_unpacked_codes(w, np), 4, pairs=True)
     return dataclasses.replace(w, codes=jax.device_put(codes, device), activations="bf16")
 
@@ -455,7 +460,7 @@ def quantize_params(params: dict, spec, method: str, *, native: bool, device=Non
     (packed on one device, split per shard when sharded); with those methods, float weights stay
     float. `int8_activations`: the 4-bit panel weights then multiply int8 activations
     (`with_int8_activations`); else `bf16_activations`: they multiply bf16-rounded ones
-    (`with_bf16_activations`; the layer matrices only). `quiet`: no log line (the loader packing for its params cache;
+    (`with_bf16_activations`). `quiet`: no log line (the loader packing for its params cache;
     the runner then logs the run's weights)."""
     if method not in METHODS and method not in CHECKPOINT_METHODS:
         raise ValueError(f"unknown quantization {method!r}: choose one of {sorted(METHODS) + list(CHECKPOINT_METHODS)}")
@@ -475,7 +480,8 @@ def quantize_params(params: dict, spec, method: str, *, native: bool, device=Non
             w = make_weight(np.asarray(w, np.float32), m, panels=native, activations=activations, device=device)
         if int8_activations:
             return with_int8_activations(w)
-        return with_bf16_activations(w, device) if bf16_activations and name in LAYER_MATRICES else w
+        # (A 4-bit embedding table keeps its layout: its rows are looked up from the panels.)
+        return with_bf16_activations(w, device) if bf16_activations and (name != "embed" or w.bits == 8) else w
 
     def make_experts(w, name):
         if method not in METHODS:

@@ -5,4 +5,4 @@
 #include "gemm.cc"
 #include "gemm_quant.cc"
 #include "gemm_bf16.cc"
-#include "gemm_q4bf16.cc"
+#include "gemm_quant_bf16.cc"

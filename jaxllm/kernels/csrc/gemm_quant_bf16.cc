@@ -1,24 +1,29 @@
-// y [M, N] f32 = x [M, K] bf16 @ w, w given by 4-bit codes 0..15 with group scales and offsets
-// (gemm_quant_panel.h's QuantPanel: one level f32/f16, or GGUF's two-level K-quant scales),
-// each weight turned into the bf16 number bf16(code * scale + offset) as it is read and
-// multiplied by AVX512_BF16's VDPBF16PS with the sums in f32 over k in order.
+// y [M, N] f32 = x [M, K] bf16 @ w, w given by integer codes in panels of 16 columns with
+// group scales and offsets (gemm_quant_panel.h's QuantPanel: one level f32/f16, or GGUF's
+// two-level K-quant scales): 4-bit codes 0..15 (weight-only int4, GGUF Q4_0/Q4_1/Q4_K, AWQ,
+// GPTQ) or 8-bit codes (weight-only int8, GGUF Q8_0, the int4 method's LM head). Each weight is
+// turned into the bf16 number bf16(code * scale + offset) as it is read and multiplied by
+// AVX512_BF16's VDPBF16PS with the sums in f32 over k in order.
 //
 // So the product is the packed bf16 GEMM's (gemm_bf16.cc) of the same weights dequantized in
-// f32 and rounded to bf16, bit for bit: the code * scale products are exact in f32 (a 4-bit
-// code times an f16 or int8 x f16 scale), so one FMA rounds where the loader's multiply-then-add
-// rounds, and VCVTNE2PS2BF16 rounds to nearest even as ml_dtypes does. What changes is the
-// bytes: 4 bits a weight and the group's scales instead of 16 bits.
+// f32 and rounded to bf16, bit for bit: one FMA rounds code * scale + offset once, as the
+// loader's multiply-then-add does when the product is exact (a 4- or 8-bit code times an f16 or
+// int8 x f16 scale) and as its multiply does without an offset, and VCVTNE2PS2BF16 rounds to
+// nearest even as ml_dtypes does. What changes is the bytes: 4 or 8 bits a weight and the
+// group's scales instead of 16 bits.
 //
 // Why: a decode step's few rows leave the bf16 GEMM waiting on memory for its weights (on Zen 4
-// about 27 GB/s of reads with two cores). From a few rows up the conversion is the larger cost,
-// so an item of more than kQ4DirectRows rows converts each panel once into a bf16 panel
+// about 27 GB/s of reads with two cores), and the f32 weight-only kernel (gemm_quant.cc) ran at
+// about half the bf16 GEMM's speed. From a few rows up the conversion is the larger cost, so an
+// item of more than kCodesDirectRows rows converts each panel once into a bf16 panel
 // (gemm_bf16.cc's layout, in a per-thread buffer) and runs the bf16 GEMM's tiles on it.
 //
-// Layout (`pack_codes(..., pairs=True)` in native.py): uint8 [N / 16, K / 4, 32] per panel of
-// 16 columns and block b of 4 rows: byte 2 c + t holds in its low nibble the code of row 4 b + t,
-// column c, and in its high nibble row 4 b + 2 + t's. Widened, bytes 0-15 are columns 0-7 of the
-// row pair (4 b, 4 b + 1) in the order of a bf16 panel's words, bytes 16-31 columns 8-15; the
-// high nibbles likewise for rows 4 b + 2, 4 b + 3. Groups must be a multiple of 4 rows.
+// Layouts: 8-bit codes as `pack_codes` lays them out ([N / 16, K, 16]: a row of a panel's 16
+// codes after another); 4-bit codes with `pack_codes(..., pairs=True)`: uint8 [N / 16, K / 4,
+// 32] per panel and block b of 4 rows, byte 2 c + t holding in its low nibble the code of row
+// 4 b + t, column c, and in its high nibble row 4 b + 2 + t's. Widened, bytes 0-15 are columns
+// 0-7 of the row pair (4 b, 4 b + 1) in the order of a bf16 panel's words, bytes 16-31 columns
+// 8-15; the high nibbles likewise for rows 4 b + 2, 4 b + 3. Groups must be a multiple of 4 rows.
 //
 // Paths: AVX512_BF16, and a portable loop (the same numbers: weights rounded to bf16, f32 sums).
 
@@ -27,6 +32,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "gemm.cc"
@@ -39,25 +45,42 @@
 namespace jaxllm {
 namespace {
 
-constexpr int64_t kQ4BlockBytes = 32;  // one panel's 4 rows of K
-constexpr int64_t kQ4DirectRows = 4;   // up to this many rows an item converts weights in registers
+constexpr int64_t kCodesDirectRows = 4;   // up to this many rows an item converts weights in registers
 
-struct Q4Bf16Args {
+// A panel's block of 4 rows of K: 32 bytes of 4-bit codes, 64 of 8-bit ones.
+template <int BITS>
+constexpr int64_t kBlockBytes = BITS == 4 ? 32 : 64;
+
+struct CodesBf16Args {
   const uint16_t* x;  // [M, K] bf16 bits
-  const uint8_t* w;   // [N / 16, K / 4, 32]
+  const uint8_t* w;   // the codes (see the top of the file)
   float* y;           // [M, N] (or [M, N / 2] with swiglu)
   int64_t M, K, N;
 };
 
+// Code c of row k, column col, of a panel's codes.
+template <int BITS>
+inline int code_at(const uint8_t* w, int64_t k, int64_t col) {
+  if (BITS == 8) return static_cast<int8_t>(w[k * kPanel + col]);
+  const uint8_t byte = w[(k / 4) * kBlockBytes<4> + 2 * col + k % 2];
+  return k % 4 < 2 ? byte & 15 : byte >> 4;
+}
+
 #ifdef JAXLLM_AVX512_BF16
-// Group g's scales and offsets of panel p spread over a pair's lanes: lane l of `lo` is column
-// l / 2's (columns 0-7), of `hi` column 8 + l / 2's.
-inline void pair_scales(const QuantPanel& q, int64_t g, int64_t p, __m512 s[2], __m512 o[2]) {
+// Group g's scales and offsets of panel p as convert_block takes them: for 4-bit codes spread
+// over a pair's lanes (lane l of s[0] is column l / 2's, of s[1] column 8 + l / 2's), for 8-bit
+// ones a column a lane (s[0]).
+template <int BITS>
+inline void block_scales(const QuantPanel& q, int64_t g, int64_t p, __m512 s[2], __m512 o[2]) {
   alignas(64) float sa[kPanel], oa[kPanel];
   group_scales(q, g, p, sa, oa);
+  const __m512 sv = _mm512_load_ps(sa), ov = _mm512_load_ps(oa);
+  if (BITS == 8) {
+    s[0] = s[1] = sv, o[0] = o[1] = ov;
+    return;
+  }
   const __m512i lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
-  const __m512 sv = _mm512_load_ps(sa), ov = _mm512_load_ps(oa);
   s[0] = _mm512_permutexvar_ps(lo, sv), s[1] = _mm512_permutexvar_ps(hi, sv);
   o[0] = _mm512_permutexvar_ps(lo, ov), o[1] = _mm512_permutexvar_ps(hi, ov);
 }
@@ -73,23 +96,38 @@ inline void prefetch_scales(const QuantPanel& q, int64_t g, int64_t p) {
 }
 
 // The two bf16 panel rows (32 words each: row pairs 2 b, 2 b + 1) of block `bytes`.
+template <int BITS>
 inline void convert_block(const uint8_t* bytes, const __m512 s[2], const __m512 o[2], __m512bh& kp0, __m512bh& kp1) {
-  const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16)));
-  // A code's f32 value by a table lookup on the lane's low 4 bits (VPERMPS ignores the rest):
-  // one instruction for the mask and the conversion.
-  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  auto weights = [&](__m512i codes, int half) {
-    return _mm512_fmadd_ps(_mm512_permutexvar_ps(codes, values), s[half], o[half]);
-  };
-  kp0 = _mm512_cvtne2ps_pbh(weights(b, 1), weights(a, 0));
-  kp1 = _mm512_cvtne2ps_pbh(weights(_mm512_srli_epi32(b, 4), 1), weights(_mm512_srli_epi32(a, 4), 0));
+  if constexpr (BITS == 8) {
+    // Four rows of 16 codes in f32, then rows 4 b, 4 b + 1 (and 4 b + 2, 4 b + 3) interleaved
+    // column by column into the pairs' order.
+    __m512 r[4];
+    for (int j = 0; j < 4; ++j)
+      r[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * j)))),
+                             s[0], o[0]);
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+    kp0 = _mm512_cvtne2ps_pbh(_mm512_permutex2var_ps(r[0], hi, r[1]), _mm512_permutex2var_ps(r[0], lo, r[1]));
+    kp1 = _mm512_cvtne2ps_pbh(_mm512_permutex2var_ps(r[2], hi, r[3]), _mm512_permutex2var_ps(r[2], lo, r[3]));
+  } else {
+    const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16)));
+    // A code's f32 value by a table lookup on the lane's low 4 bits (VPERMPS ignores the rest):
+    // one instruction for the mask and the conversion.
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    auto weights = [&](__m512i codes, int half) {
+      return _mm512_fmadd_ps(_mm512_permutexvar_ps(codes, values), s[half], o[half]);
+    };
+    kp0 = _mm512_cvtne2ps_pbh(weights(b, 1), weights(a, 0));
+    kp1 = _mm512_cvtne2ps_pbh(weights(_mm512_srli_epi32(b, 4), 1), weights(_mm512_srli_epi32(a, 4), 0));
+  }
 }
 
-// R rows (R <= kQ4DirectRows) against P panels, the weights converted in registers: y (or,
+// R rows (R <= kCodesDirectRows) against P panels, the weights converted in registers: y (or,
 // with SWIGLU, silu(gate) * up of the first P / 2 panels and the rest) at y + 16 p.
-template <int R, int P, bool SWIGLU>
-__attribute__((noinline)) void q4bf16_rows(const QuantPanel& q, const uint32_t* __restrict x, int64_t ldx,
+template <int BITS, int R, int P, bool SWIGLU>
+__attribute__((noinline)) void codes_bf16_rows(const QuantPanel& q, const uint32_t* __restrict x, int64_t ldx,
                                            const uint8_t* const* w, const int64_t* panel, float* __restrict y,
                                            int64_t ldy) {
   const int64_t G = q.K / q.group, blocks = q.group / 4;
@@ -104,18 +142,18 @@ __attribute__((noinline)) void q4bf16_rows(const QuantPanel& q, const uint32_t* 
     __m512 s[P][2], o[P][2];
 #pragma GCC unroll 4
     for (int p = 0; p < P; ++p) {
-      pair_scales(q, g, panel[p], s[p], o[p]);
+      block_scales<BITS>(q, g, panel[p], s[p], o[p]);
     }
     const uint32_t* xg = x + g * q.group / 2;
     for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t at = (g * blocks + b) * kQ4BlockBytes;
+      const int64_t at = (g * blocks + b) * kBlockBytes<BITS>;
       // Every panel's sums take this block's pairs in turn: P chains of dependent dot
       // products side by side (the sums' order over k stays the bf16 GEMM's).
 #pragma GCC unroll 4
       for (int p = 0; p < P; ++p) {
         if (!(b & 1)) _mm_prefetch(reinterpret_cast<const char*>(w[p] + at + 1024), _MM_HINT_T0);
         __m512bh kp0, kp1;
-        convert_block(w[p] + at, s[p], o[p], kp0, kp1);
+        convert_block<BITS>(w[p] + at, s[p], o[p], kp0, kp1);
 #pragma GCC unroll 4
         for (int i = 0; i < R; ++i) {
           acc[p][i] = _mm512_dpbf16_ps(acc[p][i], (__m512bh)_mm512_set1_epi32(xg[i * ldx + 2 * b]), kp0);
@@ -132,15 +170,16 @@ __attribute__((noinline)) void q4bf16_rows(const QuantPanel& q, const uint32_t* 
 }
 
 // Panel p as a bf16 panel [K / 2, 16] of words (gemm_bf16.cc's layout) in `out`.
+template <int BITS>
 void convert_panel(const QuantPanel& q, const uint8_t* w, int64_t p, uint32_t* out) {
   const int64_t blocks = q.group / 4;
   for (int64_t g = 0; g < q.K / q.group; ++g) {
     __m512 s[2], o[2];
-    pair_scales(q, g, p, s, o);
+    block_scales<BITS>(q, g, p, s, o);
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t block = g * blocks + b;
       __m512bh kp0, kp1;
-      convert_block(w + block * kQ4BlockBytes, s, o, kp0, kp1);
+      convert_block<BITS>(w + block * kBlockBytes<BITS>, s, o, kp0, kp1);
       _mm512_storeu_si512(out + (2 * block) * kPanel, (__m512i)kp0);
       _mm512_storeu_si512(out + (2 * block + 1) * kPanel, (__m512i)kp1);
     }
@@ -149,14 +188,14 @@ void convert_panel(const QuantPanel& q, const uint8_t* w, int64_t p, uint32_t* o
 #endif  // JAXLLM_AVX512_BF16
 
 // Portable: panel p as bf16 words, as convert_panel writes them.
+template <int BITS>
 void convert_panel_portable(const QuantPanel& q, const uint8_t* w, int64_t p, uint32_t* out) {
   for (int64_t g = 0; g < q.K / q.group; ++g) {
     float s[kPanel], o[kPanel];
     group_scales(q, g, p, s, o);
     for (int64_t k = g * q.group; k < (g + 1) * q.group; ++k)
       for (int64_t c = 0; c < kPanel; ++c) {
-        const uint8_t byte = w[(k / 4) * kQ4BlockBytes + 2 * c + k % 2];
-        const float code = static_cast<float>(k % 4 < 2 ? byte & 15 : byte >> 4);
+        const float code = static_cast<float>(code_at<BITS>(w, k, c));
         const uint32_t bits = to_bf16_bits(std::fma(code, s[c], o[c]));
         uint32_t& word = out[(k / 2) * kPanel + c];
         word = k % 2 ? (word & 0xffffu) | (bits << 16) : bits;
@@ -164,17 +203,17 @@ void convert_panel_portable(const QuantPanel& q, const uint8_t* w, int64_t p, ui
   }
 }
 
-struct Q4Bf16Scratch {
+struct CodesBf16Scratch {
   std::vector<uint32_t> panels;  // converted bf16 panels, up to 4 of [K / 2, 16] words
 };
 
 // Rows [r0, r1) of P_OUT output panels from p (with swiglu: gate panels p .. and their up
 // panels p + N / 32 ..), into y.
-template <int P_OUT>
-void q4bf16_output_panels(const Q4Bf16Args& a, const QuantPanel& q, int64_t p, int64_t r0, int64_t r1, bool swiglu,
-                          int32_t path, Q4Bf16Scratch& scratch) {
+template <int BITS, int P_OUT>
+void codes_bf16_output_panels(const CodesBf16Args& a, const QuantPanel& q, int64_t p, int64_t r0, int64_t r1, bool swiglu,
+                          int32_t path, CodesBf16Scratch& scratch) {
   const int np = swiglu ? 2 * P_OUT : P_OUT;
-  const int64_t panel_bytes = a.K / 4 * kQ4BlockBytes, ldy = swiglu ? a.N / 2 : a.N;
+  const int64_t panel_bytes = a.K / 4 * kBlockBytes<BITS>, ldy = swiglu ? a.N / 2 : a.N;
   const uint8_t* w[2 * P_OUT];
   int64_t panel[2 * P_OUT];
   for (int i = 0; i < np; ++i) {
@@ -184,19 +223,19 @@ void q4bf16_output_panels(const Q4Bf16Args& a, const QuantPanel& q, int64_t p, i
   const uint32_t* x = reinterpret_cast<const uint32_t*>(a.x) + r0 * a.K / 2;
   float* y = a.y + r0 * ldy + p * kPanel;
 #ifdef JAXLLM_AVX512_BF16
-  if ((path == kAuto || path >= kAvx512) && r1 - r0 <= kQ4DirectRows) {
+  if ((path == kAuto || path >= kAvx512) && r1 - r0 <= kCodesDirectRows) {
     constexpr int P = P_OUT <= 2 ? 2 * P_OUT : P_OUT;  // the instantiations: 1, 2, 4 panels; 2, 4 with swiglu
     switch (r1 - r0) {
-#define JAXLLM_Q4_CASE(n)                                                           \
+#define JAXLLM_CODES_CASE(n)                                                           \
   case n:                                                                           \
     if (swiglu) {                                                                   \
-      if constexpr (P_OUT <= 2) q4bf16_rows<n, P, true>(q, x, a.K / 2, w, panel, y, ldy); \
+      if constexpr (P_OUT <= 2) codes_bf16_rows<BITS, n, P, true>(q, x, a.K / 2, w, panel, y, ldy); \
     } else {                                                                        \
-      q4bf16_rows<n, P_OUT, false>(q, x, a.K / 2, w, panel, y, ldy);                \
+      codes_bf16_rows<BITS, n, P_OUT, false>(q, x, a.K / 2, w, panel, y, ldy);      \
     }                                                                               \
     break;
-      JAXLLM_Q4_CASE(1) JAXLLM_Q4_CASE(2) JAXLLM_Q4_CASE(3) JAXLLM_Q4_CASE(4)
-#undef JAXLLM_Q4_CASE
+      JAXLLM_CODES_CASE(1) JAXLLM_CODES_CASE(2) JAXLLM_CODES_CASE(3) JAXLLM_CODES_CASE(4)
+#undef JAXLLM_CODES_CASE
     }
     return;
   }
@@ -208,10 +247,10 @@ void q4bf16_output_panels(const Q4Bf16Args& a, const QuantPanel& q, int64_t p, i
     uint32_t* out = scratch.panels.data() + i * words;
 #ifdef JAXLLM_AVX512_BF16
     if (path == kAuto || path >= kAvx512)
-      convert_panel(q, w[i], panel[i], out);
+      convert_panel<BITS>(q, w[i], panel[i], out);
     else
 #endif
-      convert_panel_portable(q, w[i], panel[i], out);
+      convert_panel_portable<BITS>(q, w[i], panel[i], out);
     converted[i] = out;
   }
   const Bf16GemmArgs g{reinterpret_cast<const uint32_t*>(a.x), nullptr, a.y, a.M, a.K / 2, a.N};
@@ -237,10 +276,10 @@ void q4bf16_output_panels(const Q4Bf16Args& a, const QuantPanel& q, int64_t p, i
     }
 }
 
-ffi::Error MatmulQ4Bf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> codes,
-                            ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::AnyBuffer super_scale,
-                            ffi::AnyBuffer super_offset, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y,
-                            int32_t path, int32_t swiglu) {
+ffi::Error MatmulQuantBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::AnyBuffer codes,
+                               ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::AnyBuffer super_scale,
+                               ffi::AnyBuffer super_offset, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y,
+                               int32_t bits, int32_t path, int32_t swiglu) {
   const auto xd = x.dimensions();
   const auto cd = codes.dimensions();
   const auto sd = scale.dimensions();
@@ -253,53 +292,66 @@ ffi::Error MatmulQ4Bf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi:
       !two_level || (ud.size() == 2 && ud[1] == sd[1] && sd[0] % ud[0] == 0 &&
                      super_scale.element_type() == ffi::DataType::F16 &&
                      super_offset.element_count() == (offset.element_count() ? super_scale.element_count() : 0));
-  if (xd.size() != 2 || cd.size() != 3 || cd[2] != kQ4BlockBytes || 4 * cd[1] != xd[1] || sd.size() != 2 ||
-      sd[1] != cd[0] * kPanel || sd[0] < 1 || xd[1] % sd[0] || (xd[1] / sd[0]) % 4 || !scale_ok || !supers_ok ||
+  const bool codes_ok = cd.size() == 3 && xd.size() == 2 &&
+                        (bits == 4 ? codes.element_type() == ffi::DataType::U8 && cd[2] == 32 && 4 * cd[1] == xd[1]
+                                   : bits == 8 && codes.element_type() == ffi::DataType::S8 && cd[2] == kPanel &&
+                                         cd[1] == xd[1]);
+  if (!codes_ok || xd[1] % 4 || sd.size() != 2 || sd[1] != cd[0] * kPanel || sd[0] < 1 || xd[1] % sd[0] ||
+      (xd[1] / sd[0]) % 4 || !scale_ok || !supers_ok ||
       (offset.element_count() &&
        (offset.element_count() != scale.element_count() || offset.element_type() != scale.element_type())) ||
       (swiglu && cd[0] % 2))
     return ffi::Error::InvalidArgument(
-        "matmul_q4_bf16: needs x [M, K] bf16, codes uint8 [N / 16, K / 4, 32], scale [G, N] (groups of a multiple "
-        "of 4 rows), offset empty or like scale, and for two-level scales int8 ones with f16 supers");
+        "matmul_quantized_bf16: needs x [M, K] bf16 with K a multiple of 4, codes uint8 [N / 16, K / 4, 32] (bits 4, "
+        "pairs) or int8 [N / 16, K, 16] (bits 8), scale [G, N] (groups of a multiple of 4 rows), offset empty or "
+        "like scale, and for two-level scales int8 ones with f16 supers");
   if (path < kAuto || path > kAvx512 || (path != kAuto && !(built_paths() & (1 << path))))
-    return ffi::Error::InvalidArgument("matmul_q4_bf16: this build has no such kernel path");
-  Q4Bf16Args a{reinterpret_cast<const uint16_t*>(x.untyped_data()), codes.typed_data(), y->typed_data(), xd[0], xd[1],
-               cd[0] * kPanel};
+    return ffi::Error::InvalidArgument("matmul_quantized_bf16: this build has no such kernel path");
+  CodesBf16Args a{reinterpret_cast<const uint16_t*>(x.untyped_data()), static_cast<const uint8_t*>(codes.untyped_data()),
+                  y->typed_data(), xd[0], xd[1], cd[0] * kPanel};
   const int64_t out_n = swiglu ? a.N / 2 : a.N;
   a.M = live_rows(rows, a.M, out_n, a.y);
   QuantPanel q{nullptr, scale.untyped_data(), offset.element_count() ? offset.untyped_data() : nullptr,
-               scale.element_type() == ffi::DataType::F16, a.K, a.N, a.K / sd[0], 4};
+               scale.element_type() == ffi::DataType::F16, a.K, a.N, a.K / sd[0], bits};
   if (two_level) {
     q.super_scale = static_cast<const uint16_t*>(super_scale.untyped_data());
     q.super_offset = offset.element_count() ? static_cast<const uint16_t*>(super_offset.untyped_data()) : nullptr;
     q.per_super = sd[0] / ud[0];
   }
   const GemmItems items(a.M, out_n, pool.num_threads(), swiglu ? 2 : 4);
-  parallel_for<Q4Bf16Scratch>(pool, items.count, [&](int64_t item, Q4Bf16Scratch& scratch) {
-    int64_t r0, r1, p0, p1;
-    items.bounds(item, a.M, r0, r1, p0, p1);
-    int64_t p = p0;
-    if (!swiglu)
-      for (; p + 4 <= p1; p += 4) q4bf16_output_panels<4>(a, q, p, r0, r1, false, path, scratch);
-    for (; p + 2 <= p1; p += 2) q4bf16_output_panels<2>(a, q, p, r0, r1, swiglu, path, scratch);
-    for (; p < p1; ++p) q4bf16_output_panels<1>(a, q, p, r0, r1, swiglu, path, scratch);
-  });
+  auto run = [&](auto bits_tag) {
+    constexpr int BITS = decltype(bits_tag)::value;
+    parallel_for<CodesBf16Scratch>(pool, items.count, [&](int64_t item, CodesBf16Scratch& scratch) {
+      int64_t r0, r1, p0, p1;
+      items.bounds(item, a.M, r0, r1, p0, p1);
+      int64_t p = p0;
+      if (!swiglu)
+        for (; p + 4 <= p1; p += 4) codes_bf16_output_panels<BITS, 4>(a, q, p, r0, r1, false, path, scratch);
+      for (; p + 2 <= p1; p += 2) codes_bf16_output_panels<BITS, 2>(a, q, p, r0, r1, swiglu, path, scratch);
+      for (; p < p1; ++p) codes_bf16_output_panels<BITS, 1>(a, q, p, r0, r1, swiglu, path, scratch);
+    });
+  };
+  if (bits == 4)
+    run(std::integral_constant<int, 4>());
+  else
+    run(std::integral_constant<int, 8>());
   return ffi::Error::Success();
 }
 
 }  // namespace
 }  // namespace jaxllm
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulQ4Bf16Cpu, jaxllm::MatmulQ4Bf16Impl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulQuantBf16Cpu, jaxllm::MatmulQuantBf16Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // codes [N / 16, K / 4, 32]
+                                  .Arg<ffi::AnyBuffer>()          // codes (see the top of the file)
                                   .Arg<ffi::AnyBuffer>()          // scale, as matmul_quantized's
                                   .Arg<ffi::AnyBuffer>()          // offset (or empty)
                                   .Arg<ffi::AnyBuffer>()          // super_scale f16 (or empty)
                                   .Arg<ffi::AnyBuffer>()          // super_offset f16 (or empty)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // rows, as for matmul_packed
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y
+                                  .Attr<int32_t>("bits")
                                   .Attr<int32_t>("path")
                                   .Attr<int32_t>("swiglu"));
