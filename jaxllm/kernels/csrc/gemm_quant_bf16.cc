@@ -45,7 +45,7 @@
 namespace jaxllm {
 namespace {
 
-constexpr int64_t kCodesDirectRows = 4;   // up to this many rows an item converts weights in registers
+constexpr int64_t kCodesDirectRows = 4;  // up to this many rows an item converts weights in registers
 
 // A panel's block of 4 rows of K: 32 bytes of 4-bit codes, 64 of 8-bit ones.
 template <int BITS>
@@ -128,8 +128,8 @@ inline void convert_block(const uint8_t* bytes, const __m512 s[2], const __m512 
 // with SWIGLU, silu(gate) * up of the first P / 2 panels and the rest) at y + 16 p.
 template <int BITS, int R, int P, bool SWIGLU>
 __attribute__((noinline)) void codes_bf16_rows(const QuantPanel& q, const uint32_t* __restrict x, int64_t ldx,
-                                           const uint8_t* const* w, const int64_t* panel, float* __restrict y,
-                                           int64_t ldy) {
+                                               const uint8_t* const* w, const int64_t* panel, float* __restrict y,
+                                               int64_t ldy) {
   const int64_t G = q.K / q.group, blocks = q.group / 4;
   __m512 acc[P][R];
 #pragma GCC unroll 16
@@ -151,7 +151,8 @@ __attribute__((noinline)) void codes_bf16_rows(const QuantPanel& q, const uint32
       // products side by side (the sums' order over k stays the bf16 GEMM's).
 #pragma GCC unroll 4
       for (int p = 0; p < P; ++p) {
-        if (!(b & 1)) _mm_prefetch(reinterpret_cast<const char*>(w[p] + at + 1024), _MM_HINT_T0);
+        if (BITS == 8 || !(b & 1))   // a cache line a block (8-bit codes) or two (4-bit)
+          _mm_prefetch(reinterpret_cast<const char*>(w[p] + at + 1024), _MM_HINT_T0);
         __m512bh kp0, kp1;
         convert_block<BITS>(w[p] + at, s[p], o[p], kp0, kp1);
 #pragma GCC unroll 4
@@ -210,8 +211,8 @@ struct CodesBf16Scratch {
 // Rows [r0, r1) of P_OUT output panels from p (with swiglu: gate panels p .. and their up
 // panels p + N / 32 ..), into y.
 template <int BITS, int P_OUT>
-void codes_bf16_output_panels(const CodesBf16Args& a, const QuantPanel& q, int64_t p, int64_t r0, int64_t r1, bool swiglu,
-                          int32_t path, CodesBf16Scratch& scratch) {
+void codes_bf16_output_panels(const CodesBf16Args& a, const QuantPanel& q, int64_t p, int64_t r0, int64_t r1,
+                              bool swiglu, int32_t path, CodesBf16Scratch& scratch) {
   const int np = swiglu ? 2 * P_OUT : P_OUT;
   const int64_t panel_bytes = a.K / 4 * kBlockBytes<BITS>, ldy = swiglu ? a.N / 2 : a.N;
   const uint8_t* w[2 * P_OUT];
@@ -307,8 +308,8 @@ ffi::Error MatmulQuantBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, f
         "like scale, and for two-level scales int8 ones with f16 supers");
   if (path < kAuto || path > kAvx512 || (path != kAuto && !(built_paths() & (1 << path))))
     return ffi::Error::InvalidArgument("matmul_quantized_bf16: this build has no such kernel path");
-  CodesBf16Args a{reinterpret_cast<const uint16_t*>(x.untyped_data()), static_cast<const uint8_t*>(codes.untyped_data()),
-                  y->typed_data(), xd[0], xd[1], cd[0] * kPanel};
+  CodesBf16Args a{reinterpret_cast<const uint16_t*>(x.untyped_data()),
+                  static_cast<const uint8_t*>(codes.untyped_data()), y->typed_data(), xd[0], xd[1], cd[0] * kPanel};
   const int64_t out_n = swiglu ? a.N / 2 : a.N;
   a.M = live_rows(rows, a.M, out_n, a.y);
   QuantPanel q{nullptr, scale.untyped_data(), offset.element_count() ? offset.untyped_data() : nullptr,
