@@ -336,16 +336,9 @@ def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: j
     and no offset (W8A8; K a multiple of 4, at most `W8A8_MAX_K`; the codes packed with
     `w8a8=True`) per row, as `kv_write.int8_rows` does (csrc/gemm_w8a8.cc). `rows`, `swiglu`:
     as for `matmul_packed`."""
-    require()
-    path_attr = _path_attr(path)
-    n = codes.shape[0] * PANEL // (2 if swiglu else 1)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    offset = jnp.zeros((0,), scale.dtype) if offset is None else offset
-    supers = [jnp.zeros((0,), jnp.float16) if a is None else a for a in (super_scale, super_offset)]
-    call = jax.ffi.ffi_call("jaxllm_matmul_quantized_cpu", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
-    return call(x2, codes, scale, offset, *supers, _live_rows(rows), bits=np.int32(bits), path=path_attr,
-                swiglu=np.int32(swiglu), act8=np.int32(act8)).reshape(*lead, n)
+    return _quantized_call("jaxllm_matmul_quantized_cpu", x.astype(jnp.float32), codes, scale, offset,
+                           super_scale, super_offset, rows, swiglu, bits=np.int32(bits), path=_path_attr(path),
+                           act8=np.int32(act8))
 
 
 def matmul_quantized_bf16(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array | None, bits: int,
@@ -357,16 +350,21 @@ def matmul_quantized_bf16(x: jax.Array, codes: jax.Array, scale: jax.Array, offs
     as it is read and multiplied by AVX512_BF16's bf16 dot (csrc/gemm_quant_bf16.cc), the packed
     bf16 GEMM's product of the dequantized weights bit for bit. `path`: "portable" or "avx512"
     (AVX512_BF16 builds only); `rows`, `swiglu`: as for `matmul_packed`."""
+    return _quantized_call("jaxllm_matmul_quantized_bf16_cpu", x.astype(jnp.bfloat16), codes, scale, offset,
+                           super_scale, super_offset, rows, swiglu, bits=np.int32(bits), path=_path_attr(path))
+
+
+def _quantized_call(target: str, x, codes, scale, offset, super_scale, super_offset, rows, swiglu: bool, **attrs):
+    """The quantized GEMMs' FFI call: x [..., K] (in the kernel's dtype) -> [..., N] f32, absent
+    offsets and super-scales as empty arrays."""
     require()
-    path_attr = _path_attr(path)
     n = codes.shape[0] * PANEL // (2 if swiglu else 1)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16)
+    x2 = x.reshape(-1, x.shape[-1])
     offset = jnp.zeros((0,), scale.dtype) if offset is None else offset
     supers = [jnp.zeros((0,), jnp.float16) if a is None else a for a in (super_scale, super_offset)]
-    call = jax.ffi.ffi_call("jaxllm_matmul_quantized_bf16_cpu", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
-    return call(x2, codes, scale, offset, *supers, _live_rows(rows), bits=np.int32(bits), path=path_attr,
-                swiglu=np.int32(swiglu)).reshape(*lead, n)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
+    return call(x2, codes, scale, offset, *supers, _live_rows(rows), swiglu=np.int32(swiglu), **attrs).reshape(*lead, n)
 
 
 ACT_BLOCK = 32  # columns of x per int8 scale with `matmul_quantized(..., act8=True)` and 4-bit codes
