@@ -44,7 +44,8 @@ from jaxllm import parallel
 from jaxllm.models import layout
 from jaxllm.models.decoder import ModelSpec
 from jaxllm.quantization.checkpoint import from_saved, to_saved
-from jaxllm.quantization.weights import QuantizedWeight, quantize_params
+from jaxllm.quantization.params import quantize_params
+from jaxllm.quantization.weights import QuantizedWeight
 from jaxllm.utils import check_dtype, default_cache_root
 
 __all__ = ["LoadedModel", "ModelNotFoundError", "default_model_path", "load_model", "read_gguf", "restore_params",

@@ -71,6 +71,7 @@ Over several processes each quantizes the weights it read, then places its own d
 shards (the weights stay off the mesh until then: `LLMEngine`).
 """
 
+from jaxllm.quantization.params import quantize_params, weight_bytes
 from jaxllm.quantization.weights import (
     CHECKPOINT_METHODS,
     METHODS,
@@ -78,8 +79,6 @@ from jaxllm.quantization.weights import (
     dequantize,
     matmul,
     quantize_matrix,
-    quantize_params,
-    weight_bytes,
 )
 
 __all__ = ["CHECKPOINT_METHODS", "METHODS", "QuantizedWeight", "dequantize", "matmul", "quantize_matrix",

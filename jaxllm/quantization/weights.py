@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-logger = logging.getLogger(__name__)
 
 # method -> (bits, rows of K per scale group; None: one group, a scale per output channel)
 METHODS = {"int8": (8, None), "int4": (4, 32), "w8a8": (8, None)}
@@ -443,72 +440,3 @@ def int8_activation_weights(params) -> int:
     """How many weights of a params tree multiply int8-quantized activations."""
     leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
     return sum(isinstance(x, QuantizedWeight) and x.activations == "int8" for x in leaves)
-
-
-def quantize_params(params: dict, spec, method: str, *, native: bool, device=None, parts=None,
-                    int8_activations: bool = False, bf16_activations: bool = False, quiet: bool = False) -> dict:
-    """Replace, in place, the layer matrices and the LM head (the embedding table when tied)
-    of a params tree by QuantizedWeights, one matrix at a time.
-
-    One device (`parts` None): on `device`; `native`: the C++ kernels serve this run (the packed
-    weight-only layout where it applies). Sharded (`parts`: {name: (column parts, row parts)}
-    for the tree's `layout.shard_layout`, from `parallel.quantized_parts`): plain-layout host
-    arrays that split so (`make_sharded_weight`), for `parallel.shard_params` to place.
-    With `int4` the LM head gets int8 codes (as llama.cpp keeps its output matrix at 6-8 bits).
-    MoE experts get the method's codes, weight-only (int8 under `w8a8`), in the plain layout.
-    Weights the checkpoint gave quantized (`CHECKPOINT_METHODS`) are only laid out for the run
-    (packed on one device, split per shard when sharded); with those methods, float weights stay
-    float. `int8_activations`: the 4-bit panel weights then multiply int8 activations
-    (`with_int8_activations`); else `bf16_activations`: they multiply bf16-rounded ones
-    (`with_bf16_activations`). `quiet`: no log line (the loader packing for its params cache;
-    the runner then logs the run's weights)."""
-    if method not in METHODS and method not in CHECKPOINT_METHODS:
-        raise ValueError(f"unknown quantization {method!r}: choose one of {sorted(METHODS) + list(CHECKPOINT_METHODS)}")
-    activations = "int8" if method == "w8a8" else "float"
-
-    def make(w, name, head=False):
-        if isinstance(w, QuantizedWeight):
-            if parts is not None:
-                return shard_checkpoint_weight(w, *parts[name], what=f"{method} {name}")
-            w = relayout(w, native, device)
-        elif method not in METHODS:
-            return w
-        else:
-            m = "int8" if head and method == "int4" else method
-            if parts is not None:
-                return make_sharded_weight(w, m, activations, *parts[name])
-            w = make_weight(np.asarray(w, np.float32), m, panels=native, activations=activations, device=device)
-        if int8_activations:
-            return with_int8_activations(w)
-        # (A 4-bit embedding table keeps its layout: its rows are looked up from the panels.)
-        return with_bf16_activations(w, device) if bf16_activations and (name != "embed" or w.bits == 8) else w
-
-    def make_experts(w, name):
-        if method not in METHODS:
-            return w
-        q = make_sharded_weight(w, method if method != "w8a8" else "int8", "float",
-                                *(parts[name] if parts is not None else (1, 1)))
-        return q if parts is not None else jax.device_put(q, device)
-
-    for layer in params["layers"]:
-        for name in LAYER_MATRICES:
-            if name in layer:
-                layer[name] = make(layer[name], name)
-        for name in EXPERT_MATRICES:
-            if name in layer:
-                layer[name] = make_experts(layer[name], name)
-    if "lm_head" in params:
-        params["lm_head"] = make(params["lm_head"], "lm_head", head=True)
-    if isinstance(params["embed"], QuantizedWeight):
-        params["embed"] = make(params["embed"], "embed")
-    elif spec.tie_word_embeddings and method in METHODS:
-        params["embed"] = make(np.ascontiguousarray(np.asarray(params["embed"], np.float32).T), "embed", head=True)
-    if not quiet:
-        kept = method not in METHODS
-        logger.info("weights: the checkpoint's %s codes, kept" if kept else "weights quantized: %s", method)
-    return params
-
-
-def weight_bytes(params) -> int:
-    """Bytes of every array in a params tree (quantized codes, scales and offsets included)."""
-    return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(params))
