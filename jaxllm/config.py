@@ -63,9 +63,8 @@ class EngineArgs:
               "smoothed from a calibration run at load: fast with VNNI/AMX); 'gguf' (a GGUF's own quantized "
               "blocks, kept), 'awq', 'gptq' "
               "(read from the checkpoint's quantization_config); 'none' (a GGUF dequantized to the dtype). "
-              "Default: an AWQ/GPTQ checkpoint as it is; a GGUF kept quantized on one CPU device with the C++ "
-              "kernels where the dtype is float32, or bfloat16 on a CPU with AVX512_BF16 (the bf16 engine's "
-              "numbers there), else dequantized (see jaxllm/quantization)",
+              "Default: an AWQ/GPTQ checkpoint as it is; a GGUF kept quantized where the dtype is float32 "
+              "on a CPU with the C++ kernels, else dequantized (see jaxllm/quantization)",
         choices=QUANTIZATION_METHODS)
     kv_cache_dtype: str = option(
         "auto", "KV cache dtype: 'auto' (the dtype; but bfloat16 where dtype 'auto' picked float32 on a CPU, "

@@ -176,3 +176,25 @@ def test_int4_engine_under_bf16_is_the_bf16_engine_on_quantized_values(tiny_mode
         assert a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
         assert [{t: lp.logprob for t, lp in d.items()} for d in a.outputs[0].logprobs] == \
             [{t: lp.logprob for t, lp in d.items()} for d in b.outputs[0].logprobs]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not native.bf16_gemm_native(), reason="no AVX512_BF16 here: bf16 weights are not packed")
+def test_default_gguf_kept_under_bf16_is_the_bf16_engine():
+    # The default model's Q4_1 layers and Q8_0 embedding kept (`quantization="gguf"`) against
+    # the same file dequantized to bf16 (`quantization="none"`): the same tokens and logprobs.
+    from jaxllm import LLM, SamplingParams
+
+    args = dict(dtype="bfloat16", max_num_seqs=8, max_model_len=512, kv_cache_memory=32 << 20, warmup=False,
+                background_compile=False)
+    prompts = ["The capital of France is", "def fib(n):", "Once upon a time"]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
+    kept = LLM(quantization="gguf", **args)
+    assert kept.engine.runner.params["layers"][0]["wqkv"].activations == "bf16"
+    out = kept.generate(prompts, greedy, use_tqdm=False)
+    del kept
+    ref = LLM(quantization="none", **args).generate(prompts, greedy, use_tqdm=False)
+    for a, b in zip(out, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [{t: lp.logprob for t, lp in d.items()} for d in a.outputs[0].logprobs] == \
+            [{t: lp.logprob for t, lp in d.items()} for d in b.outputs[0].logprobs]

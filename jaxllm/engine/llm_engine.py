@@ -28,7 +28,7 @@ from jaxllm.quantization.weights import int8_activation_weights
 from jaxllm.runner import compile as compile_mod
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.structured_output import StructuredOutputManager
-from jaxllm.utils import DTYPES, cpu_flags, resolve_dtype, resolve_kv_cache_dtype
+from jaxllm.utils import DTYPES, resolve_dtype, resolve_kv_cache_dtype
 
 logger = logging.getLogger("jaxllm")
 
@@ -358,16 +358,16 @@ def _resolve_dtype(dtype: str, platform: str, many_processes: bool) -> str:
 
 def load_quantization(args: EngineArgs, native_gemm: bool) -> str | None:
     """What `load_model` keeps quantized: the asked checkpoint method; with none asked, a GGUF's
-    blocks ("auto") where they run at about the float engine's speed, saving 2/3 of the weight
-    memory or more: one CPU device with the C++ GEMM, and float32 the dtype (faster at decode
-    batches of a few rows, within a few percent on large ones) or bfloat16 on a CPU with
-    AVX512_BF16 (the codes rounded to bf16 as they are read: the bf16 engine's numbers bit for
-    bit, at its speed; quantization/weights.py `with_bf16_activations`). `native_gemm`:
+    blocks ("auto") where they run at about the float engine's speed (one CPU device with the
+    C++ GEMM, float32 the dtype: faster at decode batches of a few rows, within a few percent on
+    large ones), saving 2/3 of the weight memory or more. Under bfloat16 (a CPU with AVX512_BF16)
+    the blocks give the bf16 engine's outputs bit for bit (`quantization="gguf"`), but at
+    0.96-0.98x its speed on the standard workload and about 0.85x its layer GEMMs at 16 rows
+    (Zen 4, README): there the default stays the dequantized bf16 weights. `native_gemm`:
     `_native_gemm`'s answer."""
     if args.quantization is not None:     # "none" included
         return args.quantization if args.quantization in CHECKPOINT_METHODS else None
-    bf16_codes = args.dtype == "bfloat16" and "avx512_bf16" in cpu_flags()
-    return "auto" if (args.dtype == "float32" or bf16_codes) and native_gemm else None
+    return "auto" if args.dtype == "float32" and native_gemm else None
 
 
 def _native_gemm(args: EngineArgs, platform: str, mesh, many_processes: bool) -> bool:

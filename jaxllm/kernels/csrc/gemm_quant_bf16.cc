@@ -319,12 +319,19 @@ ffi::Error MatmulQuantBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, f
     q.super_offset = offset.element_count() ? static_cast<const uint16_t*>(super_offset.untyped_data()) : nullptr;
     q.per_super = sd[0] / ud[0];
   }
+  // Up to kCodesDirectRows rows, gemm.cc's items (row chunks x panel groups); beyond, items of
+  // whole panel groups with every row, so that each panel is converted once a call rather than
+  // once a row chunk (about 8 items a thread, at most 4 panels each).
   const GemmItems items(a.M, out_n, pool.num_threads(), swiglu ? 2 : 4);
+  const bool direct = a.M <= kCodesDirectRows;
+  const int64_t panels = out_n / kPanel, threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per_item = std::clamp<int64_t>(panels / (8 * threads), 1, swiglu ? 2 : 4);
+  const int64_t count = direct ? items.count : (panels + per_item - 1) / per_item;
   auto run = [&](auto bits_tag) {
     constexpr int BITS = decltype(bits_tag)::value;
-    parallel_for<CodesBf16Scratch>(pool, items.count, [&](int64_t item, CodesBf16Scratch& scratch) {
-      int64_t r0, r1, p0, p1;
-      items.bounds(item, a.M, r0, r1, p0, p1);
+    parallel_for<CodesBf16Scratch>(pool, count, [&](int64_t item, CodesBf16Scratch& scratch) {
+      int64_t r0 = 0, r1 = a.M, p0 = item * per_item, p1 = std::min(panels, p0 + per_item);
+      if (direct) items.bounds(item, a.M, r0, r1, p0, p1);
       int64_t p = p0;
       if (!swiglu)
         for (; p + 4 <= p1; p += 4) codes_bf16_output_panels<BITS, 4>(a, q, p, r0, r1, false, path, scratch);
