@@ -26,13 +26,15 @@ How a quantized weight is multiplied (`matmul`):
   GEMM (kernels/csrc/gemm_quant.cc) dequantizes one 16-column panel at a time into an f32 copy
   and runs its f32 kernel on it: x stays f32, the weights take 1/4 or 1/8 of their f32 bytes,
   and the speed is the f32 GEMM's from 32 rows up.
-- **Packed 4-bit codes x bf16 activations** (`activations="bf16"`, `with_bf16_activations`: the
-  layer matrices of a weight-only 4-bit run under dtype bfloat16 on a CPU with AVX512_BF16):
-  the C++ GEMM (kernels/csrc/gemm_q4bf16.cc) turns each code into bf16(code * scale + offset) as
-  it reads it and multiplies with `vdpbf16ps`, in registers for up to 4 rows, else a panel at a
-  time into a bf16 copy that the packed bf16 GEMM's tiles run on: the packed bf16 GEMM's product
-  of the dequantized weights bit for bit, from a quarter of their bytes (0.92-0.94x its speed
-  from 64 rows, 1.0-1.3x at 1-4 rows, 1.5-2x the f32 path above on Zen 4).
+- **Packed codes x bf16 activations** (`activations="bf16"`, `with_bf16_activations`: the
+  weight-only matrices of a run under dtype bfloat16 on a CPU with AVX512_BF16): the C++ GEMM
+  (kernels/csrc/gemm_quant_bf16.cc) turns each 4- or 8-bit code into bf16(code * scale +
+  offset) as it reads it and multiplies with `vdpbf16ps`, in registers for up to 4 rows, else a
+  panel at a time into a bf16 copy that the packed bf16 GEMM's tiles run on: the packed bf16
+  GEMM's product of the dequantized weights bit for bit (embedding rows rounded to bf16 too), so
+  `gguf` on the default model is the bf16 engine's outputs in 0.36x its weight memory. On Zen 4
+  the layer GEMMs ran at 1.3-1.4x the bf16 GEMM at 1 row, 0.84x at 16, 0.96-0.98x from 64 up,
+  twice the f32 path above (README, Quantization).
 - **Packed 4-bit codes x int8 activations** (`EngineArgs.int8_activations`, off by default;
   `activations="int8"` on a panels weight, `with_int8_activations`): llama.cpp's scheme for its
   4-bit formats. The C++ GEMM rounds each row of x to int8 per block of 32 columns (a scale per

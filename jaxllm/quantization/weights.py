@@ -242,8 +242,8 @@ def _unpacked_codes(w: QuantizedWeight, xp=jnp):
     c = xp.asarray(w.codes)
     if _bf16_pairs(w):          # [P, K / 4, 16 x 2] -> [P, K / 4, 2 halves, 2 rows, 16] -> [K, N]
         p, blocks, _ = c.shape
-        c = xp.stack([c & 15, c >> 4], axis=2).reshape(p, blocks, 2, kPANEL, 2)
-        c = xp.transpose(c, (0, 1, 2, 4, 3)).reshape(p, 4 * blocks, kPANEL)
+        c = xp.stack([c & 15, c >> 4], axis=2).reshape(p, blocks, 2, _PANEL, 2)
+        c = xp.transpose(c, (0, 1, 2, 4, 3)).reshape(p, 4 * blocks, _PANEL)
         return xp.transpose(c, (1, 0, 2)).reshape(4 * blocks, -1)
     if w.layout == "panels":
         if w.bits == 4:
@@ -257,7 +257,7 @@ def _unpacked_codes(w: QuantizedWeight, xp=jnp):
     return c
 
 
-kPANEL = 16     # columns of a C++ GEMM panel (kernels.native.PANEL)
+_PANEL = 16     # columns of a C++ GEMM panel (kernels.native.PANEL)
 
 
 def _bf16_pairs(w: QuantizedWeight) -> bool:
