@@ -170,6 +170,32 @@ __attribute__((noinline)) void codes_bf16_rows(const QuantPanel& q, const uint32
       _mm512_storeu_ps(y + i * ldy + p * kPanel, SWIGLU ? swiglu_f32x16(acc[p][i], acc[p + P / 2][i]) : acc[p][i]);
 }
 
+// R rows of P_OUT output panels in registers (with swiglu the first P_OUT of w are the gate
+// panels, the next P_OUT their up panels). From 3 rows two panels at a time (with swiglu a gate
+// panel and its up panel): four panels' scales and sums would not fit the 32 registers.
+template <int BITS, int R, int P_OUT>
+void codes_bf16_direct(const QuantPanel& q, const uint32_t* x, int64_t ldx, const uint8_t* const* w,
+                       const int64_t* panel, float* y, int64_t ldy, bool swiglu) {
+  if (!swiglu) {
+    if constexpr (R >= 3 && P_OUT == 4) {
+      codes_bf16_rows<BITS, R, 2, false>(q, x, ldx, w, panel, y, ldy);
+      codes_bf16_rows<BITS, R, 2, false>(q, x, ldx, w + 2, panel + 2, y + 2 * kPanel, ldy);
+    } else {
+      codes_bf16_rows<BITS, R, P_OUT, false>(q, x, ldx, w, panel, y, ldy);
+    }
+  } else if constexpr (P_OUT <= 2) {
+    if (R >= 3 && P_OUT == 2) {
+      for (int i = 0; i < 2; ++i) {
+        const uint8_t* wi[2] = {w[i], w[2 + i]};
+        const int64_t pi[2] = {panel[i], panel[2 + i]};
+        codes_bf16_rows<BITS, R, 2, true>(q, x, ldx, wi, pi, y + i * kPanel, ldy);
+      }
+    } else {
+      codes_bf16_rows<BITS, R, 2 * P_OUT, true>(q, x, ldx, w, panel, y, ldy);
+    }
+  }
+}
+
 // Panel p as a bf16 panel [K / 2, 16] of words (gemm_bf16.cc's layout) in `out`.
 template <int BITS>
 void convert_panel(const QuantPanel& q, const uint8_t* w, int64_t p, uint32_t* out) {
@@ -225,18 +251,11 @@ void codes_bf16_output_panels(const CodesBf16Args& a, const QuantPanel& q, int64
   float* y = a.y + r0 * ldy + p * kPanel;
 #ifdef JAXLLM_AVX512_BF16
   if ((path == kAuto || path >= kAvx512) && r1 - r0 <= kCodesDirectRows) {
-    constexpr int P = P_OUT <= 2 ? 2 * P_OUT : P_OUT;  // the instantiations: 1, 2, 4 panels; 2, 4 with swiglu
     switch (r1 - r0) {
-#define JAXLLM_CODES_CASE(n)                                                           \
-  case n:                                                                           \
-    if (swiglu) {                                                                   \
-      if constexpr (P_OUT <= 2) codes_bf16_rows<BITS, n, P, true>(q, x, a.K / 2, w, panel, y, ldy); \
-    } else {                                                                        \
-      codes_bf16_rows<BITS, n, P_OUT, false>(q, x, a.K / 2, w, panel, y, ldy);      \
-    }                                                                               \
-    break;
-      JAXLLM_CODES_CASE(1) JAXLLM_CODES_CASE(2) JAXLLM_CODES_CASE(3) JAXLLM_CODES_CASE(4)
-#undef JAXLLM_CODES_CASE
+      case 1: codes_bf16_direct<BITS, 1, P_OUT>(q, x, a.K / 2, w, panel, y, ldy, swiglu); break;
+      case 2: codes_bf16_direct<BITS, 2, P_OUT>(q, x, a.K / 2, w, panel, y, ldy, swiglu); break;
+      case 3: codes_bf16_direct<BITS, 3, P_OUT>(q, x, a.K / 2, w, panel, y, ldy, swiglu); break;
+      case 4: codes_bf16_direct<BITS, 4, P_OUT>(q, x, a.K / 2, w, panel, y, ldy, swiglu); break;
     }
     return;
   }
