@@ -29,7 +29,7 @@ How a quantized weight is multiplied (`matmul`):
 - **Packed codes x bf16 activations** (`activations="bf16"`, `with_bf16_activations`: the
   weight-only matrices of a run under dtype bfloat16 on a CPU with AVX512_BF16): the C++ GEMM
   (kernels/csrc/gemm_quant_bf16.cc) turns each 4- or 8-bit code into bf16(code * scale +
-  offset) as it reads it and multiplies with `vdpbf16ps`, in registers for up to 4 rows, else a
+  offset) as it reads it and multiplies with `vdpbf16ps`, in registers for up to 6 rows, else a
   panel at a time into a bf16 copy that the packed bf16 GEMM's tiles run on: the packed bf16
   GEMM's product of the dequantized weights bit for bit (embedding rows rounded to bf16 too), so
   `gguf` on the default model is the bf16 engine's outputs in 0.36x its weight memory. On Zen 4

@@ -45,7 +45,7 @@
 namespace jaxllm {
 namespace {
 
-constexpr int64_t kCodesDirectRows = 4;  // up to this many rows an item converts weights in registers
+constexpr int64_t kCodesDirectRows = 6;  // up to this many rows an item converts weights in registers
 
 // A panel's block of 4 rows of K: 32 bytes of 4-bit codes, 64 of 8-bit ones.
 template <int BITS>
@@ -155,7 +155,7 @@ __attribute__((noinline)) void codes_bf16_rows(const QuantPanel& q, const uint32
           _mm_prefetch(reinterpret_cast<const char*>(w[p] + at + 1024), _MM_HINT_T0);
         __m512bh kp0, kp1;
         convert_block<BITS>(w[p] + at, s[p], o[p], kp0, kp1);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int i = 0; i < R; ++i) {
           acc[p][i] = _mm512_dpbf16_ps(acc[p][i], (__m512bh)_mm512_set1_epi32(xg[i * ldx + 2 * b]), kp0);
           acc[p][i] = _mm512_dpbf16_ps(acc[p][i], (__m512bh)_mm512_set1_epi32(xg[i * ldx + 2 * b + 1]), kp1);
@@ -256,6 +256,8 @@ void codes_bf16_output_panels(const CodesBf16Args& a, const QuantPanel& q, int64
       case 2: codes_bf16_direct<BITS, 2, P_OUT>(q, x, a.K / 2, w, panel, y, ldy, swiglu); break;
       case 3: codes_bf16_direct<BITS, 3, P_OUT>(q, x, a.K / 2, w, panel, y, ldy, swiglu); break;
       case 4: codes_bf16_direct<BITS, 4, P_OUT>(q, x, a.K / 2, w, panel, y, ldy, swiglu); break;
+      case 5: codes_bf16_direct<BITS, 5, P_OUT>(q, x, a.K / 2, w, panel, y, ldy, swiglu); break;
+      case 6: codes_bf16_direct<BITS, 6, P_OUT>(q, x, a.K / 2, w, panel, y, ldy, swiglu); break;
     }
     return;
   }
