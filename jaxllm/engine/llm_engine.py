@@ -362,7 +362,7 @@ def load_quantization(args: EngineArgs, native_gemm: bool) -> str | None:
     C++ GEMM, float32 the dtype: faster at decode batches of a few rows, within a few percent on
     large ones), saving 2/3 of the weight memory or more. Under bfloat16 (a CPU with AVX512_BF16)
     the blocks give the bf16 engine's outputs bit for bit (`quantization="gguf"`), but at
-    0.96-0.98x its speed on the standard workload and about 0.85x its layer GEMMs at 16 rows
+    0.96-0.98x its speed on the standard workload and 0.8-0.85x its layer GEMMs at 16 rows
     (Zen 4, README): there the default stays the dequantized bf16 weights. `native_gemm`:
     `_native_gemm`'s answer."""
     if args.quantization is not None:     # "none" included

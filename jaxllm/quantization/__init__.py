@@ -33,8 +33,8 @@ How a quantized weight is multiplied (`matmul`):
   panel at a time into a bf16 copy that the packed bf16 GEMM's tiles run on: the packed bf16
   GEMM's product of the dequantized weights bit for bit (embedding rows rounded to bf16 too), so
   `gguf` on the default model is the bf16 engine's outputs in 0.36x its weight memory. On Zen 4
-  the layer GEMMs ran at 1.3-1.4x the bf16 GEMM at 1 row, 0.84x at 16, 0.96-0.98x from 64 up,
-  twice the f32 path above (README, Quantization).
+  the layer GEMMs ran at 1.35-1.45x the bf16 GEMM at 1 row, 1.15x at 4, 0.8x at 16, 0.94-0.98x
+  from 64 up, about twice the f32 path above (README, Quantization).
 - **Packed 4-bit codes x int8 activations** (`EngineArgs.int8_activations`, off by default;
   `activations="int8"` on a panels weight, `with_int8_activations`): llama.cpp's scheme for its
   4-bit formats. The C++ GEMM rounds each row of x to int8 per block of 32 columns (a scale per
