@@ -9,8 +9,8 @@
 #
 # Each part has its own time limit (KERNELS_S, QUANT_S, TESTS_S, ENGINE_S seconds), so one that
 # hangs still leaves the others' results; PARTS picks the parts and their order (default
-# "kernels quant tests engine"), TEST_FILES and TESTS_K the tests (pytest paths, a -k expression), SWEEP the matrices
-# the tiling search runs on (SWEEP_S seconds for it). It needs what the GPU
+# "kernels quant tests engine"), TEST_FILES and TESTS_K the tests (pytest paths, a -k
+# expression), SWEEP the matrices the tiling search runs on (SWEEP_S seconds for it). It needs what the GPU
 # image has (jax, numpy, safetensors, pytest, torch, transformers); packages it lacks (gguf)
 # travel as wheels in .whl/ (see the device tool's README), installed first.
 set -u
