@@ -29,8 +29,8 @@ def quantize_params(params: dict, spec, method: str, *, native: bool, device=Non
     (packed on one device, split per shard when sharded); with those methods, float weights stay
     float. `int8_activations`: the 4-bit panel weights then multiply int8 activations
     (`with_int8_activations`); else `bf16_activations`: the weight-only panel weights multiply
-    bf16-rounded ones (`with_bf16_activations`; a 4-bit embedding table excepted). `quiet`: no log line (the loader packing for its params cache;
-    the runner then logs the run's weights)."""
+    bf16-rounded ones (`with_bf16_activations`; a 4-bit embedding table excepted). `quiet`: no
+    log line (the loader packing for its params cache; the runner then logs the run's weights)."""
     if method not in METHODS and method not in CHECKPOINT_METHODS:
         raise ValueError(f"unknown quantization {method!r}: choose one of {sorted(METHODS) + list(CHECKPOINT_METHODS)}")
     activations = "int8" if method == "w8a8" else "float"
