@@ -185,6 +185,32 @@ def test_matmul_quantized_w8a8_matches_numpy(rows, scale_dtype):
                     atol=1e-6 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("rows", [1, 7])
+def test_matmul_quantized_w8a8_bias_taken_at_packing(rows):
+    # 128 x the columns' code sums given with the weight (`QuantizedWeight.bias`, what make_weight
+    # packs with W8A8 panels): the same products as summed in the call, with and without
+    # SwiGLU; on a VNNI CPU the kernel reads it (a wrong one changes the result).
+    from jaxllm.quantization.weights import _unpacked_codes, make_weight
+    from jaxllm.utils import cpu_flags
+
+    rng = np.random.default_rng(rows)
+    k, n = 64, 96
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    codes = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    scale = (rng.random((1, n)) * 0.01).astype(np.float32)
+    packed = native.pack_codes(codes, 8, w8a8=True)
+    bias = (128 * codes.astype(np.int64).sum(axis=0)).astype(np.int32)
+    call = jax.jit(functools.partial(native.matmul_quantized, bits=8, act8=True))
+    np.testing.assert_array_equal(call(x, packed, scale, None, bias=bias), call(x, packed, scale, None))
+    glu = jax.jit(functools.partial(native.matmul_quantized, bits=8, act8=True, swiglu=True))
+    np.testing.assert_array_equal(glu(x, packed, scale, None, bias=bias), glu(x, packed, scale, None))
+    if "avx512_vnni" in cpu_flags():
+        assert not np.array_equal(call(x, packed, scale, None, bias=bias + 128), call(x, packed, scale, None))
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    q = make_weight(w, "w8a8", panels=True, activations="int8")
+    np.testing.assert_array_equal(q.bias, 128 * _unpacked_codes(q, np).astype(np.int64).sum(axis=0))
+
+
 def test_matmul_quantized_int8_activations_rejects_what_it_cannot_run():
     x = np.ones((2, 64), np.float32)
     int8_codes = native.pack_codes(np.zeros((64, 16), np.int8), 8)

@@ -323,7 +323,8 @@ def pack_codes(codes: np.ndarray, bits: int, w8a8: bool = False, pairs: bool = F
 
 def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array | None, bits: int,
                      path: str = "auto", rows=None, swiglu: bool = False, act8: bool = False,
-                     super_scale: jax.Array | None = None, super_offset: jax.Array | None = None) -> jax.Array:
+                     super_scale: jax.Array | None = None, super_offset: jax.Array | None = None,
+                     bias: jax.Array | None = None) -> jax.Array:
     """x [..., K] f32 @ w -> [..., N] f32, w [K, N] given by the panels of `pack_codes`, and
     scale (and offset, or None) [G, N], f32 or f16: w[k, n] = code * scale[g, n] + offset[g, n]
     for the group g = k // (K / G) (csrc/gemm_quant.cc dequantizes a panel at a time; x stays
@@ -334,10 +335,12 @@ def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: j
     per row and block of 32 columns (q = round(x * 127 / max|x|), the scale max|x| / 127), as
     llama.cpp does (csrc/gemm_q4a8.cc); with 8-bit codes in [-127, 127], one scale per column
     and no offset (W8A8; K a multiple of 4, at most `W8A8_MAX_K`; the codes packed with
-    `w8a8=True`) per row, as `kv_write.int8_rows` does (csrc/gemm_w8a8.cc). `rows`, `swiglu`:
-    as for `matmul_packed`."""
+    `w8a8=True`) per row, as `kv_write.int8_rows` does (csrc/gemm_w8a8.cc); `bias`, int32 [N]
+    or None, is then 128 times each column's code sum (`QuantizedWeight.bias`; None: summed in
+    the call). `rows`, `swiglu`: as for `matmul_packed`."""
+    bias = jnp.zeros((0,), jnp.int32) if bias is None else bias
     return _quantized_call("jaxllm_matmul_quantized_cpu", x.astype(jnp.float32), codes, scale, offset,
-                           super_scale, super_offset, rows, swiglu, bits=np.int32(bits), path=_path_attr(path),
+                           super_scale, super_offset, rows, swiglu, bias, bits=np.int32(bits), path=_path_attr(path),
                            act8=np.int32(act8))
 
 
@@ -354,9 +357,10 @@ def matmul_quantized_bf16(x: jax.Array, codes: jax.Array, scale: jax.Array, offs
                            super_scale, super_offset, rows, swiglu, bits=np.int32(bits), path=_path_attr(path))
 
 
-def _quantized_call(target: str, x, codes, scale, offset, super_scale, super_offset, rows, swiglu: bool, **attrs):
+def _quantized_call(target: str, x, codes, scale, offset, super_scale, super_offset, rows, swiglu: bool, *extra,
+                    **attrs):
     """The quantized GEMMs' FFI call: x [..., K] (in the kernel's dtype) -> [..., N] f32, absent
-    offsets and super-scales as empty arrays."""
+    offsets and super-scales as empty arrays; `extra` arrays go after them."""
     require()
     n = codes.shape[0] * PANEL // (2 if swiglu else 1)
     lead = x.shape[:-1]
@@ -364,7 +368,8 @@ def _quantized_call(target: str, x, codes, scale, offset, super_scale, super_off
     offset = jnp.zeros((0,), scale.dtype) if offset is None else offset
     supers = [jnp.zeros((0,), jnp.float16) if a is None else a for a in (super_scale, super_offset)]
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
-    return call(x2, codes, scale, offset, *supers, _live_rows(rows), swiglu=np.int32(swiglu), **attrs).reshape(*lead, n)
+    return call(x2, codes, scale, offset, *supers, *extra, _live_rows(rows), swiglu=np.int32(swiglu),
+                **attrs).reshape(*lead, n)
 
 
 ACT_BLOCK = 32  # columns of x per int8 scale with `matmul_quantized(..., act8=True)` and 4-bit codes

@@ -44,6 +44,9 @@ class QuantizedWeight:
         scale and offset int8 sub-scales [G, N]: group g's scale is
         scale[g, n] * super_scale[g // S, n] (exact in f32), its offset likewise
         (`group_scales`). super_offset is None when offset is.
+        bias: None, or (W8A8 panels, `_w8a8_panels`) int32 [N]: 128 times each column's code sum,
+        what `vpdpbusd`'s unsigned activations (q + 128) add to the sums, taken once at packing
+        (None: the C++ GEMM sums the codes on every call).
     """
 
     codes: jax.Array
@@ -55,6 +58,7 @@ class QuantizedWeight:
     perm: jax.Array | None = None
     super_scale: jax.Array | None = None
     super_offset: jax.Array | None = None
+    bias: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -105,7 +109,9 @@ def make_weight(w: np.ndarray, method: str, *, panels: bool, activations: str, d
     if activations == "int8" and (bits != 8 or scale.shape[0] != 1):
         raise ValueError("W8A8 needs 8-bit codes with one scale per output channel")
     layout = "panels" if panels and _fits_panels(k, n, activations) else "plain"
+    bias = None
     if layout == "panels":
+        bias = _w8a8_bias(codes) if activations == "int8" else None
         codes = native.pack_codes(codes, bits, w8a8=activations == "int8")
     elif bits == 4:
         if n % 2:
@@ -113,7 +119,12 @@ def make_weight(w: np.ndarray, method: str, *, panels: bool, activations: str, d
         codes = _pack_plain_int4(codes)
     put = functools.partial(jax.device_put, device=device)
     return QuantizedWeight(put(codes), put(scale), None if offset is None else put(offset), bits, layout,
-                           activations)
+                           activations, bias=put(bias))
+
+
+def _w8a8_bias(codes: np.ndarray) -> np.ndarray:
+    """`QuantizedWeight.bias` of W8A8 codes [K, N]: int32 [N], 128 times each column's sum."""
+    return (128 * np.asarray(codes, np.int64).sum(axis=0)).astype(np.int32)
 
 
 def _fits_panels(k: int, n: int, activations: str) -> bool:
@@ -324,7 +335,7 @@ def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None, swiglu: bool 
 
         return native.matmul_quantized(x, w.codes, w.scale, w.offset, w.bits, rows=rows, swiglu=swiglu,
                                        act8=w.activations == "int8", super_scale=w.super_scale,
-                                       super_offset=w.super_offset)
+                                       super_offset=w.super_offset, bias=w.bias)
     assert not swiglu, "the SwiGLU epilogue needs the panels layout"
     if w.activations == "int8":
         from jaxllm.kernels.kv_write import int8_rows
@@ -398,13 +409,14 @@ def relayout(w: QuantizedWeight, panels: bool, device=None) -> QuantizedWeight:
     if (w.layout == "panels") == panels:
         return jax.device_put(w, device)
     codes = _unpacked_codes(w, np)       # on the host: jnp ops here would compile a program per shape
+    bias = _w8a8_bias(codes) if panels and w.bits == 8 and w.activations == "int8" else None
     if panels:
         codes = native.pack_codes(codes, w.bits, w8a8=w.activations == "int8")
     elif w.bits == 4:
         codes = _pack_plain_int4(codes)
     put = functools.partial(jax.device_put, device=device)
     return QuantizedWeight(put(codes), put(w.scale), put(w.offset), w.bits, "panels" if panels else "plain",
-                           w.activations, put(w.perm), put(w.super_scale), put(w.super_offset))
+                           w.activations, put(w.perm), put(w.super_scale), put(w.super_offset), put(bias))
 
 
 def with_int8_activations(w: QuantizedWeight) -> QuantizedWeight:

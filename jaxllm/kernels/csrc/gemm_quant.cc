@@ -142,8 +142,8 @@ struct PanelScratch {
 
 ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                            ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::AnyBuffer super_scale,
-                           ffi::AnyBuffer super_offset, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y,
-                           int32_t bits, int32_t path, int32_t swiglu, int32_t act8) {
+                           ffi::AnyBuffer super_offset, ffi::Buffer<ffi::S32> bias, ffi::Buffer<ffi::S32> rows,
+                           ffi::ResultBuffer<ffi::F32> y, int32_t bits, int32_t path, int32_t swiglu, int32_t act8) {
   const auto xd = x.dimensions();
   const auto cd = codes.dimensions();
   const auto sd = scale.dimensions();
@@ -164,11 +164,13 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
       !scale_ok(scale.element_type()) ||
       (offset.element_count() != 0 &&
        (offset.element_count() != scale.element_count() || offset.element_type() != scale.element_type())) ||
-      !supers_ok || (!two_level && super_offset.element_count()) || (swiglu && cd[0] % 2))
+      !supers_ok || (!two_level && super_offset.element_count()) || (swiglu && cd[0] % 2) ||
+      (bias.element_count() && (!act8 || !int8 || bias.element_count() != cd[0] * kPanel)))
     return ffi::Error::InvalidArgument(
         "matmul_quantized: needs x [M, K], codes int8 [N / 16, K, 16] (bits 8) or uint8 [N / 16, K, 8] (bits 4), "
         "scale f32 or f16 [G, N] with G dividing K, offset empty or like scale (N / 16 even for swiglu); "
-        "two-level: scale and offset int8, super_scale f16 [G / S, N], super_offset like it or empty");
+        "two-level: scale and offset int8, super_scale f16 [G / S, N], super_offset like it or empty; bias int32 [N] "
+        "for 8-bit codes x int8 activations only");
   if (path < kAuto || path > kAvx512 || (path != kAuto && !(built_paths() & (1 << path))))
     return ffi::Error::InvalidArgument("matmul_quantized: this build has no such kernel path");
   if (act8 && !(int4 && xd[1] % kActBlock == 0 && (xd[1] / sd[0]) % kActBlock == 0) &&
@@ -186,6 +188,7 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
     q.super_offset = offset.element_count() ? static_cast<const uint16_t*>(super_offset.untyped_data()) : nullptr;
     q.per_super = sd[0] / ud[0];
   }
+  if (bias.element_count()) q.bias = bias.typed_data();
   if (act8) {
     if (g.M && int4) matmul_q4a8(pool, g, q, path, swiglu);
     if (g.M && int8) matmul_w8a8(pool, g, q, path, swiglu);
@@ -245,6 +248,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulQuantCpu, jaxllm::MatmulQuantImpl,
                                   .Arg<ffi::AnyBuffer>()         // offset (or empty), as scale
                                   .Arg<ffi::AnyBuffer>()         // super_scale f16 (or empty: one level)
                                   .Arg<ffi::AnyBuffer>()         // super_offset f16 (or empty)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // bias (W8A8: 128 x column code sums) or empty
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows, as for matmul_packed
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y
                                   .Attr<int32_t>("bits")

@@ -33,6 +33,9 @@ struct QuantPanel {
   // offset are then int8. nullptr: one level.
   const uint16_t *super_scale = nullptr, *super_offset = nullptr;
   int64_t per_super = 1;
+  // W8A8 with AVX512_VNNI: int32 [N], 128 x each column's code sum, taken once at packing
+  // (nullptr: summed per call, gemm_w8a8.cc).
+  const int32_t* bias = nullptr;
 };
 
 // IEEE half -> float (normal, subnormal, zero, inf, NaN).

@@ -174,10 +174,14 @@ void matmul_w8a8_vnni(ffi::ThreadPool& pool, const GemmArgs& g, const QuantPanel
       for (int j = 0; j < np; ++j) {
         const int64_t pj = swiglu && j >= take ? p + (j - take) + g.N / 2 / kPanel : p + j;
         w[j] = static_cast<const int8_t*>(wq.codes) + pj * K * kPanel;
-        __m512i sum = _mm512_setzero_si512();
-        for (int64_t k = 0; k < K; k += 4)
-          sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), _mm512_loadu_si512(w[j] + k * kPanel));
-        bias[j] = _mm512_slli_epi32(sum, 7);
+        if (wq.bias) {  // taken at packing: at a few rows this pass was as long as the product
+          bias[j] = _mm512_loadu_si512(wq.bias + pj * kPanel);
+        } else {
+          __m512i sum = _mm512_setzero_si512();
+          for (int64_t k = 0; k < K; k += 4)
+            sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), _mm512_loadu_si512(w[j] + k * kPanel));
+          bias[j] = _mm512_slli_epi32(sum, 7);
+        }
         float s[kPanel], o[kPanel];
         group_scales(wq, 0, pj, s, o);
         scale[j] = _mm512_loadu_ps(s);
