@@ -13,9 +13,10 @@ Each backend has the same small interface:
   (`sliding_window` None or the window in tokens, `sm_scale` None for head_dim ** -0.5: static,
   per layer);
 - `argmax_logsumexp(logits, token_mask)`: the greedy sampler's two row reductions (over the
-  tokens a structured-output mask allows), and
-  `draw(logits, s, u, u_draft)`: the sampled rows' tokens (`runner.sampler.draw_xla`); the
-  native backend does each in C++.
+  tokens a structured-output mask allows),
+  `draw(logits, s, u, u_draft)`: the sampled rows' tokens (`runner.sampler.draw_xla`), and
+  `rms_norm(x, weight, eps, delta, rows, dtype)`: a layer's RMSNorm with the residual add
+  before it; the native backend does each in C++.
 
 | name        | where         | what                                                            |
 |-------------|---------------|-----------------------------------------------------------------|
@@ -84,6 +85,15 @@ class AttentionBackend:
 
         return sampler.draw_xla(logits, s, u, u_draft)
 
+    def rms_norm(self, x, weight, eps, delta=None, rows=None, dtype=jnp.float32):
+        """`models.decoder.rms_norm` of x [T, H] f32 (of `x + delta`, returned first, when delta
+        is given) in `dtype`; `rows` (the real rows) lets a kernel skip a bucket's padding."""
+        from jaxllm.models.decoder import rms_norm
+
+        s = x if delta is None else x + delta
+        normed = rms_norm(s, weight, eps).astype(dtype)
+        return normed if delta is None else (s, normed)
+
 
 class ReferenceBackend(AttentionBackend):
     name = "reference"
@@ -147,6 +157,12 @@ class NativeBackend(AttentionBackend):
 
     def draw(self, logits, s, u, u_draft):
         return self._native.sample_rows(logits, s.temperature, s.min_p, s.top_k, s.top_p, s.draft_tokens, u, u_draft)
+
+    def rms_norm(self, x, weight, eps, delta=None, rows=None, dtype=jnp.float32):
+        # One call for XLA:CPU's five unfused ops (csrc/norm.cc); padding rows come back zeros.
+        if x.ndim != 2 or x.dtype != jnp.float32:
+            return super().rms_norm(x, weight, eps, delta, rows, dtype)
+        return self._native.rms_norm(x, weight, eps, delta, rows, dtype)
 
 
 # Rows per part of the `cpu` backend (see kernels.paged_attention_rows): parts walk pages only

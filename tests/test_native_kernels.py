@@ -190,6 +190,34 @@ def test_matmul_packed_matches_numpy(rows, dtype):
     assert not np.asarray(live[rows // 2:]).any()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows,live", [(1, None), (7, 5), (100, None), (100, 61)])
+@pytest.mark.parametrize("add", [False, True])
+def test_rms_norm_matches_numpy(rows, live, add, dtype):
+    # RMSNorm after the residual add, one row at a time or (100 rows of 576: past the
+    # one-thread size) shared over threads; the sum is x + delta in f32 exactly, the normed rows
+    # the float64 norm to f32 precision, or in bf16 within its rounding; rows past `live` zeros.
+    rng = np.random.default_rng(rows)
+    h, eps = 576, 1e-5
+    x = (rng.standard_normal((rows, h)) * 3).astype(np.float32)
+    delta = rng.standard_normal((rows, h)).astype(np.float32)
+    w = rng.standard_normal(h).astype(np.float32)
+    s = x + delta if add else x
+    ref = s / np.sqrt(np.mean(np.square(s, dtype=np.float64), axis=1, keepdims=True) + eps) * w
+    out = jax.jit(functools.partial(native.rms_norm, eps=eps, dtype=jax.numpy.dtype(dtype)))(
+        x, w, delta=delta if add else None, rows=live)
+    if add:
+        total, out = out
+        live_rows = rows if live is None else live
+        np.testing.assert_array_equal(total[:live_rows], s[:live_rows])
+        assert not np.asarray(total[live_rows:]).any()
+    out = np.asarray(out, np.float32)
+    n = rows if live is None else live
+    assert out.dtype == np.float32 and not out[n:].any()
+    tolerance = 2.0**-8 if dtype == "bfloat16" else 1e-5
+    np.testing.assert_allclose(out[:n], ref[:n], rtol=tolerance, atol=tolerance * 1e-3)
+
+
 @pytest.mark.parametrize("live", [0, 1, 7, 97, 200, 500])
 def test_gemms_skip_rows_past_the_live_count(live):
     # `rows` (traced, as the step passes its real token count): the first rows are the product,

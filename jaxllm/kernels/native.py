@@ -11,7 +11,8 @@ csrc/gemm_bf16.cc: AVX512_BF16 dots where the CPU has them, `bf16_gemm_native()`
 csrc/gemm_q4a8.cc / gemm_w8a8.cc for int4 / int8 codes x int8 activations), `matmul_quantized_bf16`
 by 8-bit codes or 4-bit ones packed with `pairs=True` (csrc/gemm_quant_bf16.cc: the bf16 GEMM's
 numbers); `write_kv` is
-kv_write.py's `write_kv` in place (csrc/kv_write.cc: one handler instead of an LLVM module per layer's scatter).
+kv_write.py's `write_kv` in place (csrc/kv_write.cc: one handler instead of an LLVM module per layer's scatter);
+`rms_norm` is RMSNorm with the residual add before it in one call (csrc/norm.cc).
 csrc/cpu_kernels_attention.cc and cpu_kernels_gemm.cc, which include them all, are compiled
 side by side on first use (on a thread of their own: `start_build`) with the system C++
 compiler (`$CXX`, else `c++`) against the XLA FFI headers that ship with jaxlib, with
@@ -49,6 +50,7 @@ TARGETS = {"jaxllm_paged_attention_cpu": "JaxllmPagedAttentionCpu",
            "jaxllm_matmul_quantized_cpu": "JaxllmMatmulQuantCpu",
            "jaxllm_matmul_quantized_bf16_cpu": "JaxllmMatmulQuantBf16Cpu",
            "jaxllm_write_kv_cpu": "JaxllmWriteKvCpu",
+           "jaxllm_rms_norm_cpu": "JaxllmRmsNormCpu",
            "jaxllm_zeros_cpu": "JaxllmZerosCpu"}
 # The translation units, compiled side by side: they include the other files of their folder.
 SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", name)
@@ -420,3 +422,19 @@ def write_kv(k_pages, v_pages, k_new, v_new, slot_mapping):
                             input_output_aliases={0: 0, 1: 1})
     return call(k_pages, v_pages, k_new.astype(jnp.float32), v_new.astype(jnp.float32),
                 jnp.asarray(slot_mapping, jnp.int32))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, delta: jax.Array | None = None, rows=None,
+             dtype=jnp.float32):
+    """RMSNorm of x [T, H] f32 (of `x + delta` when delta is given) in one call (csrc/norm.cc):
+    `s * rsqrt(mean(s * s) + eps) * weight` in `dtype` (float32 or bfloat16, rounded as XLA's
+    convert), and with delta also `s` itself: returns `(s, normed)`, else `normed`. `rows`: as
+    for `matmul_packed` (rows past it are zeros in both results)."""
+    require()
+    t, h = x.shape
+    add = delta is not None
+    call = jax.ffi.ffi_call("jaxllm_rms_norm_cpu", (jax.ShapeDtypeStruct((t, h) if add else (0,), jnp.float32),
+                                                    jax.ShapeDtypeStruct((t, h), dtype)))
+    s, normed = call(x.astype(jnp.float32), delta.astype(jnp.float32) if add else jnp.zeros((0,), jnp.float32),
+                     weight.astype(jnp.float32), _live_rows(rows), eps=np.float32(eps))
+    return (s, normed) if add else normed

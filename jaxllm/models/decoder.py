@@ -181,6 +181,30 @@ def norm(x: jax.Array, params: dict, name: str, spec: ModelSpec) -> jax.Array:
     return rms_norm(x, params[name], spec.norm_eps)
 
 
+def add_norm(x: jax.Array, delta: jax.Array | None, params: dict, name: str, spec: ModelSpec, attention,
+             rows=None, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """`(x + delta, its norm in dtype)` (delta None: x and its norm), RMSNorm through the
+    step's backend (`attention.rms_norm`: one C++ call in the native backend, where XLA:CPU
+    runs five unfused ops). `dtype`: what the consuming GEMM rounds its input to
+    (`input_dtype`), so the rounding happens here, once, as it would there."""
+    if spec.norm == "rms":
+        if delta is None:
+            return x, attention.rms_norm(x, params[name], spec.norm_eps, rows=rows, dtype=dtype)
+        return attention.rms_norm(x, params[name], spec.norm_eps, delta, rows, dtype)
+    x = x if delta is None else x + delta
+    return x, norm(x, params, name, spec).astype(dtype)
+
+
+def input_dtype(w) -> jnp.dtype:
+    """The dtype `matmul` rounds its input to for w: bf16 for bf16 weights (packed or not) and
+    codes that multiply bf16 activations; float32 (the input as it is) for the rest."""
+    if isinstance(w, PackedWeight):
+        return w.panels.dtype
+    if isinstance(w, quant.QuantizedWeight):
+        return jnp.bfloat16 if w.layout == "panels" and w.activations == "bf16" else jnp.float32
+    return jnp.bfloat16 if isinstance(w, jax.Array) and w.dtype == jnp.bfloat16 else jnp.float32
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PackedWeight:
@@ -347,16 +371,19 @@ def decoder_layer(layer, k_pages, v_pages, x, inputs, spec: ModelSpec, *, index:
     """Decoder layer `index` over x [T, hidden] f32 (`inputs`: the step's `StepInputs`,
     `attention`: its `AttentionBackend`, `axis`: the tensor-parallel mesh axis when run per
     shard). Returns (x, k_pages, v_pages)."""
-    attn, k_pages, v_pages = self_attention(layer, k_pages, v_pages, norm(x, layer, "attn_norm", spec), inputs,
-                                            spec, index, attention, axis)
+    rows = inputs.num_tokens()
+    mlp_dtype = jnp.float32 if spec.is_moe(index) else input_dtype(layer.get("w_gate_up", layer.get("w_up")))
+    _, h = add_norm(x, None, layer, "attn_norm", spec, attention, rows, input_dtype(layer["wqkv"]))
+    attn, k_pages, v_pages = self_attention(layer, k_pages, v_pages, h, inputs, spec, index, attention, axis)
     if spec.parallel_residual:   # one sum over the shards for both branches
-        out = attn + mlp(layer, norm(x, layer, "mlp_norm", spec), spec, index, axis, inputs.num_tokens())
+        out = attn + mlp(layer, add_norm(x, None, layer, "mlp_norm", spec, attention, rows, mlp_dtype)[1], spec,
+                         index, axis, rows)
         return x + _plus_bias(_reduce(out, axis), layer, "bo", "b_down"), k_pages, v_pages
     attn = _plus_bias(_reduce(attn, axis), layer, "bo")
     if spec.sandwich_norm:
         attn = norm(attn, layer, "post_attn_norm", spec)
-    x = x + attn
-    out = mlp(layer, norm(x, layer, "mlp_norm", spec), spec, index, axis, inputs.num_tokens())
+    x, h = add_norm(x, attn, layer, "mlp_norm", spec, attention, rows, mlp_dtype)
+    out = mlp(layer, h, spec, index, axis, rows)
     out = _plus_bias(_reduce(out, axis), layer, "b_down")
     if spec.sandwich_norm:
         out = norm(out, layer, "post_mlp_norm", spec)

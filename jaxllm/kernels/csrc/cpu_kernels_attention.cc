@@ -8,6 +8,7 @@
 //   paged_attention_avx512.cc  the AVX-512 path (head_dim 32, 64, 128, 256)
 //   paged_attention_avx2.cc    the AVX2 + FMA path (head_dim a multiple of 32)
 //   kv_write.cc                a step's keys and values into their cache slots, in place; a zeroed pool on 2 MiB pages
+//   norm.cc                    RMSNorm with the residual add before it
 //   simd.h                     code paths (KernelPath), bf16 widening, exp, transpose, reductions
 //   parallel_for.h             work sharing over XLA's intra-op thread pool
 //
@@ -24,3 +25,4 @@
 #include "paged_attention_avx512.cc"
 #include "paged_attention_avx2.cc"
 #include "kv_write.cc"
+#include "norm.cc"
