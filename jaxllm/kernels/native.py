@@ -307,8 +307,7 @@ def pack_codes(codes: np.ndarray, bits: int, w8a8: bool = False, pairs: bool = F
     column's 4 codes side by side ([N / 16, K / 4, 16, 4] in the same [N / 16, K, 16] array), as
     the int8 dot instructions take them. `pairs` (4 bits, K a multiple of 4: the codes of
     `matmul_quantized_bf16`): uint8 [N / 16, K / 4, 32], a block of 4 rows of a panel in 32 bytes, byte
-    2 c + t holding row 4 b + t of column c in its low nibble and row 4 b + 2 + t in its high one
-    (`matmul_quantized_bf16`)."""
+    2 c + t holding row 4 b + t of column c in its low nibble and row 4 b + 2 + t in its high one."""
     k, n = codes.shape
     panels = np.asarray(codes).reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
     if pairs:

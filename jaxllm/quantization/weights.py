@@ -44,7 +44,7 @@ class QuantizedWeight:
         scale and offset int8 sub-scales [G, N]: group g's scale is
         scale[g, n] * super_scale[g // S, n] (exact in f32), its offset likewise
         (`group_scales`). super_offset is None when offset is.
-        bias: None, or (W8A8 panels, `_w8a8_panels`) int32 [N]: 128 times each column's code sum,
+    bias: None, or (W8A8 panels, `_w8a8_panels`) int32 [N]: 128 times each column's code sum,
         what `vpdpbusd`'s unsigned activations (q + 128) add to the sums, taken once at packing
         (None: the C++ GEMM sums the codes on every call).
     """

@@ -118,20 +118,15 @@ void bf16_panel_portable(const Bf16GemmArgs& g, const uint32_t* panel, float* ou
   std::memcpy(out, acc, sizeof acc);
 }
 
-// Output panels [p, p + P_OUT) of y for rows [r0, r1): from the same panels of w, or with
-// swiglu from gate panels [p, p + P_OUT) and up panels [p + N / 32, ...).
+// Rows [r0, r1) of P_OUT output panels at y (row stride ldy) from the bf16 panels w: w[0 ..
+// P_OUT), or with swiglu gate panels w[0 .. P_OUT) and their up panels w[P_OUT .. 2 P_OUT).
+// Also the tail of the GEMM over quantized codes (gemm_quant_bf16.cc), on its converted panels.
 template <int P_OUT>
-void bf16_output_panels(const Bf16GemmArgs& g, int64_t p, int64_t r0, int64_t r1, bool swiglu, int32_t path) {
-  const int64_t panel_words = g.KP * kPanel, ldy = swiglu ? g.N / 2 : g.N;
-  const uint32_t* w[2 * P_OUT];
-  for (int i = 0; i < P_OUT; ++i) {
-    w[i] = g.w + (p + i) * panel_words;
-    w[P_OUT + i] = swiglu ? g.w + (p + i + g.N / 2 / kPanel) * panel_words : nullptr;
-  }
-  float* y = g.y + p * kPanel;
+void bf16_panels(const Bf16GemmArgs& g, const uint32_t* const* w, float* y, int64_t ldy, int64_t r0, int64_t r1,
+                 bool swiglu, int32_t path) {
 #ifdef JAXLLM_AVX512_BF16
   if (path == kAuto || path >= kAvx512) {
-    if constexpr (P_OUT <= 2) {  // the caller takes swiglu panels at most two at a time
+    if constexpr (P_OUT <= 2) {  // the callers take swiglu panels at most two at a time
       if (swiglu) return bf16_block_avx512<2 * P_OUT, true>(g, w, y, ldy, r0, r1);
     }
     return bf16_block_avx512<P_OUT, false>(g, w, y, ldy, r0, r1);
@@ -149,6 +144,19 @@ void bf16_output_panels(const Bf16GemmArgs& g, int64_t p, int64_t r0, int64_t r1
       bf16_panel_portable(g, w[P_OUT + i], up, r);
       for (int64_t j = 0; j < kPanel; ++j) out[j] = swiglu_f32(gate[j], up[j]);
     }
+}
+
+// Output panels [p, p + P_OUT) of y for rows [r0, r1): from the same panels of w, or with
+// swiglu from gate panels [p, p + P_OUT) and up panels [p + N / 32, ...).
+template <int P_OUT>
+void bf16_output_panels(const Bf16GemmArgs& g, int64_t p, int64_t r0, int64_t r1, bool swiglu, int32_t path) {
+  const int64_t panel_words = g.KP * kPanel, ldy = swiglu ? g.N / 2 : g.N;
+  const uint32_t* w[2 * P_OUT];
+  for (int i = 0; i < P_OUT; ++i) {
+    w[i] = g.w + (p + i) * panel_words;
+    w[P_OUT + i] = swiglu ? g.w + (p + i + g.N / 2 / kPanel) * panel_words : nullptr;
+  }
+  bf16_panels<P_OUT>(g, w, g.y + p * kPanel, ldy, r0, r1, swiglu, path);
 }
 
 ffi::Error MatmulPackedBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,

@@ -276,26 +276,7 @@ void codes_bf16_output_panels(const CodesBf16Args& a, const QuantPanel& q, int64
     converted[i] = out;
   }
   const Bf16GemmArgs g{reinterpret_cast<const uint32_t*>(a.x), nullptr, a.y, a.M, a.K / 2, a.N};
-#ifdef JAXLLM_AVX512_BF16
-  if (path == kAuto || path >= kAvx512) {
-    if constexpr (P_OUT <= 2) {
-      if (swiglu) return bf16_block_avx512<2 * P_OUT, true>(g, converted, a.y + p * kPanel, ldy, r0, r1);
-    }
-    return bf16_block_avx512<P_OUT, false>(g, converted, a.y + p * kPanel, ldy, r0, r1);
-  }
-#endif
-  for (int i = 0; i < P_OUT; ++i)
-    for (int64_t r = r0; r < r1; ++r) {
-      float gate[kPanel], up[kPanel];
-      bf16_panel_portable(g, converted[i], gate, r);
-      float* out = a.y + r * ldy + (p + i) * kPanel;
-      if (!swiglu) {
-        std::memcpy(out, gate, sizeof gate);
-        continue;
-      }
-      bf16_panel_portable(g, converted[P_OUT + i], up, r);
-      for (int64_t j = 0; j < kPanel; ++j) out[j] = swiglu_f32(gate[j], up[j]);
-    }
+  bf16_panels<P_OUT>(g, converted, a.y + p * kPanel, ldy, r0, r1, swiglu, path);
 }
 
 ffi::Error MatmulQuantBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::AnyBuffer codes,
