@@ -383,7 +383,9 @@ def results_markdown(results: str = RESULTS, serving_files: list[str] = (), run_
     if step:
         out += ["### Model step vs roofline", "",
                 f"{step['dtype']}; matmul peak {step['matmul_peak_flops'] / 1e9:.0f} GFLOP/s, memory "
-                f"{step['memory_bandwidth'] / 1e9:.1f} GB/s.", "",
+                + (f"reads {step['read_bandwidth'] / 1e9:.1f} GB/s (the roofline's), in-place update "
+                   if "read_bandwidth" in step else "")
+                + f"{step['memory_bandwidth'] / 1e9:.1f} GB/s.", "",
                 "| step | tokens | ms | tok/s | roofline ms | of roofline |", "|---|---:|---:|---:|---:|---:|"]
         for r in step["rows"]:
             out.append(f"| {r['kind']} batch {r['batch']} | {r['tokens']} | {r['step_ms']:.1f} | "
