@@ -7,7 +7,7 @@ each timed through the real ModelRunner (host preparation + device step + sampli
 roofline is measured by the same script, each figure the best of a few calls: the matmul peak
 for the dtype (a [512, 576] x [576, 1536] GEMM, the model's shape, through the engine's packed
 GEMM where it packs weights) and the memory's read bandwidth (XLA's max over 256 MiB, which
-reads with every core: on a 2-vCPU Zen 4 29.8 GB/s, where a C loop of AVX-512 loads read
+reads with every core: on a 2-vCPU Zen 4 29.8-32.2 GB/s, where a C loop of AVX-512 loads read
 28.2-28.6), since a step only reads its weights and pages. The donated read+write bandwidth of
 an in-place update is printed beside it (about 1.7x the reads there: it counts bytes both ways).
 
