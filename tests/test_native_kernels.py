@@ -211,9 +211,10 @@ def test_rms_norm_matches_numpy(rows, live, add, dtype):
         live_rows = rows if live is None else live
         np.testing.assert_array_equal(total[:live_rows], s[:live_rows])
         assert not np.asarray(total[live_rows:]).any()
+    assert out.dtype == jax.numpy.dtype(dtype)
     out = np.asarray(out, np.float32)
     n = rows if live is None else live
-    assert out.dtype == np.float32 and not out[n:].any()
+    assert not out[n:].any()
     tolerance = 2.0**-8 if dtype == "bfloat16" else 1e-5
     np.testing.assert_allclose(out[:n], ref[:n], rtol=tolerance, atol=tolerance * 1e-3)
 
