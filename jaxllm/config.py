@@ -97,6 +97,10 @@ class EngineArgs:
         "recompute", "what a preempted request's KV pages become: 'recompute' frees them (recomputed on "
                      "resume), 'swap' copies them to host memory and back", choices=PREEMPTION_MODES)
     enable_prefix_caching: bool = option(True, "reuse the KV cache of shared prompt prefixes")
+    async_scheduling: bool = option(
+        True, "dispatch the next decode step before the last one's tokens reach the host (its tokens read on "
+              "the device), so the host's work overlaps the step's; on one device, for batches without "
+              "grammars, penalties, drafts, beams or prompt logprobs (others step synchronously)")
     tensor_parallel_size: int = option(
         1, "devices the model is split over (Megatron tensor parallelism on a jax.sharding.Mesh)", metavar="N")
     pipeline_parallel_size: int = option(
@@ -291,6 +295,7 @@ class SchedulerConfig:
     max_model_len: int
     max_num_prefill_seqs: int
     preemption_mode: str = "recompute"
+    async_scheduling: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -441,6 +446,7 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
             max_model_len=max_model_len,
             max_num_prefill_seqs=min(args.max_num_prefill_seqs, args.max_num_seqs),
             preemption_mode=args.preemption_mode,
+            async_scheduling=args.async_scheduling,
         ),
         cache=CacheConfig(block_size=block_size, num_blocks=int(num_blocks), dtype=kv_dtype,
                           enable_prefix_caching=args.enable_prefix_caching, num_swap_blocks=num_swap_blocks,

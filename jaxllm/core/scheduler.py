@@ -222,6 +222,39 @@ class Scheduler:
         self._finished_req_ids = set()
         return out
 
+    def schedule_ahead(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
+        """Async scheduling: the next step, planned while `in_flight` runs and before its results
+        are known, or None where that is not simple. Each of its requests that samples a token
+        there decodes that token next (the device reads it from the step in flight); a request
+        its length stops there is left out, and one stopped by its token (EOS) wastes its row.
+        Only when nothing waits, every running request is in `in_flight` and samples there, none
+        needs a grammar, penalties, prompt logprobs or beams, and the pool has pages to spare."""
+        if self.proposer is not None or len(self.requests) > len(self.running):
+            return None
+        ids = {r.request_id for r, _ in in_flight.scheduled}
+        if any(r.request_id not in ids for r in self.running):
+            return None
+        ahead = []
+        for request, num_new in in_flight.scheduled:
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            params = request.sampling_params
+            if (request.num_computed_tokens + num_new != request.num_tokens or request.grammar is not None
+                    or params.uses_penalties or request.prompt_logprobs is not None
+                    or not request.append_sampled_tokens):
+                return None
+            if (len(request.output_token_ids) + 1 < params.max_tokens
+                    and request.num_tokens + 1 < self.config.max_model_len):
+                ahead.append(request)
+        if not ahead or self.kv.num_free_blocks < 2 * len(ahead):
+            return None
+        for request in ahead:      # one more token past the one in flight
+            num_new = request.num_tokens - request.num_computed_tokens
+            if not self.kv.allocate_slots(request, num_new + 1):
+                return None
+        return SchedulerOutput([(r, 1) for r in ahead], finished_req_ids=set(), preempted_req_ids=set(),
+                               block_copies=self.kv.take_pending_copies(), swap_out=[], swap_in=[])
+
     # ----- the outcome -----
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> EngineCoreOutputs:

@@ -1,14 +1,18 @@
 """EngineCore: the scheduler, the KV cache manager and the model runner behind one step.
 
-    step():  Scheduler.schedule() -> ModelRunner.execute() -> Scheduler.update_from_output()
+    step():  Scheduler.schedule() -> ModelRunner.dispatch()
+             [-> Scheduler.schedule_ahead() -> ModelRunner.dispatch(): async scheduling]
+             -> ModelRunner.collect() -> Scheduler.update_from_output()
 
-Requests go in as `Request`s (token ids, sampling params); each step returns
+With async scheduling the next call's step is then already in flight (ARCHITECTURE.md,
+section 2). Requests go in as `Request`s (token ids, sampling params); each step returns
 `EngineCoreOutputs` (new token ids, logprobs, finish reasons). A step that raises ends only its
-own requests (finish reason "error", traceback logged once); if it took the donated KV cache
-with it, the cache is reallocated and the other running requests are recomputed. Over several
-processes a failed step stops the engine instead (`ProcessGroupError`). Text, choices
-and output kinds are the `OutputProcessor`'s business (engine/output_processor.py), on the
-LLMEngine side.
+own requests (finish reason "error", traceback logged once; a step ahead failing ends its
+requests once the step before it is out); if it took the donated KV cache with it (or a step
+ahead ran on what it left), the cache is reallocated and the other running requests are
+recomputed. Over several processes a failed step stops the engine instead
+(`ProcessGroupError`). Text, choices and output kinds are the `OutputProcessor`'s business
+(engine/output_processor.py), on the LLMEngine side.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterable
+
+import numpy as np
 
 from jaxllm.config import EngineConfig
 from jaxllm.core.kv_cache_manager import KVCacheManager
@@ -50,6 +56,10 @@ class EngineCore:
                                    spec_decode.max_seqs(config.scheduler) if spec_decode is not None else 0)
         self.runner = ModelRunner(config, spec, params, mesh=mesh)
         self.stats = stats or EngineStats()
+        # Async scheduling (`schedule_ahead`) on one device of one process, without sliding windows.
+        self.async_scheduling = (config.scheduler.async_scheduling and mesh is None and self.runner.channel is None
+                                 and not any(config.cache.group_windows))
+        self._ahead = None      # (SchedulerOutput, InFlight): the step dispatched ahead, not yet collected
 
     @property
     def load(self) -> int:
@@ -70,11 +80,27 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreOutputs:
+        """One step's outputs. With async scheduling the step may already be in flight (dispatched
+        by the last call), and the next one is dispatched before this one's tokens are read."""
         t0 = time.perf_counter()
-        scheduler_output = self.scheduler.schedule()
+        if self._ahead is not None and not any(r.status is RequestStatus.RUNNING for r, _ in self._ahead[0].scheduled):
+            self.runner.collect(self._ahead[1])     # every request of it has ended (EOS, abort): drop it
+            self._ahead = None
+        scheduler_output, in_flight = self._ahead or (self.scheduler.schedule(), None)
+        self._ahead = ahead_failed = None
         t1 = time.perf_counter()
         try:
-            runner_output = self.runner.execute(scheduler_output)
+            in_flight = in_flight or self.runner.dispatch(scheduler_output)
+            ahead = self.scheduler.schedule_ahead(scheduler_output) if self.async_scheduling else None
+            if ahead is not None:
+                row_of = {r.request_id: in_flight.first[i] for i, (r, _) in enumerate(scheduler_output.scheduled)}
+                rows = np.array([row_of[r.request_id] for r, _ in ahead.scheduled], np.int64)
+                try:
+                    self._ahead = ahead, self.runner.dispatch(ahead, rows, in_flight)
+                except Exception:    # the requests fail once this step's outputs are out (below)
+                    logger.exception("engine step failed; its %d request(s) end with an error", len(ahead.scheduled))
+                    ahead_failed = ahead
+            runner_output = self.runner.collect(in_flight)
         except Exception as e:
             if self.runner.channel is not None:
                 # Over several processes the others may or may not have run this step (or may be
@@ -85,9 +111,15 @@ class EngineCore:
             # Only this step's requests fail; the engine goes on serving the others.
             logger.exception("engine step failed; its %d request(s) end with an error: %s",
                              len(scheduler_output.scheduled), [r.request_id for r, _ in scheduler_output.scheduled])
-            return self.scheduler.fail_step(scheduler_output, cache_lost=self.runner.recover())
+            # A step dispatched ahead ran on what this one left: its requests are among these,
+            # and the pages it returned cannot be trusted.
+            self._ahead, lost = None, self._ahead is not None
+            return self.scheduler.fail_step(scheduler_output, cache_lost=self.runner.recover(force=lost))
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if ahead_failed is not None:
+            failed = self.scheduler.fail_step(ahead_failed, cache_lost=self.runner.recover())
+            outputs.outputs += failed.outputs
         if not scheduler_output.is_empty:
             self.stats.record_step(scheduler_output, runner_output, outputs, t1 - t0, time.perf_counter() - t2)
         return outputs

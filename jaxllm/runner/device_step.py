@@ -1,10 +1,12 @@
 """The device program of one engine step: pure, jitted once per bucket by `ModelRunner`.
 
-    step(params, kv_cache, ints, floats, penalty_tokens, token_mask, *, layout, spec, attention, mesh)
+    step(params, kv_cache, ints, floats, penalty_tokens, token_mask, prev_tokens, *, layout, spec, attention, mesh)
         -> (tokens, logprobs, top_logprobs, top_ids, hidden, kv_cache)
 
 `ints` / `floats` are the bucket's packed inputs (`PackedLayout.unpack` gives `StepInputs` and
-`SamplingMetadata`); the penalty tokens and the structured-output token mask travel apart. With
+`SamplingMetadata`); the penalty tokens and the structured-output token mask travel apart;
+`prev_tokens` [max rows] is the previous step's `tokens` (async scheduling: a token whose
+`StepInputs.prev_rows` is set takes its id from there), and `tokens` come out padded to it. With
 pipeline stages they carry one micro-batch per stage (`[M, ...]`). `hidden` (before the final
 norm, for prompt logprobs) is returned on one device only, else None.
 """
@@ -13,14 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from jaxllm import parallel
 from jaxllm.models import decoder
 from jaxllm.runner import sampler
 from jaxllm.runner.input_batch import PackedLayout, SamplingMetadata
 
 
-def step(params, kv_cache, ints, floats, penalty_tokens, token_mask, *, layout: PackedLayout, spec, attention,
-          mesh):
+def step(params, kv_cache, ints, floats, penalty_tokens, token_mask, prev_tokens, *, layout: PackedLayout, spec,
+         attention, mesh):
     hidden = None     # [T, hidden] before the final norm, kept for prompt logprobs (one device only)
     if parallel.pp_size(mesh) > 1:     # [M, ...]: micro-batches through the pipeline stages
         logits, kv_cache = parallel.pipelined_forward(params, kv_cache, ints, floats, spec=spec, attention=attention,
@@ -31,6 +35,9 @@ def step(params, kv_cache, ints, floats, penalty_tokens, token_mask, *, layout: 
     else:
         inputs, sampling = layout.unpack(ints, floats)
         sampling = dataclasses.replace(sampling, penalty_tokens=penalty_tokens, token_mask=token_mask)
+        if inputs.prev_rows is not None:     # tokens the previous step sampled, still on the device
+            prev = prev_tokens[jnp.maximum(inputs.prev_rows, 0)]
+            inputs = dataclasses.replace(inputs, token_ids=jnp.where(inputs.prev_rows >= 0, prev, inputs.token_ids))
         if mesh is None:
             hidden, kv_cache = decoder.forward(params, kv_cache, inputs, spec, attention=attention)
             logits = decoder.compute_logits(params, hidden[inputs.logits_indices], spec, rows=inputs.num_logits())
@@ -38,4 +45,6 @@ def step(params, kv_cache, ints, floats, penalty_tokens, token_mask, *, layout: 
             logits, kv_cache = parallel.sharded_forward(params, kv_cache, inputs, spec, attention=attention,
                                                         mesh=mesh)
     tokens, logprob, top_lp, top_ids = sampler.sample(logits, sampling, attention.argmax_logsumexp, attention.draw)
+    # Every bucket's tokens as one shape ([prev_tokens.shape[0]], padded), the next step's `prev_tokens`.
+    tokens = jnp.zeros(prev_tokens.shape, tokens.dtype).at[:tokens.shape[0]].set(tokens)
     return tokens, logprob, top_lp, top_ids, hidden, kv_cache

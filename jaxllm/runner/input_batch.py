@@ -54,6 +54,9 @@ class StepInputs:
     window_slot_mapping: np.ndarray | None = None
     window_block_tables: np.ndarray | None = None
     window_attn_metadata: dict | None = None
+    # Async scheduling: per token, the row of the previous step's sampled tokens that is its
+    # token id (read on the device), or -1 for `token_ids`' own.
+    prev_rows: np.ndarray | None = None
 
     @classmethod
     def zeros(cls, num_tokens: int, num_seqs: int, max_blocks: int, rope_width: int,
@@ -64,7 +67,8 @@ class StepInputs:
                      query_start_loc=np.zeros(num_seqs + 1, i32), seq_lens=np.zeros(num_seqs, i32),
                      num_seqs=np.zeros((), i32), logits_indices=np.zeros(num_logits or num_seqs, i32),
                      rope_cos=np.ones((num_tokens, 1, rope_width), np.float32),
-                     rope_sin=np.zeros((num_tokens, 1, rope_width), np.float32), attn_metadata={})
+                     rope_sin=np.zeros((num_tokens, 1, rope_width), np.float32), attn_metadata={},
+                     prev_rows=np.full(num_tokens, -1, i32))
         if window_group:
             inputs.window_slot_mapping = inputs.slot_mapping.copy()
             inputs.window_block_tables = inputs.block_tables.copy()

@@ -35,6 +35,7 @@ from jaxllm.runner import device_step
 from jaxllm.runner import pages as page_moves
 from jaxllm.runner.compile import Bucket, make_buckets
 from jaxllm.runner.executables import CompiledSteps, ExecutableStore
+from jaxllm.runner.followers import InFlight, ProcessGroupSteps
 from jaxllm.runner.input_batch import (FLAG_GRAMMAR, BucketBuffers, InputBatch, PackedLayout, SamplingMetadata,
                                       StepInputs, TokenMasks, fill)
 from jaxllm.runner.prompt_logprobs import PromptLogprobs
@@ -44,7 +45,7 @@ from jaxllm.structured_output import mask_words
 from jaxllm.utils import cdiv
 
 
-class ModelRunner:
+class ModelRunner(ProcessGroupSteps):
     """`mesh`: one replica's ("data", "stage", "model") Mesh (data size 1) for tensor and
     pipeline parallelism, with `params` already laid out by `layout.shard_layout` for it (as
     `load_model(..., tensor_parallel_size=tp, pipeline_parallel_size=pp)` gives them); see
@@ -110,6 +111,10 @@ class ModelRunner:
                                     self.attention.prefill_row_tokens, sched.max_num_prefill_seqs,
                                     drafts.num_speculative_tokens if drafts else 0,
                                     drafts.max_seqs(sched) if drafts else 0)
+        # Rows of every step's `tokens` output (padded), the next step's `prev_tokens` input.
+        self.max_logits = max(b.num_logits for b in self.buckets) * self.num_stages
+        self._no_prev = jax.device_put(np.zeros(self.max_logits, np.int32), self._inputs_sharding)
+        self._parity = 0    # which of a bucket's two sets of host buffers the next step fills
         kv_dtype = kernels.cache_dtype(config.cache.dtype)
         # Host pages for swapped-out requests: [layers, k/v, kv_heads, slots, block_size, row]
         # ([layer slots, k/v, stages, ...] with pipeline stages; numpy zeros: the OS commits
@@ -168,8 +173,8 @@ class ModelRunner:
         return (int(q_lens.sum()), len(q_lens) - len(chunks),
                 int(cdiv(chunks, self.attention.prefill_row_tokens).sum()), len(q_lens), drafts)
 
-    def prepare(self, scheduled, bucket: Bucket | None = None,
-                micro: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, BucketBuffers]:
+    def prepare(self, scheduled, bucket: Bucket | None = None, micro: int = 0,
+                ahead: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, BucketBuffers]:
         """Fill the bucket's buffers for `scheduled` [(request, num_new_tokens)] (in `bucket`,
         else the smallest that holds them; into micro-batch `micro`'s buffers).
 
@@ -181,6 +186,9 @@ class ModelRunner:
         `scheduled` of the j-th sequence; its sampled tokens are logits rows `first[j] ..
         first[j] + count[j] - 1` (none mid-prompt; the newest token's, then each draft's);
         `buffers` the bucket's filled `StepInputs` and `SamplingMetadata`.
+
+        `ahead` (async scheduling): every request decodes the token the step in flight samples
+        for it, which the device reads from that step's tokens, row `ahead[i]`.
         """
         n = len(scheduled)
         requests = [r for r, _ in scheduled]
@@ -189,12 +197,16 @@ class ModelRunner:
         ib, bs = self.input_batch, self.block_size
         rows = ib.rows_for(requests)
         known = ib.num_tokens[rows]                      # tokens the requests have (drafts excluded)
+        if ahead is not None:       # the newest token is in flight: one past what the host has
+            computed = known.astype(np.int32)
+            known = known + 1
         for i in np.flatnonzero(computed + q_lens > known):
             k = computed[i] + q_lens[i] - known[i]
             ib.token_ids[rows[i], known[i]:known[i] + k] = requests[i].spec_token_ids[:k]
         is_decode = q_lens == 1
         order = np.lexsort((np.where(is_decode, -computed, 0), ~is_decode))
         q_lens, computed, rows, known = q_lens[order], computed[order], rows[order], known[order]
+        prev_rows = ahead[order] if ahead is not None else ()
         num_decodes = int(is_decode.sum())
         num_tokens = int(q_lens.sum())
         seq_lens = computed + q_lens
@@ -208,7 +220,8 @@ class ModelRunner:
         positions = np.arange(num_tokens, dtype=np.int32) + np.repeat(computed - (ends - q_lens), q_lens)
         token_rows = rows[seq_of_token]
         fill(inputs.positions, positions, 0)
-        fill(inputs.token_ids, ib.token_ids[token_rows, positions], 0)
+        fill(inputs.token_ids, ib.token_ids[token_rows, np.minimum(positions, ib.token_ids.shape[1] - 1)], 0)
+        fill(inputs.prev_rows, prev_rows, -1)
         fill(inputs.seq_lens, seq_lens, 0)
         inputs.query_start_loc[0] = 0
         fill(inputs.query_start_loc[1:], ends, num_tokens)
@@ -237,7 +250,7 @@ class ModelRunner:
             first = ends - q_lens + (known - 1 - computed)
         else:
             fill(inputs.logits_indices, ends - 1, 0)
-            ib.fill_sampling(sampling, rows, no_penalties)
+            ib.fill_sampling(sampling, rows, no_penalties, positions=None if ahead is None else seq_lens - 1)
             first = np.arange(n)
         # Structured output: the constrained rows' masks, after each draft too (`count` rows).
         grammars = [(requests[i].grammar, int(first[j]), requests[i].spec_token_ids[:count[j] - 1])
@@ -251,7 +264,7 @@ class ModelRunner:
             sampling.token_mask = None if self.num_stages > 1 else self._all_allowed[R]
         return order, first, count, buffers
 
-    def prepare_step(self, scheduled):
+    def prepare_step(self, scheduled, ahead: np.ndarray | None = None):
         """The step's packed inputs for `scheduled`: `(seqs, first, count, buffers, packed)`:
         scheduled[i] is the step's sequence `seqs[i]`, its sampled tokens are output rows
         `first[i] ..` (`count[i]` of them: `prepare`); `buffers` are the (first) micro-batch's,
@@ -263,7 +276,9 @@ class ModelRunner:
         n = len(scheduled)
         seqs, first, count = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
         if self.num_stages == 1:
-            order, f, c, buffers = self.prepare(scheduled)
+            # Two sets of buffers, taken in turn: the step in flight may still read the other.
+            order, f, c, buffers = self.prepare(scheduled, micro=self._parity, ahead=ahead)
+            self._parity ^= 1
             seqs[order], first[order], count[order] = np.arange(n), f, c
             return seqs, first, count, buffers, self._pack(buffers)
         q_lens = np.fromiter((q for _, q in scheduled), np.int32, n)
@@ -302,21 +317,39 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Move pages as the scheduler asked (swaps, copy-on-write), then run the step; rows
         of the output follow `scheduler_output.scheduled`."""
+        return self.collect(self.dispatch(scheduler_output))
+
+    def dispatch(self, scheduler_output: SchedulerOutput, ahead: np.ndarray | None = None,
+                 prev: InFlight | None = None) -> InFlight:
+        """`execute`'s first half: move pages, prepare and call the step, without waiting for it.
+        `ahead`, `prev`: every scheduled request decodes the token step `prev` (in flight)
+        samples for it, in that step's output row `ahead[i]` (see `prepare`)."""
         self.input_batch.remove(scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids)
         # Before anything writes: pages freed by a swap-out may be reused in this very step.
         self.swap_out(scheduler_output.swap_out)
         self.swap_in(scheduler_output.swap_in)
         n = len(scheduler_output.scheduled)
         t0 = time.perf_counter()
-        seqs, first, count, buffers, packed = self.prepare_step(scheduler_output.scheduled) if n else (None,) * 5
+        seqs, first, count, buffers, packed = (self.prepare_step(scheduler_output.scheduled, ahead) if n
+                                               else (None,) * 5)
         if self.channel is not None:
             self._announce(buffers, packed, scheduler_output.block_copies)
         self.copy_pages(scheduler_output.block_copies)
         if n == 0:
+            return InFlight(scheduler_output, None, None, None, None, None, t0)
+        outs = self._call(buffers.bucket, *packed, None if prev is None else prev.outs[0])
+        self.kv_cache = outs[-1]
+        return InFlight(scheduler_output, seqs, first, count, buffers, outs[:-1], t0, time.perf_counter())
+
+    def collect(self, step: InFlight) -> ModelRunnerOutput:
+        """`execute`'s second half: wait for the step's tokens; rows follow its `scheduled`."""
+        if step.outs is None:
             empty = np.zeros((0, MAX_LOGPROBS))
             return ModelRunnerOutput(np.zeros(0, np.int32), np.zeros(0, np.float32), empty, empty, np.zeros(0, int))
+        scheduler_output, seqs, first, count, buffers = (step.scheduler_output, step.seqs, step.first, step.count,
+                                                         step.buffers)
+        tokens, logprob, top_lp, top_ids, hidden = step.outs
         t1 = time.perf_counter()
-        tokens, logprob, top_lp, top_ids, hidden, self.kv_cache = self._call(buffers.bucket, *packed)
         # Waiting for every step's tokens keeps one sharded step in flight: with ~32 queued,
         # XLA:CPU's virtual devices deadlock in their collectives (README, Sharding).
         tokens, logprob, top_lp, top_ids = (_fetch(x) for x in (tokens, logprob, top_lp, top_ids))
@@ -327,7 +360,7 @@ class ModelRunner:
         out_rows = np.repeat(first - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
         return ModelRunnerOutput(tokens[out_rows].astype(np.int32), logprob[out_rows], top_lp[out_rows],
                                  top_ids[out_rows], count, prompt_logprobs,
-                                 timings={"prepare": t1 - t0, "device": t2 - t1,
+                                 timings={"prepare": step.t1 - step.t0, "device": t2 - t1,
                                           "bucket_tokens": buffers.inputs.token_ids.shape[0] * self.num_stages})
 
     def _pack(self, buffers: BucketBuffers):
@@ -344,13 +377,13 @@ class ModelRunner:
         sampling.penalty_tokens, sampling.token_mask = side
         return buffers.ints, buffers.floats, *side
 
-    def _call(self, bucket: Bucket, ints, floats, penalty_tokens, token_mask):
+    def _call(self, bucket: Bucket, ints, floats, penalty_tokens, token_mask, prev=None):
         """Send the packed inputs, run the bucket's step. On one device the host arrays go to the
         step as they are: the compiled call takes them in C++, where `jax.device_put` spent
         0.4-0.5 ms a step in Python (steps of 1 and 4 rows in `jaxllm serve` at 0.965x and 0.988x
         the time, 16 rows 1.006x, alternating step by step). The buffers are refilled only once
         the step's tokens are back, so a CPU array sharing their memory never sees a change."""
-        inputs = (ints, floats, penalty_tokens, token_mask)
+        inputs = (ints, floats, penalty_tokens, token_mask, self._no_prev if prev is None else prev)
         if self.mesh is not None:   # every device of the mesh gets them (replicated)
             inputs = jax.device_put(inputs, self._inputs_sharding)
         return self.steps.get(bucket)(self.params, self.kv_cache, *inputs)
@@ -362,45 +395,6 @@ class ModelRunner:
         if self._abstract_state is None:     # the same tree for every bucket: made once (and keyed once)
             self._abstract_state = _abstract((self.params, self._kv_shapes))
         return layout, (*self._abstract_state, *_abstract(jax.device_put(packed, self._inputs_sharding)))
-
-    # ----- several processes: the leader announces, the others follow -----
-    def _announce(self, buffers: BucketBuffers | None, packed, copies) -> None:
-        src = [p for s, _ in copies for p in s]
-        dst = [p for _, d in copies for p in d]
-        groups = [g for g, (s, _) in enumerate(copies) for _ in s]
-        # Which side inputs are sent (host arrays), not the cached -1s: bit 0 penalties, bit 1 mask.
-        side = [isinstance(x, np.ndarray) for x in packed[2:]] if packed is not None else [False, False]
-        bucket = self.buckets.index(buffers.bucket) if buffers is not None else -1
-        self.channel.send_header(parallel.StepChannel.STEP, bucket, len(src), side[0] | side[1] << 1)
-        if len(src):
-            self.channel.arrays(np.asarray(src, np.int32), np.asarray(dst, np.int32), np.asarray(groups, np.int32))
-        if packed is not None:
-            self.channel.arrays(*packed[:2], *(x for x, sent in zip(packed[2:], side) if sent))
-
-    def follow(self) -> None:
-        """On a process other than 0: run the steps process 0 announces until it stops."""
-        while True:
-            op, bucket, num_copies, side = self.channel.receive_header()
-            if op == parallel.StepChannel.STOP:
-                return
-            if num_copies:
-                src, dst, groups = self.channel.arrays(*(np.zeros(num_copies, np.int32) for _ in range(3)))
-                self.copy_pages([(list(src[groups == g]), list(dst[groups == g]))
-                                 for g in range(len(self.config.cache.group_windows))])
-            if bucket >= 0:
-                _, ints, floats, *defaults = self._padding(self.buckets[bucket])
-                # One broadcast, as the leader sends it: the packed inputs, then the side inputs sent.
-                sent = [i for i in range(len(defaults)) if side >> i & 1]
-                ints, floats, *got = self.channel.arrays(ints, floats,
-                                                         *(np.zeros(defaults[i].shape, np.int32) for i in sent))
-                side_inputs = [dict(zip(sent, got)).get(i, x) for i, x in enumerate(defaults)]
-                self.kv_cache = self._call(self.buckets[bucket], ints, floats, *side_inputs)[-1]
-
-    def stop_followers(self) -> None:
-        """On process 0: let the other processes' `follow` return."""
-        if self.channel is not None and self.channel.is_leader:
-            self.channel.send_header(parallel.StepChannel.STOP)
-            self.channel = None
 
     def _ready_buffers(self, bucket: Bucket) -> BucketBuffers:
         """The bucket's all-padding inputs, packed (they write no KV and sample nothing used)."""
@@ -418,8 +412,9 @@ class ModelRunner:
         buffers = self._ready_buffers(bucket)
         if self.num_stages == 1:
             R = bucket.num_logits
-            return buffers.layout, buffers.ints, buffers.floats, self._no_penalty_tokens[R], self._all_allowed[R]
-        return (buffers.layout, *self._stack([buffers] * self.num_stages))
+            return (buffers.layout, buffers.ints, buffers.floats, self._no_penalty_tokens[R], self._all_allowed[R],
+                    self._no_prev)
+        return (buffers.layout, *self._stack([buffers] * self.num_stages), self._no_prev)
 
     def warmup(self, progress: bool = True, background: bool = False) -> float:
         """Compile (or load) every bucket's step (the KV pages are allocated meanwhile). Returns
@@ -448,10 +443,11 @@ class ModelRunner:
         """Return once every bucket's step is ready (after `warmup(background=True)`)."""
         self.steps.wait()
 
-    def recover(self) -> bool:
+    def recover(self, force: bool = False) -> bool:
         """After a failed step: reallocate the KV cache if the failure consumed it (the step
-        donates it). Returns whether it did, i.e. whether every page's contents are lost."""
-        if not any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.kv_cache)):
+        donates it), or with `force`. Returns whether it did, i.e. whether every page's contents
+        are lost."""
+        if not force and not any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.kv_cache)):
             return False
         self.kv_cache = self._make_kv_cache()
         return True
