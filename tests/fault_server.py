@@ -24,24 +24,25 @@ def main() -> int:
     parser.add_argument("--unrecoverable", action="store_true")
     args, rest = parser.parse_known_args()
     rest = rest[1:] if rest[:1] == ["--"] else rest
-    execute, recover = ModelRunner.execute, ModelRunner.recover
+    dispatch, recover = ModelRunner.dispatch, ModelRunner.recover
     steps = 0
 
-    def faulty_execute(self, scheduler_output):
+    def faulty_dispatch(self, scheduler_output, *ahead):
         nonlocal steps
         steps += 1
         time.sleep(args.step_delay)
         if steps == args.fail_at_step:
             raise RuntimeError("injected fault in the model runner")
-        return execute(self, scheduler_output)
+        return dispatch(self, scheduler_output, *ahead)
 
-    def faulty_recover(self):
+    def faulty_recover(self, force=False):
         if args.unrecoverable:
             raise RuntimeError("injected fault: the device cannot be recovered")
-        return recover(self)
+        return recover(self, force)
 
-    # Warm-up runs before any request and does not go through execute(); steps count requests' steps.
-    ModelRunner.execute, ModelRunner.recover = faulty_execute, faulty_recover
+    # Warm-up runs before any request and does not go through dispatch(), which every step does
+    # (a step dispatched ahead by async scheduling too): steps count requests' steps.
+    ModelRunner.dispatch, ModelRunner.recover = faulty_dispatch, faulty_recover
     return cli.main(rest)
 
 
