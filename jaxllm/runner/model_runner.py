@@ -381,8 +381,10 @@ class ModelRunner(ProcessGroupSteps):
         """Send the packed inputs, run the bucket's step. On one device the host arrays go to the
         step as they are: the compiled call takes them in C++, where `jax.device_put` spent
         0.4-0.5 ms a step in Python (steps of 1 and 4 rows in `jaxllm serve` at 0.965x and 0.988x
-        the time, 16 rows 1.006x, alternating step by step). The buffers are refilled only once
-        the step's tokens are back, so a CPU array sharing their memory never sees a change."""
+        the time, 16 rows 1.006x, alternating step by step). A bucket's two sets of buffers are
+        taken in turn, so a set is refilled only once its step's tokens are back (a step ahead
+        fills the other): a CPU array sharing their memory never sees a change. `prev`: the
+        previous step's `tokens` (device), for async scheduling's `prev_rows`."""
         inputs = (ints, floats, penalty_tokens, token_mask, self._no_prev if prev is None else prev)
         if self.mesh is not None:   # every device of the mesh gets them (replicated)
             inputs = jax.device_put(inputs, self._inputs_sharding)
