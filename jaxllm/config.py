@@ -157,6 +157,9 @@ class EngineArgs:
         return self.quantization == "w8a8" or self.int8_activations
 
     def verify(self) -> None:
+        for field in dataclasses.fields(self):     # "False" from a config file would read as on
+            if field.type == "bool" and not isinstance(getattr(self, field.name), bool):
+                raise ValueError(f"{field.name} must be True or False, got {getattr(self, field.name)!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_num_prefill_seqs",

@@ -63,6 +63,7 @@ def test_swap_space_only_with_swap_preemption():
     (dict(attention_backend="triton"), None, "attention_backend"),
     (dict(dtype="float16"), None, "dtype"),
     (dict(max_model_len=4096), None, "max_position_embeddings"),
+    (dict(async_scheduling="False"), None, "async_scheduling must be True or False"),
 ])
 def test_impossible_options_are_clear_errors(kw, available, message):
     with pytest.raises(ValueError, match=message):
