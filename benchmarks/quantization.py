@@ -62,7 +62,7 @@ def worker(spec: dict) -> dict:
             "int8_activations": llm.engine.config.int8_activations,
             "perplexity": ppl["perplexity"],
             "ppl_tokens": ppl["tokens"], "output_tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall,
-            "weight_bytes": weight_bytes(llm.engine.runner.params), "start_s": start_s,
+            "weight_bytes": weight_bytes(llm.engine.runner.params, llm.engine.runner.small_params), "start_s": start_s,
             "greedy_tokens": [o.outputs[0].token_ids for o in agreement]}
 
 

@@ -146,6 +146,11 @@ class EngineArgs:
     packed_weights: bool = option(
         True, "on one CPU device with the native kernels: pack each float32 weight matrix (and bf16 ones where "
               "the CPU has AVX512_BF16) once for jaxllm's C++ GEMMs (XLA's dot repacks it on every call)")
+    small_step_codes: bool | None = option(
+        None, "a GGUF's 4- and 8-bit layer blocks kept beside the bf16 weights, for steps of at most 4 rows: "
+              "the same numbers (the codes become the bf16 weights as they are read) from about a third of the "
+              "bytes, which a decode step of a few rows waits on; on one CPU device with AVX512_BF16 under dtype "
+              "bfloat16. Default: on where it applies, for 1.2-1.3x more memory for the layer weights")
     speculative_config: dict | str | None = option(
         None, "speculative decoding, a JSON object as in vLLM: {\"method\": \"ngram\", \"num_speculative_tokens\": "
               "K, \"prompt_lookup_min\": N, \"prompt_lookup_max\": N, \"disable_by_batch_size\": B}, or a draft "
@@ -158,8 +163,11 @@ class EngineArgs:
 
     def verify(self) -> None:
         for field in dataclasses.fields(self):     # "False" from a config file would read as on
-            if field.type == "bool" and not isinstance(getattr(self, field.name), bool):
-                raise ValueError(f"{field.name} must be True or False, got {getattr(self, field.name)!r}")
+            value = getattr(self, field.name)
+            if field.type == "bool" and not isinstance(value, bool):
+                raise ValueError(f"{field.name} must be True or False, got {value!r}")
+            if field.type == "bool | None" and not isinstance(value, (bool, type(None))):
+                raise ValueError(f"{field.name} must be True, False or None, got {value!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_num_prefill_seqs",
@@ -340,6 +348,9 @@ class EngineConfig:
     background_compile: bool
     packed_weights: bool
     int8_activations: bool = False
+    # The checkpoint's codes kept for steps of at most SMALL_STEP_ROWS rows beside the float
+    # weights (EngineArgs.small_step_codes, as resolved by LLMEngine); quantization stays None.
+    small_step_codes: bool = False
     speculative: SpeculativeConfig | None = None
     quantization: str | None = None
 
@@ -462,6 +473,7 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
         background_compile=args.background_compile,
         packed_weights=args.packed_weights,
         int8_activations=args.int8_activations,
+        small_step_codes=bool(args.small_step_codes),
         speculative=speculative,
         quantization=args.quantization,
     )

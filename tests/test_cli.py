@@ -71,7 +71,7 @@ def test_flags_round_trip_to_engine_args():
         distributed_coordinator="10.0.0.1:1234",
         num_processes=2, process_id=1, served_model_name="mine",
         compilation_cache_dir="", params_cache_dir="/params", attention_backend="reference", warmup=False,
-        background_compile=False, int8_activations=True, packed_weights=False,
+        background_compile=False, int8_activations=True, packed_weights=False, small_step_codes=False,
         speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert all(getattr(expected, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(EngineArgs)
                if f.name != "mesh")
@@ -86,7 +86,7 @@ def test_flags_round_trip_to_engine_args():
              "--distributed-coordinator", "10.0.0.1:1234", "--num-processes", "2", "--process-id", "1",
              "--compilation-cache-dir", "", "--params-cache-dir", "/params", "--attention-backend", "reference",
              "--no-warmup", "--no-background-compile", "--int8-activations", "--no-packed-weights",
-             "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+             "--no-small-step-codes", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
     parse = cli.build_parser().parse_args
     assert cli.engine_args(parse(["serve", *flags, "--served-model-name", "mine"])) == expected
     assert cli.engine_args(parse(["generate", *flags, "a prompt"])) == \

@@ -55,7 +55,11 @@ class LLMEngine:
             logger.info("kv_cache_dtype auto: %s (%s)", kv_dtype, why)
         args = dataclasses.replace(args, dtype=dtype, kv_cache_dtype=kv_dtype)
         native_gemm = _native_gemm(args, platform, mesh, many_processes)
-        self._load_quantization = load_quantization(args, native_gemm)
+        small_codes = small_step_codes_apply(args, native_gemm)
+        if args.small_step_codes and not small_codes:
+            raise ValueError("small_step_codes needs dtype bfloat16 on one CPU device with AVX512_BF16 and the C++ "
+                             "kernels, packed weights and no quantization asked")
+        self._load_quantization = "auto" if small_codes else load_quantization(args, native_gemm)
         # Over several processes each reads the checkpoint itself (no shared params cache to race on).
         # W8A8 smooths the unsharded weights (below), then lays them out for the mesh. Weights to
         # quantize stay on the host: the runner quantizes each shard's part, then places them.
@@ -80,7 +84,12 @@ class LLMEngine:
             raise ValueError(f"quantization={args.quantization!r} needs a checkpoint quantized so, and "
                              f"{loaded.source} has no {args.quantization} weights")
         asked = None if args.quantization == "none" else args.quantization
-        args = dataclasses.replace(args, quantization=asked or loaded.quantization)
+        # A GGUF's blocks kept for small steps leave the run unquantized (the same numbers).
+        small_codes = small_codes and loaded.quantization == "gguf"
+        if args.small_step_codes and not small_codes:
+            raise ValueError(f"small_step_codes needs a GGUF model with quantized blocks; {loaded.source} has none")
+        args = dataclasses.replace(args, quantization=None if small_codes else asked or loaded.quantization,
+                                   small_step_codes=small_codes)
         self.config: EngineConfig = resolve_config(args, loaded.spec, loaded.name,
                                                    available_memory=_available_memory(args), platform=platform)
         if many_processes:
@@ -363,11 +372,22 @@ def load_quantization(args: EngineArgs, native_gemm: bool) -> str | None:
     large ones), saving 2/3 of the weight memory or more. Under bfloat16 (a CPU with AVX512_BF16)
     the blocks give the bf16 engine's outputs bit for bit (`quantization="gguf"`), but at
     0.96-0.98x its speed on the standard workload and 0.8-0.85x its layer GEMMs at 16 rows
-    (Zen 4, README): there the default stays the dequantized bf16 weights. `native_gemm`:
-    `_native_gemm`'s answer."""
+    (Zen 4, README): there the default keeps both (`small_step_codes_apply`, decided before this)
+    and runs unquantized. `native_gemm`: `_native_gemm`'s answer."""
     if args.quantization is not None:     # "none" included
         return args.quantization if args.quantization in CHECKPOINT_METHODS else None
     return "auto" if args.dtype == "float32" and native_gemm else None
+
+
+def small_step_codes_apply(args: EngineArgs, native_gemm: bool) -> bool:
+    """Whether a GGUF's quantized blocks may be kept for small steps beside the bf16 weights
+    (`EngineArgs.small_step_codes` not off): bf16 weights packed for the C++ GEMM on a CPU with
+    AVX512_BF16 (checked from the CPU's flags: the kernels may still be building; the runner
+    drops the codes if their build has no bf16 dots), and no quantization asked."""
+    from jaxllm.utils import cpu_flags
+
+    return (args.small_step_codes is not False and args.quantization is None and args.dtype == "bfloat16"
+            and native_gemm and args.packed_weights and "avx512_bf16" in cpu_flags())
 
 
 def _native_gemm(args: EngineArgs, platform: str, mesh, many_processes: bool) -> bool:

@@ -168,17 +168,19 @@ def _load() -> str | None:
 
 
 _loading: Future | None = None
+_lib = None     # the loaded library (ctypes), for its plain C functions
 _loading_lock = threading.Lock()
 
 
 def _load_once() -> str | None:
-    global _path_bits, _bf16_native
+    global _lib, _path_bits, _bf16_native
     try:
         lib = ctypes.cdll.LoadLibrary(build())
         for target, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
         _path_bits = lib.JaxllmKernelPaths()
         _bf16_native = bool(lib.JaxllmBf16GemmNative())
+        _lib = lib
     except (OSError, RuntimeError, AttributeError) as e:
         return str(e)
     return None
@@ -320,6 +322,32 @@ def pack_codes(codes: np.ndarray, bits: int, w8a8: bool = False, pairs: bool = F
         return np.ascontiguousarray(panels, np.int8)
     u = panels.astype(np.uint8)
     return np.ascontiguousarray(u[..., : PANEL // 2] | (u[..., PANEL // 2 :] << 4))
+
+
+def codes_to_bf16_panels(codes, scale, offset, bits: int, super_scale=None, super_offset=None) -> np.ndarray:
+    """The packed bf16 weight (`pack_weight(w, dtype=bfloat16)`'s layout) of codes laid out for
+    `matmul_quantized_bf16` (same arguments), each weight bf16(code * scale + offset) as that GEMM
+    computes it, in one C++ pass on the host (csrc/gemm_quant_bf16.cc)."""
+    require()
+    host = lambda a: None if a is None else np.ascontiguousarray(np.asarray(a))      # noqa: E731
+    codes, scale, offset, super_scale, super_offset = map(host, (codes, scale, offset, super_scale, super_offset))
+    n = codes.shape[0] * PANEL
+    k = codes.shape[1] * (4 if bits == 4 else 1)
+    groups = scale.shape[0] if scale.ndim == 2 else 0
+    supers_ok = super_scale is None or (super_scale.shape[1:] == (n,) and groups % super_scale.shape[0] == 0 and (
+        super_offset is None or super_offset.shape == super_scale.shape))
+    if scale.shape != (groups, n) or not groups or k % groups or (offset is not None and offset.shape != scale.shape) \
+            or not supers_ok:
+        raise ValueError(f"codes_to_bf16_panels: codes {codes.shape} with scales {scale.shape} have no bf16 panels")
+    out = np.empty((n // PANEL, k // 2, PANEL, 2), np.uint16)
+    ptr = lambda a: None if a is None else a.ctypes.data_as(ctypes.c_void_p)      # noqa: E731
+    err = _lib.JaxllmCodesToBf16Panels(
+        ptr(codes), ctypes.c_int32(bits), ctypes.c_int64(k), ctypes.c_int64(n), ctypes.c_int64(scale.shape[0]),
+        ptr(scale), ptr(offset), ctypes.c_int32(scale.dtype == np.float16), ptr(super_scale), ptr(super_offset),
+        ctypes.c_int64(scale.shape[0] // super_scale.shape[0] if super_scale is not None else 1), ptr(out))
+    if err:
+        raise ValueError(f"codes_to_bf16_panels: codes {codes.shape} with scales {scale.shape} have no bf16 panels")
+    return out.view(jnp.bfloat16)
 
 
 def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array | None, bits: int,

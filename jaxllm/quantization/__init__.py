@@ -35,6 +35,12 @@ How a quantized weight is multiplied (`matmul`):
   `gguf` on the default model is the bf16 engine's outputs in 0.36x its weight memory. On Zen 4
   the layer GEMMs ran at 1.35-1.45x the bf16 GEMM at 1 row, 1.15x at 4, 0.8x at 16, 0.94-0.98x
   from 64 up, about twice the f32 path above (README, Quantization).
+- **Small-step codes** (`EngineArgs.small_step_codes`, on by default for a GGUF under dtype
+  bfloat16 on a CPU with AVX512_BF16; the run is not quantized): `small_step_params` keeps the
+  GGUF's blocks as bf16-activation codes for the steps of at most SMALL_STEP_ROWS rows and makes
+  the bf16 weights of the other steps from them (`native.codes_to_bf16_panels`, the GEMM over
+  codes' own conversion): the same numbers both ways, the small steps streaming a third of the
+  layer weights' bytes (decode steps at 1.1-1.3x the speed on Zen 4, README).
 - **Packed 4-bit codes x int8 activations** (`EngineArgs.int8_activations`, off by default;
   `activations="int8"` on a panels weight, `with_int8_activations`): llama.cpp's scheme for its
   4-bit formats. The C++ GEMM rounds each row of x to int8 per block of 32 columns (a scale per
@@ -73,7 +79,7 @@ Over several processes each quantizes the weights it read, then places its own d
 shards (the weights stay off the mesh until then: `LLMEngine`).
 """
 
-from jaxllm.quantization.params import quantize_params, weight_bytes
+from jaxllm.quantization.params import SMALL_STEP_ROWS, quantize_params, small_step_params, weight_bytes
 from jaxllm.quantization.weights import (
     CHECKPOINT_METHODS,
     METHODS,
@@ -83,5 +89,5 @@ from jaxllm.quantization.weights import (
     quantize_matrix,
 )
 
-__all__ = ["CHECKPOINT_METHODS", "METHODS", "QuantizedWeight", "dequantize", "matmul", "quantize_matrix",
-           "quantize_params", "weight_bytes"]
+__all__ = ["CHECKPOINT_METHODS", "METHODS", "SMALL_STEP_ROWS", "QuantizedWeight", "dequantize", "matmul",
+           "quantize_matrix", "quantize_params", "small_step_params", "weight_bytes"]

@@ -309,13 +309,15 @@ def flat_scales(w: QuantizedWeight) -> QuantizedWeight:
     return dataclasses.replace(w, scale=scale, offset=offset, super_scale=None, super_offset=None)
 
 
-def dequantize(w: QuantizedWeight) -> jax.Array:
-    """The f32 weight [..., K, N] the codes stand for (its rows in `perm` order when there is one)."""
-    codes = _unpacked_codes(w).astype(jnp.float32)
-    scale, offset = group_scales(w)
+def dequantize(w: QuantizedWeight, xp=jnp) -> jax.Array:
+    """The f32 weight [..., K, N] the codes stand for (its rows in `perm` order when there is one),
+    as an `xp` array (numpy on the host: each product is exact in f32 and the offset's add rounds
+    once, as GGUF's own dequantization computes)."""
+    codes = _unpacked_codes(w, xp).astype(xp.float32)
+    scale, offset = group_scales(w, xp)
     rows = codes.shape[-2] // scale.shape[-2]
-    out = codes * jnp.repeat(scale.astype(jnp.float32), rows, axis=-2)
-    return out if offset is None else out + jnp.repeat(offset.astype(jnp.float32), rows, axis=-2)
+    out = codes * xp.repeat(xp.asarray(scale).astype(xp.float32), rows, axis=-2)
+    return out if offset is None else out + xp.repeat(xp.asarray(offset).astype(xp.float32), rows, axis=-2)
 
 
 def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None, swiglu: bool = False) -> jax.Array:

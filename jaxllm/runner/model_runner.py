@@ -84,7 +84,7 @@ class ModelRunner(ProcessGroupSteps):
             jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None else parallel.kv_sharding(mesh),
             zeros=kernels.native.zeros if huge else jnp.zeros)
         self._kv_shapes = jax.eval_shape(self._make_kv_cache)     # (with shardings) for compiling without pages
-        self._abstract_state = None     # (params, KV cache) as shapes, dtypes and shardings: `_abstract_args`
+        self._abstract_state = {}       # id(params) -> (params, KV cache) as shapes, dtypes and shardings
         pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-kv")
         self._kv_cache, self._kv_pending = None, pool.submit(self._make_kv_cache)
         pool.shutdown(wait=False)
@@ -96,11 +96,15 @@ class ModelRunner(ProcessGroupSteps):
                 params, spec, config.quantization, native=native, int8_activations=config.int8_activations,
                 bf16_activations=native and config.dtype == "bfloat16" and kernels.native.bf16_gemm_native(),
                 device=jax.devices()[0], parts=None if mesh is None else parallel.quantized_parts(mesh))
+        self.small_params = None    # small-step codes: the same model, its matrices as codes (`_step_params`)
         if mesh is None:
             if config.packed_weights and self.attention.name == "native":
                 # In place, one matrix at a time: the unpacked ones are freed as it goes.
                 params = decoder.pack_params(params, spec, jax.devices()[0])
             self.params = jax.device_put(params, jax.devices()[0])
+            if config.small_step_codes:     # (the trees share every array but the matrices)
+                self.params, self.small_params = quantization.small_step_params(
+                    self.params, jax.devices()[0], codes=kernels.native.bf16_gemm_native())
         else:
             self.params = parallel.shard_params(params, mesh)
         sched = config.scheduler
@@ -388,15 +392,21 @@ class ModelRunner(ProcessGroupSteps):
         inputs = (ints, floats, penalty_tokens, token_mask, self._no_prev if prev is None else prev)
         if self.mesh is not None:   # every device of the mesh gets them (replicated)
             inputs = jax.device_put(inputs, self._inputs_sharding)
-        return self.steps.get(bucket)(self.params, self.kv_cache, *inputs)
+        return self.steps.get(bucket)(self._step_params(bucket), self.kv_cache, *inputs)
+
+    def _step_params(self, bucket: Bucket):
+        """The params tree the bucket's step takes: the codes one for small steps, if any."""
+        small = self.small_params is not None and bucket.num_tokens <= quantization.SMALL_STEP_ROWS
+        return self.small_params if small else self.params
 
     def _abstract_args(self, bucket: Bucket):
         """(layout, abstract step arguments) of the bucket: shapes, dtypes and shardings only, so
         compiling in the background never touches the KV cache that steps donate meanwhile."""
         layout, *packed = self._padding(bucket)
-        if self._abstract_state is None:     # the same tree for every bucket: made once (and keyed once)
-            self._abstract_state = _abstract((self.params, self._kv_shapes))
-        return layout, (*self._abstract_state, *_abstract(jax.device_put(packed, self._inputs_sharding)))
+        params = self._step_params(bucket)     # (a tree many buckets share: made once, and keyed once)
+        if id(params) not in self._abstract_state:
+            self._abstract_state[id(params)] = _abstract((params, self._kv_shapes))
+        return layout, (*self._abstract_state[id(params)], *_abstract(jax.device_put(packed, self._inputs_sharding)))
 
     def _ready_buffers(self, bucket: Bucket) -> BucketBuffers:
         """The bucket's all-padding inputs, packed (they write no KV and sample nothing used)."""

@@ -351,6 +351,45 @@ ffi::Error MatmulQuantBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, f
 }  // namespace
 }  // namespace jaxllm
 
+// The bf16 panels [N / 16, K / 2, 16] of words (gemm_bf16.cc's layout: what `pack_weight`
+// gives for the weights dequantized and rounded to bf16) of codes laid out as for
+// JaxllmMatmulQuantBf16Cpu, converted as that GEMM converts them: a small-step codes run's bf16
+// weights for its large steps (quantization/params.py), without numpy's passes over every weight.
+// scale, offset: f32 or f16 (`half`) [G, N], offset may be null; two-level scales: int8 scale and
+// offset with f16 super_scale / super_offset [G / per_super, N] (else null). Returns 0, or -1
+// for shapes the layout cannot have.
+extern "C" int32_t JaxllmCodesToBf16Panels(const uint8_t* codes, int32_t bits, int64_t K, int64_t N, int64_t groups,
+                                           const void* scale, const void* offset, int32_t half,
+                                           const uint16_t* super_scale, const uint16_t* super_offset,
+                                           int64_t per_super, uint32_t* out) {
+  using namespace jaxllm;
+  if ((bits != 4 && bits != 8) || K % 4 || N % kPanel || groups < 1 || K % groups || (K / groups) % 4 ||
+      (super_scale && (per_super < 1 || groups % per_super)))
+    return -1;
+  QuantPanel q{codes, scale, offset, half != 0, K, N, K / groups, bits};
+  if (super_scale) {
+    q.super_scale = super_scale;
+    q.super_offset = super_offset;
+    q.per_super = per_super;
+  }
+  const int64_t panel_bytes = K / 4 * (bits == 4 ? kBlockBytes<4> : kBlockBytes<8>), words = K / 2 * kPanel;
+  for (int64_t p = 0; p < N / kPanel; ++p) {
+    const uint8_t* w = codes + p * panel_bytes;
+#ifdef JAXLLM_AVX512_BF16
+    if (bits == 4)
+      convert_panel<4>(q, w, p, out + p * words);
+    else
+      convert_panel<8>(q, w, p, out + p * words);
+#else
+    if (bits == 4)
+      convert_panel_portable<4>(q, w, p, out + p * words);
+    else
+      convert_panel_portable<8>(q, w, p, out + p * words);
+#endif
+  }
+  return 0;
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulQuantBf16Cpu, jaxllm::MatmulQuantBf16Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
