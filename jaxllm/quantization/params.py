@@ -105,15 +105,15 @@ def small_step_params(params: dict, device, codes: bool = True) -> tuple[dict, d
         """tree_big[name] (codes) as bf16 panels there, and as codes for the bf16 GEMM in tree_few."""
         w = tree_big[name]
         q = with_bf16_activations(relayout(w, True, device), device)
-        if q.activations == "bf16":     # converted as the GEMM over codes converts them
+        if codes and q.activations == "bf16":   # converted as the GEMM over codes converts them
             big = PackedWeight(put(native.codes_to_bf16_panels(q.codes, q.scale, q.offset, q.bits, q.super_scale,
                                                                q.super_offset)))
-        else:                           # a shape off the bf16 GEMM's panels: the dense bf16 weight
+        else:       # a shape off the bf16 GEMM's panels, or no bf16 dots: the dense bf16 weight, unpacked
             dense = np.asarray(dequantize(w, np), jnp.bfloat16)     # [in, out], rounded to nearest even
             big = put(np.ascontiguousarray(dense.T) if table else dense)
         tree_big[name] = big
         # (a 4-bit embedding table's rows are looked up from its plain panels: the bf16 one serves)
-        tree_few[name] = q if codes and q.activations == "bf16" and (q.bits == 8 or not table) else big
+        tree_few[name] = q if isinstance(big, PackedWeight) and (q.bits == 8 or not table) else big
 
     large, small = dict(params), dict(params)
     large["layers"], small["layers"] = [], []
