@@ -147,10 +147,10 @@ class EngineArgs:
         True, "on one CPU device with the native kernels: pack each float32 weight matrix (and bf16 ones where "
               "the CPU has AVX512_BF16) once for jaxllm's C++ GEMMs (XLA's dot repacks it on every call)")
     small_step_codes: bool | None = option(
-        None, "a GGUF's 4- and 8-bit layer blocks kept beside the bf16 weights, for steps of at most 4 rows: "
-              "the same numbers (the codes become the bf16 weights as they are read) from about a third of the "
-              "bytes, which a decode step of a few rows waits on; on one CPU device with AVX512_BF16 under dtype "
-              "bfloat16. Default: on where it applies, for 1.2-1.3x more memory for the layer weights")
+        None, "a GGUF's quantized layer and tied LM-head blocks kept beside the bf16 weights, for steps of at "
+              "most 4 rows: the same numbers (the codes become the bf16 weights as they are read) from about a "
+              "third of the bytes, which a decode step of a few rows waits on; on one CPU device with AVX512_BF16 "
+              "under dtype bfloat16. Default: on where it applies, for 1.36x the weights' memory (default model)")
     speculative_config: dict | str | None = option(
         None, "speculative decoding, a JSON object as in vLLM: {\"method\": \"ngram\", \"num_speculative_tokens\": "
               "K, \"prompt_lookup_min\": N, \"prompt_lookup_max\": N, \"disable_by_batch_size\": B}, or a draft "
