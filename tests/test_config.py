@@ -64,6 +64,7 @@ def test_swap_space_only_with_swap_preemption():
     (dict(dtype="float16"), None, "dtype"),
     (dict(max_model_len=4096), None, "max_position_embeddings"),
     (dict(async_scheduling="False"), None, "async_scheduling must be True or False"),
+    (dict(small_step_codes="off"), None, "small_step_codes must be True, False or None"),
 ])
 def test_impossible_options_are_clear_errors(kw, available, message):
     with pytest.raises(ValueError, match=message):
