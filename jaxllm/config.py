@@ -64,7 +64,8 @@ class EngineArgs:
               "blocks, kept), 'awq', 'gptq' "
               "(read from the checkpoint's quantization_config); 'none' (a GGUF dequantized to the dtype). "
               "Default: an AWQ/GPTQ checkpoint as it is; a GGUF kept quantized where the dtype is float32 "
-              "on a CPU with the C++ kernels, else dequantized (see jaxllm/quantization)",
+              "on a CPU with the C++ kernels, else dequantized (its blocks kept beside for small steps: "
+              "small_step_codes; see jaxllm/quantization)",
         choices=QUANTIZATION_METHODS)
     kv_cache_dtype: str = option(
         "auto", "KV cache dtype: 'auto' (the dtype; but bfloat16 where dtype 'auto' picked float32 on a CPU, "

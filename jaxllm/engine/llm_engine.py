@@ -88,8 +88,8 @@ class LLMEngine:
         small_codes = small_codes and loaded.quantization == "gguf"
         if args.small_step_codes and not small_codes:
             raise ValueError(f"small_step_codes needs a GGUF model with quantized blocks; {loaded.source} has none")
-        if not small_codes:     # (what a draft model is loaded with, below)
-            self._load_quantization = load_quantization(args, native_gemm) and self._load_quantization
+        if not small_codes and self._load_quantization:     # (what a draft model is loaded with, below)
+            self._load_quantization = load_quantization(args, native_gemm)
         args = dataclasses.replace(args, quantization=None if small_codes else asked or loaded.quantization,
                                    small_step_codes=small_codes)
         self.config: EngineConfig = resolve_config(args, loaded.spec, loaded.name,
