@@ -33,7 +33,8 @@ from workload import RESULTS, add_workload_args, cpu_line, machine_info, make_wo
 
 del sys.path[0]
 
-BITS = {"none": None, "int8": "8", "int4": "4 (LM head 8)", "w8a8": "8 / 8", "gguf": "the file's blocks"}
+BITS = {"none": None, "int8_weight_only": "8", "int4": "4 (LM head 8)", "w8a8": "8 / 8", "int8": "8 / 8",
+        "gguf": "the file's blocks"}
 
 
 def worker(spec: dict) -> dict:
@@ -85,7 +86,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default="none:auto,none:bfloat16,gguf,gguf:auto:auto:int8,int8,int4,"
+    ap.add_argument("--configs", default="none:auto,none:bfloat16,gguf,gguf:auto:auto:int8,int8_weight_only,int4,"
                                         "int4:auto:auto:int8,w8a8,gguf:auto:int8,gguf:auto:fp8_e4m3",
                     help="METHOD[:DTYPE[:KV[:ACT]]],...")
     ap.add_argument("--out", default=os.path.join(RESULTS, "quantization.json"))

@@ -24,7 +24,10 @@ ATTENTION_BACKENDS = ("native", "cpu", "mosaic", "pallas", "reference")
 PREEMPTION_MODES = ("recompute", "swap")
 # jaxllm.quantization's METHODS + CHECKPOINT_METHODS (config checks import no JAX code);
 # tests/test_quantization.py checks they agree.
-QUANTIZATION_METHODS = ("int8", "int4", "w8a8", "gguf", "awq", "gptq", "none")
+QUANTIZATION_METHODS = ("int8", "int8_weight_only", "int4", "w8a8", "gguf", "awq", "gptq", "none")
+# Other names of a method: "int8" is W8A8 (as vLLM's "INT8 W8A8" and the issue that asked for it
+# have it); EngineArgs and `quantize_params` know it by its canonical name only.
+QUANTIZATION_ALIASES = {"int8": "w8a8"}
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3", "fp8")   # "fp8": fp8_e4m3, as vLLM has it
 MAX_SPECULATIVE_TOKENS = 15     # a step verifies at most this many drafts per request
 
@@ -58,9 +61,10 @@ class EngineArgs:
         "auto", "weight and KV-cache dtype; 'auto' picks bfloat16 on accelerators and on CPUs with native bf16 "
                 "dots (AVX512_BF16 or AMX), float32 on other CPUs", choices=DTYPE_CHOICES)
     quantization: str | None = option(
-        None, "quantize the weights on load: 'int8' (int8 per output channel), 'int4' (4-bit in groups of 32, "
-              "the LM head int8), both weight-only; 'w8a8' (int8 weights and per-token int8 activations, "
-              "smoothed from a calibration run at load: fast with VNNI/AMX); 'gguf' (a GGUF's own quantized "
+        None, "quantize the weights on load: 'w8a8' or 'int8' (int8 weights and per-token int8 activations, "
+              "smoothed from a calibration run at load: fast with VNNI/AMX); 'int8_weight_only' (int8 per "
+              "output channel), 'int4' (4-bit in groups of 32, the LM head int8), both weight-only; "
+              "'gguf' (a GGUF's own quantized "
               "blocks, kept), 'awq', 'gptq' "
               "(read from the checkpoint's quantization_config); 'none' (a GGUF dequantized to the dtype). "
               "Default: an AWQ/GPTQ checkpoint as it is; a GGUF kept quantized where the dtype is float32 "
@@ -157,6 +161,10 @@ class EngineArgs:
               "K, \"prompt_lookup_min\": N, \"prompt_lookup_max\": N, \"disable_by_batch_size\": B}, or a draft "
               "model with the same vocabulary: {\"model\": PATH_OR_ID, \"num_speculative_tokens\": K} (default: "
               "off)", metavar="JSON", type=json_object)
+
+    def __post_init__(self):
+        if isinstance(self.quantization, str):     # (anything else is verify's to refuse)
+            self.quantization = QUANTIZATION_ALIASES.get(self.quantization, self.quantization)
 
     def int8_activations_asked(self) -> bool:
         """Whether the layers' activations are asked to be rounded to int8 (`w8a8`, or `int8_activations`)."""

@@ -92,6 +92,9 @@ def test_flags_round_trip_to_engine_args():
     assert cli.engine_args(parse(["generate", *flags, "a prompt"])) == \
         dataclasses.replace(expected, served_model_name=None)
     assert cli.engine_args(parse(["serve", "--kv-cache-memory", "1.5GiB"])).kv_cache_memory == 3 << 29
+    # "int8" is W8A8's other name; the weight-only 8-bit method has its own.
+    assert cli.engine_args(parse(["serve", "--quantization", "int8"])).quantization == "w8a8"
+    assert cli.engine_args(parse(["serve", "--quantization", "int8_weight_only"])).quantization == "int8_weight_only"
     assert [cli.parse_size(s) for s in ("2GiB", "512M", "64k", "1000")] == [2 << 30, 512 << 20, 64 << 10, 1000]
 
 

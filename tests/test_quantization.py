@@ -125,7 +125,7 @@ def test_quantization_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineArgs(quantization="fp3").verify()
     EngineArgs(quantization="gguf", tensor_parallel_size=2, data_parallel_size=2, pipeline_parallel_size=2).verify()
-    EngineArgs(quantization="int8", num_processes=2, distributed_coordinator="localhost:1").verify()
+    EngineArgs(quantization="int8_weight_only", num_processes=2, distributed_coordinator="localhost:1").verify()
     EngineArgs(quantization="int4", tensor_parallel_size=2, pipeline_parallel_size=2).verify()
 
 
@@ -175,7 +175,7 @@ def fake_quantized_checkpoint(model_dir: str, method: str, out: str) -> str:
 PROMPTS = ["Hello, my name is", "The capital of France is", "1 2 3 4 5", "def main():"]
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8_weight_only", "int4"])
 def test_weight_only_engine_matches_the_float_engine_on_quantized_values(method, tiny_model_dir, tmp_path):
     greedy = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2)
     ref_llm = LLM(fake_quantized_checkpoint(tiny_model_dir, method, str(tmp_path / method)), **TINY_ENGINE_ARGS)
@@ -192,14 +192,20 @@ def test_weight_only_engine_matches_the_float_engine_on_quantized_values(method,
     assert quant_bytes < 0.3 * float_bytes, (quant_bytes, float_bytes)
 
 
-def test_w8a8_engine_stays_close_to_the_float_engine(tiny_model_dir):
+@pytest.mark.parametrize("method", ["w8a8", "int8"])
+def test_w8a8_engine_stays_close_to_the_float_engine(method, tiny_model_dir):
     # Activations are rounded too (each layer's product is checked exactly above), and the
     # weights are smoothed before they are quantized (tests/test_smoothing.py), so the reference
     # is the float engine and the measure is how close the first token's distribution stays:
-    # within 0.3 nats (a wrong scale or a fold left out anywhere moves it by many).
+    # within 0.3 nats (a wrong scale or a fold left out anywhere moves it by many). "int8" is
+    # another name for W8A8: the same run.
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
     ref = offline_llm(tiny_model_dir).generate(PROMPTS, params, use_tqdm=False)
-    out = LLM(tiny_model_dir, quantization="w8a8", **TINY_ENGINE_ARGS).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(tiny_model_dir, quantization=method, **TINY_ENGINE_ARGS)
+    assert llm.engine.config.quantization == "w8a8"
+    layer = llm.engine.runner.params["layers"][0]
+    assert {layer[name].activations for name in ("wqkv", "wo", "w_gate_up", "w_down") if name in layer} == {"int8"}
+    out = llm.generate(PROMPTS, params, use_tqdm=False)
     for a, b in zip(out, ref):
         a_lp, b_lp = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -328,8 +334,8 @@ def test_pallas_quantized_matmul_tiles_agree_with_numpy(bits, groups, tiles):
 
 
 def test_moe_engine_quantizes_its_experts(tmp_path):
-    # Mixtral's expert stacks are most of a MoE model's weights: `int8` stores them as codes
-    # (dequantized in the step, only the chosen experts' at decode), and the first token's
+    # Mixtral's expert stacks are most of a MoE model's weights: `int8_weight_only` stores them as
+    # codes (dequantized in the step, only the chosen experts' at decode), and the first token's
     # distribution stays within 0.1 nats of HF transformers' float model.
     import torch
 
@@ -339,8 +345,8 @@ def test_moe_engine_quantizes_its_experts(tmp_path):
     ids = [5, 17, 33, 2, 41, 8, 19, 23, 4]
     with torch.no_grad():
         want = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1).numpy()
-    llm = LLM(str(tmp_path / "m"), quantization="int8", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
-              max_model_len=64, kv_cache_memory=4 << 20, block_size=4, warmup=False)
+    llm = LLM(str(tmp_path / "m"), quantization="int8_weight_only", dtype="float32", max_num_seqs=4,
+              max_num_batched_tokens=32, max_model_len=64, kv_cache_memory=4 << 20, block_size=4, warmup=False)
     layer = llm.engine.runner.params["layers"][0]
     for name in ("experts_gate_up", "experts_down"):
         assert isinstance(layer[name], QuantizedWeight) and np.asarray(layer[name].codes).dtype == np.int8

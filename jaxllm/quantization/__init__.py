@@ -3,18 +3,21 @@
 `checkpoint.QuantizedRows` by the model loaders); float checkpoints (HF or GGUF, a GGUF
 dequantized first) are quantized on load by these methods:
 
-| method | weights                                              | activations              |
-|--------|------------------------------------------------------|--------------------------|
-| `int8` | int8, a scale per output channel                     | float (weight-only)      |
-| `int4` | 4-bit codes, a scale and an offset per 32 input rows | float (weight-only)      |
-|        | (the LM head: int8 as for `int8`)                    |                          |
-| `w8a8` | int8, a scale per output channel, after smoothing    | int8, a scale per token  |
+| method                     | weights                                              | activations             |
+|----------------------------|------------------------------------------------------|-------------------------|
+| `w8a8` (also named `int8`) | int8, a scale per output channel, after smoothing    | int8, a scale per token |
+| `int8_weight_only`         | int8, a scale per output channel                     | float (weight-only)     |
+| `int4`                     | 4-bit codes, a scale and an offset per 32 input rows | float (weight-only)     |
+|                            | (the LM head: int8 as for `int8_weight_only`)        |                         |
+
+`int8` is W8A8, as vLLM's "INT8 W8A8" is: on the CPUs measured (Zen 3, Zen 4) it is faster than the
+weight-only int8 codes at the same weight bytes and about the same perplexity (README's tables).
 
 The layer matrices (fused QKV, attention output, MLP) and the LM head are quantized (the
 embedding table too when it is the LM head); norms, biases, an untied embedding table and routers
 stay float; MoE experts' stacks take the method's codes, weight-only (int8 under `w8a8`),
 dequantized in the step (models/moe.py). Measured on the default model (benchmarks/quantization.py, README):
-perplexity +1.1% (`int8`), +0.1% (`int4`, whose Q4_1 layers land on nearly their own grid;
+perplexity +1.1% (`int8_weight_only`), +0.1% (`int4`, whose Q4_1 layers land on nearly their own grid;
 a 4-bit LM head cost 6.5%, hence 8 bits there), +1.0% (`w8a8`). The model's activations have
 outlier channels that one scale per token flattens (+9.6% perplexity as such), so `w8a8` first
 smooths them (`smoothing.py`, SmoothQuant's folding, from a calibration run of the float model
@@ -66,8 +69,8 @@ How a quantized weight is multiplied (`matmul`):
   backends, and for shapes the kernel does not tile, dequantized inside the jitted step by XLA
   (memory, not time).
 
-Sharded runs (tensor, pipeline, data parallel, a caller's mesh): `int8`, `int4` and `w8a8`
-quantize the float weights in their shard layout and each device holds its share of the codes
+Sharded runs (tensor, pipeline, data parallel, a caller's mesh): `w8a8`, `int8_weight_only` and
+`int4` quantize the float weights in their shard layout and each device holds its share of the codes
 and scales (`make_sharded_weight`, split by `parallel.spec_for`), with the one-device weight's
 values; the matmuls take the plain paths above (on CPU the C++ GEMM serves one device only).
 A checkpoint's quantized weights (`gguf`, `awq`, `gptq`) shard over every axis too

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.config import QUANTIZATION_ALIASES
 from jaxllm.quantization.weights import (CHECKPOINT_METHODS, EXPERT_MATRICES, LAYER_MATRICES, METHODS,
                                          QuantizedWeight, dequantize, make_sharded_weight, make_weight, relayout,
                                          shard_checkpoint_weight, with_bf16_activations, with_int8_activations)
@@ -32,7 +33,9 @@ def quantize_params(params: dict, spec, method: str, *, native: bool, device=Non
     float. `int8_activations`: the 4-bit panel weights then multiply int8 activations
     (`with_int8_activations`); else `bf16_activations`: the weight-only panel weights multiply
     bf16-rounded ones (`with_bf16_activations`; a 4-bit embedding table excepted). `quiet`: no
-    log line (the loader packing for its params cache; the runner then logs the run's weights)."""
+    log line (the loader packing for its params cache; the runner then logs the run's weights).
+    `method` is an EngineArgs name: "int8" is W8A8, as there (config.QUANTIZATION_ALIASES)."""
+    method = QUANTIZATION_ALIASES.get(method, method)
     if method not in METHODS and method not in CHECKPOINT_METHODS:
         raise ValueError(f"unknown quantization {method!r}: choose one of {sorted(METHODS) + list(CHECKPOINT_METHODS)}")
     activations = "int8" if method == "w8a8" else "float"

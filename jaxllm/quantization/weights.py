@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # method -> (bits, rows of K per scale group; None: one group, a scale per output channel)
-METHODS = {"int8": (8, None), "int4": (4, 32), "w8a8": (8, None)}
+METHODS = {"int8": (8, None), "int8_weight_only": (8, None), "int4": (4, 32), "w8a8": (8, None)}
 # Methods whose quantized weights come from the checkpoint as they are (models/loader.py).
 CHECKPOINT_METHODS = ("gguf", "awq", "gptq")
 # The layer matrices that are quantized (as decoder.PACKED), and the MoE experts' stacks
