@@ -214,8 +214,7 @@ def main():
 
     platform = jax.devices()[0].platform
     asked, (args.dtype, why) = args.dtype, resolve_dtype(args.dtype, platform)
-    int8_activations = EngineArgs(quantization=args.quantization).int8_activations_asked()    # the engine's rule
-    args.kv_cache_dtype, kv_why = resolve_kv_cache_dtype(args.kv_cache_dtype, asked, args.dtype, int8_activations)
+    args.kv_cache_dtype, kv_why = resolve_kv_cache_dtype(args.kv_cache_dtype, asked, args.dtype)
     machine = machine_info()
     print(f"{cpu_line(machine)}; dtype {args.dtype} ({why}); KV pages {args.kv_cache_dtype} ({kv_why})")
     eargs = EngineArgs(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=256,

@@ -72,8 +72,7 @@ class EngineArgs:
               "small_step_codes; see jaxllm/quantization)",
         choices=QUANTIZATION_METHODS)
     kv_cache_dtype: str = option(
-        "auto", "KV cache dtype: 'auto' (the dtype; but bfloat16 where dtype 'auto' picked float32 on a CPU, "
-                "and float32 where the activations are int8: w8a8, int8_activations), "
+        "auto", "KV cache dtype: 'auto' (the dtype; but bfloat16 where dtype 'auto' picked float32 on a CPU), "
                 "'bfloat16' or 'float32' (pages of that dtype whatever the compute dtype), 'int8' (int8 codes "
                 "with an f32 scale per token and head: about half a bf16 cache, twice the sequences in the same "
                 "memory) or 'fp8_e4m3' ('fp8': float8 E4M3 codes, same layout and size)", choices=KV_CACHE_DTYPES)
@@ -165,10 +164,6 @@ class EngineArgs:
     def __post_init__(self):
         if isinstance(self.quantization, str):     # (anything else is verify's to refuse)
             self.quantization = QUANTIZATION_ALIASES.get(self.quantization, self.quantization)
-
-    def int8_activations_asked(self) -> bool:
-        """Whether the layers' activations are asked to be rounded to int8 (`w8a8`, or `int8_activations`)."""
-        return self.quantization == "w8a8" or self.int8_activations
 
     def verify(self) -> None:
         for field in dataclasses.fields(self):     # "False" from a config file would read as on
@@ -423,7 +418,7 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
     the device memory left after the weights; for dtype "auto", the `platform` it runs on)."""
     args.verify()
     dtype, _ = resolve_dtype(args.dtype, platform)
-    kv_dtype, _ = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype, dtype, args.int8_activations_asked())
+    kv_dtype, _ = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype, dtype)
     max_model_len = args.max_model_len or spec.max_position_embeddings
     if max_model_len > spec.max_position_embeddings:
         raise ValueError(

@@ -50,21 +50,17 @@ def resolve_dtype(dtype: str, platform_name: str, flags: frozenset[str] | None =
                        f"the faster dtype there")
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: str, asked_dtype: str, dtype: str,
-                           int8_activations: bool = False) -> tuple[str, str]:
+def resolve_kv_cache_dtype(kv_cache_dtype: str, asked_dtype: str, dtype: str) -> tuple[str, str]:
     """(KV cache dtype, why) for `kv_cache_dtype` ("fp8" as "fp8_e4m3"), given the `asked_dtype`
     and the `dtype` it resolved to. "auto" is `dtype`, except where dtype "auto" picked float32
     (a CPU without native bf16 dots, see `resolve_dtype`): there bf16 pages. Decode attention
     reads every cached token of every sequence at each step and waits on memory, and bf16 pages
     are half the bytes; the kernels still compute in float32, widening a page row costs a shift.
-    With `int8_activations` (`w8a8`, `EngineArgs.int8_activations`) float32 pages whatever the
-    dtype: with activations rounded to int8, bf16 pages cost the default model 1.3-2.3%
-    perplexity (benchmarks/quantization.py on Zen 4: W8A8 24.10 with float32 pages, 24.40-24.41
-    with bf16 ones, bf16 weights 23.88; float activations: 0.03%)."""
+    Activations rounded to int8 (`w8a8`, `int8_activations`) take the same pages: float32 ones
+    there, the rule until 2026-11-27, came from single perplexity runs, and over draws of the
+    rounding bf16 pages cost nothing measurable (README, Quantization)."""
     if kv_cache_dtype != "auto":
         return {"fp8": "fp8_e4m3"}.get(kv_cache_dtype, kv_cache_dtype), "asked for"
-    if int8_activations:
-        return "float32", "int8 activations: bf16 pages would cost 1.3-2.3% perplexity"
     if asked_dtype == "auto" and dtype == "float32":
         return "bfloat16", "dtype auto picked float32 for this CPU; bf16 pages halve the bytes decode attention reads"
     return dtype, "the dtype"

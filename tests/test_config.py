@@ -106,10 +106,6 @@ def test_auto_dtype_follows_the_device(flags, platform, expected):
         for kv in ("float32", "bfloat16", "int8", "fp8_e4m3"):
             assert resolve_kv_cache_dtype(kv, "auto", explicit) == (kv, "asked for")
     assert resolve_kv_cache_dtype("fp8", "auto", dtype)[0] == "fp8_e4m3"
-    # With int8 activations bf16 pages cost perplexity: float32 pages, whatever the dtype.
-    for asked in ("auto", "float32", "bfloat16"):
-        assert resolve_kv_cache_dtype("auto", asked, dtype, int8_activations=True)[0] == "float32"
-    assert resolve_kv_cache_dtype("int8", "auto", dtype, int8_activations=True)[0] == "int8"
 
 
 def lscpu_flags() -> set[str]:
@@ -133,8 +129,8 @@ def test_auto_is_the_default_and_picks_for_this_cpu():
     assert config.cache.num_blocks == 2 * GiB // (kv_bytes_per_token(SPEC, "bfloat16") * 64)   # pages of 64 on CPU
     config = resolve_config(EngineArgs(dtype="float32"), SPEC, "tiny")
     assert config.cache.dtype == "float32"
-    for args in (EngineArgs(quantization="w8a8"), EngineArgs(int8_activations=True)):   # int8 activations
-        assert resolve_config(args, SPEC, "tiny").cache.dtype == "float32"
+    for args in (EngineArgs(quantization="w8a8"), EngineArgs(int8_activations=True)):   # int8 activations: the same
+        assert resolve_config(args, SPEC, "tiny").cache.dtype == "bfloat16"
 
 
 def test_engine_logs_the_dtype_auto_picks_and_loads_in_it(tiny_model_dir, tmp_path, caplog):

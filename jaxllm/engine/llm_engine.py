@@ -50,7 +50,7 @@ class LLMEngine:
         if platform == "cpu" and args.attention_backend in (None, "native"):
             native.start_build()    # (a first start compiles them: on their thread while the model loads)
         dtype = _resolve_dtype(args.dtype, platform, many_processes)
-        kv_dtype, why = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype, dtype, args.int8_activations_asked())
+        kv_dtype, why = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype, dtype)
         if args.kv_cache_dtype == "auto" and kv_dtype != dtype:
             logger.info("kv_cache_dtype auto: %s (%s)", kv_dtype, why)
         args = dataclasses.replace(args, dtype=dtype, kv_cache_dtype=kv_dtype)

@@ -18,7 +18,7 @@ embedding table too when it is the LM head); norms, biases, an untied embedding 
 stay float; MoE experts' stacks take the method's codes, weight-only (int8 under `w8a8`),
 dequantized in the step (models/moe.py). Measured on the default model (benchmarks/quantization.py, README):
 perplexity +1.1% (`int8_weight_only`), +0.1% (`int4`, whose Q4_1 layers land on nearly their own
-grid; a 4-bit LM head cost 6.5%, hence 8 bits there), +1.0-3.0% (`w8a8`, mean +1.8%: rounding
+grid; a 4-bit LM head cost 6.5%, hence 8 bits there), +0.4-1.8% (`w8a8`, mean +1.1%: rounding
 every activation makes the figure move with any change in the float parts; README). The model's
 activations have outlier channels that one scale per token flattens (+9.6% perplexity as such), so `w8a8` first
 smooths them (`smoothing.py`, SmoothQuant's folding, from a calibration run of the float model
