@@ -58,7 +58,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, asked_dtype: str, dtype: str) ->
     are half the bytes; the kernels still compute in float32, widening a page row costs a shift.
     Activations rounded to int8 (`w8a8`, `int8_activations`) take the same pages: float32 ones
     there, the rule until 2026-11-27, came from single perplexity runs, and over draws of the
-    rounding bf16 pages cost nothing measurable (README, Quantization)."""
+    rounding bf16 pages cost nothing measurable (README: "bf16 pages for int8 activations
+    again")."""
     if kv_cache_dtype != "auto":
         return {"fp8": "fp8_e4m3"}.get(kv_cache_dtype, kv_cache_dtype), "asked for"
     if asked_dtype == "auto" and dtype == "float32":

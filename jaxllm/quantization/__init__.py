@@ -20,8 +20,8 @@ dequantized in the step (models/moe.py). Measured on the default model (benchmar
 perplexity +1.1% (`int8_weight_only`), +0.1% (`int4`, whose Q4_1 layers land on nearly their own
 grid; a 4-bit LM head cost 6.5%, hence 8 bits there), +0.4-1.8% (`w8a8`, mean +1.1%: rounding
 every activation makes the figure move with any change in the float parts; README). The model's
-activations have outlier channels that one scale per token flattens (+9.6% perplexity as such), so `w8a8` first
-smooths them (`smoothing.py`, SmoothQuant's folding, from a calibration run of the float model
+activations have outlier channels that one scale per token flattens (+9.6% perplexity as such),
+so `w8a8` first smooths them (`smoothing.py`, SmoothQuant's folding, from a calibration run of the float model
 over a text jaxllm ships: `models/calibration.py`).
 
 How a quantized weight is multiplied (`matmul`):
