@@ -32,6 +32,12 @@ from tiny_model import TINY_ENGINE_ARGS, build_tiny_model  # noqa: E402
 WORDS = r"(alpha|beta|gamma)( (alpha|beta|gamma))*"
 
 
+def lead(logprobs: dict) -> float:
+    """How far a position's most likely token leads the next one (its logprobs: top 3 and the chosen)."""
+    first, second = sorted((x.logprob for x in logprobs.values()), reverse=True)[:2]
+    return first - second
+
+
 def device_bytes(tree) -> dict[str, int]:
     """Bytes each device holds of the arrays in `tree`."""
     out: dict[str, int] = {}
@@ -86,6 +92,8 @@ def main() -> int:
             "constraint": WORDS,
             "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                          for o in outputs],
+            # Each position's lead of the first token over the second (the greedy choice's margin).
+            "margins": [[lead(lp) for lp in o.outputs[0].logprobs] for o in outputs],
             "param_bytes": device_bytes(runner.params), "kv_bytes": device_bytes(runner.kv_cache),
             "kv_bytes_all": device_bytes([r.runner.kv_cache for r in engine.replicas]),
             "preemptions": engine.stats.num_preemptions,

@@ -91,10 +91,16 @@ def results(tiny_model_dir, tmp_path_factory):
 def test_parallel_generates_what_one_device_does(results, layout):
     one, many = results[reference(layout)], results[layout]
     assert many["preemptions"] > 0 and one["preemptions"] > 0     # the pool is small enough to preempt
-    assert many["token_ids"] == one["token_ids"]
+    # W8A8 (below) may part from one device only where one device's top two tokens were within
+    # the 0.1 its logprobs may move; everything else generates the same tokens.
+    same = []
+    for a, b, margins in zip(many["token_ids"], one["token_ids"], one["margins"]):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
+        assert n == len(b) or (layout.startswith("w8a8:") and margins[n] < 0.1), (layout, n, a, b)
+        same.append(n)
     for text, reason in many["constrained"]:
         assert re.fullmatch(many["constraint"], text if reason == "stop" else text.rsplit(" ", 1)[0]), text
-    diffs = [abs(a - b) for la, lb in zip(one["logprobs"], many["logprobs"]) for a, b in zip(la, lb)]
+    diffs = [abs(a - b) for la, lb, n in zip(one["logprobs"], many["logprobs"], same) for a, b in zip(la[:n], lb[:n])]
     # int8 pages: keys and values summed in another order may round to a neighbouring code (a
     # step of max / 127), which moves logprobs by ~1e-3 where f32 moves them by ~1e-6. W8A8
     # rounds every layer's activations so (each row scaled by its maximum over every shard, as
