@@ -64,9 +64,8 @@ class EngineArgs:
         None, "quantize the weights on load: 'w8a8' or 'int8' (int8 weights and per-token int8 activations, "
               "smoothed from a calibration run at load: fast with VNNI/AMX); 'int8_weight_only' (int8 per "
               "output channel), 'int4' (4-bit in groups of 32, the LM head int8), both weight-only; "
-              "'gguf' (a GGUF's own quantized "
-              "blocks, kept), 'awq', 'gptq' "
-              "(read from the checkpoint's quantization_config); 'none' (a GGUF dequantized to the dtype). "
+              "'gguf' (a GGUF's own quantized blocks, kept), 'awq', 'gptq' (read from the checkpoint's "
+              "quantization_config); 'none' (a GGUF dequantized to the dtype). "
               "Default: an AWQ/GPTQ checkpoint as it is; a GGUF kept quantized where the dtype is float32 "
               "on a CPU with the C++ kernels, else dequantized (its blocks kept beside for small steps: "
               "small_step_codes; see jaxllm/quantization)",
