@@ -50,25 +50,34 @@ struct Bf16GemmArgs {
 // the rest their up panels) silu(gate p) * (up p) at y + 16 p for p < P / 2. Never inlined:
 // inlined into the work-item lambda, GCC spilled the panels' vectors and pointers to the stack
 // and reloaded them every k (perf annotate on Zen 4); on its own the loop keeps all in
-// registers, and the layer GEMMs ran 1.1-1.25x faster from 64 to 256 rows.
+// registers, and the layer GEMMs ran 1.1-1.25x faster from 64 to 256 rows. `pf`: gemm.cc's
+// Prefetcher, pf->lines lines every kPrefetchSegment k-pairs.
 template <int R, int P, bool SWIGLU>
 __attribute__((noinline)) void bf16_rows(const uint32_t* __restrict x, int64_t ldx, const uint32_t* const* w,
-                                         float* __restrict y, int64_t ldy, int64_t KP) {
+                                         float* __restrict y, int64_t ldy, int64_t KP, Prefetcher* pf) {
   const uint32_t* wp[P];
   for (int p = 0; p < P; ++p) wp[p] = w[p];
   __m512 acc[P][R];
 #pragma GCC unroll 12
   for (int i = 0; i < R; ++i)
     for (int p = 0; p < P; ++p) acc[p][i] = _mm512_setzero_ps();
-  for (int64_t kp = 0; kp < KP; ++kp) {
-    __m512bh b[P];
-    for (int p = 0; p < P; ++p) b[p] = (__m512bh)_mm512_loadu_si512(wp[p] + kp * kPanel);
+  const char* at0 = pf ? pf->at[0] : nullptr;
+  const char* at1 = pf ? pf->at[1] : nullptr;
+  int64_t off = pf ? pf->off : 0;
+  const int64_t len = pf ? pf->len : 0, burst = pf ? 64 * pf->lines : 0;
+  for (int64_t k0 = 0; k0 < KP; k0 += kPrefetchSegment) {
+    prefetch_burst(at0, at1, off, len, burst);
+    for (int64_t kp = k0, k1 = std::min(KP, k0 + kPrefetchSegment); kp < k1; ++kp) {
+      __m512bh b[P];
+      for (int p = 0; p < P; ++p) b[p] = (__m512bh)_mm512_loadu_si512(wp[p] + kp * kPanel);
 #pragma GCC unroll 12
-    for (int i = 0; i < R; ++i) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[i * ldx + kp]));
-      for (int p = 0; p < P; ++p) acc[p][i] = _mm512_dpbf16_ps(acc[p][i], a, b[p]);
+      for (int i = 0; i < R; ++i) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[i * ldx + kp]));
+        for (int p = 0; p < P; ++p) acc[p][i] = _mm512_dpbf16_ps(acc[p][i], a, b[p]);
+      }
     }
   }
+  if (pf) pf->off = off;
 #pragma GCC unroll 12
   for (int i = 0; i < R; ++i) {
     if (SWIGLU) {
@@ -83,19 +92,23 @@ __attribute__((noinline)) void bf16_rows(const uint32_t* __restrict x, int64_t l
 // Rows [r0, r1) against panels w[0 .. P - 1]: blocks of RB rows (RB x P sums in 24 of the 32
 // registers), then the remainder. Four panels a block read x half as often as two: 6-9% faster
 // in a C++ harness on Zen 4 (two threads, 12-180 rows against 30 [576, 3072] weights), within
-// noise over the whole model.
+// noise over the whole model. `pf`: the next group's Prefetcher, spread over the blocks from
+// two full blocks on; with fewer rows its reads compete with the first block's own (at 8 rows
+// it took 1.05-1.1x the time, at 1-6 about the same).
 template <int P, bool SWIGLU>
 void bf16_block_avx512(const Bf16GemmArgs& g, const uint32_t* const* w, float* y, int64_t ldy, int64_t r0,
-                       int64_t r1) {
+                       int64_t r1, Prefetcher* pf) {
   constexpr int RB = P == 4 ? 6 : 12;
   const int64_t KP = g.KP;
+  if (r1 - r0 < 2 * RB) pf = nullptr;
+  if (pf) pf->spread((r1 - r0 + RB - 1) / RB * ((KP + kPrefetchSegment - 1) / kPrefetchSegment));
   int64_t r = r0;
-  for (; r + RB <= r1; r += RB) bf16_rows<RB, P, SWIGLU>(g.x + r * KP, KP, w, y + r * ldy, ldy, KP);
+  for (; r + RB <= r1; r += RB) bf16_rows<RB, P, SWIGLU>(g.x + r * KP, KP, w, y + r * ldy, ldy, KP, pf);
   const uint32_t* x = g.x + r * KP;
   y += r * ldy;
   switch (r1 - r) {
 #define JAXLLM_BF16_CASE(n) \
-  case n: if constexpr (n < RB) bf16_rows<n, P, SWIGLU>(x, KP, w, y, ldy, KP); break;
+  case n: if constexpr (n < RB) bf16_rows<n, P, SWIGLU>(x, KP, w, y, ldy, KP, pf); break;
     JAXLLM_BF16_CASE(11) JAXLLM_BF16_CASE(10) JAXLLM_BF16_CASE(9) JAXLLM_BF16_CASE(8) JAXLLM_BF16_CASE(7)
     JAXLLM_BF16_CASE(6) JAXLLM_BF16_CASE(5) JAXLLM_BF16_CASE(4) JAXLLM_BF16_CASE(3) JAXLLM_BF16_CASE(2)
     JAXLLM_BF16_CASE(1)
@@ -123,13 +136,13 @@ void bf16_panel_portable(const Bf16GemmArgs& g, const uint32_t* panel, float* ou
 // Also the tail of the GEMM over quantized codes (gemm_quant_bf16.cc), on its converted panels.
 template <int P_OUT>
 void bf16_panels(const Bf16GemmArgs& g, const uint32_t* const* w, float* y, int64_t ldy, int64_t r0, int64_t r1,
-                 bool swiglu, int32_t path) {
+                 bool swiglu, int32_t path, Prefetcher* pf = nullptr) {
 #ifdef JAXLLM_AVX512_BF16
   if (path == kAuto || path >= kAvx512) {
     if constexpr (P_OUT <= 2) {  // the callers take swiglu panels at most two at a time
-      if (swiglu) return bf16_block_avx512<2 * P_OUT, true>(g, w, y, ldy, r0, r1);
+      if (swiglu) return bf16_block_avx512<2 * P_OUT, true>(g, w, y, ldy, r0, r1, pf);
     }
-    return bf16_block_avx512<P_OUT, false>(g, w, y, ldy, r0, r1);
+    return bf16_block_avx512<P_OUT, false>(g, w, y, ldy, r0, r1, pf);
   }
 #endif
   for (int i = 0; i < P_OUT; ++i)
@@ -147,16 +160,73 @@ void bf16_panels(const Bf16GemmArgs& g, const uint32_t* const* w, float* y, int6
 }
 
 // Output panels [p, p + P_OUT) of y for rows [r0, r1): from the same panels of w, or with
-// swiglu from gate panels [p, p + P_OUT) and up panels [p + N / 32, ...).
+// swiglu from gate panels [p, p + P_OUT) and up panels [p + N / 32, ...); `pf` as in bf16_block_avx512.
 template <int P_OUT>
-void bf16_output_panels(const Bf16GemmArgs& g, int64_t p, int64_t r0, int64_t r1, bool swiglu, int32_t path) {
+void bf16_output_panels(const Bf16GemmArgs& g, int64_t p, int64_t r0, int64_t r1, bool swiglu, int32_t path,
+                        Prefetcher* pf = nullptr) {
   const int64_t panel_words = g.KP * kPanel, ldy = swiglu ? g.N / 2 : g.N;
   const uint32_t* w[2 * P_OUT];
   for (int i = 0; i < P_OUT; ++i) {
     w[i] = g.w + (p + i) * panel_words;
     w[P_OUT + i] = swiglu ? g.w + (p + i + g.N / 2 / kPanel) * panel_words : nullptr;
   }
-  bf16_panels<P_OUT>(g, w, g.y + p * kPanel, ldy, r0, r1, swiglu, path);
+  bf16_panels<P_OUT>(g, w, g.y + p * kPanel, ldy, r0, r1, swiglu, path, pf);
+}
+
+// An item's output panels in groups of 4, then 2, then 1 (with swiglu of 2, then 1: each with
+// its up panels, so four weight panels a group either way).
+struct Bf16ItemGroups {
+  int64_t r0 = 0, r1 = 0, p0 = 0, n4 = 0, n2 = 0, count = 0;
+  Bf16ItemGroups() = default;
+  Bf16ItemGroups(const GemmItems& items, int64_t item, int64_t M, bool swiglu) {
+    int64_t p1;
+    items.bounds(item, M, r0, r1, p0, p1);
+    n4 = swiglu ? 0 : (p1 - p0) / 4;
+    n2 = (p1 - p0 - 4 * n4) / 2;
+    count = n4 + n2 + (p1 - p0 - 4 * n4 - 2 * n2);
+  }
+  // Group i's first output panel and width.
+  void at(int64_t i, int64_t& p, int64_t& width) const {
+    if (i < n4) {
+      p = p0 + 4 * i, width = 4;
+    } else if (i < n4 + n2) {
+      p = p0 + 4 * n4 + 2 * (i - n4), width = 2;
+    } else {
+      p = p0 + 4 * n4 + 2 * n2, width = 1;
+    }
+  }
+};
+
+// Runs the items on the calling thread and the pool; while a group of panels runs, the group
+// the same thread runs next (in this item or the one it claimed) comes into L2 (Prefetcher).
+void run_bf16_items(ffi::ThreadPool& pool, const Bf16GemmArgs& g, const GemmItems& items, bool swiglu, int32_t path) {
+  const int64_t panel_bytes = g.KP * kPanel * 4, up = g.N / 2 / kPanel;
+  parallel_for_claiming_ahead(pool, items.count, [&](int64_t item, int64_t claimed, NoState&) {
+    const Bf16ItemGroups cur(items, item, g.M, swiglu);
+    const Bf16ItemGroups ahead = claimed >= 0 ? Bf16ItemGroups(items, claimed, g.M, swiglu) : Bf16ItemGroups();
+    for (int64_t i = 0; i < cur.count; ++i) {
+      int64_t p, width, next_p = -1, next_width = 0;
+      cur.at(i, p, width);
+      if (i + 1 < cur.count) {
+        cur.at(i + 1, next_p, next_width);
+      } else if (ahead.count > 0) {
+        ahead.at(0, next_p, next_width);
+      }
+      const char* w = reinterpret_cast<const char*>(g.w);
+      Prefetcher pf;
+      Prefetcher* use = next_p < 0 ? nullptr
+                                   : prefetch_of(pf, w + next_p * panel_bytes,
+                                                 swiglu ? w + (next_p + up) * panel_bytes : nullptr,
+                                                 next_width * panel_bytes);
+      if (width == 4) {
+        bf16_output_panels<4>(g, p, cur.r0, cur.r1, false, path, use);
+      } else if (width == 2) {
+        bf16_output_panels<2>(g, p, cur.r0, cur.r1, swiglu, path, use);
+      } else {
+        bf16_output_panels<1>(g, p, cur.r0, cur.r1, swiglu, path, use);
+      }
+    }
+  });
 }
 
 ffi::Error MatmulPackedBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
@@ -179,15 +249,7 @@ ffi::Error MatmulPackedBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, 
   // more of memory's bandwidth busy than one (on Zen 4, the model's layer GEMMs took 0.8x the
   // time at 1-16 rows with items of whole blocks than with items of single panels).
   const GemmItems items(g.M, out_n, pool.num_threads(), swiglu ? 2 : 4);
-  parallel_for(pool, items.count, [&](int64_t item) {
-    int64_t r0, r1, p0, p1;
-    items.bounds(item, g.M, r0, r1, p0, p1);
-    int64_t p = p0;
-    if (!swiglu)
-      for (; p + 4 <= p1; p += 4) bf16_output_panels<4>(g, p, r0, r1, false, path);
-    for (; p + 2 <= p1; p += 2) bf16_output_panels<2>(g, p, r0, r1, swiglu, path);
-    for (; p < p1; ++p) bf16_output_panels<1>(g, p, r0, r1, swiglu, path);
-  });
+  run_bf16_items(pool, g, items, swiglu, path);
   return ffi::Error::Success();
 }
 
