@@ -102,30 +102,39 @@ void w8a8_rows_avx2(const int8_t* __restrict panel, const float* __restrict s, c
 // sums, taken off at the end; scale[p]: its column scales. SWIGLU: the first P / 2 panels are
 // gate panels, the rest their up panels, and y gets silu(gate) * up. Never inlined, for the
 // reason bf16_rows is not. (One panel against 8 rows, as before 2026-11-27, spent a load per
-// vpdpbusd and ran the layer GEMMs at ~0.6x this.)
+// vpdpbusd and ran the layer GEMMs at ~0.6x this.) `pf`: gemm.cc's Prefetcher, pf->lines
+// lines every kPrefetchSegment steps of 4 rows of K.
 template <int R, int P, bool SWIGLU>
 __attribute__((noinline)) void w8a8_tile_vnni(const int8_t* const* w, const __m512i* bias, const __m512* scale,
                                               const uint8_t* __restrict qb, const float* __restrict d, int64_t K,
-                                              float* __restrict y, int64_t ldy) {
+                                              float* __restrict y, int64_t ldy, Prefetcher* pf) {
   const int8_t* wp[P];
   for (int p = 0; p < P; ++p) wp[p] = w[p];
   __v16si acc[P][R];  // (as __m512i, GCC kept these in memory and reloaded them every k)
 #pragma GCC unroll 24
   for (int i = 0; i < R; ++i)
     for (int p = 0; p < P; ++p) acc[p][i] = __v16si{};
-  for (int64_t k = 0; k < K; k += 4) {
-    __m512i b[P];
+  const char* at0 = pf ? pf->at[0] : nullptr;
+  const char* at1 = pf ? pf->at[1] : nullptr;
+  int64_t off = pf ? pf->off : 0;
+  const int64_t len = pf ? pf->len : 0, burst = pf ? 64 * pf->lines : 0;
+  for (int64_t k0 = 0; k0 < K; k0 += 4 * kPrefetchSegment) {
+    prefetch_burst(at0, at1, off, len, burst);
+    for (int64_t k = k0, k1 = std::min(K, k0 + 4 * kPrefetchSegment); k < k1; k += 4) {
+      __m512i b[P];
 #pragma GCC unroll 4
-    for (int p = 0; p < P; ++p) b[p] = _mm512_loadu_si512(wp[p] + k * kPanel);
+      for (int p = 0; p < P; ++p) b[p] = _mm512_loadu_si512(wp[p] + k * kPanel);
 #pragma GCC unroll 24
-    for (int i = 0; i < R; ++i) {
-      int32_t four;
-      std::memcpy(&four, qb + i * K + k, sizeof four);
-      const __m512i a = _mm512_set1_epi32(four);
+      for (int i = 0; i < R; ++i) {
+        int32_t four;
+        std::memcpy(&four, qb + i * K + k, sizeof four);
+        const __m512i a = _mm512_set1_epi32(four);
 #pragma GCC unroll 4
-      for (int p = 0; p < P; ++p) acc[p][i] = (__v16si)_mm512_dpbusd_epi32((__m512i)acc[p][i], a, b[p]);
+        for (int p = 0; p < P; ++p) acc[p][i] = (__v16si)_mm512_dpbusd_epi32((__m512i)acc[p][i], a, b[p]);
+      }
     }
   }
+  if (pf) pf->off = off;
 #pragma GCC unroll 24
   for (int i = 0; i < R; ++i) {
     const __m512 di = _mm512_set1_ps(d[i]);
@@ -141,15 +150,19 @@ __attribute__((noinline)) void w8a8_tile_vnni(const int8_t* const* w, const __m5
   }
 }
 
-// Rows [0, R) of qb against P panels: blocks of 6 rows, then the remainder.
+// Rows [0, R) of qb against P panels: blocks of 6 rows, then the remainder. `pf`: the next
+// group's Prefetcher, spread over the blocks from two full blocks on (as bf16_block_avx512's).
 template <int P, bool SWIGLU>
 void w8a8_rows_vnni(const int8_t* const* w, const __m512i* bias, const __m512* scale, const uint8_t* qb,
-                    const float* d, int64_t K, float* y, int64_t ldy, int64_t R) {
+                    const float* d, int64_t K, float* y, int64_t ldy, int64_t R, Prefetcher* pf) {
+  if (R < 12) pf = nullptr;
+  if (pf) pf->spread((R + 5) / 6 * ((K / 4 + kPrefetchSegment - 1) / kPrefetchSegment));
   int64_t r = 0;
-  for (; r + 6 <= R; r += 6) w8a8_tile_vnni<6, P, SWIGLU>(w, bias, scale, qb + r * K, d + r, K, y + r * ldy, ldy);
+  for (; r + 6 <= R; r += 6)
+    w8a8_tile_vnni<6, P, SWIGLU>(w, bias, scale, qb + r * K, d + r, K, y + r * ldy, ldy, pf);
   switch (R - r) {
 #define JAXLLM_W8A8_VNNI_CASE(n) \
-  case n: w8a8_tile_vnni<n, P, SWIGLU>(w, bias, scale, qb + r * K, d + r, K, y + r * ldy, ldy); break;
+  case n: w8a8_tile_vnni<n, P, SWIGLU>(w, bias, scale, qb + r * K, d + r, K, y + r * ldy, ldy, pf); break;
     JAXLLM_W8A8_VNNI_CASE(5) JAXLLM_W8A8_VNNI_CASE(4) JAXLLM_W8A8_VNNI_CASE(3) JAXLLM_W8A8_VNNI_CASE(2)
     JAXLLM_W8A8_VNNI_CASE(1)
 #undef JAXLLM_W8A8_VNNI_CASE
@@ -157,16 +170,35 @@ void w8a8_rows_vnni(const int8_t* const* w, const __m512i* bias, const __m512* s
 }
 
 // y = x @ w on the VNNI path, x already quantized (qb, d). Work items as the bf16 GEMM's: output
-// panels four at a time (two gate and two up panels with swiglu), rows in chunks.
+// panels four at a time (two gate and two up panels with swiglu), rows in chunks; while a
+// group runs, the next one this thread runs comes into L2 (gemm.cc's Prefetcher).
 void matmul_w8a8_vnni(ffi::ThreadPool& pool, const GemmArgs& g, const QuantPanel& wq, const uint8_t* qb,
                       const float* d, int32_t swiglu) {
-  const int64_t K = g.K, n_out = swiglu ? g.N / 2 : g.N;
+  const int64_t K = g.K, n_out = swiglu ? g.N / 2 : g.N, up = g.N / 2 / kPanel;
   const GemmItems items(g.M, n_out, pool.num_threads(), swiglu ? 2 : 4);
-  parallel_for(pool, items.count, [&](int64_t item) {
-    int64_t r0, r1, p0, p1;
+  // The output panels a group starting at p takes, of an item ending at p1.
+  const auto group = [&](int64_t p, int64_t p1) -> int64_t {
+    return swiglu ? std::min<int64_t>(2, p1 - p) : (p1 - p >= 4 ? 4 : p1 - p >= 2 ? 2 : 1);
+  };
+  parallel_for_claiming_ahead(pool, items.count, [&](int64_t item, int64_t ahead, NoState&) {
+    int64_t r0, r1, p0, p1, a0, a1, ap0 = 0, ap1 = 0;
     items.bounds(item, g.M, r0, r1, p0, p1);
+    if (ahead >= 0) items.bounds(ahead, g.M, a0, a1, ap0, ap1);
     for (int64_t p = p0; p < p1;) {
-      const int64_t take = swiglu ? std::min<int64_t>(2, p1 - p) : (p1 - p >= 4 ? 4 : p1 - p >= 2 ? 2 : 1);
+      const int64_t take = group(p, p1);
+      int64_t next = -1, next_end = 0;  // the next group's first panel, and its item's end
+      if (p + take < p1) {
+        next = p + take, next_end = p1;
+      } else if (ap0 < ap1) {
+        next = ap0, next_end = ap1;
+      }
+      const int64_t next_take = next < 0 ? 0 : group(next, next_end);
+      const char* codes = static_cast<const char*>(wq.codes);
+      Prefetcher pf;
+      Prefetcher* use = next < 0 ? nullptr
+                                 : prefetch_of(pf, codes + next * K * kPanel,
+                                               swiglu ? codes + (next + up) * K * kPanel : nullptr,
+                                               next_take * K * kPanel);
       const int np = static_cast<int>(swiglu ? 2 * take : take);
       const int8_t* w[4];
       __m512i bias[4];
@@ -189,11 +221,11 @@ void matmul_w8a8_vnni(ffi::ThreadPool& pool, const GemmArgs& g, const QuantPanel
       const uint8_t* q = qb + r0 * K;
       float* y = g.y + r0 * n_out + p * kPanel;
       const int64_t R = r1 - r0;
-      if (swiglu && np == 4) w8a8_rows_vnni<4, true>(w, bias, scale, q, d + r0, K, y, n_out, R);
-      else if (swiglu) w8a8_rows_vnni<2, true>(w, bias, scale, q, d + r0, K, y, n_out, R);
-      else if (np == 4) w8a8_rows_vnni<4, false>(w, bias, scale, q, d + r0, K, y, n_out, R);
-      else if (np == 2) w8a8_rows_vnni<2, false>(w, bias, scale, q, d + r0, K, y, n_out, R);
-      else w8a8_rows_vnni<1, false>(w, bias, scale, q, d + r0, K, y, n_out, R);
+      if (swiglu && np == 4) w8a8_rows_vnni<4, true>(w, bias, scale, q, d + r0, K, y, n_out, R, use);
+      else if (swiglu) w8a8_rows_vnni<2, true>(w, bias, scale, q, d + r0, K, y, n_out, R, use);
+      else if (np == 4) w8a8_rows_vnni<4, false>(w, bias, scale, q, d + r0, K, y, n_out, R, use);
+      else if (np == 2) w8a8_rows_vnni<2, false>(w, bias, scale, q, d + r0, K, y, n_out, R, use);
+      else w8a8_rows_vnni<1, false>(w, bias, scale, q, d + r0, K, y, n_out, R, use);
       p += take;
     }
   });
