@@ -3,9 +3,10 @@
 each layer's weights distinct (80 MB of bf16 or more: past the caches, as in the engine), chained
 in one jitted call, through jaxllm's C++ GEMMs: bf16 panels (the float default on AVX512_BF16
 CPUs), 4-bit and 8-bit codes x bf16 activations (`matmul_quantized_bf16`: weight-only codes
-under dtype bfloat16, a GGUF's blocks by default), and 4-bit codes through the f32 weight-only
-kernel (`matmul_quantized`). Best of `--repeat` calls per row count; each path's GFLOP/s and
-its time against bf16's.
+under dtype bfloat16, a GGUF's blocks by default), 4-bit codes through the f32 weight-only
+kernel (`matmul_quantized`), f32 panels (the float32 dtype's GEMM, `csrc/gemm.cc`) and W8A8
+(8-bit codes x int8 rows, `quantization="int8"`). Best of `--repeat` calls per row count; each
+path's GFLOP/s and its time against bf16's.
 
     python benchmarks/weight_stream.py --rows 1,4,16,64,512 --out /tmp/stream.json
 
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
     machine = machine_info()
     print(cpu_line(machine), flush=True)
     rng = np.random.default_rng(0)
-    weights = {"bf16": [], "q4 x bf16": [], "q8 x bf16": [], "q4 f32 kernel": []}
+    weights = {"bf16": [], "q4 x bf16": [], "q8 x bf16": [], "q4 f32 kernel": [], "f32": [], "w8a8": []}
     for _ in range(LAYERS):
         for k, n, _ in SHAPES:
             w = (rng.standard_normal((k, n)) * 0.02).astype(np.float32)
@@ -75,11 +76,16 @@ def main(argv=None) -> int:
             weights["q4 x bf16"].append((jnp.asarray(native.pack_codes(c4, 4, pairs=True)), s, o))
             weights["q8 x bf16"].append((jnp.asarray(native.pack_codes(c8, 8)), s, None))
             weights["q4 f32 kernel"].append((jnp.asarray(native.pack_codes(c4, 4)), s, o))
+            weights["f32"].append(jnp.asarray(native.pack_weight(w)))
+            column_scale = jnp.asarray((rng.random((1, n)) * 0.01).astype(np.float32))
+            weights["w8a8"].append((jnp.asarray(native.pack_codes(c8, 8, w8a8=True)), column_scale))
     calls = {
         "bf16": chain(lambda h, w, sw: native.matmul_packed(h, w, swiglu=sw)),
         "q4 x bf16": chain(lambda h, w, sw: native.matmul_quantized_bf16(h, *w, 4, swiglu=sw)),
         "q8 x bf16": chain(lambda h, w, sw: native.matmul_quantized_bf16(h, *w, 8, swiglu=sw)),
         "q4 f32 kernel": chain(lambda h, w, sw: native.matmul_quantized(h, *w, 4, swiglu=sw)),
+        "f32": chain(lambda h, w, sw: native.matmul_packed(h, w, swiglu=sw)),
+        "w8a8": chain(lambda h, w, sw: native.matmul_quantized(h, w[0], w[1], None, 8, swiglu=sw, act8=True)),
     }
     flops_per_row = 2 * LAYERS * sum(k * n for k, n, _ in SHAPES)
     rows = []

@@ -51,11 +51,12 @@ struct GemmArgs {
 // ask for an equal share (`lines`) of the next panels' lines: one range of `len` bytes at
 // at[0], or two of that length (gate and up panels). Threads claim their next work item ahead
 // (parallel_for_claiming_ahead) to know which panels come next. On Zen 4 (the model's four
-// layer GEMMs over 30 layers of distinct weights and its LM head, through the FFI, alternating
-// with the code before, three runs each): the f32 GEMM took 0.78x the time at 4 rows, 0.66x at
-// 8, 0.71x at 16, 0.82x at 32, 0.89x at 64 and 0.95x at 128 (the same at 1-2 rows); the bf16
-// GEMM (bf16_rows) 0.89x at 12 and 16 rows, 0.91x at 24 and 0.96x at 32, its LM head 0.80-0.87x
-// at 12-24 rows.
+// layer GEMMs over 30 layers of distinct weights, and its LM head, through the FFI, alternating
+// with the code before, two or three runs each): the f32 GEMM took 0.76-0.78x the time at 4-6
+// rows, 0.64-0.68x at 8, 0.69-0.86x at 16, 0.81x at 32, 0.89x at 64 and 0.95x at 128 (1-2 rows
+// within noise); the bf16 GEMM 0.87x at 12 rows, 0.88x at 16, 0.91x at 24 and 0.96x at 32, its
+// LM head 0.77x, 0.85x and 0.90x at 12, 16 and 24; the W8A8 GEMM (gemm_w8a8.cc) 0.87x at 12 and
+// 16 rows, 0.93x at 32 and 0.97x at 64-128.
 struct Prefetcher {
   const char* at[2] = {nullptr, nullptr};
   int64_t len = 0, off = 0, lines = 0;  // off: bytes asked for so far
