@@ -65,14 +65,26 @@ struct Prefetcher {
 };
 constexpr int64_t kPrefetchSegment = 16;  // k-steps between two bursts of prefetches
 
-// One burst: `burst` more bytes of each range from `off` (locals: through the Prefetcher, every
-// prefetch would wait on the store of the last one's `off`).
-inline void prefetch_burst(const char* at0, const char* at1, int64_t& off, int64_t len, int64_t burst) {
-  for (const int64_t stop = std::min(len, off + burst); off < stop; off += 64) {
-    __builtin_prefetch(at0 + off, 0, 2);  // prefetcht1: into L2
-    if (at1) __builtin_prefetch(at1 + off, 0, 2);
+// A kernel's copy of a Prefetcher (nullptr: none) in locals: through the Prefetcher itself, every
+// prefetch would wait on the store of the last one's `off`. Give the progress back with done().
+struct PrefetchStream {
+  const char* at0;
+  const char* at1;
+  int64_t off, len, burst;
+  explicit PrefetchStream(const Prefetcher* pf)
+      : at0(pf ? pf->at[0] : nullptr), at1(pf ? pf->at[1] : nullptr), off(pf ? pf->off : 0),
+        len(pf ? pf->len : 0), burst(pf ? 64 * pf->lines : 0) {}
+  // One burst: `burst` more bytes of each range.
+  inline void next() {
+    for (const int64_t stop = std::min(len, off + burst); off < stop; off += 64) {
+      __builtin_prefetch(at0 + off, 0, 2);  // prefetcht1: into L2
+      if (at1) __builtin_prefetch(at1 + off, 0, 2);
+    }
   }
-}
+  void done(Prefetcher* pf) const {
+    if (pf) pf->off = off;
+  }
+};
 
 // The prefetcher for the weights [first, first + len) and, with `second`, [second, second + len),
 // or none (nullptr) where `first` is null.
@@ -94,12 +106,9 @@ inline void panel_rows(const float* __restrict x, const float* __restrict panel,
   __m256 acc0[R], acc1[R];
 #pragma GCC unroll 6
   for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
-  const char* at0 = pf ? pf->at[0] : nullptr;
-  const char* at1 = pf ? pf->at[1] : nullptr;
-  int64_t off = pf ? pf->off : 0;
-  const int64_t len = pf ? pf->len : 0, burst = pf ? 64 * pf->lines : 0;
+  PrefetchStream next_weights(pf);
   for (int64_t k0 = 0; k0 < K; k0 += kPrefetchSegment) {
-    prefetch_burst(at0, at1, off, len, burst);
+    next_weights.next();
     for (int64_t k = k0, k1 = std::min(K, k0 + kPrefetchSegment); k < k1; ++k) {
       const __m256 b0 = _mm256_loadu_ps(panel + k * kPanel), b1 = _mm256_loadu_ps(panel + k * kPanel + 8);
 #pragma GCC unroll 6
@@ -110,7 +119,7 @@ inline void panel_rows(const float* __restrict x, const float* __restrict panel,
       }
     }
   }
-  if (pf) pf->off = off;
+  next_weights.done(pf);
 #pragma GCC unroll 6
   for (int i = 0; i < R; ++i) {
     _mm256_storeu_ps(y + i * ldy, acc0[i]);

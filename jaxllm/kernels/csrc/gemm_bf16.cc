@@ -61,12 +61,9 @@ __attribute__((noinline)) void bf16_rows(const uint32_t* __restrict x, int64_t l
 #pragma GCC unroll 12
   for (int i = 0; i < R; ++i)
     for (int p = 0; p < P; ++p) acc[p][i] = _mm512_setzero_ps();
-  const char* at0 = pf ? pf->at[0] : nullptr;
-  const char* at1 = pf ? pf->at[1] : nullptr;
-  int64_t off = pf ? pf->off : 0;
-  const int64_t len = pf ? pf->len : 0, burst = pf ? 64 * pf->lines : 0;
+  PrefetchStream next_weights(pf);
   for (int64_t k0 = 0; k0 < KP; k0 += kPrefetchSegment) {
-    prefetch_burst(at0, at1, off, len, burst);
+    next_weights.next();
     for (int64_t kp = k0, k1 = std::min(KP, k0 + kPrefetchSegment); kp < k1; ++kp) {
       __m512bh b[P];
       for (int p = 0; p < P; ++p) b[p] = (__m512bh)_mm512_loadu_si512(wp[p] + kp * kPanel);
@@ -77,7 +74,7 @@ __attribute__((noinline)) void bf16_rows(const uint32_t* __restrict x, int64_t l
       }
     }
   }
-  if (pf) pf->off = off;
+  next_weights.done(pf);
 #pragma GCC unroll 12
   for (int i = 0; i < R; ++i) {
     if (SWIGLU) {

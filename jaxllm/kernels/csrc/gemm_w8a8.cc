@@ -114,12 +114,9 @@ __attribute__((noinline)) void w8a8_tile_vnni(const int8_t* const* w, const __m5
 #pragma GCC unroll 24
   for (int i = 0; i < R; ++i)
     for (int p = 0; p < P; ++p) acc[p][i] = __v16si{};
-  const char* at0 = pf ? pf->at[0] : nullptr;
-  const char* at1 = pf ? pf->at[1] : nullptr;
-  int64_t off = pf ? pf->off : 0;
-  const int64_t len = pf ? pf->len : 0, burst = pf ? 64 * pf->lines : 0;
+  PrefetchStream next_weights(pf);
   for (int64_t k0 = 0; k0 < K; k0 += 4 * kPrefetchSegment) {
-    prefetch_burst(at0, at1, off, len, burst);
+    next_weights.next();
     for (int64_t k = k0, k1 = std::min(K, k0 + 4 * kPrefetchSegment); k < k1; k += 4) {
       __m512i b[P];
 #pragma GCC unroll 4
@@ -134,7 +131,7 @@ __attribute__((noinline)) void w8a8_tile_vnni(const int8_t* const* w, const __m5
       }
     }
   }
-  if (pf) pf->off = off;
+  next_weights.done(pf);
 #pragma GCC unroll 24
   for (int i = 0; i < R; ++i) {
     const __m512 di = _mm512_set1_ps(d[i]);
