@@ -75,7 +75,7 @@ struct PrefetchStream {
       : at0(pf ? pf->at[0] : nullptr), at1(pf ? pf->at[1] : nullptr), off(pf ? pf->off : 0),
         len(pf ? pf->len : 0), burst(pf ? 64 * pf->lines : 0) {}
   // One burst: `burst` more bytes of each range.
-  inline void next() {
+  void next() {
     for (const int64_t stop = std::min(len, off + burst); off < stop; off += 64) {
       __builtin_prefetch(at0 + off, 0, 2);  // prefetcht1: into L2
       if (at1) __builtin_prefetch(at1 + off, 0, 2);
