@@ -50,7 +50,7 @@ struct GemmArgs {
 // two took about the sum of their times. Here every kPrefetchSegment k-steps of every block
 // ask for an equal share (`lines`) of the next panels' lines: one range of `len` bytes at
 // at[0], or two of that length (gate and up panels). Threads claim their next work item ahead
-// (parallel_for_claiming_ahead) to know which panels come next. On Zen 4 (the model's four
+// (run_panel_groups) to know which panels come next. On Zen 4 (the model's four
 // layer GEMMs over 30 layers of distinct weights, and its LM head, through the FFI, alternating
 // with the code before, two or three runs each): the f32 GEMM took 0.76-0.78x the time at 4-6
 // rows, 0.64-0.68x at 8, 0.69-0.86x at 16, 0.81x at 32, 0.89x at 64 and 0.95x at 128 (1-2 rows
@@ -85,16 +85,6 @@ struct PrefetchStream {
     if (pf) pf->off = off;
   }
 };
-
-// The prefetcher for the weights [first, first + len) and, with `second`, [second, second + len),
-// or none (nullptr) where `first` is null.
-inline Prefetcher* prefetch_of(Prefetcher& pf, const void* first, const void* second, int64_t len) {
-  if (!first) return nullptr;
-  pf.at[0] = static_cast<const char*>(first);
-  pf.at[1] = static_cast<const char*>(second);
-  pf.len = len;
-  return &pf;
-}
 
 #ifdef JAXLLM_AVX2
 // y rows [r, r + R), columns [col, col + 16): R x 2 vectors of sums over all K, in registers
@@ -243,6 +233,62 @@ struct GemmItems {
   }
 };
 
+// An item's output panels as groups of up to `widest` panels: of 4, then 2, then 1 (with swiglu
+// of 2, then 1, each with its up panels).
+struct PanelGroups {
+  int64_t r0 = 0, r1 = 0, p0 = 0, n4 = 0, n2 = 0, count = 0;
+  PanelGroups() = default;
+  PanelGroups(const GemmItems& items, int64_t item, int64_t M, bool swiglu, int64_t widest) {
+    int64_t p1;
+    items.bounds(item, M, r0, r1, p0, p1);
+    const int64_t n = p1 - p0;
+    n4 = widest >= 4 && !swiglu ? n / 4 : 0;
+    n2 = widest >= 2 ? (n - 4 * n4) / 2 : 0;
+    count = n - 3 * n4 - n2;
+  }
+  // Group i's first output panel and width.
+  void at(int64_t i, int64_t& p, int64_t& width) const {
+    if (i < n4) {
+      p = p0 + 4 * i, width = 4;
+    } else if (i < n4 + n2) {
+      p = p0 + 4 * n4 + 2 * (i - n4), width = 2;
+    } else {
+      p = p0 + 4 * n4 + 2 * n2 + (i - n4 - n2), width = 1;
+    }
+  }
+};
+
+// Runs run(p, width, r0, r1, pf) for every group of panels of every item, on the calling thread
+// and the pool. `pf` asks for the weights of the group the same thread runs next, in this item or
+// the one it claimed (nullptr after its last): output panel p's weights lie at w + p *
+// panel_bytes, and with swiglu its up panel's N / 32 panels further.
+template <typename Fn>
+void run_panel_groups(ffi::ThreadPool& pool, const GemmItems& items, int64_t M, int64_t N, bool swiglu,
+                      int64_t widest, const void* w, int64_t panel_bytes, Fn run) {
+  const char* base = static_cast<const char*>(w);
+  const int64_t up = N / 2 / kPanel * panel_bytes;
+  parallel_for_claiming_ahead(pool, items.count, [&](int64_t item, int64_t ahead) {
+    const PanelGroups cur(items, item, M, swiglu, widest);
+    const PanelGroups next = ahead >= 0 ? PanelGroups(items, ahead, M, swiglu, widest) : PanelGroups();
+    for (int64_t i = 0; i < cur.count; ++i) {
+      int64_t p, width, next_p = -1, next_width = 0;
+      cur.at(i, p, width);
+      if (i + 1 < cur.count) {
+        cur.at(i + 1, next_p, next_width);
+      } else if (next.count > 0) {
+        next.at(0, next_p, next_width);
+      }
+      Prefetcher pf;
+      if (next_p >= 0) {
+        pf.at[0] = base + next_p * panel_bytes;
+        pf.at[1] = swiglu ? pf.at[0] + up : nullptr;
+        pf.len = next_width * panel_bytes;
+      }
+      run(p, width, cur.r0, cur.r1, next_p >= 0 ? &pf : nullptr);
+    }
+  });
+}
+
 // The rows to compute: the `rows` input clamped to [0, M]; y's rows past them are zeroed.
 int64_t live_rows(ffi::Buffer<ffi::S32> rows, int64_t M, int64_t N, float* y) {
   const int64_t live = rows.element_count() ? std::clamp<int64_t>(rows.typed_data()[0], 0, M) : M;
@@ -264,22 +310,14 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   // panel (pair) runs, the next one this thread runs comes into L2 (Prefetcher).
   const GemmItems items(g.M, swiglu ? g.N / 2 : g.N, pool.num_threads());
   const int64_t up = g.N / 2 / kPanel, panel_floats = g.K * kPanel;
-  parallel_for_claiming_ahead(pool, items.count, [&](int64_t item, int64_t ahead, NoState&) {
-    int64_t r0, r1, p0, p1, a0, a1, ap0 = 0, ap1 = 0;
-    items.bounds(item, g.M, r0, r1, p0, p1);
-    if (ahead >= 0) items.bounds(ahead, g.M, a0, a1, ap0, ap1);
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t next = p + 1 < p1 ? p + 1 : ap0 < ap1 ? ap0 : -1;
-      const float* w = g.w + p * panel_floats;
-      const float* w_next = next >= 0 ? g.w + next * panel_floats : nullptr;
-      Prefetcher pf;
-      if (swiglu)
-        swiglu_block(g, w, w + up * panel_floats, p, r0, r1, path,
-                     prefetch_of(pf, w_next, w_next ? w_next + up * panel_floats : nullptr, panel_floats * 4));
-      else
-        panel_block(g, w, p, r0, r1, path, prefetch_of(pf, w_next, nullptr, panel_floats * 4));
-    }
-  });
+  const auto run_panel = [&](int64_t p, int64_t, int64_t r0, int64_t r1, Prefetcher* pf) {
+    const float* w = g.w + p * panel_floats;
+    if (swiglu)
+      swiglu_block(g, w, w + up * panel_floats, p, r0, r1, path, pf);
+    else
+      panel_block(g, w, p, r0, r1, path, pf);
+  };
+  run_panel_groups(pool, items, g.M, g.N, swiglu, 1, g.w, panel_floats * 4, run_panel);
   return ffi::Error::Success();
 }
 

@@ -170,62 +170,6 @@ void bf16_output_panels(const Bf16GemmArgs& g, int64_t p, int64_t r0, int64_t r1
   bf16_panels<P_OUT>(g, w, g.y + p * kPanel, ldy, r0, r1, swiglu, path, pf);
 }
 
-// An item's output panels in groups of 4, then 2, then 1 (with swiglu of 2, then 1: each with
-// its up panels, so four weight panels a group either way).
-struct Bf16ItemGroups {
-  int64_t r0 = 0, r1 = 0, p0 = 0, n4 = 0, n2 = 0, count = 0;
-  Bf16ItemGroups() = default;
-  Bf16ItemGroups(const GemmItems& items, int64_t item, int64_t M, bool swiglu) {
-    int64_t p1;
-    items.bounds(item, M, r0, r1, p0, p1);
-    n4 = swiglu ? 0 : (p1 - p0) / 4;
-    n2 = (p1 - p0 - 4 * n4) / 2;
-    count = n4 + n2 + (p1 - p0 - 4 * n4 - 2 * n2);
-  }
-  // Group i's first output panel and width.
-  void at(int64_t i, int64_t& p, int64_t& width) const {
-    if (i < n4) {
-      p = p0 + 4 * i, width = 4;
-    } else if (i < n4 + n2) {
-      p = p0 + 4 * n4 + 2 * (i - n4), width = 2;
-    } else {
-      p = p0 + 4 * n4 + 2 * n2, width = 1;
-    }
-  }
-};
-
-// Runs the items on the calling thread and the pool; while a group of panels runs, the group
-// the same thread runs next (in this item or the one it claimed) comes into L2 (Prefetcher).
-void run_bf16_items(ffi::ThreadPool& pool, const Bf16GemmArgs& g, const GemmItems& items, bool swiglu, int32_t path) {
-  const int64_t panel_bytes = g.KP * kPanel * 4, up = g.N / 2 / kPanel;
-  parallel_for_claiming_ahead(pool, items.count, [&](int64_t item, int64_t claimed, NoState&) {
-    const Bf16ItemGroups cur(items, item, g.M, swiglu);
-    const Bf16ItemGroups ahead = claimed >= 0 ? Bf16ItemGroups(items, claimed, g.M, swiglu) : Bf16ItemGroups();
-    for (int64_t i = 0; i < cur.count; ++i) {
-      int64_t p, width, next_p = -1, next_width = 0;
-      cur.at(i, p, width);
-      if (i + 1 < cur.count) {
-        cur.at(i + 1, next_p, next_width);
-      } else if (ahead.count > 0) {
-        ahead.at(0, next_p, next_width);
-      }
-      const char* w = reinterpret_cast<const char*>(g.w);
-      Prefetcher pf;
-      Prefetcher* use = next_p < 0 ? nullptr
-                                   : prefetch_of(pf, w + next_p * panel_bytes,
-                                                 swiglu ? w + (next_p + up) * panel_bytes : nullptr,
-                                                 next_width * panel_bytes);
-      if (width == 4) {
-        bf16_output_panels<4>(g, p, cur.r0, cur.r1, false, path, use);
-      } else if (width == 2) {
-        bf16_output_panels<2>(g, p, cur.r0, cur.r1, swiglu, path, use);
-      } else {
-        bf16_output_panels<1>(g, p, cur.r0, cur.r1, swiglu, path, use);
-      }
-    }
-  });
-}
-
 ffi::Error MatmulPackedBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
                                 ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t path,
                                 int32_t swiglu) {
@@ -246,7 +190,16 @@ ffi::Error MatmulPackedBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, 
   // more of memory's bandwidth busy than one (on Zen 4, the model's layer GEMMs took 0.8x the
   // time at 1-16 rows with items of whole blocks than with items of single panels).
   const GemmItems items(g.M, out_n, pool.num_threads(), swiglu ? 2 : 4);
-  run_bf16_items(pool, g, items, swiglu, path);
+  const auto run_group = [&](int64_t p, int64_t width, int64_t r0, int64_t r1, Prefetcher* pf) {
+    if (width == 4) {
+      bf16_output_panels<4>(g, p, r0, r1, false, path, pf);
+    } else if (width == 2) {
+      bf16_output_panels<2>(g, p, r0, r1, swiglu, path, pf);
+    } else {
+      bf16_output_panels<1>(g, p, r0, r1, swiglu, path, pf);
+    }
+  };
+  run_panel_groups(pool, items, g.M, g.N, swiglu, 4, g.w, g.KP * kPanel * 4, run_group);
   return ffi::Error::Success();
 }
 

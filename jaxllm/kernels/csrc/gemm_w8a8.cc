@@ -171,61 +171,38 @@ void w8a8_rows_vnni(const int8_t* const* w, const __m512i* bias, const __m512* s
 // group runs, the next one this thread runs comes into L2 (gemm.cc's Prefetcher).
 void matmul_w8a8_vnni(ffi::ThreadPool& pool, const GemmArgs& g, const QuantPanel& wq, const uint8_t* qb,
                       const float* d, int32_t swiglu) {
-  const int64_t K = g.K, n_out = swiglu ? g.N / 2 : g.N, up = g.N / 2 / kPanel;
+  const int64_t K = g.K, n_out = swiglu ? g.N / 2 : g.N;
   const GemmItems items(g.M, n_out, pool.num_threads(), swiglu ? 2 : 4);
-  // The output panels a group starting at p takes, of an item ending at p1.
-  const auto group = [&](int64_t p, int64_t p1) -> int64_t {
-    return swiglu ? std::min<int64_t>(2, p1 - p) : (p1 - p >= 4 ? 4 : p1 - p >= 2 ? 2 : 1);
-  };
-  parallel_for_claiming_ahead(pool, items.count, [&](int64_t item, int64_t ahead, NoState&) {
-    int64_t r0, r1, p0, p1, a0, a1, ap0 = 0, ap1 = 0;
-    items.bounds(item, g.M, r0, r1, p0, p1);
-    if (ahead >= 0) items.bounds(ahead, g.M, a0, a1, ap0, ap1);
-    for (int64_t p = p0; p < p1;) {
-      const int64_t take = group(p, p1);
-      int64_t next = -1, next_end = 0;  // the next group's first panel, and its item's end
-      if (p + take < p1) {
-        next = p + take, next_end = p1;
-      } else if (ap0 < ap1) {
-        next = ap0, next_end = ap1;
+  const auto run_group = [&](int64_t p, int64_t take, int64_t r0, int64_t r1, Prefetcher* use) {
+    const int np = static_cast<int>(swiglu ? 2 * take : take);
+    const int8_t* w[4];
+    __m512i bias[4];
+    __m512 scale[4];
+    for (int j = 0; j < np; ++j) {
+      const int64_t pj = swiglu && j >= take ? p + (j - take) + g.N / 2 / kPanel : p + j;
+      w[j] = static_cast<const int8_t*>(wq.codes) + pj * K * kPanel;
+      if (wq.bias) {  // taken at packing: at a few rows this pass was as long as the product
+        bias[j] = _mm512_loadu_si512(wq.bias + pj * kPanel);
+      } else {
+        __m512i sum = _mm512_setzero_si512();
+        for (int64_t k = 0; k < K; k += 4)
+          sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), _mm512_loadu_si512(w[j] + k * kPanel));
+        bias[j] = _mm512_slli_epi32(sum, 7);
       }
-      const int64_t next_take = next < 0 ? 0 : group(next, next_end);
-      const char* codes = static_cast<const char*>(wq.codes);
-      Prefetcher pf;
-      Prefetcher* use = next < 0 ? nullptr
-                                 : prefetch_of(pf, codes + next * K * kPanel,
-                                               swiglu ? codes + (next + up) * K * kPanel : nullptr,
-                                               next_take * K * kPanel);
-      const int np = static_cast<int>(swiglu ? 2 * take : take);
-      const int8_t* w[4];
-      __m512i bias[4];
-      __m512 scale[4];
-      for (int j = 0; j < np; ++j) {
-        const int64_t pj = swiglu && j >= take ? p + (j - take) + g.N / 2 / kPanel : p + j;
-        w[j] = static_cast<const int8_t*>(wq.codes) + pj * K * kPanel;
-        if (wq.bias) {  // taken at packing: at a few rows this pass was as long as the product
-          bias[j] = _mm512_loadu_si512(wq.bias + pj * kPanel);
-        } else {
-          __m512i sum = _mm512_setzero_si512();
-          for (int64_t k = 0; k < K; k += 4)
-            sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), _mm512_loadu_si512(w[j] + k * kPanel));
-          bias[j] = _mm512_slli_epi32(sum, 7);
-        }
-        float s[kPanel], o[kPanel];
-        group_scales(wq, 0, pj, s, o);
-        scale[j] = _mm512_loadu_ps(s);
-      }
-      const uint8_t* q = qb + r0 * K;
-      float* y = g.y + r0 * n_out + p * kPanel;
-      const int64_t R = r1 - r0;
-      if (swiglu && np == 4) w8a8_rows_vnni<4, true>(w, bias, scale, q, d + r0, K, y, n_out, R, use);
-      else if (swiglu) w8a8_rows_vnni<2, true>(w, bias, scale, q, d + r0, K, y, n_out, R, use);
-      else if (np == 4) w8a8_rows_vnni<4, false>(w, bias, scale, q, d + r0, K, y, n_out, R, use);
-      else if (np == 2) w8a8_rows_vnni<2, false>(w, bias, scale, q, d + r0, K, y, n_out, R, use);
-      else w8a8_rows_vnni<1, false>(w, bias, scale, q, d + r0, K, y, n_out, R, use);
-      p += take;
+      float s[kPanel], o[kPanel];
+      group_scales(wq, 0, pj, s, o);
+      scale[j] = _mm512_loadu_ps(s);
     }
-  });
+    const uint8_t* q = qb + r0 * K;
+    float* y = g.y + r0 * n_out + p * kPanel;
+    const int64_t R = r1 - r0;
+    if (swiglu && np == 4) w8a8_rows_vnni<4, true>(w, bias, scale, q, d + r0, K, y, n_out, R, use);
+    else if (swiglu) w8a8_rows_vnni<2, true>(w, bias, scale, q, d + r0, K, y, n_out, R, use);
+    else if (np == 4) w8a8_rows_vnni<4, false>(w, bias, scale, q, d + r0, K, y, n_out, R, use);
+    else if (np == 2) w8a8_rows_vnni<2, false>(w, bias, scale, q, d + r0, K, y, n_out, R, use);
+    else w8a8_rows_vnni<1, false>(w, bias, scale, q, d + r0, K, y, n_out, R, use);
+  };
+  run_panel_groups(pool, items, g.M, g.N, swiglu, 4, wq.codes, K * kPanel, run_group);
 }
 #endif  // AVX512_VNNI
 

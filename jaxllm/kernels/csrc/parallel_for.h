@@ -66,17 +66,17 @@ void parallel_for(xla::ffi::ThreadPool& pool, int64_t n, std::function<void(int6
 
 struct NoState {};  // the State of work that needs none
 
-// Runs run(item, ahead, state) for every item in [0, count) on the calling thread and the pool,
-// each thread claiming its next item before it runs the current one: `ahead` is the item the
-// same thread runs next (-1: none), so that it can bring that item's data into cache meanwhile.
-template <typename State = NoState, typename Fn>
+// Runs run(item, ahead) for every item in [0, count) on the calling thread and the pool, each
+// thread claiming its next item before it runs the current one: `ahead` is the item the same
+// thread runs next (-1: none), so that it can bring that item's data into cache meanwhile.
+template <typename Fn>
 void parallel_for_claiming_ahead(xla::ffi::ThreadPool& pool, int64_t count, Fn run) {
   if (count <= 0) return;
   std::atomic<int64_t> next{0};
-  parallel_for<State>(pool, std::clamp<int64_t>(pool.num_threads(), 1, count), [&](int64_t, State& state) {
+  parallel_for<NoState>(pool, std::clamp<int64_t>(pool.num_threads(), 1, count), [&](int64_t, NoState&) {
     for (int64_t item = next.fetch_add(1); item < count;) {
       const int64_t ahead = next.fetch_add(1);
-      run(item, ahead < count ? ahead : -1, state);
+      run(item, ahead < count ? ahead : -1);
       item = ahead;
     }
   });
