@@ -5,8 +5,9 @@ in one jitted call, through jaxllm's C++ GEMMs: bf16 panels (the float default o
 CPUs), 4-bit and 8-bit codes x bf16 activations (`matmul_quantized_bf16`: weight-only codes
 under dtype bfloat16, a GGUF's blocks by default), 4-bit codes through the f32 weight-only
 kernel (`matmul_quantized`), f32 panels (the float32 dtype's GEMM, `csrc/gemm.cc`) and W8A8
-(8-bit codes x int8 rows, `quantization="int8"`). Best of `--repeat` calls per row count; each
-path's GFLOP/s and its time against bf16's.
+(8-bit codes x int8 activations, `quantization="int8"`: the engine's weights, x scaled per block
+of up to 256 columns, and the same with a scale per row). Best of `--repeat` calls per row count;
+each path's GFLOP/s and its time against bf16's.
 
     python benchmarks/weight_stream.py --rows 1,4,16,64,512 --out /tmp/stream.json
 
@@ -53,7 +54,10 @@ def chain(matmul):
 
 
 def main(argv=None) -> int:
+    import dataclasses
+
     from jaxllm.kernels import native
+    from jaxllm.quantization import weights as quant
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,4,16,64,512")
@@ -65,7 +69,7 @@ def main(argv=None) -> int:
     machine = machine_info()
     print(cpu_line(machine), flush=True)
     rng = np.random.default_rng(0)
-    weights = {"bf16": [], "q4 x bf16": [], "q8 x bf16": [], "q4 f32 kernel": [], "f32": [], "w8a8": []}
+    weights = {name: [] for name in ("bf16", "q4 x bf16", "q8 x bf16", "q4 f32 kernel", "f32", "w8a8", "w8a8 per row")}
     for _ in range(LAYERS):
         for k, n, _ in SHAPES:
             w = (rng.standard_normal((k, n)) * 0.02).astype(np.float32)
@@ -77,15 +81,18 @@ def main(argv=None) -> int:
             weights["q8 x bf16"].append((jnp.asarray(native.pack_codes(c8, 8)), s, None))
             weights["q4 f32 kernel"].append((jnp.asarray(native.pack_codes(c4, 4)), s, o))
             weights["f32"].append(jnp.asarray(native.pack_weight(w)))
-            column_scale = jnp.asarray((rng.random((1, n)) * 0.01).astype(np.float32))
-            weights["w8a8"].append((jnp.asarray(native.pack_codes(c8, 8, w8a8=True)), column_scale))
+            q = quant.make_weight(w, "w8a8", panels=True, activations="int8")
+            weights["w8a8"].append(q)
+            row_bias = jnp.asarray(quant._w8a8_bias(quant._unpacked_codes(q, np), 0))
+            weights["w8a8 per row"].append(dataclasses.replace(q, act_block=0, bias=row_bias))
     calls = {
         "bf16": chain(lambda h, w, sw: native.matmul_packed(h, w, swiglu=sw)),
         "q4 x bf16": chain(lambda h, w, sw: native.matmul_quantized_bf16(h, *w, 4, swiglu=sw)),
         "q8 x bf16": chain(lambda h, w, sw: native.matmul_quantized_bf16(h, *w, 8, swiglu=sw)),
         "q4 f32 kernel": chain(lambda h, w, sw: native.matmul_quantized(h, *w, 4, swiglu=sw)),
         "f32": chain(lambda h, w, sw: native.matmul_packed(h, w, swiglu=sw)),
-        "w8a8": chain(lambda h, w, sw: native.matmul_quantized(h, w[0], w[1], None, 8, swiglu=sw, act8=True)),
+        "w8a8": chain(lambda h, w, sw: quant.matmul(h, w, swiglu=sw)),
+        "w8a8 per row": chain(lambda h, w, sw: quant.matmul(h, w, swiglu=sw)),
     }
     flops_per_row = 2 * LAYERS * sum(k * n for k, n, _ in SHAPES)
     rows = []

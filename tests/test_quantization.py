@@ -21,7 +21,7 @@ from jaxllm.config import QUANTIZATION_METHODS, EngineArgs
 from jaxllm.kernels import native
 from jaxllm.quantization import (CHECKPOINT_METHODS, METHODS, QuantizedWeight, dequantize, matmul, quantize_matrix,
                                  weight_bytes)
-from jaxllm.quantization.weights import embedding_rows, make_sharded_weight, make_weight, relayout
+from jaxllm.quantization.weights import embedding_rows, make_sharded_weight, make_weight, relayout, w8a8_act_block
 from cuda_lowering import INTERPRET, arg, lower_for_cuda
 from tiny_model import TINY_ENGINE_ARGS, offline_llm
 
@@ -70,45 +70,51 @@ def test_quantize_matrix_matches_the_scheme(bits, group):
     assert np.abs(deq - w).max() <= np.repeat(scale, rows, 0).max() * (0.5 if bits == 8 else 0.6)
 
 
-def w8a8_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """W8A8 by hand: int8 rows of x (a scale per row), int8 columns of w (a scale per column),
-    an exact integer dot, then both scales."""
-    xs = np.abs(x).max(1, keepdims=True) / 127
+def w8a8_reference(x: np.ndarray, w: np.ndarray, block: int = 0) -> np.ndarray:
+    """W8A8 by hand: int8 rows of x (a scale per row and block of `block` columns; 0: per row),
+    int8 columns of w (a scale per column), exact integer dots of the blocks, then both scales."""
+    rows, k = x.shape
+    b = block or k
+    xb = x.reshape(rows, k // b, b)
+    xs = np.abs(xb).max(2, keepdims=True) / 127
     ws = np.abs(w).max(0, keepdims=True) / 127
-    xq = np.clip(np.round(x / xs), -127, 127).astype(np.int64)
+    xq = np.clip(np.round(xb / xs), -127, 127).astype(np.int64)
     wq = np.clip(np.round(w / ws), -127, 127).astype(np.int64)
-    return (xq @ wq) * xs * ws
+    return (np.einsum("rbk,bkn->rbn", xq, wq.reshape(k // b, b, -1)) * xs).sum(1) * ws
 
 
-@pytest.mark.parametrize("method, panels", [("int8", True), ("int8", False), ("int4", True), ("int4", False),
-                                            ("w8a8", True), ("w8a8", False)])
-def test_every_matmul_path_matches_its_numpy_reference(method, panels):
-    # On the CPU device, where the C++ GEMM's panels run (on a GPU machine too).
+@pytest.mark.parametrize("method, panels, k", [("int8", True, 96), ("int8", False, 96), ("int4", True, 96),
+                                               ("int4", False, 96), ("w8a8", True, 132), ("w8a8", False, 132),
+                                               ("w8a8", True, 320), ("w8a8", False, 320)])
+def test_every_matmul_path_matches_its_numpy_reference(method, panels, k):
+    # On the CPU device, where the C++ GEMM's panels run (on a GPU machine too). W8A8 with K = 132
+    # scales x per row, with K = 320 per block of 160 columns (`w8a8_act_block`).
     with jax.default_device(jax.devices("cpu")[0]):
-        check_matmul_paths(method, panels)
+        check_matmul_paths(method, panels, k=k)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4", "w8a8"])
-def test_plain_matmul_matches_its_numpy_reference_on_the_default_device(method):
+@pytest.mark.parametrize("method, k", [("int8", 96), ("int4", 96), ("w8a8", 132), ("w8a8", 320)])
+def test_plain_matmul_matches_its_numpy_reference_on_the_default_device(method, k):
     # The plain layout on whatever backend runs the tests: on a GPU the Pallas kernel (int8,
-    # int4) and XLA's int8 dot (w8a8).
-    check_matmul_paths(method, panels=False, other_layout=jax.default_backend() == "cpu")
+    # int4) and XLA's int8 dots (w8a8).
+    check_matmul_paths(method, panels=False, other_layout=jax.default_backend() == "cpu", k=k)
 
 
-def check_matmul_paths(method: str, panels: bool, other_layout: bool = True):
-    """A weight quantized by `method` in one layout: its values, its product with x and its
-    embedding rows against NumPy; then (`other_layout`) the same in the other layout."""
+def check_matmul_paths(method: str, panels: bool, other_layout: bool = True, k: int = 96):
+    """A weight [k, 80] quantized by `method` in one layout: its values, its product with x and
+    its embedding rows against NumPy; then (`other_layout`) the same in the other layout."""
     rng = np.random.default_rng(len(method) + panels)
-    k, n = 96, 80
+    n = 80
     w = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
     x = rng.standard_normal((7, k)).astype(np.float32)
     x[:, 5] *= 30                                        # an outlier channel
     q = make_weight(w, method, panels=panels, activations="int8" if method == "w8a8" else "float")
     assert isinstance(q, QuantizedWeight) and q.layout == ("panels" if panels else "plain") and q.shape == (k, n)
+    assert q.act_block == {132: 0, 320: 160}[k] if method == "w8a8" else q.act_block == 0
     bits, group = METHODS[method]
     deq = reference_weight(w, bits, group)
     np.testing.assert_allclose(dequantize(q), deq, rtol=1e-5, atol=1e-6)
-    ref = w8a8_reference(x, w) if method == "w8a8" else x.astype(np.float64) @ deq
+    ref = w8a8_reference(x, w, q.act_block) if method == "w8a8" else x.astype(np.float64) @ deq
     y = jax.jit(matmul)(x, q)
     np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
     tokens = np.array([0, 17, 79, 40, 8, 15, 16])      # columns in every panel position and nibble half
@@ -147,6 +153,16 @@ def test_sharded_weights_split_into_the_one_device_values(method, columns, rows)
             np.testing.assert_array_equal(dequantize(shard), want)
     with pytest.raises(ValueError, match="4 groups of 32 rows cannot be split over 3 shards"):
         make_sharded_weight(w[0], "int4", "float", rows=3)
+
+
+def test_w8a8_activation_blocks_fit_the_shards():
+    # A scale per block of up to 256 columns of x; per row where no such block divides K or one
+    # block would be the row; a row-parallel shard keeps one device's blocks where they fit it
+    # (per row over every shard where one device's is per row), else takes its own.
+    assert [w8a8_act_block(k) for k in (64, 128, 132, 256, 320, 576, 1536)] == [0, 0, 0, 0, 160, 192, 256]
+    for k, rows, want in ((512, 2, 256), (576, 2, 96), (128, 2, 0), (576, 1, 192), (1536, 4, 192)):
+        q = make_sharded_weight(np.ones((k, 16), np.float32), "w8a8", "int8", rows=rows)
+        assert q.act_block == want, (k, rows)
 
 
 def fake_quantized_checkpoint(model_dir: str, method: str, out: str) -> str:
@@ -192,19 +208,24 @@ def test_weight_only_engine_matches_the_float_engine_on_quantized_values(method,
     assert quant_bytes < 0.3 * float_bytes, (quant_bytes, float_bytes)
 
 
-@pytest.mark.parametrize("method", ["w8a8", "int8"])
-def test_w8a8_engine_stays_close_to_the_float_engine(method, tiny_model_dir):
+@pytest.mark.parametrize("method, block", [("w8a8", None), ("int8", None), ("w8a8", 32)])
+def test_w8a8_engine_stays_close_to_the_float_engine(method, block, tiny_model_dir, monkeypatch):
     # Activations are rounded too (each layer's product is checked exactly above), and the
     # weights are smoothed before they are quantized (tests/test_smoothing.py), so the reference
     # is the float engine and the measure is how close the first token's distribution stays:
     # within 0.3 nats (a wrong scale or a fold left out anywhere moves it by many). "int8" is
-    # another name for W8A8: the same run.
+    # another name for W8A8: the same run. The tiny model's K (64, 128) take a scale per row
+    # (`w8a8_act_block`); with blocks of up to 32 columns, a scale per 32.
+    if block:
+        monkeypatch.setattr("jaxllm.quantization.weights.W8A8_ACT_BLOCK", block)
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
     ref = offline_llm(tiny_model_dir).generate(PROMPTS, params, use_tqdm=False)
     llm = LLM(tiny_model_dir, quantization=method, **TINY_ENGINE_ARGS)
     assert llm.engine.config.quantization == "w8a8"
     layer = llm.engine.runner.params["layers"][0]
-    assert {layer[name].activations for name in ("wqkv", "wo", "w_gate_up", "w_down") if name in layer} == {"int8"}
+    names = [name for name in ("wqkv", "wo", "w_gate_up", "w_down") if name in layer]
+    assert {layer[name].activations for name in names} == {"int8"}
+    assert {layer[name].act_block for name in names} == {block or 0}
     out = llm.generate(PROMPTS, params, use_tqdm=False)
     for a, b in zip(out, ref):
         a_lp, b_lp = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]

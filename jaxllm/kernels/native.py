@@ -353,7 +353,7 @@ def codes_to_bf16_panels(codes, scale, offset, bits: int, super_scale=None, supe
 def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array | None, bits: int,
                      path: str = "auto", rows=None, swiglu: bool = False, act8: bool = False,
                      super_scale: jax.Array | None = None, super_offset: jax.Array | None = None,
-                     bias: jax.Array | None = None) -> jax.Array:
+                     bias: jax.Array | None = None, act_block: int = 0) -> jax.Array:
     """x [..., K] f32 @ w -> [..., N] f32, w [K, N] given by the panels of `pack_codes`, and
     scale (and offset, or None) [G, N], f32 or f16: w[k, n] = code * scale[g, n] + offset[g, n]
     for the group g = k // (K / G) (csrc/gemm_quant.cc dequantizes a panel at a time; x stays
@@ -364,13 +364,14 @@ def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: j
     per row and block of 32 columns (q = round(x * 127 / max|x|), the scale max|x| / 127), as
     llama.cpp does (csrc/gemm_q4a8.cc); with 8-bit codes in [-127, 127], one scale per column
     and no offset (W8A8; K a multiple of 4, at most `W8A8_MAX_K`; the codes packed with
-    `w8a8=True`) per row, as `kv_write.int8_rows` does (csrc/gemm_w8a8.cc); `bias`, int32 [N]
-    or None, is then 128 times each column's code sum (`QuantizedWeight.bias`; None: summed in
-    the call). `rows`, `swiglu`: as for `matmul_packed`."""
+    `w8a8=True`) per row and block of `act_block` columns (0: the row whole; else a multiple of 4
+    dividing K), as `kv_write.int8_rows` does a row (csrc/gemm_w8a8.cc); `bias`, int32 [K /
+    act_block (1 for 0), N] or None, is then 128 times each column's code sum over each block
+    (`QuantizedWeight.bias`; None: summed in the call). `rows`, `swiglu`: as for `matmul_packed`."""
     bias = jnp.zeros((0,), jnp.int32) if bias is None else bias
     return _quantized_call("jaxllm_matmul_quantized_cpu", x.astype(jnp.float32), codes, scale, offset,
                            super_scale, super_offset, rows, swiglu, bias, bits=np.int32(bits), path=_path_attr(path),
-                           act8=np.int32(act8))
+                           act8=np.int32(act8), act_block=np.int32(act_block))
 
 
 def matmul_quantized_bf16(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array | None, bits: int,

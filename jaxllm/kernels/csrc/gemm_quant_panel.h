@@ -33,8 +33,9 @@ struct QuantPanel {
   // offset are then int8. nullptr: one level.
   const uint16_t *super_scale = nullptr, *super_offset = nullptr;
   int64_t per_super = 1;
-  // W8A8 with AVX512_VNNI: int32 [N], 128 x each column's code sum, taken once at packing
-  // (nullptr: summed per call, gemm_w8a8.cc).
+  // W8A8 with AVX512_VNNI: int32 [K / B, N], 128 x each column's code sum over each block of B
+  // rows of K (the activations' blocks), taken once at packing (nullptr: summed per call,
+  // gemm_w8a8.cc).
   const int32_t* bias = nullptr;
 };
 
