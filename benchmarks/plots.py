@@ -199,7 +199,7 @@ def plot_step(step: dict, path: str) -> None:
             continue
         xs = [r["batch"] if kind == "decode" else r["tokens"] for r in rows]
         ax.plot(xs, [r["step_ms"] for r in rows], "-o", label="measured step")
-        ax.plot(xs, [r["roofline_ms"] for r in rows], "--", label="roofline")
+        ax.plot(xs, [r["roofline_ms"] for r in rows], "--x", label="roofline")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sequences" if kind == "decode" else "prompt tokens")
