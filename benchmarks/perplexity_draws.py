@@ -47,7 +47,7 @@ def worker(config: str, eps: float) -> float:
             x = x * (1 + eps)
         return matmul(x, w, *args, **kwargs)
 
-    weights.matmul = perturbed      # decoder.matmul calls it through the module
+    weights.matmul = perturbed      # QuantizedWeight.apply calls it through the module
     from jaxllm import LLM
     from jaxllm.bench.perplexity import perplexity
 

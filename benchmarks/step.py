@@ -46,11 +46,13 @@ from jaxllm.config import EngineArgs, kv_bytes_per_token, resolve_config
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.outputs import SchedulerOutput
 from jaxllm.core.request import Request
-from jaxllm.engine.llm_engine import _native_gemm, load_quantization
-from jaxllm.models import decoder
-from jaxllm.models.loader import load_model
+from jaxllm.models import decoder, linear
+from jaxllm.models.linear import PackedWeight
+from jaxllm.models.prepare import load_with_plan, prepare_weights
+from jaxllm.platforms import Platform
 from jaxllm.quantization import QuantizedWeight
 from jaxllm.runner.model_runner import ModelRunner
+from jaxllm.weight_plan import LAYER_LINEARS
 from jaxllm.sampling_params import SamplingParams
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -176,9 +178,9 @@ def breakdown(runner, spec, params, scheduled) -> dict:
     @jax.jit
     def gemms(params, x):
         for layer in params["layers"]:
-            qkv = decoder.matmul(x, layer["wqkv"])
-            x = x + decoder.matmul(qkv[:, :spec.q_size], layer["wo"])
-            x = x + decoder.matmul(decoder.matmul(x, layer["w_gate_up"], swiglu=True), layer["w_down"])
+            qkv = linear.apply(layer["wqkv"], x)
+            x = x + linear.apply(layer["wo"], qkv[:, :spec.q_size])
+            x = x + linear.apply(layer["w_down"], linear.apply(layer["w_gate_up"], x, swiglu=True))
         return decoder.compute_logits(params, x[:S], spec)
 
     @jax.jit
@@ -220,28 +222,27 @@ def main():
     eargs = EngineArgs(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=256,
                        max_num_batched_tokens=512, max_model_len=2048, kv_cache_memory=3 << 30, warmup=False,
                        packed_weights=not args.no_packed_weights, quantization=args.quantization)
-    native_gemm = _native_gemm(eargs, platform, None, False)
-    loaded = load_model(None, dtype=args.dtype, progress=False, quantization=load_quantization(eargs, native_gemm),
-                        panels=native_gemm)
+    loaded, plan = load_with_plan(eargs, Platform.detect(), None, one_device=True, progress=False)
     spec = loaded.spec
-    eargs = dataclasses.replace(eargs, quantization=loaded.quantization)
+    eargs = dataclasses.replace(eargs, quantization=plan.quantization, small_step_codes=plan.small_step_codes)
     config = resolve_config(eargs, spec, loaded.name)
-    runner = ModelRunner(config, spec, loaded.params)
+    params, small_params = prepare_weights(loaded.params, spec, plan, tokenizer=loaded.resolve_tokenizer())
+    runner = ModelRunner(config, spec, params, small_params=small_params)
     jax.block_until_ready(runner.kv_cache)   # its zeroing thread would share the cores with the peaks' timing
     rng = np.random.default_rng(0)
-    weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(loaded.params))
+    weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
     llama_dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     # The C++ GEMM's weights (float panels, or codes in panels): its float peak is the reference.
-    packed = any(isinstance(w, decoder.PackedWeight) or (isinstance(w, QuantizedWeight) and w.layout == "panels")
+    packed = any(isinstance(w, PackedWeight) or (isinstance(w, QuantizedWeight) and w.layout == "panels")
                  for w in runner.params["layers"][0].values())
     peak = matmul_peak(llama_dtype, packed)
     bw, copy_bw = read_bandwidth(), memory_bandwidth()
     # The layers' matrices (packed ones are PackedWeights, quantized ones QuantizedWeights):
     # 2 FLOPs per weight per token.
     flops_per_token = 2 * sum(np.prod(x.shape) if isinstance(x, QuantizedWeight)
-                              else np.size(x.panels if isinstance(x, decoder.PackedWeight) else x)
-                              for layer in loaded.params["layers"] for name, x in layer.items()
-                              if name in decoder.PACKED)
+                              else np.size(x.panels if isinstance(x, PackedWeight) else x)
+                              for layer in params["layers"] for name, x in layer.items()
+                              if name in LAYER_LINEARS)
     lm_head_flops = 2 * spec.hidden_size * spec.vocab_size
     rows = []
 

@@ -46,14 +46,15 @@ def test_greedy_matches_hf(llm, hf_model):
 def test_packed_weights_match_hf_and_xla_dots(llm, hf_model, tiny_model_dir):
     # The default engine packs every float32 matrix for the C++ GEMM (all of the tiny model's
     # split into 16-column panels); without packing the same weights go through XLA's dots.
-    from jaxllm.models import decoder
+    from jaxllm.models.linear import PackedWeight
+    from jaxllm.weight_plan import LAYER_LINEARS
 
     params = llm.engine.runner.params
-    assert all(isinstance(layer[name], decoder.PackedWeight) for layer in params["layers"] for name in decoder.PACKED
+    assert all(isinstance(layer[name], PackedWeight) for layer in params["layers"] for name in LAYER_LINEARS
                if name in layer)
-    assert isinstance(params["embed"], decoder.PackedWeight)  # tied: the LM head too
+    assert isinstance(params["embed"], PackedWeight)  # tied: the LM head too
     plain = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, packed_weights=False)
-    assert not isinstance(plain.engine.runner.params["embed"], decoder.PackedWeight)
+    assert not isinstance(plain.engine.runner.params["embed"], PackedWeight)
     sampling = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     packed_out, plain_out = (engine.generate(PROMPTS, sampling, use_tqdm=False) for engine in (llm, plain))
     for a, b in zip(packed_out, plain_out):
@@ -69,18 +70,19 @@ def test_bf16_weights_packed_where_the_cpu_has_bf16_dots(tiny_model_dir):
     # with XLA's bf16 dot. Either way the tokens and log-probs are those of XLA's dots (the
     # same bf16 products, f32 sums in another order).
     from jaxllm.kernels import native
-    from jaxllm.models import decoder
+    from jaxllm.models.linear import PackedWeight
+    from jaxllm.weight_plan import LAYER_LINEARS
 
     args = dict(TINY_ENGINE_ARGS, dtype="bfloat16")
     packed, plain = LLM(tiny_model_dir, **args), LLM(tiny_model_dir, **args, packed_weights=False)
     params = packed.engine.runner.params
     if native.bf16_gemm_native():
-        assert isinstance(params["embed"], decoder.PackedWeight) and params["embed"].panels.ndim == 4
-        assert all(isinstance(layer[name], decoder.PackedWeight) and layer[name].panels.dtype == jax.numpy.bfloat16
-                   for layer in params["layers"] for name in decoder.PACKED if name in layer)
+        assert isinstance(params["embed"], PackedWeight) and params["embed"].panels.ndim == 4
+        assert all(isinstance(layer[name], PackedWeight) and layer[name].panels.dtype == jax.numpy.bfloat16
+                   for layer in params["layers"] for name in LAYER_LINEARS if name in layer)
     else:
-        assert not isinstance(params["embed"], decoder.PackedWeight)
-    assert not isinstance(plain.engine.runner.params["embed"], decoder.PackedWeight)
+        assert not isinstance(params["embed"], PackedWeight)
+    assert not isinstance(plain.engine.runner.params["embed"], PackedWeight)
     sampling = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     for a, b in zip(*(engine.generate(PROMPTS, sampling, use_tqdm=False) for engine in (packed, plain))):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -158,7 +160,6 @@ def test_a_failing_step_recomputes_the_requests_it_did_not_hold(llm, monkeypatch
     engine = llm.engine
     reference = token_ids(llm.generate(PROMPTS[:2], greedy(10), use_tqdm=False))
     runner = engine.runner
-    real_call = runner._call
     # Steps one at a time: with async scheduling the survivor's next step would already be in flight.
     monkeypatch.setattr(engine.engine_core, "async_scheduling", False)
     engine.add_request("survivor", PROMPTS[0], greedy(10))
@@ -213,7 +214,8 @@ def test_n_choices_and_logprobs(llm):
             assert token in entry
             ranked = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)
             assert len(ranked) == 3 and all(a.logprob >= b.logprob for a, b in zip(ranked, ranked[1:]))
-        assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)), abs=1e-3)
+        assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)),
+                                                     abs=1e-3)
 
 
 def test_stop_token_ids_min_tokens_and_stop_strings(llm):

@@ -67,7 +67,7 @@ def test_quantized_experts_compute_with_their_quantized_values(impl, method):
     # `quantization=` stores the expert stacks as codes and scales (each expert's matrix
     # quantized on its own); every impl then gives the NumPy loop over the experts' quantized values.
     from jaxllm.quantization import METHODS
-    from jaxllm.quantization.weights import make_sharded_weight
+    from jaxllm.quantization.sharding import make_sharded_weight
     from test_quantization import reference_weight
 
     spec = Spec()

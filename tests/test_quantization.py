@@ -21,7 +21,8 @@ from jaxllm.config import QUANTIZATION_METHODS, EngineArgs
 from jaxllm.kernels import native
 from jaxllm.quantization import (CHECKPOINT_METHODS, METHODS, QuantizedWeight, dequantize, matmul, quantize_matrix,
                                  weight_bytes)
-from jaxllm.quantization.weights import embedding_rows, make_sharded_weight, make_weight, relayout, w8a8_act_block
+from jaxllm.quantization.sharding import make_sharded_weight
+from jaxllm.quantization.weights import embedding_rows, make_weight, relayout, w8a8_act_block
 from cuda_lowering import INTERPRET, arg, lower_for_cuda
 from tiny_model import TINY_ENGINE_ARGS, offline_llm
 
@@ -347,7 +348,8 @@ def test_pallas_quantized_matmul_tiles_agree_with_numpy(bits, groups, tiles):
     xb = jax.numpy.asarray(x, jax.numpy.bfloat16)
     out = quantized_matmul(xb, codes, scale, offset, bits=bits, tiles=tiles, interpret=INTERPRET)
     scaled_first = groups > 1 and tiles.block_m > min(tiles.block_k, k // groups)
-    w = np.asarray(jax.numpy.asarray(dense, jax.numpy.bfloat16).astype(np.float32), np.float64) if scaled_first else dense
+    w = (np.asarray(jax.numpy.asarray(dense, jax.numpy.bfloat16).astype(np.float32), np.float64) if scaled_first
+         else dense)
     ref = np.asarray(xb.astype(np.float32), np.float64) @ w
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4 * np.abs(ref).max())
     with pytest.raises(ValueError, match="does not tile"):

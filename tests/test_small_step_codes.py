@@ -13,7 +13,7 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.kernels import native
-from jaxllm.models.decoder import PackedWeight
+from jaxllm.models.linear import PackedWeight
 from jaxllm.quantization import SMALL_STEP_ROWS, QuantizedWeight, dequantize, weight_bytes
 from jaxllm.quantization.weights import make_weight, with_bf16_activations
 from jaxllm.utils import cpu_flags

@@ -29,6 +29,7 @@ from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.outputs import EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.scheduler import Scheduler
+from jaxllm.models.prepare import PreparedModel
 from jaxllm.runner.model_runner import ModelRunner
 from jaxllm.spec_decode import DraftModelProposer, NgramProposer
 
@@ -39,9 +40,10 @@ class EngineCore:
     """One replica: a scheduler and KV pool over one model runner (on one device, or on the
     tensor-parallel `mesh`). `stats` may be shared with other replicas."""
 
-    def __init__(self, config: EngineConfig, spec, params, mesh=None, stats: EngineStats | None = None,
-                 draft=None):
-        """`draft`: the draft model (`LoadedModel`) of draft-model speculative decoding."""
+    def __init__(self, config: EngineConfig, model: PreparedModel, mesh=None, stats: EngineStats | None = None,
+                 draft: PreparedModel | None = None):
+        """`model`: its spec and prepared weights (models/prepare.py); `draft`: the draft model's,
+        for draft-model speculative decoding."""
         cache = config.cache
         self.kv_cache_manager = KVCacheManager(cache.group_num_blocks, cache.block_size,
                                                enable_prefix_caching=cache.enable_prefix_caching,
@@ -51,10 +53,10 @@ class EngineCore:
             proposer = NgramProposer(spec_decode.num_speculative_tokens, spec_decode.prompt_lookup_min,
                                      spec_decode.prompt_lookup_max)
         elif spec_decode is not None:
-            proposer = DraftModelProposer(config, draft.spec, draft.params, spec_decode.num_speculative_tokens)
+            proposer = DraftModelProposer(config, draft, spec_decode.num_speculative_tokens)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, proposer,
                                    spec_decode.max_seqs(config.scheduler) if spec_decode is not None else 0)
-        self.runner = ModelRunner(config, spec, params, mesh=mesh)
+        self.runner = ModelRunner(config, model.spec, model.params, mesh=mesh, small_params=model.small_params)
         self.stats = stats or EngineStats()
         # Async scheduling (`schedule_ahead`) on one device of one process, without sliding windows.
         self.async_scheduling = (config.scheduler.async_scheduling and mesh is None and self.runner.channel is None

@@ -21,23 +21,23 @@ from jaxllm.config import EngineArgs, EngineConfig, resolve_config
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.engine.core import DataParallelEngineCore, EngineCore, EngineStats
 from jaxllm.engine.output_processor import OUTPUT_KINDS, OutputProcessor
-from jaxllm.models import calibration, layout
+from jaxllm.models.prepare import PreparedModel, load_with_plan, prepare_weights
 from jaxllm.outputs import RequestOutput
-from jaxllm.quantization import CHECKPOINT_METHODS
+from jaxllm.platforms import Platform
 from jaxllm.quantization.weights import int8_activation_weights
 from jaxllm.runner import compile as compile_mod
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.structured_output import StructuredOutputManager
 from jaxllm.utils import DTYPES, resolve_dtype, resolve_kv_cache_dtype
+from jaxllm.weight_plan import QUANTIZE_METHODS
 
 logger = logging.getLogger("jaxllm")
 
 
 class LLMEngine:
     def __init__(self, engine_args: EngineArgs | None = None, *, progress: bool = True, **kwargs):
-        from jaxllm.kernels import native
-        from jaxllm.models.loader import load_model
-
+        """Resolve the options and the weight plan, load the model, prepare its weights, build
+        the replicas (scheduler, KV pool, runner each), warm up, then the tokenizer's parts."""
         args = engine_args or EngineArgs(**kwargs)
         args.verify()
         parallel.initialize_distributed(args.distributed_coordinator, args.num_processes, args.process_id)
@@ -46,86 +46,29 @@ class LLMEngine:
             raise ValueError("data_parallel_size > 1 is not supported over several processes yet")
         mesh = parallel.engine_mesh(args.mesh, args.tensor_parallel_size, args.data_parallel_size,
                                     args.pipeline_parallel_size)
-        platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
-        if platform == "cpu" and args.attention_backend in (None, "native"):
-            native.start_build()    # (a first start compiles them: on their thread while the model loads)
-        dtype = _resolve_dtype(args.dtype, platform, many_processes)
-        kv_dtype, why = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype, dtype)
-        if args.kv_cache_dtype == "auto" and kv_dtype != dtype:
-            logger.info("kv_cache_dtype auto: %s (%s)", kv_dtype, why)
-        args = dataclasses.replace(args, dtype=dtype, kv_cache_dtype=kv_dtype)
-        native_gemm = _native_gemm(args, platform, mesh, many_processes)
-        small_codes = small_step_codes_apply(args, native_gemm)
-        if args.small_step_codes and not small_codes:
-            raise ValueError("small_step_codes needs dtype bfloat16 on one CPU device with AVX512_BF16 and the C++ "
-                             "kernels, packed weights and no quantization asked")
-        self._load_quantization = "auto" if small_codes else load_quantization(args, native_gemm)
-        # Over several processes each reads the checkpoint itself (no shared params cache to race on).
-        # W8A8 smooths the unsharded weights (below), then lays them out for the mesh. Weights to
-        # quantize stay on the host: the runner quantizes each shard's part, then places them.
-        smooth = args.quantization == "w8a8"
-        to_quantize = args.quantization not in (None, "none")
-        loaded = load_model(args.model, dtype=args.dtype, cache_dir=args.params_cache_dir, progress=progress,
-                            tensor_parallel_size=1 if smooth else args.tensor_parallel_size,
-                            pipeline_parallel_size=1 if smooth else args.pipeline_parallel_size,
-                            mesh=None if to_quantize else mesh, on_host=to_quantize and mesh is not None,
-                            use_cache=not many_processes,
-                            quantization=self._load_quantization, tokenizer_thread=True,
-                            panels=native_gemm)
-        if self._load_quantization == "auto" and not native.available():
-            # The blocks were kept for the C++ GEMM, whose build then failed: float weights instead.
-            self._load_quantization = None
-            loaded = load_model(args.model, dtype=args.dtype, cache_dir=args.params_cache_dir, progress=progress,
-                                use_cache=not many_processes, tokenizer_thread=True)
-        if loaded.quantization and args.quantization not in (None, loaded.quantization):
-            raise ValueError(f"{loaded.source} is already quantized ({loaded.quantization}): it cannot be "
-                             f"loaded with quantization={args.quantization!r}")
-        if args.quantization in CHECKPOINT_METHODS and loaded.quantization != args.quantization:
-            raise ValueError(f"quantization={args.quantization!r} needs a checkpoint quantized so, and "
-                             f"{loaded.source} has no {args.quantization} weights")
-        asked = None if args.quantization == "none" else args.quantization
-        # A GGUF's blocks kept for small steps leave the run unquantized (the same numbers).
-        small_codes = small_codes and loaded.quantization == "gguf"
-        if args.small_step_codes and not small_codes:
-            raise ValueError(f"small_step_codes needs a GGUF model with quantized blocks; {loaded.source} has none")
-        if not small_codes and self._load_quantization:     # (what a draft model is loaded with, below)
-            self._load_quantization = load_quantization(args, native_gemm)
-        args = dataclasses.replace(args, quantization=None if small_codes else asked or loaded.quantization,
-                                   small_step_codes=small_codes)
+        platform = Platform.detect(None if mesh is None else mesh.devices.flat[0],
+                                   use_cpp=args.attention_backend in (None, "native"))
+        args = _resolve_dtypes(args, platform.name, many_processes)
+        one_device = mesh is None and not many_processes and args.data_parallel_size == 1
+        loaded, plan = load_with_plan(args, platform, mesh, one_device=one_device, progress=progress,
+                             use_cache=not many_processes)
+        args = dataclasses.replace(args, quantization=plan.quantization, small_step_codes=plan.small_step_codes)
         self.config: EngineConfig = resolve_config(args, loaded.spec, loaded.name,
-                                                   available_memory=_available_memory(args), platform=platform)
+                                                   available_memory=_available_memory(args), platform=platform.name)
         if many_processes:
             # One process keeps its compiled steps in the runner's executable store, which a warm
             # start loads without tracing (runner/executables.py); JAX's persistent cache stays
             # off there, as an executable loaded from it cannot be serialized again.
             compile_mod.enable_persistent_cache(self.config.compilation_cache_dir)
-        self.spec = loaded.spec
-        if smooth:      # float weights (a quantized checkpoint was refused above)
-            calibration.smooth_for_w8a8(loaded.params, loaded.spec, loaded.resolve_tokenizer())
-            if mesh is not None:
-                loaded.params = layout.shard_layout(loaded.params, loaded.spec, parallel.tp_size(mesh),
-                                                    parallel.pp_size(mesh))
-        self.model_name = self.config.model_name
-        draft = self._load_draft(args, loaded.spec, progress)
-        stats = EngineStats()
-        self.replicas = [EngineCore(self.config, loaded.spec,
-                                    loaded.params if row is None else parallel.replica_params(loaded.params, row),
-                                    mesh=row, stats=stats, draft=draft)
-                         for row in parallel.replica_meshes(mesh)]
-        self.engine_core = self.replicas[0] if len(self.replicas) == 1 else DataParallelEngineCore(self.replicas)
-        # The (first) replica's parts, for tests and benchmarks; metrics use the totals below.
-        first = self.replicas[0]
-        self.scheduler, self.kv_cache_manager, self.runner, self.stats = (
-            first.scheduler, first.kv_cache_manager, first.runner, stats)
-        if args.int8_activations and not int8_activation_weights(first.runner.params):
-            logger.warning("int8_activations: no weight of this run has 4-bit codes in the C++ GEMM (quantization=%s, "
-                           "%s backend); the activations stay float", self.config.quantization,
-                           first.runner.attention.name)
-        background = self.config.background_compile and not many_processes
-        self.warmup_seconds = (sum(r.runner.warmup(progress, background) for r in self.replicas)
-                               if self.config.warmup else 0.0)
-        if self.config.warmup and self.scheduler.proposer is not None:
-            self.warmup_seconds += self.scheduler.proposer.warmup(progress, background)
+        self.spec, self.model_name = loaded.spec, self.config.model_name
+        model = PreparedModel(loaded.spec, *prepare_weights(
+            loaded.params, loaded.spec, plan, mesh=mesh, tokenizer=loaded.resolve_tokenizer() if plan.smooth else None))
+        self._build_cores(model, mesh, self._load_draft(args, platform, progress))
+        if args.int8_activations and not int8_activation_weights(self.runner.params):
+            logger.warning("int8_activations: no weight of this run has 4-bit codes in the C++ GEMM "
+                           "(quantization=%s, %s backend); the activations stay float",
+                           self.config.quantization, self.runner.attention.name)
+        self._warm_up(progress, background=self.config.background_compile and not many_processes)
         # The tokenizer may still be loading on its thread: only now (the steps load meanwhile).
         self.tokenizer = loaded.resolve_tokenizer()
         eos = set(loaded.spec.eos_token_ids)
@@ -139,22 +82,48 @@ class LLMEngine:
         # its pages through the prefix cache (first choice's id -> its replica, the others).
         self._pending_choices: dict[str, tuple[int, list[Request]]] = {}
 
-    def _load_draft(self, args: EngineArgs, spec, progress: bool):
-        """The draft model of draft-model speculative decoding (checked against the target), or None."""
-        from jaxllm.models.loader import load_model
+    def _build_cores(self, model: PreparedModel, mesh, draft: PreparedModel | None) -> None:
+        """One EngineCore per data-parallel replica (a row of the mesh), sharing the stats."""
+        stats = EngineStats()
+        self.replicas = [EngineCore(self.config, model if row is None else
+                                    model._replace(params=parallel.replica_params(model.params, row)),
+                                    mesh=row, stats=stats, draft=draft)
+                         for row in parallel.replica_meshes(mesh)]
+        self.engine_core = self.replicas[0] if len(self.replicas) == 1 else DataParallelEngineCore(self.replicas)
+        # The (first) replica's parts, for tests and benchmarks; metrics use the totals below.
+        first = self.replicas[0]
+        self.scheduler, self.kv_cache_manager, self.runner, self.stats = (
+            first.scheduler, first.kv_cache_manager, first.runner, stats)
 
+    def _warm_up(self, progress: bool, background: bool) -> None:
+        """Compile (or load) every step shape, the draft model's too (`warmup_seconds`)."""
+        self.warmup_seconds = 0.0
+        if not self.config.warmup:
+            return
+        self.warmup_seconds = sum(r.runner.warmup(progress, background) for r in self.replicas)
+        if self.scheduler.proposer is not None:
+            self.warmup_seconds += self.scheduler.proposer.warmup(progress, background)
+
+    def _load_draft(self, args: EngineArgs, platform: Platform, progress: bool) -> PreparedModel | None:
+        """The draft model of draft-model speculative decoding (checked against the target), its
+        weights prepared by a plan of its own: the target's options, but a checkpoint method or
+        small-step codes asked for the target are the draft's only where its checkpoint allows."""
         speculative = self.config.speculative
         if speculative is None or speculative.method != "draft_model":
             return None
-        draft = load_model(speculative.model, dtype=args.dtype, cache_dir=args.params_cache_dir, progress=progress,
-                           quantization="auto" if self._load_quantization else None)
-        if draft.spec.vocab_size != spec.vocab_size:
+        asked = args.quantization if args.quantization in (*QUANTIZE_METHODS, "none") else None
+        draft_args = dataclasses.replace(args, model=speculative.model, quantization=asked,
+                                         small_step_codes=None if args.small_step_codes else args.small_step_codes)
+        draft, plan = load_with_plan(draft_args, platform, None, one_device=True, progress=progress)
+        if draft.spec.vocab_size != self.spec.vocab_size:
             raise ValueError(f"the draft model {speculative.model!r} has a vocabulary of {draft.spec.vocab_size} "
-                             f"tokens, the target {spec.vocab_size}: they must share one")
+                             f"tokens, the target {self.spec.vocab_size}: they must share one")
         if draft.spec.max_position_embeddings < self.config.scheduler.max_model_len:
             raise ValueError(f"the draft model's context ({draft.spec.max_position_embeddings}) is shorter than "
                              f"max_model_len ({self.config.scheduler.max_model_len})")
-        return draft
+        tokenizer = draft.resolve_tokenizer() if plan.smooth else None
+        return PreparedModel(draft.spec, *prepare_weights(draft.params, draft.spec, plan, tokenizer=tokenizer,
+                                                          log=False))
 
     # ----- requests -----
     def tokenize(self, prompt: str) -> list[int]:
@@ -350,55 +319,23 @@ class LLMEngine:
                 sum(r.kv_cache_manager.prefix_hits for r in self.replicas))
 
 
-def _resolve_dtype(dtype: str, platform: str, many_processes: bool) -> str:
-    """`dtype`, or for "auto" the one `resolve_dtype` picks for this device, logged with why.
-    Over several processes every process takes process 0's pick (their CPUs may differ)."""
-    resolved, why = resolve_dtype(dtype, platform)
-    if dtype != "auto":
-        return resolved
-    if many_processes:
+def _resolve_dtypes(args: EngineArgs, platform: str, many_processes: bool) -> EngineArgs:
+    """`args` with `dtype` and `kv_cache_dtype` resolved for the platform (each "auto" logged with
+    why). Over several processes every process takes process 0's dtype (their CPUs may differ)."""
+    dtype, why = resolve_dtype(args.dtype, platform)
+    if args.dtype == "auto" and many_processes:
         from jax.experimental import multihost_utils
 
         names = list(DTYPES)
-        leader = names[int(multihost_utils.broadcast_one_to_all(np.int32(names.index(resolved))))]
-        if leader != resolved:
-            resolved, why = leader, f"process 0 picked it (here: {resolved}, as {why})"
-    logger.info("dtype auto: %s (%s)", resolved, why)
-    return resolved
-
-
-def load_quantization(args: EngineArgs, native_gemm: bool) -> str | None:
-    """What `load_model` keeps quantized: the asked checkpoint method; with none asked, a GGUF's
-    blocks ("auto") where they run at about the float engine's speed (one CPU device with the
-    C++ GEMM, float32 the dtype: faster at decode batches of a few rows, within a few percent on
-    large ones), saving 2/3 of the weight memory or more. Under bfloat16 (a CPU with AVX512_BF16)
-    the blocks give the bf16 engine's outputs bit for bit (`quantization="gguf"`), but at
-    0.96-0.98x its speed on the standard workload and 0.8-0.85x its layer GEMMs at 16 rows
-    (Zen 4, README): there the default keeps both (`small_step_codes_apply`, decided before this)
-    and runs unquantized. `native_gemm`: `_native_gemm`'s answer."""
-    if args.quantization is not None:     # "none" included
-        return args.quantization if args.quantization in CHECKPOINT_METHODS else None
-    return "auto" if args.dtype == "float32" and native_gemm else None
-
-
-def small_step_codes_apply(args: EngineArgs, native_gemm: bool) -> bool:
-    """Whether a GGUF's quantized blocks may be kept for small steps beside the bf16 weights
-    (`EngineArgs.small_step_codes` not off): bf16 weights packed for the C++ GEMM on a CPU with
-    AVX512_BF16 (checked from the CPU's flags: the kernels may still be building; the runner
-    drops the codes if their build has no bf16 dots), and no quantization asked."""
-    from jaxllm.utils import cpu_flags
-
-    return (args.small_step_codes is not False and args.quantization is None and args.dtype == "bfloat16"
-            and native_gemm and args.packed_weights and "avx512_bf16" in cpu_flags())
-
-
-def _native_gemm(args: EngineArgs, platform: str, mesh, many_processes: bool) -> bool:
-    """Whether quantized weights will multiply in the C++ GEMM: one CPU device with the native
-    kernels (expected: not waiting for their build, see LLMEngine)."""
-    from jaxllm.kernels import native
-
-    one_device = mesh is None and not many_processes and args.data_parallel_size == 1
-    return one_device and platform == "cpu" and args.attention_backend in (None, "native") and native.expected()
+        leader = names[int(multihost_utils.broadcast_one_to_all(np.int32(names.index(dtype))))]
+        if leader != dtype:
+            dtype, why = leader, f"process 0 picked it (here: {dtype}, as {why})"
+    if args.dtype == "auto":
+        logger.info("dtype auto: %s (%s)", dtype, why)
+    kv_dtype, why = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype, dtype)
+    if args.kv_cache_dtype == "auto" and kv_dtype != dtype:
+        logger.info("kv_cache_dtype auto: %s (%s)", kv_dtype, why)
+    return dataclasses.replace(args, dtype=dtype, kv_cache_dtype=kv_dtype)
 
 
 def _available_memory(args: EngineArgs) -> int | None:

@@ -3,12 +3,13 @@ model reads a text (W8A8's activation smoothing, quantization/smoothing.py).
 
 The model runs one window of tokens at a time as one sequence from position 0, a layer at a
 time (one compiled layer per kind of layer), with dense causal attention and no pages; each
-layer matrix is wrapped in `decoder.Observed`, whose `matmul` records the per-channel maxima
+layer matrix is wrapped in an `Observed` weight, whose `apply` records the per-channel maxima
 of its input. 969 tokens of the shipped text take about 5 s on the default model (2 vCPU).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.attention import AttentionBackend
-from jaxllm.models import decoder
+from jaxllm.models import decoder, linear
 from jaxllm.quantization import smoothing
 from jaxllm.runner.input_batch import StepInputs
 
@@ -28,6 +29,24 @@ CALIBRATION_TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 OBSERVED = ("wqkv", "wo", "w_gate_up", "w_up", "w_down")
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Observed:
+    """A layer matrix under calibration: a linear weight (models/linear.py) whose `apply` keeps
+    in `maxima[key]` the largest |x| it has seen in each input channel (under a trace, the
+    traced value, which the traced function returns), then applies `weight`."""
+
+    weight: object
+    key: object
+    maxima: dict
+
+    def apply(self, x, *, axis=None, rows=None, swiglu=False):
+        seen = jnp.max(jnp.abs(x.reshape(-1, x.shape[-1]).astype(jnp.float32)), axis=0)
+        self.maxima[self.key] = jnp.maximum(self.maxima[self.key], seen) if self.key in self.maxima else seen
+        return linear.apply(self.weight, x, axis=axis, rows=rows, swiglu=swiglu)
+
+    input_dtype = jnp.float32      # x observed as the float model computes it
 
 
 def activation_maxima(params, spec: decoder.ModelSpec, windows: list[list[int]]) -> dict:
@@ -82,7 +101,7 @@ class DenseCausal(AttentionBackend):
 def _observed_layer(layer, x, inputs, *, spec, index):
     """Decoder layer `index`'s kind on x, with its OBSERVED matrices' input maxima {name: [in]}."""
     seen: dict = {}
-    layer = {name: decoder.Observed(w, name, seen) if name in OBSERVED else w for name, w in layer.items()}
+    layer = {name: Observed(w, name, seen) if name in OBSERVED else w for name, w in layer.items()}
     x, _, _ = decoder.decoder_layer(layer, None, None, x, inputs, spec, index=index, attention=DenseCausal())
     return x, seen
 

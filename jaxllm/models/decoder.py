@@ -41,10 +41,9 @@ Params pytree (weights stored `[in, out]` so activations multiply on the left):
 
 Matrix weights are float32 or bfloat16; activations stay float32 and, with bf16 weights,
 are cast to bf16 only as dot operands with float32 accumulation (XLA:CPU runs that natively;
-a bf16-output dot converts the whole weight to f32 on every call). On one CPU device with the
-native kernels, float32 matrices (and bf16 ones, where the CPU has AVX512_BF16) are replaced
-once by `PackedWeight`s (`pack_params`), which `matmul` multiplies with the C++ GEMMs of
-kernels/csrc/gemm.cc and gemm_bf16.cc.
+a bf16-output dot converts the whole weight to f32 on every call). Every linear is applied
+through `linear.apply(w, x)`: what a weight is (a float array, C++ panels, quantized codes)
+was decided once by the weight plan (jaxllm/weight_plan.py) and applies itself (models/linear.py).
 
 Sharding: `layout.py` lays the params out for tensor and pipeline parallelism; each shard runs
 this same code with its local spec and `axis` set to the tensor-parallel mesh axis, over which
@@ -60,8 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.models import moe
-from jaxllm.quantization import weights as quant
+from jaxllm.models import linear, moe
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -186,108 +184,13 @@ def add_norm(x: jax.Array, delta: jax.Array | None, params: dict, name: str, spe
     """`(x + delta, its norm in dtype)` (delta None: x and its norm), RMSNorm through the
     step's backend (`attention.rms_norm`: one C++ call in the native backend, where XLA:CPU
     runs five unfused ops). `dtype`: what the consuming GEMM rounds its input to
-    (`input_dtype`), so the rounding happens here, once, as it would there."""
+    (`linear.input_dtype`), so the rounding happens here, once, as it would there."""
     if spec.norm == "rms":
         if delta is None:
             return x, attention.rms_norm(x, params[name], spec.norm_eps, rows=rows, dtype=dtype)
         return attention.rms_norm(x, params[name], spec.norm_eps, delta, rows, dtype)
     x = x if delta is None else x + delta
     return x, norm(x, params, name, spec).astype(dtype)
-
-
-def input_dtype(w) -> jnp.dtype:
-    """The dtype `matmul` rounds its input to for w: bf16 for bf16 weights (packed or not) and
-    codes that multiply bf16 activations; float32 (the input as it is) for the rest."""
-    if isinstance(w, PackedWeight):
-        return w.panels.dtype
-    if isinstance(w, quant.QuantizedWeight):
-        return jnp.bfloat16 if w.layout == "panels" and w.activations == "bf16" else jnp.float32
-    return jnp.bfloat16 if isinstance(w, jax.Array) and w.dtype == jnp.bfloat16 else jnp.float32
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class PackedWeight:
-    """A float32 weight [in, out] packed once into 16-column panels `[out / 16, in, 16]`, or a
-    bf16 one into panels of row pairs `[out / 16, in / 2, 16, 2]` (`kernels.native.pack_weight`),
-    for the C++ GEMMs: XLA:CPU's dot repacks its weight on every call, most of a dot's time at
-    decode batch sizes. A packed embedding table serves both the lookup (`embed`) and the tied
-    LM head."""
-
-    panels: jax.Array
-
-
-@dataclasses.dataclass
-class Observed:
-    """A layer matrix under calibration (models/calibration.py): `matmul` keeps in
-    `maxima[key]` the largest |x| it has seen in each input channel (under a trace, the traced
-    value, which the traced function returns)."""
-
-    weight: object
-    key: object
-    maxima: dict
-
-
-def matmul(x: jax.Array, w, axis: str | None = None, rows: jax.Array | None = None, swiglu: bool = False) -> jax.Array:
-    """`x [..., in] f32 @ w [in, out]` with f32 accumulation, in the weight's dtype (or its
-    quantization's path: jaxllm/quantization). `axis`: the tensor-parallel axis when w is a
-    row-parallel shard (W8A8 scales activations over every shard). `rows` (an int32 scalar,
-    traced): only x's first `rows` rows are real, the rest a bucket's padding; the C++ GEMMs
-    (packed and panel-quantized weights) skip the padding and give zeros there, the other
-    paths compute every row. `swiglu`: w is a gated MLP's [gate | up] and the result is
-    `silu(x @ gate) * (x @ up)` [..., out / 2], computed in the C++ GEMMs' epilogue where they run."""
-    if swiglu and not _fuses_swiglu(w):
-        gate, up = jnp.split(matmul(x, w, axis, rows), 2, axis=-1)
-        return jax.nn.silu(gate) * up
-    if isinstance(w, Observed):
-        seen = jnp.max(jnp.abs(x.reshape(-1, x.shape[-1]).astype(jnp.float32)), axis=0)
-        w.maxima[w.key] = jnp.maximum(w.maxima[w.key], seen) if w.key in w.maxima else seen
-        return matmul(x, w.weight)
-    if isinstance(w, quant.QuantizedWeight):
-        return quant.matmul(x, w, axis, rows, swiglu)
-    if isinstance(w, PackedWeight):
-        from jaxllm.kernels import native
-
-        return native.matmul_packed(x, w.panels, rows=rows, swiglu=swiglu)
-    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
-
-
-def _fuses_swiglu(w) -> bool:
-    """Whether w's GEMM has the SwiGLU epilogue: C++ panels, gate and up each whole panels."""
-    if isinstance(w, PackedWeight):
-        return w.panels.shape[0] % 2 == 0
-    return isinstance(w, quant.QuantizedWeight) and quant.fuses_swiglu(w)
-
-
-# The layer matrices `pack_params` packs (besides the LM head, or the embedding table when tied).
-PACKED = ("wqkv", "wo", "w_gate_up", "w_up", "w_down")
-
-
-def pack_params(params, spec: ModelSpec, device):
-    """Replace, in place, each float32 matrix of `params` (no shard layout) by its
-    `PackedWeight` on `device`, one matrix at a time: the extra memory is one matrix at most
-    (packing the whole tree, then placing it, held each matrix up to three times). bf16 matrices
-    too where the C++ bf16 GEMM has AVX512_BF16 dots (elsewhere XLA's bf16 dot is faster than its
-    portable loop). Matrices that do not split into panels stay as they are. Returns `params`."""
-    from jaxllm.kernels import native
-
-    dtypes = (jnp.float32, jnp.bfloat16) if native.bf16_gemm_native() else (jnp.float32,)
-
-    def pack(w, transposed=False):
-        if isinstance(w, (PackedWeight, quant.QuantizedWeight)) or w.dtype not in dtypes \
-                or not native.packable(w.shape, transposed, w.dtype):
-            return w
-        return PackedWeight(jax.device_put(native.pack_weight(np.asarray(w), transposed, w.dtype), device))
-
-    for layer in params["layers"]:
-        for name in PACKED:
-            if name in layer:
-                layer[name] = pack(layer[name])
-    if "lm_head" in params:
-        params["lm_head"] = pack(params["lm_head"])
-    if spec.tie_word_embeddings:  # the table is the LM head too
-        params["embed"] = pack(params["embed"], transposed=True)
-    return params
 
 
 def rope_tables(positions, inv_freq, xp=jnp):
@@ -327,7 +230,7 @@ def self_attention(layer, k_pages, v_pages, h, inputs, spec: ModelSpec, index: i
     """Attention of h [T, hidden] (normed) over the paged cache, after writing this step's
     keys and values. Returns (the output projection before the row-parallel sum, k_pages, v_pages)."""
     num_tokens, rows = h.shape[0], inputs.num_tokens()
-    qkv = _plus_bias(matmul(h, layer["wqkv"], rows=rows), layer, "bqkv")
+    qkv = _plus_bias(linear.apply(layer["wqkv"], h, rows=rows), layer, "bqkv")
     q = qkv[:, : spec.q_size].reshape(num_tokens, spec.num_heads, spec.head_dim)
     k = qkv[:, spec.q_size : spec.q_size + spec.kv_size].reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
     v = qkv[:, spec.q_size + spec.kv_size :].reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
@@ -343,21 +246,21 @@ def self_attention(layer, k_pages, v_pages, h, inputs, spec: ModelSpec, index: i
         inputs = inputs.window_view()      # a windowed layer with its own pages (a window KV cache group)
     k_pages, v_pages = attention.write_kv(k_pages, v_pages, k, v, inputs.slot_mapping)
     o = attention.forward(q, k_pages, v_pages, inputs, sliding_window=spec.window(index), sm_scale=spec.attn_scale)
-    return matmul(o.reshape(num_tokens, spec.q_size), layer["wo"], axis, rows), k_pages, v_pages
+    return linear.apply(layer["wo"], o.reshape(num_tokens, spec.q_size), axis=axis, rows=rows), k_pages, v_pages
 
 
 def dense_mlp(layer, h: jax.Array, spec: ModelSpec, axis: str | None = None, rows=None) -> jax.Array:
     """The MLP of h [T, hidden] before the row-parallel sum (and before the output bias);
-    `rows`: h's real rows (see `matmul`)."""
+    `rows`: h's real rows (see `linear.apply`)."""
     act = ACTIVATIONS[spec.hidden_act]
     if spec.gated_mlp and spec.hidden_act == "silu" and "b_gate_up" not in layer:
-        a = matmul(h, layer["w_gate_up"], rows=rows, swiglu=True)
+        a = linear.apply(layer["w_gate_up"], h, rows=rows, swiglu=True)
     elif spec.gated_mlp:
-        gate, up = jnp.split(_plus_bias(matmul(h, layer["w_gate_up"], rows=rows), layer, "b_gate_up"), 2, axis=-1)
+        gate, up = jnp.split(_plus_bias(linear.apply(layer["w_gate_up"], h, rows=rows), layer, "b_gate_up"), 2, axis=-1)
         a = act(gate) * up
     else:
-        a = act(_plus_bias(matmul(h, layer["w_up"], rows=rows), layer, "b_up"))
-    return matmul(a, layer["w_down"], axis, rows)
+        a = act(_plus_bias(linear.apply(layer["w_up"], h, rows=rows), layer, "b_up"))
+    return linear.apply(layer["w_down"], a, axis=axis, rows=rows)
 
 
 def mlp(layer, h: jax.Array, spec: ModelSpec, index: int, axis: str | None = None, rows=None) -> jax.Array:
@@ -372,8 +275,8 @@ def decoder_layer(layer, k_pages, v_pages, x, inputs, spec: ModelSpec, *, index:
     `attention`: its `AttentionBackend`, `axis`: the tensor-parallel mesh axis when run per
     shard). Returns (x, k_pages, v_pages)."""
     rows = inputs.num_tokens()
-    mlp_dtype = jnp.float32 if spec.is_moe(index) else input_dtype(layer.get("w_gate_up", layer.get("w_up")))
-    _, h = add_norm(x, None, layer, "attn_norm", spec, attention, rows, input_dtype(layer["wqkv"]))
+    mlp_dtype = jnp.float32 if spec.is_moe(index) else linear.input_dtype(layer.get("w_gate_up", layer.get("w_up")))
+    _, h = add_norm(x, None, layer, "attn_norm", spec, attention, rows, linear.input_dtype(layer["wqkv"]))
     attn, k_pages, v_pages = self_attention(layer, k_pages, v_pages, h, inputs, spec, index, attention, axis)
     if spec.parallel_residual:   # one sum over the shards for both branches
         out = attn + mlp(layer, add_norm(x, None, layer, "mlp_norm", spec, attention, rows, mlp_dtype)[1], spec,
@@ -404,19 +307,16 @@ def embed(params, token_ids: jax.Array, positions: jax.Array, spec: ModelSpec, a
 
 
 def _token_rows(table, token_ids: jax.Array, axis: str | None) -> jax.Array:
-    if isinstance(table, PackedWeight):  # [vocab / 16, hidden, 16]: token t is column t % 16 of panel t // 16
-        if table.panels.ndim == 4:        # bf16 [vocab / 16, hidden / 2, 16, 2]
-            rows = table.panels[token_ids // 16, :, token_ids % 16, :]
-            return rows.reshape(*token_ids.shape, -1).astype(jnp.float32)
-        return table.panels[token_ids // 16, :, token_ids % 16]
-    quantized = isinstance(table, quant.QuantizedWeight)    # quantized as the LM head [hidden, vocab]
+    """Rows of the embedding table: a float array [vocab, hidden], or (tied, packed or
+    quantized) the LM head's weight [hidden, vocab], which looks its columns up itself."""
+    stored_as_head = hasattr(table, "embedding_rows")
 
     def lookup(ids):
-        return quant.embedding_rows(table, ids) if quantized else table[ids].astype(jnp.float32)
+        return table.embedding_rows(ids) if stored_as_head else table[ids].astype(jnp.float32)
 
     if axis is None:
         return lookup(token_ids)
-    rows = table.shape[1] if quantized else table.shape[0]
+    rows = table.shape[1] if stored_as_head else table.shape[0]
     local = token_ids - jax.lax.axis_index(axis) * rows
     mine = (local >= 0) & (local < rows)
     x = jnp.where(mine[:, None], lookup(jnp.clip(local, 0, rows - 1)), 0.0)
@@ -469,16 +369,14 @@ _decoder_layer_jit = jax.jit(decoder_layer, static_argnames=("spec", "index", "a
 def compute_logits(params, hidden: jax.Array, spec: ModelSpec, axis: str | None = None, rows=None) -> jax.Array:
     """hidden: [N, hidden] f32 -> logits [N, vocab] f32 (final norm + LM head). With `axis`,
     each shard computes its slice of the vocabulary and the slices are gathered. `rows`: the
-    real rows of hidden, the first ones (see `matmul`)."""
+    real rows of hidden, the first ones (see `linear.apply`)."""
     h = norm(hidden, params, "final_norm", spec)
-    if spec.tie_word_embeddings:
-        # Contract against embed [vocab, hidden] directly: `jnp.dot(h, embed.T)` materialised
-        # the transpose on every call on XLA:CPU (4-20x slower).
+    if spec.tie_word_embeddings and not hasattr(params["embed"], "apply"):
+        # A float table [vocab, hidden]: contracted as it is (`jnp.dot(h, embed.T)` materialised
+        # the transpose on every call on XLA:CPU, 4-20x slower). Packed or quantized, it is
+        # stored as the LM head [hidden, vocab] and applies itself.
         w = params["embed"]
-        if isinstance(w, (PackedWeight, quant.QuantizedWeight)):  # stored as the LM head [hidden, vocab]
-            logits = matmul(h, w, rows=rows)
-        else:
-            logits = jnp.einsum("sh,vh->sv", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("sh,vh->sv", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
     else:
-        logits = matmul(h, params["lm_head"], rows=rows)
+        logits = linear.apply(params["embed" if spec.tie_word_embeddings else "lm_head"], h, rows=rows)
     return logits if axis is None else jax.lax.all_gather(logits, axis, axis=1, tiled=True)

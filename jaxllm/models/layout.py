@@ -23,7 +23,8 @@ import dataclasses
 import numpy as np
 
 from jaxllm.models.decoder import ModelSpec, layer_kind
-from jaxllm.quantization.weights import QuantizedWeight, permute_columns, stack_stages
+from jaxllm.quantization.sharding import permute_columns, stack_stages
+from jaxllm.quantization.weights import QuantizedWeight
 
 # Which dimension of each parameter (by name, in a layer or at the top) is split over the
 # tensor-parallel axis; parameters not listed are replicated.

@@ -44,7 +44,7 @@ from jaxllm import parallel
 from jaxllm.models import layout
 from jaxllm.models.decoder import ModelSpec
 from jaxllm.quantization.checkpoint import from_saved, to_saved
-from jaxllm.quantization.params import quantize_params
+from jaxllm.quantization.params import panel_layout
 from jaxllm.quantization.weights import QuantizedWeight
 from jaxllm.utils import check_dtype, default_cache_root
 
@@ -212,7 +212,7 @@ def load_model(
     kept = any(isinstance(x, QuantizedWeight) for x in jax.tree_util.tree_leaves(
         params, is_leaf=lambda x: isinstance(x, QuantizedWeight)))
     if kept and panels:
-        params = quantize_params(params, spec, method, native=True, quiet=True)
+        params = panel_layout(params)
     loaded = LoadedModel(spec=spec, params=params, tokenizer=tokenizer, source=path, name=name,
                          quantization=method if kept else None)
     if entry is not None:

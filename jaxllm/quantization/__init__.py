@@ -10,16 +10,18 @@ dequantized first) are quantized on load by these methods:
 | `int4`                     | 4-bit codes, a scale and an offset per 32 input rows | float (weight-only)     |
 |                            | (the LM head: int8 as for `int8_weight_only`)        |                         |
 
-`int8` is W8A8, as vLLM's "INT8 W8A8" is: on the CPUs measured (Zen 3, Zen 4) it is faster than the
-weight-only int8 codes at the same weight bytes and about the same perplexity (README's tables).
+`int8` is W8A8, as vLLM's "INT8 W8A8" is: on the CPUs measured (Zen 3, Zen 4) it is faster than
+the weight-only int8 codes at the same weight bytes and about the same perplexity
+(benchmarks/results/zen3 and zen4 RESULTS.md).
 
 The layer matrices (fused QKV, attention output, MLP) and the LM head are quantized (the
 embedding table too when it is the LM head); norms, biases, an untied embedding table and routers
 stay float; MoE experts' stacks take the method's codes, weight-only (int8 under `w8a8`),
-dequantized in the step (models/moe.py). Measured on the default model (benchmarks/quantization.py, README):
+dequantized in the step (models/moe.py). Measured on the default model (benchmarks/quantization.py;
+results: benchmarks/results/zen4/RESULTS.md):
 perplexity +1.1% (`int8_weight_only`), +0.1% (`int4`, whose Q4_1 layers land on nearly their own
 grid; a 4-bit LM head cost 6.5%, hence 8 bits there), +0.4-1.8% (`w8a8`, mean +1.1%: rounding
-every activation makes the figure move with any change in the float parts; README). The model's
+every activation makes the figure move with any change in the float parts: docs/quantization.md). The model's
 activations have outlier channels that one scale per token flattens (+9.6% perplexity as such),
 so `w8a8` first smooths them (`smoothing.py`, SmoothQuant's folding, from a calibration run of the float model
 over a text jaxllm ships: `models/calibration.py`).
@@ -38,19 +40,19 @@ How a quantized weight is multiplied (`matmul`):
   GEMM's product of the dequantized weights bit for bit (embedding rows rounded to bf16 too), so
   `gguf` on the default model is the bf16 engine's outputs in 0.36x its weight memory. On Zen 4
   the layer GEMMs ran at 1.35-1.45x the bf16 GEMM at 1 row, 1.15x at 4, 0.8x at 16, 0.94-0.98x
-  from 64 up, about twice the f32 path above (README, Quantization).
+  from 64 up, about twice the f32 path above (benchmarks/results/zen4/RESULTS.md).
 - **Small-step codes** (`EngineArgs.small_step_codes`, on by default for a GGUF under dtype
   bfloat16 on a CPU with AVX512_BF16; the run is not quantized): `small_step_params` keeps the
   GGUF's blocks as bf16-activation codes for the steps of at most SMALL_STEP_ROWS rows and makes
   the bf16 weights of the other steps from them (`native.codes_to_bf16_panels`, the GEMM over
   codes' own conversion): the same numbers both ways, the small steps streaming a third of the
-  layer weights' bytes (decode steps at 1.1-1.3x the speed on Zen 4, README).
+  layer weights' bytes (decode steps at 1.1-1.3x the speed on Zen 4: benchmarks/results/zen4/RESULTS.md).
 - **Packed 4-bit codes x int8 activations** (`EngineArgs.int8_activations`, off by default;
   `activations="int8"` on a panels weight, `with_int8_activations`): llama.cpp's scheme for its
   4-bit formats. The C++ GEMM rounds each row of x to int8 per block of 32 columns (a scale per
   block) and sums code x int8 products as integers (AVX2 `vpmaddubsw`, AVX512_VNNI
   `vpdpbusd`), scaling once a block: about 1.3x the weight-only panels' speed on AVX2 from 16
-  rows up, 310-510 GFLOP/s on Zen 4, at a perplexity cost (README, Quantization).
+  rows up, 310-510 GFLOP/s on Zen 4, at a perplexity cost (benchmarks/results/zen4/RESULTS.md).
 - **Packed W8A8** (`activations="int8"` on a panels weight: `w8a8` on one CPU device): the C++
   GEMM (kernels/csrc/gemm_w8a8.cc) rounds each row of x to int8 with a scale per block of
   `act_block` columns (`w8a8_act_block`: up to 256; a scale per row cost 1.1-1.4% perplexity),
@@ -58,7 +60,7 @@ How a quantized weight is multiplied (`matmul`):
   AVX512_VNNI `vpdpbusd`), adds the blocks' sums in f32, each times its scale, and applies the
   column scales once: 1.1-1.9x the weight-only int8 panels on AVX2
   (median 1.3x), and with VNNI (6 rows x 4 panels of sums in registers) on Zen 4 330-665
-  GFLOP/s of work from 64 rows, a median 1.9x the packed bf16 GEMM (README, Quantization). Its
+  GFLOP/s of work from 64 rows, a median 1.9x the packed bf16 GEMM (benchmarks/results/zen4/RESULTS.md). Its
   codes are stored as those instructions read them, a column's 4 codes of 4 rows side by side
   (`pack_codes(..., w8a8=True)`).
 - **Plain W8A8** (`activations="int8"`, sharded runs and other backends): each row of x is
@@ -69,13 +71,13 @@ How a quantized weight is multiplied (`matmul`):
 - **Plain, weight-only**: on GPUs a Pallas (Triton) kernel reads the codes as they are and feeds
   them to bf16 dots, scaling the accumulator (`kernels/quant_matmul.py`: half or a quarter of
   the bf16 weight's bytes streamed; on an H200 int8 is 1.0-1.5x a bf16 dot at 1-16 rows,
-  slower at 128 rows and more and for int4: README); on CPUs with the other attention
+  slower at 128 rows and more and for int4: benchmarks/results/h200/RESULTS.md); on CPUs with the other attention
   backends, and for shapes the kernel does not tile, dequantized inside the jitted step by XLA
   (memory, not time).
 
 Sharded runs (tensor, pipeline, data parallel, a caller's mesh): `w8a8`, `int8_weight_only` and
 `int4` quantize the float weights in their shard layout and each device holds its share of the codes
-and scales (`make_sharded_weight`, split by `parallel.spec_for`), with the one-device weight's
+and scales (`sharding.make_sharded_weight`, split by `parallel.spec_for`), with the one-device weight's
 values; the matmuls take the plain paths above (on CPU the C++ GEMM serves one device only).
 A checkpoint's quantized weights (`gguf`, `awq`, `gptq`) shard over every axis too
 (`layout.tp_layout` regroups a fused matrix's columns with `permute_columns`;

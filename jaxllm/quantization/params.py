@@ -3,65 +3,54 @@
 from __future__ import annotations
 
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.config import QUANTIZATION_ALIASES
-from jaxllm.quantization.weights import (CHECKPOINT_METHODS, EXPERT_MATRICES, LAYER_MATRICES, METHODS,
-                                         QuantizedWeight, dequantize, make_sharded_weight, make_weight, relayout,
-                                         shard_checkpoint_weight, with_bf16_activations, with_int8_activations)
-
-logger = logging.getLogger(__name__)
+from jaxllm.quantization.sharding import make_sharded_weight, shard_checkpoint_weight
+from jaxllm.quantization.weights import (EXPERT_MATRICES, LAYER_MATRICES, METHODS, QuantizedWeight, dequantize,
+                                         make_weight, relayout, with_bf16_activations, with_int8_activations)
 
 
-def quantize_params(params: dict, spec, method: str, *, native: bool, device=None, parts=None,
-                    int8_activations: bool = False, bf16_activations: bool = False, quiet: bool = False) -> dict:
-    """Replace, in place, the layer matrices and the LM head (the embedding table when tied)
-    of a params tree by QuantizedWeights, one matrix at a time.
+def quantize_params(params: dict, spec, plan, *, device=None, parts=None) -> dict:
+    """Replace, in place, the linears to which the weight plan (jaxllm/weight_plan.py) gives
+    codes by QuantizedWeights, one matrix at a time; the checkpoint's own codes are only laid
+    out for their kernel. Float matrices the plan leaves float stay as they are.
 
-    One device (`parts` None): on `device`; `native`: the C++ kernels serve this run (the packed
-    weight-only layout where it applies). Sharded (`parts`: {name: (column parts, row parts)}
-    for the tree's `layout.shard_layout`, from `parallel.quantized_parts`): plain-layout host
-    arrays that split so (`make_sharded_weight`), for `parallel.shard_params` to place.
-    With `int4` the LM head gets int8 codes (as llama.cpp keeps its output matrix at 6-8 bits).
-    MoE experts get the method's codes, weight-only (int8 under `w8a8`), in the plain layout.
-    Weights the checkpoint gave quantized (`CHECKPOINT_METHODS`) are only laid out for the run
-    (packed on one device, split per shard when sharded); with those methods, float weights stay
-    float. `int8_activations`: the 4-bit panel weights then multiply int8 activations
-    (`with_int8_activations`); else `bf16_activations`: the weight-only panel weights multiply
-    bf16-rounded ones (`with_bf16_activations`; a 4-bit embedding table excepted). `quiet`: no
-    log line (the loader packing for its params cache; the runner then logs the run's weights).
-    `method` is an EngineArgs name: "int8" is W8A8, as there (config.QUANTIZATION_ALIASES)."""
-    method = QUANTIZATION_ALIASES.get(method, method)
-    if method not in METHODS and method not in CHECKPOINT_METHODS:
-        raise ValueError(f"unknown quantization {method!r}: choose one of {sorted(METHODS) + list(CHECKPOINT_METHODS)}")
-    activations = "int8" if method == "w8a8" else "float"
+    One device (`parts` None): on `device`, in the C++ GEMM's panels where the linear's kernel
+    is "cpp" (and its shape allows it), else plain. Sharded (`parts`: {name: (column parts, row
+    parts)} for the tree's `layout.shard_layout`, from `parallel.quantized_parts`): plain-layout
+    host arrays that split so (`make_sharded_weight`, `shard_checkpoint_weight`), for
+    `parallel.shard_params` to place. MoE experts' stacks: weight-only codes, plain. A linear's
+    `activations` ("bf16", "int8") are applied where its weight's shape and bits allow."""
 
-    def make(w, name, head=False):
-        if isinstance(w, QuantizedWeight):
+    def make(w, name: str, table: bool = False):
+        lp = plan.linear(name)
+        if isinstance(w, QuantizedWeight):      # the checkpoint's codes
             if parts is not None:
-                return shard_checkpoint_weight(w, *parts[name], what=f"{method} {name}")
-            w = relayout(w, native, device)
-        elif method not in METHODS:
+                return shard_checkpoint_weight(w, *parts[name], what=f"{lp.codes} {name}")
+            w = relayout(w, lp.kernel == "cpp", device)
+        elif lp.codes not in METHODS:
             return w
         else:
-            m = "int8" if head and method == "int4" else method
+            activations = "int8" if lp.codes == "w8a8" else "float"
             if parts is not None:
-                return make_sharded_weight(w, m, activations, *parts[name])
-            w = make_weight(np.asarray(w, np.float32), m, panels=native, activations=activations, device=device)
-        if int8_activations:
+                return make_sharded_weight(w, lp.codes, activations, *parts[name])
+            w = make_weight(np.asarray(w, np.float32), lp.codes, panels=lp.kernel == "cpp", activations=activations,
+                            device=device)
+        if lp.activations == "int8":
             return with_int8_activations(w)
         # (A 4-bit embedding table keeps its layout: its rows are looked up from the panels.)
-        return with_bf16_activations(w, device) if bf16_activations and (name != "embed" or w.bits == 8) else w
+        if lp.activations == "bf16" and (not table or w.bits == 8):
+            return with_bf16_activations(w, device)
+        return w
 
-    def make_experts(w, name):
-        if method not in METHODS:
+    def make_experts(w, name: str):
+        codes = plan.linear(name).codes
+        if codes not in METHODS:
             return w
-        q = make_sharded_weight(w, method if method != "w8a8" else "int8", "float",
-                                *(parts[name] if parts is not None else (1, 1)))
+        q = make_sharded_weight(w, codes, "float", *(parts[name] if parts is not None else (1, 1)))
         return q if parts is not None else jax.device_put(q, device)
 
     for layer in params["layers"]:
@@ -72,15 +61,19 @@ def quantize_params(params: dict, spec, method: str, *, native: bool, device=Non
             if name in layer:
                 layer[name] = make_experts(layer[name], name)
     if "lm_head" in params:
-        params["lm_head"] = make(params["lm_head"], "lm_head", head=True)
+        params["lm_head"] = make(params["lm_head"], "lm_head")
     if isinstance(params["embed"], QuantizedWeight):
-        params["embed"] = make(params["embed"], "embed")
-    elif spec.tie_word_embeddings and method in METHODS:
-        params["embed"] = make(np.ascontiguousarray(np.asarray(params["embed"], np.float32).T), "embed", head=True)
-    if not quiet:
-        kept = method not in METHODS
-        logger.info("weights: the checkpoint's %s codes, kept" if kept else "weights quantized: %s", method)
+        params["embed"] = make(params["embed"], "embed", table=True)
+    elif spec.tie_word_embeddings and plan.linear("embed").codes in METHODS:
+        params["embed"] = make(np.ascontiguousarray(np.asarray(params["embed"], np.float32).T), "embed", table=True)
     return params
+
+
+def panel_layout(params: dict) -> dict:
+    """A params tree with every QuantizedWeight (a checkpoint's codes) in the C++ GEMM's panels
+    where its shape allows, as host-side arrays for the params cache (`load_model(panels=True)`)."""
+    return jax.tree_util.tree_map(lambda w: relayout(w, True) if isinstance(w, QuantizedWeight) else w, params,
+                                  is_leaf=lambda x: isinstance(x, QuantizedWeight))
 
 
 # Steps of at most this many rows multiply a GGUF's codes, larger ones its bf16 weights
@@ -93,14 +86,14 @@ SMALL_STEP_ROWS = 4
 def small_step_params(params: dict, device, codes: bool = True) -> tuple[dict, dict | None]:
     """A GGUF's params tree (its matrices kept quantized: `load_model(quantization="gguf")`) as
     (bf16 tree, codes tree): the first with every quantized matrix dequantized to bf16 and packed
-    for the C++ bf16 GEMM (`decoder.PackedWeight`: the weights a dequantizing load gives, bit for
+    for the C++ bf16 GEMM (`models.linear.PackedWeight`: the weights a dequantizing load gives, bit for
     bit), the second sharing all of it but the layer matrices, which keep their codes for the bf16
     GEMM over codes (`with_bf16_activations`). Both compute the same numbers, the second from
     about a third of the layer weights' bytes: the steps of at most SMALL_STEP_ROWS rows take it
     (`ModelRunner`). Matrices are converted one at a time. `codes` False (the C++ build has no
     AVX512_BF16 dots after all): the bf16 tree alone, and None."""
     from jaxllm.kernels import native
-    from jaxllm.models.decoder import PackedWeight
+    from jaxllm.models.linear import PackedWeight
 
     put = functools.partial(jax.device_put, device=device)
 

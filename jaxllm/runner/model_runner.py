@@ -46,16 +46,15 @@ from jaxllm.utils import cdiv
 
 
 class ModelRunner(ProcessGroupSteps):
-    """`mesh`: one replica's ("data", "stage", "model") Mesh (data size 1) for tensor and
-    pipeline parallelism, with `params` already laid out by `layout.shard_layout` for it (as
-    `load_model(..., tensor_parallel_size=tp, pipeline_parallel_size=pp)` gives them); see
-    jaxllm/parallel.py. With pp stages, each step's batch is split into pp micro-batches of
-    one bucket (`prepare_step`) that the step pipelines through the stages. Without a mesh, on
-    the native CPU backend, float32 matrices of `params` are packed in place for the C++ GEMM
-    (`decoder.pack_params`, `EngineArgs.packed_weights`)."""
+    """`params`: the weight plan's weights (models/prepare.py `prepare_weights`), on the
+    device, or with `mesh` (one replica's ("data", "stage", "model") Mesh, data size 1, for
+    tensor and pipeline parallelism: jaxllm/parallel.py) laid out and placed on it;
+    `small_params`: the small-step codes tree, if any. With pp stages, each step's batch is
+    split into pp micro-batches of one bucket (`prepare_step`) that the step pipelines through
+    the stages."""
 
     def __init__(self, config: EngineConfig, spec: decoder.ModelSpec, params,
-                 attention: AttentionBackend | None = None, mesh=None):
+                 attention: AttentionBackend | None = None, mesh=None, small_params=None):
         self.config = config
         self.spec = spec
         self.attention = attention or get_attention_backend(config.attention_backend)
@@ -88,25 +87,9 @@ class ModelRunner(ProcessGroupSteps):
         pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-kv")
         self._kv_cache, self._kv_pending = None, pool.submit(self._make_kv_cache)
         pool.shutdown(wait=False)
-        # Commit params and the cache to the device(s): warm-up and serving then pass arrays with
-        # the same sharding, so the programs compiled at warm-up are the ones served from.
-        if config.quantization:   # in place, one matrix at a time (before packing the rest)
-            native = self.attention.name == "native" and mesh is None
-            params = quantization.quantize_params(
-                params, spec, config.quantization, native=native, int8_activations=config.int8_activations,
-                bf16_activations=native and config.dtype == "bfloat16" and kernels.native.bf16_gemm_native(),
-                device=jax.devices()[0], parts=None if mesh is None else parallel.quantized_parts(mesh))
-        self.small_params = None    # small-step codes: the same model, its matrices as codes (`_step_params`)
-        if mesh is None:
-            if config.packed_weights and self.attention.name == "native":
-                # In place, one matrix at a time: the unpacked ones are freed as it goes.
-                params = decoder.pack_params(params, spec, jax.devices()[0])
-            self.params = jax.device_put(params, jax.devices()[0])
-            if config.small_step_codes:     # (the trees share every array but the matrices)
-                self.params, self.small_params = quantization.small_step_params(
-                    self.params, jax.devices()[0], codes=kernels.native.bf16_gemm_native())
-        else:
-            self.params = parallel.shard_params(params, mesh)
+        # The weights come prepared (models/prepare.py): placed on the device or the mesh, as the
+        # weight plan said; `small_params`: the small-step codes tree, if any (`_step_params`).
+        self.params, self.small_params = params, small_params
         sched = config.scheduler
         self.block_size = config.cache.block_size
         self.max_blocks = config.max_blocks_per_seq
@@ -355,7 +338,7 @@ class ModelRunner(ProcessGroupSteps):
         tokens, logprob, top_lp, top_ids, hidden = step.outs
         t1 = time.perf_counter()
         # Waiting for every step's tokens keeps one sharded step in flight: with ~32 queued,
-        # XLA:CPU's virtual devices deadlock in their collectives (README, Sharding).
+        # XLA:CPU's virtual devices deadlock in their collectives (docs/parallelism.md).
         tokens, logprob, top_lp, top_ids = (_fetch(x) for x in (tokens, logprob, top_lp, top_ids))
         prompt_logprobs = self.prompt_logprobs(self.params, scheduler_output.scheduled, seqs,
                                                buffers.inputs.query_start_loc, hidden)

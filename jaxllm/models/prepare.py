@@ -1,0 +1,150 @@
+"""Loaded arrays -> the weight plan's weights (vLLM's `process_weights_after_loading`).
+
+    loaded, plan = load_with_plan(args, platform, mesh, one_device=...)     # jaxllm/weight_plan.py
+    params, small_params = prepare_weights(loaded.params, loaded.spec, plan, mesh=mesh, tokenizer=...)
+
+One step after loading, before any runner exists, in this order:
+
+1. W8A8: smooth the float weights (quantization/smoothing.py, from a calibration run), then lay
+   them out for the mesh;
+2. give each linear the plan's codes (`quantization.quantize_params`: on the device, or as host
+   arrays split per shard), or lay the checkpoint's own codes out for their kernel; a GGUF's
+   blocks the plan no longer keeps (the C++ build failed after all) are dequantized;
+3. one device: pack the float matrices into C++ panels (`pack_params`), place the tree, and for
+   small-step codes make the bf16 tree and the codes tree (`quantization.small_step_params`);
+   a mesh: place every shard (`parallel.shard_params`).
+
+What each linear becomes is read from the plan, never re-derived here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm import parallel
+from jaxllm.models import calibration, layout
+from jaxllm.models.linear import PackedWeight
+from jaxllm.models.loader import LoadedModel, load_model
+from jaxllm.platforms import Platform
+from jaxllm.quantization.params import quantize_params, small_step_params
+from jaxllm.quantization.weights import QuantizedWeight, dequantize
+from jaxllm.weight_plan import LAYER_LINEARS, WeightPlan, resolve_weight_plan
+
+logger = logging.getLogger("jaxllm")
+
+
+class PreparedModel(NamedTuple):
+    """A model ready for a runner: its spec and the plan's weights (`prepare_weights`)."""
+
+    spec: object
+    params: dict
+    small_params: dict | None = None
+
+
+def load_with_plan(args, platform: Platform, mesh, *, one_device: bool, progress: bool,
+                   use_cache: bool = True) -> tuple[LoadedModel, WeightPlan]:
+    """Load `args.model` as the weight plan asks, then resolve the plan again with what the
+    checkpoint holds and the C++ build's final word: (loaded model, its weight plan).
+
+    Weights to quantize on a mesh come as host arrays (each shard's codes are made before they
+    are placed), and W8A8 reads them unsharded (smoothing sees whole matrices); the rest come
+    laid out for the mesh (and placed on it)."""
+    plan = resolve_weight_plan(args, platform, one_device=one_device)
+    to_quantize = plan.quantization is not None
+    loaded = load_model(args.model, cache_dir=args.params_cache_dir, progress=progress, use_cache=use_cache,
+                        tensor_parallel_size=1 if plan.smooth else args.tensor_parallel_size,
+                        pipeline_parallel_size=1 if plan.smooth else args.pipeline_parallel_size,
+                        mesh=None if to_quantize else mesh, on_host=to_quantize and mesh is not None,
+                        tokenizer_thread=True, **plan.load_options())
+    try:
+        plan = resolve_weight_plan(args, platform.confirmed(), one_device=one_device, checkpoint=loaded.quantization,
+                                   tied=loaded.spec.tie_word_embeddings)
+    except ValueError as e:
+        raise ValueError(f"{loaded.source}: {e}") from None
+    return loaded, plan
+
+
+def prepare_weights(params: dict, spec, plan: WeightPlan, *, mesh=None, tokenizer=None, device=None,
+                    log: bool = True) -> tuple[dict, dict | None]:
+    """The plan's weights from loaded `params` (in `layout.shard_layout` for `mesh`'s sizes,
+    except under W8A8 smoothing, which reads them whole): `(params, small_params)`, the second
+    the codes tree of small-step codes or None. One device (`mesh` None): on `device` (default:
+    JAX's first). `params` is consumed (its matrices are replaced one at a time)."""
+    if plan.smooth:
+        calibration.smooth_for_w8a8(params, spec, tokenizer)
+        if mesh is not None:
+            params = layout.shard_layout(params, spec, parallel.tp_size(mesh), parallel.pp_size(mesh))
+    if mesh is not None:
+        if plan.quantization:
+            params = quantize_params(params, spec, plan, parts=parallel.quantized_parts(mesh))
+        if log:
+            logger.info("weights: %s", plan.describe())
+        return parallel.shard_params(params, mesh), None
+    device = device or jax.devices()[0]
+    if plan.quantization:
+        params = quantize_params(params, spec, plan, device=device)
+    elif not plan.small_step_codes:
+        params = _dequantized(params, spec, plan.dtype)
+    if plan.pack_floats:
+        params = pack_params(params, spec, device, bf16=plan.dtype == "bfloat16")
+    params = jax.device_put(params, device)
+    small_params = None
+    if plan.small_step_codes:
+        params, small_params = small_step_params(params, device)
+    if log:
+        logger.info("weights: %s", plan.describe())
+    return params, small_params
+
+
+def pack_params(params: dict, spec, device, *, bf16: bool = False) -> dict:
+    """Replace, in place, each float matrix of `params` (no shard layout; float32, or bf16 with
+    `bf16`: the C++ bf16 GEMM has AVX512_BF16 dots) by its `PackedWeight` on `device`, one
+    matrix at a time: the extra memory is one matrix at most (packing the whole tree, then
+    placing it, held each matrix up to three times). The tied embedding table is packed as the
+    LM head it also is. Matrices that do not split into panels stay as they are."""
+    from jaxllm.kernels import native
+
+    dtypes = (jnp.float32, jnp.bfloat16) if bf16 else (jnp.float32,)
+
+    def pack(w, transposed=False):
+        if isinstance(w, (PackedWeight, QuantizedWeight)) or w.dtype not in dtypes \
+                or not native.packable(w.shape, transposed, w.dtype):
+            return w
+        return PackedWeight(jax.device_put(native.pack_weight(np.asarray(w), transposed, w.dtype), device))
+
+    for layer in params["layers"]:
+        for name in LAYER_LINEARS:
+            if name in layer:
+                layer[name] = pack(layer[name])
+    if "lm_head" in params:
+        params["lm_head"] = pack(params["lm_head"])
+    if spec.tie_word_embeddings:  # the table is the LM head too
+        params["embed"] = pack(params["embed"], transposed=True)
+    return params
+
+
+def _dequantized(params: dict, spec, dtype: str) -> dict:
+    """`params` with a checkpoint's codes the plan does not keep turned back into float
+    matrices in `dtype` (a tied table stored as the LM head back to [vocab, hidden])."""
+    def dense(w, table=False):
+        if not isinstance(w, QuantizedWeight):
+            return w
+        out = np.asarray(dequantize(w, np), jnp.dtype(dtype))
+        return np.ascontiguousarray(out.T) if table else out
+
+    for layer in params["layers"]:
+        for name in LAYER_LINEARS:
+            if name in layer:
+                layer[name] = dense(layer[name])
+    if "lm_head" in params:
+        params["lm_head"] = dense(params["lm_head"])
+    params["embed"] = dense(params["embed"], table=True)
+    return params
+
+
+__all__ = ["PreparedModel", "load_with_plan", "pack_params", "prepare_weights"]

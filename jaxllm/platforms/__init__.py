@@ -1,0 +1,69 @@
+"""What the machine a run lands on can do, asked in one place.
+
+    platform = Platform.detect(device)        # before loading: the C++ build may still run
+    platform = platform.confirmed()           # after: waits for the build, says what it has
+
+A `Platform` is plain data (hashable, comparable), so the decisions that follow from it (the
+weight plan: jaxllm/weight_plan.py; the default dtype: `resolve_dtype`) are pure functions that
+a table-driven test checks without the machine itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxllm.utils import BF16_CPU_FLAGS, cpu_flags
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    """name: "cpu" | "gpu" | "tpu" (the device's platform).
+    cpu_flags: the host CPU's feature flags (Linux names; empty off Linux).
+    cpp_kernels: jaxllm's C++ kernels (kernels/native.py) are built, or expected to build (a
+        compiler is there) while `build_confirmed` is False.
+    cpp_bf16_dots: their bf16 GEMMs multiply with AVX512_BF16 dots (before the build is
+        confirmed: the CPU's flags say it has them).
+    build_confirmed: the two facts above come from the finished build."""
+
+    name: str
+    cpu_flags: frozenset[str] = frozenset()
+    cpp_kernels: bool = False
+    cpp_bf16_dots: bool = False
+    build_confirmed: bool = False
+
+    @classmethod
+    def detect(cls, device=None, *, use_cpp: bool = True) -> Platform:
+        """The platform of `device` (default: JAX's first device), without waiting for anything.
+        On a CPU with `use_cpp` (the run may use jaxllm's C++ kernels: its attention backend is
+        theirs or the default), their build starts on its thread (a first start compiles them
+        while the model loads); without it, `cpp_kernels` is False and nothing is built."""
+        import jax
+
+        from jaxllm.kernels import native
+
+        name = (device or jax.devices()[0]).platform
+        if name != "cpu":
+            return cls(name)
+        flags = cpu_flags()
+        if not use_cpp:
+            return cls(name, flags, build_confirmed=True)
+        native.start_build()
+        return cls(name, flags, native.expected(), "avx512_bf16" in flags)
+
+    def confirmed(self) -> Platform:
+        """This platform with the C++ facts from the finished build (waits for it)."""
+        if self.name != "cpu" or self.build_confirmed:
+            return self
+        from jaxllm.kernels import native
+
+        available = self.cpp_kernels and native.available()
+        return dataclasses.replace(self, cpp_kernels=available, cpp_bf16_dots=available and native.bf16_gemm_native(),
+                                   build_confirmed=True)
+
+    @property
+    def bf16_dots(self) -> bool:
+        """Whether XLA's bf16 dots run natively (accelerators; CPUs with `BF16_CPU_FLAGS`)."""
+        return self.name != "cpu" or any(flag in self.cpu_flags for flag in BF16_CPU_FLAGS)
+
+
+__all__ = ["Platform"]

@@ -1,0 +1,176 @@
+"""The weight plan: how every linear of the model is stored and which kernel applies it,
+decided once from the platform, the mesh and the user's options.
+
+    plan = resolve_weight_plan(args, platform, one_device=...)                  # what to load
+    loaded = load_model(args.model, **plan.load_options())
+    plan = resolve_weight_plan(args, platform.confirmed(), one_device=..., checkpoint=loaded.quantization)
+    params = models.prepare.prepare_weights(loaded.params, spec, plan, ...)     # the plan's weights
+
+`resolve_weight_plan` is a pure function of plain data (a table-driven test checks it:
+tests/test_weight_plan.py); `prepare_weights` turns loaded arrays into the plan's weight
+objects, each of which applies itself (models/linear.py). Nothing else decides a format.
+
+The linears, by their params names (models/decoder.py):
+
+| name                               | what                                      |
+|------------------------------------|-------------------------------------------|
+| `wqkv`, `wo`                       | attention's fused QKV and output          |
+| `w_gate_up` (gated) / `w_up`, `w_down` | the MLP                               |
+| `experts_gate_up`, `experts_down`  | routed experts' stacks (models/moe.py)    |
+| `lm_head`                          | the LM head (absent when tied)            |
+| `embed`                            | the embedding table: a linear only when tied (it is then stored as the LM head) |
+
+Storage (`LinearPlan.codes`): None (a float matrix in `WeightPlan.dtype`, packed into C++
+panels where `kernel == "cpp"`), a method of quantization/ (`int8_weight_only`, `int4`, `w8a8`:
+quantized on load) or a checkpoint's own (`gguf`, `awq`, `gptq`: kept where the checkpoint has
+codes; its float matrices follow the float rule). Kernels: `cpp` (the C++ GEMMs of
+kernels/csrc: one CPU device with the native kernels), `xla` (a dot, or codes dequantized in
+the step), `pallas` (GPU, weight-only codes: kernels/quant_matmul.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxllm.platforms import Platform
+
+# The linears a model may have (params names), in the order of a layer and then the model's.
+LAYER_LINEARS = ("wqkv", "wo", "w_gate_up", "w_up", "w_down")
+EXPERT_LINEARS = ("experts_gate_up", "experts_down")
+LINEARS = (*LAYER_LINEARS, *EXPERT_LINEARS, "lm_head", "embed")
+# quantization= methods that quantize float weights on load, and those a checkpoint brings.
+QUANTIZE_METHODS = ("int8_weight_only", "int4", "w8a8")
+CHECKPOINT_METHODS = ("gguf", "awq", "gptq")
+# `checkpoint=` before loading: what the checkpoint keeps quantized is not known yet.
+UNKNOWN = "unknown"
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearPlan:
+    """One linear's storage and kernel (see the module docstring).
+
+    codes: None, a QUANTIZE_METHODS name or a CHECKPOINT_METHODS name.
+    kernel: "cpp" | "xla" | "pallas".
+    activations: what the kernel rounds x to: "float" (x as it is), "bf16" (codes x bf16 dots,
+        the packed bf16 GEMM's numbers), "int8" (W8A8, or 4-bit codes x int8 rows). Applied
+        where the weight's shape and bits allow it, else "float".
+    small_step_codes: a GGUF's codes kept beside the bf16 panels, for the steps of at most
+        `quantization.SMALL_STEP_ROWS` rows."""
+
+    codes: str | None
+    kernel: str
+    activations: str = "float"
+    small_step_codes: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightPlan:
+    dtype: str                  # float matrices' dtype ("float32" | "bfloat16")
+    quantization: str | None    # the run's method (EngineConfig.quantization): None, QUANTIZE_ or CHECKPOINT_METHODS
+    load: str | None            # what `load_model` keeps quantized: a CHECKPOINT_METHODS name, "auto" (a GGUF's), None
+    cpp_gemm: bool              # linears multiply in the C++ GEMMs (one CPU device, the native kernels)
+    pack_floats: bool           # float matrices are packed into C++ panels
+    smooth: bool                # W8A8 smoothing of the float weights before quantizing (quantization/smoothing.py)
+    small_step_codes: bool      # a GGUF's codes kept for small steps beside bf16 panels
+    linears: dict = dataclasses.field(default_factory=dict, compare=False)    # name -> LinearPlan
+
+    def linear(self, name: str) -> LinearPlan:
+        return self.linears[name]
+
+    def load_options(self) -> dict:
+        """`load_model` keyword arguments for this plan (besides sharding and caching)."""
+        return dict(dtype=self.dtype, quantization=self.load, panels=self.cpp_gemm)
+
+    def describe(self) -> str:
+        """One line per distinct (storage, kernel) of the linears, for the log."""
+        rows: dict[LinearPlan, list[str]] = {}
+        for name, lp in self.linears.items():
+            rows.setdefault(lp, []).append(name)
+        return "; ".join(f"{', '.join(names)}: {lp.codes or self.dtype} via {lp.kernel}"
+                         + (f" (x as {lp.activations})" if lp.activations != "float" else "")
+                         + (" + small-step codes" if lp.small_step_codes else "")
+                         for lp, names in rows.items())
+
+
+def resolve_weight_plan(args, platform: Platform, *, one_device: bool, checkpoint: str | None = UNKNOWN,
+                        tied: bool = False) -> WeightPlan:
+    """The weight plan for `args` (EngineArgs with `dtype` resolved) on `platform`.
+
+    one_device: one device of one process (no mesh, no data parallelism): only there do the
+        C++ GEMMs serve. checkpoint: what the loaded checkpoint keeps quantized (None, or a
+        CHECKPOINT_METHODS name; UNKNOWN before loading, when the plan says what to load).
+    tied: the model ties its embeddings (the table is then the LM head's linear).
+    Raises ValueError for options that cannot hold together here."""
+    dtype, asked = args.dtype, args.quantization
+    cpp_gemm = (one_device and platform.name == "cpu" and args.attention_backend in (None, "native")
+                and platform.cpp_kernels)
+    # Small-step codes: bf16 weights packed for the C++ GEMM with AVX512_BF16 dots, no quantization asked.
+    small = (args.small_step_codes is not False and asked is None and dtype == "bfloat16" and cpp_gemm
+             and args.packed_weights and platform.cpp_bf16_dots)
+    if args.small_step_codes and not small:
+        raise ValueError("small_step_codes needs dtype bfloat16 on one CPU device with AVX512_BF16 and the C++ "
+                         "kernels, packed weights and no quantization asked")
+    known = checkpoint != UNKNOWN
+    if known:
+        if checkpoint and asked not in (None, checkpoint):
+            raise ValueError(f"the checkpoint is already quantized ({checkpoint}): it cannot be loaded with "
+                             f"quantization={asked!r}")
+        if asked in CHECKPOINT_METHODS and checkpoint != asked:
+            raise ValueError(f"quantization={asked!r} needs a checkpoint quantized so, and this one has no "
+                             f"{asked} weights")
+        small = small and checkpoint == "gguf"
+        if args.small_step_codes and not small:
+            raise ValueError("small_step_codes needs a GGUF model with quantized blocks; this checkpoint has none")
+    if small:
+        load = "auto"
+    elif asked is not None:     # "none" included
+        load = asked if asked in CHECKPOINT_METHODS else None
+    else:
+        # A GGUF's blocks where they run at about the float engine's speed: the C++ GEMM under
+        # float32 (faster at decodes of a few rows, within a few percent on large batches), for
+        # 1/3 of the weight memory or less. Under bfloat16 the small-step codes above serve.
+        load = "auto" if dtype == "float32" and cpp_gemm else None
+    # The checkpoint's codes serve as they are where asked, or where they cannot be undone (AWQ,
+    # GPTQ), or where a GGUF's are kept by choice ("auto"); a GGUF loaded with its blocks for a
+    # plan that no longer keeps them (the C++ build failed after all) is dequantized.
+    wanted = known and checkpoint is not None and (checkpoint != "gguf" or load == "auto")
+    method = None if small or asked == "none" else asked or (checkpoint if wanted else None)
+    pack_floats = cpp_gemm and args.packed_weights and (dtype == "float32" or platform.cpp_bf16_dots)
+    linears = {name: _linear_plan(name, method, platform, cpp_gemm=cpp_gemm, pack_floats=pack_floats,
+                                  dtype=dtype, int8_activations=args.int8_activations, small=small, tied=tied)
+               for name in LINEARS}
+    return WeightPlan(dtype=dtype, quantization=method, load=load, cpp_gemm=cpp_gemm, pack_floats=pack_floats,
+                      smooth=method == "w8a8", small_step_codes=small, linears=linears)
+
+
+def _linear_plan(name: str, method: str | None, platform: Platform, *, cpp_gemm: bool, pack_floats: bool,
+                 dtype: str, int8_activations: bool, small: bool, tied: bool) -> LinearPlan:
+    float_plan = LinearPlan(None, "cpp" if pack_floats else "xla")
+    if name in EXPERT_LINEARS:   # weight-only codes, dequantized in the step (models/moe.py)
+        codes = {"w8a8": "int8_weight_only"}.get(method, method)
+        return LinearPlan(codes, "xla")
+    if name == "embed" and not tied:
+        return LinearPlan(None, "xla")      # a table lookup, float
+    if method is None:
+        return dataclasses.replace(float_plan, small_step_codes=small and name in (*LAYER_LINEARS, "lm_head", "embed"))
+    # A 4-bit LM head cost the default model 6.5% perplexity: 8-bit codes there (llama.cpp keeps its 6-8).
+    codes = "int8_weight_only" if method == "int4" and name in ("lm_head", "embed") else method
+    if cpp_gemm:
+        kernel = "cpp"
+    elif platform.name == "gpu" and codes != "w8a8":
+        kernel = "pallas"
+    else:
+        kernel = "xla"
+    if codes == "w8a8":
+        activations = "int8"
+    elif kernel == "cpp" and int8_activations:
+        activations = "int8"        # (4-bit codes only: `with_int8_activations`)
+    elif kernel == "cpp" and dtype == "bfloat16" and platform.cpp_bf16_dots:
+        activations = "bf16"
+    else:
+        activations = "float"
+    return LinearPlan(codes, kernel, activations)
+
+
+__all__ = ["CHECKPOINT_METHODS", "LINEARS", "LinearPlan", "QUANTIZE_METHODS", "UNKNOWN", "WeightPlan",
+           "resolve_weight_plan"]
