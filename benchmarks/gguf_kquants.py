@@ -7,7 +7,8 @@ GEMM's speed, in one run.
 
 Per block type, shape and row count: microseconds per `quantization.matmul` (jitted, the
 weight packed for the C++ GEMM once outside; the two layouts timed in turn three times, each
-time the median of 5 calls, the best of the three kept), bits a weight (codes, scales, offsets), and whether the two outputs are equal
+time the median of 5 calls, the best of the three kept), bits a weight (codes, scales, offsets),
+and whether the two outputs are equal
 (they must be: the same f32 scales). The blocks are random (a small f16 d per super-block).
 JSON to --out (default benchmarks/results/gguf_kquants.json; a Zen 3 run in results/zen3/).
 """

@@ -48,7 +48,8 @@ def random_weight(k: int, n: int, method: str, seed: int):
         codes = jax.random.randint(key, (k, n), -127, 128, jnp.int32).astype(jnp.int8)
     else:
         codes = jax.random.randint(key, (k, n // 2), 0, 256, jnp.int32).astype(jnp.uint8)
-    scale = (jax.random.uniform(jax.random.fold_in(key, 1), (groups, n), jnp.float32, 0.5, 1.5) / 2000).astype(jnp.float16)
+    scale = (jax.random.uniform(jax.random.fold_in(key, 1), (groups, n), jnp.float32, 0.5, 1.5)
+             / 2000).astype(jnp.float16)
     offset = None if bits == 8 else (-8 * scale.astype(jnp.float32)).astype(jnp.float16)
     return QuantizedWeight(codes, scale, offset, bits, "plain", "float")
 
@@ -195,7 +196,8 @@ def parse_args(argv=None):
     return args
 
 
-HEADER = "| matrix | codes | rows | quantized ms | bf16 dot ms | speed-up | weight GB/s |\n|---|---|---:|---:|---:|---:|---:|"
+HEADER = ("| matrix | codes | rows | quantized ms | bf16 dot ms | speed-up | weight GB/s |\n"
+          "|---|---|---:|---:|---:|---:|---:|")
 
 
 def main(argv=None):

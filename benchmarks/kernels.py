@@ -78,7 +78,8 @@ def make_case(rng, q_lens, kv_lens, args):
 
 def rows_batch(q_lens, kv_lens, block_tables, num_tokens, group, row_tokens):
     idx, bt, kl, ql = kernels.ragged_to_rows(q_lens, kv_lens, block_tables, num_tokens=num_tokens,
-                                             num_rows=int(sum(-(-n // row_tokens) for n in q_lens)), row_tokens=row_tokens)
+                                             num_rows=int(sum(-(-n // row_tokens) for n in q_lens)),
+                                             row_tokens=row_tokens)
     return {f"{group}_token_idx": idx, f"{group}_block_tables": bt, f"{group}_kv_lens": kl, f"{group}_q_lens": ql}
 
 
@@ -114,7 +115,8 @@ def measure(kind: str, q_lens: list[int], kv_lens: list[int], args, rng) -> dict
     store = storage_dtype(cache_dtype(args.dtype))
     kv_bytes = sum(kv_lens) * 2 * args.num_kv_heads * row_width(args.head_dim, store) * store.itemsize
     row["native_gb_s"] = kv_bytes / row["native_ms"] / 1e6
-    print(f"{kind:8s} batch {row['batch']:4d} tokens {num_tokens:4d} ctx {row['mean_context']:5.0f}/{row['context']:5d}: "
+    print(f"{kind:8s} batch {row['batch']:4d} tokens {num_tokens:4d} "
+          f"ctx {row['mean_context']:5.0f}/{row['context']:5d}: "
           + "  ".join(f"{n} {row[f'{n}_ms']:8.3f} ms" for n in IMPLS)
           + f"  (native {row['native_gb_s']:.1f} GB/s of KV; host rows {host_s * 1e3:.3f} ms)", flush=True)
     return row

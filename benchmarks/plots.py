@@ -371,7 +371,8 @@ def results_markdown(results: str = RESULTS, serving_files: list[str] = (), run_
                 f"{s['num_q_heads']} query heads, {s['num_kv_heads']} KV heads, head_dim {s['head_dim']}, pages of "
                 f"{s['page_size']}, {k['dtype']} cache; dense = gather per token (reference), rows = jnp row "
                 "path, native = the C++ kernel (default).", "",
-                "| case | tokens | mean / max context | dense ms | rows ms | native ms | native vs rows | native KV GB/s |",
+                "| case | tokens | mean / max context | dense ms | rows ms | native ms | native vs rows "
+                "| native KV GB/s |",
                 "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in k["rows"]:
             case = f"decode, batch {r['batch']}" if r["case"] == "decode" else "prefill"
@@ -398,7 +399,8 @@ def results_markdown(results: str = RESULTS, serving_files: list[str] = (), run_
                     "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
             for r in split:
                 out.append(f"| {r['batch']} | {r['step_ms']:.1f} | "
-                           + " | ".join(f"{r[k + '_ms']:.1f}" for k in ("host", "gemm", "attention", "sampler", "other"))
+                           + " | ".join(f"{r[k + '_ms']:.1f}"
+                                        for k in ("host", "gemm", "attention", "sampler", "other"))
                            + f" | {r['gemm_gflops']:.0f} | {r['attention_gbs']:.1f} |")
         if isinstance(step.get("machine"), dict):
             out += ["", _provenance(step)]
@@ -437,11 +439,21 @@ def main(argv=None):
             plot(data, os.path.join(res, f"{name}.png"))
             made.append(f"{name}.png")
     md = results_markdown(res, args.serving, args.run_id)
-    with open(os.path.join(res, "RESULTS.md"), "w") as f:
-        f.write(md + "\n")
+    path = os.path.join(res, "RESULTS.md")
+    kept = ""       # the hand-recorded part below HAND_MARK stays as it is
+    if os.path.exists(path):
+        with open(path) as f:
+            old = f.read()
+        kept = old[old.index(HAND_MARK):] if HAND_MARK in old else ""
+    with open(path, "w") as f:
+        f.write(md + "\n" + ("\n" + kept if kept else ""))
     print(md)
     print(f"wrote {', '.join(made + ['RESULTS.md'])} in {res}", file=sys.stderr)
     return 0
+
+
+# RESULTS.md below this line is written by hand (dated entries with machine and command).
+HAND_MARK = "<!-- Everything below is recorded by hand"
 
 
 if __name__ == "__main__":

@@ -69,15 +69,16 @@ def commands(args) -> dict[str, list[str]]:
         "kernels": py + [os.path.join(HERE, "kernels.py")]
         + (["--batches", "1,8", "--context", "128", "--prefill", "64", "--repeat", "3", "--min-seconds", "0.1"]
            if args.quick else []),
-        "sampler": py + [os.path.join(HERE, "sampler.py")] + (["--compiles", "1", "--repeat", "2"] if args.quick else []),
+        "sampler": py + [os.path.join(HERE, "sampler.py")]
+        + (["--compiles", "1", "--repeat", "2"] if args.quick else []),
         "step": py + [os.path.join(HERE, "step.py")] + (["--batches", "1,8", "--prefill", "64"] if args.quick else []),
         "startup": py + [os.path.join(HERE, "startup.py")] + (["--warm", "1"] if args.quick else []),
         "spec_decode": py + [os.path.join(HERE, "spec_decode.py")]
         + (["--num-prompts", "2", "--max-tokens", "32", "--repeats", "1"] if args.quick else []),
         "structured_output": py + [os.path.join(HERE, "structured_output.py")]
         + (["--samples", "1", "--batches", "1,8", "--repeats", "1"] if args.quick else []),
-        "models": py + [os.path.join(HERE, "models.py")] + (["--num-prompts", "8", "--batches", "1,8", "--tokens", "1,32"]
-                                                            if args.quick else []),
+        "models": py + [os.path.join(HERE, "models.py")]
+        + (["--num-prompts", "8", "--batches", "1,8", "--tokens", "1,32"] if args.quick else []),
         "quantization": py + [os.path.join(HERE, "quantization.py")] + workload,
         "plots": py + [os.path.join(HERE, "plots.py")],
     }

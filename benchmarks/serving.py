@@ -12,7 +12,8 @@ Poisson arrivals of --request-rate per second ("inf": all at once); --rates swee
 rates against the same server (each rate with its prompts' first tokens changed, so the
 server's prefix cache cannot replay an earlier rate's prompts). --concurrencies adds closed
 loops (after the rates, if any): c requests in flight at all times (each finished one replaced by the next),
-over the first --prompts-per-client x c prompts of the workload. Per request: TTFT (time to the first streamed token), TPOT
+over the first --prompts-per-client x c prompts of the workload. Per request: TTFT (time to the
+first streamed token), TPOT
 ((e2e - TTFT) / (output tokens - 1)), ITL (the gaps between streamed chunks) and end-to-end
 latency; reported as mean, p50 and p99 in ms, with request and token throughput. The server
 must return exactly max_tokens tokens per request (checked through the streamed `usage`).

@@ -5,7 +5,8 @@ applies and one where it does not.
     python benchmarks/spec_decode.py --num-prompts 4 --max-tokens 64   # a quick check
 
 Workloads (`ignore_eos`, --max-tokens tokens each):
-- "repeat": chat prompts asking the model to repeat a passage of this repository's README
+- "repeat": chat prompts asking the model to repeat a passage of the public-domain text jaxllm
+  ships for perplexity (jaxllm/bench/data/public_domain.txt: fixed, unlike the README)
   (a different passage per prompt), the shape of quoting, extraction and code-editing
   requests, whose outputs copy their inputs; greedy;
 - "random": prompts of random token ids (no special tokens), sampled at temperature 1 (seeded):
@@ -15,7 +16,8 @@ Workloads (`ignore_eos`, --max-tokens tokens each):
 One engine (default model, --dtype, the given --speculative-config, no prefix caching) runs each workload with
 speculation off (its scheduler's proposer removed: the same compiled steps, no drafts) and on,
 alternating, --repeats times, at --batches requests at a time (1: one request alone; 4: four
-submitted together), after a warm-up; each mode's median run is reported. Reported per case: output tokens per second of wall time, mean
+submitted together), after a warm-up; each mode's median run is reported. Reported per case:
+output tokens per second of wall time, mean
 TPOT ((last token - first token) / (tokens - 1), per request), mean TTFT, engine steps, and
 for speculation the drafts proposed and the acceptance rate (accepted / proposed); and whether
 the outputs were the same both ways (greedy: they must be; sampled, only their distribution is).
@@ -32,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import statistics
 import sys
@@ -70,9 +71,9 @@ def truncated_draft(model: str | None, layers: int) -> str:
 
 
 def repeat_prompts(llm, n: int, words: int = 90) -> list[list[int]]:
-    """Chat prompts asking to repeat passages of about `words` words of the README."""
-    with open(os.path.join(ROOT, "README.md")) as f:
-        text = re.sub(r"```.*?```|\|[^\n]*\||[#`*]", " ", f.read(), flags=re.S)
+    """Chat prompts asking to repeat passages of about `words` words of the shipped public-domain text."""
+    with open(os.path.join(ROOT, "jaxllm", "bench", "data", "public_domain.txt")) as f:
+        text = f.read()
     tokens = text.split()
     prompts = []
     for i in range(n):

@@ -7,7 +7,8 @@ default settings, then a one-token `generate`), cold and warm.
 
 Cold: an empty cache root (`JAXLLM_CACHE_DIR`), so the C++ kernels are built, the weights
 converted and the steps compiled (by default in the background: the first token waits for
-the shapes its steps need; `--compile-first`: for all of them). Warm: the same cache root again, as every later start of the
+the shapes its steps need; `--compile-first`: for all of them). Warm: the same cache root again,
+as every later start of the
 same model and settings finds it. Each start runs in its own process; besides the total (from
 just before this script starts the process to the first token), each reports its import, engine
 construction (of which warm-up: compiling or loading the steps) and first-token seconds. Writes
@@ -45,7 +46,8 @@ t3 = time.perf_counter()
 to_first_token = time.time() - launched
 runner = llm.engine.runner
 llm.engine.wait_compiled()    # (the steps compile or load in the background)
-print("RESULT " + json.dumps({"to_first_token_s": to_first_token, "import_s": t1 - t0, "engine_s": t2 - t1, "warmup_s": llm.engine.warmup_seconds,
+print("RESULT " + json.dumps({"to_first_token_s": to_first_token, "import_s": t1 - t0, "engine_s": t2 - t1,
+                              "warmup_s": llm.engine.warmup_seconds,
                               "first_token_s": t3 - t2, "buckets": len(runner.buckets),
                               "steps_loaded": runner.steps.loaded, "dtype": llm.engine.config.dtype}))
 """
@@ -86,7 +88,8 @@ def main(argv=None) -> int:
     warm = sorted(r["to_first_token_s"] for r in runs[1:])
     result = {"date": now_iso(), "machine": machine, "versions": versions(), "engine_args": engine_args,
               "command": shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
-              "cold_s": runs[0]["to_first_token_s"], "warm_median_s": warm[len(warm) // 2] if warm else None, "runs": runs}
+              "cold_s": runs[0]["to_first_token_s"], "warm_median_s": warm[len(warm) // 2] if warm else None,
+              "runs": runs}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

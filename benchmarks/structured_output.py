@@ -102,7 +102,8 @@ def backends(tokenizer, vocab_size: int, eos: list[int]) -> dict:
         print(f"{name:12s} {len(tokens):3d} tokens | llguidance compile {row['llguidance_compile_ms']:6.1f} ms, "
               f"mask {row['llguidance_mask']['median_ms'] * 1000:5.0f} us (max {row['llguidance_mask']['max_ms']:5.2f}"
               " ms)" + (f" | xgrammar compile {row['xgrammar_compile_ms']:6.1f} ms, mask "
-                        f"{row['xgrammar_mask']['median_ms'] * 1000:5.0f} us (max {row['xgrammar_mask']['max_ms']:5.2f} ms)"
+                        f"{row['xgrammar_mask']['median_ms'] * 1000:5.0f} us "
+                        f"(max {row['xgrammar_mask']['max_ms']:5.2f} ms)"
                         if xgr is not None else ""), flush=True)
     for backend in [b for b in ("llguidance", "xgrammar") if b in out]:
         out[backend]["compile_ms_median"] = statistics.median(r[f"{backend}_compile_ms"] for r in rows)
@@ -198,7 +199,8 @@ def main() -> None:
     ap.add_argument("--unbounded", action="store_true", help="validity: the schemas without their bounds")
     ap.add_argument("--batches", default="1,8,32", help="overhead: requests at a time (default: %(default)s)")
     ap.add_argument("--decode-tokens", type=int, default=64, help="overhead: tokens per request (default: %(default)s)")
-    ap.add_argument("--repeats", type=int, default=3, help="overhead: runs each way, alternating (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="overhead: runs each way, alternating (default: %(default)s)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "structured_output.json"))
     args = ap.parse_args()
     parts = args.parts.split(",")

@@ -55,8 +55,8 @@ class EngineArgs:
     """Engine options. `None` means "derive from the model / machine"."""
 
     model: str | None = option(
-        None, "an HF model directory, a .gguf file, or a hub id such as Qwen/Qwen2.5-0.5B-Instruct (Llama, "
-              "Mistral, Qwen2, Qwen3 families). Default: the bundled SmolLM2-135M-Instruct", metavar="PATH_OR_ID")
+        None, "an HF model directory, a .gguf file, or a hub id such as Qwen/Qwen2.5-0.5B-Instruct (the families "
+              "of docs/models.md). Default: the bundled SmolLM2-135M-Instruct", metavar="PATH_OR_ID")
     dtype: str = option(
         "auto", "weight and KV-cache dtype; 'auto' picks bfloat16 on accelerators and on CPUs with native bf16 "
                 "dots (AVX512_BF16 or AMX), float32 on other CPUs", choices=DTYPE_CHOICES)
@@ -285,7 +285,10 @@ class SpeculativeConfig:
             lo = hi = 0
         else:
             lo, hi = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
-            lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
+            if lo is None and hi is None:
+                lo, hi = 5, 5
+            else:
+                lo, hi = (lo if lo is not None else hi), (hi if hi is not None else lo)
         out = cls(method, config.get("num_speculative_tokens"), lo, hi, config.get("disable_by_batch_size", 8),
                   model if method == "draft_model" else None)
         checked = ["num_speculative_tokens", "disable_by_batch_size"] + (
@@ -404,7 +407,7 @@ def default_block_size(platform: str) -> int:
     each page of a kv head is one contiguous run: on a Zen 4 EPYC, 128 decodes at context 256
     took about 0.7x the attention time with pages of 64 as with pages of 16 (8 KiB runs against
     2 KiB; 128 measured the same as 64), contexts spread over 32-256 the same within noise, and
-    the standard workload ran 416-420 against 368-401 output tok/s (README, Benchmarks). The
+    the standard workload ran 416-420 against 368-401 output tok/s (benchmarks/results/zen4/RESULTS.md). The
     cost: prefix caching shares whole pages only, and each sequence's last page is partly empty
     (the standard workload's sequences waste 14.1% of their slots against 3.8%: 417 fit in 2 GiB
     against 467, `benchmarks/memory.py`)."""

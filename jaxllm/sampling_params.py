@@ -82,7 +82,8 @@ class SamplingParams:
     """Per-request decoding options. Invalid values raise ValueError at construction.
 
     temperature 0 means greedy. top_k <= 0 (or -1) disables top-k (a top_k past the vocabulary
-    keeps it all); top_p 1.0 and min_p 0.0 disable theirs. Numbers must be finite. `seed` makes a request's samples reproducible whatever else is batched
+    keeps it all); top_p 1.0 and min_p 0.0 disable theirs. Numbers must be finite. `seed` makes a
+    request's samples reproducible whatever else is batched
     with it. `logprobs=N` returns the top-N log-probabilities (plus the sampled token's) per
     generated token. `structured_outputs` constrains the output to a JSON schema, regex,
     choice or grammar (`StructuredOutputsParams`); the request ends with "stop" once its

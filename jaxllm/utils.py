@@ -56,10 +56,9 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, asked_dtype: str, dtype: str) ->
     (a CPU without native bf16 dots, see `resolve_dtype`): there bf16 pages. Decode attention
     reads every cached token of every sequence at each step and waits on memory, and bf16 pages
     are half the bytes; the kernels still compute in float32, widening a page row costs a shift.
-    Activations rounded to int8 (`w8a8`, `int8_activations`) take the same pages: float32 ones
-    there, the rule until 2026-11-27, came from single perplexity runs, and over draws of the
-    rounding bf16 pages cost nothing measurable (README: "bf16 pages for int8 activations
-    again")."""
+    Activations rounded to int8 (`w8a8`, `int8_activations`) take the same pages: over paired
+    draws of the rounding, bf16 pages cost them nothing measurable (benchmarks/results/zen4/RESULTS.md,
+    "paired draws of float32 against bf16 pages for int8 activations")."""
     if kv_cache_dtype != "auto":
         return {"fp8": "fp8_e4m3"}.get(kv_cache_dtype, kv_cache_dtype), "asked for"
     if asked_dtype == "auto" and dtype == "float32":

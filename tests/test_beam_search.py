@@ -5,7 +5,6 @@ small pool."""
 
 import pytest
 import torch
-import transformers
 
 from jaxllm import LLM, BeamSearchParams, SamplingParams
 from tiny_model import TINY_ENGINE_ARGS

@@ -63,7 +63,8 @@ def test_flags_round_trip_to_engine_args():
     # Every field off its default (kv_cache_memory with gpu_memory_utilization would fail verify(),
     # which parsing does not run).
     expected = EngineArgs(
-        model="m", dtype="float32", quantization="int4", kv_cache_dtype="int8", max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256,
+        model="m", dtype="float32", quantization="int4", kv_cache_dtype="int8", max_model_len=1024, max_num_seqs=8,
+        max_num_batched_tokens=256,
         max_num_prefill_seqs=4, block_size=32, kv_cache_memory=64 << 20, gpu_memory_utilization=0.5,
         num_gpu_blocks_override=100, swap_space=1.5, preemption_mode="swap", enable_prefix_caching=False,
         async_scheduling=False, seed=3,

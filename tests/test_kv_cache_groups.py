@@ -131,8 +131,9 @@ def test_config_gives_the_windowed_layers_their_own_smaller_pool(tmp_path):
 
     build_hf_model("gemma3", tmp_path, num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2)
     spec = spec_from_hf_config(json.loads((tmp_path / "config.json").read_text()))
-    cache = resolve_config(EngineArgs(kv_cache_memory=8 << 20, max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8,
-                                      block_size=4, dtype="float32"), spec, "m").cache   # 4-byte pages below
+    cache = resolve_config(EngineArgs(kv_cache_memory=8 << 20, max_model_len=128, max_num_batched_tokens=32,
+                                      max_num_seqs=8, block_size=4, dtype="float32"),
+                           spec, "m").cache   # 4-byte pages below
     assert cache.group_windows == (0, WINDOW)
     # Pools in the proportion one max_model_len request holds: 32 pages global, a window and a
     # chunk windowed; 2 layers each, the whole budget spent.

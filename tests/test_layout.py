@@ -88,3 +88,47 @@ def test_resolving_a_config_loads_no_kernels():
             "print(sorted(m for m in sys.modules if m.startswith('jaxllm.kernels')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
     assert out.strip() == "[]"
+
+
+def _third_party_imports(*tops: str) -> set[str]:
+    """Top-level names of the modules imported under `tops` that are neither the standard
+    library nor the repository's own (jaxllm, and the tests' and benchmarks' sibling modules)."""
+    local = {"jaxllm"}
+    files = []
+    for top in tops:
+        for dirpath, _, names in os.walk(os.path.join(ROOT, top)):
+            files += [os.path.join(dirpath, f) for f in names if f.endswith(".py")]
+            local |= {f[:-3] for f in names if f.endswith(".py")}
+    found = set()
+    for path in files:
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Import):
+                found |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                found.add(node.module.split(".")[0])
+    return found - local - set(sys.stdlib_module_names)
+
+
+def _declared() -> tuple[set[str], set[str]]:
+    """(the project's dependencies, its dev extra) from pyproject.toml, as import names."""
+    import re
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    import_name = {"pyyaml": "yaml"}
+
+    def names(requirements):
+        bare = (re.split(r"[<>=!~\[ ]", r, maxsplit=1)[0].lower() for r in requirements)
+        return {import_name.get(n, n.replace("-", "_")) for n in bare}
+
+    return names(project["dependencies"]), names(project["optional-dependencies"]["dev"])
+
+
+def test_dependencies_are_what_the_code_imports():
+    # jaxllm declares exactly what it imports; the tests and benchmarks import only what is
+    # declared, or the peers a benchmark measures when they are installed apart.
+    main, dev = _declared()
+    assert _third_party_imports("jaxllm") == main
+    optional_peers = {"vllm", "llama_cpp", "xgrammar", "qwix"}
+    assert _third_party_imports("tests", "benchmarks", "examples") - main - dev - optional_peers == set()

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.attention import BACKENDS
 from jaxllm.models.loader import load_model
 from jaxllm.models.registry import SUPPORTED_ARCHITECTURES, UnsupportedModelError, spec_from_hf_config
 from test_models import MODELS, build_hf_model

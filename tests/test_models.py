@@ -189,7 +189,8 @@ def test_logits_bfloat16_close_to_hf(model_pair, impl):
     want = np.concatenate(expected)
     row_diff = np.abs(got - want).max(axis=-1)
     tol = BF16_TOL * np.abs(want).max()
-    print(f"{kind}/{impl} bf16 max |diff| per row, largest: {np.sort(row_diff)[-3:]} (logits max {np.abs(want).max():.3g})")
+    print(f"{kind}/{impl} bf16 max |diff| per row, largest: {np.sort(row_diff)[-3:]} "
+          f"(logits max {np.abs(want).max():.3g})")
     # bf16 rounding can flip a near-tie in an MoE router's top k, which changes that token's
     # experts: allow 1 row in 20 of those (measured: 1 of 52 on the tiny Mixtral), none elsewhere.
     ok = row_diff <= tol

@@ -317,7 +317,8 @@ def test_matmul_packed_rejects_mismatched_shapes():
 def test_kernel_paths_follow_the_cpu():
     # The build has the SIMD paths this CPU's flags allow (-march=native), so each is tested here.
     flags = lscpu_flags()
-    expected = ("portable",) + (("avx2",) if {"avx2", "fma"} <= flags else ()) + (("avx512",) if "avx512f" in flags else ())
+    expected = (("portable",) + (("avx2",) if {"avx2", "fma"} <= flags else ())
+                + (("avx512",) if "avx512f" in flags else ()))
     assert native.kernel_paths() == expected
     args = make_batch(0, [1], [5])
     with pytest.raises(ValueError, match="not in this build"):

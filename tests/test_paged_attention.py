@@ -162,7 +162,8 @@ def lower_kernel(num_q_heads, num_kv_heads, head_dim, cache_dtype, **kwargs):
     return lower_for_cuda(functools.partial(ragged_paged_attention, **kwargs), *args)
 
 
-@pytest.mark.parametrize("cache_dtype", [jnp.uint16, jnp.float32, jnp.int8, jnp.uint8], ids=["bf16", "f32", "int8", "fp8"])
+@pytest.mark.parametrize("cache_dtype", [jnp.uint16, jnp.float32, jnp.int8, jnp.uint8],
+                         ids=["bf16", "f32", "int8", "fp8"])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128)],
                          ids=["default_model", "llama3_8b"])
 def test_lowers_for_cuda_with_triton(num_q_heads, num_kv_heads, head_dim, cache_dtype):

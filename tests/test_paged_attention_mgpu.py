@@ -14,7 +14,6 @@ import types
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from cuda_lowering import INTERPRET, arg, gpu_mesh, lower_for_cuda
 from test_paged_attention import MIXED, assert_matches_reference, make_batch

@@ -92,7 +92,8 @@ def test_rows_path_matches_reference(q_lens, ctx_lens, dtype, atol, row_tokens, 
     T = b["q"].shape[0]
     S = len(q_lens)
     idx, bt, kv, ql = kernels.ragged_to_rows(q_lens, ctx_lens, b["block_tables"][:S], num_tokens=T,
-                                             num_rows=sum(-(-n // row_tokens) for n in q_lens) + 2, row_tokens=row_tokens)
+                                             num_rows=sum(-(-n // row_tokens) for n in q_lens) + 2,
+                                             row_tokens=row_tokens)
     q_pad = np.concatenate([b["q"], np.zeros_like(b["q"][:1])])
     rows = kernels.paged_attention_rows(jnp.asarray(q_pad[idx]), b["k_pages"], b["v_pages"], bt, kv, ql, chunk_pages=2,
                                        rows_per_part=rows_per_part)

@@ -24,13 +24,15 @@ def state(S, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, presence=0.0, fr
     banned_tokens = np.full((S, NUM_BANNED), -1, np.int32)
     if banned:
         banned_tokens[:, :len(banned)] = banned
-    return SamplingMetadata(temperature=flat(temperature, np.float32), top_k=flat(top_k, np.int32), top_p=flat(top_p, np.float32),
+    return SamplingMetadata(temperature=flat(temperature, np.float32), top_k=flat(top_k, np.int32),
+                top_p=flat(top_p, np.float32),
                 min_p=flat(min_p, np.float32), presence_penalty=flat(presence, np.float32),
                 frequency_penalty=flat(frequency, np.float32), repetition_penalty=flat(repetition, np.float32),
                 seeds=np.arange(S, dtype=np.uint32) if seeds is None else seeds,
                 output_index=np.zeros(S, np.int32), output_start=flat(output_start, np.int32),
                 penalty_tokens=penalty_tokens, banned_tokens=banned_tokens, draft_tokens=np.full(S, -1, np.int32),
-                flags=np.array([temperature == 0, top_k > 0 or top_p < 1, presence != 0 or frequency != 0 or repetition != 1,
+                flags=np.array([temperature == 0, top_k > 0 or top_p < 1,
+                                presence != 0 or frequency != 0 or repetition != 1,
                                 logprobs, bool(banned), False, False]))
 
 

@@ -96,7 +96,8 @@ def test_chunked_prefill_samples_only_after_the_last_chunk():
         chunks.append(scheduled(out)["long"])
         tokens.append([o.new_token_ids for o in core.outputs])
     assert chunks == [16, 16, 8, 1, 1]
-    assert tokens == [[], [], [[next_token_at("long", 40)]], [[next_token_at("long", 41)]], [[next_token_at("long", 42)]]]
+    assert tokens == [[], [], [[next_token_at("long", 40)]], [[next_token_at("long", 41)]],
+                      [[next_token_at("long", 42)]]]
 
 
 def next_token_at(request_id: str, num_tokens: int) -> int:

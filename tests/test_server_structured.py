@@ -46,9 +46,11 @@ def test_chat_parse_returns_the_pydantic_model(server):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}}},
      StructuredOutputsParams(json=PET)),
     ({"guided_json": PET}, StructuredOutputsParams(json=PET)),
-    ({"structured_outputs": {"regex": r"[A-Z][a-z]{2,5} [0-9]{2}"}}, StructuredOutputsParams(regex=r"[A-Z][a-z]{2,5} [0-9]{2}")),
+    ({"structured_outputs": {"regex": r"[A-Z][a-z]{2,5} [0-9]{2}"}},
+     StructuredOutputsParams(regex=r"[A-Z][a-z]{2,5} [0-9]{2}")),
     ({"guided_choice": ["red", "green", "blue"]}, StructuredOutputsParams(choice=["red", "green", "blue"])),
-    ({"guided_grammar": 'root ::= "x" [0-9] ("+" "x" [0-9])?'}, StructuredOutputsParams(grammar='root ::= "x" [0-9] ("+" "x" [0-9])?')),
+    ({"guided_grammar": 'root ::= "x" [0-9] ("+" "x" [0-9])?'},
+     StructuredOutputsParams(grammar='root ::= "x" [0-9] ("+" "x" [0-9])?')),
 ])
 def test_completions_follow_the_constraint_streamed_or_not_as_offline(server, fields, constraint):
     prompts = ["A pet:", "Name and number:"]

@@ -23,7 +23,8 @@ TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 # Forces the hermes format (the tiny model's weights are random), so "auto" has a call to parse.
-HERMES_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,6}", "unit": "celsius"\}\}\n</tool_call>'
+HERMES_CALL = (r'<tool_call>\n\{"name": "get_weather", "arguments": '
+               r'\{"city": "[A-Z][a-z]{2,6}", "unit": "celsius"\}\}\n</tool_call>')
 
 
 def _check(calls, *, one_of=SCHEMAS):
@@ -57,10 +58,12 @@ def test_forced_calls_parse_and_stream_the_same(server, choice):
     if choice == "required":
         assert response.choices[0].finish_reason == "tool_calls"
     else:
-        assert response.choices[0].finish_reason == "stop" and [c.function.name for c in message.tool_calls] == ["get_time"]
+        assert (response.choices[0].finish_reason == "stop"
+                and [c.function.name for c in message.tool_calls] == ["get_time"])
     content, calls, finish = _streamed(server, **kwargs)
     assert not content and finish == response.choices[0].finish_reason
-    assert [(c[1], c[2]) for c in calls.values()] == [(c.function.name, c.function.arguments) for c in message.tool_calls]
+    assert ([(c[1], c[2]) for c in calls.values()]
+            == [(c.function.name, c.function.arguments) for c in message.tool_calls])
 
 
 def test_parallel_tool_calls_false_gives_one_call(server):

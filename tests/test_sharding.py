@@ -39,7 +39,7 @@ def reference(layout: str) -> str:
 
 
 def tiny_spec(num_layers: int = 2):
-    from jaxllm.models import decoder, layout
+    from jaxllm.models import decoder
 
     return decoder.ModelSpec(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=64, intermediate_size=128,
                            num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=16, norm_eps=1e-5,
@@ -50,7 +50,7 @@ def test_sizes_that_do_not_divide_the_model_are_refused_clearly():
     import jax
 
     from jaxllm import parallel
-    from jaxllm.models import decoder, layout
+    from jaxllm.models import layout
 
     with pytest.raises(ValueError, match="4 attention heads.*2 KV heads.*intermediate size 128"):
         layout.check_tensor_parallel(tiny_spec(), 3)
@@ -65,7 +65,7 @@ def test_sizes_that_do_not_divide_the_model_are_refused_clearly():
 def test_pipeline_layout_stacks_each_stage_s_layers_by_slot():
     import numpy as np
 
-    from jaxllm.models import decoder, layout
+    from jaxllm.models import layout
 
     spec = tiny_spec(num_layers=4)
     layers = [{"attn_norm": np.full(3, i, np.float32), "wo": np.full((2, 2), 10 + i, np.float32)} for i in range(4)]

@@ -95,7 +95,8 @@ def test_each_constraint_is_compiled_once(llm):
     a = manager.compile(StructuredOutputsParams(json={"type": "object", "properties": {"x": {"type": "integer"}}}))
     b = manager.compile(StructuredOutputsParams(json='{"type": "object", "properties": {"x": {"type": "integer"}}}'))
     assert a is b
-    assert manager.matcher(StructuredOutputsParams(choice=["a"])) is not manager.matcher(StructuredOutputsParams(choice=["a"]))
+    assert (manager.matcher(StructuredOutputsParams(choice=["a"]))
+            is not manager.matcher(StructuredOutputsParams(choice=["a"])))
 
 
 VOCAB = 80      # three mask words, the last one partly past the vocabulary

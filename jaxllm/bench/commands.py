@@ -98,15 +98,18 @@ def add_bench_parser(commands, add_engine_args, engine_args) -> None:
     offline(ppl, run_perplexity)
 
     serve = kinds.add_parser("serve", formatter_class=formatter, help="a running server under load",
-                             epilog="example:\n  jaxllm serve &\n  jaxllm bench serve --request-rate 4 --num-prompts 64")
-    serve.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000 (default: --host/--port)")
+                             epilog="example:\n  jaxllm serve &\n"
+                                    "  jaxllm bench serve --request-rate 4 --num-prompts 64")
+    serve.add_argument("--base-url", default=None,
+                       help="server root, e.g. http://127.0.0.1:8000 (default: --host/--port)")
     serve.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     serve.add_argument("--model", default=None, help="the served model's name (default: the server's first model)")
     serve.add_argument("--tokenizer", default=None, metavar="MODEL",
                        help="model files whose vocabulary the prompts are drawn from (default: the bundled SmolLM2)")
     serve.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="(default: $OPENAI_API_KEY)")
-    serve.add_argument("--request-rate", type=parse_rate, default=float("inf"), help="requests/s, or inf (default: inf)")
+    serve.add_argument("--request-rate", type=parse_rate, default=float("inf"),
+                       help="requests/s, or inf (default: inf)")
     serve.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no bound)")
     _add_dataset_args(serve)
     serve.add_argument("--save-result", action="store_true", help="write the results as JSON")

@@ -108,7 +108,8 @@ def print_row(row: dict) -> None:
 
     status = "ok" if row["verified"] else f"{row['failed']} failed, wrong counts {row['wrong_counts']} {row['errors']}"
     bound = f" c={row['max_concurrency']}" if row.get("max_concurrency") else ""
-    print(f"rate {str(row['request_rate']):>5s}{bound}: {row['duration_s']:7.1f} s  {row['request_throughput']:6.2f} req/s  "
+    print(f"rate {str(row['request_rate']):>5s}{bound}: {row['duration_s']:7.1f} s  "
+          f"{row['request_throughput']:6.2f} req/s  "
           f"{row['output_throughput']:7.1f} out tok/s  {row['total_token_throughput']:7.1f} tok/s  "
           f"TTFT {ms(row['ttft'])}  TPOT {ms(row['tpot'])}  ITL {ms(row['itl'])}  e2e {ms(row['e2e'])} ms "
           f"(mean/p50/p99)  {status}", flush=True)

@@ -71,7 +71,8 @@ class PageGroup:
         self.window = window
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free pages in eviction order (front = evicted first); values unused.
-        self.free_blocks: collections.OrderedDict[int, None] = collections.OrderedDict((i, None) for i in range(num_blocks))
+        self.free_blocks: collections.OrderedDict[int, None] = collections.OrderedDict(
+            (i, None) for i in range(num_blocks))
         self.cached: dict[int, list[int]] = {}   # hash -> block ids with that hash
         self.pending_copies: dict[int, int] = {}  # copy-on-write not yet run: dst page -> src page
 
@@ -101,7 +102,8 @@ class PageGroup:
         tokens = request.all_token_ids
         hits, parent = [], None
         for i in range(max_blocks):
-            block_id = self._lookup(request.block_hashes[i], tuple(tokens[i * self.block_size:(i + 1) * self.block_size]), parent)
+            block_id = self._lookup(request.block_hashes[i],
+                                    tuple(tokens[i * self.block_size:(i + 1) * self.block_size]), parent)
             if block_id is None:
                 break
             hits.append(block_id)

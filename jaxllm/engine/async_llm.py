@@ -130,7 +130,8 @@ class AsyncLLM:
         return await future
 
     async def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *, output_kind: str = "cumulative") -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *,
+                       output_kind: str = "cumulative") -> AsyncIterator[RequestOutput]:
         """Yield outputs as the request progresses (cumulative by default, or `output_kind=
         "delta"` for just the new tokens/text). Leaving the loop early aborts the request."""
         request_id = request_id or uuid.uuid4().hex

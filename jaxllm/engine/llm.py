@@ -74,7 +74,8 @@ class LLM:
                         results[out.request_id] = out
                         bar.update(1)
                 elapsed = time.perf_counter() - start
-                bar.set_postfix_str(f"out {(stats.generation_tokens - gen0) / max(elapsed, 1e-9):.1f} tok/s", refresh=False)
+                bar.set_postfix_str(f"out {(stats.generation_tokens - gen0) / max(elapsed, 1e-9):.1f} tok/s",
+                                    refresh=False)
         elapsed = time.perf_counter() - start
         self.last_run_stats = {"seconds": elapsed, "generation_tokens": stats.generation_tokens - gen0,
                                "prompt_tokens": stats.prompt_tokens - prompt0}

@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
                "api_key='secret'); print(c.models.list())\"")
     add_engine_args(serve, serving=True)
     add_log_level(serve)
-    add_dataclass_args(serve.add_argument_group("server (limits: see README, Hardening)"), ServerArgs,
+    add_dataclass_args(serve.add_argument_group("server (limits: docs/serving.md)"), ServerArgs,
                        defaults={"api_key": os.environ.get("JAXLLM_API_KEY")})
     serve.set_defaults(run=run_serve)
 

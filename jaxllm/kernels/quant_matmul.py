@@ -24,7 +24,7 @@ output columns [n0, n0 + block_n), the high nibbles' [N / 2 + n0, ...). Small ba
 over `split_k` programs (partial sums added in XLA) so that a decode fills every SM.
 
 `Tiles` is one configuration; `choose_tiles` picks it from the shapes (measured on an H200:
-README, Benchmarks). `supported` says whether a weight tiles at all (power-of-two blocks dividing
+benchmarks/results/h200/RESULTS.md). `supported` says whether a weight tiles at all (power-of-two blocks dividing
 the dimensions); callers fall back to dequantizing in XLA otherwise.
 """
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -46,7 +45,8 @@ def build_params(get: Callable[[str, tuple], Any], has: Callable[[str], bool], s
     top = {"embed": read.tensor(embed + ".weight", (spec.vocab_size, h))}
     if isinstance(top["embed"], QuantizedRows) and not spec.tie_word_embeddings:
         top["embed"] = dense(top["embed"])
-    read.norm(top, "final_norm", final_norm, bias=spec.norm == "layer", plus_one=spec.architecture == "Gemma3ForCausalLM")
+    read.norm(top, "final_norm", final_norm, bias=spec.norm == "layer",
+              plus_one=spec.architecture == "Gemma3ForCausalLM")
     if spec.position == "learned":     # OPT: 2 extra rows first (position p is row p + 2)
         pos = dense(read.tensor("model.decoder.embed_positions.weight", (spec.max_position_embeddings + 2, h)))
         top["pos_embed"] = pos[2:]
@@ -213,8 +213,10 @@ def _falcon_layer(read: _Reader, p: str, spec: ModelSpec, index: int) -> dict:
            "w_up": read.matrix((p + "mlp.dense_h_to_4h.weight", ff)),
            "w_down": read.matrix((p + "mlp.dense_4h_to_h.weight", h), in_dim=ff)}
     if spec.qkv_bias:
-        out.update(bqkv=_split_heads(read.vector((a + "query_key_value.bias", q + 2 * kv)), spec), bo=read.vector((a + "dense.bias", h)),
-                   b_up=read.vector((p + "mlp.dense_h_to_4h.bias", ff)), b_down=read.vector((p + "mlp.dense_4h_to_h.bias", h)))
+        out.update(bqkv=_split_heads(read.vector((a + "query_key_value.bias", q + 2 * kv)), spec),
+                   bo=read.vector((a + "dense.bias", h)),
+                   b_up=read.vector((p + "mlp.dense_h_to_4h.bias", ff)),
+                   b_down=read.vector((p + "mlp.dense_4h_to_h.bias", h)))
     if read.has(p + "ln_attn.weight"):                    # new architecture, two norms
         read.norm(out, "attn_norm", p + "ln_attn", bias=True)
         read.norm(out, "mlp_norm", p + "ln_mlp", bias=True)
@@ -233,7 +235,8 @@ _FAMILIES = {
                        "model.decoder.final_layer_norm", "lm_head"),
     "GPTNeoXForCausalLM": (_gpt_neox_layer, "gpt_neox.layers.", "gpt_neox.embed_in", "gpt_neox.final_layer_norm",
                            "embed_out"),
-    "FalconForCausalLM": (_falcon_layer, "transformer.h.", "transformer.word_embeddings", "transformer.ln_f", "lm_head"),
+    "FalconForCausalLM": (_falcon_layer, "transformer.h.", "transformer.word_embeddings", "transformer.ln_f",
+                          "lm_head"),
 }
 
 

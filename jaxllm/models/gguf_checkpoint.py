@@ -342,7 +342,8 @@ def load_gguf(path: str, dtype: str, progress: bool, keep_quantized: bool = Fals
     arch = metadata["general.architecture"]
     if arch in _LAYER_NORM_NAMES:
         two_norms = _FALCON_TWO_NORMS if "blk.0.attn_norm_2.weight" in tensors else {}
-        names = {g.format(i="{i}", w=w): h.format(i="{i}", w=w) for g, h in {**_LAYER_NORM_NAMES[arch], **two_norms}.items()
+        names = {g.format(i="{i}", w=w): h.format(i="{i}", w=w)
+                 for g, h in {**_LAYER_NORM_NAMES[arch], **two_norms}.items()
                  for w in ("weight", "bias")}
     else:
         names = {**_GGUF_TO_HF, **_GGUF_TO_HF_ARCH.get(arch, {})}

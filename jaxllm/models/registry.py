@@ -60,7 +60,8 @@ def spec_from_hf_config(config: dict[str, Any]) -> ModelSpec:
     fields.update(family(c, fields))
     spec = ModelSpec(**fields)
     if spec.num_heads % spec.num_kv_heads:
-        raise UnsupportedModelError(f"{arch}: {spec.num_heads} heads are not a multiple of {spec.num_kv_heads} KV heads")
+        raise UnsupportedModelError(f"{arch}: {spec.num_heads} heads are not a multiple of "
+                                    f"{spec.num_kv_heads} KV heads")
     return spec
 
 

@@ -10,7 +10,7 @@ the request with "stop" once the grammar is complete.
 
 The backend sits behind the small `GrammarBackend` interface (backend.py); jaxllm ships
 llguidance's (llguidance_backend.py). benchmarks/grammar_backends.py measures it against
-xgrammar (see the README for why llguidance).
+xgrammar (docs/structured-output.md says why llguidance).
 """
 
 from jaxllm.structured_output.backend import GrammarBackend, Matcher
