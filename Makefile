@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv browser test test-quick check-py312 demo bench bench-headline serve clean
+.PHONY: venv browser test test-quick check-py312 demo bench bench-headline serve clean docs lint
 
 $(STAMP): pyproject.toml Makefile
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -28,9 +28,19 @@ browser:
 		|| { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null; }; \
 	else echo "chromium: not installed (needs root and apt-get); the playground's browser tests will be skipped"; exit 1; fi
 
-# Everything (CI runs this); test-quick skips the few tests marked slow (the real model end to end).
+# Everything (CI runs this): the linter, the docs site, the suite; test-quick skips the few
+# tests marked slow (the real model end to end).
 test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mkdocs build --strict
 	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+# The docs site (docs/, mkdocs.yml) into site/; a broken link or a page missing from the nav fails it.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
 
 test-quick: $(STAMP)
 	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest tests -m "not slow"
