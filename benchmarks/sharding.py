@@ -85,9 +85,9 @@ def run_layout(model_dir: str, layout: str, args, cache_dir: str) -> dict:
     wall = time.perf_counter() - start
     steps = engine.stats.num_steps - steps0
     runners = [r.runner for r in engine.replicas]
-    ticks = sum(r.stage_ticks for r in runners)
+    ticks = sum(r.builder.stage_ticks for r in runners)
     return {"layout": layout, "tp": tp, "dp": dp, "pp": pp, "startup_s": startup, "wall_s": wall,
-            "pipeline_idle": 1 - sum(r.busy_stage_ticks for r in runners) / ticks if ticks else 0.0,
+            "pipeline_idle": 1 - sum(r.builder.busy_stage_ticks for r in runners) / ticks if ticks else 0.0,
             "output_tok_s": args.requests * args.max_tokens / wall,
             "device_ms_per_step": 1000 * (engine.stats.time_device - device0) / max(steps, 1), "steps": steps,
             "param_bytes_per_device": device_bytes(engine.runner.params),

@@ -48,11 +48,11 @@ from jaxllm.core.outputs import SchedulerOutput
 from jaxllm.core.request import Request
 from jaxllm.models import decoder, linear
 from jaxllm.models.linear import PackedWeight
-from jaxllm.models.prepare import load_with_plan, prepare_weights
+from jaxllm.weights.prepare import load_with_plan, prepare_weights
 from jaxllm.platforms import Platform
 from jaxllm.quantization import QuantizedWeight
 from jaxllm.runner.model_runner import ModelRunner
-from jaxllm.weight_plan import LAYER_LINEARS
+from jaxllm.weights.plan import LAYER_LINEARS
 from jaxllm.sampling_params import SamplingParams
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -123,7 +123,7 @@ def make_requests(kv: KVCacheManager, batch: int, context: int, num_new: int, rn
 def compare_scan(runner, spec, params, kv: KVCacheManager, batch: int, context: int, rng) -> dict:
     """Unrolled (the runner's forward) vs lax.scan over stacked layers, same batch."""
     scheduled = make_requests(kv, batch, context, 1, rng)
-    *_, buffers = runner.prepare(scheduled)
+    *_, buffers = runner.builder.prepare(scheduled)
     dev_batch = jax.device_put(buffers.inputs)
     stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *params["layers"])
     k_all = jnp.stack([k for k, _ in runner.kv_cache])
@@ -135,13 +135,13 @@ def compare_scan(runner, spec, params, kv: KVCacheManager, batch: int, context: 
         def body(x, layer_and_cache):
             layer, k_pages, v_pages = layer_and_cache
             x, k_pages, v_pages = decoder.decoder_layer(layer, k_pages, v_pages, x, b, spec, index=0,
-                                                        attention=runner.attention)
+                                                        attention=runner.attention, cpp_ops=runner.cpp_ops)
             return x, (k_pages, v_pages)
         x, (k_all, v_all) = jax.lax.scan(body, x, (stacked, k_all, v_all))
         return x, k_all, v_all
 
     def unrolled_forward(params, kv_cache, b):
-        return decoder.forward(params, kv_cache, b, spec, attention=runner.attention)
+        return decoder.forward(params, kv_cache, b, spec, attention=runner.attention, cpp_ops=runner.cpp_ops)
 
     out = {}
     for name, fn, args, donate in (("unrolled", unrolled_forward, (params, runner.kv_cache, dev_batch), (1,)),
@@ -170,7 +170,7 @@ def breakdown(runner, spec, params, scheduled) -> dict:
     """Seconds of the step's parts for `scheduled`, each timed alone at the step's shapes."""
     from jaxllm.runner import sampler
 
-    *_, buffers = runner.prepare(scheduled)
+    *_, buffers = runner.builder.prepare(scheduled)
     inputs = jax.device_put(buffers.inputs)
     T, S = inputs.token_ids.shape[0], buffers.bucket.num_seqs
     x = jnp.ones((T, spec.hidden_size), jnp.float32)
@@ -190,7 +190,7 @@ def breakdown(runner, spec, params, scheduled) -> dict:
     q = jnp.ones((T, spec.num_heads, spec.head_dim), jnp.float32)
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((S, spec.vocab_size), np.float32))
     sampling = jax.device_put(buffers.sampling)
-    sample = jax.jit(lambda logits, s: sampler.sample(logits, s, runner.attention.argmax_logsumexp))
+    sample = jax.jit(lambda logits, s: sampler.sample(logits, s, *sampler.sampling_ops(runner.cpp_ops)))
     return {"gemm": timeit(lambda: gemms(params, x).block_until_ready(), 5),
             "attention": timeit(lambda: jax.block_until_ready(attention(runner.kv_cache, q, inputs)), 5),
             "sampler": timeit(lambda: jax.block_until_ready(sample(logits, sampling)), 5)}

@@ -4,8 +4,7 @@ from jaxllm.config import EngineArgs
 from jaxllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
-
-__version__ = "0.1.0"
+from jaxllm.version import __version__
 
 
 def __getattr__(name):

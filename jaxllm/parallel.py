@@ -112,6 +112,11 @@ def param_specs(params, mesh: Mesh):
     return jax.tree_util.tree_map_with_path(lambda path, _: spec_for(path, mesh), params)
 
 
+def param_shardings(mesh: Mesh):
+    """key path -> the NamedSharding `spec_for` gives it on `mesh` (`load_model(shardings=...)`)."""
+    return lambda path: NamedSharding(mesh, spec_for(path, mesh))
+
+
 def shard_params(params, mesh: Mesh):
     """Place `params` (in `layout.shard_layout` for the mesh's sizes) on the mesh: each device
     gets its shard (replicated over "data"). Arrays already placed so are left as they are."""
@@ -145,14 +150,16 @@ def kv_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, kv_spec(mesh))
 
 
-def sharded_forward(params, kv_cache, inputs, spec: decoder.ModelSpec, *, attention, mesh: Mesh):
+def sharded_forward(params, kv_cache, inputs, spec: decoder.ModelSpec, *, attention, mesh: Mesh,
+                    cpp_ops: bool = False):
     """`decoder.forward` + `compute_logits` on the rows to sample, one shard per device.
     Returns (logits [N, vocab] replicated, kv_cache sharded by KV head)."""
     tp = tp_size(mesh)
     local = layout.tp_local_spec(spec, tp)
 
     def shard(params, kv_cache, inputs):
-        hidden, kv_cache = decoder.forward(params, kv_cache, inputs, local, attention=attention, axis=MODEL_AXIS)
+        hidden, kv_cache = decoder.forward(params, kv_cache, inputs, local, attention=attention, axis=MODEL_AXIS,
+                                           cpp_ops=cpp_ops)
         logits = decoder.compute_logits(params, hidden[inputs.logits_indices], local, axis=MODEL_AXIS)
         return logits, kv_cache
 
@@ -162,7 +169,8 @@ def sharded_forward(params, kv_cache, inputs, spec: decoder.ModelSpec, *, attent
                          out_specs=(P(), P(MODEL_AXIS)), check_vma=False)(params, kv_cache, inputs)
 
 
-def pipelined_forward(params, kv_cache, ints, floats, *, unpack, spec: decoder.ModelSpec, attention, mesh: Mesh):
+def pipelined_forward(params, kv_cache, ints, floats, *, unpack, spec: decoder.ModelSpec, attention, mesh: Mesh,
+                      cpp_ops: bool = False):
     """The forward of M micro-batches through the pipeline stages, as one program.
 
     `ints`, `floats` `[M, ...]`: each micro-batch's packed step inputs; `unpack(ints[m],
@@ -202,7 +210,7 @@ def pipelined_forward(params, kv_cache, ints, floats, *, unpack, spec: decoder.M
                 x = jnp.where(stage == 0, x, carry)
             for i, layer in enumerate(layers):
                 x, k, v = decoder.shared_decoder_layer(layer, *cache[i], x, inputs, local, index=i,
-                                                       attention=attention, axis=MODEL_AXIS)
+                                                       attention=attention, axis=MODEL_AXIS, cpp_ops=cpp_ops)
                 cache[i] = (k, v)
             if t >= pp - 1:     # the last stage just finished micro-batch t - (pp - 1)
                 last.append(x[micro[t - pp + 1].logits_indices])

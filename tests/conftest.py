@@ -12,7 +12,7 @@ import pytest
 
 from jaxllm.models import decoder
 from jaxllm.runner.compile import Bucket
-from jaxllm.runner.input_batch import StepInputs
+from jaxllm.models.step_inputs import StepInputs
 from cuda_lowering import ON_GPU
 from tiny_model import TINY_ENGINE_ARGS, build_tiny_model, offline_llm
 

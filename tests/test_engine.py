@@ -47,7 +47,7 @@ def test_packed_weights_match_hf_and_xla_dots(llm, hf_model, tiny_model_dir):
     # The default engine packs every float32 matrix for the C++ GEMM (all of the tiny model's
     # split into 16-column panels); without packing the same weights go through XLA's dots.
     from jaxllm.models.linear import PackedWeight
-    from jaxllm.weight_plan import LAYER_LINEARS
+    from jaxllm.weights.plan import LAYER_LINEARS
 
     params = llm.engine.runner.params
     assert all(isinstance(layer[name], PackedWeight) for layer in params["layers"] for name in LAYER_LINEARS
@@ -71,7 +71,7 @@ def test_bf16_weights_packed_where_the_cpu_has_bf16_dots(tiny_model_dir):
     # same bf16 products, f32 sums in another order).
     from jaxllm.kernels import native
     from jaxllm.models.linear import PackedWeight
-    from jaxllm.weight_plan import LAYER_LINEARS
+    from jaxllm.weights.plan import LAYER_LINEARS
 
     args = dict(TINY_ENGINE_ARGS, dtype="bfloat16")
     packed, plain = LLM(tiny_model_dir, **args), LLM(tiny_model_dir, **args, packed_weights=False)
@@ -132,7 +132,7 @@ def test_a_failing_step_fails_only_its_requests(llm, monkeypatch, caplog, lose_c
     engine = llm.engine
     reference = token_ids(llm.generate(PROMPTS, greedy(10), use_tqdm=False))
     runner = engine.runner
-    real_call = runner._call
+    real_call = runner.call
 
     def failing_call(*args):
         if lose_cache:
@@ -143,10 +143,10 @@ def test_a_failing_step_fails_only_its_requests(llm, monkeypatch, caplog, lose_c
     engine.add_request("doomed-0", PROMPTS[0], greedy(10))
     engine.add_request("doomed-1", PROMPTS[1], greedy(10))
     engine.step()                                  # both running
-    monkeypatch.setattr(runner, "_call", failing_call)
+    monkeypatch.setattr(runner, "call", failing_call)
     with caplog.at_level("ERROR", logger="jaxllm"):
         outputs = engine.step()
-    monkeypatch.setattr(runner, "_call", real_call)
+    monkeypatch.setattr(runner, "call", real_call)
     assert "injected step failure" in caplog.text
     assert {o.request_id: o.outputs[0].finish_reason for o in outputs} == {"doomed-0": "error", "doomed-1": "error"}
     assert not engine.has_unfinished_requests() and engine.kv_cache_manager.num_used_blocks == 0
@@ -180,7 +180,7 @@ def test_a_failing_step_recomputes_the_requests_it_did_not_hold(llm, monkeypatch
         raise RuntimeError("injected step failure")
 
     monkeypatch.setattr(engine.scheduler, "schedule", schedule_without_survivor)
-    monkeypatch.setattr(runner, "_call", failing_call)
+    monkeypatch.setattr(runner, "call", failing_call)
     outputs = engine.step()
     monkeypatch.undo()
     assert [(o.request_id, o.outputs[0].finish_reason) for o in outputs] == [("doomed", "error")]

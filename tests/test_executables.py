@@ -171,15 +171,15 @@ def test_a_prompt_among_few_decodes_runs_in_the_small_mixed_bucket_with_the_same
     engine.add_request("p", list(range(5, 45)), greedy(20))
     scheduled = engine.engine_core.scheduler.schedule().scheduled
     assert sorted(q for _, q in scheduled) == [1, 1, 1, 40]
-    small = runner.steps.pick(runner._demand(np.array([q for _, q in scheduled])))
+    small = runner.steps.pick(runner.builder.demand(np.array([q for _, q in scheduled])))
     large = max((b for b in runner.buckets if b.num_tokens == small.num_tokens and not b.all_logits),
                 key=lambda b: b.num_seqs)
     max_num_seqs = TINY_ENGINE_ARGS["max_num_seqs"]
     assert (small.num_decode_rows, large.num_decode_rows) == (FEW_DECODES, max_num_seqs) and small.num_prefill_rows
     results = []
     for bucket in (small, large):
-        _, first, _, buffers = runner.prepare(scheduled, bucket)
-        *out, runner.kv_cache = runner._call(bucket, *runner._pack(buffers))    # (the pages are donated)
+        _, first, _, buffers = runner.builder.prepare(scheduled, bucket)
+        *out, runner.kv_cache = runner.call(bucket, *runner.builder.pack(buffers))    # (the pages are donated)
         results.append(tuple(np.asarray(x)[first] for x in out[:2]))     # each sequence's token, logprob
     assert results[0][0].tolist() == results[1][0].tolist()
     np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-5, atol=1e-5)

@@ -1,4 +1,5 @@
-"""The code's shape: no import cycles inside jaxllm, no source file past ~500 lines, and
+"""The code's shape: imports point down the layers ARCHITECTURE.md lists, no import cycles
+inside jaxllm, no source file past ~500 lines, dependencies declared as imported, and
 resolving a config never builds or loads the C++ kernels."""
 
 from __future__ import annotations
@@ -64,6 +65,28 @@ def test_no_import_cycles():
     for node in sorted(graph):
         if node not in state:
             visit(node)
+
+
+def _layers() -> dict[str, int]:
+    """{package or top-level module of jaxllm: its layer, 0 at the bottom} from ARCHITECTURE.md."""
+    text = open(os.path.join(ROOT, "ARCHITECTURE.md")).read()
+    block = text.split("```layers\n", 1)[1].split("```", 1)[0]
+    rows = [line for line in block.splitlines() if line.strip()]
+    return {name.strip(): len(rows) - 1 - i for i, line in enumerate(rows) for name in line.split(",")}
+
+
+def test_imports_point_down():
+    modules = _modules()
+    layers = _layers()
+
+    def unit(module: str) -> str:
+        return module.split(".")[1] if "." in module else "__init__"
+
+    assert {unit(m) for m in modules} == set(layers), "ARCHITECTURE.md's layers must name every package"
+    upward = sorted(f"{name} ({unit(name)}) imports {dep} ({unit(dep)})"
+                    for name, path in modules.items() for dep in _imports(path, modules, name)
+                    if layers[unit(dep)] > layers[unit(name)])
+    assert not upward, "imports that point up the layers of ARCHITECTURE.md:\n" + "\n".join(upward)
 
 
 def test_source_files_stay_small():

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxllm.kernels import native
-from jaxllm.runner import pages
+from jaxllm.runner import kv_cache as pages
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no native kernel: {native.unavailable_reason()}")
 

@@ -89,8 +89,8 @@ def test_gguf_engine_with_small_step_codes_is_the_dequantized_bf16_engine(tmp_pa
     assert isinstance(small["embed"], QuantizedWeight) and small["embed"].bits == 8
     assert small["layers"][0]["attn_norm"] is large["layers"][0]["attn_norm"]     # the rest is shared
     seen = set()
-    step = runner._step_params
-    runner._step_params = lambda bucket: seen.add(bucket.num_tokens) or step(bucket)
+    step = runner.step_params
+    runner.step_params = lambda bucket: seen.add(bucket.num_tokens) or step(bucket)
     for batch, ref in zip(batches, refs):
         for a, b in zip(llm.generate(batch, greedy, use_tqdm=False), ref):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -1,5 +1,5 @@
 """W8A8's activation smoothing (quantization/smoothing.py) and the calibration run that feeds
-it (models/calibration.py): the maxima against HF transformers' own activations, the smoothed
+it (weights/calibration.py): the maxima against HF transformers' own activations, the smoothed
 float model against HF's logits for each family (smoothing must not change the function), and
 the point of it: W8A8 on an input with an outlier channel, against the exact product."""
 
@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxllm.models import calibration, decoder
+from jaxllm.models import decoder
+from jaxllm.weights import calibration
 from jaxllm.models.loader import load_model
 from jaxllm.quantization import smoothing
 from jaxllm.quantization.weights import make_weight, matmul
@@ -57,7 +58,7 @@ def dense_logits(params, spec, ids):
     """Logits [T, vocab] of one sequence through the decoder on calibration's dense attention."""
     import jax.numpy as jnp
 
-    from jaxllm.runner.input_batch import StepInputs
+    from jaxllm.models.step_inputs import StepInputs
 
     n = len(ids)
     pos = np.arange(n, dtype=np.int32)

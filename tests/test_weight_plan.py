@@ -1,4 +1,4 @@
-"""The weight plan (jaxllm/weight_plan.py): every linear's storage and kernel from the platform,
+"""The weight plan (jaxllm/weights/plan.py): every linear's storage and kernel from the platform,
 the mesh, the options and the checkpoint, as a table of hand-worked cases; then that the
 engine's weights are what the plan says."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from jaxllm.config import EngineArgs
 from jaxllm.platforms import Platform
-from jaxllm.weight_plan import LINEARS, UNKNOWN, LinearPlan, resolve_weight_plan
+from jaxllm.weights.plan import LINEARS, UNKNOWN, LinearPlan, resolve_weight_plan
 
 ZEN3 = Platform("cpu", frozenset({"avx2", "fma"}), cpp_kernels=True, cpp_bf16_dots=False, build_confirmed=True)
 ZEN4 = Platform("cpu", frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}), cpp_kernels=True, cpp_bf16_dots=True,
@@ -124,7 +124,7 @@ def test_engine_weights_follow_the_plan(tiny_model_dir):
     # embeddings: the table is the LM head's linear).
     from jaxllm import LLM
     from jaxllm.models.linear import PackedWeight
-    from jaxllm.models.prepare import load_with_plan
+    from jaxllm.weights.prepare import load_with_plan
     from jaxllm.quantization import QuantizedWeight
     from tiny_model import TINY_ENGINE_ARGS
 

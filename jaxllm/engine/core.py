@@ -29,9 +29,9 @@ from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.outputs import EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.scheduler import Scheduler
-from jaxllm.models.prepare import PreparedModel
 from jaxllm.runner.model_runner import ModelRunner
 from jaxllm.spec_decode import DraftModelProposer, NgramProposer
+from jaxllm.weights.prepare import PreparedModel
 
 logger = logging.getLogger("jaxllm")
 
@@ -42,7 +42,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, model: PreparedModel, mesh=None, stats: EngineStats | None = None,
                  draft: PreparedModel | None = None):
-        """`model`: its spec and prepared weights (models/prepare.py); `draft`: the draft model's,
+        """`model`: its spec and prepared weights (weights/prepare.py); `draft`: the draft model's,
         for draft-model speculative decoding."""
         cache = config.cache
         self.kv_cache_manager = KVCacheManager(cache.group_num_blocks, cache.block_size,
@@ -53,7 +53,9 @@ class EngineCore:
             proposer = NgramProposer(spec_decode.num_speculative_tokens, spec_decode.prompt_lookup_min,
                                      spec_decode.prompt_lookup_max)
         elif spec_decode is not None:
-            proposer = DraftModelProposer(config, draft, spec_decode.num_speculative_tokens)
+            runner = ModelRunner(dataclasses.replace(config, speculative=None), draft.spec, draft.params,
+                                 small_params=draft.small_params)
+            proposer = DraftModelProposer(config, runner, spec_decode.num_speculative_tokens)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, proposer,
                                    spec_decode.max_seqs(config.scheduler) if spec_decode is not None else 0)
         self.runner = ModelRunner(config, model.spec, model.params, mesh=mesh, small_params=model.small_params)

@@ -21,7 +21,7 @@ from jaxllm.config import EngineArgs, EngineConfig, resolve_config
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.engine.core import DataParallelEngineCore, EngineCore, EngineStats
 from jaxllm.engine.output_processor import OUTPUT_KINDS, OutputProcessor
-from jaxllm.models.prepare import PreparedModel, load_with_plan, prepare_weights
+from jaxllm.weights.prepare import PreparedModel, load_with_plan, prepare_weights
 from jaxllm.outputs import RequestOutput
 from jaxllm.platforms import Platform
 from jaxllm.quantization.weights import int8_activation_weights
@@ -29,7 +29,7 @@ from jaxllm.runner import compile as compile_mod
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.structured_output import StructuredOutputManager
 from jaxllm.utils import DTYPES, resolve_dtype, resolve_kv_cache_dtype
-from jaxllm.weight_plan import QUANTIZE_METHODS
+from jaxllm.weights.plan import QUANTIZE_METHODS
 
 logger = logging.getLogger("jaxllm")
 

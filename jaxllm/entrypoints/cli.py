@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from jaxllm import __version__
+    from jaxllm.version import __version__
 
     return __version__
 

@@ -43,7 +43,7 @@ Matrix weights are float32 or bfloat16; activations stay float32 and, with bf16 
 are cast to bf16 only as dot operands with float32 accumulation (XLA:CPU runs that natively;
 a bf16-output dot converts the whole weight to f32 on every call). Every linear is applied
 through `linear.apply(w, x)`: what a weight is (a float array, C++ panels, quantized codes)
-was decided once by the weight plan (jaxllm/weight_plan.py) and applies itself (models/linear.py).
+was decided once by the weight plan (jaxllm/weights/plan.py) and applies itself (models/linear.py).
 
 Sharding: `layout.py` lays the params out for tensor and pipeline parallelism; each shard runs
 this same code with its local spec and `axis` set to the tensor-parallel mesh axis, over which
@@ -179,16 +179,19 @@ def norm(x: jax.Array, params: dict, name: str, spec: ModelSpec) -> jax.Array:
     return rms_norm(x, params[name], spec.norm_eps)
 
 
-def add_norm(x: jax.Array, delta: jax.Array | None, params: dict, name: str, spec: ModelSpec, attention,
-             rows=None, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
-    """`(x + delta, its norm in dtype)` (delta None: x and its norm), RMSNorm through the
-    step's backend (`attention.rms_norm`: one C++ call in the native backend, where XLA:CPU
-    runs five unfused ops). `dtype`: what the consuming GEMM rounds its input to
-    (`linear.input_dtype`), so the rounding happens here, once, as it would there."""
-    if spec.norm == "rms":
+def add_norm(x: jax.Array, delta: jax.Array | None, params: dict, name: str, spec: ModelSpec, rows=None,
+             dtype=jnp.float32, *, cpp: bool = False) -> tuple[jax.Array, jax.Array]:
+    """`(x + delta, its norm in dtype)` (delta None: x and its norm). `cpp` (the platform's
+    `cpp_ops`): RMSNorm as one C++ call (kernels/csrc/norm.cc, for the five ops XLA:CPU leaves
+    unfused; `rows`, the real rows, lets it skip a bucket's padding). `dtype`: what the
+    consuming GEMM rounds its input to (`linear.input_dtype`), so the rounding happens here,
+    once, as it would there."""
+    if spec.norm == "rms" and cpp and x.ndim == 2 and x.dtype == jnp.float32:
+        from jaxllm.kernels import native
+
         if delta is None:
-            return x, attention.rms_norm(x, params[name], spec.norm_eps, rows=rows, dtype=dtype)
-        return attention.rms_norm(x, params[name], spec.norm_eps, delta, rows, dtype)
+            return x, native.rms_norm(x, params[name], spec.norm_eps, None, rows, dtype)
+        return native.rms_norm(x, params[name], spec.norm_eps, delta, rows, dtype)
     x = x if delta is None else x + delta
     return x, norm(x, params, name, spec).astype(dtype)
 
@@ -270,22 +273,22 @@ def mlp(layer, h: jax.Array, spec: ModelSpec, index: int, axis: str | None = Non
 
 
 def decoder_layer(layer, k_pages, v_pages, x, inputs, spec: ModelSpec, *, index: int, attention,
-                  axis: str | None = None):
+                  axis: str | None = None, cpp_ops: bool = False):
     """Decoder layer `index` over x [T, hidden] f32 (`inputs`: the step's `StepInputs`,
     `attention`: its `AttentionBackend`, `axis`: the tensor-parallel mesh axis when run per
-    shard). Returns (x, k_pages, v_pages)."""
+    shard, `cpp_ops`: norms in C++, `Platform.cpp_ops`). Returns (x, k_pages, v_pages)."""
     rows = inputs.num_tokens()
     mlp_dtype = jnp.float32 if spec.is_moe(index) else linear.input_dtype(layer.get("w_gate_up", layer.get("w_up")))
-    _, h = add_norm(x, None, layer, "attn_norm", spec, attention, rows, linear.input_dtype(layer["wqkv"]))
+    _, h = add_norm(x, None, layer, "attn_norm", spec, rows, linear.input_dtype(layer["wqkv"]), cpp=cpp_ops)
     attn, k_pages, v_pages = self_attention(layer, k_pages, v_pages, h, inputs, spec, index, attention, axis)
     if spec.parallel_residual:   # one sum over the shards for both branches
-        out = attn + mlp(layer, add_norm(x, None, layer, "mlp_norm", spec, attention, rows, mlp_dtype)[1], spec,
+        out = attn + mlp(layer, add_norm(x, None, layer, "mlp_norm", spec, rows, mlp_dtype, cpp=cpp_ops)[1], spec,
                          index, axis, rows)
         return x + _plus_bias(_reduce(out, axis), layer, "bo", "b_down"), k_pages, v_pages
     attn = _plus_bias(_reduce(attn, axis), layer, "bo")
     if spec.sandwich_norm:
         attn = norm(attn, layer, "post_attn_norm", spec)
-    x, h = add_norm(x, attn, layer, "mlp_norm", spec, attention, rows, mlp_dtype)
+    x, h = add_norm(x, attn, layer, "mlp_norm", spec, rows, mlp_dtype, cpp=cpp_ops)
     out = mlp(layer, h, spec, index, axis, rows)
     out = _plus_bias(_reduce(out, axis), layer, "b_down")
     if spec.sandwich_norm:
@@ -323,13 +326,14 @@ def _token_rows(table, token_ids: jax.Array, axis: str | None) -> jax.Array:
     return jax.lax.psum(x, axis)
 
 
-def forward(params, kv_cache, inputs, spec: ModelSpec, *, attention, axis: str | None = None):
+def forward(params, kv_cache, inputs, spec: ModelSpec, *, attention, axis: str | None = None, cpp_ops: bool = False):
     """Run the transformer over a flattened ragged batch.
 
     kv_cache: list over layers of `(k_pages, v_pages)`, each
         `[num_kv_heads, num_pages, page_size, head_dim]` (bf16 caches stored as uint16 bits).
     inputs: the step's `StepInputs` (runner/input_batch.py: token ids, positions, slot mapping,
-        RoPE tables, block tables, ...); attention: an `AttentionBackend` (jaxllm/attention.py).
+        RoPE tables, block tables, ...); attention: an `AttentionBackend` (jaxllm/attention/);
+        cpp_ops: the platform runs norms in C++ (`Platform.cpp_ops`).
     Returns `(hidden [T, hidden] f32, new kv_cache)`. Layers run as an unrolled loop (see
     runner/model_runner.py for why not `lax.scan`) of `shared_decoder_layer` calls. With `axis`,
     this is one tensor-parallel shard's part (see the module docstring).
@@ -338,18 +342,18 @@ def forward(params, kv_cache, inputs, spec: ModelSpec, *, attention, axis: str |
     new_cache = []
     for index, (layer, (k_pages, v_pages)) in enumerate(zip(params["layers"], kv_cache)):
         x, k_pages, v_pages = shared_decoder_layer(layer, k_pages, v_pages, x, inputs, spec, index=index,
-                                                   attention=attention, axis=axis)
+                                                   attention=attention, axis=axis, cpp_ops=cpp_ops)
         new_cache.append((k_pages, v_pages))
     return x, new_cache
 
 
 def shared_decoder_layer(layer, k_pages, v_pages, x, inputs, spec: ModelSpec, *, index: int, attention,
-                         axis: str | None = None):
+                         axis: str | None = None, cpp_ops: bool = False):
     """`decoder_layer`, as one nested jit per kind of layer (window, RoPE table, MoE or dense):
     JAX traces and lowers each kind once per step shape instead of every layer (30 for the
     default model), and XLA inlines the calls, so the compiled step is the same."""
     return _decoder_layer_jit(layer, k_pages, v_pages, x, inputs, spec, index=first_of_kind(spec, index),
-                              attention=attention, axis=axis)
+                              attention=attention, axis=axis, cpp_ops=cpp_ops)
 
 
 def layer_kind(spec: ModelSpec, index: int) -> tuple:
@@ -363,7 +367,7 @@ def first_of_kind(spec: ModelSpec, index: int) -> int:
     return next(i for i in range(index + 1) if layer_kind(spec, i) == kind)
 
 
-_decoder_layer_jit = jax.jit(decoder_layer, static_argnames=("spec", "index", "attention", "axis"))
+_decoder_layer_jit = jax.jit(decoder_layer, static_argnames=("spec", "index", "attention", "axis", "cpp_ops"))
 
 
 def compute_logits(params, hidden: jax.Array, spec: ModelSpec, axis: str | None = None, rows=None) -> jax.Array:

@@ -9,8 +9,8 @@ multiplied by an XLA dot, or an object that knows its own product:
 
 The classes: `PackedWeight` (below: a float matrix in the C++ GEMM's panels),
 `quantization.QuantizedWeight` (integer codes with scales, in panels or plain) and, while a
-model is calibrated, `models.calibration.Observed`. Which one each linear gets is the weight
-plan's decision (jaxllm/weight_plan.py), made once; the decoder only calls `apply` here. A new
+model is calibrated, `weights.calibration.Observed`. Which one each linear gets is the weight
+plan's decision (jaxllm/weights/plan.py), made once; the decoder only calls `apply` here. A new
 storage format, or an adapter wrapped around a weight, is one more class with these three.
 """
 

@@ -40,7 +40,6 @@ import numpy as np
 from jaxllm.models.checkpoint import ModelNotFoundError
 from jaxllm.models.gguf_checkpoint import load_gguf, read_gguf
 from jaxllm.models.hf_checkpoint import hf_quantization, load_hf_dir, safetensors_files
-from jaxllm import parallel
 from jaxllm.models import layout
 from jaxllm.models.decoder import ModelSpec
 from jaxllm.quantization.checkpoint import from_saved, to_saved
@@ -163,7 +162,7 @@ def _hub_snapshot(repo_id: str) -> str:
 def load_model(
     model: str | None = None, *, dtype: str = "float32", cache_dir: str | None = None,
     use_cache: bool = True, progress: bool = True, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-    mesh=None, quantization: str | None = None, tokenizer_thread: bool = False, panels: bool = False,
+    shardings=None, quantization: str | None = None, tokenizer_thread: bool = False, panels: bool = False,
     on_host: bool = False,
 ) -> LoadedModel:
     """Load a Llama-family model's spec, params (matrices in `dtype`, norms and biases f32)
@@ -178,7 +177,8 @@ def load_model(
 
     With `tensor_parallel_size` or `pipeline_parallel_size` > 1 the params come laid out for
     that many shards and stages (`layout.shard_layout`; the params cache keeps them so). With
-    `mesh` they are placed on it by the partition rules: restored from the cache, each device
+    `shardings` (key path -> `jax.sharding.Sharding`: a mesh's partition rules,
+    `parallel.param_shardings`) each leaf is placed so: restored from the cache, each device
     reads only its own shard.
 
     `on_host`: the params come as host (numpy) arrays, also from the params cache (weights a
@@ -199,7 +199,7 @@ def load_model(
         root = cache_dir or os.path.join(default_cache_root(), "params")
         entry = os.path.join(root, _cache_key(kind, path, name, dtype, tensor_parallel_size,
                                                  pipeline_parallel_size, keep_gguf, panels and method is not None))
-        cached = _restore_cached(entry, path, name, mesh, tokenizer_thread, on_host)
+        cached = _restore_cached(entry, path, name, shardings, tokenizer_thread, on_host)
         if cached is not None:
             logger.info("loaded %s from the params cache %s", name, entry)
             return cached
@@ -217,8 +217,8 @@ def load_model(
                          quantization=method if kept else None)
     if entry is not None:
         _save_cached(entry, loaded)
-    if mesh is not None:
-        loaded.params = parallel.shard_params(params, mesh)
+    if shardings is not None:
+        loaded.params = jax.tree_util.tree_map_with_path(lambda p, x: jax.device_put(x, shardings(p)), params)
     return loaded
 
 
@@ -252,9 +252,10 @@ def save_params(params, path: str) -> None:
     save_file(arrays, os.path.join(path, PARAMS_FILE), metadata={"tree": json.dumps(tree)})
 
 
-def restore_params(path: str, mesh=None, on_host: bool = False):
-    """Restore a params pytree saved by `save_params`, onto the default device, or onto `mesh`
-    by the partition rules (each device reading only its shard), or as host arrays (`on_host`)."""
+def restore_params(path: str, shardings=None, on_host: bool = False):
+    """Restore a params pytree saved by `save_params`, onto the default device, or as
+    `shardings(key_path)` places each leaf (each device reading only its shard), or as host
+    arrays (`on_host`)."""
     from safetensors import safe_open
 
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -263,11 +264,11 @@ def restore_params(path: str, mesh=None, on_host: bool = False):
 
         def load(key_path, leaf):
             name, dtype = leaf[_ARRAY], jnp.dtype(leaf["dtype"])
-            if mesh is None:
+            if shardings is None:
                 array = f.get_tensor(name).view(dtype)
                 return array if on_host else jax.device_put(array, device)
             part = f.get_slice(name)
-            sharding = jax.sharding.NamedSharding(mesh, parallel.spec_for(key_path, mesh))
+            sharding = shardings(key_path)
             return jax.make_array_from_callback(tuple(leaf["shape"]), sharding, lambda index: part[index].view(dtype))
 
         return jax.tree_util.tree_map_with_path(load, tree, is_leaf=lambda x: isinstance(x, dict) and _ARRAY in x)
@@ -310,7 +311,7 @@ def _load_tokenizer(directory: str):
     return PreTrainedTokenizerFast.from_pretrained(directory)
 
 
-def _restore_cached(entry: str, path: str, name: str, mesh=None, tokenizer_thread: bool = False,
+def _restore_cached(entry: str, path: str, name: str, shardings=None, tokenizer_thread: bool = False,
                     on_host: bool = False) -> LoadedModel | None:
     meta_file = os.path.join(entry, "meta.json")
     if not os.path.isfile(meta_file):
@@ -326,7 +327,8 @@ def _restore_cached(entry: str, path: str, name: str, mesh=None, tokenizer_threa
             pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tokenizer")
             pending = pool.submit(_load_tokenizer, os.path.join(entry, "tokenizer"))
             pool.shutdown(wait=False)
-        params = from_saved(restore_params(os.path.join(entry, "params"), mesh, on_host), meta.get("quantized", {}))
+        saved = restore_params(os.path.join(entry, "params"), shardings, on_host)
+        params = from_saved(saved, meta.get("quantized", {}))
         if meta["has_tokenizer"] and not tokenizer_thread:
             tokenizer = _load_tokenizer(os.path.join(entry, "tokenizer"))
     except Exception as e:  # noqa: BLE001 - a broken cache entry is rebuilt, not fatal

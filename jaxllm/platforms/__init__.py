@@ -4,7 +4,7 @@
     platform = platform.confirmed()           # after: waits for the build, says what it has
 
 A `Platform` is plain data (hashable, comparable), so the decisions that follow from it (the
-weight plan: jaxllm/weight_plan.py; the default dtype: `resolve_dtype`) are pure functions that
+weight plan: jaxllm/weights/plan.py; the default dtype: `resolve_dtype`) are pure functions that
 a table-driven test checks without the machine itself.
 """
 
@@ -59,6 +59,12 @@ class Platform:
         available = self.cpp_kernels and native.available()
         return dataclasses.replace(self, cpp_kernels=available, cpp_bf16_dots=available and native.bf16_gemm_native(),
                                    build_confirmed=True)
+
+    @property
+    def cpp_ops(self) -> bool:
+        """Whether a step's norms and sampling run in the C++ kernels (`models.decoder.add_norm`,
+        `runner.sampler.sampling_ops`): on a CPU whose build of them serves this run."""
+        return self.name == "cpu" and self.cpp_kernels
 
     @property
     def bf16_dots(self) -> bool:

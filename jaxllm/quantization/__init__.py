@@ -24,7 +24,7 @@ grid; a 4-bit LM head cost 6.5%, hence 8 bits there), +0.4-1.8% (`w8a8`, mean +1
 every activation makes the figure move with any change in the float parts: docs/quantization.md). The model's
 activations have outlier channels that one scale per token flattens (+9.6% perplexity as such),
 so `w8a8` first smooths them (`smoothing.py`, SmoothQuant's folding, from a calibration run of the float model
-over a text jaxllm ships: `models/calibration.py`).
+over a text jaxllm ships: `weights/calibration.py`).
 
 How a quantized weight is multiplied (`matmul`):
 
@@ -42,7 +42,7 @@ How a quantized weight is multiplied (`matmul`):
   the layer GEMMs ran at 1.35-1.45x the bf16 GEMM at 1 row, 1.15x at 4, 0.8x at 16, 0.94-0.98x
   from 64 up, about twice the f32 path above (benchmarks/results/zen4/RESULTS.md).
 - **Small-step codes** (`EngineArgs.small_step_codes`, on by default for a GGUF under dtype
-  bfloat16 on a CPU with AVX512_BF16; the run is not quantized): `small_step_params` keeps the
+  bfloat16 on a CPU with AVX512_BF16; the run is not quantized): `weights.prepare.small_step_params` keeps the
   GGUF's blocks as bf16-activation codes for the steps of at most SMALL_STEP_ROWS rows and makes
   the bf16 weights of the other steps from them (`native.codes_to_bf16_panels`, the GEMM over
   codes' own conversion): the same numbers both ways, the small steps streaming a third of the
@@ -88,7 +88,7 @@ Over several processes each quantizes the weights it read, then places its own d
 shards (the weights stay off the mesh until then: `LLMEngine`).
 """
 
-from jaxllm.quantization.params import SMALL_STEP_ROWS, quantize_params, small_step_params, weight_bytes
+from jaxllm.quantization.params import SMALL_STEP_ROWS, quantize_params, weight_bytes
 from jaxllm.quantization.weights import (
     CHECKPOINT_METHODS,
     METHODS,
@@ -99,4 +99,4 @@ from jaxllm.quantization.weights import (
 )
 
 __all__ = ["CHECKPOINT_METHODS", "METHODS", "SMALL_STEP_ROWS", "QuantizedWeight", "dequantize", "matmul",
-           "quantize_matrix", "quantize_params", "small_step_params", "weight_bytes"]
+           "quantize_matrix", "quantize_params", "weight_bytes"]

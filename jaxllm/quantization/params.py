@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.quantization.sharding import make_sharded_weight, shard_checkpoint_weight
-from jaxllm.quantization.weights import (EXPERT_MATRICES, LAYER_MATRICES, METHODS, QuantizedWeight, dequantize,
-                                         make_weight, relayout, with_bf16_activations, with_int8_activations)
+from jaxllm.quantization.weights import (EXPERT_MATRICES, LAYER_MATRICES, METHODS, QuantizedWeight, make_weight,
+                                         relayout, with_bf16_activations, with_int8_activations)
 
 
 def quantize_params(params: dict, spec, plan, *, device=None, parts=None) -> dict:
-    """Replace, in place, the linears to which the weight plan (jaxllm/weight_plan.py) gives
+    """Replace, in place, the linears to which the weight plan (jaxllm/weights/plan.py) gives
     codes by QuantizedWeights, one matrix at a time; the checkpoint's own codes are only laid
     out for their kernel. Float matrices the plan leaves float stay as they are.
 
@@ -77,53 +74,10 @@ def panel_layout(params: dict) -> dict:
 
 
 # Steps of at most this many rows multiply a GGUF's codes, larger ones its bf16 weights
-# (`small_step_params`): on Zen 4 the bf16 GEMM over 4-bit codes ran the layer GEMMs of a decode
+# (`weights.prepare.small_step_params`): on Zen 4 the bf16 GEMM over 4-bit codes ran the layer GEMMs of a decode
 # step at 1.13x the bf16 panels at 1 row, 1.31x at 2 and 1.44x at 4, but 0.85x at 8
 # (`benchmarks/weight_stream.py`): from a few rows the conversion costs more than the bytes saved.
 SMALL_STEP_ROWS = 4
-
-
-def small_step_params(params: dict, device, codes: bool = True) -> tuple[dict, dict | None]:
-    """A GGUF's params tree (its matrices kept quantized: `load_model(quantization="gguf")`) as
-    (bf16 tree, codes tree): the first with every quantized matrix dequantized to bf16 and packed
-    for the C++ bf16 GEMM (`models.linear.PackedWeight`: the weights a dequantizing load gives, bit for
-    bit), the second sharing all of it but the layer matrices, which keep their codes for the bf16
-    GEMM over codes (`with_bf16_activations`). Both compute the same numbers, the second from
-    about a third of the layer weights' bytes: the steps of at most SMALL_STEP_ROWS rows take it
-    (`ModelRunner`). Matrices are converted one at a time. `codes` False (the C++ build has no
-    AVX512_BF16 dots after all): the bf16 tree alone, and None."""
-    from jaxllm.kernels import native
-    from jaxllm.models.linear import PackedWeight
-
-    put = functools.partial(jax.device_put, device=device)
-
-    def both(tree_big: dict, tree_few: dict, name: str, table: bool = False):
-        """tree_big[name] (codes) as bf16 panels there, and as codes for the bf16 GEMM in tree_few."""
-        w = tree_big[name]
-        q = with_bf16_activations(relayout(w, True, device), device)
-        if codes and q.activations == "bf16":   # converted as the GEMM over codes converts them
-            big = PackedWeight(put(native.codes_to_bf16_panels(q.codes, q.scale, q.offset, q.bits, q.super_scale,
-                                                               q.super_offset)))
-        else:       # a shape off the bf16 GEMM's panels, or no bf16 dots: the dense bf16 weight, unpacked
-            dense = np.asarray(dequantize(w, np), jnp.bfloat16)     # [in, out], rounded to nearest even
-            big = put(np.ascontiguousarray(dense.T) if table else dense)
-        tree_big[name] = big
-        # (a 4-bit embedding table's rows are looked up from its plain panels: the bf16 one serves)
-        tree_few[name] = q if isinstance(big, PackedWeight) and (q.bits == 8 or not table) else big
-
-    large, small = dict(params), dict(params)
-    large["layers"], small["layers"] = [], []
-    for layer in params["layers"]:
-        big, few = dict(layer), dict(layer)
-        for name in LAYER_MATRICES:
-            if isinstance(layer.get(name), QuantizedWeight):
-                both(big, few, name)
-        large["layers"].append(big)
-        small["layers"].append(few)
-    for name in ("lm_head", "embed"):
-        if isinstance(params.get(name), QuantizedWeight):   # stored as the LM head [hidden, vocab]
-            both(large, small, name, table=name == "embed")
-    return large, small if codes else None
 
 
 def weight_bytes(*trees) -> int:

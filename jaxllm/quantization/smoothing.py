@@ -3,7 +3,7 @@
 A per-token int8 scale is set by a token's largest channel, and a few input channels of a
 layer matrix carry most of the activation range (here: the attention and MLP inputs of
 SmolLM2-135M), so per-token codes flatten the other channels. For an input channel j with
-activation range a_j = max |x_j| (from calibration, models/calibration.py) and weight range
+activation range a_j = max |x_j| (from calibration, weights/calibration.py) and weight range
 w_j = max_n |W[j, n]|, smoothing divides x_j and multiplies W's row j by
 
     s_j = a_j ** alpha / w_j ** (1 - alpha)          (alpha = 0.5: both ranges become sqrt(a_j w_j))
@@ -58,7 +58,7 @@ def _rows_max(w) -> np.ndarray:
 def smooth(params, spec, maxima: dict, alpha: float = ALPHA) -> None:
     """Fold smoothing factors into the float params tree (one device, no shard layout), in
     place (each changed entry replaced by a new float32 array). `maxima`: {(layer, name):
-    max |x| [in]} from `models.calibration.activation_maxima`."""
+    max |x| [in]} from `weights.calibration.activation_maxima`."""
     f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
     for i, layer in enumerate(params["layers"]):
         def fold_norm(norm: str, matrix: str):

@@ -1,6 +1,7 @@
 """The device program of one engine step: pure, jitted once per bucket by `ModelRunner`.
 
-    step(params, kv_cache, ints, floats, penalty_tokens, token_mask, prev_tokens, *, layout, spec, attention, mesh)
+    step(params, kv_cache, ints, floats, penalty_tokens, token_mask, prev_tokens, *, layout, spec, attention, mesh,
+         cpp_ops)
         -> (tokens, logprobs, top_logprobs, top_ids, hidden, kv_cache)
 
 `ints` / `floats` are the bucket's packed inputs (`PackedLayout.unpack` gives `StepInputs` and
@@ -8,7 +9,8 @@
 `prev_tokens` [max rows] is the previous step's `tokens` (async scheduling: a token whose
 `StepInputs.prev_rows` is set takes its id from there), and `tokens` come out padded to it. With
 pipeline stages they carry one micro-batch per stage (`[M, ...]`). `hidden` (before the final
-norm, for prompt logprobs) is returned on one device only, else None.
+norm, for prompt logprobs) is returned on one device only, else None. `cpp_ops`: norms and
+sampling in the C++ kernels (`Platform.cpp_ops`).
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from jaxllm.runner.input_batch import PackedLayout, SamplingMetadata
 
 
 def step(params, kv_cache, ints, floats, penalty_tokens, token_mask, prev_tokens, *, layout: PackedLayout, spec,
-         attention, mesh):
+         attention, mesh, cpp_ops: bool = False):
     hidden = None     # [T, hidden] before the final norm, kept for prompt logprobs (one device only)
     if parallel.pp_size(mesh) > 1:     # [M, ...]: micro-batches through the pipeline stages
         logits, kv_cache = parallel.pipelined_forward(params, kv_cache, ints, floats, spec=spec, attention=attention,
-                                                      mesh=mesh, unpack=lambda i, f: layout.unpack(i, f)[0])
+                                                      mesh=mesh, unpack=lambda i, f: layout.unpack(i, f)[0],
+                                                      cpp_ops=cpp_ops)
         sampling = SamplingMetadata.concat([layout.unpack(i, f)[1] for i, f in zip(ints, floats)])
         sampling.penalty_tokens = penalty_tokens.reshape(-1, penalty_tokens.shape[-1])
         sampling.token_mask = token_mask.reshape(-1, token_mask.shape[-1])
@@ -39,12 +42,12 @@ def step(params, kv_cache, ints, floats, penalty_tokens, token_mask, prev_tokens
             prev = prev_tokens[jnp.maximum(inputs.prev_rows, 0)]
             inputs = dataclasses.replace(inputs, token_ids=jnp.where(inputs.prev_rows >= 0, prev, inputs.token_ids))
         if mesh is None:
-            hidden, kv_cache = decoder.forward(params, kv_cache, inputs, spec, attention=attention)
+            hidden, kv_cache = decoder.forward(params, kv_cache, inputs, spec, attention=attention, cpp_ops=cpp_ops)
             logits = decoder.compute_logits(params, hidden[inputs.logits_indices], spec, rows=inputs.num_logits())
         else:
             logits, kv_cache = parallel.sharded_forward(params, kv_cache, inputs, spec, attention=attention,
-                                                        mesh=mesh)
-    tokens, logprob, top_lp, top_ids = sampler.sample(logits, sampling, attention.argmax_logsumexp, attention.draw)
+                                                        mesh=mesh, cpp_ops=cpp_ops)
+    tokens, logprob, top_lp, top_ids = sampler.sample(logits, sampling, *sampler.sampling_ops(cpp_ops))
     # Every bucket's tokens as one shape ([prev_tokens.shape[0]], padded), the next step's `prev_tokens`.
     tokens = jnp.zeros(prev_tokens.shape, tokens.dtype).at[:tokens.shape[0]].set(tokens)
     return tokens, logprob, top_lp, top_ids, hidden, kv_cache

@@ -1,24 +1,13 @@
 """The step's typed inputs and the host-side state they are built from.
 
-`StepInputs` and `SamplingMetadata` are pytrees of arrays: the jitted step takes them as two
-arguments, and later features (sharding annotations, token masks) add fields here.
+`StepInputs` (models/step_inputs.py: what the model reads) and `SamplingMetadata` (here: what
+the sampler reads) are pytrees of arrays: the jitted step takes them as two arguments.
 
 `InputBatch` keeps one *row* per request that is in the batch (vLLM's persistent batch):
 its tokens so far, its block table and its sampling parameters, written once when the
 request joins and then only extended (new tokens, new pages). Each step, `prepare` builds the
 step's arrays from those rows with numpy indexing, without Python loops over tokens, into
 buffers that persist per bucket.
-
-Shapes (T = bucket tokens, S = bucket sequences, P = pages per sequence, L = max_model_len):
-
-    token_ids, positions, slot_mapping [T] int32    (slot -1 = padding, written nowhere)
-    block_tables [S, P] int32, seq_lens [S] int32   (cache length after this step)
-    window_*: a model with a window group (two KV cache groups, core/kv_cache_manager.py)
-    has the windowed layers' slot_mapping, block_tables and attn_metadata here; else None
-    query_start_loc [S + 1] int32                   (sequence s owns tokens [qsl[s], qsl[s+1]))
-    num_seqs [] int32, logits_indices [R] int32     (the tokens that get logits: R = S, each
-                                                    sequence's last; or R = T, every token)
-    rope_cos, rope_sin [T, 1, W] f32                (W = len(ModelSpec.inv_freq()))
 """
 
 from __future__ import annotations
@@ -30,64 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.core.request import Request
+from jaxllm.models.step_inputs import StepInputs
 from jaxllm.runner.compile import Bucket
 
 NUM_BANNED = 32   # stop/EOS ids a request can hold back under min_tokens
 FLAG_ALL_GREEDY, FLAG_TOP_K_TOP_P, FLAG_PENALTIES, FLAG_LOGPROBS, FLAG_BANNED, FLAG_DRAFTS, FLAG_GRAMMAR = range(7)
 NUM_FLAGS = 7
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class StepInputs:
-    token_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    block_tables: np.ndarray
-    query_start_loc: np.ndarray
-    seq_lens: np.ndarray
-    num_seqs: np.ndarray
-    logits_indices: np.ndarray
-    rope_cos: np.ndarray
-    rope_sin: np.ndarray
-    attn_metadata: dict     # the attention backend's own arrays (jaxllm/attention.py)
-    window_slot_mapping: np.ndarray | None = None
-    window_block_tables: np.ndarray | None = None
-    window_attn_metadata: dict | None = None
-    # Async scheduling: per token, the row of the previous step's sampled tokens that is its
-    # token id (read on the device), or -1 for `token_ids`' own.
-    prev_rows: np.ndarray | None = None
-
-    @classmethod
-    def zeros(cls, num_tokens: int, num_seqs: int, max_blocks: int, rope_width: int,
-              num_logits: int | None = None, window_group: bool = False) -> StepInputs:
-        i32 = np.int32
-        inputs = cls(token_ids=np.zeros(num_tokens, i32), positions=np.zeros(num_tokens, i32),
-                     slot_mapping=np.full(num_tokens, -1, i32), block_tables=np.zeros((num_seqs, max_blocks), i32),
-                     query_start_loc=np.zeros(num_seqs + 1, i32), seq_lens=np.zeros(num_seqs, i32),
-                     num_seqs=np.zeros((), i32), logits_indices=np.zeros(num_logits or num_seqs, i32),
-                     rope_cos=np.ones((num_tokens, 1, rope_width), np.float32),
-                     rope_sin=np.zeros((num_tokens, 1, rope_width), np.float32), attn_metadata={},
-                     prev_rows=np.full(num_tokens, -1, i32))
-        if window_group:
-            inputs.window_slot_mapping = inputs.slot_mapping.copy()
-            inputs.window_block_tables = inputs.block_tables.copy()
-            inputs.window_attn_metadata = {}
-        return inputs
-
-    def num_tokens(self):
-        """The step's real tokens (the rest of the bucket's T rows are padding), as a scalar."""
-        return self.query_start_loc[self.num_seqs]
-
-    def num_logits(self):
-        """At least the real rows of `logits_indices` (they come first): every token's with a
-        row per token (speculative verification), else one per sequence."""
-        return self.num_tokens() if self.logits_indices.shape[0] == self.token_ids.shape[0] else self.num_seqs
-
-    def window_view(self) -> StepInputs:
-        """These inputs as the windowed layers of a two-group model read them (their pages)."""
-        return dataclasses.replace(self, slot_mapping=self.window_slot_mapping, block_tables=self.window_block_tables,
-                                   attn_metadata=self.window_attn_metadata)
 
 
 @jax.tree_util.register_dataclass

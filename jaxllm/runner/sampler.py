@@ -16,8 +16,9 @@ its `flags` say which stages any sequence of the batch needs.
 
 The greedy path runs on every decode step over [S, vocab]; the sampled token's logprob is
 `logit - logsumexp` (no [S, vocab] log_softmax is written unless top logprobs are asked
-for). With the native attention backend (the CPU default) the argmax and logsumexp are one
-pass of the C++ kernel (`kernels.native.argmax_logsumexp`): on [128, 49152] XLA:CPU took 14 ms for
+for). Where the platform runs the step's ops in C++ (`sampling_ops(cpp=True)`: a CPU with the
+kernels built) the argmax and logsumexp are one pass of the C++ kernel
+(`kernels.native.argmax_logsumexp`): on [128, 49152] XLA:CPU took 14 ms for
 `jnp.argmax` and 6 ms for the logsumexp, the kernel about 3.5 ms for both (2 threads). The
 sampled rows' draw is C++ there too (`kernels.native.sample_rows`): in XLA it is about 60
 kernels, three quarters of each step shape's compile time.
@@ -165,6 +166,18 @@ def draw_xla(logits, s, u, u_draft):
     return jnp.where(accepted, s.draft_tokens, jnp.minimum(token, last_kept)).astype(jnp.int32)
 
 
+def sampling_ops(cpp: bool):
+    """(argmax_logsumexp, draw) for `sample`: the C++ kernels' (`cpp`: `Platform.cpp_ops`) or XLA's."""
+    if not cpp:
+        return xla_argmax_logsumexp, draw_xla
+    from jaxllm.kernels import native
+
+    def draw(logits, s, u, u_draft):
+        return native.sample_rows(logits, s.temperature, s.min_p, s.top_k, s.top_p, s.draft_tokens, u, u_draft)
+
+    return native.argmax_logsumexp, draw
+
+
 def sample(logits: jax.Array, s: SamplingMetadata, argmax_logsumexp=xla_argmax_logsumexp, draw=draw_xla,
            ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """logits [S, V] f32 (a row per logits row) -> (tokens [S] int32, token logprob [S] f32,
@@ -174,7 +187,7 @@ def sample(logits: jax.Array, s: SamplingMetadata, argmax_logsumexp=xla_argmax_l
     as vLLM reports them, but after a structured-output mask (`s.token_mask` under
     FLAG_GRAMMAR): a masked-out token's logprob is -inf. `argmax_logsumexp(x, token_mask) ->
     (argmax, logsumexp)` per row over the allowed tokens and `draw(logits, s, u, u_draft) ->
-    tokens` (see `draw_xla`) are the attention backend's (the native one has both in C++).
+    tokens` (see `draw_xla`): XLA's, or the C++ kernels' (`sampling_ops`).
 
     The greedy path hands the mask to `argmax_logsumexp` rather than masking the logits
     first: a lax.cond around [S, V] logits makes XLA:CPU copy them (~9 ms of every step at 128

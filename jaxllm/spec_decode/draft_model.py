@@ -35,13 +35,10 @@ class _Shadow:
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, config, draft, num_speculative_tokens: int):
-        """`draft`: the draft model's `models.prepare.PreparedModel`."""
-        from jaxllm.runner.model_runner import ModelRunner
-
+    def __init__(self, config, runner, num_speculative_tokens: int):
+        """`runner`: the draft model's own `ModelRunner` (its compiled steps and KV pool)."""
         self.num_speculative_tokens = num_speculative_tokens
-        self.runner = ModelRunner(dataclasses.replace(config, speculative=None), draft.spec, draft.params,
-                                  small_params=draft.small_params)
+        self.runner = runner
         self.budget = config.scheduler.max_num_batched_tokens
         self.max_chunks = config.scheduler.max_num_prefill_seqs
         self.max_model_len = config.scheduler.max_model_len

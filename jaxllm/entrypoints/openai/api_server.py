@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import jaxllm
+from jaxllm.version import __version__
 from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError
 from jaxllm.entrypoints.metrics import CONTENT_TYPE, ServerMetrics, StatLogger
 from jaxllm.entrypoints.openai.protocol import (
@@ -84,7 +84,7 @@ def build_app(llm: AsyncLLM, args: ServerArgs | None = None, shutdown: Shutdown 
             if task is not None:
                 task.cancel()
 
-    app = FastAPI(title="jaxllm", version=jaxllm.__version__, lifespan=lifespan,
+    app = FastAPI(title="jaxllm", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible API for jaxllm (completions, chat, models), plus tokenize, "
                               "detokenize, health, version and Prometheus metrics.")
     server_metrics = ServerMetrics(engine, engine.model_name)
@@ -144,7 +144,7 @@ def build_app(llm: AsyncLLM, args: ServerArgs | None = None, shutdown: Shutdown 
 
     @app.get("/version")
     async def version():
-        return {"version": jaxllm.__version__}
+        return {"version": __version__}
 
     @app.get("/metrics", response_class=Response,
              responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}}})

@@ -21,7 +21,7 @@ import numpy as np
 from jaxllm.attention import AttentionBackend
 from jaxllm.models import decoder, linear
 from jaxllm.quantization import smoothing
-from jaxllm.runner.input_batch import StepInputs
+from jaxllm.models.step_inputs import StepInputs
 
 CALIBRATION_TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "quantization", "data",
                                 "calibration.txt")

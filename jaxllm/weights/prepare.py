@@ -1,6 +1,6 @@
 """Loaded arrays -> the weight plan's weights (vLLM's `process_weights_after_loading`).
 
-    loaded, plan = load_with_plan(args, platform, mesh, one_device=...)     # jaxllm/weight_plan.py
+    loaded, plan = load_with_plan(args, platform, mesh, one_device=...)     # jaxllm/weights/plan.py
     params, small_params = prepare_weights(loaded.params, loaded.spec, plan, mesh=mesh, tokenizer=...)
 
 One step after loading, before any runner exists, in this order:
@@ -19,6 +19,7 @@ What each linear becomes is read from the plan, never re-derived here.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import NamedTuple
 
@@ -27,13 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import parallel
-from jaxllm.models import calibration, layout
+from jaxllm.models import layout
+from jaxllm.weights import calibration
 from jaxllm.models.linear import PackedWeight
 from jaxllm.models.loader import LoadedModel, load_model
 from jaxllm.platforms import Platform
-from jaxllm.quantization.params import quantize_params, small_step_params
-from jaxllm.quantization.weights import QuantizedWeight, dequantize
-from jaxllm.weight_plan import LAYER_LINEARS, WeightPlan, resolve_weight_plan
+from jaxllm.quantization.params import quantize_params
+from jaxllm.quantization.weights import QuantizedWeight, dequantize, relayout, with_bf16_activations
+from jaxllm.weights.plan import LAYER_LINEARS, WeightPlan, resolve_weight_plan
 
 logger = logging.getLogger("jaxllm")
 
@@ -59,7 +61,8 @@ def load_with_plan(args, platform: Platform, mesh, *, one_device: bool, progress
     loaded = load_model(args.model, cache_dir=args.params_cache_dir, progress=progress, use_cache=use_cache,
                         tensor_parallel_size=1 if plan.smooth else args.tensor_parallel_size,
                         pipeline_parallel_size=1 if plan.smooth else args.pipeline_parallel_size,
-                        mesh=None if to_quantize else mesh, on_host=to_quantize and mesh is not None,
+                        shardings=None if to_quantize or mesh is None else parallel.param_shardings(mesh),
+                        on_host=to_quantize and mesh is not None,
                         tokenizer_thread=True, **plan.load_options())
     try:
         plan = resolve_weight_plan(args, platform.confirmed(), one_device=one_device, checkpoint=loaded.quantization,
@@ -126,6 +129,48 @@ def pack_params(params: dict, spec, device, *, bf16: bool = False) -> dict:
     if spec.tie_word_embeddings:  # the table is the LM head too
         params["embed"] = pack(params["embed"], transposed=True)
     return params
+
+
+def small_step_params(params: dict, device, codes: bool = True) -> tuple[dict, dict | None]:
+    """A GGUF's params tree (its matrices kept quantized: `load_model(quantization="gguf")`) as
+    (bf16 tree, codes tree): the first with every quantized matrix dequantized to bf16 and packed
+    for the C++ bf16 GEMM (`models.linear.PackedWeight`: the weights a dequantizing load gives, bit for
+    bit), the second sharing all of it but the layer matrices, which keep their codes for the bf16
+    GEMM over codes (`with_bf16_activations`). Both compute the same numbers, the second from
+    about a third of the layer weights' bytes: the steps of at most SMALL_STEP_ROWS rows take it
+    (`ModelRunner`). Matrices are converted one at a time. `codes` False (the C++ build has no
+    AVX512_BF16 dots after all): the bf16 tree alone, and None."""
+    from jaxllm.kernels import native
+
+    put = functools.partial(jax.device_put, device=device)
+
+    def both(tree_big: dict, tree_few: dict, name: str, table: bool = False):
+        """tree_big[name] (codes) as bf16 panels there, and as codes for the bf16 GEMM in tree_few."""
+        w = tree_big[name]
+        q = with_bf16_activations(relayout(w, True, device), device)
+        if codes and q.activations == "bf16":   # converted as the GEMM over codes converts them
+            big = PackedWeight(put(native.codes_to_bf16_panels(q.codes, q.scale, q.offset, q.bits, q.super_scale,
+                                                               q.super_offset)))
+        else:       # a shape off the bf16 GEMM's panels, or no bf16 dots: the dense bf16 weight, unpacked
+            dense = np.asarray(dequantize(w, np), jnp.bfloat16)     # [in, out], rounded to nearest even
+            big = put(np.ascontiguousarray(dense.T) if table else dense)
+        tree_big[name] = big
+        # (a 4-bit embedding table's rows are looked up from its plain panels: the bf16 one serves)
+        tree_few[name] = q if isinstance(big, PackedWeight) and (q.bits == 8 or not table) else big
+
+    large, small = dict(params), dict(params)
+    large["layers"], small["layers"] = [], []
+    for layer in params["layers"]:
+        big, few = dict(layer), dict(layer)
+        for name in LAYER_LINEARS:
+            if isinstance(layer.get(name), QuantizedWeight):
+                both(big, few, name)
+        large["layers"].append(big)
+        small["layers"].append(few)
+    for name in ("lm_head", "embed"):
+        if isinstance(params.get(name), QuantizedWeight):   # stored as the LM head [hidden, vocab]
+            both(large, small, name, table=name == "embed")
+    return large, small if codes else None
 
 
 def _dequantized(params: dict, spec, dtype: str) -> dict:
