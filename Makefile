@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 
 venv: $(STAMP)
 
-# Debian's Chromium and its WebDriver (root and apt needed), for tests/test_playground.py.
+# Debian's Chromium and its WebDriver (root and apt needed), for tests/server/test_playground.py.
 browser:
 	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then echo "chromium: present"; \
 	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \

@@ -2,7 +2,7 @@
 # Every GPU check of one short lease on a GPU machine, in the order that tells the most if it is
 # cut short: the machine, the attention kernels' timings (benchmarks/gpu.py), the quantized
 # matmul's against a bf16 dot and its tiling search (benchmarks/gpu_quant.py), the kernels'
-# numerics tests compiled for the GPU (tests/cuda_lowering.py's INTERPRET is false there), then
+# numerics tests compiled for the GPU (tests/helpers/cuda_lowering.py's INTERPRET is false there), then
 # the engine (bf16, and each of QUANTIZATION's entries, METHOD[:KV_CACHE_DTYPE]).
 #
 #   OUT=/some/dir bash benchmarks/gpu_checks.sh          # logs and JSON land in $OUT
@@ -38,9 +38,9 @@ quant() {
 
 tests() {
     timeout "${TESTS_S:-180}" python3 -m pytest -p no:cacheprovider -q -rfE --timeout 120 \
-        ${TEST_FILES:-tests/test_quantization.py::test_pallas_quantized_matmul_matches_numpy_and_lowers_for_cuda \
-        tests/test_quantization.py::test_pallas_quantized_matmul_tiles_agree_with_numpy \
-        tests/test_paged_attention.py tests/test_paged_attention_mgpu.py tests/test_models.py} \
+        ${TEST_FILES:-tests/quantization/test_quantization.py::test_pallas_quantized_matmul_matches_numpy_and_lowers_for_cuda \
+        tests/quantization/test_quantization.py::test_pallas_quantized_matmul_tiles_agree_with_numpy \
+        tests/kernels/test_paged_attention.py tests/kernels/test_paged_attention_mgpu.py tests/models/test_models.py} \
         -k "${TESTS_K:-not cpu and not reference}" 2>&1 | tee "$OUT/tests.log"
 }
 

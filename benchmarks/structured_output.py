@@ -5,13 +5,13 @@ and what the token mask costs a step.
     python benchmarks/structured_output.py --parts backends     # one part
 
 Parts:
-- "backends": for each schema of tests/schema_suite.py, llguidance and (if installed)
+- "backends": for each schema of tests/helpers/schema_suite.py, llguidance and (if installed)
   xgrammar: the time to compile it, and the time to fill one token mask along a valid instance,
   token by token (median and the worst), plus each backend's one-off tokenizer set-up.
 - "validity": the default model (chat template, --samples requests per schema, temperature 1,
   seeded, max_tokens --max-tokens) under each schema's constraint; an output counts as valid
   when `jsonschema` accepts it. Reports the rate per schema and over all. With --unbounded,
-  the schemas without the suite's bounds on strings and decimals (see tests/schema_suite.py).
+  the schemas without the suite's bounds on strings and decimals (see tests/helpers/schema_suite.py).
 - "overhead": one engine, the same prompts decoded --decode-tokens tokens each (ignore_eos),
   at --batches requests at a time, with every request constrained (a JSON array of objects
   whose minItems no output reaches in that many tokens, so no grammar ends early) and with
@@ -37,7 +37,7 @@ sys.path.insert(0, HERE)
 from workload import RESULTS, ROOT, VERSIONED, cpu_line, machine_info, now_iso, versions, write_result  # noqa: E402
 
 del sys.path[0]
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
 from schema_suite import SCHEMAS, unbounded, validate  # noqa: E402
 
 del sys.path[0]

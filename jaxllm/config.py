@@ -23,7 +23,7 @@ DEFAULT_KV_CACHE_MEMORY = 2 << 30  # bytes; on CPU the pool lives in host RAM
 ATTENTION_BACKENDS = ("native", "cpu", "mosaic", "pallas", "reference")
 PREEMPTION_MODES = ("recompute", "swap")
 # jaxllm.quantization's METHODS + CHECKPOINT_METHODS (config checks import no JAX code);
-# tests/test_quantization.py checks they agree.
+# tests/quantization/test_quantization.py checks they agree.
 QUANTIZATION_METHODS = ("int8", "int8_weight_only", "int4", "w8a8", "gguf", "awq", "gptq", "none")
 # Other names of a method: "int8" is W8A8 (as vLLM's "INT8 W8A8" and the issue that asked for it
 # have it); EngineArgs and `quantize_params` know it by its canonical name only.
@@ -431,26 +431,8 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
     window, windowed_layers = sliding_window(spec, max_model_len, speculative)
     block_size = args.block_size or default_block_size(platform)
     page_bytes = kv_bytes_per_token(spec, kv_dtype, args.tensor_parallel_size) * block_size
-    num_window_blocks = 0
-    if args.num_gpu_blocks_override is not None:
-        num_blocks = args.num_gpu_blocks_override
-        num_window_blocks = num_blocks if 0 < windowed_layers < spec.num_layers else 0
-    else:
-        budget = kv_cache_budget(args, available_memory)
-        num_blocks = budget // page_bytes
-        if 0 < windowed_layers < spec.num_layers:
-            # Two pools, in the proportion a request of max_model_len holds at its peak in each:
-            # every page in the global layers, a window and a chunk in the windowed ones.
-            layer_page_bytes = page_bytes // spec.num_layers
-            full = -(-max_model_len // block_size)
-            windowed = min(full, -(-(window - 1 + max_batched) // block_size) + 1)
-            requests = budget / (layer_page_bytes * (full * (spec.num_layers - windowed_layers)
-                                                     + windowed * windowed_layers))
-            num_blocks, num_window_blocks = int(requests * full), int(requests * windowed)
-        if min(num_blocks, num_window_blocks or num_blocks) < 2:
-            raise ValueError(
-                f"the KV cache budget ({budget / 2**20:.1f} MiB) holds {num_blocks} pages of "
-                f"{page_bytes / 2**10:.0f} KiB; raise kv_cache_memory or gpu_memory_utilization")
+    num_blocks, num_window_blocks = _kv_pool_blocks(args, spec, page_bytes, block_size, max_model_len, max_batched,
+                                                    window, windowed_layers, available_memory)
     num_swap_blocks = int(args.swap_space * 2**30) // page_bytes if args.preemption_mode == "swap" else 0
     compilation_cache_dir = args.compilation_cache_dir
     if compilation_cache_dir is None:
@@ -483,3 +465,28 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
         speculative=speculative,
         quantization=args.quantization,
     )
+
+
+def _kv_pool_blocks(args: EngineArgs, spec, page_bytes: int, block_size: int, max_model_len: int, max_batched: int,
+                    window: int, windowed_layers: int, available_memory: int | None) -> tuple[int, int]:
+    """(pages of the global pool, pages of the window pool: 0 without a window group) for the
+    KV budget (`kv_cache_budget`), or as `num_gpu_blocks_override` says."""
+    two_pools = 0 < windowed_layers < spec.num_layers
+    if args.num_gpu_blocks_override is not None:
+        return args.num_gpu_blocks_override, args.num_gpu_blocks_override if two_pools else 0
+    budget = kv_cache_budget(args, available_memory)
+    num_blocks, num_window_blocks = budget // page_bytes, 0
+    if two_pools:
+        # Two pools, in the proportion a request of max_model_len holds at its peak in each:
+        # every page in the global layers, a window and a chunk in the windowed ones.
+        layer_page_bytes = page_bytes // spec.num_layers
+        full = -(-max_model_len // block_size)
+        windowed = min(full, -(-(window - 1 + max_batched) // block_size) + 1)
+        requests = budget / (layer_page_bytes * (full * (spec.num_layers - windowed_layers)
+                                                 + windowed * windowed_layers))
+        num_blocks, num_window_blocks = int(requests * full), int(requests * windowed)
+    if min(num_blocks, num_window_blocks or num_blocks) < 2:
+        raise ValueError(
+            f"the KV cache budget ({budget / 2**20:.1f} MiB) holds {num_blocks} pages of "
+            f"{page_bytes / 2**10:.0f} KiB; raise kv_cache_memory or gpu_memory_utilization")
+    return num_blocks, num_window_blocks

@@ -115,8 +115,8 @@ def test_resolving_a_config_loads_no_kernels():
 
 def _third_party_imports(*tops: str) -> set[str]:
     """Top-level names of the modules imported under `tops` that are neither the standard
-    library nor the repository's own (jaxllm, and the tests' and benchmarks' sibling modules)."""
-    local = {"jaxllm"}
+    library nor the repository's own (jaxllm, the tests package, and the benchmarks' sibling modules)."""
+    local = {"jaxllm", "tests"}
     files = []
     for top in tops:
         for dirpath, _, names in os.walk(os.path.join(ROOT, top)):

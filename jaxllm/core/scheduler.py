@@ -23,7 +23,7 @@ text, so the output processor finds them and the engine ends those requests with
 `finish_requests`.
 
 Everything here is host-side Python over `Request` objects and the `KVCacheManager`: the
-scheduler tests run it without a model (tests/test_scheduler.py).
+scheduler tests run it without a model (tests/core/test_scheduler.py).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ i+stages is copied while block i is multiplied. Scores and P @ V are warpgroup M
 f32 accumulate); the online softmax runs in f32 registers. Sliding windows start at the first block the
 window sees; no split over a long context yet (few long decodes use few SMs).
 
-Checked without a GPU (tests/test_paged_attention_mgpu.py): numerics in Mosaic GPU's interpret
+Checked without a GPU (tests/kernels/test_paged_attention_mgpu.py): numerics in Mosaic GPU's interpret
 mode (`interpret=True`), which simulates shared memory, TMA copies and barriers on the CPU;
 there the MMAs are `lax.dot_general` on the same shared-memory tiles (the interpreter has no
 transposed MMA operand) and the register-layout hints are dropped. Lowering for `cuda` on

@@ -266,12 +266,27 @@ def _gguf_spec(path: str, metadata: dict, tensors: dict[str, GGUFTensor]) -> Mod
         "eos_token_id": list(dict.fromkeys(eos)),
         "partial_rotary_factor": rotary / head_dim,
     }
+    _family_config(config, arch, md, metadata, tensors, experts)
+    spec = spec_from_hf_config(config)
+    if "rope_freqs.weight" in tensors:  # Llama 3.x: scaled frequencies stored as a tensor
+        orig_ctx = metadata.get(f"{arch}.rope.scaling.original_context_length")
+        config["rope_scaling"] = _llama3_scaling_from_freqs(
+            path, spec, _dequantize(tensors["rope_freqs.weight"]), orig_ctx)
+        spec = spec_from_hf_config(config)
+    return spec
+
+
+def _family_config(config: dict, arch: str, md, metadata: dict, tensors: dict, experts) -> None:
+    """What each family adds to the HF-style config (`_gguf_spec`), in place: experts, GPT-NeoX's
+    and Falcon's layouts, Phi-3's long RoPE, sliding windows, Gemma 3's fixed choices, RoPE scaling."""
+    hidden, num_heads, head_dim = config["hidden_size"], config["num_attention_heads"], config["head_dim"]
     if experts:
         config.update(num_local_experts=int(experts), num_experts_per_tok=int(md("expert_used_count")),
                       moe_intermediate_size=int(md("expert_feed_forward_length", config["intermediate_size"])),
                       norm_topk_prob=bool(metadata.get(f"{arch}.expert_weights_norm", True)))  # llama.cpp's default
     if arch == "gptneox":
-        config.update(layer_norm_eps=config["rms_norm_eps"], rotary_pct=rotary / head_dim, attention_bias=True,
+        config.update(layer_norm_eps=config["rms_norm_eps"], rotary_pct=config["partial_rotary_factor"],
+                      attention_bias=True,
                       use_parallel_residual=bool(metadata.get("gptneox.use_parallel_residual", True)))
     if arch == "falcon":   # llama.cpp runs attention and MLP in parallel, as every Falcon does
         config.update(layer_norm_epsilon=config["rms_norm_eps"], num_kv_heads=config["num_key_value_heads"],
@@ -296,13 +311,6 @@ def _gguf_spec(path: str, metadata: dict, tensors: dict[str, GGUFTensor]) -> Mod
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(md("rope.scaling.factor"))}
     elif scaling != "none":
         config["rope_scaling"] = {"rope_type": scaling}  # registry.py rejects it by name
-    spec = spec_from_hf_config(config)
-    if "rope_freqs.weight" in tensors:  # Llama 3.x: scaled frequencies stored as a tensor
-        orig_ctx = metadata.get(f"{arch}.rope.scaling.original_context_length")
-        config["rope_scaling"] = _llama3_scaling_from_freqs(
-            path, spec, _dequantize(tensors["rope_freqs.weight"]), orig_ctx)
-        spec = spec_from_hf_config(config)
-    return spec
 
 
 def _hf_architecture(arch: str, experts, window) -> str:

@@ -34,10 +34,6 @@ class ProcessGroup:
     def __init__(self, channel: parallel.StepChannel):
         self.channel = channel
 
-    @property
-    def is_leader(self) -> bool:
-        return self.channel.is_leader
-
     def announce(self, bucket: int, packed, copies) -> None:
         """On the leader: the step of `bucket` (its index, -1 for none) with `packed` inputs, and
         the page copies to run before it."""
@@ -73,5 +69,4 @@ class ProcessGroup:
 
     def stop(self) -> None:
         """On the leader: let the other processes' `follow` return."""
-        if self.channel.is_leader:
-            self.channel.send_header(parallel.StepChannel.STOP)
+        self.channel.send_header(parallel.StepChannel.STOP)

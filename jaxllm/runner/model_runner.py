@@ -89,9 +89,9 @@ class ModelRunner:
         self.steps = self._compiled_steps()
         self.builder.pick = self.steps.pick
         self.prompt_logprobs = PromptLogprobs(spec)
-        # Over several processes, process 0 announces each step to the others (`follow`).
+        # Over several processes, process 0 announces each step to the others (`follow`); None
+        # also once a failed step leaves nobody to announce to (engine/core.py).
         self.channel = parallel.StepChannel() if jax.process_count() > 1 else None
-        self._followers = ProcessGroup(self.channel) if self.channel is not None else None
         self._abstract_state = {}       # id(params) -> (params, KV cache) as shapes, dtypes and shardings
 
     def _compiled_steps(self) -> CompiledSteps:
@@ -131,9 +131,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         seqs, first, count, buffers, packed = (self.builder.prepare_step(scheduler_output.scheduled, ahead) if n
                                                else (None,) * 5)
-        if self._followers is not None:
+        if self.channel is not None:
             bucket = self.buckets.index(buffers.bucket) if buffers is not None else -1
-            self._followers.announce(bucket, packed, scheduler_output.block_copies)
+            ProcessGroup(self.channel).announce(bucket, packed, scheduler_output.block_copies)
         self.kv.copy_pages(scheduler_output.block_copies)
         if n == 0:
             return InFlight(scheduler_output, None, None, None, None, None, t0)
@@ -223,13 +223,13 @@ class ModelRunner:
     # ----- several processes -----
     def follow(self) -> None:
         """On a process other than 0: run the steps process 0 announces until it stops."""
-        self._followers.follow(self)
+        ProcessGroup(self.channel).follow(self)
 
     def stop_followers(self) -> None:
         """On process 0: let the other processes' `follow` return."""
-        if self._followers is not None and self._followers.is_leader:
-            self._followers.stop()
-            self._followers = self.channel = None
+        if self.channel is not None and self.channel.is_leader:
+            ProcessGroup(self.channel).stop()
+            self.channel = None
 
 
 def _fetch(x) -> np.ndarray:

@@ -7,7 +7,7 @@ decided once from the platform, the mesh and the user's options.
     params = weights.prepare.prepare_weights(loaded.params, spec, plan, ...)     # the plan's weights
 
 `resolve_weight_plan` is a pure function of plain data (a table-driven test checks it:
-tests/test_weight_plan.py); `prepare_weights` turns loaded arrays into the plan's weight
+tests/quantization/test_weight_plan.py); `prepare_weights` turns loaded arrays into the plan's weight
 objects, each of which applies itself (models/linear.py). Nothing else decides a format.
 
 The linears, by their params names (models/decoder.py):

@@ -72,8 +72,7 @@ def build_app(llm: AsyncLLM, args: ServerArgs | None = None, shutdown: Shutdown 
     """The FastAPI app serving `llm` under the limits in `args`."""
     args = args or ServerArgs()
     shutdown = shutdown or Shutdown()
-    engine = llm.engine
-    stat_logger = None if args.disable_log_stats else StatLogger(engine, args.log_stats_interval)
+    stat_logger = None if args.disable_log_stats else StatLogger(llm.engine, args.log_stats_interval)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -87,13 +86,18 @@ def build_app(llm: AsyncLLM, args: ServerArgs | None = None, shutdown: Shutdown 
     app = FastAPI(title="jaxllm", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible API for jaxllm (completions, chat, models), plus tokenize, "
                               "detokenize, health, version and Prometheus metrics.")
-    server_metrics = ServerMetrics(engine, engine.model_name)
-    workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxllm-tokenizer")
-    parts = (llm, server_metrics, args, shutdown, workers)
-    completion, chat, tokenization = (OpenAIServingCompletion(*parts), OpenAIServingChat(*parts),
-                                      OpenAIServingTokenization(*parts))
+    server_metrics = ServerMetrics(llm.engine, llm.engine.model_name)
     app.add_middleware(RequestGuard, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
                        max_header_bytes=args.max_header_bytes, shutdown=shutdown)
+    _add_error_handlers(app)
+    _add_service_routes(app, llm, args, shutdown, server_metrics)
+    _add_openai_routes(app, llm, args, shutdown, server_metrics)
+    _drop_422s_from_openapi(app)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error answered as OpenAI's error object (validation errors as 400s)."""
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
@@ -126,6 +130,11 @@ def build_app(llm: AsyncLLM, args: ServerArgs | None = None, shutdown: Shutdown 
         return error_response(f"internal error; the server logged it as request {request_id_of(request.scope)}",
                               500)
 
+
+def _add_service_routes(app: FastAPI, llm: AsyncLLM, args: ServerArgs, shutdown: Shutdown,
+                        server_metrics: ServerMetrics) -> None:
+    """/health, /version, /metrics and the playground at /."""
+
     @app.get("/health", response_class=Response,
              responses={200: {"description": "serving (empty body)"},
                         503: {"model": ErrorResponse, "description": _ERRORS[503]}})
@@ -151,6 +160,16 @@ def build_app(llm: AsyncLLM, args: ServerArgs | None = None, shutdown: Shutdown 
     async def metrics():
         return Response(server_metrics.render(), media_type=CONTENT_TYPE)
 
+
+def _add_openai_routes(app: FastAPI, llm: AsyncLLM, args: ServerArgs, shutdown: Shutdown,
+                       server_metrics: ServerMetrics) -> None:
+    """/v1/models, /v1/completions, /v1/chat/completions, /tokenize and /detokenize."""
+    engine = llm.engine
+    workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxllm-tokenizer")
+    parts = (llm, server_metrics, args, shutdown, workers)
+    completion, chat, tokenization = (OpenAIServingCompletion(*parts), OpenAIServingChat(*parts),
+                                      OpenAIServingTokenization(*parts))
+
     @app.get("/v1/models", responses=_responses(None, 401, 431, 500, 503))
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=engine.model_name, max_model_len=engine.config.scheduler.max_model_len)])
@@ -172,10 +191,12 @@ def build_app(llm: AsyncLLM, args: ServerArgs | None = None, shutdown: Shutdown 
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         return await tokenization.detokenize(request)
 
+
+def _drop_422s_from_openapi(app: FastAPI) -> None:
+    """FastAPI's schema without its 422s: validation errors are answered 400, as OpenAI does."""
     build_openapi = app.openapi
 
     def openapi() -> dict:
-        """FastAPI's schema without its 422s: validation errors are answered 400, as OpenAI does."""
         if app.openapi_schema is None:
             for path in build_openapi()["paths"].values():
                 for operation in path.values():
@@ -183,7 +204,6 @@ def build_app(llm: AsyncLLM, args: ServerArgs | None = None, shutdown: Shutdown 
         return app.openapi_schema
 
     app.openapi = openapi
-    return app
 
 
 # ----------------------------------------------------------------------------- running it

@@ -19,6 +19,83 @@ from jaxllm.entrypoints.openai.serving_utils import APIError, chat_logprobs, fin
 from jaxllm.entrypoints.openai.tool_parsers import get_tool_parser
 
 
+class _ChatCompletion:
+    """One chat completion's answer, whole (`collect`) or as server-sent events (`stream`): its
+    choices' text turned into messages, tool calls and finish reasons as the request asks.
+    `eos_text`: the EOS token's text, cut from the end (a tool parser that reads special tokens
+    keeps them in the text)."""
+
+    def __init__(self, request: ChatCompletionRequest, tools: ToolCalling, model_name: str, prompt_ids: list[int],
+                 request_id: str, n: int, eos_text: str):
+        self.request, self.tools, self.model_name, self.prompt_ids = request, tools, model_name, prompt_ids
+        self.request_id, self.n, self.eos_text = request_id, n, eos_text
+        self.created = int(time.time())
+        self.choices = [ChoiceState() for _ in range(n)]
+
+    def usage(self) -> UsageInfo:
+        completion_tokens = sum(len(c.token_ids) for c in self.choices)
+        return UsageInfo(prompt_tokens=len(self.prompt_ids), completion_tokens=completion_tokens,
+                         total_tokens=len(self.prompt_ids) + completion_tokens)
+
+    def chunk(self, choice_list: list[ChatCompletionStreamChoice], usage_info: UsageInfo | None = None) -> str:
+        response = ChatCompletionStreamResponse(id=self.request_id, created=self.created, model=self.model_name,
+                                                choices=choice_list)
+        if usage_info is not None:
+            response.usage = usage_info
+        return sse(response)
+
+    def message(self, c: ChoiceState) -> tuple[AssistantMessage, str | None]:
+        content, calls = self.tools.extract(c.text.removesuffix(self.eos_text) if self.eos_text else c.text)
+        out = [ToolCallOut(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments)) for t in calls]
+        return (AssistantMessage(content=content, tool_calls=out or None),
+                self.tools.finish_reason(len(calls), finish_reason(c.finish_reason)))
+
+    async def collect(self, outputs: MergedOutputs) -> ChatCompletionResponse:
+        async for _, out in outputs:
+            for delta in out.outputs:
+                self.choices[delta.index].add(delta)
+        logprobs = self.request.logprobs
+        result = [ChatCompletionChoice(
+            index=i, message=msg, logprobs=chat_logprobs(c.token_ids, c.logprobs) if logprobs else None,
+            finish_reason=reason, stop_reason=c.stop_reason)
+            for i, c in enumerate(self.choices) for msg, reason in [self.message(c)]]
+        return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model_name,
+                                      choices=result, usage=self.usage())
+
+    async def stream(self, outputs: MergedOutputs) -> AsyncIterator[str]:
+        yield self.chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""),
+                                                     logprobs=None, finish_reason=None) for i in range(self.n)])
+        parsers = [self.tools.stream() for _ in range(self.n)]
+        async for _, out in outputs:
+            for delta in out.outputs:
+                self.choices[delta.index].add(delta)
+                choice = self._stream_choice(delta, parsers[delta.index])
+                if choice is not None:
+                    yield self.chunk([choice])
+        if self.request.include_usage:
+            yield self.chunk([], self.usage())
+
+    def _stream_choice(self, delta, parser) -> ChatCompletionStreamChoice | None:
+        """One choice's new text as a stream chunk's choice, or None while the tool parser holds it."""
+        text = delta.text
+        if self.eos_text and delta.finish_reason is not None:
+            text = text.removesuffix(self.eos_text)
+        content, calls = parser.feed(text)
+        if delta.finish_reason is not None:
+            more, more_calls = parser.finish()
+            content, calls = content + more, calls + more_calls
+        elif self.tools.mode != "none" and not content and not calls and not self.request.logprobs:
+            return None        # (text held back by the tool parser)
+        choice = ChatCompletionStreamChoice(
+            index=delta.index, delta=DeltaMessage(content=content if content or not calls else None,
+                                                  tool_calls=_tool_deltas(calls)),
+            logprobs=chat_logprobs(delta.token_ids, delta.logprobs or []) if self.request.logprobs else None,
+            finish_reason=self.tools.finish_reason(parser.num_calls, finish_reason(delta.finish_reason)))
+        if delta.finish_reason is not None:
+            choice.stop_reason = delta.stop_reason
+        return choice
+
+
 def _tool_deltas(deltas: list[ToolDelta]) -> list[DeltaToolCall] | None:
     return [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
                           function=DeltaFunctionCall(name=d.name, arguments=d.arguments)) for d in deltas] or None
@@ -54,65 +131,8 @@ class OpenAIServingChat(OpenAIServing):
                                             request.chat_template_kwargs, request.chat_template,
                                             tools=tools.template_tools)
         self.check_length(len(prompt_ids), max_tokens, "messages")
-        request_id = f"chatcmpl-{request_id_of(raw.scope)}"
-        created, n = int(time.time()), params.n
-        choices = [ChoiceState() for _ in range(n)]
+        chat = _ChatCompletion(request, tools, self.model_name, prompt_ids, f"chatcmpl-{request_id_of(raw.scope)}",
+                               params.n, eos_text)
+        return await self.respond(raw, self.start([(None, prompt_ids)], params, chat.request_id), request,
+                                  chat.collect, chat.stream)
 
-        def usage() -> UsageInfo:
-            completion_tokens = sum(len(c.token_ids) for c in choices)
-            return UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=completion_tokens,
-                             total_tokens=len(prompt_ids) + completion_tokens)
-
-        def chunk(choice_list: list[ChatCompletionStreamChoice], usage_info: UsageInfo | None = None) -> str:
-            response = ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
-                                                    choices=choice_list)
-            if usage_info is not None:
-                response.usage = usage_info
-            return sse(response)
-
-        def message(c: ChoiceState) -> tuple[AssistantMessage, str | None]:
-            content, calls = tools.extract(c.text.removesuffix(eos_text) if eos_text else c.text)
-            out = [ToolCallOut(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments)) for t in calls]
-            return (AssistantMessage(content=content, tool_calls=out or None),
-                    tools.finish_reason(len(calls), finish_reason(c.finish_reason)))
-
-        async def collect(outputs: MergedOutputs) -> ChatCompletionResponse:
-            async for _, out in outputs:
-                for delta in out.outputs:
-                    choices[delta.index].add(delta)
-            result = [ChatCompletionChoice(
-                index=i, message=msg, logprobs=chat_logprobs(c.token_ids, c.logprobs) if request.logprobs else None,
-                finish_reason=reason, stop_reason=c.stop_reason)
-                for i, c in enumerate(choices) for msg, reason in [message(c)]]
-            return ChatCompletionResponse(id=request_id, created=created, model=self.model_name, choices=result,
-                                          usage=usage())
-
-        async def stream(outputs: MergedOutputs) -> AsyncIterator[str]:
-            yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""),
-                                                    logprobs=None, finish_reason=None) for i in range(n)])
-            parsers = [tools.stream() for _ in range(n)]
-            async for _, out in outputs:
-                for delta in out.outputs:
-                    choices[delta.index].add(delta)
-                    parser = parsers[delta.index]
-                    text = delta.text
-                    if eos_text and delta.finish_reason is not None:
-                        text = text.removesuffix(eos_text)
-                    content, calls = parser.feed(text)
-                    if delta.finish_reason is not None:
-                        more, more_calls = parser.finish()
-                        content, calls = content + more, calls + more_calls
-                    elif tools.mode != "none" and not content and not calls and not request.logprobs:
-                        continue        # (text held back by the tool parser)
-                    choice = ChatCompletionStreamChoice(
-                        index=delta.index, delta=DeltaMessage(content=content if content or not calls else None,
-                                                              tool_calls=_tool_deltas(calls)),
-                        logprobs=chat_logprobs(delta.token_ids, delta.logprobs or []) if request.logprobs else None,
-                        finish_reason=tools.finish_reason(parser.num_calls, finish_reason(delta.finish_reason)))
-                    if delta.finish_reason is not None:
-                        choice.stop_reason = delta.stop_reason
-                    yield chunk([choice])
-            if request.include_usage:
-                yield chunk([], usage())
-
-        return await self.respond(raw, self.start([(None, prompt_ids)], params, request_id), request, collect, stream)

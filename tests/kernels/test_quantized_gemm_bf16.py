@@ -1,0 +1,200 @@
+"""The C++ GEMM of 4- and 8-bit codes x bf16 activations (`kernels.native.matmul_quantized_bf16`,
+csrc/gemm_quant_bf16.cc) against NumPy and against the packed bf16 GEMM of the same weights
+dequantized and rounded to bf16, which it must equal bit for bit, on every code path the build
+has: the in-register rows, the converted panels, the SwiGLU epilogue, two-level scales, live
+rows; then the weight type that carries such codes (`with_bf16_activations`) and the engine,
+which must equal the bf16 engine on the same values."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxllm.kernels import native
+from jaxllm.quantization import QuantizedWeight, dequantize, matmul
+from jaxllm.quantization.weights import _unpacked_codes, embedding_rows, make_weight, with_bf16_activations
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C++ kernels: {native.unavailable_reason()}")
+
+
+@pytest.fixture(autouse=True)
+def on_the_cpu():
+    """The C++ kernels run on the CPU device (on a GPU machine too)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+def bf16(a) -> np.ndarray:
+    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def random_codes(rng, bits: int, k: int, n: int, groups: int, with_offset: bool, scale_dtype):
+    codes = rng.integers(0, 16, (k, n)) if bits == 4 else rng.integers(-127, 128, (k, n))
+    scale = (rng.random((groups, n)) * 0.05 + 1e-3).astype(scale_dtype)
+    offset = (-rng.random((groups, n)) * 0.3).astype(scale_dtype) if with_offset else None
+    # The loader's dequantization (gguf's `d * q + m` in f32): the reference the kernel rounds.
+    w = codes.astype(np.float32) * np.repeat(scale.astype(np.float32), k // groups, 0)
+    if offset is not None:
+        w = w + np.repeat(offset.astype(np.float32), k // groups, 0)
+    return codes, scale, offset, w
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 13, 97])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("groups, with_offset, scale_dtype", [(3, True, np.float16), (1, False, np.float32),
+                                                               (6, True, np.float32)])
+def test_matmul_quantized_bf16_is_the_bf16_gemm_of_the_rounded_weights(rows, bits, groups, with_offset,
+                                                                        scale_dtype):
+    # K = 72 (groups of 72, 24, 12 rows), 7 panels: items of 4, 2 and 1 panels.
+    rng = np.random.default_rng(rows * 7 + groups + bits)
+    k, n = 72, 112
+    codes, scale, offset, w = random_codes(rng, bits, k, n, groups, with_offset, scale_dtype)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    packed = native.pack_codes(codes, bits, pairs=bits == 4)
+    assert packed.shape == ((n // 16, k // 4, 32) if bits == 4 else (n // 16, k, 16))
+    ref = bf16(x).astype(np.float64) @ bf16(w).astype(np.float64)
+    bf16_panels = native.pack_weight(w.astype(ml_dtypes.bfloat16), dtype=ml_dtypes.bfloat16)
+    for path in ("auto", *native.kernel_paths()):
+        if path == "avx2":
+            continue            # the bf16 kernels have portable and AVX-512 code only
+        y = jax.jit(functools.partial(native.matmul_quantized_bf16, bits=bits, path=path))(x, packed, scale, offset)
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+        same = jax.jit(functools.partial(native.matmul_packed, path=path))(x, bf16_panels)
+        np.testing.assert_array_equal(y, same)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7, 30])
+def test_matmul_quantized_bf16_swiglu_two_level_scales_and_live_rows(rows):
+    # [gate | up], 3 panels each, with GGUF K-quant style scales: int8 sub-scales of f16 supers
+    # (two groups to a super-group); then only the first rows - 1 rows live.
+    rng = np.random.default_rng(rows)
+    k, n, groups = 64, 96, 4
+    codes = rng.integers(0, 16, (k, n))
+    sub_s, sub_o = rng.integers(1, 64, (groups, n)).astype(np.int8), rng.integers(0, 64, (groups, n)).astype(np.int8)
+    sup_s = (rng.random((groups // 2, n)) * 1e-3).astype(np.float16)
+    sup_o = (-rng.random((groups // 2, n)) * 5e-3).astype(np.float16)
+    s = sub_s.astype(np.float32) * np.repeat(sup_s.astype(np.float32), 2, 0)
+    o = sub_o.astype(np.float32) * np.repeat(sup_o.astype(np.float32), 2, 0)
+    w = codes * np.repeat(s, k // groups, 0) + np.repeat(o, k // groups, 0)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    h = bf16(x).astype(np.float64) @ bf16(w).astype(np.float64)
+    ref = h[:, : n // 2] / (1 + np.exp(-h[:, : n // 2])) * h[:, n // 2:]
+    packed = native.pack_codes(codes, 4, pairs=True)
+    for path in ("auto", "portable"):
+        call = functools.partial(native.matmul_quantized_bf16, bits=4, path=path, swiglu=True, super_scale=sup_s,
+                                 super_offset=sup_o)
+        y = jax.jit(call)(x, packed, sub_s, sub_o)
+        np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+        live = jax.jit(call)(x, packed, sub_s, sub_o, rows=np.int32(rows - 1))
+        np.testing.assert_array_equal(live[: rows - 1], y[: rows - 1])
+        assert not np.asarray(live[rows - 1:]).any()
+
+
+def test_matmul_quantized_bf16_rejects_what_it_cannot_run():
+    rng = np.random.default_rng(0)
+    codes, scale, offset, _ = random_codes(rng, 4, 24, 32, 4, True, np.float16)    # groups of 6 rows
+    x = jnp.ones((2, 24), jnp.float32)
+    with pytest.raises(Exception, match="groups of a multiple of 4 rows"):
+        jax.block_until_ready(native.matmul_quantized_bf16(x, native.pack_codes(codes, 4, pairs=True), scale, offset,
+                                                           4))
+    with pytest.raises(Exception, match="int8 \\[N / 16, K, 16\\] \\(bits 8\\)"):    # 4-bit panels as 8-bit
+        jax.block_until_ready(native.matmul_quantized_bf16(x, native.pack_codes(codes, 4), scale[:1], None, 8))
+
+
+def test_with_bf16_activations_keeps_the_weight():
+    # The pairs layout holds the same codes (dequantize, shape) and multiplies as the bf16 GEMM
+    # of the rounded weights; 8-bit codes likewise in their own panels; groups of 2 rows stay.
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((64, 48)).astype(np.float32)
+    q = make_weight(w, "int4", panels=True, activations="float")
+    p = with_bf16_activations(q)
+    assert isinstance(p, QuantizedWeight) and p.activations == "bf16" and p.shape == q.shape == (64, 48)
+    np.testing.assert_array_equal(_unpacked_codes(p, np), _unpacked_codes(q, np))
+    np.testing.assert_array_equal(dequantize(p), dequantize(q))
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    ref = bf16(x).astype(np.float64) @ bf16(dequantize(q)).astype(np.float64)
+    np.testing.assert_allclose(jax.jit(matmul)(x, p), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    q8 = make_weight(w, "int8", panels=True, activations="float")
+    p8 = with_bf16_activations(q8)          # 8-bit codes keep their panels
+    assert p8.activations == "bf16" and p8.codes is q8.codes
+    ref8 = bf16(x).astype(np.float64) @ bf16(dequantize(q8)).astype(np.float64)
+    np.testing.assert_allclose(jax.jit(matmul)(x, p8), ref8, rtol=1e-5, atol=1e-5 * np.abs(ref8).max())
+    tokens = np.array([0, 17, 40])          # embedding rows: the bf16 table's
+    np.testing.assert_array_equal(jax.jit(embedding_rows)(p8, tokens), bf16(dequantize(q8).T[tokens]))
+    two_row_groups = QuantizedWeight(q.codes, jnp.repeat(q.scale, 16, 0), jnp.repeat(q.offset, 16, 0), 4, "panels",
+                                     "float")
+    assert with_bf16_activations(two_row_groups) is two_row_groups
+
+
+def bf16_valued_copy(model_dir: str, out: str) -> str:
+    """`model_dir` with every weight rounded to bf16 (stored in float32): under dtype bfloat16
+    the engine then quantizes the values the checkpoint holds, as the float32 reference does."""
+    import shutil
+
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    model.save_pretrained(out)
+    for name in os.listdir(model_dir):
+        if "token" in name or "template" in name:
+            shutil.copy(os.path.join(model_dir, name), out)
+    return out
+
+
+@pytest.mark.skipif(not native.bf16_gemm_native(), reason="no AVX512_BF16 here: bf16 weights are not packed")
+def test_int4_engine_under_bf16_is_the_bf16_engine_on_quantized_values(tiny_model_dir, tmp_path):
+    # Under dtype bfloat16 every quantized matrix (4-bit layers, the 8-bit tied LM head) takes
+    # bf16 activations and its dequantized weights rounded to bf16, and the embedding rows are
+    # rounded too: the bf16 engine on the same values, token for token and logprob for logprob.
+    from tests.helpers.quantized_checkpoints import PROMPTS, fake_quantized_checkpoint
+    from tests.helpers.tiny_model import TINY_ENGINE_ARGS
+
+    from jaxllm import LLM, SamplingParams
+
+    model = bf16_valued_copy(tiny_model_dir, str(tmp_path / "bf16-valued"))
+    args = {**TINY_ENGINE_ARGS, "dtype": "bfloat16"}
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, logprobs=3)
+    ref = LLM(fake_quantized_checkpoint(model, "int4", str(tmp_path / "int4")), **args)
+    ref_out = ref.generate(PROMPTS, greedy, use_tqdm=False)
+    del ref
+    llm = LLM(model, quantization="int4", **args)
+    params = llm.engine.runner.params
+    assert {params["layers"][0][name].activations for name in ("wqkv", "wo", "w_gate_up", "w_down")} == {"bf16"}
+    assert params["embed"].activations == "bf16" and params["embed"].bits == 8
+    for a, b in zip(llm.generate(PROMPTS, greedy, use_tqdm=False), ref_out):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
+        assert [{t: lp.logprob for t, lp in d.items()} for d in a.outputs[0].logprobs] == \
+            [{t: lp.logprob for t, lp in d.items()} for d in b.outputs[0].logprobs]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not native.bf16_gemm_native(), reason="no AVX512_BF16 here: bf16 weights are not packed")
+def test_default_gguf_kept_under_bf16_is_the_bf16_engine():
+    # The default model's Q4_1 layers and Q8_0 embedding kept (`quantization="gguf"`) against
+    # the same file dequantized to bf16 (`quantization="none"`): the same tokens and logprobs.
+    from jaxllm import LLM, SamplingParams
+
+    args = dict(dtype="bfloat16", max_num_seqs=8, max_model_len=512, kv_cache_memory=32 << 20, warmup=False,
+                background_compile=False)
+    prompts = ["The capital of France is", "def fib(n):", "Once upon a time"]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
+    kept = LLM(quantization="gguf", **args)
+    assert kept.engine.runner.params["layers"][0]["wqkv"].activations == "bf16"
+    out = kept.generate(prompts, greedy, use_tqdm=False)
+    del kept
+    ref = LLM(quantization="none", **args).generate(prompts, greedy, use_tqdm=False)
+    for a, b in zip(out, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [{t: lp.logprob for t, lp in d.items()} for d in a.outputs[0].logprobs] == \
+            [{t: lp.logprob for t, lp in d.items()} for d in b.outputs[0].logprobs]

@@ -1,0 +1,217 @@
+"""Quantized checkpoints run as they are: GGUF blocks (`quantization/gguf_blocks.py`) against
+gguf-py's own dequantization, and AWQ / GPTQ checkpoints written here by reference packers
+(the formats as AutoAWQ and AutoGPTQ define them) against the float engine on the weights
+those codes stand for."""
+
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.kernels import native
+from jaxllm.models.loader import load_model
+from jaxllm.quantization import QuantizedWeight, matmul, weight_bytes
+from jaxllm.quantization.weights import (dequantize as dequantize_weight, embedding_rows, flat_scales, relayout,
+                                        with_int8_activations)
+
+from tests.helpers.quantized_checkpoints import gguf_blocks, write_quantized_gguf, write_quantized_hf
+from tests.helpers.tiny_model import TINY_ENGINE_ARGS
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C++ kernels: {native.unavailable_reason()}")
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_blocks_keep_exactly_the_values_gguf_py_dequantizes(name, monkeypatch):
+    from gguf.constants import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    from jaxllm.quantization.gguf_blocks import gguf_rows
+
+    t = T[name]
+    rng = np.random.default_rng(int(t))
+    data = gguf_blocks(rng, (32, 512), t)
+    rows = gguf_rows(data, t, (32, 512))
+    assert rows.bits == (4 if name in ("Q4_0", "Q4_1", "Q4_K") else 8)
+    np.testing.assert_array_equal(rows.dequantize(), dequantize(data, t).reshape(32, 512))
+    # ... and the C++ GEMM and the plain path multiply by those values.
+    weight = rows.to_weight()
+    x = rng.standard_normal((5, 512)).astype(np.float32)
+    ref = x.astype(np.float64) @ dequantize(data, t).reshape(32, 512).T.astype(np.float64)
+    assert relayout(weight, panels=True).layout == "panels"
+    for w in (weight, relayout(weight, panels=True)):
+        np.testing.assert_allclose(matmul(x, w), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    if t not in (T.Q4_K, T.Q5_K, T.Q6_K):
+        return
+    # The K-quants keep two-level scales (int8 sub-scales of an f16 per 256 rows): 4.625 bits a
+    # weight for Q4_K, 8.625 for the 8-bit codes ...
+    assert rows.scale.dtype == np.int8 and rows.super_scale.dtype == np.float16
+    assert rows.super_scale.shape == (32, 2) and (rows.offset is None) == (t == T.Q6_K)
+    bits = weight_bytes(relayout(weight, panels=True)) * 8 / (32 * 512)
+    assert bits <= (4.625 if t == T.Q4_K else 8.625), bits
+    # ... and every path gives exactly what the scales multiplied out give (the same f32 scales).
+    flat = flat_scales(weight)
+    assert flat.super_scale is None and flat.scale.dtype == np.float32
+    tokens = jnp.asarray([0, 5, 31, 7])
+    np.testing.assert_array_equal(embedding_rows(weight, tokens), embedding_rows(flat, tokens))
+    for a, b in [(weight, flat), (relayout(weight, panels=True), relayout(flat, panels=True))]:
+        np.testing.assert_array_equal(matmul(x, a), matmul(x, b))
+    if t == T.Q4_K:     # 4-bit codes x int8 activations (llama.cpp's scheme) read them too
+        a, b = (with_int8_activations(relayout(w, panels=True)) for w in (weight, flat))
+        assert a.activations == "int8"
+        np.testing.assert_array_equal(matmul(x, a), matmul(x, b))
+    # For a GPU (the Pallas kernel takes one level) they are multiplied out once, when laid out.
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    on_gpu = relayout(weight, panels=False)
+    assert on_gpu.super_scale is None and on_gpu.scale.dtype == np.float32
+    np.testing.assert_array_equal(dequantize_weight(on_gpu), dequantize_weight(weight))
+    monkeypatch.undo()
+    # The C++ GEMM refuses int8 sub-scales without their super-scales, and super-scales that
+    # do not divide the groups.
+    packed = relayout(weight, panels=True)
+    for super_scale in (None, packed.super_scale[:1].repeat(3, axis=0)):
+        with pytest.raises(Exception, match="two-level"):
+            native.matmul_quantized(x, packed.codes, packed.scale, packed.offset, packed.bits,
+                                    super_scale=super_scale, super_offset=packed.super_offset)
+
+
+def test_fused_parts_of_different_block_types_share_the_widest_format():
+    from gguf.constants import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    from jaxllm.quantization.checkpoint import concat_rows
+    from jaxllm.quantization.gguf_blocks import gguf_rows
+
+    rng = np.random.default_rng(0)
+    parts = [(T.Q4_K, 32), (T.Q6_K, 16), (T.Q4_1, 16)]
+    datas = [gguf_blocks(rng, (out, 256), t) for t, out in parts]
+    fused = concat_rows([gguf_rows(d, t, (out, 256)) for d, (t, out) in zip(datas, parts)])
+    assert (fused.bits, fused.scale.shape, fused.scale.dtype) == (8, (64, 16), np.float32)
+    ref = np.concatenate([dequantize(d, t).reshape(out, 256) for d, (t, out) in zip(datas, parts)])
+    np.testing.assert_array_equal(fused.dequantize(), ref)
+    # K-quant parts alone keep two levels: Q4_K's 32-row sub-scales repeated to Q6_K's 16.
+    two = concat_rows([gguf_rows(d, t, (out, 256)) for d, (t, out) in zip(datas[:2], parts[:2])])
+    assert (two.bits, two.scale.dtype, two.scale.shape, two.super_scale.shape) == (8, np.int8, (48, 16), (48, 1))
+    np.testing.assert_array_equal(two.dequantize(), ref[:48])
+    # Four-bit parts with f16 scales stay so.
+    q41 = [gguf_rows(gguf_blocks(rng, (16, 256), T.Q4_1), T.Q4_1, (16, 256)) for _ in range(2)]
+    both = concat_rows(q41)
+    assert (both.bits, both.scale.dtype) == (4, np.float16)
+
+
+def test_gguf_engine_kept_quantized_matches_the_dequantized_engine(tiny_model_dir, tmp_path, monkeypatch):
+    # The reference: the same file dequantized by gguf-py into the float32 engine (checked
+    # against HF transformers in test_loader.py).
+    path = write_quantized_gguf(str(tmp_path / "tiny.gguf"))
+    prompts = [{"prompt_token_ids": list(range(i, i + 7 + 3 * i))} for i in range(4)]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2, detokenize=False)
+    args = dict(TINY_ENGINE_ARGS, params_cache_dir=str(tmp_path / "params"))
+    ref_llm = LLM(path, quantization="none", **args)
+    ref = ref_llm.generate(prompts, greedy, use_tqdm=False)
+    float_bytes = weight_bytes(ref_llm.engine.runner.params)
+    del ref_llm
+    packed = []
+    monkeypatch.setattr(native, "pack_codes",
+                        lambda *a, pack=native.pack_codes, **kw: packed.append(1) or pack(*a, **kw))
+    for run in range(2):        # the second from the params cache, which keeps the packed layout
+        packed.clear()
+        llm = LLM(path, **args)      # float32 on a CPU with the C++ kernels: kept quantized by default
+        assert bool(packed) == (run == 0)
+        assert llm.engine.config.quantization == "gguf"
+        params = llm.engine.runner.params
+        assert isinstance(params["embed"], QuantizedWeight) and params["embed"].layout == "panels"
+        assert [params["layers"][i]["wqkv"].bits for i in range(2)] == [8, 4]
+        out = llm.generate(prompts, greedy, use_tqdm=False)
+        for a, b in zip(out, ref):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            np.testing.assert_allclose(a.outputs[0].cumulative_logprob, b.outputs[0].cumulative_logprob, rtol=1e-4)
+        assert weight_bytes(params) < 0.4 * float_bytes, (weight_bytes(params), float_bytes)
+        del llm
+    with pytest.raises(ValueError, match="needs a GGUF"):
+        LLM(tiny_model_dir, quantization="gguf", **TINY_ENGINE_ARGS)
+
+
+def test_gguf_engine_loads_float_weights_when_the_kernel_build_fails(tmp_path, monkeypatch):
+    """The engine decides to keep a GGUF's blocks before the C++ kernels' build (on its thread)
+    is done; if the build then fails, it loads the weights as floats for the jnp paths."""
+    path = write_quantized_gguf(str(tmp_path / "tiny.gguf"))
+    prompts = [{"prompt_token_ids": list(range(i, i + 7 + 3 * i))} for i in range(3)]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False)
+    args = dict(TINY_ENGINE_ARGS, params_cache_dir=str(tmp_path / "params"))
+    ref = LLM(path, quantization="none", attention_backend="cpu", **args).generate(prompts, greedy, use_tqdm=False)
+
+    def failed():
+        raise RuntimeError("jaxllm's native CPU kernels are unavailable: the build failed (simulated)")
+
+    monkeypatch.setattr(native, "expected", lambda: True)      # a compiler is there, the build under way
+    monkeypatch.setattr(native, "available", lambda: False)
+    monkeypatch.setattr(native, "require", failed)
+    llm = LLM(path, **args)
+    assert llm.engine.config.quantization is None and llm.engine.runner.attention.name == "cpu"
+    assert not any(isinstance(w, QuantizedWeight) for w in jax.tree_util.tree_leaves(
+        llm.engine.runner.params, is_leaf=lambda x: isinstance(x, QuantizedWeight)))
+    out = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+
+
+# ----------------------------------------------------------------------------- AWQ and GPTQ
+
+
+@pytest.mark.parametrize("method, bits, act_order", [("awq", 4, False), ("gptq", 4, True), ("gptq", 8, False)])
+def test_awq_and_gptq_checkpoints_match_the_float_engine_on_their_values(method, bits, act_order, tiny_model_dir,
+                                                                           tmp_path):
+    out, ref_dir = str(tmp_path / method), str(tmp_path / "ref")
+    write_quantized_hf(tiny_model_dir, method, bits, act_order, out, ref_dir)
+    prompts = ["Hello, my name is", "The capital of France is", "1 2 3 4 5", "def main():"]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2)
+    args = dict(TINY_ENGINE_ARGS, params_cache_dir=str(tmp_path / "params"))
+    ref_llm = LLM(ref_dir, **args)
+    ref = ref_llm.generate(prompts, greedy, use_tqdm=False)
+    del ref_llm
+    llm = LLM(out, **args)
+    assert llm.engine.config.quantization == method
+    wqkv = llm.engine.runner.params["layers"][0]["wqkv"]
+    assert isinstance(wqkv, QuantizedWeight) and wqkv.bits == bits and (wqkv.perm is not None) == act_order
+    for a, b in zip(llm.generate(prompts, greedy, use_tqdm=False), ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        np.testing.assert_allclose(a.outputs[0].cumulative_logprob, b.outputs[0].cumulative_logprob, rtol=1e-3)
+    del llm
+    with pytest.raises(ValueError, match="already quantized"):
+        LLM(out, quantization="int8", **args)
+    with pytest.raises(ValueError, match="needs a checkpoint quantized so"):
+        LLM(ref_dir, quantization=method, **args)
+    # Over two pipeline stages each layer slot's matrices stack [stage, ...] in the plain layout
+    # (act-order: each stage's own row order); test_quantized_checkpoints_run_tensor_and_pipeline_parallel
+    # runs them.
+    staged = load_model(out, pipeline_parallel_size=2, use_cache=False).params["layers"][0]["wqkv"]
+    assert staged.layout == "plain" and staged.codes.shape[0] == staged.scale.shape[0] == 2
+    assert (staged.perm is not None and staged.perm.shape == (2, staged.shape[0])) == act_order
+
+
+@pytest.mark.multiprocess
+def test_quantized_checkpoints_run_tensor_and_pipeline_parallel(tiny_model_dir, run_on_virtual_devices):
+    """GGUF blocks and AWQ codes split over two devices (each holds half of every split matrix's
+    codes and scales) generate what one device does (GPTQ's codes take the same path as AWQ's);
+    so do the GGUF over two pipeline stages, its two layers in different block types (each slot
+    stacked in the wider format), and act-order GPTQ (each stage's own row order); GPTQ's
+    act-order cannot split its row-parallel matrices over tensor-parallel shards and says so."""
+    results = run_on_virtual_devices(2, "quantized_checkpoints", tiny_model_dir, timeout=900)
+    for name, method in [("gguf", "gguf"), ("awq", "awq"), ("gptq-act-order", "gptq")]:
+        one = results[f"{name}:1x1"]
+        assert one["quantization"] == method and one["qkv_bytes"][1] == 0
+        for layout in {"gguf": ("2x1", "1x2"), "awq": ("2x1",), "gptq-act-order": ("1x2",)}[name]:
+            many = results[f"{name}:{layout}"]
+            assert many["quantization"] == method
+            assert many["token_ids"] == one["token_ids"], layout
+            np.testing.assert_allclose(many["logprobs"], one["logprobs"], rtol=1e-4, atol=1e-4)
+            # The fused QKV splits by columns, or its slot's stack by stage: each device holds half.
+            assert many["qkv_bytes"][0] == many["qkv_bytes"][1]
+        # Tensor-parallel: half of the plain layout's codes and scales of one device (which holds
+        # them all, packed for the C++ GEMM or not).
+        if name != "gptq-act-order":
+            two = results[f"{name}:2x1"]["qkv_bytes"][0]
+            assert abs(2 * two - one["qkv_bytes"][0]) <= 0.02 * one["qkv_bytes"][0]
+    assert "cannot be split along their input rows" in results["gptq-act-order:2x1"]["error"]

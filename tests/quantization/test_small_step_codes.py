@@ -1,0 +1,117 @@
+"""Small-step codes (`EngineArgs.small_step_codes`): a GGUF's quantized blocks kept beside the
+bf16 weights, for the steps of at most SMALL_STEP_ROWS rows. The bf16 weights are made from the
+codes in C++ (`native.codes_to_bf16_panels`), which must give what packing the dequantized
+weights gives, bit for bit; the engine must then be the bf16 engine of the dequantized file
+(`quantization="none"`), token for token and logprob for logprob, in small steps and large."""
+
+from __future__ import annotations
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.kernels import native
+from jaxllm.models.linear import PackedWeight
+from jaxllm.quantization import SMALL_STEP_ROWS, QuantizedWeight, dequantize, weight_bytes
+from jaxllm.quantization.weights import make_weight, with_bf16_activations
+from jaxllm.utils import cpu_flags
+
+from tests.helpers.quantized_checkpoints import write_quantized_gguf
+from tests.helpers.tiny_model import TINY_ENGINE_ARGS, WARM_ENGINE_ARGS
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C++ kernels: {native.unavailable_reason()}")
+needs_bf16_dots = pytest.mark.skipif(not native.bf16_gemm_native(), reason="no AVX512_BF16 dots here")
+
+
+@pytest.fixture(autouse=True)
+def on_the_cpu():
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+@pytest.mark.parametrize("k", [64, 200])
+def test_codes_to_bf16_panels_is_packing_the_dequantized_weights(method, k):
+    # 4-bit codes (f16 scales and offsets in groups of 32, or one group where 32 does not divide
+    # K) and 8-bit ones (an f32 scale per column), 3 panels; the build's widest path (AVX-512, or
+    # the portable loop).
+    rng = np.random.default_rng(k)
+    w = (rng.standard_normal((k, 48)) * 0.05).astype(np.float32)
+    q = with_bf16_activations(make_weight(w, method, panels=True, activations="float"))
+    assert q.activations == "bf16"
+    panels = native.codes_to_bf16_panels(q.codes, q.scale, q.offset, q.bits)
+    dense = np.asarray(dequantize(q, np)).astype(ml_dtypes.bfloat16)
+    expected = native.pack_weight(dense, dtype=ml_dtypes.bfloat16)
+    assert panels.dtype == expected.dtype and panels.shape == expected.shape
+    assert (panels.view(np.uint16) == expected.view(np.uint16)).all()
+
+
+def test_codes_to_bf16_panels_rejects_scales_that_do_not_fit_the_codes():
+    q = with_bf16_activations(make_weight(np.ones((64, 32), np.float32), "int4", panels=True, activations="float"))
+    for scale, offset in [(q.scale[:, :16], q.offset[:, :16]),      # one panel's scales for two panels' codes
+                          (np.ones((3, 32), np.float16), np.ones((3, 32), np.float16)),    # 3 groups of 64 rows
+                          (np.ones((32, 32), np.float16), np.ones((32, 32), np.float16)),  # groups of 2 rows
+                          (q.scale, q.offset[:1])]:
+        with pytest.raises(ValueError, match="no bf16 panels"):
+            native.codes_to_bf16_panels(q.codes, scale, offset, q.bits)
+
+
+@needs_bf16_dots
+def test_gguf_engine_with_small_step_codes_is_the_dequantized_bf16_engine(tmp_path):
+    # Every kept block type of the tiny GGUF (Q4_0/Q4_1, K-quants' two-level scales, 8-bit
+    # Q5/Q6/Q8_0, fused parts of different types, the Q8_0 tied embedding). 1 and 3 sequences
+    # decode in the small steps; 6 in the 8-row step and the prompts in mixed steps, from the
+    # bf16 weights the codes became.
+    path = write_quantized_gguf(str(tmp_path / "tiny.gguf"))
+    # (every step shape compiled: a step runs in the smallest that holds it, not in a mixed one)
+    args = dict(WARM_ENGINE_ARGS, dtype="bfloat16", params_cache_dir=str(tmp_path / "params"))
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, detokenize=False)
+    batches = [[{"prompt_token_ids": list(range(3 + i, 12 + 4 * i))} for i in range(n)] for n in (1, 3, 6)]
+    ref_llm = LLM(path, quantization="none", **args)
+    assert not ref_llm.engine.config.small_step_codes and ref_llm.engine.runner.small_params is None
+    refs = [ref_llm.generate(b, greedy, use_tqdm=False) for b in batches]
+    ref_params = ref_llm.engine.runner.params
+    llm = LLM(path, **args)
+    assert llm.engine.config.small_step_codes and llm.engine.config.quantization is None
+    runner = llm.engine.runner
+    large, small = runner.params, runner.small_params
+    for i in range(2):
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            assert isinstance(large["layers"][i][name], PackedWeight)
+            # (equal values: a zero weight may be -0.0 in one and +0.0 in the other, as a Q6_K
+            # code of 0 times a negative scale is in gguf-py and plus a zero offset here)
+            assert (np.asarray(large["layers"][i][name].panels, np.float32)
+                    == np.asarray(ref_params["layers"][i][name].panels, np.float32)).all(), (i, name)
+            q = small["layers"][i][name]
+            assert isinstance(q, QuantizedWeight) and q.activations == "bf16"
+    assert (np.asarray(large["embed"].panels, np.float32) == np.asarray(ref_params["embed"].panels, np.float32)).all()
+    assert isinstance(small["embed"], QuantizedWeight) and small["embed"].bits == 8
+    assert small["layers"][0]["attn_norm"] is large["layers"][0]["attn_norm"]     # the rest is shared
+    seen = set()
+    step = runner.step_params
+    runner.step_params = lambda bucket: seen.add(bucket.num_tokens) or step(bucket)
+    for batch, ref in zip(batches, refs):
+        for a, b in zip(llm.generate(batch, greedy, use_tqdm=False), ref):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert [{t: lp.logprob for t, lp in d.items()} for d in a.outputs[0].logprobs] == \
+                [{t: lp.logprob for t, lp in d.items()} for d in b.outputs[0].logprobs]
+    assert min(seen) <= SMALL_STEP_ROWS < max(seen), seen
+    assert weight_bytes(large, small) > weight_bytes(large) > weight_bytes(ref_params) * 0.99
+
+
+def test_small_step_codes_follow_the_cpu_and_the_run(tiny_model_dir, tmp_path):
+    # On by default for a GGUF under bf16 where the CPU has AVX512_BF16; off for float32 runs,
+    # asked quantizations and HF checkpoints; asked for where it cannot apply: a clear error.
+    path = write_quantized_gguf(str(tmp_path / "tiny.gguf"))
+    args = dict(TINY_ENGINE_ARGS, params_cache_dir=str(tmp_path / "params"))
+    here = "avx512_bf16" in cpu_flags() and native.bf16_gemm_native()
+    assert LLM(path, **{**args, "dtype": "bfloat16"}).engine.config.small_step_codes == here
+    assert not LLM(path, **args).engine.config.small_step_codes                 # float32
+    assert not LLM(path, quantization="gguf", **{**args, "dtype": "bfloat16"}).engine.config.small_step_codes
+    with pytest.raises(ValueError, match="small_step_codes needs"):
+        LLM(path, small_step_codes=True, **args)
+    if here:
+        with pytest.raises(ValueError, match="small_step_codes needs a GGUF"):
+            LLM(tiny_model_dir, small_step_codes=True, **{**args, "dtype": "bfloat16"})

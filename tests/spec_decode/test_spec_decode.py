@@ -1,0 +1,228 @@
+"""Speculative decoding (n-gram proposals verified in the step): the proposer on hand-made
+sequences, rejection sampling against the exact target distribution, and the engine's
+outputs with speculation equal to those without it."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.runner import input_batch, sampler
+from jaxllm.runner.compile import CompilationCounter
+from jaxllm.spec_decode.ngram import propose_ngram
+from jaxllm.spec_decode.proposer import Proposer
+
+from tests.helpers.sampling_reference import LOGITS, V, reference_probs, state
+from tests.helpers.tiny_model import TINY_ENGINE_ARGS, WARM_ENGINE_ARGS
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@pytest.mark.parametrize("tokens, min_n, max_n, k, expect", [
+    ([1, 2, 3, 4, 1, 2], 1, 3, 3, [3, 4, 1]),          # "1 2" seen before: what followed it
+    ([1, 2, 3, 9, 2, 3, 7, 2, 3], 2, 2, 2, [7, 2]),     # the most recent of two matches
+    ([5, 1, 2, 3, 6, 0, 2, 3, 8, 1, 2, 3], 1, 3, 2, [6, 0]),  # the longest n wins over a nearer short match
+    ([1, 2, 3, 4], 1, 3, 3, []),                        # nothing repeats
+    ([7, 7, 7], 1, 2, 4, [7]),                          # a match near the end proposes what there is
+    ([4, 5, 4], 2, 3, 2, []),                           # only a 1-gram repeats, below min_n
+])
+def test_ngram_proposals(tokens, min_n, max_n, k, expect):
+    assert propose_ngram(np.asarray(tokens), min_n, max_n, k).tolist() == expect
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.7, top_k=6), dict(top_p=0.8)])
+@pytest.mark.parametrize("draft", [0, 3, 11])
+def test_rejection_sampling_keeps_the_target_distribution(kw, draft):
+    # Every row proposes `draft`: accepted with its target probability, else a token drawn from
+    # the rest; the tokens' frequencies must be the target's whatever the draft.
+    S = 6000
+    st = dataclasses.replace(state(S, **kw), draft_tokens=np.full(S, draft, np.int32))
+    st.flags[input_batch.FLAG_DRAFTS] = True
+    tokens, *_ = jax.jit(sampler.sample)(np.tile(LOGITS, (S, 1)), st)
+    freq = np.bincount(np.asarray(tokens), minlength=V) / S
+    expect = reference_probs(LOGITS, **kw)
+    assert np.all(freq[expect == 0] == 0), "a token outside the kept set was sampled"
+    tolerance = 4 * np.sqrt(expect * (1 - expect) / S) + 1e-3
+    assert np.all(np.abs(freq - expect) <= tolerance), (freq, expect)
+
+
+def test_greedy_rows_accept_only_the_argmax():
+    S = 4
+    st = dataclasses.replace(state(S, temperature=0.0), draft_tokens=np.array([0, 1, -1, 5], np.int32))
+    st.flags[input_batch.FLAG_DRAFTS] = True
+    tokens, *_ = jax.jit(sampler.sample)(np.tile(LOGITS, (S, 1)), st)
+    assert np.asarray(tokens).tolist() == [0] * S
+
+
+PROMPTS = ["The capital of France is", "one two three four five six seven one two three four five six seven",
+           "In 1492, a sailor from Genoa crossed the ocean and found a continent that", "abc abc abc abc abc"]
+
+
+def greedy(max_tokens=32, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+class OracleProposer(Proposer):
+    """Drafts from known continuations (the tiny random model never repeats itself, so n-gram
+    drafts would all be rejected): the true next tokens, with every `wrong_every`-th draft
+    position replaced by a wrong token, so steps accept all, some or none of their drafts."""
+
+    def __init__(self, sequences, k=4, wrong_every=3):
+        self.sequences, self.k, self.wrong_every, self.calls = sequences, k, wrong_every, 0
+        self.num_speculative_tokens = k
+
+    def propose(self, tokens, k):
+        self.calls += 1
+        tokens = tokens.tolist()
+        for seq in self.sequences:
+            if seq[:len(tokens)] == tokens:
+                drafts = seq[len(tokens):len(tokens) + min(k, self.k)]
+                cut = self.calls % self.wrong_every
+                return [t if j != cut else (t + 1) % 1000 for j, t in enumerate(drafts)]
+        return []
+
+
+@pytest.fixture(scope="module")
+def spec_llm(tiny_model_dir):
+    return LLM(tiny_model_dir, **WARM_ENGINE_ARGS, speculative_config=SPEC)   # the compile count below
+
+
+def test_greedy_with_speculation_equals_without(llm, spec_llm, monkeypatch):
+    params = greedy(logprobs=2)
+    plain = llm.generate(PROMPTS, params, use_tqdm=False)
+    stats = spec_llm.engine.stats
+    drafts0, accepted0 = stats.num_draft_tokens, stats.num_accepted_tokens
+    # Real n-gram drafts (here mostly rejected), then oracle drafts, alone (one sequence per
+    # step) and together (several per step).
+    spec = spec_llm.generate(PROMPTS, params, use_tqdm=False)
+    monkeypatch.setattr(spec_llm.engine.scheduler, "proposer",
+                        OracleProposer([o.prompt_token_ids + o.outputs[0].token_ids for o in plain]))
+    with CompilationCounter() as compiles:
+        spec += [spec_llm.generate([p], params, use_tqdm=False)[0] for p in PROMPTS]
+        spec += spec_llm.generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(spec, plain * 3):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert lp_a.keys() == lp_b.keys()
+            np.testing.assert_allclose([x.logprob for x in lp_a.values()], [x.logprob for x in lp_b.values()],
+                                       atol=1e-4)
+    drafted, accepted = stats.num_draft_tokens - drafts0, stats.num_accepted_tokens - accepted0
+    assert compiles.count == 0      # every verification shape was compiled at start-up
+    assert 0.15 * drafted < accepted < drafted     # drafts fully, partly and not at all accepted
+    assert spec_llm.engine.kv_cache_manager.num_used_blocks == 0
+
+
+def test_speculation_with_stops_chunks_preemption_and_sampling(llm, tiny_model_dir, monkeypatch):
+    reference = llm.generate(PROMPTS, greedy(24), use_tqdm=False)
+    oracle = OracleProposer([o.prompt_token_ids + o.outputs[0].token_ids for o in reference])
+    # Small pool and small token budget: prompts chunked, sequences preempted mid-speculation.
+    small = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "num_gpu_blocks_override": 16, "block_size": 4,
+                                   "max_num_batched_tokens": 16}, speculative_config=SPEC)
+    monkeypatch.setattr(small.engine.scheduler, "proposer", oracle)
+    outs = small.generate(PROMPTS, greedy(24), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in reference]
+    assert small.engine.stats.num_preemptions > 0 and small.engine.stats.num_accepted_tokens > 0
+    # max_tokens and stop tokens cut a step's accepted tokens short.
+    full = reference[0].outputs[0].token_ids
+    cut = small.generate(PROMPTS[:1], greedy(24, stop_token_ids=[full[9]]), use_tqdm=False)[0].outputs[0]
+    assert cut.token_ids == full[:full.index(full[9]) + 1] and cut.finish_reason == "stop"
+    short = small.generate(PROMPTS[:1], greedy(5), use_tqdm=False)[0].outputs[0]
+    assert short.token_ids == full[:5] and short.finish_reason == "length"
+    # A stop string found mid-step: the text and tokens end where they end without speculation.
+    text = reference[2].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    expect = llm.generate(PROMPTS[2:3], greedy(24, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    got = small.generate(PROMPTS[2:3], greedy(24, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert (got.text, got.token_ids, got.finish_reason) == (expect.text, expect.token_ids, "stop")
+    # Seeded sampling with drafts stays reproducible, and n > 1 works.
+    seeded = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=24, ignore_eos=True)
+    a, b = (small.generate(PROMPTS, seeded, use_tqdm=False) for _ in range(2))
+    assert [[c.token_ids for c in o.outputs] for o in a] == [[c.token_ids for c in o.outputs] for o in b]
+    assert all(len(c.token_ids) == 24 for o in a for c in o.outputs)
+    assert small.engine.kv_cache_manager.num_used_blocks == 0
+
+
+def test_draft_model_speculation(llm, tiny_model_dir, tmp_path):
+    # The target itself as its draft: every greedy draft is right. A different (1-layer) random
+    # model: drafts mostly wrong. Either way the outputs are the target's; a small token
+    # budget and pool make the draft catch up over prompt chunks and after preemptions.
+    from tests.helpers.tiny_model import build_tiny_model
+
+    reference = llm.generate(PROMPTS, greedy(24, logprobs=1), use_tqdm=False)
+    other = build_tiny_model(str(tmp_path / "draft"), num_layers=1)
+    for draft, small in ((tiny_model_dir, False), (other, True)):
+        args = {**TINY_ENGINE_ARGS, "max_num_batched_tokens": 16} if small else TINY_ENGINE_ARGS
+        if small:
+            args = {**args, "num_gpu_blocks_override": 24, "block_size": 4}
+        engine = LLM(tiny_model_dir, **args, speculative_config={"model": draft, "num_speculative_tokens": 3})
+        outs = engine.generate(PROMPTS, greedy(24, logprobs=1), use_tqdm=False)
+        alone = engine.generate(PROMPTS[:1], greedy(24, logprobs=1), use_tqdm=False)
+        for a, b in zip(outs + alone, reference + reference[:1]):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        stats = engine.engine.stats
+        if not small:
+            assert stats.num_accepted_tokens == stats.num_draft_tokens > 0     # its own drafts: all accepted
+        else:
+            assert stats.num_draft_tokens > 0 and stats.num_preemptions > 0
+        assert engine.engine.kv_cache_manager.num_used_blocks == 0
+    with pytest.raises(ValueError, match="vocabulary"):
+        import transformers
+
+        cfg = transformers.AutoConfig.from_pretrained(other)
+        cfg.vocab_size = 1000
+        transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "small-vocab")
+        LLM(tiny_model_dir, **TINY_ENGINE_ARGS,
+            speculative_config={"model": str(tmp_path / "small-vocab"), "num_speculative_tokens": 2})
+
+
+@pytest.mark.slow
+def test_ngram_speculation_on_the_default_model():
+    # A prompt the real model continues by repeating it: n-gram drafts get accepted, and the
+    # greedy output is the same as without speculation.
+    prompt = ("Repeat this list exactly, twice: apples, pears, plums, cherries, grapes, lemons, limes, "
+              "oranges, melons, figs.\nAnswer: apples, pears, plums, cherries, grapes, lemons")
+    params = greedy(48)
+    args = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256)  # as test_engine's
+    plain = LLM(None, **args).generate([prompt], params, use_tqdm=False)[0]
+    spec = LLM(None, **args, speculative_config={**SPEC, "prompt_lookup_min": 2})
+    out = spec.generate([prompt], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert spec.engine.stats.num_accepted_tokens > 0.5 * spec.engine.stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}, "bogus"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+])
+def test_bad_speculative_configs_rejected(tiny_model_dir, config, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(tiny_model_dir, **TINY_ENGINE_ARGS, speculative_config=config)
+
+
+def test_streaming_with_speculation(tiny_model_dir, llm):
+    # Several tokens per step reach a delta stream together, in order.
+    import asyncio
+
+    from jaxllm import AsyncLLM
+
+    reference = llm.generate([PROMPTS[0]], greedy(24), use_tqdm=False)[0]
+    expected = reference.outputs[0]
+    engine = AsyncLLM(**{**TINY_ENGINE_ARGS, "model": tiny_model_dir}, speculative_config=SPEC)
+    engine.engine.scheduler.proposer = OracleProposer([reference.prompt_token_ids + expected.token_ids])
+
+    async def main():
+        return [o.outputs[0] async for o in engine.generate(PROMPTS[0], greedy(24), "s", output_kind="delta")]
+
+    try:
+        deltas = asyncio.run(main())
+        assert [t for d in deltas for t in d.token_ids] == expected.token_ids
+        assert "".join(d.text for d in deltas) == expected.text
+        assert any(len(d.token_ids) > 1 for d in deltas)
+        assert engine.engine.kv_cache_manager.num_used_blocks == 0
+    finally:
+        engine.shutdown()
