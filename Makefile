@@ -32,11 +32,13 @@ browser:
 # tests marked slow (the real model end to end).
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mkdocs build --strict
 	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # The docs site (docs/, mkdocs.yml) into site/; a broken link or a page missing from the nav fails it.
 docs: $(STAMP)

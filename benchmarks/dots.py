@@ -34,8 +34,13 @@ from workload import RESULTS, cpu_line, machine_info, now_iso, timeit, versions 
 del sys.path[0]
 
 # SmolLM2-135M's weights (K, N): fused QKV, attention output, fused gate/up, down, LM head.
-SHAPES = {"wqkv": (576, 960), "wo": (576, 576), "w_gate_up": (576, 3072), "w_down": (1536, 576),
-          "lm_head": (576, 49152)}
+SHAPES = {
+    "wqkv": (576, 960),
+    "wo": (576, 576),
+    "w_gate_up": (576, 3072),
+    "w_down": (1536, 576),
+    "lm_head": (576, 49152),
+}
 
 
 def main(argv=None) -> int:
@@ -50,27 +55,35 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     machine = machine_info()
     pick, why = resolve_dtype("auto", "cpu")
-    print(f"{cpu_line(machine)}\n"
-          f"dtype='auto' picks {pick}: {why}\n")
+    print(f"{cpu_line(machine)}\ndtype='auto' picks {pick}: {why}\n")
     from jaxllm.quantization import matmul as quantized_matmul
     from jaxllm.quantization.weights import make_weight, with_bf16_activations, with_int8_activations
 
     packed_dot = jax.jit(native.matmul_packed) if native.available() else None
     quantized_dot = jax.jit(quantized_matmul)
-    print(f"{'weight':10s} {'M':>4s} {'f32 GFLOP/s':>12s} {'bf16 GFLOP/s':>13s} {'bf16/f32':>9s} "
-          f"{'packed f32 GFLOP/s':>19s} {'packed/f32':>11s} {'packed bf16':>12s} {'/bf16':>6s}   "
-          "GFLOP/s of int8 / int4 (C++) / w8a8 (C++) / int4 x int8 (C++) / w8a8 (XLA)"
-          + (" / int4 x bf16 (C++)" if native.bf16_gemm_native() else ""))
+    print(
+        f"{'weight':10s} {'M':>4s} {'f32 GFLOP/s':>12s} {'bf16 GFLOP/s':>13s} {'bf16/f32':>9s} "
+        f"{'packed f32 GFLOP/s':>19s} {'packed/f32':>11s} {'packed bf16':>12s} {'/bf16':>6s}   "
+        "GFLOP/s of int8 / int4 (C++) / w8a8 (C++) / int4 x int8 (C++) / w8a8 (XLA)"
+        + (" / int4 x bf16 (C++)" if native.bf16_gemm_native() else "")
+    )
     rows = []
     for name, (k, n) in SHAPES.items():
         w32 = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32))
         w16 = w32.astype(jnp.bfloat16)
         packed = jnp.asarray(native.pack_weight(np.asarray(w32))) if packed_dot else None
-        packed16 = (jnp.asarray(native.pack_weight(np.asarray(w32), dtype=jnp.bfloat16))
-                    if native.bf16_gemm_native() else None)
-        quantized = {method: make_weight(np.asarray(w32), method, panels=packed_dot is not None,
-                                         activations="int8" if method == "w8a8" else "float")
-                     for method in ("int8", "int4", "w8a8")}
+        packed16 = (
+            jnp.asarray(native.pack_weight(np.asarray(w32), dtype=jnp.bfloat16)) if native.bf16_gemm_native() else None
+        )
+        quantized = {
+            method: make_weight(
+                np.asarray(w32),
+                method,
+                panels=packed_dot is not None,
+                activations="int8" if method == "w8a8" else "float",
+            )
+            for method in ("int8", "int4", "w8a8")
+        }
         quantized["int4_act8"] = with_int8_activations(quantized["int4"])
         quantized["w8a8_xla"] = make_weight(np.asarray(w32), "w8a8", panels=False, activations="int8")
         if native.bf16_gemm_native():
@@ -84,18 +97,40 @@ def main(argv=None) -> int:
             tp = timeit(lambda: packed_dot(x32, packed).block_until_ready(), reps) if packed_dot else None
             tp16 = timeit(lambda: packed_dot(x32, packed16).block_until_ready(), reps) if packed16 is not None else None
             flops = 2 * m * k * n
-            tq = {method: timeit(lambda w=w: quantized_dot(x32, w).block_until_ready(), reps)
-                  for method, w in quantized.items()}
-            rows.append({"weight": name, "k": k, "n": n, "m": m, "f32_gflops": flops / t32 / 1e9,
-                         "bf16_gflops": flops / t16 / 1e9, "packed_f32_gflops": flops / tp / 1e9 if tp else None,
-                         "packed_bf16_gflops": flops / tp16 / 1e9 if tp16 else None,
-                         **{f"{method}_gflops": flops / t / 1e9 for method, t in tq.items()}})
+            tq = {
+                method: timeit(lambda w=w: quantized_dot(x32, w).block_until_ready(), reps)
+                for method, w in quantized.items()
+            }
+            rows.append(
+                {
+                    "weight": name,
+                    "k": k,
+                    "n": n,
+                    "m": m,
+                    "f32_gflops": flops / t32 / 1e9,
+                    "bf16_gflops": flops / t16 / 1e9,
+                    "packed_f32_gflops": flops / tp / 1e9 if tp else None,
+                    "packed_bf16_gflops": flops / tp16 / 1e9 if tp16 else None,
+                    **{f"{method}_gflops": flops / t / 1e9 for method, t in tq.items()},
+                }
+            )
             packed_cols = f" {flops / tp / 1e9:19.1f} {t32 / tp:10.2f}x" if tp else ""
             packed_cols += f" {flops / tp16 / 1e9:12.1f} {t16 / tp16:5.2f}x" if tp16 else ""
-            print(f"{name:10s} {m:4d} {flops / t32 / 1e9:12.1f} {flops / t16 / 1e9:13.1f} {t32 / t16:8.2f}x"
-                  + packed_cols + "   " + " / ".join(f"{flops / t / 1e9:.1f}" for t in tq.values()), flush=True)
-    result = {"date": now_iso(), "machine": machine, "versions": versions(),
-              "auto_dtype": pick, "auto_reason": why, "rows": rows}
+            print(
+                f"{name:10s} {m:4d} {flops / t32 / 1e9:12.1f} {flops / t16 / 1e9:13.1f} {t32 / t16:8.2f}x"
+                + packed_cols
+                + "   "
+                + " / ".join(f"{flops / t / 1e9:.1f}" for t in tq.values()),
+                flush=True,
+            )
+    result = {
+        "date": now_iso(),
+        "machine": machine,
+        "versions": versions(),
+        "auto_dtype": pick,
+        "auto_reason": why,
+        "rows": rows,
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -24,7 +24,7 @@ sys.path.insert(0, HERE)
 from workload import versions  # noqa: E402
 
 del sys.path[0]
-if __name__ == "__main__":   # Python put the script's folder first as well
+if __name__ == "__main__":  # Python put the script's folder first as well
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 
 
@@ -36,6 +36,7 @@ def cache_dir() -> str:
 
 
 # ----------------------------------------------------------------------------- peers' model files
+
 
 def dequantized_gguf(src: str, dtype: str) -> str:
     """The GGUF `src` with every tensor dequantized: 2-D weights in `dtype`, 1-D ones in f32
@@ -60,8 +61,11 @@ def dequantized_gguf(src: str, dtype: str) -> str:
     for t in reader.tensors:
         data = gguf.quants.dequantize(t.data, t.tensor_type)
         if dtype == "bfloat16" and data.ndim > 1:
-            writer.add_tensor(t.name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.BF16),
-                              raw_dtype=gguf.GGMLQuantizationType.BF16)
+            writer.add_tensor(
+                t.name,
+                gguf.quants.quantize(data, gguf.GGMLQuantizationType.BF16),
+                raw_dtype=gguf.GGMLQuantizationType.BF16,
+            )
         else:
             writer.add_tensor(t.name, np.ascontiguousarray(data, dtype=np.float32))
     writer.write_header_to_file()
@@ -119,6 +123,7 @@ def hf_directory(src: str) -> str:
 
 # ----------------------------------------------------------------------------- engines (worker side)
 
+
 class Engine:
     """One engine: `load` (model + warm-up, timed as start-up), then `generate` (timed), which
     returns each request's number of generated tokens. `extra` adds engine-specific results;
@@ -154,9 +159,14 @@ class JaxllmEngine(Engine):
     def load(self, workload):
         from jaxllm import LLM
 
-        self.llm = LLM(self.opts["model"], dtype=self.dtype, max_num_seqs=self.opts["max_num_seqs"],
-                       max_num_batched_tokens=self.opts["max_num_batched_tokens"], **self.opts.get("engine_args", {}))
-        self.llm.engine.wait_compiled()   # (compiled or loaded in the background: count it as start-up)
+        self.llm = LLM(
+            self.opts["model"],
+            dtype=self.dtype,
+            max_num_seqs=self.opts["max_num_seqs"],
+            max_num_batched_tokens=self.opts["max_num_batched_tokens"],
+            **self.opts.get("engine_args", {}),
+        )
+        self.llm.engine.wait_compiled()  # (compiled or loaded in the background: count it as start-up)
 
     def generate(self, workload):
         from jaxllm import SamplingParams
@@ -166,12 +176,21 @@ class JaxllmEngine(Engine):
     def extra(self):
         engine = self.llm.engine
         s = engine.stats
-        return {"warmup_s": engine.warmup_seconds, "max_num_seqs": self.opts["max_num_seqs"],
-                "max_num_batched_tokens": self.opts["max_num_batched_tokens"],
-                "profile": {"num_steps": s.num_steps, "num_preemptions": s.num_preemptions,
-                            "schedule_s": s.time_schedule, "prepare_s": s.time_prepare, "device_s": s.time_device,
-                            "update_s": s.time_update, "prompt_tokens": s.prompt_tokens,
-                            "generation_tokens": s.generation_tokens}}
+        return {
+            "warmup_s": engine.warmup_seconds,
+            "max_num_seqs": self.opts["max_num_seqs"],
+            "max_num_batched_tokens": self.opts["max_num_batched_tokens"],
+            "profile": {
+                "num_steps": s.num_steps,
+                "num_preemptions": s.num_preemptions,
+                "schedule_s": s.time_schedule,
+                "prepare_s": s.time_prepare,
+                "device_s": s.time_device,
+                "update_s": s.time_update,
+                "prompt_tokens": s.prompt_tokens,
+                "generation_tokens": s.generation_tokens,
+            },
+        }
 
 
 def _torch_setup(opts: dict):
@@ -195,26 +214,35 @@ class HFStaticEngine(Engine):
         size = self.opts["hf_batch_size"]
         counts = []
         for start in range(0, len(workload), size):
-            batch = workload[start:start + size]
+            batch = workload[start : start + size]
             width = max(len(w["prompt_token_ids"]) for w in batch)
             new = max(w["max_tokens"] for w in batch)
             ids = torch.full((len(batch), width), self.pad, dtype=torch.long)
             mask = torch.zeros((len(batch), width), dtype=torch.long)
             for i, w in enumerate(batch):  # left padding: every row's last prompt token is at the end
                 p = w["prompt_token_ids"]
-                ids[i, width - len(p):] = torch.tensor(p)
-                mask[i, width - len(p):] = 1
+                ids[i, width - len(p) :] = torch.tensor(p)
+                mask[i, width - len(p) :] = 1
             with torch.inference_mode():
-                out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                          do_sample=False, pad_token_id=self.pad)
+                out = self.model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                    pad_token_id=self.pad,
+                )
             made = out.shape[1] - width
             self.generated += made * len(batch)
             counts += [min(made, w["max_tokens"]) for w in batch]
         return counts
 
     def extra(self):
-        return {"batch_size": self.opts["hf_batch_size"], "threads": self.torch.get_num_threads(),
-                "tokens_generated_incl_padding": self.generated}
+        return {
+            "batch_size": self.opts["hf_batch_size"],
+            "threads": self.torch.get_num_threads(),
+            "tokens_generated_incl_padding": self.generated,
+        }
 
 
 class HFContinuousEngine(Engine):
@@ -225,10 +253,14 @@ class HFContinuousEngine(Engine):
         self.torch, torch_dtype = _torch_setup(self.opts)
         self.model = hf_from_pretrained(self.opts["model"], torch_dtype).eval()
         max_new = max(w["max_tokens"] for w in workload)
-        config = GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=-1,
-                                  pad_token_id=self.model.config.pad_token_id or 0)
-        hints = WorkloadHints(max_prompt_length=max(len(w["prompt_token_ids"]) for w in workload),
-                              max_generated_length=max_new, num_requests=len(workload))
+        config = GenerationConfig(
+            do_sample=False, max_new_tokens=max_new, eos_token_id=-1, pad_token_id=self.model.config.pad_token_id or 0
+        )
+        hints = WorkloadHints(
+            max_prompt_length=max(len(w["prompt_token_ids"]) for w in workload),
+            max_generated_length=max_new,
+            num_requests=len(workload),
+        )
         self.manager = self.model.init_continuous_batching(generation_config=config, workload_hints=hints)
         self.manager.warmup()
         self.manager.start()
@@ -237,8 +269,9 @@ class HFContinuousEngine(Engine):
         ids = [f"r{i}" for i in range(len(workload))]
         with self.torch.inference_mode():
             for rid, w in zip(ids, workload):
-                self.manager.add_request(w["prompt_token_ids"], request_id=rid, max_new_tokens=w["max_tokens"],
-                                         eos_token_id=-1)
+                self.manager.add_request(
+                    w["prompt_token_ids"], request_id=rid, max_new_tokens=w["max_tokens"], eos_token_id=-1
+                )
             results = {}
             while len(results) < len(ids):
                 result = self.manager.get_result(timeout=1)
@@ -308,7 +341,7 @@ class LlamaCppEngine(Engine):
         L, batch = self.L, self.batch
         prompts = [w["prompt_token_ids"] for w in workload]
         outputs: list[list[int]] = [[] for _ in workload]
-        fed = [0] * len(workload)        # prompt tokens already in the cache
+        fed = [0] * len(workload)  # prompt tokens already in the cache
         # At most n_seq_max requests in flight; a finished one hands its KV sequence id on.
         free_ids = list(range(self.n_seq_max))
         seq_id: dict[int, int] = {}
@@ -319,11 +352,11 @@ class LlamaCppEngine(Engine):
                 s = waiting.pop(0)
                 seq_id[s] = free_ids.pop(0)
                 active.append(s)
-            entries = []                 # (token, position, sequence, wants logits)
-            for s in active:             # decodes first: one token each
+            entries = []  # (token, position, sequence, wants logits)
+            for s in active:  # decodes first: one token each
                 if fed[s] == len(prompts[s]) and len(entries) < self.n_batch:
                     entries.append((outputs[s][-1], len(prompts[s]) + len(outputs[s]) - 1, s, True))
-            for s in active:             # then prompt chunks in the remaining budget
+            for s in active:  # then prompt chunks in the remaining budget
                 while fed[s] < len(prompts[s]) and len(entries) < self.n_batch:
                     fed[s] += 1
                     entries.append((prompts[s][fed[s] - 1], fed[s] - 1, s, fed[s] == len(prompts[s])))
@@ -331,7 +364,7 @@ class LlamaCppEngine(Engine):
             for i, (token, pos, s, logits) in enumerate(entries):
                 batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, logits
                 batch.seq_id[i][0] = seq_id[s]
-            rows = [s for _, _, s, logits in entries if logits]   # logits come back in batch order
+            rows = [s for _, _, s, logits in entries if logits]  # logits come back in batch order
             batch.n_tokens = n
             if L.llama_decode(self.ctx, batch) != 0:
                 raise RuntimeError("llama_decode failed (KV cache full?)")
@@ -347,9 +380,14 @@ class LlamaCppEngine(Engine):
         return [len(o) for o in outputs]
 
     def extra(self):
-        return {"threads": self.opts["threads"], "n_batch": self.n_batch, "n_ctx": self.n_ctx,
-                "parallel": self.n_seq_max,
-                "kv_cache_dtype": self.dtype, "gguf": os.path.basename(self.opts["model"])}
+        return {
+            "threads": self.opts["threads"],
+            "n_batch": self.n_batch,
+            "n_ctx": self.n_ctx,
+            "parallel": self.n_seq_max,
+            "kv_cache_dtype": self.dtype,
+            "gguf": os.path.basename(self.opts["model"]),
+        }
 
 
 class VllmEngine(Engine):
@@ -371,8 +409,13 @@ class VllmEngine(Engine):
         self.llm.llm_engine.engine_core.shutdown()  # its busy-polling engine-core process
 
 
-ENGINES = {"jaxllm": JaxllmEngine, "hf-static": HFStaticEngine, "hf-cb": HFContinuousEngine,
-           "llama.cpp": LlamaCppEngine, "vllm": VllmEngine}
+ENGINES = {
+    "jaxllm": JaxllmEngine,
+    "hf-static": HFStaticEngine,
+    "hf-cb": HFContinuousEngine,
+    "llama.cpp": LlamaCppEngine,
+    "vllm": VllmEngine,
+}
 
 
 def worker(spec_path: str) -> None:
@@ -390,9 +433,16 @@ def worker(spec_path: str) -> None:
     wall = time.perf_counter() - t0
     wanted = [w["max_tokens"] for w in workload]
     wrong = [(i, c, m) for i, (c, m) in enumerate(zip(counts, wanted)) if c != m]
-    result = {"startup_s": startup, "wall_s": wall, "output_tokens": sum(counts), "verified": not wrong,
-              "wrong_counts": wrong[:10], "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-              "versions": versions(), "extra": engine.extra()}
+    result = {
+        "startup_s": startup,
+        "wall_s": wall,
+        "output_tokens": sum(counts),
+        "verified": not wrong,
+        "wrong_counts": wrong[:10],
+        "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "versions": versions(),
+        "extra": engine.extra(),
+    }
     with open(spec["result"], "w") as f:
         json.dump(result, f)
     try:

@@ -75,20 +75,29 @@ def main(argv=None) -> int:
                 x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
                 equal = bool(np.array_equal(mm(x, two), mm(x, flat)))
                 us = {"two_level": [], "flat": []}
-                for _ in range(3):          # interleaved, so a slow spell of the machine hits both
+                for _ in range(3):  # interleaved, so a slow spell of the machine hits both
                     for name, w in (("two_level", two), ("flat", flat)):
                         us[name].append(timeit(lambda w=w: mm(x, w).block_until_ready()) * 1e6)
-                row = dict(type=type_name, shape=shape_name, K=k, N=n, M=m, equal=equal,
-                           **{f"{name}_us": round(min(v), 1) for name, v in us.items()},
-                           **{f"{name}_bits": round(b, 3) for name, b in bits.items()})
+                row = dict(
+                    type=type_name,
+                    shape=shape_name,
+                    K=k,
+                    N=n,
+                    M=m,
+                    equal=equal,
+                    **{f"{name}_us": round(min(v), 1) for name, v in us.items()},
+                    **{f"{name}_bits": round(b, 3) for name, b in bits.items()},
+                )
                 row["speed_ratio"] = round(row["flat_us"] / row["two_level_us"], 3)
                 results.append(row)
                 print(json.dumps(row), flush=True)
     print("\n| type | shape [K, N] | bits a weight: two-level / flat | M | two-level us | flat us | flat / two-level |")
     print("|---|---|---|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {r['type']} | {r['shape']} [{r['K']}, {r['N']}] | {r['two_level_bits']} / {r['flat_bits']} | "
-              f"{r['M']} | {r['two_level_us']} | {r['flat_us']} | {r['speed_ratio']}x |")
+        print(
+            f"| {r['type']} | {r['shape']} [{r['K']}, {r['N']}] | {r['two_level_bits']} / {r['flat_bits']} | "
+            f"{r['M']} | {r['two_level_us']} | {r['flat_us']} | {r['speed_ratio']}x |"
+        )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(machine=machine, versions=versions(), date=now_iso(), results=results), f, indent=1)

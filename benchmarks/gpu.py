@@ -69,7 +69,7 @@ def attention_case(q_lens, kv_lens, shape, page_size: int, seed: int):
     tables = np.zeros((len(kv_lens), width), np.int32)
     start = 0
     for s, n in enumerate(pages):
-        tables[s, :n] = order[start:start + n]
+        tables[s, :n] = order[start : start + n]
         start += n
     key = jax.random.key(seed)
     k = jax.random.normal(key, (hkv, num_pages, page_size, d), jnp.bfloat16)
@@ -77,8 +77,15 @@ def attention_case(q_lens, kv_lens, shape, page_size: int, seed: int):
     num_tokens = sum(q_lens)
     q = jax.random.normal(jax.random.fold_in(key, 2), (num_tokens, hq, d), jnp.bfloat16)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    args = (q, jax.lax.bitcast_convert_type(k, jnp.uint16), jax.lax.bitcast_convert_type(v, jnp.uint16),
-            jnp.asarray(kv_lens, jnp.int32), jnp.asarray(tables), jnp.asarray(cu), jnp.int32(len(kv_lens)))
+    args = (
+        q,
+        jax.lax.bitcast_convert_type(k, jnp.uint16),
+        jax.lax.bitcast_convert_type(v, jnp.uint16),
+        jnp.asarray(kv_lens, jnp.int32),
+        jnp.asarray(tables),
+        jnp.asarray(cu),
+        jnp.int32(len(kv_lens)),
+    )
     moved = 2 * hkv * sum(kv_lens) * d * 2 + tables.nbytes + 2 * num_tokens * hq * d * 2
     return args, moved
 
@@ -87,8 +94,10 @@ def kernels_under_test(interpret: bool) -> dict:
     from jaxllm.kernels.paged_attention import ragged_paged_attention
     from jaxllm.kernels.paged_attention_mgpu import ragged_paged_attention_mgpu
 
-    return {"mosaic": jax.jit(lambda *a: ragged_paged_attention_mgpu(*a, interpret=interpret)),
-            "triton": jax.jit(lambda *a: ragged_paged_attention(*a, interpret=interpret))}
+    return {
+        "mosaic": jax.jit(lambda *a: ragged_paged_attention_mgpu(*a, interpret=interpret)),
+        "triton": jax.jit(lambda *a: ragged_paged_attention(*a, interpret=interpret)),
+    }
 
 
 def kernel_rows(args, shape, bandwidth: float) -> list[dict]:
@@ -101,21 +110,25 @@ def kernel_rows(args, shape, bandwidth: float) -> list[dict]:
         cases.append((f"decode ctx {ctx} x {n}", [1] * n, [ctx] * n))
     n = max(1, args.batch // 2)
     chunk = min(512, args.contexts[0])
-    cases.append((f"mixed: {n} decodes ctx {args.contexts[0]} + 4 chunks of {chunk}",
-                  [1] * n + [chunk] * 4, [args.contexts[0]] * n + [chunk * (i + 1) for i in range(4)]))
+    cases.append(
+        (
+            f"mixed: {n} decodes ctx {args.contexts[0]} + 4 chunks of {chunk}",
+            [1] * n + [chunk] * 4,
+            [args.contexts[0]] * n + [chunk * (i + 1) for i in range(4)],
+        )
+    )
     rows = []
     kernels = kernels_under_test(args.interpret)
     for i, (name, q_lens, kv_lens) in enumerate(cases):
         inputs, moved = attention_case(q_lens, kv_lens, shape, args.page_size, seed=i)
         ref = np.asarray(ragged_paged_attention_reference(*inputs), np.float32) if i == 0 else None
         for kernel, fn in kernels.items():
-            row = {"case": name, "kernel": kernel, "num_seqs": len(q_lens), "tokens": sum(q_lens),
-                   "bytes": moved}
+            row = {"case": name, "kernel": kernel, "num_seqs": len(q_lens), "tokens": sum(q_lens), "bytes": moved}
             try:
-                if ref is not None:    # the first case also checks the numbers
+                if ref is not None:  # the first case also checks the numbers
                     row["max_abs_err"] = float(np.abs(np.asarray(fn(*inputs), np.float32) - ref).max())
                 seconds = median_seconds(fn, *inputs, repeat=args.repeat)
-            except Exception as e:     # one kernel failing must not hide the other's figures
+            except Exception as e:  # one kernel failing must not hide the other's figures
                 row["error"] = f"{type(e).__name__}: {e}"[:500]
             else:
                 row.update(ms=seconds * 1e3, gb_s=moved / seconds / 1e9, mbu=moved / seconds / bandwidth)
@@ -128,8 +141,10 @@ def kernel_rows(args, shape, bandwidth: float) -> list[dict]:
 def format_row(row: dict) -> str:
     if "error" in row:
         return f"| {row['case']} | {row['kernel']} | failed: {row['error'][:120]} | | | |"
-    return (f"| {row['case']} | {row['kernel']} | {row['ms']:.3f} | {row['bytes'] / 2**20:.1f} | "
-            f"{row['gb_s']:.0f} | {100 * row['mbu']:.0f}% |")
+    return (
+        f"| {row['case']} | {row['kernel']} | {row['ms']:.3f} | {row['bytes'] / 2**20:.1f} | "
+        f"{row['gb_s']:.0f} | {100 * row['mbu']:.0f}% |"
+    )
 
 
 def write_checkpoint(path: str, shape: dict, seed: int = 0) -> str:
@@ -148,25 +163,45 @@ def write_checkpoint(path: str, shape: dict, seed: int = 0) -> str:
         reps = -(-n // pool.size)
         return np.tile(pool, reps)[:n].reshape(dims) if reps > 1 else pool[:n].reshape(dims).copy()
 
-    tensors = {"model.embed_tokens.weight": tensor(shape["vocab"], h), "model.norm.weight": np.ones(h, np.float16),
-               "lm_head.weight": tensor(shape["vocab"], h)}
+    tensors = {
+        "model.embed_tokens.weight": tensor(shape["vocab"], h),
+        "model.norm.weight": np.ones(h, np.float16),
+        "lm_head.weight": tensor(shape["vocab"], h),
+    }
     for i in range(shape["layers"]):
         p = f"model.layers.{i}."
-        tensors.update({
-            p + "self_attn.q_proj.weight": tensor(shape["heads"] * d, h),
-            p + "self_attn.k_proj.weight": tensor(shape["kv_heads"] * d, h),
-            p + "self_attn.v_proj.weight": tensor(shape["kv_heads"] * d, h),
-            p + "self_attn.o_proj.weight": tensor(h, shape["heads"] * d),
-            p + "mlp.gate_proj.weight": tensor(f, h), p + "mlp.up_proj.weight": tensor(f, h),
-            p + "mlp.down_proj.weight": tensor(h, f),
-            p + "input_layernorm.weight": np.ones(h, np.float16),
-            p + "post_attention_layernorm.weight": np.ones(h, np.float16)})
+        tensors.update(
+            {
+                p + "self_attn.q_proj.weight": tensor(shape["heads"] * d, h),
+                p + "self_attn.k_proj.weight": tensor(shape["kv_heads"] * d, h),
+                p + "self_attn.v_proj.weight": tensor(shape["kv_heads"] * d, h),
+                p + "self_attn.o_proj.weight": tensor(h, shape["heads"] * d),
+                p + "mlp.gate_proj.weight": tensor(f, h),
+                p + "mlp.up_proj.weight": tensor(f, h),
+                p + "mlp.down_proj.weight": tensor(h, f),
+                p + "input_layernorm.weight": np.ones(h, np.float16),
+                p + "post_attention_layernorm.weight": np.ones(h, np.float16),
+            }
+        )
     save_file(tensors, os.path.join(path, "model.safetensors"))
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
-              "intermediate_size": f, "num_hidden_layers": shape["layers"], "num_attention_heads": shape["heads"],
-              "num_key_value_heads": shape["kv_heads"], "head_dim": d, "vocab_size": shape["vocab"],
-              "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-              "tie_word_embeddings": False, "torch_dtype": "float16", "bos_token_id": 1, "eos_token_id": 2}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": f,
+        "num_hidden_layers": shape["layers"],
+        "num_attention_heads": shape["heads"],
+        "num_key_value_heads": shape["kv_heads"],
+        "head_dim": d,
+        "vocab_size": shape["vocab"],
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump(config, fh)
     return path
@@ -181,10 +216,16 @@ def engine_row(args, shape: dict, config: str) -> dict:
     path = write_checkpoint(os.path.join(args.workdir, f"llama3-8b-shape-{shape['layers']}l"), shape)
     workload = random_workload(args.num_prompts, (32, 256), (32, 128), 0, shape["vocab"], [])
     t = time.perf_counter()
-    llm = LLM(path, dtype="bfloat16", attention_backend=args.engine_backend, max_num_seqs=args.max_num_seqs,
-              quantization=quantization, kv_cache_dtype=kv or "auto",
-              params_cache_dir=os.path.join(args.workdir, "params"),
-              warmup=not args.smoke)
+    llm = LLM(
+        path,
+        dtype="bfloat16",
+        attention_backend=args.engine_backend,
+        max_num_seqs=args.max_num_seqs,
+        quantization=quantization,
+        kv_cache_dtype=kv or "auto",
+        params_cache_dir=os.path.join(args.workdir, "params"),
+        warmup=not args.smoke,
+    )
     llm.engine.wait_compiled()
     start_s = time.perf_counter() - t
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=w["max_tokens"]) for w in workload]
@@ -193,21 +234,29 @@ def engine_row(args, shape: dict, config: str) -> dict:
     wall = time.perf_counter() - t
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     stats = llm.engine.stats
-    row = {"layers": shape["layers"], "quantization": quantization,
-           "kv_cache_dtype": str(llm.engine.config.cache.dtype),
-           "attention_backend": llm.engine.runner.attention.name,
-           "requests": len(workload), "output_tokens": out_tokens, "wall_s": wall, "out_tok_s": out_tokens / wall,
-           "steps": stats.num_steps, "device_ms_per_step": 1e3 * stats.time_device / max(stats.num_steps, 1),
-           "start_s": start_s}
+    row = {
+        "layers": shape["layers"],
+        "quantization": quantization,
+        "kv_cache_dtype": str(llm.engine.config.cache.dtype),
+        "attention_backend": llm.engine.runner.attention.name,
+        "requests": len(workload),
+        "output_tokens": out_tokens,
+        "wall_s": wall,
+        "out_tok_s": out_tokens / wall,
+        "steps": stats.num_steps,
+        "device_ms_per_step": 1e3 * stats.time_device / max(stats.num_steps, 1),
+        "start_s": start_s,
+    }
     del llm, outputs
-    gc.collect()        # the next engine's KV pool takes the device memory this one held
+    gc.collect()  # the next engine's KV pool takes the device memory this one held
     return row
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--contexts", default="512,1024,2048,4096,8192,16384,32768",
-                    type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument(
+        "--contexts", default="512,1024,2048,4096,8192,16384,32768", type=lambda s: [int(x) for x in s.split(",")]
+    )
     ap.add_argument("--batch", type=int, default=64, help="most decode sequences per case")
     ap.add_argument("--kv-gib", type=float, default=8.0, help="most KV bytes per case")
     ap.add_argument("--page-size", type=int, default=16)
@@ -216,16 +265,22 @@ def main(argv=None):
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-quant", action="store_true", help="leave out the quantized matmul's rows")
     ap.add_argument("--quant-rows", default="1,16,128,1024", help="row counts of x for the quantized matmul")
-    ap.add_argument("--quantization", default="none", type=lambda s: s.split(","),
-                    help="the engine's runs, each METHOD[:KV_CACHE_DTYPE] (none: bf16 weights; e.g. "
-                         "none,int4,none:int8)")
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        type=lambda s: s.split(","),
+        help="the engine's runs, each METHOD[:KV_CACHE_DTYPE] (none: bf16 weights; e.g. none,int4,none:int8)",
+    )
     ap.add_argument("--layers", type=int, default=LLAMA3_8B["layers"], help="decoder layers of the engine's model")
     ap.add_argument("--num-prompts", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--engine-backend", default=None, help="attention backend for the engine (default: the platform's)")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "jaxllm-gpu-bench"))
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny shapes, 1 repeat, no warm-up; on CPU the kernels are interpreted (a test runs this)")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny shapes, 1 repeat, no warm-up; on CPU the kernels are interpreted (a test runs this)",
+    )
     ap.add_argument("--out", default=os.path.join(RESULTS, "gpu.json"))
     args = ap.parse_args(argv)
     device = jax.devices()[0]
@@ -242,9 +297,15 @@ def main(argv=None):
     print(f"# {label}; jax {jax.__version__}; copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
     if not args.skip_kernels:
         print("| case | kernel | ms | MiB moved | GB/s | MBU |\n|---|---|---:|---:|---:|---:|")
-    result = {"date": now_iso(), "device": label, "versions": versions(), "copy_gb_s": bandwidth / 1e9,
-              "attention_shape": {k: shape[k] for k in ("heads", "kv_heads", "head_dim")},
-              "page_size": args.page_size, "kernels": [] if args.skip_kernels else kernel_rows(args, shape, bandwidth)}
+    result = {
+        "date": now_iso(),
+        "device": label,
+        "versions": versions(),
+        "copy_gb_s": bandwidth / 1e9,
+        "attention_shape": {k: shape[k] for k in ("heads", "kv_heads", "head_dim")},
+        "page_size": args.page_size,
+        "kernels": [] if args.skip_kernels else kernel_rows(args, shape, bandwidth),
+    }
     if not args.skip_quant:
         print("\n" + gpu_quant.HEADER)
         quant_args = ["--smoke"] if args.smoke else ["--rows", args.quant_rows, "--repeat", str(args.repeat)]
@@ -254,10 +315,13 @@ def main(argv=None):
         for config in args.quantization:
             e = engine_row(args, shape, config)
             result["engines"].append(e)
-            print(f"engine ({e['layers']} layers, {e['attention_backend']}, quantization {e['quantization']}, "
-                  f"KV {e['kv_cache_dtype']}): "
-                  f"{e['out_tok_s']:.1f} out tok/s, {e['device_ms_per_step']:.2f} ms device per step, "
-                  f"{e['steps']} steps, start {e['start_s']:.1f} s", flush=True)
+            print(
+                f"engine ({e['layers']} layers, {e['attention_backend']}, quantization {e['quantization']}, "
+                f"KV {e['kv_cache_dtype']}): "
+                f"{e['out_tok_s']:.1f} out tok/s, {e['device_ms_per_step']:.2f} ms device per step, "
+                f"{e['steps']} steps, start {e['start_s']:.1f} s",
+                flush=True,
+            )
         result["engine"] = result["engines"][0]
     write_result(args.out, result)
     return result

@@ -30,10 +30,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-MATRICES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "up": (4096, 14336),
-            "down": (14336, 4096), "lm_head": (4096, 128256)}
+MATRICES = {
+    "qkv": (4096, 6144),
+    "o": (4096, 4096),
+    "gate_up": (4096, 28672),
+    "up": (4096, 14336),
+    "down": (14336, 4096),
+    "lm_head": (4096, 128256),
+}
 SMOKE_MATRICES = {"up": (128, 256)}
-METHODS = {"int8": (8, None), "int4": (4, 32)}     # bits, rows per scale group (None: one group)
+METHODS = {"int8": (8, None), "int4": (4, 32)}  # bits, rows per scale group (None: one group)
 
 
 def random_weight(k: int, n: int, method: str, seed: int):
@@ -48,13 +54,14 @@ def random_weight(k: int, n: int, method: str, seed: int):
         codes = jax.random.randint(key, (k, n), -127, 128, jnp.int32).astype(jnp.int8)
     else:
         codes = jax.random.randint(key, (k, n // 2), 0, 256, jnp.int32).astype(jnp.uint8)
-    scale = (jax.random.uniform(jax.random.fold_in(key, 1), (groups, n), jnp.float32, 0.5, 1.5)
-             / 2000).astype(jnp.float16)
+    scale = (jax.random.uniform(jax.random.fold_in(key, 1), (groups, n), jnp.float32, 0.5, 1.5) / 2000).astype(
+        jnp.float16
+    )
     offset = None if bits == 8 else (-8 * scale.astype(jnp.float32)).astype(jnp.float16)
     return QuantizedWeight(codes, scale, offset, bits, "plain", "float")
 
 
-WARM_S = 0.3      # seconds of warm-up calls before timing (0 for --smoke: nothing to warm up)
+WARM_S = 0.3  # seconds of warm-up calls before timing (0 for --smoke: nothing to warm up)
 
 
 def median_seconds(fn, *args, repeat: int) -> float:
@@ -84,8 +91,14 @@ def candidates(m: int, k: int, n: int, groups: int, bits: int, sms: int) -> list
         if fits(tiles, k, n, groups, bits) and tiles not in out:
             out.append(tiles)
 
-    for change in (dict(num_warps=8), dict(num_warps=2), dict(num_stages=2), dict(num_stages=5),
-                   dict(split_k=2 * base.split_k), dict(split_k=max(1, base.split_k // 2))):
+    for change in (
+        dict(num_warps=8),
+        dict(num_warps=2),
+        dict(num_stages=2),
+        dict(num_stages=5),
+        dict(split_k=2 * base.split_k),
+        dict(split_k=max(1, base.split_k // 2)),
+    ):
         add(dataclasses.replace(base, **change))
     if m >= 64:
         add(dataclasses.replace(base, block_m=128, num_warps=8))
@@ -120,15 +133,34 @@ def run(args) -> list[dict]:
 
             def kernel(tiles):
                 def f(x, ws):
-                    return [quantized_matmul(x, w[0], w[1], w[2] if len(w) == 3 else None, bits=weight.bits,
-                                             tiles=tiles, interpret=interpret) for w in ws]
+                    return [
+                        quantized_matmul(
+                            x,
+                            w[0],
+                            w[1],
+                            w[2] if len(w) == 3 else None,
+                            bits=weight.bits,
+                            tiles=tiles,
+                            interpret=interpret,
+                        )
+                        for w in ws
+                    ]
+
                 return jax.jit(f)
 
             for i, m in enumerate(args.rows):
                 x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
                 tiles = choose_tiles(m, k, n, groups, weight.bits, sms)
-                row = {"matrix": name, "method": method, "rows": m, "k": k, "n": n, "weight_bytes": weight_bytes,
-                       "copies": copies, "tiles": dataclasses.asdict(tiles)}
+                row = {
+                    "matrix": name,
+                    "method": method,
+                    "rows": m,
+                    "k": k,
+                    "n": n,
+                    "weight_bytes": weight_bytes,
+                    "copies": copies,
+                    "tiles": dataclasses.asdict(tiles),
+                }
                 try:
                     if i == 0:
                         ref = np.asarray(x, np.float64) @ np.asarray(dequantize(weight), np.float64)
@@ -137,10 +169,17 @@ def run(args) -> list[dict]:
                     row["ms"] = 1e3 * median_seconds(kernel(tiles), x, stack, repeat=args.repeat) / copies
                     row["bf16_ms"] = 1e3 * median_seconds(plain, x, denses, repeat=args.repeat) / copies
                     row["gb_s"] = weight_bytes / row["ms"] * 1e-6
-                    if name in args.sweep and m in args.sweep_rows:     # an equal share of the time each
-                        row["sweep"] = sweep(kernel, x, stack, candidates(m, k, n, groups, weight.bits, sms),
-                                             copies, args.repeat, time.perf_counter() + args.sweep_s / searches)
-                except Exception as e:     # report and go on: the other rows still say something
+                    if name in args.sweep and m in args.sweep_rows:  # an equal share of the time each
+                        row["sweep"] = sweep(
+                            kernel,
+                            x,
+                            stack,
+                            candidates(m, k, n, groups, weight.bits, sms),
+                            copies,
+                            args.repeat,
+                            time.perf_counter() + args.sweep_s / searches,
+                        )
+                except Exception as e:  # report and go on: the other rows still say something
                     row["error"] = f"{type(e).__name__}: {e}"[:500]
                 rows.append(row)
                 print(format_row(row), flush=True)
@@ -171,8 +210,10 @@ def format_row(row: dict) -> str:
     if row.get("sweep"):
         best = row["sweep"][0]
         t = best["tiles"]
-        text += (f" best of {len(row['sweep'])}: {best.get('ms', float('nan')):.4f} ms with m{t['block_m']} "
-                 f"n{t['block_n']} k{t['block_k']} s{t['split_k']} w{t['num_warps']} st{t['num_stages']}")
+        text += (
+            f" best of {len(row['sweep'])}: {best.get('ms', float('nan')):.4f} ms with m{t['block_m']} "
+            f"n{t['block_n']} k{t['block_k']} s{t['split_k']} w{t['num_warps']} st{t['num_stages']}"
+        )
     return text
 
 
@@ -181,10 +222,15 @@ def parse_args(argv=None):
     ap.add_argument("--matrices", default="qkv,o,gate_up,down,lm_head", type=lambda s: s.split(","))
     ap.add_argument("--methods", default="int8,int4", type=lambda s: s.split(","))
     ap.add_argument("--rows", default="1,16,128,1024", type=lambda s: [int(x) for x in s.split(",")])
-    ap.add_argument("--sweep", default="", type=lambda s: [x for x in s.split(",") if x],
-                    help="matrices to search tilings on")
-    ap.add_argument("--sweep-rows", default="16,128,1024", type=lambda s: [int(x) for x in s.split(",")],
-                    help="row counts to search tilings at")
+    ap.add_argument(
+        "--sweep", default="", type=lambda s: [x for x in s.split(",") if x], help="matrices to search tilings on"
+    )
+    ap.add_argument(
+        "--sweep-rows",
+        default="16,128,1024",
+        type=lambda s: [int(x) for x in s.split(",")],
+        help="row counts to search tilings at",
+    )
     ap.add_argument("--sweep-s", type=float, default=240.0, help="time for the whole search")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, 1 repeat (interpreted on CPU)")
@@ -196,8 +242,10 @@ def parse_args(argv=None):
     return args
 
 
-HEADER = ("| matrix | codes | rows | quantized ms | bf16 dot ms | speed-up | weight GB/s |\n"
-          "|---|---|---:|---:|---:|---:|---:|")
+HEADER = (
+    "| matrix | codes | rows | quantized ms | bf16 dot ms | speed-up | weight GB/s |\n"
+    "|---|---|---:|---:|---:|---:|---:|"
+)
 
 
 def main(argv=None):

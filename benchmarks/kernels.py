@@ -65,7 +65,7 @@ def make_case(rng, q_lens, kv_lens, args):
     page = args.page_size
     pages_per_seq = max(args.table_pages or 0, -(-max(kv_lens) // page))
     num_seqs = len(q_lens)
-    num_pages = 1 + num_seqs * pages_per_seq          # page 0 is the engine's scratch page
+    num_pages = 1 + num_seqs * pages_per_seq  # page 0 is the engine's scratch page
     store = storage_dtype(cache_dtype(args.dtype))
     shape = (args.num_kv_heads, num_pages, page, args.head_dim)
     k_pages = to_storage(jnp.asarray(rng.standard_normal(shape, np.float32)), store)
@@ -77,9 +77,14 @@ def make_case(rng, q_lens, kv_lens, args):
 
 
 def rows_batch(q_lens, kv_lens, block_tables, num_tokens, group, row_tokens):
-    idx, bt, kl, ql = kernels.ragged_to_rows(q_lens, kv_lens, block_tables, num_tokens=num_tokens,
-                                             num_rows=int(sum(-(-n // row_tokens) for n in q_lens)),
-                                             row_tokens=row_tokens)
+    idx, bt, kl, ql = kernels.ragged_to_rows(
+        q_lens,
+        kv_lens,
+        block_tables,
+        num_tokens=num_tokens,
+        num_rows=int(sum(-(-n // row_tokens) for n in q_lens)),
+        row_tokens=row_tokens,
+    )
     return {f"{group}_token_idx": idx, f"{group}_block_tables": bt, f"{group}_kv_lens": kl, f"{group}_q_lens": ql}
 
 
@@ -93,11 +98,15 @@ def measure(kind: str, q_lens: list[int], kv_lens: list[int], args, rng) -> dict
 
     host_s = median_time(lambda: rows_batch(q_lens, kv, block_tables, num_tokens, group, row_tokens), 20, 0.2)
     # The step inputs a backend reads (the ragged contract; the `cpu` backend adds its rows).
-    inputs = {"seq_lens": jnp.asarray(kv), "block_tables": jnp.asarray(block_tables),
-              "query_start_loc": jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)),
-              "num_seqs": jnp.int32(len(q_lens)),
-              "attn_metadata": {k: jnp.asarray(v) for k, v in
-                                rows_batch(q_lens, kv, block_tables, num_tokens, group, row_tokens).items()}}
+    inputs = {
+        "seq_lens": jnp.asarray(kv),
+        "block_tables": jnp.asarray(block_tables),
+        "query_start_loc": jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)),
+        "num_seqs": jnp.int32(len(q_lens)),
+        "attn_metadata": {
+            k: jnp.asarray(v) for k, v in rows_batch(q_lens, kv, block_tables, num_tokens, group, row_tokens).items()
+        },
+    }
 
     def call(backend_name):
         backend = BACKENDS[backend_name]()
@@ -106,8 +115,15 @@ def measure(kind: str, q_lens: list[int], kv_lens: list[int], args, rng) -> dict
 
     calls = {"dense": call("reference"), "rows": call("cpu"), "native": call("native")}
     want = calls["dense"]().astype(jnp.float32)
-    row = {"case": kind, "batch": len(q_lens), "context": int(max(kv_lens)), "mean_context": float(np.mean(kv_lens)),
-           "tokens": num_tokens, "table_pages": int(block_tables.shape[1]), "host_rows_ms": host_s * 1e3}
+    row = {
+        "case": kind,
+        "batch": len(q_lens),
+        "context": int(max(kv_lens)),
+        "mean_context": float(np.mean(kv_lens)),
+        "tokens": num_tokens,
+        "table_pages": int(block_tables.shape[1]),
+        "host_rows_ms": host_s * 1e3,
+    }
     for name, fn in calls.items():
         row[f"{name}_ms"] = median_time(fn, args.repeat, args.min_seconds) * 1e3
         row[f"{name}_max_abs_diff"] = float(jnp.max(jnp.abs(fn().astype(jnp.float32) - want)))
@@ -115,10 +131,13 @@ def measure(kind: str, q_lens: list[int], kv_lens: list[int], args, rng) -> dict
     store = storage_dtype(cache_dtype(args.dtype))
     kv_bytes = sum(kv_lens) * 2 * args.num_kv_heads * row_width(args.head_dim, store) * store.itemsize
     row["native_gb_s"] = kv_bytes / row["native_ms"] / 1e6
-    print(f"{kind:8s} batch {row['batch']:4d} tokens {num_tokens:4d} "
-          f"ctx {row['mean_context']:5.0f}/{row['context']:5d}: "
-          + "  ".join(f"{n} {row[f'{n}_ms']:8.3f} ms" for n in IMPLS)
-          + f"  (native {row['native_gb_s']:.1f} GB/s of KV; host rows {host_s * 1e3:.3f} ms)", flush=True)
+    print(
+        f"{kind:8s} batch {row['batch']:4d} tokens {num_tokens:4d} "
+        f"ctx {row['mean_context']:5.0f}/{row['context']:5d}: "
+        + "  ".join(f"{n} {row[f'{n}_ms']:8.3f} ms" for n in IMPLS)
+        + f"  (native {row['native_gb_s']:.1f} GB/s of KV; host rows {host_s * 1e3:.3f} ms)",
+        flush=True,
+    )
     return row
 
 
@@ -126,8 +145,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--spread", type=int, default=128, help="decode batch with contexts uniform in 32..--context "
-                                                            "(0: skip)")
+    ap.add_argument(
+        "--spread", type=int, default=128, help="decode batch with contexts uniform in 32..--context (0: skip)"
+    )
     ap.add_argument("--prefill", type=int, default=512, help="prompt chunk length (0: skip)")
     ap.add_argument("--prefill-row-tokens", type=int, default=16, help="query tokens per prefill row")
     ap.add_argument("--num-q-heads", type=int, default=9)
@@ -135,8 +155,12 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=default_block_size("cpu"))
     ap.add_argument("--table-pages", type=int, default=None, help="block-table width (default: the context's pages)")
-    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "int8", "fp8_e4m3"),
-                    help="KV cache dtype (int8, fp8_e4m3: codes and a scale per row, as the engine stores them)")
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("float32", "bfloat16", "int8", "fp8_e4m3"),
+        help="KV cache dtype (int8, fp8_e4m3: codes and a scale per row, as the engine stores them)",
+    )
     ap.add_argument("--repeat", type=int, default=10, help="least timed calls per case")
     ap.add_argument("--min-seconds", type=float, default=1.0, help="least time per case")
     ap.add_argument("--seed", type=int, default=0)
@@ -152,11 +176,21 @@ def main(argv=None):
         rows.append(measure("decode", [1] * b, sorted(rng.integers(32, args.context + 1, b).tolist()), args, rng))
     if args.prefill:
         rows.append(measure("prefill", [args.prefill], [args.prefill], args, rng))
-    result = {"rows": rows, "dtype": args.dtype, "shapes": {"num_q_heads": args.num_q_heads,
-              "num_kv_heads": args.num_kv_heads, "head_dim": args.head_dim, "page_size": args.page_size,
-              "prefill_row_tokens": args.prefill_row_tokens},
-              "date": now_iso(), "machine": machine_info(), "versions": versions(),
-              "command": shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:])}
+    result = {
+        "rows": rows,
+        "dtype": args.dtype,
+        "shapes": {
+            "num_q_heads": args.num_q_heads,
+            "num_kv_heads": args.num_kv_heads,
+            "head_dim": args.head_dim,
+            "page_size": args.page_size,
+            "prefill_row_tokens": args.prefill_row_tokens,
+        },
+        "date": now_iso(),
+        "machine": machine_info(),
+        "versions": versions(),
+        "command": shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -57,8 +57,12 @@ def run_trace(llm, workload: list[dict]) -> dict:
     kv, scheduler = engine.kv_cache_manager, engine.scheduler
     block_size, max_len = kv.block_size, engine.config.scheduler.max_model_len
     for i, w in enumerate(workload):
-        engine.add_request(f"m{i}", params=SamplingParams(temperature=0, ignore_eos=True, max_tokens=w["max_tokens"]),
-                           prompt_token_ids=w["prompt_token_ids"], output_kind="final")
+        engine.add_request(
+            f"m{i}",
+            params=SamplingParams(temperature=0, ignore_eos=True, max_tokens=w["max_tokens"]),
+            prompt_token_ids=w["prompt_token_ids"],
+            output_kind="final",
+        )
     steps = []
     generated = {}
     t0 = time.perf_counter()
@@ -68,15 +72,30 @@ def run_trace(llm, workload: list[dict]) -> dict:
                 generated[out.request_id] = len(out.outputs[0].token_ids)
         running = scheduler.running
         stored = sum(r.num_computed_tokens for r in running)
-        steps.append((kv.num_used_blocks, stored, len(running),
-                      sum(len(r.prompt_token_ids) + r.sampling_params.max_tokens for r in running)))
+        steps.append(
+            (
+                kv.num_used_blocks,
+                stored,
+                len(running),
+                sum(len(r.prompt_token_ids) + r.sampling_params.max_tokens for r in running),
+            )
+        )
         assert len(running) * max_len >= stored
     wall = time.perf_counter() - t0
     wrong = [i for i, w in enumerate(workload) if generated.get(f"m{i}") != w["max_tokens"]]
     used, stored, running, own = (np.asarray(c, dtype=np.int64) for c in zip(*steps))
-    return {"block_size": block_size, "max_model_len": max_len, "num_blocks": kv.num_blocks, "wall_s": wall,
-            "verified": not wrong, "num_preemptions": engine.stats.num_preemptions,
-            "used_blocks": used, "stored_tokens": stored, "running": running, "own_slots": own}
+    return {
+        "block_size": block_size,
+        "max_model_len": max_len,
+        "num_blocks": kv.num_blocks,
+        "wall_s": wall,
+        "verified": not wrong,
+        "num_preemptions": engine.stats.num_preemptions,
+        "used_blocks": used,
+        "stored_tokens": stored,
+        "running": running,
+        "own_slots": own,
+    }
 
 
 def analyse(trace: dict, budget_bytes: int, bytes_per_token: int) -> dict:
@@ -95,23 +114,38 @@ def analyse(trace: dict, budget_bytes: int, bytes_per_token: int) -> dict:
     mean_own_per_seq = float(own[busy].sum() / running[busy].sum())
     peak = int(np.argmax(paged_slots))
     return {
-        "steps": int(len(used)), "mean_running": float(running[busy].mean()), "peak_running": int(running.max()),
+        "steps": int(len(used)),
+        "mean_running": float(running[busy].mean()),
+        "peak_running": int(running.max()),
         "stored_token_steps": total_stored,
-        "paged": {"slot_steps": int(paged_slots.sum()), "waste_fraction": waste(paged_slots),
-                  "peak_bytes": int(paged_slots.max()) * bytes_per_token,
-                  "mean_tokens_per_seq": mean_pages_per_seq * bs,
-                  "seqs_in_budget": budget_tokens / (mean_pages_per_seq * bs)},
-        "contiguous_max_model_len": {"slot_steps": int(contiguous_slots.sum()),
-                                     "waste_fraction": waste(contiguous_slots),
-                                     "peak_bytes": int(contiguous_slots.max()) * bytes_per_token,
-                                     "seqs_in_budget": budget_tokens // max_len},
-        "contiguous_own_max": {"slot_steps": int(own.sum()), "waste_fraction": waste(own),
-                               "peak_bytes": int(own.max()) * bytes_per_token,
-                               "seqs_in_budget": budget_tokens / mean_own_per_seq},
-        "budget_bytes": budget_bytes, "budget_tokens": int(budget_tokens),
+        "paged": {
+            "slot_steps": int(paged_slots.sum()),
+            "waste_fraction": waste(paged_slots),
+            "peak_bytes": int(paged_slots.max()) * bytes_per_token,
+            "mean_tokens_per_seq": mean_pages_per_seq * bs,
+            "seqs_in_budget": budget_tokens / (mean_pages_per_seq * bs),
+        },
+        "contiguous_max_model_len": {
+            "slot_steps": int(contiguous_slots.sum()),
+            "waste_fraction": waste(contiguous_slots),
+            "peak_bytes": int(contiguous_slots.max()) * bytes_per_token,
+            "seqs_in_budget": budget_tokens // max_len,
+        },
+        "contiguous_own_max": {
+            "slot_steps": int(own.sum()),
+            "waste_fraction": waste(own),
+            "peak_bytes": int(own.max()) * bytes_per_token,
+            "seqs_in_budget": budget_tokens / mean_own_per_seq,
+        },
+        "budget_bytes": budget_bytes,
+        "budget_tokens": int(budget_tokens),
         "memory_saved_vs_max_model_len": 1.0 - int(paged_slots.sum()) / max(int(contiguous_slots.sum()), 1),
-        "at_peak": {"step": peak, "running": int(running[peak]), "stored_tokens": int(stored[peak]),
-                    "paged_slots": int(paged_slots[peak])},
+        "at_peak": {
+            "step": peak,
+            "running": int(running[peak]),
+            "stored_tokens": int(stored[peak]),
+            "paged_slots": int(paged_slots[peak]),
+        },
     }
 
 
@@ -123,13 +157,23 @@ def main(argv=None):
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     ap.add_argument("--budget", type=parse_size, default=2 << 30, help="KV budget for 'sequences that fit' (bytes)")
-    ap.add_argument("--kv-budget", type=parse_size, default=None,
-                    help="also run the engine with a KV pool of this many bytes and report the sequences it held")
-    ap.add_argument("--preemption-modes", default="recompute",
-                    help="comma-separated preemption modes to run the --kv-budget engine with (recompute, swap)")
+    ap.add_argument(
+        "--kv-budget",
+        type=parse_size,
+        default=None,
+        help="also run the engine with a KV pool of this many bytes and report the sequences it held",
+    )
+    ap.add_argument(
+        "--preemption-modes",
+        default="recompute",
+        help="comma-separated preemption modes to run the --kv-budget engine with (recompute, swap)",
+    )
     ap.add_argument("--swap-space", type=float, default=4.0, help="GiB of host pages for --preemption-modes swap")
-    ap.add_argument("--kv-cache-dtypes", default="auto",
-                    help="comma-separated KV cache dtypes to run the --kv-budget engine with (auto, int8)")
+    ap.add_argument(
+        "--kv-cache-dtypes",
+        default="auto",
+        help="comma-separated KV cache dtypes to run the --kv-budget engine with (auto, int8)",
+    )
     ap.add_argument("--out", default=os.path.join(RESULTS, "memory.json"))
     args = ap.parse_args(argv)
 
@@ -137,55 +181,91 @@ def main(argv=None):
     from jaxllm.config import kv_bytes_per_token
 
     workload, desc = make_workload(args)
-    common = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_model_len=args.max_model_len, enable_prefix_caching=False)
+    common = dict(
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=False,
+    )
     llm = LLM(args.model, **common)
     llm.engine.wait_compiled()
     bytes_per_token = kv_bytes_per_token(llm.engine.spec, args.dtype)
     trace = run_trace(llm, workload)
     result = analyse(trace, args.budget, bytes_per_token)
-    result.update(dtype=args.dtype, kv_bytes_per_token=bytes_per_token, block_size=trace["block_size"],
-                  max_model_len=trace["max_model_len"], verified=trace["verified"],
-                  num_preemptions=trace["num_preemptions"])
+    result.update(
+        dtype=args.dtype,
+        kv_bytes_per_token=bytes_per_token,
+        block_size=trace["block_size"],
+        max_model_len=trace["max_model_len"],
+        verified=trace["verified"],
+        num_preemptions=trace["num_preemptions"],
+    )
     if args.kv_budget:
         llm_spec = llm.engine.spec
         del llm
         runs = [(m, d) for m in args.preemption_modes.split(",") for d in args.kv_cache_dtypes.split(",")]
         for mode, kv_dtype in runs:
-            small = LLM(args.model, kv_cache_memory=args.kv_budget, preemption_mode=mode, swap_space=args.swap_space,
-                        kv_cache_dtype=kv_dtype, **common)
+            small = LLM(
+                args.model,
+                kv_cache_memory=args.kv_budget,
+                preemption_mode=mode,
+                swap_space=args.swap_space,
+                kv_cache_dtype=kv_dtype,
+                **common,
+            )
             small.engine.wait_compiled()
             t = run_trace(small, workload)
             run_bytes = kv_bytes_per_token(llm_spec, small.engine.config.cache.dtype)
             result.setdefault("engine_in_budget", {})[mode if kv_dtype == "auto" else f"{mode}, kv {kv_dtype}"] = {
-                "kv_cache_dtype": small.engine.config.cache.dtype, "kv_bytes_per_token": run_bytes,
-                "kv_budget_bytes": args.kv_budget, "num_blocks": t["num_blocks"],
-                "peak_running": int(t["running"].max()), "mean_running": float(t["running"][t["running"] > 0].mean()),
-                "num_preemptions": t["num_preemptions"], "wall_s": t["wall_s"],
+                "kv_cache_dtype": small.engine.config.cache.dtype,
+                "kv_bytes_per_token": run_bytes,
+                "kv_budget_bytes": args.kv_budget,
+                "num_blocks": t["num_blocks"],
+                "peak_running": int(t["running"].max()),
+                "mean_running": float(t["running"][t["running"] > 0].mean()),
+                "num_preemptions": t["num_preemptions"],
+                "wall_s": t["wall_s"],
                 "pages_swapped_out": small.engine.kv_cache_manager.num_swapped_out,
-                "peak_usage": float(t["used_blocks"].max() / t["num_blocks"]), "verified": t["verified"],
-                "contiguous_max_model_len_fits": args.kv_budget // run_bytes // t["max_model_len"]}
+                "peak_usage": float(t["used_blocks"].max() / t["num_blocks"]),
+                "verified": t["verified"],
+                "contiguous_max_model_len_fits": args.kv_budget // run_bytes // t["max_model_len"],
+            }
             del small
-    result.update(workload=desc, date=now_iso(), machine=machine_info(), versions=versions(),
-                  command=shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:]))
+    result.update(
+        workload=desc,
+        date=now_iso(),
+        machine=machine_info(),
+        versions=versions(),
+        command=shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+    )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 
     gib = 2**30
-    print(f"{desc['num_requests']} requests, {result['steps']} steps, mean {result['mean_running']:.1f} / peak "
-          f"{result['peak_running']} running, block {trace['block_size']}, max_model_len {trace['max_model_len']}, "
-          f"{bytes_per_token} B/token ({args.dtype})")
-    for key, label in (("paged", "paged (jaxllm)"), ("contiguous_own_max", "contiguous, prompt+max_tokens"),
-                       ("contiguous_max_model_len", "contiguous, max_model_len")):
+    print(
+        f"{desc['num_requests']} requests, {result['steps']} steps, mean {result['mean_running']:.1f} / peak "
+        f"{result['peak_running']} running, block {trace['block_size']}, max_model_len {trace['max_model_len']}, "
+        f"{bytes_per_token} B/token ({args.dtype})"
+    )
+    for key, label in (
+        ("paged", "paged (jaxllm)"),
+        ("contiguous_own_max", "contiguous, prompt+max_tokens"),
+        ("contiguous_max_model_len", "contiguous, max_model_len"),
+    ):
         r = result[key]
-        print(f"  {label:32s} waste {100 * r['waste_fraction']:5.1f}%  peak {r['peak_bytes'] / gib:7.3f} GiB  "
-              f"sequences in {args.budget / gib:g} GiB: {r['seqs_in_budget']:.0f}")
+        print(
+            f"  {label:32s} waste {100 * r['waste_fraction']:5.1f}%  peak {r['peak_bytes'] / gib:7.3f} GiB  "
+            f"sequences in {args.budget / gib:g} GiB: {r['seqs_in_budget']:.0f}"
+        )
     for mode, e in result.get("engine_in_budget", {}).items():
-        print(f"  engine in {args.kv_budget / 2**20:g} MiB ({e['num_blocks']} pages of {e['kv_cache_dtype']}, "
-              f"{e['kv_bytes_per_token']} B/token), preemption by {mode}: peak "
-              f"{e['peak_running']} running, {e['num_preemptions']} preemptions, {e['pages_swapped_out']} pages "
-              f"swapped out, {e['wall_s']:.1f} s (contiguous max_model_len fits {e['contiguous_max_model_len_fits']})")
+        print(
+            f"  engine in {args.kv_budget / 2**20:g} MiB ({e['num_blocks']} pages of {e['kv_cache_dtype']}, "
+            f"{e['kv_bytes_per_token']} B/token), preemption by {mode}: peak "
+            f"{e['peak_running']} running, {e['num_preemptions']} preemptions, {e['pages_swapped_out']} pages "
+            f"swapped out, {e['wall_s']:.1f} s (contiguous max_model_len fits {e['contiguous_max_model_len_fits']})"
+        )
     ok = result["verified"] and all(e["verified"] for e in result.get("engine_in_budget", {}).values())
     print(f"wrote {args.out}" + ("" if ok else "  (WRONG TOKEN COUNTS)"))
     return 0 if ok else 1

@@ -40,20 +40,52 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, HERE)
-from workload import (RESULTS, cpu_line, machine_info, now_iso, parse_range, random_workload, timeit,  # noqa: E402
-                      versions, write_result)
+from workload import (  # noqa: E402
+    RESULTS,
+    cpu_line,
+    machine_info,
+    now_iso,
+    parse_range,
+    random_workload,
+    timeit,
+    versions,
+    write_result,
+)
 
 del sys.path[0]
 
 VOCAB = 32000
-COMMON = dict(vocab_size=VOCAB, hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-              max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=512,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 MODELS = {
-    "moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-            dict(COMMON, num_hidden_layers=8, intermediate_size=1024, num_local_experts=16, num_experts_per_tok=4,
-                 moe_intermediate_size=256, norm_topk_prob=True)),
-    "window": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-               dict(COMMON, num_hidden_layers=12, intermediate_size=2048, query_pre_attn_scalar=64)),
+    "moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            COMMON,
+            num_hidden_layers=8,
+            intermediate_size=1024,
+            num_local_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=256,
+            norm_topk_prob=True,
+        ),
+    ),
+    "window": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(COMMON, num_hidden_layers=12, intermediate_size=2048, query_pre_attn_scalar=64),
+    ),
 }
 
 
@@ -63,8 +95,11 @@ def build(kind: str, path: str, window: int) -> str:
 
     config_cls, model_cls, kw = MODELS[kind]
     if kind == "window":
-        kw = dict(kw, sliding_window=window,
-                  layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(12)])
+        kw = dict(
+            kw,
+            sliding_window=window,
+            layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(12)],
+        )
     config = getattr(transformers, config_cls)(**kw, architectures=[model_cls])
     torch.manual_seed(0)
     getattr(transformers, model_cls)(config).save_pretrained(path)
@@ -75,17 +110,24 @@ def throughput(llm, requests) -> dict:
     from jaxllm import SamplingParams
 
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
-    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False)
-              for r in requests]
-    llm.generate(prompts[:4], params[:4], use_tqdm=False)       # warm-up
+    params = [
+        SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False) for r in requests
+    ]
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
     steps0 = llm.engine.stats.num_steps
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     steps = llm.engine.stats.num_steps - steps0
-    return {"requests": len(requests), "output_tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall,
-            "steps": steps, "ms_per_step": 1000 * wall / steps}
+    return {
+        "requests": len(requests),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "output_tok_s": tokens / wall,
+        "steps": steps,
+        "ms_per_step": 1000 * wall / steps,
+    }
 
 
 def decode_ms_per_step(llm, batch: int, decode_tokens: int = 32) -> float:
@@ -116,6 +158,7 @@ def routing_ms(spec, layer, tokens: int, repeats: int = 16) -> float:
             rows, _, w, sizes = moe.dispatch(h, router, spec)
             # Feed a value of the result back so no repeat can be skipped or hoisted.
             return h + 1e-6 * (rows[: h.shape[0]] * w[: h.shape[0], None] + sizes[0])
+
         return jax.lax.fori_loop(0, repeats, body, h)
 
     h = jax.random.normal(jax.random.key(0), (tokens, spec.hidden_size), jnp.float32)
@@ -136,8 +179,11 @@ def experts(spec, layer, token_counts) -> list[dict]:
         for impl in ("gather", "dense", "grouped"):
             fn = jax.jit(lambda h, layer, impl=impl: moe.moe_mlp(layer, h, spec, ACTIVATIONS[spec.hidden_act], impl))
             row[f"{impl}_ms"] = 1000 * timeit(lambda: jax.block_until_ready(fn(h, layer)))
-        print(f"experts, {tokens:5d} tokens: gather {row['gather_ms']:8.3f} ms, dense {row['dense_ms']:8.3f} ms, "
-              f"grouped (ragged_dot) {row['grouped_ms']:8.3f} ms; the engine picks {row['engine_picks']}", flush=True)
+        print(
+            f"experts, {tokens:5d} tokens: gather {row['gather_ms']:8.3f} ms, dense {row['dense_ms']:8.3f} ms, "
+            f"grouped (ragged_dot) {row['grouped_ms']:8.3f} ms; the engine picks {row['engine_picks']}",
+            flush=True,
+        )
         rows.append(row)
     return rows
 
@@ -152,9 +198,11 @@ def window_kv(path: str, args, cache_dir: str) -> dict:
     llm.engine.wait_compiled()
     core, spec, cache = llm.engine.engine_core, llm.engine.spec, llm.engine.config.cache
     kv = core.kv_cache_manager
-    layers = [spec.num_layers - sum(1 for i in range(spec.num_layers) if spec.window(i)),
-              sum(1 for i in range(spec.num_layers) if spec.window(i))]
-    page_bytes = kv_bytes_per_token(spec, cache.dtype) // spec.num_layers * cache.block_size   # one layer's page
+    layers = [
+        spec.num_layers - sum(1 for i in range(spec.num_layers) if spec.window(i)),
+        sum(1 for i in range(spec.num_layers) if spec.window(i)),
+    ]
+    page_bytes = kv_bytes_per_token(spec, cache.dtype) // spec.num_layers * cache.block_size  # one layer's page
     peak = {"held": [0, 0], "tokens": 0}
     step = core.step
 
@@ -167,8 +215,9 @@ def window_kv(path: str, args, cache_dir: str) -> dict:
 
     core.step = watched
     rng = np.random.default_rng(0)
-    prompts = [{"prompt_token_ids": rng.integers(3, VOCAB, args.long_input_len).tolist()}
-               for _ in range(args.long_requests)]
+    prompts = [
+        {"prompt_token_ids": rng.integers(3, VOCAB, args.long_input_len).tolist()} for _ in range(args.long_requests)
+    ]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, detokenize=False)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -177,15 +226,26 @@ def window_kv(path: str, args, cache_dir: str) -> dict:
     held = peak["held"]
     with_groups = page_bytes * (held[0] * layers[0] + held[1] * layers[1])
     one_pool = page_bytes * held[0] * spec.num_layers
-    out = {"requests": args.long_requests, "input_len": args.long_input_len, "output_len": 32,
-           "window": max(spec.layer_windows), "layers_global_windowed": layers,
-           "pool_pages_per_group": [g.num_blocks for g in kv.groups], "peak_pages_held_per_group": held,
-           "peak_kv_mib": with_groups / 2**20, "peak_kv_mib_if_every_layer_kept_every_page": one_pool / 2**20,
-           "output_tok_s": tokens / wall, "wall_s": wall}
-    print(f"window_kv: {args.long_requests} x {args.long_input_len}-token prompts, pages held at the peak "
-          f"{held} (global, windowed layers) = {out['peak_kv_mib']:.1f} MiB of KV, against "
-          f"{out['peak_kv_mib_if_every_layer_kept_every_page']:.1f} MiB if every layer kept every page "
-          f"({one_pool / with_groups:.2f}x); {out['output_tok_s']:.1f} output tok/s", flush=True)
+    out = {
+        "requests": args.long_requests,
+        "input_len": args.long_input_len,
+        "output_len": 32,
+        "window": max(spec.layer_windows),
+        "layers_global_windowed": layers,
+        "pool_pages_per_group": [g.num_blocks for g in kv.groups],
+        "peak_pages_held_per_group": held,
+        "peak_kv_mib": with_groups / 2**20,
+        "peak_kv_mib_if_every_layer_kept_every_page": one_pool / 2**20,
+        "output_tok_s": tokens / wall,
+        "wall_s": wall,
+    }
+    print(
+        f"window_kv: {args.long_requests} x {args.long_input_len}-token prompts, pages held at the peak "
+        f"{held} (global, windowed layers) = {out['peak_kv_mib']:.1f} MiB of KV, against "
+        f"{out['peak_kv_mib_if_every_layer_kept_every_page']:.1f} MiB if every layer kept every page "
+        f"({one_pool / with_groups:.2f}x); {out['output_tok_s']:.1f} output tok/s",
+        flush=True,
+    )
     return out
 
 
@@ -209,24 +269,39 @@ def main() -> None:
 
     machine = machine_info()
     print(f"CPU: {cpu_line(machine)}", flush=True)
-    result = {"benchmark": "models", "command": "python " + shlex.join(sys.argv), "date": now_iso(),
-              "machine": machine, "versions": versions()}
+    result = {
+        "benchmark": "models",
+        "command": "python " + shlex.join(sys.argv),
+        "date": now_iso(),
+        "machine": machine,
+        "versions": versions(),
+    }
     requests = random_workload(args.num_prompts, args.input_len, args.output_len, 0, VOCAB, [0, 1, 2])
     with tempfile.TemporaryDirectory() as tmp:
         for kind, uses in (("moe", {"throughput", "routing", "experts"}), ("window", {"throughput"})):
             if not uses & set(parts):
                 continue
-            llm = LLM(build(kind, os.path.join(tmp, kind), args.window), params_cache_dir=os.path.join(tmp, "cache"),
-                      dtype=args.dtype, max_model_len=512)
+            llm = LLM(
+                build(kind, os.path.join(tmp, kind), args.window),
+                params_cache_dir=os.path.join(tmp, "cache"),
+                dtype=args.dtype,
+                max_model_len=512,
+            )
             llm.engine.wait_compiled()
             spec = llm.engine.spec
-            out = result[kind] = {"config": MODELS[kind][2], "dtype": llm.engine.config.dtype,
-                                  "layer_windows": list(spec.layer_windows)}
+            out = result[kind] = {
+                "config": MODELS[kind][2],
+                "dtype": llm.engine.config.dtype,
+                "layer_windows": list(spec.layer_windows),
+            }
             if "throughput" in parts:
                 out["throughput"] = throughput(llm, requests)
                 t = out["throughput"]
-                print(f"{kind}: {t['output_tok_s']:.0f} output tok/s, {t['ms_per_step']:.1f} ms/step "
-                      f"({llm.engine.config.dtype})", flush=True)
+                print(
+                    f"{kind}: {t['output_tok_s']:.0f} output tok/s, {t['ms_per_step']:.1f} ms/step "
+                    f"({llm.engine.config.dtype})",
+                    flush=True,
+                )
             if kind != "moe":
                 continue
             layer = llm.engine.runner.params["layers"][0]
@@ -235,16 +310,27 @@ def main() -> None:
                 for batch in map(int, args.batches.split(",")):
                     step, route = decode_ms_per_step(llm, batch), routing_ms(spec, layer, batch)
                     share = len(spec.moe_layers) * route / step
-                    out["routing"].append({"batch": batch, "ms_per_step": step, "routing_ms_per_layer": route,
-                                           "moe_layers": len(spec.moe_layers), "share_of_step": share})
-                    print(f"routing, decode batch {batch:3d}: {route:.3f} ms a layer x {len(spec.moe_layers)} "
-                          f"of {step:.2f} ms a step = {share:.1%}", flush=True)
+                    out["routing"].append(
+                        {
+                            "batch": batch,
+                            "ms_per_step": step,
+                            "routing_ms_per_layer": route,
+                            "moe_layers": len(spec.moe_layers),
+                            "share_of_step": share,
+                        }
+                    )
+                    print(
+                        f"routing, decode batch {batch:3d}: {route:.3f} ms a layer x {len(spec.moe_layers)} "
+                        f"of {step:.2f} ms a step = {share:.1%}",
+                        flush=True,
+                    )
             if "experts" in parts:
                 out["experts"] = experts(spec, layer, list(map(int, args.tokens.split(","))))
             del llm
         if "window_kv" in parts:
-            result["window_kv"] = window_kv(build("window", os.path.join(tmp, "window"), args.window), args,
-                                            os.path.join(tmp, "cache"))
+            result["window_kv"] = window_kv(
+                build("window", os.path.join(tmp, "window"), args.window), args, os.path.join(tmp, "cache")
+            )
     write_result(args.out, result)
 
 

@@ -47,7 +47,7 @@ def worker(config: str, eps: float) -> float:
             x = x * (1 + eps)
         return matmul(x, w, *args, **kwargs)
 
-    weights.matmul = perturbed      # QuantizedWeight.apply calls it through the module
+    weights.matmul = perturbed  # QuantizedWeight.apply calls it through the module
     from jaxllm import LLM
     from jaxllm.bench.perplexity import perplexity
 
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="int8", help="METHOD[:act_block=B],...")
     ap.add_argument("--eps", default="0,1e-6,-1e-6,3e-6", help="one draw per value")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)   # CONFIG@EPS
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # CONFIG@EPS
     args = ap.parse_args(argv)
     if args.worker:
         config, eps = args.worker.rsplit("@", 1)
@@ -71,18 +71,24 @@ def main(argv=None) -> int:
     for config in args.configs.split(","):
         draws = []
         for eps in args.eps.split(","):
-            with tempfile.TemporaryDirectory() as cache:    # no compiled step or executable of another draw
+            with tempfile.TemporaryDirectory() as cache:  # no compiled step or executable of another draw
                 env = {**os.environ, "JAXLLM_CACHE_DIR": cache}
-                proc = subprocess.run([sys.executable, os.path.abspath(__file__), f"--worker={config}@{eps}"],
-                                      env=env, capture_output=True, text=True)
+                proc = subprocess.run(
+                    [sys.executable, os.path.abspath(__file__), f"--worker={config}@{eps}"],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                )
             lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             if proc.returncode or not lines:
                 raise SystemExit(f"{config} eps {eps} failed:\n{proc.stderr[-3000:]}")
-            draws.append(json.loads(lines[-1][len("RESULT "):]))
+            draws.append(json.loads(lines[-1][len("RESULT ") :]))
             print(f"{config} eps {eps}: perplexity {draws[-1]:.3f}", flush=True)
         results[config] = {"eps": args.eps.split(","), "perplexity": draws, "mean": sum(draws) / len(draws)}
-        print(f"{config}: mean {results[config]['mean']:.3f}, {min(draws):.3f}-{max(draws):.3f} over {len(draws)} "
-              "draws", flush=True)
+        print(
+            f"{config}: mean {results[config]['mean']:.3f}, {min(draws):.3f}-{max(draws):.3f} over {len(draws)} draws",
+            flush=True,
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"date": now_iso(), "machine": machine, "versions": versions(), "results": results}, f, indent=1)

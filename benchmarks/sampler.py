@@ -43,10 +43,15 @@ DRAWS = {"xla": sampler.draw_xla, "native": native_draw}
 
 def metadata(rows: int, vocab: int, top_k: int = 0, top_p: float = 1.0) -> SamplingMetadata:
     s = SamplingMetadata.zeros(rows)
-    s = dataclasses.replace(s, temperature=np.ones(rows, np.float32), top_k=np.full(rows, top_k, np.int32),
-                            top_p=np.full(rows, top_p, np.float32), seeds=np.arange(rows, dtype=np.uint32),
-                            penalty_tokens=np.full((rows, 8), -1, np.int32),
-                            token_mask=np.full((rows, -(-vocab // 32)), -1, np.int32))
+    s = dataclasses.replace(
+        s,
+        temperature=np.ones(rows, np.float32),
+        top_k=np.full(rows, top_k, np.int32),
+        top_p=np.full(rows, top_p, np.float32),
+        seeds=np.arange(rows, dtype=np.uint32),
+        penalty_tokens=np.full((rows, 8), -1, np.int32),
+        token_mask=np.full((rows, -(-vocab // 32)), -1, np.int32),
+    )
     s.flags[FLAG_TOP_K_TOP_P] = top_k > 0 or top_p < 1
     return s
 
@@ -55,7 +60,7 @@ def compile_seconds(draw, rows: int, vocab: int, times: int) -> float:
     logits, s = np.zeros((rows, vocab), np.float32), metadata(rows, vocab)
     out = []
     for _ in range(times):
-        fn = jax.jit(lambda x, m: sampler.sample(x, m, draw=draw))   # a new function: no cache hit
+        fn = jax.jit(lambda x, m: sampler.sample(x, m, draw=draw))  # a new function: no cache hit
         start = time.perf_counter()
         fn.lower(logits, s).compile()
         out.append(time.perf_counter() - start)
@@ -89,14 +94,29 @@ def main(argv=None) -> int:
     logits = (np.random.default_rng(0).standard_normal((args.rows, args.vocab)) * 3).astype(np.float32)
     rows = []
     for name, draw in DRAWS.items():
-        row = {"draw": name, "compile_s": compile_seconds(draw, args.compile_rows, args.vocab, args.compiles),
-               "plain_ms": draw_ms(draw, logits, metadata(args.rows, args.vocab), args.repeat),
-               "top_k_top_p_ms": draw_ms(draw, logits, metadata(args.rows, args.vocab, 50, 0.9), args.repeat)}
-        print(f"{name:>6}: sampler compile {row['compile_s']:.2f} s; draw [{args.rows}, {args.vocab}]: plain "
-              f"{row['plain_ms']:.1f} ms, top-k 50 + top-p 0.9 {row['top_k_top_p_ms']:.1f} ms", flush=True)
+        row = {
+            "draw": name,
+            "compile_s": compile_seconds(draw, args.compile_rows, args.vocab, args.compiles),
+            "plain_ms": draw_ms(draw, logits, metadata(args.rows, args.vocab), args.repeat),
+            "top_k_top_p_ms": draw_ms(draw, logits, metadata(args.rows, args.vocab, 50, 0.9), args.repeat),
+        }
+        print(
+            f"{name:>6}: sampler compile {row['compile_s']:.2f} s; draw [{args.rows}, {args.vocab}]: plain "
+            f"{row['plain_ms']:.1f} ms, top-k 50 + top-p 0.9 {row['top_k_top_p_ms']:.1f} ms",
+            flush=True,
+        )
         rows.append(row)
-    write_result(args.out, {"rows": rows, "args": vars(args), "date": now_iso(), "machine": machine,
-                            "versions": versions(), "command": shlex.join(["python", *sys.argv])})
+    write_result(
+        args.out,
+        {
+            "rows": rows,
+            "args": vars(args),
+            "date": now_iso(),
+            "machine": machine,
+            "versions": versions(),
+            "command": shlex.join(["python", *sys.argv]),
+        },
+    )
     return 0
 
 

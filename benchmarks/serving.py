@@ -44,7 +44,14 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, HERE)
 from engines import hf_directory  # noqa: E402
 from workload import (  # noqa: E402
-    RESULTS, ROOT, add_workload_args, default_model_path, machine_info, make_workload, now_iso, versions,
+    RESULTS,
+    ROOT,
+    add_workload_args,
+    default_model_path,
+    machine_info,
+    make_workload,
+    now_iso,
+    versions,
 )
 
 del sys.path[0]
@@ -54,6 +61,7 @@ from jaxllm.bench.serve import print_row, run_rate  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- server
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -104,15 +112,44 @@ def launch_server(args, tmp: str) -> tuple[subprocess.Popen, str]:
         with open(launcher, "w") as f:
             f.write(VLLM_LAUNCHER)
         model = hf_directory(args.model_path or default_model_path())
-        cmd = [args.vllm_python, launcher, model, "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
-               "--max-num-seqs", str(args.max_num_seqs), "--served-model-name", "SmolLM2-135M-Instruct",
-               "--uvicorn-log-level", "warning"]
+        cmd = [
+            args.vllm_python,
+            launcher,
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            args.dtype,
+            "--max-num-seqs",
+            str(args.max_num_seqs),
+            "--served-model-name",
+            "SmolLM2-135M-Instruct",
+            "--uvicorn-log-level",
+            "warning",
+        ]
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     else:
-        cmd = [sys.executable, "-m", "jaxllm.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-               "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--uvicorn-log-level", "warning",
-               "--no-background-compile"]  # every shape compiled before /health answers: a steady server
+        cmd = [
+            sys.executable,
+            "-m",
+            "jaxllm.entrypoints.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            args.dtype,
+            "--max-num-seqs",
+            str(args.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens),
+            "--uvicorn-log-level",
+            "warning",
+            "--no-background-compile",
+        ]  # every shape compiled before /health answers: a steady server
         if args.model_path:
             cmd += ["--model", args.model_path]
     cmd += shlex.split(args.serve_args)
@@ -144,8 +181,11 @@ def server_versions(args) -> dict:
     """The launched peer's version (the client's own are in `versions()`)."""
     if args.launch != "vllm":
         return {}
-    probe = subprocess.run([args.vllm_python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        [args.vllm_python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+        capture_output=True,
+        text=True,
+    )
     return {"vllm-cpu": probe.stdout.strip()} if probe.returncode == 0 else {}
 
 
@@ -158,36 +198,59 @@ def fresh_prompts(workload: list[dict], run: int) -> list[dict]:
     if run == 0:
         return workload
     n = len(workload)
-    return [dict(w, prompt_token_ids=[workload[(j + run) % n]["prompt_token_ids"][0], *w["prompt_token_ids"][1:]])
-            for j, w in enumerate(workload)]
-
+    return [
+        dict(w, prompt_token_ids=[workload[(j + run) % n]["prompt_token_ids"][0], *w["prompt_token_ids"][1:]])
+        for j, w in enumerate(workload)
+    ]
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, without /v1")
-    ap.add_argument("--model", dest="served_model", default=None,
-                    help="model name sent in requests (default: the first of /v1/models)")
+    ap.add_argument(
+        "--model",
+        dest="served_model",
+        default=None,
+        help="model name sent in requests (default: the first of /v1/models)",
+    )
     ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     ap.add_argument("--label", default=None, help="server name in the results (default: the launched server)")
     ap.add_argument("--request-rate", type=parse_rate, default=float("inf"), help="requests/s, or inf")
     ap.add_argument("--rates", default=None, help="comma-separated sweep, e.g. 1,2,4,inf (overrides --request-rate)")
     ap.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
-    ap.add_argument("--concurrencies", default=None,
-                    help="comma-separated closed-loop levels, e.g. 1,4,16, run after any --rates")
-    ap.add_argument("--prompts-per-client", type=int, default=16,
-                    help="with --concurrencies: c x this many requests per level (at most the workload's)")
+    ap.add_argument(
+        "--concurrencies", default=None, help="comma-separated closed-loop levels, e.g. 1,4,16, run after any --rates"
+    )
+    ap.add_argument(
+        "--prompts-per-client",
+        type=int,
+        default=16,
+        help="with --concurrencies: c x this many requests per level (at most the workload's)",
+    )
     add_workload_args(ap, model_flag="--tokenizer")
     g = ap.add_argument_group("--launch: start a server for the run, and stop it afterwards")
-    g.add_argument("--launch", nargs="?", const="jaxllm", choices=("jaxllm", "vllm"), default=None,
-                   help="`jaxllm serve` (the default), or `vllm serve` from the vllm-cpu venv")
+    g.add_argument(
+        "--launch",
+        nargs="?",
+        const="jaxllm",
+        choices=("jaxllm", "vllm"),
+        default=None,
+        help="`jaxllm serve` (the default), or `vllm serve` from the vllm-cpu venv",
+    )
     default_vllm = os.environ.get("VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bin", "python"))
-    g.add_argument("--vllm-python", default=default_vllm,
-                   help="python of the vllm-cpu venv (default: $VLLM_PYTHON or .venv-vllm/bin/python)")
+    g.add_argument(
+        "--vllm-python",
+        default=default_vllm,
+        help="python of the vllm-cpu venv (default: $VLLM_PYTHON or .venv-vllm/bin/python)",
+    )
     g.add_argument("--port", type=int, default=None, help="default: a free port")
-    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                   help="the launched server's dtype; auto: the one jaxllm's default picks for this CPU, given to "
-                        "either server (default: %(default)s)")
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="the launched server's dtype; auto: the one jaxllm's default picks for this CPU, given to "
+        "either server (default: %(default)s)",
+    )
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="jaxllm")
     g.add_argument("--serve-args", default="", help="more options for the launched server, one string")
@@ -200,9 +263,14 @@ def main(argv=None):
         args.dtype = resolve_dtype("auto", "cpu")[0]
     args.model_path = args.model  # --tokenizer: the model's files
     # (request rate, most in flight) per level: the rates, then the closed loops (c in flight)
-    levels = [] if args.concurrencies and not args.rates else [
-        (rate, args.max_concurrency) for rate in ([parse_rate(r) for r in args.rates.split(",")] if args.rates
-                                                   else [args.request_rate])]
+    levels = (
+        []
+        if args.concurrencies and not args.rates
+        else [
+            (rate, args.max_concurrency)
+            for rate in ([parse_rate(r) for r in args.rates.split(",")] if args.rates else [args.request_rate])
+        ]
+    )
     if args.concurrencies:
         levels += [(float("inf"), int(c)) for c in args.concurrencies.split(",")]
     workload, desc = make_workload(args)
@@ -221,8 +289,17 @@ def main(argv=None):
         startup = time.perf_counter() - t0
         model = args.served_model or served_model(base_url, args.api_key)
         # One short request first, so the sweep never pays for a cold path.
-        warm = asyncio.run(run_rate(base_url, model, [{"prompt_token_ids": workload[0]["prompt_token_ids"][:8],
-                                                       "max_tokens": 4}], float("inf"), 0, None, args.api_key))
+        warm = asyncio.run(
+            run_rate(
+                base_url,
+                model,
+                [{"prompt_token_ids": workload[0]["prompt_token_ids"][:8], "max_tokens": 4}],
+                float("inf"),
+                0,
+                None,
+                args.api_key,
+            )
+        )
         if not warm["verified"]:
             raise SystemExit(f"warm-up request failed: {warm['errors'] or warm['wrong_counts']}")
         runs = []
@@ -237,14 +314,28 @@ def main(argv=None):
         if proc is not None:
             stop_server(proc)
         shutil.rmtree(tmp, ignore_errors=True)
-    result = {"label": args.label or args.launch or base_url, "base_url": base_url, "model": model,
-              "launched": args.launch, "server_startup_s": startup if args.launch else None,
-              "server_options": {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
-                                 "max_num_batched_tokens": args.max_num_batched_tokens,
-                                 "serve_args": args.serve_args} if args.launch else None,
-              "max_concurrency": args.max_concurrency, "workload": desc, "runs": runs, "date": now_iso(),
-              "machine": machine_info(), "versions": {**versions(), **server_versions(args)},
-              "command": shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:])}
+    result = {
+        "label": args.label or args.launch or base_url,
+        "base_url": base_url,
+        "model": model,
+        "launched": args.launch,
+        "server_startup_s": startup if args.launch else None,
+        "server_options": {
+            "dtype": args.dtype,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "serve_args": args.serve_args,
+        }
+        if args.launch
+        else None,
+        "max_concurrency": args.max_concurrency,
+        "workload": desc,
+        "runs": runs,
+        "date": now_iso(),
+        "machine": machine_info(),
+        "versions": {**versions(), **server_versions(args)},
+        "command": shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -43,9 +43,18 @@ def build_model(path: str, args) -> str:
     if os.path.isfile(os.path.join(path, "model.safetensors")):
         return path
     config = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 128, max_position_embeddings=1024,
-        tie_word_embeddings=True, architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)
+        vocab_size=49152,
+        hidden_size=args.hidden,
+        intermediate_size=3 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 128,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        architectures=["LlamaForCausalLM"],
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     load_model(None, progress=False).tokenizer.save_pretrained(path)
@@ -69,14 +78,25 @@ def run_layout(model_dir: str, layout: str, args, cache_dir: str) -> dict:
 
     tp, dp, pp = (list(map(int, layout.split("x"))) + [1])[:3]
     start = time.perf_counter()
-    llm = LLM(model_dir, dtype="float32", tensor_parallel_size=tp, data_parallel_size=dp,
-              pipeline_parallel_size=pp, max_num_seqs=32,
-              max_num_batched_tokens=256, max_model_len=1024, kv_cache_memory=64 << 20, params_cache_dir=cache_dir)
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        tensor_parallel_size=tp,
+        data_parallel_size=dp,
+        pipeline_parallel_size=pp,
+        max_num_seqs=32,
+        max_num_batched_tokens=256,
+        max_model_len=1024,
+        kv_cache_memory=64 << 20,
+        params_cache_dir=cache_dir,
+    )
     llm.engine.wait_compiled()
     startup = time.perf_counter() - start
     rng = np.random.default_rng(0)
-    prompts = [{"prompt_token_ids": rng.integers(100, 40000, int(rng.integers(32, 256))).tolist()}
-               for _ in range(args.requests)]
+    prompts = [
+        {"prompt_token_ids": rng.integers(100, 40000, int(rng.integers(32, 256))).tolist()}
+        for _ in range(args.requests)
+    ]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     engine = llm.engine
     steps0, device0 = engine.stats.num_steps, engine.stats.time_device
@@ -86,19 +106,26 @@ def run_layout(model_dir: str, layout: str, args, cache_dir: str) -> dict:
     steps = engine.stats.num_steps - steps0
     runners = [r.runner for r in engine.replicas]
     ticks = sum(r.builder.stage_ticks for r in runners)
-    return {"layout": layout, "tp": tp, "dp": dp, "pp": pp, "startup_s": startup, "wall_s": wall,
-            "pipeline_idle": 1 - sum(r.builder.busy_stage_ticks for r in runners) / ticks if ticks else 0.0,
-            "output_tok_s": args.requests * args.max_tokens / wall,
-            "device_ms_per_step": 1000 * (engine.stats.time_device - device0) / max(steps, 1), "steps": steps,
-            "param_bytes_per_device": device_bytes(engine.runner.params),
-            "kv_bytes_per_device": device_bytes([r.runner.kv_cache for r in engine.replicas]),
-            "token_ids": [o.outputs[0].token_ids for o in outputs]}
+    return {
+        "layout": layout,
+        "tp": tp,
+        "dp": dp,
+        "pp": pp,
+        "startup_s": startup,
+        "wall_s": wall,
+        "pipeline_idle": 1 - sum(r.builder.busy_stage_ticks for r in runners) / ticks if ticks else 0.0,
+        "output_tok_s": args.requests * args.max_tokens / wall,
+        "device_ms_per_step": 1000 * (engine.stats.time_device - device0) / max(steps, 1),
+        "steps": steps,
+        "param_bytes_per_device": device_bytes(engine.runner.params),
+        "kv_bytes_per_device": device_bytes([r.runner.kv_cache for r in engine.replicas]),
+        "token_ids": [o.outputs[0].token_ids for o in outputs],
+    }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layouts", default="1x1,2x1,4x1,1x2,2x2,1x1x2,1x1x4,2x1x2",
-                    help="TPxDP[xPP], comma-separated")
+    ap.add_argument("--layouts", default="1x1,2x1,4x1,1x2,2x2,1x1x2,1x1x4,2x1x2", help="TPxDP[xPP], comma-separated")
     ap.add_argument("--devices", type=int, default=4, help="virtual CPU devices")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
@@ -116,15 +143,24 @@ def main() -> int:
         row = run_layout(model_dir, layout, args, os.path.join(work, "params"))
         row["same_tokens_as_1x1"] = row["token_ids"] == rows[0]["token_ids"] if rows else True
         rows.append(row)
-        print(f"{layout:>6}: params/device {[b >> 20 for b in row['param_bytes_per_device']]} MiB, "
-              f"KV/device {[b >> 20 for b in row['kv_bytes_per_device']]} MiB, {row['output_tok_s']:.1f} out tok/s, "
-              f"{row['device_ms_per_step']:.1f} ms/step device, pipeline idle {row['pipeline_idle']:.0%}, "
-              f"start-up {row['startup_s']:.1f} s, "
-              f"same tokens as 1x1: {row['same_tokens_as_1x1']}", flush=True)
+        print(
+            f"{layout:>6}: params/device {[b >> 20 for b in row['param_bytes_per_device']]} MiB, "
+            f"KV/device {[b >> 20 for b in row['kv_bytes_per_device']]} MiB, {row['output_tok_s']:.1f} out tok/s, "
+            f"{row['device_ms_per_step']:.1f} ms/step device, pipeline idle {row['pipeline_idle']:.0%}, "
+            f"start-up {row['startup_s']:.1f} s, "
+            f"same tokens as 1x1: {row['same_tokens_as_1x1']}",
+            flush=True,
+        )
     for row in rows:
         del row["token_ids"]
-    result = {"when": now_iso(), "machine": machine_info(), "versions": versions(), "devices": args.devices,
-              "model": {"hidden": args.hidden, "layers": args.layers}, "rows": rows}
+    result = {
+        "when": now_iso(),
+        "machine": machine_info(),
+        "versions": versions(),
+        "devices": args.devices,
+        "model": {"hidden": args.hidden, "layers": args.layers},
+        "rows": rows,
+    }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

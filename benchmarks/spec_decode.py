@@ -77,7 +77,7 @@ def repeat_prompts(llm, n: int, words: int = 90) -> list[list[int]]:
     tokens = text.split()
     prompts = []
     for i in range(n):
-        passage = " ".join(tokens[i * words:(i + 1) * words])
+        passage = " ".join(tokens[i * words : (i + 1) * words])
         messages = [{"role": "user", "content": f"Repeat the following text exactly, word for word:\n\n{passage}"}]
         prompts.append(llm.engine.apply_chat_template(messages))
     return prompts
@@ -93,15 +93,17 @@ def random_prompts(model: str | None, n: int, length: int, seed: int) -> list[li
 def run(llm, prompts: list[list[int]], batch: int, max_tokens: int, temperature: float) -> dict:
     from jaxllm import SamplingParams
 
-    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens, ignore_eos=True)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     stats = llm.engine.stats
     drafts0, accepted0, steps0 = stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_steps
     tpot, ttft, outputs = [], [], []
     t0 = time.perf_counter()
     for i in range(0, len(prompts), batch):
-        group = [{"prompt_token_ids": p} for p in prompts[i:i + batch]]
-        for out in llm.generate(group, params[i:i + batch], use_tqdm=False):
+        group = [{"prompt_token_ids": p} for p in prompts[i : i + batch]]
+        for out in llm.generate(group, params[i : i + batch], use_tqdm=False):
             m = out.metrics
             n = len(out.outputs[0].token_ids)
             tpot.append((m["last_token_time"] - m["first_token_time"]) / max(n - 1, 1))
@@ -110,11 +112,18 @@ def run(llm, prompts: list[list[int]], batch: int, max_tokens: int, temperature:
     wall = time.perf_counter() - t0
     num_out = sum(len(o) for o in outputs)
     drafts, accepted = stats.num_draft_tokens - drafts0, stats.num_accepted_tokens - accepted0
-    return {"output_tokens_per_s": num_out / wall, "mean_tpot_ms": 1000 * statistics.fmean(tpot),
-            "mean_ttft_ms": 1000 * statistics.fmean(ttft), "wall_s": wall, "output_tokens": num_out,
-            "draft_tokens": drafts, "accepted_tokens": accepted,
-            "acceptance_rate": accepted / drafts if drafts else None, "steps": stats.num_steps - steps0,
-            "outputs": outputs}
+    return {
+        "output_tokens_per_s": num_out / wall,
+        "mean_tpot_ms": 1000 * statistics.fmean(tpot),
+        "mean_ttft_ms": 1000 * statistics.fmean(ttft),
+        "wall_s": wall,
+        "output_tokens": num_out,
+        "draft_tokens": drafts,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafts if drafts else None,
+        "steps": stats.num_steps - steps0,
+        "outputs": outputs,
+    }
 
 
 def main() -> None:
@@ -125,12 +134,24 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (default: %(default)s)")
     ap.add_argument("--random-len", type=int, default=256, help="random prompts' length (default: %(default)s)")
     ap.add_argument("--batches", default="1,4", help="requests submitted together (default: %(default)s)")
-    ap.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
-                    '"prompt_lookup_min": 2, "prompt_lookup_max": 4}', help="(default: %(default)s)")
-    ap.add_argument("--draft-layers", type=int, default=None, metavar="N",
-                    help="speculate with a draft model: the target's first N layers (overrides the config's method)")
-    ap.add_argument("--repeats", type=int, default=3, help="runs of each case and mode, alternating; the median is "
-                    "reported (default: %(default)s)")
+    ap.add_argument(
+        "--speculative-config",
+        default='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}',
+        help="(default: %(default)s)",
+    )
+    ap.add_argument(
+        "--draft-layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="speculate with a draft model: the target's first N layers (overrides the config's method)",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs of each case and mode, alternating; the median is reported (default: %(default)s)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(RESULTS, "spec_decode.json"))
     args = ap.parse_args()
@@ -140,25 +161,36 @@ def main() -> None:
     config = json.loads(args.speculative_config)
     if args.draft_layers:
         sys.path.insert(0, HERE)
-        config = {"model": truncated_draft(args.model, args.draft_layers),
-                  "num_speculative_tokens": config.get("num_speculative_tokens", 4)}
+        config = {
+            "model": truncated_draft(args.model, args.draft_layers),
+            "num_speculative_tokens": config.get("num_speculative_tokens", 4),
+        }
     # No prefix caching: each case computes its prompts itself (the cases share them).
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=16, max_model_len=1024, kv_cache_memory=512 << 20,
-              enable_prefix_caching=False, speculative_config=config)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_num_seqs=16,
+        max_model_len=1024,
+        kv_cache_memory=512 << 20,
+        enable_prefix_caching=False,
+        speculative_config=config,
+    )
     llm.engine.wait_compiled()
     proposer = llm.engine.scheduler.proposer
-    workloads = {"repeat": (repeat_prompts(llm, args.num_prompts), 0.0),
-                 "random": (random_prompts(args.model, args.num_prompts, args.random_len, args.seed), 1.0)}
+    workloads = {
+        "repeat": (repeat_prompts(llm, args.num_prompts), 0.0),
+        "random": (random_prompts(args.model, args.num_prompts, args.random_len, args.seed), 1.0),
+    }
     machine = machine_info()
     print(f"CPU: {cpu_line(machine)}; dtype {llm.engine.config.dtype}; speculative_config {config}", flush=True)
     rows = []
     for name, (prompts, temperature) in workloads.items():
         for batch in map(int, args.batches.split(",")):
-            for speculate in (False, True):       # warm-up: every bucket these cases use
+            for speculate in (False, True):  # warm-up: every bucket these cases use
                 llm.engine.scheduler.proposer = proposer if speculate else None
                 run(llm, prompts[:batch], batch, 16, temperature)
             runs = {False: [], True: []}
-            for _ in range(args.repeats):      # alternating, so drifts in the machine's speed hit both
+            for _ in range(args.repeats):  # alternating, so drifts in the machine's speed hit both
                 for speculate in (False, True):
                     llm.engine.scheduler.proposer = proposer if speculate else None
                     runs[speculate].append(run(llm, prompts, batch, args.max_tokens, temperature))
@@ -168,17 +200,34 @@ def main() -> None:
             off.pop("outputs"), on.pop("outputs")
             off["runs_tokens_per_s"] = [r["output_tokens_per_s"] for r in runs[False]]
             on["runs_tokens_per_s"] = [r["output_tokens_per_s"] for r in runs[True]]
-            row = {"workload": name, "temperature": temperature, "batch": batch, "off": off, "on": on,
-                   "same_outputs": same,
-                   "speedup": on["output_tokens_per_s"] / off["output_tokens_per_s"]}
+            row = {
+                "workload": name,
+                "temperature": temperature,
+                "batch": batch,
+                "off": off,
+                "on": on,
+                "same_outputs": same,
+                "speedup": on["output_tokens_per_s"] / off["output_tokens_per_s"],
+            }
             rows.append(row)
-            print(f"{name:7s} batch {batch}: off {off['output_tokens_per_s']:6.1f} tok/s, TPOT "
-                  f"{off['mean_tpot_ms']:5.1f} ms | on {on['output_tokens_per_s']:6.1f} tok/s, TPOT "
-                  f"{on['mean_tpot_ms']:5.1f} ms, acceptance {on['acceptance_rate'] or 0:.0%} of "
-                  f"{on['draft_tokens']} drafts | {row['speedup']:.2f}x, same outputs: {same}", flush=True)
-    result = {"benchmark": "spec_decode", "command": "python " + shlex.join(sys.argv), "date": now_iso(),
-              "machine": machine, "versions": versions(), "dtype": llm.engine.config.dtype,
-              "speculative_config": config, "max_tokens": args.max_tokens, "rows": rows}
+            print(
+                f"{name:7s} batch {batch}: off {off['output_tokens_per_s']:6.1f} tok/s, TPOT "
+                f"{off['mean_tpot_ms']:5.1f} ms | on {on['output_tokens_per_s']:6.1f} tok/s, TPOT "
+                f"{on['mean_tpot_ms']:5.1f} ms, acceptance {on['acceptance_rate'] or 0:.0%} of "
+                f"{on['draft_tokens']} drafts | {row['speedup']:.2f}x, same outputs: {same}",
+                flush=True,
+            )
+    result = {
+        "benchmark": "spec_decode",
+        "command": "python " + shlex.join(sys.argv),
+        "date": now_iso(),
+        "machine": machine,
+        "versions": versions(),
+        "dtype": llm.engine.config.dtype,
+        "speculative_config": config,
+        "max_tokens": args.max_tokens,
+        "rows": rows,
+    }
     write_result(args.out, result)
 
 

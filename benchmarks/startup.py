@@ -55,12 +55,17 @@ print("RESULT " + json.dumps({"to_first_token_s": to_first_token, "import_s": t1
 
 def start(cache_root: str, engine_args: dict) -> dict:
     env = {**os.environ, "JAXLLM_CACHE_DIR": cache_root}
-    proc = subprocess.run([sys.executable, "-P", "-c", CHILD, json.dumps(engine_args), repr(time.time())],
-                          cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-P", "-c", CHILD, json.dumps(engine_args), repr(time.time())],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"start-up run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def main(argv=None) -> int:
@@ -68,8 +73,11 @@ def main(argv=None) -> int:
     ap.add_argument("--warm", type=int, default=3, help="warm starts after the cold one")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2 GGUF")
-    ap.add_argument("--compile-first", action="store_true",
-                    help="background_compile=False: every step shape compiled before LLM() returns")
+    ap.add_argument(
+        "--compile-first",
+        action="store_true",
+        help="background_compile=False: every step shape compiled before LLM() returns",
+    )
     ap.add_argument("--out", default=os.path.join(RESULTS, "startup.json"))
     args = ap.parse_args(argv)
     engine_args = {"model": args.model, "dtype": args.dtype, "background_compile": not args.compile_first}
@@ -81,20 +89,31 @@ def main(argv=None) -> int:
             kind = "cold" if i == 0 else "warm"
             row = {"kind": kind, **start(root, engine_args)}
             runs.append(row)
-            print(f"{kind}: {row['to_first_token_s']:.1f} s to the first token (import {row['import_s']:.1f}, engine "
-                  f"{row['engine_s']:.1f} of which warm-up {row['warmup_s']:.1f}, first token "
-                  f"{row['first_token_s']:.2f}; {row['steps_loaded']}/{row['buckets']} steps loaded, "
-                  f"{row['dtype']})", flush=True)
+            print(
+                f"{kind}: {row['to_first_token_s']:.1f} s to the first token (import {row['import_s']:.1f}, engine "
+                f"{row['engine_s']:.1f} of which warm-up {row['warmup_s']:.1f}, first token "
+                f"{row['first_token_s']:.2f}; {row['steps_loaded']}/{row['buckets']} steps loaded, "
+                f"{row['dtype']})",
+                flush=True,
+            )
     warm = sorted(r["to_first_token_s"] for r in runs[1:])
-    result = {"date": now_iso(), "machine": machine, "versions": versions(), "engine_args": engine_args,
-              "command": shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
-              "cold_s": runs[0]["to_first_token_s"], "warm_median_s": warm[len(warm) // 2] if warm else None,
-              "runs": runs}
+    result = {
+        "date": now_iso(),
+        "machine": machine,
+        "versions": versions(),
+        "engine_args": engine_args,
+        "command": shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+        "cold_s": runs[0]["to_first_token_s"],
+        "warm_median_s": warm[len(warm) // 2] if warm else None,
+        "runs": runs,
+    }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"cold {result['cold_s']:.1f} s, warm (median of {len(warm)}) "
-          f"{result['warm_median_s'] or float('nan'):.1f} s -> {args.out}")
+    print(
+        f"cold {result['cold_s']:.1f} s, warm (median of {len(warm)}) "
+        f"{result['warm_median_s'] or float('nan'):.1f} s -> {args.out}"
+    )
     return 0
 
 

@@ -106,14 +106,18 @@ def memory_bandwidth() -> float:
     def run():
         state["x"] = f(state["x"])
         state["x"].block_until_ready()
+
     return 2 * x.nbytes / best_time(run, 10)
 
 
 def make_requests(kv: KVCacheManager, batch: int, context: int, num_new: int, rng) -> list[tuple[Request, int]]:
     out = []
     for i in range(batch):
-        req = Request(f"r{i}", rng.integers(100, 40000, context).tolist(),
-                      SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        req = Request(
+            f"r{i}",
+            rng.integers(100, 40000, context).tolist(),
+            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+        )
         assert kv.allocate_slots(req, context), "KV pool too small for this batch"
         req.num_computed_tokens = context - num_new
         out.append((req, num_new))
@@ -134,9 +138,11 @@ def compare_scan(runner, spec, params, kv: KVCacheManager, batch: int, context: 
 
         def body(x, layer_and_cache):
             layer, k_pages, v_pages = layer_and_cache
-            x, k_pages, v_pages = decoder.decoder_layer(layer, k_pages, v_pages, x, b, spec, index=0,
-                                                        attention=runner.attention, cpp_ops=runner.cpp_ops)
+            x, k_pages, v_pages = decoder.decoder_layer(
+                layer, k_pages, v_pages, x, b, spec, index=0, attention=runner.attention, cpp_ops=runner.cpp_ops
+            )
             return x, (k_pages, v_pages)
+
         x, (k_all, v_all) = jax.lax.scan(body, x, (stacked, k_all, v_all))
         return x, k_all, v_all
 
@@ -144,8 +150,10 @@ def compare_scan(runner, spec, params, kv: KVCacheManager, batch: int, context: 
         return decoder.forward(params, kv_cache, b, spec, attention=runner.attention, cpp_ops=runner.cpp_ops)
 
     out = {}
-    for name, fn, args, donate in (("unrolled", unrolled_forward, (params, runner.kv_cache, dev_batch), (1,)),
-                                   ("scan", scan_forward, (params, stacked, k_all, v_all, dev_batch), (2, 3))):
+    for name, fn, args, donate in (
+        ("unrolled", unrolled_forward, (params, runner.kv_cache, dev_batch), (1,)),
+        ("scan", scan_forward, (params, stacked, k_all, v_all, dev_batch), (2, 3)),
+    ):
         t = time.perf_counter()
         compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
         compile_s = time.perf_counter() - t
@@ -158,11 +166,15 @@ def compare_scan(runner, spec, params, kv: KVCacheManager, batch: int, context: 
                 state["args"][1] = res[1]
             else:
                 state["args"][2], state["args"][3] = res[1], res[2]
+
         out[name] = dict(compile_s=compile_s, step_ms=timeit(run, 3) * 1e3)
         if name == "unrolled":
             runner.kv_cache = state["args"][1]
-    print(f"batch {batch}: unrolled {out['unrolled']['step_ms']:.1f} ms (compile {out['unrolled']['compile_s']:.1f} s)"
-          f" | scan {out['scan']['step_ms']:.1f} ms (compile {out['scan']['compile_s']:.1f} s)", flush=True)
+    print(
+        f"batch {batch}: unrolled {out['unrolled']['step_ms']:.1f} ms (compile {out['unrolled']['compile_s']:.1f} s)"
+        f" | scan {out['scan']['step_ms']:.1f} ms (compile {out['scan']['compile_s']:.1f} s)",
+        flush=True,
+    )
     return dict(batch=batch, context=context, **{f"{k}_{m}": v for k, d in out.items() for m, v in d.items()})
 
 
@@ -179,7 +191,7 @@ def breakdown(runner, spec, params, scheduled) -> dict:
     def gemms(params, x):
         for layer in params["layers"]:
             qkv = linear.apply(layer["wqkv"], x)
-            x = x + linear.apply(layer["wo"], qkv[:, :spec.q_size])
+            x = x + linear.apply(layer["wo"], qkv[:, : spec.q_size])
             x = x + linear.apply(layer["w_down"], linear.apply(layer["w_gate_up"], x, swiglu=True))
         return decoder.compute_logits(params, x[:S], spec)
 
@@ -191,24 +203,35 @@ def breakdown(runner, spec, params, scheduled) -> dict:
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((S, spec.vocab_size), np.float32))
     sampling = jax.device_put(buffers.sampling)
     sample = jax.jit(lambda logits, s: sampler.sample(logits, s, *sampler.sampling_ops(runner.cpp_ops)))
-    return {"gemm": timeit(lambda: gemms(params, x).block_until_ready(), 5),
-            "attention": timeit(lambda: jax.block_until_ready(attention(runner.kv_cache, q, inputs)), 5),
-            "sampler": timeit(lambda: jax.block_until_ready(sample(logits, sampling)), 5)}
+    return {
+        "gemm": timeit(lambda: gemms(params, x).block_until_ready(), 5),
+        "attention": timeit(lambda: jax.block_until_ready(attention(runner.kv_cache, q, inputs)), 5),
+        "sampler": timeit(lambda: jax.block_until_ready(sample(logits, sampling)), 5),
+    }
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="auto", help="auto (what the engine picks here), float32 or bfloat16")
-    ap.add_argument("--kv-cache-dtype", default="auto",
-                    help="as EngineArgs.kv_cache_dtype (default: what the engine picks for the dtype here)")
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="as EngineArgs.kv_cache_dtype (default: what the engine picks for the dtype here)",
+    )
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--batches", default="1,8,32,64,128,256")
     ap.add_argument("--prefill", default="64,128,256,512")
     ap.add_argument("--out", default="benchmarks/results/step.json")
-    ap.add_argument("--no-packed-weights", action="store_true",
-                    help="leave the weights to XLA's dots (EngineArgs.packed_weights=False), for a before/after")
-    ap.add_argument("--quantization", default=None,
-                    help="as EngineArgs.quantization (default: what the engine picks here; 'none': dequantized)")
+    ap.add_argument(
+        "--no-packed-weights",
+        action="store_true",
+        help="leave the weights to XLA's dots (EngineArgs.packed_weights=False), for a before/after",
+    )
+    ap.add_argument(
+        "--quantization",
+        default=None,
+        help="as EngineArgs.quantization (default: what the engine picks here; 'none': dequantized)",
+    )
     ap.add_argument("--compare-scan", default="", help="decode batch sizes to time with lax.scan too, e.g. 1,32")
     args = ap.parse_args()
 
@@ -219,30 +242,42 @@ def main():
     args.kv_cache_dtype, kv_why = resolve_kv_cache_dtype(args.kv_cache_dtype, asked, args.dtype)
     machine = machine_info()
     print(f"{cpu_line(machine)}; dtype {args.dtype} ({why}); KV pages {args.kv_cache_dtype} ({kv_why})")
-    eargs = EngineArgs(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=256,
-                       max_num_batched_tokens=512, max_model_len=2048, kv_cache_memory=3 << 30, warmup=False,
-                       packed_weights=not args.no_packed_weights, quantization=args.quantization)
+    eargs = EngineArgs(
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        max_num_seqs=256,
+        max_num_batched_tokens=512,
+        max_model_len=2048,
+        kv_cache_memory=3 << 30,
+        warmup=False,
+        packed_weights=not args.no_packed_weights,
+        quantization=args.quantization,
+    )
     loaded, plan = load_with_plan(eargs, Platform.detect(), None, one_device=True, progress=False)
     spec = loaded.spec
     eargs = dataclasses.replace(eargs, quantization=plan.quantization, small_step_codes=plan.small_step_codes)
     config = resolve_config(eargs, spec, loaded.name)
     params, small_params = prepare_weights(loaded.params, spec, plan, tokenizer=loaded.resolve_tokenizer())
     runner = ModelRunner(config, spec, params, small_params=small_params)
-    jax.block_until_ready(runner.kv_cache)   # its zeroing thread would share the cores with the peaks' timing
+    jax.block_until_ready(runner.kv_cache)  # its zeroing thread would share the cores with the peaks' timing
     rng = np.random.default_rng(0)
     weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
     llama_dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     # The C++ GEMM's weights (float panels, or codes in panels): its float peak is the reference.
-    packed = any(isinstance(w, PackedWeight) or (isinstance(w, QuantizedWeight) and w.layout == "panels")
-                 for w in runner.params["layers"][0].values())
+    packed = any(
+        isinstance(w, PackedWeight) or (isinstance(w, QuantizedWeight) and w.layout == "panels")
+        for w in runner.params["layers"][0].values()
+    )
     peak = matmul_peak(llama_dtype, packed)
     bw, copy_bw = read_bandwidth(), memory_bandwidth()
     # The layers' matrices (packed ones are PackedWeights, quantized ones QuantizedWeights):
     # 2 FLOPs per weight per token.
-    flops_per_token = 2 * sum(np.prod(x.shape) if isinstance(x, QuantizedWeight)
-                              else np.size(x.panels if isinstance(x, PackedWeight) else x)
-                              for layer in params["layers"] for name, x in layer.items()
-                              if name in LAYER_LINEARS)
+    flops_per_token = 2 * sum(
+        np.prod(x.shape) if isinstance(x, QuantizedWeight) else np.size(x.panels if isinstance(x, PackedWeight) else x)
+        for layer in params["layers"]
+        for name, x in layer.items()
+        if name in LAYER_LINEARS
+    )
     lm_head_flops = 2 * spec.hidden_size * spec.vocab_size
     rows = []
 
@@ -253,33 +288,54 @@ def main():
 
         def step():
             timings.append(runner.execute(SchedulerOutput(scheduled)).timings)
+
         dt = timeit(step, 3)
         tokens = batch * num_new
         flops = tokens * flops_per_token + batch * lm_head_flops
         roof = max(flops / peak, weight_bytes / bw)
-        rows.append(dict(kind=kind, batch=batch, tokens=tokens, context=args.context if kind == "decode" else num_new,
-                         step_ms=dt * 1e3, tokens_per_s=tokens / dt, roofline_ms=roof * 1e3,
-                         fraction_of_roofline=roof / dt))
+        rows.append(
+            dict(
+                kind=kind,
+                batch=batch,
+                tokens=tokens,
+                context=args.context if kind == "decode" else num_new,
+                step_ms=dt * 1e3,
+                tokens_per_s=tokens / dt,
+                roofline_ms=roof * 1e3,
+                fraction_of_roofline=roof / dt,
+            )
+        )
         r = rows[-1]
-        print(f"{kind:8s} batch {batch:4d} tokens {tokens:4d}: {r['step_ms']:8.1f} ms  {r['tokens_per_s']:8.1f} tok/s"
-              f"  roofline {r['roofline_ms']:7.1f} ms ({100 * r['fraction_of_roofline']:.0f}%)", flush=True)
+        print(
+            f"{kind:8s} batch {batch:4d} tokens {tokens:4d}: {r['step_ms']:8.1f} ms  {r['tokens_per_s']:8.1f} tok/s"
+            f"  roofline {r['roofline_ms']:7.1f} ms ({100 * r['fraction_of_roofline']:.0f}%)",
+            flush=True,
+        )
         if kind != "decode":
             return
         parts = breakdown(runner, spec, runner.params, scheduled)
         parts["host"] = float(np.median([t["prepare"] for t in timings]))
         parts["other"] = max(0.0, dt - sum(parts.values()))
         kv_bytes = batch * args.context * kv_bytes_per_token(spec, config.cache.dtype)
-        r.update({f"{k}_ms": v * 1e3 for k, v in parts.items()},
-                 gemm_gflops=flops / parts["gemm"] / 1e9, attention_gbs=kv_bytes / parts["attention"] / 1e9)
-        print("    " + ", ".join(f"{k} {v * 1e3:.1f} ms ({100 * v / dt:.0f}%)" for k, v in parts.items())
-              + f"; GEMMs {r['gemm_gflops']:.0f} GFLOP/s ({100 * r['gemm_gflops'] * 1e9 / peak:.0f}% of peak), "
-              f"attention {r['attention_gbs']:.1f} GB/s ({100 * r['attention_gbs'] * 1e9 / bw:.0f}% of bandwidth)",
-              flush=True)
+        r.update(
+            {f"{k}_ms": v * 1e3 for k, v in parts.items()},
+            gemm_gflops=flops / parts["gemm"] / 1e9,
+            attention_gbs=kv_bytes / parts["attention"] / 1e9,
+        )
+        print(
+            "    "
+            + ", ".join(f"{k} {v * 1e3:.1f} ms ({100 * v / dt:.0f}%)" for k, v in parts.items())
+            + f"; GEMMs {r['gemm_gflops']:.0f} GFLOP/s ({100 * r['gemm_gflops'] * 1e9 / peak:.0f}% of peak), "
+            f"attention {r['attention_gbs']:.1f} GB/s ({100 * r['attention_gbs'] * 1e9 / bw:.0f}% of bandwidth)",
+            flush=True,
+        )
 
     path = "packed C++ GEMM" if packed else "XLA dot"
-    print(f"matmul peak {peak / 1e9:.0f} GFLOP/s ({args.dtype}, {path}), memory reads {bw / 1e9:.1f} GB/s "
-          f"(in-place update, read + write: {copy_bw / 1e9:.1f} GB/s), "
-          f"weights {weight_bytes / 1e6:.0f} MB (quantization {loaded.quantization or 'none'})")
+    print(
+        f"matmul peak {peak / 1e9:.0f} GFLOP/s ({args.dtype}, {path}), memory reads {bw / 1e9:.1f} GB/s "
+        f"(in-place update, read + write: {copy_bw / 1e9:.1f} GB/s), "
+        f"weights {weight_bytes / 1e6:.0f} MB (quantization {loaded.quantization or 'none'})"
+    )
     for b in map(int, args.batches.split(",")):
         measure("decode", b, 1)
     for p in map(int, args.prefill.split(",")):
@@ -290,13 +346,26 @@ def main():
         scan_rows.append(compare_scan(runner, spec, runner.params, kv, int(b), args.context, rng))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(date=now_iso(), machine=machine, versions=versions(),
-                       command=shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:]), dtype=args.dtype,
-                       kv_cache_dtype=config.cache.dtype,
-                       quantization=loaded.quantization,
-                       packed_weights=packed, matmul_peak_flops=peak, read_bandwidth=bw, memory_bandwidth=copy_bw,
-                       weight_bytes=weight_bytes,
-                       rows=rows, scan_vs_unrolled=scan_rows), f, indent=1)
+        json.dump(
+            dict(
+                date=now_iso(),
+                machine=machine,
+                versions=versions(),
+                command=shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+                dtype=args.dtype,
+                kv_cache_dtype=config.cache.dtype,
+                quantization=loaded.quantization,
+                packed_weights=packed,
+                matmul_peak_flops=peak,
+                read_bandwidth=bw,
+                memory_bandwidth=copy_bw,
+                weight_bytes=weight_bytes,
+                rows=rows,
+                scan_vs_unrolled=scan_rows,
+            ),
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

@@ -43,9 +43,16 @@ from schema_suite import SCHEMAS, unbounded, validate  # noqa: E402
 del sys.path[0]
 
 # Every request's constraint in the overhead part: no output of --decode-tokens tokens completes it.
-LONG_ARRAY = {"type": "array", "minItems": 100, "items": {
-    "type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string"}},
-    "required": ["id", "name"], "additionalProperties": False}}
+LONG_ARRAY = {
+    "type": "array",
+    "minItems": 100,
+    "items": {
+        "type": "object",
+        "properties": {"id": {"type": "integer"}, "name": {"type": "string"}},
+        "required": ["id", "name"],
+        "additionalProperties": False,
+    },
+}
 
 
 def _ms(seconds: list[float]) -> dict:
@@ -63,9 +70,12 @@ def backends(tokenizer, vocab_size: int, eos: list[int]) -> dict:
     out["llguidance"] = {"version": versions(["llguidance"]).get("llguidance"), "tokenizer_s": time.perf_counter() - t0}
     try:
         import xgrammar as xgr
+
         t0 = time.perf_counter()
-        xgr_compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                                              stop_token_ids=eos), cache_enabled=False)
+        xgr_compiler = xgr.GrammarCompiler(
+            xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos),
+            cache_enabled=False,
+        )
         out["xgrammar"] = {"version": versions(["xgrammar"]).get("xgrammar"), "tokenizer_s": time.perf_counter() - t0}
     except ImportError:
         xgr = None
@@ -76,8 +86,11 @@ def backends(tokenizer, vocab_size: int, eos: list[int]) -> dict:
         tokens = tokenizer.encode(json.dumps(example), add_special_tokens=False)
         row = {"schema": name, "tokens": len(tokens)}
         t0 = time.perf_counter()
-        matcher = llguidance.LLMatcher(ll_tok, llguidance.LLMatcher.grammar_from_json_schema(
-            json.dumps(schema), defaults=JSON_OPTIONS), log_level=0)
+        matcher = llguidance.LLMatcher(
+            ll_tok,
+            llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS),
+            log_level=0,
+        )
         row["llguidance_compile_ms"] = 1000 * (time.perf_counter() - t0)
         mask, fills = lln.allocate_token_bitmask(1, vocab_size), []
         for t in tokens:
@@ -88,8 +101,9 @@ def backends(tokenizer, vocab_size: int, eos: list[int]) -> dict:
         row["llguidance_mask"] = _ms(fills)
         if xgr is not None:
             t0 = time.perf_counter()
-            compiled = xgr_compiler.compile_json_schema(json.dumps(schema), any_whitespace=False,
-                                                        separators=(", ", ": "))
+            compiled = xgr_compiler.compile_json_schema(
+                json.dumps(schema), any_whitespace=False, separators=(", ", ": ")
+            )
             row["xgrammar_compile_ms"] = 1000 * (time.perf_counter() - t0)
             matcher, bitmask, fills = xgr.GrammarMatcher(compiled), xgr.allocate_token_bitmask(1, vocab_size), []
             for t in tokens:
@@ -99,19 +113,29 @@ def backends(tokenizer, vocab_size: int, eos: list[int]) -> dict:
                 assert matcher.accept_token(t), name
             row["xgrammar_mask"] = _ms(fills)
         rows.append(row)
-        print(f"{name:12s} {len(tokens):3d} tokens | llguidance compile {row['llguidance_compile_ms']:6.1f} ms, "
-              f"mask {row['llguidance_mask']['median_ms'] * 1000:5.0f} us (max {row['llguidance_mask']['max_ms']:5.2f}"
-              " ms)" + (f" | xgrammar compile {row['xgrammar_compile_ms']:6.1f} ms, mask "
-                        f"{row['xgrammar_mask']['median_ms'] * 1000:5.0f} us "
-                        f"(max {row['xgrammar_mask']['max_ms']:5.2f} ms)"
-                        if xgr is not None else ""), flush=True)
+        print(
+            f"{name:12s} {len(tokens):3d} tokens | llguidance compile {row['llguidance_compile_ms']:6.1f} ms, "
+            f"mask {row['llguidance_mask']['median_ms'] * 1000:5.0f} us (max {row['llguidance_mask']['max_ms']:5.2f}"
+            " ms)"
+            + (
+                f" | xgrammar compile {row['xgrammar_compile_ms']:6.1f} ms, mask "
+                f"{row['xgrammar_mask']['median_ms'] * 1000:5.0f} us "
+                f"(max {row['xgrammar_mask']['max_ms']:5.2f} ms)"
+                if xgr is not None
+                else ""
+            ),
+            flush=True,
+        )
     for backend in [b for b in ("llguidance", "xgrammar") if b in out]:
         out[backend]["compile_ms_median"] = statistics.median(r[f"{backend}_compile_ms"] for r in rows)
         out[backend]["mask_ms_median"] = statistics.median(r[f"{backend}_mask"]["median_ms"] for r in rows)
         out[backend]["mask_ms_worst"] = max(r[f"{backend}_mask"]["max_ms"] for r in rows)
-        print(f"{backend}: tokenizer set-up {out[backend]['tokenizer_s']:.2f} s; median over schemas: compile "
-              f"{out[backend]['compile_ms_median']:.1f} ms, mask {out[backend]['mask_ms_median'] * 1000:.0f} us; "
-              f"worst mask {out[backend]['mask_ms_worst']:.2f} ms", flush=True)
+        print(
+            f"{backend}: tokenizer set-up {out[backend]['tokenizer_s']:.2f} s; median over schemas: compile "
+            f"{out[backend]['compile_ms_median']:.1f} ms, mask {out[backend]['mask_ms_median'] * 1000:.0f} us; "
+            f"worst mask {out[backend]['mask_ms_worst']:.2f} ms",
+            flush=True,
+        )
     return {"summary": out, "rows": rows}
 
 
@@ -126,8 +150,14 @@ def validity(llm, samples: int, max_tokens: int, bounded: bool = True) -> dict:
         messages = [{"role": "user", "content": f"{prompt} Answer in JSON."}]
         for i in range(samples):
             prompts.append({"prompt_token_ids": llm.engine.apply_chat_template(messages)})
-            params.append(SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens,
-                                         structured_outputs=StructuredOutputsParams(json=schema)))
+            params.append(
+                SamplingParams(
+                    temperature=1.0,
+                    seed=i,
+                    max_tokens=max_tokens,
+                    structured_outputs=StructuredOutputsParams(json=schema),
+                )
+            )
             names.append(name)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -147,11 +177,20 @@ def validity(llm, samples: int, max_tokens: int, bounded: bool = True) -> dict:
         row["finish"][reason] = row["finish"].get(reason, 0) + 1
     valid, total = sum(r["valid"] for r in per_schema.values()), len(outs)
     for name, row in per_schema.items():
-        print(f"{name:12s} {row['valid']}/{row['total']} valid, finish {row['finish']}; e.g. {row['example']}",
-              flush=True)
+        print(
+            f"{name:12s} {row['valid']}/{row['total']} valid, finish {row['finish']}; e.g. {row['example']}", flush=True
+        )
     print(f"valid: {valid}/{total} = {valid / total:.1%} over {len(per_schema)} schemas ({wall:.0f} s)", flush=True)
-    return {"valid": valid, "total": total, "rate": valid / total, "samples_per_schema": samples, "bounded": bounded,
-            "max_tokens": max_tokens, "wall_s": wall, "per_schema": per_schema}
+    return {
+        "valid": valid,
+        "total": total,
+        "rate": valid / total,
+        "samples_per_schema": samples,
+        "bounded": bounded,
+        "max_tokens": max_tokens,
+        "wall_s": wall,
+        "per_schema": per_schema,
+    }
 
 
 def overhead(llm, batches: list[int], decode_tokens: int, repeats: int) -> list[dict]:
@@ -162,9 +201,18 @@ def overhead(llm, batches: list[int], decode_tokens: int, repeats: int) -> list[
     prompts = [{"prompt_token_ids": llm.engine.apply_chat_template(m)} for m in messages]
     rows = []
     for batch in batches:
+
         def run(constrained: bool) -> dict:
-            params = [SamplingParams(temperature=1.0, seed=i, max_tokens=decode_tokens, ignore_eos=True,
-                                     structured_outputs=constraint if constrained else None) for i in range(batch)]
+            params = [
+                SamplingParams(
+                    temperature=1.0,
+                    seed=i,
+                    max_tokens=decode_tokens,
+                    ignore_eos=True,
+                    structured_outputs=constraint if constrained else None,
+                )
+                for i in range(batch)
+            ]
             stats = llm.engine.stats
             steps0 = stats.num_steps
             t0 = time.perf_counter()
@@ -174,18 +222,28 @@ def overhead(llm, batches: list[int], decode_tokens: int, repeats: int) -> list[
             steps = stats.num_steps - steps0
             return {"wall_s": wall, "steps": steps, "ms_per_step": 1000 * wall / steps}
 
-        run(True), run(False)       # warm-up
+        run(True), run(False)  # warm-up
         runs = {True: [], False: []}
         for _ in range(repeats):
             for constrained in (False, True):
                 runs[constrained].append(run(constrained))
         off, on = (sorted(r, key=lambda x: x["ms_per_step"])[len(r) // 2] for r in (runs[False], runs[True]))
-        row = {"batch": batch, "none": off, "all": on, "ratio": on["ms_per_step"] / off["ms_per_step"],
-               "runs_ms_per_step": {"none": [r["ms_per_step"] for r in runs[False]],
-                                    "all": [r["ms_per_step"] for r in runs[True]]}}
+        row = {
+            "batch": batch,
+            "none": off,
+            "all": on,
+            "ratio": on["ms_per_step"] / off["ms_per_step"],
+            "runs_ms_per_step": {
+                "none": [r["ms_per_step"] for r in runs[False]],
+                "all": [r["ms_per_step"] for r in runs[True]],
+            },
+        }
         rows.append(row)
-        print(f"batch {batch:3d}: {off['ms_per_step']:7.2f} ms/step unconstrained, {on['ms_per_step']:7.2f} ms/step "
-              f"all constrained: {row['ratio']:.3f}x", flush=True)
+        print(
+            f"batch {batch:3d}: {off['ms_per_step']:7.2f} ms/step unconstrained, {on['ms_per_step']:7.2f} ms/step "
+            f"all constrained: {row['ratio']:.3f}x",
+            flush=True,
+        )
     return rows
 
 
@@ -199,22 +257,33 @@ def main() -> None:
     ap.add_argument("--unbounded", action="store_true", help="validity: the schemas without their bounds")
     ap.add_argument("--batches", default="1,8,32", help="overhead: requests at a time (default: %(default)s)")
     ap.add_argument("--decode-tokens", type=int, default=64, help="overhead: tokens per request (default: %(default)s)")
-    ap.add_argument("--repeats", type=int, default=3,
-                    help="overhead: runs each way, alternating (default: %(default)s)")
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="overhead: runs each way, alternating (default: %(default)s)"
+    )
     ap.add_argument("--out", default=os.path.join(RESULTS, "structured_output.json"))
     args = ap.parse_args()
     parts = args.parts.split(",")
 
     from jaxllm import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(32, *map(int, args.batches.split(","))),
-              max_model_len=1024, kv_cache_memory=1 << 30)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_num_seqs=max(32, *map(int, args.batches.split(","))),
+        max_model_len=1024,
+        kv_cache_memory=1 << 30,
+    )
     llm.engine.wait_compiled()
     machine = machine_info()
     print(f"CPU: {cpu_line(machine)}; dtype {llm.engine.config.dtype}", flush=True)
-    result = {"benchmark": "structured_output", "command": "python " + shlex.join(sys.argv), "date": now_iso(),
-              "machine": machine, "versions": versions((*VERSIONED, "llguidance", "xgrammar")),
-              "dtype": llm.engine.config.dtype}
+    result = {
+        "benchmark": "structured_output",
+        "command": "python " + shlex.join(sys.argv),
+        "date": now_iso(),
+        "machine": machine,
+        "versions": versions((*VERSIONED, "llguidance", "xgrammar")),
+        "dtype": llm.engine.config.dtype,
+    }
     if "backends" in parts:
         result["backends"] = backends(llm.get_tokenizer(), llm.engine.spec.vocab_size, list(llm.engine.eos_token_ids))
     if "validity" in parts:

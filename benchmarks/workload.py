@@ -23,6 +23,7 @@ RESULTS = os.path.join(HERE, "results")
 
 # ----------------------------------------------------------------------------- workload
 
+
 def default_model_path() -> str:
     from jaxllm.models.loader import default_model_path as path
 
@@ -43,8 +44,14 @@ def parse_range(text: str) -> tuple[int, int]:
     return parse(text)
 
 
-def random_workload(num_prompts: int, input_len_range: tuple[int, int], output_len_range: tuple[int, int],
-                    seed: int, vocab_size: int, special_ids: list[int]) -> list[dict]:
+def random_workload(
+    num_prompts: int,
+    input_len_range: tuple[int, int],
+    output_len_range: tuple[int, int],
+    seed: int,
+    vocab_size: int,
+    special_ids: list[int],
+) -> list[dict]:
     """vLLM's random dataset (`jaxllm bench`'s: jaxllm.bench.datasets)."""
     from jaxllm.bench.datasets import random_workload as make
 
@@ -57,13 +64,14 @@ def load_dataset(path: str) -> list[dict]:
     for i, item in enumerate(data):
         if not item.get("prompt_token_ids") or int(item.get("max_tokens", 0)) < 1:
             raise ValueError(f"{path}[{i}]: needs a non-empty prompt_token_ids and max_tokens >= 1")
-    return [{"prompt_token_ids": [int(t) for t in d["prompt_token_ids"]], "max_tokens": int(d["max_tokens"])}
-            for d in data]
+    return [
+        {"prompt_token_ids": [int(t) for t in d["prompt_token_ids"]], "max_tokens": int(d["max_tokens"])} for d in data
+    ]
 
 
 def add_workload_args(ap: argparse.ArgumentParser, model_flag: str = "--model") -> None:
     """Workload options; `model_flag` names the option for the model files (its vocabulary)."""
-    from jaxllm.bench.commands import STANDARD   # the standard workload, as `jaxllm bench` runs it
+    from jaxllm.bench.commands import STANDARD  # the standard workload, as `jaxllm bench` runs it
 
     g = ap.add_argument_group("workload")
     g.add_argument("--dataset", default=None, help="JSON list of {prompt_token_ids, max_tokens} (default: random)")
@@ -71,8 +79,12 @@ def add_workload_args(ap: argparse.ArgumentParser, model_flag: str = "--model") 
     g.add_argument("--input-len-range", type=parse_range, default=STANDARD["input_len_range"], metavar="LO:HI")
     g.add_argument("--output-len-range", type=parse_range, default=STANDARD["output_len_range"], metavar="LO:HI")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument(model_flag, dest="model", default=None,
-                   help="model files: its vocabulary, and what the engines load (default: the bundled SmolLM2 GGUF)")
+    g.add_argument(
+        model_flag,
+        dest="model",
+        default=None,
+        help="model files: its vocabulary, and what the engines load (default: the bundled SmolLM2 GGUF)",
+    )
 
 
 def make_workload(args) -> tuple[list[dict], dict]:
@@ -82,16 +94,26 @@ def make_workload(args) -> tuple[list[dict], dict]:
         desc = {"kind": "dataset", "path": args.dataset}
     else:
         vocab_size, special = vocab_info(args.model)
-        workload = random_workload(args.num_prompts, args.input_len_range, args.output_len_range, args.seed,
-                                   vocab_size, special)
-        desc = {"kind": "random", "num_prompts": args.num_prompts, "input_len_range": list(args.input_len_range),
-                "output_len_range": list(args.output_len_range), "seed": args.seed}
-    desc.update(num_requests=len(workload), prompt_tokens=sum(len(w["prompt_token_ids"]) for w in workload),
-                output_tokens=sum(w["max_tokens"] for w in workload))
+        workload = random_workload(
+            args.num_prompts, args.input_len_range, args.output_len_range, args.seed, vocab_size, special
+        )
+        desc = {
+            "kind": "random",
+            "num_prompts": args.num_prompts,
+            "input_len_range": list(args.input_len_range),
+            "output_len_range": list(args.output_len_range),
+            "seed": args.seed,
+        }
+    desc.update(
+        num_requests=len(workload),
+        prompt_tokens=sum(len(w["prompt_token_ids"]) for w in workload),
+        output_tokens=sum(w["max_tokens"] for w in workload),
+    )
     return workload, desc
 
 
 # ----------------------------------------------------------------------------- provenance
+
 
 def machine_info() -> dict:
     """The CPU (model name, family, the SIMD flags that pick code paths), cores, memory, OS."""
@@ -140,4 +162,3 @@ def write_result(path: str, result: dict) -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {path}")
-

@@ -16,22 +16,30 @@ import numpy as np
 
 from jaxllm.jinja_sandbox import ChatTemplateError, compile_template, render
 
-__all__ = ["ALLOWED_TEMPLATE_KWARGS", "DEFAULT_TIMEOUT_S", "MAX_OUTPUT_CHARS", "ChatTemplateError",
-           "check_template_kwargs", "render_chat_template"]
+__all__ = [
+    "ALLOWED_TEMPLATE_KWARGS",
+    "DEFAULT_TIMEOUT_S",
+    "MAX_OUTPUT_CHARS",
+    "ChatTemplateError",
+    "check_template_kwargs",
+    "render_chat_template",
+]
 
 # Template variables a client may set: data the template reads, never code. (`tools` comes from
 # the request's own field, checked by its model.)
-ALLOWED_TEMPLATE_KWARGS = frozenset({
-    "add_generation_prompt",   # end with the assistant's header (bool)
-    "continue_final_message",  # leave the last message open for the model to continue (bool)
-    "enable_thinking",         # Qwen3, SmolLM3, GLM-4.5: reason before answering (bool)
-    "thinking",                # DeepSeek-V3.1, Granite 3.x: the same switch (bool)
-    "reasoning_effort",        # gpt-oss: "low" | "medium" | "high"
-    "documents",               # RAG templates (Command-R, Granite): [{"title": ..., "text": ...}]
-})
+ALLOWED_TEMPLATE_KWARGS = frozenset(
+    {
+        "add_generation_prompt",  # end with the assistant's header (bool)
+        "continue_final_message",  # leave the last message open for the model to continue (bool)
+        "enable_thinking",  # Qwen3, SmolLM3, GLM-4.5: reason before answering (bool)
+        "thinking",  # DeepSeek-V3.1, Granite 3.x: the same switch (bool)
+        "reasoning_effort",  # gpt-oss: "low" | "medium" | "high"
+        "documents",  # RAG templates (Command-R, Granite): [{"title": ..., "text": ...}]
+    }
+)
 DEFAULT_TIMEOUT_S = 2.0
 MAX_OUTPUT_CHARS = 1_000_000
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")   # first: the name templates read
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # first: the name templates read
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
@@ -39,14 +47,22 @@ def check_template_kwargs(kwargs: Mapping | None) -> dict:
     """A client's `chat_template_kwargs`, as a dict, if every name is in ALLOWED_TEMPLATE_KWARGS."""
     for name in kwargs or {}:
         if name not in ALLOWED_TEMPLATE_KWARGS:
-            raise ChatTemplateError(f"chat_template_kwargs may not set {name!r}; allowed: "
-                                    f"{', '.join(sorted(ALLOWED_TEMPLATE_KWARGS))}")
+            raise ChatTemplateError(
+                f"chat_template_kwargs may not set {name!r}; allowed: {', '.join(sorted(ALLOWED_TEMPLATE_KWARGS))}"
+            )
     return dict(kwargs or {})
 
 
-def render_chat_template(template: str, messages: list[dict], *, add_generation_prompt: bool,
-                         special_tokens: Mapping[str, str], template_kwargs: Mapping | None = None,
-                         timeout_s: float = DEFAULT_TIMEOUT_S, max_chars: int = MAX_OUTPUT_CHARS) -> str:
+def render_chat_template(
+    template: str,
+    messages: list[dict],
+    *,
+    add_generation_prompt: bool,
+    special_tokens: Mapping[str, str],
+    template_kwargs: Mapping | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    max_chars: int = MAX_OUTPUT_CHARS,
+) -> str:
     """The prompt text of `messages` rendered by `template`.
 
     special_tokens: the tokenizer's `special_tokens_map` (`bos_token`, `eos_token`, ...).
@@ -67,8 +83,13 @@ def render_chat_template(template: str, messages: list[dict], *, add_generation_
         raise ChatTemplateError("documents must be a list of objects")
     messages = _conversation(messages)
     final = _tag_final_message(messages, continue_final, template) if continue_final else None
-    variables = {"tools": None, "documents": None, **variables, "messages": messages,
-                 "add_generation_prompt": add_generation_prompt}
+    variables = {
+        "tools": None,
+        "documents": None,
+        **variables,
+        "messages": messages,
+        "add_generation_prompt": add_generation_prompt,
+    }
     text = render(compiled, variables, timeout_s=timeout_s, max_chars=max_chars)
     return text if final is None else _cut_at_tag(text, final)
 
@@ -78,7 +99,7 @@ def _plain(value):
     with methods of its own (numpy scalars, enums, pydantic models: their methods may do anything)."""
     if value is None or type(value) in (str, int, float, bool):
         return value
-    for base in (str, int, float):      # a subclass (an enum...) carries methods of its own
+    for base in (str, int, float):  # a subclass (an enum...) carries methods of its own
         if isinstance(value, base):
             return str.__str__(value) if base is str else base(value)
     if isinstance(value, Mapping):
@@ -122,7 +143,7 @@ def _tag_final_message(messages: list[dict], continue_final: bool | str, templat
     fields = [f for f in _REASONING_FIELDS if last.get(f) == final] if field in _REASONING_FIELDS else [field]
     if not any(f in template for f in fields):
         raise ChatTemplateError(f"continue_final_message is set to {field!r} but the chat template never reads it")
-    if isinstance(final, (list, tuple)):    # content blocks: continue the last text block
+    if isinstance(final, (list, tuple)):  # content blocks: continue the last text block
         block = next((b for b in reversed(final) if isinstance(b, dict) and "text" in b), None)
         if block is None:
             raise ChatTemplateError("continue_final_message is set but the final message has no text")
@@ -137,7 +158,6 @@ def _tag_final_message(messages: list[dict], continue_final: bool | str, templat
 def _cut_at_tag(text: str, final: str) -> str:
     tag = _CONTINUE_TAG.strip()
     if final.strip() not in text or tag not in text:
-        raise ChatTemplateError("continue_final_message is set but the chat template drops (part of) the "
-                                "final message")
+        raise ChatTemplateError("continue_final_message is set but the chat template drops (part of) the final message")
     cut = text.rindex(tag)
     return text[:cut] if text.startswith(_CONTINUE_TAG, cut) else text[:cut].rstrip()

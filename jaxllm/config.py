@@ -28,8 +28,8 @@ QUANTIZATION_METHODS = ("int8", "int8_weight_only", "int4", "w8a8", "gguf", "awq
 # Other names of a method: "int8" is W8A8 (as vLLM's "INT8 W8A8" and the issue that asked for it
 # have it); EngineArgs and `quantize_params` know it by its canonical name only.
 QUANTIZATION_ALIASES = {"int8": "w8a8"}
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3", "fp8")   # "fp8": fp8_e4m3, as vLLM has it
-MAX_SPECULATIVE_TOKENS = 15     # a step verifies at most this many drafts per request
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3", "fp8")  # "fp8": fp8_e4m3, as vLLM has it
+MAX_SPECULATIVE_TOKENS = 15  # a step verifies at most this many drafts per request
 
 
 def json_object(text: str) -> dict:
@@ -55,117 +55,178 @@ class EngineArgs:
     """Engine options. `None` means "derive from the model / machine"."""
 
     model: str | None = option(
-        None, "an HF model directory, a .gguf file, or a hub id such as Qwen/Qwen2.5-0.5B-Instruct (the families "
-              "of docs/models.md). Default: the bundled SmolLM2-135M-Instruct", metavar="PATH_OR_ID")
+        None,
+        "an HF model directory, a .gguf file, or a hub id such as Qwen/Qwen2.5-0.5B-Instruct (the families "
+        "of docs/models.md). Default: the bundled SmolLM2-135M-Instruct",
+        metavar="PATH_OR_ID",
+    )
     dtype: str = option(
-        "auto", "weight and KV-cache dtype; 'auto' picks bfloat16 on accelerators and on CPUs with native bf16 "
-                "dots (AVX512_BF16 or AMX), float32 on other CPUs", choices=DTYPE_CHOICES)
+        "auto",
+        "weight and KV-cache dtype; 'auto' picks bfloat16 on accelerators and on CPUs with native bf16 "
+        "dots (AVX512_BF16 or AMX), float32 on other CPUs",
+        choices=DTYPE_CHOICES,
+    )
     quantization: str | None = option(
-        None, "quantize the weights on load: 'w8a8' or 'int8' (int8 weights and per-token int8 activations, "
-              "smoothed from a calibration run at load: fast with VNNI/AMX); 'int8_weight_only' (int8 per "
-              "output channel), 'int4' (4-bit in groups of 32, the LM head int8), both weight-only; "
-              "'gguf' (a GGUF's own quantized blocks, kept), 'awq', 'gptq' (read from the checkpoint's "
-              "quantization_config); 'none' (a GGUF dequantized to the dtype). "
-              "Default: an AWQ/GPTQ checkpoint as it is; a GGUF kept quantized where the dtype is float32 "
-              "on a CPU with the C++ kernels, else dequantized (its blocks kept beside for small steps: "
-              "small_step_codes; see jaxllm/quantization)",
-        choices=QUANTIZATION_METHODS)
+        None,
+        "quantize the weights on load: 'w8a8' or 'int8' (int8 weights and per-token int8 activations, "
+        "smoothed from a calibration run at load: fast with VNNI/AMX); 'int8_weight_only' (int8 per "
+        "output channel), 'int4' (4-bit in groups of 32, the LM head int8), both weight-only; "
+        "'gguf' (a GGUF's own quantized blocks, kept), 'awq', 'gptq' (read from the checkpoint's "
+        "quantization_config); 'none' (a GGUF dequantized to the dtype). "
+        "Default: an AWQ/GPTQ checkpoint as it is; a GGUF kept quantized where the dtype is float32 "
+        "on a CPU with the C++ kernels, else dequantized (its blocks kept beside for small steps: "
+        "small_step_codes; see jaxllm/quantization)",
+        choices=QUANTIZATION_METHODS,
+    )
     kv_cache_dtype: str = option(
-        "auto", "KV cache dtype: 'auto' (the dtype; but bfloat16 where dtype 'auto' picked float32 on a CPU), "
-                "'bfloat16' or 'float32' (pages of that dtype whatever the compute dtype), 'int8' (int8 codes "
-                "with an f32 scale per token and head: about half a bf16 cache, twice the sequences in the same "
-                "memory) or 'fp8_e4m3' ('fp8': float8 E4M3 codes, same layout and size)", choices=KV_CACHE_DTYPES)
-    max_model_len: int | None = option(None, "context length, prompt plus output (default: the model's)",
-                                     metavar="TOKENS")
+        "auto",
+        "KV cache dtype: 'auto' (the dtype; but bfloat16 where dtype 'auto' picked float32 on a CPU), "
+        "'bfloat16' or 'float32' (pages of that dtype whatever the compute dtype), 'int8' (int8 codes "
+        "with an f32 scale per token and head: about half a bf16 cache, twice the sequences in the same "
+        "memory) or 'fp8_e4m3' ('fp8': float8 E4M3 codes, same layout and size)",
+        choices=KV_CACHE_DTYPES,
+    )
+    max_model_len: int | None = option(
+        None, "context length, prompt plus output (default: the model's)", metavar="TOKENS"
+    )
     max_num_seqs: int = option(128, "most sequences in one batch", metavar="N")
     max_num_batched_tokens: int = option(512, "most tokens computed in one step", metavar="N")
     max_num_prefill_seqs: int = option(8, "most prompts (or prompt chunks) in one step", metavar="N")
     block_size: int | None = option(
-        None, "tokens per KV-cache page (block), a power of two. Default: 64 on CPU (the attention kernel reads "
-              "each page as one run of memory, and longer runs stream faster from RAM), 16 on accelerators",
-        metavar="TOKENS")
+        None,
+        "tokens per KV-cache page (block), a power of two. Default: 64 on CPU (the attention kernel reads "
+        "each page as one run of memory, and longer runs stream faster from RAM), 16 on accelerators",
+        metavar="TOKENS",
+    )
     kv_cache_memory: int | None = option(
-        None, "bytes for the KV cache, e.g. 4GiB (default: 2GiB unless --gpu-memory-utilization is given)",
-        metavar="SIZE", size=True)
+        None,
+        "bytes for the KV cache, e.g. 4GiB (default: 2GiB unless --gpu-memory-utilization is given)",
+        metavar="SIZE",
+        size=True,
+    )
     gpu_memory_utilization: float | None = option(
-        None, "the KV cache's share of the memory left after loading the weights (device memory on an "
-              "accelerator, available RAM on CPU), in (0, 1] (default: unset, --kv-cache-memory sizes the cache)",
-        metavar="FRACTION")
+        None,
+        "the KV cache's share of the memory left after loading the weights (device memory on an "
+        "accelerator, available RAM on CPU), in (0, 1] (default: unset, --kv-cache-memory sizes the cache)",
+        metavar="FRACTION",
+    )
     num_gpu_blocks_override: int | None = option(
-        None, "exact number of KV pages, overriding the memory options (default: unset, the memory options "
-              "size the cache)", metavar="N")
-    swap_space: float = option(4.0, "GiB of host memory for KV pages swapped out by preemption "
-                                  "(used with --preemption-mode swap)", metavar="GiB")
+        None,
+        "exact number of KV pages, overriding the memory options (default: unset, the memory options size the cache)",
+        metavar="N",
+    )
+    swap_space: float = option(
+        4.0,
+        "GiB of host memory for KV pages swapped out by preemption (used with --preemption-mode swap)",
+        metavar="GiB",
+    )
     preemption_mode: str = option(
-        "recompute", "what a preempted request's KV pages become: 'recompute' frees them (recomputed on "
-                     "resume), 'swap' copies them to host memory and back", choices=PREEMPTION_MODES)
+        "recompute",
+        "what a preempted request's KV pages become: 'recompute' frees them (recomputed on "
+        "resume), 'swap' copies them to host memory and back",
+        choices=PREEMPTION_MODES,
+    )
     enable_prefix_caching: bool = option(True, "reuse the KV cache of shared prompt prefixes")
     async_scheduling: bool = option(
-        True, "dispatch the next decode step before the last one's tokens reach the host (its tokens read on "
-              "the device), so the host's work overlaps the step's; on one device, for batches without "
-              "grammars, penalties, drafts, beams or prompt logprobs (others step synchronously)")
+        True,
+        "dispatch the next decode step before the last one's tokens reach the host (its tokens read on "
+        "the device), so the host's work overlaps the step's; on one device, for batches without "
+        "grammars, penalties, drafts, beams or prompt logprobs (others step synchronously)",
+    )
     tensor_parallel_size: int = option(
-        1, "devices the model is split over (Megatron tensor parallelism on a jax.sharding.Mesh)", metavar="N")
+        1, "devices the model is split over (Megatron tensor parallelism on a jax.sharding.Mesh)", metavar="N"
+    )
     pipeline_parallel_size: int = option(
-        1, "pipeline stages the decoder layers are split into (each stage on its own tensor-parallel devices; "
-           "each step's batch flows through them in micro-batches)", metavar="N")
+        1,
+        "pipeline stages the decoder layers are split into (each stage on its own tensor-parallel devices; "
+        "each step's batch flows through them in micro-batches)",
+        metavar="N",
+    )
     data_parallel_size: int = option(
-        1, "engine replicas, each with its own scheduler and KV pool on its own devices; requests go to the "
-           "least loaded", metavar="N")
+        1,
+        "engine replicas, each with its own scheduler and KV pool on its own devices; requests go to the least loaded",
+        metavar="N",
+    )
     distributed_coordinator: str | None = option(
-        None, "HOST:PORT of process 0, to run over several processes (hosts) with jax.distributed; process 0 "
-              "schedules and serves, the others follow its steps (default: one process, or JAX's environment "
-              "variables)", metavar="HOST:PORT")
+        None,
+        "HOST:PORT of process 0, to run over several processes (hosts) with jax.distributed; process 0 "
+        "schedules and serves, the others follow its steps (default: one process, or JAX's environment "
+        "variables)",
+        metavar="HOST:PORT",
+    )
     num_processes: int = option(1, "processes taking part (with --distributed-coordinator)", metavar="N")
-    process_id: int = option(0, "this process's rank, 0 for the leader (with --distributed-coordinator)",
-                             metavar="RANK")
-    mesh: object = option(None, "a jax.sharding.Mesh with axes 'data', 'model' and (for pipeline stages) 'stage' "
-                                "to run on, for JAX users who have one (default: built from jax.devices())",
-                          cli=False)
-    max_logprobs: int = option(20, "most log-probabilities a request may ask for per token (at most 20)",
-                               metavar="N")
+    process_id: int = option(
+        0, "this process's rank, 0 for the leader (with --distributed-coordinator)", metavar="RANK"
+    )
+    mesh: object = option(
+        None,
+        "a jax.sharding.Mesh with axes 'data', 'model' and (for pipeline stages) 'stage' "
+        "to run on, for JAX users who have one (default: built from jax.devices())",
+        cli=False,
+    )
+    max_logprobs: int = option(20, "most log-probabilities a request may ask for per token (at most 20)", metavar="N")
     seed: int = option(0, "engine random seed (draws the seeds of unseeded requests)")
     served_model_name: str | None = option(
-        None, "the model name clients send and /v1/models lists (default: from --model)", metavar="NAME")
+        None, "the model name clients send and /v1/models lists (default: from --model)", metavar="NAME"
+    )
     compilation_cache_dir: str | None = option(
-        None, "where compiled programs are kept between runs ('' disables; default: $JAXLLM_CACHE_DIR/xla or "
-              "~/.cache/jaxllm/xla)", metavar="DIR")
+        None,
+        "where compiled programs are kept between runs ('' disables; default: $JAXLLM_CACHE_DIR/xla or "
+        "~/.cache/jaxllm/xla)",
+        metavar="DIR",
+    )
     params_cache_dir: str | None = option(
-        None, "where converted weights are kept between runs (default: $JAXLLM_CACHE_DIR/params)", metavar="DIR")
+        None, "where converted weights are kept between runs (default: $JAXLLM_CACHE_DIR/params)", metavar="DIR"
+    )
     attention_backend: str | None = option(
-        None, "paged attention implementation: 'native' (C++ CPU kernel), 'cpu' (jnp rows), 'mosaic' (GPU, "
-              "Mosaic GPU kernel), 'pallas' (GPU, Triton kernel), 'reference' (dense oracle); default: by "
-              "platform", choices=ATTENTION_BACKENDS)
+        None,
+        "paged attention implementation: 'native' (C++ CPU kernel), 'cpu' (jnp rows), 'mosaic' (GPU, "
+        "Mosaic GPU kernel), 'pallas' (GPU, Triton kernel), 'reference' (dense oracle); default: by "
+        "platform",
+        choices=ATTENTION_BACKENDS,
+    )
     warmup: bool = option(True, "compile every step shape at start-up (off: compile on first use)")
     background_compile: bool = option(
-        True, "with warmup, start at once and compile the step shapes in the background: a batch runs in "
-              "the smallest compiled shape that holds it, or compiles its own (one process only; off: every "
-              "shape is compiled before the engine returns)")
+        True,
+        "with warmup, start at once and compile the step shapes in the background: a batch runs in "
+        "the smallest compiled shape that holds it, or compiles its own (one process only; off: every "
+        "shape is compiled before the engine returns)",
+    )
     int8_activations: bool = option(
-        False, "4-bit weight codes (a GGUF's Q4_0 / Q4_1, int4) multiply activations quantized to int8 per "
-               "block of 32, as llama.cpp does: integer dot products, ~1.3x the quantized GEMM's speed on "
-               "AVX2, +1.9% perplexity on the default model (one CPU device with the C++ kernels; elsewhere "
-               "the activations stay float)")
+        False,
+        "4-bit weight codes (a GGUF's Q4_0 / Q4_1, int4) multiply activations quantized to int8 per "
+        "block of 32, as llama.cpp does: integer dot products, ~1.3x the quantized GEMM's speed on "
+        "AVX2, +1.9% perplexity on the default model (one CPU device with the C++ kernels; elsewhere "
+        "the activations stay float)",
+    )
     packed_weights: bool = option(
-        True, "on one CPU device with the native kernels: pack each float32 weight matrix (and bf16 ones where "
-              "the CPU has AVX512_BF16) once for jaxllm's C++ GEMMs (XLA's dot repacks it on every call)")
+        True,
+        "on one CPU device with the native kernels: pack each float32 weight matrix (and bf16 ones where "
+        "the CPU has AVX512_BF16) once for jaxllm's C++ GEMMs (XLA's dot repacks it on every call)",
+    )
     small_step_codes: bool | None = option(
-        None, "a GGUF's quantized layer and tied LM-head blocks kept beside the bf16 weights, for steps of at "
-              "most 4 rows: the same numbers (the codes become the bf16 weights as they are read) from about a "
-              "third of the bytes, which a decode step of a few rows waits on; on one CPU device with AVX512_BF16 "
-              "under dtype bfloat16. Default: on where it applies, for 1.36x the weights' memory (default model)")
+        None,
+        "a GGUF's quantized layer and tied LM-head blocks kept beside the bf16 weights, for steps of at "
+        "most 4 rows: the same numbers (the codes become the bf16 weights as they are read) from about a "
+        "third of the bytes, which a decode step of a few rows waits on; on one CPU device with AVX512_BF16 "
+        "under dtype bfloat16. Default: on where it applies, for 1.36x the weights' memory (default model)",
+    )
     speculative_config: dict | str | None = option(
-        None, "speculative decoding, a JSON object as in vLLM: {\"method\": \"ngram\", \"num_speculative_tokens\": "
-              "K, \"prompt_lookup_min\": N, \"prompt_lookup_max\": N, \"disable_by_batch_size\": B}, or a draft "
-              "model with the same vocabulary: {\"model\": PATH_OR_ID, \"num_speculative_tokens\": K} (default: "
-              "off)", metavar="JSON", type=json_object)
+        None,
+        'speculative decoding, a JSON object as in vLLM: {"method": "ngram", "num_speculative_tokens": '
+        'K, "prompt_lookup_min": N, "prompt_lookup_max": N, "disable_by_batch_size": B}, or a draft '
+        'model with the same vocabulary: {"model": PATH_OR_ID, "num_speculative_tokens": K} (default: '
+        "off)",
+        metavar="JSON",
+        type=json_object,
+    )
 
     def __post_init__(self):
-        if isinstance(self.quantization, str):     # (anything else is verify's to refuse)
+        if isinstance(self.quantization, str):  # (anything else is verify's to refuse)
             self.quantization = QUANTIZATION_ALIASES.get(self.quantization, self.quantization)
 
     def verify(self) -> None:
-        for field in dataclasses.fields(self):     # "False" from a config file would read as on
+        for field in dataclasses.fields(self):  # "False" from a config file would read as on
             value = getattr(self, field.name)
             if field.type == "bool" and not isinstance(value, bool):
                 raise ValueError(f"{field.name} must be True or False, got {value!r}")
@@ -173,8 +234,15 @@ class EngineArgs:
                 raise ValueError(f"{field.name} must be True, False or None, got {value!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_num_prefill_seqs",
-                     "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "max_num_prefill_seqs",
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "data_parallel_size",
+        ):
             value = getattr(self, name)
             if name == "block_size" and value is None:
                 continue
@@ -187,16 +255,19 @@ class EngineArgs:
         if self.num_processes > 1 and not self.warmup:
             # A step compiled on first use puts its inputs on the global devices while the other
             # processes wait in the step broadcast: the processes would wait on each other.
-            raise ValueError("warmup=False is not supported over several processes: they compile every step "
-                             "together at start-up")
+            raise ValueError(
+                "warmup=False is not supported over several processes: they compile every step together at start-up"
+            )
         if self.mesh is not None:
             shape = dict(self.mesh.shape)
             want = (self.data_parallel_size, self.pipeline_parallel_size, self.tensor_parallel_size)
             if (shape.get("data"), shape.get("stage", 1), shape.get("model")) != want:
-                raise ValueError(f"the mesh must have axes 'data' = data_parallel_size ({self.data_parallel_size}), "
-                                 f"'stage' = pipeline_parallel_size ({self.pipeline_parallel_size}; may be left out "
-                                 f"when 1) and 'model' = tensor_parallel_size ({self.tensor_parallel_size}); "
-                                 f"got {shape}")
+                raise ValueError(
+                    f"the mesh must have axes 'data' = data_parallel_size ({self.data_parallel_size}), "
+                    f"'stage' = pipeline_parallel_size ({self.pipeline_parallel_size}; may be left out "
+                    f"when 1) and 'model' = tensor_parallel_size ({self.tensor_parallel_size}); "
+                    f"got {shape}"
+                )
         if not isinstance(self.max_logprobs, int) or not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs!r}")
         if self.block_size is not None and self.block_size & (self.block_size - 1):
@@ -221,17 +292,20 @@ class EngineArgs:
         if self.preemption_mode == "swap" and self.swap_space <= 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 GiB")
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.quantization not in (None, *QUANTIZATION_METHODS):
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
         speculative = SpeculativeConfig.parse(self.speculative_config)
         if speculative is not None and self.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding is not supported with pipeline_parallel_size > 1 yet")
-        if (speculative is not None and speculative.method == "draft_model"
-                and self.tensor_parallel_size * self.data_parallel_size * self.num_processes > 1):
-            raise ValueError("a draft model runs on one device: not with tensor or data parallelism or several "
-                             "processes yet")
+        if (
+            speculative is not None
+            and speculative.method == "draft_model"
+            and self.tensor_parallel_size * self.data_parallel_size * self.num_processes > 1
+        ):
+            raise ValueError(
+                "a draft model runs on one device: not with tensor or data parallelism or several processes yet"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,18 +317,21 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_min: int = 0      # n-gram
+    prompt_lookup_min: int = 0  # n-gram
     prompt_lookup_max: int = 0
     disable_by_batch_size: int = 8
-    model: str | None = None        # draft model: a path or hub id, as for the target
+    model: str | None = None  # draft model: a path or hub id, as for the target
 
     METHODS = ("ngram", "draft_model")
 
     def max_seqs(self, scheduler: SchedulerConfig) -> int:
         """Most sequences a speculating step holds: disable_by_batch_size, within max_num_seqs
         and the token budget (each sequence brings up to 1 + num_speculative_tokens tokens)."""
-        return min(self.disable_by_batch_size, scheduler.max_num_seqs,
-                   scheduler.max_num_batched_tokens // (self.num_speculative_tokens + 1))
+        return min(
+            self.disable_by_batch_size,
+            scheduler.max_num_seqs,
+            scheduler.max_num_batched_tokens // (self.num_speculative_tokens + 1),
+        )
 
     @classmethod
     def parse(cls, config: dict | str | None) -> SpeculativeConfig | None:
@@ -270,8 +347,14 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config: {e}") from None
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {config!r}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
-                 "model"}
+        known = {
+            "method",
+            "num_speculative_tokens",
+            "prompt_lookup_min",
+            "prompt_lookup_max",
+            "disable_by_batch_size",
+            "model",
+        }
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown or unsupported field(s) {unknown}; known: {sorted(known)}")
@@ -289,10 +372,17 @@ class SpeculativeConfig:
                 lo, hi = 5, 5
             else:
                 lo, hi = (lo if lo is not None else hi), (hi if hi is not None else lo)
-        out = cls(method, config.get("num_speculative_tokens"), lo, hi, config.get("disable_by_batch_size", 8),
-                  model if method == "draft_model" else None)
+        out = cls(
+            method,
+            config.get("num_speculative_tokens"),
+            lo,
+            hi,
+            config.get("disable_by_batch_size", 8),
+            model if method == "draft_model" else None,
+        )
         checked = ["num_speculative_tokens", "disable_by_batch_size"] + (
-            ["prompt_lookup_min", "prompt_lookup_max"] if method == "ngram" else [])
+            ["prompt_lookup_min", "prompt_lookup_max"] if method == "ngram" else []
+        )
         for name in checked:
             value = getattr(out, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -300,8 +390,10 @@ class SpeculativeConfig:
         if out.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}")
         if out.prompt_lookup_min > out.prompt_lookup_max:
-            raise ValueError(f"speculative_config prompt_lookup_min ({out.prompt_lookup_min}) exceeds "
-                             f"prompt_lookup_max ({out.prompt_lookup_max})")
+            raise ValueError(
+                f"speculative_config prompt_lookup_min ({out.prompt_lookup_min}) exceeds "
+                f"prompt_lookup_max ({out.prompt_lookup_max})"
+            )
         return out
 
 
@@ -319,9 +411,9 @@ class SchedulerConfig:
 class CacheConfig:
     block_size: int
     num_blocks: int
-    dtype: str                      # the pages' dtype: float32, bfloat16, int8 or fp8_e4m3 (kernels/kv_write.py)
+    dtype: str  # the pages' dtype: float32, bfloat16, int8 or fp8_e4m3 (kernels/kv_write.py)
     enable_prefix_caching: bool
-    num_swap_blocks: int = 0        # host pages for swapped-out requests (preemption_mode="swap")
+    num_swap_blocks: int = 0  # host pages for swapped-out requests (preemption_mode="swap")
     # Sliding windows (core/kv_cache_manager.py): pages before every query's window are freed
     # when `sliding_window` > 0; with `num_window_blocks` > 0 the windowed layers have their
     # own pool of that many pages (a model that mixes windowed and global layers).
@@ -346,7 +438,7 @@ class EngineConfig:
     max_logprobs: int
     scheduler: SchedulerConfig
     cache: CacheConfig
-    attention_backend: str | None   # None: the platform's default (jaxllm.attention)
+    attention_backend: str | None  # None: the platform's default (jaxllm.attention)
     tensor_parallel_size: int
     pipeline_parallel_size: int
     compilation_cache_dir: str
@@ -390,14 +482,18 @@ def kv_cache_budget(args: EngineArgs, available_memory: int | None) -> int:
     `available_memory` (what the device has left once the weights are loaded), else 2 GiB."""
     if args.kv_cache_memory is not None:
         if available_memory and args.kv_cache_memory > available_memory:
-            raise ValueError(f"kv_cache_memory ({args.kv_cache_memory / 2**30:.2f} GiB) exceeds the "
-                             f"{available_memory / 2**30:.2f} GiB of memory available")
+            raise ValueError(
+                f"kv_cache_memory ({args.kv_cache_memory / 2**30:.2f} GiB) exceeds the "
+                f"{available_memory / 2**30:.2f} GiB of memory available"
+            )
         return args.kv_cache_memory
     if args.gpu_memory_utilization is None:
         return DEFAULT_KV_CACHE_MEMORY
     if not available_memory:
-        raise ValueError("gpu_memory_utilization needs the device's free memory, which this platform does "
-                         "not report; give kv_cache_memory instead")
+        raise ValueError(
+            "gpu_memory_utilization needs the device's free memory, which this platform does "
+            "not report; give kv_cache_memory instead"
+        )
     return int(args.gpu_memory_utilization * available_memory)
 
 
@@ -414,8 +510,9 @@ def default_block_size(platform: str) -> int:
     return 64 if platform == "cpu" else 16
 
 
-def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory: int | None = None,
-                   platform: str = "cpu") -> EngineConfig:
+def resolve_config(
+    args: EngineArgs, spec, model_name: str, *, available_memory: int | None = None, platform: str = "cpu"
+) -> EngineConfig:
     """Fill in what `args` leaves open from the model spec (and, for `gpu_memory_utilization`,
     the device memory left after the weights; for dtype "auto", the `platform` it runs on)."""
     args.verify()
@@ -425,14 +522,16 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
     if max_model_len > spec.max_position_embeddings:
         raise ValueError(
             f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
-            f"({spec.max_position_embeddings})")
+            f"({spec.max_position_embeddings})"
+        )
     speculative = SpeculativeConfig.parse(args.speculative_config)
     max_batched = max(args.max_num_batched_tokens, args.max_num_seqs)
     window, windowed_layers = sliding_window(spec, max_model_len, speculative)
     block_size = args.block_size or default_block_size(platform)
     page_bytes = kv_bytes_per_token(spec, kv_dtype, args.tensor_parallel_size) * block_size
-    num_blocks, num_window_blocks = _kv_pool_blocks(args, spec, page_bytes, block_size, max_model_len, max_batched,
-                                                    window, windowed_layers, available_memory)
+    num_blocks, num_window_blocks = _kv_pool_blocks(
+        args, spec, page_bytes, block_size, max_model_len, max_batched, window, windowed_layers, available_memory
+    )
     num_swap_blocks = int(args.swap_space * 2**30) // page_bytes if args.preemption_mode == "swap" else 0
     compilation_cache_dir = args.compilation_cache_dir
     if compilation_cache_dir is None:
@@ -450,9 +549,15 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
             preemption_mode=args.preemption_mode,
             async_scheduling=args.async_scheduling,
         ),
-        cache=CacheConfig(block_size=block_size, num_blocks=int(num_blocks), dtype=kv_dtype,
-                          enable_prefix_caching=args.enable_prefix_caching, num_swap_blocks=num_swap_blocks,
-                          sliding_window=window, num_window_blocks=num_window_blocks),
+        cache=CacheConfig(
+            block_size=block_size,
+            num_blocks=int(num_blocks),
+            dtype=kv_dtype,
+            enable_prefix_caching=args.enable_prefix_caching,
+            num_swap_blocks=num_swap_blocks,
+            sliding_window=window,
+            num_window_blocks=num_window_blocks,
+        ),
         attention_backend=args.attention_backend,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
@@ -467,8 +572,17 @@ def resolve_config(args: EngineArgs, spec, model_name: str, *, available_memory:
     )
 
 
-def _kv_pool_blocks(args: EngineArgs, spec, page_bytes: int, block_size: int, max_model_len: int, max_batched: int,
-                    window: int, windowed_layers: int, available_memory: int | None) -> tuple[int, int]:
+def _kv_pool_blocks(
+    args: EngineArgs,
+    spec,
+    page_bytes: int,
+    block_size: int,
+    max_model_len: int,
+    max_batched: int,
+    window: int,
+    windowed_layers: int,
+    available_memory: int | None,
+) -> tuple[int, int]:
     """(pages of the global pool, pages of the window pool: 0 without a window group) for the
     KV budget (`kv_cache_budget`), or as `num_gpu_blocks_override` says."""
     two_pools = 0 < windowed_layers < spec.num_layers
@@ -482,11 +596,13 @@ def _kv_pool_blocks(args: EngineArgs, spec, page_bytes: int, block_size: int, ma
         layer_page_bytes = page_bytes // spec.num_layers
         full = -(-max_model_len // block_size)
         windowed = min(full, -(-(window - 1 + max_batched) // block_size) + 1)
-        requests = budget / (layer_page_bytes * (full * (spec.num_layers - windowed_layers)
-                                                 + windowed * windowed_layers))
+        requests = budget / (
+            layer_page_bytes * (full * (spec.num_layers - windowed_layers) + windowed * windowed_layers)
+        )
         num_blocks, num_window_blocks = int(requests * full), int(requests * windowed)
     if min(num_blocks, num_window_blocks or num_blocks) < 2:
         raise ValueError(
             f"the KV cache budget ({budget / 2**20:.1f} MiB) holds {num_blocks} pages of "
-            f"{page_bytes / 2**10:.0f} KiB; raise kv_cache_memory or gpu_memory_utilization")
+            f"{page_bytes / 2**10:.0f} KiB; raise kv_cache_memory or gpu_memory_utilization"
+        )
     return num_blocks, num_window_blocks

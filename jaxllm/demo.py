@@ -1,6 +1,6 @@
 """`make demo`: chat with the default model through LLM.chat and report throughput.
 
-    python -m jaxllm.demo [--model PATH] [--dtype auto|bfloat16|float32] [--max-tokens 96]
+python -m jaxllm.demo [--model PATH] [--dtype auto|bfloat16|float32] [--max-tokens 96]
 """
 
 from __future__ import annotations
@@ -30,16 +30,20 @@ def main() -> None:
 
     start = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=8, max_num_batched_tokens=256)
-    print(f"loaded {llm.engine.model_name} ({llm.engine.config.dtype}) in {time.perf_counter() - start:.1f}s "
-          f"(compiling {len(llm.engine.runner.buckets)} step shapes: {llm.engine.warmup_seconds:.1f}s)\n")
+    print(
+        f"loaded {llm.engine.model_name} ({llm.engine.config.dtype}) in {time.perf_counter() - start:.1f}s "
+        f"(compiling {len(llm.engine.runner.buckets)} step shapes: {llm.engine.warmup_seconds:.1f}s)\n"
+    )
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
     outputs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=args.max_tokens), use_tqdm=False)
     for question, out in zip(QUESTIONS, outputs):
         print(f"> {question}\n{out.outputs[0].text.strip()}\n")
     stats = llm.last_run_stats
-    print(f"{len(QUESTIONS)} requests, {stats['prompt_tokens']} prompt + {stats['generation_tokens']} generated tokens "
-          f"in {stats['seconds']:.2f}s: {stats['generation_tokens'] / stats['seconds']:.1f} output tok/s, "
-          f"{(stats['prompt_tokens'] + stats['generation_tokens']) / stats['seconds']:.1f} total tok/s")
+    print(
+        f"{len(QUESTIONS)} requests, {stats['prompt_tokens']} prompt + {stats['generation_tokens']} generated tokens "
+        f"in {stats['seconds']:.2f}s: {stats['generation_tokens'] / stats['seconds']:.1f} output tok/s, "
+        f"{(stats['prompt_tokens'] + stats['generation_tokens']) / stats['seconds']:.1f} total tok/s"
+    )
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from jinja2.compiler import CodeGenerator, optimizeconst
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 MAX_TEMPLATE_CHARS = 256 * 1024
-MAX_INT_BITS = 4096                  # integers a template may compute (about 1,233 digits)
+MAX_INT_BITS = 4096  # integers a template may compute (about 1,233 digits)
 # All the text one render builds or prints (strings made by calls, filters, operators and joins,
 # and every `{{ ... }}`) may add up to this many times max_chars: a template copies each message a
 # few times (strip, split, a macro), and buffers (macros, blocks) keep what they collect until joined.
@@ -53,10 +53,11 @@ class _Rejected(jinja2.TemplateError):
 @dataclasses.dataclass(slots=True)
 class _Budget:
     """One render's limits, checked by the environment's hooks."""
+
     deadline: float
     timeout_s: float
     max_chars: int
-    num_built: int = 0                  # characters of text built so far
+    num_built: int = 0  # characters of text built so far
 
     def tick(self) -> None:
         if time.monotonic() > self.deadline:
@@ -71,8 +72,9 @@ class _Budget:
         self.check_size(value)
         self.num_built += len(value) if isinstance(value, (str, list, tuple, dict)) else 0
         if self.num_built > BUILD_REPEATS * self.max_chars:
-            raise ChatTemplateError(f"the chat template built more than {BUILD_REPEATS * self.max_chars} "
-                                    f"characters of text")
+            raise ChatTemplateError(
+                f"the chat template built more than {BUILD_REPEATS * self.max_chars} characters of text"
+            )
         return value
 
     def check_size(self, *values) -> None:
@@ -92,13 +94,19 @@ class _Budget:
     def check_format(self, fmt: str) -> None:
         for spec in _FORMAT_SPECS.findall(fmt.replace("{{", "").replace("}}", "")):
             too_wide = any(len(n) > 15 or int(n) > self.max_chars for n in re.findall(r"\d+", spec))
-            if too_wide or "*" in spec or spec[0] + spec[-1] == "{{":     # `*` and `{{`: widths from arguments
+            if too_wide or "*" in spec or spec[0] + spec[-1] == "{{":  # `*` and `{{`: widths from arguments
                 raise ChatTemplateError(f"the chat template tried an unsafe operation: the format spec {spec!r}")
 
     def check_binop(self, operator: str, left, right) -> None:
         ints = isinstance(left, int) and isinstance(right, int)
-        if ints and (operator == "*" and left.bit_length() + right.bit_length() > MAX_INT_BITS or operator == "**"
-                     and abs(left) > 1 and right > 0 and left.bit_length() * right > MAX_INT_BITS):
+        if ints and (
+            operator == "*"
+            and left.bit_length() + right.bit_length() > MAX_INT_BITS
+            or operator == "**"
+            and abs(left) > 1
+            and right > 0
+            and left.bit_length() * right > MAX_INT_BITS
+        ):
             raise ChatTemplateError(f"the chat template computed a number of more than {MAX_INT_BITS} bits")
         if operator == "*" and not ints:
             seq, count = (left, right) if isinstance(right, int) else (right, left)
@@ -134,8 +142,9 @@ class _CodeGenerator(CodeGenerator):
     """Routes loop iterations and `~` through the environment, so that they are bounded too."""
 
     def visit_For(self, node: nodes.For, frame) -> None:
-        node.iter = nodes.Call(nodes.EnvironmentAttribute("checked_iter"), [node.iter], [], None, None,
-                               lineno=node.lineno)
+        node.iter = nodes.Call(
+            nodes.EnvironmentAttribute("checked_iter"), [node.iter], [], None, None, lineno=node.lineno
+        )
         super().visit_For(node, frame)
 
     @optimizeconst
@@ -150,13 +159,14 @@ class _CodeGenerator(CodeGenerator):
 class _Environment(ImmutableSandboxedEnvironment):
     """The sandbox's hooks, each checking the current render's `_Budget`. Outside a render they
     raise, which also keeps lookups and filters from being folded into constants at compile time."""
+
     code_generator_class = _CodeGenerator
     intercepted_binops = frozenset({"*", "**", "+", "%"})
 
     def call(self, context, obj, /, *args, **kwargs):
         budget = _BUDGET.get()
         budget.tick()
-        method = getattr(obj, "__wrapped__", obj)     # the sandbox wraps str.format
+        method = getattr(obj, "__wrapped__", obj)  # the sandbox wraps str.format
         owner = getattr(method, "__self__", None)
         is_format = isinstance(owner, str) and method.__name__ in ("format", "format_map")
         if is_format:
@@ -174,7 +184,7 @@ class _Environment(ImmutableSandboxedEnvironment):
         _BUDGET.get().tick()
         return super().getattr(obj, attribute)
 
-    def getitem(self, obj, argument):       # `x[a:b]` does not come here: jinja slices directly
+    def getitem(self, obj, argument):  # `x[a:b]` does not come here: jinja slices directly
         _BUDGET.get().tick()
         return super().getitem(obj, argument)
 
@@ -184,7 +194,7 @@ class _Environment(ImmutableSandboxedEnvironment):
             budget.tick()
             yield item
 
-    def concat(self, parts) -> str:     # `~`, and the buffers of macros, call blocks and `{% set %}` blocks
+    def concat(self, parts) -> str:  # `~`, and the buffers of macros, call blocks and `{% set %}` blocks
         parts = list(parts)
         budget = _BUDGET.get()
         budget.check_size(*parts)
@@ -195,7 +205,7 @@ def _finalize(value):
     """Every `{{ value }}` passes here before `str()`, on its way to the output or a buffer: it
     counts as built (a slice, say, was built unseen), and a value that is not a string is made
     text here, once its size is known to be in bounds."""
-    budget = _BUDGET.get(None)          # None while compiling (constants only)
+    budget = _BUDGET.get(None)  # None while compiling (constants only)
     if budget is None:
         return value
     if not isinstance(value, str):
@@ -205,21 +215,23 @@ def _finalize(value):
 
 
 def _bounded_filter(name: str, func):
-    @functools.wraps(func)              # keeps jinja's pass_context/pass_environment marks
+    @functools.wraps(func)  # keeps jinja's pass_context/pass_environment marks
     def bounded(*args, **kwargs):
         budget = _BUDGET.get()
         budget.tick()
-        first = 2 if hasattr(func, "jinja_pass_arg") else 1      # args[first - 1]: the filtered value
+        first = 2 if hasattr(func, "jinja_pass_arg") else 1  # args[first - 1]: the filtered value
         if name == "format" and isinstance(args[first - 1], str):
             budget.check_format(args[first - 1])
         budget.check_size(*args[:first])
         budget.check_args(args[first:], kwargs, widths=True)
         return budget.built(func(*args, **kwargs))
+
     return bounded
 
 
 class _GenerationTag(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` (transformers marks assistant text with it): its body."""
+
     tags = {"generation"}
 
     def parse(self, parser):
@@ -259,7 +271,7 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _dict(*args, **kwargs) -> dict:     # `dict(...)` and `dict.fromkeys`, not the type itself
+def _dict(*args, **kwargs) -> dict:  # `dict(...)` and `dict.fromkeys`, not the type itself
     return dict(*args, **kwargs)
 
 
@@ -267,13 +279,18 @@ _dict.fromkeys = dict.fromkeys
 
 
 def _environment() -> _Environment:
-    env = _Environment(trim_blocks=True, lstrip_blocks=True, finalize=_finalize,
-                       extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = _Environment(
+        trim_blocks=True, lstrip_blocks=True, finalize=_finalize, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.filters = {name: _bounded_filter(name, func) for name, func in env.filters.items()}
-    del env.globals["lipsum"]           # its size is an argument no hook sees
-    env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
-                       dict=_dict, namespace=_Namespace)
+    del env.globals["lipsum"]  # its size is an argument no hook sees
+    env.globals.update(
+        raise_exception=_raise_exception,
+        strftime_now=lambda fmt: datetime.now().strftime(fmt),
+        dict=_dict,
+        namespace=_Namespace,
+    )
     return env
 
 
@@ -288,7 +305,7 @@ def compile_template(source: str) -> jinja2.Template:
         return _compile(source)
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(f"the chat template is not valid Jinja: {e.message} (line {e.lineno})") from e
-    except Exception as e:      # nested too deeply for jinja's parser or Python's compiler
+    except Exception as e:  # nested too deeply for jinja's parser or Python's compiler
         raise ChatTemplateError(f"the chat template is not valid Jinja: {e}") from e
 
 
@@ -321,7 +338,7 @@ def render(template: jinja2.Template, variables: dict, *, timeout_s: float, max_
         raise ChatTemplateError("the chat template recursed too deeply") from e
     except MemoryError as e:
         raise budget.too_big() from e
-    except Exception as e:      # a TypeError, UndefinedError, ... inside the template
+    except Exception as e:  # a TypeError, UndefinedError, ... inside the template
         raise ChatTemplateError(f"the chat template failed{_where(e)}: {str(e)[:1000]}") from e
     finally:
         stream.close()

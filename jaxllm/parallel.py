@@ -36,23 +36,31 @@ from jaxllm.models import decoder, layout
 DATA_AXIS, STAGE_AXIS, MODEL_AXIS = "data", "stage", "model"
 
 
-def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-              devices=None) -> Mesh:
+def make_mesh(
+    tensor_parallel_size: int, data_parallel_size: int = 1, pipeline_parallel_size: int = 1, devices=None
+) -> Mesh:
     """A ("data", "stage", "model") mesh of shape (dp, pp, tp) over the first devices."""
     devices = list(devices if devices is not None else jax.devices())
     need = tensor_parallel_size * data_parallel_size * pipeline_parallel_size
     if len(devices) < need:
-        hint = (f" (on CPU, split the host into virtual devices: XLA_FLAGS=--xla_force_host_platform_device_count="
-                f"{need}, set before JAX starts)" if devices[0].platform == "cpu" else "")
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} x pipeline_parallel_size="
-                         f"{pipeline_parallel_size} x data_parallel_size={data_parallel_size} needs {need} devices; "
-                         f"{len(devices)} {devices[0].platform} device(s) are visible{hint}")
+        hint = (
+            f" (on CPU, split the host into virtual devices: XLA_FLAGS=--xla_force_host_platform_device_count="
+            f"{need}, set before JAX starts)"
+            if devices[0].platform == "cpu"
+            else ""
+        )
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} x pipeline_parallel_size="
+            f"{pipeline_parallel_size} x data_parallel_size={data_parallel_size} needs {need} devices; "
+            f"{len(devices)} {devices[0].platform} device(s) are visible{hint}"
+        )
     grid = np.asarray(devices[:need]).reshape(data_parallel_size, pipeline_parallel_size, tensor_parallel_size)
     return Mesh(grid, (DATA_AXIS, STAGE_AXIS, MODEL_AXIS))
 
 
-def engine_mesh(mesh: Mesh | None, tensor_parallel_size: int, data_parallel_size: int,
-                pipeline_parallel_size: int = 1) -> Mesh | None:
+def engine_mesh(
+    mesh: Mesh | None, tensor_parallel_size: int, data_parallel_size: int, pipeline_parallel_size: int = 1
+) -> Mesh | None:
     """The caller's mesh, else one built for these sizes; None for one replica on one device."""
     if mesh is None and tensor_parallel_size * data_parallel_size * pipeline_parallel_size > 1:
         mesh = make_mesh(tensor_parallel_size, data_parallel_size, pipeline_parallel_size)
@@ -63,7 +71,7 @@ def replica_meshes(mesh: Mesh | None) -> list[Mesh | None]:
     """One mesh per data-parallel replica: the slices of `mesh` along "data"; [None] without a mesh."""
     if mesh is None:
         return [None]
-    return [Mesh(mesh.devices[row:row + 1], mesh.axis_names) for row in range(mesh.shape[DATA_AXIS])]
+    return [Mesh(mesh.devices[row : row + 1], mesh.axis_names) for row in range(mesh.shape[DATA_AXIS])]
 
 
 def tp_size(mesh: Mesh | None) -> int:
@@ -84,11 +92,11 @@ def spec_for(path, mesh: Mesh) -> P:
     (by its name); with pipeline stages, a layer's arrays are stacked over "stage" first.
     A QuantizedWeight's codes, scales and offsets split as its matrix does (a tied embedding
     table is quantized as the LM head [hidden, vocab]: its dimension 1)."""
-    field = getattr(path[-1], "name", None)      # a QuantizedWeight's field
+    field = getattr(path[-1], "name", None)  # a QuantizedWeight's field
     if field is not None:
         path = path[:-1]
     name = getattr(path[-1], "key", None)
-    dim = None if field == "perm" else layout.TP_SPLIT_DIMS.get(name)    # (act-order: every shard's x columns)
+    dim = None if field == "perm" else layout.TP_SPLIT_DIMS.get(name)  # (act-order: every shard's x columns)
     if field is not None and name == "embed":
         dim = 1
     split = _vocab_axes(mesh) if name in ("embed", "lm_head") else MODEL_AXIS
@@ -103,8 +111,17 @@ def quantized_parts(mesh: Mesh) -> dict:
     matrix's codes and scales split as `spec_for` splits them."""
     tp = tp_size(mesh)
     vocab = (tp * pp_size(mesh), 1)
-    return {"wqkv": (tp, 1), "w_gate_up": (tp, 1), "w_up": (tp, 1), "wo": (1, tp), "w_down": (1, tp),
-            "experts_gate_up": (tp, 1), "experts_down": (1, tp), "lm_head": vocab, "embed": vocab}
+    return {
+        "wqkv": (tp, 1),
+        "w_gate_up": (tp, 1),
+        "w_up": (tp, 1),
+        "wo": (1, tp),
+        "w_down": (1, tp),
+        "experts_gate_up": (tp, 1),
+        "experts_down": (1, tp),
+        "lm_head": vocab,
+        "embed": vocab,
+    }
 
 
 def param_specs(params, mesh: Mesh):
@@ -121,7 +138,8 @@ def shard_params(params, mesh: Mesh):
     """Place `params` (in `layout.shard_layout` for the mesh's sizes) on the mesh: each device
     gets its shard (replicated over "data"). Arrays already placed so are left as they are."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: jax.device_put(x, NamedSharding(mesh, spec_for(path, mesh))), params)
+        lambda path, x: jax.device_put(x, NamedSharding(mesh, spec_for(path, mesh))), params
+    )
 
 
 def replica_params(params, row: Mesh):
@@ -150,27 +168,33 @@ def kv_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, kv_spec(mesh))
 
 
-def sharded_forward(params, kv_cache, inputs, spec: decoder.ModelSpec, *, attention, mesh: Mesh,
-                    cpp_ops: bool = False):
+def sharded_forward(params, kv_cache, inputs, spec: decoder.ModelSpec, *, attention, mesh: Mesh, cpp_ops: bool = False):
     """`decoder.forward` + `compute_logits` on the rows to sample, one shard per device.
     Returns (logits [N, vocab] replicated, kv_cache sharded by KV head)."""
     tp = tp_size(mesh)
     local = layout.tp_local_spec(spec, tp)
 
     def shard(params, kv_cache, inputs):
-        hidden, kv_cache = decoder.forward(params, kv_cache, inputs, local, attention=attention, axis=MODEL_AXIS,
-                                           cpp_ops=cpp_ops)
+        hidden, kv_cache = decoder.forward(
+            params, kv_cache, inputs, local, attention=attention, axis=MODEL_AXIS, cpp_ops=cpp_ops
+        )
         logits = decoder.compute_logits(params, hidden[inputs.logits_indices], local, axis=MODEL_AXIS)
         return logits, kv_cache
 
     # check_vma off: the gathered logits are the same on every shard, which the type system
     # of shard_map cannot see through all_gather.
-    return jax.shard_map(shard, mesh=mesh, in_specs=(param_specs(params, mesh), P(MODEL_AXIS), P()),
-                         out_specs=(P(), P(MODEL_AXIS)), check_vma=False)(params, kv_cache, inputs)
+    return jax.shard_map(
+        shard,
+        mesh=mesh,
+        in_specs=(param_specs(params, mesh), P(MODEL_AXIS), P()),
+        out_specs=(P(), P(MODEL_AXIS)),
+        check_vma=False,
+    )(params, kv_cache, inputs)
 
 
-def pipelined_forward(params, kv_cache, ints, floats, *, unpack, spec: decoder.ModelSpec, attention, mesh: Mesh,
-                      cpp_ops: bool = False):
+def pipelined_forward(
+    params, kv_cache, ints, floats, *, unpack, spec: decoder.ModelSpec, attention, mesh: Mesh, cpp_ops: bool = False
+):
     """The forward of M micro-batches through the pipeline stages, as one program.
 
     `ints`, `floats` `[M, ...]`: each micro-batch's packed step inputs; `unpack(ints[m],
@@ -193,8 +217,13 @@ def pipelined_forward(params, kv_cache, ints, floats, *, unpack, spec: decoder.M
         cache = [(k[0], v[0]) for k, v in kv_cache]
         micro = [unpack(ints[m], floats[m]) for m in range(num_micro)]
         tokens = micro[0].token_ids.shape[0]
-        embedded = decoder.embed(params, jnp.concatenate([x.token_ids for x in micro]),
-                                 jnp.concatenate([x.positions for x in micro]), local, vocab)
+        embedded = decoder.embed(
+            params,
+            jnp.concatenate([x.token_ids for x in micro]),
+            jnp.concatenate([x.positions for x in micro]),
+            local,
+            vocab,
+        )
         embedded = embedded.reshape(num_micro, tokens, -1)
         carry, last = None, []
         for t in range(num_micro + pp - 1):
@@ -209,10 +238,11 @@ def pipelined_forward(params, kv_cache, ints, floats, *, unpack, spec: decoder.M
             if carry is not None:
                 x = jnp.where(stage == 0, x, carry)
             for i, layer in enumerate(layers):
-                x, k, v = decoder.shared_decoder_layer(layer, *cache[i], x, inputs, local, index=i,
-                                                       attention=attention, axis=MODEL_AXIS, cpp_ops=cpp_ops)
+                x, k, v = decoder.shared_decoder_layer(
+                    layer, *cache[i], x, inputs, local, index=i, attention=attention, axis=MODEL_AXIS, cpp_ops=cpp_ops
+                )
                 cache[i] = (k, v)
-            if t >= pp - 1:     # the last stage just finished micro-batch t - (pp - 1)
+            if t >= pp - 1:  # the last stage just finished micro-batch t - (pp - 1)
                 last.append(x[micro[t - pp + 1].logits_indices])
             carry = jax.lax.ppermute(x, STAGE_AXIS, [(s, s + 1) for s in range(pp - 1)])
         hidden = jnp.concatenate(last)
@@ -220,8 +250,13 @@ def pipelined_forward(params, kv_cache, ints, floats, *, unpack, spec: decoder.M
         logits = decoder.compute_logits(params, hidden, local, axis=vocab)
         return logits, [(k[None], v[None]) for k, v in cache]
 
-    return jax.shard_map(shard, mesh=mesh, in_specs=(param_specs(params, mesh), kv_spec(mesh), P(), P()),
-                         out_specs=(P(), kv_spec(mesh)), check_vma=False)(params, kv_cache, ints, floats)
+    return jax.shard_map(
+        shard,
+        mesh=mesh,
+        in_specs=(param_specs(params, mesh), kv_spec(mesh), P(), P()),
+        out_specs=(P(), kv_spec(mesh)),
+        check_vma=False,
+    )(params, kv_cache, ints, floats)
 
 
 # ----------------------------------------------------------------------------- several processes
@@ -245,7 +280,7 @@ class StepChannel:
     `multihost_utils.broadcast_one_to_all`."""
 
     STOP, STEP = 0, 1
-    HEADER = 4    # op, bucket index (-1: no model step), page copies, side inputs sent (a bit each)
+    HEADER = 4  # op, bucket index (-1: no model step), page copies, side inputs sent (a bit each)
 
     def __init__(self):
         from jax.experimental import multihost_utils

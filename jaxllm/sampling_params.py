@@ -7,18 +7,23 @@ import json
 import math
 
 MAX_LOGPROBS = 20
-MAX_TEMPERATURE = 1e6   # past ~100 sampling is already uniform; float32 must hold it
+MAX_TEMPERATURE = 1e6  # past ~100 sampling is already uniform; float32 must hold it
 # (low, high, low is allowed) of each float field; the server's request models publish the same.
-FLOAT_RANGES = {"temperature": (0.0, MAX_TEMPERATURE, True), "top_p": (0.0, 1.0, False), "min_p": (0.0, 1.0, True),
-                "presence_penalty": (-2.0, 2.0, True), "frequency_penalty": (-2.0, 2.0, True),
-                "repetition_penalty": (0.0, 100.0, False)}
+FLOAT_RANGES = {
+    "temperature": (0.0, MAX_TEMPERATURE, True),
+    "top_p": (0.0, 1.0, False),
+    "min_p": (0.0, 1.0, True),
+    "presence_penalty": (-2.0, 2.0, True),
+    "frequency_penalty": (-2.0, 2.0, True),
+    "repetition_penalty": (0.0, 100.0, False),
+}
 
 
 def _finite32(x) -> bool:
     """True if `x` is a finite number that stays finite as float32."""
     try:
         return math.isfinite(x) and abs(x) < 3.4e38
-    except OverflowError:   # an int too large for a float
+    except OverflowError:  # an int too large for a float
         return False
 
 
@@ -43,8 +48,10 @@ class StructuredOutputsParams:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object is True else []
         if len(given) != 1:
-            raise ValueError("structured outputs take exactly one of json, json_object, regex, choice, grammar; "
-                             f"got {given or 'none'}")
+            raise ValueError(
+                "structured outputs take exactly one of json, json_object, regex, choice, grammar; "
+                f"got {given or 'none'}"
+            )
         if not isinstance(self.json_object, bool):
             raise ValueError(f"json_object must be a boolean, got {self.json_object!r}")
         if self.json is not None and not isinstance(self.json, (str, dict)):
@@ -59,8 +66,11 @@ class StructuredOutputsParams:
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name} must be a non-empty string")
         if self.choice is not None:
-            if (not isinstance(self.choice, (list, tuple)) or not self.choice
-                    or not all(isinstance(c, str) and c for c in self.choice)):
+            if (
+                not isinstance(self.choice, (list, tuple))
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
                 raise ValueError("choice must be a non-empty list of non-empty strings")
             self.choice = list(self.choice)
 
@@ -146,8 +156,9 @@ class SamplingParams:
             bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or not 0 <= value <= MAX_LOGPROBS):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS
+            ):
                 bad(name, value, f"an integer in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", self.seed, "an integer")

@@ -46,8 +46,9 @@ def resolve_dtype(dtype: str, platform_name: str, flags: frozenset[str] | None =
     native = [flag for flag in BF16_CPU_FLAGS if flag in flags]
     if native:
         return "bfloat16", f"this CPU has native bf16 dots ({', '.join(native)})"
-    return "float32", (f"this CPU has no native bf16 dots (no {' or '.join(BF16_CPU_FLAGS)}): float32 is "
-                       f"the faster dtype there")
+    return "float32", (
+        f"this CPU has no native bf16 dots (no {' or '.join(BF16_CPU_FLAGS)}): float32 is the faster dtype there"
+    )
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, asked_dtype: str, dtype: str) -> tuple[str, str]:
@@ -85,5 +86,15 @@ def cdiv(a, b):
     return -(-a // b)
 
 
-__all__ = ["BF16_CPU_FLAGS", "DTYPES", "DTYPE_CHOICES", "cdiv", "check_dtype", "cpu_flags", "default_cache_root",
-           "jnp_dtype", "resolve_dtype", "resolve_kv_cache_dtype"]
+__all__ = [
+    "BF16_CPU_FLAGS",
+    "DTYPES",
+    "DTYPE_CHOICES",
+    "cdiv",
+    "check_dtype",
+    "cpu_flags",
+    "default_cache_root",
+    "jnp_dtype",
+    "resolve_dtype",
+    "resolve_kv_cache_dtype",
+]

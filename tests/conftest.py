@@ -15,7 +15,6 @@ from tests.helpers.cuda_lowering import ON_GPU
 from tests.helpers.tiny_model import TINY_ENGINE_ARGS, build_tiny_model, offline_llm
 
 
-
 def pytest_runtest_setup(item):
     """Tests marked `gpu` need JAX's default backend to be a GPU; elsewhere they skip."""
     if item.get_closest_marker("gpu") is not None and not ON_GPU:
@@ -41,7 +40,7 @@ def one_gguf_reader_per_file():
     one per file (and size and mtime: tests write GGUFs into fresh paths) serves every load."""
     try:
         import gguf
-    except ImportError:         # no GGUF reference tests either
+    except ImportError:  # no GGUF reference tests either
         yield
         return
 
@@ -90,8 +89,12 @@ def server(tiny_model_dir, tmp_path_factory):
     with the offline `LLM` over the same model as `server.offline`, the reference for outputs."""
     from tests.helpers.live_server import SERVER_FLAGS, start_server
 
-    live = start_server(tiny_model_dir, str(tmp_path_factory.mktemp("server")), *SERVER_FLAGS,
-                        offline=lambda: offline_llm(tiny_model_dir))
+    live = start_server(
+        tiny_model_dir,
+        str(tmp_path_factory.mktemp("server")),
+        *SERVER_FLAGS,
+        offline=lambda: offline_llm(tiny_model_dir),
+    )
     yield live
     live.stop()
 

@@ -59,7 +59,7 @@ def get_attention_backend(name: str | None = None, platform: str | None = None) 
     if platform != "cpu":
         try:
             device = jax.devices(platform)[0]
-        except RuntimeError:        # a platform this process has no device of (tests, lowering)
+        except RuntimeError:  # a platform this process has no device of (tests, lowering)
             return PallasBackend()
         return MosaicBackend() if mosaic_gpu_capable(device) else PallasBackend()
     try:

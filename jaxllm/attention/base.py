@@ -30,5 +30,14 @@ class AttentionBackend:
         raise NotImplementedError
 
     def forward(self, q, k_pages, v_pages, inputs, *, sliding_window=None, sm_scale=None):
-        return self.kernel(q, k_pages, v_pages, inputs.seq_lens, inputs.block_tables, inputs.query_start_loc,
-                           inputs.num_seqs, sliding_window=sliding_window, sm_scale=sm_scale)
+        return self.kernel(
+            q,
+            k_pages,
+            v_pages,
+            inputs.seq_lens,
+            inputs.block_tables,
+            inputs.query_start_loc,
+            inputs.num_seqs,
+            sliding_window=sliding_window,
+            sm_scale=sm_scale,
+        )

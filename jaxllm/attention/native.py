@@ -12,7 +12,7 @@ class NativeBackend(AttentionBackend):
     def __init__(self):
         from jaxllm.kernels import native
 
-        native.require()   # builds (or loads from the cache) and registers the C++ kernels
+        native.require()  # builds (or loads from the cache) and registers the C++ kernels
         self._native = native
 
     def write_kv(self, k_pages, v_pages, k, v, slot_mapping):

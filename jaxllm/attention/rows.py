@@ -26,26 +26,40 @@ class RowsBackend(AttentionBackend):
         d = bucket.num_decode_rows
         idx = np.full((d, 1), T, np.int32)
         idx[:nd, 0] = np.arange(nd)
-        meta = {"decode_token_idx": idx, "decode_block_tables": _padded(block_tables[:nd], d),
-                "decode_kv_lens": _padded(seq_lens[:nd], d), "decode_q_lens": _padded(np.ones(nd, np.int32), d)}
+        meta = {
+            "decode_token_idx": idx,
+            "decode_block_tables": _padded(block_tables[:nd], d),
+            "decode_kv_lens": _padded(seq_lens[:nd], d),
+            "decode_q_lens": _padded(np.ones(nd, np.int32), d),
+        }
         if bucket.num_prefill_rows:
             p_idx, p_bt, p_kv, p_q = kernels.ragged_to_rows(
-                q_lens[nd:], seq_lens[nd:], block_tables[nd:], num_tokens=T,
-                num_rows=bucket.num_prefill_rows, row_tokens=self.prefill_row_tokens)
+                q_lens[nd:],
+                seq_lens[nd:],
+                block_tables[nd:],
+                num_tokens=T,
+                num_rows=bucket.num_prefill_rows,
+                row_tokens=self.prefill_row_tokens,
+            )
             p_idx = np.where(p_idx < T, p_idx + int(q_lens[:nd].sum()), T).astype(np.int32)
-            meta.update(prefill_token_idx=p_idx, prefill_block_tables=p_bt, prefill_kv_lens=p_kv,
-                        prefill_q_lens=p_q)
+            meta.update(prefill_token_idx=p_idx, prefill_block_tables=p_bt, prefill_kv_lens=p_kv, prefill_q_lens=p_q)
         return meta
 
     def dummy_metadata(self, bucket, max_blocks: int) -> dict:
         meta = {}
-        for group, rows, row_tokens in (("decode", bucket.num_decode_rows, 1),
-                                        ("prefill", bucket.num_prefill_rows, self.prefill_row_tokens)):
+        for group, rows, row_tokens in (
+            ("decode", bucket.num_decode_rows, 1),
+            ("prefill", bucket.num_prefill_rows, self.prefill_row_tokens),
+        ):
             if rows:
-                meta.update({f"{group}_token_idx": np.full((rows, row_tokens), bucket.num_tokens, np.int32),
-                             f"{group}_block_tables": np.zeros((rows, max_blocks), np.int32),
-                             f"{group}_kv_lens": np.zeros(rows, np.int32),
-                             f"{group}_q_lens": np.zeros(rows, np.int32)})
+                meta.update(
+                    {
+                        f"{group}_token_idx": np.full((rows, row_tokens), bucket.num_tokens, np.int32),
+                        f"{group}_block_tables": np.zeros((rows, max_blocks), np.int32),
+                        f"{group}_kv_lens": np.zeros(rows, np.int32),
+                        f"{group}_q_lens": np.zeros(rows, np.int32),
+                    }
+                )
         return meta
 
     def forward(self, q, k_pages, v_pages, inputs, *, sliding_window=None, sm_scale=None):
@@ -57,13 +71,21 @@ class RowsBackend(AttentionBackend):
             if idx is None:
                 continue
             o = kernels.paged_attention_rows(
-                q_pad[idx], k_pages, v_pages, meta[f"{group}_block_tables"], meta[f"{group}_kv_lens"],
-                meta[f"{group}_q_lens"], rows_per_part=rows_per_part, sliding_window=sliding_window, sm_scale=sm_scale)
+                q_pad[idx],
+                k_pages,
+                v_pages,
+                meta[f"{group}_block_tables"],
+                meta[f"{group}_kv_lens"],
+                meta[f"{group}_q_lens"],
+                rows_per_part=rows_per_part,
+                sliding_window=sliding_window,
+                sm_scale=sm_scale,
+            )
             out = out.at[idx].set(o)
-        return out[:q.shape[0]]
+        return out[: q.shape[0]]
 
 
 def _padded(x: np.ndarray, n: int) -> np.ndarray:
     out = np.zeros((n, *x.shape[1:]), np.int32)
-    out[:len(x)] = x
+    out[: len(x)] = x
     return out

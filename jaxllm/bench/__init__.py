@@ -25,7 +25,12 @@ def machine_info() -> dict:
     except OSError:
         pass
     simd = " ".join(sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c"))))
-    return {"cpu": cpu, "cpu_family": family, "cpu_model": model, "simd": simd, "cores": os.cpu_count(),
-            "memory_gib": mem_gib, "platform": platform.platform()}
-
-
+    return {
+        "cpu": cpu,
+        "cpu_family": family,
+        "cpu_model": model,
+        "simd": simd,
+        "cores": os.cpu_count(),
+        "memory_gib": mem_gib,
+        "platform": platform.platform(),
+    }

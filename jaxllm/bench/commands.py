@@ -50,12 +50,26 @@ def _add_dataset_args(parser: argparse.ArgumentParser, seed: bool = True) -> Non
     g.add_argument("--num-prompts", type=int, default=STANDARD["num_prompts"], help="(default: %(default)s)")
     g.add_argument("--random-input-len", type=int, default=None, metavar="N", help="prompt tokens (default: 32-256)")
     g.add_argument("--random-output-len", type=int, default=None, metavar="N", help="output tokens (default: 32-128)")
-    g.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="lengths uniform in [N (1 - r), N (1 + r)] (default: %(default)s)")
-    g.add_argument("--input-len-range", type=parse_range, default=None, metavar="LO:HI",
-                   help="prompt lengths, instead of --random-input-len")
-    g.add_argument("--output-len-range", type=parse_range, default=None, metavar="LO:HI",
-                   help="output lengths, instead of --random-output-len")
+    g.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform in [N (1 - r), N (1 + r)] (default: %(default)s)",
+    )
+    g.add_argument(
+        "--input-len-range",
+        type=parse_range,
+        default=None,
+        metavar="LO:HI",
+        help="prompt lengths, instead of --random-input-len",
+    )
+    g.add_argument(
+        "--output-len-range",
+        type=parse_range,
+        default=None,
+        metavar="LO:HI",
+        help="output lengths, instead of --random-output-len",
+    )
     if seed:
         g.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
 
@@ -71,18 +85,29 @@ def add_bench_parser(commands, add_engine_args, engine_args) -> None:
         add_engine_args(parser)
         parser.set_defaults(run=run, engine_args=engine_args)
 
-    bench = commands.add_parser("bench", formatter_class=formatter,
-                                help="benchmark throughput, latency, perplexity or a server",
-                                description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1])
+    bench = commands.add_parser(
+        "bench",
+        formatter_class=formatter,
+        help="benchmark throughput, latency, perplexity or a server",
+        description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1],
+    )
     kinds = bench.add_subparsers(dest="bench_command", metavar="KIND", title="kinds", required=True)
 
-    throughput = kinds.add_parser("throughput", formatter_class=formatter, help="offline batch throughput",
-                                  epilog="example:\n  jaxllm bench throughput --num-prompts 128 --output-json t.json")
+    throughput = kinds.add_parser(
+        "throughput",
+        formatter_class=formatter,
+        help="offline batch throughput",
+        epilog="example:\n  jaxllm bench throughput --num-prompts 128 --output-json t.json",
+    )
     _add_dataset_args(throughput, seed=False)
     offline(throughput, run_throughput)
 
-    latency = kinds.add_parser("latency", formatter_class=formatter, help="latency of one batch",
-                               epilog="example:\n  jaxllm bench latency --batch-size 8 --input-len 32 --output-len 128")
+    latency = kinds.add_parser(
+        "latency",
+        formatter_class=formatter,
+        help="latency of one batch",
+        epilog="example:\n  jaxllm bench latency --batch-size 8 --input-len 32 --output-len 128",
+    )
     latency.add_argument("--input-len", type=int, default=32, help="(default: %(default)s)")
     latency.add_argument("--output-len", type=int, default=128, help="(default: %(default)s)")
     latency.add_argument("--batch-size", type=int, default=8, help="(default: %(default)s)")
@@ -90,26 +115,43 @@ def add_bench_parser(commands, add_engine_args, engine_args) -> None:
     latency.add_argument("--num-iters", type=int, default=5, help="(default: %(default)s)")
     offline(latency, run_latency)
 
-    ppl = kinds.add_parser("perplexity", formatter_class=formatter, help="perplexity on a text",
-                           epilog="example:\n  jaxllm bench perplexity --quantization int8")
-    ppl.add_argument("--text-file", default=None, metavar="PATH",
-                     help="UTF-8 text to score (default: the public-domain text that ships with jaxllm)")
+    ppl = kinds.add_parser(
+        "perplexity",
+        formatter_class=formatter,
+        help="perplexity on a text",
+        epilog="example:\n  jaxllm bench perplexity --quantization int8",
+    )
+    ppl.add_argument(
+        "--text-file",
+        default=None,
+        metavar="PATH",
+        help="UTF-8 text to score (default: the public-domain text that ships with jaxllm)",
+    )
     ppl.add_argument("--window", type=int, default=512, help="tokens per scored window (default: %(default)s)")
     offline(ppl, run_perplexity)
 
-    serve = kinds.add_parser("serve", formatter_class=formatter, help="a running server under load",
-                             epilog="example:\n  jaxllm serve &\n"
-                                    "  jaxllm bench serve --request-rate 4 --num-prompts 64")
-    serve.add_argument("--base-url", default=None,
-                       help="server root, e.g. http://127.0.0.1:8000 (default: --host/--port)")
+    serve = kinds.add_parser(
+        "serve",
+        formatter_class=formatter,
+        help="a running server under load",
+        epilog="example:\n  jaxllm serve &\n  jaxllm bench serve --request-rate 4 --num-prompts 64",
+    )
+    serve.add_argument(
+        "--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000 (default: --host/--port)"
+    )
     serve.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     serve.add_argument("--model", default=None, help="the served model's name (default: the server's first model)")
-    serve.add_argument("--tokenizer", default=None, metavar="MODEL",
-                       help="model files whose vocabulary the prompts are drawn from (default: the bundled SmolLM2)")
+    serve.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="MODEL",
+        help="model files whose vocabulary the prompts are drawn from (default: the bundled SmolLM2)",
+    )
     serve.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="(default: $OPENAI_API_KEY)")
-    serve.add_argument("--request-rate", type=parse_rate, default=float("inf"),
-                       help="requests/s, or inf (default: inf)")
+    serve.add_argument(
+        "--request-rate", type=parse_rate, default=float("inf"), help="requests/s, or inf (default: inf)"
+    )
     serve.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no bound)")
     _add_dataset_args(serve)
     serve.add_argument("--save-result", action="store_true", help="write the results as JSON")
@@ -128,10 +170,14 @@ def workload(args, model: str | None) -> list[dict]:
         return standard if length is None else length_range(length, args.random_range_ratio)
 
     vocab_size, special = vocab_info(model)
-    return random_workload(args.num_prompts, lengths(args.input_len_range, args.random_input_len,
-                                                     STANDARD["input_len_range"]),
-                           lengths(args.output_len_range, args.random_output_len, STANDARD["output_len_range"]),
-                           args.seed, vocab_size, special)
+    return random_workload(
+        args.num_prompts,
+        lengths(args.input_len_range, args.random_input_len, STANDARD["input_len_range"]),
+        lengths(args.output_len_range, args.random_output_len, STANDARD["output_len_range"]),
+        args.seed,
+        vocab_size,
+        special,
+    )
 
 
 def provenance() -> dict:
@@ -140,9 +186,12 @@ def provenance() -> dict:
 
     from jaxllm.bench import machine_info
 
-    return {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine_info(),
-            "versions": {name: importlib.metadata.version(name) for name in ("jaxllm", "jax", "jaxlib")},
-            "command": " ".join(["jaxllm", *sys.argv[1:]])}
+    return {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine_info(),
+        "versions": {name: importlib.metadata.version(name) for name in ("jaxllm", "jax", "jaxlib")},
+        "command": " ".join(["jaxllm", *sys.argv[1:]]),
+    }
 
 
 def _write(path: str | None, result: dict) -> None:
@@ -158,7 +207,7 @@ def _load(args):
 
     fields = vars(args.engine_args(args))
     llm = LLM(fields.pop("model"), **fields)
-    llm.engine.wait_compiled()      # (timed runs start once every step shape is compiled)
+    llm.engine.wait_compiled()  # (timed runs start once every step shape is compiled)
     return llm
 
 
@@ -174,8 +223,9 @@ def _generate(llm, requests: list[dict]) -> int:
     outputs = llm.generate(prompts, [_greedy(r["max_tokens"]) for r in requests], use_tqdm=False)
     for out, r in zip(outputs, requests):
         if len(out.outputs[0].token_ids) != r["max_tokens"]:
-            raise RuntimeError(f"request {out.request_id} gave {len(out.outputs[0].token_ids)} tokens, "
-                               f"not {r['max_tokens']}")
+            raise RuntimeError(
+                f"request {out.request_id} gave {len(out.outputs[0].token_ids)} tokens, not {r['max_tokens']}"
+            )
     return sum(r["max_tokens"] for r in requests)
 
 
@@ -187,12 +237,20 @@ def run_throughput(args) -> int:
     output_tokens = _generate(llm, requests)
     elapsed = time.perf_counter() - start
     prompt_tokens = sum(len(r["prompt_token_ids"]) for r in requests)
-    result = {"elapsed_time": elapsed, "num_requests": len(requests), "total_num_tokens": prompt_tokens + output_tokens,
-              "total_output_tokens": output_tokens, "requests_per_second": len(requests) / elapsed,
-              "tokens_per_second": (prompt_tokens + output_tokens) / elapsed,
-              "output_tokens_per_second": output_tokens / elapsed, **provenance()}
-    print(f"Throughput: {result['requests_per_second']:.2f} requests/s, {result['tokens_per_second']:.2f} total "
-          f"tokens/s, {result['output_tokens_per_second']:.2f} output tokens/s")
+    result = {
+        "elapsed_time": elapsed,
+        "num_requests": len(requests),
+        "total_num_tokens": prompt_tokens + output_tokens,
+        "total_output_tokens": output_tokens,
+        "requests_per_second": len(requests) / elapsed,
+        "tokens_per_second": (prompt_tokens + output_tokens) / elapsed,
+        "output_tokens_per_second": output_tokens / elapsed,
+        **provenance(),
+    }
+    print(
+        f"Throughput: {result['requests_per_second']:.2f} requests/s, {result['tokens_per_second']:.2f} total "
+        f"tokens/s, {result['output_tokens_per_second']:.2f} output tokens/s"
+    )
     _write(args.output_json, result)
     return 0
 
@@ -212,9 +270,15 @@ def run_latency(args) -> int:
         _generate(llm, batch)
         latencies.append(time.perf_counter() - start)
     percentiles = {str(p): float(np.percentile(latencies, p)) for p in (10, 25, 50, 75, 90, 99)}
-    result = {"avg_latency": float(np.mean(latencies)), "latencies": latencies, "percentiles": percentiles,
-              "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
-              **provenance()}
+    result = {
+        "avg_latency": float(np.mean(latencies)),
+        "latencies": latencies,
+        "percentiles": percentiles,
+        "batch_size": args.batch_size,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        **provenance(),
+    }
     print(f"Avg latency: {result['avg_latency']:.3f} seconds")
     for p, value in percentiles.items():
         print(f"{p}% percentile latency: {value:.3f} seconds")
@@ -229,8 +293,12 @@ def run_perplexity(args) -> int:
     if args.text_file is not None:
         with open(args.text_file, encoding="utf-8") as f:
             text = f.read()
-    result = {**perplexity(_load(args), text, args.window), "window": args.window,
-              "quantization": args.quantization, **provenance()}
+    result = {
+        **perplexity(_load(args), text, args.window),
+        "window": args.window,
+        "quantization": args.quantization,
+        **provenance(),
+    }
     print(f"Perplexity: {result['perplexity']:.4f} over {result['tokens']} tokens ({result['windows']} windows)")
     _write(args.output_json, result)
     return 0
@@ -257,23 +325,40 @@ def run_serve(args) -> int:
     requests = workload(args, args.tokenizer)
     # One short request first, as vLLM's client and benchmarks/serving.py send: it checks the
     # server answers, and no measured request pays for a cold path.
-    test = asyncio.run(run_rate(base_url, model, [{"prompt_token_ids": requests[0]["prompt_token_ids"][:8],
-                                                   "max_tokens": 4}], float("inf"), 0, None, args.api_key))
+    test = asyncio.run(
+        run_rate(
+            base_url,
+            model,
+            [{"prompt_token_ids": requests[0]["prompt_token_ids"][:8], "max_tokens": 4}],
+            float("inf"),
+            0,
+            None,
+            args.api_key,
+        )
+    )
     if not test["verified"]:
-        print(f"jaxllm bench serve: the test request failed: {test['errors'] or test['wrong_counts']}",
-              file=sys.stderr)
+        print(f"jaxllm bench serve: the test request failed: {test['errors'] or test['wrong_counts']}", file=sys.stderr)
         return 1
-    row = asyncio.run(run_rate(base_url, model, requests, args.request_rate, args.seed, args.max_concurrency,
-                               args.api_key))
+    row = asyncio.run(
+        run_rate(base_url, model, requests, args.request_rate, args.seed, args.max_concurrency, args.api_key)
+    )
     print(f"{' Serving Benchmark Result ':=^60}")
-    lines = [("Successful requests:", row["completed"]), ("Failed requests:", row["failed"]),
-             ("Benchmark duration (s):", f"{row['duration_s']:.2f}"),
-             ("Total input tokens:", row["prompt_tokens"]), ("Total generated tokens:", row["output_tokens"]),
-             ("Request throughput (req/s):", f"{row['request_throughput']:.2f}"),
-             ("Output token throughput (tok/s):", f"{row['output_throughput']:.2f}"),
-             ("Total Token throughput (tok/s):", f"{row['total_token_throughput']:.2f}")]
-    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                        ("itl", "Inter-token Latency"), ("e2e", "End-to-end Latency")):
+    lines = [
+        ("Successful requests:", row["completed"]),
+        ("Failed requests:", row["failed"]),
+        ("Benchmark duration (s):", f"{row['duration_s']:.2f}"),
+        ("Total input tokens:", row["prompt_tokens"]),
+        ("Total generated tokens:", row["output_tokens"]),
+        ("Request throughput (req/s):", f"{row['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s):", f"{row['output_throughput']:.2f}"),
+        ("Total Token throughput (tok/s):", f"{row['total_token_throughput']:.2f}"),
+    ]
+    for name, title in (
+        ("ttft", "Time to First Token"),
+        ("tpot", "Time per Output Token (excl. 1st token)"),
+        ("itl", "Inter-token Latency"),
+        ("e2e", "End-to-end Latency"),
+    ):
         lines.append((f"{title:-^60}", None))
         short = name.upper()
         for stat, key in (("Mean", "mean_ms"), ("Median", "p50_ms"), ("P99", "p99_ms")):
@@ -287,6 +372,8 @@ def run_serve(args) -> int:
     if args.save_result:
         rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g}"
         name = args.result_filename or f"jaxllm-{rate}qps-{time.strftime('%Y%m%d-%H%M%S')}.json"
-        _write(os.path.join(args.result_dir, name), {**row, "base_url": base_url, "model": model,
-                                                     "num_prompts": len(requests), **provenance()})
+        _write(
+            os.path.join(args.result_dir, name),
+            {**row, "base_url": base_url, "model": model, "num_prompts": len(requests), **provenance()},
+        )
     return 0 if row["verified"] else 1

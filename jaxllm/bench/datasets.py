@@ -26,13 +26,21 @@ def length_range(length: int, ratio: float) -> tuple[int, int]:
     return max(1, round(length * (1 - ratio))), max(1, round(length * (1 + ratio)))
 
 
-def random_workload(num_prompts: int, input_len_range: tuple[int, int], output_len_range: tuple[int, int],
-                    seed: int, vocab_size: int, special_ids: list[int]) -> list[dict]:
+def random_workload(
+    num_prompts: int,
+    input_len_range: tuple[int, int],
+    output_len_range: tuple[int, int],
+    seed: int,
+    vocab_size: int,
+    special_ids: list[int],
+) -> list[dict]:
     """vLLM's random dataset: uniform lengths (both ends included), uniform non-special token ids;
     each request a dict of `prompt_token_ids` and `max_tokens`."""
     rng = np.random.default_rng(seed)
     allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(special_ids, dtype=np.int64))
     input_lens = rng.integers(input_len_range[0], input_len_range[1] + 1, num_prompts)
     output_lens = rng.integers(output_len_range[0], output_len_range[1] + 1, num_prompts)
-    return [{"prompt_token_ids": allowed[rng.integers(0, len(allowed), n)].tolist(), "max_tokens": int(m)}
-            for n, m in zip(input_lens, output_lens)]
+    return [
+        {"prompt_token_ids": allowed[rng.integers(0, len(allowed), n)].tolist(), "max_tokens": int(m)}
+        for n, m in zip(input_lens, output_lens)
+    ]

@@ -29,8 +29,11 @@ def perplexity(llm, text: str | None = None, window: int = 512) -> dict:
     ids = llm.get_tokenizer()(text, add_special_tokens=False)["input_ids"]
     windows = [ids[i : i + window] for i in range(0, len(ids), window)]
     windows = [w for w in windows if len(w) >= 2]
-    outputs = llm.generate([{"prompt_token_ids": w} for w in windows],
-                           SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0), use_tqdm=False)
+    outputs = llm.generate(
+        [{"prompt_token_ids": w} for w in windows],
+        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
+        use_tqdm=False,
+    )
     nll, count = 0.0, 0
     for w, out in zip(windows, outputs):
         for token, entry in zip(w[1:], out.prompt_logprobs[1:]):

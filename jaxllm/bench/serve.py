@@ -13,11 +13,25 @@ import numpy as np
 
 async def send_request(client, url: str, model: str, item: dict, api_key: str | None) -> dict:
     """One streamed completion; timings in seconds."""
-    payload = {"model": model, "prompt": item["prompt_token_ids"], "max_tokens": item["max_tokens"],
-               "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    payload = {
+        "model": model,
+        "prompt": item["prompt_token_ids"],
+        "max_tokens": item["max_tokens"],
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    out = {"prompt_tokens": len(item["prompt_token_ids"]), "max_tokens": item["max_tokens"], "ttft": None,
-           "itl": [], "output_tokens": 0, "chunks": 0, "error": None}
+    out = {
+        "prompt_tokens": len(item["prompt_token_ids"]),
+        "max_tokens": item["max_tokens"],
+        "ttft": None,
+        "itl": [],
+        "output_tokens": 0,
+        "chunks": 0,
+        "error": None,
+    }
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", url, json=payload, headers=headers) as response:
@@ -56,8 +70,15 @@ def summarize(values: list[float]) -> dict:
     return {"mean_ms": float(a.mean()), "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99))}
 
 
-async def run_rate(base_url: str, model: str, workload: list[dict], rate: float, seed: int,
-                   max_concurrency: int | None, api_key: str | None) -> dict:
+async def run_rate(
+    base_url: str,
+    model: str,
+    workload: list[dict],
+    rate: float,
+    seed: int,
+    max_concurrency: int | None,
+    api_key: str | None,
+) -> dict:
     import httpx
 
     url = base_url.rstrip("/") + "/v1/completions"
@@ -84,20 +105,35 @@ async def run_rate(base_url: str, model: str, workload: list[dict], rate: float,
     wrong = [i for i, r in enumerate(results) if r["error"] is None and r["output_tokens"] != r["max_tokens"]]
     out_tokens = sum(r["output_tokens"] for r in ok)
     prompt_tokens = sum(r["prompt_tokens"] for r in ok)
-    row = {"request_rate": rate if rate != float("inf") else "inf", "max_concurrency": max_concurrency,
-           "duration_s": duration,
-           "completed": len(ok), "failed": len(results) - len(ok), "verified": not wrong and len(ok) == len(results),
-           "wrong_counts": [(i, results[i]["output_tokens"], results[i]["max_tokens"]) for i in wrong[:10]],
-           "errors": sorted({r["error"] for r in results if r["error"]})[:5],
-           "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
-           "total_token_throughput": (out_tokens + prompt_tokens) / duration,
-           "output_tokens": out_tokens, "prompt_tokens": prompt_tokens,
-           "mean_tokens_per_chunk": out_tokens / max(sum(r["chunks"] for r in ok), 1)}
-    for name, values in (("ttft", [r["ttft"] for r in ok if r["ttft"] is not None]),
-                         ("tpot", [(r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1)
-                                   for r in ok if r["ttft"] is not None and r["output_tokens"] > 1]),
-                         ("itl", [x for r in ok for x in r["itl"]]),
-                         ("e2e", [r["e2e"] for r in ok])):
+    row = {
+        "request_rate": rate if rate != float("inf") else "inf",
+        "max_concurrency": max_concurrency,
+        "duration_s": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "verified": not wrong and len(ok) == len(results),
+        "wrong_counts": [(i, results[i]["output_tokens"], results[i]["max_tokens"]) for i in wrong[:10]],
+        "errors": sorted({r["error"] for r in results if r["error"]})[:5],
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (out_tokens + prompt_tokens) / duration,
+        "output_tokens": out_tokens,
+        "prompt_tokens": prompt_tokens,
+        "mean_tokens_per_chunk": out_tokens / max(sum(r["chunks"] for r in ok), 1),
+    }
+    for name, values in (
+        ("ttft", [r["ttft"] for r in ok if r["ttft"] is not None]),
+        (
+            "tpot",
+            [
+                (r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1)
+                for r in ok
+                if r["ttft"] is not None and r["output_tokens"] > 1
+            ],
+        ),
+        ("itl", [x for r in ok for x in r["itl"]]),
+        ("e2e", [r["e2e"] for r in ok]),
+    ):
         row[name] = summarize(values)
     return row
 
@@ -108,8 +144,11 @@ def print_row(row: dict) -> None:
 
     status = "ok" if row["verified"] else f"{row['failed']} failed, wrong counts {row['wrong_counts']} {row['errors']}"
     bound = f" c={row['max_concurrency']}" if row.get("max_concurrency") else ""
-    print(f"rate {str(row['request_rate']):>5s}{bound}: {row['duration_s']:7.1f} s  "
-          f"{row['request_throughput']:6.2f} req/s  "
-          f"{row['output_throughput']:7.1f} out tok/s  {row['total_token_throughput']:7.1f} tok/s  "
-          f"TTFT {ms(row['ttft'])}  TPOT {ms(row['tpot'])}  ITL {ms(row['itl'])}  e2e {ms(row['e2e'])} ms "
-          f"(mean/p50/p99)  {status}", flush=True)
+    print(
+        f"rate {str(row['request_rate']):>5s}{bound}: {row['duration_s']:7.1f} s  "
+        f"{row['request_throughput']:6.2f} req/s  "
+        f"{row['output_throughput']:7.1f} out tok/s  {row['total_token_throughput']:7.1f} tok/s  "
+        f"TTFT {ms(row['ttft'])}  TPOT {ms(row['tpot'])}  ITL {ms(row['itl'])}  e2e {ms(row['e2e'])} ms "
+        f"(mean/p50/p99)  {status}",
+        flush=True,
+    )

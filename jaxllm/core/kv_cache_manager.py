@@ -55,8 +55,8 @@ class Block:
     ref_cnt: int = 0
     block_hash: int | None = None
     token_ids: tuple[int, ...] | None = None
-    parent: tuple[int, int] | None = None   # (parent block id, its generation) when cached
-    generation: int = 0                     # bumped every time the page is (re)cached
+    parent: tuple[int, int] | None = None  # (parent block id, its generation) when cached
+    generation: int = 0  # bumped every time the page is (re)cached
 
 
 class PageGroup:
@@ -72,8 +72,9 @@ class PageGroup:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free pages in eviction order (front = evicted first); values unused.
         self.free_blocks: collections.OrderedDict[int, None] = collections.OrderedDict(
-            (i, None) for i in range(num_blocks))
-        self.cached: dict[int, list[int]] = {}   # hash -> block ids with that hash
+            (i, None) for i in range(num_blocks)
+        )
+        self.cached: dict[int, list[int]] = {}  # hash -> block ids with that hash
         self.pending_copies: dict[int, int] = {}  # copy-on-write not yet run: dst page -> src page
 
     def table(self, request: Request) -> list[int]:
@@ -81,7 +82,7 @@ class PageGroup:
 
     def held(self, request: Request) -> list[int]:
         """The pages of the request's table it holds (those not released)."""
-        return request.block_tables[self.index][request.num_released_blocks[self.index]:]
+        return request.block_tables[self.index][request.num_released_blocks[self.index] :]
 
     def first_needed(self, num_computed_tokens: int) -> int:
         """The first page a query from position `num_computed_tokens` on still reads."""
@@ -102,8 +103,9 @@ class PageGroup:
         tokens = request.all_token_ids
         hits, parent = [], None
         for i in range(max_blocks):
-            block_id = self._lookup(request.block_hashes[i],
-                                    tuple(tokens[i * self.block_size:(i + 1) * self.block_size]), parent)
+            block_id = self._lookup(
+                request.block_hashes[i], tuple(tokens[i * self.block_size : (i + 1) * self.block_size]), parent
+            )
             if block_id is None:
                 break
             hits.append(block_id)
@@ -126,9 +128,9 @@ class PageGroup:
                 tokens = request.all_token_ids
             parent_block = self.blocks[table[i - 1]] if i else None
             if parent_block is not None and parent_block.block_hash != request.block_hashes[i - 1]:
-                return      # a released parent page already reused: its children cannot be confirmed
+                return  # a released parent page already reused: its children cannot be confirmed
             block.block_hash = request.block_hashes[i]
-            block.token_ids = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            block.token_ids = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             block.parent = (parent_block.block_id, parent_block.generation) if parent_block else None
             block.generation += 1
             self.cached.setdefault(block.block_hash, []).append(block.block_id)
@@ -211,7 +213,7 @@ class PageGroup:
 
     def trim(self, request: Request, keep: int) -> None:
         table = self.table(request)
-        self._free_pages(table[max(keep, request.num_released_blocks[self.index]):])
+        self._free_pages(table[max(keep, request.num_released_blocks[self.index]) :])
         del table[keep:]
 
     def take_pending_copies(self) -> tuple[list[int], list[int]]:
@@ -233,7 +235,7 @@ class PageGroup:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_blocks[block_id] = None
-                self.pending_copies.pop(block_id, None)   # a copy into a page nobody holds
+                self.pending_copies.pop(block_id, None)  # a copy into a page nobody holds
                 if block.block_hash is None:
                     self.free_blocks.move_to_end(block_id, last=False)
 
@@ -248,8 +250,15 @@ class KVCacheManager:
     and global layers): every operation is done in each group, and an allocation happens in
     all of them or in none. `num_blocks` and `windows` are per group (an int: one group)."""
 
-    def __init__(self, num_blocks: int | Sequence[int], block_size: int, *, enable_prefix_caching: bool = True,
-                 num_swap_blocks: int = 0, windows: Sequence[int] = (0,)):
+    def __init__(
+        self,
+        num_blocks: int | Sequence[int],
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        num_swap_blocks: int = 0,
+        windows: Sequence[int] = (0,),
+    ):
         sizes = [num_blocks] * len(windows) if isinstance(num_blocks, int) else list(num_blocks)
         if len(sizes) != len(windows):
             raise ValueError(f"{len(sizes)} pool sizes for {len(windows)} KV cache groups")
@@ -258,10 +267,10 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.num_swap_blocks = num_swap_blocks
         self.free_swap_slots: list[int] = list(range(num_swap_blocks - 1, -1, -1))
-        self.prefix_queries = 0                  # prompt tokens looked up (once per admission)
-        self.prefix_hits = 0                     # prompt tokens found cached
-        self.num_copies = 0                      # pages copied on write, ever
-        self.num_swapped_out = 0                 # pages swapped out to the host, ever
+        self.prefix_queries = 0  # prompt tokens looked up (once per admission)
+        self.prefix_hits = 0  # prompt tokens found cached
+        self.num_copies = 0  # pages copied on write, ever
+        self.num_swapped_out = 0  # pages swapped out to the host, ever
 
     # ----- accounting -----
     @property
@@ -292,11 +301,13 @@ class KVCacheManager:
         tokens, needs more pages than a group has (it would preempt itself forever)."""
         for g in self.groups:
             need = self.blocks_needed(num_tokens)
-            if g.window:       # the window before a chunk's first query, the chunk, one page of misalignment
+            if g.window:  # the window before a chunk's first query, the chunk, one page of misalignment
                 need = min(need, self.blocks_needed(g.window - 1 + max_chunk) + 1)
             if need > g.num_blocks:
-                raise ValueError(f"prompt + max_tokens needs {need} KV pages but the pool only has "
-                                 f"{g.num_blocks}; lower max_tokens or raise kv_cache_memory")
+                raise ValueError(
+                    f"prompt + max_tokens needs {need} KV pages but the pool only has "
+                    f"{g.num_blocks}; lower max_tokens or raise kv_cache_memory"
+                )
 
     def request_usage(self, request: Request) -> tuple[int, int]:
         """(pages the request holds, how many of them other requests also hold)."""
@@ -320,7 +331,7 @@ class KVCacheManager:
             if (i + 1) * bs > len(tokens):
                 tokens = request.all_token_ids
             parent = request.block_hashes[-1] if request.block_hashes else None
-            request.block_hashes.append(hash_block_tokens(parent, tuple(tokens[i * bs:(i + 1) * bs])))
+            request.block_hashes.append(hash_block_tokens(parent, tuple(tokens[i * bs : (i + 1) * bs])))
 
     def get_computed_blocks(self, request: Request) -> list[list[int]]:
         """Per group, the cached pages of the longest prompt prefix every group has cached

@@ -1,9 +1,9 @@
 """What the parts of one engine step hand each other (vLLM v1's contracts).
 
-    Scheduler.schedule()                        -> SchedulerOutput
-    ModelRunner.execute(SchedulerOutput)        -> ModelRunnerOutput
-    Scheduler.update_from_output(both)          -> EngineCoreOutputs
-    OutputProcessor.process_outputs(that)       -> RequestOutputs (+ requests a stop string ended)
+Scheduler.schedule()                        -> SchedulerOutput
+ModelRunner.execute(SchedulerOutput)        -> ModelRunnerOutput
+Scheduler.update_from_output(both)          -> EngineCoreOutputs
+OutputProcessor.process_outputs(that)       -> RequestOutputs (+ requests a stop string ended)
 """
 
 from __future__ import annotations
@@ -95,8 +95,8 @@ class EngineCoreOutput:
 @dataclasses.dataclass(slots=True)
 class EngineCoreOutputs:
     outputs: list[EngineCoreOutput]
-    num_prompt_tokens: int = 0       # prompt tokens computed this step
+    num_prompt_tokens: int = 0  # prompt tokens computed this step
     num_generated_tokens: int = 0
-    num_draft_tokens: int = 0        # speculative decoding: drafts verified this step
-    num_accepted_tokens: int = 0     # and accepted
-    timestamp: float = 0.0           # time.monotonic() when the step's tokens arrived
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified this step
+    num_accepted_tokens: int = 0  # and accepted
+    timestamp: float = 0.0  # time.monotonic() when the step's tokens arrived

@@ -17,12 +17,16 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
-    FINISHED_ERROR = "error"      # the step computing it failed (engine/core.py)
+    FINISHED_ERROR = "error"  # the step computing it failed (engine/core.py)
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
-                        RequestStatus.FINISHED_ERROR)
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
+        )
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -37,7 +41,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
-    seed: int = 0                      # per-request sampling seed (user's or drawn by the engine)
+    seed: int = 0  # per-request sampling seed (user's or drawn by the engine)
     parent_id: str | None = None
     index: int = 0
     prompt: str | None = None
@@ -57,16 +61,16 @@ class Request:
     grammar: Matcher | None = None
 
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    spec_token_ids: list[int] = dataclasses.field(default_factory=list)   # drafts for the next step
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)  # drafts for the next step
     cumulative_logprob: float = 0.0
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # Per KV cache group (core/kv_cache_manager.py): the block table, and how many of its
     # first pages were released (slid out of the group's window).
     block_tables: list[list[int]] = dataclasses.field(default_factory=lambda: [[]])
     num_released_blocks: list[int] = dataclasses.field(default_factory=lambda: [0])
     block_hashes: list[int] = dataclasses.field(default_factory=list)
-    swap_slots: list[int] = dataclasses.field(default_factory=list)   # host pages while swapped out
+    swap_slots: list[int] = dataclasses.field(default_factory=list)  # host pages while swapped out
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
@@ -100,8 +104,8 @@ class Request:
         if end <= p:
             return self.prompt_token_ids[start:end]
         if start >= p:
-            return self.output_token_ids[start - p:end - p]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
 
     def append_output_token(self, token_id: int, logprob: float) -> None:
         self.output_token_ids.append(token_id)

@@ -44,15 +44,16 @@ logger = logging.getLogger("jaxllm")
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, proposer=None,
-                 max_spec_seqs: int = 0):
+    def __init__(
+        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, proposer=None, max_spec_seqs: int = 0
+    ):
         """`proposer`: drafts for speculative decoding (jaxllm/spec_decode), in steps of at most
         `max_spec_seqs` sequences."""
         self.config = config
         self.kv = kv_cache_manager
         self.proposer = proposer
         self.max_spec_seqs = max_spec_seqs
-        self.requests: dict[str, Request] = {}        # every unfinished request, by id
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
         # FCFS queue; a request aborted while waiting stays here, finished, until it reaches
         # the front (so an abort is O(1), not a scan of the queue).
         self.waiting: collections.deque[Request] = collections.deque()
@@ -129,8 +130,12 @@ class Scheduler:
 
     def _propose_drafts(self) -> bool:
         """Drafts for every running request, if this step speculates (see the module doc)."""
-        if (self.proposer is None or not 0 < len(self.running) <= self.max_spec_seqs or len(self.requests) >
-                len(self.running) or any(r.num_tokens - r.num_computed_tokens != 1 for r in self.running)):
+        if (
+            self.proposer is None
+            or not 0 < len(self.running) <= self.max_spec_seqs
+            or len(self.requests) > len(self.running)
+            or any(r.num_tokens - r.num_computed_tokens != 1 for r in self.running)
+        ):
             return False
         requests, rooms = [], []
         for request in self.running:
@@ -140,10 +145,16 @@ class Scheduler:
             # Room for the drafts and one more token, within max_tokens and the context; and
             # the pages for them (a draft model writes its KV there), if the pool has them with
             # a page to spare for every running request (drafts never cause a preemption).
-            room = min(self.proposer.num_speculative_tokens, request.max_tokens - len(request.output_token_ids) - 1,
-                       self.config.max_model_len - request.num_tokens - 1)
-            if (room > 0 and self.kv.num_free_blocks >= len(self.running) + self.kv.blocks_needed(1 + room)
-                    and self.kv.allocate_slots(request, 1 + room)):
+            room = min(
+                self.proposer.num_speculative_tokens,
+                request.max_tokens - len(request.output_token_ids) - 1,
+                self.config.max_model_len - request.num_tokens - 1,
+            )
+            if (
+                room > 0
+                and self.kv.num_free_blocks >= len(self.running) + self.kv.blocks_needed(1 + room)
+                and self.kv.allocate_slots(request, 1 + room)
+            ):
                 requests.append(request)
                 rooms.append(room)
         if requests:
@@ -166,7 +177,7 @@ class Scheduler:
             remaining = request.num_tokens - request.num_computed_tokens
             num_new = min(remaining + (len(request.spec_token_ids) if speculate else 0), budget)
             if num_new == 0 or (remaining > 1 and prefill_slots == 0):
-                i += 1      # nothing to compute (a beam waiting for its token) / no prompt slot left
+                i += 1  # nothing to compute (a beam waiting for its token) / no prompt slot left
                 continue
             if remaining > 1:
                 prefill_slots -= 1
@@ -184,12 +195,12 @@ class Scheduler:
         # Waiting requests, FCFS, while nothing had to be preempted this step.
         while self.waiting and budget > 0 and not preempted and prefill_slots > 0:
             request = self.waiting[0]
-            if request.status.finished:      # aborted while waiting
+            if request.status.finished:  # aborted while waiting
                 self.waiting.popleft()
                 continue
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            if request.swap_slots:           # swapped out: its pages come back from the host
+            if request.swap_slots:  # swapped out: its pages come back from the host
                 num_new = min(request.num_tokens - request.num_computed_tokens, budget)
                 pairs = self.kv.swap_in(request, num_new)
                 if pairs is None:
@@ -210,15 +221,21 @@ class Scheduler:
                 request.scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            if num_new == 0:     # swapped back in with nothing to compute (a beam awaiting its token)
+            if num_new == 0:  # swapped back in with nothing to compute (a beam awaiting its token)
                 continue
             scheduled.append((request, num_new))
             budget -= num_new
             if num_new > 1:
                 prefill_slots -= 1
 
-        out = SchedulerOutput(scheduled, finished_req_ids=self._finished_req_ids, preempted_req_ids=preempted,
-                              block_copies=self.kv.take_pending_copies(), swap_out=swap_out, swap_in=swap_in)
+        out = SchedulerOutput(
+            scheduled,
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids=preempted,
+            block_copies=self.kv.take_pending_copies(),
+            swap_out=swap_out,
+            swap_in=swap_in,
+        )
         self._finished_req_ids = set()
         return out
 
@@ -239,25 +256,38 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue
             params = request.sampling_params
-            if (request.num_computed_tokens + num_new != request.num_tokens or request.grammar is not None
-                    or params.uses_penalties or request.prompt_logprobs is not None
-                    or not request.append_sampled_tokens):
+            if (
+                request.num_computed_tokens + num_new != request.num_tokens
+                or request.grammar is not None
+                or params.uses_penalties
+                or request.prompt_logprobs is not None
+                or not request.append_sampled_tokens
+            ):
                 return None
-            if (len(request.output_token_ids) + 1 < params.max_tokens
-                    and request.num_tokens + 1 < self.config.max_model_len):
+            if (
+                len(request.output_token_ids) + 1 < params.max_tokens
+                and request.num_tokens + 1 < self.config.max_model_len
+            ):
                 ahead.append(request)
         if not ahead or self.kv.num_free_blocks < 2 * len(ahead):
             return None
-        for request in ahead:      # one more token past the one in flight
+        for request in ahead:  # one more token past the one in flight
             num_new = request.num_tokens - request.num_computed_tokens
             if not self.kv.allocate_slots(request, num_new + 1):
                 return None
-        return SchedulerOutput([(r, 1) for r in ahead], finished_req_ids=set(), preempted_req_ids=set(),
-                               block_copies=self.kv.take_pending_copies(), swap_out=[], swap_in=[])
+        return SchedulerOutput(
+            [(r, 1) for r in ahead],
+            finished_req_ids=set(),
+            preempted_req_ids=set(),
+            block_copies=self.kv.take_pending_copies(),
+            swap_out=[],
+            swap_in=[],
+        )
 
     # ----- the outcome -----
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
         """Advance every scheduled request by its computed tokens, append its sampled token,
         finish the requests that hit a stop condition, and report what each got."""
         outputs: list[EngineCoreOutput] = []
@@ -275,7 +305,7 @@ class Scheduler:
                 request.prompt_logprobs.append(chunk)
                 request.num_prompt_logprobs += len(chunk[0])
             num_sampled = int(runner_output.num_sampled[i])
-            if num_sampled == 0:    # mid-prompt: no token yet
+            if num_sampled == 0:  # mid-prompt: no token yet
                 self.kv.cache_full_blocks(request)
                 continue
             rows = range(ends[i] - num_sampled, ends[i])
@@ -284,8 +314,10 @@ class Scheduler:
             k = request.sampling_params.logprobs
             top = None
             if k is not None:
-                top = [(runner_output.top_token_ids[r, :k].tolist(), runner_output.top_logprobs[r, :k].tolist())
-                       for r in rows]
+                top = [
+                    (runner_output.top_token_ids[r, :k].tolist(), runner_output.top_logprobs[r, :k].tolist())
+                    for r in rows
+                ]
             if not request.append_sampled_tokens:
                 num_generated += 1
                 self.kv.cache_full_blocks(request)
@@ -301,29 +333,37 @@ class Scheduler:
                 request.append_output_token(tokens[-1], logprobs[-1])
                 if request.grammar is not None and not request.grammar.consume(tokens[-1]):
                     # The step masks what the grammar forbids: this is a bug, not the client's doing.
-                    logger.error("request %s sampled token %d, which its grammar does not allow",
-                                 request.request_id, tokens[-1])
+                    logger.error(
+                        "request %s sampled token %d, which its grammar does not allow", request.request_id, tokens[-1]
+                    )
                     status = RequestStatus.FINISHED_ERROR
                     break
                 status = self.check_stop(request)
                 if status is not None:
                     break
             num_generated += len(tokens)
-            if drafted:     # the accepted drafts' KV stays
+            if drafted:  # the accepted drafts' KV stays
                 request.num_computed_tokens = request.num_tokens - 1
             if len(request.block_ids) > self.kv.blocks_needed(request.num_tokens):
-                self.kv.trim(request, request.num_tokens)    # pages held for drafts go back
+                self.kv.trim(request, request.num_tokens)  # pages held for drafts go back
             self.kv.cache_full_blocks(request)
             if status is not None:
                 self.running.remove(request)
                 self._free_request(request, status)
-            outputs.append(EngineCoreOutput(
-                request.request_id, tokens, logprobs, top[:len(tokens)] if top else None,
-                finish_reason=request.finish_reason, stop_reason=request.stop_reason,
-                num_cached_tokens=request.num_cached_tokens, scheduled_time=request.scheduled_time,
-                prompt_logprobs=prompt_logprobs))
-        return EngineCoreOutputs(outputs, num_prompt_tokens, num_generated, num_drafts, num_accepted,
-                                 time.monotonic())
+            outputs.append(
+                EngineCoreOutput(
+                    request.request_id,
+                    tokens,
+                    logprobs,
+                    top[: len(tokens)] if top else None,
+                    finish_reason=request.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens,
+                    scheduled_time=request.scheduled_time,
+                    prompt_logprobs=prompt_logprobs,
+                )
+            )
+        return EngineCoreOutputs(outputs, num_prompt_tokens, num_generated, num_drafts, num_accepted, time.monotonic())
 
     def fail_step(self, scheduler_output: SchedulerOutput, cache_lost: bool) -> EngineCoreOutputs:
         """The step of `scheduler_output` failed: end its requests with FINISHED_ERROR. With
@@ -344,7 +384,7 @@ class Scheduler:
                 self.kv.free(request)
                 request.num_computed_tokens = 0
                 request.status = RequestStatus.PREEMPTED
-                self._finished_req_ids.add(request.request_id)      # the runner drops its row
+                self._finished_req_ids.add(request.request_id)  # the runner drops its row
                 self.waiting.appendleft(request)
             self.running = []
             self.kv.reset_prefix_cache()

@@ -35,8 +35,9 @@ class AsyncLLM:
     """`on_dead(error)`, if given, is called (on the engine thread) once the engine loop has died;
     by then every open stream and pending call has been failed with `EngineDeadError`."""
 
-    def __init__(self, engine_args: EngineArgs | None = None, *, engine: LLMEngine | None = None,
-                 on_dead=None, **kwargs):
+    def __init__(
+        self, engine_args: EngineArgs | None = None, *, engine: LLMEngine | None = None, on_dead=None, **kwargs
+    ):
         self.engine = engine or LLMEngine(engine_args or EngineArgs(**kwargs))
         self._ops: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
         self._wakeup = threading.Event()
@@ -97,8 +98,7 @@ class AsyncLLM:
 
     def _die(self, error: BaseException) -> None:
         """Fail every stream and every queued call; no handler is left waiting."""
-        logger.critical("the engine loop has stopped; failing %d open request(s)", len(self._streams),
-                        exc_info=error)
+        logger.critical("the engine loop has stopped; failing %d open request(s)", len(self._streams), exc_info=error)
         with self._lock:
             self.dead_error = error
             for loop, queue in list(self._streams.values()):
@@ -129,9 +129,14 @@ class AsyncLLM:
         self._wakeup.set()
         return await future
 
-    async def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *,
-                       output_kind: str = "cumulative") -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: str | list[int] | dict,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        output_kind: str = "cumulative",
+    ) -> AsyncIterator[RequestOutput]:
         """Yield outputs as the request progresses (cumulative by default, or `output_kind=
         "delta"` for just the new tokens/text). Leaving the loop early aborts the request."""
         request_id = request_id or uuid.uuid4().hex
@@ -142,7 +147,7 @@ class AsyncLLM:
         with self._lock:
             if self.dead_error is not None:
                 raise self._dead()
-            if request_id in self._streams:   # checked here: an "in use" error must not abort the first one
+            if request_id in self._streams:  # checked here: an "in use" error must not abort the first one
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = (asyncio.get_running_loop(), queue)
         try:
@@ -150,8 +155,11 @@ class AsyncLLM:
                 # Compile the grammar here, off the event loop and the engine thread (a large one
                 # takes a while; the backend releases the GIL): add_request finds it cached.
                 await asyncio.to_thread(self.engine.structured_output.compile, sampling_params.structured_outputs)
-            await self._call(lambda: self.engine.add_request(
-                request_id, prompt, sampling_params, prompt_token_ids=token_ids, output_kind=output_kind))
+            await self._call(
+                lambda: self.engine.add_request(
+                    request_id, prompt, sampling_params, prompt_token_ids=token_ids, output_kind=output_kind
+                )
+            )
         except BaseException:
             self._streams.pop(request_id, None)
             await self.abort(request_id)  # in case the add went through before a cancel
@@ -164,8 +172,10 @@ class AsyncLLM:
                     raise self._dead()
                 finished = out.finished
                 if any(c.finish_reason == "error" for c in out.outputs):
-                    raise RequestFailedError(f"the engine failed while computing request {request_id!r} "
-                                             f"(logged on the server); other requests are unaffected")
+                    raise RequestFailedError(
+                        f"the engine failed while computing request {request_id!r} "
+                        f"(logged on the server); other requests are unaffected"
+                    )
                 yield out
         finally:
             self._streams.pop(request_id, None)
@@ -189,7 +199,7 @@ class AsyncLLM:
         self._wakeup.set()
         self._thread.join(timeout=5)
         if not self._thread.is_alive():
-            self.engine.shutdown()     # over several processes: release the followers
+            self.engine.shutdown()  # over several processes: release the followers
 
 
 def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> None:

@@ -73,37 +73,45 @@ class BeamSearchSequence:
     cum_logprob: float
     score: float
     num_prompt_tokens: int
-    finish_reason: str          # "stop" (ended with EOS) | "length"
+    finish_reason: str  # "stop" (ended with EOS) | "length"
     text: str | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.tokens[self.num_prompt_tokens:]
+        return self.tokens[self.num_prompt_tokens :]
 
 
 @dataclasses.dataclass(slots=True)
 class BeamSearchOutput:
-    sequences: list[BeamSearchSequence]   # best score first
+    sequences: list[BeamSearchSequence]  # best score first
 
 
 class _PromptSearch:
     """The search state of one prompt: live beams (best first) and finished hypotheses."""
 
-    def __init__(self, engine, prompt_token_ids: list[int], params: BeamSearchParams, max_tokens: int,
-                 eos_token_ids: tuple[int, ...], ids):
+    def __init__(
+        self,
+        engine,
+        prompt_token_ids: list[int],
+        params: BeamSearchParams,
+        max_tokens: int,
+        eos_token_ids: tuple[int, ...],
+        ids,
+    ):
         self.engine = engine
         self.params = params
         self.max_tokens = max_tokens
         self.eos_token_ids = eos_token_ids
-        self.num_candidates = max(2, 1 + len(eos_token_ids)) * params.beam_width   # HF's K
+        self.num_candidates = max(2, 1 + len(eos_token_ids)) * params.beam_width  # HF's K
         self.ids = ids
-        self.sampling_params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                              logprobs=self.num_candidates, detokenize=False)
+        self.sampling_params = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=self.num_candidates, detokenize=False
+        )
         self.num_prompt_tokens = len(prompt_token_ids)
         root = self._new_request(prompt_token_ids)
         self.beams: list[Request] = [root]
         self.finished: list[BeamSearchSequence] = []
-        self.top: dict[str, tuple[list[int], list[float]]] = {}   # this round's top-k per beam id
+        self.top: dict[str, tuple[list[int], list[float]]] = {}  # this round's top-k per beam id
         self.num_generated = 0
         self.improvable = True
         self.done = False
@@ -119,12 +127,12 @@ class _PromptSearch:
     def advance(self) -> None:
         """One beam search step, once every beam has its top-k next tokens."""
         params, width = self.params, self.params.beam_width
-        candidates = []   # (score, parent, token, logprob)
+        candidates = []  # (score, parent, token, logprob)
         for beam in self.beams:
             ids, logprobs = self.top[beam.request_id]
             candidates += [(beam.cumulative_logprob + lp, beam, t, lp) for t, lp in zip(ids, logprobs)]
         candidates.sort(key=lambda c: -c[0])
-        candidates = candidates[:self.num_candidates]
+        candidates = candidates[: self.num_candidates]
         self.top = {}
         num_generated = self.num_generated + 1
         at_limit = num_generated >= self.max_tokens
@@ -139,17 +147,24 @@ class _PromptSearch:
         full = len(self.finished) == width
         if self.improvable and not (full and params.early_stopping is True):
             for score, parent, token, _ in ended:
-                self.finished.append(BeamSearchSequence(
-                    parent.all_token_ids + [token], score, score / num_generated ** params.length_penalty,
-                    self.num_prompt_tokens, "length" if token not in self.eos_token_ids else "stop"))
+                self.finished.append(
+                    BeamSearchSequence(
+                        parent.all_token_ids + [token],
+                        score,
+                        score / num_generated**params.length_penalty,
+                        self.num_prompt_tokens,
+                        "length" if token not in self.eos_token_ids else "stop",
+                    )
+                )
             self.finished.sort(key=lambda s: -s.score)
             del self.finished[width:]
         self.num_generated = num_generated
         full = len(self.finished) == width
         if running and self.improvable and full:
-            length = self.max_tokens if params.early_stopping == "never" and params.length_penalty > 0 \
-                else num_generated
-            self.improvable = running[0][0] / length ** params.length_penalty > self.finished[-1].score
+            length = (
+                self.max_tokens if params.early_stopping == "never" and params.length_penalty > 0 else num_generated
+            )
+            self.improvable = running[0][0] / length**params.length_penalty > self.finished[-1].score
         if not running or not self.improvable or (full and params.early_stopping is True):
             self.release(self.beams)
             self.beams, self.done = [], True
@@ -181,13 +196,14 @@ class _PromptSearch:
         self.engine.engine_core.finish_requests([b.request_id for b in beams], RequestStatus.FINISHED_STOPPED)
 
     def output(self, tokenizer) -> BeamSearchOutput:
-        for seq in self.finished:    # no text from a model without a tokenizer (token ids only)
+        for seq in self.finished:  # no text from a model without a tokenizer (token ids only)
             seq.text = tokenizer.decode(seq.tokens, skip_special_tokens=True) if tokenizer is not None else None
         return BeamSearchOutput(self.finished)
 
 
-def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams, *,
-                use_tqdm: bool = False) -> list[BeamSearchOutput]:
+def beam_search(
+    engine, prompts: list[list[int]], params: BeamSearchParams, *, use_tqdm: bool = False
+) -> list[BeamSearchOutput]:
     """Run beam search for every prompt (token ids) on an idle `engine`; results in input order.
 
     Prompts run side by side as long as their beams fit in `max_num_seqs` and their block
@@ -207,29 +223,37 @@ def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams, *,
     max_len = engine.config.scheduler.max_model_len
     eos_token_ids = () if params.ignore_eos else tuple(engine.eos_token_ids)
     if max(2, 1 + len(eos_token_ids)) * width > MAX_LOGPROBS:
-        raise ValueError(f"beam_width={width} with {len(eos_token_ids)} EOS tokens needs more than the "
-                         f"{MAX_LOGPROBS} top logprobs the sampler returns")
+        raise ValueError(
+            f"beam_width={width} with {len(eos_token_ids)} EOS tokens needs more than the "
+            f"{MAX_LOGPROBS} top logprobs the sampler returns"
+        )
     max_tokens, pages = [], []
     for prompt in prompts:
         engine.check_prompt(prompt, SamplingParams(max_tokens=params.max_tokens))
         max_tokens.append(min(params.max_tokens, max_len - len(prompt)))
         pages.append(width * kv.blocks_needed(len(prompt) + max_tokens[-1]))
         if pages[-1] > kv.num_blocks:
-            raise ValueError(f"{width} beams of {len(prompt)} + {max_tokens[-1]} tokens need up to {pages[-1]} "
-                             f"KV pages but the pool only has {kv.num_blocks}; lower beam_width or max_tokens")
+            raise ValueError(
+                f"{width} beams of {len(prompt)} + {max_tokens[-1]} tokens need up to {pages[-1]} "
+                f"KV pages but the pool only has {kv.num_blocks}; lower beam_width or max_tokens"
+            )
 
     ids = itertools.count()
     queue = collections.deque(range(len(prompts)))
     active: dict[int, _PromptSearch] = {}
-    owner: dict[str, _PromptSearch] = {}   # beam id -> its search
+    owner: dict[str, _PromptSearch] = {}  # beam id -> its search
     results: dict[int, BeamSearchOutput] = {}
 
     try:
         with tqdm(total=len(prompts), desc="beam search", disable=None if use_tqdm else True, unit="prompt") as bar:
             while queue or active:
-                while queue and (not active or (
+                while queue and (
+                    not active
+                    or (
                         (len(active) + 1) * width <= max_num_seqs
-                        and sum(pages[i] for i in active) + pages[queue[0]] <= kv.num_blocks)):
+                        and sum(pages[i] for i in active) + pages[queue[0]] <= kv.num_blocks
+                    )
+                ):
                     i = queue.popleft()
                     active[i] = _PromptSearch(engine, prompts[i], params, max_tokens[i], eos_token_ids, ids)
                     owner[active[i].beams[0].request_id] = active[i]

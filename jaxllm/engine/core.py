@@ -40,30 +40,50 @@ class EngineCore:
     """One replica: a scheduler and KV pool over one model runner (on one device, or on the
     tensor-parallel `mesh`). `stats` may be shared with other replicas."""
 
-    def __init__(self, config: EngineConfig, model: PreparedModel, mesh=None, stats: EngineStats | None = None,
-                 draft: PreparedModel | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: PreparedModel,
+        mesh=None,
+        stats: EngineStats | None = None,
+        draft: PreparedModel | None = None,
+    ):
         """`model`: its spec and prepared weights (weights/prepare.py); `draft`: the draft model's,
         for draft-model speculative decoding."""
         cache = config.cache
-        self.kv_cache_manager = KVCacheManager(cache.group_num_blocks, cache.block_size,
-                                               enable_prefix_caching=cache.enable_prefix_caching,
-                                               num_swap_blocks=cache.num_swap_blocks, windows=cache.group_windows)
+        self.kv_cache_manager = KVCacheManager(
+            cache.group_num_blocks,
+            cache.block_size,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            num_swap_blocks=cache.num_swap_blocks,
+            windows=cache.group_windows,
+        )
         spec_decode, proposer = config.speculative, None
         if spec_decode is not None and spec_decode.method == "ngram":
-            proposer = NgramProposer(spec_decode.num_speculative_tokens, spec_decode.prompt_lookup_min,
-                                     spec_decode.prompt_lookup_max)
+            proposer = NgramProposer(
+                spec_decode.num_speculative_tokens, spec_decode.prompt_lookup_min, spec_decode.prompt_lookup_max
+            )
         elif spec_decode is not None:
-            runner = ModelRunner(dataclasses.replace(config, speculative=None), draft.spec, draft.params,
-                                 small_params=draft.small_params)
+            runner = ModelRunner(
+                dataclasses.replace(config, speculative=None), draft.spec, draft.params, small_params=draft.small_params
+            )
             proposer = DraftModelProposer(config, runner, spec_decode.num_speculative_tokens)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, proposer,
-                                   spec_decode.max_seqs(config.scheduler) if spec_decode is not None else 0)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.kv_cache_manager,
+            proposer,
+            spec_decode.max_seqs(config.scheduler) if spec_decode is not None else 0,
+        )
         self.runner = ModelRunner(config, model.spec, model.params, mesh=mesh, small_params=model.small_params)
         self.stats = stats or EngineStats()
         # Async scheduling (`schedule_ahead`) on one device of one process, without sliding windows.
-        self.async_scheduling = (config.scheduler.async_scheduling and mesh is None and self.runner.channel is None
-                                 and not any(config.cache.group_windows))
-        self._ahead = None      # (SchedulerOutput, InFlight): the step dispatched ahead, not yet collected
+        self.async_scheduling = (
+            config.scheduler.async_scheduling
+            and mesh is None
+            and self.runner.channel is None
+            and not any(config.cache.group_windows)
+        )
+        self._ahead = None  # (SchedulerOutput, InFlight): the step dispatched ahead, not yet collected
 
     @property
     def load(self) -> int:
@@ -88,7 +108,7 @@ class EngineCore:
         by the last call), and the next one is dispatched before this one's tokens are read."""
         t0 = time.perf_counter()
         if self._ahead is not None and not any(r.status is RequestStatus.RUNNING for r, _ in self._ahead[0].scheduled):
-            self.runner.collect(self._ahead[1])     # every request of it has ended (EOS, abort): drop it
+            self.runner.collect(self._ahead[1])  # every request of it has ended (EOS, abort): drop it
             self._ahead = None
         scheduler_output, in_flight = self._ahead or (self.scheduler.schedule(), None)
         self._ahead = ahead_failed = None
@@ -101,7 +121,7 @@ class EngineCore:
                 rows = np.array([row_of[r.request_id] for r, _ in ahead.scheduled], np.int64)
                 try:
                     self._ahead = ahead, self.runner.dispatch(ahead, rows, in_flight)
-                except Exception:    # the requests fail once this step's outputs are out (below)
+                except Exception:  # the requests fail once this step's outputs are out (below)
                     logger.exception("engine step failed; its %d request(s) end with an error", len(ahead.scheduled))
                     ahead_failed = ahead
             runner_output = self.runner.collect(in_flight)
@@ -109,12 +129,17 @@ class EngineCore:
             if self.runner.channel is not None:
                 # Over several processes the others may or may not have run this step (or may be
                 # gone: a collective failed): nothing can be trusted, so the engine stops.
-                self.runner.channel = None      # nobody to release: shutdown() sends nothing
-                raise ProcessGroupError("an engine step failed over several processes (if a process died, its "
-                                        f"collectives fail); the engine cannot go on: {type(e).__name__}: {e}") from e
+                self.runner.channel = None  # nobody to release: shutdown() sends nothing
+                raise ProcessGroupError(
+                    "an engine step failed over several processes (if a process died, its "
+                    f"collectives fail); the engine cannot go on: {type(e).__name__}: {e}"
+                ) from e
             # Only this step's requests fail; the engine goes on serving the others.
-            logger.exception("engine step failed; its %d request(s) end with an error: %s",
-                             len(scheduler_output.scheduled), [r.request_id for r, _ in scheduler_output.scheduled])
+            logger.exception(
+                "engine step failed; its %d request(s) end with an error: %s",
+                len(scheduler_output.scheduled),
+                [r.request_id for r, _ in scheduler_output.scheduled],
+            )
             # A step dispatched ahead ran on what this one left: its requests are among these,
             # and the pages it returned cannot be trusted.
             self._ahead, lost = None, self._ahead is not None
@@ -154,7 +179,7 @@ class DataParallelEngineCore:
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         request_ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        for core in self.cores:     # ids a replica does not hold are ignored
+        for core in self.cores:  # ids a replica does not hold are ignored
             core.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
@@ -182,16 +207,22 @@ class EngineStats:
     generation_tokens: int = 0
     num_steps: int = 0
     num_preemptions: int = 0
-    num_draft_tokens: int = 0        # speculative decoding: drafts verified
-    num_accepted_tokens: int = 0     # and accepted
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified
+    num_accepted_tokens: int = 0  # and accepted
     finished: dict = dataclasses.field(default_factory=dict)
     time_schedule: float = 0.0
     time_prepare: float = 0.0
     time_device: float = 0.0
     time_update: float = 0.0
 
-    def record_step(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
-                    outputs: EngineCoreOutputs, t_schedule: float, t_update: float) -> None:
+    def record_step(
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: ModelRunnerOutput,
+        outputs: EngineCoreOutputs,
+        t_schedule: float,
+        t_update: float,
+    ) -> None:
         self.num_steps += 1
         self.num_preemptions += scheduler_output.num_preempted
         self.generation_tokens += outputs.num_generated_tokens

@@ -13,8 +13,15 @@ INITIAL_CONTEXT = 5  # prompt tokens decoded as context for the first output tok
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], *, skip_special_tokens: bool = True,
-                 stop: list[str] = (), include_stop_str_in_output: bool = False):
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        *,
+        skip_special_tokens: bool = True,
+        stop: list[str] = (),
+        include_stop_str_in_output: bool = False,
+    ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_token_ids[-INITIAL_CONTEXT:])
@@ -27,18 +34,19 @@ class IncrementalDetokenizer:
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
     def add_token(self, token_id: int) -> str | None:
         """Append a token; return the stop string if the text now contains one (the text is
         then cut at the stop string, or just after it with include_stop_str_in_output)."""
         self.ids.append(token_id)
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset:])
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return None
-        delta = new_text[len(prefix_text):]
+        delta = new_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         search_from = max(0, len(self.text) - self.holdback)
         self.text += delta

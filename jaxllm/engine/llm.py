@@ -31,9 +31,12 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Run prompts (strings, token-id lists or {"prompt_token_ids": [...]}) to completion;
         outputs come back in input order."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -74,15 +77,20 @@ class LLM:
                         results[out.request_id] = out
                         bar.update(1)
                 elapsed = time.perf_counter() - start
-                bar.set_postfix_str(f"out {(stats.generation_tokens - gen0) / max(elapsed, 1e-9):.1f} tok/s",
-                                    refresh=False)
+                bar.set_postfix_str(
+                    f"out {(stats.generation_tokens - gen0) / max(elapsed, 1e-9):.1f} tok/s", refresh=False
+                )
         elapsed = time.perf_counter() - start
-        self.last_run_stats = {"seconds": elapsed, "generation_tokens": stats.generation_tokens - gen0,
-                               "prompt_tokens": stats.prompt_tokens - prompt0}
+        self.last_run_stats = {
+            "seconds": elapsed,
+            "generation_tokens": stats.generation_tokens - gen0,
+            "prompt_tokens": stats.prompt_tokens - prompt0,
+        }
         return [results[i] for i in ids]
 
-    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
         """Beam search (vLLM's offline API; scored like HF transformers' `generate(num_beams=...)`,
         see engine/beam_search.py): per prompt, the `beam_width` best sequences, best first.
         The beams share KV pages; a page is copied only when beams write different tokens
@@ -99,9 +107,13 @@ class LLM:
             token_ids.append([int(t) for t in prompt] if isinstance(prompt, list) else self.engine.tokenize(prompt))
         return beam_search(self.engine, token_ids, params, use_tqdm=use_tqdm)
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
         """Generate replies to conversations through the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt)} for c in conversations]

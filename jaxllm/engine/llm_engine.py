@@ -1,8 +1,8 @@
 """LLMEngine: requests in, RequestOutputs out.
 
-    add_request()  validate, tokenize, make one `Request` per choice    (this file)
-    step()         EngineCore.step(): schedule -> run -> update         (engine/core.py)
-                   OutputProcessor.process_outputs(): text, logprobs    (engine/output_processor.py)
+add_request()  validate, tokenize, make one `Request` per choice    (this file)
+step()         EngineCore.step(): schedule -> run -> update         (engine/core.py)
+               OutputProcessor.process_outputs(): text, logprobs    (engine/output_processor.py)
 """
 
 from __future__ import annotations
@@ -44,30 +44,45 @@ class LLMEngine:
         many_processes = jax.process_count() > 1
         if many_processes and args.data_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 is not supported over several processes yet")
-        mesh = parallel.engine_mesh(args.mesh, args.tensor_parallel_size, args.data_parallel_size,
-                                    args.pipeline_parallel_size)
-        platform = Platform.detect(None if mesh is None else mesh.devices.flat[0],
-                                   use_cpp=args.attention_backend in (None, "native"))
+        mesh = parallel.engine_mesh(
+            args.mesh, args.tensor_parallel_size, args.data_parallel_size, args.pipeline_parallel_size
+        )
+        platform = Platform.detect(
+            None if mesh is None else mesh.devices.flat[0], use_cpp=args.attention_backend in (None, "native")
+        )
         args = _resolve_dtypes(args, platform.name, many_processes)
         one_device = mesh is None and not many_processes and args.data_parallel_size == 1
-        loaded, plan = load_with_plan(args, platform, mesh, one_device=one_device, progress=progress,
-                             use_cache=not many_processes)
+        loaded, plan = load_with_plan(
+            args, platform, mesh, one_device=one_device, progress=progress, use_cache=not many_processes
+        )
         args = dataclasses.replace(args, quantization=plan.quantization, small_step_codes=plan.small_step_codes)
-        self.config: EngineConfig = resolve_config(args, loaded.spec, loaded.name,
-                                                   available_memory=_available_memory(args), platform=platform.name)
+        self.config: EngineConfig = resolve_config(
+            args, loaded.spec, loaded.name, available_memory=_available_memory(args), platform=platform.name
+        )
         if many_processes:
             # One process keeps its compiled steps in the runner's executable store, which a warm
             # start loads without tracing (runner/executables.py); JAX's persistent cache stays
             # off there, as an executable loaded from it cannot be serialized again.
             compile_mod.enable_persistent_cache(self.config.compilation_cache_dir)
         self.spec, self.model_name = loaded.spec, self.config.model_name
-        model = PreparedModel(loaded.spec, *prepare_weights(
-            loaded.params, loaded.spec, plan, mesh=mesh, tokenizer=loaded.resolve_tokenizer() if plan.smooth else None))
+        model = PreparedModel(
+            loaded.spec,
+            *prepare_weights(
+                loaded.params,
+                loaded.spec,
+                plan,
+                mesh=mesh,
+                tokenizer=loaded.resolve_tokenizer() if plan.smooth else None,
+            ),
+        )
         self._build_cores(model, mesh, self._load_draft(args, platform, progress))
         if args.int8_activations and not int8_activation_weights(self.runner.params):
-            logger.warning("int8_activations: no weight of this run has 4-bit codes in the C++ GEMM "
-                           "(quantization=%s, %s backend); the activations stay float",
-                           self.config.quantization, self.runner.attention.name)
+            logger.warning(
+                "int8_activations: no weight of this run has 4-bit codes in the C++ GEMM "
+                "(quantization=%s, %s backend); the activations stay float",
+                self.config.quantization,
+                self.runner.attention.name,
+            )
         self._warm_up(progress, background=self.config.background_compile and not many_processes)
         # The tokenizer may still be loading on its thread: only now (the steps load meanwhile).
         self.tokenizer = loaded.resolve_tokenizer()
@@ -85,15 +100,25 @@ class LLMEngine:
     def _build_cores(self, model: PreparedModel, mesh, draft: PreparedModel | None) -> None:
         """One EngineCore per data-parallel replica (a row of the mesh), sharing the stats."""
         stats = EngineStats()
-        self.replicas = [EngineCore(self.config, model if row is None else
-                                    model._replace(params=parallel.replica_params(model.params, row)),
-                                    mesh=row, stats=stats, draft=draft)
-                         for row in parallel.replica_meshes(mesh)]
+        self.replicas = [
+            EngineCore(
+                self.config,
+                model if row is None else model._replace(params=parallel.replica_params(model.params, row)),
+                mesh=row,
+                stats=stats,
+                draft=draft,
+            )
+            for row in parallel.replica_meshes(mesh)
+        ]
         self.engine_core = self.replicas[0] if len(self.replicas) == 1 else DataParallelEngineCore(self.replicas)
         # The (first) replica's parts, for tests and benchmarks; metrics use the totals below.
         first = self.replicas[0]
         self.scheduler, self.kv_cache_manager, self.runner, self.stats = (
-            first.scheduler, first.kv_cache_manager, first.runner, stats)
+            first.scheduler,
+            first.kv_cache_manager,
+            first.runner,
+            stats,
+        )
 
     def _warm_up(self, progress: bool, background: bool) -> None:
         """Compile (or load) every step shape, the draft model's too (`warmup_seconds`)."""
@@ -112,18 +137,27 @@ class LLMEngine:
         if speculative is None or speculative.method != "draft_model":
             return None
         asked = args.quantization if args.quantization in (*QUANTIZE_METHODS, "none") else None
-        draft_args = dataclasses.replace(args, model=speculative.model, quantization=asked,
-                                         small_step_codes=None if args.small_step_codes else args.small_step_codes)
+        draft_args = dataclasses.replace(
+            args,
+            model=speculative.model,
+            quantization=asked,
+            small_step_codes=None if args.small_step_codes else args.small_step_codes,
+        )
         draft, plan = load_with_plan(draft_args, platform, None, one_device=True, progress=progress)
         if draft.spec.vocab_size != self.spec.vocab_size:
-            raise ValueError(f"the draft model {speculative.model!r} has a vocabulary of {draft.spec.vocab_size} "
-                             f"tokens, the target {self.spec.vocab_size}: they must share one")
+            raise ValueError(
+                f"the draft model {speculative.model!r} has a vocabulary of {draft.spec.vocab_size} "
+                f"tokens, the target {self.spec.vocab_size}: they must share one"
+            )
         if draft.spec.max_position_embeddings < self.config.scheduler.max_model_len:
-            raise ValueError(f"the draft model's context ({draft.spec.max_position_embeddings}) is shorter than "
-                             f"max_model_len ({self.config.scheduler.max_model_len})")
+            raise ValueError(
+                f"the draft model's context ({draft.spec.max_position_embeddings}) is shorter than "
+                f"max_model_len ({self.config.scheduler.max_model_len})"
+            )
         tokenizer = draft.resolve_tokenizer() if plan.smooth else None
-        return PreparedModel(draft.spec, *prepare_weights(draft.params, draft.spec, plan, tokenizer=tokenizer,
-                                                          log=False))
+        return PreparedModel(
+            draft.spec, *prepare_weights(draft.params, draft.spec, plan, tokenizer=tokenizer, log=False)
+        )
 
     # ----- requests -----
     def tokenize(self, prompt: str) -> list[int]:
@@ -131,9 +165,16 @@ class LLMEngine:
             raise ValueError(f"model {self.model_name!r} has no tokenizer: give prompt_token_ids")
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
-    def add_request(self, request_id: str, prompt: str | list[int] | None = None,
-                    params: SamplingParams | None = None, *, prompt_token_ids: list[int] | None = None,
-                    output_kind: str = "cumulative", arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        output_kind: str = "cumulative",
+        arrival_time: float | None = None,
+    ) -> None:
         """Queue a request. Raises ValueError (nothing queued) for a bad prompt or params."""
         params = params or SamplingParams()
         params.verify()
@@ -150,15 +191,17 @@ class LLMEngine:
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.check_prompt(prompt_token_ids, params)
         params = dataclasses.replace(params)
-        if self.tokenizer is None:      # token ids in, token ids out (vLLM's skip_tokenizer_init)
+        if self.tokenizer is None:  # token ids in, token ids out (vLLM's skip_tokenizer_init)
             if params.stop:
                 raise ValueError(f"model {self.model_name!r} has no tokenizer: stop strings need one")
             params.detokenize = False
         if params.max_tokens is None:
             params.max_tokens = self.config.scheduler.max_model_len - len(prompt_token_ids)
             if params.min_tokens > params.max_tokens:
-                raise ValueError(f"min_tokens={params.min_tokens} exceeds the {params.max_tokens} tokens left in "
-                                 f"the context (max_model_len)")
+                raise ValueError(
+                    f"min_tokens={params.min_tokens} exceeds the {params.max_tokens} tokens left in "
+                    f"the context (max_model_len)"
+                )
         banned = len(params.stop_token_ids) + len(self.eos_token_ids)
         if params.min_tokens and banned > 32:
             raise ValueError(f"at most 32 stop token ids can be held back by min_tokens, got {banned}")
@@ -170,29 +213,45 @@ class LLMEngine:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
             if params.seed is not None and i:
                 seed = hash((params.seed, i)) & 0xFFFFFFFF
-            choices.append(Request(
-                request_id=request_id if params.n == 1 else f"{i}_{request_id}", prompt_token_ids=prompt_token_ids,
-                sampling_params=params, eos_token_ids=self.eos_token_ids, seed=seed,
-                parent_id=request_id, index=i, prompt=prompt, arrival_time=now,
-                grammar=grammar.copy() if grammar is not None else None))
+            choices.append(
+                Request(
+                    request_id=request_id if params.n == 1 else f"{i}_{request_id}",
+                    prompt_token_ids=prompt_token_ids,
+                    sampling_params=params,
+                    eos_token_ids=self.eos_token_ids,
+                    seed=seed,
+                    parent_id=request_id,
+                    index=i,
+                    prompt=prompt,
+                    arrival_time=now,
+                    grammar=grammar.copy() if grammar is not None else None,
+                )
+            )
         if params.prompt_logprobs is not None:
-            choices[0].prompt_logprobs = []      # the request's prompt logprobs come from its first choice
+            choices[0].prompt_logprobs = []  # the request's prompt logprobs come from its first choice
         if any(self.output_processor.is_tracked(c.request_id) for c in choices):
             raise ValueError(f"request_id {request_id!r} clashes with a running request's choice ids")
-        replica = self.engine_core.add_request(choices[0])   # raises (nothing kept) if the scheduler refuses it
-        self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, output_kind, now,
-                                          [c.request_id for c in choices])
+        replica = self.engine_core.add_request(choices[0])  # raises (nothing kept) if the scheduler refuses it
+        self.output_processor.add_request(
+            request_id, prompt, prompt_token_ids, params, output_kind, now, [c.request_id for c in choices]
+        )
         if len(choices) > 1:
             self._pending_choices[choices[0].request_id] = (replica, choices[1:])
 
-    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                            chat_template: str | None = None, **template_kwargs) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **template_kwargs,
+    ) -> list[int]:
         """Token ids of a conversation rendered by `chat_template` (default: the model's) in the
         bounded sandbox of jaxllm/chat_template.py; any template variable may be passed (a server
         checks a client's with `check_template_kwargs` first). Raises ValueError
         (ChatTemplateError for a template that fails)."""
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
-        if isinstance(template, dict):     # a tokenizer with named templates
+        if isinstance(template, dict):  # a tokenizer with named templates
             template = template.get("default")
         if self.tokenizer is None:
             raise ValueError(f"model {self.model_name!r} has no tokenizer")
@@ -200,9 +259,14 @@ class LLMEngine:
             raise ValueError(f"model {self.model_name!r} has no chat template")
         # Room for any prompt that fits the context, however long its tokens (whitespace runs).
         max_chars = max(MAX_OUTPUT_CHARS, 16 * self.config.scheduler.max_model_len)
-        text = render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
-                                    special_tokens=self.tokenizer.special_tokens_map,
-                                    template_kwargs=template_kwargs, max_chars=max_chars)
+        text = render_chat_template(
+            template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            special_tokens=self.tokenizer.special_tokens_map,
+            template_kwargs=template_kwargs,
+            max_chars=max_chars,
+        )
         # The template writes the special tokens (BOS included) itself, as transformers assumes.
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -214,7 +278,8 @@ class LLMEngine:
         if len(prompt_token_ids) >= max_len:
             raise ValueError(
                 f"the prompt has {len(prompt_token_ids)} tokens; this model's context (max_model_len) is "
-                f"{max_len}, leaving no room to generate")
+                f"{max_len}, leaving no room to generate"
+            )
         vocab = self.spec.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
@@ -225,16 +290,18 @@ class LLMEngine:
             raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs ({self.config.max_logprobs})")
         if params.prompt_logprobs is not None:
             if params.prompt_logprobs > self.config.max_logprobs:
-                raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds max_logprobs "
-                                 f"({self.config.max_logprobs})")
+                raise ValueError(
+                    f"prompt_logprobs={params.prompt_logprobs} exceeds max_logprobs ({self.config.max_logprobs})"
+                )
             if self.runner.mesh is not None:
                 raise ValueError("prompt_logprobs is not supported with tensor, pipeline or data parallelism yet")
         if params.n > self.config.scheduler.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs ({self.config.scheduler.max_num_seqs})")
         # A sequence that cannot fit in the whole pool would preempt itself forever.
         max_tokens = params.max_tokens or max_len - len(prompt_token_ids)
-        self.kv_cache_manager.check_fits(min(len(prompt_token_ids) + max_tokens, max_len),
-                                         self.config.scheduler.max_num_batched_tokens)
+        self.kv_cache_manager.check_fits(
+            min(len(prompt_token_ids) + max_tokens, max_len), self.config.scheduler.max_num_batched_tokens
+        )
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Stop requests now and free their pages. Unknown ids are ignored."""
@@ -260,7 +327,7 @@ class LLMEngine:
         """Run one scheduled batch; return outputs of the requests that progressed."""
         core_outputs = self.engine_core.step()
         t0 = time.perf_counter()
-        for out in core_outputs.outputs:       # the prompt is computed: release the other choices
+        for out in core_outputs.outputs:  # the prompt is computed: release the other choices
             replica, choices = self._pending_choices.pop(out.request_id, (None, ()))
             for choice in choices:
                 self.engine_core.add_request(choice, replica)
@@ -287,7 +354,7 @@ class LLMEngine:
         waits for that first."""
         for replica in self.replicas:
             replica.runner.wait_compiled()
-        draft = getattr(self.scheduler.proposer, "runner", None)     # a draft model's steps
+        draft = getattr(self.scheduler.proposer, "runner", None)  # a draft model's steps
         if draft is not None:
             draft.wait_compiled()
 
@@ -315,8 +382,10 @@ class LLMEngine:
     @property
     def prefix_cache_tokens(self) -> tuple[int, int]:
         """(queried, hit) prompt tokens of the prefix caches, over all replicas."""
-        return (sum(r.kv_cache_manager.prefix_queries for r in self.replicas),
-                sum(r.kv_cache_manager.prefix_hits for r in self.replicas))
+        return (
+            sum(r.kv_cache_manager.prefix_queries for r in self.replicas),
+            sum(r.kv_cache_manager.prefix_hits for r in self.replicas),
+        )
 
 
 def _resolve_dtypes(args: EngineArgs, platform: str, many_processes: bool) -> EngineArgs:

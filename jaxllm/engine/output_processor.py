@@ -33,7 +33,7 @@ class SequenceState:
     stop_reason: int | str | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
-    sent_tokens: int = 0       # delta outputs: tokens and text already returned
+    sent_tokens: int = 0  # delta outputs: tokens and text already returned
     sent_text: int = 0
     final_sent: bool = False
 
@@ -62,7 +62,7 @@ class RequestState:
 @dataclasses.dataclass(slots=True)
 class OutputProcessorOutput:
     request_outputs: list[RequestOutput]
-    reqs_to_abort: list[str]          # engine-core ids a stop string ended
+    reqs_to_abort: list[str]  # engine-core ids a stop string ended
     finished: list[RequestState]
 
 
@@ -70,18 +70,30 @@ class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
-        self._seq_of: dict[str, tuple[RequestState, SequenceState]] = {}   # engine-core id -> its choice
+        self._seq_of: dict[str, tuple[RequestState, SequenceState]] = {}  # engine-core id -> its choice
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                    output_kind: str, arrival_time: float, core_ids: list[str]) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_kind: str,
+        arrival_time: float,
+        core_ids: list[str],
+    ) -> None:
         """Track a request whose choices run in the engine core as `core_ids` (one per choice)."""
         seqs = {}
         for index, core_id in enumerate(core_ids):
             detok = None
             if params.detokenize:
-                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
-                                               skip_special_tokens=params.skip_special_tokens, stop=params.stop,
-                                               include_stop_str_in_output=params.include_stop_str_in_output)
+                detok = IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_token_ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                )
             seqs[core_id] = SequenceState(index, detok, logprobs=[] if params.logprobs is not None else None)
         state = RequestState(request_id, prompt, prompt_token_ids, params, output_kind, arrival_time, seqs)
         self.requests[request_id] = state
@@ -107,14 +119,15 @@ class OutputProcessor:
         now = core_outputs.timestamp
         for out in core_outputs.outputs:
             entry = self._seq_of.get(out.request_id)
-            if entry is None:      # not ours (a beam of beam search)
+            if entry is None:  # not ours (a beam of beam search)
                 continue
             state, seq = entry
             if seq.index == 0:
                 state.num_cached_tokens, state.scheduled_time = out.num_cached_tokens, out.scheduled_time
             if out.prompt_logprobs is not None:
-                state.prompt_logprobs = self._prompt_logprobs_entries(state.prompt_token_ids, out.prompt_logprobs,
-                                                                      state.params.prompt_logprobs)
+                state.prompt_logprobs = self._prompt_logprobs_entries(
+                    state.prompt_token_ids, out.prompt_logprobs, state.params.prompt_logprobs
+                )
             for j, (token, logprob) in enumerate(zip(out.new_token_ids, out.new_logprobs)):
                 seq.token_ids.append(token)
                 seq.cumulative_logprob += logprob
@@ -127,7 +140,7 @@ class OutputProcessor:
                     seq.finish_reason, seq.stop_reason = "stop", stop
                     if out.finish_reason is None:
                         reqs_to_abort.append(out.request_id)
-                    break       # tokens after it (a step's accepted drafts) are not the request's
+                    break  # tokens after it (a step's accepted drafts) are not the request's
             if seq.finish_reason is None and out.finish_reason is not None:
                 seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
             touched[state.request_id] = state
@@ -142,8 +155,7 @@ class OutputProcessor:
 
     def _logprobs_entry(self, token: int, logprob: float, top) -> dict[int, Logprob]:
         ids, logprobs = top if top is not None else ((), ())
-        entry = {tid: Logprob(lp, rank + 1, self._token_text(tid))
-                 for rank, (tid, lp) in enumerate(zip(ids, logprobs))}
+        entry = {tid: Logprob(lp, rank + 1, self._token_text(tid)) for rank, (tid, lp) in enumerate(zip(ids, logprobs))}
         if token not in entry:
             entry[token] = Logprob(logprob, None, self._token_text(token))
         return entry
@@ -151,11 +163,12 @@ class OutputProcessor:
     def _prompt_logprobs_entries(self, prompt_token_ids: list[int], arrays, k: int) -> list[dict[int, Logprob] | None]:
         """[None, then per prompt token its Logprob (with rank) and the top ones]."""
         entries: list[dict[int, Logprob] | None] = [None]
-        if not arrays:      # a one-token prompt
+        if not arrays:  # a one-token prompt
             return entries
         for token, lp, rank, top_lp, top_ids in zip(prompt_token_ids[1:], *(a.tolist() for a in arrays)):
-            entry = {tid: Logprob(v, r + 1, self._token_text(tid))
-                     for r, (tid, v) in enumerate(zip(top_ids[:k], top_lp))}
+            entry = {
+                tid: Logprob(v, r + 1, self._token_text(tid)) for r, (tid, v) in enumerate(zip(top_ids[:k], top_lp))
+            }
             entry[token] = Logprob(lp, rank, self._token_text(token))
             entries.append(entry)
         return entries
@@ -175,33 +188,51 @@ class OutputProcessor:
             text = ""
             if seq.detok is not None:
                 end = seq.detok.streamable_len(done)
-                text = seq.detok.text[seq.sent_text:end] if delta else seq.detok.text[:end]
+                text = seq.detok.text[seq.sent_text : end] if delta else seq.detok.text[:end]
             token_ids, logprobs = seq.token_ids, seq.logprobs
             if delta:
                 if seq.final_sent or (len(token_ids) == seq.sent_tokens and not text and not done):
                     continue
-                token_ids = token_ids[seq.sent_tokens:]
+                token_ids = token_ids[seq.sent_tokens :]
                 if logprobs is not None:
-                    logprobs = logprobs[seq.sent_tokens:]
+                    logprobs = logprobs[seq.sent_tokens :]
                 seq.sent_tokens = len(seq.token_ids)
                 if seq.detok is not None:
                     seq.sent_text = seq.detok.streamable_len(done)
                 seq.final_sent = done
-            completions.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=list(token_ids), cumulative_logprob=seq.cumulative_logprob,
-                logprobs=list(logprobs) if logprobs is not None else None, finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason))
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=list(token_ids),
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=list(logprobs) if logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
         if not completions:
             return None
         prompt_logprobs = state.prompt_logprobs
-        if delta and state.prompt_logprobs_sent:    # a stream carries them once
+        if delta and state.prompt_logprobs_sent:  # a stream carries them once
             prompt_logprobs = None
         elif delta and prompt_logprobs is not None:
             state.prompt_logprobs_sent = True
         first = next(iter(state.seqs.values()))
         last_token_time = max((s.last_token_time or 0) for s in state.seqs.values())
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished,
-                             num_cached_tokens=state.num_cached_tokens, prompt_logprobs=prompt_logprobs,
-                             metrics={"arrival_time": state.arrival_time, "first_token_time": first.first_token_time,
-                                      "scheduled_time": state.scheduled_time, "last_token_time": last_token_time,
-                                      "num_generation_tokens": sum(len(s.token_ids) for s in state.seqs.values())})
+        return RequestOutput(
+            state.request_id,
+            state.prompt,
+            state.prompt_token_ids,
+            completions,
+            finished,
+            num_cached_tokens=state.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
+            metrics={
+                "arrival_time": state.arrival_time,
+                "first_token_time": first.first_token_time,
+                "scheduled_time": state.scheduled_time,
+                "last_token_time": last_token_time,
+                "num_generation_tokens": sum(len(s.token_ids) for s in state.seqs.values()),
+            },
+        )

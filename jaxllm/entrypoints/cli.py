@@ -118,29 +118,45 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
 
 
 def add_log_level(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS,
-                        help="jaxllm's log level (uvicorn's: --uvicorn-log-level) (default: %(default)s)")
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=LOG_LEVELS,
+        help="jaxllm's log level (uvicorn's: --uvicorn-log-level) (default: %(default)s)",
+    )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=max_tokens,
-                       help="most tokens per answer (default: %(default)s)")
+    group.add_argument(
+        "--max-tokens", type=int, default=max_tokens, help="most tokens per answer (default: %(default)s)"
+    )
     group.add_argument("--temperature", type=float, default=0.7, help="0 is greedy (default: %(default)s)")
     group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: %(default)s)")
     group.add_argument("--top-k", type=int, default=0, help="0 disables (default: %(default)s)")
     group.add_argument("--repetition-penalty", type=float, default=1.0, help="(default: %(default)s)")
-    group.add_argument("--sampling-seed", type=int, default=None, metavar="SEED",
-                       help="makes the samples reproducible (default: random)")
+    group.add_argument(
+        "--sampling-seed",
+        type=int,
+        default=None,
+        metavar="SEED",
+        help="makes the samples reproducible (default: random)",
+    )
     group.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop at this text (repeatable)")
 
 
 def sampling_params(args: argparse.Namespace):
     from jaxllm.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, repetition_penalty=args.repetition_penalty, seed=args.sampling_seed,
-                          stop=args.stop)
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.sampling_seed,
+        stop=args.stop,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,26 +166,35 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
     serve = commands.add_parser(
-        "serve", formatter_class=formatter, help="run the OpenAI-compatible HTTP server",
+        "serve",
+        formatter_class=formatter,
+        help="run the OpenAI-compatible HTTP server",
         description="Serve the model over an OpenAI-compatible HTTP API: /v1/models, /v1/completions, "
-                    "/v1/chat/completions, plus /tokenize, /detokenize, /health, /version and Prometheus "
-                    "/metrics.\nThe model is loaded and compiled first; a line starting with 'jaxllm: ready' "
-                    "(with the URL) says when requests are accepted.",
+        "/v1/chat/completions, plus /tokenize, /detokenize, /health, /version and Prometheus "
+        "/metrics.\nThe model is loaded and compiled first; a line starting with 'jaxllm: ready' "
+        "(with the URL) says when requests are accepted.",
         epilog="example:\n  jaxllm serve --port 8080 --api-key secret\n"
-               "  python -c \"from openai import OpenAI; c = OpenAI(base_url='http://127.0.0.1:8080/v1', "
-               "api_key='secret'); print(c.models.list())\"")
+        "  python -c \"from openai import OpenAI; c = OpenAI(base_url='http://127.0.0.1:8080/v1', "
+        "api_key='secret'); print(c.models.list())\"",
+    )
     add_engine_args(serve, serving=True)
     add_log_level(serve)
-    add_dataclass_args(serve.add_argument_group("server (limits: docs/serving.md)"), ServerArgs,
-                       defaults={"api_key": os.environ.get("JAXLLM_API_KEY")})
+    add_dataclass_args(
+        serve.add_argument_group("server (limits: docs/serving.md)"),
+        ServerArgs,
+        defaults={"api_key": os.environ.get("JAXLLM_API_KEY")},
+    )
     serve.set_defaults(run=run_serve)
 
     generate = commands.add_parser(
-        "generate", formatter_class=formatter, help="complete prompts, streaming the text to the terminal",
+        "generate",
+        formatter_class=formatter,
+        help="complete prompts, streaming the text to the terminal",
         description="Complete each prompt (plain text completion, no chat template) and print the prompt "
-                    "followed by its continuation as it is generated. All prompts run batched together; their "
-                    "texts are printed in order.",
-        epilog='example:\n  jaxllm generate --temperature 0 --max-tokens 32 "def fibonacci(n):" "Once upon a time"')
+        "followed by its continuation as it is generated. All prompts run batched together; their "
+        "texts are printed in order.",
+        epilog='example:\n  jaxllm generate --temperature 0 --max-tokens 32 "def fibonacci(n):" "Once upon a time"',
+    )
     generate.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompts to complete")
     generate.add_argument("--file", metavar="PATH", help="read prompts from a file, one per line ('-' for stdin)")
     add_sampling_args(generate, max_tokens=128)
@@ -178,10 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(run=run_generate)
 
     chat = commands.add_parser(
-        "chat", formatter_class=formatter, help="chat with the model in the terminal",
+        "chat",
+        formatter_class=formatter,
+        help="chat with the model in the terminal",
         description="An interactive chat through the model's chat template: type a message and press Enter; "
-                    "the answer streams back. Commands: /reset starts over, /exit (or Ctrl-D) quits, Ctrl-C "
-                    "stops an answer. Reads stdin line by line, so `echo hi | jaxllm chat` works too.")
+        "the answer streams back. Commands: /reset starts over, /exit (or Ctrl-D) quits, Ctrl-C "
+        "stops an answer. Reads stdin line by line, so `echo hi | jaxllm chat` works too.",
+    )
     chat.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
     add_sampling_args(chat, max_tokens=512)
     add_engine_args(chat)
@@ -220,7 +248,7 @@ def _log_to_stderr(level: str = "info") -> None:
         handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s jaxllm: %(message)s", "%m-%d %H:%M:%S"))
         log.addHandler(handler)
-        log.propagate = False   # once: libraries may give the root logger a handler later
+        log.propagate = False  # once: libraries may give the root logger a handler later
     log.setLevel(level.upper())
 
 
@@ -246,16 +274,20 @@ def main(argv: list[str] | None = None) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from jaxllm.entrypoints.openai.api_server import run_server
 
-    if args.process_id != 0:     # a follower: run process 0's steps on this process's devices
+    if args.process_id != 0:  # a follower: run process 0's steps on this process's devices
         from jaxllm.engine.llm_engine import LLMEngine
 
-        print(f"jaxllm: process {args.process_id} of {args.num_processes} follows process 0", file=sys.stderr,
-              flush=True)
+        print(
+            f"jaxllm: process {args.process_id} of {args.num_processes} follows process 0", file=sys.stderr, flush=True
+        )
         LLMEngine(engine_args(args)).follow()
         return 0
 
-    print(f"jaxllm: loading {args.model or 'the default model'} and compiling (the first start takes a while)...",
-          file=sys.stderr, flush=True)
+    print(
+        f"jaxllm: loading {args.model or 'the default model'} and compiling (the first start takes a while)...",
+        file=sys.stderr,
+        flush=True,
+    )
     server_args = from_flags(ServerArgs, args)
     server_args.verify()
     code = run_server(engine_args(args), server_args)
@@ -298,7 +330,7 @@ class _Terminal:
 def _read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompts)
     if args.file:
-        with (sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")) as f:
+        with sys.stdin if args.file == "-" else open(args.file, encoding="utf-8") as f:
             prompts += [line.rstrip("\n") for line in f if line.strip()]
     return prompts
 
@@ -345,8 +377,11 @@ def run_generate(args: argparse.Namespace) -> int:
         status = 130
     seconds = time.perf_counter() - start
     tokens = engine.stats.generation_tokens - tokens0
-    print(f"jaxllm: {len(prompts)} prompt(s), {tokens} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} "
-          f"tokens/s)", file=sys.stderr)
+    print(
+        f"jaxllm: {len(prompts)} prompt(s), {tokens} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} "
+        f"tokens/s)",
+        file=sys.stderr,
+    )
     return status
 
 
@@ -359,8 +394,10 @@ def run_chat(args: argparse.Namespace) -> int:
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
     if interactive:
-        print(f"jaxllm chat with {engine.model_name}: type a message, /reset to start over, /exit to quit.",
-              file=sys.stderr)
+        print(
+            f"jaxllm chat with {engine.model_name}: type a message, /reset to start over, /exit to quit.",
+            file=sys.stderr,
+        )
     for turn in range(sys.maxsize):
         try:
             line = input("you> ") if interactive else sys.stdin.readline()
@@ -379,8 +416,9 @@ def run_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": line})
         request_id = f"chat-{turn}"
         try:
-            engine.add_request(request_id, None, params, prompt_token_ids=llm.apply_chat_template(messages),
-                               output_kind="delta")
+            engine.add_request(
+                request_id, None, params, prompt_token_ids=llm.apply_chat_template(messages), output_kind="delta"
+            )
         except ValueError as e:
             messages.pop()
             print(f"jaxllm chat: error: {e} (/reset starts over)", file=sys.stderr)

@@ -27,12 +27,74 @@ PREFIX = "jaxllm:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # vLLM's buckets (seconds).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 class _EngineCounters:
@@ -56,12 +118,17 @@ class _EngineCounters:
         yield self._counter("num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions)
         yield self._counter("prefix_cache_queries", "Prefix cache queries, in tokens.", queries)
         yield self._counter("prefix_cache_hits", "Prefix cache hits, in tokens.", hits)
-        yield self._counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
-                            stats.num_draft_tokens)
-        yield self._counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
-                            stats.num_accepted_tokens)
-        success = CounterMetricFamily(PREFIX + "request_success", "Count of finished requests, by finish reason.",
-                                      labels=[*self.labels, "finished_reason"])
+        yield self._counter(
+            "spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.", stats.num_draft_tokens
+        )
+        yield self._counter(
+            "spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.", stats.num_accepted_tokens
+        )
+        success = CounterMetricFamily(
+            PREFIX + "request_success",
+            "Count of finished requests, by finish reason.",
+            labels=[*self.labels, "finished_reason"],
+        )
         for reason, count in sorted(dict(stats.finished).items()):  # dict(): the engine thread may add a key
             success.add_metric([*self.labels.values(), reason], count)
         yield success
@@ -80,10 +147,14 @@ class ServerMetrics:
         def gauge(name: str, doc: str, read) -> None:
             Gauge(PREFIX + name, doc, names, registry=self.registry).labels(**labels).set_function(read)
 
-        gauge("num_requests_running", "Number of requests in model execution batches.",
-              lambda: engine.num_running_requests)
-        gauge("num_requests_waiting", "Number of requests waiting to be processed.",
-              lambda: engine.num_waiting_requests)
+        gauge(
+            "num_requests_running",
+            "Number of requests in model execution batches.",
+            lambda: engine.num_running_requests,
+        )
+        gauge(
+            "num_requests_waiting", "Number of requests waiting to be processed.", lambda: engine.num_waiting_requests
+        )
         gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lambda: engine.kv_cache_usage)
         self.registry.register(_EngineCounters(engine, labels))
 
@@ -91,14 +162,17 @@ class ServerMetrics:
             return Histogram(PREFIX + name, doc, names, buckets=buckets, registry=self.registry).labels(**labels)
 
         self.time_to_first_token = histogram(
-            "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+            "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
         self.inter_token_latency = histogram(
-            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+        )
         self.e2e_request_latency = histogram(
-            "e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.", REQUEST_BUCKETS)
+            "e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.", REQUEST_BUCKETS
+        )
         self.request_queue_time = histogram(
-            "request_queue_time_seconds", "Histogram of time spent waiting in the queue, in seconds.",
-            REQUEST_BUCKETS)
+            "request_queue_time_seconds", "Histogram of time spent waiting in the queue, in seconds.", REQUEST_BUCKETS
+        )
 
     async def track(self, outputs: AsyncIterator[RequestOutput], log: bool = True) -> AsyncIterator[RequestOutput]:
         """Pass one request's outputs through, observing its latencies, and (`log`) log a line
@@ -148,10 +222,16 @@ def log_request(out: RequestOutput, ended: str | None = None) -> None:
     arrival, first, last = times.get("arrival_time"), times.get("first_token_time"), times.get("last_token_time")
     reasons = sorted({c.finish_reason for c in out.outputs if c.finish_reason}) if out.finished else []
     seconds = lambda t: f"{t - arrival:.3f} s" if arrival is not None and t else "-"  # noqa: E731
-    logger.info("request %s: %d prompt tokens (%d cached), %d output tokens, TTFT %s, e2e %s, finish %s",
-                out.request_id, len(out.prompt_token_ids), out.num_cached_tokens,
-                times.get("num_generation_tokens", 0), seconds(first), seconds(last or time.monotonic()),
-                ",".join(reasons) or ended or "unfinished")
+    logger.info(
+        "request %s: %d prompt tokens (%d cached), %d output tokens, TTFT %s, e2e %s, finish %s",
+        out.request_id,
+        len(out.prompt_token_ids),
+        out.num_cached_tokens,
+        times.get("num_generation_tokens", 0),
+        seconds(first),
+        seconds(last or time.monotonic()),
+        ",".join(reasons) or ended or "unfinished",
+    )
 
 
 class StatLogger:
@@ -177,9 +257,16 @@ class StatLogger:
         running, waiting = engine.num_running_requests, engine.num_waiting_requests
         if not (prompt or generation or running or waiting):
             return
-        logger.info("engine: prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV cache %.1f%%, "
-                    "prefix cache hit rate %.1f%%", prompt / seconds, generation / seconds, running, waiting,
-                    100 * engine.kv_cache_usage, 100 * hits / queries if queries else 0.0)
+        logger.info(
+            "engine: prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV cache %.1f%%, "
+            "prefix cache hit rate %.1f%%",
+            prompt / seconds,
+            generation / seconds,
+            running,
+            waiting,
+            100 * engine.kv_cache_usage,
+            100 * hits / queries if queries else 0.0,
+        )
 
     async def run(self) -> None:
         while True:

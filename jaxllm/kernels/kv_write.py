@@ -31,8 +31,9 @@ FP8_MAX = 448.0
 def cache_dtype(name: str) -> jnp.dtype:
     """The logical dtype of a cache named as `CacheConfig.dtype` ("float32", "bfloat16", "int8",
     "fp8_e4m3")."""
-    return jnp.dtype({"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8,
-                      "fp8_e4m3": jnp.float8_e4m3fn}[name])
+    return jnp.dtype(
+        {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn}[name]
+    )
 
 
 def storage_dtype(dtype) -> jnp.dtype:

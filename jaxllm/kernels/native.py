@@ -42,19 +42,23 @@ import numpy as np
 from jaxllm.utils import default_cache_root
 
 # FFI target name -> symbol of its handler in the library
-TARGETS = {"jaxllm_paged_attention_cpu": "JaxllmPagedAttentionCpu",
-           "jaxllm_argmax_logsumexp_cpu": "JaxllmArgmaxLogsumexpCpu",
-           "jaxllm_sample_rows_cpu": "JaxllmSampleRowsCpu",
-           "jaxllm_matmul_packed_cpu": "JaxllmMatmulPackedCpu",
-           "jaxllm_matmul_packed_bf16_cpu": "JaxllmMatmulPackedBf16Cpu",
-           "jaxllm_matmul_quantized_cpu": "JaxllmMatmulQuantCpu",
-           "jaxllm_matmul_quantized_bf16_cpu": "JaxllmMatmulQuantBf16Cpu",
-           "jaxllm_write_kv_cpu": "JaxllmWriteKvCpu",
-           "jaxllm_rms_norm_cpu": "JaxllmRmsNormCpu",
-           "jaxllm_zeros_cpu": "JaxllmZerosCpu"}
+TARGETS = {
+    "jaxllm_paged_attention_cpu": "JaxllmPagedAttentionCpu",
+    "jaxllm_argmax_logsumexp_cpu": "JaxllmArgmaxLogsumexpCpu",
+    "jaxllm_sample_rows_cpu": "JaxllmSampleRowsCpu",
+    "jaxllm_matmul_packed_cpu": "JaxllmMatmulPackedCpu",
+    "jaxllm_matmul_packed_bf16_cpu": "JaxllmMatmulPackedBf16Cpu",
+    "jaxllm_matmul_quantized_cpu": "JaxllmMatmulQuantCpu",
+    "jaxllm_matmul_quantized_bf16_cpu": "JaxllmMatmulQuantBf16Cpu",
+    "jaxllm_write_kv_cpu": "JaxllmWriteKvCpu",
+    "jaxllm_rms_norm_cpu": "JaxllmRmsNormCpu",
+    "jaxllm_zeros_cpu": "JaxllmZerosCpu",
+}
 # The translation units, compiled side by side: they include the other files of their folder.
-SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", name)
-                for name in ("cpu_kernels_attention.cc", "cpu_kernels_gemm.cc"))
+SOURCES = tuple(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", name)
+    for name in ("cpu_kernels_attention.cc", "cpu_kernels_gemm.cc")
+)
 # -ffast-math for vectorised reductions, but with infinities kept: banned tokens' logits are -inf.
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-fPIC")
 # Linked in a second command without -ffast-math: linking with it adds crtfastmath.o, whose
@@ -96,8 +100,17 @@ def build(cache_dir: str | None = None) -> str:
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"\0".join([_sources_digest(), " ".join(FLAGS + LINK_FLAGS).encode(), version.encode(),
-                                     jax.lib.__version__.encode(), _cpu_id().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                _sources_digest(),
+                " ".join(FLAGS + LINK_FLAGS).encode(),
+                version.encode(),
+                jax.lib.__version__.encode(),
+                _cpu_id().encode(),
+            ]
+        )
+    ).hexdigest()[:16]
     cache_dir = cache_dir or os.path.join(default_cache_root(), "native")
     os.makedirs(cache_dir, exist_ok=True)
     path = os.path.join(cache_dir, f"cpu_kernels-{key}.so")
@@ -110,7 +123,7 @@ def build(cache_dir: str | None = None) -> str:
     try:
         steps = [[cxx, *FLAGS, "-I", jax.ffi.include_dir(), "-c", src, "-o", obj] for src, obj in zip(SOURCES, objs)]
         procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for cmd in steps]
-        errors = [proc.communicate()[1] for proc in procs]      # (the units compile side by side)
+        errors = [proc.communicate()[1] for proc in procs]  # (the units compile side by side)
         steps.append([cxx, *LINK_FLAGS, *objs, "-o", tmp])
         if all(proc.returncode == 0 for proc in procs):
             procs.append(subprocess.run(steps[-1], capture_output=True, text=True))
@@ -168,7 +181,7 @@ def _load() -> str | None:
 
 
 _loading: Future | None = None
-_lib = None     # the loaded library (ctypes), for its plain C functions
+_lib = None  # the loaded library (ctypes), for its plain C functions
 _loading_lock = threading.Lock()
 
 
@@ -220,8 +233,10 @@ def argmax_logsumexp(x: jax.Array, token_mask: jax.Array | None = None) -> tuple
     require()
     rows = x.shape[0]
     mask = jnp.zeros((0, 0), jnp.int32) if token_mask is None else jnp.asarray(token_mask, jnp.int32)
-    call = jax.ffi.ffi_call("jaxllm_argmax_logsumexp_cpu", (jax.ShapeDtypeStruct((rows,), jnp.int32),
-                                                            jax.ShapeDtypeStruct((rows,), jnp.float32)))
+    call = jax.ffi.ffi_call(
+        "jaxllm_argmax_logsumexp_cpu",
+        (jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.float32)),
+    )
     return call(x.astype(jnp.float32), mask)
 
 
@@ -233,8 +248,9 @@ def sample_rows(logits, temperature, min_p, top_k, top_p, draft_tokens, u, u_dra
     rows = logits.shape[0]
     f32, i32 = (lambda a: jnp.asarray(a, jnp.float32)), (lambda a: jnp.asarray(a, jnp.int32))
     call = jax.ffi.ffi_call("jaxllm_sample_rows_cpu", jax.ShapeDtypeStruct((rows,), jnp.int32))
-    return call(f32(logits), f32(temperature), f32(min_p), i32(top_k), f32(top_p), i32(draft_tokens), f32(u),
-                f32(u_draft))
+    return call(
+        f32(logits), f32(temperature), f32(min_p), i32(top_k), f32(top_p), i32(draft_tokens), f32(u), f32(u_draft)
+    )
 
 
 PANEL = 16  # columns per panel of a packed weight (csrc/gemm.cc)
@@ -245,7 +261,7 @@ def pack_weight(w: np.ndarray, transposed: bool = False, dtype=np.float32) -> np
     as the panels `matmul_packed` reads: float32 [N / 16, K, 16]; or with dtype bfloat16
     [N / 16, K / 2, 16, 2], rows 2 kp and 2 kp + 1 of a column side by side (the pairs
     AVX512_BF16's dot multiplies). N must be a multiple of 16 (and K even for bf16)."""
-    w = np.asarray(w).astype(dtype, copy=False)   # a bf16 weight is rearranged without an f32 copy
+    w = np.asarray(w).astype(dtype, copy=False)  # a bf16 weight is rearranged without an f32 copy
     if transposed:
         n, k = w.shape
         panels = w.reshape(n // PANEL, PANEL, k).transpose(0, 2, 1)
@@ -280,8 +296,7 @@ def _live_rows(rows) -> jax.Array:
     return jnp.zeros((0,), jnp.int32) if rows is None else jnp.asarray(rows, jnp.int32).reshape(())
 
 
-def matmul_packed(x: jax.Array, w_packed: jax.Array, path: str = "auto", rows=None,
-                  swiglu: bool = False) -> jax.Array:
+def matmul_packed(x: jax.Array, w_packed: jax.Array, path: str = "auto", rows=None, swiglu: bool = False) -> jax.Array:
     """x [..., K] @ the weight packed by `pack_weight` -> [..., N] f32: with f32 panels x in f32
     (csrc/gemm.cc), with bf16 panels x rounded to bf16 and f32 sums (csrc/gemm_bf16.cc).
     `path`: as for `paged_attention_cpu` (f32: portable and AVX2 code; bf16: portable and
@@ -296,8 +311,10 @@ def matmul_packed(x: jax.Array, w_packed: jax.Array, path: str = "auto", rows=No
     lead = x.shape[:-1]
     bf16 = w_packed.dtype == jnp.bfloat16
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16 if bf16 else jnp.float32)
-    call = jax.ffi.ffi_call("jaxllm_matmul_packed_bf16_cpu" if bf16 else "jaxllm_matmul_packed_cpu",
-                            jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
+    call = jax.ffi.ffi_call(
+        "jaxllm_matmul_packed_bf16_cpu" if bf16 else "jaxllm_matmul_packed_cpu",
+        jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
+    )
     return call(x2, w_packed, _live_rows(rows), path=path_attr, swiglu=np.int32(swiglu)).reshape(*lead, n)
 
 
@@ -329,31 +346,60 @@ def codes_to_bf16_panels(codes, scale, offset, bits: int, super_scale=None, supe
     `matmul_quantized_bf16` (same arguments), each weight bf16(code * scale + offset) as that GEMM
     computes it, in one C++ pass on the host (csrc/gemm_quant_bf16.cc)."""
     require()
-    host = lambda a: None if a is None else np.ascontiguousarray(np.asarray(a))      # noqa: E731
+    host = lambda a: None if a is None else np.ascontiguousarray(np.asarray(a))  # noqa: E731
     codes, scale, offset, super_scale, super_offset = map(host, (codes, scale, offset, super_scale, super_offset))
     n = codes.shape[0] * PANEL
     k = codes.shape[1] * (4 if bits == 4 else 1)
     groups = scale.shape[0] if scale.ndim == 2 else 0
-    supers_ok = super_scale is None or (super_scale.shape[1:] == (n,) and groups % super_scale.shape[0] == 0 and (
-        super_offset is None or super_offset.shape == super_scale.shape))
-    if scale.shape != (groups, n) or not groups or k % groups or (offset is not None and offset.shape != scale.shape) \
-            or not supers_ok:
+    supers_ok = super_scale is None or (
+        super_scale.shape[1:] == (n,)
+        and groups % super_scale.shape[0] == 0
+        and (super_offset is None or super_offset.shape == super_scale.shape)
+    )
+    if (
+        scale.shape != (groups, n)
+        or not groups
+        or k % groups
+        or (offset is not None and offset.shape != scale.shape)
+        or not supers_ok
+    ):
         raise ValueError(f"codes_to_bf16_panels: codes {codes.shape} with scales {scale.shape} have no bf16 panels")
     out = np.empty((n // PANEL, k // 2, PANEL, 2), np.uint16)
-    ptr = lambda a: None if a is None else a.ctypes.data_as(ctypes.c_void_p)      # noqa: E731
+    ptr = lambda a: None if a is None else a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
     err = _lib.JaxllmCodesToBf16Panels(
-        ptr(codes), ctypes.c_int32(bits), ctypes.c_int64(k), ctypes.c_int64(n), ctypes.c_int64(scale.shape[0]),
-        ptr(scale), ptr(offset), ctypes.c_int32(scale.dtype == np.float16), ptr(super_scale), ptr(super_offset),
-        ctypes.c_int64(scale.shape[0] // super_scale.shape[0] if super_scale is not None else 1), ptr(out))
+        ptr(codes),
+        ctypes.c_int32(bits),
+        ctypes.c_int64(k),
+        ctypes.c_int64(n),
+        ctypes.c_int64(scale.shape[0]),
+        ptr(scale),
+        ptr(offset),
+        ctypes.c_int32(scale.dtype == np.float16),
+        ptr(super_scale),
+        ptr(super_offset),
+        ctypes.c_int64(scale.shape[0] // super_scale.shape[0] if super_scale is not None else 1),
+        ptr(out),
+    )
     if err:
         raise ValueError(f"codes_to_bf16_panels: codes {codes.shape} with scales {scale.shape} have no bf16 panels")
     return out.view(jnp.bfloat16)
 
 
-def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array | None, bits: int,
-                     path: str = "auto", rows=None, swiglu: bool = False, act8: bool = False,
-                     super_scale: jax.Array | None = None, super_offset: jax.Array | None = None,
-                     bias: jax.Array | None = None, act_block: int = 0) -> jax.Array:
+def matmul_quantized(
+    x: jax.Array,
+    codes: jax.Array,
+    scale: jax.Array,
+    offset: jax.Array | None,
+    bits: int,
+    path: str = "auto",
+    rows=None,
+    swiglu: bool = False,
+    act8: bool = False,
+    super_scale: jax.Array | None = None,
+    super_offset: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    act_block: int = 0,
+) -> jax.Array:
     """x [..., K] f32 @ w -> [..., N] f32, w [K, N] given by the panels of `pack_codes`, and
     scale (and offset, or None) [G, N], f32 or f16: w[k, n] = code * scale[g, n] + offset[g, n]
     for the group g = k // (K / G) (csrc/gemm_quant.cc dequantizes a panel at a time; x stays
@@ -369,26 +415,60 @@ def matmul_quantized(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: j
     act_block (1 for 0), N] or None, is then 128 times each column's code sum over each block
     (`QuantizedWeight.bias`; None: summed in the call). `rows`, `swiglu`: as for `matmul_packed`."""
     bias = jnp.zeros((0,), jnp.int32) if bias is None else bias
-    return _quantized_call("jaxllm_matmul_quantized_cpu", x.astype(jnp.float32), codes, scale, offset,
-                           super_scale, super_offset, rows, swiglu, bias, bits=np.int32(bits), path=_path_attr(path),
-                           act8=np.int32(act8), act_block=np.int32(act_block))
+    return _quantized_call(
+        "jaxllm_matmul_quantized_cpu",
+        x.astype(jnp.float32),
+        codes,
+        scale,
+        offset,
+        super_scale,
+        super_offset,
+        rows,
+        swiglu,
+        bias,
+        bits=np.int32(bits),
+        path=_path_attr(path),
+        act8=np.int32(act8),
+        act_block=np.int32(act_block),
+    )
 
 
-def matmul_quantized_bf16(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array | None, bits: int,
-                          path: str = "auto", rows=None, swiglu: bool = False, super_scale: jax.Array | None = None,
-                          super_offset: jax.Array | None = None) -> jax.Array:
+def matmul_quantized_bf16(
+    x: jax.Array,
+    codes: jax.Array,
+    scale: jax.Array,
+    offset: jax.Array | None,
+    bits: int,
+    path: str = "auto",
+    rows=None,
+    swiglu: bool = False,
+    super_scale: jax.Array | None = None,
+    super_offset: jax.Array | None = None,
+) -> jax.Array:
     """x [..., K] @ w -> [..., N] f32 with x rounded to bf16 and w [K, N] given by 8-bit codes
     packed by `pack_codes` or 4-bit ones packed by `pack_codes(..., pairs=True)`, scale/offset as
     for `matmul_quantized` (K and the groups multiples of 4 rows): each weight rounded to bf16
     as it is read and multiplied by AVX512_BF16's bf16 dot (csrc/gemm_quant_bf16.cc), the packed
     bf16 GEMM's product of the dequantized weights bit for bit. `path`: "portable" or "avx512"
     (AVX512_BF16 builds only); `rows`, `swiglu`: as for `matmul_packed`."""
-    return _quantized_call("jaxllm_matmul_quantized_bf16_cpu", x.astype(jnp.bfloat16), codes, scale, offset,
-                           super_scale, super_offset, rows, swiglu, bits=np.int32(bits), path=_path_attr(path))
+    return _quantized_call(
+        "jaxllm_matmul_quantized_bf16_cpu",
+        x.astype(jnp.bfloat16),
+        codes,
+        scale,
+        offset,
+        super_scale,
+        super_offset,
+        rows,
+        swiglu,
+        bits=np.int32(bits),
+        path=_path_attr(path),
+    )
 
 
-def _quantized_call(target: str, x, codes, scale, offset, super_scale, super_offset, rows, swiglu: bool, *extra,
-                    **attrs):
+def _quantized_call(
+    target: str, x, codes, scale, offset, super_scale, super_offset, rows, swiglu: bool, *extra, **attrs
+):
     """The quantized GEMMs' FFI call: x [..., K] (in the kernel's dtype) -> [..., N] f32, absent
     offsets and super-scales as empty arrays; `extra` arrays go after them."""
     require()
@@ -398,16 +478,29 @@ def _quantized_call(target: str, x, codes, scale, offset, super_scale, super_off
     offset = jnp.zeros((0,), scale.dtype) if offset is None else offset
     supers = [jnp.zeros((0,), jnp.float16) if a is None else a for a in (super_scale, super_offset)]
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
-    return call(x2, codes, scale, offset, *supers, *extra, _live_rows(rows), swiglu=np.int32(swiglu),
-                **attrs).reshape(*lead, n)
+    return call(x2, codes, scale, offset, *supers, *extra, _live_rows(rows), swiglu=np.int32(swiglu), **attrs).reshape(
+        *lead, n
+    )
 
 
 ACT_BLOCK = 32  # columns of x per int8 scale with `matmul_quantized(..., act8=True)` and 4-bit codes
 W8A8_MAX_K = 131072  # the largest K of 8-bit codes x int8 rows (csrc/gemm_w8a8.cc: exact int32 sums)
 
 
-def paged_attention_cpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                        sm_scale=None, sliding_window=None, logits_soft_cap=None, path="auto"):
+def paged_attention_cpu(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale=None,
+    sliding_window=None,
+    logits_soft_cap=None,
+    path="auto",
+):
     """Ragged paged attention on XLA:CPU (contract: `ragged_paged_attention_reference`).
 
     q is computed in float32; pages are float32, bf16 stored as uint16, or int8 or fp8 (uint8 bits)
@@ -423,12 +516,19 @@ def paged_attention_cpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, n
         k_pages = jax.lax.bitcast_convert_type(k_pages, jnp.uint16)
         v_pages = jax.lax.bitcast_convert_type(v_pages, jnp.uint16)
     call = jax.ffi.ffi_call("jaxllm_paged_attention_cpu", jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    out = call(q.astype(jnp.float32), k_pages, v_pages, jnp.asarray(kv_lens, jnp.int32),
-               jnp.asarray(block_tables, jnp.int32), jnp.asarray(cu_q_lens, jnp.int32),
-               jnp.asarray(num_seqs, jnp.int32).reshape(()),
-               sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
-               soft_cap=np.float32(logits_soft_cap or 0.0),
-               path=path_attr)
+    out = call(
+        q.astype(jnp.float32),
+        k_pages,
+        v_pages,
+        jnp.asarray(kv_lens, jnp.int32),
+        jnp.asarray(block_tables, jnp.int32),
+        jnp.asarray(cu_q_lens, jnp.int32),
+        jnp.asarray(num_seqs, jnp.int32).reshape(()),
+        sm_scale=np.float32(sm_scale),
+        sliding_window=np.int32(sliding_window or 0),
+        soft_cap=np.float32(logits_soft_cap or 0.0),
+        path=path_attr,
+    )
     return out.astype(q.dtype)
 
 
@@ -444,16 +544,17 @@ def write_kv(k_pages, v_pages, k_new, v_new, slot_mapping):
     """`kernels.write_kv` (same contract, same stored bytes) as one in-place FFI call: the pages
     are aliased to the results, so donate them to the enclosing jit as for the scatter."""
     require()
-    call = jax.ffi.ffi_call("jaxllm_write_kv_cpu",
-                            (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-                             jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
-                            input_output_aliases={0: 0, 1: 1})
-    return call(k_pages, v_pages, k_new.astype(jnp.float32), v_new.astype(jnp.float32),
-                jnp.asarray(slot_mapping, jnp.int32))
+    call = jax.ffi.ffi_call(
+        "jaxllm_write_kv_cpu",
+        (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype), jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
+        input_output_aliases={0: 0, 1: 1},
+    )
+    return call(
+        k_pages, v_pages, k_new.astype(jnp.float32), v_new.astype(jnp.float32), jnp.asarray(slot_mapping, jnp.int32)
+    )
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, delta: jax.Array | None = None, rows=None,
-             dtype=jnp.float32):
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, delta: jax.Array | None = None, rows=None, dtype=jnp.float32):
     """RMSNorm of x [T, H] f32 (of `x + delta` when delta is given) in one call (csrc/norm.cc):
     `s * rsqrt(mean(s * s) + eps) * weight` in `dtype` (float32 or bfloat16, rounded as XLA's
     convert), and with delta also `s` itself: returns `(s, normed)`, else `normed`. `rows`: as
@@ -461,8 +562,15 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, delta: jax.Array | Non
     require()
     t, h = x.shape
     add = delta is not None
-    call = jax.ffi.ffi_call("jaxllm_rms_norm_cpu", (jax.ShapeDtypeStruct((t, h) if add else (0,), jnp.float32),
-                                                    jax.ShapeDtypeStruct((t, h), dtype)))
-    s, normed = call(x.astype(jnp.float32), delta.astype(jnp.float32) if add else jnp.zeros((0,), jnp.float32),
-                     weight.astype(jnp.float32), _live_rows(rows), eps=np.float32(eps))
+    call = jax.ffi.ffi_call(
+        "jaxllm_rms_norm_cpu",
+        (jax.ShapeDtypeStruct((t, h) if add else (0,), jnp.float32), jax.ShapeDtypeStruct((t, h), dtype)),
+    )
+    s, normed = call(
+        x.astype(jnp.float32),
+        delta.astype(jnp.float32) if add else jnp.zeros((0,), jnp.float32),
+        weight.astype(jnp.float32),
+        _live_rows(rows),
+        eps=np.float32(eps),
+    )
     return (s, normed) if add else normed

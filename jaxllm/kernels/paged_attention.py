@@ -86,16 +86,16 @@ def _load_rows(pages_ref, page_ids, head_dim: int):
 
 def _ragged_paged_attention_kernel(
     # inputs
-    tile_seq_ref,      # [num_tiles] int32, -1 for an unused grid slot
+    tile_seq_ref,  # [num_tiles] int32, -1 for an unused grid slot
     tile_q_start_ref,  # [num_tiles] int32, first token of the tile within its sequence
-    cu_q_lens_ref,      # [S + 1] int32
-    kv_lens_ref,        # [S] int32
-    block_tables_ref,   # [S, pages_per_seq_padded] int32
-    q_ref,              # [(T + tile_q) * group, head_dim] of this KV head
-    k_pages_ref,        # [num_pages, page_size, head_dim] of this KV head
-    v_pages_ref,        # [num_pages, page_size, head_dim] of this KV head
+    cu_q_lens_ref,  # [S + 1] int32
+    kv_lens_ref,  # [S] int32
+    block_tables_ref,  # [S, pages_per_seq_padded] int32
+    q_ref,  # [(T + tile_q) * group, head_dim] of this KV head
+    k_pages_ref,  # [num_pages, page_size, head_dim] of this KV head
+    v_pages_ref,  # [num_pages, page_size, head_dim] of this KV head
     # outputs
-    o_ref,              # [(T + tile_q) * group, head_dim] of this KV head
+    o_ref,  # [(T + tile_q) * group, head_dim] of this KV head
     *,
     group: int,
     tile_rows: int,
@@ -119,14 +119,14 @@ def _ragged_paged_attention_kernel(
         q_len = cu_q_lens_ref[seq + 1] - q_start
         kv_len = kv_lens_ref[seq]
         first_tok = tile_q_start_ref[b]
-        ctx_before = kv_len - q_len          # cache positions before this step's tokens
+        ctx_before = kv_len - q_len  # cache positions before this step's tokens
 
         tok = first_tok + lax.div(lax.broadcasted_iota(jnp.int32, (tile_rows,), 0), group)
         row_valid = tok < q_len
-        q_pos = jnp.where(row_valid, ctx_before + tok, -1)   # -1 masks every key
+        q_pos = jnp.where(row_valid, ctx_before + tok, -1)  # -1 masks every key
         rows = pl.ds((q_start + first_tok) * group, tile_rows)
         q = q_ref[rows, :]
-        q = jnp.where(row_valid[:, None], q, jnp.zeros_like(q))   # padding may hold NaN
+        q = jnp.where(row_valid[:, None], q, jnp.zeros_like(q))  # padding may hold NaN
 
         last_pos = ctx_before + jnp.minimum(first_tok + tile_q, q_len) - 1
         hi = lax.div(last_pos + tile_keys, tile_keys)
@@ -139,7 +139,7 @@ def _ragged_paged_attention_kernel(
             page_ids = block_tables_ref[seq, pl.ds(i * pages_per_tile, pages_per_tile)]
             k = _load_rows(k_pages_ref, page_ids, head_dim).reshape(tile_keys, head_dim)
             v = _load_rows(v_pages_ref, page_ids, head_dim).reshape(tile_keys, head_dim)
-            s = pltriton.dot(q, k, trans_b=True, precision=precision) * sm_scale   # [tile_rows, tile_keys] f32
+            s = pltriton.dot(q, k, trans_b=True, precision=precision) * sm_scale  # [tile_rows, tile_keys] f32
             if logits_soft_cap is not None:
                 s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
             k_pos = i * tile_keys + lax.broadcasted_iota(jnp.int32, (tile_keys,), 0)
@@ -174,15 +174,17 @@ def check_shapes(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens) -> None:
     num_kv_heads, _, _, row = k_pages.shape
     num_seqs_max = block_tables.shape[0]
     if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
-        raise ValueError(f"k_pages {k_pages.shape} {k_pages.dtype} and v_pages "
-                         f"{v_pages.shape} {v_pages.dtype} must match")
+        raise ValueError(
+            f"k_pages {k_pages.shape} {k_pages.dtype} and v_pages {v_pages.shape} {v_pages.dtype} must match"
+        )
     if row != head_dim + (INT8_SCALE_BYTES if quantized_rows(k_pages.dtype) else 0):
         raise ValueError(f"q head_dim {head_dim} does not match the cache rows ({row}, {k_pages.dtype})")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
     if kv_lens.shape != (num_seqs_max,) or cu_q_lens.shape != (num_seqs_max + 1,):
-        raise ValueError(f"kv_lens {kv_lens.shape} / cu_q_lens {cu_q_lens.shape} do not match "
-                         f"block_tables {block_tables.shape}")
+        raise ValueError(
+            f"kv_lens {kv_lens.shape} / cu_q_lens {cu_q_lens.shape} do not match block_tables {block_tables.shape}"
+        )
 
 
 def query_tiles(cu_q_lens, num_seqs, num_tokens: int, tile_q: int):
@@ -207,13 +209,34 @@ def query_tiles(cu_q_lens, num_seqs, num_tokens: int, tile_q: int):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "sliding_window", "logits_soft_cap", "interpret",
-                     "tile_rows", "tile_keys", "num_warps", "num_stages"),
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "logits_soft_cap",
+        "interpret",
+        "tile_rows",
+        "tile_keys",
+        "num_warps",
+        "num_stages",
+    ),
 )
 def ragged_paged_attention(
-    q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-    sm_scale=None, sliding_window=None, logits_soft_cap=None, interpret=False,
-    tile_rows=16, tile_keys=64, num_warps=4, num_stages=2,
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale=None,
+    sliding_window=None,
+    logits_soft_cap=None,
+    interpret=False,
+    tile_rows=16,
+    tile_keys=64,
+    num_warps=4,
+    num_stages=2,
 ):
     """Ragged paged attention; see the module docstring for shapes.
 
@@ -233,15 +256,17 @@ def ragged_paged_attention(
 
     group = num_q_heads // num_kv_heads
     group_pad = pl.next_power_of_2(group)
-    tile_rows = max(tile_rows, group_pad, 16)         # tl.dot needs M >= 16
+    tile_rows = max(tile_rows, group_pad, 16)  # tl.dot needs M >= 16
     tile_q = tile_rows // group_pad
     pages_per_tile = max(1, tile_keys // page_size)
     tile_keys = pages_per_tile * page_size
     sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
 
     if k_pages.dtype not in (jnp.float32, jnp.bfloat16, jnp.uint16, jnp.int8, jnp.uint8):
-        raise ValueError(f"cache dtype {k_pages.dtype} must be float32, bfloat16, uint16 "
-                         "(bfloat16 bit patterns), int8 or uint8 (int8 / fp8 codes and scales)")
+        raise ValueError(
+            f"cache dtype {k_pages.dtype} must be float32, bfloat16, uint16 "
+            "(bfloat16 bit patterns), int8 or uint8 (int8 / fp8 codes and scales)"
+        )
     # Both dot operands in the cache's logical dtype (int8, fp8: dequantized to float32);
     # accumulation is float32 either way.
     compute_dtype = jnp.bfloat16 if k_pages.dtype in (jnp.bfloat16, jnp.uint16) else jnp.float32
@@ -258,31 +283,50 @@ def ragged_paged_attention(
     block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pad_pages)))
 
     kernel = functools.partial(
-        _ragged_paged_attention_kernel, group=group_pad, tile_rows=tile_rows,
-        pages_per_tile=pages_per_tile, sm_scale=sm_scale, sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap, precision=dot_precision(),
+        _ragged_paged_attention_kernel,
+        group=group_pad,
+        tile_rows=tile_rows,
+        pages_per_tile=pages_per_tile,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        precision=dot_precision(),
     )
 
-    def whole(x):           # small int32 metadata, read by scalar loads
+    def whole(x):  # small int32 metadata, read by scalar loads
         return pl.BlockSpec(x.shape, lambda h, b: (0,) * x.ndim)
 
-    def per_kv_head(x):     # [num_kv_heads, ...] -> this program's KV head
+    def per_kv_head(x):  # [num_kv_heads, ...] -> this program's KV head
         return pl.BlockSpec((None, *x.shape[1:]), lambda h, b: (h,) + (0,) * (x.ndim - 1))
 
     out = pl.pallas_call(
         kernel,
         grid=(num_kv_heads, num_tiles),
         in_specs=[
-            whole(tile_seq), whole(tile_q_start), whole(cu_q_lens), whole(kv_lens),
-            whole(block_tables), per_kv_head(qg), per_kv_head(k_pages), per_kv_head(v_pages),
+            whole(tile_seq),
+            whole(tile_q_start),
+            whole(cu_q_lens),
+            whole(kv_lens),
+            whole(block_tables),
+            per_kv_head(qg),
+            per_kv_head(k_pages),
+            per_kv_head(v_pages),
         ],
         out_specs=per_kv_head(qg),
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"ragged_paged_attention_{tile_rows=}_{tile_keys=}",
-    )(tile_seq, tile_q_start, cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
-      block_tables, qg, k_pages, v_pages)
+    )(
+        tile_seq,
+        tile_q_start,
+        cu_q_lens.astype(jnp.int32),
+        kv_lens.astype(jnp.int32),
+        block_tables,
+        qg,
+        k_pages,
+        v_pages,
+    )
 
     out = out.reshape(num_kv_heads, num_tokens + tile_q, group_pad, head_dim)
     out = out[:, :num_tokens, :group].transpose(1, 0, 2, 3).reshape(q.shape)

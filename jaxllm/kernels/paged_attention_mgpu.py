@@ -44,9 +44,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxllm.kernels.paged_attention import check_shapes, query_tiles
 
 NEG_INF = -1e30
-BLOCK_Q = 64            # query rows per program: one warpgroup's MMA height
-SWIZZLE = 128           # bytes: shared-memory swizzle of every MMA operand
-TABLE_CHUNK = 256       # block-table entries per TMA copy (a copy moves at most 256 along a dimension)
+BLOCK_Q = 64  # query rows per program: one warpgroup's MMA height
+SWIZZLE = 128  # bytes: shared-memory swizzle of every MMA operand
+TABLE_CHUNK = 256  # block-table entries per TMA copy (a copy moves at most 256 along a dimension)
 
 
 def unsupported(q_shape, cache_dtype, page_size: int) -> str | None:
@@ -62,11 +62,34 @@ def unsupported(q_shape, cache_dtype, page_size: int) -> str | None:
     return None
 
 
-def _kernel(tile_seq_ref, tile_q_start_ref, cu_q_lens_ref, kv_lens_ref, block_tables_ref,
-            q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, p_smem, table_smem, q_bar, table_bar, k_bar,
-            v_bar, *,
-            group: int, pages_per_block: int, stages: int, sm_scale: float,
-            sliding_window: int | None, logits_soft_cap: float | None, interpret: bool):
+def _kernel(
+    tile_seq_ref,
+    tile_q_start_ref,
+    cu_q_lens_ref,
+    kv_lens_ref,
+    block_tables_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    q_smem,
+    k_smem,
+    v_smem,
+    p_smem,
+    table_smem,
+    q_bar,
+    table_bar,
+    k_bar,
+    v_bar,
+    *,
+    group: int,
+    pages_per_block: int,
+    stages: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+    interpret: bool,
+):
     """One (KV head, query tile) program. Refs without _smem/_bar are in global memory:
     q_ref / o_ref [num_kv_heads, num_tiles, BLOCK_Q, head_dim], k_ref / v_ref the page pools."""
     h, b = lax.axis_index("kv_head"), lax.axis_index("tile")
@@ -84,9 +107,10 @@ def _kernel(tile_seq_ref, tile_q_start_ref, cu_q_lens_ref, kv_lens_ref, block_ta
         def scope(acc_ref):
             plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)) if transpose_b else b_ref)
             return acc_ref[...]
+
         return pl.run_scoped(scope, plgpu.ACC((a_ref.shape[0], n), jnp.float32))
 
-    def layout(x, to):          # register layout hints; the interpreter has no layouts
+    def layout(x, to):  # register layout hints; the interpreter has no layouts
         return x if interpret else plgpu.layout_cast(x, to)
 
     def iota(dim):
@@ -101,7 +125,7 @@ def _kernel(tile_seq_ref, tile_q_start_ref, cu_q_lens_ref, kv_lens_ref, block_ta
     def _():
         plgpu.copy_gmem_to_smem(q_ref.at[h, b], q_smem, q_bar.at[0])
         width = min(table_smem.shape[0], TABLE_CHUNK)
-        for c in range(table_smem.shape[0] // width):     # the row in copies of <= TABLE_CHUNK entries
+        for c in range(table_smem.shape[0] // width):  # the row in copies of <= TABLE_CHUNK entries
             cols = pl.ds(c * width, width)
             plgpu.copy_gmem_to_smem(block_tables_ref.at[seq, cols], table_smem.at[cols], table_bar.at[0])
         q_start = cu_q_lens_ref[seq]
@@ -116,7 +140,7 @@ def _kernel(tile_seq_ref, tile_q_start_ref, cu_q_lens_ref, kv_lens_ref, block_ta
         if sliding_window is not None:
             lo = lax.div(jnp.maximum(base - sliding_window + 1, 0), jnp.int32(block_kv))
 
-        def fetch(i, slot):        # key block i -> ring slot: one TMA copy per page
+        def fetch(i, slot):  # key block i -> ring slot: one TMA copy per page
             for j in range(pages_per_block):
                 page = table_smem[i * pages_per_block + j]
                 rows = pl.ds(j * page_size, page_size)
@@ -125,6 +149,7 @@ def _kernel(tile_seq_ref, tile_q_start_ref, cu_q_lens_ref, kv_lens_ref, block_ta
 
         plgpu.barrier_wait(table_bar.at[0])
         for s in range(stages):
+
             @pl.when(lo + s < hi)
             def _():
                 fetch(lo + s, s)
@@ -140,7 +165,7 @@ def _kernel(tile_seq_ref, tile_q_start_ref, cu_q_lens_ref, kv_lens_ref, block_ta
             # (rows past the sequence's tokens compute garbage that nobody gathers)
             r, k = iota(0), iota(1) + i * block_kv
             mask = (k - base) * group <= r
-            if sliding_window is not None:   # k > base + r // group - window
+            if sliding_window is not None:  # k > base + r // group - window
                 mask &= (k - base + sliding_window) * group > r
             s = jnp.where(mask, s, NEG_INF)
             m_new = jnp.maximum(m, s.max(axis=1))
@@ -155,29 +180,45 @@ def _kernel(tile_seq_ref, tile_q_start_ref, cu_q_lens_ref, kv_lens_ref, block_ta
             plgpu.barrier_wait(v_bar.at[slot])
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + mma(p_smem, v_smem.at[slot], False)
 
-            @pl.when(i + stages < hi)   # the slot's MMAs are done: refill it
+            @pl.when(i + stages < hi)  # the slot's MMAs are done: refill it
             def _():
                 fetch(i + stages, slot)
+
             return m_new, l, acc
 
         rows = plgpu.Layout.WGMMA.reduce(1)
-        init = (layout(jnp.full((BLOCK_Q,), NEG_INF, jnp.float32), rows),
-                layout(jnp.full((BLOCK_Q,), 0.0, jnp.float32), rows),
-                layout(jnp.full((BLOCK_Q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA))
+        init = (
+            layout(jnp.full((BLOCK_Q,), NEG_INF, jnp.float32), rows),
+            layout(jnp.full((BLOCK_Q,), 0.0, jnp.float32), rows),
+            layout(jnp.full((BLOCK_Q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA),
+        )
         plgpu.barrier_wait(q_bar.at[0])
         _, l, acc = lax.fori_loop(lo, hi, body, init)
         acc = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])
-        q_smem[...] = acc.astype(q_smem.dtype)      # q is no longer needed: stage the output
+        q_smem[...] = acc.astype(q_smem.dtype)  # q is no longer needed: stage the output
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem, o_ref.at[h, b])
         plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "logits_soft_cap", "interpret",
-                                             "block_kv", "stages"))
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "sliding_window", "logits_soft_cap", "interpret", "block_kv", "stages")
+)
 def ragged_paged_attention_mgpu(
-    q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-    sm_scale=None, sliding_window=None, logits_soft_cap=None, interpret=False, block_kv=64, stages=3,
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale=None,
+    sliding_window=None,
+    logits_soft_cap=None,
+    interpret=False,
+    block_kv=64,
+    stages=3,
 ):
     """Ragged paged attention (shapes: `paged_attention.py`). Static knobs: `block_kv` keys per
     pipeline step (whole pages, a multiple of 64), `stages` shared-memory slots in the ring."""
@@ -192,12 +233,13 @@ def ragged_paged_attention_mgpu(
     if group_pad > BLOCK_Q:
         raise ValueError(f"{group} query heads per KV head: at most {BLOCK_Q}")
     if block_kv % 64 or block_kv % page_size or stages < 1:
-        raise ValueError(f"block_kv {block_kv} must be a multiple of 64 and of page_size {page_size}; "
-                         f"stages {stages} >= 1")
+        raise ValueError(
+            f"block_kv {block_kv} must be a multiple of 64 and of page_size {page_size}; stages {stages} >= 1"
+        )
     tile_q = BLOCK_Q // group_pad
     pages_per_block = block_kv // page_size
     sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
-    if k_pages.dtype == jnp.uint16:              # bf16 bit patterns (kv_write.storage_dtype)
+    if k_pages.dtype == jnp.uint16:  # bf16 bit patterns (kv_write.storage_dtype)
         k_pages = lax.bitcast_convert_type(k_pages, jnp.bfloat16)
         v_pages = lax.bitcast_convert_type(v_pages, jnp.bfloat16)
     dtype = k_pages.dtype
@@ -216,27 +258,39 @@ def ragged_paged_attention_mgpu(
     qg = q.astype(dtype).reshape(num_tokens, num_kv_heads, group, head_dim)[token, :, head[None]]
     qg = jnp.where(valid[..., None, None], qg, jnp.zeros_like(qg)).transpose(2, 0, 1, 3)
 
-    pad_pages = -pages_per_seq % math.lcm(pages_per_block, 4)     # a row's TMA copy: 16-byte multiples
-    if pages_per_seq + pad_pages > TABLE_CHUNK:                  # copied in whole chunks
+    pad_pages = -pages_per_seq % math.lcm(pages_per_block, 4)  # a row's TMA copy: 16-byte multiples
+    if pages_per_seq + pad_pages > TABLE_CHUNK:  # copied in whole chunks
         pad_pages += -(pages_per_seq + pad_pages) % TABLE_CHUNK
     table_copies = max(1, (pages_per_seq + pad_pages) // TABLE_CHUNK)
     block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pad_pages)))
     tiling = plgpu.TilingTransform((8, SWIZZLE // dtype.itemsize))
     smem = functools.partial(plgpu.SMEM, dtype=dtype, transforms=(tiling, plgpu.SwizzleTransform(SWIZZLE)))
     kernel = functools.partial(
-        _kernel, group=group_pad, pages_per_block=pages_per_block, stages=stages, sm_scale=sm_scale,
-        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, interpret=bool(interpret))
+        _kernel,
+        group=group_pad,
+        pages_per_block=pages_per_block,
+        stages=stages,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        interpret=bool(interpret),
+    )
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(qg.shape, dtype),
         grid=(num_kv_heads, num_tiles),
         grid_names=("kv_head", "tile"),
-        scratch_types=[smem((BLOCK_Q, head_dim)), smem((stages, block_kv, head_dim)),
-                       smem((stages, block_kv, head_dim)), smem((BLOCK_Q, block_kv)),
-                       plgpu.SMEM((pages_per_seq + pad_pages,), jnp.int32),
-                       plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_arrivals=table_copies, num_barriers=1),
-                       plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
-                       plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages)],
+        scratch_types=[
+            smem((BLOCK_Q, head_dim)),
+            smem((stages, block_kv, head_dim)),
+            smem((stages, block_kv, head_dim)),
+            smem((BLOCK_Q, block_kv)),
+            plgpu.SMEM((pages_per_seq + pad_pages,), jnp.int32),
+            plgpu.Barrier(num_barriers=1),
+            plgpu.Barrier(num_arrivals=table_copies, num_barriers=1),
+            plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
+        ],
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=_interpret_params() if interpret else None,
     )(tile_seq, tile_q_start, cu_q_lens, kv_lens.astype(jnp.int32), block_tables, qg, k_pages, v_pages)
@@ -248,7 +302,7 @@ def ragged_paged_attention_mgpu(
     local = t - cu_q_lens[t_seq]
     t_tile = jnp.clip(tiles_start[t_seq] + local // tile_q, 0, num_tiles - 1)
     t_row = (local % tile_q)[:, None] * group_pad + jnp.arange(group, dtype=jnp.int32)[None]
-    o = out[:, t_tile[:, None], t_row]                       # [num_kv_heads, T, group, head_dim]
+    o = out[:, t_tile[:, None], t_row]  # [num_kv_heads, T, group, head_dim]
     o = o.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
     real = t < cu_q_lens[num_seqs]
     return jnp.where(real[:, None, None], o, jnp.zeros_like(o))

@@ -41,15 +41,15 @@ from jax.experimental.pallas import triton as pltriton
 
 from jaxllm.kernels.paged_attention import dot_precision
 
-MIN_BLOCK = 16          # Triton's dots take tiles of at least 16 in each dimension
+MIN_BLOCK = 16  # Triton's dots take tiles of at least 16 in each dimension
 
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     block_m: int = 16
-    block_n: int = 64           # output columns a program makes (each half's, for 4-bit codes)
-    block_k: int = 32           # rows of K per step of the loop: divides a scale group or whole groups
-    split_k: int = 1            # programs sharing one output tile's K (partial sums added in XLA)
+    block_n: int = 64  # output columns a program makes (each half's, for 4-bit codes)
+    block_k: int = 32  # rows of K per step of the loop: divides a scale group or whole groups
+    split_k: int = 1  # programs sharing one output tile's K (partial sums added in XLA)
     num_warps: int = 4
     num_stages: int = 3
 
@@ -64,8 +64,13 @@ def fits(tiles: Tiles, k: int, n: int, groups: int, bits: int) -> bool:
     if k % groups:
         return False
     group_rows, sub = k // groups, min(tiles.block_k, k // groups)
-    return (group_rows % sub == 0 and tiles.block_k % sub == 0 and sub % MIN_BLOCK == 0
-            and k % (tiles.block_k * tiles.split_k) == 0 and _cols(n, bits) % tiles.block_n == 0)
+    return (
+        group_rows % sub == 0
+        and tiles.block_k % sub == 0
+        and sub % MIN_BLOCK == 0
+        and k % (tiles.block_k * tiles.split_k) == 0
+        and _cols(n, bits) % tiles.block_n == 0
+    )
 
 
 def supported(k: int, n: int, groups: int, bits: int) -> bool:
@@ -93,10 +98,10 @@ def choose_tiles(m: int, k: int, n: int, groups: int, bits: int, sms: int = 132)
     group_rows = k // groups
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     block_n = next(b for b in ((64, 32, 16) if bits == 4 else (128, 64, 32, 16)) if _cols(n, bits) % b == 0)
-    block_k = next((b for b in (128, 64, 32, 16) if k % b == 0 and (group_rows % b == 0 or b % group_rows == 0)),
-                   MIN_BLOCK)
-    tiles = Tiles(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=8,
-                  num_stages=4 if block_m <= 32 else 3)
+    block_k = next(
+        (b for b in (128, 64, 32, 16) if k % b == 0 and (group_rows % b == 0 or b % group_rows == 0)), MIN_BLOCK
+    )
+    tiles = Tiles(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=8, num_stages=4 if block_m <= 32 else 3)
     tiles = split_for(tiles, m, k, n, groups, bits, sms)
     return tiles if fits(tiles, k, n, groups, bits) else Tiles(block_k=MIN_BLOCK, block_n=MIN_BLOCK)
 
@@ -107,16 +112,18 @@ def _kernel(*refs, bits: int, group_rows: int, half_cols: int, steps: int, tiles
     bn, bk = tiles.block_n, tiles.block_k
     n0 = pl.program_id(1) * bn
     k0 = pl.program_id(2) * (steps * bk)
-    halves = (0, half_cols) if bits == 4 else (0,)      # output column offsets of the byte tile's columns
+    halves = (0, half_cols) if bits == 4 else (0,)  # output column offsets of the byte tile's columns
 
-    sub = min(bk, group_rows)      # a step's rows in one scale group: its dots and scalings
-    whole_k = group_rows == x_ref.shape[1]                    # one scale per column: applied once, at the end
-    dequantize_first = not whole_k and tiles.block_m > sub    # scaling the tile costs less than the rows
+    sub = min(bk, group_rows)  # a step's rows in one scale group: its dots and scalings
+    whole_k = group_rows == x_ref.shape[1]  # one scale per column: applied once, at the end
+    dequantize_first = not whole_k and tiles.block_m > sub  # scaling the tile costs less than the rows
 
     def scales(h, g):
         """Group g's scales and offsets (or None) of output columns h + n0 ..., as [1, block_n]."""
-        return [None if ref is None else ref[g, pl.ds(h + n0, bn)].astype(jnp.float32)[None, :]
-                for ref in (scale_ref, offset_ref)]
+        return [
+            None if ref is None else ref[g, pl.ds(h + n0, bn)].astype(jnp.float32)[None, :]
+            for ref in (scale_ref, offset_ref)
+        ]
 
     def body(i, carry):
         accs, x_sum = carry
@@ -181,16 +188,23 @@ def quantized_matmul(x, codes, scale, offset, *, bits: int, tiles: Tiles | None 
     rows = x2.shape[0]
     half = n // 2
     cols = _cols(n, bits)
-    kernel = functools.partial(_kernel, bits=bits, group_rows=k // groups, half_cols=half,
-                               steps=k // (tiles.block_k * tiles.split_k), tiles=tiles,
-                               dtype=x2.dtype, precision=None if x2.dtype == jnp.bfloat16 else dot_precision())
+    kernel = functools.partial(
+        _kernel,
+        bits=bits,
+        group_rows=k // groups,
+        half_cols=half,
+        steps=k // (tiles.block_k * tiles.split_k),
+        tiles=tiles,
+        dtype=x2.dtype,
+        precision=None if x2.dtype == jnp.bfloat16 else dot_precision(),
+    )
 
     def whole(a):
         return pl.BlockSpec(a.shape, lambda i, j, s: (0,) * a.ndim)
 
     operands = [x2, codes, scale] + ([] if offset is None else [offset])
     in_specs = [pl.BlockSpec((tiles.block_m, k), lambda i, j, s: (i, 0))] + [whole(a) for a in operands[1:]]
-    if bits == 4:   # [split, rows, 2, N / 2]: half h of byte column j is output column h * N / 2 + j
+    if bits == 4:  # [split, rows, 2, N / 2]: half h of byte column j is output column h * N / 2 + j
         out_shape = (tiles.split_k, rows, 2, half)
         out_spec = pl.BlockSpec((None, tiles.block_m, 2, tiles.block_n), lambda i, j, s: (s, i, 0, j))
     else:

@@ -39,8 +39,17 @@ def mask_scores(s, q_pos, k_pos, sliding_window, logits_soft_cap):
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "logits_soft_cap"))
 def ragged_paged_attention_reference(
-    q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-    sm_scale=None, sliding_window=None, logits_soft_cap=None,
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale=None,
+    sliding_window=None,
+    logits_soft_cap=None,
 ):
     """Oracle: per query token, gather its sequence's whole context and attend densely."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -52,15 +61,14 @@ def ragged_paged_attention_reference(
     seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, kv_lens.shape[0] - 1)
     valid = t < cu_q_lens[num_seqs]
     q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
-    q_pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])                       # [T]
+    q_pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])  # [T]
     ctx = block_tables.shape[1] * page_size
     k = k_pages[:, block_tables[seq]].reshape(num_kv_heads, num_tokens, ctx, head_dim)
     v = v_pages[:, block_tables[seq]].reshape(num_kv_heads, num_tokens, ctx, head_dim)
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
     s = jnp.einsum("tkgd,ktcd->tkgc", qg, k.astype(jnp.float32)) * sm_scale
     k_pos = jnp.arange(ctx, dtype=jnp.int32)
-    s, mask = mask_scores(s, q_pos[:, None, None, None], k_pos[None, None, None, :],
-                           sliding_window, logits_soft_cap)
+    s, mask = mask_scores(s, q_pos[:, None, None, None], k_pos[None, None, None, :], sliding_window, logits_soft_cap)
     p = jnp.exp(s - s.max(-1, keepdims=True)) * mask
     p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
     o = jnp.einsum("tkgc,ktcd->tkgd", p, v.astype(jnp.float32))

@@ -21,8 +21,18 @@ from jaxllm.kernels.reference import NEG_INF, mask_scores
 
 
 def paged_attention_rows(
-    q_rows, k_pages, v_pages, block_tables, kv_lens, q_lens, *,
-    sm_scale=None, sliding_window=None, logits_soft_cap=None, chunk_pages=4, rows_per_part=None,
+    q_rows,
+    k_pages,
+    v_pages,
+    block_tables,
+    kv_lens,
+    q_lens,
+    *,
+    sm_scale=None,
+    sliding_window=None,
+    logits_soft_cap=None,
+    chunk_pages=4,
+    rows_per_part=None,
 ):
     """Attention for rows of at most `row_tokens` query tokens of one sequence each.
 
@@ -39,14 +49,26 @@ def paged_attention_rows(
     32..384 this was 3.6x faster (24 -> 6.7 ms per layer, parts of 16 rows).
     """
     if rows_per_part and q_rows.shape[0] > rows_per_part:
-        kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                  chunk_pages=chunk_pages)
-        return jnp.concatenate([
-            paged_attention_rows(q_rows[i:i + rows_per_part], k_pages, v_pages, block_tables[i:i + rows_per_part],
-                                 kv_lens[i:i + rows_per_part], q_lens[i:i + rows_per_part], **kw)
-            for i in range(0, q_rows.shape[0], rows_per_part)])
+        kw = dict(
+            sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, chunk_pages=chunk_pages
+        )
+        return jnp.concatenate(
+            [
+                paged_attention_rows(
+                    q_rows[i : i + rows_per_part],
+                    k_pages,
+                    v_pages,
+                    block_tables[i : i + rows_per_part],
+                    kv_lens[i : i + rows_per_part],
+                    q_lens[i : i + rows_per_part],
+                    **kw,
+                )
+                for i in range(0, q_rows.shape[0], rows_per_part)
+            ]
+        )
     q_rows, k_pages, v_pages, block_tables, kv_lens, q_lens = map(
-        jnp.asarray, (q_rows, k_pages, v_pages, block_tables, kv_lens, q_lens))
+        jnp.asarray, (q_rows, k_pages, v_pages, block_tables, kv_lens, q_lens)
+    )
     num_rows, row_tokens, num_q_heads, head_dim = q_rows.shape
     num_kv_heads, _, page_size, row = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -66,9 +88,9 @@ def paged_attention_rows(
     q = (q * sm_scale).transpose(2, 0, 3, 1, 4).reshape(num_kv_heads, num_rows, group * row_tokens, head_dim)
     q = q.astype(dot_dtype)
     tok = jnp.arange(row_tokens, dtype=jnp.int32)
-    q_pos = kv_lens[:, None] - q_lens[:, None] + tok[None, :]                      # [R, row_tokens]
+    q_pos = kv_lens[:, None] - q_lens[:, None] + tok[None, :]  # [R, row_tokens]
     q_valid = tok[None, :] < q_lens[:, None]
-    q_pos = jnp.where(q_valid, q_pos, -1)                                          # masks all keys
+    q_pos = jnp.where(q_valid, q_pos, -1)  # masks all keys
     q_pos = jnp.broadcast_to(q_pos[:, None, :], (num_rows, group, row_tokens)).reshape(num_rows, -1)
 
     def body(i, carry):
@@ -81,14 +103,12 @@ def paged_attention_rows(
         v = logical_pages(v_slabs.at[:, pages].get(mode="promise_in_bounds").reshape(chunk_rows))
         s = jnp.einsum("krqd,krcd->krqc", q, k.astype(dot_dtype), preferred_element_type=jnp.float32)
         k_pos = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        s, mask = mask_scores(s, q_pos[None, :, :, None], k_pos[None, None, None, :],
-                               sliding_window, logits_soft_cap)
+        s, mask = mask_scores(s, q_pos[None, :, :, None], k_pos[None, None, None, :], sliding_window, logits_soft_cap)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None]) * mask
         alpha = jnp.exp(m - m_new)
         l = l * alpha + p.sum(-1)
-        pv = jnp.einsum("krqc,krcd->krqd", p.astype(dot_dtype), v.astype(dot_dtype),
-                        preferred_element_type=jnp.float32)
+        pv = jnp.einsum("krqc,krcd->krqd", p.astype(dot_dtype), v.astype(dot_dtype), preferred_element_type=jnp.float32)
         return m_new, l, acc * alpha[..., None] + pv
 
     k_slabs = k_pages.reshape(num_kv_heads, -1, page_size * row)
@@ -123,7 +143,7 @@ def ragged_to_rows(q_lens, kv_lens, block_tables, *, num_tokens, num_rows, row_t
         raise ValueError(f"{total} attention rows needed, only {num_rows} available")
     seq = np.repeat(np.arange(len(q_lens)), n_rows)
     first_row = np.cumsum(n_rows) - n_rows
-    part = np.arange(total) - first_row[seq]                    # which row of its sequence
+    part = np.arange(total) - first_row[seq]  # which row of its sequence
     starts = np.cumsum(q_lens) - q_lens
     row_q_start = part * row_tokens
     row_q_len = np.minimum(q_lens[seq] - row_q_start, row_tokens)

@@ -29,8 +29,7 @@ class ModelNotFoundError(FileNotFoundError):
     """The model path, hub id or default model package could not be found."""
 
 
-def build_params(get: Callable[[str, tuple], Any], has: Callable[[str], bool], spec: ModelSpec,
-                 dtype: str) -> dict:
+def build_params(get: Callable[[str, tuple], Any], has: Callable[[str], bool], spec: ModelSpec, dtype: str) -> dict:
     """Fuse weights given in HF names and layout into the decoder.py params pytree.
 
     get(name, shape) returns the tensor (numpy, or a jax array on the CPU) checked to have
@@ -45,9 +44,10 @@ def build_params(get: Callable[[str, tuple], Any], has: Callable[[str], bool], s
     top = {"embed": read.tensor(embed + ".weight", (spec.vocab_size, h))}
     if isinstance(top["embed"], QuantizedRows) and not spec.tie_word_embeddings:
         top["embed"] = dense(top["embed"])
-    read.norm(top, "final_norm", final_norm, bias=spec.norm == "layer",
-              plus_one=spec.architecture == "Gemma3ForCausalLM")
-    if spec.position == "learned":     # OPT: 2 extra rows first (position p is row p + 2)
+    read.norm(
+        top, "final_norm", final_norm, bias=spec.norm == "layer", plus_one=spec.architecture == "Gemma3ForCausalLM"
+    )
+    if spec.position == "learned":  # OPT: 2 extra rows first (position p is row p + 2)
         pos = dense(read.tensor("model.decoder.embed_positions.weight", (spec.max_position_embeddings + 2, h)))
         top["pos_embed"] = pos[2:]
     if not spec.tie_word_embeddings:
@@ -56,8 +56,10 @@ def build_params(get: Callable[[str, tuple], Any], has: Callable[[str], bool], s
         top["lm_head"] = read.matrix((lm_head + ".weight", spec.vocab_size))
     wdtype = jnp.dtype(dtype)
     params = {name: _finish(name, x, wdtype) for name, x in top.items()}
-    params["layers"] = [{name: _finish(name, x, wdtype) for name, x in layer_fn(read, f"{prefix}{i}.", spec, i).items()}
-                        for i in range(spec.num_layers)]
+    params["layers"] = [
+        {name: _finish(name, x, wdtype) for name, x in layer_fn(read, f"{prefix}{i}.", spec, i).items()}
+        for i in range(spec.num_layers)
+    ]
     return params
 
 
@@ -121,7 +123,7 @@ def _llama_layer(read: _Reader, p: str, spec: ModelSpec, index: int) -> dict:
     gemma = spec.architecture == "Gemma3ForCausalLM"
     out: dict = {}
     read.norm(out, "attn_norm", p + "input_layernorm", plus_one=gemma)
-    if read.has(p + "self_attn.qkv_proj.weight"):   # Phi-3
+    if read.has(p + "self_attn.qkv_proj.weight"):  # Phi-3
         out["wqkv"] = read.matrix((p + "self_attn.qkv_proj.weight", q + 2 * kv))
     else:
         out["wqkv"] = read.matrix(*((p + f"self_attn.{x}_proj.weight", n) for x, n in (("q", q), ("k", kv), ("v", kv))))
@@ -141,7 +143,7 @@ def _llama_layer(read: _Reader, p: str, spec: ModelSpec, index: int) -> dict:
         out.update(_experts(read, p, spec))
         return out
     ff = spec.intermediate_size
-    if read.has(p + "mlp.gate_up_proj.weight"):     # Phi-3
+    if read.has(p + "mlp.gate_up_proj.weight"):  # Phi-3
         out["w_gate_up"] = read.matrix((p + "mlp.gate_up_proj.weight", 2 * ff))
     else:
         out["w_gate_up"] = read.matrix((p + "mlp.gate_proj.weight", ff), (p + "mlp.up_proj.weight", ff))
@@ -163,10 +165,15 @@ def _experts(read: _Reader, p: str, spec: ModelSpec) -> dict:
         return out
     gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     e = base + "experts.{}."
-    out["experts_gate_up"] = np.stack([dense(read.matrix((e.format(j) + gate + ".weight", ff),
-                                                         (e.format(j) + up + ".weight", ff))) for j in range(num)])
-    out["experts_down"] = np.stack([dense(read.matrix((e.format(j) + down + ".weight", h), in_dim=ff))
-                                    for j in range(num)])
+    out["experts_gate_up"] = np.stack(
+        [
+            dense(read.matrix((e.format(j) + gate + ".weight", ff), (e.format(j) + up + ".weight", ff)))
+            for j in range(num)
+        ]
+    )
+    out["experts_down"] = np.stack(
+        [dense(read.matrix((e.format(j) + down + ".weight", h), in_dim=ff)) for j in range(num)]
+    )
     return out
 
 
@@ -176,13 +183,19 @@ def _experts(read: _Reader, p: str, spec: ModelSpec) -> dict:
 def _opt_layer(read: _Reader, p: str, spec: ModelSpec, index: int) -> dict:
     h, q, kv, ff = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
     a = p + "self_attn."
-    out = {"wqkv": read.matrix((a + "q_proj.weight", q), (a + "k_proj.weight", kv), (a + "v_proj.weight", kv)),
-           "wo": read.matrix((a + "out_proj.weight", h), in_dim=q),
-           "w_up": read.matrix((p + "fc1.weight", ff)), "w_down": read.matrix((p + "fc2.weight", h), in_dim=ff)}
+    out = {
+        "wqkv": read.matrix((a + "q_proj.weight", q), (a + "k_proj.weight", kv), (a + "v_proj.weight", kv)),
+        "wo": read.matrix((a + "out_proj.weight", h), in_dim=q),
+        "w_up": read.matrix((p + "fc1.weight", ff)),
+        "w_down": read.matrix((p + "fc2.weight", h), in_dim=ff),
+    }
     if spec.qkv_bias:
-        out.update(bqkv=read.vector((a + "q_proj.bias", q), (a + "k_proj.bias", kv), (a + "v_proj.bias", kv)),
-                   bo=read.vector((a + "out_proj.bias", h)), b_up=read.vector((p + "fc1.bias", ff)),
-                   b_down=read.vector((p + "fc2.bias", h)))
+        out.update(
+            bqkv=read.vector((a + "q_proj.bias", q), (a + "k_proj.bias", kv), (a + "v_proj.bias", kv)),
+            bo=read.vector((a + "out_proj.bias", h)),
+            b_up=read.vector((p + "fc1.bias", ff)),
+            b_down=read.vector((p + "fc2.bias", h)),
+        )
     read.norm(out, "attn_norm", p + "self_attn_layer_norm", bias=True)
     read.norm(out, "mlp_norm", p + "final_layer_norm", bias=True)
     return out
@@ -192,11 +205,14 @@ def _gpt_neox_layer(read: _Reader, p: str, spec: ModelSpec, index: int) -> dict:
     h, q, ff = spec.hidden_size, spec.q_size, spec.intermediate_size
     a = p + "attention."
     qkv = read.tensor(a + "query_key_value.weight", (3 * q, h))
-    out = {"wqkv": _split_heads(qkv, spec), "wo": read.matrix((a + "dense.weight", h), in_dim=q),
-           "w_up": read.matrix((p + "mlp.dense_h_to_4h.weight", ff)),
-           "b_up": read.vector((p + "mlp.dense_h_to_4h.bias", ff)),
-           "w_down": read.matrix((p + "mlp.dense_4h_to_h.weight", h), in_dim=ff),
-           "b_down": read.vector((p + "mlp.dense_4h_to_h.bias", h))}
+    out = {
+        "wqkv": _split_heads(qkv, spec),
+        "wo": read.matrix((a + "dense.weight", h), in_dim=q),
+        "w_up": read.matrix((p + "mlp.dense_h_to_4h.weight", ff)),
+        "b_up": read.vector((p + "mlp.dense_h_to_4h.bias", ff)),
+        "w_down": read.matrix((p + "mlp.dense_4h_to_h.weight", h), in_dim=ff),
+        "b_down": read.vector((p + "mlp.dense_4h_to_h.bias", h)),
+    }
     if spec.qkv_bias:
         out["bqkv"] = _split_heads(read.vector((a + "query_key_value.bias", 3 * q)), spec)
         out["bo"] = read.vector((a + "dense.bias", h))
@@ -209,34 +225,58 @@ def _falcon_layer(read: _Reader, p: str, spec: ModelSpec, index: int) -> dict:
     h, q, kv, ff = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
     a = p + "self_attention."
     qkv = read.tensor(a + "query_key_value.weight", (q + 2 * kv, h))
-    out = {"wqkv": _split_heads(qkv, spec), "wo": read.matrix((a + "dense.weight", h), in_dim=q),
-           "w_up": read.matrix((p + "mlp.dense_h_to_4h.weight", ff)),
-           "w_down": read.matrix((p + "mlp.dense_4h_to_h.weight", h), in_dim=ff)}
+    out = {
+        "wqkv": _split_heads(qkv, spec),
+        "wo": read.matrix((a + "dense.weight", h), in_dim=q),
+        "w_up": read.matrix((p + "mlp.dense_h_to_4h.weight", ff)),
+        "w_down": read.matrix((p + "mlp.dense_4h_to_h.weight", h), in_dim=ff),
+    }
     if spec.qkv_bias:
-        out.update(bqkv=_split_heads(read.vector((a + "query_key_value.bias", q + 2 * kv)), spec),
-                   bo=read.vector((a + "dense.bias", h)),
-                   b_up=read.vector((p + "mlp.dense_h_to_4h.bias", ff)),
-                   b_down=read.vector((p + "mlp.dense_4h_to_h.bias", h)))
-    if read.has(p + "ln_attn.weight"):                    # new architecture, two norms
+        out.update(
+            bqkv=_split_heads(read.vector((a + "query_key_value.bias", q + 2 * kv)), spec),
+            bo=read.vector((a + "dense.bias", h)),
+            b_up=read.vector((p + "mlp.dense_h_to_4h.bias", ff)),
+            b_down=read.vector((p + "mlp.dense_4h_to_h.bias", h)),
+        )
+    if read.has(p + "ln_attn.weight"):  # new architecture, two norms
         read.norm(out, "attn_norm", p + "ln_attn", bias=True)
         read.norm(out, "mlp_norm", p + "ln_mlp", bias=True)
     else:
         read.norm(out, "attn_norm", p + "input_layernorm", bias=True)
         # Parallel attention reads one norm for both branches; sequential has its own.
-        read.norm(out, "mlp_norm", p + ("input_layernorm" if spec.parallel_residual else "post_attention_layernorm"),
-                  bias=True)
+        read.norm(
+            out,
+            "mlp_norm",
+            p + ("input_layernorm" if spec.parallel_residual else "post_attention_layernorm"),
+            bias=True,
+        )
     return out
 
 
 # Per family: (layer reader, layer name prefix, embeddings, final norm, LM head), by architecture.
 _FAMILIES = {
     "llama": (_llama_layer, "model.layers.", "model.embed_tokens", "model.norm", "lm_head"),
-    "OPTForCausalLM": (_opt_layer, "model.decoder.layers.", "model.decoder.embed_tokens",
-                       "model.decoder.final_layer_norm", "lm_head"),
-    "GPTNeoXForCausalLM": (_gpt_neox_layer, "gpt_neox.layers.", "gpt_neox.embed_in", "gpt_neox.final_layer_norm",
-                           "embed_out"),
-    "FalconForCausalLM": (_falcon_layer, "transformer.h.", "transformer.word_embeddings", "transformer.ln_f",
-                          "lm_head"),
+    "OPTForCausalLM": (
+        _opt_layer,
+        "model.decoder.layers.",
+        "model.decoder.embed_tokens",
+        "model.decoder.final_layer_norm",
+        "lm_head",
+    ),
+    "GPTNeoXForCausalLM": (
+        _gpt_neox_layer,
+        "gpt_neox.layers.",
+        "gpt_neox.embed_in",
+        "gpt_neox.final_layer_norm",
+        "embed_out",
+    ),
+    "FalconForCausalLM": (
+        _falcon_layer,
+        "transformer.h.",
+        "transformer.word_embeddings",
+        "transformer.ln_f",
+        "lm_head",
+    ),
 }
 
 

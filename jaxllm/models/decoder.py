@@ -92,25 +92,25 @@ class ModelSpec:
     llama3_rope_scaling: tuple[float, float, float, int] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    norm: str = "rms"                   # "rms" | "layer" (LayerNorm with bias)
-    hidden_act: str = "silu"            # a key of ACTIVATIONS
+    norm: str = "rms"  # "rms" | "layer" (LayerNorm with bias)
+    hidden_act: str = "silu"  # a key of ACTIVATIONS
     gated_mlp: bool = True
     mlp_bias: bool = False
     attn_out_bias: bool = False
-    parallel_residual: bool = False     # x + attn(norm1(x)) + mlp(norm2(x))
-    sandwich_norm: bool = False         # norms on the attention and MLP outputs too
-    position: str = "rope"              # "rope" | "learned" (pos_embed rows added to the embeddings)
-    rotary_dim: int | None = None       # rotated dims of each head (None: all of head_dim)
-    linear_rope_factor: float = 1.0     # positions divided by this (global layers)
-    local_rope_theta: float | None = None   # RoPE base of the sliding-window layers, if theirs differs
-    layer_windows: tuple[int, ...] = ()     # per layer: sliding window in tokens, 0 = global; () = all global
+    parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x))
+    sandwich_norm: bool = False  # norms on the attention and MLP outputs too
+    position: str = "rope"  # "rope" | "learned" (pos_embed rows added to the embeddings)
+    rotary_dim: int | None = None  # rotated dims of each head (None: all of head_dim)
+    linear_rope_factor: float = 1.0  # positions divided by this (global layers)
+    local_rope_theta: float | None = None  # RoPE base of the sliding-window layers, if theirs differs
+    layer_windows: tuple[int, ...] = ()  # per layer: sliding window in tokens, 0 = global; () = all global
     embed_scale: float = 1.0
-    attn_scale: float | None = None     # softmax scale; None: head_dim ** -0.5
-    num_experts: int = 0                # > 0: the MLPs of `moe_layers` are routed experts (moe.py)
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    num_experts: int = 0  # > 0: the MLPs of `moe_layers` are routed experts (moe.py)
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True         # renormalise the top-k routing weights to sum to 1
-    moe_layers: tuple[int, ...] = ()    # which layers route (the others have a dense MLP)
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    moe_layers: tuple[int, ...] = ()  # which layers route (the others have a dense MLP)
 
     @property
     def q_size(self) -> int:
@@ -179,8 +179,17 @@ def norm(x: jax.Array, params: dict, name: str, spec: ModelSpec) -> jax.Array:
     return rms_norm(x, params[name], spec.norm_eps)
 
 
-def add_norm(x: jax.Array, delta: jax.Array | None, params: dict, name: str, spec: ModelSpec, rows=None,
-             dtype=jnp.float32, *, cpp: bool = False) -> tuple[jax.Array, jax.Array]:
+def add_norm(
+    x: jax.Array,
+    delta: jax.Array | None,
+    params: dict,
+    name: str,
+    spec: ModelSpec,
+    rows=None,
+    dtype=jnp.float32,
+    *,
+    cpp: bool = False,
+) -> tuple[jax.Array, jax.Array]:
     """`(x + delta, its norm in dtype)` (delta None: x and its norm). `cpp` (the platform's
     `cpp_ops`): RMSNorm as one C++ call (kernels/csrc/norm.cc, for the five ops XLA:CPU leaves
     unfused; `rows`, the real rows, lets it skip a bucket's padding). `dtype`: what the
@@ -246,7 +255,7 @@ def self_attention(layer, k_pages, v_pages, h, inputs, spec: ModelSpec, index: i
         q = apply_rope(q, rope)
         k = apply_rope(k, rope)
     if spec.window(index) is not None and inputs.window_block_tables is not None:
-        inputs = inputs.window_view()      # a windowed layer with its own pages (a window KV cache group)
+        inputs = inputs.window_view()  # a windowed layer with its own pages (a window KV cache group)
     k_pages, v_pages = attention.write_kv(k_pages, v_pages, k, v, inputs.slot_mapping)
     o = attention.forward(q, k_pages, v_pages, inputs, sliding_window=spec.window(index), sm_scale=spec.attn_scale)
     return linear.apply(layer["wo"], o.reshape(num_tokens, spec.q_size), axis=axis, rows=rows), k_pages, v_pages
@@ -272,8 +281,19 @@ def mlp(layer, h: jax.Array, spec: ModelSpec, index: int, axis: str | None = Non
     return dense_mlp(layer, h, spec, axis, rows)
 
 
-def decoder_layer(layer, k_pages, v_pages, x, inputs, spec: ModelSpec, *, index: int, attention,
-                  axis: str | None = None, cpp_ops: bool = False):
+def decoder_layer(
+    layer,
+    k_pages,
+    v_pages,
+    x,
+    inputs,
+    spec: ModelSpec,
+    *,
+    index: int,
+    attention,
+    axis: str | None = None,
+    cpp_ops: bool = False,
+):
     """Decoder layer `index` over x [T, hidden] f32 (`inputs`: the step's `StepInputs`,
     `attention`: its `AttentionBackend`, `axis`: the tensor-parallel mesh axis when run per
     shard, `cpp_ops`: norms in C++, `Platform.cpp_ops`). Returns (x, k_pages, v_pages)."""
@@ -281,9 +301,10 @@ def decoder_layer(layer, k_pages, v_pages, x, inputs, spec: ModelSpec, *, index:
     mlp_dtype = jnp.float32 if spec.is_moe(index) else linear.input_dtype(layer.get("w_gate_up", layer.get("w_up")))
     _, h = add_norm(x, None, layer, "attn_norm", spec, rows, linear.input_dtype(layer["wqkv"]), cpp=cpp_ops)
     attn, k_pages, v_pages = self_attention(layer, k_pages, v_pages, h, inputs, spec, index, attention, axis)
-    if spec.parallel_residual:   # one sum over the shards for both branches
-        out = attn + mlp(layer, add_norm(x, None, layer, "mlp_norm", spec, rows, mlp_dtype, cpp=cpp_ops)[1], spec,
-                         index, axis, rows)
+    if spec.parallel_residual:  # one sum over the shards for both branches
+        out = attn + mlp(
+            layer, add_norm(x, None, layer, "mlp_norm", spec, rows, mlp_dtype, cpp=cpp_ops)[1], spec, index, axis, rows
+        )
         return x + _plus_bias(_reduce(out, axis), layer, "bo", "b_down"), k_pages, v_pages
     attn = _plus_bias(_reduce(attn, axis), layer, "bo")
     if spec.sandwich_norm:
@@ -341,19 +362,41 @@ def forward(params, kv_cache, inputs, spec: ModelSpec, *, attention, axis: str |
     x = embed(params, inputs.token_ids, inputs.positions, spec, axis)
     new_cache = []
     for index, (layer, (k_pages, v_pages)) in enumerate(zip(params["layers"], kv_cache)):
-        x, k_pages, v_pages = shared_decoder_layer(layer, k_pages, v_pages, x, inputs, spec, index=index,
-                                                   attention=attention, axis=axis, cpp_ops=cpp_ops)
+        x, k_pages, v_pages = shared_decoder_layer(
+            layer, k_pages, v_pages, x, inputs, spec, index=index, attention=attention, axis=axis, cpp_ops=cpp_ops
+        )
         new_cache.append((k_pages, v_pages))
     return x, new_cache
 
 
-def shared_decoder_layer(layer, k_pages, v_pages, x, inputs, spec: ModelSpec, *, index: int, attention,
-                         axis: str | None = None, cpp_ops: bool = False):
+def shared_decoder_layer(
+    layer,
+    k_pages,
+    v_pages,
+    x,
+    inputs,
+    spec: ModelSpec,
+    *,
+    index: int,
+    attention,
+    axis: str | None = None,
+    cpp_ops: bool = False,
+):
     """`decoder_layer`, as one nested jit per kind of layer (window, RoPE table, MoE or dense):
     JAX traces and lowers each kind once per step shape instead of every layer (30 for the
     default model), and XLA inlines the calls, so the compiled step is the same."""
-    return _decoder_layer_jit(layer, k_pages, v_pages, x, inputs, spec, index=first_of_kind(spec, index),
-                              attention=attention, axis=axis, cpp_ops=cpp_ops)
+    return _decoder_layer_jit(
+        layer,
+        k_pages,
+        v_pages,
+        x,
+        inputs,
+        spec,
+        index=first_of_kind(spec, index),
+        attention=attention,
+        axis=axis,
+        cpp_ops=cpp_ops,
+    )
 
 
 def layer_kind(spec: ModelSpec, index: int) -> tuple:

@@ -31,9 +31,16 @@ from jaxllm.quantization.gguf_blocks import gguf_rows
 logger = logging.getLogger(__name__)
 
 # A "llama" GGUF with experts is a Mixtral, with a sliding window a Mistral (`_hf_architecture`).
-_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                       "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                       "gptneox": "GPTNeoXForCausalLM", "falcon": "FalconForCausalLM"}
+_GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "gptneox": "GPTNeoXForCausalLM",
+    "falcon": "FalconForCausalLM",
+}
 
 # GGUF tensor name -> HF name (`{i}` is the layer).
 _GGUF_TO_HF = {
@@ -60,36 +67,50 @@ _GGUF_TO_HF = {
 }
 # Per architecture, where its names differ from the above.
 _GGUF_TO_HF_ARCH = {
-    "phi3": {"blk.{i}.attn_qkv.weight": "model.layers.{i}.self_attn.qkv_proj.weight",
-             "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.gate_up_proj.weight"},      # [gate; up]
-    "gemma3": {"blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
-               "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-               "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight"},
+    "phi3": {
+        "blk.{i}.attn_qkv.weight": "model.layers.{i}.self_attn.qkv_proj.weight",
+        "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.gate_up_proj.weight",
+    },  # [gate; up]
+    "gemma3": {
+        "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+        "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+        "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+    },
 }
 # GPT-NeoX and Falcon: LayerNorms with biases, a fused QKV that llama.cpp's converter reorders
 # to [q; k; v] (`_group_heads` puts back HF's per-KV-head layout).
 _LAYER_NORM_NAMES = {
-    "gptneox": {"token_embd.weight": "gpt_neox.embed_in.weight", "output.weight": "embed_out.weight",
-                "output_norm.{w}": "gpt_neox.final_layer_norm.{w}",
-                "blk.{i}.attn_norm.{w}": "gpt_neox.layers.{i}.input_layernorm.{w}",
-                "blk.{i}.attn_qkv.{w}": "gpt_neox.layers.{i}.attention.query_key_value.{w}",
-                "blk.{i}.attn_output.{w}": "gpt_neox.layers.{i}.attention.dense.{w}",
-                "blk.{i}.ffn_norm.{w}": "gpt_neox.layers.{i}.post_attention_layernorm.{w}",
-                "blk.{i}.ffn_up.{w}": "gpt_neox.layers.{i}.mlp.dense_h_to_4h.{w}",
-                "blk.{i}.ffn_down.{w}": "gpt_neox.layers.{i}.mlp.dense_4h_to_h.{w}"},
-    "falcon": {"token_embd.weight": "transformer.word_embeddings.weight", "output.weight": "lm_head.weight",
-               "output_norm.{w}": "transformer.ln_f.{w}",
-               "blk.{i}.attn_norm.{w}": "transformer.h.{i}.input_layernorm.{w}",
-               "blk.{i}.attn_qkv.{w}": "transformer.h.{i}.self_attention.query_key_value.{w}",
-               "blk.{i}.attn_output.{w}": "transformer.h.{i}.self_attention.dense.{w}",
-               "blk.{i}.ffn_up.{w}": "transformer.h.{i}.mlp.dense_h_to_4h.{w}",
-               "blk.{i}.ffn_down.{w}": "transformer.h.{i}.mlp.dense_4h_to_h.{w}"},
+    "gptneox": {
+        "token_embd.weight": "gpt_neox.embed_in.weight",
+        "output.weight": "embed_out.weight",
+        "output_norm.{w}": "gpt_neox.final_layer_norm.{w}",
+        "blk.{i}.attn_norm.{w}": "gpt_neox.layers.{i}.input_layernorm.{w}",
+        "blk.{i}.attn_qkv.{w}": "gpt_neox.layers.{i}.attention.query_key_value.{w}",
+        "blk.{i}.attn_output.{w}": "gpt_neox.layers.{i}.attention.dense.{w}",
+        "blk.{i}.ffn_norm.{w}": "gpt_neox.layers.{i}.post_attention_layernorm.{w}",
+        "blk.{i}.ffn_up.{w}": "gpt_neox.layers.{i}.mlp.dense_h_to_4h.{w}",
+        "blk.{i}.ffn_down.{w}": "gpt_neox.layers.{i}.mlp.dense_4h_to_h.{w}",
+    },
+    "falcon": {
+        "token_embd.weight": "transformer.word_embeddings.weight",
+        "output.weight": "lm_head.weight",
+        "output_norm.{w}": "transformer.ln_f.{w}",
+        "blk.{i}.attn_norm.{w}": "transformer.h.{i}.input_layernorm.{w}",
+        "blk.{i}.attn_qkv.{w}": "transformer.h.{i}.self_attention.query_key_value.{w}",
+        "blk.{i}.attn_output.{w}": "transformer.h.{i}.self_attention.dense.{w}",
+        "blk.{i}.ffn_up.{w}": "transformer.h.{i}.mlp.dense_h_to_4h.{w}",
+        "blk.{i}.ffn_down.{w}": "transformer.h.{i}.mlp.dense_4h_to_h.{w}",
+    },
 }
 # Falcon's new architecture has two norms per layer.
-_FALCON_TWO_NORMS = {"blk.{i}.attn_norm.{w}": "transformer.h.{i}.ln_attn.{w}",
-                     "blk.{i}.attn_norm_2.{w}": "transformer.h.{i}.ln_mlp.{w}"}
-_MIXTRAL_MOE = {"model.layers.{i}.mlp.gate.weight": "model.layers.{i}.block_sparse_moe.gate.weight",
-                "model.layers.{i}.mlp.experts.down_proj": "model.layers.{i}.block_sparse_moe.experts.down_proj"}
+_FALCON_TWO_NORMS = {
+    "blk.{i}.attn_norm.{w}": "transformer.h.{i}.ln_attn.{w}",
+    "blk.{i}.attn_norm_2.{w}": "transformer.h.{i}.ln_mlp.{w}",
+}
+_MIXTRAL_MOE = {
+    "model.layers.{i}.mlp.gate.weight": "model.layers.{i}.block_sparse_moe.gate.weight",
+    "model.layers.{i}.mlp.experts.down_proj": "model.layers.{i}.block_sparse_moe.experts.down_proj",
+}
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -98,7 +119,7 @@ class GGUFTensor:
     name: str
     shape: tuple[int, ...]  # numpy order (ggml's dims reversed): [out, in] for a weight
     ggml_type: int
-    data: np.ndarray        # raw uint8 bytes, rows of the last dim: [..., bytes_per_row]
+    data: np.ndarray  # raw uint8 bytes, rows of the last dim: [..., bytes_per_row]
 
 
 def read_gguf(path: str) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
@@ -145,8 +166,10 @@ def read_gguf(path: str) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
         nbytes = int(np.prod(shape[:-1], dtype=np.int64)) * row_bytes
         start = data_start + offset
         if start + nbytes > len(buf):
-            raise ValueError(f"{path}: truncated GGUF file: tensor {name} ends at byte {start + nbytes}, "
-                             f"the file has {len(buf)} bytes")
+            raise ValueError(
+                f"{path}: truncated GGUF file: tensor {name} ends at byte {start + nbytes}, "
+                f"the file has {len(buf)} bytes"
+            )
         data = np.frombuffer(buf, np.uint8, nbytes, start).reshape(*shape[:-1], row_bytes)
         tensors[name] = GGUFTensor(name, shape, ggml_type, data)
     return metadata, tensors
@@ -155,8 +178,7 @@ def read_gguf(path: str) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
 class _GGUFHeader:
     """Cursor over a GGUF header (little-endian)."""
 
-    _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-                10: "<Q", 11: "<q", 12: "<d"}
+    _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
     def __init__(self, buf):
         self.buf, self.pos = buf, 0
@@ -223,7 +245,8 @@ def _gguf_spec(path: str, metadata: dict, tensors: dict[str, GGUFTensor]) -> Mod
     arch = metadata.get("general.architecture")
     if arch not in _GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
-            f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(_GGUF_ARCHITECTURES)}")
+            f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(_GGUF_ARCHITECTURES)}"
+        )
 
     def md(key, default=None):
         value = metadata.get(f"{arch}.{key}", default)
@@ -271,7 +294,8 @@ def _gguf_spec(path: str, metadata: dict, tensors: dict[str, GGUFTensor]) -> Mod
     if "rope_freqs.weight" in tensors:  # Llama 3.x: scaled frequencies stored as a tensor
         orig_ctx = metadata.get(f"{arch}.rope.scaling.original_context_length")
         config["rope_scaling"] = _llama3_scaling_from_freqs(
-            path, spec, _dequantize(tensors["rope_freqs.weight"]), orig_ctx)
+            path, spec, _dequantize(tensors["rope_freqs.weight"]), orig_ctx
+        )
         spec = spec_from_hf_config(config)
     return spec
 
@@ -281,29 +305,44 @@ def _family_config(config: dict, arch: str, md, metadata: dict, tensors: dict, e
     and Falcon's layouts, Phi-3's long RoPE, sliding windows, Gemma 3's fixed choices, RoPE scaling."""
     hidden, num_heads, head_dim = config["hidden_size"], config["num_attention_heads"], config["head_dim"]
     if experts:
-        config.update(num_local_experts=int(experts), num_experts_per_tok=int(md("expert_used_count")),
-                      moe_intermediate_size=int(md("expert_feed_forward_length", config["intermediate_size"])),
-                      norm_topk_prob=bool(metadata.get(f"{arch}.expert_weights_norm", True)))  # llama.cpp's default
+        config.update(
+            num_local_experts=int(experts),
+            num_experts_per_tok=int(md("expert_used_count")),
+            moe_intermediate_size=int(md("expert_feed_forward_length", config["intermediate_size"])),
+            norm_topk_prob=bool(metadata.get(f"{arch}.expert_weights_norm", True)),
+        )  # llama.cpp's default
     if arch == "gptneox":
-        config.update(layer_norm_eps=config["rms_norm_eps"], rotary_pct=config["partial_rotary_factor"],
-                      attention_bias=True,
-                      use_parallel_residual=bool(metadata.get("gptneox.use_parallel_residual", True)))
-    if arch == "falcon":   # llama.cpp runs attention and MLP in parallel, as every Falcon does
-        config.update(layer_norm_epsilon=config["rms_norm_eps"], num_kv_heads=config["num_key_value_heads"],
-                      new_decoder_architecture="blk.0.attn_norm_2.weight" in tensors, parallel_attn=True,
-                      multi_query=config["num_key_value_heads"] == 1, bias="blk.0.attn_qkv.bias" in tensors,
-                      ffn_hidden_size=config["intermediate_size"])
+        config.update(
+            layer_norm_eps=config["rms_norm_eps"],
+            rotary_pct=config["partial_rotary_factor"],
+            attention_bias=True,
+            use_parallel_residual=bool(metadata.get("gptneox.use_parallel_residual", True)),
+        )
+    if arch == "falcon":  # llama.cpp runs attention and MLP in parallel, as every Falcon does
+        config.update(
+            layer_norm_epsilon=config["rms_norm_eps"],
+            num_kv_heads=config["num_key_value_heads"],
+            new_decoder_architecture="blk.0.attn_norm_2.weight" in tensors,
+            parallel_attn=True,
+            multi_query=config["num_key_value_heads"] == 1,
+            bias="blk.0.attn_qkv.bias" in tensors,
+            ffn_hidden_size=config["intermediate_size"],
+        )
     if arch == "phi3" and "rope_factors_long.weight" in tensors:
-        config["rope_scaling"] = {"rope_type": "longrope"}     # registry.py rejects it by name
+        config["rope_scaling"] = {"rope_type": "longrope"}  # registry.py rejects it by name
     window = metadata.get(f"{arch}.attention.sliding_window")
     if window:
         config["sliding_window"] = int(window)
     if arch == "gemma3":
         # What llama.cpp fixes for every Gemma 3 rather than storing: 5 sliding-window layers
         # to 1 global, a local RoPE base of 10k, and the query scale (27B: hidden / heads).
-        config.update(sliding_window_pattern=6, rope_local_base_freq=10000.0, hidden_activation="gelu_pytorch_tanh",
-                      query_pre_attn_scalar=hidden // num_heads if config["num_hidden_layers"] == 62 else head_dim)
-        end_of_turn = _token_id(metadata, "<end_of_turn>")   # llama.cpp ends chat turns on it too
+        config.update(
+            sliding_window_pattern=6,
+            rope_local_base_freq=10000.0,
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=hidden // num_heads if config["num_hidden_layers"] == 62 else head_dim,
+        )
+        end_of_turn = _token_id(metadata, "<end_of_turn>")  # llama.cpp ends chat turns on it too
         if end_of_turn is not None:
             config["eos_token_id"] = list(dict.fromkeys([*config["eos_token_id"], end_of_turn]))
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
@@ -332,10 +371,19 @@ def _token_id(metadata: dict, text: str) -> int | None:
 def _llama3_scaling_from_freqs(path: str, spec: ModelSpec, freq_factors: np.ndarray, orig_ctx) -> dict:
     """llama.cpp stores Llama 3 RoPE scaling as per-frequency divisors; recover the parameters
     (factor is the largest divisor; low/high 1 and 4 as in every Llama 3.x) and check them."""
-    scaling = {"rope_type": "llama3", "factor": float(freq_factors.max()), "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": int(orig_ctx or 8192)}
-    fitted = dataclasses.replace(spec, llama3_rope_scaling=tuple(
-        scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")))
+    scaling = {
+        "rope_type": "llama3",
+        "factor": float(freq_factors.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": int(orig_ctx or 8192),
+    }
+    fitted = dataclasses.replace(
+        spec,
+        llama3_rope_scaling=tuple(
+            scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        ),
+    )
     if not np.allclose(fitted.inv_freq(), spec.inv_freq() / freq_factors, rtol=1e-4):
         raise UnsupportedModelError(f"{path}: rope_freqs.weight is not a Llama 3 RoPE scaling")
     return scaling
@@ -350,9 +398,11 @@ def load_gguf(path: str, dtype: str, progress: bool, keep_quantized: bool = Fals
     arch = metadata["general.architecture"]
     if arch in _LAYER_NORM_NAMES:
         two_norms = _FALCON_TWO_NORMS if "blk.0.attn_norm_2.weight" in tensors else {}
-        names = {g.format(i="{i}", w=w): h.format(i="{i}", w=w)
-                 for g, h in {**_LAYER_NORM_NAMES[arch], **two_norms}.items()
-                 for w in ("weight", "bias")}
+        names = {
+            g.format(i="{i}", w=w): h.format(i="{i}", w=w)
+            for g, h in {**_LAYER_NORM_NAMES[arch], **two_norms}.items()
+            for w in ("weight", "bias")
+        }
     else:
         names = {**_GGUF_TO_HF, **_GGUF_TO_HF_ARCH.get(arch, {})}
     if spec.architecture == "MixtralForCausalLM":
@@ -363,7 +413,7 @@ def load_gguf(path: str, dtype: str, progress: bool, keep_quantized: bool = Fals
         pattern, layer = (f"blk.{{i}}.{m.group(2)}", m.group(1)) if m else (gguf_name, None)
         if pattern in names:
             hf_to_gguf[names[pattern].format(i=layer)] = gguf_name
-        elif pattern == "blk.{i}.ffn_gate_exps.weight":   # with ffn_up_exps: the experts' fused gate/up
+        elif pattern == "blk.{i}.ffn_gate_exps.weight":  # with ffn_up_exps: the experts' fused gate/up
             hf_name = names["blk.{i}.ffn_down_exps.weight"].replace("down_proj", "gate_up_proj").format(i=layer)
             hf_to_gguf[hf_name] = (gguf_name, f"blk.{layer}.ffn_up_exps.weight")
     permuted = {"self_attn.q_proj": spec.num_heads, "self_attn.k_proj": spec.num_kv_heads}
@@ -385,7 +435,7 @@ def load_gguf(path: str, dtype: str, progress: bool, keep_quantized: bool = Fals
         if unpermute and heads is not None:
             w = permute_rows(w, lambda rows: _unpermute_rope(rows, heads))
         if arch == "gemma3" and name.endswith("norm.weight"):
-            w = dense(w) - 1.0         # llama.cpp stores Gemma's (1 + w); build_params adds the 1
+            w = dense(w) - 1.0  # llama.cpp stores Gemma's (1 + w); build_params adds the 1
         if "query_key_value" in name:
             w = permute_rows(w, lambda rows: _group_heads(rows, spec))
         bar.update(1)
@@ -416,17 +466,21 @@ def _gguf_tokenizer(path: str, metadata: dict):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    groups = {group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items()
-                      if f"tokenizer.{key}" in metadata}
-              for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    groups = {
+        group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in metadata}
+        for group, renames in GGUF_TOKENIZER_MAPPING.items()
+    }
     tokenizer_dict, tokenizer_config = groups["tokenizer"], groups["tokenizer_config"]
     if tokenizer_dict.get("tokenizer_type") == "llama":  # llama.cpp adds BOS to SPM vocabularies
         tokenizer_config.setdefault("add_bos_token", True)
     tokens = tokenizer_dict["tokens"]
-    for token, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                       ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+    for token, key in (
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("unk_token", "unknown_token_id"),
+        ("pad_token", "padding_token_id"),
+    ):
         token_id = metadata.get(f"tokenizer.ggml.{key}")
         tokenizer_config[token] = tokens[token_id] if token_id is not None else None
     backend, extra = convert_gguf_tokenizer(metadata["general.architecture"], tokenizer_dict)
     return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
-

@@ -51,14 +51,15 @@ def load_hf_dir(path: str, dtype: str, progress: bool):
         # A checkpoint saved from the bare model (not *ForCausalLM) has no "model." prefix.
         return name if name in index else name.removeprefix("model.")
 
-    def quantized(name: str) -> bool:       # a Linear stored as qweight, qzeros, scales (AWQ / GPTQ)
+    def quantized(name: str) -> bool:  # a Linear stored as qweight, qzeros, scales (AWQ / GPTQ)
         return quant is not None and name.endswith(".weight") and key(name[:-7] + ".qweight") in index
 
     def get(name: str, shape: tuple):
         if quantized(name):
             prefix = name[:-7]
-            rows = quantized_linear(lambda suffix: read(prefix + suffix) if key(prefix + suffix) in index else None,
-                                    quant, shape)
+            rows = quantized_linear(
+                lambda suffix: read(prefix + suffix) if key(prefix + suffix) in index else None, quant, shape
+            )
             bar.update(1)
             return rows
         arr = read(name)
@@ -129,4 +130,3 @@ def _hf_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
-

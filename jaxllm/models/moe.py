@@ -54,7 +54,7 @@ def dispatch(h: jax.Array, router: jax.Array, spec):
     each row's routing weight [T * k], rows per expert [E] int32). Row p holds one (token,
     expert) pair; the pairs of expert e are rows sum(sizes[:e]) .. sum(sizes[:e + 1]) - 1."""
     weights, experts = route(h, router, spec)
-    flat = experts.reshape(-1)                          # [T * k]: pair p is token p // k's choice p % k
+    flat = experts.reshape(-1)  # [T * k]: pair p is token p // k's choice p % k
     order = jnp.argsort(flat, stable=True)
     token_of = order // spec.num_experts_per_tok
     group_sizes = jnp.bincount(flat, length=spec.num_experts).astype(jnp.int32)
@@ -79,8 +79,9 @@ def moe_mlp(layer, h: jax.Array, spec, act, impl: str | None = None) -> jax.Arra
     if impl == "gather":
         weights, experts = route(h, layer["router"], spec)
         gate_up, down = (expert_weights(layer[name], experts) for name in ("experts_gate_up", "experts_down"))
-        gate, up = jnp.split(jnp.einsum("th,tkhf->tkf", h.astype(gate_up.dtype), gate_up,
-                                        preferred_element_type=jnp.float32), 2, axis=-1)
+        gate, up = jnp.split(
+            jnp.einsum("th,tkhf->tkf", h.astype(gate_up.dtype), gate_up, preferred_element_type=jnp.float32), 2, axis=-1
+        )
         y = jnp.einsum("tkf,tkfh->tkh", (act(gate) * up).astype(down.dtype), down, preferred_element_type=jnp.float32)
         return jnp.einsum("tkh,tk->th", y, weights)
     gate_up, down = expert_weights(layer["experts_gate_up"]), expert_weights(layer["experts_down"])
@@ -88,12 +89,16 @@ def moe_mlp(layer, h: jax.Array, spec, act, impl: str | None = None) -> jax.Arra
         weights, experts = route(h, layer["router"], spec)
         dense_weights = jnp.zeros((h.shape[0], spec.num_experts), jnp.float32)
         dense_weights = dense_weights.at[jnp.arange(h.shape[0])[:, None], experts].set(weights)
-        gate, up = jnp.split(jnp.einsum("th,ehf->etf", h.astype(gate_up.dtype), gate_up,
-                                        preferred_element_type=jnp.float32), 2, axis=-1)
+        gate, up = jnp.split(
+            jnp.einsum("th,ehf->etf", h.astype(gate_up.dtype), gate_up, preferred_element_type=jnp.float32), 2, axis=-1
+        )
         y = jnp.einsum("etf,efh->eth", (act(gate) * up).astype(down.dtype), down, preferred_element_type=jnp.float32)
         return jnp.einsum("eth,te->th", y, dense_weights)
     rows, token_of, row_weights, group_sizes = dispatch(h, layer["router"], spec)
-    gate, up = jnp.split(jax.lax.ragged_dot(rows.astype(gate_up.dtype), gate_up, group_sizes,
-                                            preferred_element_type=jnp.float32), 2, axis=-1)
+    gate, up = jnp.split(
+        jax.lax.ragged_dot(rows.astype(gate_up.dtype), gate_up, group_sizes, preferred_element_type=jnp.float32),
+        2,
+        axis=-1,
+    )
     y = jax.lax.ragged_dot((act(gate) * up).astype(down.dtype), down, group_sizes, preferred_element_type=jnp.float32)
     return jnp.zeros(h.shape, jnp.float32).at[token_of].add(y * row_weights[:, None])

@@ -14,13 +14,27 @@ from typing import Any
 
 from jaxllm.models.decoder import ModelSpec
 
-LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-              "Phi3ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+LLAMA_LIKE = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+    "Gemma3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
 SUPPORTED_ARCHITECTURES = (*LLAMA_LIKE, "OPTForCausalLM", "GPTNeoXForCausalLM", "FalconForCausalLM")
 
 # HF activation names -> decoder.ACTIVATIONS (the only names a spec gets)
-_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
-                "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "relu": "relu",
+}
 
 
 class UnsupportedModelError(ValueError):
@@ -43,25 +57,31 @@ def spec_from_hf_config(config: dict[str, Any]) -> ModelSpec:
     arch = archs[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
-            f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     c = _Config(arch, config)
     num_heads = c.int("num_attention_heads", "n_head")
     hidden = c.int("hidden_size", "d_model")
     fields = dict(
-        architecture=arch, vocab_size=c.int("vocab_size"), hidden_size=hidden, num_heads=num_heads,
+        architecture=arch,
+        vocab_size=c.int("vocab_size"),
+        hidden_size=hidden,
+        num_heads=num_heads,
         num_layers=c.int("num_hidden_layers", "n_layer"),
         num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
         head_dim=int(config.get("head_dim") or hidden // num_heads),
         max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        bos_token_id=config.get("bos_token_id"), eos_token_ids=_as_eos_tuple(config.get("eos_token_id")),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=_as_eos_tuple(config.get("eos_token_id")),
     )
     family = {"OPTForCausalLM": _opt, "GPTNeoXForCausalLM": _gpt_neox, "FalconForCausalLM": _falcon}.get(arch, _llama)
     fields.update(family(c, fields))
     spec = ModelSpec(**fields)
     if spec.num_heads % spec.num_kv_heads:
-        raise UnsupportedModelError(f"{arch}: {spec.num_heads} heads are not a multiple of "
-                                    f"{spec.num_kv_heads} KV heads")
+        raise UnsupportedModelError(
+            f"{arch}: {spec.num_heads} heads are not a multiple of {spec.num_kv_heads} KV heads"
+        )
     return spec
 
 
@@ -83,8 +103,9 @@ class _Config:
     def activation(self, *keys, default="silu") -> str:
         name = self.get(*keys, default=default)
         if name not in _ACTIVATIONS:
-            raise UnsupportedModelError(f"{self.arch}: activation {name!r} is not implemented "
-                                        f"(supported: {', '.join(_ACTIVATIONS)})")
+            raise UnsupportedModelError(
+                f"{self.arch}: activation {name!r} is not implemented (supported: {', '.join(_ACTIVATIONS)})"
+            )
         return _ACTIVATIONS[name]
 
     def refuse(self, key: str, why: str, ok=(None, False, 0)) -> None:
@@ -99,8 +120,12 @@ def _rope(c: _Config, rope: dict | None = None, theta_keys=("rope_theta",)) -> d
     kind = rope.get("rope_type", rope.get("type", "default"))
     out = {"rope_theta": float(theta)}
     if kind == "llama3":
-        out["llama3_rope_scaling"] = (float(rope["factor"]), float(rope["low_freq_factor"]),
-                                      float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
+        out["llama3_rope_scaling"] = (
+            float(rope["factor"]),
+            float(rope["low_freq_factor"]),
+            float(rope["high_freq_factor"]),
+            int(rope["original_max_position_embeddings"]),
+        )
     elif kind == "linear":
         out["linear_rope_factor"] = float(rope["factor"])
     elif kind != "default":
@@ -122,9 +147,10 @@ def _windows(c: _Config, num_layers: int, default_use: bool) -> tuple[int, ...]:
     types = c.get("layer_types")
     if types is None:
         pattern = c.get("sliding_window_pattern", "_sliding_window_pattern")
-        if pattern:       # Gemma 3: every pattern-th layer is global
-            types = ["full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention"
-                     for i in range(num_layers)]
+        if pattern:  # Gemma 3: every pattern-th layer is global
+            types = [
+                "full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention" for i in range(num_layers)
+            ]
         elif window and c.get("use_sliding_window", default=default_use):
             first = int(c.get("max_window_layers", default=0)) if c.arch.startswith("Qwen") else 0
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
@@ -141,9 +167,13 @@ def _windows(c: _Config, num_layers: int, default_use: bool) -> tuple[int, ...]:
 
 def _llama(c: _Config, f: dict) -> dict:
     arch = c.arch
-    out = dict(intermediate_size=c.int("intermediate_size"), norm_eps=float(c.get("rms_norm_eps", default=1e-6)),
-               hidden_act=c.activation("hidden_act", "hidden_activation"), qkv_bias=arch == "Qwen2ForCausalLM",
-               qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"))
+    out = dict(
+        intermediate_size=c.int("intermediate_size"),
+        norm_eps=float(c.get("rms_norm_eps", default=1e-6)),
+        hidden_act=c.activation("hidden_act", "hidden_activation"),
+        qkv_bias=arch == "Qwen2ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+    )
     if arch != "Qwen2ForCausalLM":
         c.refuse("attention_bias", "biases on the attention projections")
     c.refuse("mlp_bias", "biases on the MLP")
@@ -151,9 +181,12 @@ def _llama(c: _Config, f: dict) -> dict:
     if arch == "Gemma3ForCausalLM":
         c.refuse("final_logit_softcapping", "Gemma 2's logit soft-capping")
         c.refuse("attn_logit_softcapping", "Gemma 2's attention soft-capping")
-        out.update(sandwich_norm=True, embed_scale=f["hidden_size"] ** 0.5,
-                   attn_scale=float(c.get("query_pre_attn_scalar", default=f["head_dim"])) ** -0.5)
-        if "full_attention" in rope:    # transformers 5: one RoPE per layer type
+        out.update(
+            sandwich_norm=True,
+            embed_scale=f["hidden_size"] ** 0.5,
+            attn_scale=float(c.get("query_pre_attn_scalar", default=f["head_dim"])) ** -0.5,
+        )
+        if "full_attention" in rope:  # transformers 5: one RoPE per layer type
             out.update(_rope(c, rope["full_attention"]))
             out["local_rope_theta"] = float(rope.get("sliding_attention", {}).get("rope_theta", 10000.0))
         else:
@@ -162,45 +195,65 @@ def _llama(c: _Config, f: dict) -> dict:
     else:
         out.update(_rope(c))
     out["rotary_dim"] = _partial_rotary(c, f["head_dim"], "partial_rotary_factor")
-    out["layer_windows"] = _windows(c, f["num_layers"],
-                                    default_use=arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
-                                                         "Gemma3ForCausalLM"))
+    out["layer_windows"] = _windows(
+        c,
+        f["num_layers"],
+        default_use=arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Gemma3ForCausalLM"),
+    )
     experts = c.get("num_local_experts", "num_experts")
     if arch in ("MixtralForCausalLM", "Qwen3MoeForCausalLM") and experts:
         sparse_step = int(c.get("decoder_sparse_step", default=1))
         dense_layers = set(c.get("mlp_only_layers", default=[]))
-        out.update(num_experts=int(experts), num_experts_per_tok=c.int("num_experts_per_tok"),
-                   moe_intermediate_size=int(c.get("moe_intermediate_size", default=out["intermediate_size"])),
-                   norm_topk_prob=arch == "MixtralForCausalLM" or bool(c.get("norm_topk_prob", default=False)),
-                   moe_layers=tuple(i for i in range(f["num_layers"])
-                                    if i not in dense_layers and (i + 1) % sparse_step == 0))
+        out.update(
+            num_experts=int(experts),
+            num_experts_per_tok=c.int("num_experts_per_tok"),
+            moe_intermediate_size=int(c.get("moe_intermediate_size", default=out["intermediate_size"])),
+            norm_topk_prob=arch == "MixtralForCausalLM" or bool(c.get("norm_topk_prob", default=False)),
+            moe_layers=tuple(i for i in range(f["num_layers"]) if i not in dense_layers and (i + 1) % sparse_step == 0),
+        )
     return out
 
 
 def _opt(c: _Config, f: dict) -> dict:
     if c.get("do_layer_norm_before", default=True) is not True:
-        raise UnsupportedModelError(f"{c.arch}: do_layer_norm_before=False (opt-350m's post-norm layers) "
-                                    "is not implemented")
+        raise UnsupportedModelError(
+            f"{c.arch}: do_layer_norm_before=False (opt-350m's post-norm layers) is not implemented"
+        )
     if int(c.get("word_embed_proj_dim", default=f["hidden_size"])) != f["hidden_size"]:
-        raise UnsupportedModelError(f"{c.arch}: word_embed_proj_dim != hidden_size (project_in/out) "
-                                    "is not implemented")
+        raise UnsupportedModelError(f"{c.arch}: word_embed_proj_dim != hidden_size (project_in/out) is not implemented")
     c.refuse("_remove_final_layer_norm", "a decoder without its final LayerNorm")
     c.refuse("layer_norm_elementwise_affine", "LayerNorm without weights", ok=(None, True))
     bias = bool(c.get("enable_bias", default=True))
-    return dict(intermediate_size=c.int("ffn_dim"), norm_eps=1e-5, norm="layer", position="learned",
-                hidden_act=c.activation("activation_function", default="relu"), gated_mlp=False, qkv_bias=bias,
-                attn_out_bias=bias, mlp_bias=bias, rope_theta=10000.0,
-                tie_word_embeddings=bool(c.get("tie_word_embeddings", default=True)))
+    return dict(
+        intermediate_size=c.int("ffn_dim"),
+        norm_eps=1e-5,
+        norm="layer",
+        position="learned",
+        hidden_act=c.activation("activation_function", default="relu"),
+        gated_mlp=False,
+        qkv_bias=bias,
+        attn_out_bias=bias,
+        mlp_bias=bias,
+        rope_theta=10000.0,
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", default=True)),
+    )
 
 
 def _gpt_neox(c: _Config, f: dict) -> dict:
     bias = bool(c.get("attention_bias", default=True))
-    return dict(intermediate_size=c.int("intermediate_size", default=4 * f["hidden_size"]),
-                norm_eps=float(c.get("layer_norm_eps", default=1e-5)), norm="layer", gated_mlp=False,
-                hidden_act=c.activation("hidden_act", default="gelu"), qkv_bias=bias, attn_out_bias=bias, mlp_bias=True,
-                parallel_residual=bool(c.get("use_parallel_residual", default=True)),
-                rotary_dim=_partial_rotary(c, f["head_dim"], "rotary_pct"),
-                **_rope(c, c.get("rope_parameters") or {}, theta_keys=("rope_theta", "rotary_emb_base")))
+    return dict(
+        intermediate_size=c.int("intermediate_size", default=4 * f["hidden_size"]),
+        norm_eps=float(c.get("layer_norm_eps", default=1e-5)),
+        norm="layer",
+        gated_mlp=False,
+        hidden_act=c.activation("hidden_act", default="gelu"),
+        qkv_bias=bias,
+        attn_out_bias=bias,
+        mlp_bias=True,
+        parallel_residual=bool(c.get("use_parallel_residual", default=True)),
+        rotary_dim=_partial_rotary(c, f["head_dim"], "rotary_pct"),
+        **_rope(c, c.get("rope_parameters") or {}, theta_keys=("rope_theta", "rotary_emb_base")),
+    )
 
 
 def _falcon(c: _Config, f: dict) -> dict:
@@ -213,9 +266,17 @@ def _falcon(c: _Config, f: dict) -> dict:
     else:
         kv_heads = f["num_heads"]
     bias = bool(c.get("bias", default=False))
-    return dict(num_kv_heads=kv_heads, intermediate_size=int(c.get("ffn_hidden_size", default=4 * f["hidden_size"])),
-                norm_eps=float(c.get("layer_norm_epsilon", default=1e-5)), norm="layer", gated_mlp=False,
-                hidden_act=c.activation("activation", default="gelu"), qkv_bias=bias, attn_out_bias=bias,
-                mlp_bias=bias, parallel_residual=new_arch or bool(c.get("parallel_attn", default=True)),
-                tie_word_embeddings=bool(c.get("tie_word_embeddings", default=True)),
-                **_rope(c, c.get("rope_parameters") or {}))
+    return dict(
+        num_kv_heads=kv_heads,
+        intermediate_size=int(c.get("ffn_hidden_size", default=4 * f["hidden_size"])),
+        norm_eps=float(c.get("layer_norm_epsilon", default=1e-5)),
+        norm="layer",
+        gated_mlp=False,
+        hidden_act=c.activation("activation", default="gelu"),
+        qkv_bias=bias,
+        attn_out_bias=bias,
+        mlp_bias=bias,
+        parallel_residual=new_arch or bool(c.get("parallel_attn", default=True)),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", default=True)),
+        **_rope(c, c.get("rope_parameters") or {}),
+    )

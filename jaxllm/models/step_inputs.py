@@ -34,7 +34,7 @@ class StepInputs:
     logits_indices: np.ndarray
     rope_cos: np.ndarray
     rope_sin: np.ndarray
-    attn_metadata: dict     # the attention backend's own arrays (jaxllm/attention/)
+    attn_metadata: dict  # the attention backend's own arrays (jaxllm/attention/)
     window_slot_mapping: np.ndarray | None = None
     window_block_tables: np.ndarray | None = None
     window_attn_metadata: dict | None = None
@@ -43,16 +43,30 @@ class StepInputs:
     prev_rows: np.ndarray | None = None
 
     @classmethod
-    def zeros(cls, num_tokens: int, num_seqs: int, max_blocks: int, rope_width: int,
-              num_logits: int | None = None, window_group: bool = False) -> StepInputs:
+    def zeros(
+        cls,
+        num_tokens: int,
+        num_seqs: int,
+        max_blocks: int,
+        rope_width: int,
+        num_logits: int | None = None,
+        window_group: bool = False,
+    ) -> StepInputs:
         i32 = np.int32
-        inputs = cls(token_ids=np.zeros(num_tokens, i32), positions=np.zeros(num_tokens, i32),
-                     slot_mapping=np.full(num_tokens, -1, i32), block_tables=np.zeros((num_seqs, max_blocks), i32),
-                     query_start_loc=np.zeros(num_seqs + 1, i32), seq_lens=np.zeros(num_seqs, i32),
-                     num_seqs=np.zeros((), i32), logits_indices=np.zeros(num_logits or num_seqs, i32),
-                     rope_cos=np.ones((num_tokens, 1, rope_width), np.float32),
-                     rope_sin=np.zeros((num_tokens, 1, rope_width), np.float32), attn_metadata={},
-                     prev_rows=np.full(num_tokens, -1, i32))
+        inputs = cls(
+            token_ids=np.zeros(num_tokens, i32),
+            positions=np.zeros(num_tokens, i32),
+            slot_mapping=np.full(num_tokens, -1, i32),
+            block_tables=np.zeros((num_seqs, max_blocks), i32),
+            query_start_loc=np.zeros(num_seqs + 1, i32),
+            seq_lens=np.zeros(num_seqs, i32),
+            num_seqs=np.zeros((), i32),
+            logits_indices=np.zeros(num_logits or num_seqs, i32),
+            rope_cos=np.ones((num_tokens, 1, rope_width), np.float32),
+            rope_sin=np.zeros((num_tokens, 1, rope_width), np.float32),
+            attn_metadata={},
+            prev_rows=np.full(num_tokens, -1, i32),
+        )
         if window_group:
             inputs.window_slot_mapping = inputs.slot_mapping.copy()
             inputs.window_block_tables = inputs.block_tables.copy()
@@ -70,5 +84,9 @@ class StepInputs:
 
     def window_view(self) -> StepInputs:
         """These inputs as the windowed layers of a two-group model read them (their pages)."""
-        return dataclasses.replace(self, slot_mapping=self.window_slot_mapping, block_tables=self.window_block_tables,
-                                   attn_metadata=self.window_attn_metadata)
+        return dataclasses.replace(
+            self,
+            slot_mapping=self.window_slot_mapping,
+            block_tables=self.window_block_tables,
+            attn_metadata=self.window_attn_metadata,
+        )

@@ -57,8 +57,9 @@ class Platform:
         from jaxllm.kernels import native
 
         available = self.cpp_kernels and native.available()
-        return dataclasses.replace(self, cpp_kernels=available, cpp_bf16_dots=available and native.bf16_gemm_native(),
-                                   build_confirmed=True)
+        return dataclasses.replace(
+            self, cpp_kernels=available, cpp_bf16_dots=available and native.bf16_gemm_native(), build_confirmed=True
+        )
 
     @property
     def cpp_ops(self) -> bool:

@@ -98,5 +98,14 @@ from jaxllm.quantization.weights import (
     quantize_matrix,
 )
 
-__all__ = ["CHECKPOINT_METHODS", "METHODS", "SMALL_STEP_ROWS", "QuantizedWeight", "dequantize", "matmul",
-           "quantize_matrix", "quantize_params", "weight_bytes"]
+__all__ = [
+    "CHECKPOINT_METHODS",
+    "METHODS",
+    "SMALL_STEP_ROWS",
+    "QuantizedWeight",
+    "dequantize",
+    "matmul",
+    "quantize_matrix",
+    "quantize_params",
+    "weight_bytes",
+]

@@ -43,9 +43,16 @@ class QuantizedRows:
 
     def take(self, rows: np.ndarray) -> QuantizedRows:
         """The output rows `rows`, in that order."""
-        pick = lambda a: None if a is None else a[rows]      # noqa: E731
-        return QuantizedRows(self.codes[rows], self.scale[rows], pick(self.offset), self.bits, self.perm,
-                             pick(self.super_scale), pick(self.super_offset))
+        pick = lambda a: None if a is None else a[rows]  # noqa: E731
+        return QuantizedRows(
+            self.codes[rows],
+            self.scale[rows],
+            pick(self.offset),
+            self.bits,
+            self.perm,
+            pick(self.super_scale),
+            pick(self.super_offset),
+        )
 
     def scales(self):
         """(scale, offset or None) [out, G], two-level scales multiplied out (f32)."""
@@ -75,12 +82,21 @@ class QuantizedRows:
             if codes.shape[1] % 2:
                 raise ValueError(f"4-bit codes need an even number of outputs, not {codes.shape[1]}")
             codes = _pack_plain_int4(codes)
-        def put_t(a):       # [out, ...] -> [..., out]
+
+        def put_t(a):  # [out, ...] -> [..., out]
             return None if a is None else jnp.asarray(np.ascontiguousarray(a.T))
 
-        return QuantizedWeight(jnp.asarray(codes), put_t(self.scale), put_t(self.offset), self.bits, "plain", "float",
-                               None if self.perm is None else jnp.asarray(self.perm), put_t(self.super_scale),
-                               put_t(self.super_offset))
+        return QuantizedWeight(
+            jnp.asarray(codes),
+            put_t(self.scale),
+            put_t(self.offset),
+            self.bits,
+            "plain",
+            "float",
+            None if self.perm is None else jnp.asarray(self.perm),
+            put_t(self.super_scale),
+            put_t(self.super_offset),
+        )
 
 
 def permute_rows(w, fn):
@@ -126,13 +142,25 @@ def concat_rows(parts: list) -> QuantizedRows | np.ndarray:
         super_offset = None
         if two and with_offset:
             super_offset = np.zeros_like(p.super_scale) if p.super_offset is None else p.super_offset
-        return (p.codes.astype(np.int8) if bits == 8 else p.codes, np.repeat(p.scale, rep, axis=1).astype(dtype),
-                np.repeat(offset, rep, axis=1).astype(dtype), p.super_scale, super_offset)
+        return (
+            p.codes.astype(np.int8) if bits == 8 else p.codes,
+            np.repeat(p.scale, rep, axis=1).astype(dtype),
+            np.repeat(offset, rep, axis=1).astype(dtype),
+            p.super_scale,
+            super_offset,
+        )
 
     codes, scale, offset, super_scale, super_offset = zip(*(widen(p) for p in parts))
-    join = lambda arrays: None if arrays[0] is None else np.concatenate(arrays)      # noqa: E731
-    return QuantizedRows(np.concatenate(codes), np.concatenate(scale), join(offset) if with_offset else None, bits,
-                         perms[0], join(super_scale), join(super_offset))
+    join = lambda arrays: None if arrays[0] is None else np.concatenate(arrays)  # noqa: E731
+    return QuantizedRows(
+        np.concatenate(codes),
+        np.concatenate(scale),
+        join(offset) if with_offset else None,
+        bits,
+        perms[0],
+        join(super_scale),
+        join(super_offset),
+    )
 
 
 # ----------------------------------------------------------------------------- params cache
@@ -164,8 +192,17 @@ def from_saved(tree: dict, statics: dict) -> dict:
         key = jax.tree_util.keystr(path)
         if key in statics:
             bits, layout, activations = statics[key]
-            return QuantizedWeight(node["codes"], node["scale"], node.get("offset"), bits, layout, activations,
-                                   node.get("perm"), node.get("super_scale"), node.get("super_offset"))
+            return QuantizedWeight(
+                node["codes"],
+                node["scale"],
+                node.get("offset"),
+                bits,
+                layout,
+                activations,
+                node.get("perm"),
+                node.get("super_scale"),
+                node.get("super_offset"),
+            )
         if isinstance(node, dict):
             return {k: walk((*path, jax.tree_util.DictKey(k)), v) for k, v in node.items()}
         if isinstance(node, list):

@@ -55,14 +55,14 @@ def _legacy(blocks: np.ndarray, t: int):
         return blocks[..., 2:].view(np.int8), d, None
     with_min = t in (T.Q4_1, T.Q5_1)
     m = _f16(blocks[..., 2:4]) if with_min else None
-    rest = blocks[..., 4 if with_min else 2:]
+    rest = blocks[..., 4 if with_min else 2 :]
     if t in (T.Q4_0, T.Q4_1):
         q = _nibbles(rest, 16)[..., 0, :]
         if with_min:
             return q, d, m
         with np.errstate(over="ignore"):
             return q, d, (np.float16(-8) * d).astype(np.float16)
-    qh = np.ascontiguousarray(rest[..., :4]).view(np.uint32)          # bit j: code j's fifth bit
+    qh = np.ascontiguousarray(rest[..., :4]).view(np.uint32)  # bit j: code j's fifth bit
     high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
     q = (_nibbles(rest[..., 4:], 16)[..., 0, :] | (high << 4)).astype(np.int8)
     return (q, d, m) if with_min else (q - np.int8(16), d, None)
@@ -81,17 +81,17 @@ def _k_quant(blocks: np.ndarray, t: int):
     [..., sub-blocks], super-scale f16 [...]), (sub-offsets, super-offset) or None)."""
     if t == T.Q6_K:
         ql, qh, sc, d = blocks[..., :128], blocks[..., 128:192], blocks[..., 192:208], _f16(blocks[..., 208:210])
-        low = _nibbles(ql, 64)                                        # [..., 2, 128]
+        low = _nibbles(ql, 64)  # [..., 2, 128]
         high = _bits(qh.reshape(*qh.shape[:-1], 2, 32), [0, 2, 4, 6], 3).reshape(low.shape)
         q = (low | (high << 4)).astype(np.int8) - np.int8(32)
         return q.reshape(*q.shape[:-2], 256), (sc.view(np.int8), d), None
     d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
-    sc, mins = _k_scales(blocks[..., 4:16])                           # 6 bits each: int8 holds them
+    sc, mins = _k_scales(blocks[..., 4:16])  # 6 bits each: int8 holds them
     scale, offset = (sc.astype(np.int8), d), (mins.astype(np.int8), -dmin)
     if t == T.Q4_K:
         return _nibbles(blocks[..., 16:144], 32).reshape(*blocks.shape[:-1], 256), scale, offset
     qh, qs = blocks[..., 16:48], blocks[..., 48:176]
-    high = _bits(qh, list(range(8)), 1)                               # [..., 8, 32]: sub-block j is bit j
+    high = _bits(qh, list(range(8)), 1)  # [..., 8, 32]: sub-block j is bit j
     q = _nibbles(qs, 32).reshape(high.shape) | (high << 4)
     return q.reshape(*blocks.shape[:-1], 256).astype(np.int8), scale, offset
 
@@ -113,13 +113,20 @@ def gguf_rows(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> Quant
     if ggml_type in _K_QUANTS:
         codes, (scale, super_scale), offset = _k_quant(blocks, ggml_type)
         offset, super_offset = (None, None) if offset is None else offset
-        flat = lambda a: None if a is None else np.ascontiguousarray(a.reshape(out, -1))     # noqa: E731
-        return QuantizedRows(np.ascontiguousarray(codes.reshape(out, k)), flat(scale), flat(offset), bits, None,
-                             flat(super_scale), flat(super_offset))
+        flat = lambda a: None if a is None else np.ascontiguousarray(a.reshape(out, -1))  # noqa: E731
+        return QuantizedRows(
+            np.ascontiguousarray(codes.reshape(out, k)),
+            flat(scale),
+            flat(offset),
+            bits,
+            None,
+            flat(super_scale),
+            flat(super_offset),
+        )
     codes, scale, offset = _legacy(blocks, ggml_type)
     scale = scale.reshape(out, -1)
     if offset is not None:
         offset = offset.reshape(out, -1)
-        if not np.isfinite(offset).all():     # Q4_0's -8 d past f16's range: keep it in f32
+        if not np.isfinite(offset).all():  # Q4_0's -8 d past f16's range: keep it in f32
             scale, offset = scale.astype(np.float32), -8 * scale.astype(np.float32)
     return QuantizedRows(np.ascontiguousarray(codes.reshape(out, k)), scale, offset, bits)

@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxllm.quantization.checkpoint import QuantizedRows
 
-_AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])        # word nibble j holds output 8c + _AWQ_ORDER[j]
+_AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # word nibble j holds output 8c + _AWQ_ORDER[j]
 
 
 def checkpoint_quantization(config: dict) -> dict | None:
@@ -40,15 +40,21 @@ def checkpoint_quantization(config: dict) -> dict | None:
     if method == "awq":
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm" or bits != 4 or not qc.get("zero_point", True):
-            raise ValueError(f"AWQ checkpoints are supported in the 4-bit GEMM layout with zero points, not "
-                             f"version={version!r}, bits={bits}, zero_point={qc.get('zero_point')}")
+            raise ValueError(
+                f"AWQ checkpoints are supported in the 4-bit GEMM layout with zero points, not "
+                f"version={version!r}, bits={bits}, zero_point={qc.get('zero_point')}"
+            )
     elif method == "gptq":
         if bits not in (4, 8):
             raise ValueError(f"GPTQ checkpoints are supported with 4 or 8 bits, not {bits}")
     else:
         raise ValueError(f"quantization_config quant_method {method!r} is not supported (awq, gptq; or a GGUF)")
-    return {"method": method, "bits": bits, "group_size": group,
-            "v2": str(qc.get("checkpoint_format", "gptq")).lower() == "gptq_v2"}
+    return {
+        "method": method,
+        "bits": bits,
+        "group_size": group,
+        "v2": str(qc.get("checkpoint_format", "gptq")).lower() == "gptq_v2",
+    }
 
 
 def _unpack(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
@@ -71,28 +77,30 @@ def quantized_linear(read: Callable[[str], np.ndarray | None], qc: dict, shape: 
     missing = [suffix for suffix in (".qweight", ".qzeros", ".scales") if t[suffix] is None]
     if missing:
         raise ValueError(f"a quantized Linear of shape {shape} has no {', '.join(missing)}")
-    scales = np.asarray(t[".scales"], np.float32)                  # [G, out]
+    scales = np.asarray(t[".scales"], np.float32)  # [G, out]
     if qc["method"] == "awq":
         q = _unpack(t[".qweight"], 4, 1).reshape(k, out // 8, 8)[..., np.argsort(_AWQ_ORDER)].reshape(k, out)
         zeros = _unpack(t[".qzeros"], 4, 1).reshape(-1, out // 8, 8)[..., np.argsort(_AWQ_ORDER)].reshape(-1, out)
     else:
-        q = _unpack(t[".qweight"], bits, 0)                         # [in, out]
+        q = _unpack(t[".qweight"], bits, 0)  # [in, out]
         zeros = _unpack(t[".qzeros"], bits, 1) + (0 if qc["v2"] else 1)
     groups = scales.shape[0]
     if q.shape != (k, out) or zeros.shape != (groups, out) or k % groups:
-        raise ValueError(f"quantized Linear of shape {shape}: qweight unpacks to {q.shape}, qzeros to "
-                         f"{zeros.shape}, scales are {scales.shape}")
+        raise ValueError(
+            f"quantized Linear of shape {shape}: qweight unpacks to {q.shape}, qzeros to "
+            f"{zeros.shape}, scales are {scales.shape}"
+        )
     perm = None
     if qc["method"] == "gptq":
         contiguous = np.arange(k) // (k // groups)
         # Absent in some checkpoints: contiguous groups.
         g_idx = contiguous if t[".g_idx"] is None else np.asarray(t[".g_idx"], np.int64)
-        if not np.array_equal(g_idx, contiguous):     # act-order: sort the rows by group
+        if not np.array_equal(g_idx, contiguous):  # act-order: sort the rows by group
             perm = np.argsort(g_idx, kind="stable").astype(np.int32)
             if not np.array_equal(g_idx[perm], contiguous):
                 raise ValueError("GPTQ g_idx does not give every group the same number of rows")
             q = q[perm]
-    codes = q.T                                                     # [out, in]
+    codes = q.T  # [out, in]
     if bits == 8:
         codes, zeros = codes - 128, zeros - 128
     offset = -scales * zeros

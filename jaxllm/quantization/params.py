@@ -6,8 +6,16 @@ import jax
 import numpy as np
 
 from jaxllm.quantization.sharding import make_sharded_weight, shard_checkpoint_weight
-from jaxllm.quantization.weights import (EXPERT_MATRICES, LAYER_MATRICES, METHODS, QuantizedWeight, make_weight,
-                                         relayout, with_bf16_activations, with_int8_activations)
+from jaxllm.quantization.weights import (
+    EXPERT_MATRICES,
+    LAYER_MATRICES,
+    METHODS,
+    QuantizedWeight,
+    make_weight,
+    relayout,
+    with_bf16_activations,
+    with_int8_activations,
+)
 
 
 def quantize_params(params: dict, spec, plan, *, device=None, parts=None) -> dict:
@@ -24,7 +32,7 @@ def quantize_params(params: dict, spec, plan, *, device=None, parts=None) -> dic
 
     def make(w, name: str, table: bool = False):
         lp = plan.linear(name)
-        if isinstance(w, QuantizedWeight):      # the checkpoint's codes
+        if isinstance(w, QuantizedWeight):  # the checkpoint's codes
             if parts is not None:
                 return shard_checkpoint_weight(w, *parts[name], what=f"{lp.codes} {name}")
             w = relayout(w, lp.kernel == "cpp", device)
@@ -34,8 +42,9 @@ def quantize_params(params: dict, spec, plan, *, device=None, parts=None) -> dic
             activations = "int8" if lp.codes == "w8a8" else "float"
             if parts is not None:
                 return make_sharded_weight(w, lp.codes, activations, *parts[name])
-            w = make_weight(np.asarray(w, np.float32), lp.codes, panels=lp.kernel == "cpp", activations=activations,
-                            device=device)
+            w = make_weight(
+                np.asarray(w, np.float32), lp.codes, panels=lp.kernel == "cpp", activations=activations, device=device
+            )
         if lp.activations == "int8":
             return with_int8_activations(w)
         # (A 4-bit embedding table keeps its layout: its rows are looked up from the panels.)
@@ -69,8 +78,11 @@ def quantize_params(params: dict, spec, plan, *, device=None, parts=None) -> dic
 def panel_layout(params: dict) -> dict:
     """A params tree with every QuantizedWeight (a checkpoint's codes) in the C++ GEMM's panels
     where its shape allows, as host-side arrays for the params cache (`load_model(panels=True)`)."""
-    return jax.tree_util.tree_map(lambda w: relayout(w, True) if isinstance(w, QuantizedWeight) else w, params,
-                                  is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return jax.tree_util.tree_map(
+        lambda w: relayout(w, True) if isinstance(w, QuantizedWeight) else w,
+        params,
+        is_leaf=lambda x: isinstance(x, QuantizedWeight),
+    )
 
 
 # Steps of at most this many rows multiply a GGUF's codes, larger ones its bf16 weights

@@ -7,12 +7,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxllm.quantization.weights import (METHODS, QuantizedWeight, _pack_plain_int4, _unpacked_codes, flat_scales,
-                                         quantize_matrix, w8a8_act_block, widest_format)
+from jaxllm.quantization.weights import (
+    METHODS,
+    QuantizedWeight,
+    _pack_plain_int4,
+    _unpacked_codes,
+    flat_scales,
+    quantize_matrix,
+    w8a8_act_block,
+    widest_format,
+)
 
 
-def make_sharded_weight(w: np.ndarray, method: str, activations: str, columns: int = 1, rows: int = 1
-                        ) -> QuantizedWeight:
+def make_sharded_weight(
+    w: np.ndarray, method: str, activations: str, columns: int = 1, rows: int = 1
+) -> QuantizedWeight:
     """Quantize w [K, N] (or a stack [..., K, N]: a pipeline's stages, experts; each matrix on
     its own) into a plain-layout QuantizedWeight of host arrays that split evenly into `columns` parts
     along N or `rows` parts along K (`parallel.shard_params` places them): the codes and scales
@@ -20,16 +29,20 @@ def make_sharded_weight(w: np.ndarray, method: str, activations: str, columns: i
     (`_shard_fields`)."""
     bits, group_size = METHODS[method]
     w = np.asarray(w, np.float32)
-    parts = [_shard_fields(*quantize_matrix(x, bits, group_size), bits, columns, rows, method)
-             for x in w.reshape(-1, *w.shape[-2:])]
+    parts = [
+        _shard_fields(*quantize_matrix(x, bits, group_size), bits, columns, rows, method)
+        for x in w.reshape(-1, *w.shape[-2:])
+    ]
     act_block = w8a8_act_block(w.shape[-2], rows) if activations == "int8" else 0
     return QuantizedWeight(*_stacked(parts, w.shape[:-2]), bits, "plain", activations, act_block=act_block)
 
 
 def _stacked(parts: list[tuple], lead: tuple) -> tuple:
     """Per-matrix (codes, scale, offset) -> the same fields stacked to `lead` + each's shape."""
-    return tuple(None if parts[0][i] is None else np.stack([p[i] for p in parts]).reshape(*lead, *parts[0][i].shape)
-                 for i in range(3))
+    return tuple(
+        None if parts[0][i] is None else np.stack([p[i] for p in parts]).reshape(*lead, *parts[0][i].shape)
+        for i in range(3)
+    )
 
 
 def _shard_fields(codes, scale, offset, bits: int, columns: int, rows: int, what: str):
@@ -42,8 +55,10 @@ def _shard_fields(codes, scale, offset, bits: int, columns: int, rows: int, what
     if rows > 1 and groups == 1:
         scale, offset = np.repeat(scale, rows, axis=0), None if offset is None else np.repeat(offset, rows, axis=0)
     elif groups % rows:
-        raise ValueError(f"{what}: a [{k}, {n}] matrix in {groups} groups of {k // groups} rows cannot be split "
-                         f"over {rows} shards along its rows")
+        raise ValueError(
+            f"{what}: a [{k}, {n}] matrix in {groups} groups of {k // groups} rows cannot be split "
+            f"over {rows} shards along its rows"
+        )
     if bits == 4:
         if n % (2 * columns):
             raise ValueError(f"{what}: {n} columns do not split into {columns} parts of an even width")
@@ -55,10 +70,20 @@ def permute_columns(w: QuantizedWeight, index: np.ndarray) -> QuantizedWeight:
     """The plain-layout weight whose column j is w's column index[j] (a checkpoint's quantized
     matrix regrouped for tensor parallelism: `layout.tp_layout`), as host arrays."""
     codes = _unpacked_codes(w, np)[:, index]
-    scale, offset, super_scale, super_offset = [None if a is None else np.asarray(a)[:, index]
-                                                for a in (w.scale, w.offset, w.super_scale, w.super_offset)]
-    return QuantizedWeight(_pack_plain_int4(codes) if w.bits == 4 else codes, scale, offset, w.bits, "plain",
-                           w.activations, None if w.perm is None else np.asarray(w.perm), super_scale, super_offset)
+    scale, offset, super_scale, super_offset = [
+        None if a is None else np.asarray(a)[:, index] for a in (w.scale, w.offset, w.super_scale, w.super_offset)
+    ]
+    return QuantizedWeight(
+        _pack_plain_int4(codes) if w.bits == 4 else codes,
+        scale,
+        offset,
+        w.bits,
+        "plain",
+        w.activations,
+        None if w.perm is None else np.asarray(w.perm),
+        super_scale,
+        super_offset,
+    )
 
 
 def shard_checkpoint_weight(w: QuantizedWeight, columns: int, rows: int, what: str) -> QuantizedWeight:
@@ -69,14 +94,19 @@ def shard_checkpoint_weight(w: QuantizedWeight, columns: int, rows: int, what: s
         raise ValueError(f"{what}: act-order weights (GPTQ's g_idx) cannot be split along their input rows")
     w = flat_scales(w)
 
-    def flat(a):        # [..., rows, columns] (a stack of pipeline stages) -> [matrices, rows, columns]
+    def flat(a):  # [..., rows, columns] (a stack of pipeline stages) -> [matrices, rows, columns]
         return np.asarray(a).reshape(-1, *a.shape[-2:])
 
     codes, scale = _unpacked_codes(w, np), flat(w.scale)
     offsets = [None] * len(scale) if w.offset is None else flat(w.offset)
     parts = [_shard_fields(c, g, o, w.bits, columns, rows, what) for c, g, o in zip(flat(codes), scale, offsets)]
-    return QuantizedWeight(*_stacked(parts, codes.shape[:-2]), w.bits, "plain", w.activations,
-                           None if w.perm is None else np.asarray(w.perm))
+    return QuantizedWeight(
+        *_stacked(parts, codes.shape[:-2]),
+        w.bits,
+        "plain",
+        w.activations,
+        None if w.perm is None else np.asarray(w.perm),
+    )
 
 
 def stack_stages(ws: list, what: str) -> QuantizedWeight:
@@ -85,13 +115,17 @@ def stack_stages(ws: list, what: str) -> QuantizedWeight:
     `checkpoint.concat_rows` fuses parts); act-order rows in each stage's own order (the
     identity where a stage has none)."""
     if not all(isinstance(w, QuantizedWeight) for w in ws):
-        raise ValueError(f"{what} is quantized on some pipeline stages and float on others; run it without "
-                         f"pipeline stages (or dequantize it: for a GGUF, leave `quantization` unset)")
+        raise ValueError(
+            f"{what} is quantized on some pipeline stages and float on others; run it without "
+            f"pipeline stages (or dequantize it: for a GGUF, leave `quantization` unset)"
+        )
     ws = [flat_scales(w) for w in ws]
     fmt = widest_format([(w.bits, w.scale.shape[-2], w.scale.dtype, w.offset is not None) for w in ws])
     if fmt is None:
-        raise ValueError(f"{what}: groups of different sizes on different pipeline stages "
-                         f"({sorted({w.shape[0] // w.scale.shape[-2] for w in ws})} rows) cannot be stacked")
+        raise ValueError(
+            f"{what}: groups of different sizes on different pipeline stages "
+            f"({sorted({w.shape[0] // w.scale.shape[-2] for w in ws})} rows) cannot be stacked"
+        )
     bits, groups, dtype, with_offset = fmt
 
     def widen(w: QuantizedWeight):
@@ -108,6 +142,7 @@ def stack_stages(ws: list, what: str) -> QuantizedWeight:
 
     perm = None
     if any(w.perm is not None for w in ws):
-        perm = np.stack([np.arange(w.shape[0], dtype=np.int32) if w.perm is None else np.asarray(w.perm, np.int32)
-                         for w in ws])
+        perm = np.stack(
+            [np.arange(w.shape[0], dtype=np.int32) if w.perm is None else np.asarray(w.perm, np.int32) for w in ws]
+        )
     return QuantizedWeight(*_stacked([widen(w) for w in ws], (len(ws),)), bits, "plain", ws[0].activations, perm)

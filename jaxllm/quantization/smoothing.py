@@ -61,6 +61,7 @@ def smooth(params, spec, maxima: dict, alpha: float = ALPHA) -> None:
     max |x| [in]} from `weights.calibration.activation_maxima`."""
     f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
     for i, layer in enumerate(params["layers"]):
+
         def fold_norm(norm: str, matrix: str):
             s = factors(maxima[(i, matrix)], _rows_max(layer[matrix]), alpha)
             layer[norm] = f32(layer[norm]) / s

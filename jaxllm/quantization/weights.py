@@ -138,8 +138,16 @@ def make_weight(w: np.ndarray, method: str, *, panels: bool, activations: str, d
             raise ValueError(f"4-bit codes need an even number of columns, not {n}")
         codes = _pack_plain_int4(codes)
     put = functools.partial(jax.device_put, device=device)
-    return QuantizedWeight(put(codes), put(scale), None if offset is None else put(offset), bits, layout,
-                           activations, bias=put(bias), act_block=act_block)
+    return QuantizedWeight(
+        put(codes),
+        put(scale),
+        None if offset is None else put(offset),
+        bits,
+        layout,
+        activations,
+        bias=put(bias),
+        act_block=act_block,
+    )
 
 
 # W8A8's activations: an int8 scale per row and block of up to this many columns. A scale per row
@@ -191,7 +199,7 @@ def widest_format(parts: list[tuple]) -> tuple | None:
 def _unpacked_codes(w: QuantizedWeight, xp=jnp):
     """The codes [..., K, N], one a byte, as `xp` (jnp inside a step, numpy on the host) arrays."""
     c = xp.asarray(w.codes)
-    if _bf16_pairs(w):          # [P, K / 4, 16 x 2] -> [P, K / 4, 2 halves, 2 rows, 16] -> [K, N]
+    if _bf16_pairs(w):  # [P, K / 4, 16 x 2] -> [P, K / 4, 2 halves, 2 rows, 16] -> [K, N]
         p, blocks, _ = c.shape
         c = xp.stack([c & 15, c >> 4], axis=2).reshape(p, blocks, 2, _PANEL, 2)
         c = xp.transpose(c, (0, 1, 2, 4, 3)).reshape(p, 4 * blocks, _PANEL)
@@ -199,7 +207,7 @@ def _unpacked_codes(w: QuantizedWeight, xp=jnp):
     if w.layout == "panels":
         if w.bits == 4:
             c = xp.concatenate([c & 15, c >> 4], axis=-1)
-        if _w8a8_panels(w):       # [P, K / 4, 16, 4] -> [P, K, 16]
+        if _w8a8_panels(w):  # [P, K / 4, 16, 4] -> [P, K, 16]
             p, k, n = c.shape
             c = xp.transpose(c.reshape(p, k // 4, n, 4), (0, 1, 3, 2)).reshape(p, k, n)
         c = xp.transpose(c, (1, 0, 2)).reshape(c.shape[1], -1)
@@ -208,7 +216,7 @@ def _unpacked_codes(w: QuantizedWeight, xp=jnp):
     return c
 
 
-_PANEL = 16     # columns of a C++ GEMM panel (kernels.native.PANEL)
+_PANEL = 16  # columns of a C++ GEMM panel (kernels.native.PANEL)
 
 
 def _bf16_pairs(w: QuantizedWeight) -> bool:
@@ -234,9 +242,11 @@ def two_level(sub, sup, axis: int, xp=jnp):
 def group_scales(w: QuantizedWeight, xp=jnp, take=lambda a: a):
     """w's (scale, offset or None) [..., G, N], two-level scales multiplied out (f32); `take`
     first selects from each array (e.g. columns)."""
-    pick = lambda a: None if a is None else take(a)      # noqa: E731
-    return (two_level(pick(w.scale), pick(w.super_scale), -2, xp),
-            two_level(pick(w.offset), pick(w.super_offset), -2, xp))
+    pick = lambda a: None if a is None else take(a)  # noqa: E731
+    return (
+        two_level(pick(w.scale), pick(w.super_scale), -2, xp),
+        two_level(pick(w.offset), pick(w.super_offset), -2, xp),
+    )
 
 
 def flat_scales(w: QuantizedWeight) -> QuantizedWeight:
@@ -270,22 +280,42 @@ def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None, swiglu: bool 
     if w.layout == "panels" and w.activations == "bf16":
         from jaxllm.kernels import native
 
-        return native.matmul_quantized_bf16(x, w.codes, w.scale, w.offset, w.bits, rows=rows, swiglu=swiglu,
-                                            super_scale=w.super_scale, super_offset=w.super_offset)
+        return native.matmul_quantized_bf16(
+            x,
+            w.codes,
+            w.scale,
+            w.offset,
+            w.bits,
+            rows=rows,
+            swiglu=swiglu,
+            super_scale=w.super_scale,
+            super_offset=w.super_offset,
+        )
     if w.layout == "panels":
         from jaxllm.kernels import native
 
-        return native.matmul_quantized(x, w.codes, w.scale, w.offset, w.bits, rows=rows, swiglu=swiglu,
-                                       act8=w.activations == "int8", super_scale=w.super_scale,
-                                       super_offset=w.super_offset, bias=w.bias, act_block=w.act_block)
+        return native.matmul_quantized(
+            x,
+            w.codes,
+            w.scale,
+            w.offset,
+            w.bits,
+            rows=rows,
+            swiglu=swiglu,
+            act8=w.activations == "int8",
+            super_scale=w.super_scale,
+            super_offset=w.super_offset,
+            bias=w.bias,
+            act_block=w.act_block,
+        )
     assert not swiglu, "the SwiGLU epilogue needs the panels layout"
     if w.activations == "int8":
         return _w8a8_plain(x, w, axis)
-    if _platform() == "gpu":          # the codes dequantized tile by tile in a Pallas (Triton) kernel
+    if _platform() == "gpu":  # the codes dequantized tile by tile in a Pallas (Triton) kernel
         from jaxllm.kernels import quant_matmul
 
         k, n = w.shape
-        if quant_matmul.supported(k, n, w.scale.shape[0], w.bits):   # (two-level scales: flat since `relayout`)
+        if quant_matmul.supported(k, n, w.scale.shape[0], w.bits):  # (two-level scales: flat since `relayout`)
             return quant_matmul.quantized_matmul(x, w.codes, *group_scales(w), bits=w.bits)
     return jnp.dot(x.astype(jnp.float32), dequantize(w), preferred_element_type=jnp.float32)
 
@@ -303,9 +333,8 @@ def _w8a8_plain(x: jax.Array, w: QuantizedWeight, axis) -> jax.Array:
         return acc.astype(jnp.float32) * x_scale[..., None] * w.scale[0]
     k, n = w.codes.shape
     blocks = k // w.act_block
-    xq, x_scale = int8_rows(x.reshape(*x.shape[:-1], blocks, w.act_block))     # [..., blocks, B], [..., blocks]
-    acc = jnp.einsum("...bk,bkn->...bn", xq, w.codes.reshape(blocks, w.act_block, n),
-                     preferred_element_type=jnp.int32)
+    xq, x_scale = int8_rows(x.reshape(*x.shape[:-1], blocks, w.act_block))  # [..., blocks, B], [..., blocks]
+    acc = jnp.einsum("...bk,bkn->...bn", xq, w.codes.reshape(blocks, w.act_block, n), preferred_element_type=jnp.int32)
     return jnp.einsum("...bn,...b->...n", acc.astype(jnp.float32), x_scale) * w.scale[0]
 
 
@@ -355,18 +384,29 @@ def relayout(w: QuantizedWeight, panels: bool, device=None) -> QuantizedWeight:
     k, n = w.shape
     panels = panels and _fits_panels(k, n, w.activations)
     if not panels and (device.platform if device is not None else _platform()) == "gpu":
-        w = flat_scales(w)      # once here, not in every step: the Pallas kernel takes one level
+        w = flat_scales(w)  # once here, not in every step: the Pallas kernel takes one level
     if (w.layout == "panels") == panels:
         return jax.device_put(w, device)
-    codes = _unpacked_codes(w, np)       # on the host: jnp ops here would compile a program per shape
+    codes = _unpacked_codes(w, np)  # on the host: jnp ops here would compile a program per shape
     bias = _w8a8_bias(codes, w.act_block) if panels and w.bits == 8 and w.activations == "int8" else None
     if panels:
         codes = native.pack_codes(codes, w.bits, w8a8=w.activations == "int8")
     elif w.bits == 4:
         codes = _pack_plain_int4(codes)
     put = functools.partial(jax.device_put, device=device)
-    return QuantizedWeight(put(codes), put(w.scale), put(w.offset), w.bits, "panels" if panels else "plain",
-                           w.activations, put(w.perm), put(w.super_scale), put(w.super_offset), put(bias), w.act_block)
+    return QuantizedWeight(
+        put(codes),
+        put(w.scale),
+        put(w.offset),
+        w.bits,
+        "panels" if panels else "plain",
+        w.activations,
+        put(w.perm),
+        put(w.super_scale),
+        put(w.super_offset),
+        put(bias),
+        w.act_block,
+    )
 
 
 def with_int8_activations(w: QuantizedWeight) -> QuantizedWeight:

@@ -32,11 +32,16 @@ class Bucket:
         """R: rows of logits (and of sampling state) in the step."""
         return self.num_tokens if self.all_logits else self.num_seqs
 
-    def fits(self, num_tokens: int, num_decode: int, num_prefill_rows: int, num_seqs: int,
-             all_logits: bool = False) -> bool:
-        return (num_tokens <= self.num_tokens and num_decode <= self.num_decode_rows
-                and num_prefill_rows <= self.num_prefill_rows and num_seqs <= self.num_seqs
-                and self.all_logits >= all_logits)
+    def fits(
+        self, num_tokens: int, num_decode: int, num_prefill_rows: int, num_seqs: int, all_logits: bool = False
+    ) -> bool:
+        return (
+            num_tokens <= self.num_tokens
+            and num_decode <= self.num_decode_rows
+            and num_prefill_rows <= self.num_prefill_rows
+            and num_seqs <= self.num_seqs
+            and self.all_logits >= all_logits
+        )
 
 
 def _powers_of_two(lo: int, hi: int) -> list[int]:
@@ -51,8 +56,14 @@ def _powers_of_two(lo: int, hi: int) -> list[int]:
 FEW_DECODES = 16
 
 
-def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, prefill_row_tokens: int,
-                 max_num_prefill_seqs: int, num_speculative_tokens: int = 0, max_spec_seqs: int = 0) -> list[Bucket]:
+def make_buckets(
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    prefill_row_tokens: int,
+    max_num_prefill_seqs: int,
+    num_speculative_tokens: int = 0,
+    max_spec_seqs: int = 0,
+) -> list[Bucket]:
     """Decode-only buckets (powers of two from 2 — a one-row batch is padded to two, since a
     single-row dot is a slow GEMV on XLA:CPU — plus 48, 96, ...) and mixed buckets (32 tokens
     up to max_num_batched_tokens) for steps with prompt chunks, each for up to max_num_seqs
@@ -64,9 +75,13 @@ def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, prefill_row_tok
     # ...): a draining decode batch then pads at most ~20%. Below 32 rows a step costs about
     # the same whatever the batch (it streams the weights), so padding there is nearly free.
     steps = {32: (3,), 64: (5, 6, 7)}
-    decode_sizes += [d * k // 4 if d >= 64 else d * k // 2
-                     for d in decode_sizes if d >= 32 for k in steps[min(d, 64)]
-                     if (d * k // 4 if d >= 64 else d * k // 2) < max_num_seqs]
+    decode_sizes += [
+        d * k // 4 if d >= 64 else d * k // 2
+        for d in decode_sizes
+        if d >= 32
+        for k in steps[min(d, 64)]
+        if (d * k // 4 if d >= 64 else d * k // 2) < max_num_seqs
+    ]
     buckets = [Bucket(d, d, 0, d) for d in decode_sizes]
     for t in _powers_of_two(min(32, max_num_batched_tokens), max_num_batched_tokens):
         rows = -(-t // prefill_row_tokens) + max_num_prefill_seqs
@@ -77,7 +92,7 @@ def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, prefill_row_tok
         for d in {min(t, max_num_seqs), min(t, max_num_seqs, FEW_DECODES)}:
             buckets.append(Bucket(t, d, rows, d + max_num_prefill_seqs))
     k = num_speculative_tokens
-    if k:    # from one sequence (its k + 1 tokens are rows enough for the GEMMs)
+    if k:  # from one sequence (its k + 1 tokens are rows enough for the GEMMs)
         for d in _powers_of_two(1, max(1, min(max_spec_seqs, max_num_seqs))):
             # Every sequence with k drafts, or about one draft each (where few drafts are proposed,
             # a step padded to d * (k + 1) rows would cost up to 1.5x a decode step).
@@ -87,14 +102,21 @@ def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, prefill_row_tok
     return sorted(set(buckets), key=lambda b: (b.num_tokens, b.num_seqs, b.num_prefill_rows, b.all_logits))
 
 
-def pick_bucket(buckets: list[Bucket], num_tokens: int, num_decode: int, num_prefill_rows: int,
-                num_seqs: int, all_logits: bool = False) -> Bucket:
+def pick_bucket(
+    buckets: list[Bucket],
+    num_tokens: int,
+    num_decode: int,
+    num_prefill_rows: int,
+    num_seqs: int,
+    all_logits: bool = False,
+) -> Bucket:
     for bucket in buckets:
         if bucket.fits(num_tokens, num_decode, num_prefill_rows, num_seqs, all_logits):
             return bucket
     raise ValueError(
         f"no compiled bucket holds {num_tokens} tokens, {num_decode} decodes, "
-        f"{num_prefill_rows} prefill rows, {num_seqs} sequences" + (" with logits for every token" * all_logits))
+        f"{num_prefill_rows} prefill rows, {num_seqs} sequences" + (" with logits for every token" * all_logits)
+    )
 
 
 def enable_persistent_cache(cache_dir: str) -> None:

@@ -25,29 +25,51 @@ from jaxllm.runner import sampler
 from jaxllm.runner.input_batch import PackedLayout, SamplingMetadata
 
 
-def step(params, kv_cache, ints, floats, penalty_tokens, token_mask, prev_tokens, *, layout: PackedLayout, spec,
-         attention, mesh, cpp_ops: bool = False):
-    hidden = None     # [T, hidden] before the final norm, kept for prompt logprobs (one device only)
-    if parallel.pp_size(mesh) > 1:     # [M, ...]: micro-batches through the pipeline stages
-        logits, kv_cache = parallel.pipelined_forward(params, kv_cache, ints, floats, spec=spec, attention=attention,
-                                                      mesh=mesh, unpack=lambda i, f: layout.unpack(i, f)[0],
-                                                      cpp_ops=cpp_ops)
+def step(
+    params,
+    kv_cache,
+    ints,
+    floats,
+    penalty_tokens,
+    token_mask,
+    prev_tokens,
+    *,
+    layout: PackedLayout,
+    spec,
+    attention,
+    mesh,
+    cpp_ops: bool = False,
+):
+    hidden = None  # [T, hidden] before the final norm, kept for prompt logprobs (one device only)
+    if parallel.pp_size(mesh) > 1:  # [M, ...]: micro-batches through the pipeline stages
+        logits, kv_cache = parallel.pipelined_forward(
+            params,
+            kv_cache,
+            ints,
+            floats,
+            spec=spec,
+            attention=attention,
+            mesh=mesh,
+            unpack=lambda i, f: layout.unpack(i, f)[0],
+            cpp_ops=cpp_ops,
+        )
         sampling = SamplingMetadata.concat([layout.unpack(i, f)[1] for i, f in zip(ints, floats)])
         sampling.penalty_tokens = penalty_tokens.reshape(-1, penalty_tokens.shape[-1])
         sampling.token_mask = token_mask.reshape(-1, token_mask.shape[-1])
     else:
         inputs, sampling = layout.unpack(ints, floats)
         sampling = dataclasses.replace(sampling, penalty_tokens=penalty_tokens, token_mask=token_mask)
-        if inputs.prev_rows is not None:     # tokens the previous step sampled, still on the device
+        if inputs.prev_rows is not None:  # tokens the previous step sampled, still on the device
             prev = prev_tokens[jnp.maximum(inputs.prev_rows, 0)]
             inputs = dataclasses.replace(inputs, token_ids=jnp.where(inputs.prev_rows >= 0, prev, inputs.token_ids))
         if mesh is None:
             hidden, kv_cache = decoder.forward(params, kv_cache, inputs, spec, attention=attention, cpp_ops=cpp_ops)
             logits = decoder.compute_logits(params, hidden[inputs.logits_indices], spec, rows=inputs.num_logits())
         else:
-            logits, kv_cache = parallel.sharded_forward(params, kv_cache, inputs, spec, attention=attention,
-                                                        mesh=mesh, cpp_ops=cpp_ops)
+            logits, kv_cache = parallel.sharded_forward(
+                params, kv_cache, inputs, spec, attention=attention, mesh=mesh, cpp_ops=cpp_ops
+            )
     tokens, logprob, top_lp, top_ids = sampler.sample(logits, sampling, *sampler.sampling_ops(cpp_ops))
     # Every bucket's tokens as one shape ([prev_tokens.shape[0]], padded), the next step's `prev_tokens`.
-    tokens = jnp.zeros(prev_tokens.shape, tokens.dtype).at[:tokens.shape[0]].set(tokens)
+    tokens = jnp.zeros(prev_tokens.shape, tokens.dtype).at[: tokens.shape[0]].set(tokens)
     return tokens, logprob, top_lp, top_ids, hidden, kv_cache

@@ -52,17 +52,26 @@ def _sources_digest() -> bytes:
 
 def _environment() -> bytes:
     device = jax.devices()[0]
-    parts = [_FORMAT, jax.__version__, jax.lib.__version__, device.platform, device.client.platform_version,
-             str(jax.device_count()), str(jax.process_count()), " ".join(sorted(cpu_flags())),
-             os.environ.get("XLA_FLAGS", ""), str(jax.config.jax_enable_x64),
-             str(jax.config.jax_default_matmul_precision)]
+    parts = [
+        _FORMAT,
+        jax.__version__,
+        jax.lib.__version__,
+        device.platform,
+        device.client.platform_version,
+        str(jax.device_count()),
+        str(jax.process_count()),
+        " ".join(sorted(cpu_flags())),
+        os.environ.get("XLA_FLAGS", ""),
+        str(jax.config.jax_enable_x64),
+        str(jax.config.jax_default_matmul_precision),
+    ]
     return b"\0".join(p if isinstance(p, bytes) else p.encode() for p in parts) + _sources_digest()
 
 
 def _describe(x) -> str:
     sharding = getattr(x, "sharding", None)
     devices = sorted(d.id for d in sharding.device_set) if sharding is not None else None
-    return f"{x.shape}:{x.dtype}:{sharding}:{devices}"   # (a sharding's repr leaves its devices out)
+    return f"{x.shape}:{x.dtype}:{sharding}:{devices}"  # (a sharding's repr leaves its devices out)
 
 
 class ExecutableStore:
@@ -116,9 +125,10 @@ class ExecutableStore:
         try:
             with open(path, "rb") as f:
                 payload, in_tree, out_tree = pickle.load(f)
-            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
-                                                                 execution_devices=self.devices)
-            os.utime(path)          # its mtime is its last use: `_evict` drops the least recently used
+            compiled = serialize_executable.deserialize_and_load(
+                payload, in_tree, out_tree, execution_devices=self.devices
+            )
+            os.utime(path)  # its mtime is its last use: `_evict` drops the least recently used
             return compiled
         except Exception as e:  # a truncated or foreign file: compile afresh and overwrite it
             logger.warning("ignoring the unreadable compiled step %s (%s: %s)", path, type(e).__name__, e)
@@ -168,9 +178,9 @@ class CompiledSteps:
         self.jitted, self.buckets, self.store = jitted, buckets, store
         self._abstract_args = abstract_args
         self.ready: dict[Bucket, jax.stages.Compiled] = {}
-        self.pending: dict[Bucket, Future] = {}      # compiling or loading on `_pool`
+        self.pending: dict[Bucket, Future] = {}  # compiling or loading on `_pool`
         self._pool: ThreadPoolExecutor | None = None
-        self.loaded = 0                              # steps taken from the store (the rest were compiled)
+        self.loaded = 0  # steps taken from the store (the rest were compiled)
 
     def compile(self, layout, args, key: str | None = None) -> tuple[jax.stages.Compiled, bool]:
         """The step for `layout` and `args` (store key `key`, if already known): from the store,
@@ -181,7 +191,7 @@ class CompiledSteps:
         compiled = self.store.load(key) if key is not None else None
         if compiled is not None:
             return compiled, True
-        with CompilationCounter(cache_hits=True) as hits:   # (hits on any thread: at worst a save skipped)
+        with CompilationCounter(cache_hits=True) as hits:  # (hits on any thread: at worst a save skipped)
             compiled = self.jitted.lower(*args, layout=layout).compile()
         # An executable that JAX's persistent cache loaded (a caller may have turned it on) runs,
         # but serialized again it fails to run (jax 0.10.2: "Function ... not found").
@@ -207,6 +217,7 @@ class CompiledSteps:
             bar.update()
             if bar.n >= bar.total:
                 bar.close()
+
         # Compiling takes every core; loading takes one, leaving the rest to what a warm start
         # also waits for (the KV pages' first touch, the tokenizer's import): engine construction
         # took ~0.8 s less with one loader than with two on a 2-vCPU Zen 3 (4 interleaved pairs).
@@ -222,8 +233,9 @@ class CompiledSteps:
         """Compile order: the smallest bucket of each kind first (a request's first step is a
         prompt chunk, its next ones decodes), then the rest from the smallest."""
         kind = (bucket.num_prefill_rows > 0, bucket.all_logits)
-        smallest = min((b for b in self.buckets if (b.num_prefill_rows > 0, b.all_logits) == kind),
-                       key=lambda b: b.num_tokens)
+        smallest = min(
+            (b for b in self.buckets if (b.num_prefill_rows > 0, b.all_logits) == kind), key=lambda b: b.num_tokens
+        )
         return bucket != smallest, bucket.num_tokens
 
     def pick(self, demand) -> Bucket:

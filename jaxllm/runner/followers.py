@@ -18,10 +18,10 @@ class InFlight:
 
     scheduler_output: SchedulerOutput
     seqs: np.ndarray | None
-    first: np.ndarray | None       # each scheduled request's first sampled row (see `prepare_step`)
+    first: np.ndarray | None  # each scheduled request's first sampled row (see `prepare_step`)
     count: np.ndarray | None
     buffers: BucketBuffers | None
-    outs: tuple | None             # the step's device outputs, less the KV cache
+    outs: tuple | None  # the step's device outputs, less the KV cache
     t0: float
     t1: float = 0.0
 
@@ -56,14 +56,19 @@ class ProcessGroup:
                 return
             if num_copies:
                 src, dst, groups = self.channel.arrays(*(np.zeros(num_copies, np.int32) for _ in range(3)))
-                runner.kv.copy_pages([(list(src[groups == g]), list(dst[groups == g]))
-                                      for g in range(len(runner.config.cache.group_windows))])
+                runner.kv.copy_pages(
+                    [
+                        (list(src[groups == g]), list(dst[groups == g]))
+                        for g in range(len(runner.config.cache.group_windows))
+                    ]
+                )
             if bucket >= 0:
                 _, ints, floats, *defaults = runner.builder.padding(runner.buckets[bucket])
                 # One broadcast, as the leader sends it: the packed inputs, then the side inputs sent.
                 sent = [i for i in range(len(defaults)) if side >> i & 1]
-                ints, floats, *got = self.channel.arrays(ints, floats,
-                                                         *(np.zeros(defaults[i].shape, np.int32) for i in sent))
+                ints, floats, *got = self.channel.arrays(
+                    ints, floats, *(np.zeros(defaults[i].shape, np.int32) for i in sent)
+                )
                 side_inputs = [dict(zip(sent, got)).get(i, x) for i, x in enumerate(defaults)]
                 runner.kv.pages = runner.call(runner.buckets[bucket], ints, floats, *side_inputs)[-1]
 

@@ -22,7 +22,7 @@ from jaxllm.core.request import Request
 from jaxllm.models.step_inputs import StepInputs
 from jaxllm.runner.compile import Bucket
 
-NUM_BANNED = 32   # stop/EOS ids a request can hold back under min_tokens
+NUM_BANNED = 32  # stop/EOS ids a request can hold back under min_tokens
 FLAG_ALL_GREEDY, FLAG_TOP_K_TOP_P, FLAG_PENALTIES, FLAG_LOGPROBS, FLAG_BANNED, FLAG_DRAFTS, FLAG_GRAMMAR = range(7)
 NUM_FLAGS = 7
 
@@ -32,20 +32,20 @@ NUM_FLAGS = 7
 class SamplingMetadata:
     """Per-row sampling state `[R]`, a row per logits row (runner/sampler.py applies it)."""
 
-    temperature: np.ndarray         # f32, 0 = greedy
-    top_p: np.ndarray               # f32
-    top_k: np.ndarray               # int32, 0 = off, at most the vocabulary size
-    min_p: np.ndarray               # f32
-    presence_penalty: np.ndarray    # f32
-    frequency_penalty: np.ndarray   # f32
+    temperature: np.ndarray  # f32, 0 = greedy
+    top_p: np.ndarray  # f32
+    top_k: np.ndarray  # int32, 0 = off, at most the vocabulary size
+    min_p: np.ndarray  # f32
+    presence_penalty: np.ndarray  # f32
+    frequency_penalty: np.ndarray  # f32
     repetition_penalty: np.ndarray  # f32
-    seeds: np.ndarray               # uint32
-    output_index: np.ndarray        # int32, outputs so far (folds into the seed)
-    output_start: np.ndarray        # int32, prompt length (where outputs start in penalty_tokens)
-    penalty_tokens: np.ndarray      # [S, L] int32 prompt + output ids, -1 padding
-    banned_tokens: np.ndarray       # [S, NUM_BANNED] int32 ids masked out (under min_tokens), -1 padding
-    draft_tokens: np.ndarray        # int32, the draft this row's token verifies (speculative decoding), -1 none
-    flags: np.ndarray               # [NUM_FLAGS] bool, batch-wide: which sampler stages run
+    seeds: np.ndarray  # uint32
+    output_index: np.ndarray  # int32, outputs so far (folds into the seed)
+    output_start: np.ndarray  # int32, prompt length (where outputs start in penalty_tokens)
+    penalty_tokens: np.ndarray  # [S, L] int32 prompt + output ids, -1 padding
+    banned_tokens: np.ndarray  # [S, NUM_BANNED] int32 ids masked out (under min_tokens), -1 padding
+    draft_tokens: np.ndarray  # int32, the draft this row's token verifies (speculative decoding), -1 none
+    flags: np.ndarray  # [NUM_FLAGS] bool, batch-wide: which sampler stages run
     # [S, ceil(vocab / 32)] int32 packed bitmask of the tokens each row may sample (structured
     # output: bit t % 32 of word t // 32), -1 words for unconstrained rows; like penalty_tokens
     # it travels apart, usually as a cached all-ones device array (runner/token_masks.py).
@@ -54,48 +54,70 @@ class SamplingMetadata:
     @classmethod
     def zeros(cls, num_seqs: int) -> SamplingMetadata:
         f32, i32 = np.float32, np.int32
-        return cls(temperature=np.zeros(num_seqs, f32), top_p=np.ones(num_seqs, f32),
-                   top_k=np.zeros(num_seqs, i32), min_p=np.zeros(num_seqs, f32),
-                   presence_penalty=np.zeros(num_seqs, f32), frequency_penalty=np.zeros(num_seqs, f32),
-                   repetition_penalty=np.ones(num_seqs, f32), seeds=np.zeros(num_seqs, np.uint32),
-                   output_index=np.zeros(num_seqs, i32), output_start=np.zeros(num_seqs, i32),
-                   penalty_tokens=None, banned_tokens=np.full((num_seqs, NUM_BANNED), -1, i32),
-                   draft_tokens=np.full(num_seqs, -1, i32), flags=np.zeros(NUM_FLAGS, np.bool_))
+        return cls(
+            temperature=np.zeros(num_seqs, f32),
+            top_p=np.ones(num_seqs, f32),
+            top_k=np.zeros(num_seqs, i32),
+            min_p=np.zeros(num_seqs, f32),
+            presence_penalty=np.zeros(num_seqs, f32),
+            frequency_penalty=np.zeros(num_seqs, f32),
+            repetition_penalty=np.ones(num_seqs, f32),
+            seeds=np.zeros(num_seqs, np.uint32),
+            output_index=np.zeros(num_seqs, i32),
+            output_start=np.zeros(num_seqs, i32),
+            penalty_tokens=None,
+            banned_tokens=np.full((num_seqs, NUM_BANNED), -1, i32),
+            draft_tokens=np.full(num_seqs, -1, i32),
+            flags=np.zeros(NUM_FLAGS, np.bool_),
+        )
 
     @classmethod
     def concat(cls, parts: list[SamplingMetadata]) -> SamplingMetadata:
         """Several batches' metadata (jax arrays, inside the step) as one, rows in order; the
         batch-wide flags combined (all greedy if each is, any other stage if any needs it)."""
-        fields = {f.name: jnp.concatenate([getattr(p, f.name) for p in parts])
-                  for f in dataclasses.fields(cls) if f.name not in ("flags", "penalty_tokens", "token_mask")}
+        fields = {
+            f.name: jnp.concatenate([getattr(p, f.name) for p in parts])
+            for f in dataclasses.fields(cls)
+            if f.name not in ("flags", "penalty_tokens", "token_mask")
+        }
         flags = jnp.stack([p.flags for p in parts])
         flags = jnp.any(flags, axis=0).at[FLAG_ALL_GREEDY].set(jnp.all(flags[:, FLAG_ALL_GREEDY]))
         return cls(**fields, flags=flags, penalty_tokens=None)
 
 
 # Per-row sampling parameters: (SamplingMetadata field, neutral value).
-_ROW_PARAMS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
-               "frequency_penalty": 0.0, "repetition_penalty": 1.0, "seeds": 0}
+_ROW_PARAMS = {
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "seeds": 0,
+}
 
 
 class InputBatch:
     """Rows of per-request state that persist across steps."""
 
-    def __init__(self, max_rows: int, max_model_len: int, max_blocks: int, block_size: int, vocab_size: int,
-                 num_groups: int = 1):
+    def __init__(
+        self, max_rows: int, max_model_len: int, max_blocks: int, block_size: int, vocab_size: int, num_groups: int = 1
+    ):
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.row_of: dict[str, int] = {}
         self.free_rows: list[int] = []
         self.token_ids = np.zeros((0, max_model_len), np.int32)
-        self.num_tokens = np.zeros(0, np.int32)          # tokens written into the row
+        self.num_tokens = np.zeros(0, np.int32)  # tokens written into the row
         self.num_prompt_tokens = np.zeros(0, np.int32)
-        self.block_table = np.zeros((0, num_groups, max_blocks), np.int32)   # per KV cache group
+        self.block_table = np.zeros((0, num_groups, max_blocks), np.int32)  # per KV cache group
         self.min_tokens = np.zeros(0, np.int32)
-        self.banned = np.zeros((0, NUM_BANNED), np.int32)   # ids held back until min_tokens
-        self.params = {name: np.zeros(0, np.float32 if isinstance(v, float) else np.int64)
-                       for name, v in _ROW_PARAMS.items()}
+        self.banned = np.zeros((0, NUM_BANNED), np.int32)  # ids held back until min_tokens
+        self.params = {
+            name: np.zeros(0, np.float32 if isinstance(v, float) else np.int64) for name, v in _ROW_PARAMS.items()
+        }
         self.uses_penalties = np.zeros(0, np.bool_)
         self.wants_logprobs = np.zeros(0, np.bool_)
         self.uses_top_k_top_p = np.zeros(0, np.bool_)
@@ -103,8 +125,17 @@ class InputBatch:
 
     def _grow(self, rows: int) -> None:
         old = len(self.num_tokens)
-        for name in ("token_ids", "num_tokens", "num_prompt_tokens", "block_table", "min_tokens", "banned",
-                     "uses_penalties", "wants_logprobs", "uses_top_k_top_p"):
+        for name in (
+            "token_ids",
+            "num_tokens",
+            "num_prompt_tokens",
+            "block_table",
+            "min_tokens",
+            "banned",
+            "uses_penalties",
+            "wants_logprobs",
+            "uses_top_k_top_p",
+        ):
             arr = getattr(self, name)
             grown = np.zeros((rows, *arr.shape[1:]), arr.dtype)
             grown[:old] = arr
@@ -144,7 +175,7 @@ class InputBatch:
                 first = req.num_computed_tokens // bs
                 for g, table in enumerate(req.block_tables):
                     tail = table[first:]
-                    self.block_table[row, g, first:first + len(tail)] = tail
+                    self.block_table[row, g, first : first + len(tail)] = tail
             rows[i] = row
         return rows
 
@@ -154,17 +185,23 @@ class InputBatch:
         row = self.free_rows.pop()
         self.row_of[req.request_id] = row
         tokens = req.all_token_ids
-        self.token_ids[row, :len(tokens)] = tokens
+        self.token_ids[row, : len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
         self.num_prompt_tokens[row] = req.num_prompt_tokens
         self.block_table[row] = 0
-        for g, table in enumerate(req.block_tables):     # released pages included: never read
-            self.block_table[row, g, :len(table)] = table
+        for g, table in enumerate(req.block_tables):  # released pages included: never read
+            self.block_table[row, g, : len(table)] = table
         p = req.sampling_params
-        values = {"temperature": p.temperature, "top_p": p.top_p, "top_k": min(max(p.top_k, 0), self.vocab_size),
-                  "min_p": p.min_p, "presence_penalty": p.presence_penalty,
-                  "frequency_penalty": p.frequency_penalty, "repetition_penalty": p.repetition_penalty,
-                  "seeds": req.seed & 0xFFFFFFFF}
+        values = {
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "top_k": min(max(p.top_k, 0), self.vocab_size),
+            "min_p": p.min_p,
+            "presence_penalty": p.presence_penalty,
+            "frequency_penalty": p.frequency_penalty,
+            "repetition_penalty": p.repetition_penalty,
+            "seeds": req.seed & 0xFFFFFFFF,
+        }
         for name, value in values.items():
             self.params[name][row] = value
         # A grammar decides where a constrained output ends: min_tokens holds nothing back there
@@ -172,14 +209,20 @@ class InputBatch:
         self.min_tokens[row] = 0 if req.grammar is not None else min(p.min_tokens, self.max_model_len)
         banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
         self.banned[row] = -1
-        self.banned[row, :len(banned[:NUM_BANNED])] = banned[:NUM_BANNED]
+        self.banned[row, : len(banned[:NUM_BANNED])] = banned[:NUM_BANNED]
         self.uses_penalties[row] = p.uses_penalties
         self.wants_logprobs[row] = p.logprobs is not None
         self.uses_top_k_top_p[row] = p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0)
         return row
 
-    def fill_sampling(self, out: SamplingMetadata, rows: np.ndarray, no_penalty_tokens,
-                      positions: np.ndarray | None = None, drafts: np.ndarray | None = None) -> None:
+    def fill_sampling(
+        self,
+        out: SamplingMetadata,
+        rows: np.ndarray,
+        no_penalty_tokens,
+        positions: np.ndarray | None = None,
+        drafts: np.ndarray | None = None,
+    ) -> None:
         """Write the sampling state of the step's logits rows into `out`: row i samples the
         token after position `positions[i]` (default: the newest token) of input-batch row
         `rows[i]`, verifying `drafts[i]` (default: none)."""
@@ -188,7 +231,7 @@ class InputBatch:
             buf = getattr(out, name)
             buf[:n] = self.params[name][rows]
             buf[n:] = neutral
-        seen = self.num_tokens[rows] if positions is None else positions + 1     # tokens before the sampled one
+        seen = self.num_tokens[rows] if positions is None else positions + 1  # tokens before the sampled one
         num_out = np.maximum(seen - self.num_prompt_tokens[rows], 0)
         out.output_index[:n], out.output_index[n:] = num_out, 0
         out.output_start[:n], out.output_start[n:] = self.num_prompt_tokens[rows], 0
@@ -245,10 +288,10 @@ class PackedLayout:
     2.0 ms, of one buffer 0.35 ms (busy 2-core Zen 3).
     """
 
-    ALIGN = 64    # elements of 4 bytes: 256 bytes (a class constant, not a field)
+    ALIGN = 64  # elements of 4 bytes: 256 bytes (a class constant, not a field)
 
     treedef: object
-    leaves: tuple[tuple[str, int, int, tuple[int, ...]], ...]   # (numpy dtype name, offset, size, shape)
+    leaves: tuple[tuple[str, int, int, tuple[int, ...]], ...]  # (numpy dtype name, offset, size, shape)
     num_ints: int
     num_floats: int
 
@@ -269,17 +312,17 @@ class PackedLayout:
         """Copy the leaves of `tree` (same structure and shapes) into `ints` and `floats`."""
         for leaf, (dtype, offset, size, _) in zip(jax.tree_util.tree_leaves(tree), self.leaves):
             if dtype == "float32":
-                floats[offset:offset + size] = leaf.reshape(-1)
+                floats[offset : offset + size] = leaf.reshape(-1)
             elif dtype == "uint32":
-                ints[offset:offset + size] = leaf.reshape(-1).view(np.int32)
+                ints[offset : offset + size] = leaf.reshape(-1).view(np.int32)
             else:
-                ints[offset:offset + size] = leaf.reshape(-1)
+                ints[offset : offset + size] = leaf.reshape(-1)
 
     def unpack(self, ints, floats):
         """The pytree back from the two (device) buffers; call inside jit."""
         out = []
         for dtype, offset, size, shape in self.leaves:
-            x = (floats if dtype == "float32" else ints)[offset:offset + size].reshape(shape)
+            x = (floats if dtype == "float32" else ints)[offset : offset + size].reshape(shape)
             if dtype == "uint32":
                 x = jax.lax.bitcast_convert_type(x, jax.numpy.uint32)
             elif dtype == "bool":

@@ -15,16 +15,21 @@ import numpy as np
 from jaxllm import kernels
 
 
-def kv_cache_maker(layer_pages, num_kv_heads: int, block_size: int, head_dim: int, dtype: str, stages: int, where,
-                   zeros=jnp.zeros):
+def kv_cache_maker(
+    layer_pages, num_kv_heads: int, block_size: int, head_dim: int, dtype: str, stages: int, where, zeros=jnp.zeros
+):
     """A jitted function making zeroed pages where they live (`where`: a sharding; each device
     only its own stage's layers and its own heads): a list over layers of (k, v) `[kv_heads,
     pages, page, head_dim]`, or with pipeline stages over a stage's layer slots of `[stages,
     kv_heads, ...]`. `layer_pages[i]`: layer (slot) i's number of pages (its KV cache group's)."""
+
     def make():
-        cache = [kernels.allocate_kv_cache(1, num_kv_heads, pages, block_size, head_dim, kernels.cache_dtype(dtype),
-                                          zeros)[0]
-                 for pages in layer_pages]
+        cache = [
+            kernels.allocate_kv_cache(1, num_kv_heads, pages, block_size, head_dim, kernels.cache_dtype(dtype), zeros)[
+                0
+            ]
+            for pages in layer_pages
+        ]
         if stages == 1:
             return cache
         return [tuple(jnp.broadcast_to(x, (stages, *x.shape)) for x in kv) for kv in cache]
@@ -41,11 +46,16 @@ def pad_pow2(a, b) -> tuple[np.ndarray, np.ndarray]:
 
 # The page axis is the third from last in both cache layouts (`kv_cache_maker`).
 
+
 @functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("layers",))
 def copy_pages(kv_cache, src, dst, *, layers: tuple[int, ...]):
     """Copy pages src -> dst in the cache's `layers` (one KV cache group's)."""
-    return [(k.at[..., dst, :, :].set(k[..., src, :, :]), v.at[..., dst, :, :].set(v[..., src, :, :]))
-            if i in layers else (k, v) for i, (k, v) in enumerate(kv_cache)]
+    return [
+        (k.at[..., dst, :, :].set(k[..., src, :, :]), v.at[..., dst, :, :].set(v[..., src, :, :]))
+        if i in layers
+        else (k, v)
+        for i, (k, v) in enumerate(kv_cache)
+    ]
 
 
 @jax.jit
@@ -56,8 +66,10 @@ def gather_pages(kv_cache, pages):
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def scatter_pages(kv_cache, pages, data):
-    return [(k.at[..., pages, :, :].set(data[i, 0]), v.at[..., pages, :, :].set(data[i, 1]))
-            for i, (k, v) in enumerate(kv_cache)]
+    return [
+        (k.at[..., pages, :, :].set(data[i, 0]), v.at[..., pages, :, :].set(data[i, 1]))
+        for i, (k, v) in enumerate(kv_cache)
+    ]
 
 
 class KVCache:
@@ -69,13 +81,29 @@ class KVCache:
     pages (`native.zeros`). Zeroing them (~1 s for 2 GiB, mostly page faults) runs in C++
     without the GIL, so a thread does it while the weights load and the steps compile."""
 
-    def __init__(self, cache_config, spec, *, layer_groups: tuple[int, ...], num_kv_heads: int, num_stages: int,
-                 where, huge: bool = False):
+    def __init__(
+        self,
+        cache_config,
+        spec,
+        *,
+        layer_groups: tuple[int, ...],
+        num_kv_heads: int,
+        num_stages: int,
+        where,
+        huge: bool = False,
+    ):
         self.layer_groups = layer_groups
-        self._make = kv_cache_maker([cache_config.group_num_blocks[g] for g in layer_groups], num_kv_heads,
-                                    cache_config.block_size, spec.head_dim, cache_config.dtype, num_stages, where,
-                                    zeros=kernels.native.zeros if huge else jnp.zeros)
-        self.shapes = jax.eval_shape(self._make)     # (with shardings) for compiling without pages
+        self._make = kv_cache_maker(
+            [cache_config.group_num_blocks[g] for g in layer_groups],
+            num_kv_heads,
+            cache_config.block_size,
+            spec.head_dim,
+            cache_config.dtype,
+            num_stages,
+            where,
+            zeros=kernels.native.zeros if huge else jnp.zeros,
+        )
+        self.shapes = jax.eval_shape(self._make)  # (with shardings) for compiling without pages
         pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-kv")
         self._pages, self._pending = None, pool.submit(self._make)
         pool.shutdown(wait=False)
@@ -84,9 +112,18 @@ class KVCache:
         # memory only for slots ever written).
         kv_dtype = kernels.cache_dtype(cache_config.dtype)
         stages = (num_stages,) if num_stages > 1 else ()
-        self.swap_pool = np.zeros((len(layer_groups), 2, *stages, num_kv_heads, cache_config.num_swap_blocks,
-                                   cache_config.block_size, kernels.row_width(spec.head_dim, kv_dtype)),
-                                  kernels.storage_dtype(kv_dtype))
+        self.swap_pool = np.zeros(
+            (
+                len(layer_groups),
+                2,
+                *stages,
+                num_kv_heads,
+                cache_config.num_swap_blocks,
+                cache_config.block_size,
+                kernels.row_width(spec.head_dim, kv_dtype),
+            ),
+            kernels.storage_dtype(kv_dtype),
+        )
 
     @property
     def pages(self):

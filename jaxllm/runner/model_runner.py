@@ -55,8 +55,15 @@ class ModelRunner:
     split into pp micro-batches of one bucket (`StepBuilder.prepare_step`) that the step
     pipelines through the stages."""
 
-    def __init__(self, config: EngineConfig, spec: decoder.ModelSpec, params,
-                 attention: AttentionBackend | None = None, mesh=None, small_params=None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        spec: decoder.ModelSpec,
+        params,
+        attention: AttentionBackend | None = None,
+        mesh=None,
+        small_params=None,
+    ):
         self.config, self.spec, self.mesh = config, spec, mesh
         self.params, self.small_params = params, small_params
         self.attention = attention or get_attention_backend(config.attention_backend)
@@ -68,45 +75,80 @@ class ModelRunner:
         # model with a window group (core/kv_cache_manager.py), else 0.
         window_group = bool(config.cache.num_window_blocks)
         kv_where = jax.sharding.SingleDeviceSharding(device) if mesh is None else parallel.kv_sharding(mesh)
-        self.kv = KVCache(config.cache, spec, num_stages=self.num_stages,
-                          layer_groups=tuple(int(window_group and spec.window(i) is not None)
-                                             for i in range(spec.num_layers // self.num_stages)),
-                          num_kv_heads=layout.kv_heads_for(spec, parallel.tp_size(mesh)),
-                          where=kv_where,
-                          huge=mesh is None and device.platform == "cpu" and self.attention.name == "native")
+        self.kv = KVCache(
+            config.cache,
+            spec,
+            num_stages=self.num_stages,
+            layer_groups=tuple(
+                int(window_group and spec.window(i) is not None) for i in range(spec.num_layers // self.num_stages)
+            ),
+            num_kv_heads=layout.kv_heads_for(spec, parallel.tp_size(mesh)),
+            where=kv_where,
+            huge=mesh is None and device.platform == "cpu" and self.attention.name == "native",
+        )
         sched, drafts = config.scheduler, config.speculative
-        self.buckets = make_buckets(sched.max_num_seqs, sched.max_num_batched_tokens,
-                                    self.attention.prefill_row_tokens, sched.max_num_prefill_seqs,
-                                    drafts.num_speculative_tokens if drafts else 0,
-                                    drafts.max_seqs(sched) if drafts else 0)
-        self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, config.max_blocks_per_seq,
-                                      config.cache.block_size, spec.vocab_size, len(config.cache.group_windows))
+        self.buckets = make_buckets(
+            sched.max_num_seqs,
+            sched.max_num_batched_tokens,
+            self.attention.prefill_row_tokens,
+            sched.max_num_prefill_seqs,
+            drafts.num_speculative_tokens if drafts else 0,
+            drafts.max_seqs(sched) if drafts else 0,
+        )
+        self.input_batch = InputBatch(
+            sched.max_num_seqs,
+            sched.max_model_len,
+            config.max_blocks_per_seq,
+            config.cache.block_size,
+            spec.vocab_size,
+            len(config.cache.group_windows),
+        )
         # Where the step's inputs go: the device, or every device of the mesh (replicated).
-        self._inputs_sharding = (jax.sharding.SingleDeviceSharding(device) if mesh is None
-                                 else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-        self.builder = StepBuilder(config, spec, self.attention, self.input_batch, self.buckets,
-                                   num_stages=self.num_stages, inputs_sharding=self._inputs_sharding)
+        self._inputs_sharding = (
+            jax.sharding.SingleDeviceSharding(device)
+            if mesh is None
+            else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        )
+        self.builder = StepBuilder(
+            config,
+            spec,
+            self.attention,
+            self.input_batch,
+            self.buckets,
+            num_stages=self.num_stages,
+            inputs_sharding=self._inputs_sharding,
+        )
         self.steps = self._compiled_steps()
         self.builder.pick = self.steps.pick
         self.prompt_logprobs = PromptLogprobs(spec)
         # Over several processes, process 0 announces each step to the others (`follow`); None
         # also once a failed step leaves nobody to announce to (engine/core.py).
         self.channel = parallel.StepChannel() if jax.process_count() > 1 else None
-        self._abstract_state = {}       # id(params) -> (params, KV cache) as shapes, dtypes and shardings
+        self._abstract_state = {}  # id(params) -> (params, KV cache) as shapes, dtypes and shardings
 
     def _compiled_steps(self) -> CompiledSteps:
         """Each bucket's compiled step, kept in the executable store when there is one (one
         process: over several, each would race on the files). The steps hold the runner
         weakly, and a runner dropped while its steps compile in the background cancels the
         ones not yet started (an engine replaced in a notebook stops)."""
-        step = jax.jit(functools.partial(device_step.step, spec=self.spec, attention=self.attention, mesh=self.mesh,
-                                         cpp_ops=self.cpp_ops),
-                       static_argnames=("layout",), donate_argnums=(1,))
+        step = jax.jit(
+            functools.partial(
+                device_step.step, spec=self.spec, attention=self.attention, mesh=self.mesh, cpp_ops=self.cpp_ops
+            ),
+            static_argnames=("layout",),
+            donate_argnums=(1,),
+        )
         cache_dir = self.config.compilation_cache_dir
         devices = [jax.devices()[0]] if self.mesh is None else list(self.mesh.devices.flat)
-        store = (ExecutableStore(os.path.join(cache_dir, "executables"),
-                                 repr((self.spec, self.attention, self.mesh, self.cpp_ops)), devices)
-                 if cache_dir and jax.process_count() == 1 else None)
+        store = (
+            ExecutableStore(
+                os.path.join(cache_dir, "executables"),
+                repr((self.spec, self.attention, self.mesh, self.cpp_ops)),
+                devices,
+            )
+            if cache_dir and jax.process_count() == 1
+            else None
+        )
         runner = weakref.ref(self)
         steps = CompiledSteps(step, self.buckets, store, lambda bucket: runner()._abstract_args(bucket))
         weakref.finalize(self, steps.stop)
@@ -118,8 +160,9 @@ class ModelRunner:
         of the output follow `scheduler_output.scheduled`."""
         return self.collect(self.dispatch(scheduler_output))
 
-    def dispatch(self, scheduler_output: SchedulerOutput, ahead: np.ndarray | None = None,
-                 prev: InFlight | None = None) -> InFlight:
+    def dispatch(
+        self, scheduler_output: SchedulerOutput, ahead: np.ndarray | None = None, prev: InFlight | None = None
+    ) -> InFlight:
         """`execute`'s first half: move pages, prepare and call the step, without waiting for it.
         `ahead`, `prev`: every scheduled request decodes the token step `prev` (in flight)
         samples for it, in that step's output row `ahead[i]` (see `StepBuilder.prepare`)."""
@@ -129,8 +172,9 @@ class ModelRunner:
         self.kv.swap_in(scheduler_output.swap_in)
         n = len(scheduler_output.scheduled)
         t0 = time.perf_counter()
-        seqs, first, count, buffers, packed = (self.builder.prepare_step(scheduler_output.scheduled, ahead) if n
-                                               else (None,) * 5)
+        seqs, first, count, buffers, packed = (
+            self.builder.prepare_step(scheduler_output.scheduled, ahead) if n else (None,) * 5
+        )
         if self.channel is not None:
             bucket = self.buckets.index(buffers.bucket) if buffers is not None else -1
             ProcessGroup(self.channel).announce(bucket, packed, scheduler_output.block_copies)
@@ -146,22 +190,37 @@ class ModelRunner:
         if step.outs is None:
             empty = np.zeros((0, MAX_LOGPROBS))
             return ModelRunnerOutput(np.zeros(0, np.int32), np.zeros(0, np.float32), empty, empty, np.zeros(0, int))
-        scheduler_output, seqs, first, count, buffers = (step.scheduler_output, step.seqs, step.first, step.count,
-                                                         step.buffers)
+        scheduler_output, seqs, first, count, buffers = (
+            step.scheduler_output,
+            step.seqs,
+            step.first,
+            step.count,
+            step.buffers,
+        )
         tokens, logprob, top_lp, top_ids, hidden = step.outs
         t1 = time.perf_counter()
         # Waiting for every step's tokens keeps one sharded step in flight: with ~32 queued,
         # XLA:CPU's virtual devices deadlock in their collectives (docs/parallelism.md).
         tokens, logprob, top_lp, top_ids = (_fetch(x) for x in (tokens, logprob, top_lp, top_ids))
-        prompt_logprobs = self.prompt_logprobs(self.params, scheduler_output.scheduled, seqs,
-                                               buffers.inputs.query_start_loc, hidden)
+        prompt_logprobs = self.prompt_logprobs(
+            self.params, scheduler_output.scheduled, seqs, buffers.inputs.query_start_loc, hidden
+        )
         t2 = time.perf_counter()
         count = accepted_counts(tokens, first, count, scheduler_output.scheduled)
         out_rows = np.repeat(first - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
-        return ModelRunnerOutput(tokens[out_rows].astype(np.int32), logprob[out_rows], top_lp[out_rows],
-                                 top_ids[out_rows], count, prompt_logprobs,
-                                 timings={"prepare": step.t1 - step.t0, "device": t2 - t1,
-                                          "bucket_tokens": buffers.inputs.token_ids.shape[0] * self.num_stages})
+        return ModelRunnerOutput(
+            tokens[out_rows].astype(np.int32),
+            logprob[out_rows],
+            top_lp[out_rows],
+            top_ids[out_rows],
+            count,
+            prompt_logprobs,
+            timings={
+                "prepare": step.t1 - step.t0,
+                "device": t2 - t1,
+                "bucket_tokens": buffers.inputs.token_ids.shape[0] * self.num_stages,
+            },
+        )
 
     def call(self, bucket: Bucket, ints, floats, penalty_tokens, token_mask, prev=None):
         """Send the packed inputs, run the bucket's step. On one device the host arrays go to the
@@ -172,7 +231,7 @@ class ModelRunner:
         fills the other): a CPU array sharing their memory never sees a change. `prev`: the
         previous step's `tokens` (device), for async scheduling's `prev_rows`."""
         inputs = (ints, floats, penalty_tokens, token_mask, self.builder.no_prev if prev is None else prev)
-        if self.mesh is not None:   # every device of the mesh gets them (replicated)
+        if self.mesh is not None:  # every device of the mesh gets them (replicated)
             inputs = jax.device_put(inputs, self._inputs_sharding)
         return self.steps.get(bucket)(self.step_params(bucket), self.kv.pages, *inputs)
 
@@ -185,7 +244,7 @@ class ModelRunner:
         """(layout, abstract step arguments) of the bucket: shapes, dtypes and shardings only, so
         compiling in the background never touches the KV cache that steps donate meanwhile."""
         layout, *packed = self.builder.padding(bucket)
-        params = self.step_params(bucket)     # (a tree many buckets share: made once, and keyed once)
+        params = self.step_params(bucket)  # (a tree many buckets share: made once, and keyed once)
         if id(params) not in self._abstract_state:
             self._abstract_state[id(params)] = _abstract((params, self.kv.shapes))
         return layout, (*self._abstract_state[id(params)], *_abstract(jax.device_put(packed, self._inputs_sharding)))

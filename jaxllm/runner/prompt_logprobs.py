@@ -20,7 +20,7 @@ import numpy as np
 from jaxllm.models import decoder
 from jaxllm.sampling_params import MAX_LOGPROBS
 
-ROWS = 128   # rows per call (one compiled shape)
+ROWS = 128  # rows per call (one compiled shape)
 
 
 def _prompt_logprobs(params, hidden, targets, *, spec):
@@ -45,7 +45,7 @@ class PromptLogprobs:
         prompt tokens `scheduled` [(request, num_new)] covered this step; `rows[i]` is
         scheduled[i]'s sequence in the step, whose tokens start at `query_start_loc[rows[i]]`
         of `hidden` (the step's output)."""
-        wanted = []   # (request id, flat token indices, target tokens)
+        wanted = []  # (request id, flat token indices, target tokens)
         for (request, num_new), row in zip(scheduled, rows):
             if request.prompt_logprobs is None:
                 continue
@@ -53,7 +53,7 @@ class PromptLogprobs:
             end = min(request.num_computed_tokens + num_new, request.num_prompt_tokens - 1)
             if end > first:
                 flat = query_start_loc[row] + np.arange(first, end) - request.num_computed_tokens
-                wanted.append((request.request_id, flat, request.prompt_token_ids[first + 1:end + 1]))
+                wanted.append((request.request_id, flat, request.prompt_token_ids[first + 1 : end + 1]))
         if not wanted:
             return {}
         if hidden is None:
@@ -66,11 +66,11 @@ class PromptLogprobs:
             n = min(ROWS, len(flat) - i)
             h = np.zeros((ROWS, hidden.shape[1]), hidden.dtype)
             t = np.zeros(ROWS, np.int32)
-            h[:n], t[:n] = hidden[i:i + n], targets[i:i + n]
+            h[:n], t[:n] = hidden[i : i + n], targets[i : i + n]
             parts.append([np.asarray(x)[:n] for x in self._fn(params, h, t)])
         columns = [np.concatenate(c) for c in zip(*parts)]
         result, offset = {}, 0
         for request_id, positions, _ in wanted:
-            result[request_id] = tuple(c[offset:offset + len(positions)] for c in columns)
+            result[request_id] = tuple(c[offset : offset + len(positions)] for c in columns)
             offset += len(positions)
         return result

@@ -77,7 +77,7 @@ def apply_token_mask(logits, token_mask):
     """Tokens a row's packed bitmask leaves out (`[R, ceil(V / 32)]` int32: bit t % 32 of
     word t // 32) to -inf: structured output's grammar masks."""
     bits = (token_mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
-    allowed = bits.reshape(logits.shape[0], -1)[:, :logits.shape[-1]] != 0
+    allowed = bits.reshape(logits.shape[0], -1)[:, : logits.shape[-1]] != 0
     return jnp.where(allowed, logits, -jnp.inf)
 
 
@@ -148,7 +148,7 @@ def draw_xla(logits, s, u, u_draft):
 
     keep = jax.lax.cond(s.flags[FLAG_TOP_K_TOP_P], top_k_top_p, lambda k: k, keep)
 
-    def verify_drafts(keep):   # -> (accepted [S], keep without each rejected draft)
+    def verify_drafts(keep):  # -> (accepted [S], keep without each rejected draft)
         rows = jnp.arange(logits.shape[0])
         draft = jnp.maximum(s.draft_tokens, 0)
         p_draft = jnp.where(keep[rows, draft], probs[rows, draft], 0.0) / jnp.where(keep, probs, 0.0).sum(-1)
@@ -156,8 +156,9 @@ def draw_xla(logits, s, u, u_draft):
         rejected = (s.draft_tokens >= 0) & ~accepted
         return accepted, keep & ~(rejected[:, None] & (jnp.arange(logits.shape[-1])[None, :] == draft[:, None]))
 
-    accepted, keep = jax.lax.cond(s.flags[FLAG_DRAFTS], verify_drafts,
-                                  lambda k: (jnp.zeros(k.shape[0], jnp.bool_), k), keep)
+    accepted, keep = jax.lax.cond(
+        s.flags[FLAG_DRAFTS], verify_drafts, lambda k: (jnp.zeros(k.shape[0], jnp.bool_), k), keep
+    )
     masked = jnp.where(keep, probs, 0.0)
     cdf = jnp.cumsum(masked, axis=-1)
     token = jnp.sum(cdf <= (u * cdf[:, -1])[:, None], axis=-1)
@@ -178,8 +179,12 @@ def sampling_ops(cpp: bool):
     return native.argmax_logsumexp, draw
 
 
-def sample(logits: jax.Array, s: SamplingMetadata, argmax_logsumexp=xla_argmax_logsumexp, draw=draw_xla,
-           ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def sample(
+    logits: jax.Array,
+    s: SamplingMetadata,
+    argmax_logsumexp=xla_argmax_logsumexp,
+    draw=draw_xla,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """logits [S, V] f32 (a row per logits row) -> (tokens [S] int32, token logprob [S] f32,
     top_logprobs [S, MAX_LOGPROBS] f32, top_ids [S, MAX_LOGPROBS] int32).
 
@@ -195,7 +200,7 @@ def sample(logits: jax.Array, s: SamplingMetadata, argmax_logsumexp=xla_argmax_l
     """
     rows = jnp.arange(logits.shape[0])
 
-    def masked():   # the logits with the grammar's mask applied (where a batch has a grammar)
+    def masked():  # the logits with the grammar's mask applied (where a batch has a grammar)
         if s.token_mask is None:
             return logits
         return jax.lax.cond(s.flags[FLAG_GRAMMAR], apply_token_mask, lambda x, _: x, logits, s.token_mask)
@@ -209,8 +214,11 @@ def sample(logits: jax.Array, s: SamplingMetadata, argmax_logsumexp=xla_argmax_l
         return jax.lax.cond(s.flags[FLAG_PENALTIES], apply_penalties, lambda x, _: x, x, s)
 
     raw_argmax, lse = argmax_logsumexp(logits, s.token_mask)
-    greedy_tokens = jax.lax.cond(s.flags[FLAG_BANNED] | s.flags[FLAG_PENALTIES],
-                                 lambda: argmax_logsumexp(processed(), None)[0], lambda: raw_argmax)
+    greedy_tokens = jax.lax.cond(
+        s.flags[FLAG_BANNED] | s.flags[FLAG_PENALTIES],
+        lambda: argmax_logsumexp(processed(), None)[0],
+        lambda: raw_argmax,
+    )
     tokens = jax.lax.cond(
         s.flags[FLAG_ALL_GREEDY],
         lambda: greedy_tokens,
@@ -222,7 +230,9 @@ def sample(logits: jax.Array, s: SamplingMetadata, argmax_logsumexp=xla_argmax_l
     top_lp, top_ids = jax.lax.cond(
         s.flags[FLAG_LOGPROBS],
         lambda: (lambda v, i: (v - lse[:, None], i))(*jax.lax.top_k(masked(), MAX_LOGPROBS)),
-        lambda: (jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.float32),
-                 jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.int32)),
+        lambda: (
+            jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.float32),
+            jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.int32),
+        ),
     )
     return tokens, token_logprob, top_lp, top_ids.astype(jnp.int32)

@@ -16,12 +16,20 @@ import numpy as np
 from jaxllm import parallel
 from jaxllm.models import decoder
 from jaxllm.runner.compile import Bucket
-from jaxllm.runner.input_batch import (FLAG_GRAMMAR, BucketBuffers, InputBatch, PackedLayout, SamplingMetadata,
-                                      StepInputs, TokenMasks, fill)
+from jaxllm.runner.input_batch import (
+    FLAG_GRAMMAR,
+    BucketBuffers,
+    InputBatch,
+    PackedLayout,
+    SamplingMetadata,
+    StepInputs,
+    TokenMasks,
+    fill,
+)
 from jaxllm.structured_output import mask_words
 from jaxllm.utils import cdiv
 
-PADDING = -1    # the micro-batch index of a bucket's all-padding buffers
+PADDING = -1  # the micro-batch index of a bucket's all-padding buffers
 
 
 class StepBuilder:
@@ -29,8 +37,18 @@ class StepBuilder:
     a demand (`CompiledSteps.pick`); `inputs_sharding`: where the step's inputs go (one device,
     or every device of the mesh, replicated)."""
 
-    def __init__(self, config, spec, attention, input_batch: InputBatch, buckets: list[Bucket], *, num_stages: int,
-                 inputs_sharding, pick=None):
+    def __init__(
+        self,
+        config,
+        spec,
+        attention,
+        input_batch: InputBatch,
+        buckets: list[Bucket],
+        *,
+        num_stages: int,
+        inputs_sharding,
+        pick=None,
+    ):
         self.config, self.spec, self.attention, self.input_batch = config, spec, attention, input_batch
         self.num_stages, self.pick = num_stages, pick
         self.inputs_sharding = inputs_sharding
@@ -42,7 +60,7 @@ class StepBuilder:
         self.max_logits = max(b.num_logits for b in buckets) * num_stages
         self.no_prev = jax.device_put(np.zeros(self.max_logits, np.int32), inputs_sharding)
         self._buffers: dict[tuple[Bucket, int], BucketBuffers] = {}
-        self._parity = 0    # which of a bucket's two sets of host buffers the next step fills
+        self._parity = 0  # which of a bucket's two sets of host buffers the next step fills
         # Per R: the side inputs' cached device arrays of -1s (no penalties, every token allowed).
         self._no_penalty_tokens: dict[int, jax.Array] = {}
         self._all_allowed: dict[int, jax.Array] = {}
@@ -55,28 +73,39 @@ class StepBuilder:
         R = bucket.num_logits
         if (bucket, micro) not in self._buffers:
             self._buffers[bucket, micro] = BucketBuffers(
-                bucket, StepInputs.zeros(bucket.num_tokens, bucket.num_seqs, self.max_blocks, len(self.inv_freq), R,
-                                         self.window_group),
-                SamplingMetadata.zeros(R))
+                bucket,
+                StepInputs.zeros(
+                    bucket.num_tokens, bucket.num_seqs, self.max_blocks, len(self.inv_freq), R, self.window_group
+                ),
+                SamplingMetadata.zeros(R),
+            )
         if R not in self._no_penalty_tokens:
             # Requests without penalties share one device array of -1s (no [R, L] transfer).
             stages = (self.num_stages,) if self.num_stages > 1 else ()
             self._no_penalty_tokens[R] = jax.device_put(
-                np.full((*stages, R, self.config.scheduler.max_model_len), -1, np.int32), self.inputs_sharding)
-            self._all_allowed[R] = jax.device_put(np.full((*stages, R, mask_words(self.spec.vocab_size)), -1, np.int32),
-                                                  self.inputs_sharding)
+                np.full((*stages, R, self.config.scheduler.max_model_len), -1, np.int32), self.inputs_sharding
+            )
+            self._all_allowed[R] = jax.device_put(
+                np.full((*stages, R, mask_words(self.spec.vocab_size)), -1, np.int32), self.inputs_sharding
+            )
         return self._buffers[bucket, micro]
 
     def demand(self, q_lens: np.ndarray, drafts: bool = False) -> tuple[int, int, int, int, bool]:
         """What a bucket must hold for sequences of these query lengths: (tokens, decodes,
         prefill rows, sequences, logits for every token: some carry drafts to verify)."""
         chunks = q_lens[q_lens > 1]
-        return (int(q_lens.sum()), len(q_lens) - len(chunks),
-                int(cdiv(chunks, self.attention.prefill_row_tokens).sum()), len(q_lens), drafts)
+        return (
+            int(q_lens.sum()),
+            len(q_lens) - len(chunks),
+            int(cdiv(chunks, self.attention.prefill_row_tokens).sum()),
+            len(q_lens),
+            drafts,
+        )
 
     # ----- one batch -----
-    def prepare(self, scheduled, bucket: Bucket | None = None, micro: int = 0,
-                ahead: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, BucketBuffers]:
+    def prepare(
+        self, scheduled, bucket: Bucket | None = None, micro: int = 0, ahead: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, BucketBuffers]:
         """Fill the bucket's buffers for `scheduled` [(request, num_new_tokens)] (in `bucket`,
         else the smallest that holds them; into micro-batch `micro`'s buffers).
 
@@ -109,17 +138,24 @@ class StepBuilder:
         computed = np.fromiter((r.num_computed_tokens for r in requests), np.int32, n)
         ib = self.input_batch
         rows = ib.rows_for(requests)
-        known = ib.num_tokens[rows]                      # tokens the requests have (drafts excluded)
-        if ahead is not None:       # the newest token is in flight: one past what the host has
+        known = ib.num_tokens[rows]  # tokens the requests have (drafts excluded)
+        if ahead is not None:  # the newest token is in flight: one past what the host has
             computed = known.astype(np.int32)
             known = known + 1
-        for i in np.flatnonzero(computed + q_lens > known):     # drafts: the query's last tokens
+        for i in np.flatnonzero(computed + q_lens > known):  # drafts: the query's last tokens
             k = computed[i] + q_lens[i] - known[i]
-            ib.token_ids[rows[i], known[i]:known[i] + k] = requests[i].spec_token_ids[:k]
+            ib.token_ids[rows[i], known[i] : known[i] + k] = requests[i].spec_token_ids[:k]
         is_decode = q_lens == 1
         order = np.lexsort((np.where(is_decode, -computed, 0), ~is_decode))
-        return _Sequences(order, q_lens[order], computed[order], rows[order], known[order],
-                          ahead[order] if ahead is not None else None, int(is_decode.sum()))
+        return _Sequences(
+            order,
+            q_lens[order],
+            computed[order],
+            rows[order],
+            known[order],
+            ahead[order] if ahead is not None else None,
+            int(is_decode.sum()),
+        )
 
     def _fill_tokens(self, inputs: StepInputs, seqs: _Sequences) -> None:
         """Token ids, positions, sequence lengths and offsets, RoPE tables."""
@@ -143,10 +179,16 @@ class StepBuilder:
         for g, (slots, block_tables) in enumerate(tables):
             fill(slots, ib.block_table[token_rows, g, positions // bs] * bs + positions % bs, -1)
             fill(block_tables, ib.block_table[seqs.rows, g], 0)
-        metadata = [self.attention.build_metadata(q_lens=seqs.q_lens, seq_lens=seqs.seq_lens,
-                                                  block_tables=block_tables[:len(seqs.order)],
-                                                  num_decodes=seqs.num_decodes, bucket=bucket)
-                    for _, block_tables in tables]
+        metadata = [
+            self.attention.build_metadata(
+                q_lens=seqs.q_lens,
+                seq_lens=seqs.seq_lens,
+                block_tables=block_tables[: len(seqs.order)],
+                num_decodes=seqs.num_decodes,
+                bucket=bucket,
+            )
+            for _, block_tables in tables
+        ]
         inputs.attn_metadata = metadata[0]
         if self.window_group:
             inputs.window_attn_metadata = metadata[1]
@@ -156,22 +198,30 @@ class StepBuilder:
         ib, inputs, sampling = self.input_batch, buffers.inputs, buffers.sampling
         R = bucket.num_logits
         no_penalties = None if self.num_stages > 1 else self._no_penalty_tokens[R]
-        count = np.maximum(seqs.seq_lens - seqs.known + 1, 0)     # the newest token's row, then each draft's
-        if bucket.all_logits:    # a row per token; the one after each draft verifies it
+        count = np.maximum(seqs.seq_lens - seqs.known + 1, 0)  # the newest token's row, then each draft's
+        if bucket.all_logits:  # a row per token; the one after each draft verifies it
             positions, token_rows, of_token = seqs.positions, seqs.token_rows, seqs.seq_of_token
             fill(inputs.logits_indices, np.arange(seqs.num_tokens), 0)
             nxt = np.minimum(positions + 1, ib.token_ids.shape[1] - 1)
             verifies = (positions + 1 < seqs.seq_lens[of_token]) & (positions + 1 >= seqs.known[of_token])
-            ib.fill_sampling(sampling, token_rows, no_penalties, positions=positions,
-                             drafts=np.where(verifies, ib.token_ids[token_rows, nxt], -1))
+            ib.fill_sampling(
+                sampling,
+                token_rows,
+                no_penalties,
+                positions=positions,
+                drafts=np.where(verifies, ib.token_ids[token_rows, nxt], -1),
+            )
             first = seqs.ends - seqs.q_lens + (seqs.known - 1 - seqs.computed)
         else:
             fill(inputs.logits_indices, seqs.ends - 1, 0)
             ib.fill_sampling(sampling, seqs.rows, no_penalties, positions=seqs.seq_lens - 1 if seqs.ahead else None)
             first = np.arange(len(seqs.order))
         # Structured output: the constrained rows' masks, after each draft too (`count` rows).
-        grammars = [(requests[i].grammar, int(first[j]), requests[i].spec_token_ids[:count[j] - 1])
-                    for j, i in enumerate(seqs.order) if count[j] and requests[i].grammar is not None]
+        grammars = [
+            (requests[i].grammar, int(first[j]), requests[i].spec_token_ids[: count[j] - 1])
+            for j, i in enumerate(seqs.order)
+            if count[j] and requests[i].grammar is not None
+        ]
         sampling.flags[FLAG_GRAMMAR] = bool(grammars)
         if grammars:
             if buffers.token_masks is None:
@@ -224,7 +274,7 @@ class StepBuilder:
         """The bucket's inputs packed: (ints, floats, penalty tokens, token mask)."""
         sampling = buffers.sampling
         side = sampling.penalty_tokens, sampling.token_mask
-        sampling.penalty_tokens = sampling.token_mask = None          # travel apart, not packed
+        sampling.penalty_tokens = sampling.token_mask = None  # travel apart, not packed
         tree = (buffers.inputs, sampling)
         if buffers.layout is None:
             buffers.layout = PackedLayout.of(tree)
@@ -245,9 +295,12 @@ class StepBuilder:
             fill = np.full((R, width), -1, np.int32)
             return np.stack([fill if p is None else p for p in parts])
 
-        return (np.stack([b.ints for b in micro]), np.stack([b.floats for b in micro]),
-                stacked("penalty_tokens", self._no_penalty_tokens, self.config.scheduler.max_model_len),
-                stacked("token_mask", self._all_allowed, mask_words(self.spec.vocab_size)))
+        return (
+            np.stack([b.ints for b in micro]),
+            np.stack([b.floats for b in micro]),
+            stacked("penalty_tokens", self._no_penalty_tokens, self.config.scheduler.max_model_len),
+            stacked("token_mask", self._all_allowed, mask_words(self.spec.vocab_size)),
+        )
 
     # ----- padding -----
     def ready_buffers(self, bucket: Bucket) -> BucketBuffers:
@@ -267,8 +320,14 @@ class StepBuilder:
         buffers = self.ready_buffers(bucket)
         if self.num_stages == 1:
             R = bucket.num_logits
-            return (buffers.layout, buffers.ints, buffers.floats, self._no_penalty_tokens[R], self._all_allowed[R],
-                    self.no_prev)
+            return (
+                buffers.layout,
+                buffers.ints,
+                buffers.floats,
+                self._no_penalty_tokens[R],
+                self._all_allowed[R],
+                self.no_prev,
+            )
         return (buffers.layout, *self._stack([buffers] * self.num_stages), self.no_prev)
 
 
@@ -276,8 +335,23 @@ class _Sequences:
     """A batch's sequences in the step's order (`StepBuilder._sequences`), as numpy arrays [n]
     (`order`: index into the scheduled list), and what follows from them per token."""
 
-    __slots__ = ("order", "q_lens", "computed", "rows", "known", "prev_rows", "ahead", "num_decodes", "seq_lens",
-                 "drafts", "ends", "num_tokens", "seq_of_token", "positions", "token_rows")
+    __slots__ = (
+        "order",
+        "q_lens",
+        "computed",
+        "rows",
+        "known",
+        "prev_rows",
+        "ahead",
+        "num_decodes",
+        "seq_lens",
+        "drafts",
+        "ends",
+        "num_tokens",
+        "seq_of_token",
+        "positions",
+        "token_rows",
+    )
 
     def __init__(self, order, q_lens, computed, rows, known, prev_rows, num_decodes: int):
         self.order, self.q_lens, self.computed, self.rows, self.known = order, q_lens, computed, rows, known
@@ -287,6 +361,5 @@ class _Sequences:
         self.ends = np.cumsum(q_lens, dtype=np.int32)
         self.num_tokens = int(q_lens.sum())
         self.seq_of_token = np.repeat(np.arange(len(order)), q_lens)
-        self.positions = (np.arange(self.num_tokens, dtype=np.int32)
-                          + np.repeat(computed - (self.ends - q_lens), q_lens))
+        self.positions = np.arange(self.num_tokens, dtype=np.int32) + np.repeat(computed - (self.ends - q_lens), q_lens)
         self.token_rows = rows[self.seq_of_token]

@@ -29,8 +29,8 @@ from jaxllm.spec_decode.proposer import Proposer
 
 @dataclasses.dataclass(eq=False)
 class _Shadow:
-    request: Request              # the draft model's view: greedy, its own computed count
-    source: Request               # the real request
+    request: Request  # the draft model's view: greedy, its own computed count
+    source: Request  # the real request
     num_preemptions: int
 
 
@@ -51,15 +51,18 @@ class DraftModelProposer(Proposer):
         """The request's shadow, its computed count cut back to what still matches."""
         entry = self.shadows.get(request.request_id)
         fresh = entry is None or entry.source is not request or entry.num_preemptions != request.num_preemptions
-        if fresh:     # new, or preempted since (its pages changed): compute it all
-            shadow = Request(request.request_id, request.prompt_token_ids,
-                             SamplingParams(temperature=0.0, max_tokens=self.max_model_len))
+        if fresh:  # new, or preempted since (its pages changed): compute it all
+            shadow = Request(
+                request.request_id,
+                request.prompt_token_ids,
+                SamplingParams(temperature=0.0, max_tokens=self.max_model_len),
+            )
             entry = self.shadows[request.request_id] = _Shadow(shadow, request, request.num_preemptions)
         shadow = entry.request
         # Draft KV is valid where the shadow's tokens (the real ones and its drafts) agree with the
         # request's now; the newest token always remains to compute.
-        have = np.asarray(shadow.output_token_ids[:len(request.output_token_ids)])
-        agree = np.flatnonzero(have != np.asarray(request.output_token_ids[:len(have)]))
+        have = np.asarray(shadow.output_token_ids[: len(request.output_token_ids)])
+        agree = np.flatnonzero(have != np.asarray(request.output_token_ids[: len(have)]))
         same = request.num_prompt_tokens + (int(agree[0]) if len(agree) else len(have))
         shadow.num_computed_tokens = min(shadow.num_computed_tokens, same, request.num_tokens - 1)
         shadow.output_token_ids = list(request.output_token_ids)
@@ -72,7 +75,7 @@ class DraftModelProposer(Proposer):
             del self.shadows[request_id]
         self.runner.input_batch.remove(finished)
         shadows = [self._shadow(r) for r in requests]
-        for shadow in shadows:      # its row's tokens past what still matches are rewritten
+        for shadow in shadows:  # its row's tokens past what still matches are rewritten
             self.runner.input_batch.truncate(shadow.request_id, shadow.num_computed_tokens)
         drafts: list[list[int]] = [[] for _ in requests]
         # Catch up (each shadow's tokens but the newest may be several prompt chunks), then

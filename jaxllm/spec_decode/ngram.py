@@ -19,12 +19,12 @@ def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndar
     """Up to `k` draft tokens continuing `tokens` [L] int, or none (an empty array)."""
     L = len(tokens)
     for n in range(min(max_n, L - 1), min_n - 1, -1):
-        suffix = tokens[L - n:]
+        suffix = tokens[L - n :]
         # Windows starting at 0 .. L - 1 - n: every earlier occurrence, not the suffix itself.
-        hits = np.flatnonzero((sliding_window_view(tokens[:L - 1], n) == suffix).all(axis=1))
+        hits = np.flatnonzero((sliding_window_view(tokens[: L - 1], n) == suffix).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return tokens[start:start + k]
+            return tokens[start : start + k]
     return tokens[:0]
 
 

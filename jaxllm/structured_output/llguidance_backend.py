@@ -53,7 +53,7 @@ class LLGuidanceBackend(GrammarBackend):
         try:
             if kind == "json":
                 grammar = ll.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
-            elif kind == "regex":     # \d and \w match ASCII, as in JSON Schema patterns and xgrammar
+            elif kind == "regex":  # \d and \w match ASCII, as in JSON Schema patterns and xgrammar
                 grammar = ll.LLMatcher.grammar_from_lark(f"start: /{ll.regex_to_lark(text, 'dw')}/")
             else:
                 grammar = ll.grammar_from(kind, text)

@@ -47,7 +47,7 @@ class StructuredOutputManager:
             if matcher is not None:
                 self._compiled.move_to_end(key)
                 return matcher
-        matcher = self.backend.compile(*key)      # (outside the lock: a large grammar takes a while)
+        matcher = self.backend.compile(*key)  # (outside the lock: a large grammar takes a while)
         with self._lock:
             self._compiled[key] = matcher
             while len(self._compiled) > self._cache_size:

@@ -23,8 +23,9 @@ from jaxllm.models import decoder, linear
 from jaxllm.quantization import smoothing
 from jaxllm.models.step_inputs import StepInputs
 
-CALIBRATION_TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "quantization", "data",
-                                "calibration.txt")
+CALIBRATION_TEXT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "quantization", "data", "calibration.txt"
+)
 # The matrices whose inputs are observed (those W8A8 quantizes; MoE experts are not).
 OBSERVED = ("wqkv", "wo", "w_gate_up", "w_up", "w_down")
 
@@ -46,7 +47,7 @@ class Observed:
         self.maxima[self.key] = jnp.maximum(self.maxima[self.key], seen) if self.key in self.maxima else seen
         return linear.apply(self.weight, x, axis=axis, rows=rows, swiglu=swiglu)
 
-    input_dtype = jnp.float32      # x observed as the float model computes it
+    input_dtype = jnp.float32  # x observed as the float model computes it
 
 
 def activation_maxima(params, spec: decoder.ModelSpec, windows: list[list[int]]) -> dict:
@@ -63,11 +64,19 @@ def activation_maxima(params, spec: decoder.ModelSpec, windows: list[list[int]])
             continue
         positions = np.arange(n, dtype=np.int32)
         cos, sin = decoder.rope_tables(positions, inv_freq, np)
-        inputs = StepInputs(token_ids=np.asarray(ids, np.int32), positions=positions, slot_mapping=positions,
-                            block_tables=np.zeros((1, 1), np.int32),
-                            query_start_loc=np.asarray([0, n], np.int32), seq_lens=np.asarray([n], np.int32),
-                            num_seqs=np.asarray(1, np.int32), logits_indices=np.asarray([n - 1], np.int32),
-                            rope_cos=cos, rope_sin=sin, attn_metadata={})
+        inputs = StepInputs(
+            token_ids=np.asarray(ids, np.int32),
+            positions=positions,
+            slot_mapping=positions,
+            block_tables=np.zeros((1, 1), np.int32),
+            query_start_loc=np.asarray([0, n], np.int32),
+            seq_lens=np.asarray([n], np.int32),
+            num_seqs=np.asarray(1, np.int32),
+            logits_indices=np.asarray([n - 1], np.int32),
+            rope_cos=cos,
+            rope_sin=sin,
+            attn_metadata={},
+        )
         x = decoder.embed(params, inputs.token_ids, inputs.positions, spec)
         for i, layer in enumerate(params["layers"]):
             x, seen = _observed_layer(layer, x, inputs, spec=spec, index=decoder.first_of_kind(spec, i))
@@ -119,8 +128,10 @@ def smooth_for_w8a8(params, spec: decoder.ModelSpec, tokenizer, alpha: float = s
     """Smooth `params` (in place) for W8A8 from the activations of the shipped calibration
     text; without a tokenizer, leave them as they are (and say so). Returns whether it smoothed."""
     if tokenizer is None:
-        logger.warning("w8a8: this model has no tokenizer to read the calibration text; activations are not "
-                       "smoothed (expect a larger accuracy loss)")
+        logger.warning(
+            "w8a8: this model has no tokenizer to read the calibration text; activations are not "
+            "smoothed (expect a larger accuracy loss)"
+        )
         return False
     smoothing.smooth(params, spec, activation_maxima(params, spec, text_windows(tokenizer)), alpha)
     return True

@@ -65,14 +65,14 @@ class LinearPlan:
 
 @dataclasses.dataclass(frozen=True)
 class WeightPlan:
-    dtype: str                  # float matrices' dtype ("float32" | "bfloat16")
-    quantization: str | None    # the run's method (EngineConfig.quantization): None, QUANTIZE_ or CHECKPOINT_METHODS
-    load: str | None            # what `load_model` keeps quantized: a CHECKPOINT_METHODS name, "auto" (a GGUF's), None
-    cpp_gemm: bool              # linears multiply in the C++ GEMMs (one CPU device, the native kernels)
-    pack_floats: bool           # float matrices are packed into C++ panels
-    smooth: bool                # W8A8 smoothing of the float weights before quantizing (quantization/smoothing.py)
-    small_step_codes: bool      # a GGUF's codes kept for small steps beside bf16 panels
-    linears: dict = dataclasses.field(default_factory=dict, compare=False)    # name -> LinearPlan
+    dtype: str  # float matrices' dtype ("float32" | "bfloat16")
+    quantization: str | None  # the run's method (EngineConfig.quantization): None, QUANTIZE_ or CHECKPOINT_METHODS
+    load: str | None  # what `load_model` keeps quantized: a CHECKPOINT_METHODS name, "auto" (a GGUF's), None
+    cpp_gemm: bool  # linears multiply in the C++ GEMMs (one CPU device, the native kernels)
+    pack_floats: bool  # float matrices are packed into C++ panels
+    smooth: bool  # W8A8 smoothing of the float weights before quantizing (quantization/smoothing.py)
+    small_step_codes: bool  # a GGUF's codes kept for small steps beside bf16 panels
+    linears: dict = dataclasses.field(default_factory=dict, compare=False)  # name -> LinearPlan
 
     def linear(self, name: str) -> LinearPlan:
         return self.linears[name]
@@ -86,14 +86,17 @@ class WeightPlan:
         rows: dict[LinearPlan, list[str]] = {}
         for name, lp in self.linears.items():
             rows.setdefault(lp, []).append(name)
-        return "; ".join(f"{', '.join(names)}: {lp.codes or self.dtype} via {lp.kernel}"
-                         + (f" (x as {lp.activations})" if lp.activations != "float" else "")
-                         + (" + small-step codes" if lp.small_step_codes else "")
-                         for lp, names in rows.items())
+        return "; ".join(
+            f"{', '.join(names)}: {lp.codes or self.dtype} via {lp.kernel}"
+            + (f" (x as {lp.activations})" if lp.activations != "float" else "")
+            + (" + small-step codes" if lp.small_step_codes else "")
+            for lp, names in rows.items()
+        )
 
 
-def resolve_weight_plan(args, platform: Platform, *, one_device: bool, checkpoint: str | None = UNKNOWN,
-                        tied: bool = False) -> WeightPlan:
+def resolve_weight_plan(
+    args, platform: Platform, *, one_device: bool, checkpoint: str | None = UNKNOWN, tied: bool = False
+) -> WeightPlan:
     """The weight plan for `args` (EngineArgs with `dtype` resolved) on `platform`.
 
     one_device: one device of one process (no mesh, no data parallelism): only there do the
@@ -102,28 +105,39 @@ def resolve_weight_plan(args, platform: Platform, *, one_device: bool, checkpoin
     tied: the model ties its embeddings (the table is then the LM head's linear).
     Raises ValueError for options that cannot hold together here."""
     dtype, asked = args.dtype, args.quantization
-    cpp_gemm = (one_device and platform.name == "cpu" and args.attention_backend in (None, "native")
-                and platform.cpp_kernels)
+    cpp_gemm = (
+        one_device and platform.name == "cpu" and args.attention_backend in (None, "native") and platform.cpp_kernels
+    )
     # Small-step codes: bf16 weights packed for the C++ GEMM with AVX512_BF16 dots, no quantization asked.
-    small = (args.small_step_codes is not False and asked is None and dtype == "bfloat16" and cpp_gemm
-             and args.packed_weights and platform.cpp_bf16_dots)
+    small = (
+        args.small_step_codes is not False
+        and asked is None
+        and dtype == "bfloat16"
+        and cpp_gemm
+        and args.packed_weights
+        and platform.cpp_bf16_dots
+    )
     if args.small_step_codes and not small:
-        raise ValueError("small_step_codes needs dtype bfloat16 on one CPU device with AVX512_BF16 and the C++ "
-                         "kernels, packed weights and no quantization asked")
+        raise ValueError(
+            "small_step_codes needs dtype bfloat16 on one CPU device with AVX512_BF16 and the C++ "
+            "kernels, packed weights and no quantization asked"
+        )
     known = checkpoint != UNKNOWN
     if known:
         if checkpoint and asked not in (None, checkpoint):
-            raise ValueError(f"the checkpoint is already quantized ({checkpoint}): it cannot be loaded with "
-                             f"quantization={asked!r}")
+            raise ValueError(
+                f"the checkpoint is already quantized ({checkpoint}): it cannot be loaded with quantization={asked!r}"
+            )
         if asked in CHECKPOINT_METHODS and checkpoint != asked:
-            raise ValueError(f"quantization={asked!r} needs a checkpoint quantized so, and this one has no "
-                             f"{asked} weights")
+            raise ValueError(
+                f"quantization={asked!r} needs a checkpoint quantized so, and this one has no {asked} weights"
+            )
         small = small and checkpoint == "gguf"
         if args.small_step_codes and not small:
             raise ValueError("small_step_codes needs a GGUF model with quantized blocks; this checkpoint has none")
     if small:
         load = "auto"
-    elif asked is not None:     # "none" included
+    elif asked is not None:  # "none" included
         load = asked if asked in CHECKPOINT_METHODS else None
     else:
         # A GGUF's blocks where they run at about the float engine's speed: the C++ GEMM under
@@ -136,21 +150,50 @@ def resolve_weight_plan(args, platform: Platform, *, one_device: bool, checkpoin
     wanted = known and checkpoint is not None and (checkpoint != "gguf" or load == "auto")
     method = None if small or asked == "none" else asked or (checkpoint if wanted else None)
     pack_floats = cpp_gemm and args.packed_weights and (dtype == "float32" or platform.cpp_bf16_dots)
-    linears = {name: _linear_plan(name, method, platform, cpp_gemm=cpp_gemm, pack_floats=pack_floats,
-                                  dtype=dtype, int8_activations=args.int8_activations, small=small, tied=tied)
-               for name in LINEARS}
-    return WeightPlan(dtype=dtype, quantization=method, load=load, cpp_gemm=cpp_gemm, pack_floats=pack_floats,
-                      smooth=method == "w8a8", small_step_codes=small, linears=linears)
+    linears = {
+        name: _linear_plan(
+            name,
+            method,
+            platform,
+            cpp_gemm=cpp_gemm,
+            pack_floats=pack_floats,
+            dtype=dtype,
+            int8_activations=args.int8_activations,
+            small=small,
+            tied=tied,
+        )
+        for name in LINEARS
+    }
+    return WeightPlan(
+        dtype=dtype,
+        quantization=method,
+        load=load,
+        cpp_gemm=cpp_gemm,
+        pack_floats=pack_floats,
+        smooth=method == "w8a8",
+        small_step_codes=small,
+        linears=linears,
+    )
 
 
-def _linear_plan(name: str, method: str | None, platform: Platform, *, cpp_gemm: bool, pack_floats: bool,
-                 dtype: str, int8_activations: bool, small: bool, tied: bool) -> LinearPlan:
+def _linear_plan(
+    name: str,
+    method: str | None,
+    platform: Platform,
+    *,
+    cpp_gemm: bool,
+    pack_floats: bool,
+    dtype: str,
+    int8_activations: bool,
+    small: bool,
+    tied: bool,
+) -> LinearPlan:
     float_plan = LinearPlan(None, "cpp" if pack_floats else "xla")
-    if name in EXPERT_LINEARS:   # weight-only codes, dequantized in the step (models/moe.py)
+    if name in EXPERT_LINEARS:  # weight-only codes, dequantized in the step (models/moe.py)
         codes = {"w8a8": "int8_weight_only"}.get(method, method)
         return LinearPlan(codes, "xla")
     if name == "embed" and not tied:
-        return LinearPlan(None, "xla")      # a table lookup, float
+        return LinearPlan(None, "xla")  # a table lookup, float
     if method is None:
         return dataclasses.replace(float_plan, small_step_codes=small and name in (*LAYER_LINEARS, "lm_head", "embed"))
     # A 4-bit LM head cost the default model 6.5% perplexity: 8-bit codes there (llama.cpp keeps its 6-8).
@@ -164,7 +207,7 @@ def _linear_plan(name: str, method: str | None, platform: Platform, *, cpp_gemm:
     if codes == "w8a8":
         activations = "int8"
     elif kernel == "cpp" and int8_activations:
-        activations = "int8"        # (4-bit codes only: `with_int8_activations`)
+        activations = "int8"  # (4-bit codes only: `with_int8_activations`)
     elif kernel == "cpp" and dtype == "bfloat16" and platform.cpp_bf16_dots:
         activations = "bf16"
     else:
@@ -172,5 +215,12 @@ def _linear_plan(name: str, method: str | None, platform: Platform, *, cpp_gemm:
     return LinearPlan(codes, kernel, activations)
 
 
-__all__ = ["CHECKPOINT_METHODS", "LINEARS", "LinearPlan", "QUANTIZE_METHODS", "UNKNOWN", "WeightPlan",
-           "resolve_weight_plan"]
+__all__ = [
+    "CHECKPOINT_METHODS",
+    "LINEARS",
+    "LinearPlan",
+    "QUANTIZE_METHODS",
+    "UNKNOWN",
+    "WeightPlan",
+    "resolve_weight_plan",
+]

@@ -48,8 +48,9 @@ class PreparedModel(NamedTuple):
     small_params: dict | None = None
 
 
-def load_with_plan(args, platform: Platform, mesh, *, one_device: bool, progress: bool,
-                   use_cache: bool = True) -> tuple[LoadedModel, WeightPlan]:
+def load_with_plan(
+    args, platform: Platform, mesh, *, one_device: bool, progress: bool, use_cache: bool = True
+) -> tuple[LoadedModel, WeightPlan]:
     """Load `args.model` as the weight plan asks, then resolve the plan again with what the
     checkpoint holds and the C++ build's final word: (loaded model, its weight plan).
 
@@ -58,22 +59,34 @@ def load_with_plan(args, platform: Platform, mesh, *, one_device: bool, progress
     laid out for the mesh (and placed on it)."""
     plan = resolve_weight_plan(args, platform, one_device=one_device)
     to_quantize = plan.quantization is not None
-    loaded = load_model(args.model, cache_dir=args.params_cache_dir, progress=progress, use_cache=use_cache,
-                        tensor_parallel_size=1 if plan.smooth else args.tensor_parallel_size,
-                        pipeline_parallel_size=1 if plan.smooth else args.pipeline_parallel_size,
-                        shardings=None if to_quantize or mesh is None else parallel.param_shardings(mesh),
-                        on_host=to_quantize and mesh is not None,
-                        tokenizer_thread=True, **plan.load_options())
+    loaded = load_model(
+        args.model,
+        cache_dir=args.params_cache_dir,
+        progress=progress,
+        use_cache=use_cache,
+        tensor_parallel_size=1 if plan.smooth else args.tensor_parallel_size,
+        pipeline_parallel_size=1 if plan.smooth else args.pipeline_parallel_size,
+        shardings=None if to_quantize or mesh is None else parallel.param_shardings(mesh),
+        on_host=to_quantize and mesh is not None,
+        tokenizer_thread=True,
+        **plan.load_options(),
+    )
     try:
-        plan = resolve_weight_plan(args, platform.confirmed(), one_device=one_device, checkpoint=loaded.quantization,
-                                   tied=loaded.spec.tie_word_embeddings)
+        plan = resolve_weight_plan(
+            args,
+            platform.confirmed(),
+            one_device=one_device,
+            checkpoint=loaded.quantization,
+            tied=loaded.spec.tie_word_embeddings,
+        )
     except ValueError as e:
         raise ValueError(f"{loaded.source}: {e}") from None
     return loaded, plan
 
 
-def prepare_weights(params: dict, spec, plan: WeightPlan, *, mesh=None, tokenizer=None, device=None,
-                    log: bool = True) -> tuple[dict, dict | None]:
+def prepare_weights(
+    params: dict, spec, plan: WeightPlan, *, mesh=None, tokenizer=None, device=None, log: bool = True
+) -> tuple[dict, dict | None]:
     """The plan's weights from loaded `params` (in `layout.shard_layout` for `mesh`'s sizes,
     except under W8A8 smoothing, which reads them whole): `(params, small_params)`, the second
     the codes tree of small-step codes or None. One device (`mesh` None): on `device` (default:
@@ -115,8 +128,11 @@ def pack_params(params: dict, spec, device, *, bf16: bool = False) -> dict:
     dtypes = (jnp.float32, jnp.bfloat16) if bf16 else (jnp.float32,)
 
     def pack(w, transposed=False):
-        if isinstance(w, (PackedWeight, QuantizedWeight)) or w.dtype not in dtypes \
-                or not native.packable(w.shape, transposed, w.dtype):
+        if (
+            isinstance(w, (PackedWeight, QuantizedWeight))
+            or w.dtype not in dtypes
+            or not native.packable(w.shape, transposed, w.dtype)
+        ):
             return w
         return PackedWeight(jax.device_put(native.pack_weight(np.asarray(w), transposed, w.dtype), device))
 
@@ -148,11 +164,12 @@ def small_step_params(params: dict, device, codes: bool = True) -> tuple[dict, d
         """tree_big[name] (codes) as bf16 panels there, and as codes for the bf16 GEMM in tree_few."""
         w = tree_big[name]
         q = with_bf16_activations(relayout(w, True, device), device)
-        if codes and q.activations == "bf16":   # converted as the GEMM over codes converts them
-            big = PackedWeight(put(native.codes_to_bf16_panels(q.codes, q.scale, q.offset, q.bits, q.super_scale,
-                                                               q.super_offset)))
-        else:       # a shape off the bf16 GEMM's panels, or no bf16 dots: the dense bf16 weight, unpacked
-            dense = np.asarray(dequantize(w, np), jnp.bfloat16)     # [in, out], rounded to nearest even
+        if codes and q.activations == "bf16":  # converted as the GEMM over codes converts them
+            big = PackedWeight(
+                put(native.codes_to_bf16_panels(q.codes, q.scale, q.offset, q.bits, q.super_scale, q.super_offset))
+            )
+        else:  # a shape off the bf16 GEMM's panels, or no bf16 dots: the dense bf16 weight, unpacked
+            dense = np.asarray(dequantize(w, np), jnp.bfloat16)  # [in, out], rounded to nearest even
             big = put(np.ascontiguousarray(dense.T) if table else dense)
         tree_big[name] = big
         # (a 4-bit embedding table's rows are looked up from its plain panels: the bf16 one serves)
@@ -168,7 +185,7 @@ def small_step_params(params: dict, device, codes: bool = True) -> tuple[dict, d
         large["layers"].append(big)
         small["layers"].append(few)
     for name in ("lm_head", "embed"):
-        if isinstance(params.get(name), QuantizedWeight):   # stored as the LM head [hidden, vocab]
+        if isinstance(params.get(name), QuantizedWeight):  # stored as the LM head [hidden, vocab]
             both(large, small, name, table=name == "embed")
     return large, small if codes else None
 
@@ -176,6 +193,7 @@ def small_step_params(params: dict, device, codes: bool = True) -> tuple[dict, d
 def _dequantized(params: dict, spec, dtype: str) -> dict:
     """`params` with a checkpoint's codes the plan does not keep turned back into float
     matrices in `dtype` (a tied table stored as the LM head back to [vocab, hidden])."""
+
     def dense(w, table=False):
         if not isinstance(w, QuantizedWeight):
             return w

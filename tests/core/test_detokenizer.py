@@ -27,8 +27,9 @@ def feed(tok, text, **kw):
 def test_multibyte_text_is_never_split(tokenizer):
     text = " Grüße 🌍🚀 日本語のテキスト, naïve café — done."
     ids, detok, seen, _ = feed(tokenizer, text)
-    assert any(len(tokenizer.decode([t])) == 0 or "\ufffd" in tokenizer.decode([t]) for t in ids), \
+    assert any(len(tokenizer.decode([t])) == 0 or "\ufffd" in tokenizer.decode([t]) for t in ids), (
         "the test text should contain characters split over several tokens"
+    )
     assert detok.text == tokenizer.decode(ids)
     assert all("\ufffd" not in s for s in seen)
     assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))  # text only ever grows
@@ -38,12 +39,12 @@ def test_stop_string_across_token_boundary(tokenizer):
     text = " The quick brown fox jumps over the lazy dog"
     ids = tokenizer.encode(text, add_special_tokens=False)
     boundary = len(tokenizer.decode(ids[:3]))
-    stop = text[boundary - 2:boundary + 3]  # tail of token 3 + head of token 4
+    stop = text[boundary - 2 : boundary + 3]  # tail of token 3 + head of token 4
     assert tokenizer.decode(ids[:3]).endswith(stop[:2])
     _, detok, _, got = feed(tokenizer, text, stop=[stop])
-    assert got == stop and detok.text == text[:boundary - 2]
+    assert got == stop and detok.text == text[: boundary - 2]
     _, detok, _, got = feed(tokenizer, text, stop=[stop], include_stop_str_in_output=True)
-    assert got == stop and detok.text == text[:boundary + 3]
+    assert got == stop and detok.text == text[: boundary + 3]
 
 
 def test_streaming_holds_back_possible_stop_prefix(tokenizer):

@@ -44,7 +44,7 @@ def test_pages_before_the_window_are_released(windows):
     kv = KVCacheManager(64, BS, windows=windows)
     req = _request(range(100, 140))
     held = []
-    for chunk in (8, 8, 8, 8, 8):                   # a 40-token prompt in chunks, then decodes
+    for chunk in (8, 8, 8, 8, 8):  # a 40-token prompt in chunks, then decodes
         _run(kv, req, chunk)
         held.append([len(g.held(req)) for g in kv.groups])
     for token in range(10):
@@ -55,11 +55,11 @@ def test_pages_before_the_window_are_released(windows):
     assert all(h[-1] <= _window_pages(8) for h in held)
     # Decoding: the window's pages and the one being written, every step.
     assert held[-1][-1] <= _window_pages(1) < len(req.block_tables[-1])
-    assert len(req.block_tables[-1]) == -(-req.num_computed_tokens // BS)      # tables keep their ids
+    assert len(req.block_tables[-1]) == -(-req.num_computed_tokens // BS)  # tables keep their ids
     assert req.num_released_blocks[-1] == len(req.block_tables[-1]) - held[-1][-1]
-    if len(windows) == 2:                                                     # the global group keeps all
+    if len(windows) == 2:  # the global group keeps all
         assert held[-1][0] == len(req.block_ids) == -(-req.num_computed_tokens // BS)
-    released = req.block_tables[-1][:req.num_released_blocks[-1]]
+    released = req.block_tables[-1][: req.num_released_blocks[-1]]
     assert all(window.blocks[b].ref_cnt == 0 and b in window.free_blocks for b in released)
     assert kv.request_usage(req) == (sum(h for h in held[-1]), 0)
     _no_leaks(kv)
@@ -70,7 +70,7 @@ def test_pages_before_the_window_are_released(windows):
 
 def test_prefix_hits_need_every_group_and_take_only_the_window():
     kv = KVCacheManager([32, 32], BS, windows=(0, WINDOW))
-    prompt = list(range(200, 230))                                           # 30 tokens: 7 full pages
+    prompt = list(range(200, 230))  # 30 tokens: 7 full pages
     first = _request(prompt, "first")
     for _ in range(4):
         _run(kv, first, min(8, 30 - first.num_computed_tokens))
@@ -100,21 +100,21 @@ def test_prefix_hits_need_every_group_and_take_only_the_window():
 
 def test_fork_and_trim_with_released_pages():
     kv = KVCacheManager(64, BS, windows=(0, WINDOW))
-    parent = _request(range(300, 322), "parent")                              # 22 tokens
+    parent = _request(range(300, 322), "parent")  # 22 tokens
     for _ in range(3):
         _run(kv, parent, min(8, 22 - parent.num_computed_tokens))
     parent.output_token_ids.append(5)
-    _run(kv, parent, 1)                                                       # releases the early window pages
+    _run(kv, parent, 1)  # releases the early window pages
     assert parent.num_released_blocks[1] > 0
     child = _request(parent.prompt_token_ids, "child")
     child.output_token_ids = list(parent.output_token_ids)
     kv.fork(parent, child)
     assert child.block_tables == parent.block_tables and child.num_released_blocks == parent.num_released_blocks
-    for r, tok in ((parent, 6), (child, 7)):                                   # both write the shared last page
+    for r, tok in ((parent, 6), (child, 7)):  # both write the shared last page
         r.output_token_ids.append(tok)
         assert kv.allocate_slots(r, 1)
     copies = kv.take_pending_copies()
-    assert [len(src) for src, _ in copies] == [1, 1]                           # a copy in each group
+    assert [len(src) for src, _ in copies] == [1, 1]  # a copy in each group
     # Drafts: pages held for tokens that were rejected go back; released ones stay released.
     assert kv.allocate_slots(parent, 1 + 8)
     kv.trim(parent, parent.num_tokens)
@@ -131,9 +131,18 @@ def test_config_gives_the_windowed_layers_their_own_smaller_pool(tmp_path):
 
     build_hf_model("gemma3", tmp_path, num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2)
     spec = spec_from_hf_config(json.loads((tmp_path / "config.json").read_text()))
-    cache = resolve_config(EngineArgs(kv_cache_memory=8 << 20, max_model_len=128, max_num_batched_tokens=32,
-                                      max_num_seqs=8, block_size=4, dtype="float32"),
-                           spec, "m").cache   # 4-byte pages below
+    cache = resolve_config(
+        EngineArgs(
+            kv_cache_memory=8 << 20,
+            max_model_len=128,
+            max_num_batched_tokens=32,
+            max_num_seqs=8,
+            block_size=4,
+            dtype="float32",
+        ),
+        spec,
+        "m",
+    ).cache  # 4-byte pages below
     assert cache.group_windows == (0, WINDOW)
     # Pools in the proportion one max_model_len request holds: 32 pages global, a window and a
     # chunk windowed; 2 layers each, the whole budget spent.
@@ -156,10 +165,18 @@ def test_hybrid_model_generates_what_hf_does_with_window_sized_kv(tmp_path):
     torch = pytest.importorskip("torch")
     hf = build_hf_model("gemma3", tmp_path / "model")
     hf.generation_config.eos_token_id = None
-    llm = LLM(str(tmp_path / "model"), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16,
-              max_model_len=128, kv_cache_memory=64 << 10, block_size=BS, params_cache_dir=str(tmp_path / "c"),
-              speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
-              warmup=False)
+    llm = LLM(
+        str(tmp_path / "model"),
+        dtype="float32",
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        max_model_len=128,
+        kv_cache_memory=64 << 10,
+        block_size=BS,
+        params_cache_dir=str(tmp_path / "c"),
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
+        warmup=False,
+    )
     kv = llm.engine.kv_cache_manager
     assert [g.window for g in kv.groups] == [0, WINDOW] and kv.groups[1].num_blocks < kv.groups[0].num_blocks
     peak = {"window": 0, "global": 0}
@@ -179,14 +196,13 @@ def test_hybrid_model_generates_what_hf_does_with_window_sized_kv(tmp_path):
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outputs):
         expected = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)
-        assert out.outputs[0].token_ids == expected[0, len(prompt):].tolist()
-    assert llm.engine.stats.num_preemptions > 0                      # the pool is small: requests were recomputed
+        assert out.outputs[0].token_ids == expected[0, len(prompt) :].tolist()
+    assert llm.engine.stats.num_preemptions > 0  # the pool is small: requests were recomputed
     assert peak["window"] <= _window_pages(16) + 2 < peak["global"]  # + 2: the drafts' pages
     assert kv.num_used_blocks == 0
     _no_leaks(kv)
     llm.engine.engine_core.step = step
     beams = llm.beam_search([prompts[1]], BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True))[0]
-    expected = hf_beam_search(hf, prompts[1], width=3, max_tokens=8, eos=None, early_stopping=False,
-                              length_penalty=1.0)
+    expected = hf_beam_search(hf, prompts[1], width=3, max_tokens=8, eos=None, early_stopping=False, length_penalty=1.0)
     assert [s.output_token_ids for s in beams.sequences] == [tokens for tokens, _ in expected]
     assert kv.num_copies > 0 and kv.num_used_blocks == 0

@@ -12,7 +12,7 @@ from jaxllm.core.request import Request
 
 from tests.helpers.tiny_model import TINY_ENGINE_ARGS
 
-BLOCK = 16   # TINY_ENGINE_ARGS' page size
+BLOCK = 16  # TINY_ENGINE_ARGS' page size
 # Small pool for pressure: the same shapes as test_engine's preemption test (compile cache).
 SMALL_POOL = {**TINY_ENGINE_ARGS, "num_gpu_blocks_override": 16, "block_size": 4}
 
@@ -27,30 +27,30 @@ def token_ids(outputs):
 
 def shared_prefix_prompts():
     """Token-id prompts that overlap in every way the cache must handle."""
-    system = [(7 * i + 3) % 5000 + 100 for i in range(2 * BLOCK + 5)]   # 2 full pages + 5 tokens
+    system = [(7 * i + 3) % 5000 + 100 for i in range(2 * BLOCK + 5)]  # 2 full pages + 5 tokens
     q1, q2 = list(range(900, 913)), list(range(2000, 2021))
     return [
-        system + q1,                  # shares 2 full pages + a partial page with the next two
+        system + q1,  # shares 2 full pages + a partial page with the next two
         system + q2,
-        system[:BLOCK + 3] + q2,      # diverges inside the second page
-        system,                       # an exact prefix of the first two
-        system[:2 * BLOCK],           # exactly two pages: the last page is recomputed, not hit
-        system + q1 + q2,             # extends the first
-        system + q1,                  # identical to the first
-        q1 + system,                  # the same pages at other positions: never hit
+        system[: BLOCK + 3] + q2,  # diverges inside the second page
+        system,  # an exact prefix of the first two
+        system[: 2 * BLOCK],  # exactly two pages: the last page is recomputed, not hit
+        system + q1 + q2,  # extends the first
+        system + q1,  # identical to the first
+        q1 + system,  # the same pages at other positions: never hit
     ]
 
 
 # Prompt tokens each of those finds cached when they run one after another.
 EXPECTED_CACHED = [
     0,
-    2 * BLOCK,      # the system prompt's two full pages
-    BLOCK,          # diverged inside page 2
+    2 * BLOCK,  # the system prompt's two full pages
+    BLOCK,  # diverged inside page 2
     2 * BLOCK,
-    BLOCK,          # exactly two pages: the last one is recomputed for the logits
-    3 * BLOCK,      # the first prompt's three full pages
+    BLOCK,  # exactly two pages: the last one is recomputed for the logits
+    3 * BLOCK,  # the first prompt's three full pages
     3 * BLOCK,
-    0,              # same tokens at other positions
+    0,  # same tokens at other positions
 ]
 
 
@@ -119,15 +119,15 @@ def test_forced_hash_collisions_never_return_wrong_kv(llm_on, reference, monkeyp
 
 def test_eviction_and_preemption_give_same_outputs(tiny_model_dir, llm_off):
     """16 pages of 4 tokens: cached pages are evicted (LRU) and running requests preempted."""
-    base = list(range(500, 509))                                            # 2 full pages + 1
-    prompts = [base + [600 + 10 * i + j for j in range(5)] for i in range(4)]   # 14 + 12 tokens: 7 pages
+    base = list(range(500, 509))  # 2 full pages + 1
+    prompts = [base + [600 + 10 * i + j for j in range(5)] for i in range(4)]  # 14 + 12 tokens: 7 pages
     warm = list(range(700, 714))
     expected = [token_ids(llm_off.generate([p], greedy(12), use_tqdm=False))[0] for p in [warm] + prompts]
     small = LLM(tiny_model_dir, **SMALL_POOL)
     kv = small.engine.kv_cache_manager
     assert token_ids(small.generate([warm], greedy(12), use_tqdm=False)) == expected[:1]
     probe = Request("probe", warm + expected[0][0] + [1], greedy())
-    assert len(kv.get_computed_blocks(probe)[0]) == 6   # 25 computed tokens: 6 full pages
+    assert len(kv.get_computed_blocks(probe)[0]) == 6  # 25 computed tokens: 6 full pages
     outs = small.generate(prompts * 2, greedy(12), use_tqdm=False)
     assert token_ids(outs) == expected[1:] * 2
     assert small.engine.stats.num_preemptions > 0
@@ -142,6 +142,7 @@ def test_eviction_and_preemption_give_same_outputs(tiny_model_dir, llm_off):
 
 
 # ----- n > 1 -----
+
 
 def test_n_samples_reproducible_and_same_with_caching_off(llm_on, llm_off):
     # top_k keeps the draw away from float noise: over the whole vocabulary, neighbouring
@@ -162,7 +163,7 @@ def test_n_samples_hold_the_prompt_pages_once(llm_on):
     engine = llm_on.engine
     kv = engine.kv_cache_manager
     kv.reset_prefix_cache()
-    prompt = list(range(4000, 4000 + 2 * BLOCK + 7))   # 2 full pages + 7 tokens
+    prompt = list(range(4000, 4000 + 2 * BLOCK + 7))  # 2 full pages + 7 tokens
     n, shared = 4, (len(prompt) - 1) // BLOCK
     engine.add_request("n4", prompt, SamplingParams(n=n, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True))
     for _ in range(50):
@@ -186,6 +187,7 @@ def test_n_samples_hold_the_prompt_pages_once(llm_on):
 
 # ----- the cache manager alone: ref counts, fork, copy-on-write -----
 
+
 def _request(n_tokens, name="r"):
     return Request(name, list(range(100, 100 + n_tokens)), greedy())
 
@@ -201,13 +203,13 @@ def test_prefix_queries_counted_once_per_admission():
     kv = KVCacheManager(4, 4)
     first = _request(8, "first")
     _run(kv, first, 8)
-    kv.free(first)                             # its 2 pages stay cached
+    kv.free(first)  # its 2 pages stay cached
     hog = Request("hog", list(range(500, 508)), greedy())
-    _run(kv, hog, 8)                           # takes the 2 uncached pages
-    req = _request(10)                         # first's 8 tokens + 2: hits 2 pages, needs 1 more
+    _run(kv, hog, 8)  # takes the 2 uncached pages
+    req = _request(10)  # first's 8 tokens + 2: hits 2 pages, needs 1 more
     for _ in range(2):
         computed = kv.get_computed_blocks(req)
-        assert len(computed[0]) == 2 and not kv.allocate_slots(req, 10 - 8, computed)   # blocked
+        assert len(computed[0]) == 2 and not kv.allocate_slots(req, 10 - 8, computed)  # blocked
     kv.free(hog)
     assert kv.allocate_slots(req, 10 - 8, kv.get_computed_blocks(req))
     assert kv.prefix_queries == 8 + 8 + 10
@@ -216,7 +218,7 @@ def test_prefix_queries_counted_once_per_admission():
 
 def test_fork_shares_pages_and_copies_only_on_divergent_write():
     kv = KVCacheManager(16, 4)
-    parent = _request(10)                      # pages: full, full, 2/4 used
+    parent = _request(10)  # pages: full, full, 2/4 used
     _run(kv, parent, 10)
     child = _request(10, "child")
     kv.fork(parent, child)
@@ -230,7 +232,7 @@ def test_fork_shares_pages_and_copies_only_on_divergent_write():
     assert kv.allocate_slots(parent, 1)
     [(src, dst)] = kv.take_pending_copies()
     assert src == [child.block_ids[2]] and dst == [parent.block_ids[2]] and kv.num_copies == 1
-    assert kv.allocate_slots(child, 1)         # now the only holder: writes in place
+    assert kv.allocate_slots(child, 1)  # now the only holder: writes in place
     assert kv.take_pending_copies() == [([], [])] and kv.num_copies == 1
     assert parent.block_ids[:2] == child.block_ids[:2] and parent.block_ids[2] != child.block_ids[2]
     assert [kv.groups[0].blocks[b].ref_cnt for b in child.block_ids] == [2, 2, 1]
@@ -241,7 +243,7 @@ def test_fork_shares_pages_and_copies_only_on_divergent_write():
     # A fork at a page boundary copies nothing: each side starts a new page.
     for r in (parent, child):
         r.output_token_ids.append(3)
-        _run(kv, r, 1)                         # 12 tokens: 3 full pages
+        _run(kv, r, 1)  # 12 tokens: 3 full pages
     grandchild = _request(12, "grandchild")
     grandchild.output_token_ids = list(child.output_token_ids)
     kv.fork(child, grandchild)
@@ -274,13 +276,13 @@ def test_fork_shares_pages_and_copies_only_on_divergent_write():
 def test_copy_on_write_fails_cleanly_without_free_pages():
     kv = KVCacheManager(3, 4)
     parent = _request(6)
-    _run(kv, parent, 6)                        # 2 pages
+    _run(kv, parent, 6)  # 2 pages
     child = _request(6, "child")
     kv.fork(parent, child)
     hog = _request(4, "hog")
-    _run(kv, hog, 4)                           # the last free page
+    _run(kv, hog, 4)  # the last free page
     parent.output_token_ids.append(1)
-    assert not kv.allocate_slots(parent, 1)    # a copy needs a page: nothing changes
+    assert not kv.allocate_slots(parent, 1)  # a copy needs a page: nothing changes
     assert parent.block_ids == child.block_ids and not kv.groups[0].pending_copies
     kv.free(hog)
     assert kv.allocate_slots(parent, 1) and kv.num_copies == 1

@@ -13,13 +13,32 @@ from jaxllm.runner.input_batch import InputBatch, SamplingMetadata
 from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 VOCAB = 1000
-NUMBERS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(10**40), 10**40),
-                    st.sampled_from([0, 1, -1, 0.5, 2**31, 2**63, 1e308, -0.0]))
-INTS = st.one_of(st.integers(-(2**70), 2**70), st.sampled_from([0, 1, -1, 2**31, 2**32, 2**63]), st.none(),
-                 st.booleans(), st.floats(allow_nan=True))
-FIELDS = {"temperature": NUMBERS, "top_p": NUMBERS, "min_p": NUMBERS, "presence_penalty": NUMBERS,
-          "frequency_penalty": NUMBERS, "repetition_penalty": NUMBERS, "top_k": INTS, "n": INTS, "seed": INTS,
-          "max_tokens": INTS, "min_tokens": INTS, "logprobs": INTS}
+NUMBERS = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(-(10**40), 10**40),
+    st.sampled_from([0, 1, -1, 0.5, 2**31, 2**63, 1e308, -0.0]),
+)
+INTS = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([0, 1, -1, 2**31, 2**32, 2**63]),
+    st.none(),
+    st.booleans(),
+    st.floats(allow_nan=True),
+)
+FIELDS = {
+    "temperature": NUMBERS,
+    "top_p": NUMBERS,
+    "min_p": NUMBERS,
+    "presence_penalty": NUMBERS,
+    "frequency_penalty": NUMBERS,
+    "repetition_penalty": NUMBERS,
+    "top_k": INTS,
+    "n": INTS,
+    "seed": INTS,
+    "max_tokens": INTS,
+    "min_tokens": INTS,
+    "logprobs": INTS,
+}
 
 
 @settings(max_examples=400, deadline=None)
@@ -48,12 +67,20 @@ def test_accepted_params_are_sane_and_fit_the_device_arrays(kwargs):
     assert np.isfinite(out.temperature[0]) and np.isfinite(out.repetition_penalty[0])
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(temperature=float("nan")), "temperature"), (dict(temperature=float("inf")), "temperature"),
-    (dict(temperature=1e300), "temperature"), (dict(top_p=float("nan")), "top_p"),
-    (dict(presence_penalty=float("-inf")), "presence_penalty"), (dict(temperature="0.5"), "temperature"),
-    (dict(top_k=1.5), "top_k"), (dict(n=True), "n"), (dict(max_tokens=2.0), "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature=1e300), "temperature"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(presence_penalty=float("-inf")), "presence_penalty"),
+        (dict(temperature="0.5"), "temperature"),
+        (dict(top_k=1.5), "top_k"),
+        (dict(n=True), "n"),
+        (dict(max_tokens=2.0), "max_tokens"),
+    ],
+)
 def test_non_finite_or_mistyped_values_are_rejected(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)

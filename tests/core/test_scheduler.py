@@ -31,12 +31,13 @@ def run_to_end(scheduler, max_steps=500):
 
 # ----- admission, budgets, chunked prefill -----
 
+
 def test_admission_fills_the_token_budget_fcfs_and_chunks_the_rest():
     s = make_scheduler(budget=16)
     for i in range(3):
         s.add_request(make_request(f"r{i}", 10, first_token=100 * i))
     out, _ = step(s)
-    assert scheduled(out) == {"r0": 10, "r1": 6}          # r1's prompt is chunked, r2 waits
+    assert scheduled(out) == {"r0": 10, "r1": 6}  # r1's prompt is chunked, r2 waits
     assert out.num_scheduled_tokens == 16
     out, _ = step(s)
     # r0 decodes (1), r1 finishes its prompt (4), r2's whole prompt fits in the 11 left
@@ -53,8 +54,13 @@ def test_chunked_prefill_samples_only_after_the_last_chunk():
         chunks.append(scheduled(out)["long"])
         tokens.append([o.new_token_ids for o in core.outputs])
     assert chunks == [16, 16, 8, 1, 1]
-    assert tokens == [[], [], [[next_token_at("long", 40)]], [[next_token_at("long", 41)]],
-                      [[next_token_at("long", 42)]]]
+    assert tokens == [
+        [],
+        [],
+        [[next_token_at("long", 40)]],
+        [[next_token_at("long", 41)]],
+        [[next_token_at("long", 42)]],
+    ]
 
 
 def next_token_at(request_id: str, num_tokens: int) -> int:
@@ -66,22 +72,26 @@ def test_max_num_seqs_and_prompt_slots_bound_a_step():
     for i in range(5):
         s.add_request(make_request(f"r{i}", 5, first_token=100 * i))
     out, _ = step(s)
-    assert list(scheduled(out)) == ["r0", "r1"]            # two prompt slots
+    assert list(scheduled(out)) == ["r0", "r1"]  # two prompt slots
     out, _ = step(s)
-    assert scheduled(out) == {"r0": 1, "r1": 1, "r2": 5}   # three sequences at most
+    assert scheduled(out) == {"r0": 1, "r1": 1, "r2": 5}  # three sequences at most
     assert s.num_running == 3 and s.num_waiting == 2
 
 
 # ----- stop conditions -----
 
-@pytest.mark.parametrize("params, forced, reason, stop_reason, num_out", [
-    (dict(ignore_eos=False), {1: EOS}, "stop", None, 2),                  # EOS ends it
-    (dict(ignore_eos=True), {1: EOS}, "length", None, 4),                 # unless ignored
-    (dict(stop_token_ids=[77]), {2: 77}, "stop", 77, 3),                  # a stop token id
-    (dict(ignore_eos=False, min_tokens=3), {0: EOS, 1: EOS}, "length", None, 4),   # EOS held back by min_tokens
-    (dict(ignore_eos=False, min_tokens=2), {0: EOS, 1: EOS}, "stop", None, 2),       # ... until min_tokens
-    (dict(), {}, "length", None, 4),                                      # max_tokens
-])
+
+@pytest.mark.parametrize(
+    "params, forced, reason, stop_reason, num_out",
+    [
+        (dict(ignore_eos=False), {1: EOS}, "stop", None, 2),  # EOS ends it
+        (dict(ignore_eos=True), {1: EOS}, "length", None, 4),  # unless ignored
+        (dict(stop_token_ids=[77]), {2: 77}, "stop", 77, 3),  # a stop token id
+        (dict(ignore_eos=False, min_tokens=3), {0: EOS, 1: EOS}, "length", None, 4),  # EOS held back by min_tokens
+        (dict(ignore_eos=False, min_tokens=2), {0: EOS, 1: EOS}, "stop", None, 2),  # ... until min_tokens
+        (dict(), {}, "length", None, 4),  # max_tokens
+    ],
+)
 def test_stop_conditions(params, forced, reason, stop_reason, num_out):
     s = make_scheduler()
     s.add_request(make_request("r", 5, max_tokens=4, **params))
@@ -102,10 +112,11 @@ def test_max_model_len_ends_a_request():
     outputs = []
     while s.has_unfinished_requests():
         outputs += step(s)[1].outputs
-    assert len(outputs) == 3 and outputs[-1].finish_reason == "length"   # 9 + 3 = max_model_len
+    assert len(outputs) == 3 and outputs[-1].finish_reason == "length"  # 9 + 3 = max_model_len
 
 
 # ----- preemption -----
+
 
 def test_preemption_takes_the_newest_and_resumes_it_by_recompute():
     # 8 pages of 4 tokens: two requests of 12 prompt tokens (3 pages each) growing by 8.
@@ -121,7 +132,7 @@ def test_preemption_takes_the_newest_and_resumes_it_by_recompute():
             preempted_at = i
             new = next(r for r in s.waiting if r.request_id == "new")
             assert new.status is RequestStatus.PREEMPTED and new.num_computed_tokens == 0 and not new.block_ids
-            assert s.waiting[0] is new                  # resumes first
+            assert s.waiting[0] is new  # resumes first
             break
     assert preempted_at is not None
     run_to_end(s)
@@ -157,20 +168,21 @@ def test_swap_preemption_saves_pages_and_restores_them_in_place_of_recompute():
             break
     assert out.preempted_req_ids == {"new"}
     assert out.swap_out == list(zip(pages_before, new.swap_slots))
-    assert new.num_computed_tokens == computed_before and not new.block_ids    # kept: nothing to recompute
+    assert new.num_computed_tokens == computed_before and not new.block_ids  # kept: nothing to recompute
     slots = list(new.swap_slots)
     while True:
         out, _ = step(s)
         if out.swap_in:
             break
     assert [slot for slot, _ in out.swap_in] == slots
-    assert [page for _, page in out.swap_in] == new.block_ids[:len(slots)]
-    assert scheduled(out)["new"] == 1                 # resumes with a decode, not a recompute
+    assert [page for _, page in out.swap_in] == new.block_ids[: len(slots)]
+    assert scheduled(out)["new"] == 1  # resumes with a decode, not a recompute
     run_to_end(s)
     assert s.kv.num_used_blocks == 0 and len(s.kv.free_swap_slots) == 16
 
 
 # ----- prefix cache, aborts, fairness -----
+
 
 def test_prefix_cache_hit_skips_the_cached_pages():
     s = make_scheduler(block_size=4)
@@ -178,15 +190,21 @@ def test_prefix_cache_hit_skips_the_cached_pages():
     run_to_end(s)
     s.add_request(make_request("b", 14))
     out, _ = step(s)
-    assert scheduled(out) == {"b": 2}                 # 3 full pages cached; the last prompt tokens recomputed
+    assert scheduled(out) == {"b": 2}  # 3 full pages cached; the last prompt tokens recomputed
     assert s.requests["b"].num_cached_tokens == 12
 
 
 @pytest.mark.parametrize("state", ["waiting", "running", "mid_prompt", "preempted", "swapped"])
 def test_abort_in_every_state_frees_everything(state):
     swap = state == "swapped"
-    s = make_scheduler(num_blocks=8, block_size=4, budget=16 if state == "mid_prompt" else 64,
-                       max_num_seqs=2, swap_blocks=16 if swap else 0, prefix_caching=False)
+    s = make_scheduler(
+        num_blocks=8,
+        block_size=4,
+        budget=16 if state == "mid_prompt" else 64,
+        max_num_seqs=2,
+        swap_blocks=16 if swap else 0,
+        prefix_caching=False,
+    )
     s.add_request(make_request("a", 12, max_tokens=8, first_token=100))
     s.add_request(make_request("b", 12, max_tokens=8, first_token=300))
     target = "b"
@@ -229,11 +247,15 @@ def test_admission_is_first_come_first_served():
 
 # ----- invariants under random traffic -----
 
-OPS = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 24), st.booleans()),
-    st.tuples(st.just("abort"), st.integers(0, 30)),
-    st.tuples(st.just("step"), st.integers(1, 3)),
-), min_size=1, max_size=40)
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 24), st.booleans()),
+        st.tuples(st.just("abort"), st.integers(0, 30)),
+        st.tuples(st.just("step"), st.integers(1, 3)),
+    ),
+    min_size=1,
+    max_size=40,
+)
 
 
 def check_invariants(s: Scheduler, out=None):
@@ -243,14 +265,14 @@ def check_invariants(s: Scheduler, out=None):
     for r in live:
         for b in r.block_ids:
             holders[b] = holders.get(b, 0) + 1
-    for block in kv.groups[0].blocks:                                   # no page leaked or double-freed
+    for block in kv.groups[0].blocks:  # no page leaked or double-freed
         assert block.ref_cnt == holders.get(block.block_id, 0)
         assert (block.block_id in kv.groups[0].free_blocks) == (block.ref_cnt == 0)
     swapped = [slot for r in live for slot in r.swap_slots]
     assert len(swapped) == len(set(swapped)) and not set(swapped) & set(kv.free_swap_slots)
     assert len(swapped) + len(kv.free_swap_slots) == kv.num_swap_blocks
     assert all(r.status is RequestStatus.RUNNING for r in s.running)
-    if out is not None:                                        # budgets
+    if out is not None:  # budgets
         assert out.num_scheduled_tokens <= s.config.max_num_batched_tokens
         assert len(out.scheduled) <= s.config.max_num_seqs
         assert sum(n > 1 for _, n in out.scheduled) <= s.config.max_num_prefill_seqs
@@ -261,16 +283,27 @@ def check_invariants(s: Scheduler, out=None):
 @given(ops=OPS, swap=st.booleans(), prefix_caching=st.booleans())
 def test_random_traffic_keeps_the_invariants(ops, swap, prefix_caching):
     # 16 pages hold any one request (at most 40 + 24 tokens = 16 pages), not many at once.
-    s = make_scheduler(num_blocks=16, block_size=4, budget=24, max_num_seqs=6, max_prefill=3, max_model_len=64,
-                       swap_blocks=12 if swap else 0, prefix_caching=prefix_caching)
+    s = make_scheduler(
+        num_blocks=16,
+        block_size=4,
+        budget=24,
+        max_num_seqs=6,
+        max_prefill=3,
+        max_model_len=64,
+        swap_blocks=12 if swap else 0,
+        prefix_caching=prefix_caching,
+    )
     added, finished = [], {}
     for op in ops:
         if op[0] == "add":
             _, prompt_len, max_tokens, shared = op
             rid = f"r{len(added)}"
             # Half the prompts share a prefix, so the prefix cache and its ref counts get exercised.
-            s.add_request(make_request(rid, prompt_len, max_tokens=max_tokens,
-                                       first_token=100 if shared else 1000 + 64 * len(added)))
+            s.add_request(
+                make_request(
+                    rid, prompt_len, max_tokens=max_tokens, first_token=100 if shared else 1000 + 64 * len(added)
+                )
+            )
             added.append(rid)
         elif op[0] == "abort" and added:
             rid = added[op[1] % len(added)]
@@ -283,7 +316,7 @@ def test_random_traffic_keeps_the_invariants(ops, swap, prefix_caching):
                 check_invariants(s, out)
                 finished.update({o.request_id: o.finish_reason for o in core.outputs if o.finish_reason})
         check_invariants(s)
-    for _ in range(1000):                                      # every request finishes or was aborted
+    for _ in range(1000):  # every request finishes or was aborted
         if not s.has_unfinished_requests():
             break
         out, core = step(s)
@@ -308,16 +341,17 @@ def test_beam_like_request_swapped_back_in_is_not_scheduled_without_tokens():
     step(s)
     assert beam.num_computed_tokens == beam.num_tokens == 12
     swap_out = []
-    s._preempt(beam, set(), swap_out)       # as if a newer request had needed its pages
+    s._preempt(beam, set(), swap_out)  # as if a newer request had needed its pages
     assert len(swap_out) == len(beam.swap_slots) == 3
     out = s.schedule()
     assert out.swap_in and not out.scheduled and beam.status is RequestStatus.RUNNING
-    beam.append_output_token(42, -0.1)        # the search appends its choice: now it has work
+    beam.append_output_token(42, -0.1)  # the search appends its choice: now it has work
     out = s.schedule()
     assert scheduled(out) == {"beam": 1}
 
 
 # ----- speculative decoding -----
+
 
 class FixedDrafts(Proposer):
     num_speculative_tokens = 3
@@ -329,9 +363,13 @@ class FixedDrafts(Proposer):
 def runner_output(tokens: list[list[int]]) -> ModelRunnerOutput:
     flat = [t for ts in tokens for t in ts]
     n = len(flat)
-    return ModelRunnerOutput(np.asarray(flat, np.int32), np.full(n, -0.5, np.float32),
-                             np.zeros((n, MAX_LOGPROBS), np.float32), np.zeros((n, MAX_LOGPROBS), np.int32),
-                             np.asarray([len(ts) for ts in tokens]))
+    return ModelRunnerOutput(
+        np.asarray(flat, np.int32),
+        np.full(n, -0.5, np.float32),
+        np.zeros((n, MAX_LOGPROBS), np.float32),
+        np.zeros((n, MAX_LOGPROBS), np.int32),
+        np.asarray([len(ts) for ts in tokens]),
+    )
 
 
 def test_speculation_schedules_drafts_and_gives_back_rejected_pages():
@@ -340,16 +378,16 @@ def test_speculation_schedules_drafts_and_gives_back_rejected_pages():
     r = make_request("a", 6, max_tokens=20)
     s.add_request(r)
     out = s.schedule()
-    assert scheduled(out) == {"a": 6} and r.spec_token_ids == []       # no drafts for a prompt
+    assert scheduled(out) == {"a": 6} and r.spec_token_ids == []  # no drafts for a prompt
     s.update_from_output(out, runner_output([[4]]))
-    out = s.schedule()                                                   # decoding: newest token + 3 drafts
+    out = s.schedule()  # decoding: newest token + 3 drafts
     assert scheduled(out) == {"a": 4} and r.spec_token_ids == [7, 8, 9] and len(r.block_ids) == 3
-    core = s.update_from_output(out, runner_output([[5]]))               # every draft rejected
+    core = s.update_from_output(out, runner_output([[5]]))  # every draft rejected
     assert core.outputs[0].new_token_ids == [5] and (core.num_draft_tokens, core.num_accepted_tokens) == (3, 0)
     assert r.output_token_ids == [4, 5] and r.num_computed_tokens == r.num_tokens - 1 == 7
-    assert len(r.block_ids) == 2 and s.kv.num_used_blocks == 2          # the drafts' third page is back
+    assert len(r.block_ids) == 2 and s.kv.num_used_blocks == 2  # the drafts' third page is back
     out = s.schedule()
-    core = s.update_from_output(out, runner_output([[7, 8, 1]]))         # two accepted, then a correction
+    core = s.update_from_output(out, runner_output([[7, 8, 1]]))  # two accepted, then a correction
     assert core.outputs[0].new_token_ids == [7, 8, 1] and core.num_accepted_tokens == 2
     assert r.num_computed_tokens == r.num_tokens - 1 == 10
     # A waiting request: no drafts while it waits to be admitted.
@@ -364,7 +402,7 @@ def test_speculation_stops_at_max_tokens_and_stop_tokens():
     s.add_request(r)
     s.update_from_output(s.schedule(), runner_output([[6]]))
     out = s.schedule()
-    assert scheduled(out) == {"a": 2}          # room for one draft: max_tokens 3, one out, one more to come
+    assert scheduled(out) == {"a": 2}  # room for one draft: max_tokens 3, one out, one more to come
     core = s.update_from_output(out, runner_output([[7, 9]]))
     assert r.output_token_ids == [6, 7, 9] and core.outputs[0].finish_reason == "length"
     r2 = make_request("b", 5, max_tokens=10, stop_token_ids=[8])

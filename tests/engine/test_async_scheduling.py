@@ -31,15 +31,17 @@ def engines(tiny_model_dir):
 
 
 def outputs(llm, params, prompts=PROMPTS):
-    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].logprobs)
-            for o in llm.generate(prompts, params, use_tqdm=False)]
+    return [
+        (o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].logprobs)
+        for o in llm.generate(prompts, params, use_tqdm=False)
+    ]
 
 
 def test_the_same_outputs_as_stepping_synchronously(engines):
     fast, slow = engines
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     ref = slow.generate(PROMPTS[2], greedy, use_tqdm=False)[0].outputs[0].token_ids
-    first = next(i for i in range(1, 6) if ref[i] not in ref[:i])     # its first time there
+    first = next(i for i in range(1, 6) if ref[i] not in ref[:i])  # its first time there
     stop_at = ref[first]
     params = [
         SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=3),
@@ -70,7 +72,7 @@ def test_an_abort_while_its_step_is_in_flight(engines):
     engine.add_request("dropped", PROMPTS[2], params)
     for _ in range(3):
         engine.step()
-    assert engine.engine_core._ahead is not None       # the next step is in flight
+    assert engine.engine_core._ahead is not None  # the next step is in flight
     engine.abort_request("dropped")
     finished = {}
     while engine.has_unfinished_requests():

@@ -35,25 +35,42 @@ def with_eos(llm, eos):
     llm.engine.eos_token_ids = saved
 
 
-@pytest.mark.parametrize("width,early_stopping,length_penalty", [
-    (4, False, 1.0), (4, True, 1.0), (4, "never", 1.0), (4, False, 0.0), (4, True, -0.5),
-    (4, "never", 2.0), (2, False, 1.0), (3, True, 0.5),
-])
+@pytest.mark.parametrize(
+    "width,early_stopping,length_penalty",
+    [
+        (4, False, 1.0),
+        (4, True, 1.0),
+        (4, "never", 1.0),
+        (4, False, 0.0),
+        (4, True, -0.5),
+        (4, "never", 2.0),
+        (2, False, 1.0),
+        (3, True, 0.5),
+    ],
+)
 def test_matches_hf_beam_search(llm, hf_model, with_eos, width, early_stopping, length_penalty):
-    params = BeamSearchParams(beam_width=width, max_tokens=10, length_penalty=length_penalty,
-                              early_stopping=early_stopping)
+    params = BeamSearchParams(
+        beam_width=width, max_tokens=10, length_penalty=length_penalty, early_stopping=early_stopping
+    )
     outputs = llm.beam_search(PROMPTS, params)
     tokenizer = llm.get_tokenizer()
     for prompt, out in zip(PROMPTS, outputs):
         prompt_ids = tokenizer.encode(prompt)
-        expected = hf_beam_search(hf_model, prompt_ids, width=width, max_tokens=10, eos=with_eos,
-                                  early_stopping=early_stopping, length_penalty=length_penalty)
+        expected = hf_beam_search(
+            hf_model,
+            prompt_ids,
+            width=width,
+            max_tokens=10,
+            eos=with_eos,
+            early_stopping=early_stopping,
+            length_penalty=length_penalty,
+        )
         assert [s.output_token_ids for s in out.sequences] == [tokens for tokens, _ in expected], prompt
         assert [s.score for s in out.sequences] == pytest.approx([score for _, score in expected], abs=1e-4)
         for seq in out.sequences:
-            assert seq.tokens[:len(prompt_ids)] == prompt_ids
+            assert seq.tokens[: len(prompt_ids)] == prompt_ids
             n = len(seq.output_token_ids)
-            assert seq.score == pytest.approx(seq.cum_logprob / n ** length_penalty, rel=1e-6)
+            assert seq.score == pytest.approx(seq.cum_logprob / n**length_penalty, rel=1e-6)
             assert seq.finish_reason == ("stop" if seq.tokens[-1] == with_eos else "length")
             assert seq.text == tokenizer.decode(seq.tokens, skip_special_tokens=True)
     assert llm.engine.kv_cache_manager.num_used_blocks == 0
@@ -63,8 +80,9 @@ def test_eos_ends_beams(llm, with_eos):
     """The chosen EOS really ends some hypotheses early (so the test above covers that path)."""
     out = llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=4, max_tokens=10, length_penalty=0.0))[0]
     assert any(s.finish_reason == "stop" and len(s.output_token_ids) < 10 for s in out.sequences)
-    ignored = llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=4, max_tokens=10, length_penalty=0.0,
-                                                           ignore_eos=True))[0]
+    ignored = llm.beam_search(
+        PROMPTS[0], BeamSearchParams(beam_width=4, max_tokens=10, length_penalty=0.0, ignore_eos=True)
+    )[0]
     assert all(len(s.output_token_ids) == 10 for s in ignored.sequences)
 
 
@@ -99,7 +117,7 @@ def test_beams_share_pages_and_copy_exactly_when_they_diverge_inside_a_page(llm,
             assert len({j for j, _ in held}) == 1
             j = held[0][0]
             end = min(r.num_computed_tokens for _, r in held)
-            assert len({tuple(r.all_token_ids[j * bs:min(end, (j + 1) * bs)]) for _, r in held}) == 1
+            assert len({tuple(r.all_token_ids[j * bs : min(end, (j + 1) * bs)]) for _, r in held}) == 1
         peak["used"] = max(peak["used"], kv.num_used_blocks)
         peak["unshared"] = max(peak["unshared"], sum(len(r.block_ids) for r in engine.scheduler.running))
         peak["max_ref"] = max([peak["max_ref"]] + [kv.groups[0].blocks[b].ref_cnt for b in holders])
@@ -120,20 +138,27 @@ def test_beams_share_pages_and_copy_exactly_when_they_diverge_inside_a_page(llm,
     monkeypatch.undo()
     assert forks_mid_page and forks_at_boundary
     assert kv.num_copies - copies0 == len(forks_mid_page)
-    assert peak["max_ref"] >= 4     # a prompt's pages are held by all 4 of its beams
+    assert peak["max_ref"] >= 4  # a prompt's pages are held by all 4 of its beams
     assert peak["used"] < peak["unshared"]
     assert kv.num_used_blocks == 0 and not kv.groups[0].pending_copies
 
 
 def test_small_pool_runs_prompts_as_they_fit(tiny_model_dir, hf_model):
-    small = LLM(tiny_model_dir, **SMALL_POOL)   # 16 pages of 4 tokens
+    small = LLM(tiny_model_dir, **SMALL_POOL)  # 16 pages of 4 tokens
     tokenizer = small.get_tokenizer()
     params = BeamSearchParams(beam_width=2, max_tokens=12)
-    outputs = small.beam_search(PROMPTS[:3], params)   # 2 beams x 5-6 pages: one prompt at a time
+    outputs = small.beam_search(PROMPTS[:3], params)  # 2 beams x 5-6 pages: one prompt at a time
     for prompt, out in zip(PROMPTS, outputs):
         prompt_ids = tokenizer.encode(prompt)
-        expected = hf_beam_search(hf_model, prompt_ids, width=2, max_tokens=12, eos=small.engine.eos_token_ids[0],
-                                  early_stopping=False, length_penalty=1.0)
+        expected = hf_beam_search(
+            hf_model,
+            prompt_ids,
+            width=2,
+            max_tokens=12,
+            eos=small.engine.eos_token_ids[0],
+            early_stopping=False,
+            length_penalty=1.0,
+        )
         assert [s.output_token_ids for s in out.sequences] == [tokens for tokens, _ in expected]
     assert small.engine.kv_cache_manager.num_copies > 0
     assert small.engine.stats.num_preemptions == 0
@@ -141,8 +166,16 @@ def test_small_pool_runs_prompts_as_they_fit(tiny_model_dir, hf_model):
         small.beam_search(PROMPTS[0], BeamSearchParams(beam_width=4, max_tokens=12))
 
 
-@pytest.mark.parametrize("kwargs", [dict(beam_width=0), dict(beam_width=11), dict(max_tokens=0),
-                                    dict(temperature=0.7), dict(early_stopping="sometimes")])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(beam_width=0),
+        dict(beam_width=11),
+        dict(max_tokens=0),
+        dict(temperature=0.7),
+        dict(early_stopping="sometimes"),
+    ],
+)
 def test_bad_params_rejected(kwargs):
     with pytest.raises(ValueError):
         BeamSearchParams(**{"beam_width": 2, "max_tokens": 4, **kwargs})
@@ -155,5 +188,5 @@ def test_busy_engine_or_bad_prompt_rejected(llm):
         llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=2, max_tokens=4))
     engine.abort_request("busy")
     with pytest.raises(ValueError, match="vocabulary"):
-        llm.beam_search([[10 ** 7]], BeamSearchParams(beam_width=2, max_tokens=4))
+        llm.beam_search([[10**7]], BeamSearchParams(beam_width=2, max_tokens=4))
     assert len(llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=2, max_tokens=4))[0].sequences) == 2

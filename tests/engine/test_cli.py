@@ -24,12 +24,26 @@ def test_help_names_every_command_and_flag(capsys):
     text = capsys.readouterr().out
     for word in ("serve", "generate", "chat", "examples:", "SmolLM2"):
         assert word in text
-    for command, flags in {"serve": ["--model", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
-                                     "--block-size", "--kv-cache-memory", "--enable-prefix-caching",
-                                     "--no-enable-prefix-caching", "--seed", "--served-model-name", "--api-key",
-                                     "--host", "--port", "--dtype"],
-                           "generate": ["--file", "--max-tokens", "--temperature", "--model"],
-                           "chat": ["--system", "--max-tokens", "--model"]}.items():
+    for command, flags in {
+        "serve": [
+            "--model",
+            "--max-num-seqs",
+            "--max-num-batched-tokens",
+            "--max-model-len",
+            "--block-size",
+            "--kv-cache-memory",
+            "--enable-prefix-caching",
+            "--no-enable-prefix-caching",
+            "--seed",
+            "--served-model-name",
+            "--api-key",
+            "--host",
+            "--port",
+            "--dtype",
+        ],
+        "generate": ["--file", "--max-tokens", "--temperature", "--model"],
+        "chat": ["--system", "--max-tokens", "--model"],
+    }.items():
         with pytest.raises(SystemExit):
             cli.main([command, "--help"])
         text = capsys.readouterr().out
@@ -51,8 +65,12 @@ def test_every_engine_args_field_has_a_flag(capsys):
         text = " ".join(capsys.readouterr().out.split())  # argparse wraps help lines
         for field in expected:
             assert f"--{field.replace('_', '-')} " in text, (command, field)
-        for shown in ("most sequences in one batch (default: 128)", "--no-enable-prefix-caching",
-                      "shared prompt prefixes (default: on)", "{recompute,swap}"):
+        for shown in (
+            "most sequences in one batch (default: 128)",
+            "--no-enable-prefix-caching",
+            "shared prompt prefixes (default: on)",
+            "{recompute,swap}",
+        ):
             assert shown in text, (command, shown)
         assert "default: None" not in text, command
 
@@ -64,35 +82,112 @@ def test_flags_round_trip_to_engine_args():
     # Every field off its default (kv_cache_memory with gpu_memory_utilization would fail verify(),
     # which parsing does not run).
     expected = EngineArgs(
-        model="m", dtype="float32", quantization="int4", kv_cache_dtype="int8", max_model_len=1024, max_num_seqs=8,
+        model="m",
+        dtype="float32",
+        quantization="int4",
+        kv_cache_dtype="int8",
+        max_model_len=1024,
+        max_num_seqs=8,
         max_num_batched_tokens=256,
-        max_num_prefill_seqs=4, block_size=32, kv_cache_memory=64 << 20, gpu_memory_utilization=0.5,
-        num_gpu_blocks_override=100, swap_space=1.5, preemption_mode="swap", enable_prefix_caching=False,
-        async_scheduling=False, seed=3,
-        max_logprobs=5, tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=3,
+        max_num_prefill_seqs=4,
+        block_size=32,
+        kv_cache_memory=64 << 20,
+        gpu_memory_utilization=0.5,
+        num_gpu_blocks_override=100,
+        swap_space=1.5,
+        preemption_mode="swap",
+        enable_prefix_caching=False,
+        async_scheduling=False,
+        seed=3,
+        max_logprobs=5,
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        data_parallel_size=3,
         distributed_coordinator="10.0.0.1:1234",
-        num_processes=2, process_id=1, served_model_name="mine",
-        compilation_cache_dir="", params_cache_dir="/params", attention_backend="reference", warmup=False,
-        background_compile=False, int8_activations=True, packed_weights=False, small_step_codes=False,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    assert all(getattr(expected, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(EngineArgs)
-               if f.name != "mesh")
-    flags = ["--model", "m", "--dtype", "float32", "--quantization", "int4", "--kv-cache-dtype", "int8",
-             "--max-model-len", "1024", "--max-num-seqs", "8",
-             "--max-num-batched-tokens", "256", "--max-num-prefill-seqs", "4", "--block-size", "32",
-             "--kv-cache-memory", "64MiB", "--gpu-memory-utilization", "0.5", "--num-gpu-blocks-override", "100",
-             "--swap-space", "1.5", "--preemption-mode", "swap", "--no-enable-prefix-caching",
-             "--no-async-scheduling", "--seed", "3",
-             "--max-logprobs", "5", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2",
-             "--data-parallel-size", "3",
-             "--distributed-coordinator", "10.0.0.1:1234", "--num-processes", "2", "--process-id", "1",
-             "--compilation-cache-dir", "", "--params-cache-dir", "/params", "--attention-backend", "reference",
-             "--no-warmup", "--no-background-compile", "--int8-activations", "--no-packed-weights",
-             "--no-small-step-codes", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+        num_processes=2,
+        process_id=1,
+        served_model_name="mine",
+        compilation_cache_dir="",
+        params_cache_dir="/params",
+        attention_backend="reference",
+        warmup=False,
+        background_compile=False,
+        int8_activations=True,
+        packed_weights=False,
+        small_step_codes=False,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
+    assert all(
+        getattr(expected, f.name) != getattr(defaults, f.name)
+        for f in dataclasses.fields(EngineArgs)
+        if f.name != "mesh"
+    )
+    flags = [
+        "--model",
+        "m",
+        "--dtype",
+        "float32",
+        "--quantization",
+        "int4",
+        "--kv-cache-dtype",
+        "int8",
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        "8",
+        "--max-num-batched-tokens",
+        "256",
+        "--max-num-prefill-seqs",
+        "4",
+        "--block-size",
+        "32",
+        "--kv-cache-memory",
+        "64MiB",
+        "--gpu-memory-utilization",
+        "0.5",
+        "--num-gpu-blocks-override",
+        "100",
+        "--swap-space",
+        "1.5",
+        "--preemption-mode",
+        "swap",
+        "--no-enable-prefix-caching",
+        "--no-async-scheduling",
+        "--seed",
+        "3",
+        "--max-logprobs",
+        "5",
+        "--tensor-parallel-size",
+        "2",
+        "--pipeline-parallel-size",
+        "2",
+        "--data-parallel-size",
+        "3",
+        "--distributed-coordinator",
+        "10.0.0.1:1234",
+        "--num-processes",
+        "2",
+        "--process-id",
+        "1",
+        "--compilation-cache-dir",
+        "",
+        "--params-cache-dir",
+        "/params",
+        "--attention-backend",
+        "reference",
+        "--no-warmup",
+        "--no-background-compile",
+        "--int8-activations",
+        "--no-packed-weights",
+        "--no-small-step-codes",
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 3}',
+    ]
     parse = cli.build_parser().parse_args
     assert cli.engine_args(parse(["serve", *flags, "--served-model-name", "mine"])) == expected
-    assert cli.engine_args(parse(["generate", *flags, "a prompt"])) == \
-        dataclasses.replace(expected, served_model_name=None)
+    assert cli.engine_args(parse(["generate", *flags, "a prompt"])) == dataclasses.replace(
+        expected, served_model_name=None
+    )
     assert cli.engine_args(parse(["serve", "--kv-cache-memory", "1.5GiB"])).kv_cache_memory == 3 << 29
     # "int8" is W8A8's other name; the weight-only 8-bit method has its own.
     assert cli.engine_args(parse(["serve", "--quantization", "int8"])).quantization == "w8a8"
@@ -104,20 +199,66 @@ def test_server_flags_round_trip_to_server_args(monkeypatch):
     monkeypatch.delenv("JAXLLM_API_KEY", raising=False)
     parse = cli.build_parser().parse_args
     assert cli.from_flags(ServerArgs, parse(["serve"])) == ServerArgs()
-    expected = ServerArgs(host="0.0.0.0", port=9, api_key="k", trust_request_chat_template=True,
-                          max_request_body_bytes=1 << 20, max_prompts_per_request=3, max_stop_strings=2,
-                          max_waiting_requests=7, limit_concurrency=11, timeout_keep_alive=2, request_read_timeout=4.5,
-                          max_header_bytes=8 << 10, shutdown_timeout=1.5, uvicorn_log_level="error",
-                          enable_auto_tool_choice=True, tool_call_parser="mistral", disable_playground=True,
-                          disable_log_requests=True, disable_log_stats=True, log_stats_interval=2.5)
+    expected = ServerArgs(
+        host="0.0.0.0",
+        port=9,
+        api_key="k",
+        trust_request_chat_template=True,
+        max_request_body_bytes=1 << 20,
+        max_prompts_per_request=3,
+        max_stop_strings=2,
+        max_waiting_requests=7,
+        limit_concurrency=11,
+        timeout_keep_alive=2,
+        request_read_timeout=4.5,
+        max_header_bytes=8 << 10,
+        shutdown_timeout=1.5,
+        uvicorn_log_level="error",
+        enable_auto_tool_choice=True,
+        tool_call_parser="mistral",
+        disable_playground=True,
+        disable_log_requests=True,
+        disable_log_stats=True,
+        log_stats_interval=2.5,
+    )
     assert all(getattr(expected, f.name) != getattr(ServerArgs(), f.name) for f in dataclasses.fields(ServerArgs))
-    flags = ["--host", "0.0.0.0", "--port", "9", "--api-key", "k", "--trust-request-chat-template",
-             "--max-request-body-bytes", "1MiB", "--max-prompts-per-request", "3", "--max-stop-strings", "2",
-             "--max-waiting-requests", "7", "--limit-concurrency", "11", "--timeout-keep-alive", "2",
-             "--request-read-timeout", "4.5", "--max-header-bytes", "8KiB", "--shutdown-timeout", "1.5",
-             "--enable-auto-tool-choice", "--tool-call-parser", "mistral", "--disable-playground",
-             "--disable-log-requests", "--disable-log-stats", "--log-stats-interval", "2.5",
-             "--uvicorn-log-level", "error"]
+    flags = [
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "9",
+        "--api-key",
+        "k",
+        "--trust-request-chat-template",
+        "--max-request-body-bytes",
+        "1MiB",
+        "--max-prompts-per-request",
+        "3",
+        "--max-stop-strings",
+        "2",
+        "--max-waiting-requests",
+        "7",
+        "--limit-concurrency",
+        "11",
+        "--timeout-keep-alive",
+        "2",
+        "--request-read-timeout",
+        "4.5",
+        "--max-header-bytes",
+        "8KiB",
+        "--shutdown-timeout",
+        "1.5",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "mistral",
+        "--disable-playground",
+        "--disable-log-requests",
+        "--disable-log-stats",
+        "--log-stats-interval",
+        "2.5",
+        "--uvicorn-log-level",
+        "error",
+    ]
     assert cli.from_flags(ServerArgs, parse(["serve", *flags])) == expected
     monkeypatch.setenv("JAXLLM_API_KEY", "from-env")
     assert cli.from_flags(ServerArgs, cli.build_parser().parse_args(["serve"])).api_key == "from-env"
@@ -125,13 +266,16 @@ def test_server_flags_round_trip_to_server_args(monkeypatch):
         ServerArgs(shutdown_timeout=0).verify()
 
 
-@pytest.mark.parametrize("flag, value, message", [
-    ("--preemption-mode", "sometimes", "invalid choice: 'sometimes'"),
-    ("--attention-backend", "cuda", "invalid choice: 'cuda'"),
-    ("--dtype", "float16", "invalid choice: 'float16'"),
-    ("--kv-cache-memory", "lots", "not a size: 'lots'"),
-    ("--max-num-seqs", "many", "invalid int value: 'many'"),
-])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--preemption-mode", "sometimes", "invalid choice: 'sometimes'"),
+        ("--attention-backend", "cuda", "invalid choice: 'cuda'"),
+        ("--dtype", "float16", "invalid choice: 'float16'"),
+        ("--kv-cache-memory", "lots", "not a size: 'lots'"),
+        ("--max-num-seqs", "many", "invalid int value: 'many'"),
+    ],
+)
 def test_bad_engine_flag_is_an_argparse_error(flag, value, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.build_parser().parse_args(["serve", flag, value])
@@ -152,10 +296,24 @@ def test_generate_streams_prompts_in_order(tiny_model_dir, tmp_path, monkeypatch
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # converted weights: not in ~/.cache
     prompts = ["Hello there", "The capital of France is", "def fibonacci(n):"]
     (tmp_path / "prompts.txt").write_text("\n".join(prompts[1:]) + "\n\n")
-    expected = offline_llm(tiny_model_dir).generate(prompts, SamplingParams(temperature=0, max_tokens=8),
-                                                    use_tqdm=False)
-    status = cli.main(["generate", "--model", tiny_model_dir, *tiny_engine_flags(), "--temperature", "0",
-                       "--max-tokens", "8", prompts[0], "--file", str(tmp_path / "prompts.txt")])
+    expected = offline_llm(tiny_model_dir).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
+    )
+    status = cli.main(
+        [
+            "generate",
+            "--model",
+            tiny_model_dir,
+            *tiny_engine_flags(),
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "8",
+            prompts[0],
+            "--file",
+            str(tmp_path / "prompts.txt"),
+        ]
+    )
     assert status == 0
     out = capsys.readouterr()
     assert out.out == "\n".join(p + o.outputs[0].text + "\n" for p, o in zip(prompts, expected))

@@ -12,15 +12,25 @@ from jaxllm.utils import cpu_flags, resolve_dtype, resolve_kv_cache_dtype
 
 from tests.helpers.cpu_host import lscpu_flags
 
-SPEC = ModelSpec(architecture="LlamaForCausalLM", vocab_size=100, hidden_size=64, intermediate_size=128,
-                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, norm_eps=1e-5, rope_theta=1e4,
-                 max_position_embeddings=512)
+SPEC = ModelSpec(
+    architecture="LlamaForCausalLM",
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    norm_eps=1e-5,
+    rope_theta=1e4,
+    max_position_embeddings=512,
+)
 GiB = 1 << 30
 
 
 def resolve(available=None, platform="cpu", **kw):
     kw.setdefault("dtype", "bfloat16")
-    kw.setdefault("block_size", 16)   # the arithmetic below is written for pages of 16
+    kw.setdefault("block_size", 16)  # the arithmetic below is written for pages of 16
     return resolve_config(EngineArgs(**kw), SPEC, "tiny", available_memory=available, platform=platform)
 
 
@@ -35,9 +45,9 @@ def test_page_size_default_follows_the_platform():
 
 
 def test_kv_budget_from_memory_options():
-    page = kv_bytes_per_token(SPEC, "bfloat16") * 16           # 2 layers * 2 * 2 heads * 16 * 2 bytes * 16
+    page = kv_bytes_per_token(SPEC, "bfloat16") * 16  # 2 layers * 2 * 2 heads * 16 * 2 bytes * 16
     assert page == 4096
-    assert resolve().cache.num_blocks == 2 * GiB // page        # the 2 GiB default
+    assert resolve().cache.num_blocks == 2 * GiB // page  # the 2 GiB default
     assert resolve(kv_cache_memory=64 << 20).cache.num_blocks == (64 << 20) // page
     assert resolve(4 * GiB, gpu_memory_utilization=0.25).cache.num_blocks == GiB // page
     assert resolve(num_gpu_blocks_override=7).cache.num_blocks == 7
@@ -51,21 +61,24 @@ def test_swap_space_only_with_swap_preemption():
     assert config.cache.num_swap_blocks == GiB // 2 // page and config.scheduler.preemption_mode == "swap"
 
 
-@pytest.mark.parametrize("kw, available, message", [
-    (dict(gpu_memory_utilization=1e-9), 4 * GiB, "holds 0 pages"),
-    (dict(gpu_memory_utilization=0.5), None, "does not report"),
-    (dict(gpu_memory_utilization=1.5), GiB, r"in \(0, 1\]"),
-    (dict(gpu_memory_utilization=0.5, kv_cache_memory=GiB), GiB, "not both"),
-    (dict(kv_cache_memory=8 * GiB), 4 * GiB, "exceeds"),
-    (dict(preemption_mode="swap", swap_space=0), None, "swap_space > 0"),
-    (dict(preemption_mode="later"), None, "preemption_mode"),
-    (dict(num_processes=2, warmup=False), None, "warmup=False is not supported over several processes"),
-    (dict(attention_backend="triton"), None, "attention_backend"),
-    (dict(dtype="float16"), None, "dtype"),
-    (dict(max_model_len=4096), None, "max_position_embeddings"),
-    (dict(async_scheduling="False"), None, "async_scheduling must be True or False"),
-    (dict(small_step_codes="off"), None, "small_step_codes must be True, False or None"),
-])
+@pytest.mark.parametrize(
+    "kw, available, message",
+    [
+        (dict(gpu_memory_utilization=1e-9), 4 * GiB, "holds 0 pages"),
+        (dict(gpu_memory_utilization=0.5), None, "does not report"),
+        (dict(gpu_memory_utilization=1.5), GiB, r"in \(0, 1\]"),
+        (dict(gpu_memory_utilization=0.5, kv_cache_memory=GiB), GiB, "not both"),
+        (dict(kv_cache_memory=8 * GiB), 4 * GiB, "exceeds"),
+        (dict(preemption_mode="swap", swap_space=0), None, "swap_space > 0"),
+        (dict(preemption_mode="later"), None, "preemption_mode"),
+        (dict(num_processes=2, warmup=False), None, "warmup=False is not supported over several processes"),
+        (dict(attention_backend="triton"), None, "attention_backend"),
+        (dict(dtype="float16"), None, "dtype"),
+        (dict(max_model_len=4096), None, "max_position_embeddings"),
+        (dict(async_scheduling="False"), None, "async_scheduling must be True or False"),
+        (dict(small_step_codes="off"), None, "small_step_codes must be True, False or None"),
+    ],
+)
 def test_impossible_options_are_clear_errors(kw, available, message):
     with pytest.raises(ValueError, match=message):
         resolve(available, **kw)
@@ -79,22 +92,25 @@ def test_config_names_every_attention_backend():
 
 
 def test_available_memory_is_read_from_the_platform():
-    assert _available_memory(EngineArgs()) is None              # not needed: not measured
+    assert _available_memory(EngineArgs()) is None  # not needed: not measured
     assert _available_memory(EngineArgs(gpu_memory_utilization=0.5)) > 0
 
 
-@pytest.mark.parametrize("flags, platform, expected", [
-    ({"avx2", "fma"}, "cpu", "float32"),                                   # Zen 2 / Zen 3: bf16 widened per dot
-    ({"avx512f", "avx512_vnni"}, "cpu", "float32"),                        # AVX-512 without BF16 (Skylake)
-    ({"avx512f", "avx512_bf16", "avx512_vnni"}, "cpu", "bfloat16"),        # Zen 4 / Zen 5
-    ({"avx512f", "avx512_vnni", "amx_bf16", "amx_int8"}, "cpu", "bfloat16"),  # Xeon with AMX
-    (set(), "gpu", "bfloat16"),
-    (set(), "tpu", "bfloat16"),
-])
+@pytest.mark.parametrize(
+    "flags, platform, expected",
+    [
+        ({"avx2", "fma"}, "cpu", "float32"),  # Zen 2 / Zen 3: bf16 widened per dot
+        ({"avx512f", "avx512_vnni"}, "cpu", "float32"),  # AVX-512 without BF16 (Skylake)
+        ({"avx512f", "avx512_bf16", "avx512_vnni"}, "cpu", "bfloat16"),  # Zen 4 / Zen 5
+        ({"avx512f", "avx512_vnni", "amx_bf16", "amx_int8"}, "cpu", "bfloat16"),  # Xeon with AMX
+        (set(), "gpu", "bfloat16"),
+        (set(), "tpu", "bfloat16"),
+    ],
+)
 def test_auto_dtype_follows_the_device(flags, platform, expected):
     dtype, why = resolve_dtype("auto", platform, frozenset(flags))
     assert dtype == expected and why
-    for explicit in ("float32", "bfloat16"):       # an explicit dtype always wins
+    for explicit in ("float32", "bfloat16"):  # an explicit dtype always wins
         assert resolve_dtype(explicit, platform, frozenset(flags))[0] == explicit
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("float16", platform, frozenset(flags))
@@ -116,11 +132,11 @@ def test_auto_is_the_default_and_picks_for_this_cpu():
     assert EngineArgs().dtype == "auto"
     config = resolve_config(EngineArgs(), SPEC, "tiny")
     assert config.dtype == expected
-    assert config.cache.dtype == "bfloat16"        # float32 on a CPU keeps bf16 pages
-    assert config.cache.num_blocks == 2 * GiB // (kv_bytes_per_token(SPEC, "bfloat16") * 64)   # pages of 64 on CPU
+    assert config.cache.dtype == "bfloat16"  # float32 on a CPU keeps bf16 pages
+    assert config.cache.num_blocks == 2 * GiB // (kv_bytes_per_token(SPEC, "bfloat16") * 64)  # pages of 64 on CPU
     config = resolve_config(EngineArgs(dtype="float32"), SPEC, "tiny")
     assert config.cache.dtype == "float32"
-    for args in (EngineArgs(quantization="w8a8"), EngineArgs(int8_activations=True)):   # int8 activations: the same
+    for args in (EngineArgs(quantization="w8a8"), EngineArgs(int8_activations=True)):  # int8 activations: the same
         assert resolve_config(args, SPEC, "tiny").cache.dtype == "bfloat16"
 
 
@@ -132,19 +148,22 @@ def test_engine_logs_the_dtype_auto_picks_and_loads_in_it(tiny_model_dir, tmp_pa
 
     expected = "bfloat16" if lscpu_flags() & {"avx512_bf16", "amx_bf16"} else "float32"
     with caplog.at_level(logging.INFO, logger="jaxllm"):
-        llm = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "dtype": "auto"},
-                  params_cache_dir=str(tmp_path / "params"))
+        llm = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "dtype": "auto"}, params_cache_dir=str(tmp_path / "params"))
     assert llm.engine.config.dtype == expected
     # Matrices in the picked dtype (packed or not); norms and biases stay float32 (load_model).
     assert {leaf.dtype.name for leaf in jax.tree.leaves(llm.engine.runner.params) if leaf.ndim >= 2} == {expected}
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("dtype auto")] == [
-        f"dtype auto: {expected} ({resolve_dtype('auto', 'cpu')[1]})"]
+        f"dtype auto: {expected} ({resolve_dtype('auto', 'cpu')[1]})"
+    ]
     # bf16 pages either way (stored as uint16 bits); with float32 chosen, logged as such.
     assert llm.engine.config.cache.dtype == "bfloat16"
     assert llm.engine.runner.kv_cache[0][0].dtype == jax.numpy.uint16
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv_cache_dtype auto")]
-    assert logged == ([f"kv_cache_dtype auto: bfloat16 ({resolve_kv_cache_dtype('auto', 'auto', 'float32')[1]})"]
-                      if expected == "float32" else [])
+    assert logged == (
+        [f"kv_cache_dtype auto: bfloat16 ({resolve_kv_cache_dtype('auto', 'auto', 'float32')[1]})"]
+        if expected == "float32"
+        else []
+    )
 
 
 def test_native_kernels_build_wherever_a_compiler_exists():

@@ -23,9 +23,14 @@ PROMPTS = [
 
 def hf_greedy(model, prompt_ids, max_new_tokens):
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def greedy(max_tokens=12, **kw):
@@ -51,8 +56,9 @@ def test_packed_weights_match_hf_and_xla_dots(llm, hf_model, tiny_model_dir):
     from jaxllm.weights.plan import LAYER_LINEARS
 
     params = llm.engine.runner.params
-    assert all(isinstance(layer[name], PackedWeight) for layer in params["layers"] for name in LAYER_LINEARS
-               if name in layer)
+    assert all(
+        isinstance(layer[name], PackedWeight) for layer in params["layers"] for name in LAYER_LINEARS if name in layer
+    )
     assert isinstance(params["embed"], PackedWeight)  # tied: the LM head too
     plain = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, packed_weights=False)
     assert not isinstance(plain.engine.runner.params["embed"], PackedWeight)
@@ -62,8 +68,9 @@ def test_packed_weights_match_hf_and_xla_dots(llm, hf_model, tiny_model_dir):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids == hf_greedy(hf_model, a.prompt_token_ids, 12)
         for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert lp_a.keys() == lp_b.keys()
-            np.testing.assert_allclose([lp.logprob for lp in lp_a.values()], [lp.logprob for lp in lp_b.values()],
-                                       atol=1e-4)
+            np.testing.assert_allclose(
+                [lp.logprob for lp in lp_a.values()], [lp.logprob for lp in lp_b.values()], atol=1e-4
+            )
 
 
 def test_bf16_weights_packed_where_the_cpu_has_bf16_dots(tiny_model_dir):
@@ -81,8 +88,12 @@ def test_bf16_weights_packed_where_the_cpu_has_bf16_dots(tiny_model_dir):
     params = packed.engine.runner.params
     if native.bf16_gemm_native():
         assert isinstance(params["embed"], PackedWeight) and params["embed"].panels.ndim == 4
-        assert all(isinstance(layer[name], PackedWeight) and layer[name].panels.dtype == jax.numpy.bfloat16
-                   for layer in params["layers"] for name in LAYER_LINEARS if name in layer)
+        assert all(
+            isinstance(layer[name], PackedWeight) and layer[name].panels.dtype == jax.numpy.bfloat16
+            for layer in params["layers"]
+            for name in LAYER_LINEARS
+            if name in layer
+        )
     else:
         assert not isinstance(params["embed"], PackedWeight)
     assert not isinstance(plain.engine.runner.params["embed"], PackedWeight)
@@ -91,8 +102,9 @@ def test_bf16_weights_packed_where_the_cpu_has_bf16_dots(tiny_model_dir):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert lp_a.keys() == lp_b.keys()
-            np.testing.assert_allclose([lp.logprob for lp in lp_a.values()], [lp.logprob for lp in lp_b.values()],
-                                       atol=1e-2)
+            np.testing.assert_allclose(
+                [lp.logprob for lp in lp_a.values()], [lp.logprob for lp in lp_b.values()], atol=1e-2
+            )
 
 
 def test_outputs_independent_of_batch_and_order(llm):
@@ -119,8 +131,16 @@ def test_swap_preemption_gives_the_same_outputs_as_recompute(llm, tiny_model_dir
     greedy_ref = token_ids(llm.generate(PROMPTS, greedy(24), use_tqdm=False))
     seeded = [SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=24, ignore_eos=True) for i in range(5)]
     seeded_ref = token_ids(llm.generate(PROMPTS, seeded, use_tqdm=False))
-    small = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "num_gpu_blocks_override": 16, "block_size": 4,
-                                   "preemption_mode": "swap", "swap_space": 0.01})
+    small = LLM(
+        tiny_model_dir,
+        **{
+            **TINY_ENGINE_ARGS,
+            "num_gpu_blocks_override": 16,
+            "block_size": 4,
+            "preemption_mode": "swap",
+            "swap_space": 0.01,
+        },
+    )
     kv = small.engine.kv_cache_manager
     assert token_ids(small.generate(PROMPTS, greedy(24), use_tqdm=False)) == greedy_ref
     assert token_ids(small.generate(PROMPTS, seeded, use_tqdm=False)) == seeded_ref
@@ -145,7 +165,7 @@ def test_a_failing_step_fails_only_its_requests(llm, monkeypatch, caplog, lose_c
 
     engine.add_request("doomed-0", PROMPTS[0], greedy(10))
     engine.add_request("doomed-1", PROMPTS[1], greedy(10))
-    engine.step()                                  # both running
+    engine.step()  # both running
     monkeypatch.setattr(runner, "call", failing_call)
     with caplog.at_level("ERROR", logger="jaxllm"):
         outputs = engine.step()
@@ -172,7 +192,7 @@ def test_a_failing_step_recomputes_the_requests_it_did_not_hold(llm, monkeypatch
     engine.add_request("doomed", PROMPTS[1], greedy(10))
     real_schedule = engine.scheduler.schedule
 
-    def schedule_without_survivor():         # the survivor sits this step out (as under a full budget)
+    def schedule_without_survivor():  # the survivor sits this step out (as under a full budget)
         out = real_schedule()
         out.scheduled = [(r, n) for r, n in out.scheduled if r is not survivor]
         return out
@@ -201,14 +221,18 @@ def test_seeded_sampling_reproducible_whatever_the_batch(llm):
     others = SamplingParams(temperature=0.7, max_tokens=10, ignore_eos=True)
     mixed = llm.generate(PROMPTS[1:3] + [PROMPTS[0]], [others, others, params], use_tqdm=False)[2]
     assert mixed.outputs[0].token_ids == alone
-    unseeded = llm.generate([PROMPTS[0]] * 2, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True),
-                            use_tqdm=False)
+    unseeded = llm.generate(
+        [PROMPTS[0]] * 2, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True), use_tqdm=False
+    )
     assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
 
 
 def test_n_choices_and_logprobs(llm):
-    out = llm.generate([PROMPTS[1]], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, logprobs=3,
-                                                    ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        [PROMPTS[1]],
+        SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, logprobs=3, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     for c in out.outputs:
@@ -217,8 +241,9 @@ def test_n_choices_and_logprobs(llm):
             assert token in entry
             ranked = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)
             assert len(ranked) == 3 and all(a.logprob >= b.logprob for a, b in zip(ranked, ranked[1:]))
-        assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)),
-                                                     abs=1e-3)
+        assert c.cumulative_logprob == pytest.approx(
+            sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)), abs=1e-3
+        )
 
 
 def test_stop_token_ids_min_tokens_and_stop_strings(llm):
@@ -226,7 +251,7 @@ def test_stop_token_ids_min_tokens_and_stop_strings(llm):
     stop_tok = base.token_ids[5]
     first = base.token_ids.index(stop_tok)
     out = llm.generate([PROMPTS[2]], greedy(16, stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == base.token_ids[:first + 1]
+    assert out.token_ids == base.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
     # min_tokens holds the stop token back: generation continues past it.
     out = llm.generate([PROMPTS[2]], greedy(16, stop_token_ids=[stop_tok], min_tokens=first + 2), use_tqdm=False)[0]
@@ -234,13 +259,14 @@ def test_stop_token_ids_min_tokens_and_stop_strings(llm):
     # A stop string made of the tail of one token and the head of the next.
     text = base.text
     cut = len(llm.get_tokenizer().decode(base.token_ids[:4], skip_special_tokens=True))
-    stop = text[cut - 2:cut + 2]
+    stop = text[cut - 2 : cut + 2]
     if len(stop.strip()) == 4 and text.find(stop) == cut - 2:
         out = llm.generate([PROMPTS[2]], greedy(16, stop=[stop]), use_tqdm=False)[0].outputs[0]
-        assert out.text == text[:cut - 2] and out.finish_reason == "stop" and out.stop_reason == stop
-        out = llm.generate([PROMPTS[2]], greedy(16, stop=[stop], include_stop_str_in_output=True),
-                           use_tqdm=False)[0].outputs[0]
-        assert out.text == text[:cut + 2]
+        assert out.text == text[: cut - 2] and out.finish_reason == "stop" and out.stop_reason == stop
+        out = llm.generate([PROMPTS[2]], greedy(16, stop=[stop], include_stop_str_in_output=True), use_tqdm=False)[
+            0
+        ].outputs[0]
+        assert out.text == text[: cut + 2]
 
 
 def test_abort_frees_every_page(llm):
@@ -255,9 +281,21 @@ def test_abort_frees_every_page(llm):
     assert engine.kv_cache_manager.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(n=0),
-                                    dict(max_tokens=0), dict(top_k=-5), dict(min_p=2), dict(logprobs=99),
-                                    dict(min_tokens=5, max_tokens=2), dict(repetition_penalty=0)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(n=0),
+        dict(max_tokens=0),
+        dict(top_k=-5),
+        dict(min_p=2),
+        dict(logprobs=99),
+        dict(min_tokens=5, max_tokens=2),
+        dict(repetition_penalty=0),
+    ],
+)
 def test_bad_sampling_params_rejected(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
@@ -283,9 +321,13 @@ def test_bad_requests_rejected_and_others_unaffected(llm):
 
 def test_no_recompilation_after_warmup(tiny_model_dir):
     llm = LLM(tiny_model_dir, **WARM_ENGINE_ARGS)  # fresh: the first requests after warm-up count too
-    params = [greedy(3), SamplingParams(temperature=0.8, top_k=5, max_tokens=20, logprobs=2),
-              SamplingParams(temperature=1.0, presence_penalty=0.5, repetition_penalty=1.2, max_tokens=7),
-              greedy(30), SamplingParams(temperature=0.5, min_p=0.1, seed=3, max_tokens=12, n=2)]
+    params = [
+        greedy(3),
+        SamplingParams(temperature=0.8, top_k=5, max_tokens=20, logprobs=2),
+        SamplingParams(temperature=1.0, presence_penalty=0.5, repetition_penalty=1.2, max_tokens=7),
+        greedy(30),
+        SamplingParams(temperature=0.5, min_p=0.1, seed=3, max_tokens=12, n=2),
+    ]
     with no_compile_guard():
         llm.generate(PROMPTS, params, use_tqdm=False)
         llm.generate([PROMPTS[0] * 8, "Hi"], greedy(5), use_tqdm=False)
@@ -300,8 +342,9 @@ def test_greedy_matches_hf_on_default_model():
 
     path = default_model_path()
     llm = LLM(None, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, warmup=False)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                           dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
     outs = llm.generate(prompts, greedy(10), use_tqdm=False)
     for out in outs:
@@ -319,7 +362,7 @@ def test_async_llm_streams_and_cancel_frees_pages(tiny_model_dir, llm):
     async def main():
         deltas = []
         async for o in engine.generate(PROMPTS[1], greedy(8), "a", output_kind="delta"):
-            if not deltas:      # a second request with the same id is refused; the first goes on
+            if not deltas:  # a second request with the same id is refused; the first goes on
                 with pytest.raises(ValueError, match="already in use"):
                     await anext(engine.generate(PROMPTS[0], greedy(8), "a"))
             deltas.append(o.outputs[0].token_ids)
@@ -352,8 +395,8 @@ def test_progress_bar_shows_on_a_terminal_only(llm, monkeypatch, capsys):
             return True
 
     params = SamplingParams(temperature=0, max_tokens=2)
-    llm.generate(["Hello"], params)                      # use_tqdm's default: a bar, where it can be seen
-    assert "generating" not in capsys.readouterr().err   # stderr here is captured, not a terminal
+    llm.generate(["Hello"], params)  # use_tqdm's default: a bar, where it can be seen
+    assert "generating" not in capsys.readouterr().err  # stderr here is captured, not a terminal
     terminal = Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
     llm.generate(["Hello"], params)
@@ -366,9 +409,13 @@ def test_packed_step_inputs_round_trip_on_256_byte_boundaries():
     passes a slice of the buffer to a custom call as it is)."""
     from jaxllm.runner.input_batch import PackedLayout
 
-    tree = {"ids": np.arange(3, dtype=np.int32), "temps": np.linspace(0, 1, 10, dtype=np.float32).reshape(2, 5),
-            "flags": np.array([True, False, True]), "bits": np.array([0xFFFFFFFF, 7], np.uint32),
-            "tables": np.arange(130, dtype=np.int32).reshape(2, 65)}
+    tree = {
+        "ids": np.arange(3, dtype=np.int32),
+        "temps": np.linspace(0, 1, 10, dtype=np.float32).reshape(2, 5),
+        "flags": np.array([True, False, True]),
+        "bits": np.array([0xFFFFFFFF, 7], np.uint32),
+        "tables": np.arange(130, dtype=np.int32).reshape(2, 65),
+    }
     layout = PackedLayout.of(tree)
     assert all(offset * 4 % 256 == 0 for _, offset, _, _ in layout.leaves)
     ints, floats = np.zeros(layout.num_ints, np.int32), np.zeros(layout.num_floats, np.float32)

@@ -41,10 +41,10 @@ def test_a_warm_start_loads_every_step_and_gives_the_same_tokens(tiny_model_dir,
     expected = token_ids(cold.generate(PROMPTS, greedy(12), use_tqdm=False))
     del cold
 
-    warm = LLM(tiny_model_dir, **WARM_ENGINE_ARGS, compilation_cache_dir=cache)   # loads in the background
+    warm = LLM(tiny_model_dir, **WARM_ENGINE_ARGS, compilation_cache_dir=cache)  # loads in the background
     warm.engine.runner.wait_compiled()
     assert warm.engine.runner.steps.loaded == buckets
-    with no_compile_guard():     # the loaded steps run as they are
+    with no_compile_guard():  # the loaded steps run as they are
         assert token_ids(warm.generate(PROMPTS, greedy(12), use_tqdm=False)) == expected
     del warm
 
@@ -64,13 +64,15 @@ def test_keys_follow_what_the_step_depends_on(tmp_path, monkeypatch):
     store = ExecutableStore(str(tmp_path), "spec A", jax.devices()[:1])
     args = (np.zeros((4, 8), np.float32), [np.zeros(3, np.int32)])
     key = store.key("layout 1", args)
-    assert store.key("layout 1", (np.ones((4, 8), np.float32), [np.ones(3, np.int32)])) == key   # values don't count
-    others = [store.key("layout 2", args),
-              store.key("layout 1", (np.zeros((4, 9), np.float32), [np.zeros(3, np.int32)])),
-              store.key("layout 1", (np.zeros((4, 8), np.float16), [np.zeros(3, np.int32)])),
-              store.key("layout 1", (np.zeros((4, 8), np.float32), (np.zeros(3, np.int32),))),
-              store.key("layout 1", (jax.device_put(np.zeros((4, 8), np.float32)), [np.zeros(3, np.int32)])),
-              ExecutableStore(str(tmp_path), "spec B", jax.devices()[:1]).key("layout 1", args)]
+    assert store.key("layout 1", (np.ones((4, 8), np.float32), [np.ones(3, np.int32)])) == key  # values don't count
+    others = [
+        store.key("layout 2", args),
+        store.key("layout 1", (np.zeros((4, 9), np.float32), [np.zeros(3, np.int32)])),
+        store.key("layout 1", (np.zeros((4, 8), np.float16), [np.zeros(3, np.int32)])),
+        store.key("layout 1", (np.zeros((4, 8), np.float32), (np.zeros(3, np.int32),))),
+        store.key("layout 1", (jax.device_put(np.zeros((4, 8), np.float32)), [np.zeros(3, np.int32)])),
+        ExecutableStore(str(tmp_path), "spec B", jax.devices()[:1]).key("layout 1", args),
+    ]
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true")
     others.append(ExecutableStore(str(tmp_path), "spec A", jax.devices()[:1]).key("layout 1", args))
     assert len({key, *others}) == len(others) + 1
@@ -109,7 +111,7 @@ def test_background_compile_gives_the_same_tokens(tiny_model_dir, tmp_path):
     assert not runner.steps.pending and set(runner.steps.ready) == set(runner.buckets)
     with no_compile_guard():
         assert token_ids(llm.generate(PROMPTS, greedy(12), use_tqdm=False)) == got
-    reference = LLM(tiny_model_dir, **WARM_ENGINE_ARGS, compilation_cache_dir="")     # compiled up front
+    reference = LLM(tiny_model_dir, **WARM_ENGINE_ARGS, compilation_cache_dir="")  # compiled up front
     assert token_ids(reference.generate(PROMPTS, greedy(12), use_tqdm=False)) == got
 
 
@@ -140,19 +142,19 @@ def test_a_step_takes_the_smallest_ready_bucket_that_holds_it(tiny_model_dir):
     from concurrent.futures import Future
 
     runner = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, compilation_cache_dir="").engine.runner
-    one_decode = (1, 1, 0, 1)             # tokens, decodes, prefill rows, sequences
+    one_decode = (1, 1, 0, 1)  # tokens, decodes, prefill rows, sequences
     smallest, largest = runner.buckets[0], runner.buckets[-1]
     futures = {b: Future() for b in runner.buckets}
     runner.steps.pending = dict(futures)
-    assert runner.steps.pick(one_decode) == smallest                       # nothing ready: wait for its own
+    assert runner.steps.pick(one_decode) == smallest  # nothing ready: wait for its own
     runner.steps.ready = {largest: None}
     del runner.steps.pending[largest]
-    assert runner.steps.pick(one_decode) == largest                        # a larger ready one serves at once
+    assert runner.steps.pick(one_decode) == largest  # a larger ready one serves at once
     futures[runner.buckets[1]].set_result(None)
-    assert runner.steps.pick(one_decode) == runner.buckets[1]              # the smallest ready one
+    assert runner.steps.pick(one_decode) == runner.buckets[1]  # the smallest ready one
     futures[smallest].set_result(None)
     assert runner.steps.pick(one_decode) == smallest
-    assert runner.steps.pick((largest.num_tokens, 0, 1, 1)) == largest    # only the largest holds it
+    assert runner.steps.pick((largest.num_tokens, 0, 1, 1)) == largest  # only the largest holds it
     runner.steps.pending = {}
 
 
@@ -172,15 +174,16 @@ def test_a_prompt_among_few_decodes_runs_in_the_small_mixed_bucket_with_the_same
     scheduled = engine.engine_core.scheduler.schedule().scheduled
     assert sorted(q for _, q in scheduled) == [1, 1, 1, 40]
     small = runner.steps.pick(runner.builder.demand(np.array([q for _, q in scheduled])))
-    large = max((b for b in runner.buckets if b.num_tokens == small.num_tokens and not b.all_logits),
-                key=lambda b: b.num_seqs)
+    large = max(
+        (b for b in runner.buckets if b.num_tokens == small.num_tokens and not b.all_logits), key=lambda b: b.num_seqs
+    )
     max_num_seqs = TINY_ENGINE_ARGS["max_num_seqs"]
     assert (small.num_decode_rows, large.num_decode_rows) == (FEW_DECODES, max_num_seqs) and small.num_prefill_rows
     results = []
     for bucket in (small, large):
         _, first, _, buffers = runner.builder.prepare(scheduled, bucket)
-        *out, runner.kv_cache = runner.call(bucket, *runner.builder.pack(buffers))    # (the pages are donated)
-        results.append(tuple(np.asarray(x)[first] for x in out[:2]))     # each sequence's token, logprob
+        *out, runner.kv_cache = runner.call(bucket, *runner.builder.pack(buffers))  # (the pages are donated)
+        results.append(tuple(np.asarray(x)[first] for x in out[:2]))  # each sequence's token, logprob
     assert results[0][0].tolist() == results[1][0].tolist()
     np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-5, atol=1e-5)
 
@@ -191,22 +194,31 @@ def test_background_compilation_starts_with_the_first_shapes_a_request_needs():
     from jaxllm.runner.compile import make_buckets
     from jaxllm.runner.executables import CompiledSteps
 
-    class Jitted:       # a step that compiles at once
+    class Jitted:  # a step that compiles at once
         def lower(self, bucket, layout):
             return self
 
         def compile(self):
             return "compiled"
 
-    buckets = make_buckets(max_num_seqs=128, max_num_batched_tokens=512, prefill_row_tokens=32,
-                           max_num_prefill_seqs=8, num_speculative_tokens=2, max_spec_seqs=4)
+    buckets = make_buckets(
+        max_num_seqs=128,
+        max_num_batched_tokens=512,
+        prefill_row_tokens=32,
+        max_num_prefill_seqs=8,
+        num_speculative_tokens=2,
+        max_spec_seqs=4,
+    )
     steps = CompiledSteps(Jitted(), buckets, None, lambda bucket: (None, (bucket,)))
     steps.start(progress=False)
-    submitted = list(steps.pending)          # in the order they went to the pool
+    submitted = list(steps.pending)  # in the order they went to the pool
     steps.wait()
     # (tokens, has prompt-chunk rows, all logits): 2 decodes, 32 tokens with chunks, 1 sequence + 1 draft
-    assert {(b.num_tokens, b.num_prefill_rows > 0, b.all_logits) for b in submitted[:3]} == \
-        {(2, False, False), (32, True, False), (2, True, True)}
+    assert {(b.num_tokens, b.num_prefill_rows > 0, b.all_logits) for b in submitted[:3]} == {
+        (2, False, False),
+        (32, True, False),
+        (2, True, True),
+    }
     rest = submitted[3:]
     assert [b.num_tokens for b in rest] == sorted(b.num_tokens for b in rest)
     assert set(steps.ready) == set(buckets)
@@ -222,9 +234,9 @@ def test_the_store_keeps_under_its_size_dropping_the_least_recently_used(tmp_pat
         compiled = f.lower(jnp.zeros(n)).compile()
         keys.append(store.key("layout", (jnp.zeros(n),)))
         store.save(keys[-1], compiled)
-        os.utime(store._path(keys[-1]), (1000 + n, 1000 + n))    # saved in this order
+        os.utime(store._path(keys[-1]), (1000 + n, 1000 + n))  # saved in this order
     size = os.path.getsize(store._path(keys[0]))
-    assert store.load(keys[0])(jnp.ones(3)).tolist() == [3.0, 3.0, 3.0]    # a load refreshes keys[0]
+    assert store.load(keys[0])(jnp.ones(3)).tolist() == [3.0, 3.0, 3.0]  # a load refreshes keys[0]
     store.max_bytes = int(2.5 * size)
     compiled = f.lower(jnp.zeros(6)).compile()
     store.save(store.key("layout", (jnp.zeros(6),)), compiled)

@@ -49,11 +49,11 @@ def huge_pages_obtainable() -> bool:
     import mmap
 
     size = 8 << 20
-    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # (a shared one is shmem)
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (a shared one is shmem)
     try:
         m.madvise(mmap.MADV_HUGEPAGE)
         m.write(b"\1" * size)
-        start = ctypes.addressof(ctypes.c_char.from_buffer(m))   # (the view is gone by close)
+        start = ctypes.addressof(ctypes.c_char.from_buffer(m))  # (the view is gone by close)
         return huge_bytes_in(start, start + size) > 0
     finally:
         m.close()
@@ -63,4 +63,4 @@ def assert_mostly_huge(x):
     start = x.unsafe_buffer_pointer()
     assert not np.asarray(x).any()
     interior = (start + x.nbytes) // (2 << 20) * (2 << 20) - -(-start // (2 << 20)) * (2 << 20)
-    assert huge_bytes_in(start, start + x.nbytes) >= interior // 2    # allocation may fall back in places
+    assert huge_bytes_in(start, start + x.nbytes) >= interior // 2  # allocation may fall back in places

@@ -13,9 +13,9 @@ import contextlib
 import jax
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
-try:                                    # jax >= 0.11
+try:  # jax >= 0.11
     from jax.sharding import AbstractDevice, AxisType, use_abstract_mesh
-except ImportError:                     # jax 0.10
+except ImportError:  # jax 0.10
     AbstractDevice = None
 
 

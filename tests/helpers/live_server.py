@@ -24,9 +24,21 @@ READY_TIMEOUT_S = 600
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The shared live server's limits (the `server` fixture's; the hardening tests probe them; the
 # defaults are larger).
-SERVER_FLAGS = ("--max-request-body-bytes", "1MiB", "--max-logprobs", "10", "--request-read-timeout", "3",
-                "--max-prompts-per-request", "64", "--max-stop-strings", "8", "--enable-auto-tool-choice",
-                "--tool-call-parser", "hermes")
+SERVER_FLAGS = (
+    "--max-request-body-bytes",
+    "1MiB",
+    "--max-logprobs",
+    "10",
+    "--request-read-timeout",
+    "3",
+    "--max-prompts-per-request",
+    "64",
+    "--max-stop-strings",
+    "8",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+)
 
 
 class LiveServer:
@@ -36,14 +48,21 @@ class LiveServer:
 
     def post(self, path: str, body, headers=AUTH, timeout=60) -> httpx.Response:
         content = body if isinstance(body, (str, bytes)) else json.dumps(body)
-        return httpx.post(self.url + path, content=content, timeout=timeout,
-                          headers={"Content-Type": "application/json", **(headers or {})})
+        return httpx.post(
+            self.url + path,
+            content=content,
+            timeout=timeout,
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )
 
     def metrics(self) -> dict:
         """{(sample name, sorted label items without model_name): value}."""
         text = httpx.get(self.url + "/metrics", timeout=30).text
-        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
+        return {
+            (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
 
     def assert_healthy(self) -> None:
         assert httpx.get(self.url + "/health", timeout=30).status_code == 200
@@ -63,8 +82,9 @@ class LiveServer:
         return self.proc.returncode
 
 
-def start_server(model_dir: str, work_dir: str, *flags: str, faults: list[str] = (), offline=None,
-                 env: dict | None = None) -> LiveServer:
+def start_server(
+    model_dir: str, work_dir: str, *flags: str, faults: list[str] = (), offline=None, env: dict | None = None
+) -> LiveServer:
     """Start `jaxllm serve` on the tiny model with an API key on a free port; `faults` (flags of
     tests/helpers/fault_server.py) run it through the fault injector. `offline`, the reference engine
     (or a function making it, called while the server warms up), becomes `.offline`; `env`
@@ -75,8 +95,21 @@ def start_server(model_dir: str, work_dir: str, *flags: str, faults: list[str] =
     # settings an in-process engine already compiled starts in seconds.
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", **(env or {})}
     entry = [os.path.join(HERE, "fault_server.py"), *faults, "--"] if faults else ["-m", "jaxllm.entrypoints.cli"]
-    cmd = [sys.executable, *entry, "serve", "--model", model_dir, *tiny_engine_flags(), "--port", "0",
-           "--api-key", API_KEY, "--uvicorn-log-level", "warning", *flags]
+    cmd = [
+        sys.executable,
+        *entry,
+        "serve",
+        "--model",
+        model_dir,
+        *tiny_engine_flags(),
+        "--port",
+        "0",
+        "--api-key",
+        API_KEY,
+        "--uvicorn-log-level",
+        "warning",
+        *flags,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     log.close()
     found: dict[str, str] = {}
@@ -88,7 +121,7 @@ def start_server(model_dir: str, work_dir: str, *flags: str, faults: list[str] =
 
     threading.Thread(target=watch_stdout, daemon=True).start()
     if callable(offline):
-        offline = offline()   # built while the server warms up
+        offline = offline()  # built while the server warms up
     deadline = time.monotonic() + READY_TIMEOUT_S
     while "url" not in found:
         if proc.poll() is not None or time.monotonic() > deadline:

@@ -32,8 +32,12 @@ def sampling_params():
     from jaxllm import SamplingParams, StructuredOutputsParams
 
     plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    constrained = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
-                                 structured_outputs=StructuredOutputsParams(regex=r"(fox|dog)( (fox|dog))*"))
+    constrained = SamplingParams(
+        temperature=0,
+        max_tokens=24,
+        ignore_eos=True,
+        structured_outputs=StructuredOutputsParams(regex=r"(fox|dog)( (fox|dog))*"),
+    )
     return [constrained if i % 4 == 0 else plain for i in range(len(PROMPTS))]
 
 
@@ -45,9 +49,14 @@ def main() -> int:
     if process_id == 1 and not extra:
         flags = frozenset() if utils.resolve_dtype("auto", "cpu")[0] == "bfloat16" else frozenset({"avx512_bf16"})
         utils.cpu_flags = lambda: flags
-    llm = LLM(model_dir, tensor_parallel_size=2, distributed_coordinator=f"127.0.0.1:{port}", num_processes=2,
-              process_id=process_id, **{**WARM_ENGINE_ARGS, **FEWER_SHAPES, "dtype": "float32" if extra else "auto",
-                                         **extra})
+    llm = LLM(
+        model_dir,
+        tensor_parallel_size=2,
+        distributed_coordinator=f"127.0.0.1:{port}",
+        num_processes=2,
+        process_id=process_id,
+        **{**WARM_ENGINE_ARGS, **FEWER_SHAPES, "dtype": "float32" if extra else "auto", **extra},
+    )
     with open(f"{out_path}.dtype{process_id}", "w") as f:
         f.write(llm.engine.config.dtype)
     if not llm.engine.is_leader:

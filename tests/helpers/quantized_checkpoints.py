@@ -21,11 +21,11 @@ def reference_weight(w: np.ndarray, bits: int, group: int | None) -> np.ndarray:
     out = np.empty((k, n))
     for g0 in range(0, k, rows):
         block = w[g0 : g0 + rows].astype(np.float64)
-        if bits == 8:   # the scale kept as f32
+        if bits == 8:  # the scale kept as f32
             s = (np.abs(block).max(0) / 127).astype(np.float32).astype(np.float64)
             s[s == 0] = 1
             out[g0 : g0 + rows] = np.clip(np.round(block / s), -127, 127) * s
-        else:   # the offset (the minimum) and the scale (the range / 15) kept as f16
+        else:  # the offset (the minimum) and the scale (the range / 15) kept as f16
             lo = block.min(0).astype(np.float16).astype(np.float64)
             s = ((block.max(0) - lo) / 15).astype(np.float16).astype(np.float64)
             s[s == 0] = 1
@@ -45,7 +45,7 @@ def fake_quantized_checkpoint(model_dir: str, method: str, out: str) -> str:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim == 2:   # [out, in]; the LM head (here the embedding) is int8 under int4
+            if p.ndim == 2:  # [out, in]; the LM head (here the embedding) is int8 under int4
                 head = "embed" in name or "lm_head" in name
                 b, g = (8, None) if head and method == "int4" else (bits, group)
                 p.copy_(torch.from_numpy(reference_weight(p.numpy().T, b, g).T.astype(np.float32)))
@@ -70,7 +70,7 @@ def gguf_blocks(rng, shape: tuple[int, int], ggml_type: int) -> np.ndarray:
     except NotImplementedError:
         elems, size = GGML_QUANT_SIZES[ggml_type]
         blocks = rng.integers(0, 256, (shape[0], shape[1] // elems, size), dtype=np.uint8)
-        for at in {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}[ggml_type]:   # d (and dmin)
+        for at in {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}[ggml_type]:  # d (and dmin)
             d = rng.uniform(2e-4, 1e-3, blocks.shape[:2]).astype(np.float16)
             blocks[..., at : at + 2] = d[..., None].view(np.uint8)
         return blocks.reshape(shape[0], -1)
@@ -85,18 +85,47 @@ def write_quantized_gguf(path: str) -> str:
     hidden, ff, heads, kv_heads, vocab = 256, 512, 4, 2, 512
     head_dim = hidden // heads
     writer = gguf.GGUFWriter(path, "llama")
-    for add, value in [("block_count", 2), ("context_length", 512), ("embedding_length", hidden),
-                       ("feed_forward_length", ff), ("head_count", heads), ("head_count_kv", kv_heads),
-                       ("layer_norm_rms_eps", 1e-5), ("rope_freq_base", 10000.0)]:
+    for add, value in [
+        ("block_count", 2),
+        ("context_length", 512),
+        ("embedding_length", hidden),
+        ("feed_forward_length", ff),
+        ("head_count", heads),
+        ("head_count_kv", kv_heads),
+        ("layer_norm_rms_eps", 1e-5),
+        ("rope_freq_base", 10000.0),
+    ]:
         getattr(writer, f"add_{add}")(value)
     rng = np.random.default_rng(1)
-    layers = [{"attn_q": T.Q4_K, "attn_k": T.Q6_K, "attn_v": T.Q8_0, "attn_output": T.Q4_0, "ffn_gate": T.Q4_1,
-               "ffn_up": T.Q5_K, "ffn_down": T.Q5_0},
-              {"attn_q": T.Q4_1, "attn_k": T.Q4_1, "attn_v": T.Q4_1, "attn_output": T.Q5_1, "ffn_gate": T.Q4_K,
-               "ffn_up": T.Q4_K, "ffn_down": T.Q6_K}]
-    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv_heads * head_dim, hidden),
-              "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, hidden), "ffn_gate": (ff, hidden),
-              "ffn_up": (ff, hidden), "ffn_down": (hidden, ff)}
+    layers = [
+        {
+            "attn_q": T.Q4_K,
+            "attn_k": T.Q6_K,
+            "attn_v": T.Q8_0,
+            "attn_output": T.Q4_0,
+            "ffn_gate": T.Q4_1,
+            "ffn_up": T.Q5_K,
+            "ffn_down": T.Q5_0,
+        },
+        {
+            "attn_q": T.Q4_1,
+            "attn_k": T.Q4_1,
+            "attn_v": T.Q4_1,
+            "attn_output": T.Q5_1,
+            "ffn_gate": T.Q4_K,
+            "ffn_up": T.Q4_K,
+            "ffn_down": T.Q6_K,
+        },
+    ]
+    shapes = {
+        "attn_q": (hidden, hidden),
+        "attn_k": (kv_heads * head_dim, hidden),
+        "attn_v": (kv_heads * head_dim, hidden),
+        "attn_output": (hidden, hidden),
+        "ffn_gate": (ff, hidden),
+        "ffn_up": (ff, hidden),
+        "ffn_down": (hidden, ff),
+    }
     writer.add_tensor("token_embd.weight", gguf_blocks(rng, (vocab, hidden), T.Q8_0), raw_dtype=T.Q8_0)
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     for i, types in enumerate(layers):
@@ -142,7 +171,7 @@ def pack_along(values: np.ndarray, bits: int, axis: int, order=None) -> np.ndarr
     v = np.moveaxis(values.astype(np.uint32), axis, 0)
     words = np.zeros((v.shape[0] // per, *v.shape[1:]), np.uint32)
     for j in range(per):
-        words |= v[(order[j] if order else j)::per] << np.uint32(bits * j)
+        words |= v[(order[j] if order else j) :: per] << np.uint32(bits * j)
     return np.ascontiguousarray(np.moveaxis(words, 0, axis)).view(np.int32)
 
 
@@ -175,8 +204,8 @@ def write_quantized_hf(model_dir: str, method: str, bits: int, act_order: bool, 
                 tensors[prefix + ".qzeros"] = pack_along(zeros, 4, 1, AWQ_ORDER)
             else:
                 tensors[prefix + ".qweight"] = pack_along(q, bits, 0)
-                tensors[prefix + ".qzeros"] = pack_along(zeros - 1, bits, 1)     # stored minus one
-                if act_order or bits == 4:      # the 8-bit case leaves g_idx out, as some checkpoints do
+                tensors[prefix + ".qzeros"] = pack_along(zeros - 1, bits, 1)  # stored minus one
+                if act_order or bits == 4:  # the 8-bit case leaves g_idx out, as some checkpoints do
                     tensors[prefix + ".g_idx"] = g_idx.astype(np.int32)
             tensors[prefix + ".scales"] = scales
     model.save_pretrained(ref)
@@ -184,10 +213,11 @@ def write_quantized_hf(model_dir: str, method: str, bits: int, act_order: bool, 
     save_file(tensors, os.path.join(out, "model.safetensors"))
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
-    config["quantization_config"] = ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
-                                      "version": "gemm"} if method == "awq" else
-                                     {"quant_method": "gptq", "bits": bits, "group_size": 32, "desc_act": act_order,
-                                      "sym": False})
+    config["quantization_config"] = (
+        {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+        if method == "awq"
+        else {"quant_method": "gptq", "bits": bits, "group_size": 32, "desc_act": act_order, "sym": False}
+    )
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f)
     for name in os.listdir(model_dir):

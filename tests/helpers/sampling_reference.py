@@ -14,25 +14,55 @@ LOGITS = np.array([2.0, 1.5, 1.4, 1.0, 0.5, 0.2, 0.0, -0.3, -1.0, -1.5, -2.0, -4
 V = len(LOGITS)  # > MAX_LOGPROBS
 
 
-def state(S, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, presence=0.0, frequency=0.0, repetition=1.0,
-          history=None, output_start=0, seeds=None, banned=None, logprobs=False):
+def state(
+    S,
+    *,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    presence=0.0,
+    frequency=0.0,
+    repetition=1.0,
+    history=None,
+    output_start=0,
+    seeds=None,
+    banned=None,
+    logprobs=False,
+):
     flat = lambda v, dt: np.full(S, v, dt)  # noqa: E731
     penalty_tokens = np.full((S, 8), -1, np.int32)
     if history is not None:
-        penalty_tokens[:, :len(history)] = history
+        penalty_tokens[:, : len(history)] = history
     banned_tokens = np.full((S, NUM_BANNED), -1, np.int32)
     if banned:
-        banned_tokens[:, :len(banned)] = banned
-    return SamplingMetadata(temperature=flat(temperature, np.float32), top_k=flat(top_k, np.int32),
-                top_p=flat(top_p, np.float32),
-                min_p=flat(min_p, np.float32), presence_penalty=flat(presence, np.float32),
-                frequency_penalty=flat(frequency, np.float32), repetition_penalty=flat(repetition, np.float32),
-                seeds=np.arange(S, dtype=np.uint32) if seeds is None else seeds,
-                output_index=np.zeros(S, np.int32), output_start=flat(output_start, np.int32),
-                penalty_tokens=penalty_tokens, banned_tokens=banned_tokens, draft_tokens=np.full(S, -1, np.int32),
-                flags=np.array([temperature == 0, top_k > 0 or top_p < 1,
-                                presence != 0 or frequency != 0 or repetition != 1,
-                                logprobs, bool(banned), False, False]))
+        banned_tokens[:, : len(banned)] = banned
+    return SamplingMetadata(
+        temperature=flat(temperature, np.float32),
+        top_k=flat(top_k, np.int32),
+        top_p=flat(top_p, np.float32),
+        min_p=flat(min_p, np.float32),
+        presence_penalty=flat(presence, np.float32),
+        frequency_penalty=flat(frequency, np.float32),
+        repetition_penalty=flat(repetition, np.float32),
+        seeds=np.arange(S, dtype=np.uint32) if seeds is None else seeds,
+        output_index=np.zeros(S, np.int32),
+        output_start=flat(output_start, np.int32),
+        penalty_tokens=penalty_tokens,
+        banned_tokens=banned_tokens,
+        draft_tokens=np.full(S, -1, np.int32),
+        flags=np.array(
+            [
+                temperature == 0,
+                top_k > 0 or top_p < 1,
+                presence != 0 or frequency != 0 or repetition != 1,
+                logprobs,
+                bool(banned),
+                False,
+                False,
+            ]
+        ),
+    )
 
 
 def reference_probs(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):

@@ -16,19 +16,34 @@ from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
 EOS = 2
 
 
-def make_scheduler(*, num_blocks=64, block_size=4, budget=32, max_num_seqs=8, max_prefill=8, max_model_len=256,
-                   swap_blocks=0, prefix_caching=True) -> Scheduler:
+def make_scheduler(
+    *,
+    num_blocks=64,
+    block_size=4,
+    budget=32,
+    max_num_seqs=8,
+    max_prefill=8,
+    max_model_len=256,
+    swap_blocks=0,
+    prefix_caching=True,
+) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching, num_swap_blocks=swap_blocks)
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
-                             max_num_prefill_seqs=max_prefill, preemption_mode="swap" if swap_blocks else "recompute")
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        max_num_prefill_seqs=max_prefill,
+        preemption_mode="swap" if swap_blocks else "recompute",
+    )
     return Scheduler(config, kv)
 
 
 def make_request(request_id, prompt_len, *, max_tokens=8, first_token=100, **params) -> Request:
     params.setdefault("ignore_eos", True)
     prompt = list(range(first_token, first_token + prompt_len))
-    return Request(request_id, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, **params),
-                   eos_token_ids=(EOS,))
+    return Request(
+        request_id, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, **params), eos_token_ids=(EOS,)
+    )
 
 
 def next_token(request: Request) -> int:
@@ -47,9 +62,13 @@ def fake_output(scheduler_output, tokens=None) -> ModelRunnerOutput:
             sampled.append(forced if forced is not None else next_token(request))
         num_sampled.append(int(done))
     n = len(sampled)
-    return ModelRunnerOutput(np.asarray(sampled, np.int32), np.full(n, -0.5, np.float32),
-                             np.zeros((n, MAX_LOGPROBS), np.float32), np.zeros((n, MAX_LOGPROBS), np.int32),
-                             np.asarray(num_sampled))
+    return ModelRunnerOutput(
+        np.asarray(sampled, np.int32),
+        np.full(n, -0.5, np.float32),
+        np.zeros((n, MAX_LOGPROBS), np.float32),
+        np.zeros((n, MAX_LOGPROBS), np.int32),
+        np.asarray(num_sampled),
+    )
 
 
 def step(scheduler, tokens=None):

@@ -71,8 +71,12 @@ def parallel_layouts(workdir: str, model_dir: str, layouts: list[str]) -> dict:
     # layout; 32 requests, or 16 tokens each, took 1.5-2x as long for no other path: the pipeline
     # layouts' steps cost 150-300 ms on 4 virtual devices). Step shapes compile when first used:
     # twelve engines warming up every bucket took most of the run.
-    args = {**TINY_ENGINE_ARGS, "kv_cache_memory": None, "num_gpu_blocks_override": 36,
-            "params_cache_dir": os.path.join(workdir, "params")}
+    args = {
+        **TINY_ENGINE_ARGS,
+        "kv_cache_memory": None,
+        "num_gpu_blocks_override": 36,
+        "params_cache_dir": os.path.join(workdir, "params"),
+    }
     results = {}
     references = [f"{p}:1x1" for p in ("deep", "int8", "w8a8") if any(layout.startswith(f"{p}:") for layout in layouts)]
     for layout in ["1x1", *references, *layouts]:
@@ -87,10 +91,21 @@ def parallel_layouts(workdir: str, model_dir: str, layouts: list[str]) -> dict:
         model = build_tiny_model(os.path.join(workdir, "deep"), 4) if is_deep else model_dir
         mesh = None
         if own_mesh:
-            mesh = (jax.make_mesh((dp, pp, tp), ("data", "stage", "model")) if pp > 1
-                    else jax.make_mesh((dp, tp), ("data", "model")))
-        llm = LLM(model, tensor_parallel_size=tp, data_parallel_size=dp, pipeline_parallel_size=pp, mesh=mesh,
-                  **args, **swap, **quantized)
+            mesh = (
+                jax.make_mesh((dp, pp, tp), ("data", "stage", "model"))
+                if pp > 1
+                else jax.make_mesh((dp, tp), ("data", "model"))
+            )
+        llm = LLM(
+            model,
+            tensor_parallel_size=tp,
+            data_parallel_size=dp,
+            pipeline_parallel_size=pp,
+            mesh=mesh,
+            **args,
+            **swap,
+            **quantized,
+        )
         engine = llm.engine
         outputs = llm.generate(prompts, params, use_tqdm=False)
         runner = engine.runner
@@ -99,11 +114,13 @@ def parallel_layouts(workdir: str, model_dir: str, layouts: list[str]) -> dict:
             "token_ids": [o.outputs[0].token_ids for o in outputs],
             "constrained": [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs[::8]],
             "constraint": WORDS,
-            "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
-                         for o in outputs],
+            "logprobs": [
+                [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outputs
+            ],
             # Each position's lead of the first token over the second (the greedy choice's margin).
             "margins": [[lead(lp) for lp in o.outputs[0].logprobs] for o in outputs],
-            "param_bytes": device_bytes(runner.params), "kv_bytes": device_bytes(runner.kv_cache),
+            "param_bytes": device_bytes(runner.params),
+            "kv_bytes": device_bytes(runner.kv_cache),
             "kv_bytes_all": device_bytes([r.runner.kv_cache for r in engine.replicas]),
             "preemptions": engine.stats.num_preemptions,
             "replica_prompt_queries": [r.kv_cache_manager.prefix_queries for r in engine.replicas],
@@ -127,14 +144,26 @@ def families(workdir: str, cases: list[str]) -> dict:
         tp, pp = map(int, layout.split("x"))
         runs = {}
         for name, sizes in (("one", (1, 1)), ("sharded", (tp, pp))):
-            llm = LLM(model_dir, dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128,
-                      kv_cache_memory=4 << 20, block_size=4, tensor_parallel_size=sizes[0],
-                      pipeline_parallel_size=sizes[1], params_cache_dir=os.path.join(model_dir, f"cache{name}"),
-                      warmup=False)      # step shapes compiled when first used
+            llm = LLM(
+                model_dir,
+                dtype="float32",
+                max_num_seqs=8,
+                max_num_batched_tokens=32,
+                max_model_len=128,
+                kv_cache_memory=4 << 20,
+                block_size=4,
+                tensor_parallel_size=sizes[0],
+                pipeline_parallel_size=sizes[1],
+                params_cache_dir=os.path.join(model_dir, f"cache{name}"),
+                warmup=False,
+            )  # step shapes compiled when first used
             outs = llm.generate(prompts, params, use_tqdm=False)
-            runs[name] = {"token_ids": [o.outputs[0].token_ids for o in outs],
-                          "logprobs": [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
-                                       for o in outs]}
+            runs[name] = {
+                "token_ids": [o.outputs[0].token_ids for o in outs],
+                "logprobs": [
+                    [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs
+                ],
+            }
             del llm
         results[case] = runs
     return results
@@ -157,9 +186,14 @@ def quantized_checkpoints(workdir: str, model_dir: str) -> dict:
         for tp, pp in ((1, 1), (2, 1)) + (((1, 2),) if name != "awq" else ()):
             key = f"{name}:{tp}x{pp}"
             try:
-                llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                          params_cache_dir=os.path.join(workdir, "params"),
-                          quantization="gguf" if name == "gguf" else None, **TINY_ENGINE_ARGS)
+                llm = LLM(
+                    path,
+                    tensor_parallel_size=tp,
+                    pipeline_parallel_size=pp,
+                    params_cache_dir=os.path.join(workdir, "params"),
+                    quantization="gguf" if name == "gguf" else None,
+                    **TINY_ENGINE_ARGS,
+                )
             except ValueError as e:
                 results[key] = {"error": str(e)}
                 continue
@@ -169,9 +203,15 @@ def quantized_checkpoints(workdir: str, model_dir: str) -> dict:
                 "quantization": llm.engine.config.quantization,
                 "token_ids": [o.outputs[0].token_ids for o in outputs],
                 "logprobs": [o.outputs[0].cumulative_logprob for o in outputs],
-                "qkv_bytes": [sum(s.data.nbytes for leaf in jax.tree_util.tree_leaves(wqkv)
-                                  for s in leaf.addressable_shards if s.device == d) for d in jax.devices()],
+                "qkv_bytes": [
+                    sum(
+                        s.data.nbytes
+                        for leaf in jax.tree_util.tree_leaves(wqkv)
+                        for s in leaf.addressable_shards
+                        if s.device == d
+                    )
+                    for d in jax.devices()
+                ],
             }
             del llm, outputs, wqkv
     return results
-

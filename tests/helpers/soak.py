@@ -23,15 +23,21 @@ import time
 import httpx
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-INVALID = [{"temperature": -1}, {"max_tokens": 0}, {"n": 10 ** 6}, {"top_p": 2}, {"model": "no-such-model"}]
+INVALID = [{"temperature": -1}, {"max_tokens": 0}, {"n": 10**6}, {"top_p": 2}, {"model": "no-such-model"}]
 
 
 async def one_request(client: httpx.AsyncClient, rng: random.Random, model: str, stats: dict) -> None:
     chat, stream = rng.random() < 0.5, rng.random() < 0.5
     max_tokens, n = rng.randint(1, 48), rng.choice([1, 1, 1, 2])
     text = " ".join(rng.choices(WORDS, k=rng.randint(1, 40)))
-    body = {"model": model, "max_tokens": max_tokens, "n": n, "temperature": rng.choice([0, 0.8]),
-            "ignore_eos": True, "stream": stream}
+    body = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "n": n,
+        "temperature": rng.choice([0, 0.8]),
+        "ignore_eos": True,
+        "stream": stream,
+    }
     body.update({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})
     path = "/v1/chat/completions" if chat else "/v1/completions"
     kind = rng.choices(["ok", "abandon", "invalid"], [0.85, 0.10, 0.05])[0]
@@ -42,7 +48,7 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, model: str,
         if kind == "abandon" and not stream:
             try:
                 response = await client.post(path, json=body, timeout=httpx.Timeout(30, read=rng.uniform(0.01, 0.2)))
-            except httpx.ReadTimeout:        # gave up waiting: the server must abort the request
+            except httpx.ReadTimeout:  # gave up waiting: the server must abort the request
                 stats["abandoned"] += 1
                 return
             if response.status_code != 200:  # answered before the client gave up: it must be a success
@@ -72,7 +78,7 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, model: str,
                         finished += choice.get("finish_reason") is not None
                     if drop_after is not None and tokens >= drop_after:
                         stats["abandoned"] += 1
-                        return          # leaving the block closes the connection mid-stream
+                        return  # leaving the block closes the connection mid-stream
             else:
                 result = json.loads(await response.aread())
                 finished = sum(c["finish_reason"] is not None for c in result["choices"])
@@ -83,18 +89,18 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, model: str,
                 raise RuntimeError(f"{finished} of {n} choices finished")
         stats["ok"] += 1
         stats["latencies"].append(time.perf_counter() - start)
-    except Exception as e:   # noqa: BLE001 - every unexpected outcome is counted, with a sample
+    except Exception as e:  # noqa: BLE001 - every unexpected outcome is counted, with a sample
         stats["errors"] += 1
         stats["error_samples"].append(repr(e)[:200])
 
 
-async def run_soak(url: str, api_key: str, model: str, *, requests: int = 2000, concurrency: int = 64,
-                   seed: int = 0) -> dict:
+async def run_soak(
+    url: str, api_key: str, model: str, *, requests: int = 2000, concurrency: int = 64, seed: int = 0
+) -> dict:
     rng = random.Random(seed)
     stats = {"ok": 0, "abandoned": 0, "rejected": 0, "errors": 0, "latencies": [], "error_samples": []}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {api_key}"},
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {api_key}"}, limits=limits) as client:
         queue = [random.Random(rng.getrandbits(64)) for _ in range(requests)]
 
         async def worker():
@@ -115,17 +121,24 @@ def server_state(url: str, pid: int | None) -> dict:
     deadline = time.monotonic() + 30
     while True:
         text = httpx.get(url + "/metrics", timeout=30).text
-        values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels
-                  or set(s.labels) == {"model_name"}}
+        values = {
+            s.name: s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if not s.labels or set(s.labels) == {"model_name"}
+        }
         idle = values["jaxllm:num_requests_running"] == 0 and values["jaxllm:num_requests_waiting"] == 0
         if idle or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    state = {"kv_cache_usage": values["jaxllm:kv_cache_usage_perc"], "running": values["jaxllm:num_requests_running"],
-             "waiting": values["jaxllm:num_requests_waiting"]}
+    state = {
+        "kv_cache_usage": values["jaxllm:kv_cache_usage_perc"],
+        "running": values["jaxllm:num_requests_running"],
+        "waiting": values["jaxllm:num_requests_waiting"],
+    }
     if pid is not None:
         process = psutil.Process(pid)
-        state.update(rss_mib=process.memory_info().rss / 2 ** 20, threads=process.num_threads())
+        state.update(rss_mib=process.memory_info().rss / 2**20, threads=process.num_threads())
     return state
 
 

@@ -48,8 +48,12 @@ def make_batch(chunks, block_tables, *, spec, page_size: int, num_tokens: int, n
         num_decodes = int((q_lens == 1).sum())
         rows = num_tokens // attention.prefill_row_tokens + num_seqs
         inputs.attn_metadata = attention.build_metadata(
-            q_lens=q_lens, seq_lens=seq_lens, block_tables=tables, num_decodes=num_decodes,
-            bucket=Bucket(num_tokens, num_seqs, rows, num_seqs))
+            q_lens=q_lens,
+            seq_lens=seq_lens,
+            block_tables=tables,
+            num_decodes=num_decodes,
+            bucket=Bucket(num_tokens, num_seqs, rows, num_seqs),
+        )
     return inputs, where
 
 
@@ -62,6 +66,6 @@ def shuffled_block_tables(rng, seq_lens, *, page_size: int, pages_per_seq: int, 
         need = -(-n // page_size)
         assert need <= pages_per_seq and used + need <= num_pages
         tables[s, :need] = perm[used : used + need]
-        tables[s, need:] = rng.choice(perm[:used + need], pages_per_seq - need)
+        tables[s, need:] = rng.choice(perm[: used + need], pages_per_seq - need)
         used += need
     return tables

@@ -18,8 +18,16 @@ import os
 # background).
 # Pages of 16 (the accelerators' default; CPU's is 64): the tests' page arithmetic and their
 # preemption and prefix-caching cases are written for them.
-TINY_ENGINE_ARGS = dict(dtype="float32", max_num_seqs=32, max_num_batched_tokens=128, max_model_len=512,
-                        kv_cache_memory=16 << 20, background_compile=False, warmup=False, block_size=16)
+TINY_ENGINE_ARGS = dict(
+    dtype="float32",
+    max_num_seqs=32,
+    max_num_batched_tokens=128,
+    max_model_len=512,
+    kv_cache_memory=16 << 20,
+    background_compile=False,
+    warmup=False,
+    block_size=16,
+)
 # The same with every step shape compiled before the engine returns.
 WARM_ENGINE_ARGS = {**TINY_ENGINE_ARGS, "warmup": True}
 
@@ -42,9 +50,19 @@ def build_tiny_model(path: str, num_layers: int = 2) -> str:
     if os.path.isfile(os.path.join(path, "model.safetensors")):
         return path
     config = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.3,
-        architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        initializer_range=0.3,
+        architectures=["LlamaForCausalLM"],
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     load_model(None, progress=False).tokenizer.save_pretrained(path)
@@ -69,6 +87,7 @@ def offline_llm(path: str):
     if path not in _llms:
         from jaxllm import LLM
 
-        _llms[path] = LLM(path, params_cache_dir=os.path.join(os.path.dirname(path), "params_offline"),
-                          **TINY_ENGINE_ARGS)
+        _llms[path] = LLM(
+            path, params_cache_dir=os.path.join(os.path.dirname(path), "params_offline"), **TINY_ENGINE_ARGS
+        )
     return _llms[path]

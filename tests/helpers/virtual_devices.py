@@ -18,14 +18,18 @@ import sys
 from tests.helpers import ROOT
 
 
-
 def run(n: int, check: str, *args, workdir: str, timeout: float = 1200):
     """What `check(workdir, *args)` returns, run on `n` virtual CPU devices in a subprocess."""
     out = os.path.join(workdir, "result.json")
     pythonpath = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.virtual_devices", str(n), check, workdir, out,
-                           json.dumps(args)], env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.virtual_devices", str(n), check, workdir, out, json.dumps(args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, f"{check} on {n} virtual devices failed:\n{proc.stderr[-4000:]}"
     with open(out) as f:
         return json.load(f)

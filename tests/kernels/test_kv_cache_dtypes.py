@@ -18,7 +18,7 @@ PROMPTS = ["Hello, my name is", "The capital of France is", "1 2 3 4 5", "def ma
 def test_int8_rows_hold_codes_and_a_scale_per_token_and_head():
     rng = np.random.default_rng(3)
     x = rng.standard_normal((5, 2, 8)).astype(np.float32)
-    x[1, 0] = 0.0                                          # a zero row keeps a usable scale
+    x[1, 0] = 0.0  # a zero row keeps a usable scale
     rows = np.asarray(kernels.kv_write.quantize_rows(jnp.asarray(x)))
     assert rows.shape == (5, 2, 12) and rows.dtype == np.int8
     scale = np.abs(x).max(-1) / 127
@@ -42,7 +42,7 @@ def test_fp8_rows_hold_e4m3_codes_and_a_scale_per_token_and_head():
 
     rng = np.random.default_rng(5)
     x = (rng.standard_normal((6, 2, 8)) * 3.0 ** np.arange(-6, 6).reshape(6, 2, 1)).astype(np.float32)
-    x[1, 0] = 0.0                                          # a zero row keeps a usable scale
+    x[1, 0] = 0.0  # a zero row keeps a usable scale
     rows = np.asarray(kernels.kv_write.quantize_rows(jnp.asarray(x), jnp.uint8))
     assert rows.shape == (6, 2, 12) and rows.dtype == np.uint8
     amax = np.abs(x).max(-1)
@@ -52,11 +52,13 @@ def test_fp8_rows_hold_e4m3_codes_and_a_scale_per_token_and_head():
     np.testing.assert_array_equal(rows[..., :8], codes.view(np.uint8))
     back = np.asarray(kernels.logical_pages(jnp.asarray(rows)))
     np.testing.assert_array_equal(back, codes.astype(np.float32) * scale[..., None])
-    assert np.all(np.abs(back - x) <= np.abs(x) / 16 + scale[..., None] * 2.0**-10)   # 3 mantissa bits
+    assert np.all(np.abs(back - x) <= np.abs(x) / 16 + scale[..., None] * 2.0**-10)  # 3 mantissa bits
     every = np.arange(256, dtype=np.uint8)
     finite = ~np.isnan(every.view(ml_dtypes.float8_e4m3fn).astype(np.float32))
-    np.testing.assert_array_equal(np.asarray(kernels.kv_write.fp8_bits_to_f32(jnp.asarray(every)))[finite],
-                                  every.view(ml_dtypes.float8_e4m3fn).astype(np.float32)[finite])
+    np.testing.assert_array_equal(
+        np.asarray(kernels.kv_write.fp8_bits_to_f32(jnp.asarray(every)))[finite],
+        every.view(ml_dtypes.float8_e4m3fn).astype(np.float32)[finite],
+    )
 
 
 @pytest.mark.parametrize("kv_dtype, storage", [("int8", np.int8), ("fp8", np.uint8)])

@@ -55,15 +55,24 @@ def test_sliding_window_and_soft_cap(cache_dtype):
     check(args, sliding_window=7, logits_soft_cap=2.0)
 
 
-@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,page_size",
-                         [(4, 4, 32, 8), (8, 2, 128, 32), (12, 3, 64, 16), (6, 2, 80, 16)])
+@pytest.mark.parametrize(
+    "num_q_heads,num_kv_heads,head_dim,page_size", [(4, 4, 32, 8), (8, 2, 128, 32), (12, 3, 64, 16), (6, 2, 80, 16)]
+)
 @pytest.mark.parametrize("cache_dtype", ["float32", "int8", "fp8"])
 def test_head_groups_and_page_sizes(num_q_heads, num_kv_heads, head_dim, page_size, cache_dtype):
     # MHA with small pages, GQA 4 with head_dim 128 and pages of 32, GQA 4 at this model's
     # shapes; head_dim 80 takes the portable path (no SIMD path has code for it).
-    args = make_batch(4, [1, 21, 1, 2], [9, 30, 100, 120], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                      head_dim=head_dim, page_size=page_size, pages_per_seq=-(-128 // page_size),
-                      cache_dtype=cache_dtype)
+    args = make_batch(
+        4,
+        [1, 21, 1, 2],
+        [9, 30, 100, 120],
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        pages_per_seq=-(-128 // page_size),
+        cache_dtype=cache_dtype,
+    )
     check(args)
 
 
@@ -90,7 +99,7 @@ def test_rejects_inconsistent_inputs_without_touching_memory():
     def run(*args):
         return jax.block_until_ready(native.paged_attention_cpu(*args))
 
-    with pytest.raises(Exception, match="inconsistent cu_q_lens"):      # a query starting before q
+    with pytest.raises(Exception, match="inconsistent cu_q_lens"):  # a query starting before q
         run(q, k, v, kv_lens, block_tables, cu_q_lens.at[0].set(-2), num_seqs)
     with pytest.raises(Exception, match="shorter than num_seqs"):
         run(q, k, v, kv_lens, block_tables, cu_q_lens[:2], num_seqs)
@@ -124,15 +133,16 @@ def test_write_kv_stores_the_bytes_the_scatter_stores(cache_dtype):
 
     rng = np.random.default_rng(4)
     heads, pages, page_size, head_dim, tokens = 3, 7, 4, 64, 10
-    k_pages, v_pages = kernels.allocate_kv_cache(1, heads, pages, page_size, head_dim,
-                                                 kernels.kv_write.cache_dtype(cache_dtype))[0]
+    k_pages, v_pages = kernels.allocate_kv_cache(
+        1, heads, pages, page_size, head_dim, kernels.kv_write.cache_dtype(cache_dtype)
+    )[0]
     # Pages already holding other tokens' rows (random bytes), which must survive.
     k_pages = jax.numpy.asarray(rng.integers(-100, 100, k_pages.shape).astype(k_pages.dtype))
     v_pages = jax.numpy.asarray(rng.integers(-100, 100, v_pages.shape).astype(v_pages.dtype))
     k = rng.standard_normal((tokens, heads, head_dim)).astype(np.float32) * 3
     v = rng.standard_normal((tokens, heads, head_dim)).astype(np.float32)
-    k[2] = 0.0                       # int8: a zero row keeps a scale of 1
-    k[3, 0, :4] = [0.5, 1.5, -2.5, 1e-30]     # halfway cases round to even
+    k[2] = 0.0  # int8: a zero row keeps a scale of 1
+    k[3, 0, :4] = [0.5, 1.5, -2.5, 1e-30]  # halfway cases round to even
     # fp8 (scale 1 with 448 the row's largest): ties between E4M3 codes, subnormal ones, one
     # carrying into the smallest normal, -0.
     k[4, 0, :7] = [448.0, 1.0625, 1.1875, 1.5 * 2**-9, 7.5 * 2**-9, -300.0, -0.0]
@@ -177,8 +187,10 @@ def test_matmul_packed_matches_numpy(rows, dtype):
     w = rng.standard_normal((k, n)).astype(np.float32)
     ref = rounded(x, dtype) @ rounded(w, dtype)
     shape = (n // 16, k // 2, 16, 2) if dtype == "bfloat16" else (n // 16, k, 16)
-    for packed in (native.pack_weight(w, dtype=dtype),
-                   native.pack_weight(np.ascontiguousarray(w.T), transposed=True, dtype=dtype)):
+    for packed in (
+        native.pack_weight(w, dtype=dtype),
+        native.pack_weight(np.ascontiguousarray(w.T), transposed=True, dtype=dtype),
+    ):
         assert packed.shape == shape and packed.dtype == dtype
         for path in ("auto", *native.kernel_paths()):
             y = jax.jit(functools.partial(native.matmul_packed, path=path))(x, packed)
@@ -188,7 +200,7 @@ def test_matmul_packed_matches_numpy(rows, dtype):
     np.testing.assert_allclose(batched[0], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     live = jax.jit(native.matmul_packed)(x, packed, rows=rows // 2)
     np.testing.assert_allclose(live[: rows // 2], ref[: rows // 2], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    assert not np.asarray(live[rows // 2:]).any()
+    assert not np.asarray(live[rows // 2 :]).any()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -206,7 +218,8 @@ def test_rms_norm_matches_numpy(rows, live, add, dtype):
     s = x + delta if add else x
     ref = s / np.sqrt(np.mean(np.square(s, dtype=np.float64), axis=1, keepdims=True) + eps) * w
     out = jax.jit(functools.partial(native.rms_norm, eps=eps, dtype=jax.numpy.dtype(dtype)))(
-        x, w, delta=delta if add else None, rows=live)
+        x, w, delta=delta if add else None, rows=live
+    )
     if add:
         total, out = out
         live_rows = rows if live is None else live
@@ -231,9 +244,15 @@ def test_gemms_skip_rows_past_the_live_count(live):
     codes = rng.integers(-127, 128, (k, n))
     scale = rng.random((2, n)).astype(np.float32)
     w_q = codes * np.repeat(scale.astype(np.float64), k // 2, 0)
-    for y, weight in ((jax.jit(native.matmul_packed)(x, native.pack_weight(w), rows=live), w),
-                      (jax.jit(functools.partial(native.matmul_quantized, bits=8))(
-                          x, native.pack_codes(codes, 8), scale, None, rows=np.int32(live)), w_q)):
+    for y, weight in (
+        (jax.jit(native.matmul_packed)(x, native.pack_weight(w), rows=live), w),
+        (
+            jax.jit(functools.partial(native.matmul_quantized, bits=8))(
+                x, native.pack_codes(codes, 8), scale, None, rows=np.int32(live)
+            ),
+            w_q,
+        ),
+    ):
         y, ref = np.asarray(y), x.astype(np.float64) @ weight
         np.testing.assert_allclose(y[:live], ref[:live], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
         assert not y[live:].any()
@@ -258,7 +277,7 @@ def test_matmul_packed_swiglu_matches_numpy(rows, dtype):
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     live = jax.jit(functools.partial(native.matmul_packed, swiglu=True))(x, packed, rows=rows // 2)
     np.testing.assert_allclose(live[: rows // 2], ref[: rows // 2], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    assert not np.asarray(live[rows // 2:]).any()
+    assert not np.asarray(live[rows // 2 :]).any()
 
 
 def test_bf16_gemm_native_follows_the_cpu():
@@ -268,8 +287,9 @@ def test_bf16_gemm_native_follows_the_cpu():
     assert native.packable((38, 48), dtype=jax.numpy.bfloat16)
     assert not native.packable((37, 48), dtype=jax.numpy.bfloat16) and native.packable((37, 48))
     with pytest.raises(Exception, match="matmul_packed_bf16"):
-        jax.block_until_ready(native.matmul_packed(np.ones((2, 8), np.float32),
-                                                   np.ones((1, 3, 16, 2), jax.numpy.bfloat16)))
+        jax.block_until_ready(
+            native.matmul_packed(np.ones((2, 8), np.float32), np.ones((1, 3, 16, 2), jax.numpy.bfloat16))
+        )
 
 
 def test_argmax_logsumexp_first_max_anywhere():
@@ -301,7 +321,7 @@ def test_argmax_logsumexp_over_the_tokens_a_mask_allows():
     allowed[3, vocab - 2] = True
     bits = np.zeros((5, 32 * -(-vocab // 32)), np.uint8)
     bits[:, :vocab] = allowed
-    bits[0, vocab:] = 1                  # bits past the vocabulary are ignored
+    bits[0, vocab:] = 1  # bits past the vocabulary are ignored
     mask = np.packbits(bits, axis=1, bitorder="little").view(np.int32)
     idx, lse = jax.jit(native.argmax_logsumexp)(x, mask)
     ref = np.where(allowed, x.astype(np.float64), -np.inf)
@@ -318,8 +338,9 @@ def test_matmul_packed_rejects_mismatched_shapes():
 def test_kernel_paths_follow_the_cpu():
     # The build has the SIMD paths this CPU's flags allow (-march=native), so each is tested here.
     flags = lscpu_flags()
-    expected = (("portable",) + (("avx2",) if {"avx2", "fma"} <= flags else ())
-                + (("avx512",) if "avx512f" in flags else ()))
+    expected = (
+        ("portable",) + (("avx2",) if {"avx2", "fma"} <= flags else ()) + (("avx512",) if "avx512f" in flags else ())
+    )
     assert native.kernel_paths() == expected
     args = make_batch(0, [1], [5])
     with pytest.raises(ValueError, match="not in this build"):
@@ -356,8 +377,14 @@ def test_the_kernels_compile_for_every_cpu_kind(march):
     if cxx is None:
         pytest.skip("no C++ compiler")
     flags = [f for f in native.FLAGS if f not in ("-O3", "-march=native")]
-    procs = [subprocess.Popen([cxx, *flags, f"-march={march}", "-fsyntax-only", "-w", "-I", jax.ffi.include_dir(), src],
-                              stderr=subprocess.PIPE, text=True) for src in native.SOURCES]
+    procs = [
+        subprocess.Popen(
+            [cxx, *flags, f"-march={march}", "-fsyntax-only", "-w", "-I", jax.ffi.include_dir(), src],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for src in native.SOURCES
+    ]
     for src, proc in zip(native.SOURCES, procs):
         errors = proc.communicate()[1]
         assert proc.returncode == 0, f"{os.path.basename(src)} does not compile for -march={march}:\n{errors[-4000:]}"
@@ -380,8 +407,8 @@ def test_build_reports_compiler_errors(tmp_path, monkeypatch):
 def test_loading_the_kernels_keeps_subnormal_floats():
     """Linking with -ffast-math would set flush-to-zero for the whole process at load time."""
     native.require()
-    tiny = np.array([1e-40], np.float32)          # a subnormal float32
-    assert (tiny * np.float32(2))[0] > 0      # 0 under denormals-are-zero or flush-to-zero
+    tiny = np.array([1e-40], np.float32)  # a subnormal float32
+    assert (tiny * np.float32(2))[0] > 0  # 0 under denormals-are-zero or flush-to-zero
 
 
 def test_default_backend_falls_back_to_jnp_rows_without_the_kernels(monkeypatch, caplog):
@@ -396,6 +423,6 @@ def test_default_backend_falls_back_to_jnp_rows_without_the_kernels(monkeypatch,
     assert "no C++ compiler found" in caplog.text
     assert get_attention_backend(None, "gpu").name == "pallas"
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
-        get_attention_backend("native", "cpu")        # asked for by name: no silent fallback
+        get_attention_backend("native", "cpu")  # asked for by name: no silent fallback
     monkeypatch.undo()
     assert get_attention_backend(None, "cpu").name == "native"

@@ -67,9 +67,16 @@ def test_sliding_window_and_soft_cap(cache_dtype):
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,page_size", [(4, 4, 8), (8, 2, 32)])
 def test_head_groups_and_page_sizes(num_q_heads, num_kv_heads, page_size):
     # MHA with pages smaller than a key block, and pages larger than a key block.
-    args = make_batch(4, [1, 11, 1], [9, 30, 60], num_q_heads=num_q_heads,
-                      num_kv_heads=num_kv_heads, head_dim=32, page_size=page_size,
-                      pages_per_seq=-(-64 // page_size))
+    args = make_batch(
+        4,
+        [1, 11, 1],
+        [9, 30, 60],
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=32,
+        page_size=page_size,
+        pages_per_seq=-(-64 // page_size),
+    )
     check(args, TOL["float32"])
 
 
@@ -78,25 +85,32 @@ def test_rejects_bad_shapes():
     with pytest.raises(ValueError, match="num_kv_heads"):
         ragged_paged_attention(q[:, :8], k, v, kv_lens, block_tables, cu_q_lens, num_seqs)
     with pytest.raises(ValueError, match="head_dim 48"):
-        ragged_paged_attention(q[..., :48], k[..., :48], v[..., :48], kv_lens, block_tables,
-                               cu_q_lens, num_seqs)
+        ragged_paged_attention(q[..., :48], k[..., :48], v[..., :48], kv_lens, block_tables, cu_q_lens, num_seqs)
 
 
 def lower_kernel(num_q_heads, num_kv_heads, head_dim, cache_dtype, **kwargs):
     num_tokens, num_seqs_max, num_pages, page_size, pages_per_seq = 256, 64, 2048, 16, 128
     q_dtype = jnp.bfloat16 if cache_dtype == jnp.uint16 or cache_dtype == jnp.bfloat16 else jnp.float32
-    row = head_dim + (4 if cache_dtype in (jnp.int8, jnp.uint8) else 0)   # int8 / fp8 rows: codes, then the scale
+    row = head_dim + (4 if cache_dtype in (jnp.int8, jnp.uint8) else 0)  # int8 / fp8 rows: codes, then the scale
     pages = arg((num_kv_heads, num_pages, page_size, row), cache_dtype)
-    args = (arg((num_tokens, num_q_heads, head_dim), q_dtype), pages, pages,
-            arg((num_seqs_max,), jnp.int32), arg((num_seqs_max, pages_per_seq), jnp.int32),
-            arg((num_seqs_max + 1,), jnp.int32), arg((), jnp.int32))
+    args = (
+        arg((num_tokens, num_q_heads, head_dim), q_dtype),
+        pages,
+        pages,
+        arg((num_seqs_max,), jnp.int32),
+        arg((num_seqs_max, pages_per_seq), jnp.int32),
+        arg((num_seqs_max + 1,), jnp.int32),
+        arg((), jnp.int32),
+    )
     return lower_for_cuda(functools.partial(ragged_paged_attention, **kwargs), *args)
 
 
-@pytest.mark.parametrize("cache_dtype", [jnp.uint16, jnp.float32, jnp.int8, jnp.uint8],
-                         ids=["bf16", "f32", "int8", "fp8"])
-@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128)],
-                         ids=["default_model", "llama3_8b"])
+@pytest.mark.parametrize(
+    "cache_dtype", [jnp.uint16, jnp.float32, jnp.int8, jnp.uint8], ids=["bf16", "f32", "int8", "fp8"]
+)
+@pytest.mark.parametrize(
+    "num_q_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128)], ids=["default_model", "llama3_8b"]
+)
 def test_lowers_for_cuda_with_triton(num_q_heads, num_kv_heads, head_dim, cache_dtype):
     text = lower_kernel(num_q_heads, num_kv_heads, head_dim, cache_dtype)
     assert "__gpu$xla.gpu.triton" in text
@@ -118,12 +132,22 @@ def test_lowers_for_cuda_per_shard_under_shard_map(num_q_heads):
     mesh = gpu_mesh(8)
     num_tokens, num_seqs_max, pages_per_seq = 256, 64, 128
     pages = arg((8, 2048, 16, 128), jnp.uint16, mesh, P("model"))
-    args = (arg((num_tokens, num_q_heads, 128), jnp.bfloat16, mesh, P(None, "model")), pages, pages,
-            arg((num_seqs_max,), jnp.int32), arg((num_seqs_max, pages_per_seq), jnp.int32),
-            arg((num_seqs_max + 1,), jnp.int32), arg((), jnp.int32))
-    per_shard = jax.shard_map(ragged_paged_attention, mesh=mesh, check_vma=False,
-                              in_specs=(P(None, "model"), P("model"), P("model"), P(), P(), P(), P()),
-                              out_specs=P(None, "model"))
+    args = (
+        arg((num_tokens, num_q_heads, 128), jnp.bfloat16, mesh, P(None, "model")),
+        pages,
+        pages,
+        arg((num_seqs_max,), jnp.int32),
+        arg((num_seqs_max, pages_per_seq), jnp.int32),
+        arg((num_seqs_max + 1,), jnp.int32),
+        arg((), jnp.int32),
+    )
+    per_shard = jax.shard_map(
+        ragged_paged_attention,
+        mesh=mesh,
+        check_vma=False,
+        in_specs=(P(None, "model"), P("model"), P("model"), P(), P(), P(), P()),
+        out_specs=P(None, "model"),
+    )
     text = lower_for_cuda(per_shard, *args, mesh=mesh)
     assert "__gpu$xla.gpu.triton" in text
     assert f"tensor<{num_tokens}x{num_q_heads // 8}x128xbf16>" in text and "tensor<1x2048x16x128xui16>" in text

@@ -23,7 +23,7 @@ from tests.helpers import ROOT
 from tests.helpers.attention_batches import MIXED, assert_matches_reference, make_batch
 from tests.helpers.cuda_lowering import INTERPRET, arg, gpu_mesh, lower_for_cuda
 
-TOL = 3e-2          # bf16 pages, q and softmax weights rounded to bf16 before the MMAs (as Triton's)
+TOL = 3e-2  # bf16 pages, q and softmax weights rounded to bf16 before the MMAs (as Triton's)
 
 
 def check(args, **kwargs):
@@ -36,15 +36,23 @@ def check(args, **kwargs):
 def test_mixed_prefill_and_decode(num_q_heads, num_kv_heads, page_size):
     """Decodes, chunks continuing a prefix, a chunk over two query tiles, padding rows (NaN and
     1e30) and stale cache slots (1e4): GQA groups of 3 (padded to 4), 4 and 1."""
-    args = make_batch(0, **MIXED, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
-                      pages_per_seq=64 // page_size + 1, cache_dtype="uint16")
+    args = make_batch(
+        0,
+        **MIXED,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        page_size=page_size,
+        pages_per_seq=64 // page_size + 1,
+        cache_dtype="uint16",
+    )
     check(args)
 
 
 def test_long_contexts_wrap_the_copy_ring():
     """Contexts of up to 10 key blocks through a ring of 2 slots: every slot is refilled."""
-    args = make_batch(1, q_lens=[1, 3, 40], kv_lens=[600, 97, 300], page_size=16, pages_per_seq=38,
-                      cache_dtype="bfloat16")
+    args = make_batch(
+        1, q_lens=[1, 3, 40], kv_lens=[600, 97, 300], page_size=16, pages_per_seq=38, cache_dtype="bfloat16"
+    )
     check(args, stages=2)
 
 
@@ -57,8 +65,9 @@ def test_block_table_rows_longer_than_one_copy():
 
 def test_sliding_window_and_soft_cap():
     """The window starts the key loop past the first blocks; the cap bends the scores."""
-    args = make_batch(2, q_lens=[1, 30, 2], kv_lens=[300, 200, 33], page_size=16, pages_per_seq=20,
-                      cache_dtype="uint16")
+    args = make_batch(
+        2, q_lens=[1, 30, 2], kv_lens=[300, 200, 33], page_size=16, pages_per_seq=20, cache_dtype="uint16"
+    )
     check(args, sliding_window=70, logits_soft_cap=5.0, stages=2)
 
 
@@ -82,27 +91,38 @@ def lower_kernel(num_q_heads, num_kv_heads, head_dim, page_size=16, mesh_devices
     q_spec, kv_spec = P(None, "model"), P("model")
     num_tokens, num_seqs_max, pages_per_seq = 256, 64, 128
     pages = arg((num_kv_heads, 2048, page_size, head_dim), jnp.uint16, sharded, kv_spec)
-    args = (arg((num_tokens, num_q_heads, head_dim), jnp.bfloat16, sharded, q_spec), pages, pages,
-            arg((num_seqs_max,), jnp.int32), arg((num_seqs_max, pages_per_seq), jnp.int32),
-            arg((num_seqs_max + 1,), jnp.int32), arg((), jnp.int32))
+    args = (
+        arg((num_tokens, num_q_heads, head_dim), jnp.bfloat16, sharded, q_spec),
+        pages,
+        pages,
+        arg((num_seqs_max,), jnp.int32),
+        arg((num_seqs_max, pages_per_seq), jnp.int32),
+        arg((num_seqs_max + 1,), jnp.int32),
+        arg((), jnp.int32),
+    )
     f = functools.partial(ragged_paged_attention_mgpu, **kwargs)
     if mesh_devices > 1:
-        f = jax.shard_map(f, mesh=mesh, check_vma=False, in_specs=(q_spec, kv_spec, kv_spec, P(), P(), P(), P()),
-                          out_specs=q_spec)
+        f = jax.shard_map(
+            f, mesh=mesh, check_vma=False, in_specs=(q_spec, kv_spec, kv_spec, P(), P(), P(), P()), out_specs=q_spec
+        )
     return lower_for_cuda(f, *args, mesh=mesh)
 
 
-@pytest.mark.parametrize("shape", [
-    dict(num_q_heads=9, num_kv_heads=3, head_dim=64),                              # the default model
-    dict(num_q_heads=32, num_kv_heads=8, head_dim=128),                            # Llama-3-8B
-    dict(num_q_heads=64, num_kv_heads=8, head_dim=128, mesh_devices=8),            # Llama-3-70B, TP 8
-    dict(num_q_heads=32, num_kv_heads=8, head_dim=128, sliding_window=4096, logits_soft_cap=50.0),
-    dict(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=64, block_kv=128, stages=2),
-], ids=["default_model", "llama3_8b", "llama3_70b_tp8", "window_soft_cap", "pages_64"])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(num_q_heads=9, num_kv_heads=3, head_dim=64),  # the default model
+        dict(num_q_heads=32, num_kv_heads=8, head_dim=128),  # Llama-3-8B
+        dict(num_q_heads=64, num_kv_heads=8, head_dim=128, mesh_devices=8),  # Llama-3-70B, TP 8
+        dict(num_q_heads=32, num_kv_heads=8, head_dim=128, sliding_window=4096, logits_soft_cap=50.0),
+        dict(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=64, block_kv=128, stages=2),
+    ],
+    ids=["default_model", "llama3_8b", "llama3_70b_tp8", "window_soft_cap", "pages_64"],
+)
 def test_lowers_for_cuda_with_mosaic_gpu(shape):
     text = lower_kernel(**shape)
     assert "mosaic_gpu_v2" in text
-    if shape.get("mesh_devices"):       # each shard: 8 query heads over its one KV head
+    if shape.get("mesh_devices"):  # each shard: 8 query heads over its one KV head
         assert "tensor<256x8x128xbf16>" in text and "tensor<1x2048x16x128xui16>" in text
 
 
@@ -137,7 +157,6 @@ def test_mosaic_backend_sends_other_caches_to_triton(monkeypatch, caplog):
     assert caplog.text.count("the Triton kernel serves a int8 cache") == 1
 
 
-
 def test_gpu_benchmark_smoke(tmp_path):
     """benchmarks/gpu.py at tiny shapes (on CPU the kernels run interpreted), so that it runs on
     the first GPU: both kernels' rows, the first case against the oracle, the quantized matmul's
@@ -160,12 +179,17 @@ def test_gpu_benchmark_smoke(tmp_path):
     assert [r["max_abs_err"] < TOL for r in rows if "max_abs_err" in r] == [True, True]
     quant = result["quantized_matmul"]
     assert [(r["method"], "error" in r) for r in quant] == [("int8", False), ("int4", False)]
-    assert all(r["max_rel_err"] < 1e-4 for r in quant)      # f32 dots over the same dequantized weight
+    assert all(r["max_rel_err"] < 1e-4 for r in quant)  # f32 dots over the same dequantized weight
     workload = random_workload(4, (32, 256), (32, 128), 0, bench.SMOKE["vocab"], [])
     assert result["engine"]["output_tokens"] == sum(w["max_tokens"] for w in workload)
 
-    llm = LLM(str(tmp_path / "llama3-8b-shape-2l"), dtype="float32", warmup=False, kv_cache_memory=4 << 20,
-              params_cache_dir=str(tmp_path / "params"))
+    llm = LLM(
+        str(tmp_path / "llama3-8b-shape-2l"),
+        dtype="float32",
+        warmup=False,
+        kv_cache_memory=4 << 20,
+        params_cache_dir=str(tmp_path / "params"),
+    )
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 3 and out.outputs[0].text == ""
     with pytest.raises(ValueError, match="no tokenizer: give prompt_token_ids"):

@@ -21,7 +21,7 @@ def check_live_rows(call, args, ref: np.ndarray, atol: float):
     rows = args[0].shape[0]
     live = jax.jit(call)(*args, rows=np.int32(rows - 1))
     np.testing.assert_allclose(live[: rows - 1], ref[: rows - 1], rtol=1e-5, atol=atol)
-    assert not np.asarray(live[rows - 1:]).any()
+    assert not np.asarray(live[rows - 1 :]).any()
 
 
 @pytest.mark.parametrize("rows", [1, 4, 5, 6, 13, 97])
@@ -41,8 +41,9 @@ def test_matmul_quantized_matches_numpy(rows, bits, groups, with_offset, scale_d
         scale[0, :4] = [6e-8, 3e-5, 6.1e-5, 65504.0]
         if offset is not None:
             offset[0, :2] = [-3e-6, 0.0]
-    w = (codes * np.repeat(scale.astype(np.float64), k // groups, 0)
-         + (0 if offset is None else np.repeat(offset.astype(np.float64), k // groups, 0)))
+    w = codes * np.repeat(scale.astype(np.float64), k // groups, 0) + (
+        0 if offset is None else np.repeat(offset.astype(np.float64), k // groups, 0)
+    )
     ref = x.astype(np.float64) @ w
     packed = native.pack_codes(codes, bits)
     assert packed.shape == (n // 16, k, 16 if bits == 8 else 8)
@@ -68,18 +69,23 @@ def test_matmul_quantized_swiglu_matches_numpy(rows, bits):
     packed = native.pack_codes(codes, bits)
     for path in ("auto", *native.kernel_paths()):
         y = jax.jit(functools.partial(native.matmul_quantized, bits=bits, path=path, swiglu=True))(
-            x, packed, scale, offset)
+            x, packed, scale, offset
+        )
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    check_live_rows(functools.partial(native.matmul_quantized, bits=bits, swiglu=True), (x, packed, scale, offset),
-                    ref, atol=1e-5 * np.abs(ref).max())
+    check_live_rows(
+        functools.partial(native.matmul_quantized, bits=bits, swiglu=True),
+        (x, packed, scale, offset),
+        ref,
+        atol=1e-5 * np.abs(ref).max(),
+    )
 
 
 def test_matmul_quantized_rejects_mismatched_shapes():
     x = np.ones((2, 32), np.float32)
     codes = native.pack_codes(np.zeros((32, 16), np.int8), 8)
-    with pytest.raises(Exception, match="matmul_quantized"):   # 5 groups do not divide K = 32
+    with pytest.raises(Exception, match="matmul_quantized"):  # 5 groups do not divide K = 32
         jax.block_until_ready(native.matmul_quantized(x, codes, np.ones((5, 16), np.float32), None, 8))
-    with pytest.raises(Exception, match="matmul_quantized"):   # 8-bit codes called as 4-bit
+    with pytest.raises(Exception, match="matmul_quantized"):  # 8-bit codes called as 4-bit
         jax.block_until_ready(native.matmul_quantized(x, codes, np.ones((1, 16), np.float32), None, 4))
 
 
@@ -94,7 +100,7 @@ def act8_reference(x: np.ndarray, codes: np.ndarray, scale: np.ndarray, offset: 
     q = np.rint(xb * inv).astype(np.float64)
     d = (amax / np.float32(127)).astype(np.float64)[..., 0]
     cb = codes.reshape(k // 32, 32, -1).astype(np.float64)
-    s = np.repeat(scale.astype(np.float64), rows // 32, 0)          # per block of 32
+    s = np.repeat(scale.astype(np.float64), rows // 32, 0)  # per block of 32
     y = np.einsum("mbk,bkn,bn,mb->mn", q, cb, s, d)
     if offset is not None:
         y += xb.astype(np.float64).sum(-1) @ np.repeat(offset.astype(np.float64), rows // 32, 0)
@@ -140,10 +146,15 @@ def test_matmul_quantized_int8_activations_swiglu_and_live_rows(rows):
     packed = native.pack_codes(codes, 4)
     for path in ("auto", *native.kernel_paths()):
         y = jax.jit(functools.partial(native.matmul_quantized, bits=4, path=path, swiglu=True, act8=True))(
-            x, packed, scale, offset)
+            x, packed, scale, offset
+        )
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    check_live_rows(functools.partial(native.matmul_quantized, bits=4, act8=True), (x, packed, scale, offset),
-                    act8_reference(x, codes, scale, offset), atol=1e-4)
+    check_live_rows(
+        functools.partial(native.matmul_quantized, bits=4, act8=True),
+        (x, packed, scale, offset),
+        act8_reference(x, codes, scale, offset),
+        atol=1e-4,
+    )
 
 
 def w8a8_rows_reference(x: np.ndarray, codes: np.ndarray, scale: np.ndarray, act_block: int = 0) -> np.ndarray:
@@ -186,8 +197,12 @@ def test_matmul_quantized_w8a8_matches_numpy(rows, scale_dtype, act_block):
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
         y = jax.jit(functools.partial(call, swiglu=True))(x, packed[:6], scale[:, :96], None)
         np.testing.assert_allclose(y, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-5)
-    check_live_rows(functools.partial(native.matmul_quantized, bits=8, act8=True, act_block=act_block),
-                    (x, packed, scale, None), ref, atol=1e-6 * np.abs(ref).max())
+    check_live_rows(
+        functools.partial(native.matmul_quantized, bits=8, act8=True, act_block=act_block),
+        (x, packed, scale, None),
+        ref,
+        atol=1e-6 * np.abs(ref).max(),
+    )
 
 
 @pytest.mark.parametrize("rows", [1, 7])
@@ -213,9 +228,9 @@ def test_matmul_quantized_w8a8_bias_taken_at_packing(rows, act_block):
     np.testing.assert_array_equal(glu(x, packed, scale, None, bias=bias), glu(x, packed, scale, None))
     if "avx512_vnni" in cpu_flags():
         wrong = bias.copy()
-        wrong[-1] += 128        # the last block's only
+        wrong[-1] += 128  # the last block's only
         assert not np.array_equal(call(x, packed, scale, None, bias=wrong), call(x, packed, scale, None))
-    with pytest.raises(Exception, match="bias int32"):     # a bias of another block size
+    with pytest.raises(Exception, match="bias int32"):  # a bias of another block size
         jax.block_until_ready(call(x, packed, scale, None, bias=bias[:1] if act_block else np.tile(bias, (2, 1))))
     w = rng.standard_normal((k, n)).astype(np.float32)
     q = make_weight(w, "w8a8", panels=True, activations="int8")
@@ -226,27 +241,43 @@ def test_matmul_quantized_w8a8_bias_taken_at_packing(rows, act_block):
 def test_matmul_quantized_int8_activations_rejects_what_it_cannot_run():
     x = np.ones((2, 64), np.float32)
     int8_codes = native.pack_codes(np.zeros((64, 16), np.int8), 8)
-    with pytest.raises(Exception, match="int8 activations"):   # 8-bit codes with offsets (W8A8 has none)
-        jax.block_until_ready(native.matmul_quantized(x, int8_codes, np.ones((1, 16), np.float32),
-                                                      np.ones((1, 16), np.float32), 8, act8=True))
-    with pytest.raises(Exception, match="int8 activations"):   # 8-bit codes, two scales per column
-        jax.block_until_ready(native.matmul_quantized(x, int8_codes, np.ones((2, 16), np.float32), None, 8,
-                                                      act8=True))
-    k = native.W8A8_MAX_K + 4                                   # int32 sums could overflow
+    with pytest.raises(Exception, match="int8 activations"):  # 8-bit codes with offsets (W8A8 has none)
+        jax.block_until_ready(
+            native.matmul_quantized(
+                x, int8_codes, np.ones((1, 16), np.float32), np.ones((1, 16), np.float32), 8, act8=True
+            )
+        )
+    with pytest.raises(Exception, match="int8 activations"):  # 8-bit codes, two scales per column
+        jax.block_until_ready(native.matmul_quantized(x, int8_codes, np.ones((2, 16), np.float32), None, 8, act8=True))
+    k = native.W8A8_MAX_K + 4  # int32 sums could overflow
     with pytest.raises(Exception, match="int8 activations"):
-        jax.block_until_ready(native.matmul_quantized(np.ones((1, k), np.float32), np.zeros((1, k, 16), np.int8),
-                                                      np.ones((1, 16), np.float32), None, 8, act8=True))
-    w8a8 = functools.partial(native.matmul_quantized, x, native.pack_codes(np.zeros((64, 16), np.int8), 8, w8a8=True),
-                             np.ones((1, 16), np.float32), None, 8)
-    for act_block in (24, 2, -4):                               # not dividing K, not a multiple of 4, negative
+        jax.block_until_ready(
+            native.matmul_quantized(
+                np.ones((1, k), np.float32),
+                np.zeros((1, k, 16), np.int8),
+                np.ones((1, 16), np.float32),
+                None,
+                8,
+                act8=True,
+            )
+        )
+    w8a8 = functools.partial(
+        native.matmul_quantized,
+        x,
+        native.pack_codes(np.zeros((64, 16), np.int8), 8, w8a8=True),
+        np.ones((1, 16), np.float32),
+        None,
+        8,
+    )
+    for act_block in (24, 2, -4):  # not dividing K, not a multiple of 4, negative
         with pytest.raises(Exception, match="int8 activations"):
             jax.block_until_ready(w8a8(act8=True, act_block=act_block))
     with pytest.raises(Exception, match="act_block needs act8"):
         jax.block_until_ready(w8a8(act_block=16))
     int4_codes = native.pack_codes(np.zeros((64, 16), np.uint8), 4)
-    with pytest.raises(Exception, match="int8 activations"):   # groups of 16 rows: not whole blocks of 32
-        jax.block_until_ready(native.matmul_quantized(x, int4_codes, np.ones((4, 16), np.float16), None, 4,
-                                                      act8=True))
-    with pytest.raises(Exception, match="int8 activations"):   # 4-bit codes take blocks of 32, no other
-        jax.block_until_ready(native.matmul_quantized(x, int4_codes, np.ones((2, 16), np.float16), None, 4,
-                                                      act8=True, act_block=16))
+    with pytest.raises(Exception, match="int8 activations"):  # groups of 16 rows: not whole blocks of 32
+        jax.block_until_ready(native.matmul_quantized(x, int4_codes, np.ones((4, 16), np.float16), None, 4, act8=True))
+    with pytest.raises(Exception, match="int8 activations"):  # 4-bit codes take blocks of 32, no other
+        jax.block_until_ready(
+            native.matmul_quantized(x, int4_codes, np.ones((2, 16), np.float16), None, 4, act8=True, act_block=16)
+        )

@@ -47,10 +47,10 @@ def random_codes(rng, bits: int, k: int, n: int, groups: int, with_offset: bool,
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 13, 97])
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("groups, with_offset, scale_dtype", [(3, True, np.float16), (1, False, np.float32),
-                                                               (6, True, np.float32)])
-def test_matmul_quantized_bf16_is_the_bf16_gemm_of_the_rounded_weights(rows, bits, groups, with_offset,
-                                                                        scale_dtype):
+@pytest.mark.parametrize(
+    "groups, with_offset, scale_dtype", [(3, True, np.float16), (1, False, np.float32), (6, True, np.float32)]
+)
+def test_matmul_quantized_bf16_is_the_bf16_gemm_of_the_rounded_weights(rows, bits, groups, with_offset, scale_dtype):
     # K = 72 (groups of 72, 24, 12 rows), 7 panels: items of 4, 2 and 1 panels.
     rng = np.random.default_rng(rows * 7 + groups + bits)
     k, n = 72, 112
@@ -62,7 +62,7 @@ def test_matmul_quantized_bf16_is_the_bf16_gemm_of_the_rounded_weights(rows, bit
     bf16_panels = native.pack_weight(w.astype(ml_dtypes.bfloat16), dtype=ml_dtypes.bfloat16)
     for path in ("auto", *native.kernel_paths()):
         if path == "avx2":
-            continue            # the bf16 kernels have portable and AVX-512 code only
+            continue  # the bf16 kernels have portable and AVX-512 code only
         y = jax.jit(functools.partial(native.matmul_quantized_bf16, bits=bits, path=path))(x, packed, scale, offset)
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
         same = jax.jit(functools.partial(native.matmul_packed, path=path))(x, bf16_panels)
@@ -84,26 +84,28 @@ def test_matmul_quantized_bf16_swiglu_two_level_scales_and_live_rows(rows):
     w = codes * np.repeat(s, k // groups, 0) + np.repeat(o, k // groups, 0)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     h = bf16(x).astype(np.float64) @ bf16(w).astype(np.float64)
-    ref = h[:, : n // 2] / (1 + np.exp(-h[:, : n // 2])) * h[:, n // 2:]
+    ref = h[:, : n // 2] / (1 + np.exp(-h[:, : n // 2])) * h[:, n // 2 :]
     packed = native.pack_codes(codes, 4, pairs=True)
     for path in ("auto", "portable"):
-        call = functools.partial(native.matmul_quantized_bf16, bits=4, path=path, swiglu=True, super_scale=sup_s,
-                                 super_offset=sup_o)
+        call = functools.partial(
+            native.matmul_quantized_bf16, bits=4, path=path, swiglu=True, super_scale=sup_s, super_offset=sup_o
+        )
         y = jax.jit(call)(x, packed, sub_s, sub_o)
         np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
         live = jax.jit(call)(x, packed, sub_s, sub_o, rows=np.int32(rows - 1))
         np.testing.assert_array_equal(live[: rows - 1], y[: rows - 1])
-        assert not np.asarray(live[rows - 1:]).any()
+        assert not np.asarray(live[rows - 1 :]).any()
 
 
 def test_matmul_quantized_bf16_rejects_what_it_cannot_run():
     rng = np.random.default_rng(0)
-    codes, scale, offset, _ = random_codes(rng, 4, 24, 32, 4, True, np.float16)    # groups of 6 rows
+    codes, scale, offset, _ = random_codes(rng, 4, 24, 32, 4, True, np.float16)  # groups of 6 rows
     x = jnp.ones((2, 24), jnp.float32)
     with pytest.raises(Exception, match="groups of a multiple of 4 rows"):
-        jax.block_until_ready(native.matmul_quantized_bf16(x, native.pack_codes(codes, 4, pairs=True), scale, offset,
-                                                           4))
-    with pytest.raises(Exception, match="int8 \\[N / 16, K, 16\\] \\(bits 8\\)"):    # 4-bit panels as 8-bit
+        jax.block_until_ready(
+            native.matmul_quantized_bf16(x, native.pack_codes(codes, 4, pairs=True), scale, offset, 4)
+        )
+    with pytest.raises(Exception, match="int8 \\[N / 16, K, 16\\] \\(bits 8\\)"):  # 4-bit panels as 8-bit
         jax.block_until_ready(native.matmul_quantized_bf16(x, native.pack_codes(codes, 4), scale[:1], None, 8))
 
 
@@ -121,14 +123,15 @@ def test_with_bf16_activations_keeps_the_weight():
     ref = bf16(x).astype(np.float64) @ bf16(dequantize(q)).astype(np.float64)
     np.testing.assert_allclose(jax.jit(matmul)(x, p), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     q8 = make_weight(w, "int8", panels=True, activations="float")
-    p8 = with_bf16_activations(q8)          # 8-bit codes keep their panels
+    p8 = with_bf16_activations(q8)  # 8-bit codes keep their panels
     assert p8.activations == "bf16" and p8.codes is q8.codes
     ref8 = bf16(x).astype(np.float64) @ bf16(dequantize(q8)).astype(np.float64)
     np.testing.assert_allclose(jax.jit(matmul)(x, p8), ref8, rtol=1e-5, atol=1e-5 * np.abs(ref8).max())
-    tokens = np.array([0, 17, 40])          # embedding rows: the bf16 table's
+    tokens = np.array([0, 17, 40])  # embedding rows: the bf16 table's
     np.testing.assert_array_equal(jax.jit(embedding_rows)(p8, tokens), bf16(dequantize(q8).T[tokens]))
-    two_row_groups = QuantizedWeight(q.codes, jnp.repeat(q.scale, 16, 0), jnp.repeat(q.offset, 16, 0), 4, "panels",
-                                     "float")
+    two_row_groups = QuantizedWeight(
+        q.codes, jnp.repeat(q.scale, 16, 0), jnp.repeat(q.offset, 16, 0), 4, "panels", "float"
+    )
     assert with_bf16_activations(two_row_groups) is two_row_groups
 
 
@@ -174,8 +177,9 @@ def test_int4_engine_under_bf16_is_the_bf16_engine_on_quantized_values(tiny_mode
     for a, b in zip(llm.generate(PROMPTS, greedy, use_tqdm=False), ref_out):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
-        assert [{t: lp.logprob for t, lp in d.items()} for d in a.outputs[0].logprobs] == \
-            [{t: lp.logprob for t, lp in d.items()} for d in b.outputs[0].logprobs]
+        assert [{t: lp.logprob for t, lp in d.items()} for d in a.outputs[0].logprobs] == [
+            {t: lp.logprob for t, lp in d.items()} for d in b.outputs[0].logprobs
+        ]
 
 
 @pytest.mark.slow
@@ -185,8 +189,14 @@ def test_default_gguf_kept_under_bf16_is_the_bf16_engine():
     # the same file dequantized to bf16 (`quantization="none"`): the same tokens and logprobs.
     from jaxllm import LLM, SamplingParams
 
-    args = dict(dtype="bfloat16", max_num_seqs=8, max_model_len=512, kv_cache_memory=32 << 20, warmup=False,
-                background_compile=False)
+    args = dict(
+        dtype="bfloat16",
+        max_num_seqs=8,
+        max_model_len=512,
+        kv_cache_memory=32 << 20,
+        warmup=False,
+        background_compile=False,
+    )
     prompts = ["The capital of France is", "def fib(n):", "Once upon a time"]
     greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
     kept = LLM(quantization="gguf", **args)
@@ -196,5 +206,6 @@ def test_default_gguf_kept_under_bf16_is_the_bf16_engine():
     ref = LLM(quantization="none", **args).generate(prompts, greedy, use_tqdm=False)
     for a, b in zip(out, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert [{t: lp.logprob for t, lp in d.items()} for d in a.outputs[0].logprobs] == \
-            [{t: lp.logprob for t, lp in d.items()} for d in b.outputs[0].logprobs]
+        assert [{t: lp.logprob for t, lp in d.items()} for d in a.outputs[0].logprobs] == [
+            {t: lp.logprob for t, lp in d.items()} for d in b.outputs[0].logprobs
+        ]

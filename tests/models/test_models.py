@@ -31,7 +31,7 @@ transformers = pytest.importorskip("transformers")
 
 PAGE_SIZE, PAGES_PER_SEQ, NUM_PAGES = 4, 8, 40
 NUM_TOKENS, NUM_SEQS = 48, 5
-PROMPT_LENS = (7, 13, 1, 20)   # seq 1 is prefilled in two chunks: 8 tokens, then 5 next to decodes
+PROMPT_LENS = (7, 13, 1, 20)  # seq 1 is prefilled in two chunks: 8 tokens, then 5 next to decodes
 DECODE_STEPS = 3
 F32_TOL = 1e-4
 
@@ -58,6 +58,7 @@ def _step_fn(spec, attention):
     def step(params, kv_cache, inputs):
         hidden, kv_cache = decoder.forward(params, kv_cache, inputs, spec, attention=attention)
         return decoder.compute_logits(params, hidden, spec), kv_cache
+
     return jax.jit(step)
 
 
@@ -65,17 +66,30 @@ def run_paged(loaded, seqs, *, impl: str, cache_dtype):
     """Run `schedule()` over the token ids `seqs[s]`; -> per sequence logits `[len, vocab]`."""
     spec = loaded.spec
     rng = np.random.default_rng(1)
-    tables = shuffled_block_tables(rng, [len(t) for t in seqs], page_size=PAGE_SIZE,
-                                   pages_per_seq=PAGES_PER_SEQ, num_pages=NUM_PAGES)
+    tables = shuffled_block_tables(
+        rng, [len(t) for t in seqs], page_size=PAGE_SIZE, pages_per_seq=PAGES_PER_SEQ, num_pages=NUM_PAGES
+    )
     garbage = 50 * rng.standard_normal((spec.num_kv_heads, NUM_PAGES, PAGE_SIZE, spec.head_dim))
-    kv_cache = [tuple(kernels.kv_write.to_storage(jnp.asarray(garbage, jnp.float32), kernels.storage_dtype(cache_dtype))
-                      for _ in range(2)) for _ in range(spec.num_layers)]
+    kv_cache = [
+        tuple(
+            kernels.kv_write.to_storage(jnp.asarray(garbage, jnp.float32), kernels.storage_dtype(cache_dtype))
+            for _ in range(2)
+        )
+        for _ in range(spec.num_layers)
+    ]
     logits = [np.full((len(t), spec.vocab_size), np.nan, np.float32) for t in seqs]
     for step in schedule():
         chunks = [(seqs[s][start : start + n], start) for s, (start, n) in sorted(step.items())]
         attention = _backend(impl)
-        batch, where = make_batch(chunks, tables[sorted(step)], spec=spec, page_size=PAGE_SIZE,
-                                  num_tokens=NUM_TOKENS, num_seqs=NUM_SEQS, attention=attention)
+        batch, where = make_batch(
+            chunks,
+            tables[sorted(step)],
+            spec=spec,
+            page_size=PAGE_SIZE,
+            num_tokens=NUM_TOKENS,
+            num_seqs=NUM_SEQS,
+            attention=attention,
+        )
         out, kv_cache = _step_fn(spec, attention)(loaded.params, kv_cache, batch)
         out = np.asarray(out)
         for i, s in enumerate(sorted(step)):
@@ -95,7 +109,7 @@ def model_pair(request, tmp_path_factory):
     hf = build_hf_model(request.param, path)
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, COMMON["vocab_size"], n + DECODE_STEPS).astype(np.int32) for n in PROMPT_LENS]
-    seqs[1] = seqs[1][: PROMPT_LENS[1] + DECODE_STEPS - 1]   # its chunk step is not a decode
+    seqs[1] = seqs[1][: PROMPT_LENS[1] + DECODE_STEPS - 1]  # its chunk step is not a decode
     return request.param, path, seqs, hf_logits(hf, seqs)
 
 
@@ -135,8 +149,10 @@ def test_logits_bfloat16_close_to_hf(model_pair, impl):
     want = np.concatenate(expected)
     row_diff = np.abs(got - want).max(axis=-1)
     tol = BF16_TOL * np.abs(want).max()
-    print(f"{kind}/{impl} bf16 max |diff| per row, largest: {np.sort(row_diff)[-3:]} "
-          f"(logits max {np.abs(want).max():.3g})")
+    print(
+        f"{kind}/{impl} bf16 max |diff| per row, largest: {np.sort(row_diff)[-3:]} "
+        f"(logits max {np.abs(want).max():.3g})"
+    )
     # bf16 rounding can flip a near-tie in an MoE router's top k, which changes that token's
     # experts: allow 1 row in 20 of those (measured: 1 of 52 on the tiny Mixtral), none elsewhere.
     ok = row_diff <= tol

@@ -47,9 +47,11 @@ def test_each_expert_impl_matches_a_loop_over_tokens(impl, num_tokens, norm_topk
     spec = Spec(norm_topk_prob=norm_topk_prob)
     rng = np.random.default_rng(num_tokens)
     hidden, ff = 16, 8
-    layer = {"router": rng.standard_normal((hidden, spec.num_experts)).astype(np.float32),
-             "experts_gate_up": rng.standard_normal((spec.num_experts, hidden, 2 * ff)).astype(np.float32) / 4,
-             "experts_down": rng.standard_normal((spec.num_experts, ff, hidden)).astype(np.float32) / 3}
+    layer = {
+        "router": rng.standard_normal((hidden, spec.num_experts)).astype(np.float32),
+        "experts_gate_up": rng.standard_normal((spec.num_experts, hidden, 2 * ff)).astype(np.float32) / 4,
+        "experts_down": rng.standard_normal((spec.num_experts, ff, hidden)).astype(np.float32) / 3,
+    }
     h = rng.standard_normal((num_tokens, hidden)).astype(np.float32)
     got = jax.jit(lambda layer, h: moe.moe_mlp(layer, h, spec, jax.nn.silu, impl))(layer, h)
     np.testing.assert_allclose(np.asarray(got), numpy_moe(layer, h, spec), rtol=1e-4, atol=1e-5)
@@ -72,10 +74,12 @@ def test_quantized_experts_compute_with_their_quantized_values(impl, method):
 
     spec = Spec()
     rng = np.random.default_rng(7)
-    hidden, ff = 64, 32                                  # 4-bit groups of 32 rows
-    layer = {"router": rng.standard_normal((hidden, spec.num_experts)).astype(np.float32),
-             "experts_gate_up": rng.standard_normal((spec.num_experts, hidden, 2 * ff)).astype(np.float32) / 8,
-             "experts_down": rng.standard_normal((spec.num_experts, ff, hidden)).astype(np.float32) / 6}
+    hidden, ff = 64, 32  # 4-bit groups of 32 rows
+    layer = {
+        "router": rng.standard_normal((hidden, spec.num_experts)).astype(np.float32),
+        "experts_gate_up": rng.standard_normal((spec.num_experts, hidden, 2 * ff)).astype(np.float32) / 8,
+        "experts_down": rng.standard_normal((spec.num_experts, ff, hidden)).astype(np.float32) / 6,
+    }
     h = rng.standard_normal((5, hidden)).astype(np.float32)
     bits, group = METHODS[method]
     names = ("experts_gate_up", "experts_down")
@@ -83,4 +87,4 @@ def test_quantized_experts_compute_with_their_quantized_values(impl, method):
     values = {**layer, **{n: np.stack([reference_weight(w, bits, group) for w in layer[n]]) for n in names}}
     got = np.asarray(jax.jit(lambda layer, h: moe.moe_mlp(layer, h, spec, jax.nn.silu, impl))(quantized, h))
     np.testing.assert_allclose(got, numpy_moe(values, h, spec), rtol=1e-4, atol=1e-5)
-    assert np.abs(got - numpy_moe(layer, h, spec)).max() > 1e-4          # the codes, not the float weights
+    assert np.abs(got - numpy_moe(layer, h, spec)).max() > 1e-4  # the codes, not the float weights

@@ -29,7 +29,7 @@ LAYOUTS = ("2x1", "4x1", "1x2", "2x1x2", "mesh:2x1x2", "deep:1x1x4", "int8:2x1x2
 
 
 def sizes(layout: str) -> tuple[int, int, int]:
-    """"[mesh:|deep:|int8:|w8a8:]TPxDP[xPP][+swap]" -> (tp, dp, pp)."""
+    """ "[mesh:|deep:|int8:|w8a8:]TPxDP[xPP][+swap]" -> (tp, dp, pp)."""
     tp, dp, pp = (list(map(int, layout.split(":")[-1].removesuffix("+swap").split("x"))) + [1])[:3]
     return tp, dp, pp
 
@@ -43,9 +43,19 @@ def reference(layout: str) -> str:
 def tiny_spec(num_layers: int = 2):
     from jaxllm.models import decoder
 
-    return decoder.ModelSpec(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=64, intermediate_size=128,
-                           num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=16, norm_eps=1e-5,
-                           rope_theta=1e4, max_position_embeddings=512)
+    return decoder.ModelSpec(
+        architecture="LlamaForCausalLM",
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        norm_eps=1e-5,
+        rope_theta=1e4,
+        max_position_embeddings=512,
+    )
 
 
 def test_sizes_that_do_not_divide_the_model_are_refused_clearly():
@@ -74,7 +84,7 @@ def test_pipeline_layout_stacks_each_stage_s_layers_by_slot():
     out = layout.shard_layout({"layers": layers, "final_norm": np.ones(3)}, spec, 1, 2)
     assert len(out["layers"]) == 2 and out["final_norm"].shape == (3,)
     for slot in range(2):
-        for stage in range(2):     # stage s holds layers 2s, 2s + 1
+        for stage in range(2):  # stage s holds layers 2s, 2s + 1
             assert (out["layers"][slot]["attn_norm"][stage] == 2 * stage + slot).all()
             assert (out["layers"][slot]["wo"][stage] == 10 + 2 * stage + slot).all()
 
@@ -88,14 +98,18 @@ def results(tiny_model_dir, run_on_virtual_devices):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_parallel_generates_what_one_device_does(results, layout):
     one, many = results[reference(layout)], results[layout]
-    assert many["preemptions"] > 0 and one["preemptions"] > 0     # the pool is small enough to preempt
+    assert many["preemptions"] > 0 and one["preemptions"] > 0  # the pool is small enough to preempt
     # W8A8 (below) may part from one device only where one device's top two tokens were within
     # the 0.1 its logprobs may move; everything else generates the same tokens.
     same = []
     for a, b, margins in zip(many["token_ids"], one["token_ids"], one["margins"]):
         n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        assert n == len(a) == len(b) or (layout.startswith("w8a8:") and n < len(b) and margins[n] < 0.1), \
-            (layout, n, a, b)
+        assert n == len(a) == len(b) or (layout.startswith("w8a8:") and n < len(b) and margins[n] < 0.1), (
+            layout,
+            n,
+            a,
+            b,
+        )
         same.append(n)
     for text, reason in many["constrained"]:
         assert re.fullmatch(many["constraint"], text if reason == "stop" else text.rsplit(" ", 1)[0]), text
@@ -118,15 +132,15 @@ def test_each_device_holds_its_share(results, layout):
     config = transformers.AutoConfig.from_pretrained(results[layout]["model"])
     hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     head_dim = hidden // config.num_attention_heads
-    kv_heads = max(config.num_key_value_heads, tp)          # a copy per shard when fewer than shards
+    kv_heads = max(config.num_key_value_heads, tp)  # a copy per shard when fewer than shards
     q_size, kv_size = config.num_attention_heads * head_dim, kv_heads * head_dim
     # wqkv, wo, w_gate_up, w_down: each stage its layers, split over its shards; the tied
     # embedding split over every device of the replica. float32: 4 bytes a weight. int4: half a
     # byte and an f16 scale and offset per 32 rows; the embedding (the LM head) int8 with an f32
     # scale per token. w8a8: a byte and an f32 scale per output column (the row-parallel wo and
     # w_down: every shard holds all of its columns' scales).
-    columns = hidden * (q_size + 2 * kv_size) + 2 * hidden * inter      # weights of the column-parallel ones
-    rows = q_size * hidden + inter * hidden                              # and of the row-parallel ones
+    columns = hidden * (q_size + 2 * kv_size) + 2 * hidden * inter  # weights of the column-parallel ones
+    rows = q_size * hidden + inter * hidden  # and of the row-parallel ones
     if layout.startswith("int8:"):
         columns, rows, embed = columns * 5 // 8, rows * 5 // 8, config.vocab_size * (hidden + 4)
     elif layout.startswith("w8a8:"):
@@ -136,7 +150,7 @@ def test_each_device_holds_its_share(results, layout):
     else:
         columns, rows, embed = 4 * columns, 4 * rows, 4 * config.vocab_size * hidden
     split = layers // pp * (columns + rows) // tp + embed // (tp * pp)
-    norms = 4 * (layers // pp * 2 * hidden + hidden)         # each stage's layer norms, and the final norm
+    norms = 4 * (layers // pp * 2 * hidden + hidden)  # each stage's layer norms, and the final norm
     # The first replica's arrays: on tp * pp devices, each with its share.
     param_bytes, kv_bytes = results[layout]["param_bytes"], results[layout]["kv_bytes"]
     assert len(param_bytes) == len(kv_bytes) == tp * pp
@@ -146,7 +160,7 @@ def test_each_device_holds_its_share(results, layout):
     # Every replica: its own devices, its own pool.
     assert len(results[layout]["kv_bytes_all"]) == tp * pp * dp
     queries = results[layout]["replica_prompt_queries"]
-    assert len(queries) == dp and min(queries) > 0.25 * sum(queries)   # balanced by load
+    assert len(queries) == dp and min(queries) > 0.25 * sum(queries)  # balanced by load
 
 
 @pytest.mark.multiprocess
@@ -155,15 +169,24 @@ def test_serve_tensor_and_data_parallel_answers_the_openai_client(tiny_model_dir
     from tests.helpers.live_server import start_server
     from tests.helpers.tiny_model import offline_llm
 
-    server = start_server(tiny_model_dir, str(tmp_path), "--tensor-parallel-size", "2", "--data-parallel-size", "2",
-                          env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
-                          offline=lambda: offline_llm(tiny_model_dir))
+    server = start_server(
+        tiny_model_dir,
+        str(tmp_path),
+        "--tensor-parallel-size",
+        "2",
+        "--data-parallel-size",
+        "2",
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+        offline=lambda: offline_llm(tiny_model_dir),
+    )
     try:
         prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Hello"]
-        response = server.client.completions.create(model=server.model, prompt=prompts, max_tokens=12, temperature=0,
-                                                    extra_body={"ignore_eos": True})
-        expected = server.offline.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                                           use_tqdm=False)
+        response = server.client.completions.create(
+            model=server.model, prompt=prompts, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+        )
+        expected = server.offline.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
+        )
         assert [c.text for c in response.choices] == [o.outputs[0].text for o in expected]
         server.assert_healthy()
     finally:
@@ -187,17 +210,19 @@ def test_two_processes_generate_what_one_does(extra, tiny_model_dir, tmp_path):
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
     worker = [sys.executable, "-m", "tests.helpers.multihost_worker", tiny_model_dir, str(out), str(port)]
     tail = [json.dumps(extra)] if extra else []
-    follower = subprocess.Popen([*worker, "1", *tail], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True)
+    follower = subprocess.Popen(
+        [*worker, "1", *tail], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     try:
         leader = subprocess.run([*worker, "0", *tail], env=env, capture_output=True, text=True, timeout=600)
         assert leader.returncode == 0, leader.stderr[-4000:]
-        assert follower.wait(timeout=120) == 0, follower.stderr.read()[-4000:]   # released by the leader
+        assert follower.wait(timeout=120) == 0, follower.stderr.read()[-4000:]  # released by the leader
     finally:
         follower.kill()
     if extra:
-        expected = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, **extra}).generate(PROMPTS, sampling_params(),
-                                                                                 use_tqdm=False)
+        expected = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, **extra}).generate(
+            PROMPTS, sampling_params(), use_tqdm=False
+        )
         assert json.loads(out.read_text()) == [o.outputs[0].token_ids for o in expected]
         return
     # dtype="auto": both processes run in process 0's pick, though process 1's flags say otherwise.
@@ -226,19 +251,39 @@ def test_when_a_follower_dies_the_leader_fails_its_requests_and_exits(tiny_model
     port = random.Random().randrange(20000, 40000)
     group = ["--tensor-parallel-size", "2", "--distributed-coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "xdg")}
-    follower = subprocess.Popen([sys.executable, "-m", "jaxllm.entrypoints.cli", "serve", "--model", tiny_model_dir,
-                                 *tiny_engine_flags(), *group, "--process-id", "1"],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    follower = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jaxllm.entrypoints.cli",
+            "serve",
+            "--model",
+            tiny_model_dir,
+            *tiny_engine_flags(),
+            *group,
+            "--process-id",
+            "1",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     server = None
     try:
         server = start_server(tiny_model_dir, str(tmp_path), *group, "--process-id", "0")
-        stream = server.client.completions.create(model=server.model, prompt="Once upon a time", max_tokens=400,
-                                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
+        stream = server.client.completions.create(
+            model=server.model,
+            prompt="Once upon a time",
+            max_tokens=400,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         chunks = iter(stream)
         assert next(chunks).choices[0].text is not None
         follower.kill()
         with pytest.raises(openai.APIError):
-            list(chunks)        # the stream ends with an error event, not [DONE]
+            list(chunks)  # the stream ends with an error event, not [DONE]
         assert server.proc.wait(60) == 1
         assert "cannot go on" in server.log()
     finally:

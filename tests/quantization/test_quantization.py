@@ -17,8 +17,15 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import QUANTIZATION_METHODS, EngineArgs
 from jaxllm.kernels import native
-from jaxllm.quantization import (CHECKPOINT_METHODS, METHODS, QuantizedWeight, dequantize, matmul, quantize_matrix,
-                                 weight_bytes)
+from jaxllm.quantization import (
+    CHECKPOINT_METHODS,
+    METHODS,
+    QuantizedWeight,
+    dequantize,
+    matmul,
+    quantize_matrix,
+    weight_bytes,
+)
 from jaxllm.quantization.sharding import make_sharded_weight
 from jaxllm.quantization.weights import embedding_rows, make_weight, relayout, w8a8_act_block
 
@@ -37,7 +44,7 @@ def test_methods_agree_with_the_config_choices():
 def test_quantize_matrix_matches_the_scheme(bits, group):
     rng = np.random.default_rng(bits)
     w = rng.standard_normal((64, 48)).astype(np.float32)
-    w[:, 3] = 0.0                                    # a zero column keeps a usable scale
+    w[:, 3] = 0.0  # a zero column keeps a usable scale
     codes, scale, offset = quantize_matrix(w, bits, group)
     groups = 1 if group is None else 64 // group
     assert scale.shape == (groups, 48) and (offset is None) == (bits == 8)
@@ -65,9 +72,19 @@ def w8a8_reference(x: np.ndarray, w: np.ndarray, block: int = 0) -> np.ndarray:
     return (np.einsum("rbk,bkn->rbn", xq, wq.reshape(k // b, b, -1)) * xs).sum(1) * ws
 
 
-@pytest.mark.parametrize("method, panels, k", [("int8", True, 96), ("int8", False, 96), ("int4", True, 96),
-                                               ("int4", False, 96), ("w8a8", True, 132), ("w8a8", False, 132),
-                                               ("w8a8", True, 320), ("w8a8", False, 320)])
+@pytest.mark.parametrize(
+    "method, panels, k",
+    [
+        ("int8", True, 96),
+        ("int8", False, 96),
+        ("int4", True, 96),
+        ("int4", False, 96),
+        ("w8a8", True, 132),
+        ("w8a8", False, 132),
+        ("w8a8", True, 320),
+        ("w8a8", False, 320),
+    ],
+)
 def test_every_matmul_path_matches_its_numpy_reference(method, panels, k):
     # On the CPU device, where the C++ GEMM's panels run (on a GPU machine too). W8A8 with K = 132
     # scales x per row, with K = 320 per block of 160 columns (`w8a8_act_block`).
@@ -89,7 +106,7 @@ def check_matmul_paths(method: str, panels: bool, other_layout: bool = True, k: 
     n = 80
     w = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
     x = rng.standard_normal((7, k)).astype(np.float32)
-    x[:, 5] *= 30                                        # an outlier channel
+    x[:, 5] *= 30  # an outlier channel
     q = make_weight(w, method, panels=panels, activations="int8" if method == "w8a8" else "float")
     assert isinstance(q, QuantizedWeight) and q.layout == ("panels" if panels else "plain") and q.shape == (k, n)
     assert q.act_block == {132: 0, 320: 160}[k] if method == "w8a8" else q.act_block == 0
@@ -99,11 +116,11 @@ def check_matmul_paths(method: str, panels: bool, other_layout: bool = True, k: 
     ref = w8a8_reference(x, w, q.act_block) if method == "w8a8" else x.astype(np.float64) @ deq
     y = jax.jit(matmul)(x, q)
     np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
-    tokens = np.array([0, 17, 79, 40, 8, 15, 16])      # columns in every panel position and nibble half
+    tokens = np.array([0, 17, 79, 40, 8, 15, 16])  # columns in every panel position and nibble half
     np.testing.assert_allclose(jax.jit(embedding_rows)(q, tokens), deq.T[tokens], rtol=1e-5, atol=1e-6)
     if not other_layout:
         return
-    other = relayout(q, panels=not panels)            # the other layout holds the same weight
+    other = relayout(q, panels=not panels)  # the other layout holds the same weight
     assert other.layout == ("plain" if panels else "panels")
     np.testing.assert_array_equal(dequantize(other), dequantize(q))
     np.testing.assert_allclose(jax.jit(matmul)(x, other), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
@@ -122,15 +139,21 @@ def test_sharded_weights_split_into_the_one_device_values(method, columns, rows)
     # Each shard of a tensor-parallel weight (columns or rows of every field, as parallel.spec_for
     # splits them) dequantizes to its slice of the one-device weight; a pipeline's stack, stage by stage.
     rng = np.random.default_rng(3)
-    w = rng.standard_normal((2, 128, 48)).astype(np.float32)          # [stages, K, N]
+    w = rng.standard_normal((2, 128, 48)).astype(np.float32)  # [stages, K, N]
     q = make_sharded_weight(w, method, "int8" if method == "w8a8" else "float", columns, rows)
     for stage in range(2):
         whole = dequantize(make_weight(w[stage], method, panels=False, activations="float"))
         axis = 1 if columns > 1 else 0
         for part in range(max(columns, rows)):
-            shard = QuantizedWeight(*(np.split(np.asarray(f[stage]), max(columns, rows), axis=axis)[part]
-                                      if f is not None else None for f in (q.codes, q.scale, q.offset)),
-                                    q.bits, q.layout, q.activations)
+            shard = QuantizedWeight(
+                *(
+                    np.split(np.asarray(f[stage]), max(columns, rows), axis=axis)[part] if f is not None else None
+                    for f in (q.codes, q.scale, q.offset)
+                ),
+                q.bits,
+                q.layout,
+                q.activations,
+            )
             want = np.split(np.asarray(whole), max(columns, rows), axis)[part]
             np.testing.assert_array_equal(dequantize(shard), want)
     with pytest.raises(ValueError, match="4 groups of 32 rows cannot be split over 3 shards"):
@@ -198,7 +221,7 @@ def test_int8_activations_engine_stays_close_to_the_weight_only_engine(tiny_mode
     llm = LLM(tiny_model_dir, quantization="int4", int8_activations=True, **TINY_ENGINE_ARGS)
     layer = llm.engine.runner.params["layers"][0]
     assert {layer[name].activations for name in ("wqkv", "wo", "w_gate_up", "w_down") if name in layer} == {"int8"}
-    assert llm.engine.runner.params["embed"].activations == "float"      # the LM head: 8-bit codes
+    assert llm.engine.runner.params["embed"].activations == "float"  # the LM head: 8-bit codes
     out = llm.generate(PROMPTS, params, use_tqdm=False)
     for a, b in zip(out, ref):
         a_lp, b_lp = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
@@ -243,13 +266,30 @@ def test_perplexity_matches_hf_transformers(tiny_model_dir, tmp_path):
     # The CLI reports the same figure.
     (tmp_path / "text.txt").write_text(text, encoding="utf-8")
     out = tmp_path / "ppl.json"
-    assert cli.main(["bench", "perplexity", "--model", tiny_model_dir, *tiny_engine_flags(), "--window", "100",
-                     "--text-file", str(tmp_path / "text.txt"), "--output-json", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "perplexity",
+                "--model",
+                tiny_model_dir,
+                *tiny_engine_flags(),
+                "--window",
+                "100",
+                "--text-file",
+                str(tmp_path / "text.txt"),
+                "--output-json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert math.isclose(json.loads(out.read_text())["perplexity"], result["perplexity"], rel_tol=1e-6)
 
 
-@pytest.mark.parametrize("method, k, n, scale_dtype", [("int8", 96, 128, None), ("int4", 96, 256, None),
-                                                       ("int4", 64, 128, np.float32)])
+@pytest.mark.parametrize(
+    "method, k, n, scale_dtype", [("int8", 96, 128, None), ("int4", 96, 256, None), ("int4", 64, 128, np.float32)]
+)
 def test_pallas_quantized_matmul_matches_numpy_and_lowers_for_cuda(method, k, n, scale_dtype):
     # The GPU path of plain weights, in interpret mode against the dequantized weight in NumPy,
     # and lowered for cuda (Triton); f32 scales as the K-quants and AWQ / GPTQ carry them.
@@ -258,26 +298,37 @@ def test_pallas_quantized_matmul_matches_numpy_and_lowers_for_cuda(method, k, n,
     rng = np.random.default_rng(k + n)
     weight = make_weight(rng.standard_normal((k, n)).astype(np.float32), method, panels=False, activations="float")
     if scale_dtype is not None:
-        weight = QuantizedWeight(weight.codes, weight.scale.astype(scale_dtype), weight.offset.astype(scale_dtype),
-                                 weight.bits, weight.layout, weight.activations)
+        weight = QuantizedWeight(
+            weight.codes,
+            weight.scale.astype(scale_dtype),
+            weight.offset.astype(scale_dtype),
+            weight.bits,
+            weight.layout,
+            weight.activations,
+        )
     x = rng.standard_normal((5, k)).astype(np.float32)
     ref = x.astype(np.float64) @ np.asarray(dequantize(weight), np.float64)
     out = quantized_matmul(x, weight.codes, weight.scale, weight.offset, bits=weight.bits, interpret=INTERPRET)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    abstract = [arg((7, k), np.float32), *(None if a is None else arg(a.shape, a.dtype)
-                                          for a in (weight.codes, weight.scale, weight.offset))]
+    abstract = [
+        arg((7, k), np.float32),
+        *(None if a is None else arg(a.shape, a.dtype) for a in (weight.codes, weight.scale, weight.offset)),
+    ]
     text = lower_for_cuda(functools.partial(quantized_matmul, bits=weight.bits), *abstract)
     assert "__gpu$xla.gpu.triton" in text
 
 
-@pytest.mark.parametrize("bits, groups, tiles", [
-    (8, 1, dict(block_m=16, block_n=32, block_k=32, split_k=4)),     # K split over programs
-    (4, 4, dict(block_m=16, block_n=16, block_k=16, split_k=2)),     # several K steps per scale group
-    (4, 2, dict(block_m=32, block_n=32, block_k=64, split_k=1)),     # one step per group, two row blocks
-    (8, 8, dict(block_m=16, block_n=64, block_k=64, split_k=2)),     # four groups per step
-    (4, 8, dict(block_m=32, block_n=32, block_k=32, split_k=2)),     # groups shorter than the row block
-    (4, 1, dict(block_m=16, block_n=16, block_k=64, split_k=1)),     # 4-bit codes, one group over K
-])
+@pytest.mark.parametrize(
+    "bits, groups, tiles",
+    [
+        (8, 1, dict(block_m=16, block_n=32, block_k=32, split_k=4)),  # K split over programs
+        (4, 4, dict(block_m=16, block_n=16, block_k=16, split_k=2)),  # several K steps per scale group
+        (4, 2, dict(block_m=32, block_n=32, block_k=64, split_k=1)),  # one step per group, two row blocks
+        (8, 8, dict(block_m=16, block_n=64, block_k=64, split_k=2)),  # four groups per step
+        (4, 8, dict(block_m=32, block_n=32, block_k=32, split_k=2)),  # groups shorter than the row block
+        (4, 1, dict(block_m=16, block_n=16, block_k=64, split_k=1)),  # 4-bit codes, one group over K
+    ],
+)
 def test_pallas_quantized_matmul_tiles_agree_with_numpy(bits, groups, tiles):
     # Every tiling sums the same products: split K (partial sums added after), K steps that share
     # a scale group or span several, row blocks past the batch's rows, the scales applied at the
@@ -287,8 +338,11 @@ def test_pallas_quantized_matmul_tiles_agree_with_numpy(bits, groups, tiles):
 
     k, n, m = 128, 128, 37
     rng = np.random.default_rng(bits + groups)
-    codes = rng.integers(-128, 128, (k, n)).astype(np.int8) if bits == 8 else \
-        rng.integers(0, 256, (k, n // 2)).astype(np.uint8)
+    codes = (
+        rng.integers(-128, 128, (k, n)).astype(np.int8)
+        if bits == 8
+        else rng.integers(0, 256, (k, n // 2)).astype(np.uint8)
+    )
     scale = rng.uniform(0.5, 2.0, (groups, n)).astype(np.float32) / 64
     offset = None if bits == 8 else rng.standard_normal((groups, n)).astype(np.float32) / 8
     weight = QuantizedWeight(codes, scale, offset, bits, "plain", "float")
@@ -302,8 +356,11 @@ def test_pallas_quantized_matmul_tiles_agree_with_numpy(bits, groups, tiles):
     xb = jax.numpy.asarray(x, jax.numpy.bfloat16)
     out = quantized_matmul(xb, codes, scale, offset, bits=bits, tiles=tiles, interpret=INTERPRET)
     scaled_first = groups > 1 and tiles.block_m > min(tiles.block_k, k // groups)
-    w = (np.asarray(jax.numpy.asarray(dense, jax.numpy.bfloat16).astype(np.float32), np.float64) if scaled_first
-         else dense)
+    w = (
+        np.asarray(jax.numpy.asarray(dense, jax.numpy.bfloat16).astype(np.float32), np.float64)
+        if scaled_first
+        else dense
+    )
     ref = np.asarray(xb.astype(np.float32), np.float64) @ w
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4 * np.abs(ref).max())
     with pytest.raises(ValueError, match="does not tile"):
@@ -322,13 +379,23 @@ def test_moe_engine_quantizes_its_experts(tmp_path):
     ids = [5, 17, 33, 2, 41, 8, 19, 23, 4]
     with torch.no_grad():
         want = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1).numpy()
-    llm = LLM(str(tmp_path / "m"), quantization="int8_weight_only", dtype="float32", max_num_seqs=4,
-              max_num_batched_tokens=32, max_model_len=64, kv_cache_memory=4 << 20, block_size=4, warmup=False)
+    llm = LLM(
+        str(tmp_path / "m"),
+        quantization="int8_weight_only",
+        dtype="float32",
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=64,
+        kv_cache_memory=4 << 20,
+        block_size=4,
+        warmup=False,
+    )
     layer = llm.engine.runner.params["layers"][0]
     for name in ("experts_gate_up", "experts_down"):
         assert isinstance(layer[name], QuantizedWeight) and np.asarray(layer[name].codes).dtype == np.int8
-    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5),
-                       use_tqdm=False)
+    out = llm.generate(
+        [{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5), use_tqdm=False
+    )
     got = out[0].outputs[0].logprobs[0]
     assert len(got) >= 5
     for token, entry in got.items():

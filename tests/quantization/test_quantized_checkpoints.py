@@ -15,8 +15,13 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.kernels import native
 from jaxllm.models.loader import load_model
 from jaxllm.quantization import QuantizedWeight, matmul, weight_bytes
-from jaxllm.quantization.weights import (dequantize as dequantize_weight, embedding_rows, flat_scales, relayout,
-                                        with_int8_activations)
+from jaxllm.quantization.weights import (
+    dequantize as dequantize_weight,
+    embedding_rows,
+    flat_scales,
+    relayout,
+    with_int8_activations,
+)
 
 from tests.helpers.quantized_checkpoints import gguf_blocks, write_quantized_gguf, write_quantized_hf
 from tests.helpers.tiny_model import TINY_ENGINE_ARGS
@@ -59,7 +64,7 @@ def test_gguf_blocks_keep_exactly_the_values_gguf_py_dequantizes(name, monkeypat
     np.testing.assert_array_equal(embedding_rows(weight, tokens), embedding_rows(flat, tokens))
     for a, b in [(weight, flat), (relayout(weight, panels=True), relayout(flat, panels=True))]:
         np.testing.assert_array_equal(matmul(x, a), matmul(x, b))
-    if t == T.Q4_K:     # 4-bit codes x int8 activations (llama.cpp's scheme) read them too
+    if t == T.Q4_K:  # 4-bit codes x int8 activations (llama.cpp's scheme) read them too
         a, b = (with_int8_activations(relayout(w, panels=True)) for w in (weight, flat))
         assert a.activations == "int8"
         np.testing.assert_array_equal(matmul(x, a), matmul(x, b))
@@ -74,8 +79,15 @@ def test_gguf_blocks_keep_exactly_the_values_gguf_py_dequantizes(name, monkeypat
     packed = relayout(weight, panels=True)
     for super_scale in (None, packed.super_scale[:1].repeat(3, axis=0)):
         with pytest.raises(Exception, match="two-level"):
-            native.matmul_quantized(x, packed.codes, packed.scale, packed.offset, packed.bits,
-                                    super_scale=super_scale, super_offset=packed.super_offset)
+            native.matmul_quantized(
+                x,
+                packed.codes,
+                packed.scale,
+                packed.offset,
+                packed.bits,
+                super_scale=super_scale,
+                super_offset=packed.super_offset,
+            )
 
 
 def test_fused_parts_of_different_block_types_share_the_widest_format():
@@ -114,11 +126,12 @@ def test_gguf_engine_kept_quantized_matches_the_dequantized_engine(tiny_model_di
     float_bytes = weight_bytes(ref_llm.engine.runner.params)
     del ref_llm
     packed = []
-    monkeypatch.setattr(native, "pack_codes",
-                        lambda *a, pack=native.pack_codes, **kw: packed.append(1) or pack(*a, **kw))
-    for run in range(2):        # the second from the params cache, which keeps the packed layout
+    monkeypatch.setattr(
+        native, "pack_codes", lambda *a, pack=native.pack_codes, **kw: packed.append(1) or pack(*a, **kw)
+    )
+    for run in range(2):  # the second from the params cache, which keeps the packed layout
         packed.clear()
-        llm = LLM(path, **args)      # float32 on a CPU with the C++ kernels: kept quantized by default
+        llm = LLM(path, **args)  # float32 on a CPU with the C++ kernels: kept quantized by default
         assert bool(packed) == (run == 0)
         assert llm.engine.config.quantization == "gguf"
         params = llm.engine.runner.params
@@ -146,13 +159,15 @@ def test_gguf_engine_loads_float_weights_when_the_kernel_build_fails(tmp_path, m
     def failed():
         raise RuntimeError("jaxllm's native CPU kernels are unavailable: the build failed (simulated)")
 
-    monkeypatch.setattr(native, "expected", lambda: True)      # a compiler is there, the build under way
+    monkeypatch.setattr(native, "expected", lambda: True)  # a compiler is there, the build under way
     monkeypatch.setattr(native, "available", lambda: False)
     monkeypatch.setattr(native, "require", failed)
     llm = LLM(path, **args)
     assert llm.engine.config.quantization is None and llm.engine.runner.attention.name == "cpu"
-    assert not any(isinstance(w, QuantizedWeight) for w in jax.tree_util.tree_leaves(
-        llm.engine.runner.params, is_leaf=lambda x: isinstance(x, QuantizedWeight)))
+    assert not any(
+        isinstance(w, QuantizedWeight)
+        for w in jax.tree_util.tree_leaves(llm.engine.runner.params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    )
     out = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
 
@@ -161,8 +176,9 @@ def test_gguf_engine_loads_float_weights_when_the_kernel_build_fails(tmp_path, m
 
 
 @pytest.mark.parametrize("method, bits, act_order", [("awq", 4, False), ("gptq", 4, True), ("gptq", 8, False)])
-def test_awq_and_gptq_checkpoints_match_the_float_engine_on_their_values(method, bits, act_order, tiny_model_dir,
-                                                                           tmp_path):
+def test_awq_and_gptq_checkpoints_match_the_float_engine_on_their_values(
+    method, bits, act_order, tiny_model_dir, tmp_path
+):
     out, ref_dir = str(tmp_path / method), str(tmp_path / "ref")
     write_quantized_hf(tiny_model_dir, method, bits, act_order, out, ref_dir)
     prompts = ["Hello, my name is", "The capital of France is", "1 2 3 4 5", "def main():"]

@@ -50,10 +50,12 @@ def test_codes_to_bf16_panels_is_packing_the_dequantized_weights(method, k):
 
 def test_codes_to_bf16_panels_rejects_scales_that_do_not_fit_the_codes():
     q = with_bf16_activations(make_weight(np.ones((64, 32), np.float32), "int4", panels=True, activations="float"))
-    for scale, offset in [(q.scale[:, :16], q.offset[:, :16]),      # one panel's scales for two panels' codes
-                          (np.ones((3, 32), np.float16), np.ones((3, 32), np.float16)),    # 3 groups of 64 rows
-                          (np.ones((32, 32), np.float16), np.ones((32, 32), np.float16)),  # groups of 2 rows
-                          (q.scale, q.offset[:1])]:
+    for scale, offset in [
+        (q.scale[:, :16], q.offset[:, :16]),  # one panel's scales for two panels' codes
+        (np.ones((3, 32), np.float16), np.ones((3, 32), np.float16)),  # 3 groups of 64 rows
+        (np.ones((32, 32), np.float16), np.ones((32, 32), np.float16)),  # groups of 2 rows
+        (q.scale, q.offset[:1]),
+    ]:
         with pytest.raises(ValueError, match="no bf16 panels"):
             native.codes_to_bf16_panels(q.codes, scale, offset, q.bits)
 
@@ -82,21 +84,24 @@ def test_gguf_engine_with_small_step_codes_is_the_dequantized_bf16_engine(tmp_pa
             assert isinstance(large["layers"][i][name], PackedWeight)
             # (equal values: a zero weight may be -0.0 in one and +0.0 in the other, as a Q6_K
             # code of 0 times a negative scale is in gguf-py and plus a zero offset here)
-            assert (np.asarray(large["layers"][i][name].panels, np.float32)
-                    == np.asarray(ref_params["layers"][i][name].panels, np.float32)).all(), (i, name)
+            assert (
+                np.asarray(large["layers"][i][name].panels, np.float32)
+                == np.asarray(ref_params["layers"][i][name].panels, np.float32)
+            ).all(), (i, name)
             q = small["layers"][i][name]
             assert isinstance(q, QuantizedWeight) and q.activations == "bf16"
     assert (np.asarray(large["embed"].panels, np.float32) == np.asarray(ref_params["embed"].panels, np.float32)).all()
     assert isinstance(small["embed"], QuantizedWeight) and small["embed"].bits == 8
-    assert small["layers"][0]["attn_norm"] is large["layers"][0]["attn_norm"]     # the rest is shared
+    assert small["layers"][0]["attn_norm"] is large["layers"][0]["attn_norm"]  # the rest is shared
     seen = set()
     step = runner.step_params
     runner.step_params = lambda bucket: seen.add(bucket.num_tokens) or step(bucket)
     for batch, ref in zip(batches, refs):
         for a, b in zip(llm.generate(batch, greedy, use_tqdm=False), ref):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
-            assert [{t: lp.logprob for t, lp in d.items()} for d in a.outputs[0].logprobs] == \
-                [{t: lp.logprob for t, lp in d.items()} for d in b.outputs[0].logprobs]
+            assert [{t: lp.logprob for t, lp in d.items()} for d in a.outputs[0].logprobs] == [
+                {t: lp.logprob for t, lp in d.items()} for d in b.outputs[0].logprobs
+            ]
     assert min(seen) <= SMALL_STEP_ROWS < max(seen), seen
     assert weight_bytes(large, small) > weight_bytes(large) > weight_bytes(ref_params) * 0.99
 
@@ -108,7 +113,7 @@ def test_small_step_codes_follow_the_cpu_and_the_run(tiny_model_dir, tmp_path):
     args = dict(TINY_ENGINE_ARGS, params_cache_dir=str(tmp_path / "params"))
     here = "avx512_bf16" in cpu_flags() and native.bf16_gemm_native()
     assert LLM(path, **{**args, "dtype": "bfloat16"}).engine.config.small_step_codes == here
-    assert not LLM(path, **args).engine.config.small_step_codes                 # float32
+    assert not LLM(path, **args).engine.config.small_step_codes  # float32
     assert not LLM(path, quantization="gguf", **{**args, "dtype": "bfloat16"}).engine.config.small_step_codes
     with pytest.raises(ValueError, match="small_step_codes needs"):
         LLM(path, small_step_codes=True, **args)

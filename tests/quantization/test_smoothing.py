@@ -26,23 +26,29 @@ def test_factors_by_hand():
     s = smoothing.factors(np.array([4.0, 0.0, 1.0, 1e8]), np.array([1.0, 2.0, 0.0, 1e-2]), alpha=0.5)
     np.testing.assert_allclose(s, [2.0, 1.0, 1.0, 1e3])
     # alpha 0.75: 16 ** 0.75 / 2 ** 0.25
-    np.testing.assert_allclose(smoothing.factors(np.array([16.0]), np.array([2.0]), alpha=0.75), [8 / 2**0.25],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        smoothing.factors(np.array([16.0]), np.array([2.0]), alpha=0.75), [8 / 2**0.25], rtol=1e-6
+    )
 
 
 def test_activation_maxima_match_hf_activations(tmp_path):
-    model = build_hf_model("qwen2", tmp_path / "m")    # GQA, QKV bias
+    model = build_hf_model("qwen2", tmp_path / "m")  # GQA, QKV bias
     seen = {}
 
     def hook(key):
         def record(module, args):
             m = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0).numpy()
             seen[key] = np.maximum(seen[key], m) if key in seen else m
+
         return record
 
     for i, layer in enumerate(model.model.layers):
-        for module, name in ((layer.self_attn.q_proj, "wqkv"), (layer.self_attn.o_proj, "wo"),
-                             (layer.mlp.gate_proj, "w_gate_up"), (layer.mlp.down_proj, "w_down")):
+        for module, name in (
+            (layer.self_attn.q_proj, "wqkv"),
+            (layer.self_attn.o_proj, "wo"),
+            (layer.mlp.gate_proj, "w_gate_up"),
+            (layer.mlp.down_proj, "w_down"),
+        ):
             module.register_forward_pre_hook(hook((i, name)))
     windows = [IDS, IDS[:9]]
     with torch.no_grad():
@@ -64,10 +70,19 @@ def dense_logits(params, spec, ids):
     n = len(ids)
     pos = np.arange(n, dtype=np.int32)
     cos, sin = decoder.rope_tables(pos, spec.inv_freq(), np)
-    inputs = StepInputs(token_ids=np.asarray(ids, np.int32), positions=pos, slot_mapping=pos,
-                        block_tables=np.zeros((1, 1), np.int32), query_start_loc=np.asarray([0, n], np.int32),
-                        seq_lens=np.asarray([n], np.int32), num_seqs=np.asarray(1, np.int32),
-                        logits_indices=pos, rope_cos=cos, rope_sin=sin, attn_metadata={})
+    inputs = StepInputs(
+        token_ids=np.asarray(ids, np.int32),
+        positions=pos,
+        slot_mapping=pos,
+        block_tables=np.zeros((1, 1), np.int32),
+        query_start_loc=np.asarray([0, n], np.int32),
+        seq_lens=np.asarray([n], np.int32),
+        num_seqs=np.asarray(1, np.int32),
+        logits_indices=pos,
+        rope_cos=cos,
+        rope_sin=sin,
+        attn_metadata={},
+    )
     cache = [(None, None)] * spec.num_layers
     hidden, _ = decoder.forward(params, cache, inputs, spec, attention=calibration.DenseCausal())
     return np.asarray(decoder.compute_logits(params, jnp.asarray(hidden), spec))
@@ -86,7 +101,7 @@ def test_smoothing_leaves_the_float_model_as_it_was(kind, tmp_path):
     before = {k: np.asarray(v).copy() for k, v in params["layers"][-1].items() if not isinstance(v, dict)}
     smoothing.smooth(params, spec, maxima)
     changed = [k for k, v in params["layers"][-1].items() if k in before and not np.array_equal(before[k], v)]
-    assert "attn_norm" in changed and "wqkv" in changed, changed      # something was folded
+    assert "attn_norm" in changed and "wqkv" in changed, changed  # something was folded
     np.testing.assert_allclose(dense_logits(params, spec, IDS), want, atol=2e-4, rtol=1e-4)
 
 

@@ -13,8 +13,13 @@ from jaxllm.platforms import Platform
 from jaxllm.weights.plan import LINEARS, UNKNOWN, LinearPlan, resolve_weight_plan
 
 ZEN3 = Platform("cpu", frozenset({"avx2", "fma"}), cpp_kernels=True, cpp_bf16_dots=False, build_confirmed=True)
-ZEN4 = Platform("cpu", frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}), cpp_kernels=True, cpp_bf16_dots=True,
-                build_confirmed=True)
+ZEN4 = Platform(
+    "cpu",
+    frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}),
+    cpp_kernels=True,
+    cpp_bf16_dots=True,
+    build_confirmed=True,
+)
 NO_COMPILER = dataclasses.replace(ZEN3, cpp_kernels=False)
 GPU = Platform("gpu")
 
@@ -24,65 +29,219 @@ F32, BF16 = dict(dtype="float32"), dict(dtype="bfloat16")
 #  expected (quantization, load, cpp_gemm, pack_floats, smooth, small_step_codes),
 #  expected linears {name: LinearPlan} (the rest not checked here))
 CASES = [
-    ("avx2 defaults, before loading: keep a GGUF's blocks", ZEN3, F32, True, UNKNOWN,
-     (None, "auto", True, True, False, False), {"wqkv": LinearPlan(None, "cpp")}),
-    ("avx2 defaults, a GGUF loaded: its blocks in the C++ GEMM", ZEN3, F32, True, "gguf",
-     ("gguf", "auto", True, True, False, False),
-     {"wqkv": LinearPlan("gguf", "cpp"), "lm_head": LinearPlan("gguf", "cpp"),
-      "experts_down": LinearPlan("gguf", "xla"), "embed": LinearPlan("gguf", "cpp")}),
-    ("avx2 defaults, an HF checkpoint: packed float32", ZEN3, F32, True, None,
-     (None, "auto", True, True, False, False), {"wqkv": LinearPlan(None, "cpp"), "w_down": LinearPlan(None, "cpp")}),
-    ("avx2, packed_weights off: float matrices through XLA, codes still C++", ZEN3, dict(F32, packed_weights=False),
-     True, "gguf", ("gguf", "auto", True, False, False, False),
-     {"wqkv": LinearPlan("gguf", "cpp")}),
-    ("avx2, a GGUF's blocks kept, then the build failed: dequantized", NO_COMPILER, F32, True, "gguf",
-     (None, None, False, False, False, False), {"wqkv": LinearPlan(None, "xla")}),
-    ("avx2, asked gguf under bf16 (no bf16 dots): codes in C++, x float", ZEN3, dict(BF16, quantization="gguf"), True,
-     "gguf", ("gguf", "gguf", True, False, False, False), {"wqkv": LinearPlan("gguf", "cpp", "float")}),
-    ("avx512_bf16 defaults, before loading: blocks for small steps", ZEN4, BF16, True, UNKNOWN,
-     (None, "auto", True, True, False, True), {"wqkv": LinearPlan(None, "cpp", small_step_codes=True)}),
-    ("avx512_bf16 defaults, a GGUF: bf16 panels + small-step codes", ZEN4, BF16, True, "gguf",
-     (None, "auto", True, True, False, True),
-     {"wqkv": LinearPlan(None, "cpp", small_step_codes=True), "experts_gate_up": LinearPlan(None, "xla"),
-      "embed": LinearPlan(None, "cpp", small_step_codes=True)}),
-    ("avx512_bf16 defaults, an HF checkpoint: bf16 panels", ZEN4, BF16, True, None,
-     (None, None, True, True, False, False), {"wqkv": LinearPlan(None, "cpp")}),
-    ("avx512_bf16, small_step_codes off", ZEN4, dict(BF16, small_step_codes=False), True, UNKNOWN,
-     (None, None, True, True, False, False), {"wqkv": LinearPlan(None, "cpp")}),
-    ("avx512_bf16, int4: codes x bf16, an 8-bit LM head", ZEN4, dict(BF16, quantization="int4"), True, None,
-     ("int4", None, True, True, False, False),
-     {"wqkv": LinearPlan("int4", "cpp", "bf16"), "lm_head": LinearPlan("int8_weight_only", "cpp", "bf16"),
-      "embed": LinearPlan("int8_weight_only", "cpp", "bf16"), "experts_down": LinearPlan("int4", "xla")}),
-    ("avx2, w8a8: smoothed, int8 x int8 in C++, experts weight-only", ZEN3, dict(F32, quantization="w8a8"), True, None,
-     ("w8a8", None, True, True, True, False),
-     {"wqkv": LinearPlan("w8a8", "cpp", "int8"), "lm_head": LinearPlan("w8a8", "cpp", "int8"),
-      "experts_gate_up": LinearPlan("int8_weight_only", "xla")}),
-    ("avx2, int4 with int8_activations", ZEN3, dict(F32, quantization="int4", int8_activations=True), True, None,
-     ("int4", None, True, True, False, False), {"w_gate_up": LinearPlan("int4", "cpp", "int8")}),
-    ("a mesh: plain codes through XLA", ZEN3, dict(F32, quantization="int8_weight_only"), False, None,
-     ("int8_weight_only", None, False, False, False, False), {"wo": LinearPlan("int8_weight_only", "xla")}),
-    ("a mesh, defaults: float through XLA, no GGUF blocks kept", ZEN3, F32, False, UNKNOWN,
-     (None, None, False, False, False, False), {"wqkv": LinearPlan(None, "xla")}),
-    ("the jnp attention backend: no C++ GEMM", ZEN3, dict(F32, attention_backend="cpu"), True, UNKNOWN,
-     (None, None, False, False, False, False), {"wqkv": LinearPlan(None, "xla")}),
-    ("a GPU, int4: the Pallas kernel", GPU, dict(BF16, quantization="int4"), True, None,
-     ("int4", None, False, False, False, False), {"wqkv": LinearPlan("int4", "pallas")}),
-    ("a GPU, w8a8: int8 dots in XLA", GPU, dict(BF16, quantization="w8a8"), True, None,
-     ("w8a8", None, False, False, True, False), {"wqkv": LinearPlan("w8a8", "xla", "int8")}),
-    ("quantization none: a GGUF dequantized", ZEN3, dict(F32, quantization="none"), True, None,
-     (None, None, True, True, False, False), {"wqkv": LinearPlan(None, "cpp")}),
-    ("an AWQ checkpoint with nothing asked: its codes", ZEN4, BF16, True, "awq",
-     ("awq", None, True, True, False, False), {"wqkv": LinearPlan("awq", "cpp", "bf16")}),
+    (
+        "avx2 defaults, before loading: keep a GGUF's blocks",
+        ZEN3,
+        F32,
+        True,
+        UNKNOWN,
+        (None, "auto", True, True, False, False),
+        {"wqkv": LinearPlan(None, "cpp")},
+    ),
+    (
+        "avx2 defaults, a GGUF loaded: its blocks in the C++ GEMM",
+        ZEN3,
+        F32,
+        True,
+        "gguf",
+        ("gguf", "auto", True, True, False, False),
+        {
+            "wqkv": LinearPlan("gguf", "cpp"),
+            "lm_head": LinearPlan("gguf", "cpp"),
+            "experts_down": LinearPlan("gguf", "xla"),
+            "embed": LinearPlan("gguf", "cpp"),
+        },
+    ),
+    (
+        "avx2 defaults, an HF checkpoint: packed float32",
+        ZEN3,
+        F32,
+        True,
+        None,
+        (None, "auto", True, True, False, False),
+        {"wqkv": LinearPlan(None, "cpp"), "w_down": LinearPlan(None, "cpp")},
+    ),
+    (
+        "avx2, packed_weights off: float matrices through XLA, codes still C++",
+        ZEN3,
+        dict(F32, packed_weights=False),
+        True,
+        "gguf",
+        ("gguf", "auto", True, False, False, False),
+        {"wqkv": LinearPlan("gguf", "cpp")},
+    ),
+    (
+        "avx2, a GGUF's blocks kept, then the build failed: dequantized",
+        NO_COMPILER,
+        F32,
+        True,
+        "gguf",
+        (None, None, False, False, False, False),
+        {"wqkv": LinearPlan(None, "xla")},
+    ),
+    (
+        "avx2, asked gguf under bf16 (no bf16 dots): codes in C++, x float",
+        ZEN3,
+        dict(BF16, quantization="gguf"),
+        True,
+        "gguf",
+        ("gguf", "gguf", True, False, False, False),
+        {"wqkv": LinearPlan("gguf", "cpp", "float")},
+    ),
+    (
+        "avx512_bf16 defaults, before loading: blocks for small steps",
+        ZEN4,
+        BF16,
+        True,
+        UNKNOWN,
+        (None, "auto", True, True, False, True),
+        {"wqkv": LinearPlan(None, "cpp", small_step_codes=True)},
+    ),
+    (
+        "avx512_bf16 defaults, a GGUF: bf16 panels + small-step codes",
+        ZEN4,
+        BF16,
+        True,
+        "gguf",
+        (None, "auto", True, True, False, True),
+        {
+            "wqkv": LinearPlan(None, "cpp", small_step_codes=True),
+            "experts_gate_up": LinearPlan(None, "xla"),
+            "embed": LinearPlan(None, "cpp", small_step_codes=True),
+        },
+    ),
+    (
+        "avx512_bf16 defaults, an HF checkpoint: bf16 panels",
+        ZEN4,
+        BF16,
+        True,
+        None,
+        (None, None, True, True, False, False),
+        {"wqkv": LinearPlan(None, "cpp")},
+    ),
+    (
+        "avx512_bf16, small_step_codes off",
+        ZEN4,
+        dict(BF16, small_step_codes=False),
+        True,
+        UNKNOWN,
+        (None, None, True, True, False, False),
+        {"wqkv": LinearPlan(None, "cpp")},
+    ),
+    (
+        "avx512_bf16, int4: codes x bf16, an 8-bit LM head",
+        ZEN4,
+        dict(BF16, quantization="int4"),
+        True,
+        None,
+        ("int4", None, True, True, False, False),
+        {
+            "wqkv": LinearPlan("int4", "cpp", "bf16"),
+            "lm_head": LinearPlan("int8_weight_only", "cpp", "bf16"),
+            "embed": LinearPlan("int8_weight_only", "cpp", "bf16"),
+            "experts_down": LinearPlan("int4", "xla"),
+        },
+    ),
+    (
+        "avx2, w8a8: smoothed, int8 x int8 in C++, experts weight-only",
+        ZEN3,
+        dict(F32, quantization="w8a8"),
+        True,
+        None,
+        ("w8a8", None, True, True, True, False),
+        {
+            "wqkv": LinearPlan("w8a8", "cpp", "int8"),
+            "lm_head": LinearPlan("w8a8", "cpp", "int8"),
+            "experts_gate_up": LinearPlan("int8_weight_only", "xla"),
+        },
+    ),
+    (
+        "avx2, int4 with int8_activations",
+        ZEN3,
+        dict(F32, quantization="int4", int8_activations=True),
+        True,
+        None,
+        ("int4", None, True, True, False, False),
+        {"w_gate_up": LinearPlan("int4", "cpp", "int8")},
+    ),
+    (
+        "a mesh: plain codes through XLA",
+        ZEN3,
+        dict(F32, quantization="int8_weight_only"),
+        False,
+        None,
+        ("int8_weight_only", None, False, False, False, False),
+        {"wo": LinearPlan("int8_weight_only", "xla")},
+    ),
+    (
+        "a mesh, defaults: float through XLA, no GGUF blocks kept",
+        ZEN3,
+        F32,
+        False,
+        UNKNOWN,
+        (None, None, False, False, False, False),
+        {"wqkv": LinearPlan(None, "xla")},
+    ),
+    (
+        "the jnp attention backend: no C++ GEMM",
+        ZEN3,
+        dict(F32, attention_backend="cpu"),
+        True,
+        UNKNOWN,
+        (None, None, False, False, False, False),
+        {"wqkv": LinearPlan(None, "xla")},
+    ),
+    (
+        "a GPU, int4: the Pallas kernel",
+        GPU,
+        dict(BF16, quantization="int4"),
+        True,
+        None,
+        ("int4", None, False, False, False, False),
+        {"wqkv": LinearPlan("int4", "pallas")},
+    ),
+    (
+        "a GPU, w8a8: int8 dots in XLA",
+        GPU,
+        dict(BF16, quantization="w8a8"),
+        True,
+        None,
+        ("w8a8", None, False, False, True, False),
+        {"wqkv": LinearPlan("w8a8", "xla", "int8")},
+    ),
+    (
+        "quantization none: a GGUF dequantized",
+        ZEN3,
+        dict(F32, quantization="none"),
+        True,
+        None,
+        (None, None, True, True, False, False),
+        {"wqkv": LinearPlan(None, "cpp")},
+    ),
+    (
+        "an AWQ checkpoint with nothing asked: its codes",
+        ZEN4,
+        BF16,
+        True,
+        "awq",
+        ("awq", None, True, True, False, False),
+        {"wqkv": LinearPlan("awq", "cpp", "bf16")},
+    ),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_plan_table(case):
     _, platform, fields, one_device, checkpoint, expected, linears = case
-    plan = resolve_weight_plan(EngineArgs(**fields), platform, one_device=one_device, checkpoint=checkpoint,
-                               tied=True)
-    assert (plan.quantization, plan.load, plan.cpp_gemm, plan.pack_floats, plan.smooth,
-            plan.small_step_codes) == expected
+    plan = resolve_weight_plan(EngineArgs(**fields), platform, one_device=one_device, checkpoint=checkpoint, tied=True)
+    assert (
+        plan.quantization,
+        plan.load,
+        plan.cpp_gemm,
+        plan.pack_floats,
+        plan.smooth,
+        plan.small_step_codes,
+    ) == expected
     assert set(plan.linears) == set(LINEARS)
     for name, want in linears.items():
         assert plan.linear(name) == want, name
@@ -94,15 +253,25 @@ def test_untied_embedding_is_a_float_table():
     assert plan.linear("lm_head") == LinearPlan("int8_weight_only", "cpp")
 
 
-@pytest.mark.parametrize("platform, fields, checkpoint, match", [
-    (ZEN3, dict(BF16, small_step_codes=True), UNKNOWN, "AVX512_BF16"),
-    (ZEN4, dict(BF16, small_step_codes=True, quantization="int4"), UNKNOWN, "no quantization asked"),
-    (ZEN4, dict(BF16, small_step_codes=True), None, "needs a GGUF model"),
-    (ZEN3, dict(F32, quantization="gptq"), "awq", "already quantized"),
-    (ZEN3, dict(F32, quantization="int4"), "gguf", "already quantized"),
-    (ZEN3, dict(F32, quantization="gguf"), None, "needs a checkpoint quantized so"),
-], ids=["small codes without bf16 dots", "small codes and a method", "small codes of an HF checkpoint",
-        "gptq asked of an awq checkpoint", "int4 asked of a GGUF's blocks", "gguf asked of float weights"])
+@pytest.mark.parametrize(
+    "platform, fields, checkpoint, match",
+    [
+        (ZEN3, dict(BF16, small_step_codes=True), UNKNOWN, "AVX512_BF16"),
+        (ZEN4, dict(BF16, small_step_codes=True, quantization="int4"), UNKNOWN, "no quantization asked"),
+        (ZEN4, dict(BF16, small_step_codes=True), None, "needs a GGUF model"),
+        (ZEN3, dict(F32, quantization="gptq"), "awq", "already quantized"),
+        (ZEN3, dict(F32, quantization="int4"), "gguf", "already quantized"),
+        (ZEN3, dict(F32, quantization="gguf"), None, "needs a checkpoint quantized so"),
+    ],
+    ids=[
+        "small codes without bf16 dots",
+        "small codes and a method",
+        "small codes of an HF checkpoint",
+        "gptq asked of an awq checkpoint",
+        "int4 asked of a GGUF's blocks",
+        "gguf asked of float weights",
+    ],
+)
 def test_plans_that_cannot_hold(platform, fields, checkpoint, match):
     with pytest.raises(ValueError, match=match):
         resolve_weight_plan(EngineArgs(**fields), platform, one_device=True, checkpoint=checkpoint)
@@ -131,8 +300,13 @@ def test_engine_weights_follow_the_plan(tiny_model_dir):
     for extra in ({}, {"quantization": "int4"}, {"packed_weights": False}):
         args = EngineArgs(model=tiny_model_dir, **TINY_ENGINE_ARGS, **extra)
         llm = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, **extra)
-        _, plan = load_with_plan(dataclasses.replace(args, dtype=llm.engine.config.dtype), Platform.detect(), None,
-                                 one_device=True, progress=False)
+        _, plan = load_with_plan(
+            dataclasses.replace(args, dtype=llm.engine.config.dtype),
+            Platform.detect(),
+            None,
+            one_device=True,
+            progress=False,
+        )
         params = llm.engine.runner.params
         weights = {name: params["layers"][0][name] for name in ("wqkv", "wo", "w_down")} | {"embed": params["embed"]}
         for name, w in weights.items():

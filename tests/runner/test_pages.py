@@ -24,11 +24,12 @@ pytestmark = pytest.mark.skipif(not native.available(), reason=f"no native kerne
 
 def test_pool_is_zeros_and_takes_writes_in_place():
     # Two layers of (k, v) [kv_heads 2, pages 96, page 64, row 64] bf16: 1.5 MiB each, as the runner makes them.
-    make = pages.kv_cache_maker([96, 96], 2, 64, 64, "bfloat16", 1, jax.sharding.SingleDeviceSharding(jax.devices()[0]),
-                                zeros=native.zeros)
+    make = pages.kv_cache_maker(
+        [96, 96], 2, 64, 64, "bfloat16", 1, jax.sharding.SingleDeviceSharding(jax.devices()[0]), zeros=native.zeros
+    )
     cache = make()
     arrays = jax.tree_util.tree_leaves(cache)
-    assert len({x.unsafe_buffer_pointer() for x in arrays}) == 4      # never one buffer for K and V
+    assert len({x.unsafe_buffer_pointer() for x in arrays}) == 4  # never one buffer for K and V
     assert all(x.shape == (2, 96, 64, 64) and x.dtype == jnp.uint16 and not np.asarray(x).any() for x in arrays)
     k = arrays[0]
     start = k.unsafe_buffer_pointer()
@@ -39,15 +40,16 @@ def test_pool_is_zeros_and_takes_writes_in_place():
     np.testing.assert_array_equal(np.asarray(k), want)
 
 
-needs_thp = pytest.mark.skipif(not sys.platform.startswith("linux") or thp_mode() in (None, "never"),
-                               reason="transparent huge pages unavailable")
+needs_thp = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or thp_mode() in (None, "never"), reason="transparent huge pages unavailable"
+)
 
 
 @needs_thp
 def test_a_large_pool_lies_on_huge_pages():
     if not huge_pages_obtainable():
         pytest.skip("this machine gives no 2 MiB page to an advised mapping now")
-    assert_mostly_huge(jax.jit(lambda: native.zeros((8, 1 << 20), jnp.float32))())    # 32 MiB
+    assert_mostly_huge(jax.jit(lambda: native.zeros((8, 1 << 20), jnp.float32))())  # 32 MiB
 
 
 # Run in a child whose malloc never maps (glibc's MALLOC_MMAP_MAX_=0, one arena, no trimming): the
@@ -76,8 +78,9 @@ def test_a_pool_on_reused_heap_memory_lies_on_huge_pages():
     if not huge_pages_obtainable():
         pytest.skip("this machine gives no 2 MiB page to an advised mapping now")
     env = dict(os.environ, MALLOC_MMAP_MAX_="0", MALLOC_ARENA_MAX="1", MALLOC_TRIM_THRESHOLD_=str(1 << 40))
-    child = subprocess.run([sys.executable, "-c", REUSED_HEAP.format(root=ROOT)], env=env,
-                           capture_output=True, text=True, timeout=300)
+    child = subprocess.run(
+        [sys.executable, "-c", REUSED_HEAP.format(root=ROOT)], env=env, capture_output=True, text=True, timeout=300
+    )
     if child.returncode == 3:
         pytest.skip("this malloc did not hand the freed buffer back")
     assert child.returncode == 0, child.stderr[-2000:]

@@ -35,11 +35,12 @@ def check(out, hf_model, k):
         hf_rank = 1 + int((row > row[token]).sum())
         near = int((np.abs(row - row[token]) <= 2e-4).sum()) - 1
         assert abs(entry[token].rank - hf_rank) <= near, (entry[token].rank, hf_rank, near)
-        top = {t: lp for t, lp in entry.items() if lp.rank <= k}     # the k best (the prompt token may be one)
+        top = {t: lp for t, lp in entry.items() if lp.rank <= k}  # the k best (the prompt token may be one)
         assert len(top) == k
-        np.testing.assert_allclose(sorted((lp.logprob for lp in top.values()), reverse=True),
-                                   np.sort(row)[::-1][:k], atol=2e-4)
-        assert set(top) <= set(np.argsort(-row)[:k + 1].tolist())
+        np.testing.assert_allclose(
+            sorted((lp.logprob for lp in top.values()), reverse=True), np.sort(row)[::-1][:k], atol=2e-4
+        )
+        assert set(top) <= set(np.argsort(-row)[: k + 1].tolist())
         assert entry[token].decoded_token is not None
 
 
@@ -59,7 +60,7 @@ def test_prompt_logprobs_over_chunks_cache_hits_and_preemption(llm, hf_model, ti
     # A pool too small for all at once: the newest are preempted and recomputed.
     small = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "num_gpu_blocks_override": 16, "block_size": 4})
     for engine in (chunked, small):
-        engine.generate(PROMPTS, plain, use_tqdm=False)     # the prompts' pages now sit in the prefix cache
+        engine.generate(PROMPTS, plain, use_tqdm=False)  # the prompts' pages now sit in the prefix cache
         outs = engine.generate(PROMPTS, params, use_tqdm=False)
         for out, ref in zip(outs, reference):
             check(out, hf_model, 2)
@@ -69,8 +70,9 @@ def test_prompt_logprobs_over_chunks_cache_hits_and_preemption(llm, hf_model, ti
 
 
 def test_prompt_logprobs_with_n_choices_and_a_one_token_prompt(llm, hf_model):
-    out = llm.generate([PROMPTS[0]], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=3, prompt_logprobs=1),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [PROMPTS[0]], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=3, prompt_logprobs=1), use_tqdm=False
+    )[0]
     check(out, hf_model, 1)
     assert len(out.outputs) == 3
     one = llm.generate([[1]], SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)[0]

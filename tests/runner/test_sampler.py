@@ -29,8 +29,8 @@ SAMPLERS = [pytest.param(sample, id="xla"), pytest.param(sample_native, id="nati
 def test_greedy_first_max_and_token_logprob(sample):
     rng = np.random.default_rng(3)
     logits = rng.standard_normal((5, 3000)).astype(np.float32)
-    logits[1, [7, 2000]] = 9.0        # a tie: the first index wins, as with np.argmax
-    logits[2, -1] = 9.0               # the maximum in the last column
+    logits[1, [7, 2000]] = 9.0  # a tie: the first index wins, as with np.argmax
+    logits[2, -1] = 9.0  # the maximum in the last column
     tokens, lp, *_ = sample(logits, state(5, temperature=0.0))
     np.testing.assert_array_equal(np.asarray(tokens), np.argmax(logits, -1))
     ref = logits.astype(np.float64)
@@ -39,8 +39,18 @@ def test_greedy_first_max_and_token_logprob(sample):
 
 
 @pytest.mark.parametrize("sample", SAMPLERS)
-@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.5), dict(top_k=3), dict(top_p=0.7), dict(min_p=0.3),
-                                dict(temperature=1.5, top_k=6, top_p=0.8), dict(top_k=1)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(temperature=0.5),
+        dict(top_k=3),
+        dict(top_p=0.7),
+        dict(min_p=0.3),
+        dict(temperature=1.5, top_k=6, top_p=0.8),
+        dict(top_k=1),
+    ],
+)
 def test_sampled_frequencies_match_reference(kw, sample):
     S = 6000
     tokens, *_ = sample(np.tile(LOGITS, (S, 1)), state(S, **kw))
@@ -89,8 +99,19 @@ def test_banned_tokens_and_logprobs(sample):
 
 
 @needs_native
-@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.7), dict(top_k=5), dict(top_p=0.8), dict(min_p=0.1),
-                                dict(temperature=1.3, top_k=50, top_p=0.9, min_p=0.02), dict(top_k=1), dict(top_p=0.3)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(temperature=0.7),
+        dict(top_k=5),
+        dict(top_p=0.8),
+        dict(min_p=0.1),
+        dict(temperature=1.3, top_k=50, top_p=0.9, min_p=0.02),
+        dict(top_k=1),
+        dict(top_p=0.3),
+    ],
+)
 def test_native_draw_equals_xla_draw(kw):
     """With the same uniforms the C++ draw picks the XLA draw's token: the same kept set and
     the same inverse-CDF step, on varied logits (some tied, some -inf), with drafts accepted
@@ -98,9 +119,9 @@ def test_native_draw_equals_xla_draw(kw):
     rng = np.random.default_rng(7)
     rows, vocab = 512, 3000
     logits = (rng.standard_normal((rows, vocab)) * 2).astype(np.float32)
-    logits[:, :20] += 3                                  # drafts among the likely tokens
-    logits[::7, 100:110] = logits[::7, 100:101]          # ties
-    logits[::5, 200:400] = -np.inf                       # banned
+    logits[:, :20] += 3  # drafts among the likely tokens
+    logits[::7, 100:110] = logits[::7, 100:101]  # ties
+    logits[::5, 200:400] = -np.inf  # banned
     st = state(rows, **kw)
     drafts = np.where(rng.random(rows) < 0.5, rng.integers(0, 20, rows), -1).astype(np.int32)
     st = dataclasses.replace(st, seeds=rng.integers(0, 2**32, rows, dtype=np.uint32), draft_tokens=drafts)
@@ -113,10 +134,10 @@ def test_native_draw_equals_xla_draw(kw):
     u = np.asarray(u)
     for row in np.nonzero(cpp != xla)[0]:
         q = reference_probs(logits[row].astype(np.float64), **kw)
-        if drafts[row] >= 0:                              # rejected by both (each drew another token)
+        if drafts[row] >= 0:  # rejected by both (each drew another token)
             q[drafts[row]] = 0
             q /= q.sum()
         assert abs(np.cumsum(q)[min(cpp[row], xla[row])] - u[row]) < 1e-5, (row, cpp[row], xla[row])
     assert (cpp != xla).sum() <= 2
     accepted = (drafts >= 0) & (xla == drafts)
-    assert 0 < accepted.sum() < (drafts >= 0).sum()      # both outcomes of the draft test occur
+    assert 0 < accepted.sum() < (drafts >= 0).sum()  # both outcomes of the draft test occur

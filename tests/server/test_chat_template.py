@@ -12,8 +12,7 @@ import tracemalloc
 
 import pytest
 
-from jaxllm.chat_template import (ALLOWED_TEMPLATE_KWARGS, ChatTemplateError, check_template_kwargs,
-                                  render_chat_template)
+from jaxllm.chat_template import ALLOWED_TEMPLATE_KWARGS, ChatTemplateError, check_template_kwargs, render_chat_template
 from jaxllm.jinja_sandbox import MAX_TEMPLATE_CHARS
 
 # Qwen3-style ChatML: a default system prompt, reasoning shown for the last assistant turn,
@@ -81,15 +80,22 @@ JSON_LINES = """\
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello"}],
-    [{"role": "system", "content": "Sé breve. 日本語で答えて"},
-     {"role": "user", "content": "Qu'est-ce que «Jinja» ? 🤔"},
-     {"role": "assistant", "content": "Un moteur de gabarits.", "tool_calls": None},
-     {"role": "user", "content": "  Merci\n"}],
-    [{"role": "user", "content": [{"type": "text", "text": "Part one, "}, {"type": "text", "text": "part two"}]},
-     {"role": "assistant", "content": "4", "reasoning": "2 + 2 = 4, \"quoted\" <tag>"}],
+    [
+        {"role": "system", "content": "Sé breve. 日本語で答えて"},
+        {"role": "user", "content": "Qu'est-ce que «Jinja» ? 🤔"},
+        {"role": "assistant", "content": "Un moteur de gabarits.", "tool_calls": None},
+        {"role": "user", "content": "  Merci\n"},
+    ],
+    [
+        {"role": "user", "content": [{"type": "text", "text": "Part one, "}, {"type": "text", "text": "part two"}]},
+        {"role": "assistant", "content": "4", "reasoning": '2 + 2 = 4, "quoted" <tag>'},
+    ],
 ]
-KWARGS = [{}, {"enable_thinking": False, "date_string": "01 Jan 2025"},
-          {"documents": [{"title": "A", "text": "é", "children": [{"title": "A.1"}, {"title": "A.2"}]}]}]
+KWARGS = [
+    {},
+    {"enable_thinking": False, "date_string": "01 Jan 2025"},
+    {"documents": [{"title": "A", "text": "é", "children": [{"title": "A.1"}, {"title": "A.2"}]}]},
+]
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +110,13 @@ def _hf_text(tokenizer, template, conversation, **kwargs):
 
 
 def _ours(tokenizer, template, conversation, *, add_generation_prompt, **kwargs):
-    return render_chat_template(template, conversation, add_generation_prompt=add_generation_prompt,
-                                special_tokens=tokenizer.special_tokens_map, template_kwargs=kwargs)
+    return render_chat_template(
+        template,
+        conversation,
+        add_generation_prompt=add_generation_prompt,
+        special_tokens=tokenizer.special_tokens_map,
+        template_kwargs=kwargs,
+    )
 
 
 @pytest.mark.parametrize("name", ["model", "CHATML", "LLAMA3", "JSON_LINES"])
@@ -114,7 +125,7 @@ def test_text_matches_transformers(tokenizer, name):
     compared = 0
     for conversation, kwargs, add in itertools.product(CONVERSATIONS, KWARGS, (True, False)):
         if name == "model" and not isinstance(conversation[0]["content"], str):
-            continue        # the model's template concatenates content as a string
+            continue  # the model's template concatenates content as a string
         expected = _hf_text(tokenizer, template, conversation, add_generation_prompt=add, **kwargs)
         assert _ours(tokenizer, template, conversation, add_generation_prompt=add, **kwargs) == expected
         compared += 1
@@ -127,9 +138,10 @@ def test_continue_final_message_matches_transformers(tokenizer, template):
     conversation = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
     expected = _hf_text(tokenizer, template, conversation, continue_final_message=True)
     assert expected.endswith("The colour is")
-    assert _ours(tokenizer, template, conversation, add_generation_prompt=False, continue_final_message=True) \
-        == expected
-    assert conversation[-1] == {"role": "assistant", "content": "The colour is"}    # the caller's copy is untouched
+    assert (
+        _ours(tokenizer, template, conversation, add_generation_prompt=False, continue_final_message=True) == expected
+    )
+    assert conversation[-1] == {"role": "assistant", "content": "The colour is"}  # the caller's copy is untouched
     with pytest.raises(ChatTemplateError, match="cannot both be set"):
         _ours(tokenizer, template, conversation, add_generation_prompt=True, continue_final_message=True)
 
@@ -141,20 +153,26 @@ def test_engine_token_ids_match_transformers(tokenizer, tiny_model_dir):
     for conversation in CONVERSATIONS[:2]:
         expected = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
         assert llm.apply_chat_template(conversation) == list(expected["input_ids"])
-        assert llm.apply_chat_template(conversation)[0] == tokenizer.bos_token_id   # the template writes BOS
+        assert llm.apply_chat_template(conversation)[0] == tokenizer.bos_token_id  # the template writes BOS
     conversation = CONVERSATIONS[1]
-    expected = tokenizer.apply_chat_template(conversation, chat_template=LLAMA3, add_generation_prompt=False,
-                                             date_string="01 Jan 2025", tokenize=True)
+    expected = tokenizer.apply_chat_template(
+        conversation, chat_template=LLAMA3, add_generation_prompt=False, date_string="01 Jan 2025", tokenize=True
+    )
     # The engine passes any template variable (date_string is not in the clients' allow-list).
-    assert llm.engine.apply_chat_template(conversation, chat_template=LLAMA3, add_generation_prompt=False,
-                                          date_string="01 Jan 2025") == list(expected["input_ids"])
+    assert llm.engine.apply_chat_template(
+        conversation, chat_template=LLAMA3, add_generation_prompt=False, date_string="01 Jan 2025"
+    ) == list(expected["input_ids"])
     with pytest.raises(ValueError, match="rejected the conversation: the system message must come first"):
         llm.engine.apply_chat_template(conversation[1:] + conversation[:1], chat_template=LLAMA3)
 
 
 def test_strftime_now():
-    text = render_chat_template("{{ strftime_now('%Y-%m') }}", [{"role": "user", "content": "x"}],
-                                add_generation_prompt=False, special_tokens={})
+    text = render_chat_template(
+        "{{ strftime_now('%Y-%m') }}",
+        [{"role": "user", "content": "x"}],
+        add_generation_prompt=False,
+        special_tokens={},
+    )
     assert text == datetime.datetime.now().strftime("%Y-%m")
 
 
@@ -164,8 +182,15 @@ def _render_in_thread(template: str, **bounds) -> Exception | str:
 
     def run():
         try:
-            result.append(render_chat_template(template, CONVERSATIONS[0], add_generation_prompt=True,
-                                               special_tokens={"bos_token": "<s>"}, **bounds))
+            result.append(
+                render_chat_template(
+                    template,
+                    CONVERSATIONS[0],
+                    add_generation_prompt=True,
+                    special_tokens={"bos_token": "<s>"},
+                    **bounds,
+                )
+            )
         except Exception as e:
             result.append(e)
 
@@ -179,34 +204,58 @@ def _render_in_thread(template: str, **bounds) -> Exception | str:
 # Each would exhaust the time or the memory without its bound; where a broken bound would still
 # end, sizes are kept big enough to show in the test's memory peak, small enough not to hurt the machine.
 HOSTILE = {
-    "nested ranges, no output": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
-                                 "took longer than 0.3 s"),
+    "nested ranges, no output": (
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        "took longer than 0.3 s",
+    ),
     "nested loops with no call in them": (
-        "{% set r = range(100000) %}{% for i in r %}{% for j in r %}{% endfor %}{% endfor %}", "took longer"),
+        "{% set r = range(100000) %}{% for i in r %}{% for j in r %}{% endfor %}{% endfor %}",
+        "took longer",
+    ),
     "nested loops over a string": (
-        "{% set s = 'ab' * 50000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}", "took longer"),
-    "nested loops in a macro buffer": ("{% macro m() %}{% set r = range(100000) %}{% for i in r %}{% for j in r %}"
-                                       "{% if not j %}x{% endif %}{% endfor %}{% endfor %}{% endmacro %}{{ m() }}",
-                                       "took longer"),
-    "large values into a macro buffer": ("{% macro m() %}{% for i in range(300) %}{{ 'x' * 99999 }}{% endfor %}"
-                                         "{% endmacro %}{{ m() }}", "built more than 1600000 characters"),
-    "slices into a macro buffer": ("{% macro m() %}{% set s = 'x' * 99999 %}{% for i in range(300) %}{{ s[i:] }}"
-                                   "{% endfor %}{% endmacro %}{{ m() }}", "built more than"),
-    "filter blocks into a macro buffer": ("{% macro m() %}{% for i in range(300) %}{% filter center(99999) %}x"
-                                          "{% endfilter %}{% endfor %}{% endmacro %}{{ m() }}", "built more than"),
-    "nested loops with output": ("{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxx{% endfor %}"
-                                 "{% endfor %}", "produced more than 100000 characters"),
+        "{% set s = 'ab' * 50000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",
+        "took longer",
+    ),
+    "nested loops in a macro buffer": (
+        "{% macro m() %}{% set r = range(100000) %}{% for i in r %}{% for j in r %}"
+        "{% if not j %}x{% endif %}{% endfor %}{% endfor %}{% endmacro %}{{ m() }}",
+        "took longer",
+    ),
+    "large values into a macro buffer": (
+        "{% macro m() %}{% for i in range(300) %}{{ 'x' * 99999 }}{% endfor %}{% endmacro %}{{ m() }}",
+        "built more than 1600000 characters",
+    ),
+    "slices into a macro buffer": (
+        "{% macro m() %}{% set s = 'x' * 99999 %}{% for i in range(300) %}{{ s[i:] }}"
+        "{% endfor %}{% endmacro %}{{ m() }}",
+        "built more than",
+    ),
+    "filter blocks into a macro buffer": (
+        "{% macro m() %}{% for i in range(300) %}{% filter center(99999) %}x"
+        "{% endfilter %}{% endfor %}{% endmacro %}{{ m() }}",
+        "built more than",
+    ),
+    "nested loops with output": (
+        "{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxx{% endfor %}{% endfor %}",
+        "produced more than 100000 characters",
+    ),
     "string repetition": ('{{ "x" * 10**8 }}', "produced more than"),
     "list repetition": ("{{ ([1] * 10**6) | length }}", "produced more than"),
     "power tower": ("{{ 9 ** (9 ** 9) }}", "more than 4096 bits"),
-    "repeated squaring": ("{% set ns = namespace(n=3) %}{% for i in range(20) %}{% set ns.n = ns.n * ns.n %}"
-                          "{% endfor %}", "more than 4096 bits"),
-    "doubling with ~": ("{% set a = 'x' * 1000 %}" + "{% set a = a ~ a %}" * 12,
-                        "produced more than"),
-    "join of a list of references": ("{% set s = 'x' * 90000 %}{% set a = [" + ", ".join(["s"] * 100) + "] %}"
-                                      "{{ a | join }}", "produced more than"),
-    "printing nested references": ("{% set s = 'x' * 90000 %}{% set a = [s, s, s, s, s, s, s, s, s, s] %}"
-                                   "{% set b = [a, a, a, a, a, a, a, a, a, a] %}{{ [b, b] }}", "produced more than"),
+    "repeated squaring": (
+        "{% set ns = namespace(n=3) %}{% for i in range(20) %}{% set ns.n = ns.n * ns.n %}{% endfor %}",
+        "more than 4096 bits",
+    ),
+    "doubling with ~": ("{% set a = 'x' * 1000 %}" + "{% set a = a ~ a %}" * 12, "produced more than"),
+    "join of a list of references": (
+        "{% set s = 'x' * 90000 %}{% set a = [" + ", ".join(["s"] * 100) + "] %}{{ a | join }}",
+        "produced more than",
+    ),
+    "printing nested references": (
+        "{% set s = 'x' * 90000 %}{% set a = [s, s, s, s, s, s, s, s, s, s] %}"
+        "{% set b = [a, a, a, a, a, a, a, a, a, a] %}{{ [b, b] }}",
+        "produced more than",
+    ),
     "padding filter": ("{{ 'x' | center(100000000) }}", "asked for a width of 100000000; at most 100000"),
     "padding method": ("{{ 'x'.ljust(100000000) }}", "asked for a width of 100000000"),
     "% width": ("{{ '%010000000d' % 1 }}", "unsafe operation: the format spec"),
@@ -217,8 +266,10 @@ HOSTILE = {
     "mutating a list": ("{% set l = [1] %}{{ l.append(2) }}", "unsafe operation"),
     "namespace underscore": ("{% set ns = namespace() %}{% set ns._x = 1 %}", "unsafe operation"),
     "recursive macro": ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recursed too deeply"),
-    "raise_exception": ("{% if messages[0].role == 'user' %}{{ raise_exception('bad role') }}{% endif %}",
-                        "^the chat template rejected the conversation: bad role$"),
+    "raise_exception": (
+        "{% if messages[0].role == 'user' %}{{ raise_exception('bad role') }}{% endif %}",
+        "^the chat template rejected the conversation: bad role$",
+    ),
     "syntax error": ("{% for m in messages %}\n{{ m.content }\n{% endfor %}", r"is not valid Jinja: .* \(line 2\)"),
     "unknown filter": ("{{ messages | nosuchfilter }}", "is not valid Jinja: No filter named 'nosuchfilter'"),
     "source too large": ("x" * (MAX_TEMPLATE_CHARS + 1), f"at most {MAX_TEMPLATE_CHARS}"),
@@ -249,19 +300,27 @@ def test_bounds_are_exact_and_per_render():
     # Two renders at once keep their own deadlines (the budget is per thread, not global).
     slow = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
     errors = {}
-    threads = [threading.Thread(target=lambda t=t: errors.__setitem__(t, _render_in_thread(slow, timeout_s=t)))
-               for t in (0.2, 1.0)]
+    threads = [
+        threading.Thread(target=lambda t=t: errors.__setitem__(t, _render_in_thread(slow, timeout_s=t)))
+        for t in (0.2, 1.0)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     assert "0.2 s" in str(errors[0.2]) and "1.0 s" in str(errors[1.0])
-    assert _render_in_thread(CHATML).startswith("<|im_start|>system")     # nothing left over from failures
+    assert _render_in_thread(CHATML).startswith("<|im_start|>system")  # nothing left over from failures
 
 
 def test_check_template_kwargs():
-    allowed = {"enable_thinking": False, "thinking": True, "reasoning_effort": "low", "add_generation_prompt": True,
-               "continue_final_message": False, "documents": [{"title": "t", "text": "x"}]}
+    allowed = {
+        "enable_thinking": False,
+        "thinking": True,
+        "reasoning_effort": "low",
+        "add_generation_prompt": True,
+        "continue_final_message": False,
+        "documents": [{"title": "t", "text": "x"}],
+    }
     assert set(allowed) == ALLOWED_TEMPLATE_KWARGS
     assert check_template_kwargs(allowed) == allowed
     assert check_template_kwargs(None) == {}

@@ -18,7 +18,7 @@ from jaxllm import SamplingParams
 from tests.helpers.live_server import API_KEY, start_server
 from tests.helpers.tiny_model import offline_llm
 
-pytestmark = pytest.mark.browser     # every test here drives headless Chromium
+pytestmark = pytest.mark.browser  # every test here drives headless Chromium
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
 from selenium.webdriver.common.by import By  # noqa: E402
@@ -27,15 +27,22 @@ from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 CHROMEDRIVER = shutil.which("chromedriver")
 if not (CHROMIUM and CHROMEDRIVER):
-    pytest.skip("no headless browser: install Debian's chromium and chromium-driver (make browser)",
-                allow_module_level=True)
+    pytest.skip(
+        "no headless browser: install Debian's chromium and chromium-driver (make browser)", allow_module_level=True
+    )
 
 
 @pytest.fixture(scope="module")
 def slow_server(tiny_model_dir, tmp_path_factory):
     """The tiny model behind `jaxllm serve`, each engine step slowed by 30 ms."""
-    live = start_server(tiny_model_dir, str(tmp_path_factory.mktemp("playground")), "--log-stats-interval", "1",
-                        faults=["--step-delay", "0.03"], offline=lambda: offline_llm(tiny_model_dir))
+    live = start_server(
+        tiny_model_dir,
+        str(tmp_path_factory.mktemp("playground")),
+        "--log-stats-interval",
+        "1",
+        faults=["--step-delay", "0.03"],
+        offline=lambda: offline_llm(tiny_model_dir),
+    )
     yield live
     live.stop()
 
@@ -60,8 +67,9 @@ def open_page(browser, server, key: str = API_KEY):
     field.clear()
     field.send_keys(key)
     browser.execute_script("arguments[0].dispatchEvent(new Event('change'))", field)
-    WebDriverWait(browser, 30).until(lambda b: b.find_element(By.ID, "model").text != "model: ?"
-                                     or b.find_element(By.ID, "error").text)
+    WebDriverWait(browser, 30).until(
+        lambda b: b.find_element(By.ID, "model").text != "model: ?" or b.find_element(By.ID, "error").text
+    )
 
 
 def set_value(browser, element_id: str, value) -> None:
@@ -95,8 +103,11 @@ def test_an_answer_streams_in_and_equals_the_engine_s(browser, slow_server, tmp_
     partial = last_answer(browser).find_element(By.CLASS_NAME, "text").text
     WebDriverWait(browser, 120).until(idle)
     answer = last_answer(browser)
-    expected = slow_server.offline.chat([{"role": "user", "content": "Tell me about the sea."}],
-                                        SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
+    expected = slow_server.offline.chat(
+        [{"role": "user", "content": "Tell me about the sea."}],
+        SamplingParams(temperature=0, max_tokens=40),
+        use_tqdm=False,
+    )[0]
     # textContent as the page received it (Selenium's .text trims and folds whitespace)
     text = browser.execute_script("return arguments[0].querySelector('.text').textContent", answer)
     assert text == expected.outputs[0].text and len(text) >= len(partial)
@@ -127,8 +138,8 @@ def test_stop_ends_the_request_on_the_server(browser, slow_server):
     assert metrics[("jaxllm:num_requests_running", ())] == 0 and metrics[("jaxllm:kv_cache_usage_perc", ())] == 0
     shown = answer.find_element(By.CLASS_NAME, "text").text
     time.sleep(1)
-    assert answer.find_element(By.CLASS_NAME, "text").text == shown     # nothing more arrives
-    assert "client gone" in slow_server.log()                           # and the server logged why it ended
+    assert answer.find_element(By.CLASS_NAME, "text").text == shown  # nothing more arrives
+    assert "client gone" in slow_server.log()  # and the server logged why it ended
 
 
 def test_structured_output_example_sends_the_schema(browser, slow_server):
@@ -140,7 +151,7 @@ def test_structured_output_example_sends_the_schema(browser, slow_server):
     WebDriverWait(browser, 120).until(idle)
     answer = last_answer(browser)
     text = browser.execute_script("return arguments[0].querySelector('.text').textContent", answer)
-    assert text.startswith('{"city": "'), text                          # the grammar's first tokens
+    assert text.startswith('{"city": "'), text  # the grammar's first tokens
     if "finish: stop" in answer.find_element(By.CLASS_NAME, "stats").text:
         value = json.loads(text)
         assert set(value) == {"city", "country", "population_millions"}

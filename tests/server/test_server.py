@@ -51,8 +51,9 @@ PROMPTS = ["Hello there", "The capital of France is", "def fibonacci(n):"]
 def test_completions_greedy_equal_offline(server):
     params = greedy(16, ignore_eos=True)
     expected = offline_texts(server, PROMPTS, params)
-    response = server.client.completions.create(model=server.model, prompt=PROMPTS, max_tokens=16, temperature=0,
-                                                extra_body={"ignore_eos": True})
+    response = server.client.completions.create(
+        model=server.model, prompt=PROMPTS, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert [c.text for c in response.choices] == expected
     assert [c.index for c in response.choices] == [0, 1, 2]
     assert all(c.finish_reason == "length" for c in response.choices)
@@ -64,23 +65,32 @@ def test_completions_greedy_equal_offline(server):
 
     # Token-id prompts (one, and a list of them) give the same text as the strings.
     ids = [tokenizer.encode(p) for p in PROMPTS]
-    one = server.client.completions.create(model=server.model, prompt=ids[1], max_tokens=16, temperature=0,
-                                           extra_body={"ignore_eos": True})
+    one = server.client.completions.create(
+        model=server.model, prompt=ids[1], max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert one.choices[0].text == expected[1]
-    many = server.client.completions.create(model=server.model, prompt=ids, max_tokens=16, temperature=0,
-                                            extra_body={"ignore_eos": True})
+    many = server.client.completions.create(
+        model=server.model, prompt=ids, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert [c.text for c in many.choices] == expected
 
-    echoed = server.client.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=16, temperature=0,
-                                              echo=True, extra_body={"ignore_eos": True})
+    echoed = server.client.completions.create(
+        model=server.model, prompt=PROMPTS[0], max_tokens=16, temperature=0, echo=True, extra_body={"ignore_eos": True}
+    )
     assert echoed.choices[0].text == PROMPTS[0] + expected[0]
 
 
 def test_completions_stream_equal_plain(server):
     expected = offline_texts(server, PROMPTS, greedy(16, ignore_eos=True))
-    stream = server.client.completions.create(model=server.model, prompt=PROMPTS, max_tokens=16, temperature=0,
-                                              stream=True, stream_options={"include_usage": True},
-                                              extra_body={"ignore_eos": True})
+    stream = server.client.completions.create(
+        model=server.model,
+        prompt=PROMPTS,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     texts, finish, usage = ["", "", ""], [None] * 3, None
     for chunk in stream:
         if chunk.usage is not None:
@@ -105,8 +115,15 @@ def test_completions_n_seed_stop_logprobs(server):
     # n with a seed: reproducible, and equal to the offline engine with the same seed.
     sampled = SamplingParams(n=3, temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
     expected = [c.text for c in server.offline.generate(PROMPTS[0], sampled, use_tqdm=False)[0].outputs]
-    kwargs = dict(model=server.model, prompt=PROMPTS[0], n=3, temperature=1.0, seed=1234, max_tokens=12,
-                  extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=server.model,
+        prompt=PROMPTS[0],
+        n=3,
+        temperature=1.0,
+        seed=1234,
+        max_tokens=12,
+        extra_body={"ignore_eos": True},
+    )
     first = server.client.completions.create(**kwargs)
     assert [c.index for c in first.choices] == [0, 1, 2]
     assert [c.text for c in first.choices] == expected
@@ -116,9 +133,15 @@ def test_completions_n_seed_stop_logprobs(server):
     # stop string: cut before its first occurrence, streamed or not.
     full = offline_texts(server, [PROMPTS[1]], greedy(24, ignore_eos=True))[0]
     stop = full[12:15]
-    cut = full[:full.find(stop)]
-    kwargs = dict(model=server.model, prompt=PROMPTS[1], max_tokens=24, temperature=0, stop=[stop],
-                  extra_body={"ignore_eos": True})
+    cut = full[: full.find(stop)]
+    kwargs = dict(
+        model=server.model,
+        prompt=PROMPTS[1],
+        max_tokens=24,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
     response = server.client.completions.create(**kwargs)
     assert response.choices[0].text == cut
     assert response.choices[0].finish_reason == "stop"
@@ -127,15 +150,21 @@ def test_completions_n_seed_stop_logprobs(server):
 
     # stop_token_ids (vLLM's extra): finishes on that token.
     token_ids = server.offline.generate(PROMPTS[1], greedy(24, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
-    stopped = server.client.completions.create(model=server.model, prompt=PROMPTS[1], max_tokens=24, temperature=0,
-                                               extra_body={"stop_token_ids": [token_ids[3]], "ignore_eos": True})
+    stopped = server.client.completions.create(
+        model=server.model,
+        prompt=PROMPTS[1],
+        max_tokens=24,
+        temperature=0,
+        extra_body={"stop_token_ids": [token_ids[3]], "ignore_eos": True},
+    )
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.usage.completion_tokens == token_ids.index(token_ids[3]) + 1
 
     # logprobs: the greedy token is the best one, and matches the offline engine's logprob.
     reference = server.offline.generate(PROMPTS[2], greedy(8, ignore_eos=True, logprobs=3), use_tqdm=False)[0]
-    response = server.client.completions.create(model=server.model, prompt=PROMPTS[2], max_tokens=8, temperature=0,
-                                                logprobs=3, extra_body={"ignore_eos": True})
+    response = server.client.completions.create(
+        model=server.model, prompt=PROMPTS[2], max_tokens=8, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+    )
     lp = response.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
     for i, (token_id, entry) in enumerate(zip(reference.outputs[0].token_ids, reference.outputs[0].logprobs)):
@@ -153,11 +182,19 @@ def test_completions_n_seed_stop_logprobs(server):
 def test_completions_echo_with_logprobs_scores_the_prompt(server):
     # How evaluation tools score text: echo + logprobs returns the prompt tokens' logprobs
     # (the first has none), then the completion's; streamed, the first chunk carries them.
-    reference = server.offline.generate(PROMPTS[1], greedy(4, ignore_eos=True, logprobs=2, prompt_logprobs=2),
-                                        use_tqdm=False)[0]
+    reference = server.offline.generate(
+        PROMPTS[1], greedy(4, ignore_eos=True, logprobs=2, prompt_logprobs=2), use_tqdm=False
+    )[0]
     ids = reference.prompt_token_ids
-    kwargs = dict(model=server.model, prompt=PROMPTS[1], max_tokens=4, temperature=0, echo=True, logprobs=2,
-                  extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=server.model,
+        prompt=PROMPTS[1],
+        max_tokens=4,
+        temperature=0,
+        echo=True,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     plain = server.client.completions.create(**kwargs).choices[0]
     streamed = list(server.client.completions.create(**kwargs, stream=True))
     first = streamed[0].choices[0].logprobs
@@ -169,10 +206,11 @@ def test_completions_echo_with_logprobs_scores_the_prompt(server):
         assert lp.token_logprobs[p] == pytest.approx(entry[token].logprob, abs=1e-4)
         assert len(lp.top_logprobs[p]) >= 2
     assert lp.text_offset == sorted(lp.text_offset)
-    assert lp.token_logprobs[len(ids):] == pytest.approx(
-        [e[t].logprob for t, e in zip(reference.outputs[0].token_ids, reference.outputs[0].logprobs)], abs=1e-4)
-    assert first.tokens[:len(ids)] == lp.tokens[:len(ids)]
-    assert first.token_logprobs[:len(ids)] == pytest.approx(lp.token_logprobs[:len(ids)], abs=1e-6)
+    assert lp.token_logprobs[len(ids) :] == pytest.approx(
+        [e[t].logprob for t, e in zip(reference.outputs[0].token_ids, reference.outputs[0].logprobs)], abs=1e-4
+    )
+    assert first.tokens[: len(ids)] == lp.tokens[: len(ids)]
+    assert first.token_logprobs[: len(ids)] == pytest.approx(lp.token_logprobs[: len(ids)], abs=1e-6)
     assert sum(len(c.choices[0].logprobs.tokens) for c in streamed if c.choices) == len(ids) + 4
 
 
@@ -184,8 +222,9 @@ CONVERSATION = [{"role": "system", "content": "You are terse."}, {"role": "user"
 
 def test_chat_greedy_equal_offline_chat(server):
     reference = server.offline.chat(CONVERSATION, greedy(20), use_tqdm=False)[0].outputs[0]
-    response = server.client.chat.completions.create(model=server.model, messages=CONVERSATION, max_tokens=20,
-                                                     temperature=0)
+    response = server.client.chat.completions.create(
+        model=server.model, messages=CONVERSATION, max_tokens=20, temperature=0
+    )
     choice = response.choices[0]
     assert choice.message.role == "assistant"
     assert choice.message.content == reference.text
@@ -194,14 +233,23 @@ def test_chat_greedy_equal_offline_chat(server):
     assert response.usage.completion_tokens == len(reference.token_ids)
 
     # max_completion_tokens is the newer name of max_tokens; content parts are joined.
-    parts = [CONVERSATION[0], {"role": "user", "content": [{"type": "text", "text": "Name a "},
-                                                           {"type": "text", "text": "colour."}]}]
-    again = server.client.chat.completions.create(model=server.model, messages=parts, max_completion_tokens=20,
-                                                  temperature=0)
+    parts = [
+        CONVERSATION[0],
+        {"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "colour."}]},
+    ]
+    again = server.client.chat.completions.create(
+        model=server.model, messages=parts, max_completion_tokens=20, temperature=0
+    )
     assert again.choices[0].message.content == reference.text
 
-    stream = server.client.chat.completions.create(model=server.model, messages=CONVERSATION, max_tokens=20,
-                                                   temperature=0, stream=True, stream_options={"include_usage": True})
+    stream = server.client.chat.completions.create(
+        model=server.model,
+        messages=CONVERSATION,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference.text
@@ -210,8 +258,15 @@ def test_chat_greedy_equal_offline_chat(server):
 
 
 def test_chat_n_seed_logprobs(server):
-    kwargs = dict(model=server.model, messages=CONVERSATION, n=2, temperature=1.0, seed=7, max_tokens=10,
-                  extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=server.model,
+        messages=CONVERSATION,
+        n=2,
+        temperature=1.0,
+        seed=7,
+        max_tokens=10,
+        extra_body={"ignore_eos": True},
+    )
     plain = server.client.chat.completions.create(**kwargs)
     assert [c.index for c in plain.choices] == [0, 1]
     texts = ["", ""]
@@ -221,9 +276,15 @@ def test_chat_n_seed_logprobs(server):
     assert texts == [c.message.content for c in plain.choices]
     assert plain.usage.completion_tokens == 20
 
-    response = server.client.chat.completions.create(model=server.model, messages=CONVERSATION, max_tokens=6,
-                                                     temperature=0, logprobs=True, top_logprobs=2,
-                                                     extra_body={"ignore_eos": True})
+    response = server.client.chat.completions.create(
+        model=server.model,
+        messages=CONVERSATION,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     content = response.choices[0].logprobs.content
     assert len(content) == 6
     for item in content:
@@ -240,14 +301,22 @@ def test_32_concurrent_streams_with_bad_requests_between(server):
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
     prompts = [f"Request {i}: " + " ".join(rng.choices(words, k=rng.randint(1, 60))) for i in range(32)]
     lengths = [rng.randint(8, 40) for _ in range(32)]
-    expected = [server.offline.generate(p, greedy(n, ignore_eos=True), use_tqdm=False)[0].outputs[0]
-                for p, n in zip(prompts, lengths)]
+    expected = [
+        server.offline.generate(p, greedy(n, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+        for p, n in zip(prompts, lengths)
+    ]
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
 
     async def stream_one(prompt: str, max_tokens: int):
-        stream = await client.completions.create(model=server.model, prompt=prompt, max_tokens=max_tokens,
-                                                 temperature=0, logprobs=0, stream=True,
-                                                 extra_body={"ignore_eos": True})
+        stream = await client.completions.create(
+            model=server.model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            logprobs=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         text, num_tokens = "", 0
         async for chunk in stream:
             text += chunk.choices[0].text
@@ -256,8 +325,9 @@ def test_32_concurrent_streams_with_bad_requests_between(server):
 
     async def bad_one(i: int):
         with pytest.raises(openai.BadRequestError):
-            await client.completions.create(model=server.model, prompt="x", max_tokens=4, temperature=-1.0 - i,
-                                            stream=bool(i % 2))
+            await client.completions.create(
+                model=server.model, prompt="x", max_tokens=4, temperature=-1.0 - i, stream=bool(i % 2)
+            )
 
     async def run():
         tasks = [stream_one(p, n) for p, n in zip(prompts, lengths)] + [bad_one(i) for i in range(4)]
@@ -277,8 +347,11 @@ def _wait_idle(server: LiveServer, aborts_before: float, timeout: float = 10.0) 
     deadline = time.monotonic() + timeout
     while True:
         m = server.metrics()
-        idle = (m[("jaxllm:num_requests_running", ())] == 0 and m[("jaxllm:kv_cache_usage_perc", ())] == 0
-                and m.get(("jaxllm:request_success_total", (("finished_reason", "abort"),)), 0) > aborts_before)
+        idle = (
+            m[("jaxllm:num_requests_running", ())] == 0
+            and m[("jaxllm:kv_cache_usage_perc", ())] == 0
+            and m.get(("jaxllm:request_success_total", (("finished_reason", "abort"),)), 0) > aborts_before
+        )
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.1)
@@ -287,8 +360,14 @@ def _wait_idle(server: LiveServer, aborts_before: float, timeout: float = 10.0) 
 def test_client_disconnect_aborts_request(server):
     abort_key = ("jaxllm:request_success_total", (("finished_reason", "abort"),))
     aborts = server.metrics().get(abort_key, 0)
-    body = {"model": server.model, "prompt": "Tell me a long story", "max_tokens": 480, "ignore_eos": True,
-            "temperature": 0, "stream": True}
+    body = {
+        "model": server.model,
+        "prompt": "Tell me a long story",
+        "max_tokens": 480,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as response:
         assert response.status_code == 200
         data = [line for _, line in zip(range(3), (x for x in response.iter_lines() if x.startswith("data:")))]
@@ -302,17 +381,28 @@ def test_client_disconnect_aborts_request(server):
     # the 480 tokens take about a second on the tiny model, and after 0.5 s, once in a full run of
     # the suite, the request had finished before the server saw the client go.)
     with pytest.raises(httpx.ReadTimeout):
-        server.post("/v1/chat/completions", {"model": server.model, "max_tokens": 480, "ignore_eos": True,
-                                             "messages": [{"role": "user", "content": "Go on"}]},
-                    timeout=httpx.Timeout(60, read=0.3))
+        server.post(
+            "/v1/chat/completions",
+            {
+                "model": server.model,
+                "max_tokens": 480,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": "Go on"}],
+            },
+            timeout=httpx.Timeout(60, read=0.3),
+        )
     m = _wait_idle(server, aborts + 1)
     assert m[abort_key] == aborts + 2
     assert m[("jaxllm:kv_cache_usage_perc", ())] == 0.0
 
     # The server keeps serving.
     expected = offline_texts(server, [PROMPTS[0]], greedy(5))
-    assert server.client.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=5,
-                                            temperature=0).choices[0].text == expected[0]
+    assert (
+        server.client.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=5, temperature=0)
+        .choices[0]
+        .text
+        == expected[0]
+    )
 
 
 def test_openai_client_raises_on_errors(server):
@@ -331,13 +421,20 @@ def test_metrics_move_as_requests_complete(server):
         return m.get((name, tuple(sorted(labels.items()))), 0.0)
 
     before = server.metrics()
-    for name in ("jaxllm:num_requests_running", "jaxllm:num_requests_waiting", "jaxllm:kv_cache_usage_perc",
-                 "jaxllm:num_preemptions_total", "jaxllm:time_to_first_token_seconds_count",
-                 "jaxllm:spec_decode_num_draft_tokens_total", "jaxllm:spec_decode_num_accepted_tokens_total"):
+    for name in (
+        "jaxllm:num_requests_running",
+        "jaxllm:num_requests_waiting",
+        "jaxllm:kv_cache_usage_perc",
+        "jaxllm:num_preemptions_total",
+        "jaxllm:time_to_first_token_seconds_count",
+        "jaxllm:spec_decode_num_draft_tokens_total",
+        "jaxllm:spec_decode_num_accepted_tokens_total",
+    ):
         assert (name, ()) in before, name
     prompt = [random.Random(time.time_ns()).randrange(100, 40000) for _ in range(20)]  # no cached prefix
-    server.client.completions.create(model=server.model, prompt=prompt, max_tokens=7, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    server.client.completions.create(
+        model=server.model, prompt=prompt, max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
     after = server.metrics()
     delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
     assert delta[("jaxllm:prompt_tokens_total", ())] == 20

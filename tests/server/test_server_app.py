@@ -72,8 +72,9 @@ def test_chunked_body_past_the_limit_is_refused(app_over):
         for _ in range(10):
             yield b'{"prompt": "' + b"a" * 200
 
-    response = asyncio.run(call(app, "POST", "/v1/completions", content=chunks(),
-                                headers={"Content-Type": "application/json"}))
+    response = asyncio.run(
+        call(app, "POST", "/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    )
     assert response.status_code == 413 and "1000 bytes" in response.json()["error"]["message"]
 
 
@@ -89,7 +90,7 @@ def test_dead_engine_fails_every_request_at_once(app_over, monkeypatch):
     body = {"prompt": "hi", "max_tokens": 4}
 
     async def scenario():
-        first = await call(app, "POST", "/v1/completions", json=body)     # its step kills the engine
+        first = await call(app, "POST", "/v1/completions", json=body)  # its step kills the engine
         streamed = await call(app, "POST", "/v1/completions", json={**body, "stream": True})
         return first, streamed, await call(app, "GET", "/health")
 
@@ -101,15 +102,28 @@ def test_dead_engine_fails_every_request_at_once(app_over, monkeypatch):
 
 
 def test_auto_tool_choice_needs_a_tool_call_parser(app_over):
-    app, _, _ = app_over()      # no --enable-auto-tool-choice
-    tool = {"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"], "additionalProperties": False}}}
+    app, _, _ = app_over()  # no --enable-auto-tool-choice
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {
+                "type": "object",
+                "properties": {"x": {"type": "boolean"}},
+                "required": ["x"],
+                "additionalProperties": False,
+            },
+        },
+    }
     body = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool], "max_tokens": 40}
     response = asyncio.run(call(app, "POST", "/v1/chat/completions", json=body))
     assert response.status_code == 400 and "--enable-auto-tool-choice" in response.json()["error"]["message"]
     # One call with one boolean: the grammar ends the answer within max_tokens whatever is sampled.
-    forced = asyncio.run(call(app, "POST", "/v1/chat/completions",
-                              json={**body, "tool_choice": "required", "parallel_tool_calls": False}))
+    forced = asyncio.run(
+        call(
+            app, "POST", "/v1/chat/completions", json={**body, "tool_choice": "required", "parallel_tool_calls": False}
+        )
+    )
     assert forced.status_code == 200 and forced.json()["choices"][0]["message"]["tool_calls"]
     with pytest.raises(ValueError, match="needs --tool-call-parser"):
         ServerArgs(enable_auto_tool_choice=True).verify()
@@ -119,9 +133,9 @@ def test_playground_page_is_served_without_the_key_unless_disabled(app_over):
     app, _, _ = app_over(api_key="k")
     page = asyncio.run(call(app, "GET", "/"))
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-    assert "/v1/chat/completions" in page.text and "<script" in page.text   # self-contained: no external URL
+    assert "/v1/chat/completions" in page.text and "<script" in page.text  # self-contained: no external URL
     assert "http://" not in page.text and "https://" not in page.text
-    assert asyncio.run(call(app, "GET", "/v1/models")).status_code == 401     # the API still needs the key
+    assert asyncio.run(call(app, "GET", "/v1/models")).status_code == 401  # the API still needs the key
     app, _, _ = app_over(disable_playground=True)
     assert asyncio.run(call(app, "GET", "/")).status_code == 404
 
@@ -130,23 +144,30 @@ def test_each_finished_request_is_one_log_line_and_stats_are_logged(app_over, ca
     app, async_llm, _ = app_over()
     stats = StatLogger(async_llm.engine, 10.0)
     with caplog.at_level(logging.INFO, logger="jaxllm.server"):
-        stats.log()                                  # nothing happened yet: no line
-        response = asyncio.run(call(app, "POST", "/v1/completions",
-                                    json={"prompt": "Hello there", "max_tokens": 7, "ignore_eos": True}))
+        stats.log()  # nothing happened yet: no line
+        response = asyncio.run(
+            call(app, "POST", "/v1/completions", json={"prompt": "Hello there", "max_tokens": 7, "ignore_eos": True})
+        )
         stats.log()
     assert response.status_code == 200, response.text
     usage, request_id = response.json()["usage"], response.headers["x-request-id"]
     lines = [r.getMessage() for r in caplog.records]
     mine = [line for line in lines if line.startswith(f"request cmpl-{request_id}-0:")]
     assert len(mine) == 1, lines
-    match = re.fullmatch(r"request \S+: (\d+) prompt tokens \((\d+) cached\), (\d+) output tokens, "
-                         r"TTFT ([\d.]+) s, e2e ([\d.]+) s, finish length", mine[0])
+    match = re.fullmatch(
+        r"request \S+: (\d+) prompt tokens \((\d+) cached\), (\d+) output tokens, "
+        r"TTFT ([\d.]+) s, e2e ([\d.]+) s, finish length",
+        mine[0],
+    )
     assert match, mine[0]
     prompt, _, output, ttft, e2e = (float(x) for x in match.groups())
     assert usage["completion_tokens"] == 7 and (prompt, output) == (usage["prompt_tokens"], 7)
     assert 0 < ttft <= e2e
     engine_lines = [line for line in lines if line.startswith("engine: ")]
     assert len(engine_lines) == 1, lines
-    assert re.fullmatch(r"engine: prompt [\d.]+ tok/s, generation [\d.]+ tok/s, running 0, waiting 0, "
-                        r"KV cache 0\.0%, prefix cache hit rate [\d.]+%", engine_lines[0]), engine_lines[0]
+    assert re.fullmatch(
+        r"engine: prompt [\d.]+ tok/s, generation [\d.]+ tok/s, running 0, waiting 0, "
+        r"KV cache 0\.0%, prefix cache hit rate [\d.]+%",
+        engine_lines[0],
+    ), engine_lines[0]
     assert float(engine_lines[0].split("generation ")[1].split()[0]) > 0

@@ -11,15 +11,26 @@ import schemathesis
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation.modes import GenerationMode
 from schemathesis.specs.openapi.checks import (
-    content_type_conformance, response_schema_conformance, status_code_conformance)
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from tests.helpers.live_server import AUTH
 
 
-EXAMPLES = 60    # per operation and mode
+EXAMPLES = 60  # per operation and mode
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
-OPERATIONS = ["GET /health", "GET /version", "GET /metrics", "GET /v1/models", "POST /v1/completions",
-              "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize"]
+OPERATIONS = [
+    "GET /health",
+    "GET /version",
+    "GET /metrics",
+    "GET /v1/models",
+    "POST /v1/completions",
+    "POST /v1/chat/completions",
+    "POST /tokenize",
+    "POST /detokenize",
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +44,13 @@ def greedy_before(server):
 
 
 def greedy_answer(server) -> str:
-    return server.client.completions.create(model=server.model, prompt="Once upon a time", max_tokens=8,
-                                            temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+    return (
+        server.client.completions.create(
+            model=server.model, prompt="Once upon a time", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
 
 
 def test_schema_lists_every_operation(api_schema):
@@ -43,7 +59,8 @@ def test_schema_lists_every_operation(api_schema):
 
 # Invalid requests can only be made for operations that take a body.
 RUNS = [(label, GenerationMode.POSITIVE) for label in OPERATIONS] + [
-    (label, GenerationMode.NEGATIVE) for label in OPERATIONS if label.startswith("POST")]
+    (label, GenerationMode.NEGATIVE) for label in OPERATIONS if label.startswith("POST")
+]
 
 
 @pytest.mark.parametrize("label, mode", RUNS, ids=[f"{label}-{mode.value}" for label, mode in RUNS])
@@ -51,8 +68,13 @@ def test_fuzz_operation(api_schema, server, greedy_before, label, mode):
     operation = api_schema.find_operation_by_label(label)
 
     @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
-    @hypothesis.settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(hypothesis.HealthCheck),
+    )
     def fuzz(case):
         response = case.call_and_validate(base_url=server.url, headers=AUTH, checks=CHECKS, timeout=120)
         statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
@@ -61,7 +83,7 @@ def test_fuzz_operation(api_schema, server, greedy_before, label, mode):
     fuzz()
     print(f"\n{label} {mode.value}: {sum(statuses.values())} requests, statuses {sorted(statuses.items())}")
     if mode is GenerationMode.POSITIVE and label != "POST /detokenize":
-        assert 200 in statuses, statuses    # valid requests do reach the engine (or the tokenizer)
+        assert 200 in statuses, statuses  # valid requests do reach the engine (or the tokenizer)
 
 
 def test_same_answer_after_fuzzing(server, greedy_before):

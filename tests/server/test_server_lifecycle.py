@@ -20,7 +20,6 @@ import httpx
 from tests.helpers.live_server import AUTH, LiveServer, start_server
 
 
-
 class Stream(threading.Thread):
     """One streamed /v1/completions request read on a thread: its status, SSE events and [DONE]."""
 
@@ -32,11 +31,18 @@ class Stream(threading.Thread):
         self.start()
 
     def run(self):
-        body = {"model": self.server.model, "prompt": "Tell me a story", "max_tokens": self.max_tokens,
-                "temperature": 0, "ignore_eos": True, "stream": True}
+        body = {
+            "model": self.server.model,
+            "prompt": "Tell me a story",
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         try:
-            with httpx.stream("POST", self.server.url + "/v1/completions", json=body, headers=AUTH,
-                              timeout=120) as response:
+            with httpx.stream(
+                "POST", self.server.url + "/v1/completions", json=body, headers=AUTH, timeout=120
+            ) as response:
                 self.status = response.status_code
                 for line in response.iter_lines():
                     if line == "data: [DONE]":
@@ -59,15 +65,24 @@ class Stream(threading.Thread):
 
 
 def test_full_queue_then_sigterm_drains_and_exits_zero(tiny_model_dir, tmp_path):
-    server = start_server(tiny_model_dir, str(tmp_path), "--max-num-seqs", "2", "--max-waiting-requests", "1",
-                          "--shutdown-timeout", "6", faults=["--step-delay", "0.05"])
+    server = start_server(
+        tiny_model_dir,
+        str(tmp_path),
+        "--max-num-seqs",
+        "2",
+        "--max-waiting-requests",
+        "1",
+        "--shutdown-timeout",
+        "6",
+        faults=["--step-delay", "0.05"],
+    )
     try:
         # 3 s and 20 s of steps: the short one still runs when the queue is full (on a busy
         # machine a 0.5 s one could end first and let the queued one in) and ends in the grace.
         short, long = Stream(server, 60), Stream(server, 400)
         for s in (short, long):
             assert s.started.wait(60) and s.status == 200
-        queued = Stream(server, 400)                                # waits for a free row
+        queued = Stream(server, 400)  # waits for a free row
         time.sleep(0.3)
         refused = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
         assert refused.status_code == 429, refused.text
@@ -93,47 +108,54 @@ def test_full_queue_then_sigterm_drains_and_exits_zero(tiny_model_dir, tmp_path)
 
 def test_failed_step_fails_only_its_requests(tiny_model_dir, tmp_path):
     # This server also trusts requests' chat templates (rendered sandboxed, still bounded).
-    server = start_server(tiny_model_dir, str(tmp_path), "--trust-request-chat-template",
-                          faults=["--fail-at-step", "5", "--step-delay", "0.02"])
+    server = start_server(
+        tiny_model_dir,
+        str(tmp_path),
+        "--trust-request-chat-template",
+        faults=["--fail-at-step", "5", "--step-delay", "0.02"],
+    )
     try:
         victim = Stream(server, 100)
         victim.join(60)
         assert victim.status == 200 and victim.done
         errors = victim.error_events
         assert len(errors) == 1 and errors[0]["code"] == 500
-        assert "injected" not in errors[0]["message"]          # no exception text to the client
+        assert "injected" not in errors[0]["message"]  # no exception text to the client
         server.assert_healthy()
         after = server.client.completions.create(model=server.model, prompt="hi", max_tokens=5, temperature=0)
         assert after.choices[0].finish_reason == "length"
 
         own = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-        chat = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello there"}],
-                                                    "chat_template": own, "max_tokens": 2})
+        chat = server.post(
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hello there"}], "chat_template": own, "max_tokens": 2},
+        )
         assert chat.status_code == 200, chat.text
         expected = server.post("/tokenize", {"prompt": "hello there", "add_special_tokens": False}).json()["count"]
         assert chat.json()["usage"]["prompt_tokens"] == expected
         spin = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
-        hostile = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                       "chat_template": spin})
+        hostile = server.post(
+            "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template": spin}
+        )
         assert hostile.status_code == 400 and hostile.json()["error"]["param"] == "messages"
         server.assert_healthy()
     finally:
         assert server.stop() == 0
     log = server.log()
-    assert log.count("Traceback") == 1 and log.count("RuntimeError: injected fault") == 1   # logged once
+    assert log.count("Traceback") == 1 and log.count("RuntimeError: injected fault") == 1  # logged once
 
 
 def test_unrecoverable_engine_fails_every_request_and_exits_nonzero(tiny_model_dir, tmp_path):
-    server = start_server(tiny_model_dir, str(tmp_path), faults=["--fail-at-step", "8", "--unrecoverable",
-                                                                   "--step-delay", "0.05"])
+    server = start_server(
+        tiny_model_dir, str(tmp_path), faults=["--fail-at-step", "8", "--unrecoverable", "--step-delay", "0.05"]
+    )
     try:
         stream = Stream(server, 200)
         assert stream.started.wait(60)
         plain = {}
 
         def plain_request():
-            plain["response"] = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 200,
-                                                                 "ignore_eos": True})
+            plain["response"] = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 200, "ignore_eos": True})
 
         thread = threading.Thread(target=plain_request, daemon=True)
         thread.start()

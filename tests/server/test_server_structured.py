@@ -19,10 +19,16 @@ from jaxllm import SamplingParams, StructuredOutputsParams
 
 from tests.helpers.schema_suite import SCHEMAS, validate
 
-PET = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                        "kind": {"enum": ["cat", "dog", "fish"]},
-                                        "age": {"type": "integer", "minimum": 0, "maximum": 30}},
-       "required": ["name", "kind", "age"], "additionalProperties": False}
+PET = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "kind": {"enum": ["cat", "dog", "fish"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 30},
+    },
+    "required": ["name", "kind", "age"],
+    "additionalProperties": False,
+}
 
 
 class Pet(BaseModel):
@@ -35,34 +41,54 @@ class Pet(BaseModel):
 def test_chat_parse_returns_the_pydantic_model(server):
     for seed in range(3):
         completion = server.client.chat.completions.parse(
-            model=server.model, messages=[{"role": "user", "content": "Describe a pet."}], response_format=Pet,
-            seed=seed, max_completion_tokens=200)
+            model=server.model,
+            messages=[{"role": "user", "content": "Describe a pet."}],
+            response_format=Pet,
+            seed=seed,
+            max_completion_tokens=200,
+        )
         message = completion.choices[0].message
         assert completion.choices[0].finish_reason == "stop"
         assert isinstance(message.parsed, Pet)
         assert Pet.model_validate_json(message.content) == message.parsed
 
 
-@pytest.mark.parametrize("fields, constraint", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}}},
-     StructuredOutputsParams(json=PET)),
-    ({"guided_json": PET}, StructuredOutputsParams(json=PET)),
-    ({"structured_outputs": {"regex": r"[A-Z][a-z]{2,5} [0-9]{2}"}},
-     StructuredOutputsParams(regex=r"[A-Z][a-z]{2,5} [0-9]{2}")),
-    ({"guided_choice": ["red", "green", "blue"]}, StructuredOutputsParams(choice=["red", "green", "blue"])),
-    ({"guided_grammar": 'root ::= "x" [0-9] ("+" "x" [0-9])?'},
-     StructuredOutputsParams(grammar='root ::= "x" [0-9] ("+" "x" [0-9])?')),
-])
+@pytest.mark.parametrize(
+    "fields, constraint",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}}},
+            StructuredOutputsParams(json=PET),
+        ),
+        ({"guided_json": PET}, StructuredOutputsParams(json=PET)),
+        (
+            {"structured_outputs": {"regex": r"[A-Z][a-z]{2,5} [0-9]{2}"}},
+            StructuredOutputsParams(regex=r"[A-Z][a-z]{2,5} [0-9]{2}"),
+        ),
+        ({"guided_choice": ["red", "green", "blue"]}, StructuredOutputsParams(choice=["red", "green", "blue"])),
+        (
+            {"guided_grammar": 'root ::= "x" [0-9] ("+" "x" [0-9])?'},
+            StructuredOutputsParams(grammar='root ::= "x" [0-9] ("+" "x" [0-9])?'),
+        ),
+    ],
+)
 def test_completions_follow_the_constraint_streamed_or_not_as_offline(server, fields, constraint):
     prompts = ["A pet:", "Name and number:"]
-    offline = [o.outputs[0].text for o in server.offline.generate(
-        prompts, SamplingParams(temperature=1.0, seed=5, max_tokens=200, structured_outputs=constraint),
-        use_tqdm=False)]
-    plain = server.client.completions.create(model=server.model, prompt=prompts, max_tokens=200, seed=5,
-                                             extra_body=fields)
+    offline = [
+        o.outputs[0].text
+        for o in server.offline.generate(
+            prompts,
+            SamplingParams(temperature=1.0, seed=5, max_tokens=200, structured_outputs=constraint),
+            use_tqdm=False,
+        )
+    ]
+    plain = server.client.completions.create(
+        model=server.model, prompt=prompts, max_tokens=200, seed=5, extra_body=fields
+    )
     streamed = [""] * len(prompts)
-    for chunk in server.client.completions.create(model=server.model, prompt=prompts, max_tokens=200, seed=5,
-                                                  stream=True, extra_body=fields):
+    for chunk in server.client.completions.create(
+        model=server.model, prompt=prompts, max_tokens=200, seed=5, stream=True, extra_body=fields
+    ):
         for choice in chunk.choices:
             streamed[choice.index] += choice.text
     assert [c.text for c in plain.choices] == streamed == offline
@@ -78,9 +104,16 @@ def test_completions_follow_the_constraint_streamed_or_not_as_offline(server, fi
 
 
 def test_masked_logprobs_are_reported_as_json_numbers(server):
-    response = server.post("/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "Yes?"}], "max_tokens": 10, "guided_choice": ["yes"],
-        "logprobs": True, "top_logprobs": 5}).json()
+    response = server.post(
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Yes?"}],
+            "max_tokens": 10,
+            "guided_choice": ["yes"],
+            "logprobs": True,
+            "top_logprobs": 5,
+        },
+    ).json()
     choice = response["choices"][0]
     assert choice["message"]["content"] == "yes" and choice["finish_reason"] == "stop"
     # Tokens the grammar rules out come back at -9999 (JSON has no -inf), as vLLM reports them.
@@ -89,23 +122,33 @@ def test_masked_logprobs_are_reported_as_json_numbers(server):
     assert sorted(t["logprob"] for t in first["top_logprobs"])[:2] == [-9999.0, -9999.0]
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"guided_json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "invalid JSON schema"),
-    ({"guided_regex": "(unclosed"}, "invalid regex"),
-    ({"structured_outputs": {"grammar": "start: missing_rule"}}, "invalid grammar"),
-    ({"structured_outputs": {"json": {}, "regex": "a"}}, "exactly one"),
-    ({"structured_outputs": {"yaml": "a: 1"}}, "unknown structured_outputs"),
-    ({"guided_regex": "a", "guided_choice": ["a"]}, "at most one"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "needs a 'schema'"),
-    ({"response_format": {"type": "yaml"}}, "response_format type"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"guided_json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "invalid JSON schema"),
+        ({"guided_regex": "(unclosed"}, "invalid regex"),
+        ({"structured_outputs": {"grammar": "start: missing_rule"}}, "invalid grammar"),
+        ({"structured_outputs": {"json": {}, "regex": "a"}}, "exactly one"),
+        ({"structured_outputs": {"yaml": "a: 1"}}, "unknown structured_outputs"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "at most one"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "needs a 'schema'"),
+        ({"response_format": {"type": "yaml"}}, "response_format type"),
+    ],
+)
 @pytest.mark.parametrize("stream", [False, True])
 def test_invalid_constraints_are_answered_400(server, fields, message, stream):
-    for create in (lambda: server.client.completions.create(model=server.model, prompt="Hi", max_tokens=4,
-                                                            stream=stream, extra_body=fields),
-                   lambda: server.client.chat.completions.create(
-                       model=server.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stream=stream,
-                       extra_body=fields)):
+    for create in (
+        lambda: server.client.completions.create(
+            model=server.model, prompt="Hi", max_tokens=4, stream=stream, extra_body=fields
+        ),
+        lambda: server.client.chat.completions.create(
+            model=server.model,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+            stream=stream,
+            extra_body=fields,
+        ),
+    ):
         with pytest.raises(openai.BadRequestError, match=message):
             create()
     server.assert_healthy()
@@ -119,15 +162,27 @@ def test_the_default_model_answers_every_schema_validly_through_the_client(tmp_p
     from tests.helpers.live_server import start_server
 
     path = default_model_path()
-    server = start_server(path, str(tmp_path), "--kv-cache-memory", "256MiB", "--max-model-len", "384",
-                          "--served-model-name", os.path.basename(path))
+    server = start_server(
+        path,
+        str(tmp_path),
+        "--kv-cache-memory",
+        "256MiB",
+        "--max-model-len",
+        "384",
+        "--served-model-name",
+        os.path.basename(path),
+    )
 
     def ask(job):
         (name, prompt, schema, _), seed = job
         response = server.client.chat.completions.create(
-            model=server.model, messages=[{"role": "user", "content": f"{prompt} Answer in JSON."}], seed=seed,
-            temperature=1.0, max_tokens=200,
-            response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}})
+            model=server.model,
+            messages=[{"role": "user", "content": f"{prompt} Answer in JSON."}],
+            seed=seed,
+            temperature=1.0,
+            max_tokens=200,
+            response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}},
+        )
         return name, schema, response.choices[0]
 
     try:
@@ -136,9 +191,18 @@ def test_the_default_model_answers_every_schema_validly_through_the_client(tmp_p
         for name, schema, choice in answers:
             assert choice.finish_reason == "stop", (name, choice.message.content)
             validate(json.loads(choice.message.content), schema)
-        parsed = server.client.chat.completions.parse(
-            model=server.model, messages=[{"role": "user", "content": "Describe a pet."}], response_format=Pet,
-            temperature=1.0, seed=0, max_tokens=100).choices[0].message.parsed
+        parsed = (
+            server.client.chat.completions.parse(
+                model=server.model,
+                messages=[{"role": "user", "content": "Describe a pet."}],
+                response_format=Pet,
+                temperature=1.0,
+                seed=0,
+                max_tokens=100,
+            )
+            .choices[0]
+            .message.parsed
+        )
         assert isinstance(parsed, Pet)
     finally:
         server.stop()

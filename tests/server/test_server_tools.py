@@ -11,20 +11,39 @@ import jsonschema
 import openai
 import pytest
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
-                                       "required": ["zone"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 # Forces the hermes format (the tiny model's weights are random), so "auto" has a call to parse.
-HERMES_CALL = (r'<tool_call>\n\{"name": "get_weather", "arguments": '
-               r'\{"city": "[A-Z][a-z]{2,6}", "unit": "celsius"\}\}\n</tool_call>')
+HERMES_CALL = (
+    r'<tool_call>\n\{"name": "get_weather", "arguments": '
+    r'\{"city": "[A-Z][a-z]{2,6}", "unit": "celsius"\}\}\n</tool_call>'
+)
 
 
 def _check(calls, *, one_of=SCHEMAS):
@@ -58,19 +77,27 @@ def test_forced_calls_parse_and_stream_the_same(server, choice):
     if choice == "required":
         assert response.choices[0].finish_reason == "tool_calls"
     else:
-        assert (response.choices[0].finish_reason == "stop"
-                and [c.function.name for c in message.tool_calls] == ["get_time"])
+        assert response.choices[0].finish_reason == "stop" and [c.function.name for c in message.tool_calls] == [
+            "get_time"
+        ]
     content, calls, finish = _streamed(server, **kwargs)
     assert not content and finish == response.choices[0].finish_reason
-    assert ([(c[1], c[2]) for c in calls.values()]
-            == [(c.function.name, c.function.arguments) for c in message.tool_calls])
+    assert [(c[1], c[2]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in message.tool_calls
+    ]
 
 
 def test_parallel_tool_calls_false_gives_one_call(server):
     for seed in range(3):
         response = server.client.chat.completions.create(
-            model=server.model, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
-            seed=seed, max_tokens=300)
+            model=server.model,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            seed=seed,
+            max_tokens=300,
+        )
         assert len(response.choices[0].message.tool_calls) == 1
 
 
@@ -85,42 +112,73 @@ def test_auto_parses_the_models_calls_and_leaves_plain_answers_as_content(server
     assert (not content, finish) == (True, "tool_calls")
     assert [(c[1], c[2]) for c in calls.values()] == [("get_weather", choice.message.tool_calls[0].function.arguments)]
 
-    plain = server.client.chat.completions.create(model=server.model, messages=ASK, tools=TOOLS, seed=1, max_tokens=20,
-                                                  extra_body={"guided_regex": "[a-z ]{3,30}"})
+    plain = server.client.chat.completions.create(
+        model=server.model,
+        messages=ASK,
+        tools=TOOLS,
+        seed=1,
+        max_tokens=20,
+        extra_body={"guided_regex": "[a-z ]{3,30}"},
+    )
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
-    content, calls, finish = _streamed(server, messages=ASK, tools=TOOLS, seed=1, max_tokens=20,
-                                       extra_body={"guided_regex": "[a-z ]{3,30}"})
+    content, calls, finish = _streamed(
+        server, messages=ASK, tools=TOOLS, seed=1, max_tokens=20, extra_body={"guided_regex": "[a-z ]{3,30}"}
+    )
     assert content == plain.choices[0].message.content and not calls and finish == plain.choices[0].finish_reason
 
 
 def test_a_call_round_trips_through_a_tool_message(server):
     first = server.client.chat.completions.create(
-        model=server.model, messages=ASK, tools=TOOLS, seed=2, max_tokens=150,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        model=server.model,
+        messages=ASK,
+        tools=TOOLS,
+        seed=2,
+        max_tokens=150,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     call = first.choices[0].message.tool_calls[0]
-    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21})}]
-    second = server.client.chat.completions.create(model=server.model, messages=messages, tools=TOOLS,
-                                                   tool_choice="none", seed=2, max_tokens=12)
+    messages = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21})},
+    ]
+    second = server.client.chat.completions.create(
+        model=server.model, messages=messages, tools=TOOLS, tool_choice="none", seed=2, max_tokens=12
+    )
     assert second.choices[0].message.content and second.choices[0].message.tool_calls is None
     # The tool's answer is in the prompt, rendered by the model's template as the offline engine does.
     rendered = server.offline.engine.apply_chat_template(
-        [*ASK, {"role": "assistant", "content": "", "tool_calls": [
-            {"id": call.id, "type": "function", "function": {"name": call.function.name,
-                                                             "arguments": json.loads(call.function.arguments)}}]},
-         {"role": "tool", "content": json.dumps({"temperature": 21}), "tool_call_id": call.id}],
-        tools=[WEATHER, TIME])
+        [
+            *ASK,
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.function.name, "arguments": json.loads(call.function.arguments)},
+                    }
+                ],
+            },
+            {"role": "tool", "content": json.dumps({"temperature": 21}), "tool_call_id": call.id},
+        ],
+        tools=[WEATHER, TIME],
+    )
     assert second.usage.prompt_tokens == len(rendered)
     assert '{"temperature": 21}' in server.offline.get_tokenizer().decode(rendered)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(tool_choice="required"), "needs tools"),
-    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "not among the tools"),
-    (dict(tools=[WEATHER, WEATHER]), "unique"),
-    (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "cannot be combined"),
-    (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "name"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(tool_choice="required"), "needs tools"),
+        (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "not among the tools"),
+        (dict(tools=[WEATHER, WEATHER]), "unique"),
+        (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "cannot be combined"),
+        (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "name"),
+    ],
+)
 def test_bad_tool_requests_are_answered_400(server, kwargs, message):
     with pytest.raises(openai.BadRequestError, match=message):
         server.client.chat.completions.create(model=server.model, messages=ASK, max_tokens=4, **kwargs)

@@ -14,29 +14,58 @@ TIME = {"zone": "UTC"}
 
 CASES = [
     # (parser, output, expected content, expected [(name, arguments)])
-    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
-               '"unit": "celsius"}}\n</tool_call>', "Let me check.", [("get_weather", WEATHER)]),
-    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}</tool_call>\n'
-               '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>', None,
-     [("get_weather", WEATHER), ("get_time", TIME)]),
+    (
+        "hermes",
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+        '"unit": "celsius"}}\n</tool_call>',
+        "Let me check.",
+        [("get_weather", WEATHER)],
+    ),
+    (
+        "hermes",
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}</tool_call>\n'
+        '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>',
+        None,
+        [("get_weather", WEATHER), ("get_time", TIME)],
+    ),
     ("hermes", '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}', None, [("get_time", TIME)]),  # unclosed
     ("hermes", "No tools needed: 2 + 2 = 4.", "No tools needed: 2 + 2 = 4.", []),
-    ("hermes", '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>\n<tool_call>oops</tool_call>',
-     "<tool_call>oops</tool_call>", [("get_time", TIME)]),      # a block that does not parse stays content
-    ("hermes", "<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),   # kept as content
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', None,
-     [("get_weather", WEATHER)]),
-    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
-                    '{"name": "get_time", "parameters": {"zone": "UTC"}}', None,
-     [("get_weather", WEATHER), ("get_time", TIME)]),
+    (
+        "hermes",
+        '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>\n<tool_call>oops</tool_call>',
+        "<tool_call>oops</tool_call>",
+        [("get_time", TIME)],
+    ),  # a block that does not parse stays content
+    ("hermes", "<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),  # kept as content
+    (
+        "llama3_json",
+        '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
+        None,
+        [("get_weather", WEATHER)],
+    ),
+    (
+        "llama3_json",
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+        '{"name": "get_time", "parameters": {"zone": "UTC"}}',
+        None,
+        [("get_weather", WEATHER), ("get_time", TIME)],
+    ),
     ("llama3_json", 'The answer is {"a": 1}.', 'The answer is {"a": 1}.', []),
-    ("llama3_json", '{"a": 1}', '{"a": 1}', []),       # JSON, but not a call
-    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
-                '{"name": "get_time", "arguments": {"zone": "UTC"}}]', None,
-     [("get_weather", WEATHER), ("get_time", TIME)]),
+    ("llama3_json", '{"a": 1}', '{"a": 1}', []),  # JSON, but not a call
+    (
+        "mistral",
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+        '{"name": "get_time", "arguments": {"zone": "UTC"}}]',
+        None,
+        [("get_weather", WEATHER), ("get_time", TIME)],
+    ),
     ("mistral", 'Sure. [TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}', "Sure.", [("get_time", TIME)]),
-    ("mistral", '[TOOL_CALLS]get_time[ARGS] {"zone": "UTC"}[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", '
-                '"unit": "celsius"}', None, [("get_time", TIME), ("get_weather", WEATHER)]),
+    (
+        "mistral",
+        '[TOOL_CALLS]get_time[ARGS] {"zone": "UTC"}[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}',
+        None,
+        [("get_time", TIME), ("get_weather", WEATHER)],
+    ),
     ("mistral", "Plain answer.", "Plain answer.", []),
 ]
 

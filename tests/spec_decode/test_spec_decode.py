@@ -20,14 +20,17 @@ from tests.helpers.tiny_model import TINY_ENGINE_ARGS, WARM_ENGINE_ARGS
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
-@pytest.mark.parametrize("tokens, min_n, max_n, k, expect", [
-    ([1, 2, 3, 4, 1, 2], 1, 3, 3, [3, 4, 1]),          # "1 2" seen before: what followed it
-    ([1, 2, 3, 9, 2, 3, 7, 2, 3], 2, 2, 2, [7, 2]),     # the most recent of two matches
-    ([5, 1, 2, 3, 6, 0, 2, 3, 8, 1, 2, 3], 1, 3, 2, [6, 0]),  # the longest n wins over a nearer short match
-    ([1, 2, 3, 4], 1, 3, 3, []),                        # nothing repeats
-    ([7, 7, 7], 1, 2, 4, [7]),                          # a match near the end proposes what there is
-    ([4, 5, 4], 2, 3, 2, []),                           # only a 1-gram repeats, below min_n
-])
+@pytest.mark.parametrize(
+    "tokens, min_n, max_n, k, expect",
+    [
+        ([1, 2, 3, 4, 1, 2], 1, 3, 3, [3, 4, 1]),  # "1 2" seen before: what followed it
+        ([1, 2, 3, 9, 2, 3, 7, 2, 3], 2, 2, 2, [7, 2]),  # the most recent of two matches
+        ([5, 1, 2, 3, 6, 0, 2, 3, 8, 1, 2, 3], 1, 3, 2, [6, 0]),  # the longest n wins over a nearer short match
+        ([1, 2, 3, 4], 1, 3, 3, []),  # nothing repeats
+        ([7, 7, 7], 1, 2, 4, [7]),  # a match near the end proposes what there is
+        ([4, 5, 4], 2, 3, 2, []),  # only a 1-gram repeats, below min_n
+    ],
+)
 def test_ngram_proposals(tokens, min_n, max_n, k, expect):
     assert propose_ngram(np.asarray(tokens), min_n, max_n, k).tolist() == expect
 
@@ -56,8 +59,12 @@ def test_greedy_rows_accept_only_the_argmax():
     assert np.asarray(tokens).tolist() == [0] * S
 
 
-PROMPTS = ["The capital of France is", "one two three four five six seven one two three four five six seven",
-           "In 1492, a sailor from Genoa crossed the ocean and found a continent that", "abc abc abc abc abc"]
+PROMPTS = [
+    "The capital of France is",
+    "one two three four five six seven one two three four five six seven",
+    "In 1492, a sailor from Genoa crossed the ocean and found a continent that",
+    "abc abc abc abc abc",
+]
 
 
 def greedy(max_tokens=32, **kw):
@@ -77,8 +84,8 @@ class OracleProposer(Proposer):
         self.calls += 1
         tokens = tokens.tolist()
         for seq in self.sequences:
-            if seq[:len(tokens)] == tokens:
-                drafts = seq[len(tokens):len(tokens) + min(k, self.k)]
+            if seq[: len(tokens)] == tokens:
+                drafts = seq[len(tokens) : len(tokens) + min(k, self.k)]
                 cut = self.calls % self.wrong_every
                 return [t if j != cut else (t + 1) % 1000 for j, t in enumerate(drafts)]
         return []
@@ -86,7 +93,7 @@ class OracleProposer(Proposer):
 
 @pytest.fixture(scope="module")
 def spec_llm(tiny_model_dir):
-    return LLM(tiny_model_dir, **WARM_ENGINE_ARGS, speculative_config=SPEC)   # the compile count below
+    return LLM(tiny_model_dir, **WARM_ENGINE_ARGS, speculative_config=SPEC)  # the compile count below
 
 
 def test_greedy_with_speculation_equals_without(llm, spec_llm, monkeypatch):
@@ -97,8 +104,11 @@ def test_greedy_with_speculation_equals_without(llm, spec_llm, monkeypatch):
     # Real n-gram drafts (here mostly rejected), then oracle drafts, alone (one sequence per
     # step) and together (several per step).
     spec = spec_llm.generate(PROMPTS, params, use_tqdm=False)
-    monkeypatch.setattr(spec_llm.engine.scheduler, "proposer",
-                        OracleProposer([o.prompt_token_ids + o.outputs[0].token_ids for o in plain]))
+    monkeypatch.setattr(
+        spec_llm.engine.scheduler,
+        "proposer",
+        OracleProposer([o.prompt_token_ids + o.outputs[0].token_ids for o in plain]),
+    )
     with CompilationCounter() as compiles:
         spec += [spec_llm.generate([p], params, use_tqdm=False)[0] for p in PROMPTS]
         spec += spec_llm.generate(PROMPTS, params, use_tqdm=False)
@@ -106,11 +116,12 @@ def test_greedy_with_speculation_equals_without(llm, spec_llm, monkeypatch):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert lp_a.keys() == lp_b.keys()
-            np.testing.assert_allclose([x.logprob for x in lp_a.values()], [x.logprob for x in lp_b.values()],
-                                       atol=1e-4)
+            np.testing.assert_allclose(
+                [x.logprob for x in lp_a.values()], [x.logprob for x in lp_b.values()], atol=1e-4
+            )
     drafted, accepted = stats.num_draft_tokens - drafts0, stats.num_accepted_tokens - accepted0
-    assert compiles.count == 0      # every verification shape was compiled at start-up
-    assert 0.15 * drafted < accepted < drafted     # drafts fully, partly and not at all accepted
+    assert compiles.count == 0  # every verification shape was compiled at start-up
+    assert 0.15 * drafted < accepted < drafted  # drafts fully, partly and not at all accepted
     assert spec_llm.engine.kv_cache_manager.num_used_blocks == 0
 
 
@@ -118,8 +129,11 @@ def test_speculation_with_stops_chunks_preemption_and_sampling(llm, tiny_model_d
     reference = llm.generate(PROMPTS, greedy(24), use_tqdm=False)
     oracle = OracleProposer([o.prompt_token_ids + o.outputs[0].token_ids for o in reference])
     # Small pool and small token budget: prompts chunked, sequences preempted mid-speculation.
-    small = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "num_gpu_blocks_override": 16, "block_size": 4,
-                                   "max_num_batched_tokens": 16}, speculative_config=SPEC)
+    small = LLM(
+        tiny_model_dir,
+        **{**TINY_ENGINE_ARGS, "num_gpu_blocks_override": 16, "block_size": 4, "max_num_batched_tokens": 16},
+        speculative_config=SPEC,
+    )
     monkeypatch.setattr(small.engine.scheduler, "proposer", oracle)
     outs = small.generate(PROMPTS, greedy(24), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in reference]
@@ -127,12 +141,12 @@ def test_speculation_with_stops_chunks_preemption_and_sampling(llm, tiny_model_d
     # max_tokens and stop tokens cut a step's accepted tokens short.
     full = reference[0].outputs[0].token_ids
     cut = small.generate(PROMPTS[:1], greedy(24, stop_token_ids=[full[9]]), use_tqdm=False)[0].outputs[0]
-    assert cut.token_ids == full[:full.index(full[9]) + 1] and cut.finish_reason == "stop"
+    assert cut.token_ids == full[: full.index(full[9]) + 1] and cut.finish_reason == "stop"
     short = small.generate(PROMPTS[:1], greedy(5), use_tqdm=False)[0].outputs[0]
     assert short.token_ids == full[:5] and short.finish_reason == "length"
     # A stop string found mid-step: the text and tokens end where they end without speculation.
     text = reference[2].outputs[0].text
-    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     expect = llm.generate(PROMPTS[2:3], greedy(24, stop=[stop]), use_tqdm=False)[0].outputs[0]
     got = small.generate(PROMPTS[2:3], greedy(24, stop=[stop]), use_tqdm=False)[0].outputs[0]
     assert (got.text, got.token_ids, got.finish_reason) == (expect.text, expect.token_ids, "stop")
@@ -163,7 +177,7 @@ def test_draft_model_speculation(llm, tiny_model_dir, tmp_path):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
         stats = engine.engine.stats
         if not small:
-            assert stats.num_accepted_tokens == stats.num_draft_tokens > 0     # its own drafts: all accepted
+            assert stats.num_accepted_tokens == stats.num_draft_tokens > 0  # its own drafts: all accepted
         else:
             assert stats.num_draft_tokens > 0 and stats.num_preemptions > 0
         assert engine.engine.kv_cache_manager.num_used_blocks == 0
@@ -173,16 +187,21 @@ def test_draft_model_speculation(llm, tiny_model_dir, tmp_path):
         cfg = transformers.AutoConfig.from_pretrained(other)
         cfg.vocab_size = 1000
         transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "small-vocab")
-        LLM(tiny_model_dir, **TINY_ENGINE_ARGS,
-            speculative_config={"model": str(tmp_path / "small-vocab"), "num_speculative_tokens": 2})
+        LLM(
+            tiny_model_dir,
+            **TINY_ENGINE_ARGS,
+            speculative_config={"model": str(tmp_path / "small-vocab"), "num_speculative_tokens": 2},
+        )
 
 
 @pytest.mark.slow
 def test_ngram_speculation_on_the_default_model():
     # A prompt the real model continues by repeating it: n-gram drafts get accepted, and the
     # greedy output is the same as without speculation.
-    prompt = ("Repeat this list exactly, twice: apples, pears, plums, cherries, grapes, lemons, limes, "
-              "oranges, melons, figs.\nAnswer: apples, pears, plums, cherries, grapes, lemons")
+    prompt = (
+        "Repeat this list exactly, twice: apples, pears, plums, cherries, grapes, lemons, limes, "
+        "oranges, melons, figs.\nAnswer: apples, pears, plums, cherries, grapes, lemons"
+    )
     params = greedy(48)
     args = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256)  # as test_engine's
     plain = LLM(None, **args).generate([prompt], params, use_tqdm=False)[0]
@@ -192,13 +211,19 @@ def test_ngram_speculation_on_the_default_model():
     assert spec.engine.stats.num_accepted_tokens > 0.5 * spec.engine.stats.num_draft_tokens > 0
 
 
-@pytest.mark.parametrize("config, match", [
-    ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}, "bogus"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
-])
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
+            "prompt_lookup",
+        ),
+        ({"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}, "bogus"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+    ],
+)
 def test_bad_speculative_configs_rejected(tiny_model_dir, config, match):
     with pytest.raises(ValueError, match=match):
         LLM(tiny_model_dir, **TINY_ENGINE_ARGS, speculative_config=config)

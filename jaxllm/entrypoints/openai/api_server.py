@@ -29,8 +29,18 @@ from jaxllm.version import __version__
 from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError
 from jaxllm.entrypoints.metrics import CONTENT_TYPE, ServerMetrics, StatLogger
 from jaxllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
-    DetokenizeResponse, ErrorResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
@@ -46,26 +56,37 @@ PLAYGROUND = pathlib.Path(__file__).with_name("playground") / "index.html"
 # ----------------------------------------------------------------------------- the app
 
 # Every error is OpenAI's error JSON (`ErrorResponse`); the OpenAPI schema says which statuses occur.
-_ERRORS = {400: "invalid request (wrong type, out of range, over a limit, too long for the context)",
-           401: "missing or wrong API key", 404: "unknown model", 413: "request body too large",
-           429: "the queue is full; retry after Retry-After seconds", 431: "request headers too large",
-           500: "internal error (logged by the server with the X-Request-Id)",
-           503: "the engine has stopped, or the server is shutting down"}
+_ERRORS = {
+    400: "invalid request (wrong type, out of range, over a limit, too long for the context)",
+    401: "missing or wrong API key",
+    404: "unknown model",
+    413: "request body too large",
+    429: "the queue is full; retry after Retry-After seconds",
+    431: "request headers too large",
+    500: "internal error (logged by the server with the X-Request-Id)",
+    503: "the engine has stopped, or the server is shutting down",
+}
 
 
 def _responses(ok_model=None, *statuses: int, stream: bool = False) -> dict:
     out = {status: {"model": ErrorResponse, "description": _ERRORS[status]} for status in statuses}
     if ok_model is not None:
-        out[200] = {"model": ok_model, "description": "the result" + (
-            "; with `stream: true`, server-sent events of chunks, then `data: [DONE]`" if stream else "")}
+        out[200] = {
+            "model": ok_model,
+            "description": "the result"
+            + ("; with `stream: true`, server-sent events of chunks, then `data: [DONE]`" if stream else ""),
+        }
         if stream:
             # Each event (OpenAPI < 3.2: `schema` describes one event): `data:` a chunk's JSON, or [DONE].
-            out[200]["content"] = {"text/event-stream": {"schema": {
-                "type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}}}
+            out[200]["content"] = {
+                "text/event-stream": {
+                    "schema": {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
+                }
+            }
     return out
 
 
-_GUARDED = (400, 401, 413, 431, 500, 503)    # what any route behind the API key can answer
+_GUARDED = (400, 401, 413, 431, 500, 503)  # what any route behind the API key can answer
 
 
 def build_app(llm: AsyncLLM, args: ServerArgs | None = None, shutdown: Shutdown | None = None) -> FastAPI:
@@ -83,12 +104,21 @@ def build_app(llm: AsyncLLM, args: ServerArgs | None = None, shutdown: Shutdown 
             if task is not None:
                 task.cancel()
 
-    app = FastAPI(title="jaxllm", version=__version__, lifespan=lifespan,
-                  description="OpenAI-compatible API for jaxllm (completions, chat, models), plus tokenize, "
-                              "detokenize, health, version and Prometheus metrics.")
+    app = FastAPI(
+        title="jaxllm",
+        version=__version__,
+        lifespan=lifespan,
+        description="OpenAI-compatible API for jaxllm (completions, chat, models), plus tokenize, "
+        "detokenize, health, version and Prometheus metrics.",
+    )
     server_metrics = ServerMetrics(llm.engine, llm.engine.model_name)
-    app.add_middleware(RequestGuard, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
-                       max_header_bytes=args.max_header_bytes, shutdown=shutdown)
+    app.add_middleware(
+        RequestGuard,
+        api_key=args.api_key,
+        max_body_bytes=args.max_request_body_bytes,
+        max_header_bytes=args.max_header_bytes,
+        shutdown=shutdown,
+    )
     _add_error_handlers(app)
     _add_service_routes(app, llm, args, shutdown, server_metrics)
     _add_openai_routes(app, llm, args, shutdown, server_metrics)
@@ -127,17 +157,22 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception):
         # Starlette re-raises after answering; RequestGuard logs it, once, with the request id.
-        return error_response(f"internal error; the server logged it as request {request_id_of(request.scope)}",
-                              500)
+        return error_response(f"internal error; the server logged it as request {request_id_of(request.scope)}", 500)
 
 
-def _add_service_routes(app: FastAPI, llm: AsyncLLM, args: ServerArgs, shutdown: Shutdown,
-                        server_metrics: ServerMetrics) -> None:
+def _add_service_routes(
+    app: FastAPI, llm: AsyncLLM, args: ServerArgs, shutdown: Shutdown, server_metrics: ServerMetrics
+) -> None:
     """/health, /version, /metrics and the playground at /."""
 
-    @app.get("/health", response_class=Response,
-             responses={200: {"description": "serving (empty body)"},
-                        503: {"model": ErrorResponse, "description": _ERRORS[503]}})
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={
+            200: {"description": "serving (empty body)"},
+            503: {"model": ErrorResponse, "description": _ERRORS[503]},
+        },
+    )
     async def health():
         if not llm.is_running:
             return error_response("the engine has stopped", 503)
@@ -146,6 +181,7 @@ def _add_service_routes(app: FastAPI, llm: AsyncLLM, args: ServerArgs, shutdown:
         return Response(status_code=200)
 
     if not args.disable_playground:
+
         @app.get("/", response_class=HTMLResponse, include_in_schema=False)
         async def playground():
             """The chat playground (playground/index.html): a page that calls /v1/chat/completions."""
@@ -155,20 +191,27 @@ def _add_service_routes(app: FastAPI, llm: AsyncLLM, args: ServerArgs, shutdown:
     async def version():
         return {"version": __version__}
 
-    @app.get("/metrics", response_class=Response,
-             responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}}})
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}}},
+    )
     async def metrics():
         return Response(server_metrics.render(), media_type=CONTENT_TYPE)
 
 
-def _add_openai_routes(app: FastAPI, llm: AsyncLLM, args: ServerArgs, shutdown: Shutdown,
-                       server_metrics: ServerMetrics) -> None:
+def _add_openai_routes(
+    app: FastAPI, llm: AsyncLLM, args: ServerArgs, shutdown: Shutdown, server_metrics: ServerMetrics
+) -> None:
     """/v1/models, /v1/completions, /v1/chat/completions, /tokenize and /detokenize."""
     engine = llm.engine
     workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxllm-tokenizer")
     parts = (llm, server_metrics, args, shutdown, workers)
-    completion, chat, tokenization = (OpenAIServingCompletion(*parts), OpenAIServingChat(*parts),
-                                      OpenAIServingTokenization(*parts))
+    completion, chat, tokenization = (
+        OpenAIServingCompletion(*parts),
+        OpenAIServingChat(*parts),
+        OpenAIServingTokenization(*parts),
+    )
 
     @app.get("/v1/models", responses=_responses(None, 401, 431, 500, 503))
     async def models() -> ModelList:
@@ -178,8 +221,7 @@ def _add_openai_routes(app: FastAPI, llm: AsyncLLM, args: ServerArgs, shutdown: 
     async def completions(request: CompletionRequest, raw: Request):
         return await completion.create_completion(request, raw)
 
-    @app.post("/v1/chat/completions",
-              responses=_responses(ChatCompletionResponse, *_GUARDED, 404, 429, stream=True))
+    @app.post("/v1/chat/completions", responses=_responses(ChatCompletionResponse, *_GUARDED, 404, 429, stream=True))
     async def chat_completions(request: ChatCompletionRequest, raw: Request):
         return await chat.create_chat_completion(request, raw)
 
@@ -243,15 +285,22 @@ def run_server(engine_args, args: ServerArgs | None = None) -> int:
 
         def ready():
             engine = llm.engine
-            print(f"jaxllm: ready at {url} serving {engine.model_name!r} (start-up "
-                  f"{time.perf_counter() - start:.1f} s, warm-up {engine.warmup_seconds:.1f} s)", flush=True)
+            print(
+                f"jaxllm: ready at {url} serving {engine.model_name!r} (start-up "
+                f"{time.perf_counter() - start:.1f} s, warm-up {engine.warmup_seconds:.1f} s)",
+                flush=True,
+            )
 
         config = uvicorn.Config(
-            app, log_level=args.uvicorn_log_level, http=guarded_protocol(args.request_read_timeout),
-            limit_concurrency=args.limit_concurrency, timeout_keep_alive=args.timeout_keep_alive,
+            app,
+            log_level=args.uvicorn_log_level,
+            http=guarded_protocol(args.request_read_timeout),
+            limit_concurrency=args.limit_concurrency,
+            timeout_keep_alive=args.timeout_keep_alive,
             h11_max_incomplete_event_size=args.max_header_bytes,
             # A backstop only: the drain ends every stream itself when shutdown_timeout is reached.
-            timeout_graceful_shutdown=int(args.shutdown_timeout) + 10)
+            timeout_graceful_shutdown=int(args.shutdown_timeout) + 10,
+        )
         server = Server(config, shutdown=shutdown, shutdown_timeout=args.shutdown_timeout, on_ready=ready)
         llm.on_dead = lambda error: server.fail(1)
         server.run(sockets=[sock])

@@ -29,7 +29,7 @@ from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 logger = logging.getLogger("jaxllm.server")
 
 
-LINGER_S = 2.0     # how long a refused client's remaining bytes are read and dropped
+LINGER_S = 2.0  # how long a refused client's remaining bytes are read and dropped
 
 
 def guarded_protocol(read_timeout: float) -> type[H11Protocol]:
@@ -43,9 +43,9 @@ def guarded_protocol(read_timeout: float) -> type[H11Protocol]:
 
         def data_received(self, data: bytes) -> None:
             if self._lingering:
-                return          # what a refused client still sends: dropped
+                return  # what a refused client still sends: dropped
             if self._timer is None and self.conn.their_state is h11.IDLE:
-                self._arm()     # the first bytes of a request on a kept-alive connection
+                self._arm()  # the first bytes of a request on a kept-alive connection
             super().data_received(data)
             if self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
                 self._disarm()  # the whole request is in
@@ -66,14 +66,17 @@ def guarded_protocol(read_timeout: float) -> type[H11Protocol]:
         def send_400_response(self, msg: str) -> None:
             """uvicorn's 400 for a request h11 refuses, then a half-close instead of a close."""
             headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]
-            for event in (h11.Response(status_code=400, headers=headers, reason=STATUS_PHRASES[400]),
-                          h11.Data(data=msg.encode("ascii")), h11.EndOfMessage()):
+            for event in (
+                h11.Response(status_code=400, headers=headers, reason=STATUS_PHRASES[400]),
+                h11.Data(data=msg.encode("ascii")),
+                h11.EndOfMessage(),
+            ):
                 self.transport.write(self.conn.send(event))
             self._disarm()
             self._lingering = True
             if self.transport.can_write_eof():
-                self.transport.write_eof()      # the response goes out, then our FIN
-            self.loop.call_later(LINGER_S, self.transport.close)   # at the latest; the client's EOF closes it sooner
+                self.transport.write_eof()  # the response goes out, then our FIN
+            self.loop.call_later(LINGER_S, self.transport.close)  # at the latest; the client's EOF closes it sooner
 
         def _too_slow(self) -> None:
             self._timer = None
@@ -138,7 +141,7 @@ class Server(uvicorn.Server):
         handled = (signal.SIGINT, signal.SIGTERM)
         try:
             original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
-        except ValueError:      # not the main thread: no signals to take
+        except ValueError:  # not the main thread: no signals to take
             yield
             return
         try:

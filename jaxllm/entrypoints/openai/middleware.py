@@ -52,11 +52,12 @@ class RequestGuard:
         if refusal is not None:
             return await refusal(scope, receive, send_with_id)
         body = await self._read_body(scope, receive)
-        if body is None:      # the client left while sending
+        if body is None:  # the client left while sending
             return
         if isinstance(body, int):
-            response = error_response(f"the request body exceeds {self.max_body_bytes} bytes "
-                                      f"(the server's --max-request-body-bytes)", 413)
+            response = error_response(
+                f"the request body exceeds {self.max_body_bytes} bytes (the server's --max-request-body-bytes)", 413
+            )
             return await response(scope, receive, send_with_id)
         try:
             await self.app(scope, _replay(body, receive), send_with_id)
@@ -72,13 +73,15 @@ class RequestGuard:
         if sum(len(name) + len(value) + 4 for name, value in scope["headers"]) > self.max_header_bytes:
             return error_response(f"the request headers exceed {self.max_header_bytes} bytes", 431)
         if self.shutdown.draining and path not in OPEN_PATHS:
-            return error_response("the server is shutting down; retry on another replica", 503,
-                                  headers={"Retry-After": "5", "Connection": "close"})
+            return error_response(
+                "the server is shutting down; retry on another replica",
+                503,
+                headers={"Retry-After": "5", "Connection": "close"},
+            )
         if self.expected is not None and path not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
-                return error_response("Unauthorized: a valid API key is required (Authorization: Bearer <key>)",
-                                      401)
+                return error_response("Unauthorized: a valid API key is required (Authorization: Bearer <key>)", 401)
         return None
 
     async def _read_body(self, scope, receive) -> bytes | int | None:

@@ -43,7 +43,7 @@ def _check_text(value) -> None:
     if isinstance(value, str):
         try:
             value.encode("utf-8")
-        except UnicodeEncodeError:   # JSON's \ud800 escapes can carry lone surrogates; no tokenizer takes them
+        except UnicodeEncodeError:  # JSON's \ud800 escapes can carry lone surrogates; no tokenizer takes them
             raise ValueError("must be valid Unicode text (it contains a lone surrogate)") from None
     elif isinstance(value, (list, tuple)):
         for item in value:
@@ -111,8 +111,11 @@ class SamplingRequest(RequestModel):
     def structured_output(self) -> StructuredOutputsParams | None:
         """The request's output constraint, or None. Raises ValueError (naming the field) if
         several are given or one is malformed."""
-        given = {name: value for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                                          "guided_grammar") if (value := getattr(self, name)) is not None}
+        given = {
+            name: value
+            for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+            if (value := getattr(self, name)) is not None
+        }
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             given["response_format"] = self.response_format
@@ -120,7 +123,7 @@ class SamplingRequest(RequestModel):
             raise ValueError(f"give at most one output constraint; got {', '.join(given)}")
         if not given:
             return None
-        (name, value), = given.items()
+        ((name, value),) = given.items()
         if name == "response_format":
             if kind == "json_object":
                 return StructuredOutputsParams(json_object=True)
@@ -134,25 +137,38 @@ class SamplingRequest(RequestModel):
         if name == "structured_outputs":
             known = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
             if set(value) - known:
-                raise ValueError(f"unknown structured_outputs field(s) {sorted(set(value) - known)}; "
-                                 f"known: {sorted(known)}")
+                raise ValueError(
+                    f"unknown structured_outputs field(s) {sorted(set(value) - known)}; known: {sorted(known)}"
+                )
             return StructuredOutputsParams(**value)
         return StructuredOutputsParams(**{name.removeprefix("guided_"): value})
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError for out-of-range values."""
+
         def pick(value, default):
             return default if value is None else value
 
         return SamplingParams(
-            n=pick(self.n, 1), temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0),
-            top_k=pick(self.top_k, 0), min_p=pick(self.min_p, 0.0),
-            presence_penalty=pick(self.presence_penalty, 0.0), frequency_penalty=pick(self.frequency_penalty, 0.0),
-            repetition_penalty=pick(self.repetition_penalty, 1.0), seed=self.seed, max_tokens=max_tokens,
-            min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            structured_outputs=self.structured_output())
+            n=pick(self.n, 1),
+            temperature=pick(self.temperature, 1.0),
+            top_p=pick(self.top_p, 1.0),
+            top_k=pick(self.top_k, 0),
+            min_p=pick(self.min_p, 0.0),
+            presence_penalty=pick(self.presence_penalty, 0.0),
+            frequency_penalty=pick(self.frequency_penalty, 0.0),
+            repetition_penalty=pick(self.repetition_penalty, 1.0),
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured_output(),
+        )
 
     def logprobs_field(self) -> tuple[str, int | None]:
         """(name, value) of the field giving how many top log-probabilities to return per token."""
@@ -188,7 +204,7 @@ class ContentPart(RequestModel):
     text: str | None = None
 
 
-TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"     # OpenAI's rule for function names
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
 
 
 class FunctionCallIn(RequestModel):
@@ -209,14 +225,14 @@ class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None     # assistant
-    tool_call_id: str | None = None                # tool
+    tool_calls: list[ToolCallIn] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
 
 
 class FunctionDefinition(RequestModel):
     name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
-    parameters: dict[str, Any] | None = None       # a JSON schema of the arguments (none: any object)
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (none: any object)
     strict: bool | None = None
 
 
@@ -236,7 +252,7 @@ class NamedToolChoice(RequestModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
-    max_tokens: int | None = Field(None, ge=1)            # deprecated by OpenAI for max_completion_tokens
+    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI for max_completion_tokens
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -340,7 +356,7 @@ class ChatChoiceLogprobs(OpenAIModel):
 
 class FunctionCall(OpenAIModel):
     name: str
-    arguments: str          # JSON text
+    arguments: str  # JSON text
 
 
 class ToolCallOut(OpenAIModel):

@@ -11,8 +11,9 @@ import dataclasses
 from jaxllm.config import option
 
 # Paths served without the API key: nothing behind them runs the model or its tokenizer.
-OPEN_PATHS = frozenset({"/", "/health", "/metrics", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect",
-                        "/redoc"})
+OPEN_PATHS = frozenset(
+    {"/", "/health", "/metrics", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+)
 
 
 @dataclasses.dataclass
@@ -20,47 +21,74 @@ class ServerArgs:
     host: str = option("127.0.0.1", "address to listen on; 0.0.0.0 for every interface")
     port: int = option(8000, "0 picks a free port")
     api_key: str | None = option(
-        None, "require 'Authorization: Bearer KEY' on every route that runs the model or its tokenizer "
-              "(/health, /metrics and /version stay open). Default: $JAXLLM_API_KEY, else no key", metavar="KEY")
+        None,
+        "require 'Authorization: Bearer KEY' on every route that runs the model or its tokenizer "
+        "(/health, /metrics and /version stay open). Default: $JAXLLM_API_KEY, else no key",
+        metavar="KEY",
+    )
     trust_request_chat_template: bool = option(
-        False, "let requests bring their own `chat_template` (a Jinja template from the network is code; it is "
-               "still rendered sandboxed and time-bounded)")
-    max_request_body_bytes: int = option(16 << 20, "largest request body, e.g. 16MiB; larger ones get 413",
-                                       metavar="SIZE", size=True)
+        False,
+        "let requests bring their own `chat_template` (a Jinja template from the network is code; it is "
+        "still rendered sandboxed and time-bounded)",
+    )
+    max_request_body_bytes: int = option(
+        16 << 20, "largest request body, e.g. 16MiB; larger ones get 413", metavar="SIZE", size=True
+    )
     max_prompts_per_request: int = option(256, "most prompts in one /v1/completions request", metavar="N")
     max_stop_strings: int = option(64, "most `stop` strings in one request", metavar="N")
     max_waiting_requests: int = option(
-        1024, "most requests queued beyond a full batch; more get 429 with Retry-After", metavar="N")
+        1024, "most requests queued beyond a full batch; more get 429 with Retry-After", metavar="N"
+    )
     limit_concurrency: int = option(1024, "most open connections; more get 503 (uvicorn's option)", metavar="N")
-    timeout_keep_alive: int = option(5, "seconds an idle keep-alive connection stays open (uvicorn's option)",
-                                   metavar="SECONDS")
+    timeout_keep_alive: int = option(
+        5, "seconds an idle keep-alive connection stays open (uvicorn's option)", metavar="SECONDS"
+    )
     request_read_timeout: float = option(
-        30.0, "seconds a client has to send a request's headers and body; slower connections are closed",
-        metavar="SECONDS")
-    max_header_bytes: int = option(16 << 10, "largest request head (request line and headers)", metavar="SIZE",
-                                 size=True)
+        30.0,
+        "seconds a client has to send a request's headers and body; slower connections are closed",
+        metavar="SECONDS",
+    )
+    max_header_bytes: int = option(
+        16 << 10, "largest request head (request line and headers)", metavar="SIZE", size=True
+    )
     shutdown_timeout: float = option(
-        30.0, "on SIGTERM, seconds running requests get to finish before their streams are ended with an "
-              "error event", metavar="SECONDS")
+        30.0,
+        "on SIGTERM, seconds running requests get to finish before their streams are ended with an error event",
+        metavar="SECONDS",
+    )
     enable_auto_tool_choice: bool = option(
-        False, "let the model decide when to call tools (tool_choice 'auto', the default with tools): its output "
-               "is parsed with --tool-call-parser")
+        False,
+        "let the model decide when to call tools (tool_choice 'auto', the default with tools): its output "
+        "is parsed with --tool-call-parser",
+    )
     tool_call_parser: str | None = option(
-        None, "the model family's tool-call format: hermes (Hermes, Qwen), llama3_json (Llama 3.x), mistral. "
-              "Default: none (tool_choice 'auto' is refused)",
-        choices=("hermes", "llama3_json", "mistral"))
+        None,
+        "the model family's tool-call format: hermes (Hermes, Qwen), llama3_json (Llama 3.x), mistral. "
+        "Default: none (tool_choice 'auto' is refused)",
+        choices=("hermes", "llama3_json", "mistral"),
+    )
     disable_playground: bool = option(False, "do not serve the chat playground page at /")
     disable_log_requests: bool = option(
-        False, "do not log a line per finished request (id, tokens, TTFT, end-to-end time, finish reason)")
+        False, "do not log a line per finished request (id, tokens, TTFT, end-to-end time, finish reason)"
+    )
     disable_log_stats: bool = option(
-        False, "do not log the engine's throughput, queue and KV cache usage every --log-stats-interval")
+        False, "do not log the engine's throughput, queue and KV cache usage every --log-stats-interval"
+    )
     log_stats_interval: float = option(10.0, "seconds between two engine stats lines", metavar="SECONDS")
-    uvicorn_log_level: str = option("info", "uvicorn's log level; 'info' logs every request",
-                                  choices=("critical", "error", "warning", "info", "debug", "trace"))
+    uvicorn_log_level: str = option(
+        "info",
+        "uvicorn's log level; 'info' logs every request",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+    )
 
     def verify(self) -> None:
-        for name in ("max_request_body_bytes", "max_prompts_per_request", "max_stop_strings", "limit_concurrency",
-                     "max_header_bytes"):
+        for name in (
+            "max_request_body_bytes",
+            "max_prompts_per_request",
+            "max_stop_strings",
+            "limit_concurrency",
+            "max_header_bytes",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -11,8 +11,19 @@ from fastapi import Request
 
 from jaxllm.entrypoints.openai.middleware import request_id_of
 from jaxllm.entrypoints.openai.protocol import (
-    AssistantMessage, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamChoice,
-    ChatCompletionStreamResponse, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCallOut, UsageInfo)
+    AssistantMessage,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCallOut,
+    UsageInfo,
+)
 from jaxllm.entrypoints.openai.serving_engine import ChoiceState, MergedOutputs, OpenAIServing
 from jaxllm.entrypoints.openai.serving_tools import ToolCalling, ToolDelta
 from jaxllm.entrypoints.openai.serving_utils import APIError, chat_logprobs, finish_reason, sse
@@ -25,8 +36,16 @@ class _ChatCompletion:
     `eos_text`: the EOS token's text, cut from the end (a tool parser that reads special tokens
     keeps them in the text)."""
 
-    def __init__(self, request: ChatCompletionRequest, tools: ToolCalling, model_name: str, prompt_ids: list[int],
-                 request_id: str, n: int, eos_text: str):
+    def __init__(
+        self,
+        request: ChatCompletionRequest,
+        tools: ToolCalling,
+        model_name: str,
+        prompt_ids: list[int],
+        request_id: str,
+        n: int,
+        eos_text: str,
+    ):
         self.request, self.tools, self.model_name, self.prompt_ids = request, tools, model_name, prompt_ids
         self.request_id, self.n, self.eos_text = request_id, n, eos_text
         self.created = int(time.time())
@@ -34,12 +53,16 @@ class _ChatCompletion:
 
     def usage(self) -> UsageInfo:
         completion_tokens = sum(len(c.token_ids) for c in self.choices)
-        return UsageInfo(prompt_tokens=len(self.prompt_ids), completion_tokens=completion_tokens,
-                         total_tokens=len(self.prompt_ids) + completion_tokens)
+        return UsageInfo(
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=completion_tokens,
+            total_tokens=len(self.prompt_ids) + completion_tokens,
+        )
 
     def chunk(self, choice_list: list[ChatCompletionStreamChoice], usage_info: UsageInfo | None = None) -> str:
-        response = ChatCompletionStreamResponse(id=self.request_id, created=self.created, model=self.model_name,
-                                                choices=choice_list)
+        response = ChatCompletionStreamResponse(
+            id=self.request_id, created=self.created, model=self.model_name, choices=choice_list
+        )
         if usage_info is not None:
             response.usage = usage_info
         return sse(response)
@@ -47,24 +70,40 @@ class _ChatCompletion:
     def message(self, c: ChoiceState) -> tuple[AssistantMessage, str | None]:
         content, calls = self.tools.extract(c.text.removesuffix(self.eos_text) if self.eos_text else c.text)
         out = [ToolCallOut(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments)) for t in calls]
-        return (AssistantMessage(content=content, tool_calls=out or None),
-                self.tools.finish_reason(len(calls), finish_reason(c.finish_reason)))
+        return (
+            AssistantMessage(content=content, tool_calls=out or None),
+            self.tools.finish_reason(len(calls), finish_reason(c.finish_reason)),
+        )
 
     async def collect(self, outputs: MergedOutputs) -> ChatCompletionResponse:
         async for _, out in outputs:
             for delta in out.outputs:
                 self.choices[delta.index].add(delta)
         logprobs = self.request.logprobs
-        result = [ChatCompletionChoice(
-            index=i, message=msg, logprobs=chat_logprobs(c.token_ids, c.logprobs) if logprobs else None,
-            finish_reason=reason, stop_reason=c.stop_reason)
-            for i, c in enumerate(self.choices) for msg, reason in [self.message(c)]]
-        return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model_name,
-                                      choices=result, usage=self.usage())
+        result = [
+            ChatCompletionChoice(
+                index=i,
+                message=msg,
+                logprobs=chat_logprobs(c.token_ids, c.logprobs) if logprobs else None,
+                finish_reason=reason,
+                stop_reason=c.stop_reason,
+            )
+            for i, c in enumerate(self.choices)
+            for msg, reason in [self.message(c)]
+        ]
+        return ChatCompletionResponse(
+            id=self.request_id, created=self.created, model=self.model_name, choices=result, usage=self.usage()
+        )
 
     async def stream(self, outputs: MergedOutputs) -> AsyncIterator[str]:
-        yield self.chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""),
-                                                     logprobs=None, finish_reason=None) for i in range(self.n)])
+        yield self.chunk(
+            [
+                ChatCompletionStreamChoice(
+                    index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None
+                )
+                for i in range(self.n)
+            ]
+        )
         parsers = [self.tools.stream() for _ in range(self.n)]
         async for _, out in outputs:
             for delta in out.outputs:
@@ -85,20 +124,28 @@ class _ChatCompletion:
             more, more_calls = parser.finish()
             content, calls = content + more, calls + more_calls
         elif self.tools.mode != "none" and not content and not calls and not self.request.logprobs:
-            return None        # (text held back by the tool parser)
+            return None  # (text held back by the tool parser)
         choice = ChatCompletionStreamChoice(
-            index=delta.index, delta=DeltaMessage(content=content if content or not calls else None,
-                                                  tool_calls=_tool_deltas(calls)),
+            index=delta.index,
+            delta=DeltaMessage(content=content if content or not calls else None, tool_calls=_tool_deltas(calls)),
             logprobs=chat_logprobs(delta.token_ids, delta.logprobs or []) if self.request.logprobs else None,
-            finish_reason=self.tools.finish_reason(parser.num_calls, finish_reason(delta.finish_reason)))
+            finish_reason=self.tools.finish_reason(parser.num_calls, finish_reason(delta.finish_reason)),
+        )
         if delta.finish_reason is not None:
             choice.stop_reason = delta.stop_reason
         return choice
 
 
 def _tool_deltas(deltas: list[ToolDelta]) -> list[DeltaToolCall] | None:
-    return [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
-                          function=DeltaFunctionCall(name=d.name, arguments=d.arguments)) for d in deltas] or None
+    return [
+        DeltaToolCall(
+            index=d.index,
+            id=d.id,
+            type="function" if d.id else None,
+            function=DeltaFunctionCall(name=d.name, arguments=d.arguments),
+        )
+        for d in deltas
+    ] or None
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -106,8 +153,11 @@ class OpenAIServingChat(OpenAIServing):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.tool_parser = (get_tool_parser(self.args.tool_call_parser)
-                            if self.args.enable_auto_tool_choice and self.args.tool_call_parser else None)
+        self.tool_parser = (
+            get_tool_parser(self.args.tool_call_parser)
+            if self.args.enable_auto_tool_choice and self.args.tool_call_parser
+            else None
+        )
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw: Request):
         self.check_request(request)
@@ -120,19 +170,27 @@ class OpenAIServingChat(OpenAIServing):
         constraint = tools.constraint()
         if constraint is not None:
             if params.structured_outputs is not None:
-                raise APIError(f"tool_choice {tools.mode!r} constrains the output itself; it cannot be combined with "
-                               "response_format or structured outputs", param="tool_choice")
+                raise APIError(
+                    f"tool_choice {tools.mode!r} constrains the output itself; it cannot be combined with "
+                    "response_format or structured outputs",
+                    param="tool_choice",
+                )
             params.structured_outputs = constraint
         eos_text = ""
         if tools.mode == "auto" and tools.parser.needs_special_tokens:
-            params.skip_special_tokens = False      # its tool-call marker is a special token; EOS's text is cut
+            params.skip_special_tokens = False  # its tool-call marker is a special token; EOS's text is cut
             eos_text = getattr(self.tokenizer, "eos_token", None) or ""
-        prompt_ids = await self.chat_prompt(request.messages, request.add_generation_prompt,
-                                            request.chat_template_kwargs, request.chat_template,
-                                            tools=tools.template_tools)
+        prompt_ids = await self.chat_prompt(
+            request.messages,
+            request.add_generation_prompt,
+            request.chat_template_kwargs,
+            request.chat_template,
+            tools=tools.template_tools,
+        )
         self.check_length(len(prompt_ids), max_tokens, "messages")
-        chat = _ChatCompletion(request, tools, self.model_name, prompt_ids, f"chatcmpl-{request_id_of(raw.scope)}",
-                               params.n, eos_text)
-        return await self.respond(raw, self.start([(None, prompt_ids)], params, chat.request_id), request,
-                                  chat.collect, chat.stream)
-
+        chat = _ChatCompletion(
+            request, tools, self.model_name, prompt_ids, f"chatcmpl-{request_id_of(raw.scope)}", params.n, eos_text
+        )
+        return await self.respond(
+            raw, self.start([(None, prompt_ids)], params, chat.request_id), request, chat.collect, chat.stream
+        )

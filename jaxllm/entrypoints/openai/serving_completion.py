@@ -34,8 +34,11 @@ class OpenAIServingCompletion(OpenAIServing):
         if not prompt:
             raise APIError("prompt must not be empty", param="prompt")
         if len(prompt) > self.args.max_prompts_per_request:
-            raise APIError(f"at most {self.args.max_prompts_per_request} prompts are allowed per request (the "
-                           f"server's --max-prompts-per-request), got {len(prompt)}", param="prompt")
+            raise APIError(
+                f"at most {self.args.max_prompts_per_request} prompts are allowed per request (the "
+                f"server's --max-prompts-per-request), got {len(prompt)}",
+                param="prompt",
+            )
         out = []
         for p in prompt:
             if isinstance(p, str):
@@ -52,14 +55,17 @@ class OpenAIServingCompletion(OpenAIServing):
             self.check_length(len(ids), request.max_tokens)
         echo = [""] * len(prompts)
         if request.echo:
-            echo = [text if text is not None else await self.in_worker(self.tokenizer.decode, ids)
-                    for text, ids in prompts]
+            echo = [
+                text if text is not None else await self.in_worker(self.tokenizer.decode, ids) for text, ids in prompts
+            ]
         if request.echo and request.logprobs is not None:
             params = dataclasses.replace(params, prompt_logprobs=request.logprobs)
-        completion = _Completion(request, self.model_name, prompts, echo, f"cmpl-{request_id_of(raw.scope)}",
-                                 params.n, self.tokenizer)
-        return await self.respond(raw, self.start(prompts, params, completion.request_id), request,
-                                  completion.collect, completion.stream)
+        completion = _Completion(
+            request, self.model_name, prompts, echo, f"cmpl-{request_id_of(raw.scope)}", params.n, self.tokenizer
+        )
+        return await self.respond(
+            raw, self.start(prompts, params, completion.request_id), request, completion.collect, completion.stream
+        )
 
 
 class _Completion:
@@ -67,8 +73,9 @@ class _Completion:
     `n` choices per prompt, each led by its prompt's text with `echo` (and with logprobs, the
     prompt's logprobs, once known)."""
 
-    def __init__(self, request: CompletionRequest, model_name: str, prompts, echo: list[str], request_id: str,
-                 n: int, tokenizer):
+    def __init__(
+        self, request: CompletionRequest, model_name: str, prompts, echo: list[str], request_id: str, n: int, tokenizer
+    ):
         self.request, self.model_name, self.prompts, self.echo = request, model_name, prompts, echo
         self.request_id, self.n, self.tokenizer = request_id, n, tokenizer
         self.created = int(time.time())
@@ -83,12 +90,16 @@ class _Completion:
     def usage(self) -> UsageInfo:
         prompt_tokens = sum(len(ids) for _, ids in self.prompts)
         completion_tokens = sum(len(c.token_ids) for c in self.choices)
-        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                         total_tokens=prompt_tokens + completion_tokens)
+        return UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
 
     def response(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
-        return CompletionResponse(id=self.request_id, created=self.created, model=self.model_name, choices=choices,
-                                  usage=usage)
+        return CompletionResponse(
+            id=self.request_id, created=self.created, model=self.model_name, choices=choices, usage=usage
+        )
 
     async def collect(self, outputs: MergedOutputs) -> CompletionResponse:
         n = self.n
@@ -101,10 +112,18 @@ class _Completion:
             prefix = self.echo[index // n]
             logprobs = None
             if self.request.logprobs is not None:
-                logprobs = joined_logprobs(self.prompt_lp[index // n],
-                                           completion_logprobs(c.token_ids, c.logprobs, len(prefix)))
-            result.append(CompletionChoice(index=index, text=prefix + c.text, logprobs=logprobs,
-                                           finish_reason=finish_reason(c.finish_reason), stop_reason=c.stop_reason))
+                logprobs = joined_logprobs(
+                    self.prompt_lp[index // n], completion_logprobs(c.token_ids, c.logprobs, len(prefix))
+                )
+            result.append(
+                CompletionChoice(
+                    index=index,
+                    text=prefix + c.text,
+                    logprobs=logprobs,
+                    finish_reason=finish_reason(c.finish_reason),
+                    stop_reason=c.stop_reason,
+                )
+            )
         return self.response(result, self.usage())
 
     async def stream(self, outputs: MergedOutputs) -> AsyncIterator[str]:
@@ -129,5 +148,10 @@ class _Completion:
             if first:
                 logprobs = joined_logprobs(self.prompt_lp[i], logprobs)
         c.add(delta)
-        return CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                finish_reason=finish_reason(delta.finish_reason), stop_reason=delta.stop_reason)
+        return CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=finish_reason(delta.finish_reason),
+            stop_reason=delta.stop_reason,
+        )

@@ -31,12 +31,18 @@ from jaxllm.entrypoints.openai.middleware import request_id_of
 from jaxllm.entrypoints.openai.protocol import ChatMessage, SamplingRequest
 from jaxllm.entrypoints.openai.server_args import ServerArgs
 from jaxllm.entrypoints.openai.serving_utils import (
-    APIError, ClientDisconnected, bad_value, error_body, sse, unless_disconnected)
+    APIError,
+    ClientDisconnected,
+    bad_value,
+    error_body,
+    sse,
+    unless_disconnected,
+)
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 logger = logging.getLogger("jaxllm.server")
 
-MAX_STOP_CHARS = 4096   # the detokenizer holds back as many characters as the longest stop string
+MAX_STOP_CHARS = 4096  # the detokenizer holds back as many characters as the longest stop string
 
 
 class ServerShuttingDown(Exception):
@@ -106,7 +112,7 @@ class ChoiceState:
     logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    text_offset: int = 0   # characters already given a logprob offset (completions API)
+    text_offset: int = 0  # characters already given a logprob offset (completions API)
 
     def add(self, delta: CompletionOutput) -> None:
         self.text += delta.text
@@ -122,8 +128,9 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
         if isinstance(content, list):
             for part in content:
                 if part.type != "text":
-                    raise APIError(f"message content parts of type {part.type!r} are not supported (only 'text')",
-                                   param="messages")
+                    raise APIError(
+                        f"message content parts of type {part.type!r} are not supported (only 'text')", param="messages"
+                    )
             content = "".join(part.text or "" for part in content)
         # OpenAI's "developer" role is the system role of older models (and of chat templates).
         message = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
@@ -133,8 +140,14 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
             message["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
             # Templates read the arguments as an object (transformers' convention); clients send JSON text.
-            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+                }
+                for c in m.tool_calls
+            ]
         out.append(message)
     return out
 
@@ -159,9 +172,10 @@ def api_error(e: Exception, request_id: str, request: SamplingRequest | None = N
         return APIError("the server is shutting down; the request was stopped before it finished", 503)
     if isinstance(e, EngineDeadError):
         return APIError("the engine has stopped; the server is restarting", 503)
-    if isinstance(e, RequestFailedError):   # the engine logged the traceback with this id
-        return APIError(f"the engine failed while computing this request ({request_id}); other requests are "
-                        f"unaffected", 500)
+    if isinstance(e, RequestFailedError):  # the engine logged the traceback with this id
+        return APIError(
+            f"the engine failed while computing this request ({request_id}); other requests are unaffected", 500
+        )
     return None
 
 
@@ -169,8 +183,7 @@ class OpenAIServing:
     """What the route groups share; each app makes one of each over one `AsyncLLM`, its
     `ServerMetrics`, `ServerArgs`, `Shutdown` and tokenizer worker threads."""
 
-    def __init__(self, llm: AsyncLLM, metrics: ServerMetrics, args: ServerArgs, shutdown: Shutdown,
-                 workers: Executor):
+    def __init__(self, llm: AsyncLLM, metrics: ServerMetrics, args: ServerArgs, shutdown: Shutdown, workers: Executor):
         self.llm = llm
         engine = llm.engine
         self.tokenizer = engine.tokenizer
@@ -188,8 +201,9 @@ class OpenAIServing:
     # ----- checks shared by the endpoints -----
     def check_model(self, model: str | None) -> None:
         if model and model != self.model_name:
-            raise APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}`.", 404,
-                           param="model")
+            raise APIError(
+                f"The model `{model}` does not exist; this server serves `{self.model_name}`.", 404, param="model"
+            )
 
     def check_request(self, request: SamplingRequest) -> None:
         """Checks made before anything is allocated or tokenized."""
@@ -200,18 +214,23 @@ class OpenAIServing:
         for name in ("n", "best_of"):
             value = getattr(request, name, None)
             if value is not None and value > self.max_num_seqs:
-                raise APIError(f"{name} must be at most {self.max_num_seqs} (the server's --max-num-seqs), got "
-                               f"{value}", param=name)
+                raise APIError(
+                    f"{name} must be at most {self.max_num_seqs} (the server's --max-num-seqs), got {value}", param=name
+                )
         stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
         if len(stops) > self.args.max_stop_strings:
-            raise APIError(f"at most {self.args.max_stop_strings} stop strings are allowed (the server's "
-                           f"--max-stop-strings), got {len(stops)}", param="stop")
+            raise APIError(
+                f"at most {self.args.max_stop_strings} stop strings are allowed (the server's "
+                f"--max-stop-strings), got {len(stops)}",
+                param="stop",
+            )
         if any(len(stop) > MAX_STOP_CHARS for stop in stops):
             raise APIError(f"stop strings must be at most {MAX_STOP_CHARS} characters", param="stop")
         name, value = request.logprobs_field()
         if value is not None and not 0 <= value <= self.max_logprobs:
-            raise APIError(f"{name} must be in [0, {self.max_logprobs}] (the server's --max-logprobs), got {value}",
-                           param=name)
+            raise APIError(
+                f"{name} must be in [0, {self.max_logprobs}] (the server's --max-logprobs), got {value}", param=name
+            )
         if request.stream_options is not None and not request.stream:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
 
@@ -228,46 +247,67 @@ class OpenAIServing:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{wanted} tokens ({num_prompt_tokens} in the prompt, {max_tokens or 1} in the completion). "
                 f"Please reduce the length of the prompt or of the completion.",
-                param=prompt_param if num_prompt_tokens >= self.max_model_len else "max_tokens")
+                param=prompt_param if num_prompt_tokens >= self.max_model_len else "max_tokens",
+            )
 
     async def encode(self, text: str, *, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         try:
-            return await self.in_worker(functools.partial(self.tokenizer.encode, add_special_tokens=add_special_tokens),
-                                        text)
-        except Exception as e:   # e.g. text the tokenizer cannot take
+            return await self.in_worker(
+                functools.partial(self.tokenizer.encode, add_special_tokens=add_special_tokens), text
+            )
+        except Exception as e:  # e.g. text the tokenizer cannot take
             raise APIError(f"{param} could not be tokenized: {type(e).__name__}", param=param) from e
 
-    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                          template_kwargs: dict | None = None, chat_template: str | None = None,
-                          tools: list[dict] | None = None) -> list[int]:
+    async def chat_prompt(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        template_kwargs: dict | None = None,
+        chat_template: str | None = None,
+        tools: list[dict] | None = None,
+    ) -> list[int]:
         try:
             template_kwargs = check_template_kwargs(template_kwargs or {})
         except ValueError as e:
             raise APIError(str(e), param="chat_template_kwargs") from e
         if chat_template is not None and not self.args.trust_request_chat_template:
-            raise APIError("chat_template is not accepted from requests: the server renders the model's own "
-                           "template (an operator can allow it with --trust-request-chat-template)",
-                           param="chat_template")
-        template_kwargs.setdefault("add_generation_prompt", add_generation_prompt)   # the kwargs' value wins
+            raise APIError(
+                "chat_template is not accepted from requests: the server renders the model's own "
+                "template (an operator can allow it with --trust-request-chat-template)",
+                param="chat_template",
+            )
+        template_kwargs.setdefault("add_generation_prompt", add_generation_prompt)  # the kwargs' value wins
         if tools:
             template_kwargs["tools"] = tools
-        render = functools.partial(self.llm.engine.apply_chat_template, _message_dicts(messages),
-                                   chat_template=chat_template, **template_kwargs)
+        render = functools.partial(
+            self.llm.engine.apply_chat_template,
+            _message_dicts(messages),
+            chat_template=chat_template,
+            **template_kwargs,
+        )
         try:
             return await self.in_worker(render)
-        except ValueError as e:      # the template refused the conversation, or hit a bound
+        except ValueError as e:  # the template refused the conversation, or hit a bound
             raise APIError(str(e), param="messages") from e
 
     # ----- running engine requests into a response -----
     def start(self, prompts: list[tuple[str | None, list[int]]], params, request_id: str) -> MergedOutputs:
         limit = self.max_num_seqs + self.args.max_waiting_requests
         if self.llm.num_unfinished_requests + len(prompts) > limit:
-            raise APIError(f"the server is at capacity ({limit} requests running or queued); retry later", 429,
-                           headers={"Retry-After": "1"})
-        streams = [self.metrics.track(self.llm.generate({"prompt": text, "prompt_token_ids": ids}, params,
-                                                        f"{request_id}-{i}", output_kind="delta"),
-                                       log=not self.args.disable_log_requests)
-                   for i, (text, ids) in enumerate(prompts)]
+            raise APIError(
+                f"the server is at capacity ({limit} requests running or queued); retry later",
+                429,
+                headers={"Retry-After": "1"},
+            )
+        streams = [
+            self.metrics.track(
+                self.llm.generate(
+                    {"prompt": text, "prompt_token_ids": ids}, params, f"{request_id}-{i}", output_kind="delta"
+                ),
+                log=not self.args.disable_log_requests,
+            )
+            for i, (text, ids) in enumerate(prompts)
+        ]
         outputs = MergedOutputs(streams)
         self.shutdown.register(outputs)
         return outputs
@@ -287,8 +327,11 @@ class OpenAIServing:
             except BaseException:
                 await outputs.close()
                 raise
-            return StreamingResponse(self._sse_lines(stream(outputs), outputs, request_id),
-                                     media_type="text/event-stream", background=BackgroundTask(outputs.close))
+            return StreamingResponse(
+                self._sse_lines(stream(outputs), outputs, request_id),
+                media_type="text/event-stream",
+                background=BackgroundTask(outputs.close),
+            )
         except ClientDisconnected:
             return Response(status_code=499)
         except Exception as e:
@@ -304,7 +347,7 @@ class OpenAIServing:
                 yield chunk
         except Exception as e:  # headers are sent: report in-band, as vLLM does
             error = api_error(e, request_id)
-            if error is None:   # a bug: log it once, tell the client only the request id
+            if error is None:  # a bug: log it once, tell the client only the request id
                 logger.exception("request %s: the stream failed", request_id)
                 error = APIError(f"internal error; the server logged it as request {request_id}", 500)
             yield sse(error_body(error.message, error.status, error.param))

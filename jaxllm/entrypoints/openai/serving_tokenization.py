@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from jaxllm.entrypoints.openai.protocol import (
-    DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse)
+from jaxllm.entrypoints.openai.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from jaxllm.entrypoints.openai.serving_engine import OpenAIServing
 from jaxllm.entrypoints.openai.serving_utils import APIError
 

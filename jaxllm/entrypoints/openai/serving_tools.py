@@ -28,8 +28,11 @@ ANY_OBJECT = {"type": "object"}
 
 def _required_calls(values: list) -> list[ToolCall]:
     """The calls among the elements of a `required` output's JSON array."""
-    return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in values
-            if isinstance(c, dict) and isinstance(c.get("name"), str) and "parameters" in c]
+    return [
+        ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+        for c in values
+        if isinstance(c, dict) and isinstance(c.get("name"), str) and "parameters" in c
+    ]
 
 
 @dataclasses.dataclass
@@ -57,12 +60,15 @@ class ToolCalling:
         if self.mode != "none" and not self.tools:
             raise APIError(f"tool_choice {self.mode!r} needs tools", param="tool_choice")
         if self.mode == "named" and self.name not in self.tools:
-            raise APIError(f"tool_choice names the function {self.name!r}, which is not among the tools",
-                           param="tool_choice")
+            raise APIError(
+                f"tool_choice names the function {self.name!r}, which is not among the tools", param="tool_choice"
+            )
         if self.mode == "auto" and parser is None:
-            raise APIError('"auto" tool choice requires the server to run with --enable-auto-tool-choice and '
-                           '--tool-call-parser (or give tool_choice "required", "none" or a function)',
-                           param="tool_choice")
+            raise APIError(
+                '"auto" tool choice requires the server to run with --enable-auto-tool-choice and '
+                '--tool-call-parser (or give tool_choice "required", "none" or a function)',
+                param="tool_choice",
+            )
 
     @property
     def template_tools(self) -> list[dict] | None:
@@ -75,9 +81,15 @@ class ToolCalling:
             return StructuredOutputsParams(json=self.tools[self.name].parameters or ANY_OBJECT)
         if self.mode != "required":
             return None
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": f.parameters or ANY_OBJECT},
-                  "required": ["name", "parameters"], "additionalProperties": False}
-                 for name, f in self.tools.items()]
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": f.parameters or ANY_OBJECT},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name, f in self.tools.items()
+        ]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         return StructuredOutputsParams(json=schema if self.parallel else {**schema, "maxItems": 1})
 
@@ -89,7 +101,7 @@ class ToolCalling:
         if self.mode == "required":
             values, _ = json_values(text)
             calls = _required_calls(values[0]) if values and isinstance(values[0], list) else []
-            return (None, calls) if calls else (text, [])       # (cut short by max_tokens: no call)
+            return (None, calls) if calls else (text, [])  # (cut short by max_tokens: no call)
         content, calls = self.parser.extract(text)
         return content, calls if self.parallel else calls[:1]
 
@@ -108,12 +120,12 @@ class ToolCallStream:
         self.calling = calling
         self.parsed = calling.parser.stream() if calling.mode == "auto" else None
         self.text = ""
-        self.pos: int | None = None      # required: where the array's next element begins
+        self.pos: int | None = None  # required: where the array's next element begins
         self.num_calls = 0
 
     def _deltas(self, calls: list[ToolCall]) -> list[ToolDelta]:
         if not self.calling.parallel:
-            calls = calls[:max(0, 1 - self.num_calls)]
+            calls = calls[: max(0, 1 - self.num_calls)]
         out = [ToolDelta(self.num_calls + i, c.id, c.name, c.arguments) for i, c in enumerate(calls)]
         self.num_calls += len(calls)
         return out
@@ -125,7 +137,7 @@ class ToolCallStream:
         if mode == "auto":
             content, calls = self.parsed.feed(delta)
             return content, self._deltas(calls)
-        if mode == "named":     # the arguments as they come
+        if mode == "named":  # the arguments as they come
             if not self.num_calls:
                 self.num_calls = 1
                 return "", [ToolDelta(0, new_call_id(), self.calling.name, delta)]
@@ -137,7 +149,7 @@ class ToolCallStream:
             if start < 0:
                 return "", []
             self.pos = start + 1
-        values, end = json_values(self.text[self.pos:])
+        values, end = json_values(self.text[self.pos :])
         self.pos += end
         return "", self._deltas(_required_calls(values))
 
@@ -146,5 +158,5 @@ class ToolCallStream:
             content, calls = self.parsed.finish()
             return content, self._deltas(calls)
         if self.calling.mode == "required" and not self.num_calls:
-            return self.text, []         # (cut short before any call completed: the text as content)
+            return self.text, []  # (cut short before any call completed: the text as content)
         return "", []

@@ -12,7 +12,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from jaxllm.entrypoints.openai.protocol import (
-    ChatChoiceLogprobs, ChatLogprob, ChatTopLogprob, CompletionLogProbs, ErrorInfo, ErrorResponse, SamplingRequest)
+    ChatChoiceLogprobs,
+    ChatLogprob,
+    ChatTopLogprob,
+    CompletionLogProbs,
+    ErrorInfo,
+    ErrorResponse,
+    SamplingRequest,
+)
 from jaxllm.outputs import Logprob
 
 # ----------------------------------------------------------------------------- errors
@@ -21,24 +28,30 @@ from jaxllm.outputs import Logprob
 class APIError(Exception):
     """Answered as OpenAI's error JSON with this HTTP status (and these extra headers)."""
 
-    def __init__(self, message: str, status: int = 400, *, param: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self, message: str, status: int = 400, *, param: str | None = None, headers: dict[str, str] | None = None
+    ):
         super().__init__(message)
         self.message, self.status, self.param, self.headers = message, status, param, headers
 
 
-_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error",
-                500: "internal_server_error", 503: "service_unavailable"}
+_ERROR_TYPES = {
+    401: "authentication_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
-    info = ErrorInfo(message=message, type=_ERROR_TYPES.get(status, "invalid_request_error"), param=param,
-                     code=status)
+    info = ErrorInfo(message=message, type=_ERROR_TYPES.get(status, "invalid_request_error"), param=param, code=status)
     return ErrorResponse(error=info).model_dump()
 
 
-def error_response(message: str, status: int, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    message: str, status: int, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
 
 
@@ -97,7 +110,7 @@ def _sampled(token_id: int, entry: dict[int, Logprob]) -> tuple[Logprob, list[Lo
     return entry[token_id], top
 
 
-MIN_LOGPROB = -9999.0   # JSON has no -inf: tokens a grammar rules out are reported with this (as vLLM does)
+MIN_LOGPROB = -9999.0  # JSON has no -inf: tokens a grammar rules out are reported with this (as vLLM does)
 
 
 def _json_logprob(value: float) -> float:
@@ -117,12 +130,17 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
     return out
 
 
-def echo_logprobs(prompt_token_ids: list[int], entries: list[dict[int, Logprob] | None],
-                  first_token_text: str) -> CompletionLogProbs:
+def echo_logprobs(
+    prompt_token_ids: list[int], entries: list[dict[int, Logprob] | None], first_token_text: str
+) -> CompletionLogProbs:
     """An echoed prompt's logprobs (`RequestOutput.prompt_logprobs`): the first token has none."""
     rest = completion_logprobs(prompt_token_ids[1:], entries[1:], len(first_token_text))
-    return CompletionLogProbs(text_offset=[0, *rest.text_offset], token_logprobs=[None, *rest.token_logprobs],
-                              tokens=[first_token_text, *rest.tokens], top_logprobs=[None, *rest.top_logprobs])
+    return CompletionLogProbs(
+        text_offset=[0, *rest.text_offset],
+        token_logprobs=[None, *rest.token_logprobs],
+        tokens=[first_token_text, *rest.tokens],
+        top_logprobs=[None, *rest.top_logprobs],
+    )
 
 
 def joined_logprobs(a: CompletionLogProbs | None, b: CompletionLogProbs) -> CompletionLogProbs:

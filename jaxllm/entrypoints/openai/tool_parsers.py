@@ -29,7 +29,7 @@ def new_call_id() -> str:
 @dataclasses.dataclass
 class ToolCall:
     name: str
-    arguments: str          # JSON text, as the OpenAI API carries it
+    arguments: str  # JSON text, as the OpenAI API carries it
     id: str = dataclasses.field(default_factory=new_call_id)
 
 
@@ -139,13 +139,13 @@ class MistralParser(ToolParser):
 
     def parse_calls(self, text):
         body = text.removeprefix("[TOOL_CALLS]").lstrip()
-        if body.startswith("["):        # [TOOL_CALLS][{...}, ...]
+        if body.startswith("["):  # [TOOL_CALLS][{...}, ...]
             values, pos = json_values(body)
             calls = [_call(v, "arguments") for v in values[0]] if values and isinstance(values[0], list) else []
             return ([], text) if not calls or None in calls else (calls, body[pos:])
-        calls, pos = [], 0             # [TOOL_CALLS]name[ARGS]{...} (repeated)
+        calls, pos = [], 0  # [TOOL_CALLS]name[ARGS]{...} (repeated)
         while (m := self._NAMED.match(text, pos)) is not None:
-            start = len(text) - len(text[m.end():].lstrip())
+            start = len(text) - len(text[m.end() :].lstrip())
             try:
                 args, end = json.JSONDecoder().raw_decode(text, start)
             except json.JSONDecodeError:
@@ -172,26 +172,27 @@ class ToolStream:
 
     def __init__(self, parser: ToolParser):
         self.parser = parser
-        self.text = ""              # everything so far
-        self.sent = 0               # characters of `text` already returned as content
-        self.in_calls = False       # a tool call began at `sent`
-        self.parsed = 0             # calls in `text` before this are returned
+        self.text = ""  # everything so far
+        self.sent = 0  # characters of `text` already returned as content
+        self.in_calls = False  # a tool call began at `sent`
+        self.parsed = 0  # calls in `text` before this are returned
         self.num_calls = 0
 
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
         self.text += delta
         content = ""
         if not self.in_calls:
-            pending = self.text[self.sent:]
+            pending = self.text[self.sent :]
             start = self.parser.find_start(pending)
             if start == len(pending):
                 # Hold back an ending that may be the start of a marker split over deltas (and,
                 # for a format whose call is the whole output, anything before its first text).
-                keep = max((k for m in self.parser.markers for k in range(1, len(m))
-                            if pending.endswith(m[:k])), default=0)
+                keep = max(
+                    (k for m in self.parser.markers for k in range(1, len(m)) if pending.endswith(m[:k])), default=0
+                )
                 if self.parser.whole_output and not pending.strip():
                     keep = len(pending)
-                content = pending[:len(pending) - keep]
+                content = pending[: len(pending) - keep]
                 self.sent += len(content)
                 return content, []
             content = pending[:start]
@@ -201,7 +202,7 @@ class ToolStream:
 
     def _parse(self, end: int) -> tuple[list[ToolCall], str]:
         """The calls in text[parsed:end] (past them: `parsed`), and the text after them."""
-        calls, rest = self.parser.parse_calls(self.text[self.parsed:end])
+        calls, rest = self.parser.parse_calls(self.text[self.parsed : end])
         self.parsed = end - len(rest)
         self.num_calls += len(calls)
         return calls, rest
@@ -215,11 +216,11 @@ class ToolStream:
     def finish(self) -> tuple[str, list[ToolCall]]:
         """What was held back: the remaining calls and any text after them, or all of it as
         content if no call parses."""
-        held = self.text[self.sent:]
+        held = self.text[self.sent :]
         self.sent = len(self.text)
         if not self.in_calls:
             return held, []
         calls, rest = self._parse(len(self.text))
-        if not self.num_calls:      # the marker led nowhere: it was content after all
+        if not self.num_calls:  # the marker led nowhere: it was content after all
             return held, []
         return rest.strip(), calls
