@@ -52,7 +52,7 @@ from jaxllm.weights.prepare import load_with_plan, prepare_weights
 from jaxllm.platforms import Platform
 from jaxllm.quantization import QuantizedWeight
 from jaxllm.runner.model_runner import ModelRunner
-from jaxllm.weights.plan import LAYER_LINEARS
+from jaxllm.quantization.weights import LAYER_MATRICES
 from jaxllm.sampling_params import SamplingParams
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -276,7 +276,7 @@ def main():
         np.prod(x.shape) if isinstance(x, QuantizedWeight) else np.size(x.panels if isinstance(x, PackedWeight) else x)
         for layer in params["layers"]
         for name, x in layer.items()
-        if name in LAYER_LINEARS
+        if name in LAYER_MATRICES
     )
     lm_head_flops = 2 * spec.hidden_size * spec.vocab_size
     rows = []

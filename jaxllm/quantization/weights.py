@@ -14,8 +14,9 @@ import numpy as np
 METHODS = {"int8": (8, None), "int8_weight_only": (8, None), "int4": (4, 32), "w8a8": (8, None)}
 # Methods whose quantized weights come from the checkpoint as they are (models/loader.py).
 CHECKPOINT_METHODS = ("gguf", "awq", "gptq")
-# The layer matrices that are quantized (as decoder.PACKED), and the MoE experts' stacks
-# [E, K, N] (weight-only, plain layout, whatever the method: models/moe.py dequantizes them).
+# A layer's linears by their params names (models/decoder.py; the weight plan's `LINEARS` adds
+# the LM head and a tied embedding), and the MoE experts' stacks [E, K, N] (weight-only codes,
+# plain layout, whatever the method: models/moe.py dequantizes them).
 LAYER_MATRICES = ("wqkv", "wo", "w_gate_up", "w_up", "w_down")
 EXPERT_MATRICES = ("experts_gate_up", "experts_down")
 

@@ -33,14 +33,12 @@ from __future__ import annotations
 import dataclasses
 
 from jaxllm.platforms import Platform
+from jaxllm.quantization.weights import CHECKPOINT_METHODS, EXPERT_MATRICES, LAYER_MATRICES
 
 # The linears a model may have (params names), in the order of a layer and then the model's.
-LAYER_LINEARS = ("wqkv", "wo", "w_gate_up", "w_up", "w_down")
-EXPERT_LINEARS = ("experts_gate_up", "experts_down")
-LINEARS = (*LAYER_LINEARS, *EXPERT_LINEARS, "lm_head", "embed")
-# quantization= methods that quantize float weights on load, and those a checkpoint brings.
+LINEARS = (*LAYER_MATRICES, *EXPERT_MATRICES, "lm_head", "embed")
+# quantization= methods that quantize float weights on load (EngineArgs' "int8" is "w8a8").
 QUANTIZE_METHODS = ("int8_weight_only", "int4", "w8a8")
-CHECKPOINT_METHODS = ("gguf", "awq", "gptq")
 # `checkpoint=` before loading: what the checkpoint keeps quantized is not known yet.
 UNKNOWN = "unknown"
 
@@ -189,13 +187,13 @@ def _linear_plan(
     tied: bool,
 ) -> LinearPlan:
     float_plan = LinearPlan(None, "cpp" if pack_floats else "xla")
-    if name in EXPERT_LINEARS:  # weight-only codes, dequantized in the step (models/moe.py)
+    if name in EXPERT_MATRICES:  # weight-only codes, dequantized in the step (models/moe.py)
         codes = {"w8a8": "int8_weight_only"}.get(method, method)
         return LinearPlan(codes, "xla")
     if name == "embed" and not tied:
         return LinearPlan(None, "xla")  # a table lookup, float
     if method is None:
-        return dataclasses.replace(float_plan, small_step_codes=small and name in (*LAYER_LINEARS, "lm_head", "embed"))
+        return dataclasses.replace(float_plan, small_step_codes=small and name in (*LAYER_MATRICES, "lm_head", "embed"))
     # A 4-bit LM head cost the default model 6.5% perplexity: 8-bit codes there (llama.cpp keeps its 6-8).
     codes = "int8_weight_only" if method == "int4" and name in ("lm_head", "embed") else method
     if cpp_gemm:

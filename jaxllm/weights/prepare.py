@@ -11,7 +11,7 @@ One step after loading, before any runner exists, in this order:
    arrays split per shard), or lay the checkpoint's own codes out for their kernel; a GGUF's
    blocks the plan no longer keeps (the C++ build failed after all) are dequantized;
 3. one device: pack the float matrices into C++ panels (`pack_params`), place the tree, and for
-   small-step codes make the bf16 tree and the codes tree (`quantization.small_step_params`);
+   small-step codes make the bf16 tree and the codes tree (`small_step_params`);
    a mesh: place every shard (`parallel.shard_params`).
 
 What each linear becomes is read from the plan, never re-derived here.
@@ -29,13 +29,19 @@ import numpy as np
 
 from jaxllm import parallel
 from jaxllm.models import layout
-from jaxllm.weights import calibration
 from jaxllm.models.linear import PackedWeight
 from jaxllm.models.loader import LoadedModel, load_model
 from jaxllm.platforms import Platform
 from jaxllm.quantization.params import quantize_params
-from jaxllm.quantization.weights import QuantizedWeight, dequantize, relayout, with_bf16_activations
-from jaxllm.weights.plan import LAYER_LINEARS, WeightPlan, resolve_weight_plan
+from jaxllm.quantization.weights import (
+    LAYER_MATRICES,
+    QuantizedWeight,
+    dequantize,
+    relayout,
+    with_bf16_activations,
+)
+from jaxllm.weights import calibration
+from jaxllm.weights.plan import WeightPlan, resolve_weight_plan
 
 logger = logging.getLogger("jaxllm")
 
@@ -137,7 +143,7 @@ def pack_params(params: dict, spec, device, *, bf16: bool = False) -> dict:
         return PackedWeight(jax.device_put(native.pack_weight(np.asarray(w), transposed, w.dtype), device))
 
     for layer in params["layers"]:
-        for name in LAYER_LINEARS:
+        for name in LAYER_MATRICES:
             if name in layer:
                 layer[name] = pack(layer[name])
     if "lm_head" in params:
@@ -179,7 +185,7 @@ def small_step_params(params: dict, device, codes: bool = True) -> tuple[dict, d
     large["layers"], small["layers"] = [], []
     for layer in params["layers"]:
         big, few = dict(layer), dict(layer)
-        for name in LAYER_LINEARS:
+        for name in LAYER_MATRICES:
             if isinstance(layer.get(name), QuantizedWeight):
                 both(big, few, name)
         large["layers"].append(big)
@@ -201,7 +207,7 @@ def _dequantized(params: dict, spec, dtype: str) -> dict:
         return np.ascontiguousarray(out.T) if table else out
 
     for layer in params["layers"]:
-        for name in LAYER_LINEARS:
+        for name in LAYER_MATRICES:
             if name in layer:
                 layer[name] = dense(layer[name])
     if "lm_head" in params:

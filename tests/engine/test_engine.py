@@ -53,11 +53,11 @@ def test_packed_weights_match_hf_and_xla_dots(llm, hf_model, tiny_model_dir):
     # The default engine packs every float32 matrix for the C++ GEMM (all of the tiny model's
     # split into 16-column panels); without packing the same weights go through XLA's dots.
     from jaxllm.models.linear import PackedWeight
-    from jaxllm.weights.plan import LAYER_LINEARS
+    from jaxllm.quantization.weights import LAYER_MATRICES
 
     params = llm.engine.runner.params
     assert all(
-        isinstance(layer[name], PackedWeight) for layer in params["layers"] for name in LAYER_LINEARS if name in layer
+        isinstance(layer[name], PackedWeight) for layer in params["layers"] for name in LAYER_MATRICES if name in layer
     )
     assert isinstance(params["embed"], PackedWeight)  # tied: the LM head too
     plain = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, packed_weights=False)
@@ -81,7 +81,7 @@ def test_bf16_weights_packed_where_the_cpu_has_bf16_dots(tiny_model_dir):
     # by a few 1e-3: 3.7e-3 on a Xeon with AMX, where XLA's dots sum in AMX tiles.
     from jaxllm.kernels import native
     from jaxllm.models.linear import PackedWeight
-    from jaxllm.weights.plan import LAYER_LINEARS
+    from jaxllm.quantization.weights import LAYER_MATRICES
 
     args = dict(TINY_ENGINE_ARGS, dtype="bfloat16")
     packed, plain = LLM(tiny_model_dir, **args), LLM(tiny_model_dir, **args, packed_weights=False)
@@ -91,7 +91,7 @@ def test_bf16_weights_packed_where_the_cpu_has_bf16_dots(tiny_model_dir):
         assert all(
             isinstance(layer[name], PackedWeight) and layer[name].panels.dtype == jax.numpy.bfloat16
             for layer in params["layers"]
-            for name in LAYER_LINEARS
+            for name in LAYER_MATRICES
             if name in layer
         )
     else:
