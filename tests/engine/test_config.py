@@ -125,7 +125,7 @@ def test_auto_dtype_follows_the_device(flags, platform, expected):
 
 
 def test_auto_is_the_default_and_picks_for_this_cpu():
-    """On whichever CPU runs the tests: bf16 only with native bf16 dots, as lscpu reports them."""
+    """On whichever CPU runs the tests: bf16 only with hardware bf16 dots, as lscpu reports them."""
     flags = lscpu_flags()
     assert cpu_flags() == flags
     expected = "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"

@@ -86,7 +86,7 @@ def test_bf16_weights_packed_where_the_cpu_has_bf16_dots(tiny_model_dir):
     args = dict(TINY_ENGINE_ARGS, dtype="bfloat16")
     packed, plain = LLM(tiny_model_dir, **args), LLM(tiny_model_dir, **args, packed_weights=False)
     params = packed.engine.runner.params
-    if native.bf16_gemm_native():
+    if native.has_bf16_dots():
         assert isinstance(params["embed"], PackedWeight) and params["embed"].panels.ndim == 4
         assert all(
             isinstance(layer[name], PackedWeight) and layer[name].panels.dtype == jax.numpy.bfloat16

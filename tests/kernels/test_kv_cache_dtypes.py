@@ -96,7 +96,7 @@ def test_quantized_kv_cache_engine(tiny_model_dir, kv_dtype, storage):
 @pytest.mark.parametrize("dtype, kv_dtype", [("float32", "bfloat16"), ("bfloat16", "float32")])
 def test_float_pages_of_another_dtype_than_the_model(tiny_model_dir, dtype, kv_dtype):
     # kv_cache_dtype="bfloat16" under a float32 model (what dtype "auto" gives on CPUs without
-    # native bf16 dots), and the other way round: the C++ kernel against the dense jnp oracle on
+    # hardware bf16 dots), and the other way round: the C++ kernel against the dense jnp oracle on
     # the same pages, the block count against the model's own dtype, the first tokens kept.
     greedy = SamplingParams(max_tokens=16, temperature=0.0, logprobs=3)
     args = {**TINY_ENGINE_ARGS, "dtype": dtype}

@@ -280,10 +280,10 @@ def test_matmul_packed_swiglu_matches_numpy(rows, dtype):
     assert not np.asarray(live[rows // 2 :]).any()
 
 
-def test_bf16_gemm_native_follows_the_cpu():
+def test_bf16_gemm_dots_follow_the_cpu():
     # AVX512_BF16 dots exactly where the CPU has them (the build is -march=native); the engine
     # packs bf16 weights only then.
-    assert native.bf16_gemm_native() == ("avx512_bf16" in lscpu_flags())
+    assert native.has_bf16_dots() == ("avx512_bf16" in lscpu_flags())
     assert native.packable((38, 48), dtype=jax.numpy.bfloat16)
     assert not native.packable((37, 48), dtype=jax.numpy.bfloat16) and native.packable((37, 48))
     with pytest.raises(Exception, match="matmul_packed_bf16"):

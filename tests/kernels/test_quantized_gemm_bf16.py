@@ -154,7 +154,7 @@ def bf16_valued_copy(model_dir: str, out: str) -> str:
     return out
 
 
-@pytest.mark.skipif(not native.bf16_gemm_native(), reason="no AVX512_BF16 here: bf16 weights are not packed")
+@pytest.mark.skipif(not native.has_bf16_dots(), reason="no AVX512_BF16 here: bf16 weights are not packed")
 def test_int4_engine_under_bf16_is_the_bf16_engine_on_quantized_values(tiny_model_dir, tmp_path):
     # Under dtype bfloat16 every quantized matrix (4-bit layers, the 8-bit tied LM head) takes
     # bf16 activations and its dequantized weights rounded to bf16, and the embedding rows are
@@ -183,7 +183,7 @@ def test_int4_engine_under_bf16_is_the_bf16_engine_on_quantized_values(tiny_mode
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not native.bf16_gemm_native(), reason="no AVX512_BF16 here: bf16 weights are not packed")
+@pytest.mark.skipif(not native.has_bf16_dots(), reason="no AVX512_BF16 here: bf16 weights are not packed")
 def test_default_gguf_kept_under_bf16_is_the_bf16_engine():
     # The default model's Q4_1 layers and Q8_0 embedding kept (`quantization="gguf"`) against
     # the same file dequantized to bf16 (`quantization="none"`): the same tokens and logprobs.

@@ -22,7 +22,7 @@ from tests.helpers.quantized_checkpoints import write_quantized_gguf
 from tests.helpers.tiny_model import TINY_ENGINE_ARGS, WARM_ENGINE_ARGS
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C++ kernels: {native.unavailable_reason()}")
-needs_bf16_dots = pytest.mark.skipif(not native.bf16_gemm_native(), reason="no AVX512_BF16 dots here")
+needs_bf16_dots = pytest.mark.skipif(not native.has_bf16_dots(), reason="no AVX512_BF16 dots here")
 
 
 @pytest.fixture(autouse=True)
@@ -111,7 +111,7 @@ def test_small_step_codes_follow_the_cpu_and_the_run(tiny_model_dir, tmp_path):
     # asked quantizations and HF checkpoints; asked for where it cannot apply: a clear error.
     path = write_quantized_gguf(str(tmp_path / "tiny.gguf"))
     args = dict(TINY_ENGINE_ARGS, params_cache_dir=str(tmp_path / "params"))
-    here = "avx512_bf16" in cpu_flags() and native.bf16_gemm_native()
+    here = "avx512_bf16" in cpu_flags() and native.has_bf16_dots()
     assert LLM(path, **{**args, "dtype": "bfloat16"}).engine.config.small_step_codes == here
     assert not LLM(path, **args).engine.config.small_step_codes  # float32
     assert not LLM(path, quantization="gguf", **{**args, "dtype": "bfloat16"}).engine.config.small_step_codes

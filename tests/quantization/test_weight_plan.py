@@ -284,7 +284,7 @@ def test_detected_platform_is_this_machine():
     platform = Platform.detect().confirmed()
     assert platform.name == "cpu" and platform.cpu_flags == cpu_flags()
     assert platform.cpp_kernels == native.available()
-    assert platform.cpp_bf16_dots == (native.available() and native.bf16_gemm_native())
+    assert platform.cpp_bf16_dots == (native.available() and native.has_bf16_dots())
     assert not Platform.detect(use_cpp=False).cpp_kernels
 
 

@@ -14,7 +14,7 @@
 //
 // Paths: AVX512_BF16 (kAvx512, 6 rows x 4 panels of sums in 24 registers, or 12 x 2 for fewer
 // panels); elsewhere a portable loop over the same layout (tests, and CPUs whose models are not
-// packed this way: `native.bf16_gemm_native()` says which).
+// packed this way: `native.has_bf16_dots()` says which).
 
 #pragma once
 
@@ -207,7 +207,7 @@ ffi::Error MatmulPackedBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, 
 }  // namespace jaxllm
 
 // Whether this build multiplies bf16 panels with AVX512_BF16 (else only the portable loop).
-extern "C" int32_t JaxllmBf16GemmNative() {
+extern "C" int32_t JaxllmBf16GemmHasDots() {
 #ifdef JAXLLM_AVX512_BF16
   return 1;
 #else
