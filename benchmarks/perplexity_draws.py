@@ -6,10 +6,10 @@ from draw to draw). Each draw scales the input of every matmul with int8 activat
 public-domain text, each in a fresh process with its own compile cache.
 
     python benchmarks/perplexity_draws.py                                # int8 (W8A8), four draws
-    python benchmarks/perplexity_draws.py --configs int8,int8:act_block=0 --eps=0,1e-6,-1e-6,3e-6
+    python benchmarks/perplexity_draws.py --configs int8,int8:act_group=0 --eps=0,1e-6,-1e-6,3e-6
 
-A config is METHOD[:act_block=B] (METHOD as `LLM(quantization=...)`; act_block B: W8A8's
-activation blocks of up to B columns, `quantization.weights.W8A8_ACT_BLOCK`, 0 for a scale per
+A config is METHOD[:act_group=B] (METHOD as `LLM(quantization=...)`; act_group B: W8A8's
+activation blocks of up to B columns, `quantization.weights.W8A8_ACT_GROUP`, 0 for a scale per
 row). Prints each draw and each config's mean and range; JSON to --out.
 """
 
@@ -37,9 +37,9 @@ def worker(config: str, eps: float) -> float:
     method, *options = config.split(":")
     for option in options:
         key, value = option.split("=")
-        if key != "act_block":
+        if key != "act_group":
             raise SystemExit(f"unknown option {key!r} in {config!r}")
-        weights.W8A8_ACT_BLOCK = int(value)
+        weights.W8A8_ACT_GROUP = int(value)
     matmul = weights.matmul
 
     def perturbed(x, w, *args, **kwargs):
@@ -56,7 +56,7 @@ def worker(config: str, eps: float) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default="int8", help="METHOD[:act_block=B],...")
+    ap.add_argument("--configs", default="int8", help="METHOD[:act_group=B],...")
     ap.add_argument("--eps", default="0,1e-6,-1e-6,3e-6", help="one draw per value")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # CONFIG@EPS

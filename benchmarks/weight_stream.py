@@ -84,7 +84,7 @@ def main(argv=None) -> int:
             q = quant.make_weight(w, "w8a8", panels=True, activations="int8")
             weights["w8a8"].append(q)
             row_bias = jnp.asarray(quant._w8a8_bias(quant._unpacked_codes(q, np), 0))
-            weights["w8a8 per row"].append(dataclasses.replace(q, act_block=0, bias=row_bias))
+            weights["w8a8 per row"].append(dataclasses.replace(q, act_group=0, bias=row_bias))
     calls = {
         "bf16": chain(lambda h, w, sw: native.matmul_packed(h, w, swiglu=sw)),
         "q4 x bf16": chain(lambda h, w, sw: native.matmul_quantized_bf16(h, *w, 4, swiglu=sw)),

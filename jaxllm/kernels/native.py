@@ -398,7 +398,7 @@ def matmul_quantized(
     super_scale: jax.Array | None = None,
     super_offset: jax.Array | None = None,
     bias: jax.Array | None = None,
-    act_block: int = 0,
+    act_group: int = 0,
 ) -> jax.Array:
     """x [..., K] f32 @ w -> [..., N] f32, w [K, N] given by the panels of `pack_codes`, and
     scale (and offset, or None) [G, N], f32 or f16: w[k, n] = code * scale[g, n] + offset[g, n]
@@ -406,13 +406,13 @@ def matmul_quantized(
     f32). Two-level scales (GGUF's K-quants): scale and offset are int8 sub-scales of
     `super_scale` and `super_offset`, f16 [G / S, N]: group g's scale is
     scale[g, n] * super_scale[g // S, n], its offset likewise. `act8`: x is first quantized to
-    int8 and the products are integer sums. With 4-bit codes (K / G a multiple of `ACT_BLOCK`)
-    per row and block of 32 columns (q = round(x * 127 / max|x|), the scale max|x| / 127), as
+    int8 and the products are integer sums. With 4-bit codes (K / G a multiple of `ACT_GROUP`)
+    per row and group of 32 columns (q = round(x * 127 / max|x|), the scale max|x| / 127), as
     llama.cpp does (csrc/gemm_q4a8.cc); with 8-bit codes in [-127, 127], one scale per column
     and no offset (W8A8; K a multiple of 4, at most `W8A8_MAX_K`; the codes packed with
-    `w8a8=True`) per row and block of `act_block` columns (0: the row whole; else a multiple of 4
+    `w8a8=True`) per row and group of `act_group` columns (0: the row whole; else a multiple of 4
     dividing K), as `kv_write.int8_rows` does a row (csrc/gemm_w8a8.cc); `bias`, int32 [K /
-    act_block (1 for 0), N] or None, is then 128 times each column's code sum over each block
+    act_group (1 for 0), N] or None, is then 128 times each column's code sum over each group
     (`QuantizedWeight.bias`; None: summed in the call). `rows`, `swiglu`: as for `matmul_packed`."""
     bias = jnp.zeros((0,), jnp.int32) if bias is None else bias
     return _quantized_call(
@@ -429,7 +429,7 @@ def matmul_quantized(
         bits=np.int32(bits),
         path=_path_attr(path),
         act8=np.int32(act8),
-        act_block=np.int32(act_block),
+        act_group=np.int32(act_group),
     )
 
 
@@ -483,7 +483,7 @@ def _quantized_call(
     )
 
 
-ACT_BLOCK = 32  # columns of x per int8 scale with `matmul_quantized(..., act8=True)` and 4-bit codes
+ACT_GROUP = 32  # columns of x per int8 scale with `matmul_quantized(..., act8=True)` and 4-bit codes
 W8A8_MAX_K = 131072  # the largest K of 8-bit codes x int8 rows (csrc/gemm_w8a8.cc: exact int32 sums)
 
 

@@ -49,23 +49,23 @@ How a quantized weight is multiplied (`matmul`):
   layer weights' bytes (decode steps at 1.1-1.3x the speed on Zen 4: benchmarks/results/zen4/RESULTS.md).
 - **Packed 4-bit codes x int8 activations** (`EngineArgs.int8_activations`, off by default;
   `activations="int8"` on a panels weight, `with_int8_activations`): llama.cpp's scheme for its
-  4-bit formats. The C++ GEMM rounds each row of x to int8 per block of 32 columns (a scale per
-  block) and sums code x int8 products as integers (AVX2 `vpmaddubsw`, AVX512_VNNI
-  `vpdpbusd`), scaling once a block: about 1.3x the weight-only panels' speed on AVX2 from 16
+  4-bit formats. The C++ GEMM rounds each row of x to int8 per group of 32 columns (a scale per
+  group) and sums code x int8 products as integers (AVX2 `vpmaddubsw`, AVX512_VNNI
+  `vpdpbusd`), scaling once a group: about 1.3x the weight-only panels' speed on AVX2 from 16
   rows up, 310-510 GFLOP/s on Zen 4, at a perplexity cost (benchmarks/results/zen4/RESULTS.md).
 - **Packed W8A8** (`activations="int8"` on a panels weight: `w8a8` on one CPU device): the C++
-  GEMM (kernels/csrc/gemm_w8a8.cc) rounds each row of x to int8 with a scale per block of
-  `act_block` columns (`w8a8_act_block`: up to 256; a scale per row cost 1.1-1.4% perplexity),
-  sums code x int8 products over each block as exact int32 (AVX2 `vpsignb` + `vpmaddubsw`,
-  AVX512_VNNI `vpdpbusd`), adds the blocks' sums in f32, each times its scale, and applies the
+  GEMM (kernels/csrc/gemm_w8a8.cc) rounds each row of x to int8 with a scale per group of
+  `act_group` columns (`w8a8_act_group`: up to 256; a scale per row cost 1.1-1.4% perplexity),
+  sums code x int8 products over each group as exact int32 (AVX2 `vpsignb` + `vpmaddubsw`,
+  AVX512_VNNI `vpdpbusd`), adds the groups' sums in f32, each times its scale, and applies the
   column scales once: 1.1-1.9x the weight-only int8 panels on AVX2
   (median 1.3x), and with VNNI (6 rows x 4 panels of sums in registers) on Zen 4 330-665
   GFLOP/s of work from 64 rows, a median 1.9x the packed bf16 GEMM (benchmarks/results/zen4/RESULTS.md). Its
   codes are stored as those instructions read them, a column's 4 codes of 4 rows side by side
   (`pack_codes(..., w8a8=True)`).
 - **Plain W8A8** (`activations="int8"`, sharded runs and other backends): each row of x is
-  quantized to int8 per block of `act_block` columns (within a shard's rows; a scale per row,
-  over all shards, where no block fits) and XLA runs `int8 x int8 -> int32` dots (YNNPACK's
+  quantized to int8 per group of `act_group` columns (within a shard's rows; a scale per row,
+  over all shards, where no group fits) and XLA runs `int8 x int8 -> int32` dots (YNNPACK's
   VNNI / AMX kernels on CPUs that have them: 1.3-3.8x a bf16 dot on a Xeon with AMX, slower
   than bf16 on Zen 4's VNNI; on AVX2-only CPUs no faster than f32), then rescales.
 - **Plain, weight-only**: on GPUs a Pallas (Triton) kernel reads the codes as they are and feeds

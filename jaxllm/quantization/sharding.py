@@ -14,7 +14,7 @@ from jaxllm.quantization.weights import (
     _unpacked_codes,
     flat_scales,
     quantize_matrix,
-    w8a8_act_block,
+    w8a8_act_group,
     widest_format,
 )
 
@@ -33,8 +33,8 @@ def make_sharded_weight(
         _shard_fields(*quantize_matrix(x, bits, group_size), bits, columns, rows, method)
         for x in w.reshape(-1, *w.shape[-2:])
     ]
-    act_block = w8a8_act_block(w.shape[-2], rows) if activations == "int8" else 0
-    return QuantizedWeight(*_stacked(parts, w.shape[:-2]), bits, "plain", activations, act_block=act_block)
+    act_group = w8a8_act_group(w.shape[-2], rows) if activations == "int8" else 0
+    return QuantizedWeight(*_stacked(parts, w.shape[:-2]), bits, "plain", activations, act_group=act_group)
 
 
 def _stacked(parts: list[tuple], lead: tuple) -> tuple:

@@ -34,8 +34,8 @@ class QuantizedWeight:
         `pairs=True` for 4-bit codes that multiply bf16 activations: `_bf16_pairs`).
     scale, offset: [G, N], f32 (8 bits) or f16 (4 bits); offset is None for symmetric codes
         (the 8-bit ones).
-    activations: "int8" multiplies as W8A8 (x quantized per row and block of `act_block`
-        columns, int8 dots; with 4-bit panels, per row and block of 32:
+    activations: "int8" multiplies as W8A8 (x quantized per row and group of `act_group`
+        columns, int8 dots; with 4-bit panels, per row and group of 32:
         `with_int8_activations`), "float" as
         weight-only (x stays f32), "bf16" as weight-only with x and the dequantized weights
         rounded to bf16 (panels on AVX512_BF16 CPUs under dtype bfloat16:
@@ -46,10 +46,10 @@ class QuantizedWeight:
         scale and offset int8 sub-scales [G, N]: group g's scale is
         scale[g, n] * super_scale[g // S, n] (exact in f32), its offset likewise
         (`group_scales`). super_offset is None when offset is.
-    bias: None, or (W8A8 panels, `_w8a8_panels`) int32 [K / act_block (1 for 0), N]: 128 times
-        each column's code sum over each block, what `vpdpbusd`'s unsigned activations (q + 128)
+    bias: None, or (W8A8 panels, `_w8a8_panels`) int32 [K / act_group (1 for 0), N]: 128 times
+        each column's code sum over each group, what `vpdpbusd`'s unsigned activations (q + 128)
         add to the sums, taken once at packing (None: the C++ GEMM sums the codes on every call).
-    act_block: W8A8's columns of x per int8 scale (`w8a8_act_block`); 0: a scale per row.
+    act_group: W8A8's columns of x per int8 scale (`w8a8_act_group`); 0: a scale per row.
     """
 
     codes: jax.Array
@@ -62,7 +62,7 @@ class QuantizedWeight:
     super_scale: jax.Array | None = None
     super_offset: jax.Array | None = None
     bias: jax.Array | None = None
-    act_block: int = dataclasses.field(default=0, metadata=dict(static=True))
+    act_group: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -130,9 +130,9 @@ def make_weight(w: np.ndarray, method: str, *, panels: bool, activations: str, d
     if activations == "int8" and (bits != 8 or scale.shape[0] != 1):
         raise ValueError("W8A8 needs 8-bit codes with one scale per output channel")
     layout = "panels" if panels and _fits_panels(k, n, activations) else "plain"
-    bias, act_block = None, w8a8_act_block(k) if activations == "int8" else 0
+    bias, act_group = None, w8a8_act_group(k) if activations == "int8" else 0
     if layout == "panels":
-        bias = _w8a8_bias(codes, act_block) if activations == "int8" else None
+        bias = _w8a8_bias(codes, act_group) if activations == "int8" else None
         codes = native.pack_codes(codes, bits, w8a8=activations == "int8")
     elif bits == 4:
         if n % 2:
@@ -147,34 +147,34 @@ def make_weight(w: np.ndarray, method: str, *, panels: bool, activations: str, d
         layout,
         activations,
         bias=put(bias),
-        act_block=act_block,
+        act_group=act_group,
     )
 
 
-# W8A8's activations: an int8 scale per row and block of up to this many columns. A scale per row
+# W8A8's activations: an int8 scale per row and group of up to this many columns. A scale per row
 # cost the default model 1.1-1.4% perplexity (its MLP's act(gate) * up has a few large channels);
-# blocks of 192 and 256 columns took most of that back for 3-4% of the layer GEMMs' time, blocks
+# groups of 192 and 256 columns took most of that back for 3-4% of the layer GEMMs' time, groups
 # of 64 the rest of it for 7-10% (benchmarks/results/zen4/RESULTS.md).
-W8A8_ACT_BLOCK = 256
+W8A8_ACT_GROUP = 256
 
 
-def w8a8_act_block(k: int, rows: int = 1) -> int:
-    """`QuantizedWeight.act_block` of a W8A8 weight with k rows: the largest multiple of 32 up to
-    W8A8_ACT_BLOCK that divides k, else 0 (a scale per row, as also when that block is the whole
+def w8a8_act_group(k: int, rows: int = 1) -> int:
+    """`QuantizedWeight.act_group` of a W8A8 weight with k rows: the largest multiple of 32 up to
+    W8A8_ACT_GROUP that divides k, else 0 (a scale per row, as also when that group is the whole
     row). Split along its rows into `rows` shards: the same where it divides a shard's rows (a
-    scale per row, 0, is taken over every shard), else the shard's own (other blocks than one
+    scale per row, 0, is taken over every shard), else the shard's own (other groups than one
     device's)."""
-    block = next((b for b in range(W8A8_ACT_BLOCK, 0, -32) if k % b == 0), 0)
-    block = 0 if block == k else block
-    return w8a8_act_block(k // rows) if block and (k // rows) % block else block
+    group = next((b for b in range(W8A8_ACT_GROUP, 0, -32) if k % b == 0), 0)
+    group = 0 if group == k else group
+    return w8a8_act_group(k // rows) if group and (k // rows) % group else group
 
 
-def _w8a8_bias(codes: np.ndarray, act_block: int) -> np.ndarray:
-    """`QuantizedWeight.bias` of W8A8 codes [K, N]: int32 [K / act_block (1 for 0), N], 128 times
-    each column's sum over each block."""
+def _w8a8_bias(codes: np.ndarray, act_group: int) -> np.ndarray:
+    """`QuantizedWeight.bias` of W8A8 codes [K, N]: int32 [K / act_group (1 for 0), N], 128 times
+    each column's sum over each group."""
     codes = np.asarray(codes, np.int64)
     k, n = codes.shape
-    return (128 * codes.reshape(k // (act_block or k), -1, n).sum(axis=1)).astype(np.int32)
+    return (128 * codes.reshape(k // (act_group or k), -1, n).sum(axis=1)).astype(np.int32)
 
 
 def _fits_panels(k: int, n: int, activations: str) -> bool:
@@ -307,7 +307,7 @@ def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None, swiglu: bool 
             super_scale=w.super_scale,
             super_offset=w.super_offset,
             bias=w.bias,
-            act_block=w.act_block,
+            act_group=w.act_group,
         )
     assert not swiglu, "the SwiGLU epilogue needs the panels layout"
     if w.activations == "int8":
@@ -322,20 +322,20 @@ def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None, swiglu: bool 
 
 
 def _w8a8_plain(x: jax.Array, w: QuantizedWeight, axis) -> jax.Array:
-    """x [..., K] @ a plain W8A8 weight in XLA: x's rows quantized per block of w.act_block
+    """x [..., K] @ a plain W8A8 weight in XLA: x's rows quantized per group of w.act_group
     columns (or whole, each scaled by its largest |x| over every shard of a row-parallel weight),
-    int8 dots of each block, the f32 sums over the blocks scaled by the columns' scales."""
+    int8 dots of each group, the f32 sums over the groups scaled by the columns' scales."""
     from jaxllm.kernels.kv_write import int8_rows
 
-    if not w.act_block:
+    if not w.act_group:
         amax = None if axis is None else jax.lax.pmax(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1), axis)
         xq, x_scale = int8_rows(x, amax)
         acc = jax.lax.dot_general(xq, w.codes, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
         return acc.astype(jnp.float32) * x_scale[..., None] * w.scale[0]
     k, n = w.codes.shape
-    blocks = k // w.act_block
-    xq, x_scale = int8_rows(x.reshape(*x.shape[:-1], blocks, w.act_block))  # [..., blocks, B], [..., blocks]
-    acc = jnp.einsum("...bk,bkn->...bn", xq, w.codes.reshape(blocks, w.act_block, n), preferred_element_type=jnp.int32)
+    groups = k // w.act_group
+    xq, x_scale = int8_rows(x.reshape(*x.shape[:-1], groups, w.act_group))  # [..., groups, B], [..., groups]
+    acc = jnp.einsum("...bk,bkn->...bn", xq, w.codes.reshape(groups, w.act_group, n), preferred_element_type=jnp.int32)
     return jnp.einsum("...bn,...b->...n", acc.astype(jnp.float32), x_scale) * w.scale[0]
 
 
@@ -389,7 +389,7 @@ def relayout(w: QuantizedWeight, panels: bool, device=None) -> QuantizedWeight:
     if (w.layout == "panels") == panels:
         return jax.device_put(w, device)
     codes = _unpacked_codes(w, np)  # on the host: jnp ops here would compile a program per shape
-    bias = _w8a8_bias(codes, w.act_block) if panels and w.bits == 8 and w.activations == "int8" else None
+    bias = _w8a8_bias(codes, w.act_group) if panels and w.bits == 8 and w.activations == "int8" else None
     if panels:
         codes = native.pack_codes(codes, w.bits, w8a8=w.activations == "int8")
     elif w.bits == 4:
@@ -406,7 +406,7 @@ def relayout(w: QuantizedWeight, panels: bool, device=None) -> QuantizedWeight:
         put(w.super_scale),
         put(w.super_offset),
         put(bias),
-        w.act_block,
+        w.act_group,
     )
 
 
@@ -416,7 +416,7 @@ def with_int8_activations(w: QuantizedWeight) -> QuantizedWeight:
     from jaxllm.kernels import native
 
     k, _ = w.shape
-    if w.layout != "panels" or w.bits != 4 or w.perm is not None or (k // w.scale.shape[0]) % native.ACT_BLOCK:
+    if w.layout != "panels" or w.bits != 4 or w.perm is not None or (k // w.scale.shape[0]) % native.ACT_GROUP:
         return w
     return dataclasses.replace(w, activations="int8")
 

@@ -157,12 +157,12 @@ def test_matmul_quantized_int8_activations_swiglu_and_live_rows(rows):
     )
 
 
-def w8a8_rows_reference(x: np.ndarray, codes: np.ndarray, scale: np.ndarray, act_block: int = 0) -> np.ndarray:
-    """8-bit codes x int8 rows by hand: each row of x rounded per block of `act_block` columns (0:
+def w8a8_rows_reference(x: np.ndarray, codes: np.ndarray, scale: np.ndarray, act_group: int = 0) -> np.ndarray:
+    """8-bit codes x int8 rows by hand: each row of x rounded per block of `act_group` columns (0:
     whole) to q * d (d = max|x| / 127 over the block, in f32 as `kv_write.int8_rows` computes it
     under XLA, x times 1 / d; 1 for a zero block), exact integer dots of the blocks, both scales."""
     rows, k = x.shape
-    b = act_block or k
+    b = act_group or k
     xb = x.reshape(rows, k // b, b)
     d = np.abs(xb).max(2, keepdims=True) * np.float32(1 / 127)
     d = np.where(d > 0, d, np.float32(1)).astype(np.float32)
@@ -173,8 +173,8 @@ def w8a8_rows_reference(x: np.ndarray, codes: np.ndarray, scale: np.ndarray, act
 
 @pytest.mark.parametrize("rows", [1, 3, 5, 8, 11, 97])
 @pytest.mark.parametrize("scale_dtype", [np.float32, np.float16])
-@pytest.mark.parametrize("act_block", [0, 12, 44])
-def test_matmul_quantized_w8a8_matches_numpy(rows, scale_dtype, act_block):
+@pytest.mark.parametrize("act_group", [0, 12, 44])
+def test_matmul_quantized_w8a8_matches_numpy(rows, scale_dtype, act_group):
     # W8A8 in the C++ GEMM (csrc/gemm_w8a8.cc): rows around the register blocks (4 rows on AVX2,
     # 6 rows of 4, 2 or 1 panels with VNNI) and the 96-row work items, 7 panels, codes at +-127, a
     # zero row, an outlier column; activations scaled per row or per block of 12 or 44 columns
@@ -188,17 +188,17 @@ def test_matmul_quantized_w8a8_matches_numpy(rows, scale_dtype, act_block):
     codes = rng.integers(-127, 128, (k, n)).astype(np.int8)
     codes[0, :2] = (-127, 127)
     scale = (rng.random((1, n)) * 0.01).astype(scale_dtype)
-    ref = w8a8_rows_reference(x, codes, scale, act_block)
+    ref = w8a8_rows_reference(x, codes, scale, act_group)
     packed = native.pack_codes(codes, 8, w8a8=True)
     g, u = np.split(ref[:, :96], 2, axis=1)
     for path in ("auto", *native.kernel_paths()):
-        call = functools.partial(native.matmul_quantized, bits=8, path=path, act8=True, act_block=act_block)
+        call = functools.partial(native.matmul_quantized, bits=8, path=path, act8=True, act_group=act_group)
         y = jax.jit(call)(x, packed, scale, None)
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
         y = jax.jit(functools.partial(call, swiglu=True))(x, packed[:6], scale[:, :96], None)
         np.testing.assert_allclose(y, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-5)
     check_live_rows(
-        functools.partial(native.matmul_quantized, bits=8, act8=True, act_block=act_block),
+        functools.partial(native.matmul_quantized, bits=8, act8=True, act_group=act_group),
         (x, packed, scale, None),
         ref,
         atol=1e-6 * np.abs(ref).max(),
@@ -206,8 +206,8 @@ def test_matmul_quantized_w8a8_matches_numpy(rows, scale_dtype, act_block):
 
 
 @pytest.mark.parametrize("rows", [1, 7])
-@pytest.mark.parametrize("act_block", [0, 16])
-def test_matmul_quantized_w8a8_bias_taken_at_packing(rows, act_block):
+@pytest.mark.parametrize("act_group", [0, 16])
+def test_matmul_quantized_w8a8_bias_taken_at_packing(rows, act_group):
     # 128 x the columns' code sums (per block of activations) given with the weight
     # (`QuantizedWeight.bias`, what make_weight packs with W8A8 panels): the same products as
     # summed in the call, with and without SwiGLU; on a VNNI CPU the kernel reads it (a wrong
@@ -221,20 +221,20 @@ def test_matmul_quantized_w8a8_bias_taken_at_packing(rows, act_block):
     codes = rng.integers(-127, 128, (k, n)).astype(np.int8)
     scale = (rng.random((1, n)) * 0.01).astype(np.float32)
     packed = native.pack_codes(codes, 8, w8a8=True)
-    bias = (128 * codes.astype(np.int64).reshape(k // (act_block or k), -1, n).sum(axis=1)).astype(np.int32)
-    call = jax.jit(functools.partial(native.matmul_quantized, bits=8, act8=True, act_block=act_block))
+    bias = (128 * codes.astype(np.int64).reshape(k // (act_group or k), -1, n).sum(axis=1)).astype(np.int32)
+    call = jax.jit(functools.partial(native.matmul_quantized, bits=8, act8=True, act_group=act_group))
     np.testing.assert_array_equal(call(x, packed, scale, None, bias=bias), call(x, packed, scale, None))
-    glu = jax.jit(functools.partial(native.matmul_quantized, bits=8, act8=True, swiglu=True, act_block=act_block))
+    glu = jax.jit(functools.partial(native.matmul_quantized, bits=8, act8=True, swiglu=True, act_group=act_group))
     np.testing.assert_array_equal(glu(x, packed, scale, None, bias=bias), glu(x, packed, scale, None))
     if "avx512_vnni" in cpu_flags():
         wrong = bias.copy()
         wrong[-1] += 128  # the last block's only
         assert not np.array_equal(call(x, packed, scale, None, bias=wrong), call(x, packed, scale, None))
     with pytest.raises(Exception, match="bias int32"):  # a bias of another block size
-        jax.block_until_ready(call(x, packed, scale, None, bias=bias[:1] if act_block else np.tile(bias, (2, 1))))
+        jax.block_until_ready(call(x, packed, scale, None, bias=bias[:1] if act_group else np.tile(bias, (2, 1))))
     w = rng.standard_normal((k, n)).astype(np.float32)
     q = make_weight(w, "w8a8", panels=True, activations="int8")
-    b = q.act_block or k
+    b = q.act_group or k
     np.testing.assert_array_equal(q.bias, 128 * _unpacked_codes(q, np).astype(np.int64).reshape(k // b, b, n).sum(1))
 
 
@@ -269,15 +269,15 @@ def test_matmul_quantized_int8_activations_rejects_what_it_cannot_run():
         None,
         8,
     )
-    for act_block in (24, 2, -4):  # not dividing K, not a multiple of 4, negative
+    for act_group in (24, 2, -4):  # not dividing K, not a multiple of 4, negative
         with pytest.raises(Exception, match="int8 activations"):
-            jax.block_until_ready(w8a8(act8=True, act_block=act_block))
-    with pytest.raises(Exception, match="act_block needs act8"):
-        jax.block_until_ready(w8a8(act_block=16))
+            jax.block_until_ready(w8a8(act8=True, act_group=act_group))
+    with pytest.raises(Exception, match="act_group needs act8"):
+        jax.block_until_ready(w8a8(act_group=16))
     int4_codes = native.pack_codes(np.zeros((64, 16), np.uint8), 4)
     with pytest.raises(Exception, match="int8 activations"):  # groups of 16 rows: not whole blocks of 32
         jax.block_until_ready(native.matmul_quantized(x, int4_codes, np.ones((4, 16), np.float16), None, 4, act8=True))
     with pytest.raises(Exception, match="int8 activations"):  # 4-bit codes take blocks of 32, no other
         jax.block_until_ready(
-            native.matmul_quantized(x, int4_codes, np.ones((2, 16), np.float16), None, 4, act8=True, act_block=16)
+            native.matmul_quantized(x, int4_codes, np.ones((2, 16), np.float16), None, 4, act8=True, act_group=16)
         )

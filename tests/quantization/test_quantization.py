@@ -27,7 +27,7 @@ from jaxllm.quantization import (
     weight_bytes,
 )
 from jaxllm.quantization.sharding import make_sharded_weight
-from jaxllm.quantization.weights import embedding_rows, make_weight, relayout, w8a8_act_block
+from jaxllm.quantization.weights import embedding_rows, make_weight, relayout, w8a8_act_group
 
 from tests.helpers.cuda_lowering import INTERPRET, arg, lower_for_cuda
 from tests.helpers.quantized_checkpoints import PROMPTS, fake_quantized_checkpoint, reference_weight
@@ -87,7 +87,7 @@ def w8a8_reference(x: np.ndarray, w: np.ndarray, block: int = 0) -> np.ndarray:
 )
 def test_every_matmul_path_matches_its_numpy_reference(method, panels, k):
     # On the CPU device, where the C++ GEMM's panels run (on a GPU machine too). W8A8 with K = 132
-    # scales x per row, with K = 320 per block of 160 columns (`w8a8_act_block`).
+    # scales x per row, with K = 320 per block of 160 columns (`w8a8_act_group`).
     with jax.default_device(jax.devices("cpu")[0]):
         check_matmul_paths(method, panels, k=k)
 
@@ -109,11 +109,11 @@ def check_matmul_paths(method: str, panels: bool, other_layout: bool = True, k: 
     x[:, 5] *= 30  # an outlier channel
     q = make_weight(w, method, panels=panels, activations="int8" if method == "w8a8" else "float")
     assert isinstance(q, QuantizedWeight) and q.layout == ("panels" if panels else "plain") and q.shape == (k, n)
-    assert q.act_block == {132: 0, 320: 160}[k] if method == "w8a8" else q.act_block == 0
+    assert q.act_group == {132: 0, 320: 160}[k] if method == "w8a8" else q.act_group == 0
     bits, group = METHODS[method]
     deq = reference_weight(w, bits, group)
     np.testing.assert_allclose(dequantize(q), deq, rtol=1e-5, atol=1e-6)
-    ref = w8a8_reference(x, w, q.act_block) if method == "w8a8" else x.astype(np.float64) @ deq
+    ref = w8a8_reference(x, w, q.act_group) if method == "w8a8" else x.astype(np.float64) @ deq
     y = jax.jit(matmul)(x, q)
     np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
     tokens = np.array([0, 17, 79, 40, 8, 15, 16])  # columns in every panel position and nibble half
@@ -164,10 +164,10 @@ def test_w8a8_activation_blocks_fit_the_shards():
     # A scale per block of up to 256 columns of x; per row where no such block divides K or one
     # block would be the row; a row-parallel shard keeps one device's blocks where they fit it
     # (per row over every shard where one device's is per row), else takes its own.
-    assert [w8a8_act_block(k) for k in (64, 128, 132, 256, 320, 576, 1536)] == [0, 0, 0, 0, 160, 192, 256]
+    assert [w8a8_act_group(k) for k in (64, 128, 132, 256, 320, 576, 1536)] == [0, 0, 0, 0, 160, 192, 256]
     for k, rows, want in ((512, 2, 256), (576, 2, 96), (128, 2, 0), (576, 1, 192), (1536, 4, 192)):
         q = make_sharded_weight(np.ones((k, 16), np.float32), "w8a8", "int8", rows=rows)
-        assert q.act_block == want, (k, rows)
+        assert q.act_group == want, (k, rows)
 
 
 @pytest.mark.parametrize("method", ["int8_weight_only", "int4"])
@@ -194,9 +194,9 @@ def test_w8a8_engine_stays_close_to_the_float_engine(method, block, tiny_model_d
     # is the float engine and the measure is how close the first token's distribution stays:
     # within 0.3 nats (a wrong scale or a fold left out anywhere moves it by many). "int8" is
     # another name for W8A8: the same run. The tiny model's K (64, 128) take a scale per row
-    # (`w8a8_act_block`); with blocks of up to 32 columns, a scale per 32.
+    # (`w8a8_act_group`); with blocks of up to 32 columns, a scale per 32.
     if block:
-        monkeypatch.setattr("jaxllm.quantization.weights.W8A8_ACT_BLOCK", block)
+        monkeypatch.setattr("jaxllm.quantization.weights.W8A8_ACT_GROUP", block)
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
     ref = offline_llm(tiny_model_dir).generate(PROMPTS, params, use_tqdm=False)
     llm = LLM(tiny_model_dir, quantization=method, **TINY_ENGINE_ARGS)
@@ -204,7 +204,7 @@ def test_w8a8_engine_stays_close_to_the_float_engine(method, block, tiny_model_d
     layer = llm.engine.runner.params["layers"][0]
     names = [name for name in ("wqkv", "wo", "w_gate_up", "w_down") if name in layer]
     assert {layer[name].activations for name in names} == {"int8"}
-    assert {layer[name].act_block for name in names} == {block or 0}
+    assert {layer[name].act_group for name in names} == {block or 0}
     out = llm.generate(PROMPTS, params, use_tqdm=False)
     for a, b in zip(out, ref):
         a_lp, b_lp = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]

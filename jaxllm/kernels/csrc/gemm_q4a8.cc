@@ -17,38 +17,38 @@ namespace jaxllm {
 namespace {
 
 // ----------------------------------------------- 4-bit codes x int8 activations (act8 = 1)
-// llama.cpp's scheme for its 4-bit formats: each row of x is quantized per block of 32 columns
-// (x ~ q * d, q int8 in [-127, 127], d = max|x| / 127) and a block's products are integer sums,
-// scaled once per block: y[r, n] = sum over blocks b of isum(r, b, n) * scale[g, n] * d[r, b] +
-// offset[g, n] * xsum[r, b], where isum sums code * q over the block and xsum sums x (as
+// llama.cpp's scheme for its 4-bit formats: each row of x is quantized per group of 32 columns
+// (x ~ q * d, q int8 in [-127, 127], d = max|x| / 127) and a group's products are integer sums,
+// scaled once per group: y[r, n] = sum over groups b of isum(r, b, n) * scale[g, n] * d[r, b] +
+// offset[g, n] * xsum[r, b], where isum sums code * q over the group and xsum sums x (as
 // floats) over it. On AVX2, vpmaddubsw multiplies 32 byte pairs (unsigned codes 0..15 by signed
 // q) at once, and 8 of its int16 results add up without overflow (8 * 2 * 15 * 127 < 2^15).
 // Only 4-bit codes: with 8-bit ones the int16 sums could overflow.
 
-constexpr int64_t kActBlock = 32;
+constexpr int64_t kActGroup = 32;
 
-struct ActQ8 {         // rows of x quantized per block of kActBlock columns
+struct ActQ8 {         // rows of x quantized per group of kActGroup columns
   const int8_t* q;     // [rows, K]
-  const float* d;      // [rows, K / kActBlock]: the blocks' scales
-  const float* s;      // [rows, K / kActBlock]: x's sums over the blocks
-  int64_t K, blocks;
-  ActQ8 at(int64_t r) const { return {q + r * K, d + r * blocks, s + r * blocks, K, blocks}; }
+  const float* d;      // [rows, K / kActGroup]: the groups' scales
+  const float* s;      // [rows, K / kActGroup]: x's sums over the groups
+  int64_t K, groups;
+  ActQ8 at(int64_t r) const { return {q + r * K, d + r * groups, s + r * groups, K, groups}; }
 };
 
 // Rows [r0, r1) of x [M, K] quantized into q, d, s (laid out as ActQ8's).
 void quantize_rows(const float* x, int64_t r0, int64_t r1, int64_t K, int8_t* q, float* d, float* s) {
-  const int64_t blocks = K / kActBlock;
+  const int64_t groups = K / kActGroup;
   for (int64_t r = r0; r < r1; ++r) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* xb = x + r * K + b * kActBlock;
+    for (int64_t b = 0; b < groups; ++b) {
+      const float* xb = x + r * K + b * kActGroup;
       float amax = 0.f, sum = 0.f;
-      for (int64_t j = 0; j < kActBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
-      for (int64_t j = 0; j < kActBlock; ++j) sum += xb[j];
+      for (int64_t j = 0; j < kActGroup; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      for (int64_t j = 0; j < kActGroup; ++j) sum += xb[j];
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      for (int64_t j = 0; j < kActBlock; ++j)
-        q[r * K + b * kActBlock + j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
-      d[r * blocks + b] = amax / 127.f;
-      s[r * blocks + b] = sum;
+      for (int64_t j = 0; j < kActGroup; ++j)
+        q[r * K + b * kActGroup + j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+      d[r * groups + b] = amax / 127.f;
+      s[r * groups + b] = sum;
     }
   }
 }
@@ -57,17 +57,17 @@ void q4a8_rows_portable(const QuantPanel& q, const ActQ8& a, int64_t p, float* y
   const uint8_t* codes = static_cast<const uint8_t*>(q.codes) + p * q.K * (kPanel / 2);
   float s[kPanel], o[kPanel];
   for (int64_t i = 0; i < R; ++i) std::fill(y + i * ldy, y + i * ldy + kPanel, 0.f);
-  for (int64_t b = 0; b < a.blocks; ++b) {
-    const int64_t k0 = b * kActBlock;
+  for (int64_t b = 0; b < a.groups; ++b) {
+    const int64_t k0 = b * kActGroup;
     if (k0 % q.group == 0) group_scales(q, k0 / q.group, p, s, o);
     for (int64_t i = 0; i < R; ++i) {
       for (int64_t j = 0; j < kPanel; ++j) {
         int32_t isum = 0;
-        for (int64_t k = k0; k < k0 + kActBlock; ++k) {
+        for (int64_t k = k0; k < k0 + kActGroup; ++k) {
           const uint8_t byte = codes[k * (kPanel / 2) + j % 8];
           isum += (j < 8 ? byte & 15 : byte >> 4) * a.q[i * a.K + k];
         }
-        y[i * ldy + j] += isum * (s[j] * a.d[i * a.blocks + b]) + o[j] * a.s[i * a.blocks + b];
+        y[i * ldy + j] += isum * (s[j] * a.d[i * a.groups + b]) + o[j] * a.s[i * a.groups + b];
       }
     }
   }
@@ -98,22 +98,22 @@ void q4a8_unpack_panel_avx2(const QuantPanel& q, int64_t p, uint8_t* out, float*
 
 // R rows of y, panel p's 16 columns, from the unpacked panel: per 4 rows of K one broadcast of
 // 4 bytes of q meets 8 columns x 4 codes in each vpmaddubsw. 2R int16 sums stay in registers
-// over a block; y is summed in memory once a block.
+// over a group; y is summed in memory once a group.
 template <int R>
 void q4a8_rows_avx2(const QuantPanel& q, const uint8_t* __restrict panel, const float* __restrict scales,
                     const ActQ8& a, float* __restrict y, int64_t ldy) {
   const __m256i ones = _mm256_set1_epi16(1);
 #pragma GCC unroll 6
   for (int i = 0; i < R; ++i) std::fill(y + i * ldy, y + i * ldy + kPanel, 0.f);
-  for (int64_t b = 0; b < a.blocks; ++b) {
-    const int64_t k0 = b * kActBlock;
+  for (int64_t b = 0; b < a.groups; ++b) {
+    const int64_t k0 = b * kActGroup;
     const float* s = scales + k0 / q.group * 2 * kPanel;
     const float* o = s + kPanel;
     __m256i i0[R], i1[R];  // int16 sums: columns 0-7 and 8-15, two per column
 #pragma GCC unroll 6
     for (int i = 0; i < R; ++i) i0[i] = i1[i] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-    for (int64_t k = k0; k < k0 + kActBlock; k += 4) {
+    for (int64_t k = k0; k < k0 + kActGroup; k += 4) {
       const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kPanel));
       const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kPanel + 32));
 #pragma GCC unroll 6
@@ -129,7 +129,7 @@ void q4a8_rows_avx2(const QuantPanel& q, const uint8_t* __restrict panel, const 
                  o1 = _mm256_loadu_ps(o + 8);
 #pragma GCC unroll 6
     for (int i = 0; i < R; ++i) {
-      const __m256 d = _mm256_set1_ps(a.d[i * a.blocks + b]), xs = _mm256_set1_ps(a.s[i * a.blocks + b]);
+      const __m256 d = _mm256_set1_ps(a.d[i * a.groups + b]), xs = _mm256_set1_ps(a.s[i * a.groups + b]);
       float* yi = y + i * ldy;
       _mm256_storeu_ps(yi, _mm256_fmadd_ps(o0, xs, _mm256_fmadd_ps(
           _mm256_cvtepi32_ps(_mm256_madd_epi16(i0[i], ones)), _mm256_mul_ps(s0, d), _mm256_loadu_ps(yi))));
@@ -151,14 +151,14 @@ void q4a8_rows_vnni(const QuantPanel& q, const uint8_t* __restrict panel, const 
   __m512 acc[R];
 #pragma GCC unroll 12
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < a.blocks; ++b) {
-    const int64_t k0 = b * kActBlock;
+  for (int64_t b = 0; b < a.groups; ++b) {
+    const int64_t k0 = b * kActGroup;
     const float* s = scales + k0 / q.group * 2 * kPanel;
     __m512i isum[R];
 #pragma GCC unroll 12
     for (int i = 0; i < R; ++i) isum[i] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-    for (int64_t k = k0; k < k0 + kActBlock; k += 4) {
+    for (int64_t k = k0; k < k0 + kActGroup; k += 4) {
       const __m512i codes = _mm512_loadu_si512(panel + k * kPanel);
 #pragma GCC unroll 12
       for (int i = 0; i < R; ++i) {
@@ -170,7 +170,7 @@ void q4a8_rows_vnni(const QuantPanel& q, const uint8_t* __restrict panel, const 
     const __m512 scale = _mm512_loadu_ps(s), offset = _mm512_loadu_ps(s + kPanel);
 #pragma GCC unroll 12
     for (int i = 0; i < R; ++i) {
-      const __m512 d = _mm512_set1_ps(a.d[i * a.blocks + b]), xs = _mm512_set1_ps(a.s[i * a.blocks + b]);
+      const __m512 d = _mm512_set1_ps(a.d[i * a.groups + b]), xs = _mm512_set1_ps(a.s[i * a.groups + b]);
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(scale, d), acc[i]);
       acc[i] = _mm512_fmadd_ps(offset, xs, acc[i]);
     }
@@ -230,14 +230,14 @@ void q4a8_block(const QuantPanel& q, const ActQ8& a, int64_t p, int64_t r0, int6
 
 // y = x @ w for 4-bit codes with x quantized as above (MatmulQuantImpl's act8 path).
 void matmul_q4a8(ffi::ThreadPool& pool, const GemmArgs& g, const QuantPanel& q, int32_t path, int32_t swiglu) {
-  const int64_t blocks = g.K / kActBlock, rows_per_item = 16;
+  const int64_t groups = g.K / kActGroup, rows_per_item = 16;
   thread_local std::vector<int8_t> xq;  // grown, never shrunk: one allocation per calling thread
   thread_local std::vector<float> xd;
   xq.resize(std::max<size_t>(xq.size(), g.M * g.K));
-  xd.resize(std::max<size_t>(xd.size(), 2 * g.M * blocks));
-  const ActQ8 a{xq.data(), xd.data(), xd.data() + g.M * blocks, g.K, blocks};
+  xd.resize(std::max<size_t>(xd.size(), 2 * g.M * groups));
+  const ActQ8 a{xq.data(), xd.data(), xd.data() + g.M * groups, g.K, groups};
   int8_t* q8 = xq.data();
-  float *d = xd.data(), *s = d + g.M * blocks;
+  float *d = xd.data(), *s = d + g.M * groups;
   parallel_for(pool, (g.M + rows_per_item - 1) / rows_per_item, [&](int64_t i) {
     quantize_rows(g.x, i * rows_per_item, std::min(g.M, (i + 1) * rows_per_item), g.K, q8, d, s);
   });

@@ -144,7 +144,7 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
                            ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::AnyBuffer super_scale,
                            ffi::AnyBuffer super_offset, ffi::Buffer<ffi::S32> bias, ffi::Buffer<ffi::S32> rows,
                            ffi::ResultBuffer<ffi::F32> y, int32_t bits, int32_t path, int32_t swiglu, int32_t act8,
-                           int32_t act_block) {
+                           int32_t act_group) {
   const auto xd = x.dimensions();
   const auto cd = codes.dimensions();
   const auto sd = scale.dimensions();
@@ -166,24 +166,24 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
       (offset.element_count() != 0 &&
        (offset.element_count() != scale.element_count() || offset.element_type() != scale.element_type())) ||
       !supers_ok || (!two_level && super_offset.element_count()) || (swiglu && cd[0] % 2) ||
-      (bias.element_count() && (!act8 || !int8 || act_block < 0 ||
-                                (act_block && xd[1] % act_block) ||
-                                bias.element_count() != cd[0] * kPanel * (act_block ? xd[1] / act_block : 1))))
+      (bias.element_count() && (!act8 || !int8 || act_group < 0 ||
+                                (act_group && xd[1] % act_group) ||
+                                bias.element_count() != cd[0] * kPanel * (act_group ? xd[1] / act_group : 1))))
     return ffi::Error::InvalidArgument(
         "matmul_quantized: needs x [M, K], codes int8 [N / 16, K, 16] (bits 8) or uint8 [N / 16, K, 8] (bits 4), "
         "scale f32 or f16 [G, N] with G dividing K, offset empty or like scale (N / 16 even for swiglu); "
         "two-level: scale and offset int8, super_scale f16 [G / S, N], super_offset like it or empty; bias int32 "
-        "[K / act_block or 1, N] for 8-bit codes x int8 activations only");
+        "[K / act_group or 1, N] for 8-bit codes x int8 activations only");
   if (path < kAuto || path > kAvx512 || (path != kAuto && !(built_paths() & (1 << path))))
     return ffi::Error::InvalidArgument("matmul_quantized: this build has no such kernel path");
-  if (act8 && !(int4 && !act_block && xd[1] % kActBlock == 0 && (xd[1] / sd[0]) % kActBlock == 0) &&
+  if (act8 && !(int4 && !act_group && xd[1] % kActGroup == 0 && (xd[1] / sd[0]) % kActGroup == 0) &&
       !(int8 && sd[0] == 1 && !offset.element_count() && !two_level && xd[1] % 4 == 0 && xd[1] <= kW8A8MaxK &&
-        (!act_block || (act_block > 0 && act_block % 4 == 0 && xd[1] % act_block == 0))))
+        (!act_group || (act_group > 0 && act_group % 4 == 0 && xd[1] % act_group == 0))))
     return ffi::Error::InvalidArgument("matmul_quantized: int8 activations need 4-bit codes in groups of a multiple "
-                                       "of 32 rows of K (act_block 0), or 8-bit codes with one scale per column, no "
-                                       "offset, K a multiple of 4 up to 131072, and act_block 0 or a multiple of 4 "
+                                       "of 32 rows of K (act_group 0), or 8-bit codes with one scale per column, no "
+                                       "offset, K a multiple of 4 up to 131072, and act_group 0 or a multiple of 4 "
                                        "dividing K");
-  if (!act8 && act_block) return ffi::Error::InvalidArgument("matmul_quantized: act_block needs act8");
+  if (!act8 && act_group) return ffi::Error::InvalidArgument("matmul_quantized: act_group needs act8");
   GemmArgs g{x.typed_data(), nullptr, y->typed_data(), xd[0], xd[1], cd[0] * kPanel};
   g.M = live_rows(rows, g.M, swiglu ? g.N / 2 : g.N, g.y);
   QuantPanel q{codes.untyped_data(), scale.untyped_data(),
@@ -197,7 +197,7 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   if (bias.element_count()) q.bias = bias.typed_data();
   if (act8) {
     if (g.M && int4) matmul_q4a8(pool, g, q, path, swiglu);
-    if (g.M && int8) matmul_w8a8(pool, g, q, path, swiglu, act_block);
+    if (g.M && int8) matmul_w8a8(pool, g, q, path, swiglu, act_group);
     return ffi::Error::Success();
   }
   const GemmItems items(g.M, swiglu ? g.N / 2 : g.N, pool.num_threads());
@@ -261,4 +261,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulQuantCpu, jaxllm::MatmulQuantImpl,
                                   .Attr<int32_t>("path")
                                   .Attr<int32_t>("swiglu")  // as for matmul_packed
                                   .Attr<int32_t>("act8")        // 1: x quantized to int8 (see matmul_q4a8, matmul_w8a8)
-                                  .Attr<int32_t>("act_block"));  // 8-bit codes x int8: columns per scale (0: a row)
+                                  .Attr<int32_t>("act_group"));  // 8-bit codes x int8: columns per scale (0: a row)
