@@ -1,6 +1,6 @@
 """Attention backends: one object per paged-attention implementation, chosen once.
 
-    backend = get_attention_backend(name, platform)     # None picks the platform's default
+    backend = get_attention_backend(name, platform)     # None: the platform's default
 
 Each backend has the same small interface:
 
@@ -41,32 +41,41 @@ from jaxllm.attention.native import NativeBackend
 from jaxllm.attention.pallas import PallasBackend
 from jaxllm.attention.reference import ReferenceBackend
 from jaxllm.attention.rows import RowsBackend
+from jaxllm.platforms import Platform
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = {cls.name: cls for cls in (NativeBackend, RowsBackend, MosaicBackend, PallasBackend, ReferenceBackend)}
 
 
-def get_attention_backend(name: str | None = None, platform: str | None = None) -> AttentionBackend:
-    """The backend called `name`, or the platform's default: on CPU the C++ kernel, or the
-    `jnp` rows when it cannot be built here (no C++ compiler; logged as a warning); on a Hopper
-    GPU the Mosaic GPU kernel, on other GPUs the Triton one."""
-    platform = platform or jax.default_backend()
-    if name is not None:
-        if name not in BACKENDS:
-            raise ValueError(f"attention backend must be one of {tuple(BACKENDS)}, got {name!r}")
-        return BACKENDS[name]()
-    if platform != "cpu":
-        try:
-            device = jax.devices(platform)[0]
-        except RuntimeError:  # a platform this process has no device of (tests, lowering)
-            return PallasBackend()
-        return MosaicBackend() if mosaic_gpu_capable(device) else PallasBackend()
+def get_attention_backend(name: str | None = None, platform: str | Platform | None = None) -> AttentionBackend:
+    """The backend called `name`, or the platform's default (`Platform.attention_backend`; on a
+    CPU without the C++ kernels, the `jnp` rows, logged as a warning with why). `platform`: a
+    `Platform`, or a platform's name (default: JAX's default backend)."""
+    if name is None:
+        platform = _platform(platform)
+        name = platform.attention_backend
+        if platform.name == "cpu" and name != "native":
+            from jaxllm.kernels import native
+
+            logger.warning(
+                "native CPU attention unavailable (%s); using the slower jnp rows backend", native.unavailable_reason()
+            )
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {tuple(BACKENDS)}, got {name!r}")
+    return BACKENDS[name]()
+
+
+def _platform(platform: str | Platform | None) -> Platform:
+    """`platform` as a `Platform` (its C++ build confirmed), from its name if need be."""
+    if isinstance(platform, Platform):
+        return platform.confirmed()
+    name = platform or jax.default_backend()
     try:
-        return NativeBackend()
-    except RuntimeError as e:
-        logger.warning("native CPU attention unavailable (%s); using the slower jnp rows backend", e)
-        return RowsBackend()
+        device = jax.devices(name)[0]
+    except RuntimeError:  # a platform this process has no device of (tests, lowering)
+        return Platform(name)
+    return Platform.detect(device).confirmed()
 
 
 __all__ = ["AttentionBackend", "BACKENDS", "get_attention_backend", "mosaic_gpu_capable"]

@@ -6,6 +6,7 @@ import logging
 
 from jaxllm import kernels
 from jaxllm.attention.base import AttentionBackend
+from jaxllm.platforms import warpgroup_mma
 
 logger = logging.getLogger("jaxllm.attention")
 
@@ -32,7 +33,6 @@ class MosaicBackend(AttentionBackend):
 
 
 def mosaic_gpu_capable(device) -> bool:
-    """Whether `device` runs the Mosaic GPU kernel: a CUDA GPU of compute capability 9.x (Hopper's
-    warpgroup MMA; Blackwell's tcgen05 MMAs are another kernel, not written yet)."""
-    capability = str(getattr(device, "compute_capability", ""))
-    return device.platform == "gpu" and capability.split(".")[0] == "9"
+    """Whether `device` runs the Mosaic GPU kernel: a CUDA GPU with warpgroup MMAs
+    (`platforms.warpgroup_mma`)."""
+    return device.platform == "gpu" and warpgroup_mma(str(getattr(device, "compute_capability", "") or ""))

@@ -4,8 +4,9 @@
     platform = platform.confirmed()           # after: waits for the build, says what it has
 
 A `Platform` is plain data (hashable, comparable), so the decisions that follow from it (the
-weight plan: jaxllm/weights/plan.py; the default dtype: `resolve_dtype`) are pure functions that
-a table-driven test checks without the machine itself.
+weight plan: jaxllm/weights/plan.py; the default attention backend: `attention_backend`; whether
+norms and sampling run in C++: `cpp_ops`) are pure functions that table-driven tests check
+without the machine itself.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Platform:
     cpp_kernels: bool = False
     cpp_bf16_dots: bool = False
     build_confirmed: bool = False
+    gpu_capability: str = ""  # a CUDA GPU's compute capability, e.g. "9.0"
 
     @classmethod
     def detect(cls, device=None, *, use_cpp: bool = True) -> Platform:
@@ -41,9 +43,10 @@ class Platform:
 
         from jaxllm.kernels import native
 
-        name = (device or jax.devices()[0]).platform
+        device = device or jax.devices()[0]
+        name = device.platform
         if name != "cpu":
-            return cls(name)
+            return cls(name, gpu_capability=str(getattr(device, "compute_capability", "") or ""))
         flags = cpu_flags()
         if not use_cpp:
             return cls(name, flags, build_confirmed=True)
@@ -62,6 +65,15 @@ class Platform:
         )
 
     @property
+    def attention_backend(self) -> str:
+        """The attention backend that serves this platform best (`attention_backend=None`): on a
+        CPU the C++ kernel where it is built, else the `jnp` rows; on a CUDA GPU with warpgroup
+        MMAs the Mosaic GPU kernel, on other GPUs the Triton one (jaxllm/attention/)."""
+        if self.name == "cpu":
+            return "native" if self.cpp_kernels else "cpu"
+        return "mosaic" if self.name == "gpu" and warpgroup_mma(self.gpu_capability) else "pallas"
+
+    @property
     def cpp_ops(self) -> bool:
         """Whether a step's norms and sampling run in the C++ kernels (`models.decoder.add_norm`,
         `runner.sampler.sampling_ops`): on a CPU whose build of them serves this run."""
@@ -73,4 +85,10 @@ class Platform:
         return self.name != "cpu" or any(flag in self.cpu_flags for flag in BF16_CPU_FLAGS)
 
 
-__all__ = ["Platform"]
+def warpgroup_mma(capability: str) -> bool:
+    """Whether a CUDA compute capability has Hopper's warpgroup MMAs, which the Mosaic GPU
+    kernel is written for (9.x; Blackwell's tcgen05 MMAs would be another kernel)."""
+    return capability.split(".")[0] == "9"
+
+
+__all__ = ["Platform", "warpgroup_mma"]

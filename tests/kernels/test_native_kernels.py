@@ -414,10 +414,16 @@ def test_loading_the_kernels_keeps_subnormal_floats():
 def test_default_backend_falls_back_to_jnp_rows_without_the_kernels(monkeypatch, caplog):
     from jaxllm.attention import get_attention_backend
 
-    def unavailable():
-        raise RuntimeError("jaxllm's native CPU kernels are unavailable: no C++ compiler found")
+    reason = "no C++ compiler found"
 
+    def unavailable():
+        raise RuntimeError(f"jaxllm's native CPU kernels are unavailable: {reason}")
+
+    # What a machine without a compiler reports (the platform asks `available`; a backend asked
+    # for by name, `require`).
     monkeypatch.setattr(native, "require", unavailable)
+    monkeypatch.setattr(native, "available", lambda: False)
+    monkeypatch.setattr(native, "unavailable_reason", lambda: reason)
     with caplog.at_level("WARNING"):
         assert get_attention_backend(None, "cpu").name == "cpu"
     assert "no C++ compiler found" in caplog.text

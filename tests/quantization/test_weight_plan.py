@@ -277,6 +277,23 @@ def test_plans_that_cannot_hold(platform, fields, checkpoint, match):
         resolve_weight_plan(EngineArgs(**fields), platform, one_device=True, checkpoint=checkpoint)
 
 
+@pytest.mark.parametrize(
+    "platform, backend",
+    [
+        (ZEN3, "native"),
+        (NO_COMPILER, "cpu"),
+        (Platform("gpu", gpu_capability="9.0"), "mosaic"),
+        (Platform("gpu", gpu_capability="8.6"), "pallas"),
+        (Platform("gpu", gpu_capability="10.0"), "pallas"),
+        (Platform("gpu"), "pallas"),
+    ],
+    ids=["cpu with the C++ kernels", "cpu without", "hopper", "ampere", "blackwell", "gpu of no capability"],
+)
+def test_default_attention_backend(platform, backend):
+    # The C++ kernel where it is built, else jnp rows; Mosaic GPU on warpgroup-MMA GPUs, else Triton.
+    assert platform.attention_backend == backend
+
+
 def test_detected_platform_is_this_machine():
     from jaxllm.kernels import native
     from jaxllm.utils import cpu_flags
