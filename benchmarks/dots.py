@@ -1,6 +1,6 @@
 """The dtype question on this CPU: XLA:CPU dots in float32 vs bf16 x bf16 -> f32, on the
 default model's weight shapes, next to what `dtype="auto"` picks here; and jaxllm's packed
-GEMMs (`kernels.native.matmul_packed`, the engine's path for float32 weights on one CPU device,
+GEMMs (`kernels.gemm.matmul_packed`, the engine's path for float32 weights on one CPU device,
 and for bf16 weights where the CPU has AVX512_BF16),
 and the quantized weights' paths (jaxllm/quantization): `int8` and `int4` codes in the C++ GEMM
 (weight-only), `int4` codes with int8 activations in the C++ GEMM (`int8_activations`),
@@ -44,7 +44,7 @@ SHAPES = {
 
 
 def main(argv=None) -> int:
-    from jaxllm.kernels import native
+    from jaxllm.kernels import gemm, native
     from jaxllm.utils import resolve_dtype
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     from jaxllm.quantization import matmul as quantized_matmul
     from jaxllm.quantization.weights import make_weight, with_bf16_activations, with_int8_activations
 
-    packed_dot = jax.jit(native.matmul_packed) if native.available() else None
+    packed_dot = jax.jit(gemm.matmul_packed) if native.available() else None
     quantized_dot = jax.jit(quantized_matmul)
     print(
         f"{'weight':10s} {'M':>4s} {'f32 GFLOP/s':>12s} {'bf16 GFLOP/s':>13s} {'bf16/f32':>9s} "
@@ -71,9 +71,9 @@ def main(argv=None) -> int:
     for name, (k, n) in SHAPES.items():
         w32 = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32))
         w16 = w32.astype(jnp.bfloat16)
-        packed = jnp.asarray(native.pack_weight(np.asarray(w32))) if packed_dot else None
+        packed = jnp.asarray(gemm.pack_weight(np.asarray(w32))) if packed_dot else None
         packed16 = (
-            jnp.asarray(native.pack_weight(np.asarray(w32), dtype=jnp.bfloat16)) if native.has_bf16_dots() else None
+            jnp.asarray(gemm.pack_weight(np.asarray(w32), dtype=jnp.bfloat16)) if native.has_bf16_dots() else None
         )
         quantized = {
             method: make_weight(

@@ -178,7 +178,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     from jaxllm import LLM
-    from jaxllm.config import kv_bytes_per_token
+    from jaxllm.engine_config import kv_bytes_per_token
 
     workload, desc = make_workload(args)
     common = dict(

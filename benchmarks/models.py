@@ -192,7 +192,7 @@ def window_kv(path: str, args, cache_dir: str) -> dict:
     import numpy as np
 
     from jaxllm import LLM, SamplingParams
-    from jaxllm.config import kv_bytes_per_token
+    from jaxllm.engine_config import kv_bytes_per_token
 
     llm = LLM(path, params_cache_dir=cache_dir, dtype=args.dtype, max_model_len=4096)
     llm.engine.wait_compiled()

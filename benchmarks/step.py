@@ -42,7 +42,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.config import EngineArgs, kv_bytes_per_token, resolve_config
+from jaxllm.config import EngineArgs
+
+from jaxllm.engine_config import kv_bytes_per_token, resolve_config
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.outputs import SchedulerOutput
 from jaxllm.core.request import Request
@@ -79,11 +81,11 @@ def matmul_peak(dtype, packed: bool) -> float:
     """FLOP/s of a [512, 576] x [576, 1536] product in `dtype`: through the engine's packed
     C++ GEMM when it packs its weights (`packed`), else XLA's dot."""
     if packed:
-        from jaxllm.kernels import native
+        from jaxllm.kernels import gemm
 
         a = jnp.ones((512, 576), jnp.float32)
-        b = jnp.asarray(native.pack_weight(np.ones((576, 1536), np.float32), dtype=dtype))
-        f = jax.jit(native.matmul_packed)
+        b = jnp.asarray(gemm.pack_weight(np.ones((576, 1536), np.float32), dtype=dtype))
+        f = jax.jit(gemm.matmul_packed)
     else:
         a = jnp.ones((512, 576), dtype)
         b = jnp.ones((576, 1536), dtype)

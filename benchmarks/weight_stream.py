@@ -56,7 +56,7 @@ def chain(matmul):
 def main(argv=None) -> int:
     import dataclasses
 
-    from jaxllm.kernels import native
+    from jaxllm.kernels import gemm, native
     from jaxllm.quantization import weights as quant
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -73,24 +73,24 @@ def main(argv=None) -> int:
     for _ in range(LAYERS):
         for k, n, _ in SHAPES:
             w = (rng.standard_normal((k, n)) * 0.02).astype(np.float32)
-            weights["bf16"].append(jnp.asarray(native.pack_weight(w, dtype=jnp.bfloat16)))
+            weights["bf16"].append(jnp.asarray(gemm.pack_weight(w, dtype=jnp.bfloat16)))
             c4, c8 = rng.integers(0, 16, (k, n)), rng.integers(-127, 128, (k, n))
             s = jnp.asarray((rng.random((k // 32, n)) * 0.01).astype(np.float16))
             o = jnp.asarray((-rng.random((k // 32, n)) * 0.1).astype(np.float16))
-            weights["q4 x bf16"].append((jnp.asarray(native.pack_codes(c4, 4, pairs=True)), s, o))
-            weights["q8 x bf16"].append((jnp.asarray(native.pack_codes(c8, 8)), s, None))
-            weights["q4 f32 kernel"].append((jnp.asarray(native.pack_codes(c4, 4)), s, o))
-            weights["f32"].append(jnp.asarray(native.pack_weight(w)))
+            weights["q4 x bf16"].append((jnp.asarray(gemm.pack_codes(c4, 4, pairs=True)), s, o))
+            weights["q8 x bf16"].append((jnp.asarray(gemm.pack_codes(c8, 8)), s, None))
+            weights["q4 f32 kernel"].append((jnp.asarray(gemm.pack_codes(c4, 4)), s, o))
+            weights["f32"].append(jnp.asarray(gemm.pack_weight(w)))
             q = quant.make_weight(w, "w8a8", panels=True, activations="int8")
             weights["w8a8"].append(q)
             row_bias = jnp.asarray(quant._w8a8_bias(quant._unpacked_codes(q, np), 0))
             weights["w8a8 per row"].append(dataclasses.replace(q, act_group=0, bias=row_bias))
     calls = {
-        "bf16": chain(lambda h, w, sw: native.matmul_packed(h, w, swiglu=sw)),
-        "q4 x bf16": chain(lambda h, w, sw: native.matmul_quantized_bf16(h, *w, 4, swiglu=sw)),
-        "q8 x bf16": chain(lambda h, w, sw: native.matmul_quantized_bf16(h, *w, 8, swiglu=sw)),
-        "q4 f32 kernel": chain(lambda h, w, sw: native.matmul_quantized(h, *w, 4, swiglu=sw)),
-        "f32": chain(lambda h, w, sw: native.matmul_packed(h, w, swiglu=sw)),
+        "bf16": chain(lambda h, w, sw: gemm.matmul_packed(h, w, swiglu=sw)),
+        "q4 x bf16": chain(lambda h, w, sw: gemm.matmul_quantized_bf16(h, *w, 4, swiglu=sw)),
+        "q8 x bf16": chain(lambda h, w, sw: gemm.matmul_quantized_bf16(h, *w, 8, swiglu=sw)),
+        "q4 f32 kernel": chain(lambda h, w, sw: gemm.matmul_quantized(h, *w, 4, swiglu=sw)),
+        "f32": chain(lambda h, w, sw: gemm.matmul_packed(h, w, swiglu=sw)),
         "w8a8": chain(lambda h, w, sw: quant.matmul(h, w, swiglu=sw)),
         "w8a8 per row": chain(lambda h, w, sw: quant.matmul(h, w, swiglu=sw)),
     }

@@ -35,7 +35,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from jaxllm.config import SchedulerConfig
+from jaxllm.engine_config import SchedulerConfig
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from jaxllm.core.request import Request, RequestStatus

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from jaxllm.config import EngineConfig
+from jaxllm.engine_config import EngineConfig
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.outputs import EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from jaxllm.core.request import Request, RequestStatus

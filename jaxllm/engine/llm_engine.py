@@ -17,7 +17,8 @@ import numpy as np
 
 from jaxllm import parallel
 from jaxllm.chat_template import MAX_OUTPUT_CHARS, render_chat_template
-from jaxllm.config import EngineArgs, EngineConfig, resolve_config
+from jaxllm.config import EngineArgs
+from jaxllm.engine_config import EngineConfig, resolve_config
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.engine.core import DataParallelEngineCore, EngineCore, EngineStats
 from jaxllm.engine.output_processor import OUTPUT_KINDS, OutputProcessor

@@ -5,12 +5,8 @@
 CPUs with AVX-512 / AVX2 + FMA; `kernel_paths()` lists the paths the build has);
 `argmax_logsumexp` gives greedy sampling's two row reductions in one pass and `sample_rows`
 a sampled row's token (csrc/sampling.cc);
-`matmul_packed` multiplies by an f32 or bf16 weight packed once by `pack_weight` (csrc/gemm.cc,
-csrc/gemm_bf16.cc: AVX512_BF16 dots where the CPU has them, `has_bf16_dots()`),
-`matmul_quantized` by int8 or int4 codes packed by `pack_codes` (csrc/gemm_quant.cc, and
-csrc/gemm_q4a8.cc / gemm_w8a8.cc for int4 / int8 codes x int8 activations), `matmul_quantized_bf16`
-by 8-bit codes or 4-bit ones packed with `pairs=True` (csrc/gemm_quant_bf16.cc: the bf16 GEMM's
-numbers); `write_kv` is
+the GEMMs are kernels/gemm.py's (AVX512_BF16 dots where the build has them: `has_bf16_dots()`);
+`write_kv` is
 kv_write.py's `write_kv` in place (csrc/kv_write.cc: one handler instead of an LLVM module per layer's scatter);
 `rms_norm` is RMSNorm with the residual add before it in one call (csrc/norm.cc).
 csrc/cpu_kernels_attention.cc and cpu_kernels_gemm.cc, which include them all, are compiled
@@ -20,7 +16,7 @@ compiler (`$CXX`, else `c++`) against the XLA FFI headers that ship with jaxlib,
 the flags, the compiler, jaxlib's version and the CPU), then loaded with ctypes and registered
 as FFI targets. Later processes load the cached library. `available()` says whether that
 worked; without a compiler the engine falls back to the jnp rows backend
-(`attention_backend="cpu"`, see jaxllm/attention.py).
+(`attention_backend="cpu"`, see jaxllm/attention/).
 """
 
 from __future__ import annotations
@@ -219,6 +215,12 @@ def unavailable_reason() -> str | None:
     return _load()
 
 
+def library():
+    """The loaded library (ctypes), for its plain C functions (building it if need be)."""
+    require()
+    return _lib
+
+
 def require() -> None:
     """Build and register the kernels if needed; RuntimeError saying why when they cannot be."""
     reason = _load()
@@ -253,36 +255,7 @@ def sample_rows(logits, temperature, min_p, top_k, top_p, draft_tokens, u, u_dra
     )
 
 
-PANEL = 16  # columns per panel of a packed weight (csrc/gemm.cc)
-
-
-def pack_weight(w: np.ndarray, transposed: bool = False, dtype=np.float32) -> np.ndarray:
-    """A weight w [K, N] (or, `transposed`, [N, K]: an embedding table used as the LM head)
-    as the panels `matmul_packed` reads: float32 [N / 16, K, 16]; or with dtype bfloat16
-    [N / 16, K / 2, 16, 2], rows 2 kp and 2 kp + 1 of a column side by side (the pairs
-    AVX512_BF16's dot multiplies). N must be a multiple of 16 (and K even for bf16)."""
-    w = np.asarray(w).astype(dtype, copy=False)  # a bf16 weight is rearranged without an f32 copy
-    if transposed:
-        n, k = w.shape
-        panels = w.reshape(n // PANEL, PANEL, k).transpose(0, 2, 1)
-    else:
-        k, n = w.shape
-        panels = w.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
-    if w.dtype == np.float32:
-        return np.ascontiguousarray(panels)
-    return np.ascontiguousarray(panels.reshape(n // PANEL, k // 2, 2, PANEL).transpose(0, 1, 3, 2))
-
-
-def packable(shape, transposed: bool = False, dtype=np.float32) -> bool:
-    """Whether a 2-D weight of this shape can be packed (its output dimension splits into
-    panels; for bf16, its input dimension into pairs)."""
-    if len(shape) != 2:
-        return False
-    k, n = (shape[1], shape[0]) if transposed else shape
-    return n % PANEL == 0 and (np.dtype(dtype) == np.float32 or k % 2 == 0)
-
-
-def _path_attr(path: str) -> np.int32:
+def path_attr(path: str) -> np.int32:
     """A `path` argument ("auto" or one of `kernel_paths()`) as the kernels' KernelPath number."""
     if path == "auto":
         return np.int32(0)
@@ -291,200 +264,9 @@ def _path_attr(path: str) -> np.int32:
     return np.int32(PATHS.index(path) + 1)
 
 
-def _live_rows(rows) -> jax.Array:
+def live_rows(rows) -> jax.Array:
     """The `rows` argument of the GEMMs as the kernels take it: an int32 scalar, or [0] for all."""
     return jnp.zeros((0,), jnp.int32) if rows is None else jnp.asarray(rows, jnp.int32).reshape(())
-
-
-def matmul_packed(x: jax.Array, w_packed: jax.Array, path: str = "auto", rows=None, swiglu: bool = False) -> jax.Array:
-    """x [..., K] @ the weight packed by `pack_weight` -> [..., N] f32: with f32 panels x in f32
-    (csrc/gemm.cc), with bf16 panels x rounded to bf16 and f32 sums (csrc/gemm_bf16.cc).
-    `path`: as for `paged_attention_cpu` (f32: portable and AVX2 code; bf16: portable and
-    AVX-512, the latter with AVX512_BF16 only). `rows` (an
-    int32 scalar, may be traced): only x's first `rows` rows (of x flattened to 2-D) are
-    multiplied, the rest of the result is zeros; None: all. `swiglu`: the weight is a gated
-    MLP's [gate | up] (N / 2 columns each, N / 2 a multiple of 16) and the result
-    `silu(x @ gate) * (x @ up)` [..., N / 2], in one pass."""
-    require()
-    path_attr = _path_attr(path)
-    n = w_packed.shape[0] * PANEL // (2 if swiglu else 1)
-    lead = x.shape[:-1]
-    bf16 = w_packed.dtype == jnp.bfloat16
-    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16 if bf16 else jnp.float32)
-    call = jax.ffi.ffi_call(
-        "jaxllm_matmul_packed_bf16_cpu" if bf16 else "jaxllm_matmul_packed_cpu",
-        jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
-    )
-    return call(x2, w_packed, _live_rows(rows), path=path_attr, swiglu=np.int32(swiglu)).reshape(*lead, n)
-
-
-def pack_codes(codes: np.ndarray, bits: int, w8a8: bool = False, pairs: bool = False) -> np.ndarray:
-    """Integer codes [K, N] (int8 for 8 bits, 0..15 for 4 bits) as the panels
-    `matmul_quantized` reads: int8 [N / 16, K, 16], or for 4 bits uint8 [N / 16, K, 8] with
-    column j of a panel in byte j's low nibble and column j + 8 in its high nibble. `w8a8` (8
-    bits, K a multiple of 4: the codes of `act8=True`): each panel's rows in groups of 4, a
-    column's 4 codes side by side ([N / 16, K / 4, 16, 4] in the same [N / 16, K, 16] array), as
-    the int8 dot instructions take them. `pairs` (4 bits, K a multiple of 4: the codes of
-    `matmul_quantized_bf16`): uint8 [N / 16, K / 4, 32], a block of 4 rows of a panel in 32 bytes, byte
-    2 c + t holding row 4 b + t of column c in its low nibble and row 4 b + 2 + t in its high one."""
-    k, n = codes.shape
-    panels = np.asarray(codes).reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
-    if pairs:
-        u = panels.astype(np.uint8).reshape(n // PANEL, k // 4, 2, 2, PANEL).transpose(0, 1, 2, 4, 3)
-        u = u.reshape(n // PANEL, k // 4, 2, 2 * PANEL)
-        return np.ascontiguousarray(u[:, :, 0] | (u[:, :, 1] << 4))
-    if bits == 8 and w8a8:
-        panels = panels.reshape(n // PANEL, k // 4, 4, PANEL).transpose(0, 1, 3, 2).reshape(n // PANEL, k, PANEL)
-    if bits == 8:
-        return np.ascontiguousarray(panels, np.int8)
-    u = panels.astype(np.uint8)
-    return np.ascontiguousarray(u[..., : PANEL // 2] | (u[..., PANEL // 2 :] << 4))
-
-
-def codes_to_bf16_panels(codes, scale, offset, bits: int, super_scale=None, super_offset=None) -> np.ndarray:
-    """The packed bf16 weight (`pack_weight(w, dtype=bfloat16)`'s layout) of codes laid out for
-    `matmul_quantized_bf16` (same arguments), each weight bf16(code * scale + offset) as that GEMM
-    computes it, in one C++ pass on the host (csrc/gemm_quant_bf16.cc)."""
-    require()
-    host = lambda a: None if a is None else np.ascontiguousarray(np.asarray(a))  # noqa: E731
-    codes, scale, offset, super_scale, super_offset = map(host, (codes, scale, offset, super_scale, super_offset))
-    n = codes.shape[0] * PANEL
-    k = codes.shape[1] * (4 if bits == 4 else 1)
-    groups = scale.shape[0] if scale.ndim == 2 else 0
-    supers_ok = super_scale is None or (
-        super_scale.shape[1:] == (n,)
-        and groups % super_scale.shape[0] == 0
-        and (super_offset is None or super_offset.shape == super_scale.shape)
-    )
-    if (
-        scale.shape != (groups, n)
-        or not groups
-        or k % groups
-        or (offset is not None and offset.shape != scale.shape)
-        or not supers_ok
-    ):
-        raise ValueError(f"codes_to_bf16_panels: codes {codes.shape} with scales {scale.shape} have no bf16 panels")
-    out = np.empty((n // PANEL, k // 2, PANEL, 2), np.uint16)
-    ptr = lambda a: None if a is None else a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
-    err = _lib.JaxllmCodesToBf16Panels(
-        ptr(codes),
-        ctypes.c_int32(bits),
-        ctypes.c_int64(k),
-        ctypes.c_int64(n),
-        ctypes.c_int64(scale.shape[0]),
-        ptr(scale),
-        ptr(offset),
-        ctypes.c_int32(scale.dtype == np.float16),
-        ptr(super_scale),
-        ptr(super_offset),
-        ctypes.c_int64(scale.shape[0] // super_scale.shape[0] if super_scale is not None else 1),
-        ptr(out),
-    )
-    if err:
-        raise ValueError(f"codes_to_bf16_panels: codes {codes.shape} with scales {scale.shape} have no bf16 panels")
-    return out.view(jnp.bfloat16)
-
-
-def matmul_quantized(
-    x: jax.Array,
-    codes: jax.Array,
-    scale: jax.Array,
-    offset: jax.Array | None,
-    bits: int,
-    path: str = "auto",
-    rows=None,
-    swiglu: bool = False,
-    act8: bool = False,
-    super_scale: jax.Array | None = None,
-    super_offset: jax.Array | None = None,
-    bias: jax.Array | None = None,
-    act_group: int = 0,
-) -> jax.Array:
-    """x [..., K] f32 @ w -> [..., N] f32, w [K, N] given by the panels of `pack_codes`, and
-    scale (and offset, or None) [G, N], f32 or f16: w[k, n] = code * scale[g, n] + offset[g, n]
-    for the group g = k // (K / G) (csrc/gemm_quant.cc dequantizes a panel at a time; x stays
-    f32). Two-level scales (GGUF's K-quants): scale and offset are int8 sub-scales of
-    `super_scale` and `super_offset`, f16 [G / S, N]: group g's scale is
-    scale[g, n] * super_scale[g // S, n], its offset likewise. `act8`: x is first quantized to
-    int8 and the products are integer sums. With 4-bit codes (K / G a multiple of `ACT_GROUP`)
-    per row and group of 32 columns (q = round(x * 127 / max|x|), the scale max|x| / 127), as
-    llama.cpp does (csrc/gemm_q4a8.cc); with 8-bit codes in [-127, 127], one scale per column
-    and no offset (W8A8; K a multiple of 4, at most `W8A8_MAX_K`; the codes packed with
-    `w8a8=True`) per row and group of `act_group` columns (0: the row whole; else a multiple of 4
-    dividing K), as `kv_write.int8_rows` does a row (csrc/gemm_w8a8.cc); `bias`, int32 [K /
-    act_group (1 for 0), N] or None, is then 128 times each column's code sum over each group
-    (`QuantizedWeight.bias`; None: summed in the call). `rows`, `swiglu`: as for `matmul_packed`."""
-    bias = jnp.zeros((0,), jnp.int32) if bias is None else bias
-    return _quantized_call(
-        "jaxllm_matmul_quantized_cpu",
-        x.astype(jnp.float32),
-        codes,
-        scale,
-        offset,
-        super_scale,
-        super_offset,
-        rows,
-        swiglu,
-        bias,
-        bits=np.int32(bits),
-        path=_path_attr(path),
-        act8=np.int32(act8),
-        act_group=np.int32(act_group),
-    )
-
-
-def matmul_quantized_bf16(
-    x: jax.Array,
-    codes: jax.Array,
-    scale: jax.Array,
-    offset: jax.Array | None,
-    bits: int,
-    path: str = "auto",
-    rows=None,
-    swiglu: bool = False,
-    super_scale: jax.Array | None = None,
-    super_offset: jax.Array | None = None,
-) -> jax.Array:
-    """x [..., K] @ w -> [..., N] f32 with x rounded to bf16 and w [K, N] given by 8-bit codes
-    packed by `pack_codes` or 4-bit ones packed by `pack_codes(..., pairs=True)`, scale/offset as
-    for `matmul_quantized` (K and the groups multiples of 4 rows): each weight rounded to bf16
-    as it is read and multiplied by AVX512_BF16's bf16 dot (csrc/gemm_quant_bf16.cc), the packed
-    bf16 GEMM's product of the dequantized weights bit for bit. `path`: "portable" or "avx512"
-    (AVX512_BF16 builds only); `rows`, `swiglu`: as for `matmul_packed`."""
-    return _quantized_call(
-        "jaxllm_matmul_quantized_bf16_cpu",
-        x.astype(jnp.bfloat16),
-        codes,
-        scale,
-        offset,
-        super_scale,
-        super_offset,
-        rows,
-        swiglu,
-        bits=np.int32(bits),
-        path=_path_attr(path),
-    )
-
-
-def _quantized_call(
-    target: str, x, codes, scale, offset, super_scale, super_offset, rows, swiglu: bool, *extra, **attrs
-):
-    """The quantized GEMMs' FFI call: x [..., K] (in the kernel's dtype) -> [..., N] f32, absent
-    offsets and super-scales as empty arrays; `extra` arrays go after them."""
-    require()
-    n = codes.shape[0] * PANEL // (2 if swiglu else 1)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    offset = jnp.zeros((0,), scale.dtype) if offset is None else offset
-    supers = [jnp.zeros((0,), jnp.float16) if a is None else a for a in (super_scale, super_offset)]
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
-    return call(x2, codes, scale, offset, *supers, *extra, _live_rows(rows), swiglu=np.int32(swiglu), **attrs).reshape(
-        *lead, n
-    )
-
-
-ACT_GROUP = 32  # columns of x per int8 scale with `matmul_quantized(..., act8=True)` and 4-bit codes
-W8A8_MAX_K = 131072  # the largest K of 8-bit codes x int8 rows (csrc/gemm_w8a8.cc: exact int32 sums)
 
 
 def paged_attention_cpu(
@@ -509,7 +291,7 @@ def paged_attention_cpu(
     the kernel may take; a shape a path has no code for falls back to a narrower one.
     """
     require()
-    path_attr = _path_attr(path)
+    kernel_path = path_attr(path)
     head_dim = q.shape[-1]
     sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
     if k_pages.dtype == jnp.bfloat16:  # callers normally pass the uint16 storage already
@@ -527,7 +309,7 @@ def paged_attention_cpu(
         sm_scale=np.float32(sm_scale),
         sliding_window=np.int32(sliding_window or 0),
         soft_cap=np.float32(logits_soft_cap or 0.0),
-        path=path_attr,
+        path=kernel_path,
     )
     return out.astype(q.dtype)
 
@@ -570,7 +352,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, delta: jax.Array | Non
         x.astype(jnp.float32),
         delta.astype(jnp.float32) if add else jnp.zeros((0,), jnp.float32),
         weight.astype(jnp.float32),
-        _live_rows(rows),
+        live_rows(rows),
         eps=np.float32(eps),
     )
     return (s, normed) if add else normed

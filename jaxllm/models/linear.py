@@ -56,7 +56,7 @@ def fuses_swiglu(w) -> bool:
 @dataclasses.dataclass
 class PackedWeight:
     """A float32 weight [in, out] packed once into 16-column panels `[out / 16, in, 16]`, or a
-    bf16 one into panels of row pairs `[out / 16, in / 2, 16, 2]` (`kernels.native.pack_weight`),
+    bf16 one into panels of row pairs `[out / 16, in / 2, 16, 2]` (`kernels.gemm.pack_weight`),
     for the C++ GEMMs: XLA:CPU's dot repacks its weight on every call, most of a dot's time at
     decode batch sizes. A packed embedding table serves both the lookup (`embedding_rows`) and
     the tied LM head."""
@@ -64,9 +64,9 @@ class PackedWeight:
     panels: jax.Array
 
     def apply(self, x, *, axis=None, rows=None, swiglu=False):
-        from jaxllm.kernels import native
+        from jaxllm.kernels import gemm
 
-        return native.matmul_packed(x, self.panels, rows=rows, swiglu=swiglu)
+        return gemm.matmul_packed(x, self.panels, rows=rows, swiglu=swiglu)
 
     @property
     def input_dtype(self):

@@ -44,7 +44,7 @@ How a quantized weight is multiplied (`matmul`):
 - **Small-step codes** (`EngineArgs.small_step_codes`, on by default for a GGUF under dtype
   bfloat16 on a CPU with AVX512_BF16; the run is not quantized): `weights.prepare.small_step_params` keeps the
   GGUF's blocks as bf16-activation codes for the steps of at most SMALL_STEP_ROWS rows and makes
-  the bf16 weights of the other steps from them (`native.codes_to_bf16_panels`, the GEMM over
+  the bf16 weights of the other steps from them (`gemm.codes_to_bf16_panels`, the GEMM over
   codes' own conversion): the same numbers both ways, the small steps streaming a third of the
   layer weights' bytes (decode steps at 1.1-1.3x the speed on Zen 4: benchmarks/results/zen4/RESULTS.md).
 - **Packed 4-bit codes x int8 activations** (`EngineArgs.int8_activations`, off by default;

@@ -29,7 +29,7 @@ class QuantizedWeight:
 
     codes: `layout="plain"`: int8 [K, N] (8 bits), or uint8 [K, N / 2] holding two 4-bit codes
         (column j in the low nibble, column j + N / 2 in the high one);
-        `layout="panels"`: as `kernels.native.pack_codes` lays them out for the C++ GEMM (with
+        `layout="panels"`: as `kernels.gemm.pack_codes` lays them out for the C++ GEMM (with
         `w8a8=True` for 8-bit codes that multiply int8 activations: `_w8a8_panels`; with
         `pairs=True` for 4-bit codes that multiply bf16 activations: `_bf16_pairs`).
     scale, offset: [G, N], f32 (8 bits) or f16 (4 bits); offset is None for symmetric codes
@@ -122,7 +122,7 @@ def _pack_plain_int4(codes: np.ndarray) -> np.ndarray:
 def make_weight(w: np.ndarray, method: str, *, panels: bool, activations: str, device=None) -> QuantizedWeight:
     """Quantize w [K, N] by `method` into a QuantizedWeight on `device`: packed for the C++
     GEMM when `panels` (and N allows it), else plain."""
-    from jaxllm.kernels import native
+    from jaxllm.kernels import gemm
 
     bits, group_size = METHODS[method]
     codes, scale, offset = quantize_matrix(w, bits, group_size)
@@ -133,7 +133,7 @@ def make_weight(w: np.ndarray, method: str, *, panels: bool, activations: str, d
     bias, act_group = None, w8a8_act_group(k) if activations == "int8" else 0
     if layout == "panels":
         bias = _w8a8_bias(codes, act_group) if activations == "int8" else None
-        codes = native.pack_codes(codes, bits, w8a8=activations == "int8")
+        codes = gemm.pack_codes(codes, bits, w8a8=activations == "int8")
     elif bits == 4:
         if n % 2:
             raise ValueError(f"4-bit codes need an even number of columns, not {n}")
@@ -179,10 +179,10 @@ def _w8a8_bias(codes: np.ndarray, act_group: int) -> np.ndarray:
 
 def _fits_panels(k: int, n: int, activations: str) -> bool:
     """Whether a [K, N] weight goes into the C++ GEMM's panels: weight-only, or W8A8 (8-bit
-    codes x int8 rows, csrc/gemm_w8a8.cc) with K a multiple of 4 up to `native.W8A8_MAX_K`."""
-    from jaxllm.kernels import native
+    codes x int8 rows, csrc/gemm_w8a8.cc) with K a multiple of 4 up to `gemm.W8A8_MAX_K`."""
+    from jaxllm.kernels import gemm
 
-    return native.packable((k, n)) and (activations == "float" or (k % 4 == 0 and k <= native.W8A8_MAX_K))
+    return gemm.packable((k, n)) and (activations == "float" or (k % 4 == 0 and k <= gemm.W8A8_MAX_K))
 
 
 def widest_format(parts: list[tuple]) -> tuple | None:
@@ -217,12 +217,12 @@ def _unpacked_codes(w: QuantizedWeight, xp=jnp):
     return c
 
 
-_PANEL = 16  # columns of a C++ GEMM panel (kernels.native.PANEL)
+_PANEL = 16  # columns of a C++ GEMM panel (kernels.gemm.PANEL)
 
 
 def _bf16_pairs(w: QuantizedWeight) -> bool:
     """Whether w's codes are 4-bit panels in the row-pairs order of the bf16 C++ GEMM
-    (`kernels.native.matmul_quantized_bf16`; its 8-bit codes are the usual panels)."""
+    (`kernels.gemm.matmul_quantized_bf16`; its 8-bit codes are the usual panels)."""
     return w.layout == "panels" and w.bits == 4 and w.activations == "bf16"
 
 
@@ -279,9 +279,9 @@ def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None, swiglu: bool 
     if w.perm is not None:
         x = jnp.take(x, w.perm, axis=-1)
     if w.layout == "panels" and w.activations == "bf16":
-        from jaxllm.kernels import native
+        from jaxllm.kernels import gemm
 
-        return native.matmul_quantized_bf16(
+        return gemm.matmul_quantized_bf16(
             x,
             w.codes,
             w.scale,
@@ -293,9 +293,9 @@ def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None, swiglu: bool 
             super_offset=w.super_offset,
         )
     if w.layout == "panels":
-        from jaxllm.kernels import native
+        from jaxllm.kernels import gemm
 
-        return native.matmul_quantized(
+        return gemm.matmul_quantized(
             x,
             w.codes,
             w.scale,
@@ -380,7 +380,7 @@ def embedding_rows(w: QuantizedWeight, token_ids: jax.Array) -> jax.Array:
 def relayout(w: QuantizedWeight, panels: bool, device=None) -> QuantizedWeight:
     """A QuantizedWeight in the packed layout of the C++ GEMM when `panels` (and its shape allows
     it: `_fits_panels`), else plain; on `device`."""
-    from jaxllm.kernels import native
+    from jaxllm.kernels import gemm
 
     k, n = w.shape
     panels = panels and _fits_panels(k, n, w.activations)
@@ -391,7 +391,7 @@ def relayout(w: QuantizedWeight, panels: bool, device=None) -> QuantizedWeight:
     codes = _unpacked_codes(w, np)  # on the host: jnp ops here would compile a program per shape
     bias = _w8a8_bias(codes, w.act_group) if panels and w.bits == 8 and w.activations == "int8" else None
     if panels:
-        codes = native.pack_codes(codes, w.bits, w8a8=w.activations == "int8")
+        codes = gemm.pack_codes(codes, w.bits, w8a8=w.activations == "int8")
     elif w.bits == 4:
         codes = _pack_plain_int4(codes)
     put = functools.partial(jax.device_put, device=device)
@@ -411,31 +411,31 @@ def relayout(w: QuantizedWeight, panels: bool, device=None) -> QuantizedWeight:
 
 
 def with_int8_activations(w: QuantizedWeight) -> QuantizedWeight:
-    """w set to multiply int8-quantized activations (`native.matmul_quantized(..., act8=True)`)
+    """w set to multiply int8-quantized activations (`gemm.matmul_quantized(..., act8=True)`)
     where the C++ GEMM can: 4-bit codes in panels, groups a multiple of 32 rows; else w as it is."""
-    from jaxllm.kernels import native
+    from jaxllm.kernels import gemm
 
     k, _ = w.shape
-    if w.layout != "panels" or w.bits != 4 or w.perm is not None or (k // w.scale.shape[0]) % native.ACT_GROUP:
+    if w.layout != "panels" or w.bits != 4 or w.perm is not None or (k // w.scale.shape[0]) % gemm.ACT_GROUP:
         return w
     return dataclasses.replace(w, activations="int8")
 
 
 def with_bf16_activations(w: QuantizedWeight, device=None) -> QuantizedWeight:
-    """w set to multiply bf16-rounded activations (`native.matmul_quantized_bf16`, on `device`)
+    """w set to multiply bf16-rounded activations (`gemm.matmul_quantized_bf16`, on `device`)
     where that GEMM can: weight-only codes in panels, K and the groups multiples of 4 rows (4-bit
     codes repacked in row pairs); else w as it is. The product is then the packed bf16 GEMM's of
     w's dequantized weights rounded to bf16, from a quarter or half of their bytes, and embedding
     rows are rounded to bf16 too (the caller checks that the CPU has AVX512_BF16 and that the
     run's dtype is bfloat16)."""
-    from jaxllm.kernels import native
+    from jaxllm.kernels import gemm
 
     k, _ = w.shape
     if w.layout != "panels" or w.activations != "float" or k % 4 or (k // w.scale.shape[0]) % 4:
         return w
     if w.bits == 8:
         return dataclasses.replace(w, activations="bf16")
-    codes = native.pack_codes(_unpacked_codes(w, np), 4, pairs=True)
+    codes = gemm.pack_codes(_unpacked_codes(w, np), 4, pairs=True)
     return dataclasses.replace(w, codes=jax.device_put(codes, device), activations="bf16")
 
 

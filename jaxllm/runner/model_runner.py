@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxllm import parallel, quantization
 from jaxllm.attention import AttentionBackend, get_attention_backend
-from jaxllm.config import EngineConfig
+from jaxllm.engine_config import EngineConfig
 from jaxllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from jaxllm.models import decoder, layout
 from jaxllm.platforms import Platform

@@ -122,7 +122,7 @@ class StepBuilder:
         for it, which the device reads from that step's tokens, row `ahead[i]`.
         """
         requests = [r for r, _ in scheduled]
-        seqs = self._sequences(scheduled, ahead)
+        seqs = self._sequences(scheduled, requests, ahead)
         bucket = bucket or self.pick(self.demand(seqs.q_lens, seqs.drafts))
         buffers = self.bucket_buffers(bucket, micro)
         self._fill_tokens(buffers.inputs, seqs)
@@ -130,10 +130,9 @@ class StepBuilder:
         first, count = self._fill_sampling(buffers, seqs, requests, bucket)
         return seqs.order, first, count, buffers
 
-    def _sequences(self, scheduled, ahead) -> _Sequences:
+    def _sequences(self, scheduled, requests, ahead) -> _Sequences:
         """The scheduled sequences in the step's order, with their lengths (see `prepare`)."""
         n = len(scheduled)
-        requests = [r for r, _ in scheduled]
         q_lens = np.fromiter((q for _, q in scheduled), np.int32, n)
         computed = np.fromiter((r.num_computed_tokens for r in requests), np.int32, n)
         ib = self.input_batch

@@ -129,7 +129,7 @@ def pack_params(params: dict, spec, device, *, bf16: bool = False) -> dict:
     matrix at a time: the extra memory is one matrix at most (packing the whole tree, then
     placing it, held each matrix up to three times). The tied embedding table is packed as the
     LM head it also is. Matrices that do not split into panels stay as they are."""
-    from jaxllm.kernels import native
+    from jaxllm.kernels import gemm
 
     dtypes = (jnp.float32, jnp.bfloat16) if bf16 else (jnp.float32,)
 
@@ -137,10 +137,10 @@ def pack_params(params: dict, spec, device, *, bf16: bool = False) -> dict:
         if (
             isinstance(w, (PackedWeight, QuantizedWeight))
             or w.dtype not in dtypes
-            or not native.packable(w.shape, transposed, w.dtype)
+            or not gemm.packable(w.shape, transposed, w.dtype)
         ):
             return w
-        return PackedWeight(jax.device_put(native.pack_weight(np.asarray(w), transposed, w.dtype), device))
+        return PackedWeight(jax.device_put(gemm.pack_weight(np.asarray(w), transposed, w.dtype), device))
 
     for layer in params["layers"]:
         for name in LAYER_MATRICES:
@@ -162,7 +162,7 @@ def small_step_params(params: dict, device, codes: bool = True) -> tuple[dict, d
     about a third of the layer weights' bytes: the steps of at most SMALL_STEP_ROWS rows take it
     (`ModelRunner`). Matrices are converted one at a time. `codes` False (the C++ build has no
     AVX512_BF16 dots after all): the bf16 tree alone, and None."""
-    from jaxllm.kernels import native
+    from jaxllm.kernels import gemm
 
     put = functools.partial(jax.device_put, device=device)
 
@@ -172,7 +172,7 @@ def small_step_params(params: dict, device, codes: bool = True) -> tuple[dict, d
         q = with_bf16_activations(relayout(w, True, device), device)
         if codes and q.activations == "bf16":  # converted as the GEMM over codes converts them
             big = PackedWeight(
-                put(native.codes_to_bf16_panels(q.codes, q.scale, q.offset, q.bits, q.super_scale, q.super_offset))
+                put(gemm.codes_to_bf16_panels(q.codes, q.scale, q.offset, q.bits, q.super_scale, q.super_offset))
             )
         else:  # a shape off the bf16 GEMM's panels, or no bf16 dots: the dense bf16 weight, unpacked
             dense = np.asarray(dequantize(w, np), jnp.bfloat16)  # [in, out], rounded to nearest even

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, BeamSearchParams, SamplingParams
-from jaxllm.config import EngineArgs, resolve_config
+from jaxllm.config import EngineArgs
+from jaxllm.engine_config import resolve_config
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.request import Request
 

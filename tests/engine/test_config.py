@@ -5,7 +5,9 @@ import logging
 
 import pytest
 
-from jaxllm.config import EngineArgs, kv_bytes_per_token, resolve_config
+from jaxllm.config import EngineArgs
+
+from jaxllm.engine_config import kv_bytes_per_token, resolve_config
 from jaxllm.engine.llm_engine import _available_memory
 from jaxllm.models.decoder import ModelSpec
 from jaxllm.utils import cpu_flags, resolve_dtype, resolve_kv_cache_dtype

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxllm.config import SchedulerConfig
+from jaxllm.engine_config import SchedulerConfig
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.outputs import ModelRunnerOutput
 from jaxllm.core.request import Request

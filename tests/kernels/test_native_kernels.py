@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxllm.kernels import native
+from jaxllm.kernels import gemm, native
 
 from tests.helpers.attention_batches import MIXED, assert_matches_reference, make_batch
 from tests.helpers.cpu_host import lscpu_flags
@@ -188,17 +188,17 @@ def test_matmul_packed_matches_numpy(rows, dtype):
     ref = rounded(x, dtype) @ rounded(w, dtype)
     shape = (n // 16, k // 2, 16, 2) if dtype == "bfloat16" else (n // 16, k, 16)
     for packed in (
-        native.pack_weight(w, dtype=dtype),
-        native.pack_weight(np.ascontiguousarray(w.T), transposed=True, dtype=dtype),
+        gemm.pack_weight(w, dtype=dtype),
+        gemm.pack_weight(np.ascontiguousarray(w.T), transposed=True, dtype=dtype),
     ):
         assert packed.shape == shape and packed.dtype == dtype
         for path in ("auto", *native.kernel_paths()):
-            y = jax.jit(functools.partial(native.matmul_packed, path=path))(x, packed)
+            y = jax.jit(functools.partial(gemm.matmul_packed, path=path))(x, packed)
             np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    packed = native.pack_weight(w, dtype=dtype)
-    batched = jax.jit(native.matmul_packed)(x.reshape(1, rows, k), packed)
+    packed = gemm.pack_weight(w, dtype=dtype)
+    batched = jax.jit(gemm.matmul_packed)(x.reshape(1, rows, k), packed)
     np.testing.assert_allclose(batched[0], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    live = jax.jit(native.matmul_packed)(x, packed, rows=rows // 2)
+    live = jax.jit(gemm.matmul_packed)(x, packed, rows=rows // 2)
     np.testing.assert_allclose(live[: rows // 2], ref[: rows // 2], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     assert not np.asarray(live[rows // 2 :]).any()
 
@@ -245,10 +245,10 @@ def test_gemms_skip_rows_past_the_live_count(live):
     scale = rng.random((2, n)).astype(np.float32)
     w_q = codes * np.repeat(scale.astype(np.float64), k // 2, 0)
     for y, weight in (
-        (jax.jit(native.matmul_packed)(x, native.pack_weight(w), rows=live), w),
+        (jax.jit(gemm.matmul_packed)(x, gemm.pack_weight(w), rows=live), w),
         (
-            jax.jit(functools.partial(native.matmul_quantized, bits=8))(
-                x, native.pack_codes(codes, 8), scale, None, rows=np.int32(live)
+            jax.jit(functools.partial(gemm.matmul_quantized, bits=8))(
+                x, gemm.pack_codes(codes, 8), scale, None, rows=np.int32(live)
             ),
             w_q,
         ),
@@ -271,11 +271,11 @@ def test_matmul_packed_swiglu_matches_numpy(rows, dtype):
     w[:, 0] = 40.0
     g, u = np.split(rounded(x, dtype) @ rounded(w, dtype), 2, axis=1)
     ref = g / (1 + np.exp(-g)) * u
-    packed = native.pack_weight(w, dtype=dtype)
+    packed = gemm.pack_weight(w, dtype=dtype)
     for path in ("auto", *native.kernel_paths()):
-        y = jax.jit(functools.partial(native.matmul_packed, path=path, swiglu=True))(x, packed)
+        y = jax.jit(functools.partial(gemm.matmul_packed, path=path, swiglu=True))(x, packed)
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    live = jax.jit(functools.partial(native.matmul_packed, swiglu=True))(x, packed, rows=rows // 2)
+    live = jax.jit(functools.partial(gemm.matmul_packed, swiglu=True))(x, packed, rows=rows // 2)
     np.testing.assert_allclose(live[: rows // 2], ref[: rows // 2], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     assert not np.asarray(live[rows // 2 :]).any()
 
@@ -284,11 +284,11 @@ def test_bf16_gemm_dots_follow_the_cpu():
     # AVX512_BF16 dots exactly where the CPU has them (the build is -march=native); the engine
     # packs bf16 weights only then.
     assert native.has_bf16_dots() == ("avx512_bf16" in lscpu_flags())
-    assert native.packable((38, 48), dtype=jax.numpy.bfloat16)
-    assert not native.packable((37, 48), dtype=jax.numpy.bfloat16) and native.packable((37, 48))
+    assert gemm.packable((38, 48), dtype=jax.numpy.bfloat16)
+    assert not gemm.packable((37, 48), dtype=jax.numpy.bfloat16) and gemm.packable((37, 48))
     with pytest.raises(Exception, match="matmul_packed_bf16"):
         jax.block_until_ready(
-            native.matmul_packed(np.ones((2, 8), np.float32), np.ones((1, 3, 16, 2), jax.numpy.bfloat16))
+            gemm.matmul_packed(np.ones((2, 8), np.float32), np.ones((1, 3, 16, 2), jax.numpy.bfloat16))
         )
 
 
@@ -330,9 +330,9 @@ def test_argmax_logsumexp_over_the_tokens_a_mask_allows():
 
 
 def test_matmul_packed_rejects_mismatched_shapes():
-    assert not native.packable((64, 40)) and native.packable((64, 48)) and native.packable((48, 7), transposed=True)
+    assert not gemm.packable((64, 40)) and gemm.packable((64, 48)) and gemm.packable((48, 7), transposed=True)
     with pytest.raises(Exception, match="matmul_packed"):
-        jax.block_until_ready(native.matmul_packed(np.ones((2, 8), np.float32), np.ones((1, 9, 16), np.float32)))
+        jax.block_until_ready(gemm.matmul_packed(np.ones((2, 8), np.float32), np.ones((1, 9, 16), np.float32)))
 
 
 def test_kernel_paths_follow_the_cpu():

@@ -1,4 +1,4 @@
-"""The C++ quantized GEMM (`kernels.native.matmul_quantized`, csrc/gemm_quant.cc, gemm_q4a8.cc,
+"""The C++ quantized GEMM (`kernels.gemm.matmul_quantized`, csrc/gemm_quant.cc, gemm_q4a8.cc,
 gemm_w8a8.cc) against NumPy: weight-only int8 / int4 panels, 4-bit codes x int8 activations per
 block of 32, W8A8 (8-bit codes x int8 rows), each on every code path the build has, with the
 SwiGLU epilogue and live-row counts, and the calls it refuses."""
@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxllm.kernels import native
+from jaxllm.kernels import gemm, native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C++ kernels: {native.unavailable_reason()}")
 
@@ -45,10 +45,10 @@ def test_matmul_quantized_matches_numpy(rows, bits, groups, with_offset, scale_d
         0 if offset is None else np.repeat(offset.astype(np.float64), k // groups, 0)
     )
     ref = x.astype(np.float64) @ w
-    packed = native.pack_codes(codes, bits)
+    packed = gemm.pack_codes(codes, bits)
     assert packed.shape == (n // 16, k, 16 if bits == 8 else 8)
     for path in ("auto", *native.kernel_paths()):
-        y = jax.jit(functools.partial(native.matmul_quantized, bits=bits, path=path))(x, packed, scale, offset)
+        y = jax.jit(functools.partial(gemm.matmul_quantized, bits=bits, path=path))(x, packed, scale, offset)
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
@@ -66,14 +66,14 @@ def test_matmul_quantized_swiglu_matches_numpy(rows, bits):
     w = codes * np.repeat(scale.astype(np.float64), k // 2, 0) + np.repeat(offset.astype(np.float64), k // 2, 0)
     g, u = np.split(x.astype(np.float64) @ w, 2, axis=1)
     ref = g / (1 + np.exp(-g)) * u
-    packed = native.pack_codes(codes, bits)
+    packed = gemm.pack_codes(codes, bits)
     for path in ("auto", *native.kernel_paths()):
-        y = jax.jit(functools.partial(native.matmul_quantized, bits=bits, path=path, swiglu=True))(
+        y = jax.jit(functools.partial(gemm.matmul_quantized, bits=bits, path=path, swiglu=True))(
             x, packed, scale, offset
         )
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     check_live_rows(
-        functools.partial(native.matmul_quantized, bits=bits, swiglu=True),
+        functools.partial(gemm.matmul_quantized, bits=bits, swiglu=True),
         (x, packed, scale, offset),
         ref,
         atol=1e-5 * np.abs(ref).max(),
@@ -82,11 +82,11 @@ def test_matmul_quantized_swiglu_matches_numpy(rows, bits):
 
 def test_matmul_quantized_rejects_mismatched_shapes():
     x = np.ones((2, 32), np.float32)
-    codes = native.pack_codes(np.zeros((32, 16), np.int8), 8)
+    codes = gemm.pack_codes(np.zeros((32, 16), np.int8), 8)
     with pytest.raises(Exception, match="matmul_quantized"):  # 5 groups do not divide K = 32
-        jax.block_until_ready(native.matmul_quantized(x, codes, np.ones((5, 16), np.float32), None, 8))
+        jax.block_until_ready(gemm.matmul_quantized(x, codes, np.ones((5, 16), np.float32), None, 8))
     with pytest.raises(Exception, match="matmul_quantized"):  # 8-bit codes called as 4-bit
-        jax.block_until_ready(native.matmul_quantized(x, codes, np.ones((1, 16), np.float32), None, 4))
+        jax.block_until_ready(gemm.matmul_quantized(x, codes, np.ones((1, 16), np.float32), None, 4))
 
 
 def act8_reference(x: np.ndarray, codes: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> np.ndarray:
@@ -122,9 +122,9 @@ def test_matmul_quantized_int8_activations_matches_numpy(rows, groups, with_offs
     scale = (rng.random((groups, n)) * 0.3).astype(scale_dtype)
     offset = rng.standard_normal((groups, n)).astype(scale_dtype) if with_offset else None
     ref = act8_reference(x, codes, scale, offset)
-    packed = native.pack_codes(codes, 4)
+    packed = gemm.pack_codes(codes, 4)
     for path in ("auto", *native.kernel_paths()):
-        y = jax.jit(functools.partial(native.matmul_quantized, bits=4, path=path, act8=True))(x, packed, scale, offset)
+        y = jax.jit(functools.partial(gemm.matmul_quantized, bits=4, path=path, act8=True))(x, packed, scale, offset)
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     # The float product it approximates: within 2% of its largest value.
     w = codes * np.repeat(scale.astype(np.float64), k // groups, 0)
@@ -143,14 +143,14 @@ def test_matmul_quantized_int8_activations_swiglu_and_live_rows(rows):
     offset = rng.standard_normal((2, n)).astype(np.float16)
     g, u = np.split(act8_reference(x, codes, scale, offset), 2, axis=1)
     ref = g / (1 + np.exp(-g)) * u
-    packed = native.pack_codes(codes, 4)
+    packed = gemm.pack_codes(codes, 4)
     for path in ("auto", *native.kernel_paths()):
-        y = jax.jit(functools.partial(native.matmul_quantized, bits=4, path=path, swiglu=True, act8=True))(
+        y = jax.jit(functools.partial(gemm.matmul_quantized, bits=4, path=path, swiglu=True, act8=True))(
             x, packed, scale, offset
         )
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     check_live_rows(
-        functools.partial(native.matmul_quantized, bits=4, act8=True),
+        functools.partial(gemm.matmul_quantized, bits=4, act8=True),
         (x, packed, scale, offset),
         act8_reference(x, codes, scale, offset),
         atol=1e-4,
@@ -189,16 +189,16 @@ def test_matmul_quantized_w8a8_matches_numpy(rows, scale_dtype, act_group):
     codes[0, :2] = (-127, 127)
     scale = (rng.random((1, n)) * 0.01).astype(scale_dtype)
     ref = w8a8_rows_reference(x, codes, scale, act_group)
-    packed = native.pack_codes(codes, 8, w8a8=True)
+    packed = gemm.pack_codes(codes, 8, w8a8=True)
     g, u = np.split(ref[:, :96], 2, axis=1)
     for path in ("auto", *native.kernel_paths()):
-        call = functools.partial(native.matmul_quantized, bits=8, path=path, act8=True, act_group=act_group)
+        call = functools.partial(gemm.matmul_quantized, bits=8, path=path, act8=True, act_group=act_group)
         y = jax.jit(call)(x, packed, scale, None)
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
         y = jax.jit(functools.partial(call, swiglu=True))(x, packed[:6], scale[:, :96], None)
         np.testing.assert_allclose(y, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-5)
     check_live_rows(
-        functools.partial(native.matmul_quantized, bits=8, act8=True, act_group=act_group),
+        functools.partial(gemm.matmul_quantized, bits=8, act8=True, act_group=act_group),
         (x, packed, scale, None),
         ref,
         atol=1e-6 * np.abs(ref).max(),
@@ -220,11 +220,11 @@ def test_matmul_quantized_w8a8_bias_taken_at_packing(rows, act_group):
     x = rng.standard_normal((rows, k)).astype(np.float32)
     codes = rng.integers(-127, 128, (k, n)).astype(np.int8)
     scale = (rng.random((1, n)) * 0.01).astype(np.float32)
-    packed = native.pack_codes(codes, 8, w8a8=True)
+    packed = gemm.pack_codes(codes, 8, w8a8=True)
     bias = (128 * codes.astype(np.int64).reshape(k // (act_group or k), -1, n).sum(axis=1)).astype(np.int32)
-    call = jax.jit(functools.partial(native.matmul_quantized, bits=8, act8=True, act_group=act_group))
+    call = jax.jit(functools.partial(gemm.matmul_quantized, bits=8, act8=True, act_group=act_group))
     np.testing.assert_array_equal(call(x, packed, scale, None, bias=bias), call(x, packed, scale, None))
-    glu = jax.jit(functools.partial(native.matmul_quantized, bits=8, act8=True, swiglu=True, act_group=act_group))
+    glu = jax.jit(functools.partial(gemm.matmul_quantized, bits=8, act8=True, swiglu=True, act_group=act_group))
     np.testing.assert_array_equal(glu(x, packed, scale, None, bias=bias), glu(x, packed, scale, None))
     if "avx512_vnni" in cpu_flags():
         wrong = bias.copy()
@@ -240,19 +240,19 @@ def test_matmul_quantized_w8a8_bias_taken_at_packing(rows, act_group):
 
 def test_matmul_quantized_int8_activations_rejects_what_it_cannot_run():
     x = np.ones((2, 64), np.float32)
-    int8_codes = native.pack_codes(np.zeros((64, 16), np.int8), 8)
+    int8_codes = gemm.pack_codes(np.zeros((64, 16), np.int8), 8)
     with pytest.raises(Exception, match="int8 activations"):  # 8-bit codes with offsets (W8A8 has none)
         jax.block_until_ready(
-            native.matmul_quantized(
+            gemm.matmul_quantized(
                 x, int8_codes, np.ones((1, 16), np.float32), np.ones((1, 16), np.float32), 8, act8=True
             )
         )
     with pytest.raises(Exception, match="int8 activations"):  # 8-bit codes, two scales per column
-        jax.block_until_ready(native.matmul_quantized(x, int8_codes, np.ones((2, 16), np.float32), None, 8, act8=True))
-    k = native.W8A8_MAX_K + 4  # int32 sums could overflow
+        jax.block_until_ready(gemm.matmul_quantized(x, int8_codes, np.ones((2, 16), np.float32), None, 8, act8=True))
+    k = gemm.W8A8_MAX_K + 4  # int32 sums could overflow
     with pytest.raises(Exception, match="int8 activations"):
         jax.block_until_ready(
-            native.matmul_quantized(
+            gemm.matmul_quantized(
                 np.ones((1, k), np.float32),
                 np.zeros((1, k, 16), np.int8),
                 np.ones((1, 16), np.float32),
@@ -262,9 +262,9 @@ def test_matmul_quantized_int8_activations_rejects_what_it_cannot_run():
             )
         )
     w8a8 = functools.partial(
-        native.matmul_quantized,
+        gemm.matmul_quantized,
         x,
-        native.pack_codes(np.zeros((64, 16), np.int8), 8, w8a8=True),
+        gemm.pack_codes(np.zeros((64, 16), np.int8), 8, w8a8=True),
         np.ones((1, 16), np.float32),
         None,
         8,
@@ -274,10 +274,10 @@ def test_matmul_quantized_int8_activations_rejects_what_it_cannot_run():
             jax.block_until_ready(w8a8(act8=True, act_group=act_group))
     with pytest.raises(Exception, match="act_group needs act8"):
         jax.block_until_ready(w8a8(act_group=16))
-    int4_codes = native.pack_codes(np.zeros((64, 16), np.uint8), 4)
+    int4_codes = gemm.pack_codes(np.zeros((64, 16), np.uint8), 4)
     with pytest.raises(Exception, match="int8 activations"):  # groups of 16 rows: not whole blocks of 32
-        jax.block_until_ready(native.matmul_quantized(x, int4_codes, np.ones((4, 16), np.float16), None, 4, act8=True))
+        jax.block_until_ready(gemm.matmul_quantized(x, int4_codes, np.ones((4, 16), np.float16), None, 4, act8=True))
     with pytest.raises(Exception, match="int8 activations"):  # 4-bit codes take blocks of 32, no other
         jax.block_until_ready(
-            native.matmul_quantized(x, int4_codes, np.ones((2, 16), np.float16), None, 4, act8=True, act_group=16)
+            gemm.matmul_quantized(x, int4_codes, np.ones((2, 16), np.float16), None, 4, act8=True, act_group=16)
         )

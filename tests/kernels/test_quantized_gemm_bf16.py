@@ -1,4 +1,4 @@
-"""The C++ GEMM of 4- and 8-bit codes x bf16 activations (`kernels.native.matmul_quantized_bf16`,
+"""The C++ GEMM of 4- and 8-bit codes x bf16 activations (`kernels.gemm.matmul_quantized_bf16`,
 csrc/gemm_quant_bf16.cc) against NumPy and against the packed bf16 GEMM of the same weights
 dequantized and rounded to bf16, which it must equal bit for bit, on every code path the build
 has: the in-register rows, the converted panels, the SwiGLU epilogue, two-level scales, live
@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxllm.kernels import native
+from jaxllm.kernels import gemm, native
 from jaxllm.quantization import QuantizedWeight, dequantize, matmul
 from jaxllm.quantization.weights import _unpacked_codes, embedding_rows, make_weight, with_bf16_activations
 
@@ -56,16 +56,16 @@ def test_matmul_quantized_bf16_is_the_bf16_gemm_of_the_rounded_weights(rows, bit
     k, n = 72, 112
     codes, scale, offset, w = random_codes(rng, bits, k, n, groups, with_offset, scale_dtype)
     x = rng.standard_normal((rows, k)).astype(np.float32)
-    packed = native.pack_codes(codes, bits, pairs=bits == 4)
+    packed = gemm.pack_codes(codes, bits, pairs=bits == 4)
     assert packed.shape == ((n // 16, k // 4, 32) if bits == 4 else (n // 16, k, 16))
     ref = bf16(x).astype(np.float64) @ bf16(w).astype(np.float64)
-    bf16_panels = native.pack_weight(w.astype(ml_dtypes.bfloat16), dtype=ml_dtypes.bfloat16)
+    bf16_panels = gemm.pack_weight(w.astype(ml_dtypes.bfloat16), dtype=ml_dtypes.bfloat16)
     for path in ("auto", *native.kernel_paths()):
         if path == "avx2":
             continue  # the bf16 kernels have portable and AVX-512 code only
-        y = jax.jit(functools.partial(native.matmul_quantized_bf16, bits=bits, path=path))(x, packed, scale, offset)
+        y = jax.jit(functools.partial(gemm.matmul_quantized_bf16, bits=bits, path=path))(x, packed, scale, offset)
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-        same = jax.jit(functools.partial(native.matmul_packed, path=path))(x, bf16_panels)
+        same = jax.jit(functools.partial(gemm.matmul_packed, path=path))(x, bf16_panels)
         np.testing.assert_array_equal(y, same)
 
 
@@ -85,10 +85,10 @@ def test_matmul_quantized_bf16_swiglu_two_level_scales_and_live_rows(rows):
     x = rng.standard_normal((rows, k)).astype(np.float32)
     h = bf16(x).astype(np.float64) @ bf16(w).astype(np.float64)
     ref = h[:, : n // 2] / (1 + np.exp(-h[:, : n // 2])) * h[:, n // 2 :]
-    packed = native.pack_codes(codes, 4, pairs=True)
+    packed = gemm.pack_codes(codes, 4, pairs=True)
     for path in ("auto", "portable"):
         call = functools.partial(
-            native.matmul_quantized_bf16, bits=4, path=path, swiglu=True, super_scale=sup_s, super_offset=sup_o
+            gemm.matmul_quantized_bf16, bits=4, path=path, swiglu=True, super_scale=sup_s, super_offset=sup_o
         )
         y = jax.jit(call)(x, packed, sub_s, sub_o)
         np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
@@ -102,11 +102,9 @@ def test_matmul_quantized_bf16_rejects_what_it_cannot_run():
     codes, scale, offset, _ = random_codes(rng, 4, 24, 32, 4, True, np.float16)  # groups of 6 rows
     x = jnp.ones((2, 24), jnp.float32)
     with pytest.raises(Exception, match="groups of a multiple of 4 rows"):
-        jax.block_until_ready(
-            native.matmul_quantized_bf16(x, native.pack_codes(codes, 4, pairs=True), scale, offset, 4)
-        )
+        jax.block_until_ready(gemm.matmul_quantized_bf16(x, gemm.pack_codes(codes, 4, pairs=True), scale, offset, 4))
     with pytest.raises(Exception, match="int8 \\[N / 16, K, 16\\] \\(bits 8\\)"):  # 4-bit panels as 8-bit
-        jax.block_until_ready(native.matmul_quantized_bf16(x, native.pack_codes(codes, 4), scale[:1], None, 8))
+        jax.block_until_ready(gemm.matmul_quantized_bf16(x, gemm.pack_codes(codes, 4), scale[:1], None, 8))
 
 
 def test_with_bf16_activations_keeps_the_weight():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.kernels import native
+from jaxllm.kernels import gemm, native
 from jaxllm.models.loader import load_model
 from jaxllm.quantization import QuantizedWeight, matmul, weight_bytes
 from jaxllm.quantization.weights import (
@@ -79,7 +79,7 @@ def test_gguf_blocks_keep_exactly_the_values_gguf_py_dequantizes(name, monkeypat
     packed = relayout(weight, panels=True)
     for super_scale in (None, packed.super_scale[:1].repeat(3, axis=0)):
         with pytest.raises(Exception, match="two-level"):
-            native.matmul_quantized(
+            gemm.matmul_quantized(
                 x,
                 packed.codes,
                 packed.scale,
@@ -126,9 +126,7 @@ def test_gguf_engine_kept_quantized_matches_the_dequantized_engine(tiny_model_di
     float_bytes = weight_bytes(ref_llm.engine.runner.params)
     del ref_llm
     packed = []
-    monkeypatch.setattr(
-        native, "pack_codes", lambda *a, pack=native.pack_codes, **kw: packed.append(1) or pack(*a, **kw)
-    )
+    monkeypatch.setattr(gemm, "pack_codes", lambda *a, pack=gemm.pack_codes, **kw: packed.append(1) or pack(*a, **kw))
     for run in range(2):  # the second from the params cache, which keeps the packed layout
         packed.clear()
         llm = LLM(path, **args)  # float32 on a CPU with the C++ kernels: kept quantized by default

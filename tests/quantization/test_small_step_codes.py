@@ -1,6 +1,6 @@
 """Small-step codes (`EngineArgs.small_step_codes`): a GGUF's quantized blocks kept beside the
 bf16 weights, for the steps of at most SMALL_STEP_ROWS rows. The bf16 weights are made from the
-codes in C++ (`native.codes_to_bf16_panels`), which must give what packing the dequantized
+codes in C++ (`gemm.codes_to_bf16_panels`), which must give what packing the dequantized
 weights gives, bit for bit; the engine must then be the bf16 engine of the dequantized file
 (`quantization="none"`), token for token and logprob for logprob, in small steps and large."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.kernels import native
+from jaxllm.kernels import gemm, native
 from jaxllm.models.linear import PackedWeight
 from jaxllm.quantization import SMALL_STEP_ROWS, QuantizedWeight, dequantize, weight_bytes
 from jaxllm.quantization.weights import make_weight, with_bf16_activations
@@ -41,9 +41,9 @@ def test_codes_to_bf16_panels_is_packing_the_dequantized_weights(method, k):
     w = (rng.standard_normal((k, 48)) * 0.05).astype(np.float32)
     q = with_bf16_activations(make_weight(w, method, panels=True, activations="float"))
     assert q.activations == "bf16"
-    panels = native.codes_to_bf16_panels(q.codes, q.scale, q.offset, q.bits)
+    panels = gemm.codes_to_bf16_panels(q.codes, q.scale, q.offset, q.bits)
     dense = np.asarray(dequantize(q, np)).astype(ml_dtypes.bfloat16)
-    expected = native.pack_weight(dense, dtype=ml_dtypes.bfloat16)
+    expected = gemm.pack_weight(dense, dtype=ml_dtypes.bfloat16)
     assert panels.dtype == expected.dtype and panels.shape == expected.shape
     assert (panels.view(np.uint16) == expected.view(np.uint16)).all()
 
@@ -57,7 +57,7 @@ def test_codes_to_bf16_panels_rejects_scales_that_do_not_fit_the_codes():
         (q.scale, q.offset[:1]),
     ]:
         with pytest.raises(ValueError, match="no bf16 panels"):
-            native.codes_to_bf16_panels(q.codes, scale, offset, q.bits)
+            gemm.codes_to_bf16_panels(q.codes, scale, offset, q.bits)
 
 
 @needs_bf16_dots

@@ -1,0 +1,225 @@
+"""EngineConfig: EngineArgs (config.py) resolved against the model (`resolve_config`): the
+scheduler's limits, the KV cache's pages and pools, and what the runner needs.
+
+Resolving never builds or loads anything: the attention backend is chosen from its name later
+(`jaxllm.attention.get_attention_backend`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from jaxllm.config import DEFAULT_KV_CACHE_MEMORY, EngineArgs, SpeculativeConfig
+from jaxllm.utils import DTYPES, check_dtype, default_cache_root, resolve_dtype, resolve_kv_cache_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    max_num_prefill_seqs: int
+    preemption_mode: str = "recompute"
+    async_scheduling: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    num_blocks: int
+    dtype: str  # the pages' dtype: float32, bfloat16, int8 or fp8_e4m3 (kernels/kv_write.py)
+    enable_prefix_caching: bool
+    num_swap_blocks: int = 0  # host pages for swapped-out requests (preemption_mode="swap")
+    # Sliding windows (core/kv_cache_manager.py): pages before every query's window are freed
+    # when `sliding_window` > 0; with `num_window_blocks` > 0 the windowed layers have their
+    # own pool of that many pages (a model that mixes windowed and global layers).
+    sliding_window: int = 0
+    num_window_blocks: int = 0
+
+    @property
+    def group_windows(self) -> tuple[int, ...]:
+        """Per KV cache group, its window (0: none); the windowed layers are group 1, if any."""
+        return (0, self.sliding_window) if self.num_window_blocks else (self.sliding_window,)
+
+    @property
+    def group_num_blocks(self) -> tuple[int, ...]:
+        return (self.num_blocks, self.num_window_blocks) if self.num_window_blocks else (self.num_blocks,)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model_name: str
+    dtype: str
+    seed: int
+    max_logprobs: int
+    scheduler: SchedulerConfig
+    cache: CacheConfig
+    attention_backend: str | None  # None: the platform's default (jaxllm.attention)
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    compilation_cache_dir: str
+    warmup: bool
+    background_compile: bool
+    packed_weights: bool
+    int8_activations: bool = False
+    # The checkpoint's codes kept for steps of at most SMALL_STEP_ROWS rows beside the float
+    # weights (EngineArgs.small_step_codes, as resolved by LLMEngine); quantization stays None.
+    small_step_codes: bool = False
+    speculative: SpeculativeConfig | None = None
+    quantization: str | None = None
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.scheduler.max_model_len // self.cache.block_size)
+
+
+def kv_bytes_per_token(spec, dtype: str, tensor_parallel_size: int = 1) -> int:
+    """KV bytes per token over all devices, for a cache of `dtype` (a float dtype, or "int8" /
+    "fp8_e4m3": head_dim codes and a 4-byte scale per token and head): with fewer KV heads than
+    devices, each device keeps a copy of the head its query heads use."""
+    kv_heads = max(spec.num_kv_heads, tensor_parallel_size)
+    row = spec.head_dim + 4 if dtype in ("int8", "fp8_e4m3") else spec.head_dim * DTYPES[check_dtype(dtype)]
+    return 2 * spec.num_layers * kv_heads * row
+
+
+def sliding_window(spec, max_model_len: int, speculative: SpeculativeConfig | None) -> tuple[int, int]:
+    """(the window past which KV pages are freed, 0 for none; how many layers have a window).
+    The largest of the layers' windows, and none when it spans max_model_len or a draft model
+    shares the block tables (it attends over every page)."""
+    windows = [spec.window(i) or 0 for i in range(spec.num_layers)]
+    window = max(windows)
+    if not window or window >= max_model_len or (speculative is not None and speculative.method == "draft_model"):
+        return 0, 0
+    return window, sum(1 for w in windows if w)
+
+
+def kv_cache_budget(args: EngineArgs, available_memory: int | None) -> int:
+    """Bytes for the KV pool: `kv_cache_memory`, else `gpu_memory_utilization` of
+    `available_memory` (what the device has left once the weights are loaded), else 2 GiB."""
+    if args.kv_cache_memory is not None:
+        if available_memory and args.kv_cache_memory > available_memory:
+            raise ValueError(
+                f"kv_cache_memory ({args.kv_cache_memory / 2**30:.2f} GiB) exceeds the "
+                f"{available_memory / 2**30:.2f} GiB of memory available"
+            )
+        return args.kv_cache_memory
+    if args.gpu_memory_utilization is None:
+        return DEFAULT_KV_CACHE_MEMORY
+    if not available_memory:
+        raise ValueError(
+            "gpu_memory_utilization needs the device's free memory, which this platform does "
+            "not report; give kv_cache_memory instead"
+        )
+    return int(args.gpu_memory_utilization * available_memory)
+
+
+def default_block_size(platform: str) -> int:
+    """KV page size where `block_size` is left unset: 64 tokens on CPU (vLLM's CPU backend uses
+    128), 16 elsewhere (vLLM's GPU default). A CPU decode reads each sequence's pages from RAM, and
+    each page of a kv head is one contiguous run: on a Zen 4 EPYC, 128 decodes at context 256
+    took about 0.7x the attention time with pages of 64 as with pages of 16 (8 KiB runs against
+    2 KiB; 128 measured the same as 64), contexts spread over 32-256 the same within noise, and
+    the standard workload ran 416-420 against 368-401 output tok/s (benchmarks/results/zen4/RESULTS.md). The
+    cost: prefix caching shares whole pages only, and each sequence's last page is partly empty
+    (the standard workload's sequences waste 14.1% of their slots against 3.8%: 417 fit in 2 GiB
+    against 467, `benchmarks/memory.py`)."""
+    return 64 if platform == "cpu" else 16
+
+
+def resolve_config(
+    args: EngineArgs, spec, model_name: str, *, available_memory: int | None = None, platform: str = "cpu"
+) -> EngineConfig:
+    """Fill in what `args` leaves open from the model spec (and, for `gpu_memory_utilization`,
+    the device memory left after the weights; for dtype "auto", the `platform` it runs on)."""
+    args.verify()
+    dtype, _ = resolve_dtype(args.dtype, platform)
+    kv_dtype, _ = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype, dtype)
+    max_model_len = args.max_model_len or spec.max_position_embeddings
+    if max_model_len > spec.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
+            f"({spec.max_position_embeddings})"
+        )
+    speculative = SpeculativeConfig.parse(args.speculative_config)
+    max_batched = max(args.max_num_batched_tokens, args.max_num_seqs)
+    window, windowed_layers = sliding_window(spec, max_model_len, speculative)
+    block_size = args.block_size or default_block_size(platform)
+    page_bytes = kv_bytes_per_token(spec, kv_dtype, args.tensor_parallel_size) * block_size
+    num_blocks, num_window_blocks = _kv_pool_blocks(
+        args, spec, page_bytes, block_size, max_model_len, max_batched, window, windowed_layers, available_memory
+    )
+    num_swap_blocks = int(args.swap_space * 2**30) // page_bytes if args.preemption_mode == "swap" else 0
+    compilation_cache_dir = args.compilation_cache_dir
+    if compilation_cache_dir is None:
+        compilation_cache_dir = os.path.join(default_cache_root(), "xla")
+    return EngineConfig(
+        model_name=args.served_model_name or model_name,
+        dtype=dtype,
+        seed=args.seed,
+        max_logprobs=args.max_logprobs,
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            max_model_len=max_model_len,
+            max_num_prefill_seqs=min(args.max_num_prefill_seqs, args.max_num_seqs),
+            preemption_mode=args.preemption_mode,
+            async_scheduling=args.async_scheduling,
+        ),
+        cache=CacheConfig(
+            block_size=block_size,
+            num_blocks=int(num_blocks),
+            dtype=kv_dtype,
+            enable_prefix_caching=args.enable_prefix_caching,
+            num_swap_blocks=num_swap_blocks,
+            sliding_window=window,
+            num_window_blocks=num_window_blocks,
+        ),
+        attention_backend=args.attention_backend,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        compilation_cache_dir=compilation_cache_dir,
+        warmup=args.warmup,
+        background_compile=args.background_compile,
+        packed_weights=args.packed_weights,
+        int8_activations=args.int8_activations,
+        small_step_codes=bool(args.small_step_codes),
+        speculative=speculative,
+        quantization=args.quantization,
+    )
+
+
+def _kv_pool_blocks(
+    args: EngineArgs,
+    spec,
+    page_bytes: int,
+    block_size: int,
+    max_model_len: int,
+    max_batched: int,
+    window: int,
+    windowed_layers: int,
+    available_memory: int | None,
+) -> tuple[int, int]:
+    """(pages of the global pool, pages of the window pool: 0 without a window group) for the
+    KV budget (`kv_cache_budget`), or as `num_gpu_blocks_override` says."""
+    two_pools = 0 < windowed_layers < spec.num_layers
+    if args.num_gpu_blocks_override is not None:
+        return args.num_gpu_blocks_override, args.num_gpu_blocks_override if two_pools else 0
+    budget = kv_cache_budget(args, available_memory)
+    num_blocks, num_window_blocks = budget // page_bytes, 0
+    if two_pools:
+        # Two pools, in the proportion a request of max_model_len holds at its peak in each:
+        # every page in the global layers, a window and a chunk in the windowed ones.
+        layer_page_bytes = page_bytes // spec.num_layers
+        full = -(-max_model_len // block_size)
+        windowed = min(full, -(-(window - 1 + max_batched) // block_size) + 1)
+        requests = budget / (
+            layer_page_bytes * (full * (spec.num_layers - windowed_layers) + windowed * windowed_layers)
+        )
+        num_blocks, num_window_blocks = int(requests * full), int(requests * windowed)
+    if min(num_blocks, num_window_blocks or num_blocks) < 2:
+        raise ValueError(
+            f"the KV cache budget ({budget / 2**20:.1f} MiB) holds {num_blocks} pages of "
+            f"{page_bytes / 2**10:.0f} KiB; raise kv_cache_memory or gpu_memory_utilization"
+        )
+    return num_blocks, num_window_blocks
