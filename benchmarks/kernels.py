@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 from jaxllm import kernels  # noqa: E402
 from jaxllm.kernels.kv_write import cache_dtype, row_width, storage_dtype, to_storage  # noqa: E402
 from jaxllm.attention import BACKENDS  # noqa: E402
-from jaxllm.config import default_block_size  # noqa: E402
+from jaxllm.engine_config import default_block_size  # noqa: E402
 
 
 def median_time(fn, min_repeat: int, min_seconds: float) -> float:
