@@ -419,12 +419,12 @@ ENGINES = {
 
 
 def worker(spec_path: str) -> None:
-    """Subprocess entry: load, generate, verify; write the result JSON to spec['result']."""
+    """Subprocess entry: load, generate, verify; write the result JSON to job['result']."""
     with open(spec_path) as f:
-        spec = json.load(f)
-    with open(spec["workload"]) as f:
+        job = json.load(f)
+    with open(job["workload"]) as f:
         workload = json.load(f)
-    engine = ENGINES[spec["engine"]](spec)
+    engine = ENGINES[job["engine"]](job)
     t0 = time.perf_counter()
     engine.load(workload)
     startup = time.perf_counter() - t0
@@ -443,12 +443,12 @@ def worker(spec_path: str) -> None:
         "versions": versions(),
         "extra": engine.extra(),
     }
-    with open(spec["result"], "w") as f:
+    with open(job["result"], "w") as f:
         json.dump(result, f)
     try:
         engine.close()
     except Exception as e:  # the parent still kills the worker's process group
-        print(f"closing {spec['engine']} failed: {e!r}", file=sys.stderr)
+        print(f"closing {job['engine']} failed: {e!r}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip slow or hanging interpreter teardown (engine threads, thread pools)

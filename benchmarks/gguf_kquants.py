@@ -35,7 +35,7 @@ del sys.path[0]
 SHAPES = [("q", 4096, 4096), ("down", 14336, 4096)]
 
 
-def random_blocks(rng, ggml_type: int, out: int, k: int) -> np.ndarray:
+def random_pages(rng, ggml_type: int, out: int, k: int) -> np.ndarray:
     """Raw GGUF rows [out, bytes] of random K-quant blocks with a small f16 d (and dmin)."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     for type_name in args.types.split(","):
         t = T[type_name]
         for shape_name, k, n in SHAPES:
-            rows = gguf_rows(random_blocks(rng, t, n, k), t, (n, k))
+            rows = gguf_rows(random_pages(rng, t, n, k), t, (n, k))
             two = relayout(rows.to_weight(), panels=True)
             flat = relayout(flat_scales(rows.to_weight()), panels=True)
             bits = {name: weight_bytes(w) * 8 / (k * n) for name, w in (("two_level", two), ("flat", flat))}

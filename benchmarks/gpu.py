@@ -9,7 +9,7 @@ Mosaic GPU kernel and the Triton kernel on decode-only batches at each context (
 sequences as `--kv-gib` of KV holds, at most `--batch`) and on a mixed batch (decodes and
 prefill chunks). Each reports the median time of `--repeat` calls after 0.3 s of warm-up calls
 (`gpu_quant.median_seconds`), the bytes it must move (the K/V rows of the sequences' tokens, the
-block tables, q, and the output it writes), those bytes over the time, and MBU: that rate over
+page tables, q, and the output it writes), those bytes over the time, and MBU: that rate over
 this device's copy bandwidth, measured first (a device-to-device copy, bytes read plus written).
 
 Quantized matmul: the Triton kernel that reads int8 / int4 codes as they are (the GPU path of

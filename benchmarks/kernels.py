@@ -3,7 +3,7 @@
     python benchmarks/kernels.py [--batches 1,8,32,128] [--context 512] [--spread 128] [--prefill 512]
 
 "dense": `kernels.ragged_paged_attention_reference` (for every query token, gather its
-sequence's whole block table and attend densely). "rows": the jnp row path
+sequence's whole page table and attend densely). "rows": the jnp row path
 (`attention_backend="cpu"`: `kernels.paged_attention_rows` on rows built by
 `kernels.ragged_to_rows`, including the gather of q into rows and the scatter back).
 "native": the C++ kernel (`attention_backend="native"`, the CPU default). Cases: decode steps of
@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 from jaxllm import kernels  # noqa: E402
 from jaxllm.kernels.kv_write import cache_dtype, row_width, storage_dtype, to_storage  # noqa: E402
 from jaxllm.attention import BACKENDS  # noqa: E402
-from jaxllm.engine_config import default_block_size  # noqa: E402
+from jaxllm.engine_config import default_page_size  # noqa: E402
 
 
 def median_time(fn, min_repeat: int, min_seconds: float) -> float:
@@ -60,7 +60,7 @@ def median_time(fn, min_repeat: int, min_seconds: float) -> float:
 
 
 def make_case(rng, q_lens, kv_lens, args):
-    """Random q, cache and block tables for sequences with `q_lens` new tokens and `kv_lens`
+    """Random q, cache and page tables for sequences with `q_lens` new tokens and `kv_lens`
     cached tokens (this step's included)."""
     page = args.page_size
     pages_per_seq = max(args.table_pages or 0, -(-max(kv_lens) // page))
@@ -70,41 +70,41 @@ def make_case(rng, q_lens, kv_lens, args):
     shape = (args.num_kv_heads, num_pages, page, args.head_dim)
     k_pages = to_storage(jnp.asarray(rng.standard_normal(shape, np.float32)), store)
     v_pages = to_storage(jnp.asarray(rng.standard_normal(shape, np.float32)), store)
-    block_tables = (1 + rng.permutation(num_seqs * pages_per_seq)).reshape(num_seqs, pages_per_seq).astype(np.int32)
+    page_tables = (1 + rng.permutation(num_seqs * pages_per_seq)).reshape(num_seqs, pages_per_seq).astype(np.int32)
     num_tokens = int(sum(q_lens))
     q = jnp.asarray(rng.standard_normal((num_tokens, args.num_q_heads, args.head_dim), np.float32))
-    return q, k_pages, v_pages, np.asarray(kv_lens, np.int32), block_tables
+    return q, k_pages, v_pages, np.asarray(kv_lens, np.int32), page_tables
 
 
-def rows_batch(q_lens, kv_lens, block_tables, num_tokens, group, row_tokens):
+def rows_batch(q_lens, kv_lens, page_tables, num_tokens, group, row_tokens):
     idx, bt, kl, ql = kernels.ragged_to_rows(
         q_lens,
         kv_lens,
-        block_tables,
+        page_tables,
         num_tokens=num_tokens,
         num_rows=int(sum(-(-n // row_tokens) for n in q_lens)),
         row_tokens=row_tokens,
     )
-    return {f"{group}_token_idx": idx, f"{group}_block_tables": bt, f"{group}_kv_lens": kl, f"{group}_q_lens": ql}
+    return {f"{group}_token_idx": idx, f"{group}_page_tables": bt, f"{group}_kv_lens": kl, f"{group}_q_lens": ql}
 
 
 IMPLS = ("dense", "rows", "native")
 
 
 def measure(kind: str, q_lens: list[int], kv_lens: list[int], args, rng) -> dict:
-    q, k_pages, v_pages, kv, block_tables = make_case(rng, q_lens, kv_lens, args)
+    q, k_pages, v_pages, kv, page_tables = make_case(rng, q_lens, kv_lens, args)
     num_tokens = q.shape[0]
     group, row_tokens = ("decode", 1) if kind == "decode" else ("prefill", args.prefill_row_tokens)
 
-    host_s = median_time(lambda: rows_batch(q_lens, kv, block_tables, num_tokens, group, row_tokens), 20, 0.2)
+    host_s = median_time(lambda: rows_batch(q_lens, kv, page_tables, num_tokens, group, row_tokens), 20, 0.2)
     # The step inputs a backend reads (the ragged contract; the `cpu` backend adds its rows).
     inputs = {
         "seq_lens": jnp.asarray(kv),
-        "block_tables": jnp.asarray(block_tables),
+        "page_tables": jnp.asarray(page_tables),
         "query_start_loc": jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)),
         "num_seqs": jnp.int32(len(q_lens)),
         "attn_metadata": {
-            k: jnp.asarray(v) for k, v in rows_batch(q_lens, kv, block_tables, num_tokens, group, row_tokens).items()
+            k: jnp.asarray(v) for k, v in rows_batch(q_lens, kv, page_tables, num_tokens, group, row_tokens).items()
         },
     }
 
@@ -121,7 +121,7 @@ def measure(kind: str, q_lens: list[int], kv_lens: list[int], args, rng) -> dict
         "context": int(max(kv_lens)),
         "mean_context": float(np.mean(kv_lens)),
         "tokens": num_tokens,
-        "table_pages": int(block_tables.shape[1]),
+        "table_pages": int(page_tables.shape[1]),
         "host_rows_ms": host_s * 1e3,
     }
     for name, fn in calls.items():
@@ -153,8 +153,8 @@ def main(argv=None):
     ap.add_argument("--num-q-heads", type=int, default=9)
     ap.add_argument("--num-kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--page-size", type=int, default=default_block_size("cpu"))
-    ap.add_argument("--table-pages", type=int, default=None, help="block-table width (default: the context's pages)")
+    ap.add_argument("--page-size", type=int, default=default_page_size("cpu"))
+    ap.add_argument("--table-pages", type=int, default=None, help="page-table width (default: the context's pages)")
     ap.add_argument(
         "--dtype",
         default="bfloat16",

@@ -6,7 +6,7 @@
     python benchmarks/memory.py --kv-budget 64MiB --kv-cache-dtypes auto,int8   # int8 pages: ~2x the sequences
 
 Runs the workload through jaxllm's engine and, after every step, records the pages in use
-(`kv_cache_manager.num_used_blocks`) and the tokens actually stored in them (each running
+(`kv_cache_manager.num_used_pages`) and the tokens actually stored in them (each running
 request's `num_computed_tokens`). Against the same trace it sets the pre-PagedAttention way:
 every running request holding a contiguous slab of `max_model_len` tokens (and, kinder, a slab
 of its own prompt + max_tokens, which needs the output length known up front).
@@ -55,7 +55,7 @@ def run_trace(llm, workload: list[dict]) -> dict:
 
     engine = llm.engine
     kv, scheduler = engine.kv_cache_manager, engine.scheduler
-    block_size, max_len = kv.block_size, engine.config.scheduler.max_model_len
+    page_size, max_len = kv.page_size, engine.config.scheduler.max_model_len
     for i, w in enumerate(workload):
         engine.add_request(
             f"m{i}",
@@ -74,7 +74,7 @@ def run_trace(llm, workload: list[dict]) -> dict:
         stored = sum(r.num_computed_tokens for r in running)
         steps.append(
             (
-                kv.num_used_blocks,
+                kv.num_used_pages,
                 stored,
                 len(running),
                 sum(len(r.prompt_token_ids) + r.sampling_params.max_tokens for r in running),
@@ -85,9 +85,9 @@ def run_trace(llm, workload: list[dict]) -> dict:
     wrong = [i for i, w in enumerate(workload) if generated.get(f"m{i}") != w["max_tokens"]]
     used, stored, running, own = (np.asarray(c, dtype=np.int64) for c in zip(*steps))
     return {
-        "block_size": block_size,
+        "block_size": page_size,
         "max_model_len": max_len,
-        "num_blocks": kv.num_blocks,
+        "num_blocks": kv.num_pages,
         "wall_s": wall,
         "verified": not wrong,
         "num_preemptions": engine.stats.num_preemptions,
@@ -190,7 +190,7 @@ def main(argv=None):
     )
     llm = LLM(args.model, **common)
     llm.engine.wait_compiled()
-    bytes_per_token = kv_bytes_per_token(llm.engine.spec, args.dtype)
+    bytes_per_token = kv_bytes_per_token(llm.engine.cfg, args.dtype)
     trace = run_trace(llm, workload)
     result = analyse(trace, args.budget, bytes_per_token)
     result.update(
@@ -202,7 +202,7 @@ def main(argv=None):
         num_preemptions=trace["num_preemptions"],
     )
     if args.kv_budget:
-        llm_spec = llm.engine.spec
+        model_config = llm.engine.cfg
         del llm
         runs = [(m, d) for m in args.preemption_modes.split(",") for d in args.kv_cache_dtypes.split(",")]
         for mode, kv_dtype in runs:
@@ -216,7 +216,7 @@ def main(argv=None):
             )
             small.engine.wait_compiled()
             t = run_trace(small, workload)
-            run_bytes = kv_bytes_per_token(llm_spec, small.engine.config.cache.dtype)
+            run_bytes = kv_bytes_per_token(model_config, small.engine.config.cache.dtype)
             result.setdefault("engine_in_budget", {})[mode if kv_dtype == "auto" else f"{mode}, kv {kv_dtype}"] = {
                 "kv_cache_dtype": small.engine.config.cache.dtype,
                 "kv_bytes_per_token": run_bytes,

@@ -145,7 +145,7 @@ def decode_ms_per_step(llm, batch: int, decode_tokens: int = 32) -> float:
     return best
 
 
-def routing_ms(spec, layer, tokens: int, repeats: int = 16) -> float:
+def routing_ms(cfg, layer, tokens: int, repeats: int = 16) -> float:
     """ms of one layer's `moe.dispatch` at `tokens` tokens, from `repeats` chained in one call."""
     import jax
     import jax.numpy as jnp
@@ -155,17 +155,17 @@ def routing_ms(spec, layer, tokens: int, repeats: int = 16) -> float:
     @jax.jit
     def chained(h, router):
         def body(_, h):
-            rows, _, w, sizes = moe.dispatch(h, router, spec)
+            rows, _, w, sizes = moe.dispatch(h, router, cfg)
             # Feed a value of the result back so no repeat can be skipped or hoisted.
             return h + 1e-6 * (rows[: h.shape[0]] * w[: h.shape[0], None] + sizes[0])
 
         return jax.lax.fori_loop(0, repeats, body, h)
 
-    h = jax.random.normal(jax.random.key(0), (tokens, spec.hidden_size), jnp.float32)
+    h = jax.random.normal(jax.random.key(0), (tokens, cfg.hidden_size), jnp.float32)
     return 1000 * timeit(lambda: jax.block_until_ready(chained(h, layer["router"]))) / repeats
 
 
-def experts(spec, layer, token_counts) -> list[dict]:
+def experts(cfg, layer, token_counts) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
@@ -174,10 +174,10 @@ def experts(spec, layer, token_counts) -> list[dict]:
 
     rows = []
     for tokens in token_counts:
-        h = jax.random.normal(jax.random.key(tokens), (tokens, spec.hidden_size), jnp.float32)
-        row = {"tokens": tokens, "engine_picks": moe.expert_impl(tokens, spec)}
+        h = jax.random.normal(jax.random.key(tokens), (tokens, cfg.hidden_size), jnp.float32)
+        row = {"tokens": tokens, "engine_picks": moe.expert_impl(tokens, cfg)}
         for impl in ("gather", "dense", "grouped"):
-            fn = jax.jit(lambda h, layer, impl=impl: moe.moe_mlp(layer, h, spec, ACTIVATIONS[spec.hidden_act], impl))
+            fn = jax.jit(lambda h, layer, impl=impl: moe.moe_mlp(layer, h, cfg, ACTIVATIONS[cfg.hidden_act], impl))
             row[f"{impl}_ms"] = 1000 * timeit(lambda: jax.block_until_ready(fn(h, layer)))
         print(
             f"experts, {tokens:5d} tokens: gather {row['gather_ms']:8.3f} ms, dense {row['dense_ms']:8.3f} ms, "
@@ -196,13 +196,13 @@ def window_kv(path: str, args, cache_dir: str) -> dict:
 
     llm = LLM(path, params_cache_dir=cache_dir, dtype=args.dtype, max_model_len=4096)
     llm.engine.wait_compiled()
-    core, spec, cache = llm.engine.engine_core, llm.engine.spec, llm.engine.config.cache
+    core, cfg, cache = llm.engine.engine_core, llm.engine.cfg, llm.engine.config.cache
     kv = core.kv_cache_manager
     layers = [
-        spec.num_layers - sum(1 for i in range(spec.num_layers) if spec.window(i)),
-        sum(1 for i in range(spec.num_layers) if spec.window(i)),
+        cfg.num_layers - sum(1 for i in range(cfg.num_layers) if cfg.window(i)),
+        sum(1 for i in range(cfg.num_layers) if cfg.window(i)),
     ]
-    page_bytes = kv_bytes_per_token(spec, cache.dtype) // spec.num_layers * cache.block_size  # one layer's page
+    page_bytes = kv_bytes_per_token(cfg, cache.dtype) // cfg.num_layers * cache.page_size  # one layer's page
     peak = {"held": [0, 0], "tokens": 0}
     step = core.step
 
@@ -225,14 +225,14 @@ def window_kv(path: str, args, cache_dir: str) -> dict:
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     held = peak["held"]
     with_groups = page_bytes * (held[0] * layers[0] + held[1] * layers[1])
-    one_pool = page_bytes * held[0] * spec.num_layers
+    one_pool = page_bytes * held[0] * cfg.num_layers
     out = {
         "requests": args.long_requests,
         "input_len": args.long_input_len,
         "output_len": 32,
-        "window": max(spec.layer_windows),
+        "window": max(cfg.layer_windows),
         "layers_global_windowed": layers,
-        "pool_pages_per_group": [g.num_blocks for g in kv.groups],
+        "pool_pages_per_group": [g.num_pages for g in kv.groups],
         "peak_pages_held_per_group": held,
         "peak_kv_mib": with_groups / 2**20,
         "peak_kv_mib_if_every_layer_kept_every_page": one_pool / 2**20,
@@ -288,11 +288,11 @@ def main() -> None:
                 max_model_len=512,
             )
             llm.engine.wait_compiled()
-            spec = llm.engine.spec
+            cfg = llm.engine.cfg
             out = result[kind] = {
                 "config": MODELS[kind][2],
                 "dtype": llm.engine.config.dtype,
-                "layer_windows": list(spec.layer_windows),
+                "layer_windows": list(cfg.layer_windows),
             }
             if "throughput" in parts:
                 out["throughput"] = throughput(llm, requests)
@@ -308,24 +308,24 @@ def main() -> None:
             if "routing" in parts:
                 out["routing"] = []
                 for batch in map(int, args.batches.split(",")):
-                    step, route = decode_ms_per_step(llm, batch), routing_ms(spec, layer, batch)
-                    share = len(spec.moe_layers) * route / step
+                    step, route = decode_ms_per_step(llm, batch), routing_ms(cfg, layer, batch)
+                    share = len(cfg.moe_layers) * route / step
                     out["routing"].append(
                         {
                             "batch": batch,
                             "ms_per_step": step,
                             "routing_ms_per_layer": route,
-                            "moe_layers": len(spec.moe_layers),
+                            "moe_layers": len(cfg.moe_layers),
                             "share_of_step": share,
                         }
                     )
                     print(
-                        f"routing, decode batch {batch:3d}: {route:.3f} ms a layer x {len(spec.moe_layers)} "
+                        f"routing, decode batch {batch:3d}: {route:.3f} ms a layer x {len(cfg.moe_layers)} "
                         f"of {step:.2f} ms a step = {share:.1%}",
                         flush=True,
                     )
             if "experts" in parts:
-                out["experts"] = experts(spec, layer, list(map(int, args.tokens.split(","))))
+                out["experts"] = experts(cfg, layer, list(map(int, args.tokens.split(","))))
             del llm
         if "window_kv" in parts:
             result["window_kv"] = window_kv(

@@ -13,8 +13,8 @@ second of wall time) and mean time to first token (arrival to first token, queue
 
 Sharing: on the first --sharing-prompts of those prompts, beam search (--beam-width) and
 parallel sampling (n = --n) with --output-len tokens, each with prefix caching on and off.
-After every engine step it records the pages in use (`num_used_blocks`, distinct pages) and the
-pages the same block tables would need if no page were shared (the sum of the running
+After every engine step it records the pages in use (`num_used_pages`, distinct pages) and the
+pages the same page tables would need if no page were shared (the sum of the running
 requests' table lengths); the peaks of both are reported. With the cache on, pages are also
 shared across prompts (the system prompt); with it off, beams still share through forks,
 while the n samples each compute and hold the whole prompt.
@@ -89,7 +89,7 @@ def timed_generate(llm, prompts: list[list[int]], output_len: int, caching: bool
 
 def page_trace(llm, run, caching: bool) -> dict:
     """Run `run()` and record, after every step, the pages in use and the pages the running
-    requests' block tables would need unshared."""
+    requests' page tables would need unshared."""
     set_prefix_caching(llm, caching)
     engine, kv = llm.engine, llm.engine.kv_cache_manager
     peak = {"used": 0, "unshared": 0}
@@ -98,8 +98,8 @@ def page_trace(llm, run, caching: bool) -> dict:
 
     def step():
         outputs = core_step()
-        peak["used"] = max(peak["used"], kv.num_used_blocks)
-        peak["unshared"] = max(peak["unshared"], sum(len(r.block_ids) for r in engine.scheduler.running))
+        peak["used"] = max(peak["used"], kv.num_used_pages)
+        peak["unshared"] = max(peak["unshared"], sum(len(r.page_ids) for r in engine.scheduler.running))
         return outputs
 
     copies = kv.num_copies
@@ -176,8 +176,8 @@ def main(argv=None):
     result = {
         "model": llm.engine.model_name,
         "dtype": args.dtype,
-        "block_size": llm.engine.kv_cache_manager.block_size,
-        "num_blocks": llm.engine.kv_cache_manager.num_blocks,
+        "block_size": llm.engine.kv_cache_manager.page_size,
+        "num_blocks": llm.engine.kv_cache_manager.num_pages,
         "workload": {
             "num_requests": args.num_requests,
             "system_len": args.system_len,

@@ -43,26 +43,26 @@ BITS = {
 }
 
 
-def worker(spec: dict) -> dict:
+def worker(job: dict) -> dict:
     from jaxllm import LLM, SamplingParams
     from jaxllm.bench.perplexity import perplexity
     from jaxllm.quantization import weight_bytes
 
     t0 = time.perf_counter()
     llm = LLM(
-        spec["model"],
-        dtype=spec["dtype"],
-        quantization=spec["method"],
-        kv_cache_dtype=spec["kv"],
-        int8_activations=spec["act"] == "int8",
+        job["model"],
+        dtype=job["dtype"],
+        quantization=job["method"],
+        kv_cache_dtype=job["kv"],
+        int8_activations=job["act"] == "int8",
     )
     llm.engine.wait_compiled()
     start_s = time.perf_counter() - t0
     ppl = perplexity(llm)
     agreement = llm.generate(
-        spec["agreement_prompts"], SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False
+        job["agreement_prompts"], SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False
     )
-    requests = spec["workload"]
+    requests = job["workload"]
     greedy = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r["max_tokens"]) for r in requests]
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4), use_tqdm=False)
@@ -72,7 +72,7 @@ def worker(spec: dict) -> dict:
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert tokens == sum(r["max_tokens"] for r in requests), "an engine gave the wrong number of tokens"
     return {
-        "method": spec["method"],
+        "method": job["method"],
         "dtype": llm.engine.config.dtype,
         "kv_cache_dtype": llm.engine.config.cache.dtype,
         "int8_activations": llm.engine.config.int8_activations,
@@ -118,8 +118,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         with open(args.worker) as f:
-            spec = json.load(f)
-        print("RESULT " + json.dumps(worker(spec)), flush=True)
+            job = json.load(f)
+        print("RESULT " + json.dumps(worker(job)), flush=True)
         return 0
     workload, desc = make_workload(args)
     machine = machine_info()

@@ -126,7 +126,7 @@ def make_requests(kv: KVCacheManager, batch: int, context: int, num_new: int, rn
     return out
 
 
-def compare_scan(runner, spec, params, kv: KVCacheManager, batch: int, context: int, rng) -> dict:
+def compare_scan(runner, cfg, params, kv: KVCacheManager, batch: int, context: int, rng) -> dict:
     """Unrolled (the runner's forward) vs lax.scan over stacked layers, same batch."""
     scheduled = make_requests(kv, batch, context, 1, rng)
     *_, buffers = runner.builder.prepare(scheduled)
@@ -136,12 +136,12 @@ def compare_scan(runner, spec, params, kv: KVCacheManager, batch: int, context: 
     v_all = jnp.stack([v for _, v in runner.kv_cache])
 
     def scan_forward(params, stacked, k_all, v_all, b):
-        x = decoder.embed(params, b.token_ids, b.positions, spec)
+        x = decoder.embed(params, b.token_ids, b.positions, cfg)
 
         def body(x, layer_and_cache):
             layer, k_pages, v_pages = layer_and_cache
             x, k_pages, v_pages = decoder.decoder_layer(
-                layer, k_pages, v_pages, x, b, spec, index=0, attention=runner.attention, cpp_ops=runner.cpp_ops
+                layer, k_pages, v_pages, x, b, cfg, index=0, attention=runner.attention, cpp_ops=runner.cpp_ops
             )
             return x, (k_pages, v_pages)
 
@@ -149,7 +149,7 @@ def compare_scan(runner, spec, params, kv: KVCacheManager, batch: int, context: 
         return x, k_all, v_all
 
     def unrolled_forward(params, kv_cache, b):
-        return decoder.forward(params, kv_cache, b, spec, attention=runner.attention, cpp_ops=runner.cpp_ops)
+        return decoder.forward(params, kv_cache, b, cfg, attention=runner.attention, cpp_ops=runner.cpp_ops)
 
     out = {}
     for name, fn, args, donate in (
@@ -180,29 +180,29 @@ def compare_scan(runner, spec, params, kv: KVCacheManager, batch: int, context: 
     return dict(batch=batch, context=context, **{f"{k}_{m}": v for k, d in out.items() for m, v in d.items()})
 
 
-def breakdown(runner, spec, params, scheduled) -> dict:
+def breakdown(runner, cfg, params, scheduled) -> dict:
     """Seconds of the step's parts for `scheduled`, each timed alone at the step's shapes."""
     from jaxllm.runner import sampler
 
     *_, buffers = runner.builder.prepare(scheduled)
     inputs = jax.device_put(buffers.inputs)
     T, S = inputs.token_ids.shape[0], buffers.bucket.num_seqs
-    x = jnp.ones((T, spec.hidden_size), jnp.float32)
+    x = jnp.ones((T, cfg.hidden_size), jnp.float32)
 
     @jax.jit
     def gemms(params, x):
         for layer in params["layers"]:
             qkv = linear.apply(layer["wqkv"], x)
-            x = x + linear.apply(layer["wo"], qkv[:, : spec.q_size])
+            x = x + linear.apply(layer["wo"], qkv[:, : cfg.q_size])
             x = x + linear.apply(layer["w_down"], linear.apply(layer["w_gate_up"], x, swiglu=True))
-        return decoder.compute_logits(params, x[:S], spec)
+        return decoder.compute_logits(params, x[:S], cfg)
 
     @jax.jit
     def attention(kv_cache, q, inputs):
         return [runner.attention.forward(q, k, v, inputs) for k, v in kv_cache]
 
-    q = jnp.ones((T, spec.num_heads, spec.head_dim), jnp.float32)
-    logits = jnp.asarray(np.random.default_rng(0).standard_normal((S, spec.vocab_size), np.float32))
+    q = jnp.ones((T, cfg.num_heads, cfg.head_dim), jnp.float32)
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((S, cfg.vocab_size), np.float32))
     sampling = jax.device_put(buffers.sampling)
     sample = jax.jit(lambda logits, s: sampler.sample(logits, s, *sampler.sampling_ops(runner.cpp_ops)))
     return {
@@ -256,11 +256,11 @@ def main():
         quantization=args.quantization,
     )
     loaded, plan = load_with_plan(eargs, Platform.detect(), None, one_device=True, progress=False)
-    spec = loaded.spec
+    cfg = loaded.cfg
     eargs = dataclasses.replace(eargs, quantization=plan.quantization, small_step_codes=plan.small_step_codes)
-    config = resolve_config(eargs, spec, loaded.name)
-    params, small_params = prepare_weights(loaded.params, spec, plan, tokenizer=loaded.resolve_tokenizer())
-    runner = ModelRunner(config, spec, params, small_params=small_params)
+    config = resolve_config(eargs, cfg, loaded.name)
+    params, small_params = prepare_weights(loaded.params, cfg, plan, tokenizer=loaded.resolve_tokenizer())
+    runner = ModelRunner(config, cfg, params, small_params=small_params)
     jax.block_until_ready(runner.kv_cache)  # its zeroing thread would share the cores with the peaks' timing
     rng = np.random.default_rng(0)
     weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
@@ -280,11 +280,11 @@ def main():
         for name, x in layer.items()
         if name in LAYER_MATRICES
     )
-    lm_head_flops = 2 * spec.hidden_size * spec.vocab_size
+    lm_head_flops = 2 * cfg.hidden_size * cfg.vocab_size
     rows = []
 
     def measure(kind, batch, num_new):
-        kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size)
+        kv = KVCacheManager(config.cache.num_pages, config.cache.page_size)
         scheduled = make_requests(kv, batch, args.context if kind == "decode" else num_new, num_new, rng)
         timings = []
 
@@ -315,10 +315,10 @@ def main():
         )
         if kind != "decode":
             return
-        parts = breakdown(runner, spec, runner.params, scheduled)
+        parts = breakdown(runner, cfg, runner.params, scheduled)
         parts["host"] = float(np.median([t["prepare"] for t in timings]))
         parts["other"] = max(0.0, dt - sum(parts.values()))
-        kv_bytes = batch * args.context * kv_bytes_per_token(spec, config.cache.dtype)
+        kv_bytes = batch * args.context * kv_bytes_per_token(cfg, config.cache.dtype)
         r.update(
             {f"{k}_ms": v * 1e3 for k, v in parts.items()},
             gemm_gflops=flops / parts["gemm"] / 1e9,
@@ -344,8 +344,8 @@ def main():
         measure("prefill", 1, p)
     scan_rows = []
     for b in filter(None, args.compare_scan.split(",")):
-        kv = KVCacheManager(config.cache.num_blocks // 4, config.cache.block_size)
-        scan_rows.append(compare_scan(runner, spec, runner.params, kv, int(b), args.context, rng))
+        kv = KVCacheManager(config.cache.num_pages // 4, config.cache.page_size)
+        scan_rows.append(compare_scan(runner, cfg, runner.params, kv, int(b), args.context, rng))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(

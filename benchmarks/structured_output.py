@@ -285,7 +285,7 @@ def main() -> None:
         "dtype": llm.engine.config.dtype,
     }
     if "backends" in parts:
-        result["backends"] = backends(llm.get_tokenizer(), llm.engine.spec.vocab_size, list(llm.engine.eos_token_ids))
+        result["backends"] = backends(llm.get_tokenizer(), llm.engine.cfg.vocab_size, list(llm.engine.eos_token_ids))
     if "validity" in parts:
         result["validity"] = validity(llm, args.samples, args.max_tokens, bounded=not args.unbounded)
     if "overhead" in parts:

@@ -194,7 +194,7 @@ class EngineArgs:
     int8_activations: bool = option(
         False,
         "4-bit weight codes (a GGUF's Q4_0 / Q4_1, int4) multiply activations quantized to int8 per "
-        "block of 32, as llama.cpp does: integer dot products, ~1.3x the quantized GEMM's speed on "
+        "group of 32, as llama.cpp does: integer dot products, ~1.3x the quantized GEMM's speed on "
         "AVX2, +1.9% perplexity on the default model (one CPU device with the C++ kernels; elsewhere "
         "the activations stay float)",
     )

@@ -26,25 +26,25 @@ class SchedulerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    block_size: int
-    num_blocks: int
+    page_size: int
+    num_pages: int
     dtype: str  # the pages' dtype: float32, bfloat16, int8 or fp8_e4m3 (kernels/kv_write.py)
     enable_prefix_caching: bool
-    num_swap_blocks: int = 0  # host pages for swapped-out requests (preemption_mode="swap")
+    num_swap_pages: int = 0  # host pages for swapped-out requests (preemption_mode="swap")
     # Sliding windows (core/kv_cache_manager.py): pages before every query's window are freed
-    # when `sliding_window` > 0; with `num_window_blocks` > 0 the windowed layers have their
+    # when `sliding_window` > 0; with `num_window_pages` > 0 the windowed layers have their
     # own pool of that many pages (a model that mixes windowed and global layers).
     sliding_window: int = 0
-    num_window_blocks: int = 0
+    num_window_pages: int = 0
 
     @property
     def group_windows(self) -> tuple[int, ...]:
         """Per KV cache group, its window (0: none); the windowed layers are group 1, if any."""
-        return (0, self.sliding_window) if self.num_window_blocks else (self.sliding_window,)
+        return (0, self.sliding_window) if self.num_window_pages else (self.sliding_window,)
 
     @property
-    def group_num_blocks(self) -> tuple[int, ...]:
-        return (self.num_blocks, self.num_window_blocks) if self.num_window_blocks else (self.num_blocks,)
+    def group_num_pages(self) -> tuple[int, ...]:
+        return (self.num_pages, self.num_window_pages) if self.num_window_pages else (self.num_pages,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,24 +70,24 @@ class EngineConfig:
     quantization: str | None = None
 
     @property
-    def max_blocks_per_seq(self) -> int:
-        return -(-self.scheduler.max_model_len // self.cache.block_size)
+    def max_pages_per_seq(self) -> int:
+        return -(-self.scheduler.max_model_len // self.cache.page_size)
 
 
-def kv_bytes_per_token(spec, dtype: str, tensor_parallel_size: int = 1) -> int:
+def kv_bytes_per_token(cfg, dtype: str, tensor_parallel_size: int = 1) -> int:
     """KV bytes per token over all devices, for a cache of `dtype` (a float dtype, or "int8" /
     "fp8_e4m3": head_dim codes and a 4-byte scale per token and head): with fewer KV heads than
     devices, each device keeps a copy of the head its query heads use."""
-    kv_heads = max(spec.num_kv_heads, tensor_parallel_size)
-    row = spec.head_dim + 4 if dtype in ("int8", "fp8_e4m3") else spec.head_dim * DTYPES[check_dtype(dtype)]
-    return 2 * spec.num_layers * kv_heads * row
+    kv_heads = max(cfg.num_kv_heads, tensor_parallel_size)
+    row = cfg.head_dim + 4 if dtype in ("int8", "fp8_e4m3") else cfg.head_dim * DTYPES[check_dtype(dtype)]
+    return 2 * cfg.num_layers * kv_heads * row
 
 
-def sliding_window(spec, max_model_len: int, speculative: SpeculativeConfig | None) -> tuple[int, int]:
+def sliding_window(cfg, max_model_len: int, speculative: SpeculativeConfig | None) -> tuple[int, int]:
     """(the window past which KV pages are freed, 0 for none; how many layers have a window).
     The largest of the layers' windows, and none when it spans max_model_len or a draft model
-    shares the block tables (it attends over every page)."""
-    windows = [spec.window(i) or 0 for i in range(spec.num_layers)]
+    shares the page tables (it attends over every page)."""
+    windows = [cfg.window(i) or 0 for i in range(cfg.num_layers)]
     window = max(windows)
     if not window or window >= max_model_len or (speculative is not None and speculative.method == "draft_model"):
         return 0, 0
@@ -114,7 +114,7 @@ def kv_cache_budget(args: EngineArgs, available_memory: int | None) -> int:
     return int(args.gpu_memory_utilization * available_memory)
 
 
-def default_block_size(platform: str) -> int:
+def default_page_size(platform: str) -> int:
     """KV page size where `block_size` is left unset: 64 tokens on CPU (vLLM's CPU backend uses
     128), 16 elsewhere (vLLM's GPU default). A CPU decode reads each sequence's pages from RAM, and
     each page of a kv head is one contiguous run: on a Zen 4 EPYC, 128 decodes at context 256
@@ -128,28 +128,27 @@ def default_block_size(platform: str) -> int:
 
 
 def resolve_config(
-    args: EngineArgs, spec, model_name: str, *, available_memory: int | None = None, platform: str = "cpu"
+    args: EngineArgs, cfg, model_name: str, *, available_memory: int | None = None, platform: str = "cpu"
 ) -> EngineConfig:
-    """Fill in what `args` leaves open from the model spec (and, for `gpu_memory_utilization`,
+    """Fill in what `args` leaves open from the model config (and, for `gpu_memory_utilization`,
     the device memory left after the weights; for dtype "auto", the `platform` it runs on)."""
     args.verify()
     dtype, _ = resolve_dtype(args.dtype, platform)
     kv_dtype, _ = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype, dtype)
-    max_model_len = args.max_model_len or spec.max_position_embeddings
-    if max_model_len > spec.max_position_embeddings:
+    max_model_len = args.max_model_len or cfg.max_position_embeddings
+    if max_model_len > cfg.max_position_embeddings:
         raise ValueError(
-            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
-            f"({spec.max_position_embeddings})"
+            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings ({cfg.max_position_embeddings})"
         )
     speculative = SpeculativeConfig.parse(args.speculative_config)
     max_batched = max(args.max_num_batched_tokens, args.max_num_seqs)
-    window, windowed_layers = sliding_window(spec, max_model_len, speculative)
-    block_size = args.block_size or default_block_size(platform)
-    page_bytes = kv_bytes_per_token(spec, kv_dtype, args.tensor_parallel_size) * block_size
-    num_blocks, num_window_blocks = _kv_pool_blocks(
-        args, spec, page_bytes, block_size, max_model_len, max_batched, window, windowed_layers, available_memory
+    window, windowed_layers = sliding_window(cfg, max_model_len, speculative)
+    page_size = args.block_size or default_page_size(platform)
+    page_bytes = kv_bytes_per_token(cfg, kv_dtype, args.tensor_parallel_size) * page_size
+    num_pages, num_window_pages = _kv_pool_pages(
+        args, cfg, page_bytes, page_size, max_model_len, max_batched, window, windowed_layers, available_memory
     )
-    num_swap_blocks = int(args.swap_space * 2**30) // page_bytes if args.preemption_mode == "swap" else 0
+    num_swap_pages = int(args.swap_space * 2**30) // page_bytes if args.preemption_mode == "swap" else 0
     compilation_cache_dir = args.compilation_cache_dir
     if compilation_cache_dir is None:
         compilation_cache_dir = os.path.join(default_cache_root(), "xla")
@@ -167,13 +166,13 @@ def resolve_config(
             async_scheduling=args.async_scheduling,
         ),
         cache=CacheConfig(
-            block_size=block_size,
-            num_blocks=int(num_blocks),
+            page_size=page_size,
+            num_pages=int(num_pages),
             dtype=kv_dtype,
             enable_prefix_caching=args.enable_prefix_caching,
-            num_swap_blocks=num_swap_blocks,
+            num_swap_pages=num_swap_pages,
             sliding_window=window,
-            num_window_blocks=num_window_blocks,
+            num_window_pages=num_window_pages,
         ),
         attention_backend=args.attention_backend,
         tensor_parallel_size=args.tensor_parallel_size,
@@ -189,11 +188,11 @@ def resolve_config(
     )
 
 
-def _kv_pool_blocks(
+def _kv_pool_pages(
     args: EngineArgs,
-    spec,
+    cfg,
     page_bytes: int,
-    block_size: int,
+    page_size: int,
     max_model_len: int,
     max_batched: int,
     window: int,
@@ -202,24 +201,24 @@ def _kv_pool_blocks(
 ) -> tuple[int, int]:
     """(pages of the global pool, pages of the window pool: 0 without a window group) for the
     KV budget (`kv_cache_budget`), or as `num_gpu_blocks_override` says."""
-    two_pools = 0 < windowed_layers < spec.num_layers
+    two_pools = 0 < windowed_layers < cfg.num_layers
     if args.num_gpu_blocks_override is not None:
         return args.num_gpu_blocks_override, args.num_gpu_blocks_override if two_pools else 0
     budget = kv_cache_budget(args, available_memory)
-    num_blocks, num_window_blocks = budget // page_bytes, 0
+    num_pages, num_window_pages = budget // page_bytes, 0
     if two_pools:
         # Two pools, in the proportion a request of max_model_len holds at its peak in each:
         # every page in the global layers, a window and a chunk in the windowed ones.
-        layer_page_bytes = page_bytes // spec.num_layers
-        full = -(-max_model_len // block_size)
-        windowed = min(full, -(-(window - 1 + max_batched) // block_size) + 1)
+        layer_page_bytes = page_bytes // cfg.num_layers
+        full = -(-max_model_len // page_size)
+        windowed = min(full, -(-(window - 1 + max_batched) // page_size) + 1)
         requests = budget / (
-            layer_page_bytes * (full * (spec.num_layers - windowed_layers) + windowed * windowed_layers)
+            layer_page_bytes * (full * (cfg.num_layers - windowed_layers) + windowed * windowed_layers)
         )
-        num_blocks, num_window_blocks = int(requests * full), int(requests * windowed)
-    if min(num_blocks, num_window_blocks or num_blocks) < 2:
+        num_pages, num_window_pages = int(requests * full), int(requests * windowed)
+    if min(num_pages, num_window_pages or num_pages) < 2:
         raise ValueError(
-            f"the KV cache budget ({budget / 2**20:.1f} MiB) holds {num_blocks} pages of "
+            f"the KV cache budget ({budget / 2**20:.1f} MiB) holds {num_pages} pages of "
             f"{page_bytes / 2**10:.0f} KiB; raise kv_cache_memory or gpu_memory_utilization"
         )
-    return num_blocks, num_window_blocks
+    return num_pages, num_window_pages

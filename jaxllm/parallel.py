@@ -168,11 +168,13 @@ def kv_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, kv_spec(mesh))
 
 
-def sharded_forward(params, kv_cache, inputs, spec: decoder.ModelSpec, *, attention, mesh: Mesh, cpp_ops: bool = False):
+def sharded_forward(
+    params, kv_cache, inputs, cfg: decoder.ModelConfig, *, attention, mesh: Mesh, cpp_ops: bool = False
+):
     """`decoder.forward` + `compute_logits` on the rows to sample, one shard per device.
     Returns (logits [N, vocab] replicated, kv_cache sharded by KV head)."""
     tp = tp_size(mesh)
-    local = layout.tp_local_spec(spec, tp)
+    local = layout.tp_local_config(cfg, tp)
 
     def shard(params, kv_cache, inputs):
         hidden, kv_cache = decoder.forward(
@@ -193,7 +195,7 @@ def sharded_forward(params, kv_cache, inputs, spec: decoder.ModelSpec, *, attent
 
 
 def pipelined_forward(
-    params, kv_cache, ints, floats, *, unpack, spec: decoder.ModelSpec, attention, mesh: Mesh, cpp_ops: bool = False
+    params, kv_cache, ints, floats, *, unpack, cfg: decoder.ModelConfig, attention, mesh: Mesh, cpp_ops: bool = False
 ):
     """The forward of M micro-batches through the pipeline stages, as one program.
 
@@ -208,7 +210,7 @@ def pipelined_forward(
     """
     tp, pp = tp_size(mesh), pp_size(mesh)
     num_micro = ints.shape[0]
-    local = layout.tp_local_spec(spec, tp, pp)
+    local = layout.tp_local_config(cfg, tp, pp)
     vocab = (STAGE_AXIS, MODEL_AXIS)
 
     def shard(params, kv_cache, ints, floats):

@@ -94,9 +94,9 @@ def test_imports_point_down():
 def test_resolving_a_config_loads_no_kernels():
     code = (
         "import sys; from jaxllm.config import EngineArgs; from jaxllm.engine_config import resolve_config; "
-        "from jaxllm.models.decoder import ModelSpec; "
-        "spec = ModelSpec('LlamaForCausalLM', 100, 64, 128, 2, 4, 2, 16, 1e-5, 1e4, 512); "
-        "resolve_config(EngineArgs(), spec, 'tiny'); "
+        "from jaxllm.models.decoder import ModelConfig; "
+        "cfg = ModelConfig('LlamaForCausalLM', 100, 64, 128, 2, 4, 2, 16, 1e-5, 1e4, 512); "
+        "resolve_config(EngineArgs(), cfg, 'tiny'); "
         "print(sorted(m for m in sys.modules if m.startswith('jaxllm.kernels')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout

@@ -9,7 +9,7 @@ Each backend has the same small interface:
 - `build_metadata(...)` (host, numpy): any inputs it needs beyond the ragged step inputs
   (`StepInputs.attn_metadata`); `dummy_metadata(bucket)` gives the same shapes for warm-up;
 - `forward(q, k_pages, v_pages, inputs, *, sliding_window, sm_scale)` (device): ragged paged
-  attention of q over the block tables, the contract of `kernels.ragged_paged_attention_reference`
+  attention of q over the page tables, the contract of `kernels.ragged_paged_attention_reference`
   (`sliding_window` None or the window in tokens, `sm_scale` None for head_dim ** -0.5: static,
   per layer);
 

@@ -6,7 +6,7 @@ from jaxllm import kernels
 
 
 class AttentionBackend:
-    """The ragged contract: q [T, q_heads, head_dim] attends over `inputs.block_tables`,
+    """The ragged contract: q [T, q_heads, head_dim] attends over `inputs.page_tables`,
     `inputs.seq_lens`, `inputs.query_start_loc`, `inputs.num_seqs` (runner/input_batch.py)."""
 
     name: str
@@ -20,13 +20,13 @@ class AttentionBackend:
     def write_kv(self, k_pages, v_pages, k, v, slot_mapping):
         return kernels.write_kv(k_pages, v_pages, k, v, slot_mapping)
 
-    def build_metadata(self, *, q_lens, seq_lens, block_tables, num_decodes, bucket) -> dict:
+    def build_metadata(self, *, q_lens, seq_lens, page_tables, num_decodes, bucket) -> dict:
         return {}
 
-    def dummy_metadata(self, bucket, max_blocks: int) -> dict:
+    def dummy_metadata(self, bucket, max_pages: int) -> dict:
         return {}
 
-    def kernel(self, q, k_pages, v_pages, seq_lens, block_tables, query_start_loc, num_seqs, **options):
+    def kernel(self, q, k_pages, v_pages, seq_lens, page_tables, query_start_loc, num_seqs, **options):
         raise NotImplementedError
 
     def forward(self, q, k_pages, v_pages, inputs, *, sliding_window=None, sm_scale=None):
@@ -35,7 +35,7 @@ class AttentionBackend:
             k_pages,
             v_pages,
             inputs.seq_lens,
-            inputs.block_tables,
+            inputs.page_tables,
             inputs.query_start_loc,
             inputs.num_seqs,
             sliding_window=sliding_window,

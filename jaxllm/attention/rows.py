@@ -17,18 +17,18 @@ class RowsBackend(AttentionBackend):
     """`jnp` attention over rows: decodes as one-token rows, prompt chunks split into rows of
     `prefill_row_tokens` query tokens (`kernels.ragged_to_rows`). Its metadata, per group
     ("decode", "prefill"): `{group}_token_idx [R, row_tokens]` (index into q; T = padding),
-    `{group}_block_tables [R, max_blocks]`, `{group}_kv_lens [R]`, `{group}_q_lens [R]`."""
+    `{group}_page_tables [R, max_pages]`, `{group}_kv_lens [R]`, `{group}_q_lens [R]`."""
 
     name = "cpu"
 
-    def build_metadata(self, *, q_lens, seq_lens, block_tables, num_decodes, bucket) -> dict:
+    def build_metadata(self, *, q_lens, seq_lens, page_tables, num_decodes, bucket) -> dict:
         T, nd = bucket.num_tokens, num_decodes
         d = bucket.num_decode_rows
         idx = np.full((d, 1), T, np.int32)
         idx[:nd, 0] = np.arange(nd)
         meta = {
             "decode_token_idx": idx,
-            "decode_block_tables": _padded(block_tables[:nd], d),
+            "decode_page_tables": _padded(page_tables[:nd], d),
             "decode_kv_lens": _padded(seq_lens[:nd], d),
             "decode_q_lens": _padded(np.ones(nd, np.int32), d),
         }
@@ -36,16 +36,16 @@ class RowsBackend(AttentionBackend):
             p_idx, p_bt, p_kv, p_q = kernels.ragged_to_rows(
                 q_lens[nd:],
                 seq_lens[nd:],
-                block_tables[nd:],
+                page_tables[nd:],
                 num_tokens=T,
                 num_rows=bucket.num_prefill_rows,
                 row_tokens=self.prefill_row_tokens,
             )
             p_idx = np.where(p_idx < T, p_idx + int(q_lens[:nd].sum()), T).astype(np.int32)
-            meta.update(prefill_token_idx=p_idx, prefill_block_tables=p_bt, prefill_kv_lens=p_kv, prefill_q_lens=p_q)
+            meta.update(prefill_token_idx=p_idx, prefill_page_tables=p_bt, prefill_kv_lens=p_kv, prefill_q_lens=p_q)
         return meta
 
-    def dummy_metadata(self, bucket, max_blocks: int) -> dict:
+    def dummy_metadata(self, bucket, max_pages: int) -> dict:
         meta = {}
         for group, rows, row_tokens in (
             ("decode", bucket.num_decode_rows, 1),
@@ -55,7 +55,7 @@ class RowsBackend(AttentionBackend):
                 meta.update(
                     {
                         f"{group}_token_idx": np.full((rows, row_tokens), bucket.num_tokens, np.int32),
-                        f"{group}_block_tables": np.zeros((rows, max_blocks), np.int32),
+                        f"{group}_page_tables": np.zeros((rows, max_pages), np.int32),
                         f"{group}_kv_lens": np.zeros(rows, np.int32),
                         f"{group}_q_lens": np.zeros(rows, np.int32),
                     }
@@ -74,7 +74,7 @@ class RowsBackend(AttentionBackend):
                 q_pad[idx],
                 k_pages,
                 v_pages,
-                meta[f"{group}_block_tables"],
+                meta[f"{group}_page_tables"],
                 meta[f"{group}_kv_lens"],
                 meta[f"{group}_q_lens"],
                 rows_per_part=rows_per_part,

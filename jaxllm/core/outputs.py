@@ -22,7 +22,7 @@ class SchedulerOutput:
     scheduled: (request, num_new_tokens) pairs; a decode has 1 new token, a prompt chunk more.
     finished_req_ids / preempted_req_ids: requests that left the batch since the last step
         (the runner drops their rows).
-    block_copies: per KV cache group, (src, dst) pages to copy before the step (copy-on-write).
+    page_copies: per KV cache group, (src, dst) pages to copy before the step (copy-on-write).
     swap_out: (device page, host slot) pairs to save before the step (preemption by swapping);
     swap_in: (host slot, device page) pairs to restore before the step.
     """
@@ -30,7 +30,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]]
     finished_req_ids: set[str] = dataclasses.field(default_factory=set)
     preempted_req_ids: set[str] = dataclasses.field(default_factory=set)
-    block_copies: list[tuple[list[int], list[int]]] = dataclasses.field(default_factory=list)
+    page_copies: list[tuple[list[int], list[int]]] = dataclasses.field(default_factory=list)
     swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 

@@ -65,11 +65,11 @@ class Request:
     cumulative_logprob: float = 0.0
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    # Per KV cache group (core/kv_cache_manager.py): the block table, and how many of its
+    # Per KV cache group (core/kv_cache_manager.py): the page table, and how many of its
     # first pages were released (slid out of the group's window).
-    block_tables: list[list[int]] = dataclasses.field(default_factory=lambda: [[]])
-    num_released_blocks: list[int] = dataclasses.field(default_factory=lambda: [0])
-    block_hashes: list[int] = dataclasses.field(default_factory=list)
+    page_tables: list[list[int]] = dataclasses.field(default_factory=lambda: [[]])
+    num_released_pages: list[int] = dataclasses.field(default_factory=lambda: [0])
+    page_hashes: list[int] = dataclasses.field(default_factory=list)
     swap_slots: list[int] = dataclasses.field(default_factory=list)  # host pages while swapped out
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
@@ -78,13 +78,13 @@ class Request:
     scheduled_time: float | None = None
 
     @property
-    def block_ids(self) -> list[int]:
-        """The block table of group 0 (of every layer, for a model with one group)."""
-        return self.block_tables[0]
+    def page_ids(self) -> list[int]:
+        """The page table of group 0 (of every layer, for a model with one group)."""
+        return self.page_tables[0]
 
-    @block_ids.setter
-    def block_ids(self, block_ids: list[int]) -> None:
-        self.block_tables[0] = block_ids
+    @page_ids.setter
+    def page_ids(self, page_ids: list[int]) -> None:
+        self.page_tables[0] = page_ids
 
     @property
     def num_prompt_tokens(self) -> int:

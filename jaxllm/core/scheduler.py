@@ -152,7 +152,7 @@ class Scheduler:
             )
             if (
                 room > 0
-                and self.kv.num_free_blocks >= len(self.running) + self.kv.blocks_needed(1 + room)
+                and self.kv.num_free_pages >= len(self.running) + self.kv.pages_needed(1 + room)
                 and self.kv.allocate_slots(request, 1 + room)
             ):
                 requests.append(request)
@@ -208,8 +208,8 @@ class Scheduler:
                 swap_in += pairs
             else:
                 # Prompt logprobs come from computing the prompt: no cached prefix for them.
-                computed = [] if request.prompt_logprobs is not None else self.kv.get_computed_blocks(request)
-                num_cached = len(computed[0]) * self.kv.block_size if computed else 0
+                computed = [] if request.prompt_logprobs is not None else self.kv.get_computed_pages(request)
+                num_cached = len(computed[0]) * self.kv.page_size if computed else 0
                 num_new = min(request.num_tokens - num_cached, budget)
                 if not self.kv.allocate_slots(request, num_new, computed):
                     break
@@ -232,7 +232,7 @@ class Scheduler:
             scheduled,
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=preempted,
-            block_copies=self.kv.take_pending_copies(),
+            page_copies=self.kv.take_pending_copies(),
             swap_out=swap_out,
             swap_in=swap_in,
         )
@@ -269,7 +269,7 @@ class Scheduler:
                 and request.num_tokens + 1 < self.config.max_model_len
             ):
                 ahead.append(request)
-        if not ahead or self.kv.num_free_blocks < 2 * len(ahead):
+        if not ahead or self.kv.num_free_pages < 2 * len(ahead):
             return None
         for request in ahead:  # one more token past the one in flight
             num_new = request.num_tokens - request.num_computed_tokens
@@ -279,7 +279,7 @@ class Scheduler:
             [(r, 1) for r in ahead],
             finished_req_ids=set(),
             preempted_req_ids=set(),
-            block_copies=self.kv.take_pending_copies(),
+            page_copies=self.kv.take_pending_copies(),
             swap_out=[],
             swap_in=[],
         )
@@ -306,7 +306,7 @@ class Scheduler:
                 request.num_prompt_logprobs += len(chunk[0])
             num_sampled = int(runner_output.num_sampled[i])
             if num_sampled == 0:  # mid-prompt: no token yet
-                self.kv.cache_full_blocks(request)
+                self.kv.cache_full_pages(request)
                 continue
             rows = range(ends[i] - num_sampled, ends[i])
             num_drafts += drafted
@@ -320,7 +320,7 @@ class Scheduler:
                 ]
             if not request.append_sampled_tokens:
                 num_generated += 1
-                self.kv.cache_full_blocks(request)
+                self.kv.cache_full_pages(request)
                 outputs.append(EngineCoreOutput(request.request_id, [], top_logprobs=top))
                 continue
             prompt_logprobs = None
@@ -344,9 +344,9 @@ class Scheduler:
             num_generated += len(tokens)
             if drafted:  # the accepted drafts' KV stays
                 request.num_computed_tokens = request.num_tokens - 1
-            if len(request.block_ids) > self.kv.blocks_needed(request.num_tokens):
+            if len(request.page_ids) > self.kv.pages_needed(request.num_tokens):
                 self.kv.trim(request, request.num_tokens)  # pages held for drafts go back
-            self.kv.cache_full_blocks(request)
+            self.kv.cache_full_pages(request)
             if status is not None:
                 self.running.remove(request)
                 self._free_request(request, status)

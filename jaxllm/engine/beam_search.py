@@ -231,11 +231,11 @@ def beam_search(
     for prompt in prompts:
         engine.check_prompt(prompt, SamplingParams(max_tokens=params.max_tokens))
         max_tokens.append(min(params.max_tokens, max_len - len(prompt)))
-        pages.append(width * kv.blocks_needed(len(prompt) + max_tokens[-1]))
-        if pages[-1] > kv.num_blocks:
+        pages.append(width * kv.pages_needed(len(prompt) + max_tokens[-1]))
+        if pages[-1] > kv.num_pages:
             raise ValueError(
                 f"{width} beams of {len(prompt)} + {max_tokens[-1]} tokens need up to {pages[-1]} "
-                f"KV pages but the pool only has {kv.num_blocks}; lower beam_width or max_tokens"
+                f"KV pages but the pool only has {kv.num_pages}; lower beam_width or max_tokens"
             )
 
     ids = itertools.count()
@@ -251,7 +251,7 @@ def beam_search(
                     not active
                     or (
                         (len(active) + 1) * width <= max_num_seqs
-                        and sum(pages[i] for i in active) + pages[queue[0]] <= kv.num_blocks
+                        and sum(pages[i] for i in active) + pages[queue[0]] <= kv.num_pages
                     )
                 ):
                     i = queue.popleft()

@@ -48,14 +48,14 @@ class EngineCore:
         stats: EngineStats | None = None,
         draft: PreparedModel | None = None,
     ):
-        """`model`: its spec and prepared weights (weights/prepare.py); `draft`: the draft model's,
+        """`model`: its model config and prepared weights (weights/prepare.py); `draft`: the draft model's,
         for draft-model speculative decoding."""
         cache = config.cache
         self.kv_cache_manager = KVCacheManager(
-            cache.group_num_blocks,
-            cache.block_size,
+            cache.group_num_pages,
+            cache.page_size,
             enable_prefix_caching=cache.enable_prefix_caching,
-            num_swap_blocks=cache.num_swap_blocks,
+            num_swap_pages=cache.num_swap_pages,
             windows=cache.group_windows,
         )
         spec_decode, proposer = config.speculative, None
@@ -65,7 +65,7 @@ class EngineCore:
             )
         elif spec_decode is not None:
             runner = ModelRunner(
-                dataclasses.replace(config, speculative=None), draft.spec, draft.params, small_params=draft.small_params
+                dataclasses.replace(config, speculative=None), draft.cfg, draft.params, small_params=draft.small_params
             )
             proposer = DraftModelProposer(config, runner, spec_decode.num_speculative_tokens)
         self.scheduler = Scheduler(
@@ -74,7 +74,7 @@ class EngineCore:
             proposer,
             spec_decode.max_seqs(config.scheduler) if spec_decode is not None else 0,
         )
-        self.runner = ModelRunner(config, model.spec, model.params, mesh=mesh, small_params=model.small_params)
+        self.runner = ModelRunner(config, model.cfg, model.params, mesh=mesh, small_params=model.small_params)
         self.stats = stats or EngineStats()
         # Async scheduling (`schedule_ahead`) on one device of one process, without sliding windows.
         self.async_scheduling = (

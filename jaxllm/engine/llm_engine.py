@@ -58,19 +58,19 @@ class LLMEngine:
         )
         args = dataclasses.replace(args, quantization=plan.quantization, small_step_codes=plan.small_step_codes)
         self.config: EngineConfig = resolve_config(
-            args, loaded.spec, loaded.name, available_memory=_available_memory(args), platform=platform.name
+            args, loaded.cfg, loaded.name, available_memory=_available_memory(args), platform=platform.name
         )
         if many_processes:
             # One process keeps its compiled steps in the runner's executable store, which a warm
             # start loads without tracing (runner/executables.py); JAX's persistent cache stays
             # off there, as an executable loaded from it cannot be serialized again.
             compile_mod.enable_persistent_cache(self.config.compilation_cache_dir)
-        self.spec, self.model_name = loaded.spec, self.config.model_name
+        self.cfg, self.model_name = loaded.cfg, self.config.model_name
         model = PreparedModel(
-            loaded.spec,
+            loaded.cfg,
             *prepare_weights(
                 loaded.params,
-                loaded.spec,
+                loaded.cfg,
                 plan,
                 mesh=mesh,
                 tokenizer=loaded.resolve_tokenizer() if plan.smooth else None,
@@ -87,11 +87,11 @@ class LLMEngine:
         self._warm_up(progress, background=self.config.background_compile and not many_processes)
         # The tokenizer may still be loading on its thread: only now (the steps load meanwhile).
         self.tokenizer = loaded.resolve_tokenizer()
-        eos = set(loaded.spec.eos_token_ids)
+        eos = set(loaded.cfg.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
-        self.structured_output = StructuredOutputManager(self.tokenizer, loaded.spec.vocab_size, self.eos_token_ids)
+        self.structured_output = StructuredOutputManager(self.tokenizer, loaded.cfg.vocab_size, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._rng = random.Random(self.config.seed)
         # n > 1: the other choices wait until the first has computed the prompt, then reuse
@@ -145,20 +145,18 @@ class LLMEngine:
             small_step_codes=None if args.small_step_codes else args.small_step_codes,
         )
         draft, plan = load_with_plan(draft_args, platform, None, one_device=True, progress=progress)
-        if draft.spec.vocab_size != self.spec.vocab_size:
+        if draft.cfg.vocab_size != self.cfg.vocab_size:
             raise ValueError(
-                f"the draft model {speculative.model!r} has a vocabulary of {draft.spec.vocab_size} "
-                f"tokens, the target {self.spec.vocab_size}: they must share one"
+                f"the draft model {speculative.model!r} has a vocabulary of {draft.cfg.vocab_size} "
+                f"tokens, the target {self.cfg.vocab_size}: they must share one"
             )
-        if draft.spec.max_position_embeddings < self.config.scheduler.max_model_len:
+        if draft.cfg.max_position_embeddings < self.config.scheduler.max_model_len:
             raise ValueError(
-                f"the draft model's context ({draft.spec.max_position_embeddings}) is shorter than "
+                f"the draft model's context ({draft.cfg.max_position_embeddings}) is shorter than "
                 f"max_model_len ({self.config.scheduler.max_model_len})"
             )
         tokenizer = draft.resolve_tokenizer() if plan.smooth else None
-        return PreparedModel(
-            draft.spec, *prepare_weights(draft.params, draft.spec, plan, tokenizer=tokenizer, log=False)
-        )
+        return PreparedModel(draft.cfg, *prepare_weights(draft.params, draft.cfg, plan, tokenizer=tokenizer, log=False))
 
     # ----- requests -----
     def tokenize(self, prompt: str) -> list[int]:
@@ -281,7 +279,7 @@ class LLMEngine:
                 f"the prompt has {len(prompt_token_ids)} tokens; this model's context (max_model_len) is "
                 f"{max_len}, leaving no room to generate"
             )
-        vocab = self.spec.vocab_size
+        vocab = self.cfg.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")

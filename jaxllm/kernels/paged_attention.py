@@ -9,7 +9,7 @@ of many sequences, each attending causally to its own paged KV cache.
                   [..., head_dim + 4], codes then the f32 scale's bytes, or the same rows of
                   fp8 (E4M3) codes stored as uint8 bit patterns (kv_write.py)
     kv_lens:      [S] int32   tokens in each sequence's cache, this step's included
-    block_tables: [S, pages_per_seq] int32
+    page_tables: [S, pages_per_seq] int32
     cu_q_lens:    [S + 1] int32   sequence s owns rows cu_q_lens[s]:cu_q_lens[s+1] of q
     num_seqs:     int32 scalar, sequences past it are padding
     returns       [T, num_q_heads, head_dim] in q.dtype, padding rows zero
@@ -90,7 +90,7 @@ def _ragged_paged_attention_kernel(
     tile_q_start_ref,  # [num_tiles] int32, first token of the tile within its sequence
     cu_q_lens_ref,  # [S + 1] int32
     kv_lens_ref,  # [S] int32
-    block_tables_ref,  # [S, pages_per_seq_padded] int32
+    page_tables_ref,  # [S, pages_per_seq_padded] int32
     q_ref,  # [(T + tile_q) * group, head_dim] of this KV head
     k_pages_ref,  # [num_pages, page_size, head_dim] of this KV head
     v_pages_ref,  # [num_pages, page_size, head_dim] of this KV head
@@ -136,7 +136,7 @@ def _ragged_paged_attention_kernel(
 
         def body(i, carry):
             m, l, acc = carry
-            page_ids = block_tables_ref[seq, pl.ds(i * pages_per_tile, pages_per_tile)]
+            page_ids = page_tables_ref[seq, pl.ds(i * pages_per_tile, pages_per_tile)]
             k = _load_rows(k_pages_ref, page_ids, head_dim).reshape(tile_keys, head_dim)
             v = _load_rows(v_pages_ref, page_ids, head_dim).reshape(tile_keys, head_dim)
             s = pltriton.dot(q, k, trans_b=True, precision=precision) * sm_scale  # [tile_rows, tile_keys] f32
@@ -168,11 +168,11 @@ def _ragged_paged_attention_kernel(
         pltriton.store(o_ref.at[rows, :], o.astype(o_ref.dtype), mask=row_valid[:, None])
 
 
-def check_shapes(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens) -> None:
+def check_shapes(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens) -> None:
     """The contract's shapes (module docstring), checked for every GPU kernel: ValueError if not."""
     _, num_q_heads, head_dim = q.shape
     num_kv_heads, _, _, row = k_pages.shape
-    num_seqs_max = block_tables.shape[0]
+    num_seqs_max = page_tables.shape[0]
     if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
         raise ValueError(
             f"k_pages {k_pages.shape} {k_pages.dtype} and v_pages {v_pages.shape} {v_pages.dtype} must match"
@@ -183,7 +183,7 @@ def check_shapes(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens) -> None:
         raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
     if kv_lens.shape != (num_seqs_max,) or cu_q_lens.shape != (num_seqs_max + 1,):
         raise ValueError(
-            f"kv_lens {kv_lens.shape} / cu_q_lens {cu_q_lens.shape} do not match block_tables {block_tables.shape}"
+            f"kv_lens {kv_lens.shape} / cu_q_lens {cu_q_lens.shape} do not match page_tables {page_tables.shape}"
         )
 
 
@@ -225,7 +225,7 @@ def ragged_paged_attention(
     k_pages,
     v_pages,
     kv_lens,
-    block_tables,
+    page_tables,
     cu_q_lens,
     num_seqs,
     *,
@@ -243,10 +243,10 @@ def ragged_paged_attention(
     Static tuning knobs: `tile_rows` query rows per program (tokens x padded group),
     `tile_keys` keys per inner step (rounded to whole pages).
     """
-    check_shapes(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens)
+    check_shapes(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
-    num_seqs_max, pages_per_seq = block_tables.shape
+    num_seqs_max, pages_per_seq = page_tables.shape
     if not _is_pow2(head_dim) or head_dim < 16:
         raise ValueError(f"head_dim {head_dim} must be a power of two >= 16 (Triton tiles)")
     if not _is_pow2(page_size):
@@ -280,7 +280,7 @@ def ragged_paged_attention(
     qg = jnp.pad(qg, ((0, tile_q), (0, 0), (0, group_pad - group), (0, 0)))
     qg = qg.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
     pad_pages = -pages_per_seq % pages_per_tile
-    block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pad_pages)))
+    page_tables = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, pad_pages)))
 
     kernel = functools.partial(
         _ragged_paged_attention_kernel,
@@ -307,7 +307,7 @@ def ragged_paged_attention(
             whole(tile_q_start),
             whole(cu_q_lens),
             whole(kv_lens),
-            whole(block_tables),
+            whole(page_tables),
             per_kv_head(qg),
             per_kv_head(k_pages),
             per_kv_head(v_pages),
@@ -322,7 +322,7 @@ def ragged_paged_attention(
         tile_q_start,
         cu_q_lens.astype(jnp.int32),
         kv_lens.astype(jnp.int32),
-        block_tables,
+        page_tables,
         qg,
         k_pages,
         v_pages,

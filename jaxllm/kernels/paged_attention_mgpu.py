@@ -15,7 +15,7 @@ each K/V page is read once per KV head (GQA). A tile holds `64 // group` consecu
 one sequence. Before the kernel, `jnp` ops number the tiles (`tile_seq`, `tile_q_start`) and
 gather q into `[num_kv_heads, num_tiles, 64, head_dim]`; after it, the tokens' rows are
 gathered back from the per-tile output, so the kernel never stores a partial tile. The grid is
-(num_kv_heads, num_tiles). Each program copies its q tile and its sequence's block-table row
+(num_kv_heads, num_tiles). Each program copies its q tile and its sequence's page-table row
 (in copies of at most 256 entries, TMA's limit along a dimension) into shared memory (so a
 page id is a shared-memory read), then walks the sequence's key blocks (`block_kv` keys =
 whole pages, one TMA copy per page) through a ring of `stages` shared-memory slots: block
@@ -46,7 +46,7 @@ from jaxllm.kernels.paged_attention import check_shapes, query_tiles
 NEG_INF = -1e30
 BLOCK_Q = 64  # query rows per program: one warpgroup's MMA height
 SWIZZLE = 128  # bytes: shared-memory swizzle of every MMA operand
-TABLE_CHUNK = 256  # block-table entries per TMA copy (a copy moves at most 256 along a dimension)
+TABLE_CHUNK = 256  # page-table entries per TMA copy (a copy moves at most 256 along a dimension)
 
 
 def unsupported(q_shape, cache_dtype, page_size: int) -> str | None:
@@ -67,7 +67,7 @@ def _kernel(
     tile_q_start_ref,
     cu_q_lens_ref,
     kv_lens_ref,
-    block_tables_ref,
+    page_tables_ref,
     q_ref,
     k_ref,
     v_ref,
@@ -127,7 +127,7 @@ def _kernel(
         width = min(table_smem.shape[0], TABLE_CHUNK)
         for c in range(table_smem.shape[0] // width):  # the row in copies of <= TABLE_CHUNK entries
             cols = pl.ds(c * width, width)
-            plgpu.copy_gmem_to_smem(block_tables_ref.at[seq, cols], table_smem.at[cols], table_bar.at[0])
+            plgpu.copy_gmem_to_smem(page_tables_ref.at[seq, cols], table_smem.at[cols], table_bar.at[0])
         q_start = cu_q_lens_ref[seq]
         q_len = cu_q_lens_ref[seq + 1] - q_start
         kv_len = kv_lens_ref[seq]
@@ -209,7 +209,7 @@ def ragged_paged_attention_mgpu(
     k_pages,
     v_pages,
     kv_lens,
-    block_tables,
+    page_tables,
     cu_q_lens,
     num_seqs,
     *,
@@ -222,10 +222,10 @@ def ragged_paged_attention_mgpu(
 ):
     """Ragged paged attention (shapes: `paged_attention.py`). Static knobs: `block_kv` keys per
     pipeline step (whole pages, a multiple of 64), `stages` shared-memory slots in the ring."""
-    check_shapes(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens)
+    check_shapes(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
-    num_seqs_max, pages_per_seq = block_tables.shape
+    num_seqs_max, pages_per_seq = page_tables.shape
     if (why := unsupported(q.shape, k_pages.dtype, page_size)) is not None:
         raise ValueError(f"the Mosaic GPU kernel does not serve a {why}")
     group = num_q_heads // num_kv_heads
@@ -262,7 +262,7 @@ def ragged_paged_attention_mgpu(
     if pages_per_seq + pad_pages > TABLE_CHUNK:  # copied in whole chunks
         pad_pages += -(pages_per_seq + pad_pages) % TABLE_CHUNK
     table_copies = max(1, (pages_per_seq + pad_pages) // TABLE_CHUNK)
-    block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pad_pages)))
+    page_tables = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, pad_pages)))
     tiling = plgpu.TilingTransform((8, SWIZZLE // dtype.itemsize))
     smem = functools.partial(plgpu.SMEM, dtype=dtype, transforms=(tiling, plgpu.SwizzleTransform(SWIZZLE)))
     kernel = functools.partial(
@@ -293,7 +293,7 @@ def ragged_paged_attention_mgpu(
         ],
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=_interpret_params() if interpret else None,
-    )(tile_seq, tile_q_start, cu_q_lens, kv_lens.astype(jnp.int32), block_tables, qg, k_pages, v_pages)
+    )(tile_seq, tile_q_start, cu_q_lens, kv_lens.astype(jnp.int32), page_tables, qg, k_pages, v_pages)
 
     # Back to [T, num_q_heads, head_dim]: token t of sequence s is row ((t - cu[s]) % tile_q) *
     # group_pad + g of tile tiles_start[s] + (t - cu[s]) // tile_q.

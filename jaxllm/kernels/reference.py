@@ -5,7 +5,7 @@ Contract shared with the Pallas kernel (`paged_attention.py`):
     q:            [T, num_q_heads, head_dim]     (rows past cu_q_lens[num_seqs] are padding)
     k_pages:      [num_kv_heads, num_pages, page_size, head_dim]   (same for v_pages)
     kv_lens:      [S] int32   tokens in each sequence's cache, this step's included
-    block_tables: [S, pages_per_seq] int32
+    page_tables: [S, pages_per_seq] int32
     cu_q_lens:    [S + 1] int32   sequence s owns rows cu_q_lens[s]:cu_q_lens[s+1] of q
     num_seqs:     int32 scalar, sequences past it are padding
 
@@ -43,7 +43,7 @@ def ragged_paged_attention_reference(
     k_pages,
     v_pages,
     kv_lens,
-    block_tables,
+    page_tables,
     cu_q_lens,
     num_seqs,
     *,
@@ -62,9 +62,9 @@ def ragged_paged_attention_reference(
     valid = t < cu_q_lens[num_seqs]
     q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
     q_pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])  # [T]
-    ctx = block_tables.shape[1] * page_size
-    k = k_pages[:, block_tables[seq]].reshape(num_kv_heads, num_tokens, ctx, head_dim)
-    v = v_pages[:, block_tables[seq]].reshape(num_kv_heads, num_tokens, ctx, head_dim)
+    ctx = page_tables.shape[1] * page_size
+    k = k_pages[:, page_tables[seq]].reshape(num_kv_heads, num_tokens, ctx, head_dim)
+    v = v_pages[:, page_tables[seq]].reshape(num_kv_heads, num_tokens, ctx, head_dim)
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
     s = jnp.einsum("tkgd,ktcd->tkgc", qg, k.astype(jnp.float32)) * sm_scale
     k_pos = jnp.arange(ctx, dtype=jnp.int32)

@@ -24,7 +24,7 @@ def paged_attention_rows(
     q_rows,
     k_pages,
     v_pages,
-    block_tables,
+    page_tables,
     kv_lens,
     q_lens,
     *,
@@ -37,7 +37,7 @@ def paged_attention_rows(
     """Attention for rows of at most `row_tokens` query tokens of one sequence each.
 
     q_rows:       [R, row_tokens, num_q_heads, head_dim] f32
-    block_tables: [R, pages_per_seq] int32
+    page_tables: [R, pages_per_seq] int32
     kv_lens:      [R] int32  cache length of the row's sequence up to its last query token
     q_lens:       [R] int32  real query tokens in the row (0 for a padding row)
     Returns [R, row_tokens, num_q_heads, head_dim] f32; padding rows and tokens are zeros.
@@ -58,7 +58,7 @@ def paged_attention_rows(
                     q_rows[i : i + rows_per_part],
                     k_pages,
                     v_pages,
-                    block_tables[i : i + rows_per_part],
+                    page_tables[i : i + rows_per_part],
                     kv_lens[i : i + rows_per_part],
                     q_lens[i : i + rows_per_part],
                     **kw,
@@ -66,20 +66,20 @@ def paged_attention_rows(
                 for i in range(0, q_rows.shape[0], rows_per_part)
             ]
         )
-    q_rows, k_pages, v_pages, block_tables, kv_lens, q_lens = map(
-        jnp.asarray, (q_rows, k_pages, v_pages, block_tables, kv_lens, q_lens)
+    q_rows, k_pages, v_pages, page_tables, kv_lens, q_lens = map(
+        jnp.asarray, (q_rows, k_pages, v_pages, page_tables, kv_lens, q_lens)
     )
     num_rows, row_tokens, num_q_heads, head_dim = q_rows.shape
     num_kv_heads, _, page_size, row = k_pages.shape
     group = num_q_heads // num_kv_heads
     sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
-    pages_per_seq = block_tables.shape[1]
+    pages_per_seq = page_tables.shape[1]
     chunk_pages = min(chunk_pages, pages_per_seq)
     chunk = chunk_pages * page_size
-    # Pad the block table so every chunk is a full slice; the extra entries are masked.
+    # Pad the page table so every chunk is a full slice; the extra entries are masked.
     num_chunks_max = -(-pages_per_seq // chunk_pages)
     pad = num_chunks_max * chunk_pages - pages_per_seq
-    block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
+    page_tables = jnp.pad(page_tables, ((0, 0), (0, pad)))
     dot_dtype = jnp.bfloat16 if k_pages.dtype in (jnp.uint16, jnp.bfloat16) else jnp.float32
 
     # [kv_heads, R, group * row_tokens, head_dim]: query heads of one KV head and a row's tokens
@@ -95,9 +95,9 @@ def paged_attention_rows(
 
     def body(i, carry):
         m, l, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(block_tables, i * chunk_pages, chunk_pages, axis=1)
+        pages = jax.lax.dynamic_slice_in_dim(page_tables, i * chunk_pages, chunk_pages, axis=1)
         # Gather whole pages as flat [page_size * row] slabs, without bounds handling
-        # (block tables only hold valid ids): 3x faster than indexing the 4-D pool on XLA:CPU.
+        # (page tables only hold valid ids): 3x faster than indexing the 4-D pool on XLA:CPU.
         chunk_rows = (num_kv_heads, num_rows, chunk, row)
         k = logical_pages(k_slabs.at[:, pages].get(mode="promise_in_bounds").reshape(chunk_rows))
         v = logical_pages(v_slabs.at[:, pages].get(mode="promise_in_bounds").reshape(chunk_rows))
@@ -126,13 +126,13 @@ def paged_attention_rows(
     return o.reshape(num_rows, row_tokens, num_q_heads, head_dim)
 
 
-def ragged_to_rows(q_lens, kv_lens, block_tables, *, num_tokens, num_rows, row_tokens):
+def ragged_to_rows(q_lens, kv_lens, page_tables, *, num_tokens, num_rows, row_tokens):
     """Host side: regroup ragged sequences into rows of at most `row_tokens` query tokens.
 
     q_lens, kv_lens: [S] ints of real sequences (in the order their tokens sit in q);
-    block_tables: [S, pages_per_seq]. Returns numpy arrays for `paged_attention_rows`:
+    page_tables: [S, pages_per_seq]. Returns numpy arrays for `paged_attention_rows`:
     `token_idx [num_rows, row_tokens]` (index into q; `num_tokens` marks padding),
-    `block_tables [num_rows, pages_per_seq]`, `kv_lens [num_rows]`, `q_lens [num_rows]`.
+    `page_tables [num_rows, pages_per_seq]`, `kv_lens [num_rows]`, `q_lens [num_rows]`.
     Raises ValueError when the rows do not fit in `num_rows`.
     """
     q_lens = np.asarray(q_lens, np.int64)
@@ -151,8 +151,8 @@ def ragged_to_rows(q_lens, kv_lens, block_tables, *, num_tokens, num_rows, row_t
     cols = np.arange(row_tokens)
     real = cols[None, :] < row_q_len[:, None]
     token_idx[:total] = np.where(real, starts[seq][:, None] + row_q_start[:, None] + cols[None, :], num_tokens)
-    out_bt = np.zeros((num_rows, block_tables.shape[1]), np.int32)
-    out_bt[:total] = block_tables[seq]
+    out_bt = np.zeros((num_rows, page_tables.shape[1]), np.int32)
+    out_bt[:total] = page_tables[seq]
     out_kv = np.zeros(num_rows, np.int32)
     # A row ends at its last token, so its cache length stops there (causality within the chunk
     # is then the same mask as for the whole sequence).

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.models.decoder import ModelSpec
+from jaxllm.models.decoder import ModelConfig
 from jaxllm.quantization.checkpoint import QuantizedRows, concat_rows, dense, permute_rows
 
 # Stored `[out, in]` (experts `[E, out, in]`) by HF, `[in, out]` here, in the weight dtype.
@@ -29,7 +29,7 @@ class ModelNotFoundError(FileNotFoundError):
     """The model path, hub id or default model package could not be found."""
 
 
-def build_params(get: Callable[[str, tuple], Any], has: Callable[[str], bool], spec: ModelSpec, dtype: str) -> dict:
+def build_params(get: Callable[[str, tuple], Any], has: Callable[[str], bool], cfg: ModelConfig, dtype: str) -> dict:
     """Fuse weights given in HF names and layout into the decoder.py params pytree.
 
     get(name, shape) returns the tensor (numpy, or a jax array on the CPU) checked to have
@@ -38,27 +38,25 @@ def build_params(get: Callable[[str, tuple], Any], has: Callable[[str], bool], s
     is the LM head) and are dequantized elsewhere. has(name) says whether the checkpoint holds
     `name`. Fusing happens in numpy, and each result is put on the default device once.
     """
-    read = _Reader(get, has, spec)
-    layer_fn, prefix, embed, final_norm, lm_head = _FAMILIES.get(spec.architecture, _FAMILIES["llama"])
-    h = spec.hidden_size
-    top = {"embed": read.tensor(embed + ".weight", (spec.vocab_size, h))}
-    if isinstance(top["embed"], QuantizedRows) and not spec.tie_word_embeddings:
+    read = _Reader(get, has, cfg)
+    layer_fn, prefix, embed, final_norm, lm_head = _FAMILIES.get(cfg.architecture, _FAMILIES["llama"])
+    h = cfg.hidden_size
+    top = {"embed": read.tensor(embed + ".weight", (cfg.vocab_size, h))}
+    if isinstance(top["embed"], QuantizedRows) and not cfg.tie_word_embeddings:
         top["embed"] = dense(top["embed"])
-    read.norm(
-        top, "final_norm", final_norm, bias=spec.norm == "layer", plus_one=spec.architecture == "Gemma3ForCausalLM"
-    )
-    if spec.position == "learned":  # OPT: 2 extra rows first (position p is row p + 2)
-        pos = dense(read.tensor("model.decoder.embed_positions.weight", (spec.max_position_embeddings + 2, h)))
+    read.norm(top, "final_norm", final_norm, bias=cfg.norm == "layer", plus_one=cfg.architecture == "Gemma3ForCausalLM")
+    if cfg.position == "learned":  # OPT: 2 extra rows first (position p is row p + 2)
+        pos = dense(read.tensor("model.decoder.embed_positions.weight", (cfg.max_position_embeddings + 2, h)))
         top["pos_embed"] = pos[2:]
-    if not spec.tie_word_embeddings:
+    if not cfg.tie_word_embeddings:
         if not has(lm_head + ".weight"):
             raise ValueError(f"checkpoint has no {lm_head}.weight and tie_word_embeddings is false")
-        top["lm_head"] = read.matrix((lm_head + ".weight", spec.vocab_size))
+        top["lm_head"] = read.matrix((lm_head + ".weight", cfg.vocab_size))
     wdtype = jnp.dtype(dtype)
     params = {name: _finish(name, x, wdtype) for name, x in top.items()}
     params["layers"] = [
-        {name: _finish(name, x, wdtype) for name, x in layer_fn(read, f"{prefix}{i}.", spec, i).items()}
-        for i in range(spec.num_layers)
+        {name: _finish(name, x, wdtype) for name, x in layer_fn(read, f"{prefix}{i}.", cfg, i).items()}
+        for i in range(cfg.num_layers)
     ]
     return params
 
@@ -79,15 +77,15 @@ def _finish(name: str, x, wdtype):
 class _Reader:
     """Reads tensors as numpy; `matrix` concatenates `[out_i, in]` parts along out."""
 
-    def __init__(self, get, has, spec: ModelSpec):
-        self.get, self.has, self.spec = get, has, spec
+    def __init__(self, get, has, cfg: ModelConfig):
+        self.get, self.has, self.cfg = get, has, cfg
 
     def tensor(self, name: str, shape: tuple):
         x = self.get(name, tuple(shape))
         return x if isinstance(x, QuantizedRows) else np.asarray(x)
 
     def matrix(self, *parts: tuple[str, int], in_dim: int | None = None):
-        in_dim = self.spec.hidden_size if in_dim is None else in_dim
+        in_dim = self.cfg.hidden_size if in_dim is None else in_dim
         return concat_rows([self.tensor(name, (out, in_dim)) for name, out in parts])
 
     def vector(self, *parts: tuple[str, int]) -> np.ndarray:
@@ -95,41 +93,41 @@ class _Reader:
 
     def norm(self, out: dict, key: str, name: str, bias: bool = False, plus_one: bool = False) -> None:
         """out[key] (and out[key + "_bias"]) from the norm `name` (`.weight`, `.bias`)."""
-        h = self.spec.hidden_size
+        h = self.cfg.hidden_size
         out[key] = self.vector((name + ".weight", h)) + (1.0 if plus_one else 0.0)
         if bias:
             out[key + "_bias"] = self.vector((name + ".bias", h))
 
 
-def _split_heads(w, spec: ModelSpec):
+def _split_heads(w, cfg: ModelConfig):
     """Rows of a fused QKV laid out per KV head `[kv_heads, q_per_kv + 2, head_dim, ...]` (its
     q heads, then k, v: GPT-NeoX's and Falcon's layout; for multi-query that is `[q; k; v]`)
     -> `[q; k; v]`."""
     if isinstance(w, QuantizedRows):
-        return permute_rows(w, lambda rows: _split_heads(rows, spec))
-    groups, q_per_group = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads
-    g = w.reshape(groups, q_per_group + 2, spec.head_dim, *w.shape[1:])
-    q = g[:, :q_per_group].reshape(spec.q_size, *w.shape[1:])
-    k = g[:, q_per_group].reshape(spec.kv_size, *w.shape[1:])
-    v = g[:, q_per_group + 1].reshape(spec.kv_size, *w.shape[1:])
+        return permute_rows(w, lambda rows: _split_heads(rows, cfg))
+    groups, q_per_group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    g = w.reshape(groups, q_per_group + 2, cfg.head_dim, *w.shape[1:])
+    q = g[:, :q_per_group].reshape(cfg.q_size, *w.shape[1:])
+    k = g[:, q_per_group].reshape(cfg.kv_size, *w.shape[1:])
+    v = g[:, q_per_group + 1].reshape(cfg.kv_size, *w.shape[1:])
     return np.concatenate([q, k, v])
 
 
 # ----------------------------------------------------------------------------- Llama-like families
 
 
-def _llama_layer(read: _Reader, p: str, spec: ModelSpec, index: int) -> dict:
-    h, q, kv, hd = spec.hidden_size, spec.q_size, spec.kv_size, spec.head_dim
-    gemma = spec.architecture == "Gemma3ForCausalLM"
+def _llama_layer(read: _Reader, p: str, cfg: ModelConfig, index: int) -> dict:
+    h, q, kv, hd = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.head_dim
+    gemma = cfg.architecture == "Gemma3ForCausalLM"
     out: dict = {}
     read.norm(out, "attn_norm", p + "input_layernorm", plus_one=gemma)
     if read.has(p + "self_attn.qkv_proj.weight"):  # Phi-3
         out["wqkv"] = read.matrix((p + "self_attn.qkv_proj.weight", q + 2 * kv))
     else:
         out["wqkv"] = read.matrix(*((p + f"self_attn.{x}_proj.weight", n) for x, n in (("q", q), ("k", kv), ("v", kv))))
-    if spec.qkv_bias:
+    if cfg.qkv_bias:
         out["bqkv"] = read.vector(*((p + f"self_attn.{x}_proj.bias", n) for x, n in (("q", q), ("k", kv), ("v", kv))))
-    if spec.qk_norm:
+    if cfg.qk_norm:
         out["q_norm"] = read.vector((p + "self_attn.q_norm.weight", hd)) + (1.0 if gemma else 0.0)
         out["k_norm"] = read.vector((p + "self_attn.k_norm.weight", hd)) + (1.0 if gemma else 0.0)
     out["wo"] = read.matrix((p + "self_attn.o_proj.weight", h), in_dim=q)
@@ -139,10 +137,10 @@ def _llama_layer(read: _Reader, p: str, spec: ModelSpec, index: int) -> dict:
         read.norm(out, "post_mlp_norm", p + "post_feedforward_layernorm", plus_one=True)
     else:
         read.norm(out, "mlp_norm", p + "post_attention_layernorm")
-    if spec.is_moe(index):
-        out.update(_experts(read, p, spec))
+    if cfg.is_moe(index):
+        out.update(_experts(read, p, cfg))
         return out
-    ff = spec.intermediate_size
+    ff = cfg.intermediate_size
     if read.has(p + "mlp.gate_up_proj.weight"):  # Phi-3
         out["w_gate_up"] = read.matrix((p + "mlp.gate_up_proj.weight", 2 * ff))
     else:
@@ -151,11 +149,11 @@ def _llama_layer(read: _Reader, p: str, spec: ModelSpec, index: int) -> dict:
     return out
 
 
-def _experts(read: _Reader, p: str, spec: ModelSpec) -> dict:
+def _experts(read: _Reader, p: str, cfg: ModelConfig) -> dict:
     """Router and stacked expert weights, from Mixtral's `block_sparse_moe.experts.E.w1/w3/w2`,
     Qwen3-MoE's `mlp.experts.E.gate_proj/up_proj/down_proj`, or fused `mlp.experts.gate_up_proj`
     `[E, 2F, hidden]` and `down_proj` `[E, hidden, F]`."""
-    h, ff, num = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
+    h, ff, num = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     mixtral = read.has(p + "block_sparse_moe.gate.weight")
     base = p + ("block_sparse_moe." if mixtral else "mlp.")
     out = {"router": dense(read.tensor(base + "gate.weight", (num, h)))}
@@ -180,8 +178,8 @@ def _experts(read: _Reader, p: str, spec: ModelSpec) -> dict:
 # ----------------------------------------------------------------------------- OPT, GPT-NeoX, Falcon
 
 
-def _opt_layer(read: _Reader, p: str, spec: ModelSpec, index: int) -> dict:
-    h, q, kv, ff = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
+def _opt_layer(read: _Reader, p: str, cfg: ModelConfig, index: int) -> dict:
+    h, q, kv, ff = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
     a = p + "self_attn."
     out = {
         "wqkv": read.matrix((a + "q_proj.weight", q), (a + "k_proj.weight", kv), (a + "v_proj.weight", kv)),
@@ -189,7 +187,7 @@ def _opt_layer(read: _Reader, p: str, spec: ModelSpec, index: int) -> dict:
         "w_up": read.matrix((p + "fc1.weight", ff)),
         "w_down": read.matrix((p + "fc2.weight", h), in_dim=ff),
     }
-    if spec.qkv_bias:
+    if cfg.qkv_bias:
         out.update(
             bqkv=read.vector((a + "q_proj.bias", q), (a + "k_proj.bias", kv), (a + "v_proj.bias", kv)),
             bo=read.vector((a + "out_proj.bias", h)),
@@ -201,39 +199,39 @@ def _opt_layer(read: _Reader, p: str, spec: ModelSpec, index: int) -> dict:
     return out
 
 
-def _gpt_neox_layer(read: _Reader, p: str, spec: ModelSpec, index: int) -> dict:
-    h, q, ff = spec.hidden_size, spec.q_size, spec.intermediate_size
+def _gpt_neox_layer(read: _Reader, p: str, cfg: ModelConfig, index: int) -> dict:
+    h, q, ff = cfg.hidden_size, cfg.q_size, cfg.intermediate_size
     a = p + "attention."
     qkv = read.tensor(a + "query_key_value.weight", (3 * q, h))
     out = {
-        "wqkv": _split_heads(qkv, spec),
+        "wqkv": _split_heads(qkv, cfg),
         "wo": read.matrix((a + "dense.weight", h), in_dim=q),
         "w_up": read.matrix((p + "mlp.dense_h_to_4h.weight", ff)),
         "b_up": read.vector((p + "mlp.dense_h_to_4h.bias", ff)),
         "w_down": read.matrix((p + "mlp.dense_4h_to_h.weight", h), in_dim=ff),
         "b_down": read.vector((p + "mlp.dense_4h_to_h.bias", h)),
     }
-    if spec.qkv_bias:
-        out["bqkv"] = _split_heads(read.vector((a + "query_key_value.bias", 3 * q)), spec)
+    if cfg.qkv_bias:
+        out["bqkv"] = _split_heads(read.vector((a + "query_key_value.bias", 3 * q)), cfg)
         out["bo"] = read.vector((a + "dense.bias", h))
     read.norm(out, "attn_norm", p + "input_layernorm", bias=True)
     read.norm(out, "mlp_norm", p + "post_attention_layernorm", bias=True)
     return out
 
 
-def _falcon_layer(read: _Reader, p: str, spec: ModelSpec, index: int) -> dict:
-    h, q, kv, ff = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
+def _falcon_layer(read: _Reader, p: str, cfg: ModelConfig, index: int) -> dict:
+    h, q, kv, ff = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
     a = p + "self_attention."
     qkv = read.tensor(a + "query_key_value.weight", (q + 2 * kv, h))
     out = {
-        "wqkv": _split_heads(qkv, spec),
+        "wqkv": _split_heads(qkv, cfg),
         "wo": read.matrix((a + "dense.weight", h), in_dim=q),
         "w_up": read.matrix((p + "mlp.dense_h_to_4h.weight", ff)),
         "w_down": read.matrix((p + "mlp.dense_4h_to_h.weight", h), in_dim=ff),
     }
-    if spec.qkv_bias:
+    if cfg.qkv_bias:
         out.update(
-            bqkv=_split_heads(read.vector((a + "query_key_value.bias", q + 2 * kv)), spec),
+            bqkv=_split_heads(read.vector((a + "query_key_value.bias", q + 2 * kv)), cfg),
             bo=read.vector((a + "dense.bias", h)),
             b_up=read.vector((p + "mlp.dense_h_to_4h.bias", ff)),
             b_down=read.vector((p + "mlp.dense_4h_to_h.bias", h)),
@@ -247,7 +245,7 @@ def _falcon_layer(read: _Reader, p: str, spec: ModelSpec, index: int) -> dict:
         read.norm(
             out,
             "mlp_norm",
-            p + ("input_layernorm" if spec.parallel_residual else "post_attention_layernorm"),
+            p + ("input_layernorm" if cfg.parallel_residual else "post_attention_layernorm"),
             bias=True,
         )
     return out

@@ -1,8 +1,8 @@
 """One decoder for every supported family, as pure JAX functions over a params pytree.
 
-The families differ only in data (`ModelSpec`, built from the HF config by `registry.py`):
+The families differ only in data (`ModelConfig`, built from the HF config by `registry.py`):
 
-| what                        | spec field                   | families                               |
+| what                        | cfg field                   | families                               |
 |-----------------------------|------------------------------|----------------------------------------|
 | RMSNorm / LayerNorm + bias  | `norm`                       | LayerNorm: OPT, GPT-NeoX, Falcon       |
 | gated MLP (act(gate) * up)  | `gated_mlp`, `hidden_act`    | not gated: OPT (relu), NeoX/Falcon (gelu) |
@@ -46,7 +46,7 @@ through `linear.apply(w, x)`: what a weight is (a float array, C++ panels, quant
 was decided once by the weight plan (jaxllm/weights/plan.py) and applies itself (models/linear.py).
 
 Sharding: `layout.py` lays the params out for tensor and pipeline parallelism; each shard runs
-this same code with its local spec and `axis` set to the tensor-parallel mesh axis, over which
+this same code with its local cfg and `axis` set to the tensor-parallel mesh axis, over which
 the row-parallel outputs and the embedding are summed (`psum`) and the logits gathered.
 """
 
@@ -70,7 +70,7 @@ ACTIVATIONS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelSpec:
+class ModelConfig:
     """Static shapes and math options of a model (hashable: a jit static arg). The defaults
     are Llama's."""
 
@@ -172,11 +172,11 @@ def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> 
     return centered * jax.lax.rsqrt(jnp.mean(centered * centered, axis=-1, keepdims=True) + eps) * weight + bias
 
 
-def norm(x: jax.Array, params: dict, name: str, spec: ModelSpec) -> jax.Array:
-    """The spec's norm with the weights `params[name]` (and `params[name + "_bias"]`)."""
-    if spec.norm == "layer":
-        return layer_norm(x, params[name], params[name + "_bias"], spec.norm_eps)
-    return rms_norm(x, params[name], spec.norm_eps)
+def norm(x: jax.Array, params: dict, name: str, cfg: ModelConfig) -> jax.Array:
+    """The model config's norm with the weights `params[name]` (and `params[name + "_bias"]`)."""
+    if cfg.norm == "layer":
+        return layer_norm(x, params[name], params[name + "_bias"], cfg.norm_eps)
+    return rms_norm(x, params[name], cfg.norm_eps)
 
 
 def add_norm(
@@ -184,7 +184,7 @@ def add_norm(
     delta: jax.Array | None,
     params: dict,
     name: str,
-    spec: ModelSpec,
+    cfg: ModelConfig,
     rows=None,
     dtype=jnp.float32,
     *,
@@ -195,19 +195,19 @@ def add_norm(
     unfused; `rows`, the real rows, lets it skip a bucket's padding). `dtype`: what the
     consuming GEMM rounds its input to (`linear.input_dtype`), so the rounding happens here,
     once, as it would there."""
-    if spec.norm == "rms" and cpp and x.ndim == 2 and x.dtype == jnp.float32:
+    if cfg.norm == "rms" and cpp and x.ndim == 2 and x.dtype == jnp.float32:
         from jaxllm.kernels import native
 
         if delta is None:
-            return x, native.rms_norm(x, params[name], spec.norm_eps, None, rows, dtype)
-        return native.rms_norm(x, params[name], spec.norm_eps, delta, rows, dtype)
+            return x, native.rms_norm(x, params[name], cfg.norm_eps, None, rows, dtype)
+        return native.rms_norm(x, params[name], cfg.norm_eps, delta, rows, dtype)
     x = x if delta is None else x + delta
-    return x, norm(x, params, name, spec).astype(dtype)
+    return x, norm(x, params, name, cfg).astype(dtype)
 
 
 def rope_tables(positions, inv_freq, xp=jnp):
     """cos, sin `[T, 1, len(inv_freq)]` f32 for positions [T], with `xp` = jnp or numpy
-    (`inv_freq`: `ModelSpec.inv_freq()`, one or two variants side by side).
+    (`inv_freq`: `ModelConfig.inv_freq()`, one or two variants side by side).
 
     The runner computes them on the host (numpy) and passes them in the step inputs
     (`rope_cos`, `rope_sin`): inside the step XLA re-fused sin/cos into every layer's q and k
@@ -238,36 +238,36 @@ def _plus_bias(x: jax.Array, layer: dict, *names: str) -> jax.Array:
     return x
 
 
-def self_attention(layer, k_pages, v_pages, h, inputs, spec: ModelSpec, index: int, attention, axis=None):
+def self_attention(layer, k_pages, v_pages, h, inputs, cfg: ModelConfig, index: int, attention, axis=None):
     """Attention of h [T, hidden] (normed) over the paged cache, after writing this step's
     keys and values. Returns (the output projection before the row-parallel sum, k_pages, v_pages)."""
     num_tokens, rows = h.shape[0], inputs.num_tokens()
     qkv = _plus_bias(linear.apply(layer["wqkv"], h, rows=rows), layer, "bqkv")
-    q = qkv[:, : spec.q_size].reshape(num_tokens, spec.num_heads, spec.head_dim)
-    k = qkv[:, spec.q_size : spec.q_size + spec.kv_size].reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
-    v = qkv[:, spec.q_size + spec.kv_size :].reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
-    if spec.qk_norm:
-        q = rms_norm(q, layer["q_norm"], spec.norm_eps)
-        k = rms_norm(k, layer["k_norm"], spec.norm_eps)
-    if spec.position == "rope":
-        lo = spec.rope_variant(index) * spec.rope_half
-        rope = (inputs.rope_cos[..., lo : lo + spec.rope_half], inputs.rope_sin[..., lo : lo + spec.rope_half])
+    q = qkv[:, : cfg.q_size].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+    k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+    v = qkv[:, cfg.q_size + cfg.kv_size :].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, layer["q_norm"], cfg.norm_eps)
+        k = rms_norm(k, layer["k_norm"], cfg.norm_eps)
+    if cfg.position == "rope":
+        lo = cfg.rope_variant(index) * cfg.rope_half
+        rope = (inputs.rope_cos[..., lo : lo + cfg.rope_half], inputs.rope_sin[..., lo : lo + cfg.rope_half])
         q = apply_rope(q, rope)
         k = apply_rope(k, rope)
-    if spec.window(index) is not None and inputs.window_block_tables is not None:
+    if cfg.window(index) is not None and inputs.window_page_tables is not None:
         inputs = inputs.window_view()  # a windowed layer with its own pages (a window KV cache group)
     k_pages, v_pages = attention.write_kv(k_pages, v_pages, k, v, inputs.slot_mapping)
-    o = attention.forward(q, k_pages, v_pages, inputs, sliding_window=spec.window(index), sm_scale=spec.attn_scale)
-    return linear.apply(layer["wo"], o.reshape(num_tokens, spec.q_size), axis=axis, rows=rows), k_pages, v_pages
+    o = attention.forward(q, k_pages, v_pages, inputs, sliding_window=cfg.window(index), sm_scale=cfg.attn_scale)
+    return linear.apply(layer["wo"], o.reshape(num_tokens, cfg.q_size), axis=axis, rows=rows), k_pages, v_pages
 
 
-def dense_mlp(layer, h: jax.Array, spec: ModelSpec, axis: str | None = None, rows=None) -> jax.Array:
+def dense_mlp(layer, h: jax.Array, cfg: ModelConfig, axis: str | None = None, rows=None) -> jax.Array:
     """The MLP of h [T, hidden] before the row-parallel sum (and before the output bias);
     `rows`: h's real rows (see `linear.apply`)."""
-    act = ACTIVATIONS[spec.hidden_act]
-    if spec.gated_mlp and spec.hidden_act == "silu" and "b_gate_up" not in layer:
+    act = ACTIVATIONS[cfg.hidden_act]
+    if cfg.gated_mlp and cfg.hidden_act == "silu" and "b_gate_up" not in layer:
         a = linear.apply(layer["w_gate_up"], h, rows=rows, swiglu=True)
-    elif spec.gated_mlp:
+    elif cfg.gated_mlp:
         gate, up = jnp.split(_plus_bias(linear.apply(layer["w_gate_up"], h, rows=rows), layer, "b_gate_up"), 2, axis=-1)
         a = act(gate) * up
     else:
@@ -275,10 +275,10 @@ def dense_mlp(layer, h: jax.Array, spec: ModelSpec, axis: str | None = None, row
     return linear.apply(layer["w_down"], a, axis=axis, rows=rows)
 
 
-def mlp(layer, h: jax.Array, spec: ModelSpec, index: int, axis: str | None = None, rows=None) -> jax.Array:
-    if spec.is_moe(index):
-        return moe.moe_mlp(layer, h, spec, ACTIVATIONS[spec.hidden_act])
-    return dense_mlp(layer, h, spec, axis, rows)
+def mlp(layer, h: jax.Array, cfg: ModelConfig, index: int, axis: str | None = None, rows=None) -> jax.Array:
+    if cfg.is_moe(index):
+        return moe.moe_mlp(layer, h, cfg, ACTIVATIONS[cfg.hidden_act])
+    return dense_mlp(layer, h, cfg, axis, rows)
 
 
 def decoder_layer(
@@ -287,7 +287,7 @@ def decoder_layer(
     v_pages,
     x,
     inputs,
-    spec: ModelSpec,
+    cfg: ModelConfig,
     *,
     index: int,
     attention,
@@ -298,33 +298,33 @@ def decoder_layer(
     `attention`: its `AttentionBackend`, `axis`: the tensor-parallel mesh axis when run per
     shard, `cpp_ops`: norms in C++, `Platform.cpp_ops`). Returns (x, k_pages, v_pages)."""
     rows = inputs.num_tokens()
-    mlp_dtype = jnp.float32 if spec.is_moe(index) else linear.input_dtype(layer.get("w_gate_up", layer.get("w_up")))
-    _, h = add_norm(x, None, layer, "attn_norm", spec, rows, linear.input_dtype(layer["wqkv"]), cpp=cpp_ops)
-    attn, k_pages, v_pages = self_attention(layer, k_pages, v_pages, h, inputs, spec, index, attention, axis)
-    if spec.parallel_residual:  # one sum over the shards for both branches
+    mlp_dtype = jnp.float32 if cfg.is_moe(index) else linear.input_dtype(layer.get("w_gate_up", layer.get("w_up")))
+    _, h = add_norm(x, None, layer, "attn_norm", cfg, rows, linear.input_dtype(layer["wqkv"]), cpp=cpp_ops)
+    attn, k_pages, v_pages = self_attention(layer, k_pages, v_pages, h, inputs, cfg, index, attention, axis)
+    if cfg.parallel_residual:  # one sum over the shards for both branches
         out = attn + mlp(
-            layer, add_norm(x, None, layer, "mlp_norm", spec, rows, mlp_dtype, cpp=cpp_ops)[1], spec, index, axis, rows
+            layer, add_norm(x, None, layer, "mlp_norm", cfg, rows, mlp_dtype, cpp=cpp_ops)[1], cfg, index, axis, rows
         )
         return x + _plus_bias(_reduce(out, axis), layer, "bo", "b_down"), k_pages, v_pages
     attn = _plus_bias(_reduce(attn, axis), layer, "bo")
-    if spec.sandwich_norm:
-        attn = norm(attn, layer, "post_attn_norm", spec)
-    x, h = add_norm(x, attn, layer, "mlp_norm", spec, rows, mlp_dtype, cpp=cpp_ops)
-    out = mlp(layer, h, spec, index, axis, rows)
+    if cfg.sandwich_norm:
+        attn = norm(attn, layer, "post_attn_norm", cfg)
+    x, h = add_norm(x, attn, layer, "mlp_norm", cfg, rows, mlp_dtype, cpp=cpp_ops)
+    out = mlp(layer, h, cfg, index, axis, rows)
     out = _plus_bias(_reduce(out, axis), layer, "b_down")
-    if spec.sandwich_norm:
-        out = norm(out, layer, "post_mlp_norm", spec)
+    if cfg.sandwich_norm:
+        out = norm(out, layer, "post_mlp_norm", cfg)
     return x + out, k_pages, v_pages
 
 
-def embed(params, token_ids: jax.Array, positions: jax.Array, spec: ModelSpec, axis: str | None = None) -> jax.Array:
+def embed(params, token_ids: jax.Array, positions: jax.Array, cfg: ModelConfig, axis: str | None = None) -> jax.Array:
     """The input rows [T, hidden] f32: token embeddings (scaled by `embed_scale`), plus the
     learned position rows if the model has them. With `axis`, each shard holds a slice of the
     vocabulary and contributes the rows it has (zeros elsewhere), summed over the axis."""
     x = _token_rows(params["embed"], token_ids, axis)
-    if spec.embed_scale != 1.0:
-        x = x * spec.embed_scale
-    if spec.position == "learned":
+    if cfg.embed_scale != 1.0:
+        x = x * cfg.embed_scale
+    if cfg.position == "learned":
         table = params["pos_embed"]
         x = x + table[jnp.clip(positions, 0, table.shape[0] - 1)].astype(jnp.float32)
     return x
@@ -347,23 +347,23 @@ def _token_rows(table, token_ids: jax.Array, axis: str | None) -> jax.Array:
     return jax.lax.psum(x, axis)
 
 
-def forward(params, kv_cache, inputs, spec: ModelSpec, *, attention, axis: str | None = None, cpp_ops: bool = False):
+def forward(params, kv_cache, inputs, cfg: ModelConfig, *, attention, axis: str | None = None, cpp_ops: bool = False):
     """Run the transformer over a flattened ragged batch.
 
     kv_cache: list over layers of `(k_pages, v_pages)`, each
         `[num_kv_heads, num_pages, page_size, head_dim]` (bf16 caches stored as uint16 bits).
     inputs: the step's `StepInputs` (runner/input_batch.py: token ids, positions, slot mapping,
-        RoPE tables, block tables, ...); attention: an `AttentionBackend` (jaxllm/attention/);
+        RoPE tables, page tables, ...); attention: an `AttentionBackend` (jaxllm/attention/);
         cpp_ops: the platform runs norms in C++ (`Platform.cpp_ops`).
     Returns `(hidden [T, hidden] f32, new kv_cache)`. Layers run as an unrolled loop (see
     runner/model_runner.py for why not `lax.scan`) of `shared_decoder_layer` calls. With `axis`,
     this is one tensor-parallel shard's part (see the module docstring).
     """
-    x = embed(params, inputs.token_ids, inputs.positions, spec, axis)
+    x = embed(params, inputs.token_ids, inputs.positions, cfg, axis)
     new_cache = []
     for index, (layer, (k_pages, v_pages)) in enumerate(zip(params["layers"], kv_cache)):
         x, k_pages, v_pages = shared_decoder_layer(
-            layer, k_pages, v_pages, x, inputs, spec, index=index, attention=attention, axis=axis, cpp_ops=cpp_ops
+            layer, k_pages, v_pages, x, inputs, cfg, index=index, attention=attention, axis=axis, cpp_ops=cpp_ops
         )
         new_cache.append((k_pages, v_pages))
     return x, new_cache
@@ -375,7 +375,7 @@ def shared_decoder_layer(
     v_pages,
     x,
     inputs,
-    spec: ModelSpec,
+    cfg: ModelConfig,
     *,
     index: int,
     attention,
@@ -391,39 +391,39 @@ def shared_decoder_layer(
         v_pages,
         x,
         inputs,
-        spec,
-        index=first_of_kind(spec, index),
+        cfg,
+        index=first_of_kind(cfg, index),
         attention=attention,
         axis=axis,
         cpp_ops=cpp_ops,
     )
 
 
-def layer_kind(spec: ModelSpec, index: int) -> tuple:
+def layer_kind(cfg: ModelConfig, index: int) -> tuple:
     """What a layer's step depends on besides its weights: (window, RoPE table, MoE or dense)."""
-    return spec.window(index), spec.rope_variant(index), spec.is_moe(index)
+    return cfg.window(index), cfg.rope_variant(index), cfg.is_moe(index)
 
 
-def first_of_kind(spec: ModelSpec, index: int) -> int:
+def first_of_kind(cfg: ModelConfig, index: int) -> int:
     """The first layer of layer `index`'s kind, which stands for it in traced code."""
-    kind = layer_kind(spec, index)
-    return next(i for i in range(index + 1) if layer_kind(spec, i) == kind)
+    kind = layer_kind(cfg, index)
+    return next(i for i in range(index + 1) if layer_kind(cfg, i) == kind)
 
 
-_decoder_layer_jit = jax.jit(decoder_layer, static_argnames=("spec", "index", "attention", "axis", "cpp_ops"))
+_decoder_layer_jit = jax.jit(decoder_layer, static_argnames=("cfg", "index", "attention", "axis", "cpp_ops"))
 
 
-def compute_logits(params, hidden: jax.Array, spec: ModelSpec, axis: str | None = None, rows=None) -> jax.Array:
+def compute_logits(params, hidden: jax.Array, cfg: ModelConfig, axis: str | None = None, rows=None) -> jax.Array:
     """hidden: [N, hidden] f32 -> logits [N, vocab] f32 (final norm + LM head). With `axis`,
     each shard computes its slice of the vocabulary and the slices are gathered. `rows`: the
     real rows of hidden, the first ones (see `linear.apply`)."""
-    h = norm(hidden, params, "final_norm", spec)
-    if spec.tie_word_embeddings and not hasattr(params["embed"], "apply"):
+    h = norm(hidden, params, "final_norm", cfg)
+    if cfg.tie_word_embeddings and not hasattr(params["embed"], "apply"):
         # A float table [vocab, hidden]: contracted as it is (`jnp.dot(h, embed.T)` materialised
         # the transpose on every call on XLA:CPU, 4-20x slower). Packed or quantized, it is
         # stored as the LM head [hidden, vocab] and applies itself.
         w = params["embed"]
         logits = jnp.einsum("sh,vh->sv", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
     else:
-        logits = linear.apply(params["embed" if spec.tie_word_embeddings else "lm_head"], h, rows=rows)
+        logits = linear.apply(params["embed" if cfg.tie_word_embeddings else "lm_head"], h, rows=rows)
     return logits if axis is None else jax.lax.all_gather(logits, axis, axis=1, tiled=True)

@@ -1,9 +1,9 @@
-"""A GGUF file -> (spec, params, tokenizer).
+"""A GGUF file -> (model config, params, tokenizer).
 
 `read_gguf` is a small reader of the header and tensor table (data stays memory-mapped);
 tensors are dequantized with `gguf.quants.dequantize`, or with `keep_quantized` the matrices
 stay in their blocks' codes and scales (`quantization/gguf_blocks.py`). The metadata becomes an HF-style config
-(`_gguf_spec`), the tensors are renamed to HF names, and what llama.cpp's converter changed is
+(`_gguf_model_config`), the tensors are renamed to HF names, and what llama.cpp's converter changed is
 changed back: the Q/K rows it permutes for its interleaved RoPE ("llama"), Gemma's norms it
 stores as `1 + w`, GPT-NeoX's and Falcon's fused QKV it reorders to `[q; k; v]`, and experts it
 stacks (read as one fused tensor). So `build_params` and one rotate-half RoPE serve GGUF and HF
@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from jaxllm.models.checkpoint import build_params, check_shape, progress_bar
-from jaxllm.models.decoder import ModelSpec
-from jaxllm.models.registry import UnsupportedModelError, spec_from_hf_config
+from jaxllm.models.decoder import ModelConfig
+from jaxllm.models.registry import UnsupportedModelError, model_config_from_hf
 from jaxllm.quantization.checkpoint import dense, permute_rows
 from jaxllm.quantization.gguf_blocks import gguf_rows
 
@@ -221,13 +221,13 @@ def _dequantize(t: GGUFTensor) -> np.ndarray:
         raise UnsupportedModelError(f"tensor {t.name}: {e}") from e
 
 
-def _group_heads(w: np.ndarray, spec: ModelSpec) -> np.ndarray:
+def _group_heads(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     """`[q; k; v]` rows (llama.cpp's fused QKV) -> HF's per-KV-head groups `[kv_heads, q_per_kv
     + 2, head_dim, ...]` (its q heads, then k, v), the layout `checkpoint._split_heads` reads."""
     rest = w.shape[1:]
-    q, k, v = np.split(w, [spec.q_size, spec.q_size + spec.kv_size])
-    q = q.reshape(spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim, *rest)
-    k, v = (t.reshape(spec.num_kv_heads, 1, spec.head_dim, *rest) for t in (k, v))
+    q, k, v = np.split(w, [cfg.q_size, cfg.q_size + cfg.kv_size])
+    q = q.reshape(cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, *rest)
+    k, v = (t.reshape(cfg.num_kv_heads, 1, cfg.head_dim, *rest) for t in (k, v))
     return np.concatenate([q, k, v], axis=1).reshape(w.shape)
 
 
@@ -240,8 +240,8 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_spec(path: str, metadata: dict, tensors: dict[str, GGUFTensor]) -> ModelSpec:
-    """GGUF metadata -> an HF-style config dict -> the spec, built (and checked) by `registry.py`."""
+def _gguf_model_config(path: str, metadata: dict, tensors: dict[str, GGUFTensor]) -> ModelConfig:
+    """GGUF metadata -> an HF-style config dict -> the model config, built (and checked) by `registry.py`."""
     arch = metadata.get("general.architecture")
     if arch not in _GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
@@ -290,18 +290,18 @@ def _gguf_spec(path: str, metadata: dict, tensors: dict[str, GGUFTensor]) -> Mod
         "partial_rotary_factor": rotary / head_dim,
     }
     _family_config(config, arch, md, metadata, tensors, experts)
-    spec = spec_from_hf_config(config)
+    cfg = model_config_from_hf(config)
     if "rope_freqs.weight" in tensors:  # Llama 3.x: scaled frequencies stored as a tensor
         orig_ctx = metadata.get(f"{arch}.rope.scaling.original_context_length")
         config["rope_scaling"] = _llama3_scaling_from_freqs(
-            path, spec, _dequantize(tensors["rope_freqs.weight"]), orig_ctx
+            path, cfg, _dequantize(tensors["rope_freqs.weight"]), orig_ctx
         )
-        spec = spec_from_hf_config(config)
-    return spec
+        cfg = model_config_from_hf(config)
+    return cfg
 
 
 def _family_config(config: dict, arch: str, md, metadata: dict, tensors: dict, experts) -> None:
-    """What each family adds to the HF-style config (`_gguf_spec`), in place: experts, GPT-NeoX's
+    """What each family adds to the HF-style config (`_gguf_model_config`), in place: experts, GPT-NeoX's
     and Falcon's layouts, Phi-3's long RoPE, sliding windows, Gemma 3's fixed choices, RoPE scaling."""
     hidden, num_heads, head_dim = config["hidden_size"], config["num_attention_heads"], config["head_dim"]
     if experts:
@@ -368,7 +368,7 @@ def _token_id(metadata: dict, text: str) -> int | None:
         return None
 
 
-def _llama3_scaling_from_freqs(path: str, spec: ModelSpec, freq_factors: np.ndarray, orig_ctx) -> dict:
+def _llama3_scaling_from_freqs(path: str, cfg: ModelConfig, freq_factors: np.ndarray, orig_ctx) -> dict:
     """llama.cpp stores Llama 3 RoPE scaling as per-frequency divisors; recover the parameters
     (factor is the largest divisor; low/high 1 and 4 as in every Llama 3.x) and check them."""
     scaling = {
@@ -379,21 +379,21 @@ def _llama3_scaling_from_freqs(path: str, spec: ModelSpec, freq_factors: np.ndar
         "original_max_position_embeddings": int(orig_ctx or 8192),
     }
     fitted = dataclasses.replace(
-        spec,
+        cfg,
         llama3_rope_scaling=tuple(
             scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         ),
     )
-    if not np.allclose(fitted.inv_freq(), spec.inv_freq() / freq_factors, rtol=1e-4):
+    if not np.allclose(fitted.inv_freq(), cfg.inv_freq() / freq_factors, rtol=1e-4):
         raise UnsupportedModelError(f"{path}: rope_freqs.weight is not a Llama 3 RoPE scaling")
     return scaling
 
 
 def load_gguf(path: str, dtype: str, progress: bool, keep_quantized: bool = False):
-    """-> (spec, params, tokenizer); with `keep_quantized` the quantized matrices of the types
+    """-> (model config, params, tokenizer); with `keep_quantized` the quantized matrices of the types
     `gguf_blocks` maps stay quantized (`QuantizedWeight`s in params)."""
     metadata, tensors = read_gguf(path)
-    spec = _gguf_spec(path, metadata, tensors)
+    cfg = _gguf_model_config(path, metadata, tensors)
 
     arch = metadata["general.architecture"]
     if arch in _LAYER_NORM_NAMES:
@@ -405,7 +405,7 @@ def load_gguf(path: str, dtype: str, progress: bool, keep_quantized: bool = Fals
         }
     else:
         names = {**_GGUF_TO_HF, **_GGUF_TO_HF_ARCH.get(arch, {})}
-    if spec.architecture == "MixtralForCausalLM":
+    if cfg.architecture == "MixtralForCausalLM":
         names = {g: _MIXTRAL_MOE.get(h, h) for g, h in names.items()}
     hf_to_gguf = {}
     for gguf_name in tensors:
@@ -416,7 +416,7 @@ def load_gguf(path: str, dtype: str, progress: bool, keep_quantized: bool = Fals
         elif pattern == "blk.{i}.ffn_gate_exps.weight":  # with ffn_up_exps: the experts' fused gate/up
             hf_name = names["blk.{i}.ffn_down_exps.weight"].replace("down_proj", "gate_up_proj").format(i=layer)
             hf_to_gguf[hf_name] = (gguf_name, f"blk.{layer}.ffn_up_exps.weight")
-    permuted = {"self_attn.q_proj": spec.num_heads, "self_attn.k_proj": spec.num_kv_heads}
+    permuted = {"self_attn.q_proj": cfg.num_heads, "self_attn.k_proj": cfg.num_kv_heads}
     unpermute = arch == "llama"  # the others use NEOX RoPE: unpermuted
 
     bar = progress_bar(len(hf_to_gguf), os.path.basename(path), progress)
@@ -437,13 +437,13 @@ def load_gguf(path: str, dtype: str, progress: bool, keep_quantized: bool = Fals
         if arch == "gemma3" and name.endswith("norm.weight"):
             w = dense(w) - 1.0  # llama.cpp stores Gemma's (1 + w); build_params adds the 1
         if "query_key_value" in name:
-            w = permute_rows(w, lambda rows: _group_heads(rows, spec))
+            w = permute_rows(w, lambda rows: _group_heads(rows, cfg))
         bar.update(1)
         return check_shape(str(source), w, shape, path)
 
     with bar:
-        params = build_params(get, lambda n: n in hf_to_gguf, spec, dtype)
-    return spec, params, _gguf_tokenizer(path, metadata)
+        params = build_params(get, lambda n: n in hf_to_gguf, cfg, dtype)
+    return cfg, params, _gguf_tokenizer(path, metadata)
 
 
 def _gguf_tokenizer(path: str, metadata: dict):

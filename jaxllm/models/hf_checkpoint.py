@@ -1,4 +1,4 @@
-"""An HF checkpoint directory -> (spec, params, tokenizer): `config.json` (plus
+"""An HF checkpoint directory -> (model config, params, tokenizer): `config.json` (plus
 `generation_config.json`'s EOS ids), safetensors weights (`model.safetensors`, a sharded
 `model.safetensors.index.json`, or any `*.safetensors`), and the tokenizer files. An AWQ or
 GPTQ checkpoint (`quantization_config`) gives its quantized Linears as `QuantizedRows`
@@ -14,7 +14,7 @@ import os
 import jax
 
 from jaxllm.models.checkpoint import ModelNotFoundError, build_params, check_shape, progress_bar
-from jaxllm.models.registry import spec_from_hf_config
+from jaxllm.models.registry import model_config_from_hf
 from jaxllm.quantization.gptq_awq import checkpoint_quantization, quantized_linear
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ def load_hf_dir(path: str, dtype: str, progress: bool):
         if gen_eos is not None:
             eos = _as_list(config.get("eos_token_id")) + _as_list(gen_eos)
             config = {**config, "eos_token_id": list(dict.fromkeys(eos))}
-    spec = spec_from_hf_config(config)
+    cfg = model_config_from_hf(config)
     quant = checkpoint_quantization(config)
 
     files = safetensors_files(path)
@@ -79,8 +79,8 @@ def load_hf_dir(path: str, dtype: str, progress: bool):
         return arr
 
     with bar:
-        params = build_params(get, lambda n: key(n) in index or quantized(n), spec, dtype)
-    return spec, params, _hf_tokenizer(path)
+        params = build_params(get, lambda n: key(n) in index or quantized(n), cfg, dtype)
+    return cfg, params, _hf_tokenizer(path)
 
 
 def hf_quantization(path: str) -> str | None:

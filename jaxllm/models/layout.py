@@ -7,7 +7,7 @@ gate/up, row-parallel wo, w_down and the experts' down, vocabulary-parallel embe
 the rest replicated, output biases included: they are added once, after the sum). `tp_layout`
 regroups the fused columns so that each shard's slice holds its own heads' q, k, v (and its
 gate, up), with KV heads repeated when there are fewer than shards. Each shard then runs the
-decoder with `tp_local_spec`'s head counts.
+decoder with `tp_local_config`'s head counts.
 
 Pipeline parallelism: `shard_layout` also stacks the layers of each of `pp` stages (layer slot
 i of every stage in one `[pp, ...]` array, split over the "stage" axis); each stage's shards
@@ -22,7 +22,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxllm.models.decoder import ModelSpec, layer_kind
+from jaxllm.models.decoder import ModelConfig, layer_kind
 from jaxllm.quantization.sharding import permute_columns, stack_stages
 from jaxllm.quantization.weights import QuantizedWeight
 
@@ -44,59 +44,59 @@ TP_SPLIT_DIMS = {
 }
 
 
-def check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
-    """Raise ValueError if `spec` cannot be split `tp` ways."""
+def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
+    """Raise ValueError if `cfg` cannot be split `tp` ways."""
     problems = []
-    if spec.num_heads % tp:
-        problems.append(f"{spec.num_heads} attention heads")
-    if spec.num_kv_heads % tp and tp % spec.num_kv_heads:
-        problems.append(f"{spec.num_kv_heads} KV heads (neither a multiple nor a divisor of {tp})")
-    if spec.intermediate_size % tp:
-        problems.append(f"intermediate size {spec.intermediate_size}")
-    if spec.moe_intermediate_size % tp:
-        problems.append(f"expert intermediate size {spec.moe_intermediate_size}")
-    if spec.vocab_size % tp:
-        problems.append(f"vocabulary size {spec.vocab_size}")
+    if cfg.num_heads % tp:
+        problems.append(f"{cfg.num_heads} attention heads")
+    if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+        problems.append(f"{cfg.num_kv_heads} KV heads (neither a multiple nor a divisor of {tp})")
+    if cfg.intermediate_size % tp:
+        problems.append(f"intermediate size {cfg.intermediate_size}")
+    if cfg.moe_intermediate_size % tp:
+        problems.append(f"expert intermediate size {cfg.moe_intermediate_size}")
+    if cfg.vocab_size % tp:
+        problems.append(f"vocabulary size {cfg.vocab_size}")
     if problems:
         raise ValueError(f"tensor_parallel_size={tp} does not divide this model's " + ", ".join(problems))
 
 
-def kv_heads_for(spec: ModelSpec, tp: int) -> int:
+def kv_heads_for(cfg: ModelConfig, tp: int) -> int:
     """KV heads stored over all shards: the model's, or `tp` when it has fewer (each shard then
     holds a copy of the one head its query heads use)."""
-    return max(spec.num_kv_heads, tp)
+    return max(cfg.num_kv_heads, tp)
 
 
-def tp_local_spec(spec: ModelSpec, tp: int, pp: int = 1) -> ModelSpec:
-    """The spec one shard computes with (`pp` > 1: one pipeline stage's shard, with its layer
+def tp_local_config(cfg: ModelConfig, tp: int, pp: int = 1) -> ModelConfig:
+    """The model config one shard computes with (`pp` > 1: one pipeline stage's shard, with its layer
     slots and its slice of the vocabulary, which is split over stages and shards together)."""
-    per_stage = spec.num_layers // pp
+    per_stage = cfg.num_layers // pp
     return dataclasses.replace(
-        spec,
-        num_heads=spec.num_heads // tp,
-        num_kv_heads=kv_heads_for(spec, tp) // tp,
-        intermediate_size=spec.intermediate_size // tp,
-        moe_intermediate_size=spec.moe_intermediate_size // tp,
-        vocab_size=spec.vocab_size // (tp * pp),
+        cfg,
+        num_heads=cfg.num_heads // tp,
+        num_kv_heads=kv_heads_for(cfg, tp) // tp,
+        intermediate_size=cfg.intermediate_size // tp,
+        moe_intermediate_size=cfg.moe_intermediate_size // tp,
+        vocab_size=cfg.vocab_size // (tp * pp),
         num_layers=per_stage,
-        layer_windows=spec.layer_windows[:per_stage],
-        moe_layers=tuple(i for i in spec.moe_layers if i < per_stage),
+        layer_windows=cfg.layer_windows[:per_stage],
+        moe_layers=tuple(i for i in cfg.moe_layers if i < per_stage),
     )
 
 
-def tp_layout(params, spec: ModelSpec, tp: int):
+def tp_layout(params, cfg: ModelConfig, tp: int):
     """`params` with the fused columns regrouped per shard (see the module docstring), as host
     (numpy) arrays; any `tp` passing `check_tensor_parallel`. tp 1 returns `params` unchanged."""
     if tp == 1:
         return params
-    check_tensor_parallel(spec, tp)
-    repeat = kv_heads_for(spec, tp) // spec.num_kv_heads
-    hd = spec.head_dim
+    check_tensor_parallel(cfg, tp)
+    repeat = kv_heads_for(cfg, tp) // cfg.num_kv_heads
+    hd = cfg.head_dim
 
     def qkv_columns(w):  # [..., (q + 2 kv) * hd] -> the same, grouped [q_s, k_s, v_s] per shard
-        q, k, v = np.split(w, [spec.q_size, spec.q_size + spec.kv_size], axis=-1)
+        q, k, v = np.split(w, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
         k, v = (
-            np.repeat(t.reshape(*t.shape[:-1], spec.num_kv_heads, hd), repeat, axis=-2).reshape(*t.shape[:-1], -1)
+            np.repeat(t.reshape(*t.shape[:-1], cfg.num_kv_heads, hd), repeat, axis=-2).reshape(*t.shape[:-1], -1)
             for t in (k, v)
         )
         return _interleave([q, k, v], tp)
@@ -122,31 +122,31 @@ def tp_layout(params, spec: ModelSpec, tp: int):
     return {**params, "layers": [layer_layout(layer) for layer in params["layers"]]}
 
 
-def check_pipeline_parallel(spec: ModelSpec, tp: int, pp: int) -> None:
-    """Raise ValueError if `spec` cannot be split into `pp` stages of `tp` shards."""
+def check_pipeline_parallel(cfg: ModelConfig, tp: int, pp: int) -> None:
+    """Raise ValueError if `cfg` cannot be split into `pp` stages of `tp` shards."""
     problems = []
-    if spec.num_layers % pp:
-        problems.append(f"{spec.num_layers} layers")
-    elif any(layer_kind(spec, i) != layer_kind(spec, i % (spec.num_layers // pp)) for i in range(spec.num_layers)):
+    if cfg.num_layers % pp:
+        problems.append(f"{cfg.num_layers} layers")
+    elif any(layer_kind(cfg, i) != layer_kind(cfg, i % (cfg.num_layers // pp)) for i in range(cfg.num_layers)):
         problems.append(
             "layer pattern (each stage must hold the same sequence of windowed, global, dense and MoE layers)"
         )
-    if spec.vocab_size % (tp * pp):
-        problems.append(f"vocabulary size {spec.vocab_size} (split over tensor x pipeline = {tp * pp} devices)")
+    if cfg.vocab_size % (tp * pp):
+        problems.append(f"vocabulary size {cfg.vocab_size} (split over tensor x pipeline = {tp * pp} devices)")
     if problems:
         raise ValueError(f"pipeline_parallel_size={pp} does not divide this model's " + ", ".join(problems))
 
 
-def shard_layout(params, spec: ModelSpec, tp: int = 1, pp: int = 1):
+def shard_layout(params, cfg: ModelConfig, tp: int = 1, pp: int = 1):
     """`params` laid out for `tp` tensor-parallel shards (`tp_layout`) and `pp` pipeline stages:
     with pp > 1, "layers" becomes a list of the `num_layers // pp` layer slots of a stage, each
     array stacked `[pp, ...]` over the stages (stage s, slot i = layer s * num_layers // pp + i),
     so that the "stage" mesh axis splits the stacked dimension. Host (numpy) arrays."""
-    params = tp_layout(params, spec, tp)
+    params = tp_layout(params, cfg, tp)
     if pp == 1:
         return params
-    check_pipeline_parallel(spec, tp, pp)
-    per_stage = spec.num_layers // pp
+    check_pipeline_parallel(cfg, tp, pp)
+    per_stage = cfg.num_layers // pp
     layers = params["layers"]
 
     def stack(i, name):

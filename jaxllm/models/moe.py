@@ -10,7 +10,7 @@ axis like a dense MLP's):
 (with `quantization=`, the two expert stacks are QuantizedWeights: `expert_weights`.)
 
 Routing follows HF: softmax over the router logits in float32, the top k, renormalised to
-sum to 1 when `spec.norm_topk_prob` (Mixtral always; Qwen3-MoE per its config).
+sum to 1 when `cfg.norm_topk_prob` (Mixtral always; Qwen3-MoE per its config).
 
 Three ways to run the experts, all exact; `expert_impl` picks one per step shape:
 
@@ -33,31 +33,31 @@ import jax.numpy as jnp
 from jaxllm.quantization import weights as quant
 
 
-def expert_impl(num_tokens: int, spec) -> str:
+def expert_impl(num_tokens: int, cfg) -> str:
     """The expert computation for a step of `num_tokens` tokens (static: shapes are)."""
     if jax.default_backend() != "cpu":
         return "grouped"
-    return "gather" if num_tokens * spec.num_experts_per_tok <= spec.num_experts else "dense"
+    return "gather" if num_tokens * cfg.num_experts_per_tok <= cfg.num_experts else "dense"
 
 
-def route(h: jax.Array, router: jax.Array, spec) -> tuple[jax.Array, jax.Array]:
+def route(h: jax.Array, router: jax.Array, cfg) -> tuple[jax.Array, jax.Array]:
     """h [T, hidden] -> (weights [T, k] f32, experts [T, k] int32)."""
     probs = jax.nn.softmax(jnp.dot(h, router, preferred_element_type=jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, spec.num_experts_per_tok)
-    if spec.norm_topk_prob:
+    weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+    if cfg.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32)
 
 
-def dispatch(h: jax.Array, router: jax.Array, spec):
+def dispatch(h: jax.Array, router: jax.Array, cfg):
     """Routing and the sort by expert: -> (rows [T * k, hidden], the token of each row [T * k],
     each row's routing weight [T * k], rows per expert [E] int32). Row p holds one (token,
     expert) pair; the pairs of expert e are rows sum(sizes[:e]) .. sum(sizes[:e + 1]) - 1."""
-    weights, experts = route(h, router, spec)
+    weights, experts = route(h, router, cfg)
     flat = experts.reshape(-1)  # [T * k]: pair p is token p // k's choice p % k
     order = jnp.argsort(flat, stable=True)
-    token_of = order // spec.num_experts_per_tok
-    group_sizes = jnp.bincount(flat, length=spec.num_experts).astype(jnp.int32)
+    token_of = order // cfg.num_experts_per_tok
+    group_sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
     return h[token_of], token_of, weights.reshape(-1)[order], group_sizes
 
 
@@ -72,12 +72,12 @@ def expert_weights(w, experts: jax.Array | None = None) -> jax.Array:
     return w if experts is None else w[experts]
 
 
-def moe_mlp(layer, h: jax.Array, spec, act, impl: str | None = None) -> jax.Array:
+def moe_mlp(layer, h: jax.Array, cfg, act, impl: str | None = None) -> jax.Array:
     """The experts' weighted sum for h [T, hidden] (normed), before the row-parallel sum;
     `act` is the activation of the gate."""
-    impl = impl or expert_impl(h.shape[0], spec)
+    impl = impl or expert_impl(h.shape[0], cfg)
     if impl == "gather":
-        weights, experts = route(h, layer["router"], spec)
+        weights, experts = route(h, layer["router"], cfg)
         gate_up, down = (expert_weights(layer[name], experts) for name in ("experts_gate_up", "experts_down"))
         gate, up = jnp.split(
             jnp.einsum("th,tkhf->tkf", h.astype(gate_up.dtype), gate_up, preferred_element_type=jnp.float32), 2, axis=-1
@@ -86,15 +86,15 @@ def moe_mlp(layer, h: jax.Array, spec, act, impl: str | None = None) -> jax.Arra
         return jnp.einsum("tkh,tk->th", y, weights)
     gate_up, down = expert_weights(layer["experts_gate_up"]), expert_weights(layer["experts_down"])
     if impl == "dense":
-        weights, experts = route(h, layer["router"], spec)
-        dense_weights = jnp.zeros((h.shape[0], spec.num_experts), jnp.float32)
+        weights, experts = route(h, layer["router"], cfg)
+        dense_weights = jnp.zeros((h.shape[0], cfg.num_experts), jnp.float32)
         dense_weights = dense_weights.at[jnp.arange(h.shape[0])[:, None], experts].set(weights)
         gate, up = jnp.split(
             jnp.einsum("th,ehf->etf", h.astype(gate_up.dtype), gate_up, preferred_element_type=jnp.float32), 2, axis=-1
         )
         y = jnp.einsum("etf,efh->eth", (act(gate) * up).astype(down.dtype), down, preferred_element_type=jnp.float32)
         return jnp.einsum("eth,te->th", y, dense_weights)
-    rows, token_of, row_weights, group_sizes = dispatch(h, layer["router"], spec)
+    rows, token_of, row_weights, group_sizes = dispatch(h, layer["router"], cfg)
     gate, up = jnp.split(
         jax.lax.ragged_dot(rows.astype(gate_up.dtype), gate_up, group_sizes, preferred_element_type=jnp.float32),
         2,

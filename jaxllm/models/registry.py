@@ -1,4 +1,4 @@
-"""HF config -> `ModelSpec`: each supported family's config keys read into the one decoder's
+"""HF config -> `ModelConfig`: each supported family's config keys read into the one decoder's
 data, and anything that would change the math in a way `decoder.py` does not implement
 rejected by name.
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxllm.models.decoder import ModelSpec
+from jaxllm.models.decoder import ModelConfig
 
 LLAMA_LIKE = (
     "LlamaForCausalLM",
@@ -26,7 +26,7 @@ LLAMA_LIKE = (
 )
 SUPPORTED_ARCHITECTURES = (*LLAMA_LIKE, "OPTForCausalLM", "GPTNeoXForCausalLM", "FalconForCausalLM")
 
-# HF activation names -> decoder.ACTIVATIONS (the only names a spec gets)
+# HF activation names -> decoder.ACTIVATIONS (the only names a cfg gets)
 _ACTIVATIONS = {
     "silu": "silu",
     "swish": "silu",
@@ -49,8 +49,8 @@ def _as_eos_tuple(eos) -> tuple[int, ...]:
     return tuple(int(e) for e in eos)
 
 
-def spec_from_hf_config(config: dict[str, Any]) -> ModelSpec:
-    """Build the static model spec from an HF `config.json` dict."""
+def model_config_from_hf(config: dict[str, Any]) -> ModelConfig:
+    """Build the static model config from an HF `config.json` dict."""
     archs = config.get("architectures") or []
     if not archs:
         raise UnsupportedModelError("config.json names no 'architectures'; cannot pick a model")
@@ -77,12 +77,10 @@ def spec_from_hf_config(config: dict[str, Any]) -> ModelSpec:
     )
     family = {"OPTForCausalLM": _opt, "GPTNeoXForCausalLM": _gpt_neox, "FalconForCausalLM": _falcon}.get(arch, _llama)
     fields.update(family(c, fields))
-    spec = ModelSpec(**fields)
-    if spec.num_heads % spec.num_kv_heads:
-        raise UnsupportedModelError(
-            f"{arch}: {spec.num_heads} heads are not a multiple of {spec.num_kv_heads} KV heads"
-        )
-    return spec
+    cfg = ModelConfig(**fields)
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise UnsupportedModelError(f"{arch}: {cfg.num_heads} heads are not a multiple of {cfg.num_kv_heads} KV heads")
+    return cfg
 
 
 class _Config:

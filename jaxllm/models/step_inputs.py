@@ -4,13 +4,13 @@ builds them: runner/input_batch.py; the decoder and the attention backends read 
 Shapes (T = bucket tokens, S = bucket sequences, P = pages per sequence, L = max_model_len):
 
     token_ids, positions, slot_mapping [T] int32    (slot -1 = padding, written nowhere)
-    block_tables [S, P] int32, seq_lens [S] int32   (cache length after this step)
+    page_tables [S, P] int32, seq_lens [S] int32   (cache length after this step)
     window_*: a model with a window group (two KV cache groups, core/kv_cache_manager.py)
-    has the windowed layers' slot_mapping, block_tables and attn_metadata here; else None
+    has the windowed layers' slot_mapping, page_tables and attn_metadata here; else None
     query_start_loc [S + 1] int32                   (sequence s owns tokens [qsl[s], qsl[s+1]))
     num_seqs [] int32, logits_indices [R] int32     (the tokens that get logits: R = S, each
                                                     sequence's last; or R = T, every token)
-    rope_cos, rope_sin [T, 1, W] f32                (W = len(ModelSpec.inv_freq()))
+    rope_cos, rope_sin [T, 1, W] f32                (W = len(ModelConfig.inv_freq()))
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class StepInputs:
     token_ids: np.ndarray
     positions: np.ndarray
     slot_mapping: np.ndarray
-    block_tables: np.ndarray
+    page_tables: np.ndarray
     query_start_loc: np.ndarray
     seq_lens: np.ndarray
     num_seqs: np.ndarray
@@ -36,7 +36,7 @@ class StepInputs:
     rope_sin: np.ndarray
     attn_metadata: dict  # the attention backend's own arrays (jaxllm/attention/)
     window_slot_mapping: np.ndarray | None = None
-    window_block_tables: np.ndarray | None = None
+    window_page_tables: np.ndarray | None = None
     window_attn_metadata: dict | None = None
     # Async scheduling: per token, the row of the previous step's sampled tokens that is its
     # token id (read on the device), or -1 for `token_ids`' own.
@@ -47,7 +47,7 @@ class StepInputs:
         cls,
         num_tokens: int,
         num_seqs: int,
-        max_blocks: int,
+        max_pages: int,
         rope_width: int,
         num_logits: int | None = None,
         window_group: bool = False,
@@ -57,7 +57,7 @@ class StepInputs:
             token_ids=np.zeros(num_tokens, i32),
             positions=np.zeros(num_tokens, i32),
             slot_mapping=np.full(num_tokens, -1, i32),
-            block_tables=np.zeros((num_seqs, max_blocks), i32),
+            page_tables=np.zeros((num_seqs, max_pages), i32),
             query_start_loc=np.zeros(num_seqs + 1, i32),
             seq_lens=np.zeros(num_seqs, i32),
             num_seqs=np.zeros((), i32),
@@ -69,7 +69,7 @@ class StepInputs:
         )
         if window_group:
             inputs.window_slot_mapping = inputs.slot_mapping.copy()
-            inputs.window_block_tables = inputs.block_tables.copy()
+            inputs.window_page_tables = inputs.page_tables.copy()
             inputs.window_attn_metadata = {}
         return inputs
 
@@ -87,6 +87,6 @@ class StepInputs:
         return dataclasses.replace(
             self,
             slot_mapping=self.window_slot_mapping,
-            block_tables=self.window_block_tables,
+            page_tables=self.window_page_tables,
             attn_metadata=self.window_attn_metadata,
         )

@@ -18,7 +18,7 @@ from jaxllm.quantization.weights import (
 )
 
 
-def quantize_params(params: dict, spec, plan, *, device=None, parts=None) -> dict:
+def quantize_params(params: dict, cfg, plan, *, device=None, parts=None) -> dict:
     """Replace, in place, the linears to which the weight plan (jaxllm/weights/plan.py) gives
     codes by QuantizedWeights, one matrix at a time; the checkpoint's own codes are only laid
     out for their kernel. Float matrices the plan leaves float stay as they are.
@@ -70,7 +70,7 @@ def quantize_params(params: dict, spec, plan, *, device=None, parts=None) -> dic
         params["lm_head"] = make(params["lm_head"], "lm_head")
     if isinstance(params["embed"], QuantizedWeight):
         params["embed"] = make(params["embed"], "embed", table=True)
-    elif spec.tie_word_embeddings and plan.linear("embed").codes in METHODS:
+    elif cfg.tie_word_embeddings and plan.linear("embed").codes in METHODS:
         params["embed"] = make(np.ascontiguousarray(np.asarray(params["embed"], np.float32).T), "embed", table=True)
     return params
 

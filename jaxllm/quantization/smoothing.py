@@ -55,7 +55,7 @@ def _rows_max(w) -> np.ndarray:
     return np.abs(np.asarray(w, np.float32)).max(axis=1)
 
 
-def smooth(params, spec, maxima: dict, alpha: float = ALPHA) -> None:
+def smooth(params, cfg, maxima: dict, alpha: float = ALPHA) -> None:
     """Fold smoothing factors into the float params tree (one device, no shard layout), in
     place (each changed entry replaced by a new float32 array). `maxima`: {(layer, name):
     max |x| [in]} from `weights.calibration.activation_maxima`."""
@@ -80,18 +80,18 @@ def smooth(params, spec, maxima: dict, alpha: float = ALPHA) -> None:
         if (i, "wqkv") in maxima:
             # wo first: its factors are folded into V's columns, before wqkv's rows are scaled.
             if (i, "wo") in maxima:
-                heads, hd = spec.num_kv_heads, spec.head_dim
-                group = spec.num_heads // heads
+                heads, hd = cfg.num_kv_heads, cfg.head_dim
+                group = cfg.num_heads // heads
                 per_kv = lambda a: np.asarray(a).reshape(heads, group, hd).max(axis=1)  # noqa: E731
                 s = factors(per_kv(maxima[(i, "wo")]), per_kv(_rows_max(layer["wo"])), alpha).reshape(-1)
-                fold_columns("wqkv", "bqkv", spec.q_size + spec.kv_size, s)
+                fold_columns("wqkv", "bqkv", cfg.q_size + cfg.kv_size, s)
                 layer["wo"] = f32(layer["wo"]) * np.repeat(s.reshape(heads, 1, hd), group, axis=1).reshape(-1, 1)
             fold_norm("attn_norm", "wqkv")
-        if spec.is_moe(i):
+        if cfg.is_moe(i):
             continue
-        if spec.gated_mlp and (i, "w_down") in maxima and "w_gate_up" in layer:
+        if cfg.gated_mlp and (i, "w_down") in maxima and "w_gate_up" in layer:
             s = factors(maxima[(i, "w_down")], _rows_max(layer["w_down"]), alpha)
-            fold_columns("w_gate_up", "b_gate_up", spec.intermediate_size, s)
+            fold_columns("w_gate_up", "b_gate_up", cfg.intermediate_size, s)
             layer["w_down"] = f32(layer["w_down"]) * s[:, None]
         for matrix in ("w_gate_up", "w_up"):
             if (i, matrix) in maxima:

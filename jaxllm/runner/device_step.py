@@ -1,6 +1,6 @@
 """The device program of one engine step: pure, jitted once per bucket by `ModelRunner`.
 
-    step(params, kv_cache, ints, floats, penalty_tokens, token_mask, prev_tokens, *, layout, spec, attention, mesh,
+    step(params, kv_cache, ints, floats, penalty_tokens, token_mask, prev_tokens, *, layout, cfg, attention, mesh,
          cpp_ops)
         -> (tokens, logprobs, top_logprobs, top_ids, hidden, kv_cache)
 
@@ -35,7 +35,7 @@ def step(
     prev_tokens,
     *,
     layout: PackedLayout,
-    spec,
+    cfg,
     attention,
     mesh,
     cpp_ops: bool = False,
@@ -47,7 +47,7 @@ def step(
             kv_cache,
             ints,
             floats,
-            spec=spec,
+            cfg=cfg,
             attention=attention,
             mesh=mesh,
             unpack=lambda i, f: layout.unpack(i, f)[0],
@@ -63,11 +63,11 @@ def step(
             prev = prev_tokens[jnp.maximum(inputs.prev_rows, 0)]
             inputs = dataclasses.replace(inputs, token_ids=jnp.where(inputs.prev_rows >= 0, prev, inputs.token_ids))
         if mesh is None:
-            hidden, kv_cache = decoder.forward(params, kv_cache, inputs, spec, attention=attention, cpp_ops=cpp_ops)
-            logits = decoder.compute_logits(params, hidden[inputs.logits_indices], spec, rows=inputs.num_logits())
+            hidden, kv_cache = decoder.forward(params, kv_cache, inputs, cfg, attention=attention, cpp_ops=cpp_ops)
+            logits = decoder.compute_logits(params, hidden[inputs.logits_indices], cfg, rows=inputs.num_logits())
         else:
             logits, kv_cache = parallel.sharded_forward(
-                params, kv_cache, inputs, spec, attention=attention, mesh=mesh, cpp_ops=cpp_ops
+                params, kv_cache, inputs, cfg, attention=attention, mesh=mesh, cpp_ops=cpp_ops
             )
     tokens, logprob, top_lp, top_ids = sampler.sample(logits, sampling, *sampler.sampling_ops(cpp_ops))
     # Every bucket's tokens as one shape ([prev_tokens.shape[0]], padded), the next step's `prev_tokens`.

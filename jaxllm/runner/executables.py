@@ -6,7 +6,7 @@ lowered program: every start still traces and lowers the 30-layer step once per 
 two thirds of a warm start's warm-up). `ExecutableStore` keeps each bucket's compiled step
 (`jax.experimental.serialize_executable`) under a key computed without tracing: the versions
 of jax, jaxlib and jaxllm's own sources (Python and C++), the device and its CPU flags,
-XLA_FLAGS, the step's static arguments (model spec, attention backend, mesh, packed layout)
+XLA_FLAGS, the step's static arguments (model config, attention backend, mesh, packed layout)
 and the shape, dtype and sharding of every argument. Anything that could change the program
 changes the key; a stale or unreadable file is skipped (and rewritten).
 
@@ -78,7 +78,7 @@ class ExecutableStore:
     """Compiled steps in `directory`, one file per key (`key`, `load`, `save`)."""
 
     def __init__(self, directory: str, static: str, devices, max_bytes: int = 2 << 30):
-        """`static`: a description of everything the step closes over (spec, backend, mesh);
+        """`static`: a description of everything the step closes over (cfg, backend, mesh);
         `devices`: the devices the step runs on, in the mesh's order (or the one device);
         `max_bytes`: the most the directory keeps (least recently used steps go first)."""
         self.directory = directory

@@ -4,7 +4,7 @@
 the sampler reads) are pytrees of arrays: the jitted step takes them as two arguments.
 
 `InputBatch` keeps one *row* per request that is in the batch (vLLM's persistent batch):
-its tokens so far, its block table and its sampling parameters, written once when the
+its tokens so far, its page table and its sampling parameters, written once when the
 request joins and then only extended (new tokens, new pages). Each step, `prepare` builds the
 step's arrays from those rows with numpy indexing, without Python loops over tokens, into
 buffers that persist per bucket.
@@ -102,17 +102,17 @@ class InputBatch:
     """Rows of per-request state that persist across steps."""
 
     def __init__(
-        self, max_rows: int, max_model_len: int, max_blocks: int, block_size: int, vocab_size: int, num_groups: int = 1
+        self, max_rows: int, max_model_len: int, max_pages: int, page_size: int, vocab_size: int, num_groups: int = 1
     ):
         self.max_model_len = max_model_len
-        self.block_size = block_size
+        self.page_size = page_size
         self.vocab_size = vocab_size
         self.row_of: dict[str, int] = {}
         self.free_rows: list[int] = []
         self.token_ids = np.zeros((0, max_model_len), np.int32)
         self.num_tokens = np.zeros(0, np.int32)  # tokens written into the row
         self.num_prompt_tokens = np.zeros(0, np.int32)
-        self.block_table = np.zeros((0, num_groups, max_blocks), np.int32)  # per KV cache group
+        self.page_table = np.zeros((0, num_groups, max_pages), np.int32)  # per KV cache group
         self.min_tokens = np.zeros(0, np.int32)
         self.banned = np.zeros((0, NUM_BANNED), np.int32)  # ids held back until min_tokens
         self.params = {
@@ -129,7 +129,7 @@ class InputBatch:
             "token_ids",
             "num_tokens",
             "num_prompt_tokens",
-            "block_table",
+            "page_table",
             "min_tokens",
             "banned",
             "uses_penalties",
@@ -161,7 +161,7 @@ class InputBatch:
         """The rows of `requests` (added if new), brought up to date with their tokens and
         pages: only what changed since the last step is written."""
         rows = np.empty(len(requests), np.int64)
-        bs = self.block_size
+        bs = self.page_size
         for i, req in enumerate(requests):
             row = self.row_of.get(req.request_id)
             if row is None:
@@ -173,9 +173,9 @@ class InputBatch:
                     self.num_tokens[row] = num_tokens
                 # Pages from the one being written on: new pages, and a copy-on-write copy.
                 first = req.num_computed_tokens // bs
-                for g, table in enumerate(req.block_tables):
+                for g, table in enumerate(req.page_tables):
                     tail = table[first:]
-                    self.block_table[row, g, first : first + len(tail)] = tail
+                    self.page_table[row, g, first : first + len(tail)] = tail
             rows[i] = row
         return rows
 
@@ -188,9 +188,9 @@ class InputBatch:
         self.token_ids[row, : len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
         self.num_prompt_tokens[row] = req.num_prompt_tokens
-        self.block_table[row] = 0
-        for g, table in enumerate(req.block_tables):  # released pages included: never read
-            self.block_table[row, g, : len(table)] = table
+        self.page_table[row] = 0
+        for g, table in enumerate(req.page_tables):  # released pages included: never read
+            self.page_table[row, g, : len(table)] = table
         p = req.sampling_params
         values = {
             "temperature": p.temperature,

@@ -16,7 +16,7 @@ from jaxllm import kernels
 
 
 def kv_cache_maker(
-    layer_pages, num_kv_heads: int, block_size: int, head_dim: int, dtype: str, stages: int, where, zeros=jnp.zeros
+    layer_pages, num_kv_heads: int, page_size: int, head_dim: int, dtype: str, stages: int, where, zeros=jnp.zeros
 ):
     """A jitted function making zeroed pages where they live (`where`: a sharding; each device
     only its own stage's layers and its own heads): a list over layers of (k, v) `[kv_heads,
@@ -25,9 +25,7 @@ def kv_cache_maker(
 
     def make():
         cache = [
-            kernels.allocate_kv_cache(1, num_kv_heads, pages, block_size, head_dim, kernels.cache_dtype(dtype), zeros)[
-                0
-            ]
+            kernels.allocate_kv_cache(1, num_kv_heads, pages, page_size, head_dim, kernels.cache_dtype(dtype), zeros)[0]
             for pages in layer_pages
         ]
         if stages == 1:
@@ -60,7 +58,7 @@ def copy_pages(kv_cache, src, dst, *, layers: tuple[int, ...]):
 
 @jax.jit
 def gather_pages(kv_cache, pages):
-    """-> [layers, 2, (stages,) kv_heads, len(pages), block_size, head_dim]"""
+    """-> [layers, 2, (stages,) kv_heads, len(pages), page_size, head_dim]"""
     return jnp.stack([jnp.stack([k[..., pages, :, :], v[..., pages, :, :]]) for k, v in kv_cache])
 
 
@@ -84,7 +82,7 @@ class KVCache:
     def __init__(
         self,
         cache_config,
-        spec,
+        cfg,
         *,
         layer_groups: tuple[int, ...],
         num_kv_heads: int,
@@ -94,10 +92,10 @@ class KVCache:
     ):
         self.layer_groups = layer_groups
         self._make = kv_cache_maker(
-            [cache_config.group_num_blocks[g] for g in layer_groups],
+            [cache_config.group_num_pages[g] for g in layer_groups],
             num_kv_heads,
-            cache_config.block_size,
-            spec.head_dim,
+            cache_config.page_size,
+            cfg.head_dim,
             cache_config.dtype,
             num_stages,
             where,
@@ -107,7 +105,7 @@ class KVCache:
         pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-kv")
         self._pages, self._pending = None, pool.submit(self._make)
         pool.shutdown(wait=False)
-        # Host pages for swapped-out requests: [layers, k/v, kv_heads, slots, block_size, row]
+        # Host pages for swapped-out requests: [layers, k/v, kv_heads, slots, page_size, row]
         # ([layer slots, k/v, stages, ...] with pipeline stages; numpy zeros: the OS commits
         # memory only for slots ever written).
         kv_dtype = kernels.cache_dtype(cache_config.dtype)
@@ -118,9 +116,9 @@ class KVCache:
                 2,
                 *stages,
                 num_kv_heads,
-                cache_config.num_swap_blocks,
-                cache_config.block_size,
-                kernels.row_width(spec.head_dim, kv_dtype),
+                cache_config.num_swap_pages,
+                cache_config.page_size,
+                kernels.row_width(cfg.head_dim, kv_dtype),
             ),
             kernels.storage_dtype(kv_dtype),
         )

@@ -58,13 +58,13 @@ class ModelRunner:
     def __init__(
         self,
         config: EngineConfig,
-        spec: decoder.ModelSpec,
+        cfg: decoder.ModelConfig,
         params,
         attention: AttentionBackend | None = None,
         mesh=None,
         small_params=None,
     ):
-        self.config, self.spec, self.mesh = config, spec, mesh
+        self.config, self.cfg, self.mesh = config, cfg, mesh
         self.params, self.small_params = params, small_params
         self.attention = attention or get_attention_backend(config.attention_backend)
         # Norms and sampling in C++ where the platform's build of the kernels serves this run.
@@ -73,16 +73,16 @@ class ModelRunner:
         device = jax.devices()[0]
         # The KV cache group of each layer (slot of a stage): 1 for the windowed layers of a
         # model with a window group (core/kv_cache_manager.py), else 0.
-        window_group = bool(config.cache.num_window_blocks)
+        window_group = bool(config.cache.num_window_pages)
         kv_where = jax.sharding.SingleDeviceSharding(device) if mesh is None else parallel.kv_sharding(mesh)
         self.kv = KVCache(
             config.cache,
-            spec,
+            cfg,
             num_stages=self.num_stages,
             layer_groups=tuple(
-                int(window_group and spec.window(i) is not None) for i in range(spec.num_layers // self.num_stages)
+                int(window_group and cfg.window(i) is not None) for i in range(cfg.num_layers // self.num_stages)
             ),
-            num_kv_heads=layout.kv_heads_for(spec, parallel.tp_size(mesh)),
+            num_kv_heads=layout.kv_heads_for(cfg, parallel.tp_size(mesh)),
             where=kv_where,
             huge=mesh is None and device.platform == "cpu" and self.attention.name == "native",
         )
@@ -98,9 +98,9 @@ class ModelRunner:
         self.input_batch = InputBatch(
             sched.max_num_seqs,
             sched.max_model_len,
-            config.max_blocks_per_seq,
-            config.cache.block_size,
-            spec.vocab_size,
+            config.max_pages_per_seq,
+            config.cache.page_size,
+            cfg.vocab_size,
             len(config.cache.group_windows),
         )
         # Where the step's inputs go: the device, or every device of the mesh (replicated).
@@ -111,7 +111,7 @@ class ModelRunner:
         )
         self.builder = StepBuilder(
             config,
-            spec,
+            cfg,
             self.attention,
             self.input_batch,
             self.buckets,
@@ -120,7 +120,7 @@ class ModelRunner:
         )
         self.steps = self._compiled_steps()
         self.builder.pick = self.steps.pick
-        self.prompt_logprobs = PromptLogprobs(spec)
+        self.prompt_logprobs = PromptLogprobs(cfg)
         # Over several processes, process 0 announces each step to the others (`follow`); None
         # also once a failed step leaves nobody to announce to (engine/core.py).
         self.channel = parallel.StepChannel() if jax.process_count() > 1 else None
@@ -133,7 +133,7 @@ class ModelRunner:
         ones not yet started (an engine replaced in a notebook stops)."""
         step = jax.jit(
             functools.partial(
-                device_step.step, spec=self.spec, attention=self.attention, mesh=self.mesh, cpp_ops=self.cpp_ops
+                device_step.step, cfg=self.cfg, attention=self.attention, mesh=self.mesh, cpp_ops=self.cpp_ops
             ),
             static_argnames=("layout",),
             donate_argnums=(1,),
@@ -143,7 +143,7 @@ class ModelRunner:
         store = (
             ExecutableStore(
                 os.path.join(cache_dir, "executables"),
-                repr((self.spec, self.attention, self.mesh, self.cpp_ops)),
+                repr((self.cfg, self.attention, self.mesh, self.cpp_ops)),
                 devices,
             )
             if cache_dir and jax.process_count() == 1
@@ -177,8 +177,8 @@ class ModelRunner:
         )
         if self.channel is not None:
             bucket = self.buckets.index(buffers.bucket) if buffers is not None else -1
-            ProcessGroup(self.channel).announce(bucket, packed, scheduler_output.block_copies)
-        self.kv.copy_pages(scheduler_output.block_copies)
+            ProcessGroup(self.channel).announce(bucket, packed, scheduler_output.page_copies)
+        self.kv.copy_pages(scheduler_output.page_copies)
         if n == 0:
             return InFlight(scheduler_output, None, None, None, None, None, t0)
         outs = self.call(buffers.bucket, *packed, None if prev is None else prev.outs[0])

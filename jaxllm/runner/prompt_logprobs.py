@@ -23,10 +23,10 @@ from jaxllm.sampling_params import MAX_LOGPROBS
 ROWS = 128  # rows per call (one compiled shape)
 
 
-def _prompt_logprobs(params, hidden, targets, *, spec):
+def _prompt_logprobs(params, hidden, targets, *, cfg):
     """hidden [R, hidden] (before the final norm), targets [R] -> the raw distribution's
     (logprob of each target [R], its rank [R] (1 = the argmax), top logprobs [R, K], top ids [R, K])."""
-    logits = decoder.compute_logits(params, hidden, spec)
+    logits = decoder.compute_logits(params, hidden, cfg)
     lse = jax.nn.logsumexp(logits, axis=-1)
     target = jnp.take_along_axis(logits, targets[:, None], axis=-1)
     rank = 1 + jnp.sum(logits > target, axis=-1, dtype=jnp.int32)
@@ -37,8 +37,8 @@ def _prompt_logprobs(params, hidden, targets, *, spec):
 class PromptLogprobs:
     """Computes the prompt logprobs a step's chunks give; compiled on first use."""
 
-    def __init__(self, spec: decoder.ModelSpec):
-        self._fn = jax.jit(functools.partial(_prompt_logprobs, spec=spec))
+    def __init__(self, cfg: decoder.ModelConfig):
+        self._fn = jax.jit(functools.partial(_prompt_logprobs, cfg=cfg))
 
     def __call__(self, params, scheduled, rows: np.ndarray, query_start_loc: np.ndarray, hidden) -> dict[str, tuple]:
         """request id -> (logprob [c], rank [c], top logprobs [c, K], top ids [c, K]) for the

@@ -40,7 +40,7 @@ class StepBuilder:
     def __init__(
         self,
         config,
-        spec,
+        cfg,
         attention,
         input_batch: InputBatch,
         buckets: list[Bucket],
@@ -49,13 +49,13 @@ class StepBuilder:
         inputs_sharding,
         pick=None,
     ):
-        self.config, self.spec, self.attention, self.input_batch = config, spec, attention, input_batch
+        self.config, self.cfg, self.attention, self.input_batch = config, cfg, attention, input_batch
         self.num_stages, self.pick = num_stages, pick
         self.inputs_sharding = inputs_sharding
-        self.block_size = config.cache.block_size
-        self.max_blocks = config.max_blocks_per_seq
-        self.window_group = bool(config.cache.num_window_blocks)
-        self.inv_freq = spec.inv_freq()
+        self.page_size = config.cache.page_size
+        self.max_pages = config.max_pages_per_seq
+        self.window_group = bool(config.cache.num_window_pages)
+        self.inv_freq = cfg.inv_freq()
         # Rows of every step's `tokens` output (padded), the next step's `prev_tokens` input.
         self.max_logits = max(b.num_logits for b in buckets) * num_stages
         self.no_prev = jax.device_put(np.zeros(self.max_logits, np.int32), inputs_sharding)
@@ -75,7 +75,7 @@ class StepBuilder:
             self._buffers[bucket, micro] = BucketBuffers(
                 bucket,
                 StepInputs.zeros(
-                    bucket.num_tokens, bucket.num_seqs, self.max_blocks, len(self.inv_freq), R, self.window_group
+                    bucket.num_tokens, bucket.num_seqs, self.max_pages, len(self.inv_freq), R, self.window_group
                 ),
                 SamplingMetadata.zeros(R),
             )
@@ -86,7 +86,7 @@ class StepBuilder:
                 np.full((*stages, R, self.config.scheduler.max_model_len), -1, np.int32), self.inputs_sharding
             )
             self._all_allowed[R] = jax.device_put(
-                np.full((*stages, R, mask_words(self.spec.vocab_size)), -1, np.int32), self.inputs_sharding
+                np.full((*stages, R, mask_words(self.cfg.vocab_size)), -1, np.int32), self.inputs_sharding
             )
         return self._buffers[bucket, micro]
 
@@ -169,24 +169,24 @@ class StepBuilder:
         inputs.rope_cos, inputs.rope_sin = decoder.rope_tables(inputs.positions, self.inv_freq, xp=np)
 
     def _fill_pages(self, inputs: StepInputs, seqs: _Sequences, bucket: Bucket) -> None:
-        """Slot mapping, block tables and the attention backend's metadata, per KV cache group."""
-        ib, bs = self.input_batch, self.block_size
-        tables = [(inputs.slot_mapping, inputs.block_tables)]
+        """Slot mapping, page tables and the attention backend's metadata, per KV cache group."""
+        ib, bs = self.input_batch, self.page_size
+        tables = [(inputs.slot_mapping, inputs.page_tables)]
         if self.window_group:
-            tables.append((inputs.window_slot_mapping, inputs.window_block_tables))
+            tables.append((inputs.window_slot_mapping, inputs.window_page_tables))
         positions, token_rows = seqs.positions, seqs.token_rows
-        for g, (slots, block_tables) in enumerate(tables):
-            fill(slots, ib.block_table[token_rows, g, positions // bs] * bs + positions % bs, -1)
-            fill(block_tables, ib.block_table[seqs.rows, g], 0)
+        for g, (slots, page_tables) in enumerate(tables):
+            fill(slots, ib.page_table[token_rows, g, positions // bs] * bs + positions % bs, -1)
+            fill(page_tables, ib.page_table[seqs.rows, g], 0)
         metadata = [
             self.attention.build_metadata(
                 q_lens=seqs.q_lens,
                 seq_lens=seqs.seq_lens,
-                block_tables=block_tables[: len(seqs.order)],
+                page_tables=page_tables[: len(seqs.order)],
                 num_decodes=seqs.num_decodes,
                 bucket=bucket,
             )
-            for _, block_tables in tables
+            for _, page_tables in tables
         ]
         inputs.attn_metadata = metadata[0]
         if self.window_group:
@@ -224,7 +224,7 @@ class StepBuilder:
         sampling.flags[FLAG_GRAMMAR] = bool(grammars)
         if grammars:
             if buffers.token_masks is None:
-                buffers.token_masks = TokenMasks(R, mask_words(self.spec.vocab_size))
+                buffers.token_masks = TokenMasks(R, mask_words(self.cfg.vocab_size))
             sampling.token_mask = buffers.token_masks.fill(grammars)
         else:
             sampling.token_mask = None if self.num_stages > 1 else self._all_allowed[R]
@@ -298,7 +298,7 @@ class StepBuilder:
             np.stack([b.ints for b in micro]),
             np.stack([b.floats for b in micro]),
             stacked("penalty_tokens", self._no_penalty_tokens, self.config.scheduler.max_model_len),
-            stacked("token_mask", self._all_allowed, mask_words(self.spec.vocab_size)),
+            stacked("token_mask", self._all_allowed, mask_words(self.cfg.vocab_size)),
         )
 
     # ----- padding -----
@@ -306,9 +306,9 @@ class StepBuilder:
         """The bucket's all-padding inputs, packed (they write no KV and sample nothing used)."""
         buffers = self.bucket_buffers(bucket, PADDING)
         if buffers.layout is None:
-            buffers.inputs.attn_metadata = self.attention.dummy_metadata(bucket, self.max_blocks)
+            buffers.inputs.attn_metadata = self.attention.dummy_metadata(bucket, self.max_pages)
             if self.window_group:
-                buffers.inputs.window_attn_metadata = self.attention.dummy_metadata(bucket, self.max_blocks)
+                buffers.inputs.window_attn_metadata = self.attention.dummy_metadata(bucket, self.max_pages)
             self.input_batch.fill_sampling(buffers.sampling, np.zeros(0, np.int64), None)
             self.pack(buffers)
         return buffers

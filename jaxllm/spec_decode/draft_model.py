@@ -3,7 +3,7 @@ greedy decoding.
 
 It runs its own `ModelRunner` (its own compiled steps and KV pool) on the target's page ids:
 its pool has as many pages as the target's, and a request's draft KV lives in the same page
-ids as its target KV, so the scheduler's block tables, allocation and freeing serve both.
+ids as its target KV, so the scheduler's page tables, allocation and freeing serve both.
 Per request it keeps a shadow `Request` (greedy sampling params, the real request's tokens and
 pages) with its own `num_computed_tokens`: after a step, the draft KV stays valid up to where
 the shadow's tokens (the real ones plus its drafts) agree with the request's, so each round
@@ -66,7 +66,7 @@ class DraftModelProposer(Proposer):
         same = request.num_prompt_tokens + (int(agree[0]) if len(agree) else len(have))
         shadow.num_computed_tokens = min(shadow.num_computed_tokens, same, request.num_tokens - 1)
         shadow.output_token_ids = list(request.output_token_ids)
-        shadow.block_ids = request.block_ids
+        shadow.page_ids = request.page_ids
         return shadow
 
     def propose_batch(self, requests: list[Request], rooms: list[int]) -> None:

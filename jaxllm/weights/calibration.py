@@ -50,14 +50,14 @@ class Observed:
     input_dtype = jnp.float32  # x observed as the float model computes it
 
 
-def activation_maxima(params, spec: decoder.ModelSpec, windows: list[list[int]]) -> dict:
+def activation_maxima(params, cfg: decoder.ModelConfig, windows: list[list[int]]) -> dict:
     """{(layer, name): max |x| [in] float32} over every token of `windows` (lists of token ids,
     each run as one sequence from position 0) for the OBSERVED matrices of `params` (one
     device, no shard layout, float weights)."""
     maxima: dict = {}
     # One compiled layer per kind of layer (window, RoPE table, MoE: `decoder.first_of_kind`) and
     # window length.
-    inv_freq = spec.inv_freq()
+    inv_freq = cfg.inv_freq()
     for ids in windows:
         n = len(ids)
         if n == 0:
@@ -68,7 +68,7 @@ def activation_maxima(params, spec: decoder.ModelSpec, windows: list[list[int]])
             token_ids=np.asarray(ids, np.int32),
             positions=positions,
             slot_mapping=positions,
-            block_tables=np.zeros((1, 1), np.int32),
+            page_tables=np.zeros((1, 1), np.int32),
             query_start_loc=np.asarray([0, n], np.int32),
             seq_lens=np.asarray([n], np.int32),
             num_seqs=np.asarray(1, np.int32),
@@ -77,9 +77,9 @@ def activation_maxima(params, spec: decoder.ModelSpec, windows: list[list[int]])
             rope_sin=sin,
             attn_metadata={},
         )
-        x = decoder.embed(params, inputs.token_ids, inputs.positions, spec)
+        x = decoder.embed(params, inputs.token_ids, inputs.positions, cfg)
         for i, layer in enumerate(params["layers"]):
-            x, seen = _observed_layer(layer, x, inputs, spec=spec, index=decoder.first_of_kind(spec, i))
+            x, seen = _observed_layer(layer, x, inputs, cfg=cfg, index=decoder.first_of_kind(cfg, i))
             for name, m in seen.items():
                 m = np.asarray(m)
                 maxima[(i, name)] = np.maximum(maxima[(i, name)], m) if (i, name) in maxima else m
@@ -106,12 +106,12 @@ class DenseCausal(AttentionBackend):
         return jnp.einsum("kgts,skd->tkgd", p, v).reshape(n, heads, hd)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "index"))
-def _observed_layer(layer, x, inputs, *, spec, index):
+@functools.partial(jax.jit, static_argnames=("cfg", "index"))
+def _observed_layer(layer, x, inputs, *, cfg, index):
     """Decoder layer `index`'s kind on x, with its OBSERVED matrices' input maxima {name: [in]}."""
     seen: dict = {}
     layer = {name: Observed(w, name, seen) if name in OBSERVED else w for name, w in layer.items()}
-    x, _, _ = decoder.decoder_layer(layer, None, None, x, inputs, spec, index=index, attention=DenseCausal())
+    x, _, _ = decoder.decoder_layer(layer, None, None, x, inputs, cfg, index=index, attention=DenseCausal())
     return x, seen
 
 
@@ -124,7 +124,7 @@ def text_windows(tokenizer, text: str | None = None, window: int = 512) -> list[
     return [ids[i : i + window] for i in range(0, len(ids), window)]
 
 
-def smooth_for_w8a8(params, spec: decoder.ModelSpec, tokenizer, alpha: float = smoothing.ALPHA) -> bool:
+def smooth_for_w8a8(params, cfg: decoder.ModelConfig, tokenizer, alpha: float = smoothing.ALPHA) -> bool:
     """Smooth `params` (in place) for W8A8 from the activations of the shipped calibration
     text; without a tokenizer, leave them as they are (and say so). Returns whether it smoothed."""
     if tokenizer is None:
@@ -133,5 +133,5 @@ def smooth_for_w8a8(params, spec: decoder.ModelSpec, tokenizer, alpha: float = s
             "smoothed (expect a larger accuracy loss)"
         )
         return False
-    smoothing.smooth(params, spec, activation_maxima(params, spec, text_windows(tokenizer)), alpha)
+    smoothing.smooth(params, cfg, activation_maxima(params, cfg, text_windows(tokenizer)), alpha)
     return True

@@ -4,7 +4,7 @@ decided once from the platform, the mesh and the user's options.
     plan = resolve_weight_plan(args, platform, one_device=...)                  # what to load
     loaded = load_model(args.model, **plan.load_options())
     plan = resolve_weight_plan(args, platform.confirmed(), one_device=..., checkpoint=loaded.quantization)
-    params = weights.prepare.prepare_weights(loaded.params, spec, plan, ...)     # the plan's weights
+    params = weights.prepare.prepare_weights(loaded.params, cfg, plan, ...)     # the plan's weights
 
 `resolve_weight_plan` is a pure function of plain data (a table-driven test checks it:
 tests/quantization/test_weight_plan.py); `prepare_weights` turns loaded arrays into the plan's weight

@@ -1,7 +1,7 @@
 """Loaded arrays -> the weight plan's weights (vLLM's `process_weights_after_loading`).
 
     loaded, plan = load_with_plan(args, platform, mesh, one_device=...)     # jaxllm/weights/plan.py
-    params, small_params = prepare_weights(loaded.params, loaded.spec, plan, mesh=mesh, tokenizer=...)
+    params, small_params = prepare_weights(loaded.params, loaded.cfg, plan, mesh=mesh, tokenizer=...)
 
 One step after loading, before any runner exists, in this order:
 
@@ -47,9 +47,9 @@ logger = logging.getLogger("jaxllm")
 
 
 class PreparedModel(NamedTuple):
-    """A model ready for a runner: its spec and the plan's weights (`prepare_weights`)."""
+    """A model ready for a runner: its model config and the plan's weights (`prepare_weights`)."""
 
-    spec: object
+    cfg: object
     params: dict
     small_params: dict | None = None
 
@@ -83,7 +83,7 @@ def load_with_plan(
             platform.confirmed(),
             one_device=one_device,
             checkpoint=loaded.quantization,
-            tied=loaded.spec.tie_word_embeddings,
+            tied=loaded.cfg.tie_word_embeddings,
         )
     except ValueError as e:
         raise ValueError(f"{loaded.source}: {e}") from None
@@ -91,29 +91,29 @@ def load_with_plan(
 
 
 def prepare_weights(
-    params: dict, spec, plan: WeightPlan, *, mesh=None, tokenizer=None, device=None, log: bool = True
+    params: dict, cfg, plan: WeightPlan, *, mesh=None, tokenizer=None, device=None, log: bool = True
 ) -> tuple[dict, dict | None]:
     """The plan's weights from loaded `params` (in `layout.shard_layout` for `mesh`'s sizes,
     except under W8A8 smoothing, which reads them whole): `(params, small_params)`, the second
     the codes tree of small-step codes or None. One device (`mesh` None): on `device` (default:
     JAX's first). `params` is consumed (its matrices are replaced one at a time)."""
     if plan.smooth:
-        calibration.smooth_for_w8a8(params, spec, tokenizer)
+        calibration.smooth_for_w8a8(params, cfg, tokenizer)
         if mesh is not None:
-            params = layout.shard_layout(params, spec, parallel.tp_size(mesh), parallel.pp_size(mesh))
+            params = layout.shard_layout(params, cfg, parallel.tp_size(mesh), parallel.pp_size(mesh))
     if mesh is not None:
         if plan.quantization:
-            params = quantize_params(params, spec, plan, parts=parallel.quantized_parts(mesh))
+            params = quantize_params(params, cfg, plan, parts=parallel.quantized_parts(mesh))
         if log:
             logger.info("weights: %s", plan.describe())
         return parallel.shard_params(params, mesh), None
     device = device or jax.devices()[0]
     if plan.quantization:
-        params = quantize_params(params, spec, plan, device=device)
+        params = quantize_params(params, cfg, plan, device=device)
     elif not plan.small_step_codes:
-        params = _dequantized(params, spec, plan.dtype)
+        params = _dequantized(params, cfg, plan.dtype)
     if plan.pack_floats:
-        params = pack_params(params, spec, device, bf16=plan.dtype == "bfloat16")
+        params = pack_params(params, cfg, device, bf16=plan.dtype == "bfloat16")
     params = jax.device_put(params, device)
     small_params = None
     if plan.small_step_codes:
@@ -123,7 +123,7 @@ def prepare_weights(
     return params, small_params
 
 
-def pack_params(params: dict, spec, device, *, bf16: bool = False) -> dict:
+def pack_params(params: dict, cfg, device, *, bf16: bool = False) -> dict:
     """Replace, in place, each float matrix of `params` (no shard layout; float32, or bf16 with
     `bf16`: the C++ bf16 GEMM has AVX512_BF16 dots) by its `PackedWeight` on `device`, one
     matrix at a time: the extra memory is one matrix at most (packing the whole tree, then
@@ -148,7 +148,7 @@ def pack_params(params: dict, spec, device, *, bf16: bool = False) -> dict:
                 layer[name] = pack(layer[name])
     if "lm_head" in params:
         params["lm_head"] = pack(params["lm_head"])
-    if spec.tie_word_embeddings:  # the table is the LM head too
+    if cfg.tie_word_embeddings:  # the table is the LM head too
         params["embed"] = pack(params["embed"], transposed=True)
     return params
 
@@ -196,7 +196,7 @@ def small_step_params(params: dict, device, codes: bool = True) -> tuple[dict, d
     return large, small if codes else None
 
 
-def _dequantized(params: dict, spec, dtype: str) -> dict:
+def _dequantized(params: dict, cfg, dtype: str) -> dict:
     """`params` with a checkpoint's codes the plan does not keep turned back into float
     matrices in `dtype` (a tied table stored as the LM head back to [vocab, hidden])."""
 

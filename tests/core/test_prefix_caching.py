@@ -83,7 +83,7 @@ def test_outputs_equal_with_prefix_caching_on_and_off(llm_on, llm_off, reference
     assert token_ids(llm_on.generate(prompts[::-1], greedy(12), use_tqdm=False))[::-1] == reference
     assert token_ids(llm_off.generate(prompts, greedy(12), use_tqdm=False)) == reference
     assert llm_off.engine.kv_cache_manager.prefix_hits == 0
-    assert kv.num_used_blocks == 0
+    assert kv.num_used_pages == 0
 
 
 def test_hit_counters(llm_on):
@@ -105,7 +105,7 @@ def test_forced_hash_collisions_never_return_wrong_kv(llm_on, reference, monkeyp
     """Every page hashes alike: a hit must still be confirmed by its tokens and its parent."""
     kv = llm_on.engine.kv_cache_manager
     kv.reset_prefix_cache()
-    monkeypatch.setattr(kv_module, "hash_block_tokens", lambda parent, tokens, extra_key=None: 42)
+    monkeypatch.setattr(kv_module, "hash_page_tokens", lambda parent, tokens, extra_key=None: 42)
     prompts = shared_prefix_prompts()
     h0 = kv.prefix_hits
     outs = [llm_on.generate([p], greedy(12), use_tqdm=False)[0] for p in prompts]
@@ -127,14 +127,14 @@ def test_eviction_and_preemption_give_same_outputs(tiny_model_dir, llm_off):
     kv = small.engine.kv_cache_manager
     assert token_ids(small.generate([warm], greedy(12), use_tqdm=False)) == expected[:1]
     probe = Request("probe", warm + expected[0][0] + [1], greedy())
-    assert len(kv.get_computed_blocks(probe)[0]) == 6  # 25 computed tokens: 6 full pages
+    assert len(kv.get_computed_pages(probe)[0]) == 6  # 25 computed tokens: 6 full pages
     outs = small.generate(prompts * 2, greedy(12), use_tqdm=False)
     assert token_ids(outs) == expected[1:] * 2
     assert small.engine.stats.num_preemptions > 0
     assert kv.prefix_hits > 0
-    assert kv.num_used_blocks == 0
+    assert kv.num_used_pages == 0
     # The pool could not keep everything: the warm-up prompt's pages were evicted since.
-    assert len(kv.get_computed_blocks(probe)[0]) < 6
+    assert len(kv.get_computed_pages(probe)[0]) < 6
     # Caching off under the same pressure gives the same outputs.
     kv.enable_prefix_caching = False
     kv.reset_prefix_cache()
@@ -172,17 +172,17 @@ def test_n_samples_hold_the_prompt_pages_once(llm_on):
         if all(r is not None and len(r.output_token_ids) >= 2 for r in reqs):
             break
     assert all(r is not None and len(r.output_token_ids) >= 2 for r in reqs)
-    tables = [r.block_ids for r in reqs]
+    tables = [r.page_ids for r in reqs]
     assert all(t[:shared] == tables[0][:shared] for t in tables)
-    assert all(kv.groups[0].blocks[b].ref_cnt == n for b in tables[0][:shared])
+    assert all(kv.groups[0].pages[b].ref_cnt == n for b in tables[0][:shared])
     own = [b for t in tables for b in t[shared:]]
     assert len(own) == len(set(own)) and not set(own) & set(tables[0][:shared])
-    assert kv.num_used_blocks == shared + len(own)
-    assert kv.num_used_blocks < sum(kv.blocks_needed(r.num_computed_tokens) for r in reqs)
-    assert all(kv.request_usage(r) == (len(r.block_ids), shared) for r in reqs)
+    assert kv.num_used_pages == shared + len(own)
+    assert kv.num_used_pages < sum(kv.pages_needed(r.num_computed_tokens) for r in reqs)
+    assert all(kv.request_usage(r) == (len(r.page_ids), shared) for r in reqs)
     while engine.has_unfinished_requests():
         engine.step()
-    assert kv.num_used_blocks == 0
+    assert kv.num_used_pages == 0
 
 
 # ----- the cache manager alone: ref counts, fork, copy-on-write -----
@@ -196,7 +196,7 @@ def _run(kv, req, n):
     """Allocate and 'compute' n tokens of req, as the scheduler and engine would."""
     assert kv.allocate_slots(req, n)
     req.num_computed_tokens += n
-    kv.cache_full_blocks(req)
+    kv.cache_full_pages(req)
 
 
 def test_prefix_queries_counted_once_per_admission():
@@ -208,10 +208,10 @@ def test_prefix_queries_counted_once_per_admission():
     _run(kv, hog, 8)  # takes the 2 uncached pages
     req = _request(10)  # first's 8 tokens + 2: hits 2 pages, needs 1 more
     for _ in range(2):
-        computed = kv.get_computed_blocks(req)
+        computed = kv.get_computed_pages(req)
         assert len(computed[0]) == 2 and not kv.allocate_slots(req, 10 - 8, computed)  # blocked
     kv.free(hog)
-    assert kv.allocate_slots(req, 10 - 8, kv.get_computed_blocks(req))
+    assert kv.allocate_slots(req, 10 - 8, kv.get_computed_pages(req))
     assert kv.prefix_queries == 8 + 8 + 10
     assert kv.prefix_hits == 8
 
@@ -222,21 +222,21 @@ def test_fork_shares_pages_and_copies_only_on_divergent_write():
     _run(kv, parent, 10)
     child = _request(10, "child")
     kv.fork(parent, child)
-    assert child.block_ids == parent.block_ids and child.num_computed_tokens == 10
-    assert [kv.groups[0].blocks[b].ref_cnt for b in parent.block_ids] == [2, 2, 2]
+    assert child.page_ids == parent.page_ids and child.num_computed_tokens == 10
+    assert [kv.groups[0].pages[b].ref_cnt for b in parent.page_ids] == [2, 2, 2]
     assert kv.request_usage(child) == (3, 3)
-    used = kv.num_used_blocks
+    used = kv.num_used_pages
     # Both write their own next token into the shared, partly filled page 2.
     parent.output_token_ids.append(1)
     child.output_token_ids.append(2)
     assert kv.allocate_slots(parent, 1)
     [(src, dst)] = kv.take_pending_copies()
-    assert src == [child.block_ids[2]] and dst == [parent.block_ids[2]] and kv.num_copies == 1
+    assert src == [child.page_ids[2]] and dst == [parent.page_ids[2]] and kv.num_copies == 1
     assert kv.allocate_slots(child, 1)  # now the only holder: writes in place
     assert kv.take_pending_copies() == [([], [])] and kv.num_copies == 1
-    assert parent.block_ids[:2] == child.block_ids[:2] and parent.block_ids[2] != child.block_ids[2]
-    assert [kv.groups[0].blocks[b].ref_cnt for b in child.block_ids] == [2, 2, 1]
-    assert kv.num_used_blocks == used + 1
+    assert parent.page_ids[:2] == child.page_ids[:2] and parent.page_ids[2] != child.page_ids[2]
+    assert [kv.groups[0].pages[b].ref_cnt for b in child.page_ids] == [2, 2, 1]
+    assert kv.num_used_pages == used + 1
     parent.num_computed_tokens += 1
     child.num_computed_tokens += 1
 
@@ -251,7 +251,7 @@ def test_fork_shares_pages_and_copies_only_on_divergent_write():
         r.output_token_ids.append(tok)
         assert kv.allocate_slots(r, 1)
     assert kv.take_pending_copies() == [([], [])] and kv.num_copies == 1
-    assert child.block_ids[:3] == grandchild.block_ids[:3] and child.block_ids[3] != grandchild.block_ids[3]
+    assert child.page_ids[:3] == grandchild.page_ids[:3] and child.page_ids[3] != grandchild.page_ids[3]
 
     # A fork that is dropped before writing leaves the page to the other: no copy.
     sibling = _request(13, "sibling")
@@ -270,7 +270,7 @@ def test_fork_shares_pages_and_copies_only_on_divergent_write():
     assert kv.take_pending_copies() == [([], [])]
     for r in (parent, child, grandchild):
         kv.free(r)
-    assert kv.num_used_blocks == 0 and all(b.ref_cnt == 0 for b in kv.groups[0].blocks)
+    assert kv.num_used_pages == 0 and all(b.ref_cnt == 0 for b in kv.groups[0].pages)
 
 
 def test_copy_on_write_fails_cleanly_without_free_pages():
@@ -283,6 +283,6 @@ def test_copy_on_write_fails_cleanly_without_free_pages():
     _run(kv, hog, 4)  # the last free page
     parent.output_token_ids.append(1)
     assert not kv.allocate_slots(parent, 1)  # a copy needs a page: nothing changes
-    assert parent.block_ids == child.block_ids and not kv.groups[0].pending_copies
+    assert parent.page_ids == child.page_ids and not kv.groups[0].pending_copies
     kv.free(hog)
     assert kv.allocate_slots(parent, 1) and kv.num_copies == 1

@@ -58,7 +58,7 @@ def test_accepted_params_are_sane_and_fit_the_device_arrays(kwargs):
     # The runner's per-row arrays hold whatever was accepted (top_k clamped to the vocabulary).
     batch = InputBatch(2, 64, 4, 16, VOCAB)
     request = Request("r", [1, 2, 3], params, seed=params.seed if params.seed is not None else 7)
-    request.block_ids = [0]
+    request.page_ids = [0]
     rows = batch.rows_for([request])
     out = SamplingMetadata.zeros(2)
     batch.fill_sampling(out, rows, np.full((2, 64), -1, np.int32))

@@ -103,7 +103,7 @@ def test_stop_conditions(params, forced, reason, stop_reason, num_out):
     assert len(outputs) == num_out
     assert [o.finish_reason for o in outputs] == [None] * (num_out - 1) + [reason]
     assert outputs[-1].stop_reason == stop_reason
-    assert s.kv.num_used_blocks == 0
+    assert s.kv.num_used_pages == 0
 
 
 def test_max_model_len_ends_a_request():
@@ -120,7 +120,7 @@ def test_max_model_len_ends_a_request():
 
 def test_preemption_takes_the_newest_and_resumes_it_by_recompute():
     # 8 pages of 4 tokens: two requests of 12 prompt tokens (3 pages each) growing by 8.
-    s = make_scheduler(num_blocks=8, block_size=4, budget=64, prefix_caching=False)
+    s = make_scheduler(num_pages=8, page_size=4, budget=64, prefix_caching=False)
     s.add_request(make_request("old", 12, max_tokens=8, first_token=100))
     s.add_request(make_request("new", 12, max_tokens=8, first_token=300))
     step(s)
@@ -131,17 +131,17 @@ def test_preemption_takes_the_newest_and_resumes_it_by_recompute():
             assert out.preempted_req_ids == {"new"}
             preempted_at = i
             new = next(r for r in s.waiting if r.request_id == "new")
-            assert new.status is RequestStatus.PREEMPTED and new.num_computed_tokens == 0 and not new.block_ids
+            assert new.status is RequestStatus.PREEMPTED and new.num_computed_tokens == 0 and not new.page_ids
             assert s.waiting[0] is new  # resumes first
             break
     assert preempted_at is not None
     run_to_end(s)
-    assert s.kv.num_used_blocks == 0 and s.num_preemptions >= 1
+    assert s.kv.num_used_pages == 0 and s.num_preemptions >= 1
 
 
 def test_preempted_request_gets_the_same_tokens_as_an_unpreempted_run():
-    def tokens_of(num_blocks):
-        s = make_scheduler(num_blocks=num_blocks, block_size=4, budget=64)
+    def tokens_of(num_pages):
+        s = make_scheduler(num_pages=num_pages, page_size=4, budget=64)
         requests = [make_request(f"r{i}", 10 + 3 * i, max_tokens=10, first_token=100 * i) for i in range(3)]
         for r in requests:
             s.add_request(r)
@@ -155,37 +155,37 @@ def test_preempted_request_gets_the_same_tokens_as_an_unpreempted_run():
 
 
 def test_swap_preemption_saves_pages_and_restores_them_in_place_of_recompute():
-    s = make_scheduler(num_blocks=8, block_size=4, budget=64, swap_blocks=16, prefix_caching=False)
+    s = make_scheduler(num_pages=8, page_size=4, budget=64, swap_pages=16, prefix_caching=False)
     s.add_request(make_request("old", 12, max_tokens=8, first_token=100))
     s.add_request(make_request("new", 12, max_tokens=8, first_token=300))
     step(s)
     new = s.requests["new"]
     for _ in range(40):
-        pages_before = list(new.block_ids)
+        pages_before = list(new.page_ids)
         computed_before = new.num_computed_tokens
         out, _ = step(s)
         if out.preempted_req_ids:
             break
     assert out.preempted_req_ids == {"new"}
     assert out.swap_out == list(zip(pages_before, new.swap_slots))
-    assert new.num_computed_tokens == computed_before and not new.block_ids  # kept: nothing to recompute
+    assert new.num_computed_tokens == computed_before and not new.page_ids  # kept: nothing to recompute
     slots = list(new.swap_slots)
     while True:
         out, _ = step(s)
         if out.swap_in:
             break
     assert [slot for slot, _ in out.swap_in] == slots
-    assert [page for _, page in out.swap_in] == new.block_ids[: len(slots)]
+    assert [page for _, page in out.swap_in] == new.page_ids[: len(slots)]
     assert scheduled(out)["new"] == 1  # resumes with a decode, not a recompute
     run_to_end(s)
-    assert s.kv.num_used_blocks == 0 and len(s.kv.free_swap_slots) == 16
+    assert s.kv.num_used_pages == 0 and len(s.kv.free_swap_slots) == 16
 
 
 # ----- prefix cache, aborts, fairness -----
 
 
 def test_prefix_cache_hit_skips_the_cached_pages():
-    s = make_scheduler(block_size=4)
+    s = make_scheduler(page_size=4)
     s.add_request(make_request("a", 14))
     run_to_end(s)
     s.add_request(make_request("b", 14))
@@ -198,11 +198,11 @@ def test_prefix_cache_hit_skips_the_cached_pages():
 def test_abort_in_every_state_frees_everything(state):
     swap = state == "swapped"
     s = make_scheduler(
-        num_blocks=8,
-        block_size=4,
+        num_pages=8,
+        page_size=4,
         budget=16 if state == "mid_prompt" else 64,
         max_num_seqs=2,
-        swap_blocks=16 if swap else 0,
+        swap_pages=16 if swap else 0,
         prefix_caching=False,
     )
     s.add_request(make_request("a", 12, max_tokens=8, first_token=100))
@@ -230,7 +230,7 @@ def test_abort_in_every_state_frees_everything(state):
     out, _ = step(s)
     assert target in out.finished_req_ids and target not in scheduled(out)
     run_to_end(s)
-    assert s.kv.num_used_blocks == 0 and len(s.kv.free_swap_slots) == s.kv.num_swap_blocks
+    assert s.kv.num_used_pages == 0 and len(s.kv.free_swap_slots) == s.kv.num_swap_pages
 
 
 def test_admission_is_first_come_first_served():
@@ -263,14 +263,14 @@ def check_invariants(s: Scheduler, out=None):
     live = list(s.requests.values())
     holders: dict[int, int] = {}
     for r in live:
-        for b in r.block_ids:
+        for b in r.page_ids:
             holders[b] = holders.get(b, 0) + 1
-    for block in kv.groups[0].blocks:  # no page leaked or double-freed
-        assert block.ref_cnt == holders.get(block.block_id, 0)
-        assert (block.block_id in kv.groups[0].free_blocks) == (block.ref_cnt == 0)
+    for page in kv.groups[0].pages:  # no page leaked or double-freed
+        assert page.ref_cnt == holders.get(page.page_id, 0)
+        assert (page.page_id in kv.groups[0].free_pages) == (page.ref_cnt == 0)
     swapped = [slot for r in live for slot in r.swap_slots]
     assert len(swapped) == len(set(swapped)) and not set(swapped) & set(kv.free_swap_slots)
-    assert len(swapped) + len(kv.free_swap_slots) == kv.num_swap_blocks
+    assert len(swapped) + len(kv.free_swap_slots) == kv.num_swap_pages
     assert all(r.status is RequestStatus.RUNNING for r in s.running)
     if out is not None:  # budgets
         assert out.num_scheduled_tokens <= s.config.max_num_batched_tokens
@@ -284,13 +284,13 @@ def check_invariants(s: Scheduler, out=None):
 def test_random_traffic_keeps_the_invariants(ops, swap, prefix_caching):
     # 16 pages hold any one request (at most 40 + 24 tokens = 16 pages), not many at once.
     s = make_scheduler(
-        num_blocks=16,
-        block_size=4,
+        num_pages=16,
+        page_size=4,
         budget=24,
         max_num_seqs=6,
         max_prefill=3,
         max_model_len=64,
-        swap_blocks=12 if swap else 0,
+        swap_pages=12 if swap else 0,
         prefix_caching=prefix_caching,
     )
     added, finished = [], {}
@@ -328,13 +328,13 @@ def test_random_traffic_keeps_the_invariants(ops, swap, prefix_caching):
 
 
 def kv_empty(s: Scheduler) -> bool:
-    return s.kv.num_used_blocks == 0 and len(s.kv.free_swap_slots) == s.kv.num_swap_blocks
+    return s.kv.num_used_pages == 0 and len(s.kv.free_swap_slots) == s.kv.num_swap_pages
 
 
 def test_beam_like_request_swapped_back_in_is_not_scheduled_without_tokens():
     """A request whose tokens are all computed (a beam waiting for the token its search picks)
     comes back from the host but is not scheduled with 0 tokens."""
-    s = make_scheduler(num_blocks=8, block_size=4, budget=64, swap_blocks=16, prefix_caching=False)
+    s = make_scheduler(num_pages=8, page_size=4, budget=64, swap_pages=16, prefix_caching=False)
     beam = make_request("beam", 12)
     beam.append_sampled_tokens = False
     s.add_request(beam)
@@ -373,7 +373,7 @@ def runner_output(tokens: list[list[int]]) -> ModelRunnerOutput:
 
 
 def test_speculation_schedules_drafts_and_gives_back_rejected_pages():
-    s = make_scheduler(block_size=4)
+    s = make_scheduler(page_size=4)
     s.proposer, s.max_spec_seqs = FixedDrafts(), 8
     r = make_request("a", 6, max_tokens=20)
     s.add_request(r)
@@ -381,11 +381,11 @@ def test_speculation_schedules_drafts_and_gives_back_rejected_pages():
     assert scheduled(out) == {"a": 6} and r.spec_token_ids == []  # no drafts for a prompt
     s.update_from_output(out, runner_output([[4]]))
     out = s.schedule()  # decoding: newest token + 3 drafts
-    assert scheduled(out) == {"a": 4} and r.spec_token_ids == [7, 8, 9] and len(r.block_ids) == 3
+    assert scheduled(out) == {"a": 4} and r.spec_token_ids == [7, 8, 9] and len(r.page_ids) == 3
     core = s.update_from_output(out, runner_output([[5]]))  # every draft rejected
     assert core.outputs[0].new_token_ids == [5] and (core.num_draft_tokens, core.num_accepted_tokens) == (3, 0)
     assert r.output_token_ids == [4, 5] and r.num_computed_tokens == r.num_tokens - 1 == 7
-    assert len(r.block_ids) == 2 and s.kv.num_used_blocks == 2  # the drafts' third page is back
+    assert len(r.page_ids) == 2 and s.kv.num_used_pages == 2  # the drafts' third page is back
     out = s.schedule()
     core = s.update_from_output(out, runner_output([[7, 8, 1]]))  # two accepted, then a correction
     assert core.outputs[0].new_token_ids == [7, 8, 1] and core.num_accepted_tokens == 2
@@ -396,7 +396,7 @@ def test_speculation_schedules_drafts_and_gives_back_rejected_pages():
 
 
 def test_speculation_stops_at_max_tokens_and_stop_tokens():
-    s = make_scheduler(block_size=4)
+    s = make_scheduler(page_size=4)
     s.proposer, s.max_spec_seqs = FixedDrafts(), 8
     r = make_request("a", 5, max_tokens=3, stop_token_ids=[8])
     s.add_request(r)
@@ -410,4 +410,4 @@ def test_speculation_stops_at_max_tokens_and_stop_tokens():
     s.update_from_output(s.schedule(), runner_output([[6]]))
     core = s.update_from_output(s.schedule(), runner_output([[7, 8, 9, 3]]))
     assert r2.output_token_ids == [6, 7, 8] and core.outputs[0].finish_reason == "stop"
-    assert s.kv.num_used_blocks == 0
+    assert s.kv.num_used_pages == 0

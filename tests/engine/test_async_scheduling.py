@@ -60,7 +60,7 @@ def test_the_same_outputs_as_stepping_synchronously(engines):
     assert [w[1] for w in want[:4]] == ["length", "length", "stop", "stop"]
     assert len(want[2][0]) == len(want[3][0]) == first + 1 and want[4][0][first] != stop_at
     assert fast.engine.runner.ahead_steps - before >= 5
-    assert fast.engine.kv_cache_manager.num_used_blocks == 0
+    assert fast.engine.kv_cache_manager.num_used_pages == 0
 
 
 def test_an_abort_while_its_step_is_in_flight(engines):
@@ -78,7 +78,7 @@ def test_an_abort_while_its_step_is_in_flight(engines):
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
     assert finished == {"kept": want}
-    assert engine.kv_cache_manager.num_used_blocks == 0
+    assert engine.kv_cache_manager.num_used_pages == 0
 
 
 def test_penalties_step_synchronously(engines):

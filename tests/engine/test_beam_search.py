@@ -73,7 +73,7 @@ def test_matches_hf_beam_search(llm, hf_model, with_eos, width, early_stopping, 
             assert seq.score == pytest.approx(seq.cum_logprob / n**length_penalty, rel=1e-6)
             assert seq.finish_reason == ("stop" if seq.tokens[-1] == with_eos else "length")
             assert seq.text == tokenizer.decode(seq.tokens, skip_special_tokens=True)
-    assert llm.engine.kv_cache_manager.num_used_blocks == 0
+    assert llm.engine.kv_cache_manager.num_used_pages == 0
 
 
 def test_eos_ends_beams(llm, with_eos):
@@ -95,7 +95,7 @@ def test_width_one_without_eos_is_greedy(llm):
 def test_beams_share_pages_and_copy_exactly_when_they_diverge_inside_a_page(llm, monkeypatch):
     engine = llm.engine
     kv = engine.kv_cache_manager
-    bs = kv.block_size
+    bs = kv.page_size
     forks_mid_page, forks_at_boundary = [], []
     real_fork = kv.fork
 
@@ -107,20 +107,20 @@ def test_beams_share_pages_and_copy_exactly_when_they_diverge_inside_a_page(llm,
 
     def check_sharing():
         """After every step: a page held by several beams is at the same place in each of their
-        block tables and holds the same tokens for all of them; its ref count is its holders."""
+        page tables and holds the same tokens for all of them; its ref count is its holders."""
         holders: dict[int, list] = {}
         for req in engine.scheduler.running:
-            for j, block_id in enumerate(req.block_ids):
-                holders.setdefault(block_id, []).append((j, req))
-        for block_id, held in holders.items():
-            assert kv.groups[0].blocks[block_id].ref_cnt == len(held)
+            for j, page_id in enumerate(req.page_ids):
+                holders.setdefault(page_id, []).append((j, req))
+        for page_id, held in holders.items():
+            assert kv.groups[0].pages[page_id].ref_cnt == len(held)
             assert len({j for j, _ in held}) == 1
             j = held[0][0]
             end = min(r.num_computed_tokens for _, r in held)
             assert len({tuple(r.all_token_ids[j * bs : min(end, (j + 1) * bs)]) for _, r in held}) == 1
-        peak["used"] = max(peak["used"], kv.num_used_blocks)
-        peak["unshared"] = max(peak["unshared"], sum(len(r.block_ids) for r in engine.scheduler.running))
-        peak["max_ref"] = max([peak["max_ref"]] + [kv.groups[0].blocks[b].ref_cnt for b in holders])
+        peak["used"] = max(peak["used"], kv.num_used_pages)
+        peak["unshared"] = max(peak["unshared"], sum(len(r.page_ids) for r in engine.scheduler.running))
+        peak["max_ref"] = max([peak["max_ref"]] + [kv.groups[0].pages[b].ref_cnt for b in holders])
 
     real_step = engine.engine_core.step
 
@@ -140,7 +140,7 @@ def test_beams_share_pages_and_copy_exactly_when_they_diverge_inside_a_page(llm,
     assert kv.num_copies - copies0 == len(forks_mid_page)
     assert peak["max_ref"] >= 4  # a prompt's pages are held by all 4 of its beams
     assert peak["used"] < peak["unshared"]
-    assert kv.num_used_blocks == 0 and not kv.groups[0].pending_copies
+    assert kv.num_used_pages == 0 and not kv.groups[0].pending_copies
 
 
 def test_small_pool_runs_prompts_as_they_fit(tiny_model_dir, hf_model):

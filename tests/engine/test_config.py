@@ -9,12 +9,12 @@ from jaxllm.config import EngineArgs
 
 from jaxllm.engine_config import kv_bytes_per_token, resolve_config
 from jaxllm.engine.llm_engine import _available_memory
-from jaxllm.models.decoder import ModelSpec
+from jaxllm.models.decoder import ModelConfig
 from jaxllm.utils import cpu_flags, resolve_dtype, resolve_kv_cache_dtype
 
 from tests.helpers.cpu_host import lscpu_flags
 
-SPEC = ModelSpec(
+MODEL = ModelConfig(
     architecture="LlamaForCausalLM",
     vocab_size=100,
     hidden_size=64,
@@ -33,34 +33,34 @@ GiB = 1 << 30
 def resolve(available=None, platform="cpu", **kw):
     kw.setdefault("dtype", "bfloat16")
     kw.setdefault("block_size", 16)  # the arithmetic below is written for pages of 16
-    return resolve_config(EngineArgs(**kw), SPEC, "tiny", available_memory=available, platform=platform)
+    return resolve_config(EngineArgs(**kw), MODEL, "tiny", available_memory=available, platform=platform)
 
 
 def test_page_size_default_follows_the_platform():
     # Unset: 64 tokens on CPU, 16 on accelerators; given, it is kept (a power of two).
-    assert resolve(block_size=None).cache.block_size == 64
-    assert resolve(block_size=None, platform="gpu").cache.block_size == 16
-    assert resolve(block_size=None).cache.num_blocks == 2 * GiB // (kv_bytes_per_token(SPEC, "bfloat16") * 64)
-    assert resolve(block_size=32).cache.block_size == 32
+    assert resolve(block_size=None).cache.page_size == 64
+    assert resolve(block_size=None, platform="gpu").cache.page_size == 16
+    assert resolve(block_size=None).cache.num_pages == 2 * GiB // (kv_bytes_per_token(MODEL, "bfloat16") * 64)
+    assert resolve(block_size=32).cache.page_size == 32
     with pytest.raises(ValueError, match="power of two"):
         resolve(block_size=48)
 
 
 def test_kv_budget_from_memory_options():
-    page = kv_bytes_per_token(SPEC, "bfloat16") * 16  # 2 layers * 2 * 2 heads * 16 * 2 bytes * 16
+    page = kv_bytes_per_token(MODEL, "bfloat16") * 16  # 2 layers * 2 * 2 heads * 16 * 2 bytes * 16
     assert page == 4096
-    assert resolve().cache.num_blocks == 2 * GiB // page  # the 2 GiB default
-    assert resolve(kv_cache_memory=64 << 20).cache.num_blocks == (64 << 20) // page
-    assert resolve(4 * GiB, gpu_memory_utilization=0.25).cache.num_blocks == GiB // page
-    assert resolve(num_gpu_blocks_override=7).cache.num_blocks == 7
-    assert resolve(dtype="float32", kv_cache_memory=1 << 20).cache.num_blocks == (1 << 20) // (2 * page)
+    assert resolve().cache.num_pages == 2 * GiB // page  # the 2 GiB default
+    assert resolve(kv_cache_memory=64 << 20).cache.num_pages == (64 << 20) // page
+    assert resolve(4 * GiB, gpu_memory_utilization=0.25).cache.num_pages == GiB // page
+    assert resolve(num_gpu_blocks_override=7).cache.num_pages == 7
+    assert resolve(dtype="float32", kv_cache_memory=1 << 20).cache.num_pages == (1 << 20) // (2 * page)
 
 
 def test_swap_space_only_with_swap_preemption():
-    page = kv_bytes_per_token(SPEC, "bfloat16") * 16
-    assert resolve(swap_space=1.0).cache.num_swap_blocks == 0
+    page = kv_bytes_per_token(MODEL, "bfloat16") * 16
+    assert resolve(swap_space=1.0).cache.num_swap_pages == 0
     config = resolve(swap_space=0.5, preemption_mode="swap")
-    assert config.cache.num_swap_blocks == GiB // 2 // page and config.scheduler.preemption_mode == "swap"
+    assert config.cache.num_swap_pages == GiB // 2 // page and config.scheduler.preemption_mode == "swap"
 
 
 @pytest.mark.parametrize(
@@ -132,14 +132,14 @@ def test_auto_is_the_default_and_picks_for_this_cpu():
     assert cpu_flags() == flags
     expected = "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
     assert EngineArgs().dtype == "auto"
-    config = resolve_config(EngineArgs(), SPEC, "tiny")
+    config = resolve_config(EngineArgs(), MODEL, "tiny")
     assert config.dtype == expected
     assert config.cache.dtype == "bfloat16"  # float32 on a CPU keeps bf16 pages
-    assert config.cache.num_blocks == 2 * GiB // (kv_bytes_per_token(SPEC, "bfloat16") * 64)  # pages of 64 on CPU
-    config = resolve_config(EngineArgs(dtype="float32"), SPEC, "tiny")
+    assert config.cache.num_pages == 2 * GiB // (kv_bytes_per_token(MODEL, "bfloat16") * 64)  # pages of 64 on CPU
+    config = resolve_config(EngineArgs(dtype="float32"), MODEL, "tiny")
     assert config.cache.dtype == "float32"
     for args in (EngineArgs(quantization="w8a8"), EngineArgs(int8_activations=True)):  # int8 activations: the same
-        assert resolve_config(args, SPEC, "tiny").cache.dtype == "bfloat16"
+        assert resolve_config(args, MODEL, "tiny").cache.dtype == "bfloat16"
 
 
 def test_engine_logs_the_dtype_auto_picks_and_loads_in_it(tiny_model_dir, tmp_path, caplog):

@@ -124,7 +124,7 @@ def test_chunked_prefill_and_preemption_give_same_outputs(llm, tiny_model_dir):
     small = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "num_gpu_blocks_override": 16, "block_size": 4})
     assert token_ids(small.generate(PROMPTS, greedy(24), use_tqdm=False)) == reference
     assert small.engine.stats.num_preemptions > 0
-    assert small.engine.kv_cache_manager.num_used_blocks == 0
+    assert small.engine.kv_cache_manager.num_used_pages == 0
 
 
 def test_swap_preemption_gives_the_same_outputs_as_recompute(llm, tiny_model_dir):
@@ -145,7 +145,7 @@ def test_swap_preemption_gives_the_same_outputs_as_recompute(llm, tiny_model_dir
     assert token_ids(small.generate(PROMPTS, greedy(24), use_tqdm=False)) == greedy_ref
     assert token_ids(small.generate(PROMPTS, seeded, use_tqdm=False)) == seeded_ref
     assert small.engine.stats.num_preemptions > 0 and kv.num_swapped_out > 0
-    assert kv.num_used_blocks == 0 and len(kv.free_swap_slots) == kv.num_swap_blocks
+    assert kv.num_used_pages == 0 and len(kv.free_swap_slots) == kv.num_swap_pages
 
 
 @pytest.mark.parametrize("lose_cache", [False, True])
@@ -172,7 +172,7 @@ def test_a_failing_step_fails_only_its_requests(llm, monkeypatch, caplog, lose_c
     monkeypatch.setattr(runner, "call", real_call)
     assert "injected step failure" in caplog.text
     assert {o.request_id: o.outputs[0].finish_reason for o in outputs} == {"doomed-0": "error", "doomed-1": "error"}
-    assert not engine.has_unfinished_requests() and engine.kv_cache_manager.num_used_blocks == 0
+    assert not engine.has_unfinished_requests() and engine.kv_cache_manager.num_used_pages == 0
     assert engine.stats.finished["error"] >= 2
     assert token_ids(llm.generate(PROMPTS, greedy(10), use_tqdm=False)) == reference
 
@@ -212,7 +212,7 @@ def test_a_failing_step_recomputes_the_requests_it_did_not_hold(llm, monkeypatch
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
     assert finished["survivor"] == reference[0]
-    assert engine.kv_cache_manager.num_used_blocks == 0
+    assert engine.kv_cache_manager.num_used_pages == 0
 
 
 def test_seeded_sampling_reproducible_whatever_the_batch(llm):
@@ -275,10 +275,10 @@ def test_abort_frees_every_page(llm):
         engine.add_request(f"abort-{i}", p, greedy(50))
     for _ in range(3):
         engine.step()
-    assert engine.kv_cache_manager.num_used_blocks > 0
+    assert engine.kv_cache_manager.num_used_pages > 0
     engine.abort_request([f"abort-{i}" for i in range(len(PROMPTS))])
     assert not engine.has_unfinished_requests()
-    assert engine.kv_cache_manager.num_used_blocks == 0
+    assert engine.kv_cache_manager.num_used_pages == 0
 
 
 @pytest.mark.parametrize(
@@ -372,7 +372,7 @@ def test_async_llm_streams_and_cancel_frees_pages(tiny_model_dir, llm):
             if seen == 3:
                 break  # leaving the loop aborts the request
         for _ in range(100):
-            if engine.engine.kv_cache_manager.num_used_blocks == 0 and not engine.engine.has_unfinished_requests():
+            if engine.engine.kv_cache_manager.num_used_pages == 0 and not engine.engine.has_unfinished_requests():
                 break
             await asyncio.sleep(0.02)
         return deltas
@@ -380,7 +380,7 @@ def test_async_llm_streams_and_cancel_frees_pages(tiny_model_dir, llm):
     try:
         deltas = asyncio.run(main())
         assert [t for d in deltas for t in d] == expected
-        assert engine.engine.kv_cache_manager.num_used_blocks == 0
+        assert engine.engine.kv_cache_manager.num_used_pages == 0
         assert not engine.engine.has_unfinished_requests()
     finally:
         engine.shutdown()

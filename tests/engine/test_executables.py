@@ -61,7 +61,7 @@ def test_a_warm_start_loads_every_step_and_gives_the_same_tokens(tiny_model_dir,
 
 
 def test_keys_follow_what_the_step_depends_on(tmp_path, monkeypatch):
-    store = ExecutableStore(str(tmp_path), "spec A", jax.devices()[:1])
+    store = ExecutableStore(str(tmp_path), "cfg A", jax.devices()[:1])
     args = (np.zeros((4, 8), np.float32), [np.zeros(3, np.int32)])
     key = store.key("layout 1", args)
     assert store.key("layout 1", (np.ones((4, 8), np.float32), [np.ones(3, np.int32)])) == key  # values don't count
@@ -71,10 +71,10 @@ def test_keys_follow_what_the_step_depends_on(tmp_path, monkeypatch):
         store.key("layout 1", (np.zeros((4, 8), np.float16), [np.zeros(3, np.int32)])),
         store.key("layout 1", (np.zeros((4, 8), np.float32), (np.zeros(3, np.int32),))),
         store.key("layout 1", (jax.device_put(np.zeros((4, 8), np.float32)), [np.zeros(3, np.int32)])),
-        ExecutableStore(str(tmp_path), "spec B", jax.devices()[:1]).key("layout 1", args),
+        ExecutableStore(str(tmp_path), "cfg B", jax.devices()[:1]).key("layout 1", args),
     ]
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true")
-    others.append(ExecutableStore(str(tmp_path), "spec A", jax.devices()[:1]).key("layout 1", args))
+    others.append(ExecutableStore(str(tmp_path), "cfg A", jax.devices()[:1]).key("layout 1", args))
     assert len({key, *others}) == len(others) + 1
 
 
@@ -228,7 +228,7 @@ def test_the_store_keeps_under_its_size_dropping_the_least_recently_used(tmp_pat
     import jax.numpy as jnp
 
     f = jax.jit(lambda x: x * 2 + 1)
-    store = ExecutableStore(str(tmp_path), "spec", jax.devices()[:1])
+    store = ExecutableStore(str(tmp_path), "cfg", jax.devices()[:1])
     keys = []
     for n in (3, 4, 5):
         compiled = f.lower(jnp.zeros(n)).compile()

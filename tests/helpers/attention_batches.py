@@ -35,7 +35,7 @@ def make_batch(
     pages_used = [-(-n // page_size) for n in kv_lens]
     num_pages = sum(pages_used) + 3  # a few pages nobody owns
     perm = rng.permutation(num_pages)
-    block_tables = np.zeros((num_seqs_max, pages_per_seq), np.int32)
+    page_tables = np.zeros((num_seqs_max, pages_per_seq), np.int32)
     spare = perm[sum(pages_used) :]
     k = rng.standard_normal((num_kv_heads, num_pages, page_size, head_dim)).astype(np.float32)
     v = rng.standard_normal((num_kv_heads, num_pages, page_size, head_dim)).astype(np.float32)
@@ -46,12 +46,12 @@ def make_batch(
         assert n_pages <= pages_per_seq
         own = perm[start : start + n_pages]
         start += n_pages
-        block_tables[s, :n_pages] = own
-        block_tables[s, n_pages:] = rng.choice(spare, pages_per_seq - n_pages)
+        page_tables[s, :n_pages] = own
+        page_tables[s, n_pages:] = rng.choice(spare, pages_per_seq - n_pages)
         tail = kv_len - (n_pages - 1) * page_size  # stale slots after the last token
         k[:, own[-1], tail:] = POISON
         v[:, own[-1], tail:] = POISON
-    block_tables[num_seqs:] = rng.choice(spare, (pad_seqs, pages_per_seq))
+    page_tables[num_seqs:] = rng.choice(spare, (pad_seqs, pages_per_seq))
     cu_q_lens = np.full(num_seqs_max + 1, sum(q_lens), np.int32)
     cu_q_lens[: num_seqs + 1] = np.concatenate([[0], np.cumsum(q_lens)])
     kv_lens_arr = np.zeros(num_seqs_max, np.int32)
@@ -75,7 +75,7 @@ def make_batch(
         k_pages,
         v_pages,
         jnp.asarray(kv_lens_arr),
-        jnp.asarray(block_tables),
+        jnp.asarray(page_tables),
         jnp.asarray(cu_q_lens),
         jnp.int32(num_seqs),
     )

@@ -18,22 +18,22 @@ EOS = 2
 
 def make_scheduler(
     *,
-    num_blocks=64,
-    block_size=4,
+    num_pages=64,
+    page_size=4,
     budget=32,
     max_num_seqs=8,
     max_prefill=8,
     max_model_len=256,
-    swap_blocks=0,
+    swap_pages=0,
     prefix_caching=True,
 ) -> Scheduler:
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching, num_swap_blocks=swap_blocks)
+    kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=prefix_caching, num_swap_pages=swap_pages)
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         max_model_len=max_model_len,
         max_num_prefill_seqs=max_prefill,
-        preemption_mode="swap" if swap_blocks else "recompute",
+        preemption_mode="swap" if swap_pages else "recompute",
     )
     return Scheduler(config, kv)
 

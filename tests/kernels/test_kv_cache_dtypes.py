@@ -70,13 +70,13 @@ def test_quantized_kv_cache_engine(tiny_model_dir, kv_dtype, storage):
     native_llm = LLM(tiny_model_dir, kv_cache_dtype=kv_dtype, **TINY_ENGINE_ARGS)
     out = native_llm.generate(PROMPTS, greedy, use_tqdm=False)
     float_llm = offline_llm(tiny_model_dir)
-    spec, cache = native_llm.engine.spec, native_llm.engine.config.cache
+    cfg, cache = native_llm.engine.cfg, native_llm.engine.config.cache
     assert cache.dtype == {"fp8": "fp8_e4m3"}.get(kv_dtype, kv_dtype)
     assert native_llm.engine.runner.kv_cache[0][0].dtype == storage
-    assert native_llm.engine.runner.kv_cache[0][0].shape[-1] == spec.head_dim + 4
+    assert native_llm.engine.runner.kv_cache[0][0].shape[-1] == cfg.head_dim + 4
     # Blocks in the same budget: f32 rows of head_dim floats against head_dim codes and a scale.
-    ratio = cache.num_blocks / float_llm.engine.config.cache.num_blocks
-    assert ratio == pytest.approx(4 * spec.head_dim / (spec.head_dim + 4), rel=1e-3)
+    ratio = cache.num_pages / float_llm.engine.config.cache.num_pages
+    assert ratio == pytest.approx(4 * cfg.head_dim / (cfg.head_dim + 4), rel=1e-3)
     del native_llm
     oracle = LLM(tiny_model_dir, kv_cache_dtype=kv_dtype, attention_backend="reference", **TINY_ENGINE_ARGS)
     for a, b in zip(out, oracle.generate(PROMPTS, greedy, use_tqdm=False)):
@@ -97,7 +97,7 @@ def test_quantized_kv_cache_engine(tiny_model_dir, kv_dtype, storage):
 def test_float_pages_of_another_dtype_than_the_model(tiny_model_dir, dtype, kv_dtype):
     # kv_cache_dtype="bfloat16" under a float32 model (what dtype "auto" gives on CPUs without
     # hardware bf16 dots), and the other way round: the C++ kernel against the dense jnp oracle on
-    # the same pages, the block count against the model's own dtype, the first tokens kept.
+    # the same pages, the page count against the model's own dtype, the first tokens kept.
     greedy = SamplingParams(max_tokens=16, temperature=0.0, logprobs=3)
     args = {**TINY_ENGINE_ARGS, "dtype": dtype}
     native_llm = LLM(tiny_model_dir, kv_cache_dtype=kv_dtype, **args)
@@ -105,7 +105,7 @@ def test_float_pages_of_another_dtype_than_the_model(tiny_model_dir, dtype, kv_d
     assert native_llm.engine.config.cache.dtype == kv_dtype
     assert native_llm.engine.runner.kv_cache[0][0].dtype == kernels.storage_dtype(kernels.cache_dtype(kv_dtype))
     same_llm = LLM(tiny_model_dir, kv_cache_dtype=dtype, **args)
-    ratio = native_llm.engine.config.cache.num_blocks / same_llm.engine.config.cache.num_blocks
+    ratio = native_llm.engine.config.cache.num_pages / same_llm.engine.config.cache.num_pages
     assert ratio == pytest.approx({"bfloat16": 2.0, "float32": 0.5}[kv_dtype], rel=1e-3)
     oracle = LLM(tiny_model_dir, kv_cache_dtype=kv_dtype, attention_backend="reference", **args)
     for a, b in zip(out, oracle.generate(PROMPTS, greedy, use_tqdm=False)):

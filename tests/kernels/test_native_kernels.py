@@ -83,32 +83,32 @@ def test_many_sequences_spread_over_threads():
     check(make_batch(11, q_lens, list(kv_lens), pages_per_seq=10, pad_tokens=7, pad_seqs=4, cache_dtype="uint16"))
 
 
-def test_rejects_invalid_block_table():
-    q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs = make_batch(0, [1, 3], [20, 5])
-    bad = block_tables.at[0, 1].set(k.shape[1])  # a page id past the pool, inside the context
+def test_rejects_invalid_page_table():
+    q, k, v, kv_lens, page_tables, cu_q_lens, num_seqs = make_batch(0, [1, 3], [20, 5])
+    bad = page_tables.at[0, 1].set(k.shape[1])  # a page id past the pool, inside the context
     with pytest.raises(Exception, match="invalid page id"):
         jax.block_until_ready(native.paged_attention_cpu(q, k, v, kv_lens, bad, cu_q_lens, num_seqs))
     # Entries past a sequence's context are never read, so they may hold anything.
-    unused = block_tables.at[1, 3].set(-7)
+    unused = page_tables.at[1, 3].set(-7)
     check((q, k, v, kv_lens, unused, cu_q_lens, num_seqs))
 
 
 def test_rejects_inconsistent_inputs_without_touching_memory():
-    q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs = make_batch(0, [1, 3], [20, 5])
+    q, k, v, kv_lens, page_tables, cu_q_lens, num_seqs = make_batch(0, [1, 3], [20, 5])
 
     def run(*args):
         return jax.block_until_ready(native.paged_attention_cpu(*args))
 
     with pytest.raises(Exception, match="inconsistent cu_q_lens"):  # a query starting before q
-        run(q, k, v, kv_lens, block_tables, cu_q_lens.at[0].set(-2), num_seqs)
+        run(q, k, v, kv_lens, page_tables, cu_q_lens.at[0].set(-2), num_seqs)
     with pytest.raises(Exception, match="shorter than num_seqs"):
-        run(q, k, v, kv_lens, block_tables, cu_q_lens[:2], num_seqs)
+        run(q, k, v, kv_lens, page_tables, cu_q_lens[:2], num_seqs)
     with pytest.raises(Exception, match="kv heads"):
-        run(q, k[:0], v[:0], kv_lens, block_tables, cu_q_lens, num_seqs)
+        run(q, k[:0], v[:0], kv_lens, page_tables, cu_q_lens, num_seqs)
     # A sequence without queries is not read, whatever its kv_lens and table say.
     idle = cu_q_lens.at[2].set(cu_q_lens[1])
-    out = run(q, k, v, kv_lens.at[1].set(10**6), block_tables.at[1].set(-1), idle, num_seqs)
-    ref = run(q, k, v, kv_lens, block_tables, idle, num_seqs)
+    out = run(q, k, v, kv_lens.at[1].set(10**6), page_tables.at[1].set(-1), idle, num_seqs)
+    ref = run(q, k, v, kv_lens, page_tables, idle, num_seqs)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
 
 

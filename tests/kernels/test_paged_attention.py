@@ -81,11 +81,11 @@ def test_head_groups_and_page_sizes(num_q_heads, num_kv_heads, page_size):
 
 
 def test_rejects_bad_shapes():
-    q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs = make_batch(0, [1], [5])
+    q, k, v, kv_lens, page_tables, cu_q_lens, num_seqs = make_batch(0, [1], [5])
     with pytest.raises(ValueError, match="num_kv_heads"):
-        ragged_paged_attention(q[:, :8], k, v, kv_lens, block_tables, cu_q_lens, num_seqs)
+        ragged_paged_attention(q[:, :8], k, v, kv_lens, page_tables, cu_q_lens, num_seqs)
     with pytest.raises(ValueError, match="head_dim 48"):
-        ragged_paged_attention(q[..., :48], k[..., :48], v[..., :48], kv_lens, block_tables, cu_q_lens, num_seqs)
+        ragged_paged_attention(q[..., :48], k[..., :48], v[..., :48], kv_lens, page_tables, cu_q_lens, num_seqs)
 
 
 def lower_kernel(num_q_heads, num_kv_heads, head_dim, cache_dtype, **kwargs):

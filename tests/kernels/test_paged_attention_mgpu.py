@@ -56,7 +56,7 @@ def test_long_contexts_wrap_the_copy_ring():
     check(args, stages=2)
 
 
-def test_block_table_rows_longer_than_one_copy():
+def test_page_table_rows_longer_than_one_copy():
     """Rows of 300 pages (an engine's max_model_len / page_size often passes 256, TMA's limit per
     copy) arrive in chunks; the long sequence's last keys sit on pages past the first chunk."""
     args = make_batch(3, q_lens=[1, 2], kv_lens=[2200, 9], page_size=8, pages_per_seq=300, cache_dtype="uint16")

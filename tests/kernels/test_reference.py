@@ -27,19 +27,19 @@ def random_paged_batch(
     pages_per_seq = max(-(-c // page_size) for c in ctx_lens) + 1
     num_pages = S * pages_per_seq + 3
     perm = rng.permutation(num_pages)
-    block_tables = np.zeros((S + pad_seqs, pages_per_seq), np.int32)
+    page_tables = np.zeros((S + pad_seqs, pages_per_seq), np.int32)
     k_pages = rng.standard_normal((num_kv_heads, num_pages, page_size, head_dim)).astype(np.float32) * 9  # junk
     v_pages = rng.standard_normal((num_kv_heads, num_pages, page_size, head_dim)).astype(np.float32) * 9
     dense_k, dense_v = [], []
     for s, c in enumerate(ctx_lens):
-        block_tables[s] = perm[s * pages_per_seq : (s + 1) * pages_per_seq]
+        page_tables[s] = perm[s * pages_per_seq : (s + 1) * pages_per_seq]
         k = rng.standard_normal((num_kv_heads, c, head_dim)).astype(np.float32)
         v = rng.standard_normal((num_kv_heads, c, head_dim)).astype(np.float32)
         if dtype == jnp.bfloat16:
             k = np.asarray(jnp.asarray(k, jnp.bfloat16).astype(jnp.float32))
             v = np.asarray(jnp.asarray(v, jnp.bfloat16).astype(jnp.float32))
         for pos in range(c):
-            page, off = block_tables[s, pos // page_size], pos % page_size
+            page, off = page_tables[s, pos // page_size], pos % page_size
             k_pages[:, page, off], v_pages[:, page, off] = k[:, pos], v[:, pos]
         dense_k.append(k)
         dense_v.append(v)
@@ -57,7 +57,7 @@ def random_paged_batch(
         k_pages=np.asarray(to_storage(jnp.asarray(k_pages), store)),
         v_pages=np.asarray(to_storage(jnp.asarray(v_pages), store)),
         kv_lens=kv_lens,
-        block_tables=block_tables,
+        page_tables=page_tables,
         cu_q_lens=cu,
         num_seqs=np.int32(S),
         dense_k=dense_k,
@@ -98,7 +98,7 @@ CASES = [
 def test_reference_matches_dense(q_lens, ctx_lens):
     b = random_paged_batch(np.random.default_rng(0), q_lens=q_lens, ctx_lens=ctx_lens)
     out = kernels.ragged_paged_attention_reference(
-        b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["block_tables"], b["cu_q_lens"], b["num_seqs"]
+        b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["page_tables"], b["cu_q_lens"], b["num_seqs"]
     )
     np.testing.assert_allclose(np.asarray(out), dense_attention(b), atol=2e-5, rtol=1e-4)
 
@@ -109,14 +109,14 @@ def test_reference_matches_dense(q_lens, ctx_lens):
 def test_rows_path_matches_reference(q_lens, ctx_lens, dtype, atol, row_tokens, rows_per_part):
     b = random_paged_batch(np.random.default_rng(1), q_lens=q_lens, ctx_lens=ctx_lens, dtype=dtype)
     ref = kernels.ragged_paged_attention_reference(
-        b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["block_tables"], b["cu_q_lens"], b["num_seqs"]
+        b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["page_tables"], b["cu_q_lens"], b["num_seqs"]
     )
     T = b["q"].shape[0]
     S = len(q_lens)
     idx, bt, kv, ql = kernels.ragged_to_rows(
         q_lens,
         ctx_lens,
-        b["block_tables"][:S],
+        b["page_tables"][:S],
         num_tokens=T,
         num_rows=sum(-(-n // row_tokens) for n in q_lens) + 2,
         row_tokens=row_tokens,

@@ -38,7 +38,7 @@ def _chat_ids(tokenizer, conversation):
 def _prefill_logits(loaded, token_lists, attention=None):
     """Logits at every position of each prompt, all prompts in one ragged paged step (with the
     reference attention unless told)."""
-    spec, page_size = loaded.spec, 16
+    cfg, page_size = loaded.cfg, 16
     pages = [-(-len(t) // page_size) for t in token_lists]
     tables = np.zeros((len(token_lists), max(pages)), np.int32)
     first = np.cumsum([0] + pages)
@@ -48,16 +48,16 @@ def _prefill_logits(loaded, token_lists, attention=None):
     batch, where = make_batch(
         [(np.asarray(t), 0) for t in token_lists],
         tables,
-        spec=spec,
+        cfg=cfg,
         page_size=page_size,
         num_tokens=num_tokens,
         num_seqs=len(token_lists),
     )
     cache = kernels.allocate_kv_cache(
-        spec.num_layers, spec.num_kv_heads, int(first[-1]), page_size, spec.head_dim, jnp.float32
+        cfg.num_layers, cfg.num_kv_heads, int(first[-1]), page_size, cfg.head_dim, jnp.float32
     )
-    hidden, _ = decoder.forward(loaded.params, cache, batch, spec, attention=attention or ReferenceBackend())
-    logits = np.asarray(decoder.compute_logits(loaded.params, hidden, spec))
+    hidden, _ = decoder.forward(loaded.params, cache, batch, cfg, attention=attention or ReferenceBackend())
+    logits = np.asarray(decoder.compute_logits(loaded.params, hidden, cfg))
     return [logits[where[s]] for s in range(len(token_lists))]
 
 
@@ -78,8 +78,8 @@ def test_default_model_matches_transformers_gguf(default_model):
     loaded, _ = default_model
     assert loaded.name == "SmolLM2-135M-Instruct"
     assert loaded.source == loader.default_model_path()
-    assert loaded.spec.num_layers == 30 and loaded.spec.tie_word_embeddings
-    assert (loaded.spec.bos_token_id, loaded.spec.eos_token_ids) == (1, (2,))
+    assert loaded.cfg.num_layers == 30 and loaded.cfg.tie_word_embeddings
+    assert (loaded.cfg.bos_token_id, loaded.cfg.eos_token_ids) == (1, (2,))
     folder, file = os.path.split(loaded.source)
 
     # The tokenizer is the one transformers builds from the same file.
@@ -107,7 +107,7 @@ def test_cached_load_restores_the_same_model(default_model):
     (entry,) = os.listdir(cache_dir)
     assert entry.startswith("SmolLM2-135M-Instruct-float32-")
     cached = load_model(cache_dir=cache_dir, progress=False)
-    assert cached.spec == loaded.spec and cached.name == loaded.name and cached.source == loaded.source
+    assert cached.cfg == loaded.cfg and cached.name == loaded.name and cached.source == loaded.source
     assert jax.tree.structure(cached.params) == jax.tree.structure(loaded.params)
     jax.tree.map(np.testing.assert_array_equal, cached.params, loaded.params)
     text = "<|im_start|>user\nhello there<|im_end|>"
@@ -461,11 +461,11 @@ def test_gguf_converted_from_hf_loads_the_same_params(tmp_path, arch):
     assert from_gguf.name == f"tiny-{arch}"
     assert from_gguf.tokenizer is None  # the file carries no vocabulary
     ids = dict(bos_token_id=None, eos_token_ids=())
-    assert dataclasses.replace(from_gguf.spec, **ids) == dataclasses.replace(from_hf.spec, **ids)
+    assert dataclasses.replace(from_gguf.cfg, **ids) == dataclasses.replace(from_hf.cfg, **ids)
     if arch == "llama":
-        assert from_gguf.spec.llama3_rope_scaling == (8.0, 1.0, 4.0, 8192)
+        assert from_gguf.cfg.llama3_rope_scaling == (8.0, 1.0, 4.0, 8192)
     if arch == "mistral":
-        assert from_gguf.spec.layer_windows == (48, 48)
+        assert from_gguf.cfg.layer_windows == (48, 48)
     assert jax.tree.structure(from_gguf.params) == jax.tree.structure(from_hf.params)
     jax.tree.map(np.testing.assert_array_equal, from_gguf.params, from_hf.params)
 

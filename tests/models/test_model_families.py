@@ -16,7 +16,7 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.models.loader import load_model
-from jaxllm.models.registry import SUPPORTED_ARCHITECTURES, UnsupportedModelError, spec_from_hf_config
+from jaxllm.models.registry import SUPPORTED_ARCHITECTURES, UnsupportedModelError, model_config_from_hf
 
 from tests.helpers.hf_reference import MODELS, build_hf_model
 
@@ -40,7 +40,7 @@ def test_greedy_generation_matches_hf_generate(kind, tmp_path):
     hf = build_hf_model(kind, tmp_path / "model")
     hf.generation_config.eos_token_id = None  # like ignore_eos (min_new_tokens would ban the EOS id instead)
     llm = LLM(str(tmp_path / "model"), params_cache_dir=str(tmp_path / "cache"), **ENGINE_ARGS)
-    assert llm.engine.spec.architecture == MODELS[kind][1]
+    assert llm.engine.cfg.architecture == MODELS[kind][1]
     rng = np.random.default_rng(0)
     shared = rng.integers(3, 256, 24).tolist()
     # Prompts longer than a step's token budget (chunked prefill) and than the windows; the
@@ -106,16 +106,16 @@ LEGACY = {
 
 
 @pytest.mark.parametrize("kind", LEGACY)
-def test_config_spellings_old_and_new_give_one_spec(kind, tmp_path):
+def test_config_spellings_old_and_new_give_one_config(kind, tmp_path):
     config = _saved_config(kind, tmp_path)
     legacy = LEGACY[kind](config)
     assert legacy != config
-    assert spec_from_hf_config(legacy) == spec_from_hf_config(config)
+    assert model_config_from_hf(legacy) == model_config_from_hf(config)
 
 
 def test_family_features_read_from_configs(tmp_path):
     specs = {
-        kind: spec_from_hf_config(_saved_config(kind, tmp_path / kind))
+        kind: model_config_from_hf(_saved_config(kind, tmp_path / kind))
         for kind in ("opt", "gpt_neox", "falcon", "falcon_new", "gemma3", "mixtral", "qwen3_moe", "phi3")
     }
     assert specs["opt"].position == "learned" and specs["opt"].norm == "layer" and not specs["opt"].gated_mlp
@@ -153,12 +153,12 @@ def test_family_features_read_from_configs(tmp_path):
 )
 def test_unimplemented_options_are_refused_by_name(kind, change, message, tmp_path):
     with pytest.raises(UnsupportedModelError, match=message):
-        spec_from_hf_config({**_saved_config(kind, tmp_path), **change})
+        model_config_from_hf({**_saved_config(kind, tmp_path), **change})
 
 
 def test_unknown_architecture_lists_the_supported_ones():
     with pytest.raises(UnsupportedModelError) as e:
-        spec_from_hf_config({"architectures": ["GPT2LMHeadModel"]})
+        model_config_from_hf({"architectures": ["GPT2LMHeadModel"]})
     assert all(arch in str(e.value) for arch in SUPPORTED_ARCHITECTURES)
 
 
@@ -202,7 +202,7 @@ def test_hub_id_loads_from_a_local_hub_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     loaded = load_model("facebook/opt-125m", use_cache=False, progress=False)
     assert loaded.name == "facebook/opt-125m" and loaded.source == str(repo / "snapshots" / commit)
-    assert loaded.spec.architecture == "OPTForCausalLM" and loaded.spec.position == "learned"
+    assert loaded.cfg.architecture == "OPTForCausalLM" and loaded.cfg.position == "learned"
 
 
 # --------------------------------------------------------------------------- a real checkpoint
@@ -236,16 +236,16 @@ def test_gemma3_270m_gguf_matches_transformers(gemma3_gguf, tmp_path):
         params_cache_dir=str(tmp_path),
         warmup=False,
     )
-    spec = llm.engine.spec
-    assert (spec.architecture, spec.num_layers, spec.num_heads, spec.num_kv_heads) == ("Gemma3ForCausalLM", 18, 4, 1)
-    assert spec.layer_windows == tuple(0 if (i + 1) % 6 == 0 else 512 for i in range(18))
-    assert (spec.rope_theta, spec.local_rope_theta, spec.attn_scale) == (1e6, 1e4, 256**-0.5)
+    cfg = llm.engine.cfg
+    assert (cfg.architecture, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == ("Gemma3ForCausalLM", 18, 4, 1)
+    assert cfg.layer_windows == tuple(0 if (i + 1) % 6 == 0 else 512 for i in range(18))
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.attn_scale) == (1e6, 1e4, 256**-0.5)
     folder, file = os.path.split(gemma3_gguf)
     reference_tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
     text = " ".join(f"Item {i} of the list is the number {i * i}." for i in range(40))
     ids = llm.get_tokenizer()(text).input_ids
     assert ids == reference_tok(text).input_ids and len(ids) > 520  # past the window
-    assert reference_tok.convert_ids_to_tokens(list(spec.eos_token_ids)) == ["<eos>", "<end_of_turn>"]
+    assert reference_tok.convert_ids_to_tokens(list(cfg.eos_token_ids)) == ["<eos>", "<end_of_turn>"]
 
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None

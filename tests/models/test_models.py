@@ -23,7 +23,7 @@ from jaxllm.models.loader import load_model
 
 from tests.helpers.cuda_lowering import ON_GPU
 from tests.helpers.hf_reference import COMMON, MODELS, build_hf_model
-from tests.helpers.step_batches import make_batch, shuffled_block_tables
+from tests.helpers.step_batches import make_batch, shuffled_page_tables
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -54,43 +54,43 @@ def _backend(name):
 
 
 @functools.cache
-def _step_fn(spec, attention):
+def _step_fn(cfg, attention):
     def step(params, kv_cache, inputs):
-        hidden, kv_cache = decoder.forward(params, kv_cache, inputs, spec, attention=attention)
-        return decoder.compute_logits(params, hidden, spec), kv_cache
+        hidden, kv_cache = decoder.forward(params, kv_cache, inputs, cfg, attention=attention)
+        return decoder.compute_logits(params, hidden, cfg), kv_cache
 
     return jax.jit(step)
 
 
 def run_paged(loaded, seqs, *, impl: str, cache_dtype):
     """Run `schedule()` over the token ids `seqs[s]`; -> per sequence logits `[len, vocab]`."""
-    spec = loaded.spec
+    cfg = loaded.cfg
     rng = np.random.default_rng(1)
-    tables = shuffled_block_tables(
+    tables = shuffled_page_tables(
         rng, [len(t) for t in seqs], page_size=PAGE_SIZE, pages_per_seq=PAGES_PER_SEQ, num_pages=NUM_PAGES
     )
-    garbage = 50 * rng.standard_normal((spec.num_kv_heads, NUM_PAGES, PAGE_SIZE, spec.head_dim))
+    garbage = 50 * rng.standard_normal((cfg.num_kv_heads, NUM_PAGES, PAGE_SIZE, cfg.head_dim))
     kv_cache = [
         tuple(
             kernels.kv_write.to_storage(jnp.asarray(garbage, jnp.float32), kernels.storage_dtype(cache_dtype))
             for _ in range(2)
         )
-        for _ in range(spec.num_layers)
+        for _ in range(cfg.num_layers)
     ]
-    logits = [np.full((len(t), spec.vocab_size), np.nan, np.float32) for t in seqs]
+    logits = [np.full((len(t), cfg.vocab_size), np.nan, np.float32) for t in seqs]
     for step in schedule():
         chunks = [(seqs[s][start : start + n], start) for s, (start, n) in sorted(step.items())]
         attention = _backend(impl)
         batch, where = make_batch(
             chunks,
             tables[sorted(step)],
-            spec=spec,
+            cfg=cfg,
             page_size=PAGE_SIZE,
             num_tokens=NUM_TOKENS,
             num_seqs=NUM_SEQS,
             attention=attention,
         )
-        out, kv_cache = _step_fn(spec, attention)(loaded.params, kv_cache, batch)
+        out, kv_cache = _step_fn(cfg, attention)(loaded.params, kv_cache, batch)
         out = np.asarray(out)
         for i, s in enumerate(sorted(step)):
             start, n = step[s]
@@ -122,7 +122,7 @@ DEVICE_IMPLS = [pytest.param(i, marks=pytest.mark.gpu) for i in ("mosaic", "pall
 def test_logits_match_hf_float32(model_pair, impl):
     kind, path, seqs, expected = model_pair
     loaded = load_model(str(path), use_cache=False, progress=False)
-    assert loaded.spec.architecture == MODELS[kind][1]
+    assert loaded.cfg.architecture == MODELS[kind][1]
     got = run_paged(loaded, seqs, impl=impl, cache_dtype=jnp.float32)
     for s, (g, e) in enumerate(zip(got, expected)):
         diff = float(np.abs(g - e).max())
@@ -156,7 +156,7 @@ def test_logits_bfloat16_close_to_hf(model_pair, impl):
     # bf16 rounding can flip a near-tie in an MoE router's top k, which changes that token's
     # experts: allow 1 row in 20 of those (measured: 1 of 52 on the tiny Mixtral), none elsewhere.
     ok = row_diff <= tol
-    assert ok.mean() >= (0.95 if loaded.spec.num_experts else 1.0), f"{kind}: rows over tolerance {row_diff[~ok]}"
+    assert ok.mean() >= (0.95 if loaded.cfg.num_experts else 1.0), f"{kind}: rows over tolerance {row_diff[~ok]}"
     got, want, diff = got[ok], want[ok], float(row_diff[ok].max())
     # top-1 agrees wherever HF's top-2 margin exceeds the error
     top2 = np.sort(want, axis=-1)[:, -2:]

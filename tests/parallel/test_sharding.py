@@ -40,10 +40,10 @@ def reference(layout: str) -> str:
     return f"{prefix}:1x1" if prefix in ("deep", "int8", "w8a8") else "1x1"
 
 
-def tiny_spec(num_layers: int = 2):
+def tiny_config(num_layers: int = 2):
     from jaxllm.models import decoder
 
-    return decoder.ModelSpec(
+    return decoder.ModelConfig(
         architecture="LlamaForCausalLM",
         vocab_size=49152,
         hidden_size=64,
@@ -65,11 +65,11 @@ def test_sizes_that_do_not_divide_the_model_are_refused_clearly():
     from jaxllm.models import layout
 
     with pytest.raises(ValueError, match="4 attention heads.*2 KV heads.*intermediate size 128"):
-        layout.check_tensor_parallel(tiny_spec(), 3)
+        layout.check_tensor_parallel(tiny_config(), 3)
     with pytest.raises(ValueError, match="pipeline_parallel_size=3 does not divide this model's 2 layers"):
-        layout.shard_layout({"layers": [{}, {}]}, tiny_spec(), 1, 3)
+        layout.shard_layout({"layers": [{}, {}]}, tiny_config(), 1, 3)
     with pytest.raises(ValueError, match="vocabulary size 49152"):
-        layout.check_pipeline_parallel(tiny_spec(num_layers=5), 1, 5)
+        layout.check_pipeline_parallel(tiny_config(num_layers=5), 1, 5)
     with pytest.raises(ValueError, match=f"needs 4 devices; {jax.device_count()} cpu device.*device_count=4"):
         parallel.make_mesh(2, 1, 2, devices=jax.devices()[:1])
 
@@ -79,9 +79,9 @@ def test_pipeline_layout_stacks_each_stage_s_layers_by_slot():
 
     from jaxllm.models import layout
 
-    spec = tiny_spec(num_layers=4)
+    cfg = tiny_config(num_layers=4)
     layers = [{"attn_norm": np.full(3, i, np.float32), "wo": np.full((2, 2), 10 + i, np.float32)} for i in range(4)]
-    out = layout.shard_layout({"layers": layers, "final_norm": np.ones(3)}, spec, 1, 2)
+    out = layout.shard_layout({"layers": layers, "final_norm": np.ones(3)}, cfg, 1, 2)
     assert len(out["layers"]) == 2 and out["final_norm"].shape == (3,)
     for slot in range(2):
         for stage in range(2):  # stage s holds layers 2s, 2s + 1

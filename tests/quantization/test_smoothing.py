@@ -55,13 +55,13 @@ def test_activation_maxima_match_hf_activations(tmp_path):
         for ids in windows:
             model(torch.tensor([ids]))
     loaded = load_model(str(tmp_path / "m"), dtype="float32", cache_dir=str(tmp_path / "cache"))
-    ours = calibration.activation_maxima(loaded.params, loaded.spec, windows)
+    ours = calibration.activation_maxima(loaded.params, loaded.cfg, windows)
     assert set(ours) == set(seen)
     for key in seen:
         np.testing.assert_allclose(ours[key], seen[key], rtol=1e-4, atol=1e-5, err_msg=str(key))
 
 
-def dense_logits(params, spec, ids):
+def dense_logits(params, cfg, ids):
     """Logits [T, vocab] of one sequence through the decoder on calibration's dense attention."""
     import jax.numpy as jnp
 
@@ -69,12 +69,12 @@ def dense_logits(params, spec, ids):
 
     n = len(ids)
     pos = np.arange(n, dtype=np.int32)
-    cos, sin = decoder.rope_tables(pos, spec.inv_freq(), np)
+    cos, sin = decoder.rope_tables(pos, cfg.inv_freq(), np)
     inputs = StepInputs(
         token_ids=np.asarray(ids, np.int32),
         positions=pos,
         slot_mapping=pos,
-        block_tables=np.zeros((1, 1), np.int32),
+        page_tables=np.zeros((1, 1), np.int32),
         query_start_loc=np.asarray([0, n], np.int32),
         seq_lens=np.asarray([n], np.int32),
         num_seqs=np.asarray(1, np.int32),
@@ -83,9 +83,9 @@ def dense_logits(params, spec, ids):
         rope_sin=sin,
         attn_metadata={},
     )
-    cache = [(None, None)] * spec.num_layers
-    hidden, _ = decoder.forward(params, cache, inputs, spec, attention=calibration.DenseCausal())
-    return np.asarray(decoder.compute_logits(params, jnp.asarray(hidden), spec))
+    cache = [(None, None)] * cfg.num_layers
+    hidden, _ = decoder.forward(params, cache, inputs, cfg, attention=calibration.DenseCausal())
+    return np.asarray(decoder.compute_logits(params, jnp.asarray(hidden), cfg))
 
 
 @pytest.mark.parametrize("kind", ["llama_tied", "qwen2", "gemma3", "gpt_neox", "falcon", "falcon_new", "qwen3_moe"])
@@ -96,13 +96,13 @@ def test_smoothing_leaves_the_float_model_as_it_was(kind, tmp_path):
     with torch.no_grad():
         want = model(torch.tensor([IDS])).logits[0].float().numpy()
     loaded = load_model(str(tmp_path / "m"), dtype="float32", cache_dir=str(tmp_path / "cache"))
-    params, spec = loaded.params, loaded.spec
-    maxima = calibration.activation_maxima(params, spec, [IDS])
+    params, cfg = loaded.params, loaded.cfg
+    maxima = calibration.activation_maxima(params, cfg, [IDS])
     before = {k: np.asarray(v).copy() for k, v in params["layers"][-1].items() if not isinstance(v, dict)}
-    smoothing.smooth(params, spec, maxima)
+    smoothing.smooth(params, cfg, maxima)
     changed = [k for k, v in params["layers"][-1].items() if k in before and not np.array_equal(before[k], v)]
     assert "attn_norm" in changed and "wqkv" in changed, changed  # something was folded
-    np.testing.assert_allclose(dense_logits(params, spec, IDS), want, atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(dense_logits(params, cfg, IDS), want, atol=2e-4, rtol=1e-4)
 
 
 def test_smoothing_recovers_w8a8_on_an_outlier_channel():

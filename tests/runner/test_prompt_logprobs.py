@@ -66,7 +66,7 @@ def test_prompt_logprobs_over_chunks_cache_hits_and_preemption(llm, hf_model, ti
             check(out, hf_model, 2)
             assert out.outputs[0].token_ids == ref.outputs[0].token_ids
     assert small.engine.stats.num_preemptions > 0
-    assert small.engine.kv_cache_manager.num_used_blocks == 0
+    assert small.engine.kv_cache_manager.num_used_pages == 0
 
 
 def test_prompt_logprobs_with_n_choices_and_a_one_token_prompt(llm, hf_model):

@@ -17,7 +17,7 @@ from jaxllm.spec_decode.proposer import Proposer
 from tests.helpers.sampling_reference import LOGITS, V, reference_probs, state
 from tests.helpers.tiny_model import TINY_ENGINE_ARGS, WARM_ENGINE_ARGS
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 @pytest.mark.parametrize(
@@ -93,7 +93,7 @@ class OracleProposer(Proposer):
 
 @pytest.fixture(scope="module")
 def spec_llm(tiny_model_dir):
-    return LLM(tiny_model_dir, **WARM_ENGINE_ARGS, speculative_config=SPEC)  # the compile count below
+    return LLM(tiny_model_dir, **WARM_ENGINE_ARGS, speculative_config=NGRAM)  # the compile count below
 
 
 def test_greedy_with_speculation_equals_without(llm, spec_llm, monkeypatch):
@@ -103,16 +103,16 @@ def test_greedy_with_speculation_equals_without(llm, spec_llm, monkeypatch):
     drafts0, accepted0 = stats.num_draft_tokens, stats.num_accepted_tokens
     # Real n-gram drafts (here mostly rejected), then oracle drafts, alone (one sequence per
     # step) and together (several per step).
-    spec = spec_llm.generate(PROMPTS, params, use_tqdm=False)
+    speculative = spec_llm.generate(PROMPTS, params, use_tqdm=False)
     monkeypatch.setattr(
         spec_llm.engine.scheduler,
         "proposer",
         OracleProposer([o.prompt_token_ids + o.outputs[0].token_ids for o in plain]),
     )
     with CompilationCounter() as compiles:
-        spec += [spec_llm.generate([p], params, use_tqdm=False)[0] for p in PROMPTS]
-        spec += spec_llm.generate(PROMPTS, params, use_tqdm=False)
-    for a, b in zip(spec, plain * 3):
+        speculative += [spec_llm.generate([p], params, use_tqdm=False)[0] for p in PROMPTS]
+        speculative += spec_llm.generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(speculative, plain * 3):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert lp_a.keys() == lp_b.keys()
@@ -122,7 +122,7 @@ def test_greedy_with_speculation_equals_without(llm, spec_llm, monkeypatch):
     drafted, accepted = stats.num_draft_tokens - drafts0, stats.num_accepted_tokens - accepted0
     assert compiles.count == 0  # every verification shape was compiled at start-up
     assert 0.15 * drafted < accepted < drafted  # drafts fully, partly and not at all accepted
-    assert spec_llm.engine.kv_cache_manager.num_used_blocks == 0
+    assert spec_llm.engine.kv_cache_manager.num_used_pages == 0
 
 
 def test_speculation_with_stops_chunks_preemption_and_sampling(llm, tiny_model_dir, monkeypatch):
@@ -132,7 +132,7 @@ def test_speculation_with_stops_chunks_preemption_and_sampling(llm, tiny_model_d
     small = LLM(
         tiny_model_dir,
         **{**TINY_ENGINE_ARGS, "num_gpu_blocks_override": 16, "block_size": 4, "max_num_batched_tokens": 16},
-        speculative_config=SPEC,
+        speculative_config=NGRAM,
     )
     monkeypatch.setattr(small.engine.scheduler, "proposer", oracle)
     outs = small.generate(PROMPTS, greedy(24), use_tqdm=False)
@@ -155,7 +155,7 @@ def test_speculation_with_stops_chunks_preemption_and_sampling(llm, tiny_model_d
     a, b = (small.generate(PROMPTS, seeded, use_tqdm=False) for _ in range(2))
     assert [[c.token_ids for c in o.outputs] for o in a] == [[c.token_ids for c in o.outputs] for o in b]
     assert all(len(c.token_ids) == 24 for o in a for c in o.outputs)
-    assert small.engine.kv_cache_manager.num_used_blocks == 0
+    assert small.engine.kv_cache_manager.num_used_pages == 0
 
 
 def test_draft_model_speculation(llm, tiny_model_dir, tmp_path):
@@ -180,7 +180,7 @@ def test_draft_model_speculation(llm, tiny_model_dir, tmp_path):
             assert stats.num_accepted_tokens == stats.num_draft_tokens > 0  # its own drafts: all accepted
         else:
             assert stats.num_draft_tokens > 0 and stats.num_preemptions > 0
-        assert engine.engine.kv_cache_manager.num_used_blocks == 0
+        assert engine.engine.kv_cache_manager.num_used_pages == 0
     with pytest.raises(ValueError, match="vocabulary"):
         import transformers
 
@@ -205,10 +205,10 @@ def test_ngram_speculation_on_the_default_model():
     params = greedy(48)
     args = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256)  # as test_engine's
     plain = LLM(None, **args).generate([prompt], params, use_tqdm=False)[0]
-    spec = LLM(None, **args, speculative_config={**SPEC, "prompt_lookup_min": 2})
-    out = spec.generate([prompt], params, use_tqdm=False)[0]
+    speculative = LLM(None, **args, speculative_config={**NGRAM, "prompt_lookup_min": 2})
+    out = speculative.generate([prompt], params, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == plain.outputs[0].token_ids
-    assert spec.engine.stats.num_accepted_tokens > 0.5 * spec.engine.stats.num_draft_tokens > 0
+    assert speculative.engine.stats.num_accepted_tokens > 0.5 * speculative.engine.stats.num_draft_tokens > 0
 
 
 @pytest.mark.parametrize(
@@ -237,7 +237,7 @@ def test_streaming_with_speculation(tiny_model_dir, llm):
 
     reference = llm.generate([PROMPTS[0]], greedy(24), use_tqdm=False)[0]
     expected = reference.outputs[0]
-    engine = AsyncLLM(**{**TINY_ENGINE_ARGS, "model": tiny_model_dir}, speculative_config=SPEC)
+    engine = AsyncLLM(**{**TINY_ENGINE_ARGS, "model": tiny_model_dir}, speculative_config=NGRAM)
     engine.engine.scheduler.proposer = OracleProposer([reference.prompt_token_ids + expected.token_ids])
 
     async def main():
@@ -248,6 +248,6 @@ def test_streaming_with_speculation(tiny_model_dir, llm):
         assert [t for d in deltas for t in d.token_ids] == expected.token_ids
         assert "".join(d.text for d in deltas) == expected.text
         assert any(len(d.token_ids) > 1 for d in deltas)
-        assert engine.engine.kv_cache_manager.num_used_blocks == 0
+        assert engine.engine.kv_cache_manager.num_used_pages == 0
     finally:
         engine.shutdown()

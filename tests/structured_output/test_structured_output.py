@@ -285,4 +285,4 @@ def test_the_scheduler_feeds_the_grammar_and_stops_when_it_is_complete(grammar, 
     while s.has_unfinished_requests():
         outputs += step(s, {"r": 77 if len(outputs) == 1 else None})[1].outputs
     assert [o.finish_reason for o in outputs] == [None] * (num_out - 1) + [reason]
-    assert grammar.tokens == request.output_token_ids and s.kv.num_used_blocks == 0
+    assert grammar.tokens == request.output_token_ids and s.kv.num_used_pages == 0

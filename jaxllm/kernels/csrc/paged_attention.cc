@@ -22,11 +22,11 @@ namespace {
 // Widens the rows of cache positions [first, first + n) (n <= kChunkKeys) of one sequence and
 // kv head to f32 rows dst[n, head_dim] (int8 rows times their scales).
 template <typename KV>
-void widen_chunk(const PagedAttentionArgs& a, const KV* pages, const int32_t* block_table, int64_t kv_head,
+void widen_chunk(const PagedAttentionArgs& a, const KV* pages, const int32_t* page_table, int64_t kv_head,
                  int64_t first, int n, float* dst) {
   const int64_t D = a.head_dim;
   for (int j = 0; j < n; ++j) {
-    const KV* src = kv_row(a, pages, block_table, kv_head, first + j);
+    const KV* src = kv_row(a, pages, page_table, kv_head, first + j);
     const float scale = row_scale(a, src);
     float* d = dst + static_cast<int64_t>(j) * D;
     for (int64_t i = 0; i < D; ++i) d[i] = to_f32(src[i]) * scale;
@@ -106,8 +106,8 @@ void attend_portable(const PagedAttentionArgs& a, const WorkItem& item, Scratch&
   load_query_rows(a, item, s, rows, a.page_size);
   for (int64_t first = rows.begin; first <= rows.last_pos; first += kChunkKeys) {
     const int n = static_cast<int>(std::min<int64_t>(kChunkKeys, rows.last_pos + 1 - first));
-    widen_chunk(a, k_pages, rows.block_table, item.kv_head, first, n, s.keys);
-    widen_chunk(a, v_pages, rows.block_table, item.kv_head, first, n, s.values);
+    widen_chunk(a, k_pages, rows.page_table, item.kv_head, first, n, s.keys);
+    widen_chunk(a, v_pages, rows.page_table, item.kv_head, first, n, s.values);
     chunk_scores_portable(s, rows.M, n, a.head_dim);
     for (int r = 0; r < rows.M; ++r) softmax_pv_row_portable(a, rows, r, first, n, s);
   }
@@ -128,7 +128,7 @@ void prefetch_first_chunk(const PagedAttentionArgs& a, const WorkItem& item) {
   const int64_t qpos = a.kv_lens[item.seq] - q_len + static_cast<int64_t>(item.tile) * a.tile_tokens;
   const int64_t begin = a.sliding_window > 0 ? std::max<int64_t>(0, qpos - a.sliding_window + 1) : 0;
   const int64_t n = std::min<int64_t>(kChunkKeys, a.kv_lens[item.seq] - begin);
-  const int32_t* table = a.block_tables + static_cast<int64_t>(item.seq) * a.pages_per_seq;
+  const int32_t* table = a.page_tables + static_cast<int64_t>(item.seq) * a.pages_per_seq;
   if (a.kv_type == kKvF32)
     prefetch_keys<float, 2>(a, table, item.kv_head, begin, n);
   else if (a.kv_type == kKvBf16)
@@ -154,7 +154,7 @@ void attend(const PagedAttentionArgs& a, const WorkItem& item, Scratch& s) {
 }
 
 // One item per (sequence, tile, kv head), longest first. Also checks what the items' loops
-// rely on: each sequence's query rows lie inside q and its keys inside its block table.
+// rely on: each sequence's query rows lie inside q and its keys inside its page table.
 ffi::Error make_work_items(const PagedAttentionArgs& a, std::vector<WorkItem>& items) {
   for (int32_t s = 0; s < a.num_seqs; ++s) {
     const int64_t q_len = a.cu_q_lens[s + 1] - a.cu_q_lens[s];
@@ -175,14 +175,14 @@ ffi::Error make_work_items(const PagedAttentionArgs& a, std::vector<WorkItem>& i
 
 // The table entries a sequence with queries uses must be valid page ids (no bounds checks
 // inside); its kv_lens were checked by make_work_items. Sequences without queries are not read.
-ffi::Error check_block_tables(const PagedAttentionArgs& a) {
+ffi::Error check_page_tables(const PagedAttentionArgs& a) {
   for (int32_t s = 0; s < a.num_seqs; ++s) {
     if (a.cu_q_lens[s + 1] <= a.cu_q_lens[s]) continue;
     const int64_t used = (a.kv_lens[s] + a.page_size - 1) / a.page_size;
     for (int64_t i = 0; i < used; ++i) {
-      const int32_t page = a.block_tables[s * a.pages_per_seq + i];
+      const int32_t page = a.page_tables[s * a.pages_per_seq + i];
       if (page < 0 || page >= a.num_pages)
-        return ffi::Error::InvalidArgument("paged attention: block table holds an invalid page id");
+        return ffi::Error::InvalidArgument("paged attention: page table holds an invalid page id");
     }
   }
   return ffi::Error::Success();
@@ -190,12 +190,12 @@ ffi::Error check_block_tables(const PagedAttentionArgs& a) {
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
                               ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> kv_lens,
-                              ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
+                              ffi::Buffer<ffi::S32> page_tables, ffi::Buffer<ffi::S32> cu_q_lens,
                               ffi::Buffer<ffi::S32> num_seqs, ffi::ResultBuffer<ffi::F32> out,
                               float sm_scale, int32_t sliding_window, float soft_cap, int32_t path) {
   const auto qd = q.dimensions();
   const auto kd = k_pages.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || block_tables.dimensions().size() != 2)
+  if (qd.size() != 3 || kd.size() != 4 || page_tables.dimensions().size() != 2)
     return ffi::Error::InvalidArgument("paged attention: bad ranks");
   const auto kv = k_pages.element_type();
   const bool quantized = kv == ffi::S8 || kv == ffi::U8;
@@ -211,20 +211,20 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   a.k_pages = k_pages.untyped_data();
   a.v_pages = v_pages.untyped_data();
   a.kv_lens = kv_lens.typed_data();
-  a.block_tables = block_tables.typed_data();
+  a.page_tables = page_tables.typed_data();
   a.cu_q_lens = cu_q_lens.typed_data();
   a.out = out->typed_data();
   a.num_seqs = std::min<int64_t>(num_seqs.typed_data()[0], kv_lens.dimensions()[0]);
   if (cu_q_lens.dimensions().size() != 1 || cu_q_lens.dimensions()[0] < a.num_seqs + 1 ||
-      block_tables.dimensions()[0] < a.num_seqs)
-    return ffi::Error::InvalidArgument("paged attention: cu_q_lens / block_tables shorter than num_seqs");
+      page_tables.dimensions()[0] < a.num_seqs)
+    return ffi::Error::InvalidArgument("paged attention: cu_q_lens / page_tables shorter than num_seqs");
   a.num_tokens = qd[0];
   a.num_q_heads = qd[1];
   a.head_dim = qd[2];
   a.num_kv_heads = kd[0];
   a.num_pages = kd[1];
   a.page_size = kd[2];
-  a.pages_per_seq = block_tables.dimensions()[1];
+  a.pages_per_seq = page_tables.dimensions()[1];
   a.kv_type = kv == ffi::U16 ? kKvBf16 : kv == ffi::S8 ? kKvInt8 : kv == ffi::U8 ? kKvFp8 : kKvF32;
   a.row_stride = kd[3];
   a.sm_scale = sm_scale;
@@ -246,7 +246,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   std::memset(a.out + real_tokens * row_floats, 0, (a.num_tokens - real_tokens) * row_floats * sizeof(float));
   std::vector<WorkItem> items;
   if (ffi::Error err = make_work_items(a, items); err.failure()) return err;
-  if (ffi::Error err = check_block_tables(a); err.failure()) return err;
+  if (ffi::Error err = check_page_tables(a); err.failure()) return err;
   // A thread takes a few consecutive items at a time and prefetches each next one's first keys
   // while the current one runs (within an item, each chunk prefetches the next).
   const int64_t n = static_cast<int64_t>(items.size());
@@ -271,7 +271,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionCpu, jaxllm::PagedAttentionImp
                                   .Arg<ffi::AnyBuffer>()         // k_pages
                                   .Arg<ffi::AnyBuffer>()         // v_pages
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out

@@ -14,7 +14,7 @@
 // (paged_attention_avx2.cc; head_dim a multiple of 32), else the portable path
 // (paged_attention.cc). The `path` argument can force a narrower one (for tests and benchmarks).
 //
-// Words: a "page" (or "block", as in block_tables) is page_size consecutive tokens of one
+// Words: a "page" (what the public `block_size` option sizes) is page_size consecutive tokens of one
 // sequence in the KV cache; a "tile" is the query tokens of one work item; a "chunk" is the
 // kChunkKeys keys widened to f32 together.
 #pragma once
@@ -47,7 +47,7 @@ struct PagedAttentionArgs {
                                 //   scale's 4 bytes)
   const void* v_pages;          // same as k_pages
   const int32_t* kv_lens;       // [S] s32: tokens in each sequence's cache, this step's included
-  const int32_t* block_tables;  // [S, pages_per_seq] s32: page ids of each sequence's tokens
+  const int32_t* page_tables;  // [S, pages_per_seq] s32: page ids of each sequence's tokens
   const int32_t* cu_q_lens;     // [S + 1] s32: sequence s's query tokens are rows cu_q_lens[s] ..
                                 //   cu_q_lens[s + 1] - 1 of q; they are its last tokens
   float* out;                   // [T, num_q_heads, head_dim] f32
@@ -87,7 +87,7 @@ struct alignas(64) Scratch {
 struct QueryRows {
   int M;                        // rows: tile tokens x G
   int64_t G, first_token;       // G query heads per kv head; q row of the tile's first token
-  const int32_t* block_table;   // the sequence's, [pages_per_seq]
+  const int32_t* page_table;   // the sequence's, [pages_per_seq]
   int64_t qpos[kMaxRows];       // cache position of each row's token
   float m[kMaxRows], l[kMaxRows];  // running max of the scores, running sum of exp(score - m)
   int64_t begin, last_pos;      // keys to visit: begin (a multiple of the path's alignment) .. last_pos
@@ -104,7 +104,7 @@ inline void load_query_rows(const PagedAttentionArgs& a, const WorkItem& item, S
   const int64_t t0 = static_cast<int64_t>(item.tile) * a.tile_tokens;
   rows.first_token = q_start + t0;
   rows.M = static_cast<int>(std::min<int64_t>(a.tile_tokens, q_len - t0) * G);
-  rows.block_table = a.block_tables + static_cast<int64_t>(s) * a.pages_per_seq;
+  rows.page_table = a.page_tables + static_cast<int64_t>(s) * a.pages_per_seq;
   for (int i = 0; i < rows.M; ++i) {
     const int64_t tok = rows.first_token + i / G, head = item.kv_head * G + i % G;
     const float* src = a.q + (tok * a.num_q_heads + head) * D;
@@ -138,24 +138,24 @@ bool attend_avx2(const PagedAttentionArgs& a, const WorkItem& item, Scratch& scr
 
 // The key (or value) row of cache position `pos` of one sequence, inside a page of `pages`.
 template <typename KV>
-inline const KV* kv_row(const PagedAttentionArgs& a, const KV* pages, const int32_t* block_table,
+inline const KV* kv_row(const PagedAttentionArgs& a, const KV* pages, const int32_t* page_table,
                         int64_t kv_head, int64_t pos) {
   const int64_t P = a.page_size;
-  return pages + ((kv_head * a.num_pages + block_table[pos / P]) * P + pos % P) * a.row_stride;
+  return pages + ((kv_head * a.num_pages + page_table[pos / P]) * P + pos % P) * a.row_stride;
 }
 
 // Asks for the K and V rows of cache positions [first, first + n) of one sequence and kv head to
 // be brought into cache, L1 (kLocality 3: prefetcht0) or L2 (2: prefetcht1): a sequence's pages
 // lie anywhere in the pool, and the hardware prefetcher stops at each page's end.
 template <typename KV, int kLocality>
-inline void prefetch_keys(const PagedAttentionArgs& a, const int32_t* block_table, int64_t kv_head, int64_t first,
+inline void prefetch_keys(const PagedAttentionArgs& a, const int32_t* page_table, int64_t kv_head, int64_t first,
                           int64_t n) {
   const KV* k_pages = static_cast<const KV*>(a.k_pages);
   const KV* v_pages = static_cast<const KV*>(a.v_pages);
   const int64_t row_bytes = a.row_stride * static_cast<int64_t>(sizeof(KV));
   for (int64_t j = 0; j < n; ++j) {
-    const char* k = reinterpret_cast<const char*>(kv_row(a, k_pages, block_table, kv_head, first + j));
-    const char* v = reinterpret_cast<const char*>(kv_row(a, v_pages, block_table, kv_head, first + j));
+    const char* k = reinterpret_cast<const char*>(kv_row(a, k_pages, page_table, kv_head, first + j));
+    const char* v = reinterpret_cast<const char*>(kv_row(a, v_pages, page_table, kv_head, first + j));
     for (int64_t b = 0; b < row_bytes; b += 64) {
       __builtin_prefetch(k + b, 0, kLocality);
       __builtin_prefetch(v + b, 0, kLocality);

@@ -4,7 +4,7 @@
 // attend() in paged_attention.cc).
 //
 // It reads K and V where they lie in the pages (no widened copy of the chunk): a chunk's rows
-// are found once through the block table, as pointers. Scores take 3 query rows x 4 keys at a
+// are found once through the page table, as pointers. Scores take 3 query rows x 4 keys at a
 // time, 8 dims per FMA, and one horizontal-add tree per row gives its 4 scores. That suits a
 // decode, whose few rows (the query heads of one kv head) could not amortise a transpose of
 // the chunk. P @ V accumulates 3 rows x 32 dims in registers, V rows loaded once per key and
@@ -170,15 +170,15 @@ inline void scale_columns(const PagedAttentionArgs& a, const KV* const* rows, fl
 }
 
 // The rows of cache positions [first, first + n) of the item's sequence, K and V, as
-// pointers: found through the block table once per page, not per row.
+// pointers: found through the page table once per page, not per row.
 template <typename KV>
 inline void chunk_rows(const PagedAttentionArgs& a, const WorkItem& item, const QueryRows& rows, int64_t first, int n,
                        const KV** krows, const KV** vrows) {
   const KV* k_pages = static_cast<const KV*>(a.k_pages);
   const KV* v_pages = static_cast<const KV*>(a.v_pages);
   for (int j = 0; j < n;) {  // a page's run of rows at a time
-    const KV* k = kv_row(a, k_pages, rows.block_table, item.kv_head, first + j);
-    const KV* v = kv_row(a, v_pages, rows.block_table, item.kv_head, first + j);
+    const KV* k = kv_row(a, k_pages, rows.page_table, item.kv_head, first + j);
+    const KV* v = kv_row(a, v_pages, rows.page_table, item.kv_head, first + j);
     const int run = static_cast<int>(std::min<int64_t>(a.page_size - (first + j) % a.page_size, n - j));
     for (int i = 0; i < run; ++i, ++j) {
       krows[j] = k + i * a.row_stride;

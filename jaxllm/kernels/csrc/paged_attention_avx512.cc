@@ -20,7 +20,7 @@ namespace {
 // Widens cache positions [first, first + n) (n <= 64) of one sequence and kv head: K into
 // keys_t[d * 64 + j], V into values[j * head_dim + d].
 template <typename KV, int DV>
-void widen_chunk_avx512(const PagedAttentionArgs& a, const int32_t* block_table, int64_t kv_head, int64_t first,
+void widen_chunk_avx512(const PagedAttentionArgs& a, const int32_t* page_table, int64_t kv_head, int64_t first,
                         int n, float* keys_t, float* values) {
   constexpr int D = 16 * DV;
   // A row of head_dim elements is read as vectors of 16 32-bit words.
@@ -30,7 +30,7 @@ void widen_chunk_avx512(const PagedAttentionArgs& a, const int32_t* block_table,
   for (int kvec = 0; kvec * 16 < n; ++kvec) {  // keys 16 * kvec .. 16 * kvec + 15 of the chunk
     const KV* rows[16];
     for (int j = 0; j < 16; ++j)  // keys past n re-read a valid row; their scores are masked
-      rows[j] = kv_row(a, k_pages, block_table, kv_head, first + kvec * 16 + std::min(j, n - 1 - kvec * 16));
+      rows[j] = kv_row(a, k_pages, page_table, kv_head, first + kvec * 16 + std::min(j, n - 1 - kvec * 16));
     for (int w = 0; w < kWordVectors; ++w) {
       __m512i r[16];
       for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(reinterpret_cast<const int32_t*>(rows[j]) + 16 * w);
@@ -47,7 +47,7 @@ void widen_chunk_avx512(const PagedAttentionArgs& a, const int32_t* block_table,
     }
   }
   for (int j = 0; j < n; ++j) {
-    const KV* src = kv_row(a, v_pages, block_table, kv_head, first + j);
+    const KV* src = kv_row(a, v_pages, page_table, kv_head, first + j);
     for (int c = 0; c < DV; ++c) _mm512_store_ps(values + j * D + 16 * c, load_f32x16(src + 16 * c));
   }
 }
@@ -185,9 +185,9 @@ void attend_avx512_item(const PagedAttentionArgs& a, const WorkItem& item, Scrat
     const int n = static_cast<int>(std::min<int64_t>(kChunkKeys, rows.last_pos + 1 - first));
     const int64_t next = first + kChunkKeys;
     if (next <= rows.last_pos)
-      prefetch_keys<KV, 3>(a, rows.block_table, item.kv_head, next,
+      prefetch_keys<KV, 3>(a, rows.page_table, item.kv_head, next,
                            std::min<int64_t>(kChunkKeys, rows.last_pos + 1 - next));
-    widen_chunk_avx512<KV, DV>(a, rows.block_table, item.kv_head, first, n, s.keys_t, s.values);
+    widen_chunk_avx512<KV, DV>(a, rows.page_table, item.kv_head, first, n, s.keys_t, s.values);
     chunk_scores<DV>(s.q, s.keys_t, s.scores, rows.M, n);
     for (int r = 0; r < rows.M; ++r) alpha[r] = softmax_row(a, rows, r, first, n, s.scores[r]);
     chunk_pv<DV>(s.acc, alpha, s.scores, s.values, n, rows.M);
