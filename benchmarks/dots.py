@@ -45,7 +45,7 @@ SHAPES = {
 
 def main(argv=None) -> int:
     from jaxllm.kernels import gemm, native
-    from jaxllm.utils import resolve_dtype
+    from jaxllm.platforms import Platform
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,2,8,16,32,64,128,512", help="M values, comma-separated")
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     dot = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
     rng = np.random.default_rng(0)
     machine = machine_info()
-    pick, why = resolve_dtype("auto", "cpu")
+    pick, why = Platform.named("cpu").default_dtype
     print(f"{cpu_line(machine)}\ndtype='auto' picks {pick}: {why}\n")
     from jaxllm.quantization import matmul as quantized_matmul
     from jaxllm.quantization.weights import make_weight, with_bf16_activations, with_int8_activations

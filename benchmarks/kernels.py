@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 from jaxllm import kernels  # noqa: E402
 from jaxllm.kernels.kv_write import cache_dtype, row_width, storage_dtype, to_storage  # noqa: E402
 from jaxllm.attention import BACKENDS  # noqa: E402
-from jaxllm.engine_config import default_page_size  # noqa: E402
+from jaxllm.platforms import Platform  # noqa: E402
 
 
 def median_time(fn, min_repeat: int, min_seconds: float) -> float:
@@ -153,7 +153,7 @@ def main(argv=None):
     ap.add_argument("--num-q-heads", type=int, default=9)
     ap.add_argument("--num-kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--page-size", type=int, default=default_page_size("cpu"))
+    ap.add_argument("--page-size", type=int, default=Platform("cpu").default_page_size)
     ap.add_argument("--table-pages", type=int, default=None, help="page-table width (default: the context's pages)")
     ap.add_argument(
         "--dtype",

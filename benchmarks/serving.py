@@ -258,9 +258,9 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(RESULTS, "serving.json"))
     args = ap.parse_args(argv)
     if args.dtype == "auto":
-        from jaxllm.utils import resolve_dtype
+        from jaxllm.platforms import Platform
 
-        args.dtype = resolve_dtype("auto", "cpu")[0]
+        args.dtype = Platform.named("cpu").default_dtype[0]
     args.model_path = args.model  # --tokenizer: the model's files
     # (request rate, most in flight) per level: the rates, then the closed loops (c in flight)
     levels = (

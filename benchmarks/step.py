@@ -237,10 +237,10 @@ def main():
     ap.add_argument("--compare-scan", default="", help="decode batch sizes to time with lax.scan too, e.g. 1,32")
     args = ap.parse_args()
 
-    from jaxllm.utils import resolve_dtype, resolve_kv_cache_dtype
+    from jaxllm.utils import resolve_kv_cache_dtype
 
     platform = jax.devices()[0].platform
-    asked, (args.dtype, why) = args.dtype, resolve_dtype(args.dtype, platform)
+    asked, (args.dtype, why) = args.dtype, Platform.named(platform).resolve_dtype(args.dtype)
     args.kv_cache_dtype, kv_why = resolve_kv_cache_dtype(args.kv_cache_dtype, asked, args.dtype)
     machine = machine_info()
     print(f"{cpu_line(machine)}; dtype {args.dtype} ({why}); KV pages {args.kv_cache_dtype} ({kv_why})")

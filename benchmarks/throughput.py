@@ -143,9 +143,9 @@ def parse_engine(text: str, default_dtype: str) -> tuple[str, str, dict]:
     if dtype not in DTYPES:
         raise SystemExit(f"unknown dtype {dtype!r} for {name}; choose from {', '.join(DTYPES)}")
     if dtype == "auto":
-        from jaxllm.utils import resolve_dtype
+        from jaxllm.platforms import Platform
 
-        dtype = resolve_dtype("auto", "cpu")[0]
+        dtype = Platform.named("cpu").default_dtype[0]
     return name, dtype, engine_args
 
 

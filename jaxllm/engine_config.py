@@ -11,7 +11,8 @@ import dataclasses
 import os
 
 from jaxllm.config import DEFAULT_KV_CACHE_MEMORY, EngineArgs, SpeculativeConfig
-from jaxllm.utils import DTYPES, check_dtype, default_cache_root, resolve_dtype, resolve_kv_cache_dtype
+from jaxllm.platforms import Platform
+from jaxllm.utils import DTYPES, check_dtype, default_cache_root, resolve_kv_cache_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,26 +115,20 @@ def kv_cache_budget(args: EngineArgs, available_memory: int | None) -> int:
     return int(args.gpu_memory_utilization * available_memory)
 
 
-def default_page_size(platform: str) -> int:
-    """KV page size where `block_size` is left unset: 64 tokens on CPU (vLLM's CPU backend uses
-    128), 16 elsewhere (vLLM's GPU default). A CPU decode reads each sequence's pages from RAM, and
-    each page of a kv head is one contiguous run: on a Zen 4 EPYC, 128 decodes at context 256
-    took about 0.7x the attention time with pages of 64 as with pages of 16 (8 KiB runs against
-    2 KiB; 128 measured the same as 64), contexts spread over 32-256 the same within noise, and
-    the standard workload ran 416-420 against 368-401 output tok/s (benchmarks/results/zen4/RESULTS.md). The
-    cost: prefix caching shares whole pages only, and each sequence's last page is partly empty
-    (the standard workload's sequences waste 14.1% of their slots against 3.8%: 417 fit in 2 GiB
-    against 467, `benchmarks/memory.py`)."""
-    return 64 if platform == "cpu" else 16
-
-
 def resolve_config(
-    args: EngineArgs, cfg, model_name: str, *, available_memory: int | None = None, platform: str = "cpu"
+    args: EngineArgs,
+    cfg,
+    model_name: str,
+    *,
+    available_memory: int | None = None,
+    platform: Platform | str = "cpu",
 ) -> EngineConfig:
     """Fill in what `args` leaves open from the model config (and, for `gpu_memory_utilization`,
-    the device memory left after the weights; for dtype "auto", the `platform` it runs on)."""
+    the device memory left after the weights; for dtype "auto" and the page size, the `platform`
+    it runs on: a `Platform`, or a name for this host's)."""
     args.verify()
-    dtype, _ = resolve_dtype(args.dtype, platform)
+    platform = Platform.named(platform) if isinstance(platform, str) else platform
+    dtype, _ = platform.resolve_dtype(args.dtype)
     kv_dtype, _ = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype, dtype)
     max_model_len = args.max_model_len or cfg.max_position_embeddings
     if max_model_len > cfg.max_position_embeddings:
@@ -143,7 +138,7 @@ def resolve_config(
     speculative = SpeculativeConfig.parse(args.speculative_config)
     max_batched = max(args.max_num_batched_tokens, args.max_num_seqs)
     window, windowed_layers = sliding_window(cfg, max_model_len, speculative)
-    page_size = args.block_size or default_page_size(platform)
+    page_size = args.block_size or platform.default_page_size
     page_bytes = kv_bytes_per_token(cfg, kv_dtype, args.tensor_parallel_size) * page_size
     num_pages, num_window_pages = _kv_pool_pages(
         args, cfg, page_bytes, page_size, max_model_len, max_batched, window, windowed_layers, available_memory

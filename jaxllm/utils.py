@@ -7,12 +7,8 @@ import os
 
 # The dtypes weights and the KV cache can have: name -> bytes per element.
 DTYPES = {"float32": 4, "bfloat16": 2}
-# What `dtype=` accepts: a dtype, or "auto" (`resolve_dtype` picks one for the device).
+# What `dtype=` accepts: a dtype, or "auto" (the platform picks one: `Platform.default_dtype`).
 DTYPE_CHOICES = ("auto", *DTYPES)
-# x86 features (Linux /proc/cpuinfo names) that give bf16 dots a hardware path in XLA:CPU:
-# AVX-512 BF16 (Zen 4/5, Cooper Lake+) and AMX (Sapphire Rapids+). Without them XLA widens
-# bf16 operands to f32 on every dot, and float32 measured 2x faster end to end (Zen 2).
-BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 def check_dtype(dtype: str) -> str:
@@ -21,40 +17,10 @@ def check_dtype(dtype: str) -> str:
     return dtype
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux names them (/proc/cpuinfo "flags"); empty elsewhere."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "flags":
-                    return frozenset(value.split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def resolve_dtype(dtype: str, platform_name: str, flags: frozenset[str] | None = None) -> tuple[str, str]:
-    """(dtype, why): `dtype` itself unless it is "auto"; then bfloat16 on accelerators and on
-    CPUs with hardware bf16 dots (`BF16_CPU_FLAGS`), float32 on other CPUs, where bf16 is the
-    slow dtype. `flags` defaults to this machine's `cpu_flags()`."""
-    if dtype != "auto":
-        return check_dtype(dtype), "asked for"
-    if platform_name != "cpu":
-        return "bfloat16", f"{platform_name} computes bfloat16 in hardware"
-    flags = cpu_flags() if flags is None else flags
-    hardware = [flag for flag in BF16_CPU_FLAGS if flag in flags]
-    if hardware:
-        return "bfloat16", f"this CPU has hardware bf16 dots ({', '.join(hardware)})"
-    return "float32", (
-        f"this CPU has no hardware bf16 dots (no {' or '.join(BF16_CPU_FLAGS)}): float32 is the faster dtype there"
-    )
-
-
 def resolve_kv_cache_dtype(kv_cache_dtype: str, asked_dtype: str, dtype: str) -> tuple[str, str]:
     """(KV cache dtype, why) for `kv_cache_dtype` ("fp8" as "fp8_e4m3"), given the `asked_dtype`
     and the `dtype` it resolved to. "auto" is `dtype`, except where dtype "auto" picked float32
-    (a CPU without hardware bf16 dots, see `resolve_dtype`): there bf16 pages. Decode attention
+    (a CPU without hardware bf16 dots, see `Platform.default_dtype`): there bf16 pages. Decode attention
     reads every cached token of every sequence at each step and waits on memory, and bf16 pages
     are half the bytes; the kernels still compute in float32, widening a page row costs a shift.
     Activations rounded to int8 (`w8a8`, `int8_activations`) take the same pages: over paired
@@ -87,14 +53,11 @@ def cdiv(a, b):
 
 
 __all__ = [
-    "BF16_CPU_FLAGS",
     "DTYPES",
     "DTYPE_CHOICES",
     "cdiv",
     "check_dtype",
-    "cpu_flags",
     "default_cache_root",
     "jnp_dtype",
-    "resolve_dtype",
     "resolve_kv_cache_dtype",
 ]

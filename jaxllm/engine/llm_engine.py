@@ -29,7 +29,7 @@ from jaxllm.quantization.weights import int8_activation_weights
 from jaxllm.runner import compile as compile_mod
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.structured_output import StructuredOutputManager
-from jaxllm.utils import DTYPES, resolve_dtype, resolve_kv_cache_dtype
+from jaxllm.utils import DTYPES, resolve_kv_cache_dtype
 from jaxllm.weights.plan import QUANTIZE_METHODS
 
 logger = logging.getLogger("jaxllm")
@@ -51,14 +51,14 @@ class LLMEngine:
         platform = Platform.detect(
             None if mesh is None else mesh.devices.flat[0], use_cpp=args.attention_backend in (None, "native")
         )
-        args = _resolve_dtypes(args, platform.name, many_processes)
+        args = _resolve_dtypes(args, platform, many_processes)
         one_device = mesh is None and not many_processes and args.data_parallel_size == 1
         loaded, plan = load_with_plan(
             args, platform, mesh, one_device=one_device, progress=progress, use_cache=not many_processes
         )
         args = dataclasses.replace(args, quantization=plan.quantization, small_step_codes=plan.small_step_codes)
         self.config: EngineConfig = resolve_config(
-            args, loaded.cfg, loaded.name, available_memory=_available_memory(args), platform=platform.name
+            args, loaded.cfg, loaded.name, available_memory=_available_memory(args), platform=platform
         )
         if many_processes:
             # One process keeps its compiled steps in the runner's executable store, which a warm
@@ -387,10 +387,10 @@ class LLMEngine:
         )
 
 
-def _resolve_dtypes(args: EngineArgs, platform: str, many_processes: bool) -> EngineArgs:
+def _resolve_dtypes(args: EngineArgs, platform: Platform, many_processes: bool) -> EngineArgs:
     """`args` with `dtype` and `kv_cache_dtype` resolved for the platform (each "auto" logged with
     why). Over several processes every process takes process 0's dtype (their CPUs may differ)."""
-    dtype, why = resolve_dtype(args.dtype, platform)
+    dtype, why = platform.resolve_dtype(args.dtype)
     if args.dtype == "auto" and many_processes:
         from jax.experimental import multihost_utils
 

@@ -4,16 +4,34 @@
     platform = platform.confirmed()           # after: waits for the build, says what it has
 
 A `Platform` is plain data (hashable, comparable), so the decisions that follow from it (the
-weight plan: jaxllm/weights/plan.py; the default attention backend: `attention_backend`; whether
-norms and sampling run in C++: `cpp_ops`) are pure functions that table-driven tests check
-without the machine itself.
+weight plan: jaxllm/weights/plan.py; the default dtype, KV page size and attention backend:
+`default_dtype`, `default_page_size`, `attention_backend`; whether norms and sampling run in
+C++: `cpp_ops`) are pure functions that table-driven tests check without the machine itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from jaxllm.utils import BF16_CPU_FLAGS, cpu_flags
+from jaxllm.utils import check_dtype
+
+# x86 features (Linux /proc/cpuinfo names) that give bf16 dots a hardware path in XLA:CPU:
+# AVX-512 BF16 (Zen 4/5, Cooper Lake+) and AMX (Sapphire Rapids+). Without them XLA widens
+# bf16 operands to f32 on every dot, and float32 measured 2x faster end to end (Zen 2).
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux names them (/proc/cpuinfo "flags"); empty elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +81,42 @@ class Platform:
         return dataclasses.replace(
             self, cpp_kernels=available, cpp_bf16_dots=available and native.has_bf16_dots(), build_confirmed=True
         )
+
+    @classmethod
+    def named(cls, name: str) -> Platform:
+        """A platform known by its name only (config resolution without a device): a CPU is
+        this host's CPU, with its flags."""
+        return cls(name, cpu_flags() if name == "cpu" else frozenset())
+
+    def resolve_dtype(self, dtype: str) -> tuple[str, str]:
+        """(dtype, why): `dtype` itself unless it is "auto", then `default_dtype`."""
+        return (check_dtype(dtype), "asked for") if dtype != "auto" else self.default_dtype
+
+    @property
+    def default_dtype(self) -> tuple[str, str]:
+        """(dtype, why) for dtype "auto": bfloat16 on accelerators and on CPUs with hardware bf16
+        dots (`BF16_CPU_FLAGS`), float32 on other CPUs, where bf16 is the slow dtype."""
+        if self.name != "cpu":
+            return "bfloat16", f"{self.name} computes bfloat16 in hardware"
+        hardware = [flag for flag in BF16_CPU_FLAGS if flag in self.cpu_flags]
+        if hardware:
+            return "bfloat16", f"this CPU has hardware bf16 dots ({', '.join(hardware)})"
+        return "float32", (
+            f"this CPU has no hardware bf16 dots (no {' or '.join(BF16_CPU_FLAGS)}): float32 is the faster dtype there"
+        )
+
+    @property
+    def default_page_size(self) -> int:
+        """KV page size where `block_size` is left unset: 64 tokens on CPU (vLLM's CPU backend
+        uses 128), 16 elsewhere (vLLM's GPU default). A CPU decode reads each sequence's pages
+        from RAM, and each page of a KV head is one contiguous run: on a Zen 4 EPYC, 128 decodes at
+        context 256 took about 0.7x the attention time with pages of 64 as with pages of 16 (8 KiB
+        runs against 2 KiB; 128 measured the same as 64), and the standard workload ran 416-420
+        against 368-401 output tok/s (benchmarks/results/zen4/RESULTS.md). The cost: prefix
+        caching shares whole pages only, and each sequence's last page is partly empty (the
+        standard workload's sequences waste 14.1% of their slots against 3.8%: 417 fit in 2 GiB
+        against 467, `benchmarks/memory.py`)."""
+        return 64 if self.name == "cpu" else 16
 
     @property
     def attention_backend(self) -> str:

@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import jax
 
 from jaxllm.runner.compile import Bucket, CompilationCounter, pick_bucket
-from jaxllm.utils import cpu_flags
+from jaxllm.platforms import cpu_flags
 
 logger = logging.getLogger("jaxllm")
 

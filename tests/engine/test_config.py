@@ -10,7 +10,8 @@ from jaxllm.config import EngineArgs
 from jaxllm.engine_config import kv_bytes_per_token, resolve_config
 from jaxllm.engine.llm_engine import _available_memory
 from jaxllm.models.decoder import ModelConfig
-from jaxllm.utils import cpu_flags, resolve_dtype, resolve_kv_cache_dtype
+from jaxllm.platforms import Platform, cpu_flags
+from jaxllm.utils import resolve_kv_cache_dtype
 
 from tests.helpers.cpu_host import lscpu_flags
 
@@ -110,12 +111,13 @@ def test_available_memory_is_read_from_the_platform():
     ],
 )
 def test_auto_dtype_follows_the_device(flags, platform, expected):
-    dtype, why = resolve_dtype("auto", platform, frozenset(flags))
+    platform = Platform(platform, frozenset(flags))
+    dtype, why = platform.resolve_dtype("auto")
     assert dtype == expected and why
     for explicit in ("float32", "bfloat16"):  # an explicit dtype always wins
-        assert resolve_dtype(explicit, platform, frozenset(flags))[0] == explicit
+        assert platform.resolve_dtype(explicit)[0] == explicit
     with pytest.raises(ValueError, match="dtype"):
-        resolve_dtype("float16", platform, frozenset(flags))
+        platform.resolve_dtype("float16")
     # KV pages: "auto" is the dtype, but bf16 where dtype "auto" took float32 on a CPU; an
     # explicit dtype keeps its own pages, an explicit cache dtype always wins.
     assert resolve_kv_cache_dtype("auto", "auto", dtype)[0] == "bfloat16"
@@ -155,7 +157,7 @@ def test_engine_logs_the_dtype_auto_picks_and_loads_in_it(tiny_model_dir, tmp_pa
     # Matrices in the picked dtype (packed or not); norms and biases stay float32 (load_model).
     assert {leaf.dtype.name for leaf in jax.tree.leaves(llm.engine.runner.params) if leaf.ndim >= 2} == {expected}
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("dtype auto")] == [
-        f"dtype auto: {expected} ({resolve_dtype('auto', 'cpu')[1]})"
+        f"dtype auto: {expected} ({Platform.named('cpu').default_dtype[1]})"
     ]
     # bf16 pages either way (stored as uint16 bits); with float32 chosen, logged as such.
     assert llm.engine.config.cache.dtype == "bfloat16"

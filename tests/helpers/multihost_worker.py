@@ -42,13 +42,17 @@ def sampling_params():
 
 
 def main() -> int:
-    from jaxllm import LLM, utils
+    from jaxllm import LLM, platforms
 
     model_dir, out_path, port, process_id = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     extra = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
     if process_id == 1 and not extra:
-        flags = frozenset() if utils.resolve_dtype("auto", "cpu")[0] == "bfloat16" else frozenset({"avx512_bf16"})
-        utils.cpu_flags = lambda: flags
+        flags = (
+            frozenset()
+            if platforms.Platform.named("cpu").default_dtype[0] == "bfloat16"
+            else frozenset({"avx512_bf16"})
+        )
+        platforms.cpu_flags = lambda: flags
     llm = LLM(
         model_dir,
         tensor_parallel_size=2,

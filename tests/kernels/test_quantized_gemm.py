@@ -213,7 +213,7 @@ def test_matmul_quantized_w8a8_bias_taken_at_packing(rows, act_group):
     # summed in the call, with and without SwiGLU; on a VNNI CPU the kernel reads it (a wrong
     # one changes the result).
     from jaxllm.quantization.weights import _unpacked_codes, make_weight
-    from jaxllm.utils import cpu_flags
+    from jaxllm.platforms import cpu_flags
 
     rng = np.random.default_rng(rows)
     k, n = 64, 96

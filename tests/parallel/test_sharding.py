@@ -226,9 +226,9 @@ def test_two_processes_generate_what_one_does(extra, tiny_model_dir, tmp_path):
         assert json.loads(out.read_text()) == [o.outputs[0].token_ids for o in expected]
         return
     # dtype="auto": both processes run in process 0's pick, though process 1's flags say otherwise.
-    from jaxllm.utils import resolve_dtype
+    from jaxllm.platforms import Platform
 
-    picked = resolve_dtype("auto", "cpu")[0]
+    picked = Platform.named("cpu").default_dtype[0]
     assert [(tmp_path / f"out.json.dtype{i}").read_text() for i in (0, 1)] == [picked, picked]
     # One process with dtype "auto" here: the same dtype, and the KV pages "auto" gives it.
     one = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "dtype": "auto"})

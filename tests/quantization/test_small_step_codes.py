@@ -16,7 +16,7 @@ from jaxllm.kernels import gemm, native
 from jaxllm.models.linear import PackedWeight
 from jaxllm.quantization import SMALL_STEP_ROWS, QuantizedWeight, dequantize, weight_bytes
 from jaxllm.quantization.weights import make_weight, with_bf16_activations
-from jaxllm.utils import cpu_flags
+from jaxllm.platforms import cpu_flags
 
 from tests.helpers.quantized_checkpoints import write_quantized_gguf
 from tests.helpers.tiny_model import TINY_ENGINE_ARGS, WARM_ENGINE_ARGS

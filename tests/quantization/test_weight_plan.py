@@ -296,7 +296,7 @@ def test_default_attention_backend(platform, backend):
 
 def test_detected_platform_is_this_machine():
     from jaxllm.kernels import native
-    from jaxllm.utils import cpu_flags
+    from jaxllm.platforms import cpu_flags
 
     platform = Platform.detect().confirmed()
     assert platform.name == "cpu" and platform.cpu_flags == cpu_flags()
