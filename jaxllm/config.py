@@ -225,6 +225,13 @@ class EngineArgs:
             self.quantization = QUANTIZATION_ALIASES.get(self.quantization, self.quantization)
 
     def verify(self) -> None:
+        """Raise ValueError, naming the option, for a value or a combination that cannot run."""
+        self._verify_types()
+        self._verify_processes_and_mesh()
+        self._verify_cache()
+        self._verify_methods()
+
+    def _verify_types(self) -> None:
         for field in dataclasses.fields(self):  # "False" from a config file would read as on
             value = getattr(self, field.name)
             if field.type == "bool" and not isinstance(value, bool):
@@ -247,6 +254,8 @@ class EngineArgs:
                 continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    def _verify_processes_and_mesh(self) -> None:
         if not isinstance(self.num_processes, int) or not 0 <= self.process_id < self.num_processes:
             raise ValueError(f"process_id must be in [0, num_processes), got {self.process_id} of {self.num_processes}")
         if self.num_processes > 1 and self.preemption_mode == "swap":
@@ -267,6 +276,8 @@ class EngineArgs:
                     f"when 1) and 'model' = tensor_parallel_size ({self.tensor_parallel_size}); "
                     f"got {shape}"
                 )
+
+    def _verify_cache(self) -> None:
         if not isinstance(self.max_logprobs, int) or not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs!r}")
         if self.block_size is not None and self.block_size & (self.block_size - 1):
@@ -290,6 +301,8 @@ class EngineArgs:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.preemption_mode == "swap" and self.swap_space <= 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 GiB")
+
+    def _verify_methods(self) -> None:
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.quantization not in (None, *QUANTIZATION_METHODS):
@@ -347,14 +360,8 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config: {e}") from None
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {config!r}")
-        known = {
-            "method",
-            "num_speculative_tokens",
-            "prompt_lookup_min",
-            "prompt_lookup_max",
-            "disable_by_batch_size",
-            "model",
-        }
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        known |= {"disable_by_batch_size", "model"}
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown or unsupported field(s) {unknown}; known: {sorted(known)}")
@@ -380,18 +387,22 @@ class SpeculativeConfig:
             config.get("disable_by_batch_size", 8),
             model if method == "draft_model" else None,
         )
+        out._check()
+        return out
+
+    def _check(self) -> None:
+        """Raise ValueError for counts that are not positive or lookups that cross."""
         checked = ["num_speculative_tokens", "disable_by_batch_size"] + (
-            ["prompt_lookup_min", "prompt_lookup_max"] if method == "ngram" else []
+            ["prompt_lookup_min", "prompt_lookup_max"] if self.method == "ngram" else []
         )
         for name in checked:
-            value = getattr(out, name)
+            value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config {name} must be a positive integer, got {value!r}")
-        if out.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}")
-        if out.prompt_lookup_min > out.prompt_lookup_max:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
-                f"speculative_config prompt_lookup_min ({out.prompt_lookup_min}) exceeds "
-                f"prompt_lookup_max ({out.prompt_lookup_max})"
+                f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
             )
-        return out

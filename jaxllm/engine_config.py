@@ -130,11 +130,7 @@ def resolve_config(
     platform = Platform.named(platform) if isinstance(platform, str) else platform
     dtype, _ = platform.resolve_dtype(args.dtype)
     kv_dtype, _ = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype, dtype)
-    max_model_len = args.max_model_len or cfg.max_position_embeddings
-    if max_model_len > cfg.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings ({cfg.max_position_embeddings})"
-        )
+    max_model_len = _max_model_len(args, cfg)
     speculative = SpeculativeConfig.parse(args.speculative_config)
     max_batched = max(args.max_num_batched_tokens, args.max_num_seqs)
     window, windowed_layers = sliding_window(cfg, max_model_len, speculative)
@@ -144,9 +140,6 @@ def resolve_config(
         args, cfg, page_bytes, page_size, max_model_len, max_batched, window, windowed_layers, available_memory
     )
     num_swap_pages = int(args.swap_space * 2**30) // page_bytes if args.preemption_mode == "swap" else 0
-    compilation_cache_dir = args.compilation_cache_dir
-    if compilation_cache_dir is None:
-        compilation_cache_dir = os.path.join(default_cache_root(), "xla")
     return EngineConfig(
         model_name=args.served_model_name or model_name,
         dtype=dtype,
@@ -172,7 +165,11 @@ def resolve_config(
         attention_backend=args.attention_backend,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
-        compilation_cache_dir=compilation_cache_dir,
+        compilation_cache_dir=(
+            os.path.join(default_cache_root(), "xla")
+            if args.compilation_cache_dir is None
+            else args.compilation_cache_dir
+        ),
         warmup=args.warmup,
         background_compile=args.background_compile,
         packed_weights=args.packed_weights,
@@ -181,6 +178,15 @@ def resolve_config(
         speculative=speculative,
         quantization=args.quantization,
     )
+
+
+def _max_model_len(args: EngineArgs, cfg) -> int:
+    max_model_len = args.max_model_len or cfg.max_position_embeddings
+    if max_model_len > cfg.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings ({cfg.max_position_embeddings})"
+        )
+    return max_model_len
 
 
 def _kv_pool_pages(

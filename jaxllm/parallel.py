@@ -194,6 +194,20 @@ def sharded_forward(
     )(params, kv_cache, inputs)
 
 
+def _micro_batch_inputs(unpack, ints, floats, m):
+    """Micro-batch `m`'s `StepInputs` (a traced index: a stage's micro-batch at one tick); where
+    `m` is out of range (a fill or drain tick) the stage computes on micro-batch 0 or M - 1
+    with its KV writes dropped (slot -1)."""
+    num_micro = ints.shape[0]
+    busy = (m >= 0) & (m < num_micro)
+    mine = jnp.clip(m, 0, num_micro - 1)
+    inputs = unpack(ints[mine], floats[mine])
+    inputs.slot_mapping = jnp.where(busy, inputs.slot_mapping, -1)
+    if inputs.window_slot_mapping is not None:
+        inputs.window_slot_mapping = jnp.where(busy, inputs.window_slot_mapping, -1)
+    return inputs
+
+
 def pipelined_forward(
     params, kv_cache, ints, floats, *, unpack, cfg: decoder.ModelConfig, attention, mesh: Mesh, cpp_ops: bool = False
 ):
@@ -229,13 +243,7 @@ def pipelined_forward(
         embedded = embedded.reshape(num_micro, tokens, -1)
         carry, last = None, []
         for t in range(num_micro + pp - 1):
-            m = t - stage
-            busy = (m >= 0) & (m < num_micro)
-            mine = jnp.clip(m, 0, num_micro - 1)
-            inputs = unpack(ints[mine], floats[mine])
-            inputs.slot_mapping = jnp.where(busy, inputs.slot_mapping, -1)
-            if inputs.window_slot_mapping is not None:
-                inputs.window_slot_mapping = jnp.where(busy, inputs.window_slot_mapping, -1)
+            inputs = _micro_batch_inputs(unpack, ints, floats, t - stage)
             x = embedded[min(t, num_micro - 1)]
             if carry is not None:
                 x = jnp.where(stage == 0, x, carry)

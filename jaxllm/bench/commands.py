@@ -130,9 +130,14 @@ def add_bench_parser(commands, add_engine_args, engine_args) -> None:
     ppl.add_argument("--window", type=int, default=512, help="tokens per scored window (default: %(default)s)")
     offline(ppl, run_perplexity)
 
+    _add_serve_parser(kinds)
+
+
+def _add_serve_parser(kinds) -> None:
+    """`jaxllm bench serve`: load on a running server (vLLM's `vllm bench serve` flags)."""
     serve = kinds.add_parser(
         "serve",
-        formatter_class=formatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         help="a running server under load",
         epilog="example:\n  jaxllm serve &\n  jaxllm bench serve --request-rate 4 --num-prompts 64",
     )
@@ -304,44 +309,21 @@ def run_perplexity(args) -> int:
     return 0
 
 
-def run_serve(args) -> int:
-    import asyncio
-
+def _served_model(base_url: str, headers: dict) -> str | None:
+    """The first model the server lists (None, said on stderr, when no server answers)."""
     import httpx
 
-    from jaxllm.bench.serve import run_rate
+    try:
+        response = httpx.get(base_url + "/v1/models", headers=headers, timeout=30)
+        response.raise_for_status()
+    except httpx.HTTPError as e:
+        print(f"jaxllm bench serve: error: no server answers at {base_url}: {e}", file=sys.stderr)
+        return None
+    return response.json()["data"][0]["id"]
 
-    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    model = args.model
-    if model is None:
-        try:
-            response = httpx.get(base_url + "/v1/models", headers=headers, timeout=30)
-            response.raise_for_status()
-        except httpx.HTTPError as e:
-            print(f"jaxllm bench serve: error: no server answers at {base_url}: {e}", file=sys.stderr)
-            return 1
-        model = response.json()["data"][0]["id"]
-    requests = workload(args, args.tokenizer)
-    # One short request first, as vLLM's client and benchmarks/serving.py send: it checks the
-    # server answers, and no measured request pays for a cold path.
-    test = asyncio.run(
-        run_rate(
-            base_url,
-            model,
-            [{"prompt_token_ids": requests[0]["prompt_token_ids"][:8], "max_tokens": 4}],
-            float("inf"),
-            0,
-            None,
-            args.api_key,
-        )
-    )
-    if not test["verified"]:
-        print(f"jaxllm bench serve: the test request failed: {test['errors'] or test['wrong_counts']}", file=sys.stderr)
-        return 1
-    row = asyncio.run(
-        run_rate(base_url, model, requests, args.request_rate, args.seed, args.max_concurrency, args.api_key)
-    )
+
+def _print_serving_result(row: dict) -> None:
+    """The result table, laid out as vLLM's `vllm bench serve` prints it."""
     print(f"{' Serving Benchmark Result ':=^60}")
     lines = [
         ("Successful requests:", row["completed"]),
@@ -367,6 +349,39 @@ def run_serve(args) -> int:
     for label, value in lines:
         print(label if value is None else f"{label:<40}{value:<10}")
     print("=" * 60)
+
+
+def run_serve(args) -> int:
+    import asyncio
+
+    from jaxllm.bench.serve import run_rate
+
+    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = args.model or _served_model(base_url, headers)
+    if model is None:
+        return 1
+    requests = workload(args, args.tokenizer)
+    # One short request first, as vLLM's client and benchmarks/serving.py send: it checks the
+    # server answers, and no measured request pays for a cold path.
+    test = asyncio.run(
+        run_rate(
+            base_url,
+            model,
+            [{"prompt_token_ids": requests[0]["prompt_token_ids"][:8], "max_tokens": 4}],
+            float("inf"),
+            0,
+            None,
+            args.api_key,
+        )
+    )
+    if not test["verified"]:
+        print(f"jaxllm bench serve: the test request failed: {test['errors'] or test['wrong_counts']}", file=sys.stderr)
+        return 1
+    row = asyncio.run(
+        run_rate(base_url, model, requests, args.request_rate, args.seed, args.max_concurrency, args.api_key)
+    )
+    _print_serving_result(row)
     if not row["verified"]:
         print(f"not every request gave its max_tokens tokens: {row['errors'] or row['wrong_counts']}", file=sys.stderr)
     if args.save_result:

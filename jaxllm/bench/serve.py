@@ -101,6 +101,11 @@ async def run_rate(
                 await asyncio.sleep(rng.exponential(1.0 / rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+    return _result_row(results, rate, max_concurrency, duration)
+
+
+def _result_row(results: list[dict], rate: float, max_concurrency: int | None, duration: float) -> dict:
+    """Counts, throughputs and latency percentiles (TTFT, TPOT, ITL, end to end) of one rate's run."""
     ok = [r for r in results if r["error"] is None]
     wrong = [i for i, r in enumerate(results) if r["error"] is None and r["output_tokens"] != r["max_tokens"]]
     out_tokens = sum(r["output_tokens"] for r in ok)

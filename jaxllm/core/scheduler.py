@@ -162,15 +162,45 @@ class Scheduler:
         return True
 
     def schedule(self) -> SchedulerOutput:
+        """This step's plan: running requests first, then waiting ones (see the module doc)."""
         speculate = self._propose_drafts()
-        budget = self.config.max_num_batched_tokens
-        prefill_slots = self.config.max_num_prefill_seqs
         scheduled: list[tuple[Request, int]] = []
         preempted: set[str] = set()
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
+        budget, prefill_slots = self._schedule_running(
+            speculate,
+            self.config.max_num_batched_tokens,
+            self.config.max_num_prefill_seqs,
+            scheduled,
+            preempted,
+            swap_out,
+        )
+        if not preempted:  # waiting requests only while nothing had to be preempted this step
+            self._schedule_waiting(budget, prefill_slots, scheduled, swap_in)
+        out = SchedulerOutput(
+            scheduled,
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids=preempted,
+            page_copies=self.kv.take_pending_copies(),
+            swap_out=swap_out,
+            swap_in=swap_in,
+        )
+        self._finished_req_ids = set()
+        return out
 
-        # Running requests, oldest first; the newest gives way when pages run out.
+    def _schedule_running(
+        self,
+        speculate: bool,
+        budget: int,
+        prefill_slots: int,
+        scheduled: list[tuple[Request, int]],
+        preempted: set[str],
+        swap_out: list[tuple[int, int]],
+    ) -> tuple[int, int]:
+        """Give running requests, oldest first, the tokens they still need (and their drafts,
+        when `speculate`); the newest gives way when pages run out. Returns the token budget and
+        prompt slots left."""
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -181,41 +211,40 @@ class Scheduler:
                 continue
             if remaining > 1:
                 prefill_slots -= 1
-            while not self.kv.allocate_slots(request, num_new):
-                victim = self.running[-1]
-                self._preempt(victim, preempted, swap_out)
-                if victim is request:
-                    break
-            if request.status is RequestStatus.PREEMPTED:
+            if not self._allocate_or_preempt(request, num_new, preempted, swap_out):
                 break
             scheduled.append((request, num_new))
             budget -= num_new
             i += 1
+        return budget, prefill_slots
 
-        # Waiting requests, FCFS, while nothing had to be preempted this step.
-        while self.waiting and budget > 0 and not preempted and prefill_slots > 0:
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, preempted: set[str], swap_out: list[tuple[int, int]]
+    ) -> bool:
+        """Pages for `num_new` more tokens of a running request, preempting the newest running
+        requests until they fit. False if `request` itself had to be preempted."""
+        while not self.kv.allocate_slots(request, num_new):
+            victim = self.running[-1]
+            self._preempt(victim, preempted, swap_out)
+            if victim is request:
+                break
+        return request.status is not RequestStatus.PREEMPTED
+
+    def _schedule_waiting(
+        self, budget: int, prefill_slots: int, scheduled: list[tuple[Request, int]], swap_in: list[tuple[int, int]]
+    ) -> None:
+        """Admit waiting requests first-come-first-served while sequences, prompt slots, pages
+        and tokens allow."""
+        while self.waiting and budget > 0 and prefill_slots > 0:
             request = self.waiting[0]
             if request.status.finished:  # aborted while waiting
                 self.waiting.popleft()
                 continue
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            if request.swap_slots:  # swapped out: its pages come back from the host
-                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-                pairs = self.kv.swap_in(request, num_new)
-                if pairs is None:
-                    break
-                swap_in += pairs
-            else:
-                # Prompt logprobs come from computing the prompt: no cached prefix for them.
-                computed = [] if request.prompt_logprobs is not None else self.kv.get_computed_pages(request)
-                num_cached = len(computed[0]) * self.kv.page_size if computed else 0
-                num_new = min(request.num_tokens - num_cached, budget)
-                if not self.kv.allocate_slots(request, num_new, computed):
-                    break
-                request.num_computed_tokens = num_cached
-                if request.status is RequestStatus.WAITING:
-                    request.num_cached_tokens = num_cached
+            num_new = self._admit_pages(request, budget, swap_in)
+            if num_new is None:
+                break
             self.waiting.popleft()
             if request.status is RequestStatus.WAITING:
                 request.scheduled_time = time.monotonic()
@@ -228,16 +257,27 @@ class Scheduler:
             if num_new > 1:
                 prefill_slots -= 1
 
-        out = SchedulerOutput(
-            scheduled,
-            finished_req_ids=self._finished_req_ids,
-            preempted_req_ids=preempted,
-            page_copies=self.kv.take_pending_copies(),
-            swap_out=swap_out,
-            swap_in=swap_in,
-        )
-        self._finished_req_ids = set()
-        return out
+    def _admit_pages(self, request: Request, budget: int, swap_in: list[tuple[int, int]]) -> int | None:
+        """The pages of a waiting request's next tokens (up to `budget`): copied back from the
+        host if it was swapped out, else its cached prefix plus new ones. Returns how many tokens
+        it computes, or None where the pool lacks the pages."""
+        if request.swap_slots:  # swapped out: its pages come back from the host
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            pairs = self.kv.swap_in(request, num_new)
+            if pairs is None:
+                return None
+            swap_in += pairs
+            return num_new
+        # Prompt logprobs come from computing the prompt: no cached prefix for them.
+        computed = [] if request.prompt_logprobs is not None else self.kv.get_computed_pages(request)
+        num_cached = len(computed[0]) * self.kv.page_size if computed else 0
+        num_new = min(request.num_tokens - num_cached, budget)
+        if not self.kv.allocate_slots(request, num_new, computed):
+            return None
+        request.num_computed_tokens = num_cached
+        if request.status is RequestStatus.WAITING:
+            request.num_cached_tokens = num_cached
+        return num_new
 
     def schedule_ahead(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
         """Async scheduling: the next step, planned while `in_flight` runs and before its results
@@ -297,13 +337,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue
             num_prompt_tokens += max(0, min(num_new, request.num_prompt_tokens - request.num_computed_tokens))
-            drafted = max(0, request.num_computed_tokens + num_new - request.num_tokens)
-            request.num_computed_tokens += num_new - drafted
-            request.spec_token_ids = []
-            chunk = runner_output.prompt_logprobs.get(request.request_id)
-            if chunk is not None:
-                request.prompt_logprobs.append(chunk)
-                request.num_prompt_logprobs += len(chunk[0])
+            drafted = self._advance_computed(request, num_new, runner_output)
             num_sampled = int(runner_output.num_sampled[i])
             if num_sampled == 0:  # mid-prompt: no token yet
                 self.kv.cache_full_pages(request)
@@ -311,59 +345,94 @@ class Scheduler:
             rows = range(ends[i] - num_sampled, ends[i])
             num_drafts += drafted
             num_accepted += num_sampled - 1
-            k = request.sampling_params.logprobs
-            top = None
-            if k is not None:
-                top = [
-                    (runner_output.top_token_ids[r, :k].tolist(), runner_output.top_logprobs[r, :k].tolist())
-                    for r in rows
-                ]
+            top = self._top_logprobs(request, runner_output, rows)
             if not request.append_sampled_tokens:
                 num_generated += 1
                 self.kv.cache_full_pages(request)
                 outputs.append(EngineCoreOutput(request.request_id, [], top_logprobs=top))
                 continue
-            prompt_logprobs = None
-            if request.prompt_logprobs is not None and not request.output_token_ids:
-                prompt_logprobs = tuple(np.concatenate(c) for c in zip(*request.prompt_logprobs))
-            tokens, logprobs, status = [], [], None
-            for r in rows:
-                tokens.append(int(runner_output.sampled_token_ids[r]))
-                logprobs.append(float(runner_output.logprobs[r]))
-                request.append_output_token(tokens[-1], logprobs[-1])
-                if request.grammar is not None and not request.grammar.consume(tokens[-1]):
-                    # The step masks what the grammar forbids: this is a bug, not the client's doing.
-                    logger.error(
-                        "request %s sampled token %d, which its grammar does not allow", request.request_id, tokens[-1]
-                    )
-                    status = RequestStatus.FINISHED_ERROR
-                    break
-                status = self.check_stop(request)
-                if status is not None:
-                    break
-            num_generated += len(tokens)
-            if drafted:  # the accepted drafts' KV stays
-                request.num_computed_tokens = request.num_tokens - 1
-            if len(request.page_ids) > self.kv.pages_needed(request.num_tokens):
-                self.kv.trim(request, request.num_tokens)  # pages held for drafts go back
-            self.kv.cache_full_pages(request)
-            if status is not None:
-                self.running.remove(request)
-                self._free_request(request, status)
-            outputs.append(
-                EngineCoreOutput(
-                    request.request_id,
-                    tokens,
-                    logprobs,
-                    top[: len(tokens)] if top else None,
-                    finish_reason=request.finish_reason,
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=request.num_cached_tokens,
-                    scheduled_time=request.scheduled_time,
-                    prompt_logprobs=prompt_logprobs,
-                )
-            )
+            output = self._append_sampled(request, runner_output, rows, drafted, top)
+            num_generated += len(output.new_token_ids)
+            outputs.append(output)
         return EngineCoreOutputs(outputs, num_prompt_tokens, num_generated, num_drafts, num_accepted, time.monotonic())
+
+    def _advance_computed(self, request: Request, num_new: int, runner_output: ModelRunnerOutput) -> int:
+        """Count a request's `num_new` scheduled tokens as computed, except its drafts (settled
+        once verified, in `_append_sampled`), drop its drafts and keep its chunk of prompt
+        logprobs. Returns how many drafts it had scheduled."""
+        drafted = max(0, request.num_computed_tokens + num_new - request.num_tokens)
+        request.num_computed_tokens += num_new - drafted
+        request.spec_token_ids = []
+        chunk = runner_output.prompt_logprobs.get(request.request_id)
+        if chunk is not None:
+            request.prompt_logprobs.append(chunk)
+            request.num_prompt_logprobs += len(chunk[0])
+        return drafted
+
+    @staticmethod
+    def _top_logprobs(
+        request: Request, runner_output: ModelRunnerOutput, rows: range
+    ) -> list[tuple[list[int], list[float]]] | None:
+        """Per sampled row, the (token ids, logprobs) of the request's `logprobs` best, if asked."""
+        k = request.sampling_params.logprobs
+        if k is None:
+            return None
+        return [(runner_output.top_token_ids[r, :k].tolist(), runner_output.top_logprobs[r, :k].tolist()) for r in rows]
+
+    def _append_sampled(
+        self,
+        request: Request,
+        runner_output: ModelRunnerOutput,
+        rows: range,
+        drafted: int,
+        top: list[tuple[list[int], list[float]]] | None,
+    ) -> EngineCoreOutput:
+        """Append a request's sampled tokens up to its first stop, settle its pages, finish it
+        if it stopped, and report what it got."""
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and not request.output_token_ids:
+            prompt_logprobs = tuple(np.concatenate(c) for c in zip(*request.prompt_logprobs))
+        tokens, logprobs, status = self._append_tokens(request, runner_output, rows)
+        if drafted:  # the accepted drafts' KV stays
+            request.num_computed_tokens = request.num_tokens - 1
+        if len(request.page_ids) > self.kv.pages_needed(request.num_tokens):
+            self.kv.trim(request, request.num_tokens)  # pages held for drafts go back
+        self.kv.cache_full_pages(request)
+        if status is not None:
+            self.running.remove(request)
+            self._free_request(request, status)
+        return EngineCoreOutput(
+            request.request_id,
+            tokens,
+            logprobs,
+            top[: len(tokens)] if top else None,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=request.num_cached_tokens,
+            scheduled_time=request.scheduled_time,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _append_tokens(
+        self, request: Request, runner_output: ModelRunnerOutput, rows: range
+    ) -> tuple[list[int], list[float], RequestStatus | None]:
+        """Append the tokens sampled in `rows` (feeding its grammar) until one stops the request.
+        Returns the tokens appended, their logprobs and the status it ends with (None: goes on)."""
+        tokens, logprobs, status = [], [], None
+        for r in rows:
+            tokens.append(int(runner_output.sampled_token_ids[r]))
+            logprobs.append(float(runner_output.logprobs[r]))
+            request.append_output_token(tokens[-1], logprobs[-1])
+            if request.grammar is not None and not request.grammar.consume(tokens[-1]):
+                # The step masks what the grammar forbids: this is a bug, not the client's doing.
+                logger.error(
+                    "request %s sampled token %d, which its grammar does not allow", request.request_id, tokens[-1]
+                )
+                return tokens, logprobs, RequestStatus.FINISHED_ERROR
+            status = self.check_stop(request)
+            if status is not None:
+                break
+        return tokens, logprobs, status
 
     def fail_step(self, scheduler_output: SchedulerOutput, cache_lost: bool) -> EngineCoreOutputs:
         """The step of `scheduler_output` failed: end its requests with FINISHED_ERROR. With

@@ -212,6 +212,48 @@ def beam_search(
     """
     from tqdm.auto import tqdm
 
+    eos_token_ids = _check_search(engine, params)
+    max_tokens, pages = _prompt_limits(engine, prompts, params)
+    width = params.beam_width
+    max_num_seqs = engine.config.scheduler.max_num_seqs
+    num_pages = engine.kv_cache_manager.num_pages
+    ids = itertools.count()
+    queue = collections.deque(range(len(prompts)))
+    active: dict[int, _PromptSearch] = {}
+    owner: dict[str, _PromptSearch] = {}  # beam id -> its search
+    results: dict[int, BeamSearchOutput] = {}
+
+    try:
+        with tqdm(total=len(prompts), desc="beam search", disable=None if use_tqdm else True, unit="prompt") as bar:
+            while queue or active:
+                # Start queued prompts while their beams and pages fit beside the active ones.
+                while queue and (
+                    not active
+                    or (
+                        (len(active) + 1) * width <= max_num_seqs
+                        and sum(pages[i] for i in active) + pages[queue[0]] <= num_pages
+                    )
+                ):
+                    i = queue.popleft()
+                    active[i] = _PromptSearch(engine, prompts[i], params, max_tokens[i], eos_token_ids, ids)
+                    owner[active[i].beams[0].request_id] = active[i]
+                _step_engine(engine, owner)
+                for i, search in list(active.items()):
+                    if not search.ready:
+                        continue
+                    _advance_search(search, owner)
+                    if search.done:
+                        results[i] = search.output(engine.tokenizer)
+                        del active[i]
+                        bar.update(1)
+    finally:
+        for search in active.values():
+            search.release(search.beams)
+    return [results[i] for i in range(len(prompts))]
+
+
+def _check_search(engine, params: BeamSearchParams) -> tuple[int, ...]:
+    """Raise ValueError unless `engine` can run this search; returns the EOS token ids it ends on."""
     params.verify()
     if engine.has_unfinished_requests() or engine.engine_core.has_unfinished_requests():
         raise ValueError("beam search needs an idle engine; finish or abort the running requests first")
@@ -219,14 +261,21 @@ def beam_search(
     max_num_seqs = engine.config.scheduler.max_num_seqs
     if width > max_num_seqs:
         raise ValueError(f"beam_width={width} exceeds max_num_seqs ({max_num_seqs})")
-    kv = engine.kv_cache_manager
-    max_len = engine.config.scheduler.max_model_len
     eos_token_ids = () if params.ignore_eos else tuple(engine.eos_token_ids)
     if max(2, 1 + len(eos_token_ids)) * width > MAX_LOGPROBS:
         raise ValueError(
             f"beam_width={width} with {len(eos_token_ids)} EOS tokens needs more than the "
             f"{MAX_LOGPROBS} top logprobs the sampler returns"
         )
+    return eos_token_ids
+
+
+def _prompt_limits(engine, prompts: list[list[int]], params: BeamSearchParams) -> tuple[list[int], list[int]]:
+    """Per prompt (checked like any request's), the tokens its beams may generate within the
+    context and the KV pages its beams need at most; raises ValueError where they exceed the pool."""
+    kv = engine.kv_cache_manager
+    width = params.beam_width
+    max_len = engine.config.scheduler.max_model_len
     max_tokens, pages = [], []
     for prompt in prompts:
         engine.check_prompt(prompt, SamplingParams(max_tokens=params.max_tokens))
@@ -237,47 +286,25 @@ def beam_search(
                 f"{width} beams of {len(prompt)} + {max_tokens[-1]} tokens need up to {pages[-1]} "
                 f"KV pages but the pool only has {kv.num_pages}; lower beam_width or max_tokens"
             )
+    return max_tokens, pages
 
-    ids = itertools.count()
-    queue = collections.deque(range(len(prompts)))
-    active: dict[int, _PromptSearch] = {}
-    owner: dict[str, _PromptSearch] = {}  # beam id -> its search
-    results: dict[int, BeamSearchOutput] = {}
 
-    try:
-        with tqdm(total=len(prompts), desc="beam search", disable=None if use_tqdm else True, unit="prompt") as bar:
-            while queue or active:
-                while queue and (
-                    not active
-                    or (
-                        (len(active) + 1) * width <= max_num_seqs
-                        and sum(pages[i] for i in active) + pages[queue[0]] <= kv.num_pages
-                    )
-                ):
-                    i = queue.popleft()
-                    active[i] = _PromptSearch(engine, prompts[i], params, max_tokens[i], eos_token_ids, ids)
-                    owner[active[i].beams[0].request_id] = active[i]
-                steps = engine.stats.num_steps
-                for out in engine.engine_core.step().outputs:
-                    search = owner.get(out.request_id)
-                    if search is not None and out.top_logprobs is not None:
-                        search.top[out.request_id] = out.top_logprobs[0]
-                if engine.stats.num_steps == steps:
-                    raise RuntimeError("beam search made no progress: the engine scheduled nothing")
-                for i, search in list(active.items()):
-                    if not search.ready:
-                        continue
-                    before = search.beams
-                    search.advance()
-                    for beam in before:
-                        owner.pop(beam.request_id, None)
-                    for beam in search.beams:
-                        owner[beam.request_id] = search
-                    if search.done:
-                        results[i] = search.output(engine.tokenizer)
-                        del active[i]
-                        bar.update(1)
-    finally:
-        for search in active.values():
-            search.release(search.beams)
-    return [results[i] for i in range(len(prompts))]
+def _step_engine(engine, owner: dict[str, _PromptSearch]) -> None:
+    """One engine step: hand each beam's top-k next tokens to its search."""
+    steps = engine.stats.num_steps
+    for out in engine.engine_core.step().outputs:
+        search = owner.get(out.request_id)
+        if search is not None and out.top_logprobs is not None:
+            search.top[out.request_id] = out.top_logprobs[0]
+    if engine.stats.num_steps == steps:
+        raise RuntimeError("beam search made no progress: the engine scheduled nothing")
+
+
+def _advance_search(search: _PromptSearch, owner: dict[str, _PromptSearch]) -> None:
+    """Advance a search whose beams all have their top-k, and map its new beams' ids to it."""
+    before = search.beams
+    search.advance()
+    for beam in before:
+        owner.pop(beam.request_id, None)
+    for beam in search.beams:
+        owner[beam.request_id] = search

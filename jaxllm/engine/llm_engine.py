@@ -28,7 +28,7 @@ from jaxllm.platforms import Platform
 from jaxllm.quantization.weights import int8_activation_weights
 from jaxllm.runner import compile as compile_mod
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.structured_output import StructuredOutputManager
+from jaxllm.structured_output import Matcher, StructuredOutputManager
 from jaxllm.utils import DTYPES, resolve_kv_cache_dtype
 from jaxllm.weights.plan import QUANTIZE_METHODS
 
@@ -181,21 +181,45 @@ class LLMEngine:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt, prompt_token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
+        self.check_prompt(prompt_token_ids, params)
+        params = self._resolve_params(params, len(prompt_token_ids))
+        # Compiled (or taken from the cache) before anything is queued: an invalid one raises here.
+        grammar = self.structured_output.compile(params.structured_outputs) if params.structured_outputs else None
+        now = time.monotonic() if arrival_time is None else arrival_time
+        choices = self._make_choices(request_id, prompt, prompt_token_ids, params, grammar, now)
+        if any(self.output_processor.is_tracked(c.request_id) for c in choices):
+            raise ValueError(f"request_id {request_id!r} clashes with a running request's choice ids")
+        replica = self.engine_core.add_request(choices[0])  # raises (nothing kept) if the scheduler refuses it
+        self.output_processor.add_request(
+            request_id, prompt, prompt_token_ids, params, output_kind, now, [c.request_id for c in choices]
+        )
+        if len(choices) > 1:
+            self._pending_choices[choices[0].request_id] = (replica, choices[1:])
+
+    def _prompt_token_ids(
+        self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None
+    ) -> tuple[str | None, list[int]]:
+        """The prompt's text (None if given as token ids) and its token ids, tokenized if need be."""
         if isinstance(prompt, list):
             prompt, prompt_token_ids = None, prompt
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("give a prompt or prompt_token_ids")
             prompt_token_ids = self.tokenize(prompt)
-        prompt_token_ids = [int(t) for t in prompt_token_ids]
-        self.check_prompt(prompt_token_ids, params)
+        return prompt, [int(t) for t in prompt_token_ids]
+
+    def _resolve_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """A copy of `params` with what follows from this model and prompt filled in (no
+        detokenizing without a tokenizer, `max_tokens` up to the context); raises ValueError for
+        what they cannot do here."""
         params = dataclasses.replace(params)
         if self.tokenizer is None:  # token ids in, token ids out (vLLM's skip_tokenizer_init)
             if params.stop:
                 raise ValueError(f"model {self.model_name!r} has no tokenizer: stop strings need one")
             params.detokenize = False
         if params.max_tokens is None:
-            params.max_tokens = self.config.scheduler.max_model_len - len(prompt_token_ids)
+            params.max_tokens = self.config.scheduler.max_model_len - num_prompt_tokens
             if params.min_tokens > params.max_tokens:
                 raise ValueError(
                     f"min_tokens={params.min_tokens} exceeds the {params.max_tokens} tokens left in "
@@ -204,9 +228,19 @@ class LLMEngine:
         banned = len(params.stop_token_ids) + len(self.eos_token_ids)
         if params.min_tokens and banned > 32:
             raise ValueError(f"at most 32 stop token ids can be held back by min_tokens, got {banned}")
-        # Compiled (or taken from the cache) before anything is queued: an invalid one raises here.
-        grammar = self.structured_output.compile(params.structured_outputs) if params.structured_outputs else None
-        now = time.monotonic() if arrival_time is None else arrival_time
+        return params
+
+    def _make_choices(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        grammar: Matcher | None,
+        now: float,
+    ) -> list[Request]:
+        """One Request per choice (`params.n`), each with its own seed and grammar state; with
+        n > 1 their ids are `{i}_{request_id}`."""
         choices = []
         for i in range(params.n):
             seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
@@ -228,14 +262,7 @@ class LLMEngine:
             )
         if params.prompt_logprobs is not None:
             choices[0].prompt_logprobs = []  # the request's prompt logprobs come from its first choice
-        if any(self.output_processor.is_tracked(c.request_id) for c in choices):
-            raise ValueError(f"request_id {request_id!r} clashes with a running request's choice ids")
-        replica = self.engine_core.add_request(choices[0])  # raises (nothing kept) if the scheduler refuses it
-        self.output_processor.add_request(
-            request_id, prompt, prompt_token_ids, params, output_kind, now, [c.request_id for c in choices]
-        )
-        if len(choices) > 1:
-            self._pending_choices[choices[0].request_id] = (replica, choices[1:])
+        return choices
 
     def apply_chat_template(
         self,

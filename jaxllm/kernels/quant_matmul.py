@@ -117,13 +117,7 @@ def _kernel(*refs, bits: int, group_rows: int, half_cols: int, steps: int, tiles
     sub = min(bk, group_rows)  # a step's rows in one scale group: its dots and scalings
     whole_k = group_rows == x_ref.shape[1]  # one scale per column: applied once, at the end
     dequantize_first = not whole_k and tiles.block_m > sub  # scaling the tile costs less than the rows
-
-    def scales(h, g):
-        """Group g's scales and offsets (or None) of output columns h + n0 ..., as [1, block_n]."""
-        return [
-            None if ref is None else ref[g, pl.ds(h + n0, bn)].astype(jnp.float32)[None, :]
-            for ref in (scale_ref, offset_ref)
-        ]
+    scales = functools.partial(_scales, scale_ref, offset_ref, n0, bn)
 
     def body(i, carry):
         accs, x_sum = carry
@@ -140,33 +134,48 @@ def _kernel(*refs, bits: int, group_rows: int, half_cols: int, steps: int, tiles
             for h, acc in zip(halves, accs):
                 code = ((c >> 4) & 15 if h else c & 15) if bits == 4 else c
                 if whole_k:
-                    acc = acc + pltriton.dot(x_dot, code.astype(dtype), precision=precision)
-                    out.append(acc)
-                    continue
-                scale, offset = scales(h, g)
-                if dequantize_first:
-                    w = code.astype(jnp.float32) * scale + (0.0 if offset is None else offset)
-                    acc = acc + pltriton.dot(x_dot, w.astype(dtype), precision=precision)
+                    out.append(acc + pltriton.dot(x_dot, code.astype(dtype), precision=precision))
                 else:
-                    acc = acc + pltriton.dot(x_dot, code.astype(dtype), precision=precision) * scale
-                    if offset is not None:
-                        acc = acc + x_rows * offset
-                out.append(acc)
+                    out.append(_add_scaled_dot(acc, x_dot, code, x_rows, *scales(h, g), dequantize_first, precision))
             accs = tuple(out)
         return accs, x_sum
 
     zeros = tuple(jnp.zeros((tiles.block_m, bn), jnp.float32) for _ in halves)
     accs, x_sum = lax.fori_loop(0, steps, body, (zeros, jnp.zeros((tiles.block_m, 1), jnp.float32)))
     if whole_k:
-        accs = list(accs)
-        for idx, h in enumerate(halves):
-            scale, offset = scales(h, 0)
-            accs[idx] = accs[idx] * scale + (0.0 if offset is None else x_sum * offset)
+        accs = [_scale_once(acc, x_sum, *scales(h, 0)) for h, acc in zip(halves, accs)]
     if bits == 4:
         o_ref[:, 0, :] = accs[0]
         o_ref[:, 1, :] = accs[1]
     else:
         o_ref[...] = accs[0]
+
+
+def _scales(scale_ref, offset_ref, n0, bn: int, h: int, g):
+    """Group g's scales and offsets (or None) of output columns h + n0 ..., as [1, block_n]."""
+    return [
+        None if ref is None else ref[g, pl.ds(h + n0, bn)].astype(jnp.float32)[None, :]
+        for ref in (scale_ref, offset_ref)
+    ]
+
+
+def _add_scaled_dot(acc, x_dot, code, x_rows, scale, offset, dequantize_first: bool, precision):
+    """acc + x_dot @ (code * scale + offset) for a step's rows in one scale group: the tile is
+    dequantized first, or the dot of the raw codes is scaled as it is added (the module
+    docstring's third and second ways); x_rows: x's row sums (the offset's term)."""
+    if dequantize_first:
+        w = code.astype(jnp.float32) * scale + (0.0 if offset is None else offset)
+        return acc + pltriton.dot(x_dot, w.astype(x_dot.dtype), precision=precision)
+    acc = acc + pltriton.dot(x_dot, code.astype(x_dot.dtype), precision=precision) * scale
+    if offset is not None:
+        acc = acc + x_rows * offset
+    return acc
+
+
+def _scale_once(acc, x_sum, scale, offset):
+    """The accumulated dot of the raw codes over all of K, scaled (one scale group: the module
+    docstring's first way); x_sum: x's row sums (the offset's term)."""
+    return acc * scale + (0.0 if offset is None else x_sum * offset)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "tiles", "interpret"))

@@ -21,30 +21,11 @@ logger = logging.getLogger(__name__)
 
 
 def load_hf_dir(path: str, dtype: str, progress: bool):
-    from safetensors import safe_open
-
-    config = _read_config(path)
-    gen_path = os.path.join(path, "generation_config.json")
-    if os.path.isfile(gen_path):  # vLLM also stops on generation_config's eos ids
-        with open(gen_path) as f:
-            gen_eos = json.load(f).get("eos_token_id")
-        if gen_eos is not None:
-            eos = _as_list(config.get("eos_token_id")) + _as_list(gen_eos)
-            config = {**config, "eos_token_id": list(dict.fromkeys(eos))}
+    """-> (model config, params, tokenizer) of the HF checkpoint directory `path`."""
+    config = _config_with_generation_eos(path)
     cfg = model_config_from_hf(config)
     quant = checkpoint_quantization(config)
-
-    files = safetensors_files(path)
-    index: dict[str, str] = {}
-    handles = {}
-    for file in files:
-        try:
-            # "flax", not "np": numpy has no bfloat16.
-            handles[file] = safe_open(file, framework="flax")
-            index.update({k: file for k in handles[file].keys()})
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-            raise ValueError(f"{file}: not a valid safetensors file (truncated or corrupt): {e}") from e
-
+    handles, index = _open_safetensors(path)
     bar = progress_bar(len(index), os.path.basename(path), progress)
 
     def key(name: str) -> str:
@@ -81,6 +62,35 @@ def load_hf_dir(path: str, dtype: str, progress: bool):
     with bar:
         params = build_params(get, lambda n: key(n) in index or quantized(n), cfg, dtype)
     return cfg, params, _hf_tokenizer(path)
+
+
+def _config_with_generation_eos(path: str) -> dict:
+    """config.json, its EOS ids joined by generation_config.json's (vLLM also stops on those)."""
+    config = _read_config(path)
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            gen_eos = json.load(f).get("eos_token_id")
+        if gen_eos is not None:
+            eos = _as_list(config.get("eos_token_id")) + _as_list(gen_eos)
+            config = {**config, "eos_token_id": list(dict.fromkeys(eos))}
+    return config
+
+
+def _open_safetensors(path: str) -> tuple[dict, dict[str, str]]:
+    """(file -> open safetensors handle, tensor name -> its file) over the checkpoint's files."""
+    from safetensors import safe_open
+
+    index: dict[str, str] = {}
+    handles = {}
+    for file in safetensors_files(path):
+        try:
+            # "flax", not "np": numpy has no bfloat16.
+            handles[file] = safe_open(file, framework="flax")
+            index.update({k: file for k in handles[file].keys()})
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise ValueError(f"{file}: not a valid safetensors file (truncated or corrupt): {e}") from e
+    return handles, index
 
 
 def hf_quantization(path: str) -> str | None:

@@ -216,44 +216,51 @@ def load_model(
 
     entry = None
     if use_cache:
-        root = cache_dir or os.path.join(default_cache_root(), "params")
-        entry = os.path.join(
-            root,
-            _cache_key(
-                kind,
-                path,
-                name,
-                dtype,
-                tensor_parallel_size,
-                pipeline_parallel_size,
-                keep_gguf,
-                panels and method is not None,
-            ),
+        key = _cache_key(
+            kind,
+            path,
+            name,
+            dtype,
+            tensor_parallel_size,
+            pipeline_parallel_size,
+            keep_gguf,
+            panels and method is not None,
         )
+        entry = os.path.join(cache_dir or os.path.join(default_cache_root(), "params"), key)
         cached = _restore_cached(entry, path, name, shardings, tokenizer_thread, on_host)
         if cached is not None:
             logger.info("loaded %s from the params cache %s", name, entry)
             return cached
 
+    loaded = _convert(
+        kind, path, name, dtype, progress, keep_gguf, method, tensor_parallel_size, pipeline_parallel_size
+    )
+    if panels and loaded.quantization is not None:
+        loaded.params = panel_layout(loaded.params)
+    if entry is not None:
+        _save_cached(entry, loaded)
+    if shardings is not None:
+        loaded.params = jax.tree_util.tree_map_with_path(lambda p, x: jax.device_put(x, shardings(p)), loaded.params)
+    return loaded
+
+
+def _convert(
+    kind: str, path: str, name: str, dtype: str, progress: bool, keep_gguf: bool, method, tp: int, pp: int
+) -> LoadedModel:
+    """Read the checkpoint and lay its params out for `tp` shards and `pp` stages (the slow path
+    the params cache saves). `LoadedModel.quantization` is `method` where quantized weights were kept."""
     if kind == "gguf":
         cfg, params, tokenizer = load_gguf(path, dtype, progress, keep_quantized=keep_gguf)
     else:
         cfg, params, tokenizer = load_hf_dir(path, dtype, progress)
-    params = layout.shard_layout(params, cfg, tensor_parallel_size, pipeline_parallel_size)
+    params = layout.shard_layout(params, cfg, tp, pp)
     kept = any(
         isinstance(x, QuantizedWeight)
         for x in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
     )
-    if kept and panels:
-        params = panel_layout(params)
-    loaded = LoadedModel(
+    return LoadedModel(
         cfg=cfg, params=params, tokenizer=tokenizer, source=path, name=name, quantization=method if kept else None
     )
-    if entry is not None:
-        _save_cached(entry, loaded)
-    if shardings is not None:
-        loaded.params = jax.tree_util.tree_map_with_path(lambda p, x: jax.device_put(x, shardings(p)), params)
-    return loaded
 
 
 # ----------------------------------------------------------------------------- params cache

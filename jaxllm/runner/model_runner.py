@@ -71,21 +71,7 @@ class ModelRunner:
         self.cpp_ops = Platform.detect(use_cpp=self.attention.name == "native").confirmed().cpp_ops
         self.num_stages = parallel.pp_size(mesh)
         device = jax.devices()[0]
-        # The KV cache group of each layer (slot of a stage): 1 for the windowed layers of a
-        # model with a window group (core/kv_cache_manager.py), else 0.
-        window_group = bool(config.cache.num_window_pages)
-        kv_where = jax.sharding.SingleDeviceSharding(device) if mesh is None else parallel.kv_sharding(mesh)
-        self.kv = KVCache(
-            config.cache,
-            cfg,
-            num_stages=self.num_stages,
-            layer_groups=tuple(
-                int(window_group and cfg.window(i) is not None) for i in range(cfg.num_layers // self.num_stages)
-            ),
-            num_kv_heads=layout.kv_heads_for(cfg, parallel.tp_size(mesh)),
-            where=kv_where,
-            huge=mesh is None and device.platform == "cpu" and self.attention.name == "native",
-        )
+        self.kv = self._kv_cache(device)
         sched, drafts = config.scheduler, config.speculative
         self.buckets = make_buckets(
             sched.max_num_seqs,
@@ -125,6 +111,24 @@ class ModelRunner:
         # also once a failed step leaves nobody to announce to (engine/core.py).
         self.channel = parallel.StepChannel() if jax.process_count() > 1 else None
         self._abstract_state = {}  # id(params) -> (params, KV cache) as shapes, dtypes and shardings
+
+    def _kv_cache(self, device) -> KVCache:
+        """The KV pool on `device` or sharded by KV head over the mesh. Each layer (slot of a
+        stage) is in KV cache group 1 if it is a windowed layer of a model with a window group
+        (core/kv_cache_manager.py), else in group 0."""
+        config, cfg, mesh = self.config, self.cfg, self.mesh
+        window_group = bool(config.cache.num_window_pages)
+        return KVCache(
+            config.cache,
+            cfg,
+            num_stages=self.num_stages,
+            layer_groups=tuple(
+                int(window_group and cfg.window(i) is not None) for i in range(cfg.num_layers // self.num_stages)
+            ),
+            num_kv_heads=layout.kv_heads_for(cfg, parallel.tp_size(mesh)),
+            where=jax.sharding.SingleDeviceSharding(device) if mesh is None else parallel.kv_sharding(mesh),
+            huge=mesh is None and device.platform == "cpu" and self.attention.name == "native",
+        )
 
     def _compiled_steps(self) -> CompiledSteps:
         """Each bucket's compiled step, kept in the executable store when there is one (one

@@ -106,33 +106,7 @@ def resolve_weight_plan(
     cpp_gemm = (
         one_device and platform.name == "cpu" and args.attention_backend in (None, "native") and platform.cpp_kernels
     )
-    # Small-step codes: bf16 weights packed for the C++ GEMM with AVX512_BF16 dots, no quantization asked.
-    small = (
-        args.small_step_codes is not False
-        and asked is None
-        and dtype == "bfloat16"
-        and cpp_gemm
-        and args.packed_weights
-        and platform.cpp_bf16_dots
-    )
-    if args.small_step_codes and not small:
-        raise ValueError(
-            "small_step_codes needs dtype bfloat16 on one CPU device with AVX512_BF16 and the C++ "
-            "kernels, packed weights and no quantization asked"
-        )
-    known = checkpoint != UNKNOWN
-    if known:
-        if checkpoint and asked not in (None, checkpoint):
-            raise ValueError(
-                f"the checkpoint is already quantized ({checkpoint}): it cannot be loaded with quantization={asked!r}"
-            )
-        if asked in CHECKPOINT_METHODS and checkpoint != asked:
-            raise ValueError(
-                f"quantization={asked!r} needs a checkpoint quantized so, and this one has no {asked} weights"
-            )
-        small = small and checkpoint == "gguf"
-        if args.small_step_codes and not small:
-            raise ValueError("small_step_codes needs a GGUF model with quantized blocks; this checkpoint has none")
+    small = _small_step_codes(args, platform, cpp_gemm, checkpoint)
     if small:
         load = "auto"
     elif asked is not None:  # "none" included
@@ -140,8 +114,9 @@ def resolve_weight_plan(
     else:
         # A GGUF's blocks where they run at about the float engine's speed: the C++ GEMM under
         # float32 (faster at decodes of a few rows, within a few percent on large batches), for
-        # 1/3 of the weight memory or less. Under bfloat16 the small-step codes above serve.
+        # 1/3 of the weight memory or less. Under bfloat16 the small-step codes serve.
         load = "auto" if dtype == "float32" and cpp_gemm else None
+    known = checkpoint != UNKNOWN
     # The checkpoint's codes serve as they are where asked, or where they cannot be undone (AWQ,
     # GPTQ), or where a GGUF's are kept by choice ("auto"); a GGUF loaded with its blocks for a
     # plan that no longer keeps them (the C++ build failed after all) is dequantized.
@@ -172,6 +147,40 @@ def resolve_weight_plan(
         small_step_codes=small,
         linears=linears,
     )
+
+
+def _small_step_codes(args, platform: Platform, cpp_gemm: bool, checkpoint: str | None) -> bool:
+    """Whether small steps keep a GGUF's codes beside the bf16 weights (`small_step_codes`):
+    bf16 weights packed for the C++ GEMM with AVX512_BF16 dots, no quantization asked, and
+    (once the checkpoint is known) a GGUF with quantized blocks. Raises ValueError for a
+    checkpoint quantized otherwise than asked, and for `small_step_codes=True` that cannot hold."""
+    asked = args.quantization
+    small = (
+        args.small_step_codes is not False
+        and asked is None
+        and args.dtype == "bfloat16"
+        and cpp_gemm
+        and args.packed_weights
+        and platform.cpp_bf16_dots
+    )
+    if args.small_step_codes and not small:
+        raise ValueError(
+            "small_step_codes needs dtype bfloat16 on one CPU device with AVX512_BF16 and the C++ "
+            "kernels, packed weights and no quantization asked"
+        )
+    if checkpoint != UNKNOWN:
+        if checkpoint and asked not in (None, checkpoint):
+            raise ValueError(
+                f"the checkpoint is already quantized ({checkpoint}): it cannot be loaded with quantization={asked!r}"
+            )
+        if asked in CHECKPOINT_METHODS and checkpoint != asked:
+            raise ValueError(
+                f"quantization={asked!r} needs a checkpoint quantized so, and this one has no {asked} weights"
+            )
+        small = small and checkpoint == "gguf"
+        if args.small_step_codes and not small:
+            raise ValueError("small_step_codes needs a GGUF model with quantized blocks; this checkpoint has none")
+    return small
 
 
 def _linear_plan(
