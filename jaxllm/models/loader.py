@@ -8,6 +8,8 @@
   `gguf_checkpoint.py`;
 - a directory with `config.json`: an HF checkpoint (`model.safetensors` or a sharded
   `model.safetensors.index.json`), read by `hf_checkpoint.py`;
+- a short name of `catalog.py` (e.g. `qwen2.5-coder-1.5b`): the GGUF file `jaxllm models fetch`
+  assembled;
 - anything else shaped `org/name`: a Hugging Face hub id, from the local hub cache first,
   then downloaded.
 
@@ -37,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.models import catalog
 from jaxllm.models.checkpoint import ModelNotFoundError
 from jaxllm.models.gguf_checkpoint import load_gguf, read_gguf
 from jaxllm.models.hf_checkpoint import hf_quantization, load_hf_dir, safetensors_files
@@ -124,6 +127,9 @@ def _resolve(model: str | None) -> tuple[str, str, str]:
         return "gguf", path, _gguf_name(path)
     if os.path.isdir(path):
         return _resolve_dir(path, os.path.basename(path.rstrip(os.sep)))
+    fetched = catalog.path_of(model)  # a short name: raises if known but not fetched
+    if fetched is not None:
+        return "gguf", fetched, catalog.MODELS[model.lower()].name
     if _HUB_ID.fullmatch(model) and not model.startswith("."):
         kind, snapshot, _ = _resolve_dir(_hub_snapshot(model), model)
         return kind, snapshot, model
