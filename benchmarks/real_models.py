@@ -1,0 +1,177 @@
+"""The race on a real model: jaxllm against llama.cpp on the same GGUF, in one run on one machine.
+
+    python benchmarks/real_models.py --model qwen2.5-coder-1.5b --llama-bin ~/llamacpp/build/bin
+
+Measured, each engine alone (llama.cpp's OpenMP threads spin: nothing else may run):
+
+- one stream, a 128-token prompt and 256 tokens out (greedy, `ignore_eos`): output tok/s over the
+  decode (TPOT), against llama.cpp's `llama-bench` tg256 at `-t 2`. Beside it, what a decode
+  step must read (the bytes of every weight it streams: each layer's matrices and the LM head;
+  the embedding table's one row is left out) over the machine's read bandwidth, measured in the
+  same run (XLA's max over 256 MiB, as `benchmarks/step.py`), so the headroom is visible;
+- time to first token of a 1,024-token prompt against `llama-bench` pp1024;
+- 4 streams at once (prompts of 128, 256 tokens out each): output tok/s against
+  `llama-batched-bench` at -npl 4 (its S_TG t/s).
+
+jaxllm runs with its defaults for the machine (`--engine-args` JSON adds options). Prompts are
+random token ids of the model's vocabulary (seed 0), as both tools use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.workload import cpu_line, machine_info, now_iso, versions, write_result  # noqa: E402
+
+from jaxllm import LLM, SamplingParams  # noqa: E402
+from jaxllm.models import catalog  # noqa: E402
+
+
+def read_bandwidth() -> float:
+    """Bytes a second a whole-array reduction reads (256 MiB, far past the caches); the best of 10."""
+    x = jnp.ones((64 << 20,), jnp.float32)
+    f = jax.jit(lambda x: x.max())
+    f(x).block_until_ready()
+    best = float("inf")
+    for _ in range(10):
+        start = time.perf_counter()
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return x.nbytes / best
+
+
+def decode_bytes(llm: LLM) -> int:
+    """Bytes of the weights one decode step streams: every leaf of the tree a one-row step runs
+    on (the small-step codes where the engine keeps them) but an untied embedding table (a step
+    reads one row of it)."""
+    runner = llm.engine.runner
+    params = dict(runner.small_params if runner.small_params is not None else runner.params)
+    if "lm_head" in params:
+        params.pop("embed", None)
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+
+
+def prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(100, vocab - 1000, length).tolist()} for _ in range(n)]
+
+
+def run_jaxllm(model: str, engine_args: dict, repeat: int) -> dict:
+    start = time.perf_counter()
+    llm = LLM(model, **engine_args)
+    load_s = time.perf_counter() - start
+    vocab = llm.engine.cfg.vocab_size
+    greedy = dict(temperature=0, ignore_eos=True)
+
+    def best(fn):
+        fn()  # compiles what the warm-up left, fills caches
+        return min(_timed(fn) for _ in range(repeat))
+
+    one = prompts(vocab, 1, 128)
+    first = best(lambda: llm.generate(one, SamplingParams(max_tokens=1, **greedy), use_tqdm=False))
+    whole = best(lambda: llm.generate(one, SamplingParams(max_tokens=257, **greedy), use_tqdm=False))
+    long = prompts(vocab, 1, 1024, seed=1)
+    ttft_1024 = best(lambda: llm.generate(long, SamplingParams(max_tokens=1, **greedy), use_tqdm=False))
+    four = prompts(vocab, 4, 128, seed=2)
+    four_s = best(lambda: llm.generate(four, SamplingParams(max_tokens=256, **greedy), use_tqdm=False))
+    return {
+        "load_s": load_s,
+        "dtype": llm.engine.config.dtype,
+        "quantization": llm.engine.config.quantization,
+        "decode_bytes": decode_bytes(llm),
+        "one_stream_tok_s": 256 / (whole - first),
+        "ttft_1024_s": ttft_1024,
+        "prompt_1024_tok_s": 1024 / ttft_1024,
+        "four_streams_tok_s": 4 * 256 / four_s,
+    }
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run_llama_cpp(bin_dir: str, path: str, threads: int, no_repack: bool) -> dict:
+    """llama-bench (pp1024, tg256) and llama-batched-bench (4 streams). `no_repack`: without
+    its weight repacking, whose AMX path crashes on some virtual machines (SIGSEGV in
+    `ggml_backend_amx_mul_mat`: the guest may not grant AMX tiles to the process)."""
+    bench = subprocess.run(
+        [os.path.join(bin_dir, "llama-bench"), "-m", path, "-t", str(threads), "-p", "1024", "-n", "256"]
+        + ["-r", "2", "-o", "json"]
+        + (["--repack", "0"] if no_repack else []),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rows = json.loads(bench.stdout)
+    pp = next(r for r in rows if r["n_prompt"] == 1024 and r["n_gen"] == 0)
+    tg = next(r for r in rows if r["n_gen"] == 256 and r["n_prompt"] == 0)
+    batched = subprocess.run(
+        [os.path.join(bin_dir, "llama-batched-bench"), "-m", path, "-t", str(threads), "-tb", str(threads)]
+        + ["-c", "4096", "-npp", "128", "-ntg", "256", "-npl", "4", "--output-format", "jsonl"]
+        + (["--no-repack"] if no_repack else []),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    four = [json.loads(line) for line in batched.stdout.splitlines() if line.startswith("{")]
+    return {
+        "one_stream_tok_s": tg["avg_ts"],
+        "prompt_1024_tok_s": pp["avg_ts"],
+        "ttft_1024_s": 1024 / pp["avg_ts"],
+        "four_streams_tok_s": four[-1]["speed_tg"] if four else None,
+        "build": {k: pp.get(k) for k in ("build_commit", "cpu_info", "backends", "n_threads")},
+        "repack": not no_repack,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b", help="a catalog short name or a GGUF path")
+    ap.add_argument("--llama-bin", default=None, help="folder of llama-bench and llama-batched-bench")
+    ap.add_argument("--engine-args", default="{}", help="JSON of more LLM(...) options")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--llama-no-repack", action="store_true", help="run llama.cpp without weight repacking")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--out", default=None, help="JSON result path")
+    args = ap.parse_args()
+    path = catalog.path_of(args.model) or args.model
+    machine = machine_info()
+    print(cpu_line(machine), flush=True)
+    bandwidth = read_bandwidth()
+    ours = run_jaxllm(args.model, json.loads(args.engine_args), args.repeat)
+    ours["read_bandwidth"] = bandwidth
+    ours["decode_bandwidth_share"] = ours["decode_bytes"] * ours["one_stream_tok_s"] / bandwidth
+    print(json.dumps(ours), flush=True)
+    theirs = run_llama_cpp(args.llama_bin, path, args.threads, args.llama_no_repack) if args.llama_bin else None
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; a jaxllm decode step reads {ours['decode_bytes'] / 1e9:.3f} GB")
+    print(f"| {args.model} | jaxllm ({ours['dtype']}) | llama.cpp | jaxllm / llama.cpp |\n|---|---:|---:|---:|")
+    for key, label in (
+        ("one_stream_tok_s", "1 stream, output tok/s"),
+        ("prompt_1024_tok_s", "1,024-token prompt, tok/s"),
+        ("four_streams_tok_s", "4 streams, output tok/s"),
+    ):
+        peer = theirs.get(key) if theirs else None
+        ratio = f"{ours[key] / peer:.2f}x" if peer else "-"
+        print(f"| {label} | {ours[key]:.1f} | {peer if peer is None else f'{peer:.1f}'} | {ratio} |")
+    print(f"jaxllm's one stream reads {100 * ours['decode_bandwidth_share']:.0f}% of the read bandwidth")
+    if args.out:
+        result = {"date": now_iso(), "model": args.model, "file": path, "machine": machine, "versions": versions()}
+        write_result(args.out, {**result, "jaxllm": ours, "llama_cpp": theirs})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
