@@ -30,12 +30,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxllm import LLM, SamplingParams
+from jaxllm.models import catalog
 
-from benchmarks.workload import cpu_line, machine_info, now_iso, versions, write_result  # noqa: E402
+# benchmarks/ must not stay on sys.path (its kernels.py would shadow HF's `kernels` package).
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
+sys.path.insert(0, HERE)
+from workload import cpu_line, machine_info, now_iso, versions, write_result  # noqa: E402
 
-from jaxllm import LLM, SamplingParams  # noqa: E402
-from jaxllm.models import catalog  # noqa: E402
+del sys.path[0]
 
 
 def read_bandwidth() -> float:
