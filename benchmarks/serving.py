@@ -57,7 +57,7 @@ from workload import (  # noqa: E402
 del sys.path[0]
 # The client is `jaxllm bench serve`'s, so both report the same figures.
 from jaxllm.bench.commands import parse_rate  # noqa: E402
-from jaxllm.bench.serve import print_row, run_rate  # noqa: E402
+from jaxllm.bench.serve import print_row, run_rate, first_request  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- server
@@ -289,17 +289,7 @@ def main(argv=None):
         startup = time.perf_counter() - t0
         model = args.served_model or served_model(base_url, args.api_key)
         # One short request first, so the sweep never pays for a cold path.
-        warm = asyncio.run(
-            run_rate(
-                base_url,
-                model,
-                [{"prompt_token_ids": workload[0]["prompt_token_ids"][:8], "max_tokens": 4}],
-                float("inf"),
-                0,
-                None,
-                args.api_key,
-            )
-        )
+        warm = first_request(base_url, model, workload[0]["prompt_token_ids"], args.api_key)
         if not warm["verified"]:
             raise SystemExit(f"warm-up request failed: {warm['errors'] or warm['wrong_counts']}")
         runs = []

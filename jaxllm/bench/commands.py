@@ -354,7 +354,7 @@ def _print_serving_result(row: dict) -> None:
 def run_serve(args) -> int:
     import asyncio
 
-    from jaxllm.bench.serve import run_rate
+    from jaxllm.bench.serve import run_rate, first_request
 
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -362,19 +362,7 @@ def run_serve(args) -> int:
     if model is None:
         return 1
     requests = workload(args, args.tokenizer)
-    # One short request first, as vLLM's client and benchmarks/serving.py send: it checks the
-    # server answers, and no measured request pays for a cold path.
-    test = asyncio.run(
-        run_rate(
-            base_url,
-            model,
-            [{"prompt_token_ids": requests[0]["prompt_token_ids"][:8], "max_tokens": 4}],
-            float("inf"),
-            0,
-            None,
-            args.api_key,
-        )
-    )
+    test = first_request(base_url, model, requests[0]["prompt_token_ids"], args.api_key)
     if not test["verified"]:
         print(f"jaxllm bench serve: the test request failed: {test['errors'] or test['wrong_counts']}", file=sys.stderr)
         return 1

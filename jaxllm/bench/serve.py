@@ -104,6 +104,14 @@ async def run_rate(
     return _result_row(results, rate, max_concurrency, duration)
 
 
+def first_request(base_url: str, model: str, prompt_token_ids: list[int], api_key: str | None) -> dict:
+    """One short request (the first 8 tokens of `prompt_token_ids`, 4 out), sent before a
+    measured run as vLLM's client sends one: it checks the server answers, and no measured
+    request pays for a cold path. -> `run_rate`'s row (`verified`, `errors`, `wrong_counts`)."""
+    first = [{"prompt_token_ids": prompt_token_ids[:8], "max_tokens": 4}]
+    return asyncio.run(run_rate(base_url, model, first, float("inf"), 0, None, api_key))
+
+
 def _result_row(results: list[dict], rate: float, max_concurrency: int | None, duration: float) -> dict:
     """Counts, throughputs and latency percentiles (TTFT, TPOT, ITL, end to end) of one rate's run."""
     ok = [r for r in results if r["error"] is None]
