@@ -8,13 +8,16 @@ Measured, each engine alone (llama.cpp's OpenMP threads spin: nothing else may r
   decode (TPOT), against llama.cpp's `llama-bench` tg256 at `-t 2`. Beside it, what a decode
   step must read (the bytes of every weight it streams: each layer's matrices and the LM head;
   the embedding table's one row is left out) over the machine's read bandwidth, measured in the
-  same run (XLA's max over 256 MiB, as `benchmarks/step.py`), so the headroom is visible;
+  same run (XLA's max over 1 GiB), so the headroom is visible;
 - time to first token of a 1,024-token prompt against `llama-bench` pp1024;
 - 4 streams at once (prompts of 128, 256 tokens out each): output tok/s against
   `llama-batched-bench` at -npl 4 (its S_TG t/s).
 
 jaxllm runs with its defaults for the machine (`--engine-args` JSON adds options). Prompts are
 random token ids of the model's vocabulary (seed 0), as both tools use.
+
+`--perplexity` measures accuracy instead: jaxllm's perplexity on the text `jaxllm bench
+perplexity` ships against transformers reading the same GGUF dequantized (float32).
 """
 
 from __future__ import annotations
@@ -43,8 +46,9 @@ del sys.path[0]
 
 
 def read_bandwidth() -> float:
-    """Bytes a second a whole-array reduction reads (256 MiB, far past the caches); the best of 10."""
-    x = jnp.ones((64 << 20,), jnp.float32)
+    """Bytes a second a whole-array reduction reads (1 GiB: past the caches, a host's shared L3
+    of hundreds of MiB included); the best of 10."""
+    x = jnp.ones((256 << 20,), jnp.float32)
     f = jax.jit(lambda x: x.max())
     f(x).block_until_ready()
     best = float("inf")
@@ -141,6 +145,31 @@ def run_llama_cpp(bin_dir: str, path: str, threads: int, no_repack: bool) -> dic
     }
 
 
+def run_perplexity(model: str, engine_args: dict) -> dict:
+    """Perplexity on the text `jaxllm bench perplexity` ships (windows of 512 tokens): jaxllm
+    with its defaults for the machine (plus `engine_args`) against transformers reading the same
+    GGUF dequantized, in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxllm.bench.perplexity import perplexity, text_windows
+
+    llm = LLM(model, max_model_len=1024, **engine_args)
+    ours = perplexity(llm)
+    windows = text_windows(llm.get_tokenizer())
+    del llm
+    folder, file = os.path.split(catalog.path_of(model) or model)
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for w in windows:
+            logprobs = torch.log_softmax(hf(torch.tensor([w])).logits[0, :-1].double(), -1)
+            nll -= float(logprobs[torch.arange(len(w) - 1), w[1:]].sum())
+            count += len(w) - 1
+    reference = float(np.exp(nll / count))
+    return {"jaxllm": ours, "transformers": reference, "ratio": ours["perplexity"] / reference}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-1.5b", help="a catalog short name or a GGUF path")
@@ -150,10 +179,24 @@ def main() -> int:
     ap.add_argument("--llama-no-repack", action="store_true", help="run llama.cpp without weight repacking")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--out", default=None, help="JSON result path")
+    ap.add_argument(
+        "--perplexity", action="store_true", help="measure perplexity against transformers instead of speed"
+    )
     args = ap.parse_args()
     path = catalog.path_of(args.model) or args.model
     machine = machine_info()
     print(cpu_line(machine), flush=True)
+    result = {"date": now_iso(), "model": args.model, "file": path, "machine": machine, "versions": versions()}
+    if args.perplexity:
+        ppl = run_perplexity(args.model, json.loads(args.engine_args))
+        print(
+            f"{args.model} perplexity on the shipped text ({ppl['jaxllm']['tokens']} tokens): jaxllm "
+            f"{ppl['jaxllm']['perplexity']:.4f}, transformers (dequantized, float32) {ppl['transformers']:.4f}, "
+            f"ratio {ppl['ratio']:.4f}"
+        )
+        if args.out:
+            write_result(args.out, {**result, "perplexity": ppl})
+        return 0
     bandwidth = read_bandwidth()
     ours = run_jaxllm(args.model, json.loads(args.engine_args), args.repeat)
     ours["read_bandwidth"] = bandwidth
@@ -172,7 +215,6 @@ def main() -> int:
         print(f"| {label} | {ours[key]:.1f} | {peer if peer is None else f'{peer:.1f}'} | {ratio} |")
     print(f"jaxllm's one stream reads {100 * ours['decode_bandwidth_share']:.0f}% of the read bandwidth")
     if args.out:
-        result = {"date": now_iso(), "model": args.model, "file": path, "machine": machine, "versions": versions()}
         write_result(args.out, {**result, "jaxllm": ours, "llama_cpp": theirs})
     return 0
 

@@ -16,19 +16,24 @@ import os
 DEFAULT_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "public_domain.txt")
 
 
-def perplexity(llm, text: str | None = None, window: int = 512) -> dict:
-    """{"perplexity", "nll" (mean, nats), "tokens" (scored), "windows"} of `llm` (an `LLM`) on
-    `text` (default: DEFAULT_TEXT)."""
-    from jaxllm.sampling_params import SamplingParams
-
+def text_windows(tokenizer, text: str | None = None, window: int = 512) -> list[list[int]]:
+    """`text` (default: DEFAULT_TEXT) as `tokenizer`'s ids, cut into windows of `window` tokens
+    (the last may be shorter; one of a single token scores nothing and is dropped)."""
     if window < 2:
         raise ValueError(f"window must be at least 2 tokens, got {window}")
     if text is None:
         with open(DEFAULT_TEXT, encoding="utf-8") as f:
             text = f.read()
-    ids = llm.get_tokenizer()(text, add_special_tokens=False)["input_ids"]
-    windows = [ids[i : i + window] for i in range(0, len(ids), window)]
-    windows = [w for w in windows if len(w) >= 2]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [w for w in (ids[i : i + window] for i in range(0, len(ids), window)) if len(w) >= 2]
+
+
+def perplexity(llm, text: str | None = None, window: int = 512) -> dict:
+    """{"perplexity", "nll" (mean, nats), "tokens" (scored), "windows"} of `llm` (an `LLM`) on
+    `text` (default: DEFAULT_TEXT)."""
+    from jaxllm.sampling_params import SamplingParams
+
+    windows = text_windows(llm.get_tokenizer(), text, window)
     outputs = llm.generate(
         [{"prompt_token_ids": w} for w in windows],
         SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),

@@ -1,16 +1,19 @@
 """The real Qwen2.5-Coder-0.5B-Instruct (`make models`; `make venv` fetches this one) against
 transformers reading the same GGUF dequantized: every block type the file has (Q5_0, Q8_0,
 Q4_K, Q6_K) kept quantized in jaxllm's float32 engine, the prompt's logprobs, greedy outputs
-and the chat template with tools."""
+the chat template with tools, and the perplexity of the machine's default engine on the
+shipped text."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.bench.perplexity import perplexity, text_windows
 from jaxllm.models import catalog
 from jaxllm.models.checkpoint import ModelNotFoundError
 from jaxllm.quantization.weights import QuantizedWeight
@@ -130,3 +133,22 @@ def test_qwen_chat_template_with_tools_renders_as_transformers(qwen_05b, referen
             want = ref_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
             got = llm.engine.apply_chat_template(messages, **kw)
             assert got == ref_tok.encode(want, add_special_tokens=False), (messages, kw)
+
+
+@pytest.mark.slow
+def test_qwen_05b_perplexity_with_the_defaults_within_one_percent_of_transformers(qwen_05b, reference, tmp_path):
+    """The engine as a user gets it on this CPU (its default dtype and weight plan) against the
+    GGUF dequantized in float32, on the text `jaxllm bench perplexity` ships."""
+    _, hf = reference
+    llm = LLM(NAME, max_model_len=1024, max_num_seqs=2, kv_cache_memory=64 << 20, params_cache_dir=str(tmp_path))
+    got = perplexity(llm)
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for w in text_windows(llm.get_tokenizer()):
+            logprobs = torch.log_softmax(hf(torch.tensor([w])).logits[0, :-1].double(), -1)
+            nll -= float(logprobs[torch.arange(len(w) - 1), w[1:]].sum())
+            count += len(w) - 1
+    want = math.exp(nll / count)
+    print(f"Qwen2.5-Coder-0.5B perplexity: jaxllm {got['perplexity']:.4f}, transformers {want:.4f}")
+    assert got["tokens"] == count
+    assert abs(got["perplexity"] / want - 1) <= 0.01
