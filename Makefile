@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv browser test test-quick check-py312 demo bench bench-headline serve clean docs lint models
+.PHONY: venv browser test test-quick check-py312 demo bench bench-headline bench-real serve clean docs lint models
 
 $(STAMP): pyproject.toml Makefile
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -79,6 +79,16 @@ bench: $(STAMP)
 bench-headline: $(STAMP)
 	OPENBLAS_NUM_THREADS=1 $(BIN)/python benchmarks/run_all.py \
 		--only throughput,throughput-long,serving,serving-vllm,startup,plots $(if $(RESULTS),--results $(RESULTS),)
+
+# The race on the real Qwen2.5-Coder-1.5B against llama.cpp (its tools built for this machine
+# once, ~15 minutes) and the perplexity of both models against transformers, e.g.
+# `make bench-real RESULTS=benchmarks/results/zen4`. Nothing else may run meanwhile.
+bench-real: $(STAMP)
+	$(BIN)/jaxllm models fetch --all
+	OPENBLAS_NUM_THREADS=1 $(BIN)/python benchmarks/real_models.py --model qwen2.5-coder-1.5b \
+		$(if $(RESULTS),--out $(RESULTS)/real-models-1.5b.json,)
+	for m in qwen2.5-coder-0.5b qwen2.5-coder-1.5b; do OPENBLAS_NUM_THREADS=1 $(BIN)/python \
+		benchmarks/real_models.py --model $$m --perplexity $(if $(RESULTS),--out $(RESULTS)/perplexity-$$m.json,) || exit 1; done
 
 serve: $(STAMP)
 	$(BIN)/jaxllm serve

@@ -1,6 +1,6 @@
 """The race on a real model: jaxllm against llama.cpp on the same GGUF, in one run on one machine.
 
-    python benchmarks/real_models.py --model qwen2.5-coder-1.5b --llama-bin ~/llamacpp/build/bin
+    python benchmarks/real_models.py --model qwen2.5-coder-1.5b      # or `make bench-real`
 
 Measured, each engine alone (llama.cpp's OpenMP threads spin: nothing else may run):
 
@@ -40,6 +40,7 @@ from jaxllm.models import catalog
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, HERE)
+from llama_tools import ensure_tools  # noqa: E402
 from workload import cpu_line, machine_info, now_iso, versions, write_result  # noqa: E402
 
 del sys.path[0]
@@ -93,7 +94,11 @@ def run_jaxllm(model: str, engine_args: dict, repeat: int) -> dict:
     ttft_1024 = best(lambda: llm.generate(long, SamplingParams(max_tokens=1, **greedy), use_tqdm=False))
     four = prompts(vocab, 4, 128, seed=2)
     four_s = best(lambda: llm.generate(four, SamplingParams(max_tokens=256, **greedy), use_tqdm=False))
+    import resource
+
     return {
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "kv_pool_bytes": sum(x.nbytes for x in jax.tree_util.tree_leaves(llm.engine.runner.kv.pages)),
         "load_s": load_s,
         "dtype": llm.engine.config.dtype,
         "quantization": llm.engine.config.quantization,
@@ -114,9 +119,22 @@ def _timed(fn) -> float:
 def run_llama_cpp(bin_dir: str, path: str, threads: int, no_repack: bool) -> dict:
     """llama-bench (pp1024, tg256) and llama-batched-bench (4 streams). `no_repack`: without
     its weight repacking, whose AMX path crashes on some virtual machines (SIGSEGV in
-    `ggml_backend_amx_mul_mat`: the guest may not grant AMX tiles to the process)."""
+    `ggml_backend_amx_mul_mat`: the guest may not grant AMX tiles to the process); a run that
+    dies of a signal with repacking is run again without it, and says so."""
+    try:
+        return _run_llama_cpp(bin_dir, path, threads, no_repack)
+    except subprocess.CalledProcessError as e:
+        # (under /usr/bin/time a signal is an exit status and a line on stderr)
+        if no_repack or not (e.returncode < 0 or "terminated by signal" in (e.stderr or "")):
+            raise
+        print("llama.cpp died of a signal with weight repacking: again without it", flush=True)
+        return {**_run_llama_cpp(bin_dir, path, threads, True), "repack_crashed": True}
+
+
+def _run_llama_cpp(bin_dir: str, path: str, threads: int, no_repack: bool) -> dict:
     bench = subprocess.run(
-        [os.path.join(bin_dir, "llama-bench"), "-m", path, "-t", str(threads), "-p", "1024", "-n", "256"]
+        ["/usr/bin/time", "-f", "maxrss_kib %M", os.path.join(bin_dir, "llama-bench"), "-m", path]
+        + ["-t", str(threads), "-p", "1024", "-n", "256"]
         + ["-r", "2", "-o", "json"]
         + (["--repack", "0"] if no_repack else []),
         capture_output=True,
@@ -136,6 +154,8 @@ def run_llama_cpp(bin_dir: str, path: str, threads: int, no_repack: bool) -> dic
     )
     four = [json.loads(line) for line in batched.stdout.splitlines() if line.startswith("{")]
     return {
+        # (llama-bench's KV cache holds its longest test's context: 1,024 tokens, ~28 MiB here)
+        "peak_rss_bytes": 1024 * int(bench.stderr.rsplit("maxrss_kib", 1)[1].split()[0]),
         "one_stream_tok_s": tg["avg_ts"],
         "prompt_1024_tok_s": pp["avg_ts"],
         "ttft_1024_s": 1024 / pp["avg_ts"],
@@ -170,10 +190,66 @@ def run_perplexity(model: str, engine_args: dict) -> dict:
     return {"jaxllm": ours, "transformers": reference, "ratio": ours["perplexity"] / reference}
 
 
+def long_prompt(tokenizer, length: int) -> list[int]:
+    """The first `length` tokens of the shipped text repeated: real prose whose continuation
+    needs attention to reach back thousands of tokens."""
+    from jaxllm.bench.perplexity import text_windows
+
+    ids = [t for w in text_windows(tokenizer, window=1 << 30) for t in w]
+    return (ids * (length // len(ids) + 1))[:length]
+
+
+def run_long(model: str, lengths: list[int], engine_args: dict, bin_dir: str | None, threads: int) -> list[dict]:
+    """Time to first token of prompts of `lengths` tokens: jaxllm with its defaults (a context of
+    the longest plus a few tokens), then llama-bench's pp of each length (`-r 1`, its peak RSS
+    by /usr/bin/time), and jaxllm's peak RSS against the weights and KV pool it reports."""
+    import resource
+
+    llm = LLM(model, max_model_len=max(lengths) + 16, **engine_args)
+    runner = llm.engine.runner
+    weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(runner.params))
+    if runner.small_params is not None:
+        weights += sum(x.nbytes for x in jax.tree_util.tree_leaves(runner.small_params["layers"]))
+    kv = sum(x.nbytes for x in jax.tree_util.tree_leaves(runner.kv.pages))
+    rows = []
+    for n in lengths:
+        ids = long_prompt(llm.get_tokenizer(), n)
+        once = SamplingParams(max_tokens=1, temperature=0)
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": ids}], once, use_tqdm=False)
+        ttft = time.perf_counter() - start
+        rows.append({"tokens": n, "jaxllm_ttft_s": ttft, "jaxllm_tok_s": n / ttft})
+        print(json.dumps(rows[-1]), flush=True)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    memory = {"weights_bytes": weights, "kv_pool_bytes": kv, "peak_rss_bytes": rss}
+    del llm
+    path = catalog.path_of(model) or model
+    for row in rows if bin_dir else []:
+        n = row["tokens"]
+        bench = subprocess.run(
+            ["/usr/bin/time", "-f", "maxrss_kib %M", os.path.join(bin_dir, "llama-bench"), "-m", path]
+            + ["-t", str(threads), "-p", str(n), "-n", "0", "-r", "1", "-o", "json", "--repack", "0"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        pp = json.loads(bench.stdout)[0]
+        row |= {"llama_cpp_ttft_s": n / pp["avg_ts"], "llama_cpp_tok_s": pp["avg_ts"]}
+        row["llama_cpp_peak_rss_bytes"] = 1024 * int(bench.stderr.rsplit("maxrss_kib", 1)[1].split()[0])
+        row["ratio"] = row["jaxllm_tok_s"] / pp["avg_ts"]
+        print(json.dumps(row), flush=True)
+    return [{**memory, **row} for row in rows]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-1.5b", help="a catalog short name or a GGUF path")
-    ap.add_argument("--llama-bin", default=None, help="folder of llama-bench and llama-batched-bench")
+    ap.add_argument(
+        "--llama-bin",
+        default="auto",
+        help="folder of llama-bench and llama-batched-bench; auto: built for this machine if absent "
+        "(benchmarks/llama_tools.py); none: jaxllm alone",
+    )
     ap.add_argument("--engine-args", default="{}", help="JSON of more LLM(...) options")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--llama-no-repack", action="store_true", help="run llama.cpp without weight repacking")
@@ -181,6 +257,9 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="JSON result path")
     ap.add_argument(
         "--perplexity", action="store_true", help="measure perplexity against transformers instead of speed"
+    )
+    ap.add_argument(
+        "--long", default=None, metavar="N,N", help="time to first token of long prompts (e.g. 8192,32000) instead"
     )
     args = ap.parse_args()
     path = catalog.path_of(args.model) or args.model
@@ -197,12 +276,20 @@ def main() -> int:
         if args.out:
             write_result(args.out, {**result, "perplexity": ppl})
         return 0
+    # (built before anything is measured: the build takes both cores)
+    bin_dir = ensure_tools() if args.llama_bin == "auto" else None if args.llama_bin == "none" else args.llama_bin
+    if args.long:
+        lengths = [int(n) for n in args.long.split(",")]
+        rows = run_long(args.model, lengths, json.loads(args.engine_args), bin_dir, args.threads)
+        if args.out:
+            write_result(args.out, {**result, "long": rows})
+        return 0
     bandwidth = read_bandwidth()
     ours = run_jaxllm(args.model, json.loads(args.engine_args), args.repeat)
     ours["read_bandwidth"] = bandwidth
     ours["decode_bandwidth_share"] = ours["decode_bytes"] * ours["one_stream_tok_s"] / bandwidth
     print(json.dumps(ours), flush=True)
-    theirs = run_llama_cpp(args.llama_bin, path, args.threads, args.llama_no_repack) if args.llama_bin else None
+    theirs = run_llama_cpp(bin_dir, path, args.threads, args.llama_no_repack) if bin_dir else None
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; a jaxllm decode step reads {ours['decode_bytes'] / 1e9:.3f} GB")
     print(f"| {args.model} | jaxllm ({ours['dtype']}) | llama.cpp | jaxllm / llama.cpp |\n|---|---:|---:|---:|")
     for key, label in (

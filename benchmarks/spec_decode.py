@@ -12,6 +12,11 @@ Workloads (`ignore_eos`, --max-tokens tokens each):
 - "random": prompts of random token ids (no special tokens), sampled at temperature 1 (seeded):
   outputs that do not repeat their input. (Greedy, the small model falls into loops after such
   prompts, which n-gram drafts then predict.)
+- "code": beginnings of Python functions completed as they are (code completion); greedy;
+- "chat": coding questions through the model's chat template; greedy.
+
+A real draft: `--model qwen2.5-coder-1.5b --speculative-config '{"model": "qwen2.5-coder-0.5b",
+"num_speculative_tokens": 4}'` (the two share a tokenizer).
 
 One engine (default model, --dtype, the given --speculative-config, no prefix caching) runs each workload with
 speculation off (its scheduler's proposer removed: the same compiled steps, no drafts) and on,
@@ -83,6 +88,40 @@ def repeat_prompts(llm, n: int, words: int = 90) -> list[list[int]]:
     return prompts
 
 
+# Beginnings of Python functions, completed as they are (no chat template): code completion.
+CODE_STARTS = [
+    'def quicksort(arr):\n    """Sort a list of numbers with quicksort and return a new list."""\n',
+    'def is_palindrome(s: str) -> bool:\n    """Whether s reads the same backwards, ignoring case and spaces."""\n',
+    'class Stack:\n    """A stack with push, pop, peek and len."""\n\n    def __init__(self):\n',
+    'def read_csv_sum(path, column):\n    """Sum the column `column` of the CSV file at `path`."""\n',
+    'def fibonacci(n):\n    """The first n Fibonacci numbers as a list."""\n',
+    'def word_counts(text):\n    """A dict of each word of text (lowercased) to how often it occurs."""\n',
+    'def binary_search(items, target):\n    """The index of target in the sorted list items, or -1."""\n',
+    'def merge_intervals(intervals):\n    """Merge overlapping [start, end] intervals; return them sorted."""\n',
+]
+# Chat requests a coding assistant gets (the model's chat template).
+CHAT_ASKS = [
+    "Write a Python function that checks whether a number is prime, with a short docstring.",
+    "How do I reverse a linked list in Python? Show the code.",
+    "Write a SQL query that returns the ten customers with the largest total order amount.",
+    "Explain the difference between a list and a tuple in Python, with examples.",
+    "Write a bash script that counts the lines of every .py file in a folder.",
+    "Write a JavaScript function that debounces another function.",
+    "Show how to read a JSON file in Python and print one of its keys.",
+    "Write a Python class for a bank account with deposit and withdraw methods.",
+]
+
+
+def code_prompts(llm, n: int) -> list[list[int]]:
+    tok = llm.get_tokenizer()
+    return [tok(CODE_STARTS[i % len(CODE_STARTS)])["input_ids"] for i in range(n)]
+
+
+def chat_prompts(llm, n: int) -> list[list[int]]:
+    asks = [CHAT_ASKS[i % len(CHAT_ASKS)] for i in range(n)]
+    return [llm.engine.apply_chat_template([{"role": "user", "content": ask}]) for ask in asks]
+
+
 def random_prompts(model: str | None, n: int, length: int, seed: int) -> list[list[int]]:
     vocab_size, special = vocab_info(model)
     allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(special, dtype=np.int64))
@@ -152,6 +191,9 @@ def main() -> None:
         default=3,
         help="runs of each case and mode, alternating; the median is reported (default: %(default)s)",
     )
+    ap.add_argument(
+        "--workloads", default="repeat,random,code,chat", help="of repeat, random, code, chat (default: %(default)s)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(RESULTS, "spec_decode.json"))
     args = ap.parse_args()
@@ -177,10 +219,13 @@ def main() -> None:
     )
     llm.engine.wait_compiled()
     proposer = llm.engine.scheduler.proposer
-    workloads = {
-        "repeat": (repeat_prompts(llm, args.num_prompts), 0.0),
-        "random": (random_prompts(args.model, args.num_prompts, args.random_len, args.seed), 1.0),
+    makers = {
+        "repeat": lambda: (repeat_prompts(llm, args.num_prompts), 0.0),
+        "random": lambda: (random_prompts(args.model, args.num_prompts, args.random_len, args.seed), 1.0),
+        "code": lambda: (code_prompts(llm, args.num_prompts), 0.0),
+        "chat": lambda: (chat_prompts(llm, args.num_prompts), 0.0),
     }
+    workloads = {name: makers[name]() for name in args.workloads.split(",")}
     machine = machine_info()
     print(f"CPU: {cpu_line(machine)}; dtype {llm.engine.config.dtype}; speculative_config {config}", flush=True)
     rows = []

@@ -1,0 +1,71 @@
+"""llama.cpp's own benchmark tools (`llama-bench`, `llama-batched-bench`), built once for this
+machine from the llama.cpp tree vendored in llama-cpp-python's sdist (../shared/PEERS.md).
+
+    python benchmarks/llama_tools.py          # prints the folder of the tools, building them if absent
+
+The wheel ships no tools, so they are built with the machine's native flags (`-DGGML_NATIVE=ON`),
+into `<jaxllm cache root>/llama.cpp/<version>/build/bin` (about 15 minutes on two cores, once).
+Needs cmake, ninja and a C++ compiler, and pip's access to the package index.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+from jaxllm.utils import default_cache_root
+
+VERSION = "0.3.36"  # llama-cpp-python, whose vendored llama.cpp the tools are built from
+TOOLS = ("llama-bench", "llama-batched-bench")
+CMAKE_OPTIONS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+)
+
+
+def tools_dir(root: str | None = None) -> str:
+    return os.path.join(root or default_cache_root(), "llama.cpp", VERSION, "build", "bin")
+
+
+def ensure_tools(root: str | None = None, log=print) -> str:
+    """The folder holding TOOLS, built there first if any is missing."""
+    bin_dir = tools_dir(root)
+    if all(os.access(os.path.join(bin_dir, t), os.X_OK) for t in TOOLS):
+        return bin_dir
+    for tool in ("cmake", "ninja"):
+        if shutil.which(tool) is None:
+            raise RuntimeError(f"building llama.cpp's tools needs {tool} (e.g. `apt install {tool}`)")
+    home = os.path.dirname(os.path.dirname(bin_dir))
+    os.makedirs(home, exist_ok=True)
+    source = os.path.join(home, "source")
+    if not os.path.isdir(source):
+        log(f"downloading llama-cpp-python {VERSION}'s sdist for its llama.cpp tree")
+        with tempfile.TemporaryDirectory(dir=home) as tmp:
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+                + [f"llama-cpp-python=={VERSION}", "-d", tmp],
+                check=True,
+            )
+            (sdist,) = glob.glob(os.path.join(tmp, "*.tar.gz"))
+            with tarfile.open(sdist) as tar:
+                tar.extractall(tmp, filter="data")
+            os.rename(os.path.join(tmp, f"llama_cpp_python-{VERSION}", "vendor", "llama.cpp"), source)
+    build = os.path.dirname(bin_dir)
+    log(f"building {', '.join(TOOLS)} with native flags into {bin_dir} (about 15 minutes on two cores)")
+    subprocess.run(["cmake", "-S", source, "-B", build, "-G", "Ninja", *CMAKE_OPTIONS], check=True)
+    subprocess.run(["cmake", "--build", build, "-j", str(os.cpu_count() or 2), "--target", *TOOLS], check=True)
+    return bin_dir
+
+
+if __name__ == "__main__":
+    print(ensure_tools(log=lambda m: print(m, file=sys.stderr)))
