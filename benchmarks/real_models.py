@@ -206,6 +206,7 @@ def run_long(model: str, lengths: list[int], engine_args: dict, bin_dir: str | N
     import resource
 
     llm = LLM(model, max_model_len=max(lengths) + 16, **engine_args)
+    llm.engine.wait_compiled()  # (steps of a new context length compile in the background first)
     runner = llm.engine.runner
     weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(runner.params))
     if runner.small_params is not None:

@@ -193,10 +193,10 @@ class EngineArgs:
     )
     int8_activations: bool = option(
         False,
-        "4-bit weight codes (a GGUF's Q4_0 / Q4_1, int4) multiply activations quantized to int8 per "
+        "4-bit weight codes (a GGUF's Q4_0 / Q4_1 / Q4_K, int4) multiply activations quantized to int8 per "
         "group of 32, as llama.cpp does: integer dot products, ~1.3x the quantized GEMM's speed on "
-        "AVX2, +1.9% perplexity on the default model (one CPU device with the C++ kernels; elsewhere "
-        "the activations stay float)",
+        "AVX2, +1.9% perplexity on the default model; under bfloat16 with small-step codes, the decode "
+        "steps' 4-bit codes do (one CPU device with the C++ kernels; elsewhere the activations stay float)",
     )
     packed_weights: bool = option(
         True,

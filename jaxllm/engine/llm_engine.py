@@ -77,7 +77,7 @@ class LLMEngine:
             ),
         )
         self._build_cores(model, mesh, self._load_draft(args, platform, progress))
-        if args.int8_activations and not int8_activation_weights(self.runner.params):
+        if args.int8_activations and not int8_activation_weights((self.runner.params, self.runner.small_params)):
             logger.warning(
                 "int8_activations: no weight of this run has 4-bit codes in the C++ GEMM "
                 "(quantization=%s, %s backend); the activations stay float",

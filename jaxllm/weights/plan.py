@@ -53,12 +53,16 @@ class LinearPlan:
         the packed bf16 GEMM's numbers), "int8" (W8A8, or 4-bit codes x int8 rows). Applied
         where the weight's shape and bits allow it, else "float".
     small_step_codes: a GGUF's codes kept beside the bf16 panels, for the steps of at most
-        `quantization.SMALL_STEP_ROWS` rows."""
+        `quantization.SMALL_STEP_ROWS` rows.
+    small_step_activations: what those codes multiply: "bf16" (the bf16 panels' numbers, bit for
+        bit) or "int8" (`EngineArgs.int8_activations`: 4-bit codes x int8 rows, llama.cpp's
+        scheme, where the shape allows; other codes stay "bf16")."""
 
     codes: str | None
     kernel: str
     activations: str = "float"
     small_step_codes: bool = False
+    small_step_activations: str = "bf16"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +91,7 @@ class WeightPlan:
         return "; ".join(
             f"{', '.join(names)}: {lp.codes or self.dtype} via {lp.kernel}"
             + (f" (x as {lp.activations})" if lp.activations != "float" else "")
-            + (" + small-step codes" if lp.small_step_codes else "")
+            + (f" + small-step codes (x as {lp.small_step_activations})" if lp.small_step_codes else "")
             for lp, names in rows.items()
         )
 
@@ -202,7 +206,9 @@ def _linear_plan(
     if name == "embed" and not tied:
         return LinearPlan(None, "xla")  # a table lookup, float
     if method is None:
-        return dataclasses.replace(float_plan, small_step_codes=small and name in (*LAYER_MATRICES, "lm_head", "embed"))
+        kept = small and name in (*LAYER_MATRICES, "lm_head", "embed")
+        int8 = kept and int8_activations and name in LAYER_MATRICES
+        return dataclasses.replace(float_plan, small_step_codes=kept, small_step_activations="int8" if int8 else "bf16")
     # A 4-bit LM head cost the default model 6.5% perplexity: 8-bit codes there (llama.cpp keeps its 6-8).
     codes = "int8_weight_only" if method == "int4" and name in ("lm_head", "embed") else method
     if cpp_gemm:

@@ -39,6 +39,7 @@ from jaxllm.quantization.weights import (
     dequantize,
     relayout,
     with_bf16_activations,
+    with_int8_activations,
 )
 from jaxllm.weights import calibration
 from jaxllm.weights.plan import WeightPlan, resolve_weight_plan
@@ -117,7 +118,8 @@ def prepare_weights(
     params = jax.device_put(params, device)
     small_params = None
     if plan.small_step_codes:
-        params, small_params = small_step_params(params, device)
+        int8 = {name for name, lp in plan.linears.items() if lp.small_step_activations == "int8"}
+        params, small_params = small_step_params(params, device, int8=int8)
     if log:
         logger.info("weights: %s", plan.describe())
     return params, small_params
@@ -153,7 +155,7 @@ def pack_params(params: dict, cfg, device, *, bf16: bool = False) -> dict:
     return params
 
 
-def small_step_params(params: dict, device, codes: bool = True) -> tuple[dict, dict | None]:
+def small_step_params(params: dict, device, codes: bool = True, int8=()) -> tuple[dict, dict | None]:
     """A GGUF's params tree (its matrices kept quantized: `load_model(quantization="gguf")`) as
     (bf16 tree, codes tree): the first with every quantized matrix dequantized to bf16 and packed
     for the C++ bf16 GEMM (`models.linear.PackedWeight`: the weights a dequantizing load gives, bit for
@@ -161,7 +163,9 @@ def small_step_params(params: dict, device, codes: bool = True) -> tuple[dict, d
     GEMM over codes (`with_bf16_activations`). Both compute the same numbers, the second from
     about a third of the layer weights' bytes: the steps of at most SMALL_STEP_ROWS rows take it
     (`ModelRunner`). Matrices are converted one at a time. `codes` False (the C++ build has no
-    AVX512_BF16 dots after all): the bf16 tree alone, and None."""
+    AVX512_BF16 dots after all): the bf16 tree alone, and None. `int8`: names of layer matrices
+    whose 4-bit codes multiply int8 rows in the small steps instead (`with_int8_activations`:
+    llama.cpp's numbers, not the bf16 panels')."""
     from jaxllm.kernels import gemm
 
     put = functools.partial(jax.device_put, device=device)
@@ -179,6 +183,8 @@ def small_step_params(params: dict, device, codes: bool = True) -> tuple[dict, d
             big = put(np.ascontiguousarray(dense.T) if table else dense)
         tree_big[name] = big
         # (a 4-bit embedding table's rows are looked up from its plain panels: the bf16 one serves)
+        if name in int8 and w.bits == 4:
+            q = with_int8_activations(relayout(w, True, device))
         tree_few[name] = q if isinstance(big, PackedWeight) and (q.bits == 8 or not table) else big
 
     large, small = dict(params), dict(params)

@@ -133,6 +133,34 @@ def test_matmul_quantized_int8_activations_matches_numpy(rows, groups, with_offs
     assert np.abs(ref - exact).max() < 0.02 * np.abs(exact).max()
 
 
+@pytest.mark.parametrize("rows", [1, 2, 4, 6])
+def test_matmul_quantized_int8_activations_two_level_scales(rows):
+    # GGUF's K-quants (int8 sub-scales of f16 supers, 4 groups a super): the same numbers as the
+    # f32 scales they stand for (exact products), in the decode's few rows (the codes read as
+    # packed where the CPU has AVX512_VBMI) and beyond; gate and up through the SwiGLU epilogue.
+    rng = np.random.default_rng(rows)
+    k, n, groups = 256, 64, 8
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    codes = rng.integers(0, 16, (k, n))
+    sub_s, sub_o = rng.integers(1, 64, (groups, n)).astype(np.int8), rng.integers(-64, 0, (groups, n)).astype(np.int8)
+    sup_s = (rng.random((groups // 4, n)) * 0.01).astype(np.float16)
+    sup_o = (rng.random((groups // 4, n)) * 0.01).astype(np.float16)
+    scale = sub_s.astype(np.float32) * np.repeat(sup_s.astype(np.float32), 4, 0)
+    offset = sub_o.astype(np.float32) * np.repeat(sup_o.astype(np.float32), 4, 0)
+    packed = gemm.pack_codes(codes, 4)
+    for swiglu in (False, True):
+        for path in ("auto", *native.kernel_paths()):
+            call = functools.partial(gemm.matmul_quantized, bits=4, path=path, act8=True, swiglu=swiglu)
+            want = jax.jit(call)(x, packed, scale, offset)
+            got = jax.jit(call)(x, packed, sub_s, sub_o, super_scale=sup_s, super_offset=sup_o)
+            np.testing.assert_array_equal(got, want)
+    ref = act8_reference(x, codes, scale, offset)
+    y = jax.jit(functools.partial(gemm.matmul_quantized, bits=4, act8=True))(
+        x, packed, sub_s, sub_o, super_scale=sup_s, super_offset=sup_o
+    )
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
 @pytest.mark.parametrize("rows", [2, 7])
 def test_matmul_quantized_int8_activations_swiglu_and_live_rows(rows):
     rng = np.random.default_rng(rows)

@@ -106,6 +106,32 @@ def test_gguf_engine_with_small_step_codes_is_the_dequantized_bf16_engine(tmp_pa
     assert weight_bytes(large, small) > weight_bytes(large) > weight_bytes(ref_params) * 0.99
 
 
+@needs_bf16_dots
+def test_small_step_codes_with_int8_activations(tmp_path):
+    # `int8_activations`: the small steps' 4-bit layer codes multiply int8 rows (llama.cpp's
+    # numbers); the 8-bit codes, the LM head and the large steps' bf16 panels stay as they were.
+    # Greedy decodes stay those of the bf16 engine here; the logprobs move by the int8 rounding
+    # (up to ~0.2 nats on this random model's flat distributions; the kernel's own numbers are
+    # checked against numpy in tests/kernels/test_quantized_gemm.py).
+    path = write_quantized_gguf(str(tmp_path / "tiny.gguf"))
+    args = dict(WARM_ENGINE_ARGS, dtype="bfloat16", params_cache_dir=str(tmp_path / "params"))
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, detokenize=False)
+    prompts = [{"prompt_token_ids": list(range(3 + i, 12 + 4 * i))} for i in range(3)]
+    ref = LLM(path, **args)
+    want = ref.generate(prompts, greedy, use_tqdm=False)
+    llm = LLM(path, int8_activations=True, **args)
+    small = llm.engine.runner.small_params
+    kinds = {(w.bits, w.activations) for layer in small["layers"] for w in layer.values() if hasattr(w, "bits")}
+    assert (4, "int8") in kinds and (4, "bf16") not in kinds and (8, "bf16") in kinds, kinds
+    assert small["embed"].activations == "bf16"
+    for a, b in zip(llm.generate(prompts, greedy, use_tqdm=False), want):
+        got = [lp[t].logprob for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)]
+        ref_lp = [lp[t].logprob for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        np.testing.assert_allclose(got, ref_lp, atol=0.3)
+        assert got != ref_lp  # (the int8 rows did run)
+
+
 def test_small_step_codes_follow_the_cpu_and_the_run(tiny_model_dir, tmp_path):
     # On by default for a GGUF under bf16 where the CPU has AVX512_BF16; off for float32 runs,
     # asked quantizations and HF checkpoints; asked for where it cannot apply: a clear error.

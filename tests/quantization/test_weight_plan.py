@@ -111,6 +111,20 @@ CASES = [
         },
     ),
     (
+        "avx512_bf16, a GGUF with int8_activations: the small steps' layer codes x int8 rows",
+        ZEN4,
+        dict(BF16, int8_activations=True),
+        True,
+        "gguf",
+        (None, "auto", True, True, False, True),
+        {
+            "wqkv": LinearPlan(None, "cpp", small_step_codes=True, small_step_activations="int8"),
+            "w_down": LinearPlan(None, "cpp", small_step_codes=True, small_step_activations="int8"),
+            "lm_head": LinearPlan(None, "cpp", small_step_codes=True),
+            "embed": LinearPlan(None, "cpp", small_step_codes=True),
+        },
+    ),
+    (
         "avx512_bf16 defaults, an HF checkpoint: bf16 panels",
         ZEN4,
         BF16,

@@ -178,6 +178,65 @@ void q4a8_rows_vnni(const QuantPanel& q, const uint8_t* __restrict panel, const 
 #pragma GCC unroll 12
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + i * ldy, acc[i]);
 }
+
+#ifdef JAXLLM_AVX512_VBMI
+// q4a8_rows_vnni for a few rows, reading panel p's codes as they are packed (no unpacked copy):
+// 8 rows of K are 64 bytes, row k's byte j holding column j's code in its low nibble and column
+// j + 8's in its high one. Split into nibbles, two vpermt2b put each column's 4 codes of rows
+// 0-3 (and 4-7) side by side, as the unpacked panel has them. The sums are q4a8_rows_vnni's,
+// bit for bit; a decode step's rows pay no copy of the panel.
+template <int R>
+void q4a8_rows_vbmi(const QuantPanel& q, int64_t p, const ActQ8& a, float* __restrict y, int64_t ldy) {
+  const uint8_t* codes = static_cast<const uint8_t*>(q.codes) + p * q.K * (kPanel / 2);
+  // Byte 4 c + j of the rows 0-3 vector: row j's column c (c < 8: lo[8 j + c], else hi[8 j + c - 8]).
+  struct Order {
+    alignas(64) uint8_t at[2][64];
+    Order() {
+      for (int half = 0; half < 2; ++half)
+        for (int c = 0; c < kPanel; ++c)
+          for (int j = 0; j < 4; ++j) at[half][4 * c + j] = (c < 8 ? 0 : 64) + 8 * (4 * half + j) + c % 8;
+    }
+  };
+  static const Order order;
+  const __m512i rows03 = _mm512_load_si512(order.at[0]), rows47 = _mm512_load_si512(order.at[1]);
+  const __m512i low4 = _mm512_set1_epi8(15);
+  __m512 acc[R], s = _mm512_setzero_ps(), o = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.groups; ++b) {
+    const int64_t k0 = b * kActGroup;
+    if (k0 % q.group == 0) {
+      s = scales_f32x16(q, q.scale, q.super_scale, k0 / q.group, p);
+      if (q.offset) o = scales_f32x16(q, q.offset, q.super_offset, k0 / q.group, p);
+    }
+    __m512i isum[R];
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) isum[i] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int64_t k = k0; k < k0 + kActGroup; k += 8) {
+      _mm_prefetch(reinterpret_cast<const char*>(codes + (k + 64) * (kPanel / 2)), _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(codes + k * (kPanel / 2));
+      const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      const __m512i c03 = _mm512_permutex2var_epi8(lo, rows03, hi), c47 = _mm512_permutex2var_epi8(lo, rows47, hi);
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        int32_t four[2];
+        std::memcpy(four, a.q + i * a.K + k, sizeof four);
+        isum[i] = _mm512_dpbusd_epi32(isum[i], c03, _mm512_set1_epi32(four[0]));
+        isum[i] = _mm512_dpbusd_epi32(isum[i], c47, _mm512_set1_epi32(four[1]));
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m512 d = _mm512_set1_ps(a.d[i * a.groups + b]), xs = _mm512_set1_ps(a.s[i * a.groups + b]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(s, d), acc[i]);
+      acc[i] = _mm512_fmadd_ps(o, xs, acc[i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + i * ldy, acc[i]);
+}
+#endif  // AVX512_VBMI
 #endif  // AVX512_VNNI
 
 struct Q4A8Scratch {
@@ -189,6 +248,18 @@ struct Q4A8Scratch {
 // Rows [r0, r1) of x (quantized in a), panel p's columns, into y (row stride ldy).
 void q4a8_block(const QuantPanel& q, const ActQ8& a, int64_t p, int64_t r0, int64_t r1, float* y, int64_t ldy,
                 Q4A8Scratch& scratch, int32_t path) {
+#ifdef JAXLLM_AVX512_VBMI
+  if ((path == kAuto || path >= kAvx512) && r1 - r0 <= 4) {
+    const ActQ8 rows = a.at(r0);
+    switch (r1 - r0) {
+      case 4: q4a8_rows_vbmi<4>(q, p, rows, y, ldy); break;
+      case 3: q4a8_rows_vbmi<3>(q, p, rows, y, ldy); break;
+      case 2: q4a8_rows_vbmi<2>(q, p, rows, y, ldy); break;
+      case 1: q4a8_rows_vbmi<1>(q, p, rows, y, ldy); break;
+    }
+    return;
+  }
+#endif
 #ifdef JAXLLM_AVX2
   if (path == kAuto || path >= kAvx2) {
     scratch.panel.resize(q.K * kPanel);

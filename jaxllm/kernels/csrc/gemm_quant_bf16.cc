@@ -67,22 +67,6 @@ inline int code_at(const uint8_t* w, int64_t k, int64_t col) {
 }
 
 #ifdef JAXLLM_AVX512_BF16
-// Panel p's 16 scales (or offsets) of group g at `at` in vector lanes: group_scales's numbers
-// (an int8 sub-scale times its f16 super-scale is exact in f32), made in registers. A decode's
-// 4-bit product spent a quarter of its time on the scales when they went through memory.
-inline __m512 scales_f32x16(const QuantPanel& q, const void* scales, const uint16_t* supers, int64_t g, int64_t p) {
-  const int64_t at = g * q.N + p * kPanel;
-  if (supers) {
-    const __m512 sub = _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(scales) + at))));
-    const auto* sup = reinterpret_cast<const __m256i*>(supers + (g / q.per_super) * q.N + p * kPanel);
-    return _mm512_mul_ps(sub, _mm512_cvtph_ps(_mm256_loadu_si256(sup)));
-  }
-  if (q.half)
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(scales) + at)));
-  return _mm512_loadu_ps(static_cast<const float*>(scales) + at);
-}
-
 // Group g's scales and offsets of panel p as convert_block takes them: for 4-bit codes spread
 // over a pair's lanes (lane l of s[0] is column l / 2's, of s[1] column 8 + l / 2's), for 8-bit
 // ones a column a lane (s[0]).

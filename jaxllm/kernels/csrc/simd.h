@@ -22,6 +22,10 @@
 // The int8 GEMMs' vpdpbusd path (gemm_q4a8.cc, gemm_w8a8.cc).
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 #define JAXLLM_AVX512_VNNI 1
+// With AVX512_VBMI's two-source byte permutes as well: 4-bit codes read as they are packed.
+#if defined(__AVX512VBMI__)
+#define JAXLLM_AVX512_VBMI 1
+#endif
 #endif
 
 namespace jaxllm {
