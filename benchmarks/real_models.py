@@ -9,8 +9,9 @@ Measured, each engine alone (llama.cpp's OpenMP threads spin: nothing else may r
   step must read (the bytes of every weight it streams: each layer's matrices and the LM head;
   the embedding table's one row is left out) over the machine's read bandwidth, measured in the
   same run (XLA's max over 1 GiB), so the headroom is visible;
-- time to first token of a 1,024-token prompt against `llama-bench` pp1024;
-- 4 streams at once (prompts of 128, 256 tokens out each): output tok/s against
+- time to first token of a 1,024-token prompt (a new one each time: the prefix cache must not
+  serve it) against `llama-bench` pp1024;
+- 4 streams at once (prompts of 128, 256 tokens out each): output tok/s of the decode against
   `llama-batched-bench` at -npl 4 (its S_TG t/s).
 
 jaxllm runs with its defaults for the machine (`--engine-args` JSON adds options). Prompts are
@@ -87,13 +88,20 @@ def run_jaxllm(model: str, engine_args: dict, repeat: int) -> dict:
         fn()  # compiles what the warm-up left, fills caches
         return min(_timed(fn) for _ in range(repeat))
 
-    one = prompts(vocab, 1, 128)
-    first = best(lambda: llm.generate(one, SamplingParams(max_tokens=1, **greedy), use_tqdm=False))
-    whole = best(lambda: llm.generate(one, SamplingParams(max_tokens=257, **greedy), use_tqdm=False))
-    long = prompts(vocab, 1, 1024, seed=1)
-    ttft_1024 = best(lambda: llm.generate(long, SamplingParams(max_tokens=1, **greedy), use_tqdm=False))
-    four = prompts(vocab, 4, 128, seed=2)
-    four_s = best(lambda: llm.generate(four, SamplingParams(max_tokens=256, **greedy), use_tqdm=False))
+    def decode_tok_s(batch: list[dict]) -> float:
+        """Output tok/s of `batch`'s decode alone: 257 tokens out less 1 (their prompts served
+        from the prefix cache both times), as llama.cpp's tg and S_TG count."""
+        first = best(lambda: llm.generate(batch, SamplingParams(max_tokens=1, **greedy), use_tqdm=False))
+        whole = best(lambda: llm.generate(batch, SamplingParams(max_tokens=257, **greedy), use_tqdm=False))
+        return len(batch) * 256 / (whole - first)
+
+    one_stream = decode_tok_s(prompts(vocab, 1, 128))
+    # A new prompt each time: a repeated one would be served from the prefix cache.
+    fresh = iter(range(100, 200))
+    ttft_1024 = best(
+        lambda: llm.generate(prompts(vocab, 1, 1024, seed=next(fresh)), SamplingParams(max_tokens=1), use_tqdm=False)
+    )
+    four_streams = decode_tok_s(prompts(vocab, 4, 128, seed=2))
     import resource
 
     return {
@@ -103,10 +111,10 @@ def run_jaxllm(model: str, engine_args: dict, repeat: int) -> dict:
         "dtype": llm.engine.config.dtype,
         "quantization": llm.engine.config.quantization,
         "decode_bytes": decode_bytes(llm),
-        "one_stream_tok_s": 256 / (whole - first),
+        "one_stream_tok_s": one_stream,
         "ttft_1024_s": ttft_1024,
         "prompt_1024_tok_s": 1024 / ttft_1024,
-        "four_streams_tok_s": 4 * 256 / four_s,
+        "four_streams_tok_s": four_streams,
     }
 
 
@@ -205,7 +213,8 @@ def run_long(model: str, lengths: list[int], engine_args: dict, bin_dir: str | N
     by /usr/bin/time), and jaxllm's peak RSS against the weights and KV pool it reports."""
     import resource
 
-    llm = LLM(model, max_model_len=max(lengths) + 16, **engine_args)
+    # (no prefix caching: the longer prompts begin with the shorter ones)
+    llm = LLM(model, max_model_len=max(lengths) + 16, enable_prefix_caching=False, **engine_args)
     llm.engine.wait_compiled()  # (steps of a new context length compile in the background first)
     runner = llm.engine.runner
     weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(runner.params))

@@ -53,6 +53,8 @@ How a quantized weight is multiplied (`matmul`):
   group) and sums code x int8 products as integers (AVX2 `vpmaddubsw`, AVX512_VNNI
   `vpdpbusd`), scaling once a group: about 1.3x the weight-only panels' speed on AVX2 from 16
   rows up, 310-510 GFLOP/s on Zen 4, at a perplexity cost (benchmarks/results/zen4/RESULTS.md).
+  With small-step codes it applies to the small steps' 4-bit layer codes only
+  (`LinearPlan.small_step_activations`); with AVX512_VBMI their 1-4 rows read the codes as packed.
 - **Packed W8A8** (`activations="int8"` on a panels weight: `w8a8` on one CPU device): the C++
   GEMM (kernels/csrc/gemm_w8a8.cc) rounds each row of x to int8 with a scale per group of
   `act_group` columns (`w8a8_act_group`: up to 256; a scale per row cost 1.1-1.4% perplexity),
