@@ -182,9 +182,9 @@ def small_step_params(params: dict, device, codes: bool = True, int8=()) -> tupl
             dense = np.asarray(dequantize(w, np), jnp.bfloat16)  # [in, out], rounded to nearest even
             big = put(np.ascontiguousarray(dense.T) if table else dense)
         tree_big[name] = big
-        # (a 4-bit embedding table's rows are looked up from its plain panels: the bf16 one serves)
         if name in int8 and w.bits == 4:
             q = with_int8_activations(relayout(w, True, device))
+        # (a 4-bit embedding table's rows are looked up from its plain panels: the bf16 one serves)
         tree_few[name] = q if isinstance(big, PackedWeight) and (q.bits == 8 or not table) else big
 
     large, small = dict(params), dict(params)
