@@ -36,6 +36,7 @@ import numpy as np
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.models import catalog
+from jaxllm.quantization import weight_bytes
 
 # benchmarks/ must not stay on sys.path (its kernels.py would shadow HF's `kernels` package).
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -69,7 +70,7 @@ def decode_bytes(llm: LLM) -> int:
     params = dict(runner.small_params if runner.small_params is not None else runner.params)
     if "lm_head" in params:
         params.pop("embed", None)
-    return sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    return weight_bytes(params)
 
 
 def prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[dict]:
@@ -106,7 +107,7 @@ def run_jaxllm(model: str, engine_args: dict, repeat: int) -> dict:
 
     return {
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "kv_pool_bytes": sum(x.nbytes for x in jax.tree_util.tree_leaves(llm.engine.runner.kv.pages)),
+        "kv_pool_bytes": weight_bytes(llm.engine.runner.kv.pages),
         "load_s": load_s,
         "dtype": llm.engine.config.dtype,
         "quantization": llm.engine.config.quantization,
@@ -124,32 +125,41 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def run_llama_cpp(bin_dir: str, path: str, threads: int, no_repack: bool) -> dict:
-    """llama-bench (pp1024, tg256) and llama-batched-bench (4 streams). `no_repack`: without
-    its weight repacking, whose AMX path crashes on some virtual machines (SIGSEGV in
-    `ggml_backend_amx_mul_mat`: the guest may not grant AMX tiles to the process); a run that
-    dies of a signal with repacking is run again without it, and says so."""
+def with_repack_fallback(run, no_repack: bool) -> dict:
+    """run(no_repack), a llama.cpp measurement. llama.cpp's weight repacking crashes on some
+    virtual machines (SIGSEGV in `ggml_backend_amx_mul_mat`): a run that dies of a signal with it
+    is run again without, and says so."""
     try:
-        return _run_llama_cpp(bin_dir, path, threads, no_repack)
+        return run(no_repack)
     except subprocess.CalledProcessError as e:
         # (under /usr/bin/time a signal is an exit status and a line on stderr)
         if no_repack or not (e.returncode < 0 or "terminated by signal" in (e.stderr or "")):
             raise
         print("llama.cpp died of a signal with weight repacking: again without it", flush=True)
-        return {**_run_llama_cpp(bin_dir, path, threads, True), "repack_crashed": True}
+        return {**run(True), "repack_crashed": True}
 
 
-def _run_llama_cpp(bin_dir: str, path: str, threads: int, no_repack: bool) -> dict:
+def llama_bench(bin_dir: str, path: str, threads: int, args: list[str], no_repack: bool) -> tuple[list[dict], int]:
+    """`llama-bench` with `args` under /usr/bin/time: (its JSON rows, its peak RSS in bytes)."""
     bench = subprocess.run(
         ["/usr/bin/time", "-f", "maxrss_kib %M", os.path.join(bin_dir, "llama-bench"), "-m", path]
-        + ["-t", str(threads), "-p", "1024", "-n", "256"]
-        + ["-r", "2", "-o", "json"]
+        + ["-t", str(threads), *args, "-o", "json"]
         + (["--repack", "0"] if no_repack else []),
         capture_output=True,
         text=True,
         check=True,
     )
-    rows = json.loads(bench.stdout)
+    return json.loads(bench.stdout), 1024 * int(bench.stderr.rsplit("maxrss_kib", 1)[1].split()[0])
+
+
+def run_llama_cpp(bin_dir: str, path: str, threads: int, no_repack: bool) -> dict:
+    """llama-bench (pp1024, tg256) and llama-batched-bench (4 streams); `no_repack`: without its
+    weight repacking (`with_repack_fallback`)."""
+    return with_repack_fallback(lambda nr: _run_llama_cpp(bin_dir, path, threads, nr), no_repack)
+
+
+def _run_llama_cpp(bin_dir: str, path: str, threads: int, no_repack: bool) -> dict:
+    rows, rss = llama_bench(bin_dir, path, threads, ["-p", "1024", "-n", "256", "-r", "2"], no_repack)
     pp = next(r for r in rows if r["n_prompt"] == 1024 and r["n_gen"] == 0)
     tg = next(r for r in rows if r["n_gen"] == 256 and r["n_prompt"] == 0)
     batched = subprocess.run(
@@ -163,7 +173,7 @@ def _run_llama_cpp(bin_dir: str, path: str, threads: int, no_repack: bool) -> di
     four = [json.loads(line) for line in batched.stdout.splitlines() if line.startswith("{")]
     return {
         # (llama-bench's KV cache holds its longest test's context: 1,024 tokens, ~28 MiB here)
-        "peak_rss_bytes": 1024 * int(bench.stderr.rsplit("maxrss_kib", 1)[1].split()[0]),
+        "peak_rss_bytes": rss,
         "one_stream_tok_s": tg["avg_ts"],
         "prompt_1024_tok_s": pp["avg_ts"],
         "ttft_1024_s": 1024 / pp["avg_ts"],
@@ -207,20 +217,19 @@ def long_prompt(tokenizer, length: int) -> list[int]:
     return (ids * (length // len(ids) + 1))[:length]
 
 
-def run_long(model: str, lengths: list[int], engine_args: dict, bin_dir: str | None, threads: int) -> list[dict]:
+def run_long(
+    model: str, lengths: list[int], engine_args: dict, bin_dir: str | None, threads: int, no_repack: bool
+) -> list[dict]:
     """Time to first token of prompts of `lengths` tokens: jaxllm with its defaults (a context of
-    the longest plus a few tokens), then llama-bench's pp of each length (`-r 1`, its peak RSS
-    by /usr/bin/time), and jaxllm's peak RSS against the weights and KV pool it reports."""
+    the longest plus a few tokens), then llama-bench's pp of each length (`-r 1`, with its peak
+    RSS), and jaxllm's peak RSS against the weights and KV pool it reports."""
     import resource
 
     # (no prefix caching: the longer prompts begin with the shorter ones)
     llm = LLM(model, max_model_len=max(lengths) + 16, enable_prefix_caching=False, **engine_args)
     llm.engine.wait_compiled()  # (steps of a new context length compile in the background first)
     runner = llm.engine.runner
-    weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(runner.params))
-    if runner.small_params is not None:
-        weights += sum(x.nbytes for x in jax.tree_util.tree_leaves(runner.small_params["layers"]))
-    kv = sum(x.nbytes for x in jax.tree_util.tree_leaves(runner.kv.pages))
+    weights, kv = weight_bytes(runner.params, runner.small_params), weight_bytes(runner.kv.pages)
     rows = []
     for n in lengths:
         ids = long_prompt(llm.get_tokenizer(), n)
@@ -236,17 +245,14 @@ def run_long(model: str, lengths: list[int], engine_args: dict, bin_dir: str | N
     path = catalog.path_of(model) or model
     for row in rows if bin_dir else []:
         n = row["tokens"]
-        bench = subprocess.run(
-            ["/usr/bin/time", "-f", "maxrss_kib %M", os.path.join(bin_dir, "llama-bench"), "-m", path]
-            + ["-t", str(threads), "-p", str(n), "-n", "0", "-r", "1", "-o", "json", "--repack", "0"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        pp = json.loads(bench.stdout)[0]
-        row |= {"llama_cpp_ttft_s": n / pp["avg_ts"], "llama_cpp_tok_s": pp["avg_ts"]}
-        row["llama_cpp_peak_rss_bytes"] = 1024 * int(bench.stderr.rsplit("maxrss_kib", 1)[1].split()[0])
-        row["ratio"] = row["jaxllm_tok_s"] / pp["avg_ts"]
+
+        def pp(no_repack: bool) -> dict:
+            (result,), rss = llama_bench(bin_dir, path, threads, ["-p", str(n), "-n", "0", "-r", "1"], no_repack)
+            tok_s = result["avg_ts"]
+            return {"llama_cpp_ttft_s": n / tok_s, "llama_cpp_tok_s": tok_s, "llama_cpp_peak_rss_bytes": rss}
+
+        row |= with_repack_fallback(pp, no_repack)
+        row["ratio"] = row["jaxllm_tok_s"] / row["llama_cpp_tok_s"]
         print(json.dumps(row), flush=True)
     return [{**memory, **row} for row in rows]
 
@@ -290,7 +296,7 @@ def main() -> int:
     bin_dir = ensure_tools() if args.llama_bin == "auto" else None if args.llama_bin == "none" else args.llama_bin
     if args.long:
         lengths = [int(n) for n in args.long.split(",")]
-        rows = run_long(args.model, lengths, json.loads(args.engine_args), bin_dir, args.threads)
+        rows = run_long(args.model, lengths, json.loads(args.engine_args), bin_dir, args.threads, args.llama_no_repack)
         if args.out:
             write_result(args.out, {**result, "long": rows})
         return 0

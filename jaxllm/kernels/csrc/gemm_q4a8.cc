@@ -141,6 +141,19 @@ void q4a8_rows_avx2(const QuantPanel& q, const uint8_t* __restrict panel, const 
 #endif  // JAXLLM_AVX2
 
 #ifdef JAXLLM_AVX512_VNNI
+// Activation group b's integer sums of R rows into their f32 sums: isum * scale * d (the row's
+// int8 scale) + offset * the row's float sum of x over the group.
+template <int R>
+inline void add_group_sums(const ActQ8& a, int64_t b, const __m512i* isum, __m512 scale, __m512 offset,
+                           __m512* acc) {
+#pragma GCC unroll 12
+  for (int i = 0; i < R; ++i) {
+    const __m512 d = _mm512_set1_ps(a.d[i * a.groups + b]), xs = _mm512_set1_ps(a.s[i * a.groups + b]);
+    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(scale, d), acc[i]);
+    acc[i] = _mm512_fmadd_ps(offset, xs, acc[i]);
+  }
+}
+
 // q4a8_rows_avx2 with AVX512_VNNI: the unpacked panel's 64 bytes per 4 rows of K are the 16
 // columns' 4 codes each, in column order, so one vpdpbusd multiplies them by a broadcast of 4
 // bytes of q and adds the 4 products to each column's int32 sum: one instruction where AVX2
@@ -167,13 +180,7 @@ void q4a8_rows_vnni(const QuantPanel& q, const uint8_t* __restrict panel, const 
         isum[i] = _mm512_dpbusd_epi32(isum[i], codes, _mm512_set1_epi32(four));
       }
     }
-    const __m512 scale = _mm512_loadu_ps(s), offset = _mm512_loadu_ps(s + kPanel);
-#pragma GCC unroll 12
-    for (int i = 0; i < R; ++i) {
-      const __m512 d = _mm512_set1_ps(a.d[i * a.groups + b]), xs = _mm512_set1_ps(a.s[i * a.groups + b]);
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(scale, d), acc[i]);
-      acc[i] = _mm512_fmadd_ps(offset, xs, acc[i]);
-    }
+    add_group_sums<R>(a, b, isum, _mm512_loadu_ps(s), _mm512_loadu_ps(s + kPanel), acc);
   }
 #pragma GCC unroll 12
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + i * ldy, acc[i]);
@@ -226,12 +233,7 @@ void q4a8_rows_vbmi(const QuantPanel& q, int64_t p, const ActQ8& a, float* __res
         isum[i] = _mm512_dpbusd_epi32(isum[i], c47, _mm512_set1_epi32(four[1]));
       }
     }
-#pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) {
-      const __m512 d = _mm512_set1_ps(a.d[i * a.groups + b]), xs = _mm512_set1_ps(a.s[i * a.groups + b]);
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(s, d), acc[i]);
-      acc[i] = _mm512_fmadd_ps(o, xs, acc[i]);
-    }
+    add_group_sums<R>(a, b, isum, s, o, acc);
   }
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + i * ldy, acc[i]);
