@@ -137,7 +137,7 @@ def build(cache_dir: str | None = None) -> str:
 
 
 # The kernels' code paths, narrowest first (csrc/simd.h's KernelPath).
-PATHS = ("portable", "avx2", "avx512")
+PATHS = ("portable", "avx2", "avx512", "amx")
 _path_bits = 0
 _bf16_dots = False
 

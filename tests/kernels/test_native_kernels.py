@@ -3,6 +3,7 @@ oracle, the GEMMs against NumPy, the KV write against the scatter, the sampler's
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import shutil
@@ -280,6 +281,38 @@ def test_matmul_packed_swiglu_matches_numpy(rows, dtype):
     assert not np.asarray(live[rows // 2 :]).any()
 
 
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_bf16_gemm_on_amx_tiles(swiglu):
+    # K a multiple of 32 (AMX takes 16 k-pairs a tile; other K run AVX-512 even on path amx), row
+    # counts around the 16-row tiles and 32-row blocks, 7 panels (pairs and a single one; with
+    # swiglu 3 output panels of gate and up), live rows. The tiles' sums are f32 in an order of
+    # their own: within f32 rounding of NumPy's, and not VDPBF16PS's bit for bit. Path auto takes
+    # AMX from 32 rows a work item, VDPBF16PS below.
+    if "amx" not in native.kernel_paths():
+        pytest.skip("no AMX tiles on this CPU (or not granted to this process)")
+    k, n = 96, (96 if swiglu else 112)
+    for rows in (1, 15, 16, 17, 31, 32, 33, 70):
+        rng = np.random.default_rng(rows)
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        w = (rng.standard_normal((k, n)) * (3 if swiglu else 1)).astype(np.float32)
+        ref = rounded(x, "bfloat16") @ rounded(w, "bfloat16")
+        if swiglu:
+            g, u = np.split(ref, 2, axis=1)
+            ref = g / (1 + np.exp(-g)) * u
+        packed = gemm.pack_weight(w, dtype="bfloat16")
+        run = {
+            path: np.asarray(jax.jit(functools.partial(gemm.matmul_packed, path=path, swiglu=swiglu))(x, packed))
+            for path in ("auto", "avx512", "amx")
+        }
+        for y in run.values():
+            np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+        assert (run["amx"] != run["avx512"]).any()
+        np.testing.assert_array_equal(run["auto"], run["amx" if rows >= 32 else "avx512"])
+        live = jax.jit(functools.partial(gemm.matmul_packed, path="amx", swiglu=swiglu))(x, packed, rows=rows // 2)
+        np.testing.assert_array_equal(live[: rows // 2], run["amx"][: rows // 2])
+        assert not np.asarray(live[rows // 2 :]).any()
+
+
 def test_bf16_gemm_dots_follow_the_cpu():
     # AVX512_BF16 dots exactly where the CPU has them (the build is -march=native); the engine
     # packs bf16 weights only then.
@@ -335,11 +368,23 @@ def test_matmul_packed_rejects_mismatched_shapes():
         jax.block_until_ready(gemm.matmul_packed(np.ones((2, 8), np.float32), np.ones((1, 9, 16), np.float32)))
 
 
+def amx_granted() -> bool:
+    """Whether Linux lets this process use AMX's tiles (arch_prctl ARCH_REQ_XCOMP_PERM for
+    XTILEDATA, asked through libc here, apart from the kernels' own request)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl on x86-64
+
+
 def test_kernel_paths_follow_the_cpu():
-    # The build has the SIMD paths this CPU's flags allow (-march=native), so each is tested here.
+    # The build has the SIMD paths this CPU's flags allow (-march=native), so each is tested here;
+    # AMX where the CPU has its bf16 tiles and the kernel lets the process use them.
     flags = lscpu_flags()
+    amx = {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags and amx_granted()
     expected = (
-        ("portable",) + (("avx2",) if {"avx2", "fma"} <= flags else ()) + (("avx512",) if "avx512f" in flags else ())
+        ("portable",)
+        + (("avx2",) if {"avx2", "fma"} <= flags else ())
+        + (("avx512",) if "avx512f" in flags else ())
+        + (("amx",) if amx else ())
     )
     assert native.kernel_paths() == expected
     args = make_batch(0, [1], [5])

@@ -302,7 +302,7 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[2] != kPanel || wd[1] != xd[1] || (swiglu && wd[0] % 2))
     return ffi::Error::InvalidArgument("matmul_packed: needs x [M, K] and w [N / 16, K, 16] (N / 16 even for swiglu)");
-  if (path < kAuto || path > kAvx512 || (path != kAuto && !(built_paths() & (1 << path))))
+  if (!path_ok(path))
     return ffi::Error::InvalidArgument("matmul_packed: this build has no such kernel path");
   GemmArgs g{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[0] * kPanel};
   g.M = live_rows(rows, g.M, swiglu ? g.N / 2 : g.N, g.y);

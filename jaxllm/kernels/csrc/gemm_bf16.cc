@@ -13,8 +13,11 @@
 // in gemm.cc. Work items are gemm.cc's (GemmItems), over panel pairs.
 //
 // Paths: AVX512_BF16 (kAvx512, 6 rows x 4 panels of sums in 24 registers, or 12 x 2 for fewer
-// panels); elsewhere a portable loop over the same layout (tests, and CPUs whose models are not
-// packed this way: `native.has_bf16_dots()` says which).
+// panels); AMX (kAmx: auto takes it for work items of kAmxRows rows or more), where 16 k-pairs of
+// a panel are already a B tile; elsewhere a portable loop over the same layout (tests, and CPUs
+// whose models are not packed this way: `native.has_bf16_dots()` says which). AMX's dot sums the
+// same exact products in f32 in another order (its results differ from VDPBF16PS's in the last
+// bits), so which rows take it depends on the step's size, not on the row.
 
 #pragma once
 
@@ -114,6 +117,104 @@ void bf16_block_avx512(const Bf16GemmArgs& g, const uint32_t* const* w, float* y
 }
 #endif  // JAXLLM_AVX512_BF16
 
+#ifdef JAXLLM_AMX_BF16
+// Fewest rows a work item must have for path auto to take AMX: a tile holds 16 rows, and with
+// fewer than two of them the tile loads cost more than VDPBF16PS's broadcasts.
+constexpr int64_t kAmxRows = 32;
+
+// ldtilecfg's 64-byte operand (palette 1): each tile's rows and bytes per row.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: the sums C[b][j] of row block b (16 rows) and panel j of a pair, tile 2 b + j;
+// 4-5: x's row blocks (16 rows x 16 k-pairs); 6-7: the pair's panels (16 k-pairs x 16 columns).
+// `m` rows (1-32): tiles of the second block exist only from 17 rows.
+inline void amx_configure(int64_t m) {
+  TileConfig c;
+  const uint8_t m0 = static_cast<uint8_t>(std::min<int64_t>(m, 16)), m1 = static_cast<uint8_t>(m - m0);
+  for (int t : {0, 1, 4}) c.rows[t] = m0;
+  for (int t : {2, 3, 5}) c.rows[t] = m1;
+  for (int t : {6, 7}) c.rows[t] = 16;
+  for (int t = 0; t < 8; ++t) c.colsb[t] = c.rows[t] ? 64 : 0;
+  _tile_loadconfig(&c);
+}
+
+// Rows x[0 .. 16 or 32) (TWO: both blocks) against panels w0 and w1 over all KP k-pairs; the
+// sums land in tiles 0-3 (see amx_configure).
+template <bool TWO>
+void amx_pair(const uint32_t* x, int64_t KP, const uint32_t* w0, const uint32_t* w1) {
+  const int64_t stride = KP * 4;  // bytes from one row of x to the next
+  _tile_zero(0);
+  _tile_zero(1);
+  if (TWO) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t kp = 0; kp < KP; kp += 16) {
+    _tile_loadd(6, w0 + kp * kPanel, 64);
+    _tile_loadd(7, w1 + kp * kPanel, 64);
+    _tile_loadd(4, x + kp, stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (TWO) {
+      _tile_loadd(5, x + 16 * KP + kp, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+}
+
+// Rows [r0, r1) of P_OUT output panels, as bf16_panels (KP a multiple of 16): panels in pairs
+// (with swiglu a gate panel and its up panel), rows in blocks of 32, each block against every
+// pair while its rows of x are in cache.
+template <int P_OUT>
+void bf16_block_amx(const Bf16GemmArgs& g, const uint32_t* const* w, float* y, int64_t ldy, int64_t r0, int64_t r1,
+                    bool swiglu) {
+  const int64_t KP = g.KP;
+  alignas(64) float sums[2][2][16][kPanel];  // [block][panel of the pair][row][column], for swiglu
+  int64_t configured = 0;
+  for (int64_t r = r0; r < r1; r += 32) {
+    const int64_t m = std::min<int64_t>(32, r1 - r), m0 = std::min<int64_t>(m, 16);
+    if (m != configured) amx_configure(configured = m);
+    const uint32_t* x = g.x + r * KP;
+    float* out = y + r * ldy;
+    for (int i = 0; i < P_OUT; i += swiglu ? 1 : 2) {
+      const uint32_t* w0 = w[i];
+      const uint32_t* w1 = swiglu ? w[P_OUT + i] : i + 1 < P_OUT ? w[i + 1] : w[i];
+      if (m > 16) {
+        amx_pair<true>(x, KP, w0, w1);
+      } else {
+        amx_pair<false>(x, KP, w0, w1);
+      }
+      if (!swiglu) {  // straight into y, 16 columns a tile row
+        _tile_stored(0, out + i * kPanel, ldy * 4);
+        if (m > 16) _tile_stored(2, out + 16 * ldy + i * kPanel, ldy * 4);
+        if (i + 1 < P_OUT) {
+          _tile_stored(1, out + (i + 1) * kPanel, ldy * 4);
+          if (m > 16) _tile_stored(3, out + 16 * ldy + (i + 1) * kPanel, ldy * 4);
+        }
+        continue;
+      }
+      _tile_stored(0, sums[0][0], 64);
+      _tile_stored(1, sums[0][1], 64);
+      if (m > 16) {
+        _tile_stored(2, sums[1][0], 64);
+        _tile_stored(3, sums[1][1], 64);
+      }
+      for (int64_t row = 0; row < m; ++row) {
+        const int b = row >= m0, t = static_cast<int>(row - b * 16);
+        _mm512_storeu_ps(out + row * ldy + i * kPanel,
+                         swiglu_f32x16(_mm512_load_ps(sums[b][0][t]), _mm512_load_ps(sums[b][1][t])));
+      }
+    }
+  }
+  _tile_release();  // (XLA's own AMX GEMMs on this thread load their own configuration)
+}
+#endif  // JAXLLM_AMX_BF16
+
 // Portable: one row and one panel at a time; each product widened to f32 (exact), summed in f32.
 void bf16_panel_portable(const Bf16GemmArgs& g, const uint32_t* panel, float* out, int64_t r) {
   float acc[kPanel] = {};
@@ -134,6 +235,10 @@ void bf16_panel_portable(const Bf16GemmArgs& g, const uint32_t* panel, float* ou
 template <int P_OUT>
 void bf16_panels(const Bf16GemmArgs& g, const uint32_t* const* w, float* y, int64_t ldy, int64_t r0, int64_t r1,
                  bool swiglu, int32_t path, Prefetcher* pf = nullptr) {
+#ifdef JAXLLM_AMX_BF16
+  if ((path == kAmx || (path == kAuto && r1 - r0 >= kAmxRows)) && g.KP % 16 == 0 && amx_ready())
+    return bf16_block_amx<P_OUT>(g, w, y, ldy, r0, r1, swiglu);
+#endif
 #ifdef JAXLLM_AVX512_BF16
   if (path == kAuto || path >= kAvx512) {
     if constexpr (P_OUT <= 2) {  // the callers take swiglu panels at most two at a time
@@ -179,7 +284,7 @@ ffi::Error MatmulPackedBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, 
       (swiglu && wd[0] % 2))
     return ffi::Error::InvalidArgument(
         "matmul_packed_bf16: needs x [M, K] and w [N / 16, K / 2, 16, 2] (N / 16 even for swiglu)");
-  if (path < kAuto || path > kAvx512 || (path != kAuto && !(built_paths() & (1 << path))))
+  if (!path_ok(path))
     return ffi::Error::InvalidArgument("matmul_packed_bf16: this build has no such kernel path");
   Bf16GemmArgs g{reinterpret_cast<const uint32_t*>(x.untyped_data()),
                  reinterpret_cast<const uint32_t*>(w.untyped_data()), y->typed_data(), xd[0], wd[1], wd[0] * kPanel};

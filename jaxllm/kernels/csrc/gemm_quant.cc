@@ -174,7 +174,7 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
         "scale f32 or f16 [G, N] with G dividing K, offset empty or like scale (N / 16 even for swiglu); "
         "two-level: scale and offset int8, super_scale f16 [G / S, N], super_offset like it or empty; bias int32 "
         "[K / act_group or 1, N] for 8-bit codes x int8 activations only");
-  if (path < kAuto || path > kAvx512 || (path != kAuto && !(built_paths() & (1 << path))))
+  if (!path_ok(path))
     return ffi::Error::InvalidArgument("matmul_quantized: this build has no such kernel path");
   if (act8 && !(int4 && !act_group && xd[1] % kActGroup == 0 && (xd[1] / sd[0]) % kActGroup == 0) &&
       !(int8 && sd[0] == 1 && !offset.element_count() && !two_level && xd[1] % 4 == 0 && xd[1] <= kW8A8MaxK &&

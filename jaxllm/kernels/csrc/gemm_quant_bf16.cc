@@ -317,7 +317,7 @@ ffi::Error MatmulQuantBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, f
         "matmul_quantized_bf16: needs x [M, K] bf16 with K a multiple of 4, codes uint8 [N / 16, K / 4, 32] (bits 4, "
         "pairs) or int8 [N / 16, K, 16] (bits 8), scale [G, N] (groups of a multiple of 4 rows), offset empty or "
         "like scale, and for two-level scales int8 ones with f16 supers");
-  if (path < kAuto || path > kAvx512 || (path != kAuto && !(built_paths() & (1 << path))))
+  if (!path_ok(path))
     return ffi::Error::InvalidArgument("matmul_quantized_bf16: this build has no such kernel path");
   CodesBf16Args a{reinterpret_cast<const uint16_t*>(x.untyped_data()),
                   static_cast<const uint8_t*>(codes.untyped_data()), y->typed_data(), xd[0], xd[1], cd[0] * kPanel};

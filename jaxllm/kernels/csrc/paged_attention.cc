@@ -230,7 +230,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   a.sm_scale = sm_scale;
   a.soft_cap = soft_cap;
   a.sliding_window = sliding_window;
-  if (path < kAuto || path > kAvx512 || (path != kAuto && !(built_paths() & (1 << path))))
+  if (!path_ok(path))
     return ffi::Error::InvalidArgument("paged attention: this build has no such kernel path");
   a.path = path;
   a.q_heads_per_kv_head = a.num_q_heads / a.num_kv_heads;

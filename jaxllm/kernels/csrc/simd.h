@@ -27,15 +27,34 @@
 #define JAXLLM_AVX512_VBMI 1
 #endif
 #endif
+// AMX's bf16 tiles (gemm_bf16.cc's large-row GEMMs), with AVX512_BF16 for the rest of that file.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define JAXLLM_AMX_BF16 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace jaxllm {
 
 // The kernels' code paths, narrowest first; a build has those its -march allows (attention
-// has all three; the f32 GEMM portable and AVX2, the bf16 one portable and AVX-512 with BF16).
-// A `path` argument names the widest to try.
-enum KernelPath : int32_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3 };
+// has portable, AVX2 and AVX-512; the f32 GEMM portable and AVX2, the bf16 one portable,
+// AVX-512 with BF16 and AMX). A `path` argument names the widest to try: a kernel without code
+// for it runs its widest below (AMX is AVX-512 everywhere but in the bf16 GEMM).
+enum KernelPath : int32_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3, kAmx = 4 };
 
-// Bit p set: path p is built into this library.
+#ifdef JAXLLM_AMX_BF16
+// Linux gives a process AMX's tile registers only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM
+// for XTILEDATA, Linux 5.16 on); before that a tile instruction faults. Asked once a process.
+inline bool amx_ready() {
+  static const bool ready = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+}
+#endif
+
+// Bit p set: path p is built into this library (AMX: and this process may use its tiles).
 inline int32_t built_paths() {
   int32_t bits = 1 << kPortable;
 #ifdef JAXLLM_AVX2
@@ -44,7 +63,15 @@ inline int32_t built_paths() {
 #ifdef __AVX512F__
   bits |= 1 << kAvx512;
 #endif
+#ifdef JAXLLM_AMX_BF16
+  if (amx_ready()) bits |= 1 << kAmx;
+#endif
   return bits;
+}
+
+// Whether a kernel's `path` argument is auto or a path of this build.
+inline bool path_ok(int32_t path) {
+  return path == kAuto || (path >= kPortable && path <= kAmx && (built_paths() & (1 << path)));
 }
 
 // The vector exps' constants (Cephes' expf): e^x = 2^n e^r with n = round(x log2 e) and
