@@ -73,8 +73,8 @@ class EngineArgs:
         "'gguf' (a GGUF's own quantized blocks, kept), 'awq', 'gptq' (read from the checkpoint's "
         "quantization_config); 'none' (a GGUF dequantized to the dtype). "
         "Default: an AWQ/GPTQ checkpoint as it is; a GGUF kept quantized where the dtype is float32 "
-        "on a CPU with the C++ kernels, else dequantized (its blocks kept beside for small steps: "
-        "small_step_codes; see jaxllm/quantization)",
+        "on a CPU with the C++ kernels, or bfloat16 on one with AMX, else dequantized (its blocks kept "
+        "beside for small steps: small_step_codes; see jaxllm/quantization)",
         choices=QUANTIZATION_METHODS,
     )
     kv_cache_dtype: str = option(
@@ -208,7 +208,8 @@ class EngineArgs:
         "a GGUF's quantized layer and tied LM-head blocks kept beside the bf16 weights, for steps of at "
         "most 4 rows: the same numbers (the codes become the bf16 weights as they are read) from about a "
         "third of the bytes, which a decode step of a few rows waits on; on one CPU device with AVX512_BF16 "
-        "under dtype bfloat16. Default: on where it applies, for 1.36x the weights' memory (default model)",
+        "under dtype bfloat16. Default: on where it applies and the CPU has no AMX, for 1.36x the weights' "
+        "memory (default model); with AMX the blocks serve every step alone (quantization 'gguf')",
     )
     speculative_config: dict | str | None = option(
         None,

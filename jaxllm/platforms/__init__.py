@@ -19,6 +19,8 @@ from jaxllm.utils import check_dtype
 # AVX-512 BF16 (Zen 4/5, Cooper Lake+) and AMX (Sapphire Rapids+). Without them XLA widens
 # bf16 operands to f32 on every dot, and float32 measured 2x faster end to end (Zen 2).
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+# AMX's bf16 tiles (Sapphire Rapids+), which the C++ bf16 GEMMs use from two rows.
+AMX_CPU_FLAGS = frozenset({"amx_tile", "amx_bf16"})
 
 
 def cpu_flags() -> frozenset[str]:
@@ -42,12 +44,15 @@ class Platform:
         compiler is there) while `build_confirmed` is False.
     cpp_bf16_dots: their bf16 GEMMs multiply with AVX512_BF16 dots (before the build is
         confirmed: the CPU's flags say it has them).
-    build_confirmed: the two facts above come from the finished build."""
+    cpp_amx: and with AMX tiles from two rows (the build has the path and Linux lets the process
+        use the tiles; before the build is confirmed: the CPU's flags say it has them).
+    build_confirmed: the facts above come from the finished build."""
 
     name: str
     cpu_flags: frozenset[str] = frozenset()
     cpp_kernels: bool = False
     cpp_bf16_dots: bool = False
+    cpp_amx: bool = False
     build_confirmed: bool = False
     gpu_capability: str = ""  # a CUDA GPU's compute capability, e.g. "9.0"
 
@@ -69,7 +74,8 @@ class Platform:
         if not use_cpp:
             return cls(name, flags, build_confirmed=True)
         native.start_build()
-        return cls(name, flags, native.expected(), "avx512_bf16" in flags)
+        expected, bf16_dots = native.expected(), "avx512_bf16" in flags
+        return cls(name, flags, expected, bf16_dots, bf16_dots and AMX_CPU_FLAGS <= flags)
 
     def confirmed(self) -> Platform:
         """This platform with the C++ facts from the finished build (waits for it)."""
@@ -79,7 +85,11 @@ class Platform:
 
         available = self.cpp_kernels and native.available()
         return dataclasses.replace(
-            self, cpp_kernels=available, cpp_bf16_dots=available and native.has_bf16_dots(), build_confirmed=True
+            self,
+            cpp_kernels=available,
+            cpp_bf16_dots=available and native.has_bf16_dots(),
+            cpp_amx=available and "amx" in native.kernel_paths(),
+            build_confirmed=True,
         )
 
     @classmethod

@@ -40,9 +40,11 @@ How a quantized weight is multiplied (`matmul`):
   GEMM's product of the dequantized weights bit for bit (embedding rows rounded to bf16 too), so
   `gguf` on the default model is the bf16 engine's outputs in 0.36x its weight memory. On Zen 4
   the layer GEMMs ran at 1.35-1.45x the bf16 GEMM at 1 row, 1.15x at 4, 0.8x at 16, 0.94-0.98x
-  from 64 up, about twice the f32 path above (benchmarks/results/zen4/RESULTS.md).
+  from 64 up, about twice the f32 path above (benchmarks/results/zen4/RESULTS.md). From two rows
+  on a CPU with AMX the converted panels go through AMX tiles (the bf16 GEMM's `amx` path), and a
+  GGUF under bf16 serves every step from its blocks by default (`weights.plan`).
 - **Small-step codes** (`EngineArgs.small_step_codes`, on by default for a GGUF under dtype
-  bfloat16 on a CPU with AVX512_BF16; the run is not quantized): `weights.prepare.small_step_params` keeps the
+  bfloat16 on a CPU with AVX512_BF16 and no AMX; the run is not quantized): `weights.prepare.small_step_params` keeps the
   GGUF's blocks as bf16-activation codes for the steps of at most SMALL_STEP_ROWS rows and makes
   the bf16 weights of the other steps from them (`gemm.codes_to_bf16_panels`, the GEMM over
   codes' own conversion): the same numbers both ways, the small steps streaming a third of the

@@ -111,7 +111,13 @@ def resolve_weight_plan(
         one_device and platform.name == "cpu" and args.attention_backend in (None, "native") and platform.cpp_kernels
     )
     small = _small_step_codes(args, platform, cpp_gemm, checkpoint)
-    if small:
+    # Where AMX multiplies bf16 from two rows, the GEMM over codes runs every step about as fast as
+    # the bf16 panels would (it converts each panel once a call): by default a GGUF's blocks then
+    # serve alone, in a third of the panels' memory. int8 activations keep the small-step split:
+    # its int8 GEMM would take the large steps off AMX.
+    codes_only = small and args.small_step_codes is None and platform.cpp_amx and not args.int8_activations
+    small = small and not codes_only
+    if small or codes_only:
         load = "auto"
     elif asked is not None:  # "none" included
         load = asked if asked in CHECKPOINT_METHODS else None

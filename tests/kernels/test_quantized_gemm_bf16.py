@@ -38,22 +38,25 @@ def random_codes(rng, bits: int, k: int, n: int, groups: int, with_offset: bool,
     codes = rng.integers(0, 16, (k, n)) if bits == 4 else rng.integers(-127, 128, (k, n))
     scale = (rng.random((groups, n)) * 0.05 + 1e-3).astype(scale_dtype)
     offset = (-rng.random((groups, n)) * 0.3).astype(scale_dtype) if with_offset else None
-    # The loader's dequantization (gguf's `d * q + m` in f32): the reference the kernel rounds.
-    w = codes.astype(np.float32) * np.repeat(scale.astype(np.float32), k // groups, 0)
+    # `d * q + m` rounded once to f32, as the kernel's fused multiply-add rounds it (rounding the
+    # product first moves a weight near a bf16 tie by one bf16 step, now and then).
+    w = codes.astype(np.float64) * np.repeat(scale.astype(np.float64), k // groups, 0)
     if offset is not None:
-        w = w + np.repeat(offset.astype(np.float32), k // groups, 0)
-    return codes, scale, offset, w
+        w = w + np.repeat(offset.astype(np.float64), k // groups, 0)
+    return codes, scale, offset, w.astype(np.float32)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 13, 97])
+@pytest.mark.parametrize("k", [72, 96])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(
     "groups, with_offset, scale_dtype", [(3, True, np.float16), (1, False, np.float32), (6, True, np.float32)]
 )
-def test_matmul_quantized_bf16_is_the_bf16_gemm_of_the_rounded_weights(rows, bits, groups, with_offset, scale_dtype):
-    # K = 72 (groups of 72, 24, 12 rows), 7 panels: items of 4, 2 and 1 panels.
-    rng = np.random.default_rng(rows * 7 + groups + bits)
-    k, n = 72, 112
+def test_matmul_quantized_bf16_is_the_bf16_gemm_of_the_rounded_weights(rows, k, bits, groups, with_offset, scale_dtype):
+    # K = 72 (groups of 72, 24, 12 rows) or 96 (AMX's tiles take 32 at a time: from 2 rows the
+    # call runs on them, on both sides, where the CPU has them), 7 panels: items of 4, 2 and 1 panels.
+    rng = np.random.default_rng(rows * 7 + groups + bits + k)
+    n = 112
     codes, scale, offset, w = random_codes(rng, bits, k, n, groups, with_offset, scale_dtype)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     packed = gemm.pack_codes(codes, bits, pairs=bits == 4)
@@ -62,7 +65,7 @@ def test_matmul_quantized_bf16_is_the_bf16_gemm_of_the_rounded_weights(rows, bit
     bf16_panels = gemm.pack_weight(w.astype(ml_dtypes.bfloat16), dtype=ml_dtypes.bfloat16)
     for path in ("auto", *native.kernel_paths()):
         if path == "avx2":
-            continue  # the bf16 kernels have portable and AVX-512 code only
+            continue  # the bf16 kernels have portable, AVX-512 and AMX code only
         y = jax.jit(functools.partial(gemm.matmul_quantized_bf16, bits=bits, path=path))(x, packed, scale, offset)
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
         same = jax.jit(functools.partial(gemm.matmul_packed, path=path))(x, bf16_panels)

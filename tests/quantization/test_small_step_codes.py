@@ -1,5 +1,6 @@
 """Small-step codes (`EngineArgs.small_step_codes`): a GGUF's quantized blocks kept beside the
-bf16 weights, for the steps of at most SMALL_STEP_ROWS rows. The bf16 weights are made from the
+bf16 weights, for the steps of at most SMALL_STEP_ROWS rows (or, where AMX multiplies bf16, the
+blocks alone for every step). The bf16 weights are made from the
 codes in C++ (`gemm.codes_to_bf16_panels`), which must give what packing the dequantized
 weights gives, bit for bit; the engine must then be the bf16 engine of the dequantized file
 (`quantization="none"`), token for token and logprob for logprob, in small steps and large."""
@@ -75,7 +76,7 @@ def test_gguf_engine_with_small_step_codes_is_the_dequantized_bf16_engine(tmp_pa
     assert not ref_llm.engine.config.small_step_codes and ref_llm.engine.runner.small_params is None
     refs = [ref_llm.generate(b, greedy, use_tqdm=False) for b in batches]
     ref_params = ref_llm.engine.runner.params
-    llm = LLM(path, **args)
+    llm = LLM(path, small_step_codes=True, **args)  # (the default where the CPU has no AMX)
     assert llm.engine.config.small_step_codes and llm.engine.config.quantization is None
     runner = llm.engine.runner
     large, small = runner.params, runner.small_params
@@ -104,6 +105,18 @@ def test_gguf_engine_with_small_step_codes_is_the_dequantized_bf16_engine(tmp_pa
             ]
     assert min(seen) <= SMALL_STEP_ROWS < max(seen), seen
     assert weight_bytes(large, small) > weight_bytes(large) > weight_bytes(ref_params) * 0.99
+
+    # From the codes alone (quantization="gguf"; the default where AMX multiplies bf16): every
+    # step converts the codes as it reads them, and AMX or VDPBF16PS decide by a call's rows on
+    # both sides, so the tokens and logprobs are still the reference's, in a third of the bytes.
+    alone = LLM(path, quantization="gguf", **args)
+    assert alone.engine.config.quantization == "gguf" and alone.engine.runner.small_params is None
+    assert isinstance(alone.engine.runner.params["layers"][0]["w_gate_up"], QuantizedWeight)
+    for batch, ref in zip(batches, refs):
+        for a, b in zip(alone.generate(batch, greedy, use_tqdm=False), ref):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert weight_bytes(alone.engine.runner.params) < weight_bytes(ref_params) / 2
 
 
 @needs_bf16_dots
@@ -139,16 +152,19 @@ def test_small_step_codes_with_int8_activations(tmp_path):
 
 
 def test_small_step_codes_follow_the_cpu_and_the_run(tiny_model_dir, tmp_path):
-    # On by default for a GGUF under bf16 where the CPU has AVX512_BF16; off for float32 runs,
-    # asked quantizations and HF checkpoints; asked for where it cannot apply: a clear error.
+    # On by default for a GGUF under bf16 where the CPU has AVX512_BF16 but no AMX (with AMX the
+    # codes serve every step alone: quantization "gguf"); off for float32 runs, asked
+    # quantizations and HF checkpoints; asked for where it cannot apply: a clear error.
     path = write_quantized_gguf(str(tmp_path / "tiny.gguf"))
     args = dict(TINY_ENGINE_ARGS, params_cache_dir=str(tmp_path / "params"))
-    here = "avx512_bf16" in cpu_flags() and native.has_bf16_dots()
-    assert LLM(path, **{**args, "dtype": "bfloat16"}).engine.config.small_step_codes == here
+    dots = "avx512_bf16" in cpu_flags() and native.has_bf16_dots()
+    amx = dots and "amx" in native.kernel_paths()
+    config = LLM(path, **{**args, "dtype": "bfloat16"}).engine.config
+    assert (config.small_step_codes, config.quantization) == (dots and not amx, "gguf" if amx else None)
     assert not LLM(path, **args).engine.config.small_step_codes  # float32
     assert not LLM(path, quantization="gguf", **{**args, "dtype": "bfloat16"}).engine.config.small_step_codes
     with pytest.raises(ValueError, match="small_step_codes needs"):
         LLM(path, small_step_codes=True, **args)
-    if here:
+    if dots:
         with pytest.raises(ValueError, match="small_step_codes needs a GGUF"):
             LLM(tiny_model_dir, small_step_codes=True, **{**args, "dtype": "bfloat16"})

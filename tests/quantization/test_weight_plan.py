@@ -20,6 +20,7 @@ ZEN4 = Platform(
     cpp_bf16_dots=True,
     build_confirmed=True,
 )
+XEON_AMX = dataclasses.replace(ZEN4, cpu_flags=ZEN4.cpu_flags | {"amx_tile", "amx_bf16"}, cpp_amx=True)
 NO_COMPILER = dataclasses.replace(ZEN3, cpp_kernels=False)
 GPU = Platform("gpu")
 
@@ -123,6 +124,56 @@ CASES = [
             "lm_head": LinearPlan(None, "cpp", small_step_codes=True),
             "embed": LinearPlan(None, "cpp", small_step_codes=True),
         },
+    ),
+    (
+        "amx defaults, before loading: keep a GGUF's blocks",
+        XEON_AMX,
+        BF16,
+        True,
+        UNKNOWN,
+        (None, "auto", True, True, False, False),
+        {"wqkv": LinearPlan(None, "cpp")},
+    ),
+    (
+        "amx defaults, a GGUF: its blocks alone, x as bf16",
+        XEON_AMX,
+        BF16,
+        True,
+        "gguf",
+        ("gguf", "auto", True, True, False, False),
+        {
+            "wqkv": LinearPlan("gguf", "cpp", "bf16"),
+            "lm_head": LinearPlan("gguf", "cpp", "bf16"),
+            "embed": LinearPlan("gguf", "cpp", "bf16"),
+            "experts_down": LinearPlan("gguf", "xla"),
+        },
+    ),
+    (
+        "amx defaults, an HF checkpoint: bf16 panels",
+        XEON_AMX,
+        BF16,
+        True,
+        None,
+        (None, None, True, True, False, False),
+        {"wqkv": LinearPlan(None, "cpp")},
+    ),
+    (
+        "amx, small_step_codes asked: bf16 panels + small-step codes",
+        XEON_AMX,
+        dict(BF16, small_step_codes=True),
+        True,
+        "gguf",
+        (None, "auto", True, True, False, True),
+        {"wqkv": LinearPlan(None, "cpp", small_step_codes=True)},
+    ),
+    (
+        "amx, int8_activations: the small-step split (the large steps stay on AMX)",
+        XEON_AMX,
+        dict(BF16, int8_activations=True),
+        True,
+        "gguf",
+        (None, "auto", True, True, False, True),
+        {"wqkv": LinearPlan(None, "cpp", small_step_codes=True, small_step_activations="int8")},
     ),
     (
         "avx512_bf16 defaults, an HF checkpoint: bf16 panels",
@@ -316,6 +367,7 @@ def test_detected_platform_is_this_machine():
     assert platform.name == "cpu" and platform.cpu_flags == cpu_flags()
     assert platform.cpp_kernels == native.available()
     assert platform.cpp_bf16_dots == (native.available() and native.has_bf16_dots())
+    assert platform.cpp_amx == (native.available() and "amx" in native.kernel_paths())
     assert not Platform.detect(use_cpp=False).cpp_kernels
 
 

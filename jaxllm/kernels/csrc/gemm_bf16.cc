@@ -13,11 +13,13 @@
 // in gemm.cc. Work items are gemm.cc's (GemmItems), over panel pairs.
 //
 // Paths: AVX512_BF16 (kAvx512, 6 rows x 4 panels of sums in 24 registers, or 12 x 2 for fewer
-// panels); AMX (kAmx: auto takes it for work items of kAmxRows rows or more), where 16 k-pairs of
-// a panel are already a B tile; elsewhere a portable loop over the same layout (tests, and CPUs
+// panels); AMX (kAmx: auto takes it for calls of kAmxRows rows or more), where 16 k-pairs of a
+// panel are already a B tile; elsewhere a portable loop over the same layout (tests, and CPUs
 // whose models are not packed this way: `native.has_bf16_dots()` says which). AMX's dot sums the
 // same exact products in f32 in another order (its results differ from VDPBF16PS's in the last
-// bits), so which rows take it depends on the step's size, not on the row.
+// bits), so a call takes one or the other for all its rows, by their count (`bf16_gemm_path`),
+// and the GEMM over codes (gemm_quant_bf16.cc) chooses as this one does: over codes or over
+// their bf16 panels, a step computes the same numbers.
 
 #pragma once
 
@@ -117,10 +119,21 @@ void bf16_block_avx512(const Bf16GemmArgs& g, const uint32_t* const* w, float* y
 }
 #endif  // JAXLLM_AVX512_BF16
 
+// Fewest rows a call must have for path auto to take AMX. One row streams its weights through
+// VDPBF16PS as fast (bf16 panels) or faster (codes converted in registers, 0.8x AMX's time); from
+// two rows the tiles are as fast or faster, and from four, over codes, 0.45-0.75x VDPBF16PS's time.
+constexpr int64_t kAmxRows = 2;
+
+// The path a call of M rows takes (`path` auto: AMX from kAmxRows rows where the process may).
+inline int32_t bf16_gemm_path(int32_t path, int64_t M) {
 #ifdef JAXLLM_AMX_BF16
-// Fewest rows a work item must have for path auto to take AMX: a tile holds 16 rows, and with
-// fewer than two of them the tile loads cost more than VDPBF16PS's broadcasts.
-constexpr int64_t kAmxRows = 32;
+  if (path == kAuto && M >= kAmxRows && amx_ready()) return kAmx;
+#endif
+  (void)M;
+  return path;
+}
+
+#ifdef JAXLLM_AMX_BF16
 
 // ldtilecfg's 64-byte operand (palette 1): each tile's rows and bytes per row.
 struct alignas(64) TileConfig {
@@ -236,7 +249,7 @@ template <int P_OUT>
 void bf16_panels(const Bf16GemmArgs& g, const uint32_t* const* w, float* y, int64_t ldy, int64_t r0, int64_t r1,
                  bool swiglu, int32_t path, Prefetcher* pf = nullptr) {
 #ifdef JAXLLM_AMX_BF16
-  if ((path == kAmx || (path == kAuto && r1 - r0 >= kAmxRows)) && g.KP % 16 == 0 && amx_ready())
+  if (path == kAmx && g.KP % 16 == 0)  // (kAmx passes path_ok only where amx_ready)
     return bf16_block_amx<P_OUT>(g, w, y, ldy, r0, r1, swiglu);
 #endif
 #ifdef JAXLLM_AVX512_BF16
@@ -290,6 +303,7 @@ ffi::Error MatmulPackedBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, 
                  reinterpret_cast<const uint32_t*>(w.untyped_data()), y->typed_data(), xd[0], wd[1], wd[0] * kPanel};
   const int64_t out_n = swiglu ? g.N / 2 : g.N;
   g.M = live_rows(rows, g.M, out_n, g.y);
+  path = bf16_gemm_path(path, g.M);
   // Items over output panels, taken four (two with swiglu: their gate and up make four) at a
   // time: the panels of a block share x's loads, and at decode sizes four weight streams keep
   // more of memory's bandwidth busy than one (on Zen 4, the model's layer GEMMs took 0.8x the

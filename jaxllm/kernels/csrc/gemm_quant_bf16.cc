@@ -259,7 +259,8 @@ void codes_bf16_output_panels(const CodesBf16Args& a, const QuantPanel& q, int64
   const uint32_t* x = reinterpret_cast<const uint32_t*>(a.x) + r0 * a.K / 2;
   float* y = a.y + r0 * ldy + p * kPanel;
 #ifdef JAXLLM_AVX512_BF16
-  if ((path == kAuto || path >= kAvx512) && r1 - r0 <= kCodesDirectRows) {
+  const bool tiles = path == kAmx && a.K % 32 == 0;  // every row on AMX, as bf16_panels takes them
+  if ((path == kAuto || path >= kAvx512) && !tiles && r1 - r0 <= kCodesDirectRows) {
     switch (r1 - r0) {
       case 1: codes_bf16_direct<BITS, 1, P_OUT>(q, x, a.K / 2, w, panel, y, ldy, swiglu); break;
       case 2: codes_bf16_direct<BITS, 2, P_OUT>(q, x, a.K / 2, w, panel, y, ldy, swiglu); break;
@@ -323,6 +324,7 @@ ffi::Error MatmulQuantBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, f
                   static_cast<const uint8_t*>(codes.untyped_data()), y->typed_data(), xd[0], xd[1], cd[0] * kPanel};
   const int64_t out_n = swiglu ? a.N / 2 : a.N;
   a.M = live_rows(rows, a.M, out_n, a.y);
+  path = bf16_gemm_path(path, a.M);  // AMX for every row of a call, or for none (gemm_bf16.cc)
   QuantPanel q{nullptr, scale.untyped_data(), offset.element_count() ? offset.untyped_data() : nullptr,
                scale.element_type() == ffi::DataType::F16, a.K, a.N, a.K / sd[0], bits};
   if (two_level) {
