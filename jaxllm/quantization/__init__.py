@@ -44,11 +44,12 @@ How a quantized weight is multiplied (`matmul`):
   on a CPU with AMX the converted panels go through AMX tiles (the bf16 GEMM's `amx` path), and a
   GGUF under bf16 serves every step from its blocks by default (`weights.plan`).
 - **Small-step codes** (`EngineArgs.small_step_codes`, on by default for a GGUF under dtype
-  bfloat16 on a CPU with AVX512_BF16 and no AMX; the run is not quantized): `weights.prepare.small_step_params` keeps the
-  GGUF's blocks as bf16-activation codes for the steps of at most SMALL_STEP_ROWS rows and makes
-  the bf16 weights of the other steps from them (`gemm.codes_to_bf16_panels`, the GEMM over
-  codes' own conversion): the same numbers both ways, the small steps streaming a third of the
-  layer weights' bytes (decode steps at 1.1-1.3x the speed on Zen 4: benchmarks/results/zen4/RESULTS.md).
+  bfloat16 on a CPU with AVX512_BF16 and no AMX; the run is not quantized):
+  `weights.prepare.small_step_params` keeps the GGUF's blocks as bf16-activation codes for the
+  steps of at most SMALL_STEP_ROWS rows and makes the bf16 weights of the other steps from them
+  (`gemm.codes_to_bf16_panels`, the GEMM over codes' own conversion): the same numbers both ways,
+  the small steps streaming a third of the layer weights' bytes (decode steps at 1.1-1.3x the
+  speed on Zen 4: benchmarks/results/zen4/RESULTS.md).
 - **Packed 4-bit codes x int8 activations** (`EngineArgs.int8_activations`, off by default;
   `activations="int8"` on a panels weight, `with_int8_activations`): llama.cpp's scheme for its
   4-bit formats. The C++ GEMM rounds each row of x to int8 per group of 32 columns (a scale per

@@ -121,7 +121,7 @@ void bf16_block_avx512(const Bf16GemmArgs& g, const uint32_t* const* w, float* y
 
 // Fewest rows a call must have for path auto to take AMX. One row streams its weights through
 // VDPBF16PS as fast (bf16 panels) or faster (codes converted in registers, 0.8x AMX's time); from
-// two rows the tiles are as fast or faster, and from four, over codes, 0.45-0.75x VDPBF16PS's time.
+// two rows the tiles are as fast or faster, and from four, over codes, 0.45-0.76x VDPBF16PS's time.
 constexpr int64_t kAmxRows = 2;
 
 // The path a call of M rows takes (`path` auto: AMX from kAmxRows rows where the process may).

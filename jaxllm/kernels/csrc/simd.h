@@ -27,7 +27,7 @@
 #define JAXLLM_AVX512_VBMI 1
 #endif
 #endif
-// AMX's bf16 tiles (gemm_bf16.cc's large-row GEMMs), with AVX512_BF16 for the rest of that file.
+// AMX's bf16 tiles (gemm_bf16.cc, from two rows), with AVX512_BF16 for the rest of that file.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define JAXLLM_AMX_BF16 1
 #include <sys/syscall.h>
