@@ -152,3 +152,41 @@ def test_qwen_05b_perplexity_with_the_defaults_within_one_percent_of_transformer
     print(f"Qwen2.5-Coder-0.5B perplexity: jaxllm {got['perplexity']:.4f}, transformers {want:.4f}")
     assert got["tokens"] == count
     assert abs(got["perplexity"] / want - 1) <= 0.01
+
+
+@pytest.mark.slow
+def test_qwen_05b_long_prompt_in_chunks_matches_transformers(qwen_05b, reference, tmp_path):
+    """A 4,000-token prompt (the shipped text, about 3,000 tokens, then its start again: the
+    continuation reads keys thousands of tokens back) prefilled in chunks of 512 through the paged
+    cache: the greedy continuation and its logprobs are transformers' on the whole prompt at once."""
+    ref_tok, hf = reference
+    llm = LLM(
+        NAME,
+        dtype="float32",
+        quantization="gguf",
+        max_model_len=4096 + 64,
+        max_num_seqs=1,
+        max_num_batched_tokens=512,
+        kv_cache_memory=256 << 20,
+        params_cache_dir=str(tmp_path),
+        warmup=False,
+    )
+    (text,) = text_windows(llm.get_tokenizer(), window=1 << 20)
+    ids = (text * 2)[:4000]
+    assert len(text) < len(ids) == 4000
+    out = llm.generate(
+        [{"prompt_token_ids": ids}],
+        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0),
+        use_tqdm=False,
+    )[0].outputs[0]
+    with torch.no_grad():
+        gen = hf.generate(
+            torch.tensor([ids]), max_new_tokens=16, do_sample=False, output_scores=True, return_dict_in_generate=True
+        )
+    expected = gen.sequences[0, len(ids) :].tolist()
+    assert list(out.token_ids) == expected
+    want = [float(torch.log_softmax(s[0].double(), -1)[t]) for s, t in zip(gen.scores, expected)]
+    got = [entry[t].logprob for entry, t in zip(out.logprobs, out.token_ids)]
+    diff = float(np.abs(np.array(got) - np.array(want)).max())
+    print(f"Qwen2.5-Coder-0.5B, a 4,000-token prompt in chunks: max |logprob diff| {diff:.3g}")
+    assert diff <= GGUF_LOGITS_TOL
