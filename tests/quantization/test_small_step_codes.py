@@ -1,8 +1,8 @@
 """Small-step codes (`EngineArgs.small_step_codes`): a GGUF's quantized blocks kept beside the
 bf16 weights, for the steps of at most SMALL_STEP_ROWS rows (or, where AMX multiplies bf16, the
-blocks alone for every step). The bf16 weights are made from the
-codes in C++ (`gemm.codes_to_bf16_panels`), which must give what packing the dequantized
-weights gives, bit for bit; the engine must then be the bf16 engine of the dequantized file
+blocks alone for every step). The bf16 weights are made from the codes in C++
+(`gemm.codes_to_bf16_panels`), which must give what packing the dequantized weights gives, bit
+for bit; the engine must then be the bf16 engine of the dequantized file
 (`quantization="none"`), token for token and logprob for logprob, in small steps and large."""
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def test_gguf_engine_with_small_step_codes_is_the_dequantized_bf16_engine(tmp_pa
 
     # From the codes alone (quantization="gguf"; the default where AMX multiplies bf16): every
     # step converts the codes as it reads them, and AMX or VDPBF16PS decide by a call's rows on
-    # both sides, so the tokens and logprobs are still the reference's, in a third of the bytes.
+    # both sides, so the tokens and logprobs are still the reference's, in under half the bytes.
     alone = LLM(path, quantization="gguf", **args)
     assert alone.engine.config.quantization == "gguf" and alone.engine.runner.small_params is None
     assert isinstance(alone.engine.runner.params["layers"][0]["w_gate_up"], QuantizedWeight)
