@@ -21,6 +21,7 @@ DEFAULT_KV_CACHE_MEMORY = 2 << 30  # bytes; on CPU the pool lives in host RAM
 # The names of jaxllm.attention.BACKENDS, listed here so that checking a config imports no kernels.
 ATTENTION_BACKENDS = ("native", "cpu", "mosaic", "pallas", "reference")
 PREEMPTION_MODES = ("recompute", "swap")
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 # jaxllm.quantization's METHODS + CHECKPOINT_METHODS (config checks import no JAX code);
 # tests/quantization/test_quantization.py checks they agree.
 QUANTIZATION_METHODS = ("int8", "int8_weight_only", "int4", "w8a8", "gguf", "awq", "gptq", "none")
@@ -164,6 +165,13 @@ class EngineArgs:
         cli=False,
     )
     max_logprobs: int = option(20, "most log-probabilities a request may ask for per token (at most 20)", metavar="N")
+    logprobs_mode: str = option(
+        "raw_logprobs",
+        "what sampled tokens' logprobs (and top logprobs) are of: 'raw_logprobs' the model's distribution; "
+        "'processed_logprobs' the one sampled from, after penalties, bans, grammar, temperature, min_p, "
+        "top_k and top_p (vLLM's modes; prompt logprobs stay raw)",
+        choices=LOGPROBS_MODES,
+    )
     seed: int = option(0, "engine random seed (draws the seeds of unseeded requests)")
     served_model_name: str | None = option(
         None, "the model name clients send and /v1/models lists (default: from --model)", metavar="NAME"
@@ -298,6 +306,8 @@ class EngineArgs:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.preemption_mode == "swap" and self.swap_space <= 0:

@@ -69,6 +69,7 @@ class EngineConfig:
     small_step_codes: bool = False
     speculative: SpeculativeConfig | None = None
     quantization: str | None = None
+    logprobs_mode: str = "raw_logprobs"
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -145,6 +146,7 @@ def resolve_config(
         dtype=dtype,
         seed=args.seed,
         max_logprobs=args.max_logprobs,
+        logprobs_mode=args.logprobs_mode,
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=max_batched,

@@ -21,6 +21,8 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or token id that ended it
+    # The weight version (LLMEngine.update_weights) that computed each of token_ids.
+    weight_versions: list[int | str] = dataclasses.field(default_factory=list)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -38,3 +40,5 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token (None for the first),
     # each the prompt token's Logprob plus the top ones, as for generated tokens.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # The weight version of the latest step that computed any of this request's tokens.
+    weight_version: int | str = 0

@@ -57,6 +57,7 @@ class Page:
     token_ids: tuple[int, ...] | None = None
     parent: tuple[int, int] | None = None  # (parent page id, its generation) when cached
     generation: int = 0  # bumped every time the page is (re)cached
+    stale: bool = False  # held through a weight update: never cached until it is freed and reused
 
 
 class PageGroup:
@@ -124,6 +125,8 @@ class PageGroup:
         tokens = None
         for i in range(start, num_full):
             page = self.pages[table[i]]
+            if page.stale:
+                return  # computed (in part) under weights since replaced: it and its children stay private
             if tokens is None:
                 tokens = request.all_token_ids
             parent_page = self.pages[table[i - 1]] if i else None
@@ -202,7 +205,7 @@ class PageGroup:
         page_id, _ = self.free_pages.popitem(last=False)
         page = self.pages[page_id]
         self._evict(page)
-        page.ref_cnt = 1
+        page.ref_cnt, page.stale = 1, False
         return page_id
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -239,10 +242,15 @@ class PageGroup:
                 if page.page_hash is None:
                     self.free_pages.move_to_end(page_id, last=False)
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, held: bool = False) -> None:
+        """Forget the cached free pages; with `held` (after a weight update) also the pages
+        requests still hold, which are then never cached again until freed and reused."""
         for page in self.pages:
             if page.ref_cnt == 0:
                 self._evict(page)
+            elif held:
+                self._evict(page)
+                page.stale = True
 
 
 class KVCacheManager:
@@ -399,9 +407,10 @@ class KVCacheManager:
         for g in self.groups:
             g.free(request)
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, held: bool = False) -> None:
+        """Forget every cached page nobody holds; with `held`, every cached page (see PageGroup)."""
         for g in self.groups:
-            g.reset_prefix_cache()
+            g.reset_prefix_cache(held)
 
     # ----- swapping (one group without a window; see the module doc) -----
     def can_swap_out(self, request: Request) -> bool:

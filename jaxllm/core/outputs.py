@@ -100,3 +100,4 @@ class EngineCoreOutputs:
     num_draft_tokens: int = 0  # speculative decoding: drafts verified this step
     num_accepted_tokens: int = 0  # and accepted
     timestamp: float = 0.0  # time.monotonic() when the step's tokens arrived
+    weight_version: int | str = 0  # the weights that computed them (LLMEngine.update_weights)

@@ -39,7 +39,11 @@ class AsyncLLM:
         self, engine_args: EngineArgs | None = None, *, engine: LLMEngine | None = None, on_dead=None, **kwargs
     ):
         self.engine = engine or LLMEngine(engine_args or EngineArgs(**kwargs))
-        self._ops: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
+        self._ops: queue_mod.SimpleQueue = queue_mod.SimpleQueue()  # (fn, loop, future, kind)
+        # Operations that wait for the engine to be idle ("wait" weight updates, sleep), and the
+        # requests held back meanwhile (admitted once those have run).
+        self._idle_ops: list = []
+        self._held: list = []
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         # Held while registering a stream or queueing a call, and while the dying loop fails them
@@ -71,15 +75,37 @@ class AsyncLLM:
     def _run_ops(self) -> None:
         while True:
             try:
-                fn, loop, future = self._ops.get_nowait()
+                entry = self._ops.get_nowait()
             except queue_mod.Empty:
-                return
-            try:
-                result, error = fn(), None
-            except Exception as e:
-                result, error = None, e
-            if future is not None:
-                _post(loop, _settle, future, result, error)
+                break
+            kind = entry[3]
+            if kind == "idle":
+                self._idle_ops.append(entry)
+            elif kind == "add" and self._idle_ops:
+                self._held.append(entry)
+            else:
+                self._run(entry)
+        if self._idle_ops and not self.engine.has_unfinished_requests():
+            ops, held, self._idle_ops, self._held = self._idle_ops, self._held, [], []
+            for entry in (*ops, *held):
+                self._run(entry)
+
+    @staticmethod
+    def _run(entry) -> None:
+        fn, loop, future, _ = entry
+        try:
+            result, error = fn(), None
+        except Exception as e:
+            result, error = None, e
+        if future is not None:
+            _post(loop, _settle, future, result, error)
+
+    def _publish(self, outputs) -> None:
+        """Hand outputs made outside a step (an update's aborts, its settled step) to their streams."""
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                _post(stream[0], stream[1].put_nowait, out)
 
     def _loop(self) -> None:
         try:
@@ -89,10 +115,7 @@ class AsyncLLM:
                     self._wakeup.wait(0.05)
                     self._wakeup.clear()
                     continue
-                for out in self.engine.step():
-                    stream = self._streams.get(out.request_id)
-                    if stream is not None:
-                        _post(stream[0], stream[1].put_nowait, out)
+                self._publish(self.engine.step())
         except BaseException as e:  # a failure beyond what the engine core recovers from
             self._die(e)
 
@@ -103,11 +126,13 @@ class AsyncLLM:
             self.dead_error = error
             for loop, queue in list(self._streams.values()):
                 _post(loop, queue.put_nowait, error)
+            pending, self._idle_ops, self._held = [*self._idle_ops, *self._held], [], []
             while True:
                 try:
-                    _, loop, future = self._ops.get_nowait()
+                    pending.append(self._ops.get_nowait())
                 except queue_mod.Empty:
                     break
+            for _, loop, future, _ in pending:
                 if future is not None:
                     _post(loop, _settle, future, None, self._dead())
         if self.on_dead is not None:
@@ -118,14 +143,16 @@ class AsyncLLM:
         error.__cause__ = self.dead_error
         return error
 
-    async def _call(self, fn):
-        """Run `fn` on the engine thread between steps; return its result or raise its error."""
+    async def _call(self, fn, kind: str = "op"):
+        """Run `fn` on the engine thread between steps; return its result or raise its error.
+        kind "add": a new request (held back while an "idle" operation waits); "idle": once no
+        request is unfinished, new ones held back until it has run."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._lock:
             if self.dead_error is not None:
                 raise self._dead()
-            self._ops.put((fn, loop, future))
+            self._ops.put((fn, loop, future, kind))
         self._wakeup.set()
         return await future
 
@@ -158,7 +185,8 @@ class AsyncLLM:
             await self._call(
                 lambda: self.engine.add_request(
                     request_id, prompt, sampling_params, prompt_token_ids=token_ids, output_kind=output_kind
-                )
+                ),
+                kind="add",
             )
         except BaseException:
             self._streams.pop(request_id, None)
@@ -184,12 +212,32 @@ class AsyncLLM:
 
     async def abort(self, request_id: str | list[str]) -> None:
         """Abort without waiting for the engine thread (safe from a cancelled task)."""
-        self._ops.put((lambda: self.engine.abort_request(request_id), None, None))
+        self._ops.put((lambda: self.engine.abort_request(request_id), None, None, "op"))
         self._wakeup.set()
 
     async def run_on_engine(self, fn):
         """Run `fn(engine)` on the engine thread between steps (e.g. to read its state)."""
         return await self._call(lambda: fn(self.engine))
+
+    async def update_weights(self, weights, *, version: int | str | None = None, in_flight: str = "keep") -> None:
+        """`LLMEngine.update_weights` on the engine thread. "wait": new requests are held back
+        until every request in flight has finished and the weights are replaced; "abort" ends
+        the streams in flight (finish reason "abort"); "keep" lets them go on with the new weights."""
+        engine = self.engine
+        if in_flight == "wait":
+            await self._call(lambda: self._publish(engine.update_weights(weights, version=version)), kind="idle")
+        else:
+            await self._call(
+                lambda: self._publish(engine.update_weights(weights, version=version, in_flight=in_flight))
+            )
+
+    async def sleep(self, level: int = 1) -> None:
+        """`LLMEngine.sleep` once the requests in flight have finished (new ones wait meanwhile,
+        and are refused while the engine sleeps)."""
+        await self._call(lambda: self.engine.sleep(level), kind="idle")
+
+    async def wake_up(self) -> None:
+        await self._call(self.engine.wake_up)
 
     def encode(self, text: str) -> list[int]:
         return self.engine.tokenize(text)

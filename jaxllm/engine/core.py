@@ -84,6 +84,7 @@ class EngineCore:
             and not any(config.cache.group_windows)
         )
         self._ahead = None  # (SchedulerOutput, InFlight): the step dispatched ahead, not yet collected
+        self.weight_version = 0  # what each step's outputs are tagged with (LLMEngine.update_weights)
 
     @property
     def load(self) -> int:
@@ -103,9 +104,20 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> EngineCoreOutputs:
-        """One step's outputs. With async scheduling the step may already be in flight (dispatched
-        by the last call), and the next one is dispatched before this one's tokens are read."""
+    def settle(self) -> EngineCoreOutputs | None:
+        """Collect the step dispatched ahead, if any, without dispatching another: afterwards no
+        step is in flight (before the weights or the KV pool change). None when none was."""
+        return None if self._ahead is None else self.step(ahead=False)
+
+    def step(self, ahead: bool = True) -> EngineCoreOutputs:
+        """One step's outputs, tagged with the weight version that computed them. With async
+        scheduling the step may already be in flight (dispatched by the last call), and the next
+        one is dispatched before this one's tokens are read (not with `ahead` False)."""
+        outputs = self._step(ahead)
+        outputs.weight_version = self.weight_version
+        return outputs
+
+    def _step(self, ahead: bool) -> EngineCoreOutputs:
         t0 = time.perf_counter()
         if self._ahead is not None and not any(r.status is RequestStatus.RUNNING for r, _ in self._ahead[0].scheduled):
             self.runner.collect(self._ahead[1])  # every request of it has ended (EOS, abort): drop it
@@ -115,7 +127,7 @@ class EngineCore:
         t1 = time.perf_counter()
         try:
             in_flight = in_flight or self.runner.dispatch(scheduler_output)
-            ahead = self.scheduler.schedule_ahead(scheduler_output) if self.async_scheduling else None
+            ahead = self.scheduler.schedule_ahead(scheduler_output) if self.async_scheduling and ahead else None
             if ahead is not None:
                 row_of = {r.request_id: in_flight.first[i] for i, (r, _) in enumerate(scheduler_output.scheduled)}
                 rows = np.array([row_of[r.request_id] for r, _ in ahead.scheduled], np.int64)
@@ -196,6 +208,7 @@ class DataParallelEngineCore:
                 merged.num_draft_tokens += out.num_draft_tokens
                 merged.num_accepted_tokens += out.num_accepted_tokens
                 merged.timestamp = max(merged.timestamp, out.timestamp)
+                merged.weight_version = out.weight_version
         return merged
 
 

@@ -28,6 +28,7 @@ class SequenceState:
     detok: IncrementalDetokenizer | None
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
+    weight_versions: list = dataclasses.field(default_factory=list)  # per token
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -53,6 +54,7 @@ class RequestState:
     scheduled_time: float | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
+    weight_version: int | str = 0
 
     @property
     def finished(self) -> bool:
@@ -124,12 +126,14 @@ class OutputProcessor:
             state, seq = entry
             if seq.index == 0:
                 state.num_cached_tokens, state.scheduled_time = out.num_cached_tokens, out.scheduled_time
+            state.weight_version = core_outputs.weight_version
             if out.prompt_logprobs is not None:
                 state.prompt_logprobs = self._prompt_logprobs_entries(
                     state.prompt_token_ids, out.prompt_logprobs, state.params.prompt_logprobs
                 )
             for j, (token, logprob) in enumerate(zip(out.new_token_ids, out.new_logprobs)):
                 seq.token_ids.append(token)
+                seq.weight_versions.append(core_outputs.weight_version)
                 seq.cumulative_logprob += logprob
                 seq.first_token_time = seq.first_token_time or now
                 seq.last_token_time = now
@@ -152,6 +156,20 @@ class OutputProcessor:
             if state.finished:
                 finished.append(self.remove_request(state.request_id))
         return OutputProcessorOutput(request_outputs, reqs_to_abort, finished)
+
+    def abort_all(self) -> list[RequestOutput]:
+        """End every request now with finish reason "abort": each one's last output (the
+        engine ends them in the scheduler)."""
+        outputs = []
+        for state in list(self.requests.values()):
+            for seq in state.seqs.values():
+                if seq.finish_reason is None:
+                    seq.finish_reason = "abort"
+            output = self._make_output(state)
+            if output is not None:
+                outputs.append(output)
+            self.remove_request(state.request_id)
+        return outputs
 
     def _logprobs_entry(self, token: int, logprob: float, top) -> dict[int, Logprob]:
         ids, logprobs = top if top is not None else ((), ())
@@ -189,11 +207,11 @@ class OutputProcessor:
             if seq.detok is not None:
                 end = seq.detok.streamable_len(done)
                 text = seq.detok.text[seq.sent_text : end] if delta else seq.detok.text[:end]
-            token_ids, logprobs = seq.token_ids, seq.logprobs
+            token_ids, logprobs, versions = seq.token_ids, seq.logprobs, seq.weight_versions
             if delta:
                 if seq.final_sent or (len(token_ids) == seq.sent_tokens and not text and not done):
                     continue
-                token_ids = token_ids[seq.sent_tokens :]
+                token_ids, versions = token_ids[seq.sent_tokens :], versions[seq.sent_tokens :]
                 if logprobs is not None:
                     logprobs = logprobs[seq.sent_tokens :]
                 seq.sent_tokens = len(seq.token_ids)
@@ -209,6 +227,7 @@ class OutputProcessor:
                     logprobs=list(logprobs) if logprobs is not None else None,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
+                    weight_versions=list(versions),
                 )
             )
         if not completions:
@@ -228,6 +247,7 @@ class OutputProcessor:
             finished,
             num_cached_tokens=state.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
+            weight_version=state.weight_version,
             metrics={
                 "arrival_time": state.arrival_time,
                 "first_token_time": first.first_token_time,

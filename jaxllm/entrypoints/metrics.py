@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxllm.outputs import RequestOutput
 
@@ -116,6 +116,12 @@ class _EngineCounters:
         yield self._counter("prompt_tokens", "Prefill tokens processed.", stats.prompt_tokens)
         yield self._counter("generation_tokens", "Generation tokens processed.", stats.generation_tokens)
         yield self._counter("num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions)
+        yield self._counter("weight_updates", "Weight updates taken (update_weights).", engine.num_weight_updates)
+        version = GaugeMetricFamily(
+            PREFIX + "weight_version_info", "The weight version serving (always 1).", labels=[*self.labels, "version"]
+        )
+        version.add_metric([*self.labels.values(), str(engine.weight_version)], 1)
+        yield version
         yield self._counter("prefix_cache_queries", "Prefix cache queries, in tokens.", queries)
         yield self._counter("prefix_cache_hits", "Prefix cache hits, in tokens.", hits)
         yield self._counter(
@@ -156,6 +162,7 @@ class ServerMetrics:
             "num_requests_waiting", "Number of requests waiting to be processed.", lambda: engine.num_waiting_requests
         )
         gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lambda: engine.kv_cache_usage)
+        gauge("engine_sleep_level", "0 awake; 1 KV pool freed; 2 weights dropped too.", lambda: engine.sleep_level)
         self.registry.register(_EngineCounters(engine, labels))
 
         def histogram(name: str, doc: str, buckets) -> Histogram:

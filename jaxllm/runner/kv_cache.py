@@ -134,6 +134,17 @@ class KVCache:
     def pages(self, value) -> None:
         self._pages, self._pending = value, None
 
+    def free(self) -> None:
+        """Give the pages' memory back (`LLMEngine.sleep`); `allocate` makes them again."""
+        pages, self._pages, self._pending = self.pages, None, None
+        for x in jax.tree_util.tree_leaves(pages):
+            x.delete()
+
+    def allocate(self) -> None:
+        """Zeroed pages again after `free` (the same shapes and shardings: nothing recompiles)."""
+        if self._pages is None and self._pending is None:
+            self.pages = self._make()
+
     def recover(self, force: bool = False) -> bool:
         """After a failed step: reallocate the pages if the failure consumed them (the step
         donates them), or with `force`. Returns whether it did, i.e. whether every page's

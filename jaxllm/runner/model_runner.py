@@ -110,7 +110,14 @@ class ModelRunner:
         # Over several processes, process 0 announces each step to the others (`follow`); None
         # also once a failed step leaves nobody to announce to (engine/core.py).
         self.channel = parallel.StepChannel() if jax.process_count() > 1 else None
-        self._abstract_state = {}  # id(params) -> (params, KV cache) as shapes, dtypes and shardings
+        # The params trees (big steps', small steps') and the KV cache as shapes, dtypes and
+        # shardings, taken once: weight updates keep them (weights/update.py), and a sleeping
+        # engine compiling in the background has no params to look at.
+        self._abstract_state = {
+            small: _abstract((tree, self.kv.shapes))
+            for small, tree in ((False, params), (True, small_params))
+            if tree is not None
+        }
 
     def _kv_cache(self, device) -> KVCache:
         """The KV pool on `device` or sharded by KV head over the mesh. Each layer (slot of a
@@ -137,7 +144,12 @@ class ModelRunner:
         ones not yet started (an engine replaced in a notebook stops)."""
         step = jax.jit(
             functools.partial(
-                device_step.step, cfg=self.cfg, attention=self.attention, mesh=self.mesh, cpp_ops=self.cpp_ops
+                device_step.step,
+                cfg=self.cfg,
+                attention=self.attention,
+                mesh=self.mesh,
+                cpp_ops=self.cpp_ops,
+                logprobs_mode=self.config.logprobs_mode,
             ),
             static_argnames=("layout",),
             donate_argnums=(1,),
@@ -147,7 +159,7 @@ class ModelRunner:
         store = (
             ExecutableStore(
                 os.path.join(cache_dir, "executables"),
-                repr((self.cfg, self.attention, self.mesh, self.cpp_ops)),
+                repr((self.cfg, self.attention, self.mesh, self.cpp_ops, self.config.logprobs_mode)),
                 devices,
             )
             if cache_dir and jax.process_count() == 1
@@ -241,17 +253,19 @@ class ModelRunner:
 
     def step_params(self, bucket: Bucket):
         """The params tree the bucket's step takes: the codes one for small steps, if any."""
-        small = self.small_params is not None and bucket.num_tokens <= quantization.SMALL_STEP_ROWS
-        return self.small_params if small else self.params
+        return self.small_params if self._small(bucket) else self.params
+
+    def _small(self, bucket: Bucket) -> bool:
+        return True in self._abstract_state and bucket.num_tokens <= quantization.SMALL_STEP_ROWS
 
     def _abstract_args(self, bucket: Bucket):
         """(layout, abstract step arguments) of the bucket: shapes, dtypes and shardings only, so
         compiling in the background never touches the KV cache that steps donate meanwhile."""
         layout, *packed = self.builder.padding(bucket)
-        params = self.step_params(bucket)  # (a tree many buckets share: made once, and keyed once)
-        if id(params) not in self._abstract_state:
-            self._abstract_state[id(params)] = _abstract((params, self.kv.shapes))
-        return layout, (*self._abstract_state[id(params)], *_abstract(jax.device_put(packed, self._inputs_sharding)))
+        return layout, (
+            *self._abstract_state[self._small(bucket)],
+            *_abstract(jax.device_put(packed, self._inputs_sharding)),
+        )
 
     # ----- start-up and recovery -----
     def warmup(self, progress: bool = True, background: bool = False) -> float:

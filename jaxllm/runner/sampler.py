@@ -122,14 +122,9 @@ def uniforms(s: SamplingMetadata) -> tuple[jax.Array, jax.Array]:
     return uniform(0), uniform(1)
 
 
-def draw_xla(logits, s, u, u_draft):
-    """Temperature, min_p, top_k, top_p, then one inverse-CDF draw per row with the uniform `u`.
-
-    A row with a draft token d (speculative decoding) first accepts d with probability p(d)
-    (`u_draft < p(d)`), else draws from p with d taken out: rejection sampling against a
-    proposal that puts all its mass on d, so the token's distribution is exactly p whatever
-    the draft (n-gram and greedy draft models propose that way). The native backend's
-    `kernels.native.sample_rows` does the same row by row in C++."""
+def truncated(logits, s) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(logits / temperature, their softmax, the tokens min_p, top_k and top_p keep) per row
+    (a greedy row's temperature taken as 1)."""
     temp = jnp.where(s.temperature > 0, s.temperature, 1.0)
     logits = logits / temp[:, None]
     probs = jax.nn.softmax(logits, axis=-1)
@@ -146,7 +141,18 @@ def draw_xla(logits, s, u, u_draft):
         t = _bisect_threshold(prob_keys, lambda m: jnp.where(m, masked, 0.0).sum(-1) >= s.top_p)
         return keep & ((prob_keys >= t[:, None]) | (s.top_p >= 1.0)[:, None])
 
-    keep = jax.lax.cond(s.flags[FLAG_TOP_K_TOP_P], top_k_top_p, lambda k: k, keep)
+    return logits, probs, jax.lax.cond(s.flags[FLAG_TOP_K_TOP_P], top_k_top_p, lambda k: k, keep)
+
+
+def draw_xla(logits, s, u, u_draft):
+    """Temperature, min_p, top_k, top_p, then one inverse-CDF draw per row with the uniform `u`.
+
+    A row with a draft token d (speculative decoding) first accepts d with probability p(d)
+    (`u_draft < p(d)`), else draws from p with d taken out: rejection sampling against a
+    proposal that puts all its mass on d, so the token's distribution is exactly p whatever
+    the draft (n-gram and greedy draft models propose that way). The native backend's
+    `kernels.native.sample_rows` does the same row by row in C++."""
+    logits, probs, keep = truncated(logits, s)
 
     def verify_drafts(keep):  # -> (accepted [S], keep without each rejected draft)
         rows = jnp.arange(logits.shape[0])
@@ -184,6 +190,8 @@ def sample(
     s: SamplingMetadata,
     argmax_logsumexp=xla_argmax_logsumexp,
     draw=draw_xla,
+    *,
+    processed_logprobs: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """logits [S, V] f32 (a row per logits row) -> (tokens [S] int32, token logprob [S] f32,
     top_logprobs [S, MAX_LOGPROBS] f32, top_ids [S, MAX_LOGPROBS] int32).
@@ -224,12 +232,18 @@ def sample(
         lambda: greedy_tokens,
         lambda: jnp.where(s.temperature > 0, draw(processed(), s, *uniforms(s)), greedy_tokens),
     )
+    if processed_logprobs:  # the distribution drawn from: processed, scaled, truncated
+        x, _, keep = truncated(processed(), s)
+        x = jnp.where(keep | (s.temperature <= 0)[:, None], x, -jnp.inf)
+        lse, scored = jax.nn.logsumexp(x, axis=-1), lambda: x
+    else:
+        scored = masked
     # The sampled token is one the mask allows (its raw logit is its masked one), unless a row
     # allows none: its logprob is then -inf, as every token's is.
-    token_logprob = jnp.where(jnp.isneginf(lse), -jnp.inf, logits[rows, tokens] - lse)
+    token_logprob = jnp.where(jnp.isneginf(lse), -jnp.inf, (x if processed_logprobs else logits)[rows, tokens] - lse)
     top_lp, top_ids = jax.lax.cond(
         s.flags[FLAG_LOGPROBS],
-        lambda: (lambda v, i: (v - lse[:, None], i))(*jax.lax.top_k(masked(), MAX_LOGPROBS)),
+        lambda: (lambda v, i: (v - lse[:, None], i))(*jax.lax.top_k(scored(), MAX_LOGPROBS)),
         lambda: (
             jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.float32),
             jnp.zeros((logits.shape[0], MAX_LOGPROBS), jnp.int32),

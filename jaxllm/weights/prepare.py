@@ -142,7 +142,8 @@ def pack_params(params: dict, cfg, device, *, bf16: bool = False) -> dict:
             or not gemm.packable(w.shape, transposed, w.dtype)
         ):
             return w
-        return PackedWeight(jax.device_put(gemm.pack_weight(np.asarray(w), transposed, w.dtype), device))
+        w = w if isinstance(w, jax.Array) else np.asarray(w)
+        return PackedWeight(jax.device_put(gemm.pack_weight(w, transposed, w.dtype), device))
 
     for layer in params["layers"]:
         for name in LAYER_MATRICES:

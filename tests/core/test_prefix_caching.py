@@ -286,3 +286,29 @@ def test_copy_on_write_fails_cleanly_without_free_pages():
     assert parent.page_ids == child.page_ids and not kv.groups[0].pending_copies
     kv.free(hog)
     assert kv.allocate_slots(parent, 1) and kv.num_copies == 1
+
+
+def test_reset_after_a_weight_update_forgets_held_pages_for_good():
+    """`reset_prefix_cache(held=True)`: pages a running request holds were computed under the
+    old weights: no later request may hit them, nor the pages that request fills afterwards,
+    until they are freed and reused."""
+    kv = KVCacheManager(16, 4)
+    old = _request(8, "old")
+    _run(kv, old, 8)  # 2 full pages, cached
+    done = _request(12, "done")
+    _run(kv, done, 12)
+    kv.free(done)  # 3 cached free pages (2 of them shared with `old`)
+    kv.reset_prefix_cache(held=True)
+    assert not any(kv.groups[0].cached.values())
+    # `old` goes on: its next full page is not cached either (its parents are stale).
+    old.output_token_ids += [1, 2, 3, 4]
+    _run(kv, old, 4)
+    assert not any(kv.groups[0].cached.values())
+    new = _request(8, "new")
+    assert kv.get_computed_pages(new) == [[]]
+    _run(kv, new, 8)  # computed under the new weights: cached again
+    assert len(kv.groups[0].cached) == 2
+    kv.free(old)
+    assert all(not kv.groups[0].pages[p].stale for p in new.page_ids)
+    again = _request(9, "again")  # (a whole-page prompt recomputes its last page)
+    assert kv.get_computed_pages(again) == [new.page_ids]

@@ -215,3 +215,70 @@ def quantized_checkpoints(workdir: str, model_dir: str) -> dict:
             }
             del llm, outputs, wqkv
     return results
+
+
+def weight_updates(workdir: str, model_dir: str, other_dir: str, layouts: list[str]) -> dict:
+    """{layout "TPxDPxPP": ...} for engines on `model_dir` laid out so: whether `get_weights`
+    gives the loader's own tree (values and the engine's "model" splits), then the greedy tokens
+    after `update_weights` with `other_dir`'s weights in HF names, from a one-device model tree,
+    and from a model tree sharded FSDP-style (every matrix's first dimension split over all
+    devices: a trainer's mesh), each time starting from the first model again."""
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+    from safetensors.numpy import load_file
+
+    from jaxllm import LLM, SamplingParams
+    from jaxllm.models.loader import load_model
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    own = load_model(model_dir, dtype="float32", use_cache=False, progress=False).params
+    other_tree = load_model(other_dir, dtype="float32", use_cache=False, progress=False).params
+    hf = load_file(os.path.join(other_dir, "model.safetensors"))
+    fsdp = jax.make_mesh((len(jax.devices()),), ("fsdp",))
+
+    def fsdp_place(x):
+        split = x.ndim == 2 and x.shape[0] % len(jax.devices()) == 0
+        return jax.device_put(x, NamedSharding(fsdp, PartitionSpec("fsdp" if split else None)))
+
+    results = {}
+    for name in layouts:
+        tp, dp, pp = map(int, name.split("x"))
+        llm = LLM(
+            model_dir, tensor_parallel_size=tp, data_parallel_size=dp, pipeline_parallel_size=pp, **TINY_ENGINE_ARGS
+        )
+        engine = llm.engine
+        got = engine.get_weights()
+        same = all(
+            np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(own))
+        )
+        wqkv = got["layers"][0]["wqkv"]
+        runs = {}
+        for source, weights in [
+            ("hf", hf),
+            ("one_device", jax.tree.map(jax.numpy.asarray, other_tree)),
+            ("fsdp", jax.tree.map(fsdp_place, other_tree)),
+        ]:
+            engine.update_weights(weights)
+            runs[source] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            engine.update_weights(own)
+        results[name] = {
+            "same_tree": same and jax.tree.structure(got) == jax.tree.structure(own),
+            "wqkv_spec": str(getattr(wqkv.sharding, "spec", None)),
+            "runs": runs,
+            "version": engine.weight_version,
+        }
+        del llm, engine
+    return results
+
+
+def grpo_on_mesh(workdir: str, model_dir: str, example: str) -> dict:
+    """examples/grpo.py's run with the engine tensor x data parallel (2x2) and the trainer's
+    params split FSDP-style over the 4 devices: its result (rewards, logprob agreement)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("grpo_example", example)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = {k: v for k, v in TINY_ENGINE_ARGS.items() if k != "dtype"}
+    return module.run(model_dir, iterations=30, mesh="2x2", log=lambda *_: None, **args)

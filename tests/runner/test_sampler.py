@@ -141,3 +141,37 @@ def test_native_draw_equals_xla_draw(kw):
     assert (cpp != xla).sum() <= 2
     accepted = (drafts >= 0) & (xla == drafts)
     assert 0 < accepted.sum() < (drafts >= 0).sum()  # both outcomes of the draft test occur
+
+
+@pytest.mark.parametrize(
+    "native_ops", [pytest.param(False, id="xla"), pytest.param(True, id="native", marks=needs_native)]
+)
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(temperature=0.5),
+        dict(top_k=3),
+        dict(top_p=0.7),
+        dict(temperature=1.5, top_k=6, top_p=0.8, min_p=0.05),
+    ],
+)
+def test_processed_logprobs_are_the_distribution_drawn_from(kw, native_ops):
+    """logprobs_mode="processed_logprobs": each sampled token's logprob (and the top ones) is
+    its log-probability under the reference's truncated, renormalised distribution."""
+    ops = dict(argmax_logsumexp=native.argmax_logsumexp, draw=native_draw) if native_ops else {}
+    processed = jax.jit(functools.partial(sampler.sample, processed_logprobs=True, **ops))
+    S = 64
+    tokens, lp, top_lp, top_ids = processed(np.tile(LOGITS, (S, 1)), state(S, logprobs=True, **kw))
+    with np.errstate(divide="ignore"):
+        ref = np.log(reference_probs(LOGITS, **kw))
+    np.testing.assert_allclose(np.asarray(lp), ref[np.asarray(tokens)], rtol=1e-5, atol=1e-5)
+    kept = np.isfinite(ref).sum()
+    best = np.sort(ref)[::-1][: min(kept, 20)]
+    np.testing.assert_allclose(np.asarray(top_lp)[0, : len(best)], best, rtol=1e-5, atol=1e-5)
+    assert np.all(np.isneginf(np.asarray(top_lp)[0, len(best) :]))
+    # Greedy rows: the processed logits' own distribution (temperature 1, nothing truncated).
+    tokens, lp, *_ = processed(LOGITS[None], state(1, temperature=0.0, banned=[int(np.argmax(LOGITS))]))
+    z = LOGITS.astype(np.float64).copy()
+    z[np.argmax(LOGITS)] = -np.inf
+    np.testing.assert_allclose(float(lp[0]), z[int(tokens[0])] - np.log(np.exp(z).sum()), rtol=1e-5)

@@ -38,8 +38,10 @@ from jaxllm.entrypoints.openai.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    SleepRequest,
     TokenizeRequest,
     TokenizeResponse,
+    UpdateWeightsRequest,
 )
 from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -92,6 +94,8 @@ _GUARDED = (400, 401, 413, 431, 500, 503)  # what any route behind the API key c
 def build_app(llm: AsyncLLM, args: ServerArgs | None = None, shutdown: Shutdown | None = None) -> FastAPI:
     """The FastAPI app serving `llm` under the limits in `args`."""
     args = args or ServerArgs()
+    if args.enable_weight_updates and not args.api_key:
+        raise ValueError("--enable-weight-updates needs --api-key: its routes replace the model being served")
     shutdown = shutdown or Shutdown()
     stat_logger = None if args.disable_log_stats else StatLogger(llm.engine, args.log_stats_interval)
 
@@ -122,6 +126,8 @@ def build_app(llm: AsyncLLM, args: ServerArgs | None = None, shutdown: Shutdown 
     _add_error_handlers(app)
     _add_service_routes(app, llm, args, shutdown, server_metrics)
     _add_openai_routes(app, llm, args, shutdown, server_metrics)
+    if args.enable_weight_updates:
+        _add_weight_routes(app, llm)
     _drop_422s_from_openapi(app)
     return app
 
@@ -215,7 +221,12 @@ def _add_openai_routes(
 
     @app.get("/v1/models", responses=_responses(None, 401, 431, 500, 503))
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=engine.model_name, max_model_len=engine.config.scheduler.max_model_len)])
+        card = ModelCard(
+            id=engine.model_name,
+            max_model_len=engine.config.scheduler.max_model_len,
+            weight_version=engine.weight_version,
+        )
+        return ModelList(data=[card])
 
     @app.post("/v1/completions", responses=_responses(CompletionResponse, *_GUARDED, 404, 429, stream=True))
     async def completions(request: CompletionRequest, raw: Request):
@@ -232,6 +243,48 @@ def _add_openai_routes(
     @app.post("/detokenize", responses=_responses(None, *_GUARDED, 404))
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         return await tokenization.detokenize(request)
+
+
+def _add_weight_routes(app: FastAPI, llm: AsyncLLM) -> None:
+    """--enable-weight-updates: a trainer's routes (behind the API key, which the flag requires)."""
+    from jaxllm.weights.update import WeightUpdateError, checkpoint_weights
+
+    engine = llm.engine
+
+    @app.post("/update_weights", responses=_responses(None, *_GUARDED, 404))
+    async def update_weights(request: UpdateWeightsRequest):
+        """Load the checkpoint at `path` (off the engine thread), then serve it from the next step."""
+        start = time.perf_counter()
+        try:
+            weights = await asyncio.to_thread(checkpoint_weights, request.path, engine.config.dtype)
+        except FileNotFoundError as e:
+            raise APIError(f"no checkpoint at {request.path!r}: {e}", 404, param="path") from None
+        except ValueError as e:
+            raise APIError(f"{request.path}: {e}", 400, param="path") from None
+        try:
+            await llm.update_weights(weights, version=request.version, in_flight=request.in_flight)
+        except WeightUpdateError as e:
+            raise APIError(f"{request.path}: {e}", 400, param="path") from None
+        return {"weight_version": engine.weight_version, "seconds": round(time.perf_counter() - start, 3)}
+
+    @app.post("/sleep", responses=_responses(None, *_GUARDED))
+    async def sleep(request: SleepRequest):
+        """Once the requests in flight have finished (new ones wait), free the KV pool (level 1)
+        and the weights too (level 2: POST /update_weights before /wake_up)."""
+        await llm.sleep(request.level)
+        return {"sleep_level": engine.sleep_level}
+
+    @app.post("/wake_up", responses=_responses(None, *_GUARDED))
+    async def wake_up():
+        try:
+            await llm.wake_up()
+        except RuntimeError as e:
+            raise APIError(str(e), 400) from None
+        return {"sleep_level": engine.sleep_level}
+
+    @app.get("/is_sleeping", responses=_responses(None, 401, 431, 500, 503))
+    async def is_sleeping():
+        return {"is_sleeping": engine.sleep_level > 0, "sleep_level": engine.sleep_level}
 
 
 def _drop_422s_from_openapi(app: FastAPI) -> None:

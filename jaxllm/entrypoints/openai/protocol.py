@@ -274,6 +274,19 @@ class ChatCompletionRequest(SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class UpdateWeightsRequest(RequestModel):
+    """POST /update_weights: the engine's weights from the checkpoint at `path` (an HF directory
+    or a GGUF file of the same model), served from the next step on."""
+
+    path: str
+    version: int | str | None = None
+    in_flight: Literal["keep", "wait", "abort"] = "keep"
+
+
+class SleepRequest(RequestModel):
+    level: Literal[1, 2] = 1
+
+
 class TokenizeRequest(RequestModel):
     """Either `prompt` (text) or `messages` (rendered through the chat template)."""
 
@@ -309,6 +322,7 @@ class ModelCard(OpenAIModel):
     owned_by: str = "jaxllm"
     root: str | None = None
     max_model_len: int | None = None
+    weight_version: int | str | None = None  # the weights serving (LLMEngine.update_weights)
 
 
 class ModelList(OpenAIModel):
@@ -338,6 +352,8 @@ class CompletionResponse(OpenAIModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    # The weight versions that computed its tokens (LLMEngine.update_weights), each once, in order.
+    weight_versions: list[int | str] | None = None
 
 
 class ChatTopLogprob(OpenAIModel):
@@ -386,6 +402,8 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    # The weight versions that computed its tokens (LLMEngine.update_weights), each once, in order.
+    weight_versions: list[int | str] | None = None
 
 
 class SparseModel(OpenAIModel):

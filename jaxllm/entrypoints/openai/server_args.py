@@ -68,6 +68,11 @@ class ServerArgs:
         choices=("hermes", "llama3_json", "mistral"),
     )
     disable_playground: bool = option(False, "do not serve the chat playground page at /")
+    enable_weight_updates: bool = option(
+        False,
+        "serve POST /update_weights (new weights from a checkpoint path), POST /sleep, POST /wake_up and "
+        "GET /is_sleeping, for a trainer beside the server; needs --api-key",
+    )
     disable_log_requests: bool = option(
         False, "do not log a line per finished request (id, tokens, TTFT, end-to-end time, finish reason)"
     )

@@ -24,7 +24,7 @@ from jaxllm.entrypoints.openai.protocol import (
     ToolCallOut,
     UsageInfo,
 )
-from jaxllm.entrypoints.openai.serving_engine import ChoiceState, MergedOutputs, OpenAIServing
+from jaxllm.entrypoints.openai.serving_engine import ChoiceState, MergedOutputs, OpenAIServing, weight_versions
 from jaxllm.entrypoints.openai.serving_tools import ToolCalling, ToolDelta
 from jaxllm.entrypoints.openai.serving_utils import APIError, chat_logprobs, finish_reason, sse
 from jaxllm.entrypoints.openai.tool_parsers import get_tool_parser
@@ -92,7 +92,12 @@ class _ChatCompletion:
             for msg, reason in [self.message(c)]
         ]
         return ChatCompletionResponse(
-            id=self.request_id, created=self.created, model=self.model_name, choices=result, usage=self.usage()
+            id=self.request_id,
+            created=self.created,
+            model=self.model_name,
+            choices=result,
+            usage=self.usage(),
+            weight_versions=weight_versions(self.choices),
         )
 
     async def stream(self, outputs: MergedOutputs) -> AsyncIterator[str]:

@@ -12,7 +12,7 @@ from fastapi import Request
 
 from jaxllm.entrypoints.openai.middleware import request_id_of
 from jaxllm.entrypoints.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
-from jaxllm.entrypoints.openai.serving_engine import ChoiceState, MergedOutputs, OpenAIServing
+from jaxllm.entrypoints.openai.serving_engine import ChoiceState, MergedOutputs, OpenAIServing, weight_versions
 from jaxllm.entrypoints.openai.serving_utils import (
     APIError,
     completion_logprobs,
@@ -98,7 +98,12 @@ class _Completion:
 
     def response(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
         return CompletionResponse(
-            id=self.request_id, created=self.created, model=self.model_name, choices=choices, usage=usage
+            id=self.request_id,
+            created=self.created,
+            model=self.model_name,
+            choices=choices,
+            usage=usage,
+            weight_versions=weight_versions(self.choices) if usage is not None else None,
         )
 
     async def collect(self, outputs: MergedOutputs) -> CompletionResponse:

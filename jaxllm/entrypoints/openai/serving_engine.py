@@ -25,6 +25,7 @@ from starlette.background import BackgroundTask
 
 from jaxllm.chat_template import check_template_kwargs
 from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
+from jaxllm.engine.llm_engine import EngineSleepingError
 from jaxllm.entrypoints.metrics import ServerMetrics
 from jaxllm.entrypoints.openai.http_server import Shutdown
 from jaxllm.entrypoints.openai.middleware import request_id_of
@@ -113,12 +114,20 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text_offset: int = 0  # characters already given a logprob offset (completions API)
+    weight_versions: list = dataclasses.field(default_factory=list)  # per token
 
     def add(self, delta: CompletionOutput) -> None:
         self.text += delta.text
         self.token_ids += delta.token_ids
+        self.weight_versions += delta.weight_versions
         self.logprobs += delta.logprobs or []
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+def weight_versions(choices: list[ChoiceState]) -> list:
+    """The weight versions that computed the choices' tokens, each once, in order (one, unless
+    the weights changed while the request ran)."""
+    return list(dict.fromkeys(v for c in choices for v in c.weight_versions))
 
 
 def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
@@ -172,6 +181,8 @@ def api_error(e: Exception, request_id: str, request: SamplingRequest | None = N
         return APIError("the server is shutting down; the request was stopped before it finished", 503)
     if isinstance(e, EngineDeadError):
         return APIError("the engine has stopped; the server is restarting", 503)
+    if isinstance(e, EngineSleepingError):
+        return APIError(f"{e} (POST /wake_up)", 503, headers={"Retry-After": "1"})
     if isinstance(e, RequestFailedError):  # the engine logged the traceback with this id
         return APIError(
             f"the engine failed while computing this request ({request_id}); other requests are unaffected", 500
