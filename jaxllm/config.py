@@ -165,6 +165,12 @@ class EngineArgs:
         cli=False,
     )
     max_logprobs: int = option(20, "most log-probabilities a request may ask for per token (at most 20)", metavar="N")
+    batch_invariant: bool = option(
+        False,
+        "a request's tokens and logprobs bit-identical whatever shares its steps, however its prompt is "
+        "chunked and whether its prefix comes from the cache (one GEMM and one attention code path for "
+        "every row count; one CPU device with the C++ kernels)",
+    )
     logprobs_mode: str = option(
         "raw_logprobs",
         "what sampled tokens' logprobs (and top logprobs) are of: 'raw_logprobs' the model's distribution; "

@@ -70,6 +70,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     quantization: str | None = None
     logprobs_mode: str = "raw_logprobs"
+    batch_invariant: bool = False
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -147,6 +148,7 @@ def resolve_config(
         seed=args.seed,
         max_logprobs=args.max_logprobs,
         logprobs_mode=args.logprobs_mode,
+        batch_invariant=args.batch_invariant,
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=max_batched,

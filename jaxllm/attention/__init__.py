@@ -48,10 +48,13 @@ logger = logging.getLogger(__name__)
 BACKENDS = {cls.name: cls for cls in (NativeBackend, RowsBackend, MosaicBackend, PallasBackend, ReferenceBackend)}
 
 
-def get_attention_backend(name: str | None = None, platform: str | Platform | None = None) -> AttentionBackend:
+def get_attention_backend(
+    name: str | None = None, platform: str | Platform | None = None, *, batch_invariant: bool = False
+) -> AttentionBackend:
     """The backend called `name`, or the platform's default (`Platform.attention_backend`; on a
     CPU without the C++ kernels, the `jnp` rows, logged as a warning with why). `platform`: a
-    `Platform`, or a platform's name (default: JAX's default backend)."""
+    `Platform`, or a platform's name (default: JAX's default backend). `batch_invariant`: one
+    kernel path for every work item (the native backend only; others raise ValueError)."""
     if name is None:
         platform = _platform(platform)
         name = platform.attention_backend
@@ -63,6 +66,10 @@ def get_attention_backend(name: str | None = None, platform: str | Platform | No
             )
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {tuple(BACKENDS)}, got {name!r}")
+    if batch_invariant:
+        if name != "native":
+            raise ValueError(f"batch_invariant needs the native attention backend, not {name!r}")
+        return BACKENDS[name](batch_invariant=True)
     return BACKENDS[name]()
 
 

@@ -413,11 +413,17 @@ def first_of_kind(cfg: ModelConfig, index: int) -> int:
 _decoder_layer_jit = jax.jit(decoder_layer, static_argnames=("cfg", "index", "attention", "axis", "cpp_ops"))
 
 
-def compute_logits(params, hidden: jax.Array, cfg: ModelConfig, axis: str | None = None, rows=None) -> jax.Array:
+def compute_logits(
+    params, hidden: jax.Array, cfg: ModelConfig, axis: str | None = None, rows=None, cpp_ops: bool = False
+) -> jax.Array:
     """hidden: [N, hidden] f32 -> logits [N, vocab] f32 (final norm + LM head). With `axis`,
     each shard computes its slice of the vocabulary and the slices are gathered. `rows`: the
-    real rows of hidden, the first ones (see `linear.apply`)."""
-    h = norm(hidden, params, "final_norm", cfg)
+    real rows of hidden, the first ones (see `linear.apply`). `cpp_ops`: the final RMSNorm in
+    C++ as the layers' (row by row: XLA's reduction over a row may group its sums by how many
+    rows there are, which `batch_invariant` cannot have), rounded for the head's GEMM."""
+    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    dtype = linear.input_dtype(head) if hasattr(head, "apply") else jnp.float32
+    _, h = add_norm(hidden, None, params, "final_norm", cfg, rows, dtype, cpp=cpp_ops)
     if cfg.tie_word_embeddings and not hasattr(params["embed"], "apply"):
         # A float table [vocab, hidden]: contracted as it is (`jnp.dot(h, embed.T)` materialised
         # the transpose on every call on XLA:CPU, 4-20x slower). Packed or quantized, it is

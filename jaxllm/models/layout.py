@@ -159,19 +159,23 @@ def shard_layout(params, cfg: ModelConfig, tp: int = 1, pp: int = 1):
     return {**params, "layers": [{name: stack(i, name) for name in layers[i]} for i in range(per_stage)]}
 
 
-def canonical_layout(params, cfg: ModelConfig, tp: int = 1, pp: int = 1):
+# The layer arrays `tp_layout` regroups over tensor-parallel shards.
+REGROUPED = ("wqkv", "bqkv", "w_gate_up", "b_gate_up", "experts_gate_up")
+
+
+def canonical_layout(params, cfg: ModelConfig, tp: int = 1, pp: int = 1, xp=jnp):
     """The inverse of `shard_layout`: decoder.py's own params from their layout for `tp`
-    shards and `pp` stages (float arrays; jnp, so that it also runs under `jax.eval_shape`).
-    tp 1 and pp 1 return `params` unchanged."""
+    shards and `pp` stages (float arrays; `xp` numpy for host arrays, jnp under `jax.eval_shape`).
+    Only the stacked and regrouped arrays change; tp 1 and pp 1 return `params` unchanged."""
     layers = params["layers"]
     if pp > 1:  # slot i of stage s is layer s * per_stage + i
         layers = [{name: x[s] for name, x in layers[i].items()} for s in range(pp) for i in range(len(layers))]
     if tp > 1:
-        layers = [_untp_layer(layer, cfg, tp) for layer in layers]
+        layers = [_untp_layer(layer, cfg, tp, xp) for layer in layers]
     return params if layers is params["layers"] else {**params, "layers": layers}
 
 
-def _untp_layer(layer: dict, cfg: ModelConfig, tp: int) -> dict:
+def _untp_layer(layer: dict, cfg: ModelConfig, tp: int, xp) -> dict:
     """One layer's fused columns back from their per-shard groups (`tp_layout`)."""
     repeat = kv_heads_for(cfg, tp) // cfg.num_kv_heads
     q_s, kv_s = cfg.q_size // tp, cfg.kv_size * repeat // tp
@@ -185,21 +189,18 @@ def _untp_layer(layer: dict, cfg: ModelConfig, tp: int) -> dict:
             .reshape(*w.shape[:-1], -1)
             for lo in (q_s, q_s + kv_s)
         )
-        return jnp.concatenate([q, k, v], axis=-1)
+        return xp.concatenate([q, k, v], axis=-1)
 
     def gate_up_columns(w):  # per shard [gate_s, up_s] -> [gate, up]
         shards = w.reshape(*w.shape[:-1], tp, 2, -1)
-        return jnp.concatenate(
+        return xp.concatenate(
             [shards[..., 0, :].reshape(*w.shape[:-1], -1), shards[..., 1, :].reshape(*w.shape[:-1], -1)], axis=-1
         )
 
     out = dict(layer)
-    for name in ("wqkv", "bqkv"):
+    for name in REGROUPED:
         if name in layer:
-            out[name] = qkv_columns(layer[name])
-    for name in ("w_gate_up", "b_gate_up", "experts_gate_up"):
-        if name in layer:
-            out[name] = gate_up_columns(layer[name])
+            out[name] = (qkv_columns if name in ("wqkv", "bqkv") else gate_up_columns)(layer[name])
     return out
 
 

@@ -62,11 +62,13 @@ class PackedWeight:
     the tied LM head."""
 
     panels: jax.Array
+    # The kernel path ("auto": the widest for the call's row count; `WeightPlan.gemm_path`).
+    path: str = dataclasses.field(default="auto", metadata=dict(static=True))
 
     def apply(self, x, *, axis=None, rows=None, swiglu=False):
         from jaxllm.kernels import gemm
 
-        return gemm.matmul_packed(x, self.panels, rows=rows, swiglu=swiglu)
+        return gemm.matmul_packed(x, self.panels, path=self.path, rows=rows, swiglu=swiglu)
 
     @property
     def input_dtype(self):

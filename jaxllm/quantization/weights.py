@@ -63,6 +63,7 @@ class QuantizedWeight:
     super_offset: jax.Array | None = None
     bias: jax.Array | None = None
     act_group: int = dataclasses.field(default=0, metadata=dict(static=True))
+    path: str = dataclasses.field(default="auto", metadata=dict(static=True))  # the C++ GEMM's kernel path
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -291,6 +292,7 @@ def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None, swiglu: bool 
             swiglu=swiglu,
             super_scale=w.super_scale,
             super_offset=w.super_offset,
+            path=w.path,
         )
     if w.layout == "panels":
         from jaxllm.kernels import gemm
@@ -308,6 +310,7 @@ def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None, swiglu: bool 
             super_offset=w.super_offset,
             bias=w.bias,
             act_group=w.act_group,
+            path=w.path,
         )
     assert not swiglu, "the SwiGLU epilogue needs the panels layout"
     if w.activations == "int8":

@@ -65,7 +65,9 @@ def step(
             inputs = dataclasses.replace(inputs, token_ids=jnp.where(inputs.prev_rows >= 0, prev, inputs.token_ids))
         if mesh is None:
             hidden, kv_cache = decoder.forward(params, kv_cache, inputs, cfg, attention=attention, cpp_ops=cpp_ops)
-            logits = decoder.compute_logits(params, hidden[inputs.logits_indices], cfg, rows=inputs.num_logits())
+            logits = decoder.compute_logits(
+                params, hidden[inputs.logits_indices], cfg, rows=inputs.num_logits(), cpp_ops=cpp_ops
+            )
         else:
             logits, kv_cache = parallel.sharded_forward(
                 params, kv_cache, inputs, cfg, attention=attention, mesh=mesh, cpp_ops=cpp_ops

@@ -66,7 +66,9 @@ class ModelRunner:
     ):
         self.config, self.cfg, self.mesh = config, cfg, mesh
         self.params, self.small_params = params, small_params
-        self.attention = attention or get_attention_backend(config.attention_backend)
+        self.attention = attention or get_attention_backend(
+            config.attention_backend, batch_invariant=config.batch_invariant
+        )
         # Norms and sampling in C++ where the platform's build of the kernels serves this run.
         self.cpp_ops = Platform.detect(use_cpp=self.attention.name == "native").confirmed().cpp_ops
         self.num_stages = parallel.pp_size(mesh)

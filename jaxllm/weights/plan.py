@@ -74,6 +74,7 @@ class WeightPlan:
     pack_floats: bool  # float matrices are packed into C++ panels
     smooth: bool  # W8A8 smoothing of the float weights before quantizing (quantization/smoothing.py)
     small_step_codes: bool  # a GGUF's codes kept for small steps beside bf16 panels
+    gemm_path: str = "auto"  # the C++ GEMMs' kernel path: one for every row count under batch_invariant
     linears: dict = dataclasses.field(default_factory=dict, compare=False)  # name -> LinearPlan
 
     def linear(self, name: str) -> LinearPlan:
@@ -133,6 +134,7 @@ def resolve_weight_plan(
     wanted = known and checkpoint is not None and (checkpoint != "gguf" or load == "auto")
     method = None if small or asked == "none" else asked or (checkpoint if wanted else None)
     pack_floats = cpp_gemm and args.packed_weights and (dtype == "float32" or platform.cpp_bf16_dots)
+    gemm_path = _batch_invariant_gemm_path(args, platform, cpp_gemm, pack_floats, dtype)
     linears = {
         name: _linear_plan(
             name,
@@ -155,8 +157,26 @@ def resolve_weight_plan(
         pack_floats=pack_floats,
         smooth=method == "w8a8",
         small_step_codes=small,
+        gemm_path=gemm_path,
         linears=linears,
     )
+
+
+def _batch_invariant_gemm_path(args, platform: Platform, cpp_gemm: bool, pack_floats: bool, dtype: str) -> str:
+    """The GEMMs' kernel path: "auto", or under `batch_invariant` one path whatever a call's row
+    count (auto takes AMX for bf16 calls of two rows or more, `vdpbf16ps` for one: their sums
+    differ in the last bits), so that a row's product never depends on what else is in the step.
+    XLA's dots give no such promise: the mode needs the C++ GEMMs."""
+    if not args.batch_invariant:
+        return "auto"
+    if not (cpp_gemm and args.packed_weights):
+        raise ValueError(
+            "batch_invariant needs the C++ GEMMs: one CPU device, the native attention backend and packed "
+            "weights (not yet on GPUs, meshes or XLA's dots)"
+        )
+    if dtype == "bfloat16" and platform.cpp_bf16_dots:
+        return "amx" if platform.cpp_amx else "avx512"  # AMX: prompts 5-10x faster than vdpbf16ps
+    return "auto"  # the f32 GEMMs have one path per CPU
 
 
 def _small_step_codes(args, platform: Platform, cpp_gemm: bool, checkpoint: str | None) -> bool:

@@ -19,6 +19,7 @@ What each linear becomes is read from the plan, never re-derived here.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import NamedTuple
@@ -120,6 +121,9 @@ def prepare_weights(
     if plan.small_step_codes:
         int8 = {name for name, lp in plan.linears.items() if lp.small_step_activations == "int8"}
         params, small_params = small_step_params(params, device, int8=int8)
+    if plan.gemm_path != "auto":
+        params = with_gemm_path(params, plan.gemm_path)
+        small_params = None if small_params is None else with_gemm_path(small_params, plan.gemm_path)
     if log:
         logger.info("weights: %s", plan.describe())
     return params, small_params
@@ -201,6 +205,17 @@ def small_step_params(params: dict, device, codes: bool = True, int8=()) -> tupl
         if isinstance(params.get(name), QuantizedWeight):  # stored as the LM head [hidden, vocab]
             both(large, small, name, table=name == "embed")
     return large, small if codes else None
+
+
+def with_gemm_path(params, path: str):
+    """`params` with every C++ GEMM weight (packed panels, codes in panels) on kernel `path`."""
+
+    def set_path(w):
+        if isinstance(w, PackedWeight) or (isinstance(w, QuantizedWeight) and w.layout == "panels"):
+            return dataclasses.replace(w, path=path)
+        return w
+
+    return jax.tree.map(set_path, params, is_leaf=lambda x: isinstance(x, (PackedWeight, QuantizedWeight)))
 
 
 def _dequantized(params: dict, cfg, dtype: str) -> dict:

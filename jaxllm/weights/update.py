@@ -86,9 +86,21 @@ def model_weights(params, cfg, mesh=None, *, dtype: str | None = None, abstract:
         return x
 
     tree = jax.tree_util.tree_map_with_path(leaf, params, is_leaf=_is_stored)
-    if mesh is not None:
-        tree = layout.canonical_layout(tree, cfg, parallel.tp_size(mesh), parallel.pp_size(mesh))
-    return tree
+    tp, pp = parallel.tp_size(mesh), parallel.pp_size(mesh)
+    if tp == 1 and pp == 1:
+        return tree
+    if abstract:
+        return layout.canonical_layout(tree, cfg, tp, pp)
+    # The stacked and regrouped arrays on the host (slicing a sharded array along its mesh axis
+    # is not XLA's business); the rest stay the engine's own.
+    moved = {
+        **tree,
+        "layers": [
+            {name: np.asarray(x) if pp > 1 or name in layout.REGROUPED else x for name, x in layer.items()}
+            for layer in tree["layers"]
+        ],
+    }
+    return layout.canonical_layout(moved, cfg, tp, pp, xp=np)
 
 
 def model_sharding(path, mesh) -> NamedSharding:
@@ -191,7 +203,8 @@ class UpdatePlan:
 
     @classmethod
     def for_engine(cls, cfg, plan: WeightPlan, mesh, params) -> UpdatePlan:
-        spec = jax.eval_shape(lambda p: model_weights(p, cfg, mesh, dtype=plan.dtype, abstract=True), params)
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)  # (no shardings)
+        spec = jax.eval_shape(lambda p: model_weights(p, cfg, mesh, dtype=plan.dtype, abstract=True), shapes)
         return cls(cfg, plan, mesh, None if mesh is not None else jax.devices()[0], spec)
 
     def refusal(self) -> str | None:

@@ -289,7 +289,7 @@ def test_updates_on_a_mesh_equal_a_fresh_engine(tiny_model_dir, other_model_dir,
     parallel engines give the loader's tree from get_weights, and after an update from HF names,
     from a one-device tree and from a trainer's FSDP mesh, answer as a fresh one-device engine
     on those weights."""
-    layouts = ["1x1x1", "2x1x1", "4x1x1", "1x2x1", "2x1x2"]
+    layouts = ["1x1x1", "2x1x1", "4x1x1", "1x2x1", "2x1x2", "mesh:2x1x2"]
     results = run_on_virtual_devices(4, "weight_updates", tiny_model_dir, other_model_dir, layouts)
     want = reference(dtype="float32")
     for name in layouts:

@@ -243,10 +243,11 @@ def weight_updates(workdir: str, model_dir: str, other_dir: str, layouts: list[s
 
     results = {}
     for name in layouts:
-        tp, dp, pp = map(int, name.split("x"))
-        llm = LLM(
-            model_dir, tensor_parallel_size=tp, data_parallel_size=dp, pipeline_parallel_size=pp, **TINY_ENGINE_ARGS
-        )
+        tp, dp, pp = map(int, name.removeprefix("mesh:").split("x"))
+        # "mesh:...": on a ("data", "stage", "model") Mesh of the caller's (jax.make_mesh's axis types)
+        mesh = jax.make_mesh((dp, pp, tp), ("data", "stage", "model")) if name.startswith("mesh:") else None
+        sizes = dict(tensor_parallel_size=tp, data_parallel_size=dp, pipeline_parallel_size=pp)
+        llm = LLM(model_dir, mesh=mesh, **sizes, **TINY_ENGINE_ARGS)
         engine = llm.engine
         got = engine.get_weights()
         same = all(

@@ -286,3 +286,27 @@ def test_engine_logprobs_through_preemption(tiny_model_dir, engine_and_params):
     assert llm.engine.stats.num_preemptions > 0
     for out in outs:
         _check_reported_logprobs(out, loaded)
+
+
+# bf16 engine against the trainer's forward over the engine's own bf16 weights: both multiply in
+# bf16 with f32 sums, but the engine's KV pages hold every key and value rounded to bf16 (the
+# forward keeps them in f32) and its GEMMs sum in another order. Measured up to 0.07 on this
+# model (logits up to ~13); the bound leaves room for the CPU kinds' other GEMM paths.
+BF16_ENGINE_TOL = 0.25
+
+
+def test_bf16_engine_logprobs_within_the_stated_bound(tiny_model_dir):
+    llm = LLM(tiny_model_dir, **{**TINY_ENGINE_ARGS, "dtype": "bfloat16"})
+    params = llm.engine.get_weights()
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params) if x.ndim == 2)
+    cfg = llm.engine.cfg
+    prompts = [_random_ids(n, cfg.vocab_size, seed=n).tolist() for n in PROMPT_LENS]
+    sampling = SamplingParams(max_tokens=12, temperature=0.8, seed=2, logprobs=0, ignore_eos=True, detokenize=False)
+    worst = 0.0
+    for out in llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False):
+        completion = out.outputs[0].token_ids
+        reported = np.array([e[t].logprob for e, t in zip(out.outputs[0].logprobs, completion)])
+        ids = jnp.array(out.prompt_token_ids + completion)
+        ours = np.asarray(token_logprobs(params, ids, cfg))[len(out.prompt_token_ids) - 1 :]
+        worst = max(worst, float(np.abs(reported - ours).max()))
+    assert worst <= BF16_ENGINE_TOL, worst

@@ -35,9 +35,11 @@ void widen_chunk(const PagedAttentionArgs& a, const KV* pages, const int32_t* pa
 
 // scratch.scores[r][j] = q[r] . keys[j] for M rows and n keys. Few rows (decodes): one dot per
 // (row, key). Many rows (prompt tiles): transpose the chunk once so each row's scores are a
-// broadcast-FMA over the keys.
-inline void chunk_scores_portable(Scratch& s, int M, int n, int64_t D) {
-  if (M < 8) {
+// broadcast-FMA over the keys. The two sum in different orders (fast math vectorises the dot),
+// so with `pinned` (a path asked for by name: `batch_invariant`) every item transposes, and a
+// row's scores never depend on how many rows share its item.
+inline void chunk_scores_portable(Scratch& s, int M, int n, int64_t D, bool pinned) {
+  if (M < 8 && !pinned) {
     for (int r = 0; r < M; ++r)
       for (int j = 0; j < n; ++j) {
         const float* k = s.keys + static_cast<int64_t>(j) * D;
@@ -108,7 +110,7 @@ void attend_portable(const PagedAttentionArgs& a, const WorkItem& item, Scratch&
     const int n = static_cast<int>(std::min<int64_t>(kChunkKeys, rows.last_pos + 1 - first));
     widen_chunk(a, k_pages, rows.page_table, item.kv_head, first, n, s.keys);
     widen_chunk(a, v_pages, rows.page_table, item.kv_head, first, n, s.values);
-    chunk_scores_portable(s, rows.M, n, a.head_dim);
+    chunk_scores_portable(s, rows.M, n, a.head_dim, a.path != kAuto);
     for (int r = 0; r < rows.M; ++r) softmax_pv_row_portable(a, rows, r, first, n, s);
   }
   store_output_rows(a, item, s, rows);
