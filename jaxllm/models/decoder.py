@@ -99,6 +99,9 @@ class ModelConfig:
     attn_out_bias: bool = False
     parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x))
     sandwich_norm: bool = False  # norms on the attention and MLP outputs too
+    post_norm: bool = False  # BERT: x = norm(x + attn(x)), x = norm(x + mlp(x)); no final norm
+    bidirectional: bool = False  # an encoder: every token attends to its whole sequence
+    token_types: int = 0  # BERT: rows of its token type table (the first one is folded into pos_embed)
     position: str = "rope"  # "rope" | "learned" (pos_embed rows added to the embeddings)
     rotary_dim: int | None = None  # rotated dims of each head (None: all of head_dim)
     linear_rope_factor: float = 1.0  # positions divided by this (global layers)
@@ -257,7 +260,15 @@ def self_attention(layer, k_pages, v_pages, h, inputs, cfg: ModelConfig, index: 
     if cfg.window(index) is not None and inputs.window_page_tables is not None:
         inputs = inputs.window_view()  # a windowed layer with its own pages (a window KV cache group)
     k_pages, v_pages = attention.write_kv(k_pages, v_pages, k, v, inputs.slot_mapping)
-    o = attention.forward(q, k_pages, v_pages, inputs, sliding_window=cfg.window(index), sm_scale=cfg.attn_scale)
+    o = attention.forward(
+        q,
+        k_pages,
+        v_pages,
+        inputs,
+        sliding_window=cfg.window(index),
+        sm_scale=cfg.attn_scale,
+        causal=not cfg.bidirectional,
+    )
     return linear.apply(layer["wo"], o.reshape(num_tokens, cfg.q_size), axis=axis, rows=rows), k_pages, v_pages
 
 
@@ -298,6 +309,11 @@ def decoder_layer(
     `attention`: its `AttentionBackend`, `axis`: the tensor-parallel mesh axis when run per
     shard, `cpp_ops`: norms in C++, `Platform.cpp_ops`). Returns (x, k_pages, v_pages)."""
     rows = inputs.num_tokens()
+    if cfg.post_norm:  # BERT: each residual sum normed, the layer's input taken as it is
+        attn, k_pages, v_pages = self_attention(layer, k_pages, v_pages, x, inputs, cfg, index, attention, axis)
+        x = norm(x + _plus_bias(_reduce(attn, axis), layer, "bo"), layer, "attn_norm", cfg)
+        out = _plus_bias(_reduce(mlp(layer, x, cfg, index, axis, rows), axis), layer, "b_down")
+        return norm(x + out, layer, "mlp_norm", cfg), k_pages, v_pages
     mlp_dtype = jnp.float32 if cfg.is_moe(index) else linear.input_dtype(layer.get("w_gate_up", layer.get("w_up")))
     _, h = add_norm(x, None, layer, "attn_norm", cfg, rows, linear.input_dtype(layer["wqkv"]), cpp=cpp_ops)
     attn, k_pages, v_pages = self_attention(layer, k_pages, v_pages, h, inputs, cfg, index, attention, axis)
@@ -327,6 +343,8 @@ def embed(params, token_ids: jax.Array, positions: jax.Array, cfg: ModelConfig, 
     if cfg.position == "learned":
         table = params["pos_embed"]
         x = x + table[jnp.clip(positions, 0, table.shape[0] - 1)].astype(jnp.float32)
+    if "embed_norm" in params:  # BERT's LayerNorm over the summed embeddings
+        x = norm(x, params, "embed_norm", cfg)
     return x
 
 

@@ -24,7 +24,9 @@ LLAMA_LIKE = (
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
 )
-SUPPORTED_ARCHITECTURES = (*LLAMA_LIKE, "OPTForCausalLM", "GPTNeoXForCausalLM", "FalconForCausalLM")
+# Encoders (bidirectional attention; pooled, not sampled).
+ENCODERS = ("BertModel",)
+SUPPORTED_ARCHITECTURES = (*LLAMA_LIKE, "OPTForCausalLM", "GPTNeoXForCausalLM", "FalconForCausalLM", *ENCODERS)
 
 # HF activation names -> decoder.ACTIVATIONS (the only names a cfg gets)
 _ACTIVATIONS = {
@@ -75,7 +77,13 @@ def model_config_from_hf(config: dict[str, Any]) -> ModelConfig:
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=_as_eos_tuple(config.get("eos_token_id")),
     )
-    family = {"OPTForCausalLM": _opt, "GPTNeoXForCausalLM": _gpt_neox, "FalconForCausalLM": _falcon}.get(arch, _llama)
+    families = {
+        "OPTForCausalLM": _opt,
+        "GPTNeoXForCausalLM": _gpt_neox,
+        "FalconForCausalLM": _falcon,
+        "BertModel": _bert,
+    }
+    family = families.get(arch, _llama)
     fields.update(family(c, fields))
     cfg = ModelConfig(**fields)
     if cfg.num_heads % cfg.num_kv_heads:
@@ -234,6 +242,29 @@ def _opt(c: _Config, f: dict) -> dict:
         mlp_bias=bias,
         rope_theta=10000.0,
         tie_word_embeddings=bool(c.get("tie_word_embeddings", default=True)),
+    )
+
+
+def _bert(c: _Config, f: dict) -> dict:
+    """BERT (sentence-transformers' encoders): post-layer LayerNorms, learned positions plus the
+    token type's row, GELU, biases everywhere, bidirectional attention, no LM head."""
+    c.refuse("position_embedding_type", "relative position embeddings", ok=(None, "absolute"))
+    c.refuse("is_decoder", "a BERT decoder")
+    return dict(
+        intermediate_size=c.int("intermediate_size"),
+        norm_eps=float(c.get("layer_norm_eps", default=1e-12)),
+        norm="layer",
+        position="learned",
+        hidden_act=c.activation("hidden_act", default="gelu"),
+        gated_mlp=False,
+        qkv_bias=True,
+        attn_out_bias=True,
+        mlp_bias=True,
+        post_norm=True,
+        bidirectional=True,
+        token_types=c.int("type_vocab_size", default=2),
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
     )
 
 

@@ -79,13 +79,13 @@ class DenseAttention:
         """No pages: this step's k, v [T, kv_heads, head_dim] are the whole context."""
         return k, v
 
-    def forward(self, q, k, v, inputs, *, sliding_window=None, sm_scale=None):
+    def forward(self, q, k, v, inputs, *, sliding_window=None, sm_scale=None, causal=True):
         """q [T, q_heads, head_dim] over k, v [T, kv_heads, head_dim] -> [T, q_heads, head_dim].
 
         Query head h reads kv head h // (q_heads // kv_heads) (HF's `repeat_kv`). Token i sees
         tokens j <= i, and with a window only j > i - sliding_window (the mask of HF's eager
         attention, by order in the sequence, as `kernels/reference.py`'s oracle masks by
-        position). Scores and softmax in float32."""
+        position); not `causal` (an encoder), every token. Scores and softmax in float32."""
         num_tokens, num_q_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         group = num_q_heads // num_kv_heads
@@ -93,7 +93,8 @@ class DenseAttention:
         qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
         s = jnp.einsum("tkgd,ckd->kgtc", qg, k.astype(jnp.float32)) * sm_scale  # [kv, group, T, T]
         order = jnp.arange(num_tokens, dtype=jnp.int32)
-        s, _ = mask_scores(s, order[:, None], order[None, :], sliding_window, None)
+        rows = order[:, None] if causal else jnp.full((num_tokens, 1), num_tokens - 1, jnp.int32)
+        s, _ = mask_scores(s, rows, order[None, :], sliding_window, None)
         p = jax.nn.softmax(s, axis=-1)  # the diagonal is always visible: no empty rows
         o = jnp.einsum("kgtc,ckd->tkgd", p, v.astype(jnp.float32))
         return o.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
@@ -120,6 +121,19 @@ def forward(params, token_ids, cfg: ModelConfig, positions=None) -> jax.Array:
 
     positions ([T] or [B, T], default 0 .. T - 1) feed RoPE or the learned position rows only;
     the causal mask is by order in the sequence (as HF's models take `position_ids`)."""
+    if cfg.bidirectional:
+        raise ValueError(f"{cfg.architecture} is an encoder without an LM head: use hidden_states")
+    return _batched(functools.partial(_sequence_logits, params, cfg=cfg), params, token_ids, positions)
+
+
+def hidden_states(params, token_ids, cfg: ModelConfig, positions=None) -> jax.Array:
+    """The last layer's output [..., T, hidden] f32 (a decoder's before its final norm; an
+    encoder's, what pooling reads). An encoder's rows attend to every token of their row: a
+    batch's rows must all be real tokens (no padding)."""
+    return _batched(functools.partial(_sequence_hidden, params, cfg=cfg), params, token_ids, positions)
+
+
+def _batched(one, params, token_ids, positions):
     check_float_params(params)
     token_ids = jnp.asarray(token_ids, jnp.int32)
     if token_ids.ndim not in (1, 2):
@@ -127,18 +141,22 @@ def forward(params, token_ids, cfg: ModelConfig, positions=None) -> jax.Array:
     if positions is None:
         positions = jnp.arange(token_ids.shape[-1], dtype=jnp.int32)
     positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), token_ids.shape)
-    one = functools.partial(_sequence_logits, params, cfg=cfg)
     return one(token_ids, positions) if token_ids.ndim == 1 else jax.vmap(one)(token_ids, positions)
 
 
-def _sequence_logits(params, token_ids, positions, *, cfg: ModelConfig) -> jax.Array:
-    """token_ids, positions [T] -> logits [T, vocab] f32."""
+def _sequence_hidden(params, token_ids, positions, *, cfg: ModelConfig) -> jax.Array:
+    """token_ids, positions [T] -> the last layer's output [T, hidden] f32."""
     rope_cos, rope_sin = decoder.rope_tables(positions, cfg.inv_freq())
     inputs = SequenceInputs(token_ids, positions, rope_cos, rope_sin)
     x = decoder.embed(params, token_ids, positions, cfg)
     for index, layer in enumerate(params["layers"]):
         x, _, _ = decoder.decoder_layer(layer, None, None, x, inputs, cfg, index=index, attention=DENSE_ATTENTION)
-    return decoder.compute_logits(params, x, cfg)
+    return x
+
+
+def _sequence_logits(params, token_ids, positions, *, cfg: ModelConfig) -> jax.Array:
+    """token_ids, positions [T] -> logits [T, vocab] f32."""
+    return decoder.compute_logits(params, _sequence_hidden(params, token_ids, positions, cfg=cfg), cfg)
 
 
 def token_logprobs(params, token_ids, cfg: ModelConfig, *, temperature: float | None = None) -> jax.Array:

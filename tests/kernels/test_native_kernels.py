@@ -56,6 +56,21 @@ def test_sliding_window_and_soft_cap(cache_dtype):
     check(args, sliding_window=7, logits_soft_cap=2.0)
 
 
+@pytest.mark.parametrize("cache_dtype", ["float32", "uint16", "int8"])
+@pytest.mark.parametrize("head_dim", [32, 64, 80])
+def test_bidirectional_attention_over_whole_prompts(cache_dtype, head_dim):
+    """`causal=False` (an encoder's step: every sequence's whole prompt at once): each query
+    sees every key of its sequence, on every path (head_dim 80: the portable one)."""
+    q_lens = [7, 40, 1, 19, 64]
+    args = make_batch(6, q_lens, q_lens, head_dim=head_dim, pages_per_seq=5, cache_dtype=cache_dtype)
+    check(args, causal=False)
+    causal = jax.jit(native.paged_attention_cpu)(args[0].astype(np.float32), *args[1:])
+    both = jax.jit(functools.partial(native.paged_attention_cpu, causal=False))(args[0].astype(np.float32), *args[1:])
+    assert not np.allclose(np.asarray(causal)[:7], np.asarray(both)[:7])  # (the mask matters)
+    with pytest.raises(Exception, match="sliding window needs causal"):
+        jax.block_until_ready(native.paged_attention_cpu(*args, causal=False, sliding_window=4))
+
+
 @pytest.mark.parametrize(
     "num_q_heads,num_kv_heads,head_dim,page_size", [(4, 4, 32, 8), (8, 2, 128, 32), (12, 3, 64, 16), (6, 2, 80, 16)]
 )

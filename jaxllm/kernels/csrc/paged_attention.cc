@@ -194,7 +194,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                               ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> kv_lens,
                               ffi::Buffer<ffi::S32> page_tables, ffi::Buffer<ffi::S32> cu_q_lens,
                               ffi::Buffer<ffi::S32> num_seqs, ffi::ResultBuffer<ffi::F32> out,
-                              float sm_scale, int32_t sliding_window, float soft_cap, int32_t path) {
+                              float sm_scale, int32_t sliding_window, float soft_cap, int32_t path,
+                              int32_t causal) {
   const auto qd = q.dimensions();
   const auto kd = k_pages.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || page_tables.dimensions().size() != 2)
@@ -232,6 +233,9 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   a.sm_scale = sm_scale;
   a.soft_cap = soft_cap;
   a.sliding_window = sliding_window;
+  a.causal = causal;
+  if (!causal && sliding_window > 0)
+    return ffi::Error::InvalidArgument("paged attention: a sliding window needs causal attention");
   if (!path_ok(path))
     return ffi::Error::InvalidArgument("paged attention: this build has no such kernel path");
   a.path = path;
@@ -280,7 +284,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionCpu, jaxllm::PagedAttentionImp
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")
                                   .Attr<float>("soft_cap")
-                                  .Attr<int32_t>("path"));
+                                  .Attr<int32_t>("path")
+                                  .Attr<int32_t>("causal"));
 
 // The kernel paths this library was built with (bit p: KernelPath p), for tests and benchmarks.
 extern "C" int32_t JaxllmKernelPaths() { return jaxllm::built_paths(); }

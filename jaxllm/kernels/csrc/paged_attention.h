@@ -62,6 +62,7 @@ struct PagedAttentionArgs {
   float sm_scale;               // scores are sm_scale * (q . k)
   float soft_cap;               // 0: none; else scores become soft_cap * tanh(score / soft_cap)
   int32_t sliding_window;       // 0: none; else a query at position p sees keys p - window + 1 .. p
+  int32_t causal;               // 1: a query sees the keys up to its own position; 0: all of its sequence's
   int32_t path;                 // a KernelPath: the widest path to try (kAuto: any)
 };
 
@@ -112,7 +113,8 @@ inline void load_query_rows(const PagedAttentionArgs& a, const WorkItem& item, S
     for (int64_t d = 0; d < D; ++d) scratch.acc[i][d] = 0.f;
     rows.m[i] = kNegInf;
     rows.l[i] = 0.f;
-    rows.qpos[i] = a.kv_lens[s] - q_len + t0 + i / G;
+    // (Bidirectional, an encoder's: every row as the sequence's last, so every key passes the masks.)
+    rows.qpos[i] = a.causal ? a.kv_lens[s] - q_len + t0 + i / G : a.kv_lens[s] - 1;
   }
   rows.last_pos = rows.qpos[rows.M - 1];
   rows.begin = a.sliding_window > 0 ? std::max<int64_t>(0, rows.qpos[0] - a.sliding_window + 1) : 0;
