@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.attention import AttentionBackend
-from jaxllm.models import decoder, linear
+from jaxllm.models import decoder, linear, training
 from jaxllm.quantization import smoothing
 from jaxllm.models.step_inputs import StepInputs
 
@@ -86,32 +85,12 @@ def activation_maxima(params, cfg: decoder.ModelConfig, windows: list[list[int]]
     return maxima
 
 
-class DenseCausal(AttentionBackend):
-    """Attention of one sequence over itself from position 0, with no pages: `write_kv` hands
-    this step's k, v to `forward` as the "pages" (the paged oracle gathers a whole context per
-    query token, 0.3 s a layer for 512 tokens)."""
-
-    name = "dense-causal"
-
-    def write_kv(self, k_pages, v_pages, k, v, slot_mapping):
-        return k, v
-
-    def forward(self, q, k, v, inputs, *, sliding_window=None, sm_scale=None):
-        n, heads, hd = q.shape
-        group = heads // k.shape[1]
-        scores = jnp.einsum("tkgd,skd->kgts", q.reshape(n, -1, group, hd), k) * (sm_scale or hd**-0.5)
-        t, s = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
-        visible = (s <= t) & ((t - s < sliding_window) if sliding_window else True)
-        p = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
-        return jnp.einsum("kgts,skd->tkgd", p, v).reshape(n, heads, hd)
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "index"))
 def _observed_layer(layer, x, inputs, *, cfg, index):
     """Decoder layer `index`'s kind on x, with its OBSERVED matrices' input maxima {name: [in]}."""
     seen: dict = {}
     layer = {name: Observed(w, name, seen) if name in OBSERVED else w for name, w in layer.items()}
-    x, _, _ = decoder.decoder_layer(layer, None, None, x, inputs, cfg, index=index, attention=DenseCausal())
+    x, _, _ = decoder.decoder_layer(layer, None, None, x, inputs, cfg, index=index, attention=training.DENSE_ATTENTION)
     return x, seen
 
 

@@ -82,7 +82,8 @@ def model_weights(params, cfg, mesh=None, *, dtype: str | None = None, abstract:
                     "to return (start it with quantization='none' to train beside it)"
                 )
             k, n = x.shape
-            return jnp.zeros((n, k) if table else (k, n), dtype)
+            lead = x.codes.shape[:-2] if x.layout == "plain" else ()  # (stacked pipeline stages)
+            return jnp.zeros((*lead, *((n, k) if table else (k, n))), dtype)
         return x
 
     tree = jax.tree_util.tree_map_with_path(leaf, params, is_leaf=_is_stored)
@@ -216,8 +217,6 @@ class UpdatePlan:
                 "weights cannot replace: start it with quantization='none' (or int8_weight_only, int4, w8a8, "
                 "which quantize each update) to update its weights"
             )
-        if self.mesh is not None and plan.quantization:
-            return f"quantization={plan.quantization!r} on a mesh does not take weight updates yet"
         return None
 
     def engine_weights(self, weights, *, tokenizer=None) -> tuple[dict, dict | None]:
@@ -233,6 +232,10 @@ class UpdatePlan:
             tree = jax.device_put(tree, self.device)
             return prepare_weights(tree, cfg, plan, tokenizer=tokenizer, device=self.device, log=False)
         tp, pp = parallel.tp_size(mesh), parallel.pp_size(mesh)
+        if plan.quantization:  # as loaded: host arrays, each shard's codes made before it is placed
+            tree = jax.tree.map(np.asarray, tree)
+            if plan.smooth:  # (W8A8 smooths the whole matrices, then lays them out itself)
+                return prepare_weights(tree, cfg, plan, mesh=mesh, tokenizer=tokenizer, log=False)
         if tp > 1 or pp > 1:  # regrouped / stacked on the host, as the loader lays them out
             tree = layout.shard_layout(tree, cfg, tp, pp)
         return prepare_weights(tree, cfg, plan, mesh=mesh, log=False)

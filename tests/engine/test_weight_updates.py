@@ -290,7 +290,11 @@ def test_updates_on_a_mesh_equal_a_fresh_engine(tiny_model_dir, other_model_dir,
     from a one-device tree and from a trainer's FSDP mesh, answer as a fresh one-device engine
     on those weights."""
     layouts = ["1x1x1", "2x1x1", "4x1x1", "1x2x1", "2x1x2", "mesh:2x1x2"]
-    results = run_on_virtual_devices(4, "weight_updates", tiny_model_dir, other_model_dir, layouts)
+    quantized = ["int4:2x1x2", "w8a8:2x1x1"]
+    results = run_on_virtual_devices(4, "weight_updates", tiny_model_dir, other_model_dir, layouts + quantized)
+    for name in quantized:  # re-quantized on the mesh as a fresh load of the same weights quantizes
+        want = results[name + ":fresh"]
+        assert results[name]["runs"] == {"hf": want, "fsdp": want}, name
     want = reference(dtype="float32")
     for name in layouts:
         r = results[name]

@@ -243,12 +243,28 @@ def weight_updates(workdir: str, model_dir: str, other_dir: str, layouts: list[s
 
     results = {}
     for name in layouts:
-        tp, dp, pp = map(int, name.removeprefix("mesh:").split("x"))
-        # "mesh:...": on a ("data", "stage", "model") Mesh of the caller's (jax.make_mesh's axis types)
-        mesh = jax.make_mesh((dp, pp, tp), ("data", "stage", "model")) if name.startswith("mesh:") else None
-        sizes = dict(tensor_parallel_size=tp, data_parallel_size=dp, pipeline_parallel_size=pp)
-        llm = LLM(model_dir, mesh=mesh, **sizes, **TINY_ENGINE_ARGS)
+        kind, _, shape = name.rpartition(":")
+        tp, dp, pp = map(int, shape.split("x"))
+        # "mesh:...": on a ("data", "stage", "model") Mesh of the caller's (jax.make_mesh's axis
+        # types); "int4:..." / "w8a8:...": quantized weights, against a fresh engine of the same
+        # options on `other_dir` (`fresh`).
+        mesh = jax.make_mesh((dp, pp, tp), ("data", "stage", "model")) if kind == "mesh" else None
+        options = dict(tensor_parallel_size=tp, data_parallel_size=dp, pipeline_parallel_size=pp, **TINY_ENGINE_ARGS)
+        if kind in ("int4", "w8a8"):
+            options["quantization"] = kind
+            fresh = LLM(other_dir, **options)
+            results[name + ":fresh"] = [o.outputs[0].token_ids for o in fresh.generate(prompts, greedy, use_tqdm=False)]
+            del fresh
+        llm = LLM(model_dir, mesh=mesh, **options)
         engine = llm.engine
+        if kind in ("int4", "w8a8"):  # no float weights to give back: the updates only
+            runs = {}
+            for source, weights in [("hf", hf), ("fsdp", jax.tree.map(fsdp_place, other_tree))]:
+                engine.update_weights(weights)
+                runs[source] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            results[name] = {"runs": runs}
+            del llm, engine
+            continue
         got = engine.get_weights()
         same = all(
             np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(own))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxllm.models import decoder
+from jaxllm.models import decoder, training
 from jaxllm.weights import calibration
 from jaxllm.models.loader import load_model
 from jaxllm.quantization import smoothing
@@ -84,7 +84,7 @@ def dense_logits(params, cfg, ids):
         attn_metadata={},
     )
     cache = [(None, None)] * cfg.num_layers
-    hidden, _ = decoder.forward(params, cache, inputs, cfg, attention=calibration.DenseCausal())
+    hidden, _ = decoder.forward(params, cache, inputs, cfg, attention=training.DENSE_ATTENTION)
     return np.asarray(decoder.compute_logits(params, jnp.asarray(hidden), cfg))
 
 
