@@ -107,17 +107,17 @@ class EngineCore:
     def settle(self) -> EngineCoreOutputs | None:
         """Collect the step dispatched ahead, if any, without dispatching another: afterwards no
         step is in flight (before the weights or the KV pool change). None when none was."""
-        return None if self._ahead is None else self.step(ahead=False)
+        return None if self._ahead is None else self.step(dispatch_ahead=False)
 
-    def step(self, ahead: bool = True) -> EngineCoreOutputs:
+    def step(self, dispatch_ahead: bool = True) -> EngineCoreOutputs:
         """One step's outputs, tagged with the weight version that computed them. With async
         scheduling the step may already be in flight (dispatched by the last call), and the next
-        one is dispatched before this one's tokens are read (not with `ahead` False)."""
-        outputs = self._step(ahead)
+        one is dispatched before this one's tokens are read (not with `dispatch_ahead` False)."""
+        outputs = self._step(dispatch_ahead)
         outputs.weight_version = self.weight_version
         return outputs
 
-    def _step(self, ahead: bool) -> EngineCoreOutputs:
+    def _step(self, dispatch_ahead: bool) -> EngineCoreOutputs:
         t0 = time.perf_counter()
         if self._ahead is not None and not any(r.status is RequestStatus.RUNNING for r, _ in self._ahead[0].scheduled):
             self.runner.collect(self._ahead[1])  # every request of it has ended (EOS, abort): drop it
@@ -127,7 +127,9 @@ class EngineCore:
         t1 = time.perf_counter()
         try:
             in_flight = in_flight or self.runner.dispatch(scheduler_output)
-            ahead = self.scheduler.schedule_ahead(scheduler_output) if self.async_scheduling and ahead else None
+            ahead = (
+                self.scheduler.schedule_ahead(scheduler_output) if self.async_scheduling and dispatch_ahead else None
+            )
             if ahead is not None:
                 row_of = {r.request_id: in_flight.first[i] for i, (r, _) in enumerate(scheduler_output.scheduled)}
                 rows = np.array([row_of[r.request_id] for r, _ in ahead.scheduled], np.int64)

@@ -31,7 +31,7 @@ from jaxllm.sampling_params import SamplingParams
 from jaxllm.structured_output import Matcher, StructuredOutputManager
 from jaxllm.utils import DTYPES, resolve_kv_cache_dtype
 from jaxllm.weights.plan import QUANTIZE_METHODS
-from jaxllm.weights.update import IN_FLIGHT, UpdatePlan, check_same_form, model_weights
+from jaxllm.weights.update import IN_FLIGHT, UpdatePlan, check_same_form, model_sharding, model_weights
 
 logger = logging.getLogger("jaxllm")
 
@@ -90,6 +90,10 @@ class LLMEngine:
         self._build_cores(model, mesh, self._load_draft(args, platform, progress))
         self._params = model.params  # the whole tree (data parallel replicas step with views of it)
         self._updates = UpdatePlan.for_engine(loaded.cfg, plan, mesh, model.params)
+        # What the compiled steps take (shapes, dtypes, shardings): every update must match it.
+        self._form = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), (model.params, model.small_params)
+        )
         self.weight_version: int | str = 0
         self.num_weight_updates = 0
         self.sleep_level = 0  # 0 awake; 1 KV pool freed; 2 weights dropped too (see `sleep`)
@@ -404,8 +408,6 @@ class LLMEngine:
         tree = model_weights(self._params, self.cfg, mesh)
         if mesh is None:
             return tree
-        from jaxllm.weights.update import model_sharding
-
         return jax.tree_util.tree_map_with_path(lambda path, x: jax.device_put(x, model_sharding(path, mesh)), tree)
 
     def update_weights(
@@ -428,8 +430,7 @@ class LLMEngine:
             raise ValueError(f"in_flight must be one of {IN_FLIGHT}, not {in_flight!r}")
         tokenizer = self.tokenizer if self._updates.plan.smooth else None
         params, small_params = self._updates.engine_weights(weights, tokenizer=tokenizer)
-        if self._params is not None:
-            check_same_form((params, small_params), (self._params, self.runner.small_params))
+        check_same_form((params, small_params), self._form)
         outputs = []
         if in_flight == "wait":
             while self.has_unfinished_requests():
