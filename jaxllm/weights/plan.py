@@ -89,11 +89,15 @@ class WeightPlan:
         rows: dict[LinearPlan, list[str]] = {}
         for name, lp in self.linears.items():
             rows.setdefault(lp, []).append(name)
-        return "; ".join(
-            f"{', '.join(names)}: {lp.codes or self.dtype} via {lp.kernel}"
-            + (f" (x as {lp.activations})" if lp.activations != "float" else "")
-            + (f" + small-step codes (x as {lp.small_step_activations})" if lp.small_step_codes else "")
-            for lp, names in rows.items()
+        pinned = f"; the GEMMs on path {self.gemm_path} at every row count" if self.gemm_path != "auto" else ""
+        return (
+            "; ".join(
+                f"{', '.join(names)}: {lp.codes or self.dtype} via {lp.kernel}"
+                + (f" (x as {lp.activations})" if lp.activations != "float" else "")
+                + (f" + small-step codes (x as {lp.small_step_activations})" if lp.small_step_codes else "")
+                for lp, names in rows.items()
+            )
+            + pinned
         )
 
 
@@ -134,7 +138,7 @@ def resolve_weight_plan(
     wanted = known and checkpoint is not None and (checkpoint != "gguf" or load == "auto")
     method = None if small or asked == "none" else asked or (checkpoint if wanted else None)
     pack_floats = cpp_gemm and args.packed_weights and (dtype == "float32" or platform.cpp_bf16_dots)
-    gemm_path = _batch_invariant_gemm_path(args, platform, cpp_gemm, pack_floats, dtype)
+    gemm_path = _batch_invariant_gemm_path(args, platform, cpp_gemm, dtype)
     linears = {
         name: _linear_plan(
             name,
@@ -162,7 +166,7 @@ def resolve_weight_plan(
     )
 
 
-def _batch_invariant_gemm_path(args, platform: Platform, cpp_gemm: bool, pack_floats: bool, dtype: str) -> str:
+def _batch_invariant_gemm_path(args, platform: Platform, cpp_gemm: bool, dtype: str) -> str:
     """The GEMMs' kernel path: "auto", or under `batch_invariant` one path whatever a call's row
     count (auto takes AMX for bf16 calls of two rows or more, `vdpbf16ps` for one: their sums
     differ in the last bits), so that a row's product never depends on what else is in the step.

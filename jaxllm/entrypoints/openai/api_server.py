@@ -50,6 +50,7 @@ from jaxllm.entrypoints.openai.serving_utils import APIError, error_response
 from jaxllm.entrypoints.openai.http_server import Server, Shutdown, guarded_protocol
 from jaxllm.entrypoints.openai.middleware import RequestGuard, request_id_of
 from jaxllm.entrypoints.openai.server_args import ServerArgs
+from jaxllm.weights.update import WeightUpdateError, checkpoint_weights
 
 logger = logging.getLogger("jaxllm.server")
 PLAYGROUND = pathlib.Path(__file__).with_name("playground") / "index.html"
@@ -247,8 +248,6 @@ def _add_openai_routes(
 
 def _add_weight_routes(app: FastAPI, llm: AsyncLLM) -> None:
     """--enable-weight-updates: a trainer's routes (behind the API key, which the flag requires)."""
-    from jaxllm.weights.update import WeightUpdateError, checkpoint_weights
-
     engine = llm.engine
 
     @app.post("/update_weights", responses=_responses(None, *_GUARDED, 404))
