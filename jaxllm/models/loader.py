@@ -32,7 +32,7 @@ import logging
 import os
 import re
 import shutil
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import jax
@@ -387,6 +387,10 @@ def _restore_cached(
         if meta["has_tokenizer"] and not tokenizer_thread:
             tokenizer = _load_tokenizer(os.path.join(entry, "tokenizer"))
     except Exception as e:  # noqa: BLE001 - a broken cache entry is rebuilt, not fatal
+        if pending is not None:
+            # The rebuild reads the tokenizer on this thread: transformers' lazy module, imported
+            # on two threads at once, can fail one of them ("cannot import name ...").
+            wait([pending])
         logger.warning("ignoring unreadable params cache %s (%s: %s)", entry, type(e).__name__, e)
         shutil.rmtree(entry, ignore_errors=True)
         return None

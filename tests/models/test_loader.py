@@ -141,6 +141,42 @@ def test_cached_tokenizer_on_a_thread_and_broken_entries(default_model):
         os.remove(os.path.join(str(cache_dir), "keep.json"))
 
 
+def test_an_unreadable_entry_waits_for_its_tokenizer_thread_before_rebuilding(default_model, tmp_path, monkeypatch):
+    """Params a crash left half-written: the tokenizer already loading on its thread (importing
+    transformers) finishes before the rebuild, on this thread, imports transformers too (two
+    threads importing its lazy module at once failed one start in 3 with "cannot import name
+    'PreTrainedTokenizerFast'")."""
+    import time
+
+    loaded, cache_dir = default_model
+    copy = str(tmp_path / "cache")
+    shutil.copytree(cache_dir, copy)
+    (entry,) = os.listdir(copy)
+    params_file = os.path.join(copy, entry, "params", loader.PARAMS_FILE)
+    with open(params_file, "r+b") as f:
+        f.truncate(os.path.getsize(params_file) // 2)
+    events = []
+    load_tokenizer, convert = loader._load_tokenizer, loader._convert
+
+    def slow_tokenizer(directory):
+        time.sleep(0.5)
+        tokenizer = load_tokenizer(directory)
+        events.append("tokenizer thread done")
+        return tokenizer
+
+    def recorded_convert(*args, **kwargs):
+        events.append("rebuild starts")
+        return convert(*args, **kwargs)
+
+    monkeypatch.setattr(loader, "_load_tokenizer", slow_tokenizer)
+    monkeypatch.setattr(loader, "_convert", recorded_convert)
+    rebuilt = load_model(cache_dir=copy, progress=False, tokenizer_thread=True)
+    assert events == ["tokenizer thread done", "rebuild starts"]
+    text = "<|im_start|>user\nhello there<|im_end|>"
+    assert rebuilt.resolve_tokenizer()(text).input_ids == loaded.tokenizer(text).input_ids
+    jax.tree.map(np.testing.assert_array_equal, rebuilt.params, loaded.params)
+
+
 def test_save_restore_params_round_trip(tmp_path):
     params = {
         "embed": jnp.arange(12.0).reshape(3, 4).astype(jnp.bfloat16),
