@@ -290,8 +290,9 @@ def test_engine_logprobs_through_preemption(tiny_model_dir, engine_and_params):
 
 # bf16 engine against the trainer's forward over the engine's own bf16 weights: both multiply in
 # bf16 with f32 sums, but the engine's KV pages hold every key and value rounded to bf16 (the
-# forward keeps them in f32) and its GEMMs sum in another order. Measured up to 0.07 on this
-# model (logits up to ~13); the bound leaves room for the CPU kinds' other GEMM paths.
+# forward keeps them in f32) and its GEMMs sum in another order. Measured up to 0.11 on this
+# model (logits up to ~13; the Xeon with AMX); the bound leaves room for the other CPU kinds'
+# GEMM paths.
 BF16_ENGINE_TOL = 0.25
 
 
@@ -309,4 +310,5 @@ def test_bf16_engine_logprobs_within_the_stated_bound(tiny_model_dir):
         ids = jnp.array(out.prompt_token_ids + completion)
         ours = np.asarray(token_logprobs(params, ids, cfg))[len(out.prompt_token_ids) - 1 :]
         worst = max(worst, float(np.abs(reported - ours).max()))
+    print(f"bf16 engine vs token_logprobs: max |diff| {worst:.3g}")
     assert worst <= BF16_ENGINE_TOL, worst
