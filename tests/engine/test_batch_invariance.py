@@ -9,7 +9,7 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.kernels import native
-from tests.helpers.tiny_model import TINY_ENGINE_ARGS
+from tests.helpers.tiny_model import TINY_ENGINE_ARGS, build_tiny_model
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C++ kernels: {native.unavailable_reason()}")
 BUILD_PATHS = native.kernel_paths() if native.available() else ()
@@ -23,33 +23,10 @@ PARAMS = [
 
 
 @pytest.fixture(scope="module")
-def wide_heads_dir(tiny_model_dir, tmp_path_factory) -> str:
+def wide_heads_dir(tmp_path_factory) -> str:
     """The tiny model's shape with head_dim 64 (2 heads over hidden 128): the attention kernel's
     AVX2 path, where head_dim 16 takes the portable one."""
-    import shutil
-
-    import torch
-    import transformers
-
-    path = str(tmp_path_factory.mktemp("wide") / "tiny-llama-hd64")
-    config = transformers.LlamaConfig(
-        vocab_size=49152,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        initializer_range=0.3,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(f"{tiny_model_dir}/{name}", path)
-    return path
+    return build_tiny_model(str(tmp_path_factory.mktemp("wide") / "tiny-llama-hd64"), hidden_size=128, num_heads=2)
 
 
 def run(llm: LLM, prompts, one_at_a_time: bool) -> list[tuple]:

@@ -34,9 +34,10 @@ WARM_ENGINE_ARGS = {**TINY_ENGINE_ARGS, "warmup": True}
 _llms: dict[str, object] = {}
 
 
-def build_tiny_model(path: str, num_layers: int = 2) -> str:
-    """Write a random Llama (2 layers unless told) and the default model's tokenizer (with its
-    chat template) to `path` as an HF directory; return `path`.
+def build_tiny_model(path: str, num_layers: int = 2, hidden_size: int = 64, num_heads: int = 4) -> str:
+    """Write a random Llama (2 layers, hidden 64 over 4 heads, unless told; half as many KV heads)
+    and the default model's tokenizer (with its chat template) to `path` as an HF directory;
+    return `path`.
 
     The weights are drawn wider than HF's default (initializer_range 0.3, not 0.02) so that the
     logits are peaked: greedy text varies from token to token, and the best two tokens are far
@@ -51,11 +52,11 @@ def build_tiny_model(path: str, num_layers: int = 2) -> str:
         return path
     config = transformers.LlamaConfig(
         vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(num_heads // 2, 1),
         max_position_embeddings=512,
         tie_word_embeddings=True,
         initializer_range=0.3,

@@ -25,7 +25,7 @@ from starlette.background import BackgroundTask
 
 from jaxllm.chat_template import check_template_kwargs
 from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
-from jaxllm.engine.llm_engine import EngineSleepingError
+from jaxllm.engine.trainer import EngineSleepingError
 from jaxllm.entrypoints.metrics import ServerMetrics
 from jaxllm.entrypoints.openai.http_server import Shutdown
 from jaxllm.entrypoints.openai.middleware import request_id_of
