@@ -2,7 +2,16 @@
 
 from jaxllm.config import EngineArgs
 from jaxllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxllm.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxllm.version import __version__
 
@@ -30,12 +39,17 @@ __all__ = [
     "BeamSearchParams",
     "BeamSearchSequence",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "LLM",
     "LLMEngine",
     "Logprob",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
+    "ScoringOutput",
+    "ScoringRequestOutput",
     "StructuredOutputsParams",
     "__version__",
 ]

@@ -22,6 +22,7 @@ DEFAULT_KV_CACHE_MEMORY = 2 << 30  # bytes; on CPU the pool lives in host RAM
 ATTENTION_BACKENDS = ("native", "cpu", "mosaic", "pallas", "reference")
 PREEMPTION_MODES = ("recompute", "swap")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+RUNNERS = ("auto", "generate", "pooling")
 # jaxllm.quantization's METHODS + CHECKPOINT_METHODS (config checks import no JAX code);
 # tests/quantization/test_quantization.py checks they agree.
 QUANTIZATION_METHODS = ("int8", "int8_weight_only", "int4", "w8a8", "gguf", "awq", "gptq", "none")
@@ -178,6 +179,20 @@ class EngineArgs:
         "top_k and top_p (vLLM's modes; prompt logprobs stay raw)",
         choices=LOGPROBS_MODES,
     )
+    runner: str = option(
+        "auto",
+        "'generate' (text out) or 'pooling' (embeddings out: LLM.embed, /v1/embeddings); 'auto': pooling for "
+        "encoders (BERT) and sentence-transformers directories, else generate",
+        choices=RUNNERS,
+    )
+    pooler_config: dict | str | None = option(
+        None,
+        'a pooling engine\'s pooling, a JSON object as in vLLM: {"pooling_type": "MEAN" | "CLS" | "LAST", '
+        '"normalize": true | false} (default: what a sentence-transformers directory declares, else CLS for '
+        "encoders and LAST for decoders, normalized)",
+        metavar="JSON",
+        type=json_object,
+    )
     seed: int = option(0, "engine random seed (draws the seeds of unseeded requests)")
     served_model_name: str | None = option(
         None, "the model name clients send and /v1/models lists (default: from --model)", metavar="NAME"
@@ -312,6 +327,8 @@ class EngineArgs:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.preemption_mode not in PREEMPTION_MODES:

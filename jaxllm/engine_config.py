@@ -23,6 +23,8 @@ class SchedulerConfig:
     max_num_prefill_seqs: int
     preemption_mode: str = "recompute"
     async_scheduling: bool = False
+    chunked_prefill: bool = True  # False: a prompt runs whole in one step (an encoder's)
+    chunked_prefill: bool = True  # False: a prompt runs whole in one step (an encoder's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +73,8 @@ class EngineConfig:
     quantization: str | None = None
     logprobs_mode: str = "raw_logprobs"
     batch_invariant: bool = False
+    # A pooling engine's `models.pooling.PoolingConfig` (EngineArgs.runner): it embeds, it does not generate.
+    pooling: object | None = None
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -124,10 +128,12 @@ def resolve_config(
     *,
     available_memory: int | None = None,
     platform: Platform | str = "cpu",
+    pooling=None,
 ) -> EngineConfig:
     """Fill in what `args` leaves open from the model config (and, for `gpu_memory_utilization`,
     the device memory left after the weights; for dtype "auto" and the page size, the `platform`
-    it runs on: a `Platform`, or a name for this host's)."""
+    it runs on: a `Platform`, or a name for this host's). `pooling`: a pooling engine's
+    `PoolingConfig` (engine/pooling.py `resolve_runner`)."""
     args.verify()
     platform = Platform.named(platform) if isinstance(platform, str) else platform
     dtype, _ = platform.resolve_dtype(args.dtype)
@@ -135,12 +141,17 @@ def resolve_config(
     max_model_len = _max_model_len(args, cfg)
     speculative = SpeculativeConfig.parse(args.speculative_config)
     max_batched = max(args.max_num_batched_tokens, args.max_num_seqs)
+    whole_prompts = pooling is not None and cfg.bidirectional  # an encoder's prompt runs in one step
+    if whole_prompts:
+        max_batched = max(max_batched, max_model_len)
     window, windowed_layers = sliding_window(cfg, max_model_len, speculative)
     page_size = args.block_size or platform.default_page_size
     page_bytes = kv_bytes_per_token(cfg, kv_dtype, args.tensor_parallel_size) * page_size
     num_pages, num_window_pages = _kv_pool_pages(
         args, cfg, page_bytes, page_size, max_model_len, max_batched, window, windowed_layers, available_memory
     )
+    if pooling is not None:  # no page outlives its prompt: a step's pages and one long prompt chunked
+        num_pages = min(num_pages, -(-(max_batched + max_model_len) // page_size) + args.max_num_seqs)
     num_swap_pages = int(args.swap_space * 2**30) // page_bytes if args.preemption_mode == "swap" else 0
     return EngineConfig(
         model_name=args.served_model_name or model_name,
@@ -156,6 +167,7 @@ def resolve_config(
             max_num_prefill_seqs=min(args.max_num_prefill_seqs, args.max_num_seqs),
             preemption_mode=args.preemption_mode,
             async_scheduling=args.async_scheduling,
+            chunked_prefill=not whole_prompts,
         ),
         cache=CacheConfig(
             page_size=page_size,
@@ -181,6 +193,7 @@ def resolve_config(
         small_step_codes=bool(args.small_step_codes),
         speculative=speculative,
         quantization=args.quantization,
+        pooling=pooling,
     )
 
 

@@ -67,6 +67,7 @@ class ModelRunnerOutput:
     num_sampled: np.ndarray
     prompt_logprobs: dict[str, tuple] = dataclasses.field(default_factory=dict)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    pooled: np.ndarray | None = None  # a pooling step's: [n, hidden], request i's chunk part
 
 
 @dataclasses.dataclass(slots=True)
@@ -90,6 +91,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     scheduled_time: float | None = None
     prompt_logprobs: tuple | None = None
+    pooled: np.ndarray | None = None  # a pooling request's pooled state [hidden], once it ends
 
 
 @dataclasses.dataclass(slots=True)

@@ -59,6 +59,10 @@ class Request:
     # Structured output: the matcher following this sequence's output in its grammar
     # (jaxllm/structured_output); the step masks its logits with the tokens it allows.
     grammar: Matcher | None = None
+    # A pooling engine's request (its PoolingParams): it ends once its prompt is computed, with
+    # `pooled` holding the merged parts of its computed chunks (models/pooling.py).
+    pooling_params: object | None = None
+    pooled: object | None = None
 
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)  # drafts for the next step
@@ -118,3 +122,22 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
+
+    def stop_status(self, max_model_len: int) -> RequestStatus | None:
+        """The status this request ends with after its latest token, or None to go on.
+        EOS and stop token ids count only from `min_tokens` outputs on; a complete grammar
+        (structured output: nothing may follow) stops it whatever the count."""
+        params = self.sampling_params
+        if self.grammar is not None and self.grammar.is_stopped:
+            return RequestStatus.FINISHED_STOPPED
+        num_out = len(self.output_token_ids)
+        token = self.output_token_ids[-1]
+        if num_out >= params.min_tokens:
+            if token in params.stop_token_ids:
+                self.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if num_out >= params.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

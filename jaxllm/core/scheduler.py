@@ -17,10 +17,11 @@ and is scheduled for its newest token plus them; the step verifies them all at o
 
 After the step, `update_from_output` appends each request's sampled tokens (and feeds them to
 its grammar, with structured output), checks its stop conditions (EOS, stop token ids,
-max_tokens, min_tokens, max_model_len, a complete grammar), frees the pages of
-finished requests, and reports all of it as `EngineCoreOutputs`. Stop *strings* need the
-text, so the output processor finds them and the engine ends those requests with
-`finish_requests`.
+max_tokens, min_tokens, max_model_len, a complete grammar: `Request.stop_status`), frees the
+pages of finished requests, and reports all of it as `EngineCoreOutputs`. Stop *strings* need
+the text: the output processor finds them and the engine ends those requests with
+`finish_requests`. A pooling engine's requests sample nothing: each ends once its prompt is
+computed, with its pooled state.
 
 Everything here is host-side Python over `Request` objects and the `KVCacheManager`: the
 scheduler tests run it without a model (tests/core/test_scheduler.py).
@@ -45,11 +46,18 @@ logger = logging.getLogger("jaxllm")
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, proposer=None, max_spec_seqs: int = 0
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        proposer=None,
+        max_spec_seqs: int = 0,
+        pooler=None,
     ):
         """`proposer`: drafts for speculative decoding (jaxllm/spec_decode), in steps of at most
-        `max_spec_seqs` sequences."""
+        `max_spec_seqs` sequences. `pooler`: a pooling engine's `PoolingConfig`, which merges the
+        parts of its requests' prompt chunks."""
         self.config = config
+        self.pooler = pooler
         self.kv = kv_cache_manager
         self.proposer = proposer
         self.max_spec_seqs = max_spec_seqs
@@ -242,6 +250,8 @@ class Scheduler:
                 continue
             if len(self.running) >= self.config.max_num_seqs:
                 break
+            if not self.config.chunked_prefill and request.num_tokens - request.num_computed_tokens > budget:
+                break  # an encoder's prompt runs whole (its tokens attend to every other)
             num_new = self._admit_pages(request, budget, swap_in)
             if num_new is None:
                 break
@@ -338,6 +348,11 @@ class Scheduler:
                 continue
             num_prompt_tokens += max(0, min(num_new, request.num_prompt_tokens - request.num_computed_tokens))
             drafted = self._advance_computed(request, num_new, runner_output)
+            if request.pooling_params is not None:
+                request.pooled = self.pooler.merge(request.pooled, runner_output.pooled[i])
+                if request.num_computed_tokens == request.num_tokens:
+                    outputs.append(self._finish_pooled(request))
+                continue
             num_sampled = int(runner_output.num_sampled[i])
             if num_sampled == 0:  # mid-prompt: no token yet
                 self.kv.cache_full_pages(request)
@@ -368,6 +383,15 @@ class Scheduler:
             request.prompt_logprobs.append(chunk)
             request.num_prompt_logprobs += len(chunk[0])
         return drafted
+
+    def _finish_pooled(self, request: Request) -> EngineCoreOutput:
+        """End a pooling request whose prompt is computed, with its pooled state."""
+        self.running.remove(request)
+        self._free_request(request, RequestStatus.FINISHED_STOPPED)
+        pooled = self.pooler.finish(request.pooled, request.num_tokens)
+        return EngineCoreOutput(
+            request.request_id, [], finish_reason="stop", scheduled_time=request.scheduled_time, pooled=pooled
+        )
 
     @staticmethod
     def _top_logprobs(
@@ -429,7 +453,7 @@ class Scheduler:
                     "request %s sampled token %d, which its grammar does not allow", request.request_id, tokens[-1]
                 )
                 return tokens, logprobs, RequestStatus.FINISHED_ERROR
-            status = self.check_stop(request)
+            status = request.stop_status(self.config.max_model_len)
             if status is not None:
                 break
         return tokens, logprobs, status
@@ -459,22 +483,3 @@ class Scheduler:
             self.kv.reset_prefix_cache()
         outputs = [EngineCoreOutput(r.request_id, [], finish_reason=r.finish_reason) for r in failed]
         return EngineCoreOutputs(outputs, timestamp=time.monotonic())
-
-    def check_stop(self, request: Request) -> RequestStatus | None:
-        """The status a request ends with after its latest token, or None to go on.
-        EOS and stop token ids count only from `min_tokens` outputs on; a complete grammar
-        (structured output: nothing may follow) stops it whatever the count."""
-        params = request.sampling_params
-        if request.grammar is not None and request.grammar.is_stopped:
-            return RequestStatus.FINISHED_STOPPED
-        num_out = len(request.output_token_ids)
-        token = request.output_token_ids[-1]
-        if num_out >= params.min_tokens:
-            if token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-            if not params.ignore_eos and token in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-        if num_out >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None

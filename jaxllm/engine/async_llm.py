@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator
 
 from jaxllm.config import EngineArgs
 from jaxllm.engine.llm_engine import LLMEngine
-from jaxllm.outputs import RequestOutput
+from jaxllm.outputs import EmbeddingRequestOutput, RequestOutput
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxllm")
@@ -159,13 +160,14 @@ class AsyncLLM:
     async def generate(
         self,
         prompt: str | list[int] | dict,
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | PoolingParams | None = None,
         request_id: str | None = None,
         *,
         output_kind: str = "cumulative",
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
         """Yield outputs as the request progresses (cumulative by default, or `output_kind=
-        "delta"` for just the new tokens/text). Leaving the loop early aborts the request."""
+        "delta"` for just the new tokens/text). Leaving the loop early aborts the request.
+        (With PoolingParams, on a pooling engine: `encode`.)"""
         request_id = request_id or uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
         token_ids = None
@@ -178,7 +180,7 @@ class AsyncLLM:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = (asyncio.get_running_loop(), queue)
         try:
-            if sampling_params is not None and sampling_params.structured_outputs is not None:
+            if isinstance(sampling_params, SamplingParams) and sampling_params.structured_outputs is not None:
                 # Compile the grammar here, off the event loop and the engine thread (a large one
                 # takes a while; the backend releases the GIL): add_request finds it cached.
                 await asyncio.to_thread(self.engine.structured_output.compile, sampling_params.structured_outputs)
@@ -199,7 +201,7 @@ class AsyncLLM:
                 if isinstance(out, BaseException):
                     raise self._dead()
                 finished = out.finished
-                if any(c.finish_reason == "error" for c in out.outputs):
+                if "error" in out.finish_reasons:
                     raise RequestFailedError(
                         f"the engine failed while computing request {request_id!r} "
                         f"(logged on the server); other requests are unaffected"
@@ -239,8 +241,12 @@ class AsyncLLM:
     async def wake_up(self) -> None:
         await self._call(self.engine.wake_up)
 
-    def encode(self, text: str) -> list[int]:
-        return self.engine.tokenize(text)
+    async def encode(
+        self, prompt: str | list[int] | dict, pooling_params: PoolingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[EmbeddingRequestOutput]:
+        """A pooling engine's request (vLLM's `encode`): yields its one output, the embedding."""
+        async for out in self.generate(prompt, pooling_params or PoolingParams(), request_id, output_kind="final"):
+            yield out
 
     def shutdown(self) -> None:
         self._stopped = True

@@ -73,12 +73,15 @@ class EngineCore:
             self.kv_cache_manager,
             proposer,
             spec_decode.max_seqs(config.scheduler) if spec_decode is not None else 0,
+            pooler=config.pooling,
         )
         self.runner = ModelRunner(config, model.cfg, model.params, mesh=mesh, small_params=model.small_params)
         self.stats = stats or EngineStats()
-        # Async scheduling (`schedule_ahead`) on one device of one process, without sliding windows.
+        # Async scheduling (`schedule_ahead`) on one device of one process, without sliding windows,
+        # for generation.
         self.async_scheduling = (
             config.scheduler.async_scheduling
+            and config.pooling is None
             and mesh is None
             and self.runner.channel is None
             and not any(config.cache.group_windows)

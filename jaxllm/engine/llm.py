@@ -1,4 +1,4 @@
-"""LLM: the offline API (`generate`, `chat`), shaped like vLLM's."""
+"""LLM: the offline API (`generate`, `chat`; `embed`, `score` for a pooling engine), shaped like vLLM's."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from jaxllm.config import EngineArgs
 from jaxllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from jaxllm.engine.llm_engine import LLMEngine
-from jaxllm.outputs import RequestOutput
+from jaxllm.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
@@ -39,24 +40,73 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run prompts (strings, token-id lists or {"prompt_token_ids": [...]}) to completion;
         outputs come back in input order."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return self._submit(prompts, sampling_params or SamplingParams(), SamplingParams, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed prompts (as `generate` takes them) on a pooling engine (`runner="pooling"`);
+        outputs come back in input order, each `outputs.embedding` a list of floats."""
+        if pooling_params is None:
+            pooling_params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        elif truncate_prompt_tokens is not None:
+            raise ValueError("give truncate_prompt_tokens in the pooling params or as the keyword, not both")
+        outputs = self._submit(prompts, pooling_params, PoolingParams, use_tqdm)
+        failed = [o.request_id for o in outputs if o.finish_reason != "stop"]
+        if failed:
+            raise RuntimeError(f"the engine failed while embedding request(s) {failed} (logged)")
+        return outputs
+
+    def score(
+        self,
+        text_1: PromptType | Sequence[PromptType],
+        text_2: PromptType | Sequence[PromptType],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """The cosine similarity of embeddings, as vLLM scores with an embedding model: one text
+        against each of `text_2`, or the pairs of two lists of the same length."""
+        firsts = [text_1] if isinstance(text_1, (str, dict)) or _is_token_ids(text_1) else list(text_1)
+        seconds = [text_2] if isinstance(text_2, (str, dict)) or _is_token_ids(text_2) else list(text_2)
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if len(firsts) != len(seconds) or not seconds:
+            raise ValueError(f"score takes one text or as many as text_2: got {len(firsts)} and {len(seconds)}")
+        params = PoolingParams(normalize=True, truncate_prompt_tokens=truncate_prompt_tokens)
+        embedded = self.embed([*firsts, *seconds], params, use_tqdm=use_tqdm)
+        n = len(seconds)
+        return [
+            ScoringRequestOutput(
+                b.request_id,
+                a.prompt_token_ids + b.prompt_token_ids,
+                ScoringOutput(float(sum(x * y for x, y in zip(a.outputs.embedding, b.outputs.embedding)))),
+            )
+            for a, b in zip(embedded[:n], embedded[n:])
+        ]
+
+    def _submit(self, prompts, params, kind: type, use_tqdm: bool) -> list:
+        """Add every prompt with its params (one for all, or one each), run them to completion."""
+        if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        params = [params] * len(prompts) if isinstance(params, kind) else list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} params for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, params in zip(prompts, sampling_params):
+            for prompt, one in zip(prompts, params):
                 request_id = str(next(self._counter))
                 if isinstance(prompt, dict):
                     text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
-                    self.engine.add_request(request_id, text, params, prompt_token_ids=token_ids, output_kind="final")
+                    self.engine.add_request(request_id, text, one, prompt_token_ids=token_ids, output_kind="final")
                 else:
-                    self.engine.add_request(request_id, prompt, params, output_kind="final")
+                    self.engine.add_request(request_id, prompt, one, output_kind="final")
                 ids.append(request_id)
         except Exception:
             self.engine.abort_request(ids)
@@ -70,7 +120,8 @@ class LLM:
         start = time.perf_counter()
         stats = self.engine.stats
         gen0, prompt0 = stats.generation_tokens, stats.prompt_tokens
-        with tqdm(total=len(ids), desc="generating", disable=None if use_tqdm else True, unit="req") as bar:
+        desc = "generating" if self.engine.pooling is None else "embedding"
+        with tqdm(total=len(ids), desc=desc, disable=None if use_tqdm else True, unit="req") as bar:
             while len(results) < len(ids):
                 for out in self.engine.step():
                     if out.finished:
@@ -97,7 +148,7 @@ class LLM:
         into it."""
         if len(self.engine.replicas) > 1:
             raise ValueError("beam search does not support data_parallel_size > 1 yet")
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
             prompts = [prompts]
         token_ids = []
         for prompt in prompts:
@@ -121,3 +172,8 @@ class LLM:
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.engine.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+
+
+def _is_token_ids(prompt) -> bool:
+    """One prompt given as token ids (not a list of prompts)."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int)

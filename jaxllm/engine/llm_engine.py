@@ -31,13 +31,15 @@ from jaxllm.sampling_params import SamplingParams
 from jaxllm.structured_output import Matcher, StructuredOutputManager
 from jaxllm.utils import DTYPES, resolve_kv_cache_dtype
 from jaxllm.weights.plan import QUANTIZE_METHODS
+from jaxllm.engine.pooling import PoolingMixin, resolve_runner
 from jaxllm.engine.trainer import TrainerMixin
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.weights.update import UpdatePlan
 
 logger = logging.getLogger("jaxllm")
 
 
-class LLMEngine(TrainerMixin):
+class LLMEngine(TrainerMixin, PoolingMixin):
     def __init__(self, engine_args: EngineArgs | None = None, *, progress: bool = True, **kwargs):
         """Resolve the options and the weight plan, load the model, prepare its weights, build
         the replicas (scheduler, KV pool, runner each), warm up, then the tokenizer's parts."""
@@ -58,15 +60,15 @@ class LLMEngine(TrainerMixin):
         loaded, plan = load_with_plan(
             args, platform, mesh, one_device=one_device, progress=progress, use_cache=not many_processes
         )
-        if loaded.cfg.bidirectional:
-            raise ValueError(
-                f"{loaded.source} is an encoder ({loaded.cfg.architecture}): it embeds, it does not generate, "
-                "and the pooling runner that serves embeddings is not built yet "
-                "(jaxllm.models.training.hidden_states computes its hidden states)"
-            )
+        args, self.pooling = resolve_runner(args, loaded, one_device)
         args = dataclasses.replace(args, quantization=plan.quantization, small_step_codes=plan.small_step_codes)
         self.config: EngineConfig = resolve_config(
-            args, loaded.cfg, loaded.name, available_memory=_available_memory(args), platform=platform
+            args,
+            loaded.cfg,
+            loaded.name,
+            available_memory=_available_memory(args),
+            platform=platform,
+            pooling=self.pooling,
         )
         if many_processes:
             # One process keeps its compiled steps in the runner's executable store, which a warm
@@ -185,20 +187,25 @@ class LLMEngine(TrainerMixin):
         self,
         request_id: str,
         prompt: str | list[int] | None = None,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         *,
         prompt_token_ids: list[int] | None = None,
         output_kind: str = "cumulative",
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request. Raises ValueError (nothing queued) for a bad prompt or params."""
+        """Queue a request: with SamplingParams to generate, with PoolingParams to embed (a
+        pooling engine). Raises ValueError (nothing queued) for a bad prompt or params."""
         self._check_awake()
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if self.pooling is not None or isinstance(params, PoolingParams):
+            return self._add_pooling_request(
+                request_id, prompt, params or PoolingParams(), prompt_token_ids, arrival_time
+            )
         params = params or SamplingParams()
         params.verify()
         if output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
-        if request_id in self.output_processor.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         prompt, prompt_token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
         self.check_prompt(prompt_token_ids, params)
         params = self._resolve_params(params, len(prompt_token_ids))
@@ -216,16 +223,25 @@ class LLMEngine(TrainerMixin):
             self._pending_choices[choices[0].request_id] = (replica, choices[1:])
 
     def _prompt_token_ids(
-        self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None
+        self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None, truncate: int | None = None
     ) -> tuple[str | None, list[int]]:
-        """The prompt's text (None if given as token ids) and its token ids, tokenized if need be."""
+        """The prompt's text (None if given as token ids) and its token ids, tokenized if need be;
+        with `truncate`, at most that many (on the tokenizer's truncation side, a text's special
+        tokens kept)."""
         if isinstance(prompt, list):
             prompt, prompt_token_ids = None, prompt
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("give a prompt or prompt_token_ids")
-            prompt_token_ids = self.tokenize(prompt)
-        return prompt, [int(t) for t in prompt_token_ids]
+            if truncate is not None and self.tokenizer is not None:
+                prompt_token_ids = self.tokenizer.encode(prompt, truncation=True, max_length=truncate)
+            else:
+                prompt_token_ids = self.tokenize(prompt)
+        prompt_token_ids = [int(t) for t in prompt_token_ids]
+        if truncate is not None and len(prompt_token_ids) > truncate:
+            left = getattr(self.tokenizer, "truncation_side", "right") == "left"
+            prompt_token_ids = prompt_token_ids[-truncate:] if left else prompt_token_ids[:truncate]
+        return prompt, prompt_token_ids
 
     def _resolve_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         """A copy of `params` with what follows from this model and prompt filled in (no

@@ -5,7 +5,8 @@ detokenizer and stop strings (with the streaming hold-back), logprobs as `Logpro
 (built once per new token), the `n` choices of one request, and the output kind
 ("cumulative": everything so far, "delta": only what is new, "final": one output at the
 end). A stop string needs the text, so it is found here: the request id goes back to the
-engine in `reqs_to_abort`, which ends it in the scheduler.
+engine in `reqs_to_abort`, which ends it in the scheduler. A pooling request (PoolingParams)
+has one output, once it ends: its embedding, cut and normalized as it asked.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import dataclasses
 
 from jaxllm.core.outputs import EngineCoreOutputs
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
-from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxllm.models import pooling
+from jaxllm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 OUTPUT_KINDS = ("cumulative", "delta", "final")
@@ -46,7 +49,7 @@ class RequestState:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     output_kind: str
     arrival_time: float
     seqs: dict[str, SequenceState]
@@ -55,6 +58,7 @@ class RequestState:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
     weight_version: int | str = 0
+    pooled: object | None = None  # a pooling request's pooled state, once computed
 
     @property
     def finished(self) -> bool:
@@ -79,14 +83,16 @@ class OutputProcessor:
         request_id: str,
         prompt: str | None,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         output_kind: str,
         arrival_time: float,
         core_ids: list[str],
     ) -> None:
         """Track a request whose choices run in the engine core as `core_ids` (one per choice)."""
         seqs = {}
-        for index, core_id in enumerate(core_ids):
+        if isinstance(params, PoolingParams):
+            seqs[core_ids[0]] = SequenceState(0, None)
+        for index, core_id in enumerate(core_ids if not seqs else ()):
             detok = None
             if params.detokenize:
                 detok = IncrementalDetokenizer(
@@ -127,6 +133,8 @@ class OutputProcessor:
             if seq.index == 0:
                 state.num_cached_tokens, state.scheduled_time = out.num_cached_tokens, out.scheduled_time
             state.weight_version = core_outputs.weight_version
+            if out.pooled is not None:
+                state.pooled, seq.last_token_time = out.pooled, now
             if out.prompt_logprobs is not None:
                 state.prompt_logprobs = self._prompt_logprobs_entries(
                     state.prompt_token_ids, out.prompt_logprobs, state.params.prompt_logprobs
@@ -195,8 +203,10 @@ class OutputProcessor:
         """The token's text, or None for a model without a tokenizer (token ids only)."""
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
-    def _make_output(self, state: RequestState) -> RequestOutput | None:
+    def _make_output(self, state: RequestState) -> RequestOutput | EmbeddingRequestOutput | None:
         finished = state.finished
+        if isinstance(state.params, PoolingParams):
+            return self._embedding_output(state) if finished else None
         delta = state.output_kind == "delta"
         if state.output_kind == "final" and not finished:
             return None
@@ -254,5 +264,28 @@ class OutputProcessor:
                 "scheduled_time": state.scheduled_time,
                 "last_token_time": last_token_time,
                 "num_generation_tokens": sum(len(s.token_ids) for s in state.seqs.values()),
+            },
+        )
+
+    @staticmethod
+    def _embedding_output(state: RequestState) -> EmbeddingRequestOutput:
+        """A finished pooling request's output (an empty embedding if it failed or was aborted)."""
+        seq = next(iter(state.seqs.values()))
+        params = state.params
+        embedding = (
+            []
+            if state.pooled is None
+            else pooling.embedding(state.pooled, params.normalize, params.dimensions).tolist()
+        )
+        return EmbeddingRequestOutput(
+            state.request_id,
+            state.prompt,
+            state.prompt_token_ids,
+            EmbeddingOutput(embedding),
+            finish_reason=seq.finish_reason,
+            metrics={
+                "arrival_time": state.arrival_time,
+                "scheduled_time": state.scheduled_time,
+                "last_token_time": seq.last_token_time,
             },
         )

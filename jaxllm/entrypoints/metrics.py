@@ -194,7 +194,7 @@ class ServerMetrics:
                     if last_token_time is not None and now is not None and now > last_token_time:
                         self.inter_token_latency.observe(now - last_token_time)
                     last_token_time, last = now, out
-                    if out.finished and not any(c.finish_reason == "abort" for c in out.outputs):
+                    if out.finished and "abort" not in out.finish_reasons:
                         self._observe_finished(times)
                     yield out
         except (GeneratorExit, asyncio.CancelledError):
@@ -227,7 +227,7 @@ def log_request(out: RequestOutput, ended: str | None = None) -> None:
     reason (`ended` says why a request that did not finish stopped)."""
     times = out.metrics or {}
     arrival, first, last = times.get("arrival_time"), times.get("first_token_time"), times.get("last_token_time")
-    reasons = sorted({c.finish_reason for c in out.outputs if c.finish_reason}) if out.finished else []
+    reasons = sorted({r for r in out.finish_reasons if r}) if out.finished else []
     seconds = lambda t: f"{t - arrival:.3f} s" if arrival is not None and t else "-"  # noqa: E731
     logger.info(
         "request %s: %d prompt tokens (%d cached), %d output tokens, TTFT %s, e2e %s, finish %s",

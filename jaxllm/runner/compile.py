@@ -102,6 +102,17 @@ def make_buckets(
     return sorted(set(buckets), key=lambda b: (b.num_tokens, b.num_seqs, b.num_prefill_rows, b.all_logits))
 
 
+def make_pooling_buckets(max_num_seqs: int, max_num_batched_tokens: int, prefill_row_tokens: int) -> list[Bucket]:
+    """A pooling engine's buckets: steps of whole prompts (or prompt chunks) only, T tokens in
+    powers of two from 16 up to max_num_batched_tokens, each for up to min(T, max_num_seqs)
+    sequences (one-token prompts count as decodes: as many rows for those)."""
+    buckets = []
+    for t in _powers_of_two(min(16, max_num_batched_tokens), max_num_batched_tokens):
+        seqs = min(t, max_num_seqs)
+        buckets.append(Bucket(t, seqs, -(-t // prefill_row_tokens) + seqs, seqs))
+    return buckets
+
+
 def pick_bucket(
     buckets: list[Bucket],
     num_tokens: int,

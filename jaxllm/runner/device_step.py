@@ -11,6 +11,12 @@
 pipeline stages they carry one micro-batch per stage (`[M, ...]`). `hidden` (before the final
 norm, for prompt logprobs) is returned on one device only, else None. `cpp_ops`: norms and
 sampling in the C++ kernels (`Platform.cpp_ops`). `logprobs_mode`: `EngineArgs.logprobs_mode`.
+
+    pool_step(params, kv_cache, ints, floats, penalty_tokens, token_mask, prev_tokens, *, layout, cfg, attention,
+              cpp_ops, pooling_mode) -> (parts, kv_cache)
+
+is a pooling engine's step (one device): the same forward, then per sequence its share of the
+pooled state (`models/pooling.py` `chunk_parts`) instead of logits and sampling.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jaxllm import parallel
-from jaxllm.models import decoder
+from jaxllm.models import decoder, pooling
 from jaxllm.runner import sampler
 from jaxllm.runner.input_batch import PackedLayout, SamplingMetadata
 
@@ -78,3 +84,25 @@ def step(
     # Every bucket's tokens as one shape ([prev_tokens.shape[0]], padded), the next step's `prev_tokens`.
     tokens = jnp.zeros(prev_tokens.shape, tokens.dtype).at[: tokens.shape[0]].set(tokens)
     return tokens, logprob, top_lp, top_ids, hidden, kv_cache
+
+
+def pool_step(
+    params,
+    kv_cache,
+    ints,
+    floats,
+    penalty_tokens,
+    token_mask,
+    prev_tokens,
+    *,
+    layout: PackedLayout,
+    cfg,
+    attention,
+    cpp_ops: bool = False,
+    pooling_mode: str,
+):
+    inputs, _ = layout.unpack(ints, floats)
+    hidden, kv_cache = decoder.forward(params, kv_cache, inputs, cfg, attention=attention, cpp_ops=cpp_ops)
+    if not cfg.post_norm:  # a decoder's states as its LM head sees them (an encoder has no final norm)
+        _, hidden = decoder.add_norm(hidden, None, params, "final_norm", cfg, rows=inputs.num_tokens(), cpp=cpp_ops)
+    return pooling.chunk_parts(hidden, inputs.query_start_loc, pooling_mode), kv_cache

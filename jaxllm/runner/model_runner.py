@@ -36,7 +36,7 @@ from jaxllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from jaxllm.models import decoder, layout
 from jaxllm.platforms import Platform
 from jaxllm.runner import device_step
-from jaxllm.runner.compile import Bucket, make_buckets
+from jaxllm.runner.compile import Bucket, make_buckets, make_pooling_buckets
 from jaxllm.runner.executables import CompiledSteps, ExecutableStore
 from jaxllm.runner.followers import InFlight, ProcessGroup
 from jaxllm.runner.input_batch import InputBatch
@@ -69,19 +69,30 @@ class ModelRunner:
         self.attention = attention or get_attention_backend(
             config.attention_backend, batch_invariant=config.batch_invariant
         )
+        if cfg.bidirectional and not self.attention.bidirectional:
+            raise ValueError(
+                f"the {self.attention.name} attention backend has no bidirectional attention, which an encoder "
+                "needs: use attention_backend='native' (CPU) or 'reference'"
+            )
         # Norms and sampling in C++ where the platform's build of the kernels serves this run.
         self.cpp_ops = Platform.detect(use_cpp=self.attention.name == "native").confirmed().cpp_ops
         self.num_stages = parallel.pp_size(mesh)
         device = jax.devices()[0]
         self.kv = self._kv_cache(device)
         sched, drafts = config.scheduler, config.speculative
-        self.buckets = make_buckets(
-            sched.max_num_seqs,
-            sched.max_num_batched_tokens,
-            self.attention.prefill_row_tokens,
-            sched.max_num_prefill_seqs,
-            drafts.num_speculative_tokens if drafts else 0,
-            drafts.max_seqs(sched) if drafts else 0,
+        # A pooling engine (config.pooling) computes prompts only: its own buckets and step.
+        self.pooling = config.pooling
+        self.buckets = (
+            make_pooling_buckets(sched.max_num_seqs, sched.max_num_batched_tokens, self.attention.prefill_row_tokens)
+            if self.pooling is not None
+            else make_buckets(
+                sched.max_num_seqs,
+                sched.max_num_batched_tokens,
+                self.attention.prefill_row_tokens,
+                sched.max_num_prefill_seqs,
+                drafts.num_speculative_tokens if drafts else 0,
+                drafts.max_seqs(sched) if drafts else 0,
+            )
         )
         self.input_batch = InputBatch(
             sched.max_num_seqs,
@@ -144,15 +155,13 @@ class ModelRunner:
         process: over several, each would race on the files). The steps hold the runner
         weakly, and a runner dropped while its steps compile in the background cancels the
         ones not yet started (an engine replaced in a notebook stops)."""
+        kind = (
+            functools.partial(device_step.pool_step, pooling_mode=self.pooling.mode)
+            if self.pooling is not None
+            else functools.partial(device_step.step, mesh=self.mesh, logprobs_mode=self.config.logprobs_mode)
+        )
         step = jax.jit(
-            functools.partial(
-                device_step.step,
-                cfg=self.cfg,
-                attention=self.attention,
-                mesh=self.mesh,
-                cpp_ops=self.cpp_ops,
-                logprobs_mode=self.config.logprobs_mode,
-            ),
+            functools.partial(kind, cfg=self.cfg, attention=self.attention, cpp_ops=self.cpp_ops),
             static_argnames=("layout",),
             donate_argnums=(1,),
         )
@@ -161,7 +170,7 @@ class ModelRunner:
         store = (
             ExecutableStore(
                 os.path.join(cache_dir, "executables"),
-                repr((self.cfg, self.attention, self.mesh, self.cpp_ops, self.config.logprobs_mode)),
+                repr((self.cfg, self.attention, self.mesh, self.cpp_ops, self.config.logprobs_mode, self.pooling)),
                 devices,
             )
             if cache_dir and jax.process_count() == 1
@@ -215,8 +224,10 @@ class ModelRunner:
             step.count,
             step.buffers,
         )
-        tokens, logprob, top_lp, top_ids, hidden = step.outs
         t1 = time.perf_counter()
+        if self.pooling is not None:
+            return self._collect_pooled(step, t1)
+        tokens, logprob, top_lp, top_ids, hidden = step.outs
         # Waiting for every step's tokens keeps one sharded step in flight: with ~32 queued,
         # XLA:CPU's virtual devices deadlock in their collectives (docs/parallelism.md).
         tokens, logprob, top_lp, top_ids = (_fetch(x) for x in (tokens, logprob, top_lp, top_ids))
@@ -238,6 +249,26 @@ class ModelRunner:
                 "device": t2 - t1,
                 "bucket_tokens": buffers.inputs.token_ids.shape[0] * self.num_stages,
             },
+        )
+
+    def _collect_pooled(self, step: InFlight, t1: float) -> ModelRunnerOutput:
+        """`collect` for a pooling step: each scheduled request's `chunk_parts` row, nothing sampled."""
+        n = len(step.scheduler_output.scheduled)
+        pooled = _fetch(step.outs[0])[step.seqs]
+        empty = np.zeros((0, MAX_LOGPROBS))
+        timings = {
+            "prepare": step.t1 - step.t0,
+            "device": time.perf_counter() - t1,
+            "bucket_tokens": step.buffers.inputs.token_ids.shape[0],
+        }
+        return ModelRunnerOutput(
+            np.zeros(0, np.int32),
+            np.zeros(0, np.float32),
+            empty,
+            empty,
+            np.zeros(n, int),
+            pooled=pooled,
+            timings=timings,
         )
 
     def call(self, bucket: Bucket, ints, floats, penalty_tokens, token_mask, prev=None):

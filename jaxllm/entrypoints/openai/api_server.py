@@ -4,7 +4,8 @@ This module builds the app (`build_app`: routes, the `RequestGuard` middleware, 
 handlers that answer OpenAI's error JSON) and runs it (`bind_socket`, `run_server`, over the
 hardened uvicorn in `http_server.py`). The handlers live by
 route group: `serving_completion.py` (/v1/completions), `serving_chat.py`
-(/v1/chat/completions), `serving_tokenization.py` (/tokenize, /detokenize), over the shared
+(/v1/chat/completions), `serving_embedding.py` (/v1/embeddings, /pooling: a pooling engine's),
+`serving_tokenization.py` (/tokenize, /detokenize), over the shared
 base in `serving_engine.py` and the helpers in `serving_utils.py`; `playground/index.html` is
 the chat page at /. `metrics.py` (beside this package) has the Prometheus metrics and the log
 lines about requests and the engine.
@@ -45,6 +46,13 @@ from jaxllm.entrypoints.openai.protocol import (
 )
 from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jaxllm.entrypoints.openai.serving_embedding import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    OpenAIServingEmbedding,
+    PoolingRequest,
+    PoolingResponse,
+)
 from jaxllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from jaxllm.entrypoints.openai.serving_utils import APIError, error_response
 from jaxllm.entrypoints.openai.http_server import Server, Shutdown, guarded_protocol
@@ -113,7 +121,7 @@ def build_app(llm: AsyncLLM, args: ServerArgs | None = None, shutdown: Shutdown 
         title="jaxllm",
         version=__version__,
         lifespan=lifespan,
-        description="OpenAI-compatible API for jaxllm (completions, chat, models), plus tokenize, "
+        description="OpenAI-compatible API for jaxllm (completions, chat, embeddings, models), plus pooling, tokenize, "
         "detokenize, health, version and Prometheus metrics.",
     )
     server_metrics = ServerMetrics(llm.engine, llm.engine.model_name)
@@ -210,13 +218,15 @@ def _add_service_routes(
 def _add_openai_routes(
     app: FastAPI, llm: AsyncLLM, args: ServerArgs, shutdown: Shutdown, server_metrics: ServerMetrics
 ) -> None:
-    """/v1/models, /v1/completions, /v1/chat/completions, /tokenize and /detokenize."""
+    """/v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings, /pooling, /tokenize and
+    /detokenize."""
     engine = llm.engine
     workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxllm-tokenizer")
     parts = (llm, server_metrics, args, shutdown, workers)
-    completion, chat, tokenization = (
+    completion, chat, embedding, tokenization = (
         OpenAIServingCompletion(*parts),
         OpenAIServingChat(*parts),
+        OpenAIServingEmbedding(*parts),
         OpenAIServingTokenization(*parts),
     )
 
@@ -236,6 +246,14 @@ def _add_openai_routes(
     @app.post("/v1/chat/completions", responses=_responses(ChatCompletionResponse, *_GUARDED, 404, 429, stream=True))
     async def chat_completions(request: ChatCompletionRequest, raw: Request):
         return await chat.create_chat_completion(request, raw)
+
+    @app.post("/v1/embeddings", responses=_responses(EmbeddingResponse, *_GUARDED, 404, 429))
+    async def embeddings(request: EmbeddingRequest, raw: Request):
+        return await embedding.create_embedding(request, raw)
+
+    @app.post("/pooling", responses=_responses(PoolingResponse, *_GUARDED, 404, 429))
+    async def pooling(request: PoolingRequest, raw: Request):
+        return await embedding.create_pooling(request, raw)
 
     @app.post("/tokenize", responses=_responses(None, *_GUARDED, 404))
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:

@@ -35,6 +35,9 @@ class ServerArgs:
         16 << 20, "largest request body, e.g. 16MiB; larger ones get 413", metavar="SIZE", size=True
     )
     max_prompts_per_request: int = option(256, "most prompts in one /v1/completions request", metavar="N")
+    max_embedding_inputs: int = option(
+        2048, "most inputs in one /v1/embeddings or /pooling request (OpenAI's limit)", metavar="N"
+    )
     max_stop_strings: int = option(64, "most `stop` strings in one request", metavar="N")
     max_waiting_requests: int = option(
         1024, "most requests queued beyond a full batch; more get 429 with Retry-After", metavar="N"

@@ -219,6 +219,12 @@ class OpenAIServing:
     def check_request(self, request: SamplingRequest) -> None:
         """Checks made before anything is allocated or tokenized."""
         self.check_model(request.model)
+        if self.llm.engine.pooling is not None:
+            raise APIError(
+                f"The model `{self.model_name}` is served for embeddings (/v1/embeddings, /pooling): it does "
+                "not generate text",
+                param="model",
+            )
         field = request.unsupported()
         if field:
             raise APIError(f"{field} is not supported by this server (as given)", param=field)
