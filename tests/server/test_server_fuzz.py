@@ -30,7 +30,11 @@ OPERATIONS = [
     "POST /v1/chat/completions",
     "POST /tokenize",
     "POST /detokenize",
+    "POST /v1/embeddings",
+    "POST /pooling",
 ]
+# A pooling engine's routes, fuzzed on the embedding server (a generation server answers them 400).
+POOLING_OPERATIONS = ["POST /v1/embeddings", "POST /pooling"]
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +61,30 @@ def test_schema_lists_every_operation(api_schema):
     assert sorted(op.ok().label for op in api_schema.get_all_operations()) == sorted(OPERATIONS)
 
 
-# Invalid requests can only be made for operations that take a body.
-RUNS = [(label, GenerationMode.POSITIVE) for label in OPERATIONS] + [
-    (label, GenerationMode.NEGATIVE) for label in OPERATIONS if label.startswith("POST")
-]
+def runs(labels: list[str]) -> list[tuple[str, GenerationMode]]:
+    """Each operation with valid requests, and those that take a body with invalid ones too."""
+    return [(label, GenerationMode.POSITIVE) for label in labels] + [
+        (label, GenerationMode.NEGATIVE) for label in labels if label.startswith("POST")
+    ]
+
+
+RUNS = runs([label for label in OPERATIONS if label not in POOLING_OPERATIONS])
+POOLING_RUNS = runs(POOLING_OPERATIONS)
 
 
 @pytest.mark.parametrize("label, mode", RUNS, ids=[f"{label}-{mode.value}" for label, mode in RUNS])
 def test_fuzz_operation(api_schema, server, greedy_before, label, mode):
+    fuzz_operation(api_schema, server, label, mode)
+
+
+@pytest.mark.parametrize("label, mode", POOLING_RUNS, ids=[f"{label}-{mode.value}" for label, mode in POOLING_RUNS])
+def test_fuzz_pooling_operation(embedding_server, label, mode):
+    schema = schemathesis.openapi.from_url(embedding_server.url + "/openapi.json")
+    fuzz_operation(schema, embedding_server, label, mode)
+    embedding_server.assert_healthy()
+
+
+def fuzz_operation(api_schema, server, label: str, mode: GenerationMode) -> None:
     operation = api_schema.find_operation_by_label(label)
 
     @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
