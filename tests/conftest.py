@@ -30,19 +30,20 @@ def _memory_maps() -> int | None:
         return None
 
 
-# Past this many memory maps, a module's end frees compiled code (the kernel's limit is
+# Past this many memory maps, a module's end collects garbage (the kernel's limit is
 # vm.max_map_count, 65530 by default; one module adds at most a few thousand).
 MAX_MAPS_KEPT = 30_000
 
 
 @pytest.fixture(scope="module", autouse=True)
 def free_compiled_code():
-    """After a module, once the process holds many memory maps, drop the executables nothing
-    refers to any more: each holds its machine code in memory maps, and one process running the
-    whole suite otherwise reaches the kernel's limit on them, where LLVM fails to allocate.
-    Only then: a full collection of the suite's heap takes seconds, and the steps kept compiled
-    serve the next modules."""
+    """After each module, drop JAX's caches (a trace made under one module's monkeypatching is
+    never reused by the next), and once the process holds many memory maps, collect the
+    executables nothing refers to any more: each holds its machine code in memory maps, and one
+    process running the whole suite otherwise reaches the kernel's limit on them, where LLVM
+    fails to allocate. Only then: a full collection of the suite's heap takes seconds."""
     yield
+    jax.clear_caches()
     maps = _memory_maps()
     if maps is None or maps > MAX_MAPS_KEPT:
         gc.collect()
