@@ -20,6 +20,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -95,16 +96,18 @@ async def phase(args, chat_url: str | None, embed_url: str | None, batches: list
     import openai
 
     stop = time.perf_counter() + args.seconds
-    chat_tokens, chat_lat, embedded, embed_lat, tasks = [], [], [], [], []
+    chat_tokens, chat_lat, embedded, embed_lat, tasks, clients = [], [], [], [], [], []
     if chat_url:
-        client = openai.AsyncOpenAI(base_url=chat_url, api_key="-", max_retries=0, timeout=600)
+        clients.append(openai.AsyncOpenAI(base_url=chat_url, api_key="-", max_retries=0, timeout=600))
         tasks += [
-            chat_client(client, stop, chat_tokens, chat_lat, args.max_tokens, i) for i in range(args.chat_clients)
+            chat_client(clients[-1], stop, chat_tokens, chat_lat, args.max_tokens, i) for i in range(args.chat_clients)
         ]
     if embed_url:
-        client = openai.AsyncOpenAI(base_url=embed_url, api_key="-", max_retries=0, timeout=600)
-        tasks += [embed_client(client, stop, embedded, embed_lat, batches, i) for i in range(args.embed_clients)]
+        clients.append(openai.AsyncOpenAI(base_url=embed_url, api_key="-", max_retries=0, timeout=600))
+        tasks += [embed_client(clients[-1], stop, embedded, embed_lat, batches, i) for i in range(args.embed_clients)]
     await asyncio.gather(*tasks)
+    for client in clients:
+        await client.close()
     out = {}
     if chat_url:
         out["chat"] = dict(
@@ -136,8 +139,7 @@ def main() -> None:
     args = ap.parse_args()
     sentences = corpus(32 * args.batch)
     batches = [sentences[i : i + args.batch] for i in range(0, len(sentences), args.batch)]
-    logs = os.path.dirname(os.path.abspath(args.out))
-    os.makedirs(logs, exist_ok=True)
+    logs = tempfile.mkdtemp(prefix="jaxllm-mixed-load-")  # the servers' logs
     chat, chat_url = serve(args.chat_model, os.path.join(logs, "mixed_load-chat.log"))
     embed, embed_url = serve(args.embed_model or minilm_path(), os.path.join(logs, "mixed_load-embed.log"))
     try:

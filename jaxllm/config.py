@@ -23,6 +23,7 @@ ATTENTION_BACKENDS = ("native", "cpu", "mosaic", "pallas", "reference")
 PREEMPTION_MODES = ("recompute", "swap")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 RUNNERS = ("auto", "generate", "pooling")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # jaxllm.core.request_queue's (config checks import no engine code)
 # jaxllm.quantization's METHODS + CHECKPOINT_METHODS (config checks import no JAX code);
 # tests/quantization/test_quantization.py checks they agree.
 QUANTIZATION_METHODS = ("int8", "int8_weight_only", "int4", "w8a8", "gguf", "awq", "gptq", "none")
@@ -128,6 +129,13 @@ class EngineArgs:
         choices=PREEMPTION_MODES,
     )
     enable_prefix_caching: bool = option(True, "reuse the KV cache of shared prompt prefixes")
+    scheduling_policy: str = option(
+        "fcfs",
+        "which waiting request runs next: 'fcfs' (first come, first served) or 'priority' (a request's "
+        "`priority`, lower first, then arrival; a waiting request preempts running ones it outranks "
+        "when it lacks room)",
+        choices=SCHEDULING_POLICIES,
+    )
     async_scheduling: bool = option(
         True,
         "dispatch the next decode step before the last one's tokens reach the host (its tokens read on "
@@ -327,6 +335,8 @@ class EngineArgs:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:

@@ -24,7 +24,9 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     async_scheduling: bool = False
     chunked_prefill: bool = True  # False: a prompt runs whole in one step (an encoder's)
+    scheduling_policy: str = "fcfs"  # or "priority" (core/request_queue.py)
     chunked_prefill: bool = True  # False: a prompt runs whole in one step (an encoder's)
+    scheduling_policy: str = "fcfs"  # or "priority" (core/request_queue.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +170,7 @@ def resolve_config(
             preemption_mode=args.preemption_mode,
             async_scheduling=args.async_scheduling,
             chunked_prefill=not whole_prompts,
+            scheduling_policy=args.scheduling_policy,
         ),
         cache=CacheConfig(
             page_size=page_size,

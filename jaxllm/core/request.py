@@ -46,6 +46,7 @@ class Request:
     index: int = 0
     prompt: str | None = None
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    priority: int = 0  # under scheduling_policy "priority": lower runs first (core/request_queue.py)
 
     # False for a beam: the scheduler computes it and reports its top logprobs, and the beam
     # search appends the tokens it chooses (`append_output_token`).

@@ -4,9 +4,12 @@ for each request (vLLM v1 style).
 There is no prefill phase and no decode phase. Each step, every running request is given
 the tokens it still needs (`num_tokens - num_computed_tokens`: one for a decode, a chunk of
 the prompt otherwise) under the token budget `max_num_batched_tokens`; then waiting requests
-are admitted first-come-first-served while sequences (`max_num_seqs`), prompt chunks
+are admitted in the queue's order (`scheduling_policy`: first come, first served, or by
+priority: core/request_queue.py) while sequences (`max_num_seqs`), prompt chunks
 (`max_num_prefill_seqs`), pages and tokens allow. Long prompts are split across steps
-(chunked prefill). When the pool runs out of pages, the newest running request is preempted:
+(chunked prefill). When the pool runs out of pages, the newest running request (under the
+priority policy: the least urgent) is preempted; there, a waiting request that outranks running
+ones and lacks a sequence slot or pages preempts them too. A preempted request is paused:
 by default its pages are freed and its tokens recomputed when it is admitted again
 (`preemption_mode="recompute"`); with `"swap"` its pages are copied to host memory and copied
 back when it resumes (falling back to recompute when the host pool is full).
@@ -29,7 +32,6 @@ scheduler tests run it without a model (tests/core/test_scheduler.py).
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from collections.abc import Iterable
@@ -40,6 +42,8 @@ from jaxllm.engine_config import SchedulerConfig
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from jaxllm.core.request import Request, RequestStatus
+from jaxllm.core.request_queue import RequestQueue, urgency
+from jaxllm.core.schedule_ahead import schedule_ahead
 
 logger = logging.getLogger("jaxllm")
 
@@ -62,9 +66,7 @@ class Scheduler:
         self.proposer = proposer
         self.max_spec_seqs = max_spec_seqs
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
-        # FCFS queue; a request aborted while waiting stays here, finished, until it reaches
-        # the front (so an abort is O(1), not a scan of the queue).
-        self.waiting: collections.deque[Request] = collections.deque()
+        self.waiting = RequestQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
         # Since the last schedule(): requests that left (the runner frees their rows).
@@ -75,7 +77,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already scheduled")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.push(request)
 
     def fork_request(self, parent: Request, child: Request) -> None:
         """Start `child` as a copy of the running `parent`'s computed state (a beam branching
@@ -134,7 +136,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         preempted.add(request.request_id)
-        self.waiting.appendleft(request)
+        self.waiting.push_front(request)
 
     def _propose_drafts(self) -> bool:
         """Drafts for every running request, if this step speculates (see the module doc)."""
@@ -176,6 +178,10 @@ class Scheduler:
         preempted: set[str] = set()
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
+        if self.waiting.policy == "priority":  # the least urgent last: it gives way first
+            self.running.sort(key=urgency)
+            self._preempt_for_waiting(preempted, swap_out)
+        made_room = len(preempted)
         budget, prefill_slots = self._schedule_running(
             speculate,
             self.config.max_num_batched_tokens,
@@ -184,7 +190,7 @@ class Scheduler:
             preempted,
             swap_out,
         )
-        if not preempted:  # waiting requests only while nothing had to be preempted this step
+        if len(preempted) == made_room:  # waiting requests only while no running one gave way
             self._schedule_waiting(budget, prefill_slots, scheduled, swap_in)
         out = SchedulerOutput(
             scheduled,
@@ -226,6 +232,23 @@ class Scheduler:
             i += 1
         return budget, prefill_slots
 
+    def _preempt_for_waiting(self, preempted: set[str], swap_out: list[tuple[int, int]]) -> None:
+        """Under the priority policy: while the most urgent waiting request outranks the least
+        urgent running one and lacks a sequence slot or the pages of its next chunk, preempt
+        that running one (it waits behind the request it gave way to)."""
+        while self.waiting and self.running:
+            head = self.waiting.peek()
+            if head.status.finished:  # aborted while waiting
+                self.waiting.pop()
+                continue
+            victim = self.running[-1]
+            if urgency(victim) <= urgency(head):
+                return
+            chunk = min(head.num_tokens - head.num_computed_tokens, self.config.max_num_batched_tokens)
+            if len(self.running) < self.config.max_num_seqs and self.kv.num_free_pages >= self.kv.pages_needed(chunk):
+                return
+            self._preempt(victim, preempted, swap_out)
+
     def _allocate_or_preempt(
         self, request: Request, num_new: int, preempted: set[str], swap_out: list[tuple[int, int]]
     ) -> bool:
@@ -244,9 +267,9 @@ class Scheduler:
         """Admit waiting requests first-come-first-served while sequences, prompt slots, pages
         and tokens allow."""
         while self.waiting and budget > 0 and prefill_slots > 0:
-            request = self.waiting[0]
+            request = self.waiting.peek()
             if request.status.finished:  # aborted while waiting
-                self.waiting.popleft()
+                self.waiting.pop()
                 continue
             if len(self.running) >= self.config.max_num_seqs:
                 break
@@ -255,7 +278,7 @@ class Scheduler:
             num_new = self._admit_pages(request, budget, swap_in)
             if num_new is None:
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             if request.status is RequestStatus.WAITING:
                 request.scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
@@ -290,49 +313,8 @@ class Scheduler:
         return num_new
 
     def schedule_ahead(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
-        """Async scheduling: the next step, planned while `in_flight` runs and before its results
-        are known, or None where that is not simple. Each of its requests that samples a token
-        there decodes that token next (the device reads it from the step in flight); a request
-        its length stops there is left out, and one stopped by its token (EOS) wastes its row.
-        Only when nothing waits, every running request is in `in_flight` and samples there, none
-        needs a grammar, penalties, prompt logprobs or beams, and the pool has pages to spare."""
-        if self.proposer is not None or len(self.requests) > len(self.running):
-            return None
-        ids = {r.request_id for r, _ in in_flight.scheduled}
-        if any(r.request_id not in ids for r in self.running):
-            return None
-        ahead = []
-        for request, num_new in in_flight.scheduled:
-            if request.status is not RequestStatus.RUNNING:
-                continue
-            params = request.sampling_params
-            if (
-                request.num_computed_tokens + num_new != request.num_tokens
-                or request.grammar is not None
-                or params.uses_penalties
-                or request.prompt_logprobs is not None
-                or not request.append_sampled_tokens
-            ):
-                return None
-            if (
-                len(request.output_token_ids) + 1 < params.max_tokens
-                and request.num_tokens + 1 < self.config.max_model_len
-            ):
-                ahead.append(request)
-        if not ahead or self.kv.num_free_pages < 2 * len(ahead):
-            return None
-        for request in ahead:  # one more token past the one in flight
-            num_new = request.num_tokens - request.num_computed_tokens
-            if not self.kv.allocate_slots(request, num_new + 1):
-                return None
-        return SchedulerOutput(
-            [(r, 1) for r in ahead],
-            finished_req_ids=set(),
-            preempted_req_ids=set(),
-            page_copies=self.kv.take_pending_copies(),
-            swap_out=[],
-            swap_in=[],
-        )
+        """Async scheduling's next step, planned while `in_flight` runs (core/schedule_ahead.py)."""
+        return schedule_ahead(self, in_flight)
 
     # ----- the outcome -----
     def update_from_output(
@@ -478,7 +460,7 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 request.status = RequestStatus.PREEMPTED
                 self._finished_req_ids.add(request.request_id)  # the runner drops its row
-                self.waiting.appendleft(request)
+                self.waiting.push_front(request)
             self.running = []
             self.kv.reset_prefix_cache()
         outputs = [EngineCoreOutput(r.request_id, [], finish_reason=r.finish_reason) for r in failed]

@@ -164,9 +164,11 @@ class AsyncLLM:
         request_id: str | None = None,
         *,
         output_kind: str = "cumulative",
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
         """Yield outputs as the request progresses (cumulative by default, or `output_kind=
-        "delta"` for just the new tokens/text). Leaving the loop early aborts the request.
+        "delta"` for just the new tokens/text; `priority` as `LLMEngine.add_request`'s). Leaving
+        the loop early aborts the request.
         (With PoolingParams, on a pooling engine: `encode`.)"""
         request_id = request_id or uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
@@ -186,7 +188,12 @@ class AsyncLLM:
                 await asyncio.to_thread(self.engine.structured_output.compile, sampling_params.structured_outputs)
             await self._call(
                 lambda: self.engine.add_request(
-                    request_id, prompt, sampling_params, prompt_token_ids=token_ids, output_kind=output_kind
+                    request_id,
+                    prompt,
+                    sampling_params,
+                    prompt_token_ids=token_ids,
+                    output_kind=output_kind,
+                    priority=priority,
                 ),
                 kind="add",
             )

@@ -37,10 +37,12 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts (strings, token-id lists or {"prompt_token_ids": [...]}) to completion;
-        outputs come back in input order."""
-        return self._submit(prompts, sampling_params or SamplingParams(), SamplingParams, use_tqdm)
+        outputs come back in input order. `priority`: one per prompt, lower first (an engine
+        with scheduling_policy="priority")."""
+        return self._submit(prompts, sampling_params or SamplingParams(), SamplingParams, use_tqdm, priority)
 
     def embed(
         self,
@@ -90,23 +92,30 @@ class LLM:
             for a, b in zip(embedded[:n], embedded[n:])
         ]
 
-    def _submit(self, prompts, params, kind: type, use_tqdm: bool) -> list:
-        """Add every prompt with its params (one for all, or one each), run them to completion."""
+    def _submit(self, prompts, params, kind: type, use_tqdm: bool, priority=None) -> list:
+        """Add every prompt with its params (one for all, or one each) and priority, run them to
+        completion."""
         if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
             prompts = [prompts]
         prompts = list(prompts)
         params = [params] * len(prompts) if isinstance(params, kind) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} params for {len(prompts)} prompts")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, one in zip(prompts, params):
+            for prompt, one, rank in zip(prompts, params, priority):
                 request_id = str(next(self._counter))
-                if isinstance(prompt, dict):
-                    text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
-                    self.engine.add_request(request_id, text, one, prompt_token_ids=token_ids, output_kind="final")
-                else:
-                    self.engine.add_request(request_id, prompt, one, output_kind="final")
+                text, token_ids = (
+                    (prompt.get("prompt"), prompt.get("prompt_token_ids"))
+                    if isinstance(prompt, dict)
+                    else (prompt, None)
+                )
+                self.engine.add_request(
+                    request_id, text, one, prompt_token_ids=token_ids, output_kind="final", priority=rank
+                )
                 ids.append(request_id)
         except Exception:
             self.engine.abort_request(ids)

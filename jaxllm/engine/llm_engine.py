@@ -192,15 +192,21 @@ class LLMEngine(TrainerMixin, PoolingMixin):
         prompt_token_ids: list[int] | None = None,
         output_kind: str = "cumulative",
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request: with SamplingParams to generate, with PoolingParams to embed (a
-        pooling engine). Raises ValueError (nothing queued) for a bad prompt or params."""
+        pooling engine); `priority` (lower first) under scheduling_policy "priority". Raises
+        ValueError (nothing queued) for a bad prompt or params."""
         self._check_awake()
+        if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority!r} needs scheduling_policy='priority' (this engine's is fcfs)")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if self.pooling is not None or isinstance(params, PoolingParams):
             return self._add_pooling_request(
-                request_id, prompt, params or PoolingParams(), prompt_token_ids, arrival_time
+                request_id, prompt, params or PoolingParams(), prompt_token_ids, arrival_time, priority
             )
         params = params or SamplingParams()
         params.verify()
@@ -213,6 +219,8 @@ class LLMEngine(TrainerMixin, PoolingMixin):
         grammar = self.structured_output.compile(params.structured_outputs) if params.structured_outputs else None
         now = time.monotonic() if arrival_time is None else arrival_time
         choices = self._make_choices(request_id, prompt, prompt_token_ids, params, grammar, now)
+        for choice in choices:
+            choice.priority = priority
         if any(self.output_processor.is_tracked(c.request_id) for c in choices):
             raise ValueError(f"request_id {request_id!r} clashes with a running request's choice ids")
         replica = self.engine_core.add_request(choices[0])  # raises (nothing kept) if the scheduler refuses it

@@ -59,7 +59,7 @@ def resolve_runner(args: EngineArgs, loaded, one_device: bool) -> tuple[EngineAr
 class PoolingMixin:
     """LLMEngine's pooling requests (`add_request` hands them here)."""
 
-    def _add_pooling_request(self, request_id, prompt, params, prompt_token_ids, arrival_time) -> None:
+    def _add_pooling_request(self, request_id, prompt, params, prompt_token_ids, arrival_time, priority=0) -> None:
         if self.pooling is None:
             raise ValueError(
                 f"model {self.model_name!r} generates text: it serves no embeddings (start it with runner='pooling')"
@@ -83,6 +83,7 @@ class PoolingMixin:
             parent_id=request_id,
             prompt=prompt,
             arrival_time=now,
+            priority=priority,
             pooling_params=params,
         )
         self.engine_core.add_request(request)  # raises (nothing kept) if the scheduler refuses it

@@ -132,7 +132,7 @@ def test_preemption_takes_the_newest_and_resumes_it_by_recompute():
             preempted_at = i
             new = next(r for r in s.waiting if r.request_id == "new")
             assert new.status is RequestStatus.PREEMPTED and new.num_computed_tokens == 0 and not new.page_ids
-            assert s.waiting[0] is new  # resumes first
+            assert s.waiting.peek() is new  # resumes first
             break
     assert preempted_at is not None
     run_to_end(s)
@@ -245,11 +245,60 @@ def test_admission_is_first_come_first_served():
     assert admitted == order
 
 
+@settings(max_examples=50, deadline=None)
+@given(priorities=st.lists(st.integers(-3, 3), min_size=1, max_size=12))
+def test_priority_admits_the_lowest_priority_first_then_arrival(priorities):
+    s = make_scheduler(budget=8, max_prefill=1, policy="priority")
+    for i, priority in enumerate(priorities):
+        request = make_request(f"r{i}", 6, max_tokens=2, first_token=100 * i)
+        request.priority, request.arrival_time = priority, float(i)
+        s.add_request(request)
+    admitted = []
+    while s.has_unfinished_requests():
+        out, _ = step(s)
+        admitted += [r.request_id for r, n in out.scheduled if r.request_id not in admitted]
+    assert admitted == [f"r{i}" for i in sorted(range(len(priorities)), key=lambda i: (priorities[i], i))]
+
+
+def test_an_urgent_waiting_request_preempts_the_least_urgent_running_one():
+    """Two running requests fill max_num_seqs; a more urgent one arrives: the least urgent gives
+    way at once (its pages freed), the urgent one runs in that very step, and the preempted one
+    resumes after it and still gets all its tokens."""
+    s = make_scheduler(max_num_seqs=2, policy="priority")
+    for rid, priority, when in [("low", 5, 0.0), ("mid", 3, 1.0)]:
+        request = make_request(rid, 6, max_tokens=6, first_token=100 + int(when) * 50)
+        request.priority, request.arrival_time = priority, when
+        s.add_request(request)
+    step(s)
+    step(s)
+    urgent = make_request("urgent", 6, max_tokens=3, first_token=400)
+    urgent.priority, urgent.arrival_time = 0, 2.0
+    s.add_request(urgent)
+    out, _ = step(s)
+    assert out.preempted_req_ids == {"low"}
+    assert {r.request_id for r, _ in out.scheduled} == {"mid", "urgent"}
+    assert not s.requests["low"].page_ids and s.requests["low"].status is RequestStatus.PREEMPTED
+    low, finished = s.requests["low"], set()
+    while s.has_unfinished_requests():
+        _, core = step(s)
+        finished |= {o.request_id for o in core.outputs if o.finish_reason}
+    assert finished == {"low", "mid", "urgent"} and kv_empty(s)
+    assert len(low.output_token_ids) == 6 and low.finish_reason == "length"
+    # Under FCFS the newcomer waits: nothing is preempted for it.
+    fcfs = make_scheduler(max_num_seqs=2)
+    for rid in ("a", "b"):
+        fcfs.add_request(make_request(rid, 6, max_tokens=6))
+    step(fcfs)
+    fcfs.add_request(make_request("c", 6, max_tokens=3))
+    out, _ = step(fcfs)
+    assert not out.preempted_req_ids and "c" not in {r.request_id for r, _ in out.scheduled}
+
+
 # ----- invariants under random traffic -----
 
 OPS = st.lists(
     st.one_of(
-        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 24), st.booleans()),
+        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 24), st.booleans(), st.integers(0, 3)),
         st.tuples(st.just("abort"), st.integers(0, 30)),
         st.tuples(st.just("step"), st.integers(1, 3)),
     ),
@@ -280,8 +329,10 @@ def check_invariants(s: Scheduler, out=None):
 
 
 @settings(max_examples=100, deadline=None)
-@given(ops=OPS, swap=st.booleans(), prefix_caching=st.booleans())
-def test_random_traffic_keeps_the_invariants(ops, swap, prefix_caching):
+@given(ops=OPS, swap=st.booleans(), prefix_caching=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]))
+def test_random_traffic_keeps_the_invariants(ops, swap, prefix_caching, policy):
+    """Under either policy (random priorities under "priority"): no page leaked or shared
+    wrongly, the budgets held, and every request finishes (none starves)."""
     # 16 pages hold any one request (at most 40 + 24 tokens = 16 pages), not many at once.
     s = make_scheduler(
         num_pages=16,
@@ -292,18 +343,19 @@ def test_random_traffic_keeps_the_invariants(ops, swap, prefix_caching):
         max_model_len=64,
         swap_pages=12 if swap else 0,
         prefix_caching=prefix_caching,
+        policy=policy,
     )
     added, finished = [], {}
     for op in ops:
         if op[0] == "add":
-            _, prompt_len, max_tokens, shared = op
+            _, prompt_len, max_tokens, shared, priority = op
             rid = f"r{len(added)}"
             # Half the prompts share a prefix, so the prefix cache and its ref counts get exercised.
-            s.add_request(
-                make_request(
-                    rid, prompt_len, max_tokens=max_tokens, first_token=100 if shared else 1000 + 64 * len(added)
-                )
+            request = make_request(
+                rid, prompt_len, max_tokens=max_tokens, first_token=100 if shared else 1000 + 64 * len(added)
             )
+            request.priority = priority if policy == "priority" else 0
+            s.add_request(request)
             added.append(rid)
         elif op[0] == "abort" and added:
             rid = added[op[1] % len(added)]

@@ -127,6 +127,22 @@ def test_chunked_prefill_and_preemption_give_same_outputs(llm, tiny_model_dir):
     assert small.engine.kv_cache_manager.num_used_pages == 0
 
 
+def test_priority_scheduling_gives_the_same_outputs(llm, tiny_model_dir):
+    """scheduling_policy="priority" with mixed priorities on a pool that forces preemptions:
+    the urgent requests preempt the others, and every output is the FCFS engine's."""
+    reference = token_ids(llm.generate(PROMPTS, greedy(24), use_tqdm=False))
+    args = {**TINY_ENGINE_ARGS, "num_gpu_blocks_override": 16, "block_size": 4, "scheduling_policy": "priority"}
+    urgent = LLM(tiny_model_dir, **args)
+    priorities = [len(PROMPTS) - i for i in range(len(PROMPTS))]  # the last prompt first
+    assert token_ids(urgent.generate(PROMPTS, greedy(24), use_tqdm=False, priority=priorities)) == reference
+    assert urgent.engine.stats.num_preemptions > 0 and urgent.engine.kv_cache_manager.num_used_pages == 0
+    with pytest.raises(ValueError, match="priority=1 needs scheduling_policy='priority'"):
+        llm.generate(PROMPTS[:1], greedy(2), use_tqdm=False, priority=[1])
+    with pytest.raises(ValueError, match="2 priorities for 1 prompts"):
+        urgent.generate(PROMPTS[:1], greedy(2), use_tqdm=False, priority=[1, 2])
+    assert not llm.engine.has_unfinished_requests() and not urgent.engine.has_unfinished_requests()
+
+
 def test_swap_preemption_gives_the_same_outputs_as_recompute(llm, tiny_model_dir):
     greedy_ref = token_ids(llm.generate(PROMPTS, greedy(24), use_tqdm=False))
     seeded = [SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=24, ignore_eos=True) for i in range(5)]

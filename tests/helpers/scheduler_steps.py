@@ -26,6 +26,7 @@ def make_scheduler(
     max_model_len=256,
     swap_pages=0,
     prefix_caching=True,
+    policy="fcfs",
 ) -> Scheduler:
     kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=prefix_caching, num_swap_pages=swap_pages)
     config = SchedulerConfig(
@@ -34,6 +35,7 @@ def make_scheduler(
         max_model_len=max_model_len,
         max_num_prefill_seqs=max_prefill,
         preemption_mode="swap" if swap_pages else "recompute",
+        scheduling_policy=policy,
     )
     return Scheduler(config, kv)
 

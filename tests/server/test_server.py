@@ -453,3 +453,9 @@ def test_metrics_move_as_requests_complete(server):
     final = server.metrics()
     assert value(final, "jaxllm:prefix_cache_queries_total") >= value(after, "jaxllm:prefix_cache_queries_total") + 40
     assert value(final, "jaxllm:prefix_cache_hits_total") >= value(after, "jaxllm:prefix_cache_hits_total") + 32
+
+
+def test_priority_needs_a_priority_server(server):
+    response = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "priority": 1})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "priority"
+    assert "--scheduling-policy priority" in response.json()["error"]["message"]

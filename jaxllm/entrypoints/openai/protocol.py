@@ -95,6 +95,7 @@ class SamplingRequest(RequestModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    priority: int = 0  # lower first, on a server started with --scheduling-policy priority
     # Structured output: OpenAI's response_format, vLLM's structured_outputs object (json, regex,
     # choice, grammar, json_object) and its older guided_* fields; at most one of them.
     response_format: dict[str, Any] | None = None

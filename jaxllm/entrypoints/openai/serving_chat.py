@@ -197,5 +197,9 @@ class OpenAIServingChat(OpenAIServing):
             request, tools, self.model_name, prompt_ids, f"chatcmpl-{request_id_of(raw.scope)}", params.n, eos_text
         )
         return await self.respond(
-            raw, self.start([(None, prompt_ids)], params, chat.request_id), request, chat.collect, chat.stream
+            raw,
+            self.start([(None, prompt_ids)], params, chat.request_id, request.priority),
+            request,
+            chat.collect,
+            chat.stream,
         )

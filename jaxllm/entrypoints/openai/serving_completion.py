@@ -64,7 +64,11 @@ class OpenAIServingCompletion(OpenAIServing):
             request, self.model_name, prompts, echo, f"cmpl-{request_id_of(raw.scope)}", params.n, self.tokenizer
         )
         return await self.respond(
-            raw, self.start(prompts, params, completion.request_id), request, completion.collect, completion.stream
+            raw,
+            self.start(prompts, params, completion.request_id, request.priority),
+            request,
+            completion.collect,
+            completion.stream,
         )
 
 

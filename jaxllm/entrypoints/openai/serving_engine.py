@@ -219,6 +219,11 @@ class OpenAIServing:
     def check_request(self, request: SamplingRequest) -> None:
         """Checks made before anything is allocated or tokenized."""
         self.check_model(request.model)
+        if request.priority and self.llm.engine.config.scheduler.scheduling_policy != "priority":
+            raise APIError(
+                "priority needs a server started with --scheduling-policy priority (this one serves fcfs)",
+                param="priority",
+            )
         if self.llm.engine.pooling is not None:
             raise APIError(
                 f"The model `{self.model_name}` is served for embeddings (/v1/embeddings, /pooling): it does "
@@ -308,7 +313,9 @@ class OpenAIServing:
             raise APIError(str(e), param="messages") from e
 
     # ----- running engine requests into a response -----
-    def start(self, prompts: list[tuple[str | None, list[int]]], params, request_id: str) -> MergedOutputs:
+    def start(
+        self, prompts: list[tuple[str | None, list[int]]], params, request_id: str, priority: int = 0
+    ) -> MergedOutputs:
         limit = self.max_num_seqs + self.args.max_waiting_requests
         if self.llm.num_unfinished_requests + len(prompts) > limit:
             raise APIError(
@@ -319,7 +326,11 @@ class OpenAIServing:
         streams = [
             self.metrics.track(
                 self.llm.generate(
-                    {"prompt": text, "prompt_token_ids": ids}, params, f"{request_id}-{i}", output_kind="delta"
+                    {"prompt": text, "prompt_token_ids": ids},
+                    params,
+                    f"{request_id}-{i}",
+                    output_kind="delta",
+                    priority=priority,
                 ),
                 log=not self.args.disable_log_requests,
             )
