@@ -198,10 +198,10 @@ class LLMEngine(TrainerMixin, PoolingMixin):
         pooling engine); `priority` (lower first) under scheduling_policy "priority". Raises
         ValueError (nothing queued) for a bad prompt or params."""
         self._check_awake()
-        if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
-            raise ValueError(f"priority={priority!r} needs scheduling_policy='priority' (this engine's is fcfs)")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority!r} needs scheduling_policy='priority' (this engine's is fcfs)")
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if self.pooling is not None or isinstance(params, PoolingParams):

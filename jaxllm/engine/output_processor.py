@@ -89,24 +89,27 @@ class OutputProcessor:
         core_ids: list[str],
     ) -> None:
         """Track a request whose choices run in the engine core as `core_ids` (one per choice)."""
-        seqs = {}
-        if isinstance(params, PoolingParams):
-            seqs[core_ids[0]] = SequenceState(0, None)
-        for index, core_id in enumerate(core_ids if not seqs else ()):
-            detok = None
-            if params.detokenize:
-                detok = IncrementalDetokenizer(
-                    self.tokenizer,
-                    prompt_token_ids,
-                    skip_special_tokens=params.skip_special_tokens,
-                    stop=params.stop,
-                    include_stop_str_in_output=params.include_stop_str_in_output,
-                )
-            seqs[core_id] = SequenceState(index, detok, logprobs=[] if params.logprobs is not None else None)
+        seqs = {core_id: self._sequence(index, params, prompt_token_ids) for index, core_id in enumerate(core_ids)}
         state = RequestState(request_id, prompt, prompt_token_ids, params, output_kind, arrival_time, seqs)
         self.requests[request_id] = state
         for core_id, seq in seqs.items():
             self._seq_of[core_id] = (state, seq)
+
+    def _sequence(self, index: int, params, prompt_token_ids: list[int]) -> SequenceState:
+        """A choice's state: a pooling request's holds no text; a generation request's, its
+        detokenizer (unless it asks for token ids only) and its logprobs if asked for."""
+        if isinstance(params, PoolingParams):
+            return SequenceState(index, None)
+        detok = None
+        if params.detokenize:
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+        return SequenceState(index, detok, logprobs=[] if params.logprobs is not None else None)
 
     def remove_request(self, request_id: str) -> RequestState | None:
         state = self.requests.pop(request_id, None)

@@ -6,6 +6,7 @@ server is tests/conftest.py's `embedding_server`."""
 from __future__ import annotations
 
 import base64
+import re
 
 import numpy as np
 import openai
@@ -95,6 +96,12 @@ def test_generation_and_unknown_model_are_refused(embedding_server, server):
     metrics = embedding_server.metrics()
     assert metrics[("jaxllm:request_success_total", (("finished_reason", "stop"),))] >= 200
     assert metrics[("jaxllm:prompt_tokens_total", ())] > 0
+    assert metrics[("jaxllm:e2e_request_latency_seconds_count", ())] >= 200
+    # Each input's request is logged as a generation request is (no output tokens, no TTFT).
+    assert re.search(
+        r"request \S+-0: \d+ prompt tokens \(0 cached\), 0 output tokens, TTFT -, e2e [\d.]+ s, finish stop",
+        embedding_server.log(),
+    )
 
 
 def test_a_large_request_enters_the_engine_a_batch_at_a_time(embedding_server):
