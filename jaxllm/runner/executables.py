@@ -74,8 +74,15 @@ def _describe(x) -> str:
     return f"{x.shape}:{x.dtype}:{sharding}:{devices}"  # (a sharding's repr leaves its devices out)
 
 
+# A step file: this magic, the SHA-256 of the rest, then the pickled serialized executable. The
+# reader checks both before unpickling: a file a crash or a full disk cut short, or any other
+# damage, is found before it reaches pickle or XLA.
+MAGIC = b"JXLLMEX1"
+
+
 class ExecutableStore:
-    """Compiled steps in `directory`, one file per key (`key`, `load`, `save`)."""
+    """Compiled steps in `directory`, one file per key (`key`, `load`, `save`), each written to a
+    temporary name and renamed into place, and checked when read (`MAGIC`)."""
 
     def __init__(self, directory: str, static: str, devices, max_bytes: int = 2 << 30):
         """`static`: a description of everything the step closes over (cfg, backend, mesh);
@@ -87,6 +94,7 @@ class ExecutableStore:
         static += f"\0devices {[d.id for d in self.devices]}"
         self._base = hashlib.sha256(_environment() + b"\0" + static.encode()).digest()
         self._digests: dict[int, tuple] = {}
+        self.num_damaged = 0  # files found unreadable (recompiled and written again)
 
     def key(self, layout, args) -> str:
         """Key of the step compiled for packed layout `layout` and arguments `args` (a tuple)."""
@@ -120,34 +128,60 @@ class ExecutableStore:
         from jax.experimental import serialize_executable
 
         path = self._path(key)
-        if not os.path.exists(path):
-            return None
         try:
             with open(path, "rb") as f:
-                payload, in_tree, out_tree = pickle.load(f)
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            return self._damaged(path, f"it cannot be read ({e.strerror})")
+        body = data[len(MAGIC) + 32 :]
+        if data[: len(MAGIC)] != MAGIC or hashlib.sha256(body).digest() != data[len(MAGIC) : len(MAGIC) + 32]:
+            return self._damaged(path, "its checksum does not match (cut short or damaged)")
+        try:
+            payload, in_tree, out_tree = pickle.loads(body)
             compiled = serialize_executable.deserialize_and_load(
                 payload, in_tree, out_tree, execution_devices=self.devices
             )
+        except Exception as e:  # intact, but XLA refuses it: compile afresh and overwrite it
+            return self._damaged(path, f"XLA could not load it ({type(e).__name__}: {e})")
+        with contextlib.suppress(OSError):
             os.utime(path)  # its mtime is its last use: `_evict` drops the least recently used
-            return compiled
-        except Exception as e:  # a truncated or foreign file: compile afresh and overwrite it
-            logger.warning("ignoring the unreadable compiled step %s (%s: %s)", path, type(e).__name__, e)
-            return None
+        return compiled
+
+    def _damaged(self, path: str, why: str) -> None:
+        """One warning for the first unreadable file of this store (the rest at debug level):
+        it is compiled afresh and written again."""
+        self.num_damaged += 1
+        log = logger.warning if self.num_damaged == 1 else logger.debug
+        log(
+            "compiled step %s is unreadable: %s; compiling it again and overwriting it%s",
+            os.path.basename(path),
+            why,
+            " (other unreadable steps of this run are logged at debug level)" if self.num_damaged == 1 else "",
+        )
+        return None
 
     def save(self, key: str, compiled) -> None:
         """Write `compiled` under `key` (atomically; failures are logged, not raised)."""
         from jax.experimental import serialize_executable
 
+        tmp = None
         try:
-            payload = pickle.dumps(serialize_executable.serialize(compiled))
+            body = pickle.dumps(serialize_executable.serialize(compiled))
             os.makedirs(self.directory, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
-                f.write(payload)
+                f.write(MAGIC + hashlib.sha256(body).digest() + body)
             os.replace(tmp, self._path(key))
+            tmp = None
             self._evict()
         except Exception as e:  # a step that cannot be serialized still runs; the next start recompiles
             logger.warning("could not save the compiled step (%s: %s)", type(e).__name__, e)
+        finally:
+            if tmp is not None:  # nothing partial is left behind (a full disk, say)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
 
     def _evict(self) -> None:
         """Keep the directory under `max_bytes`, dropping the least recently used steps (every
