@@ -142,6 +142,29 @@ def embedding_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    """A random BertModel saved without a tokenizer (token ids in), and HF's model for it."""
+    import torch
+    import transformers
+
+    path = str(tmp_path_factory.mktemp("bert") / "tiny-bert")
+    config = transformers.BertConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        type_vocab_size=2,
+        architectures=["BertModel"],
+    )
+    torch.manual_seed(0)
+    model = transformers.BertModel(config, add_pooling_layer=False).eval()
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="module")
 def hf_model(tiny_model_dir):
     """The same weights in HF transformers (float32), the reference implementation."""
     import torch

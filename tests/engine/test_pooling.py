@@ -18,29 +18,6 @@ from tests.models.test_encoder import minilm_dir, sentences
 POOLING_ARGS = {**{k: v for k, v in TINY_ENGINE_ARGS.items() if k != "max_model_len"}, "runner": "pooling"}
 
 
-@pytest.fixture(scope="module")
-def tiny_bert(tmp_path_factory):
-    """A random BertModel (no tokenizer: token ids in) and HF's model for it."""
-    import torch
-    import transformers
-
-    path = str(tmp_path_factory.mktemp("bert") / "tiny-bert")
-    config = transformers.BertConfig(
-        vocab_size=1000,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        max_position_embeddings=128,
-        type_vocab_size=2,
-        architectures=["BertModel"],
-    )
-    torch.manual_seed(0)
-    model = transformers.BertModel(config, add_pooling_layer=False).eval()
-    model.save_pretrained(path)
-    return path, model
-
-
 def hf_pooled(model, prompts: list[list[int]], mode: str) -> np.ndarray:
     """HF's last hidden states of each prompt (alone, unpadded), pooled."""
     import torch

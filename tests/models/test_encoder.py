@@ -16,28 +16,6 @@ from jaxllm.models import pooling, training
 from jaxllm.models.loader import load_model
 
 
-@pytest.fixture(scope="module")
-def tiny_bert(tmp_path_factory):
-    import torch
-    import transformers
-
-    path = str(tmp_path_factory.mktemp("bert") / "tiny-bert")
-    config = transformers.BertConfig(
-        vocab_size=1000,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        max_position_embeddings=128,
-        type_vocab_size=2,
-        architectures=["BertModel"],
-    )
-    torch.manual_seed(0)
-    model = transformers.BertModel(config, add_pooling_layer=False).eval()
-    model.save_pretrained(path)
-    return path, model
-
-
 def test_hidden_states_equal_hf_bert(tiny_bert):
     import torch
 

@@ -90,20 +90,21 @@ class OpenAIServingEmbedding(OpenAIServing):
     """The /v1/embeddings and /pooling handlers."""
 
     async def create_embedding(self, request: EmbeddingRequest, raw: Request) -> EmbeddingResponse | Response:
-        try:
-            outputs = await self._run(request, raw)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        data = [EmbeddingData(index=i, embedding=_encoded(o, request.encoding_format)) for i, o in enumerate(outputs)]
-        return EmbeddingResponse(model=self.model_name, data=data, usage=_usage(outputs))
+        return await self._respond(
+            request, raw, EmbeddingResponse, lambda i, data: EmbeddingData(index=i, embedding=data)
+        )
 
     async def create_pooling(self, request: PoolingRequest, raw: Request) -> PoolingResponse | Response:
+        return await self._respond(request, raw, PoolingResponse, lambda i, data: PoolingData(index=i, data=data))
+
+    async def _respond(self, request: EmbeddingRequest, raw: Request, response, item):
+        """The response (`response` of `item(index, vector)` per input), or 499 if the client left."""
         try:
             outputs = await self._run(request, raw)
         except ClientDisconnected:
             return Response(status_code=499)
-        data = [PoolingData(index=i, data=_encoded(o, request.encoding_format)) for i, o in enumerate(outputs)]
-        return PoolingResponse(model=self.model_name, data=data, usage=_usage(outputs))
+        data = [item(i, _encoded(o, request.encoding_format)) for i, o in enumerate(outputs)]
+        return response(model=self.model_name, data=data, usage=_usage(outputs))
 
     async def _run(self, request: EmbeddingRequest, raw: Request) -> list[EmbeddingRequestOutput]:
         self.check_model(request.model)
