@@ -2,6 +2,7 @@
 
 from jaxllm.config import EngineArgs
 from jaxllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from jaxllm.lora import LoRARequest
 from jaxllm.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -38,6 +39,7 @@ __all__ = [
     "BeamSearchOutput",
     "BeamSearchParams",
     "BeamSearchSequence",
+    "LoRARequest",
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",

@@ -257,6 +257,14 @@ class EngineArgs:
         metavar="JSON",
         type=json_object,
     )
+    enable_lora: bool = option(
+        False, "serve LoRA adapters (PEFT's format) over the base model, requests of different adapters sharing steps"
+    )
+    max_loras: int = option(1, "adapters a step can mix (device slots, with --enable-lora)", metavar="N")
+    max_lora_rank: int = option(16, "the highest adapter rank accepted (with --enable-lora)", metavar="R")
+    max_cpu_loras: int | None = option(
+        None, "adapters kept read in host memory (with --enable-lora; default: --max-loras)", metavar="N"
+    )
 
     def __post_init__(self):
         if isinstance(self.quantization, str):  # (anything else is verify's to refuse)
@@ -268,6 +276,7 @@ class EngineArgs:
         self._verify_processes_and_mesh()
         self._verify_cache()
         self._verify_methods()
+        self._verify_lora()
 
     def _verify_types(self) -> None:
         for field in dataclasses.fields(self):  # "False" from a config file would read as on
@@ -286,6 +295,8 @@ class EngineArgs:
             "tensor_parallel_size",
             "pipeline_parallel_size",
             "data_parallel_size",
+            "max_loras",
+            "max_lora_rank",
         ):
             value = getattr(self, name)
             if name == "block_size" and value is None:
@@ -362,6 +373,22 @@ class EngineArgs:
             raise ValueError(
                 "a draft model runs on one device: not with tensor or data parallelism or several processes yet"
             )
+
+    def _verify_lora(self) -> None:
+        cpu = self.max_cpu_loras
+        if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {cpu!r}")
+        if not self.enable_lora:
+            return
+        not_yet = [
+            (self.speculative_config is not None, "speculative decoding"),
+            (self.runner == "pooling", "a pooling runner"),
+            (self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size > 1, "several devices"),
+            (self.num_processes > 1, "several processes"),
+        ]
+        for bad, what in not_yet:
+            if bad:
+                raise ValueError(f"enable_lora is not supported with {what} yet")
 
 
 @dataclasses.dataclass(frozen=True)

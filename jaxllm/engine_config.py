@@ -8,11 +8,14 @@ Resolving never builds or loads anything: the attention backend is chosen from i
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 from jaxllm.config import DEFAULT_KV_CACHE_MEMORY, EngineArgs, SpeculativeConfig
 from jaxllm.platforms import Platform
 from jaxllm.utils import DTYPES, check_dtype, default_cache_root, resolve_kv_cache_dtype
+
+logger = logging.getLogger("jaxllm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +28,7 @@ class SchedulerConfig:
     async_scheduling: bool = False
     chunked_prefill: bool = True  # False: a prompt runs whole in one step (an encoder's)
     scheduling_policy: str = "fcfs"  # or "priority" (core/request_queue.py)
-    chunked_prefill: bool = True  # False: a prompt runs whole in one step (an encoder's)
-    scheduling_policy: str = "fcfs"  # or "priority" (core/request_queue.py)
+    max_loras: int = 0  # > 0: at most this many adapters among running requests (jaxllm/lora)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +52,17 @@ class CacheConfig:
     @property
     def group_num_pages(self) -> tuple[int, ...]:
         return (self.num_pages, self.num_window_pages) if self.num_window_pages else (self.num_pages,)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (jaxllm/lora): `max_loras` device slots of rank `max_lora_rank` in
+    `dtype`, and `max_cpu_loras` adapters kept read in host memory."""
+
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+    dtype: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +90,7 @@ class EngineConfig:
     batch_invariant: bool = False
     # A pooling engine's `models.pooling.PoolingConfig` (EngineArgs.runner): it embeds, it does not generate.
     pooling: object | None = None
+    lora: LoRAConfig | None = None  # EngineArgs.enable_lora
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -171,6 +185,7 @@ def resolve_config(
             async_scheduling=args.async_scheduling,
             chunked_prefill=not whole_prompts,
             scheduling_policy=args.scheduling_policy,
+            max_loras=args.max_loras if args.enable_lora else 0,
         ),
         cache=CacheConfig(
             page_size=page_size,
@@ -197,6 +212,11 @@ def resolve_config(
         speculative=speculative,
         quantization=args.quantization,
         pooling=pooling,
+        lora=(
+            LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras, dtype)
+            if args.enable_lora
+            else None
+        ),
     )
 
 
@@ -243,3 +263,43 @@ def _kv_pool_pages(
             f"{page_bytes / 2**10:.0f} KiB; raise kv_cache_memory or gpu_memory_utilization"
         )
     return num_pages, num_window_pages
+
+
+def resolve_dtypes(args: EngineArgs, platform: Platform, many_processes: bool) -> EngineArgs:
+    """`args` with `dtype` and `kv_cache_dtype` resolved for the platform (each "auto" logged with
+    why). Over several processes every process takes process 0's dtype (their CPUs may differ)."""
+    dtype, why = platform.resolve_dtype(args.dtype)
+    if args.dtype == "auto" and many_processes:
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        names = list(DTYPES)
+        leader = names[int(multihost_utils.broadcast_one_to_all(np.int32(names.index(dtype))))]
+        if leader != dtype:
+            dtype, why = leader, f"process 0 picked it (here: {dtype}, as {why})"
+    if args.dtype == "auto":
+        logger.info("dtype auto: %s (%s)", dtype, why)
+    kv_dtype, why = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype, dtype)
+    if args.kv_cache_dtype == "auto" and kv_dtype != dtype:
+        logger.info("kv_cache_dtype auto: %s (%s)", kv_dtype, why)
+    return dataclasses.replace(args, dtype=dtype, kv_cache_dtype=kv_dtype)
+
+
+def available_memory(args: EngineArgs) -> int | None:
+    """Bytes the KV cache may take from (for gpu_memory_utilization): free device memory once
+    the weights are loaded, or on CPU the RAM the OS reports available."""
+    if args.gpu_memory_utilization is None and args.kv_cache_memory is None:
+        return None
+    import jax
+
+    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

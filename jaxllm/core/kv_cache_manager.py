@@ -4,11 +4,12 @@ A request's pages are listed in `request.page_ids` (its page table; per group be
 one at a time as a request grows and returned when it finishes, is aborted or preempted.
 
 Prefix caching: once a page is full, it gets a hash chained from its parent page's hash and
-its token ids (plus `extra_key`, e.g. a future adapter id). A new request reuses the longest
-run of cached pages that matches its prompt. A hash hit is confirmed against the page's
-stored token ids and its parent page (id and generation), so a hash collision can never hand
-out another prompt's KV. Freed pages keep their contents and hash until the pool needs them:
-the least recently freed page is evicted first (pages that were never cached go first).
+its token ids (the first page's parent is its request's `prefix_root`: its LoRA adapter). A new
+request reuses the longest run of cached pages that matches its prompt. A hash hit is confirmed
+against the page's stored token ids and its parent page (id and generation; the root for the
+first), so a hash collision can never hand out another prompt's KV. Freed pages keep their
+contents and hash until the pool needs them: the least recently freed page is evicted first
+(pages that were never cached go first).
 
 Sharing and copy-on-write: pages are reference counted. Prefix-cache hits share full pages
 (a shared system prompt, the `n` samples of one prompt); `fork` shares a whole page table,
@@ -45,8 +46,14 @@ from collections.abc import Sequence
 from jaxllm.core.request import Request
 
 
-def hash_page_tokens(parent_hash: int | None, token_ids: tuple[int, ...], extra_key=None) -> int:
-    return hash((parent_hash, token_ids, extra_key))
+def hash_page_tokens(parent, token_ids: tuple[int, ...]) -> int:
+    return hash((parent, token_ids))
+
+
+def prefix_root(request: Request) -> tuple[str, int] | None:
+    """What a request's first page hangs from: nothing, or its LoRA adapter (the same tokens
+    under two adapters have different KV, so their pages are never shared)."""
+    return ("lora", request.lora_int_id) if request.lora is not None else None
 
 
 @dataclasses.dataclass(slots=True)
@@ -55,7 +62,7 @@ class Page:
     ref_cnt: int = 0
     page_hash: int | None = None
     token_ids: tuple[int, ...] | None = None
-    parent: tuple[int, int] | None = None  # (parent page id, its generation) when cached
+    parent: tuple | None = None  # (parent page id, its generation) when cached; page 0's `prefix_root`
     generation: int = 0  # bumped every time the page is (re)cached
     stale: bool = False  # held through a weight update: never cached until it is freed and reused
 
@@ -102,7 +109,7 @@ class PageGroup:
         """The longest run (at most `max_pages`) of this group's cached pages that matches the
         request's tokens from the start, each confirmed against its parent."""
         tokens = request.all_token_ids
-        hits, parent = [], None
+        hits, parent = [], prefix_root(request)
         for i in range(max_pages):
             page_id = self._lookup(
                 request.page_hashes[i], tuple(tokens[i * self.page_size : (i + 1) * self.page_size]), parent
@@ -134,7 +141,7 @@ class PageGroup:
                 return  # a released parent page already reused: its children cannot be confirmed
             page.page_hash = request.page_hashes[i]
             page.token_ids = tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
-            page.parent = (parent_page.page_id, parent_page.generation) if parent_page else None
+            page.parent = (parent_page.page_id, parent_page.generation) if parent_page else prefix_root(request)
             page.generation += 1
             self.cached.setdefault(page.page_hash, []).append(page.page_id)
 
@@ -338,7 +345,7 @@ class KVCacheManager:
             i = len(request.page_hashes)
             if (i + 1) * bs > len(tokens):
                 tokens = request.all_token_ids
-            parent = request.page_hashes[-1] if request.page_hashes else None
+            parent = request.page_hashes[-1] if request.page_hashes else prefix_root(request)
             request.page_hashes.append(hash_page_tokens(parent, tuple(tokens[i * bs : (i + 1) * bs])))
 
     def get_computed_pages(self, request: Request) -> list[list[int]]:

@@ -64,6 +64,8 @@ class Request:
     # `pooled` holding the merged parts of its computed chunks (models/pooling.py).
     pooling_params: object | None = None
     pooled: object | None = None
+    # The LoRA adapter it runs under (lora/adapter.py LoRAAdapter), None for the base model.
+    lora: object | None = None
 
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)  # drafts for the next step
@@ -90,6 +92,11 @@ class Request:
     @page_ids.setter
     def page_ids(self, page_ids: list[int]) -> None:
         self.page_tables[0] = page_ids
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id, 0 for the base model."""
+        return 0 if self.lora is None else self.lora.lora_int_id
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -265,7 +265,10 @@ class Scheduler:
         self, budget: int, prefill_slots: int, scheduled: list[tuple[Request, int]], swap_in: list[tuple[int, int]]
     ) -> None:
         """Admit waiting requests first-come-first-served while sequences, prompt slots, pages
-        and tokens allow."""
+        and tokens allow. A request whose LoRA adapter would be one more than `max_loras` among
+        the running ones is passed over (it keeps its place) for those behind it."""
+        adapters = {r.lora_int_id for r in self.running} - {0} if self.config.max_loras else set()
+        passed_over = []
         while self.waiting and budget > 0 and prefill_slots > 0:
             request = self.waiting.peek()
             if request.status.finished:  # aborted while waiting
@@ -273,6 +276,11 @@ class Scheduler:
                 continue
             if len(self.running) >= self.config.max_num_seqs:
                 break
+            if request.lora is not None and request.lora_int_id not in adapters:
+                if len(adapters) >= self.config.max_loras:
+                    passed_over.append(self.waiting.pop())
+                    continue
+                adapters.add(request.lora_int_id)
             if not self.config.chunked_prefill and request.num_tokens - request.num_computed_tokens > budget:
                 break  # an encoder's prompt runs whole (its tokens attend to every other)
             num_new = self._admit_pages(request, budget, swap_in)
@@ -289,6 +297,8 @@ class Scheduler:
             budget -= num_new
             if num_new > 1:
                 prefill_slots -= 1
+        for request in reversed(passed_over):
+            self.waiting.push_front(request)
 
     def _admit_pages(self, request: Request, budget: int, swap_in: list[tuple[int, int]]) -> int | None:
         """The pages of a waiting request's next tokens (up to `budget`): copied back from the

@@ -165,10 +165,11 @@ class AsyncLLM:
         *,
         output_kind: str = "cumulative",
         priority: int = 0,
+        lora_request=None,
     ) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
         """Yield outputs as the request progresses (cumulative by default, or `output_kind=
-        "delta"` for just the new tokens/text; `priority` as `LLMEngine.add_request`'s). Leaving
-        the loop early aborts the request.
+        "delta"` for just the new tokens/text; `priority` and `lora_request` as
+        `LLMEngine.add_request`'s). Leaving the loop early aborts the request.
         (With PoolingParams, on a pooling engine: `encode`.)"""
         request_id = request_id or uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
@@ -186,6 +187,8 @@ class AsyncLLM:
                 # Compile the grammar here, off the event loop and the engine thread (a large one
                 # takes a while; the backend releases the GIL): add_request finds it cached.
                 await asyncio.to_thread(self.engine.structured_output.compile, sampling_params.structured_outputs)
+            if lora_request is not None:  # read from disk here, off the engine thread: add_request finds it cached
+                await asyncio.to_thread(self.engine.add_lora, lora_request)
             await self._call(
                 lambda: self.engine.add_request(
                     request_id,
@@ -194,6 +197,7 @@ class AsyncLLM:
                     prompt_token_ids=token_ids,
                     output_kind=output_kind,
                     priority=priority,
+                    lora_request=lora_request,
                 ),
                 kind="add",
             )

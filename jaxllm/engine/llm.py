@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from jaxllm.config import EngineArgs
 from jaxllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
@@ -38,11 +39,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts (strings, token-id lists or {"prompt_token_ids": [...]}) to completion;
         outputs come back in input order. `priority`: one per prompt, lower first (an engine
-        with scheduling_policy="priority")."""
-        return self._submit(prompts, sampling_params or SamplingParams(), SamplingParams, use_tqdm, priority)
+        with scheduling_policy="priority"). `lora_request`: the adapter of every prompt, or one
+        per prompt (None: the base model), on an engine with enable_lora."""
+        return self._submit(
+            prompts, sampling_params or SamplingParams(), SamplingParams, use_tqdm, priority, lora_request
+        )
 
     def embed(
         self,
@@ -92,9 +97,9 @@ class LLM:
             for a, b in zip(embedded[:n], embedded[n:])
         ]
 
-    def _submit(self, prompts, params, kind: type, use_tqdm: bool, priority=None) -> list:
-        """Add every prompt with its params (one for all, or one each) and priority, run them to
-        completion."""
+    def _submit(self, prompts, params, kind: type, use_tqdm: bool, priority=None, lora_request=None) -> list:
+        """Add every prompt with its params and adapter (one for all, or one each) and priority,
+        run them to completion."""
         if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
             prompts = [prompts]
         prompts = list(prompts)
@@ -104,9 +109,12 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
+        adapters = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"{len(adapters)} LoRA requests for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, one, rank in zip(prompts, params, priority):
+            for prompt, one, rank, adapter in zip(prompts, params, priority, adapters):
                 request_id = str(next(self._counter))
                 text, token_ids = (
                     (prompt.get("prompt"), prompt.get("prompt_token_ids"))
@@ -114,7 +122,13 @@ class LLM:
                     else (prompt, None)
                 )
                 self.engine.add_request(
-                    request_id, text, one, prompt_token_ids=token_ids, output_kind="final", priority=rank
+                    request_id,
+                    text,
+                    one,
+                    prompt_token_ids=token_ids,
+                    output_kind="final",
+                    priority=rank,
+                    lora_request=adapter,
                 )
                 ids.append(request_id)
         except Exception:

@@ -13,12 +13,11 @@ import random
 import time
 
 import jax
-import numpy as np
 
 from jaxllm import parallel
 from jaxllm.chat_template import MAX_OUTPUT_CHARS, render_chat_template
 from jaxllm.config import EngineArgs
-from jaxllm.engine_config import EngineConfig, resolve_config
+from jaxllm.engine_config import EngineConfig, available_memory, resolve_config, resolve_dtypes
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.engine.core import DataParallelEngineCore, EngineCore, EngineStats
 from jaxllm.engine.output_processor import OUTPUT_KINDS, OutputProcessor
@@ -29,9 +28,9 @@ from jaxllm.quantization.weights import int8_activation_weights
 from jaxllm.runner import compile as compile_mod
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.structured_output import Matcher, StructuredOutputManager
-from jaxllm.utils import DTYPES, resolve_kv_cache_dtype
 from jaxllm.weights.plan import QUANTIZE_METHODS
 from jaxllm.engine.pooling import PoolingMixin, resolve_runner
+from jaxllm.engine.lora import LoRAMixin
 from jaxllm.engine.trainer import TrainerMixin
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.weights.update import UpdatePlan
@@ -39,7 +38,7 @@ from jaxllm.weights.update import UpdatePlan
 logger = logging.getLogger("jaxllm")
 
 
-class LLMEngine(TrainerMixin, PoolingMixin):
+class LLMEngine(TrainerMixin, PoolingMixin, LoRAMixin):
     def __init__(self, engine_args: EngineArgs | None = None, *, progress: bool = True, **kwargs):
         """Resolve the options and the weight plan, load the model, prepare its weights, build
         the replicas (scheduler, KV pool, runner each), warm up, then the tokenizer's parts."""
@@ -55,18 +54,20 @@ class LLMEngine(TrainerMixin, PoolingMixin):
         platform = Platform.detect(
             None if mesh is None else mesh.devices.flat[0], use_cpp=args.attention_backend in (None, "native")
         )
-        args = _resolve_dtypes(args, platform, many_processes)
+        args = resolve_dtypes(args, platform, many_processes)
         one_device = mesh is None and not many_processes and args.data_parallel_size == 1
         loaded, plan = load_with_plan(
             args, platform, mesh, one_device=one_device, progress=progress, use_cache=not many_processes
         )
         args, self.pooling = resolve_runner(args, loaded, one_device)
+        if self.pooling is not None and args.enable_lora:
+            raise ValueError("enable_lora is not supported for a pooling (embedding) engine yet")
         args = dataclasses.replace(args, quantization=plan.quantization, small_step_codes=plan.small_step_codes)
         self.config: EngineConfig = resolve_config(
             args,
             loaded.cfg,
             loaded.name,
-            available_memory=_available_memory(args),
+            available_memory=available_memory(args),
             platform=platform,
             pooling=self.pooling,
         )
@@ -87,6 +88,7 @@ class LLMEngine(TrainerMixin, PoolingMixin):
             ),
         )
         self._build_cores(model, mesh, self._load_draft(args, platform, progress))
+        self._init_lora()
         self._params = model.params  # the whole tree (data parallel replicas step with views of it)
         self._updates = UpdatePlan.for_engine(loaded.cfg, plan, mesh, model.params)
         # What the compiled steps take (shapes, dtypes, shardings): every update must match it.
@@ -193,10 +195,12 @@ class LLMEngine(TrainerMixin, PoolingMixin):
         output_kind: str = "cumulative",
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request=None,
     ) -> None:
         """Queue a request: with SamplingParams to generate, with PoolingParams to embed (a
-        pooling engine); `priority` (lower first) under scheduling_policy "priority". Raises
-        ValueError (nothing queued) for a bad prompt or params."""
+        pooling engine); `priority` (lower first) under scheduling_policy "priority";
+        `lora_request` (a LoRARequest) runs it under that adapter. Raises ValueError (nothing
+        queued) for a bad prompt, params or adapter."""
         self._check_awake()
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
@@ -204,6 +208,7 @@ class LLMEngine(TrainerMixin, PoolingMixin):
             raise ValueError(f"priority={priority!r} needs scheduling_policy='priority' (this engine's is fcfs)")
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        adapter = self._lora_adapter(lora_request)
         if self.pooling is not None or isinstance(params, PoolingParams):
             return self._add_pooling_request(
                 request_id, prompt, params or PoolingParams(), prompt_token_ids, arrival_time, priority
@@ -220,7 +225,7 @@ class LLMEngine(TrainerMixin, PoolingMixin):
         now = time.monotonic() if arrival_time is None else arrival_time
         choices = self._make_choices(request_id, prompt, prompt_token_ids, params, grammar, now)
         for choice in choices:
-            choice.priority = priority
+            choice.priority, choice.lora = priority, adapter
         if any(self.output_processor.is_tracked(c.request_id) for c in choices):
             raise ValueError(f"request_id {request_id!r} clashes with a running request's choice ids")
         replica = self.engine_core.add_request(choices[0])  # raises (nothing kept) if the scheduler refuses it
@@ -456,42 +461,3 @@ class LLMEngine(TrainerMixin, PoolingMixin):
             sum(r.kv_cache_manager.prefix_queries for r in self.replicas),
             sum(r.kv_cache_manager.prefix_hits for r in self.replicas),
         )
-
-
-def _resolve_dtypes(args: EngineArgs, platform: Platform, many_processes: bool) -> EngineArgs:
-    """`args` with `dtype` and `kv_cache_dtype` resolved for the platform (each "auto" logged with
-    why). Over several processes every process takes process 0's dtype (their CPUs may differ)."""
-    dtype, why = platform.resolve_dtype(args.dtype)
-    if args.dtype == "auto" and many_processes:
-        from jax.experimental import multihost_utils
-
-        names = list(DTYPES)
-        leader = names[int(multihost_utils.broadcast_one_to_all(np.int32(names.index(dtype))))]
-        if leader != dtype:
-            dtype, why = leader, f"process 0 picked it (here: {dtype}, as {why})"
-    if args.dtype == "auto":
-        logger.info("dtype auto: %s (%s)", dtype, why)
-    kv_dtype, why = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype, dtype)
-    if args.kv_cache_dtype == "auto" and kv_dtype != dtype:
-        logger.info("kv_cache_dtype auto: %s (%s)", kv_dtype, why)
-    return dataclasses.replace(args, dtype=dtype, kv_cache_dtype=kv_dtype)
-
-
-def _available_memory(args: EngineArgs) -> int | None:
-    """Bytes the KV cache may take from (for gpu_memory_utilization): free device memory once
-    the weights are loaded, or on CPU the RAM the OS reports available."""
-    if args.gpu_memory_utilization is None and args.kv_cache_memory is None:
-        return None
-    import jax
-
-    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
-    if stats and "bytes_limit" in stats:
-        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None

@@ -75,6 +75,8 @@ class TrainerMixin:
             runner = replica.runner
             runner.params = params if row is None else parallel.replica_params(params, row)
             runner.small_params = small_params
+            if runner.lora is not None:  # the adapters' slots beside the new weights
+                runner.params, runner.small_params = runner.lora.adopt(runner.params, runner.small_params)
             replica.kv_cache_manager.reset_prefix_cache(held=True)
         self.num_weight_updates += 1
         self.weight_version = self.num_weight_updates if version is None else version

@@ -10,7 +10,7 @@ once, here: `_llama_layer` (Llama, Mistral, Qwen2/3, Phi-3, Gemma 3, Mixtral, Qw
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -322,6 +322,54 @@ _FAMILIES = {
         "lm_head",
     ),
 }
+
+
+class LinearSource(NamedTuple):
+    """Where a fused matrix's output columns come from: column j is row `rows[j]` of the HF
+    Linear `modules[module_of[j]]` (a name without ".weight"), whose input has `in_dim` features."""
+
+    modules: tuple[str, ...]
+    module_of: np.ndarray  # [out] int
+    rows: np.ndarray  # [out] int
+    in_dim: int
+
+
+def linear_sources(cfg: ModelConfig, has: Callable[[str], bool] = lambda name: False) -> list[dict[str, LinearSource]]:
+    """Per layer, each layer matrix's `LinearSource`: how `build_params` fuses (and permutes) the
+    rows of the HF Linears of a checkpoint of `cfg`'s family, found by running the family's own
+    layer reader on probes (each Linear's row r read as a one-column tensor holding its id and r),
+    so a LoRA adapter's B matrices fuse as the base weights did (jaxllm/lora/adapter.py). `has`
+    answers the reader's questions about which layout the checkpoint uses (Phi-3's fused
+    projections). Encoders (BERT) have none: ValueError."""
+    if cfg.architecture == "BertModel":
+        raise ValueError("LoRA adapters are not supported on encoder (BERT) models")
+    layer_fn, prefix = _FAMILIES.get(cfg.architecture, _FAMILIES["llama"])[:2]
+    modules: list[str] = []
+    in_dims: dict[str, int] = {}
+
+    def probe(name: str, shape: tuple):
+        if len(shape) != 2 or not name.endswith(".weight"):
+            return np.zeros(shape, np.float32)
+        modules.append(name[: -len(".weight")])
+        in_dims[modules[-1]] = shape[1]
+        return (len(modules) * 2.0**24 + np.arange(shape[0], dtype=np.float64))[:, None]
+
+    read = _Reader(probe, has, cfg)
+    sources = []
+    for i in range(cfg.num_layers):
+        layer, found = layer_fn(read, f"{prefix}{i}.", cfg, i), {}
+        for name in LORA_MATRICES:
+            if name in layer:
+                code = np.asarray(layer[name], np.float64)[:, 0].astype(np.int64)
+                ids, module_of = np.unique(code >> 24, return_inverse=True)
+                names = tuple(modules[k - 1] for k in ids)
+                found[name] = LinearSource(names, module_of, code & (2**24 - 1), in_dims[names[0]])
+        sources.append(found)
+    return sources
+
+
+# The layer matrices a LoRA adapter may adapt (the experts' and the embedding / LM head are not).
+LORA_MATRICES = ("wqkv", "wo", "w_gate_up", "w_up", "w_down")
 
 
 def check_shape(name: str, arr, shape: tuple, source: str):

@@ -59,6 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.lora import layers as lora_layers
 from jaxllm.models import linear, moe
 
 ACTIVATIONS = {
@@ -377,6 +378,8 @@ def forward(params, kv_cache, inputs, cfg: ModelConfig, *, attention, axis: str 
     runner/model_runner.py for why not `lax.scan`) of `shared_decoder_layer` calls. With `axis`,
     this is one tensor-parallel shard's part (see the module docstring).
     """
+    if inputs.lora_slots is not None:
+        params = lora_layers.bind(params, inputs.lora_slots)
     x = embed(params, inputs.token_ids, inputs.positions, cfg, axis)
     new_cache = []
     for index, (layer, (k_pages, v_pages)) in enumerate(zip(params["layers"], kv_cache)):

@@ -11,6 +11,8 @@ Shapes (T = bucket tokens, S = bucket sequences, P = pages per sequence, L = max
     num_seqs [] int32, logits_indices [R] int32     (the tokens that get logits: R = S, each
                                                     sequence's last; or R = T, every token)
     rope_cos, rope_sin [T, 1, W] f32                (W = len(ModelConfig.inv_freq()))
+    lora_slots [T] int32                            (an engine with LoRA: each token's adapter
+                                                    slot, -1 for none; else None: lora/layers.py)
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class StepInputs:
     # Async scheduling: per token, the row of the previous step's sampled tokens that is its
     # token id (read on the device), or -1 for `token_ids`' own.
     prev_rows: np.ndarray | None = None
+    lora_slots: np.ndarray | None = None
 
     @classmethod
     def zeros(
@@ -51,6 +54,7 @@ class StepInputs:
         rope_width: int,
         num_logits: int | None = None,
         window_group: bool = False,
+        lora: bool = False,
     ) -> StepInputs:
         i32 = np.int32
         inputs = cls(
@@ -66,6 +70,7 @@ class StepInputs:
             rope_sin=np.zeros((num_tokens, 1, rope_width), np.float32),
             attn_metadata={},
             prev_rows=np.full(num_tokens, -1, i32),
+            lora_slots=np.full(num_tokens, -1, i32) if lora else None,
         )
         if window_group:
             inputs.window_slot_mapping = inputs.slot_mapping.copy()

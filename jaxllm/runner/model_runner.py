@@ -32,6 +32,7 @@ import numpy as np
 from jaxllm import parallel, quantization
 from jaxllm.attention import AttentionBackend, get_attention_backend
 from jaxllm.engine_config import EngineConfig
+from jaxllm.lora.slots import LoRASlots
 from jaxllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from jaxllm.models import decoder, layout
 from jaxllm.platforms import Platform
@@ -65,7 +66,6 @@ class ModelRunner:
         small_params=None,
     ):
         self.config, self.cfg, self.mesh = config, cfg, mesh
-        self.params, self.small_params = params, small_params
         self.attention = attention or get_attention_backend(
             config.attention_backend, batch_invariant=config.batch_invariant
         )
@@ -78,6 +78,15 @@ class ModelRunner:
         self.cpp_ops = Platform.detect(use_cpp=self.attention.name == "native").confirmed().cpp_ops
         self.num_stages = parallel.pp_size(mesh)
         device = jax.devices()[0]
+        # LoRA: the adaptable matrices wrapped with `max_loras` adapter slots (jaxllm/lora).
+        self.lora = None
+        if config.lora is not None:
+            lora = config.lora
+            self.lora = LoRASlots(
+                cfg, max_loras=lora.max_loras, max_rank=lora.max_lora_rank, dtype=lora.dtype, device=device
+            )
+            params, small_params = self.lora.adopt(params, small_params)
+        self.params, self.small_params = params, small_params
         self.kv = self._kv_cache(device)
         sched, drafts = config.scheduler, config.speculative
         # A pooling engine (config.pooling) computes prompts only: its own buckets and step.
@@ -116,6 +125,7 @@ class ModelRunner:
             self.buckets,
             num_stages=self.num_stages,
             inputs_sharding=self._inputs_sharding,
+            lora_slot_of=None if self.lora is None else lambda request: self.lora.slot_of(request.lora_int_id),
         )
         self.steps = self._compiled_steps()
         self.builder.pick = self.steps.pick
@@ -199,6 +209,8 @@ class ModelRunner:
         self.kv.swap_in(scheduler_output.swap_in)
         n = len(scheduler_output.scheduled)
         t0 = time.perf_counter()
+        if self.lora is not None:
+            self.lora.activate([request.lora for request, _ in scheduler_output.scheduled])
         seqs, first, count, buffers, packed = (
             self.builder.prepare_step(scheduler_output.scheduled, ahead) if n else (None,) * 5
         )

@@ -48,9 +48,11 @@ class StepBuilder:
         num_stages: int,
         inputs_sharding,
         pick=None,
+        lora_slot_of=None,
     ):
         self.config, self.cfg, self.attention, self.input_batch = config, cfg, attention, input_batch
         self.num_stages, self.pick = num_stages, pick
+        self.lora_slot_of = lora_slot_of  # Request -> its adapter's device slot (-1: none), with LoRA
         self.inputs_sharding = inputs_sharding
         self.page_size = config.cache.page_size
         self.max_pages = config.max_pages_per_seq
@@ -75,7 +77,13 @@ class StepBuilder:
             self._buffers[bucket, micro] = BucketBuffers(
                 bucket,
                 StepInputs.zeros(
-                    bucket.num_tokens, bucket.num_seqs, self.max_pages, len(self.inv_freq), R, self.window_group
+                    bucket.num_tokens,
+                    bucket.num_seqs,
+                    self.max_pages,
+                    len(self.inv_freq),
+                    R,
+                    self.window_group,
+                    lora=self.lora_slot_of is not None,
                 ),
                 SamplingMetadata.zeros(R),
             )
@@ -126,6 +134,9 @@ class StepBuilder:
         bucket = bucket or self.pick(self.demand(seqs.q_lens, seqs.drafts))
         buffers = self.bucket_buffers(bucket, micro)
         self._fill_tokens(buffers.inputs, seqs)
+        if self.lora_slot_of is not None:
+            slots = np.fromiter((self.lora_slot_of(r) for r in requests), np.int32, len(requests))
+            fill(buffers.inputs.lora_slots, slots[seqs.order][seqs.seq_of_token], -1)
         self._fill_pages(buffers.inputs, seqs, bucket)
         first, count = self._fill_sampling(buffers, seqs, requests, bucket)
         return seqs.order, first, count, buffers

@@ -121,6 +121,10 @@ def test_flags_round_trip_to_engine_args():
         packed_weights=False,
         small_step_codes=False,
         speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+        enable_lora=True,
+        max_loras=4,
+        max_lora_rank=64,
+        max_cpu_loras=8,
     )
     assert all(
         getattr(expected, f.name) != getattr(defaults, f.name)
@@ -196,6 +200,13 @@ def test_flags_round_trip_to_engine_args():
         "--no-small-step-codes",
         "--speculative-config",
         '{"method": "ngram", "num_speculative_tokens": 3}',
+        "--enable-lora",
+        "--max-loras",
+        "4",
+        "--max-lora-rank",
+        "64",
+        "--max-cpu-loras",
+        "8",
     ]
     parse = cli.build_parser().parse_args
     assert cli.engine_args(parse(["serve", *flags, "--served-model-name", "mine"])) == expected

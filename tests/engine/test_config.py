@@ -8,7 +8,7 @@ import pytest
 from jaxllm.config import EngineArgs
 
 from jaxllm.engine_config import kv_bytes_per_token, resolve_config
-from jaxllm.engine.llm_engine import _available_memory
+from jaxllm.engine_config import available_memory
 from jaxllm.models.decoder import ModelConfig
 from jaxllm.platforms import Platform, cpu_flags
 from jaxllm.utils import resolve_kv_cache_dtype
@@ -95,8 +95,8 @@ def test_config_names_every_attention_backend():
 
 
 def test_available_memory_is_read_from_the_platform():
-    assert _available_memory(EngineArgs()) is None  # not needed: not measured
-    assert _available_memory(EngineArgs(gpu_memory_utilization=0.5)) > 0
+    assert available_memory(EngineArgs()) is None  # not needed: not measured
+    assert available_memory(EngineArgs(gpu_memory_utilization=0.5)) > 0
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,47 @@
+"""LLMEngine's LoRA adapters (vLLM's `add_lora` / `remove_lora` / `list_loras`): read and
+checked on the host when first asked for (`AdapterCache`, `max_cpu_loras` kept), written into a
+device slot by the runner when a step needs them (lora/slots.py)."""
+
+from __future__ import annotations
+
+from jaxllm.lora.adapter import AdapterCache, LoRAAdapter
+from jaxllm.lora.request import LoRAError, LoRARequest
+
+
+class LoRAMixin:
+    def _init_lora(self) -> None:
+        lora = self.config.lora
+        self.adapters = (
+            None if lora is None else AdapterCache(self.runner.lora.geometry, lora.max_lora_rank, lora.max_cpu_loras)
+        )
+
+    def _lora_adapter(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
+        """The adapter a request runs under (None: the base model); LoRAError if it cannot be served."""
+        if lora_request is None:
+            return None
+        if self.adapters is None:
+            raise LoRAError("a LoRA adapter was asked for, but this engine was started without enable_lora")
+        return self.adapters.get(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter now (LoRAError if it cannot be served), so that its first
+        request does not wait for the disk. True once it is known."""
+        self._lora_adapter(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter: its slot is freed once no running request uses it (those running
+        finish under it). False if it was not known."""
+        if self.adapters is None or not self.adapters.remove(lora_int_id):
+            return False
+        if not any(r.lora_int_id == lora_int_id for r in self.scheduler.requests.values()):
+            self.runner.lora.evict(lora_int_id)
+        return True
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters added and not removed."""
+        return set() if self.adapters is None else {r.lora_int_id for r in self.adapters.requests()}
+
+    def lora_requests(self) -> list[LoRARequest]:
+        """The adapters added and not removed, in the order they were added."""
+        return [] if self.adapters is None else self.adapters.requests()

@@ -1,0 +1,83 @@
+"""`LoRASlots`: which adapter each of the device's `max_loras` slots holds (the runner's).
+
+Before each step the runner calls `activate` with the step's requests: each adapter among them
+not in a slot is written into a free one, or into the least recently used one no request of the
+step needs (the scheduler admits at most `max_loras` adapters among running requests, so there
+is always one). Writing a slot is one call that updates every stack in place (`layers.write_slot`):
+the steps' shapes never change, nothing recompiles, and the other requests' steps wait for one
+copy of the adapter at most.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from jaxllm.lora import layers
+from jaxllm.lora.adapter import LoRAAdapter, LoRAGeometry
+
+NO_SLOT = -1
+
+
+class LoRASlots:
+    def __init__(self, cfg, *, max_loras: int, max_rank: int, dtype, device):
+        """`max_loras` empty slots for the adaptable matrices of a model of `cfg`."""
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.geometry = LoRAGeometry.of(cfg)
+        self.stacks = layers.empty_stacks(
+            self.geometry, num_slots=max_loras, max_rank=max_rank, dtype=dtype, device=device
+        )
+        self.trees: tuple = ()
+        self._slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()  # id -> slot, LRU first
+        self._resident: list[LoRAAdapter | None] = [None] * max_loras  # what each slot holds
+        self.num_loads = 0
+
+    def adopt(self, params: dict, small_params: dict | None) -> tuple[dict, dict | None]:
+        """The runner's params trees (the big steps', the small steps' or None) with the slots
+        beside their adaptable matrices: what the steps take from now on (new base weights, the
+        same slots)."""
+        self.trees = (layers.wrap(params, self.stacks), layers.wrap(small_params, self.stacks))
+        return self.trees
+
+    def slot_of(self, lora_int_id: int) -> int:
+        """The slot of an active adapter (NO_SLOT for the base model, id 0)."""
+        return self._slot_of[lora_int_id] if lora_int_id else NO_SLOT
+
+    def activate(self, adapters: list[LoRAAdapter | None]) -> None:
+        """Make every adapter of a step's requests resident (see the module doc)."""
+        needed = {a.lora_int_id: a for a in adapters if a is not None}
+        if len(needed) > self.max_loras:
+            raise RuntimeError(f"a step needs {len(needed)} adapters, more than max_loras={self.max_loras}")
+        for lora_int_id, adapter in needed.items():
+            if lora_int_id in self._slot_of and self._resident[self._slot_of[lora_int_id]] is adapter:
+                self._slot_of.move_to_end(lora_int_id)
+                continue
+            slot = self._slot_of.pop(lora_int_id, None)  # (an id removed and added again: the new adapter)
+            if slot is None:
+                free = [s for s in range(self.max_loras) if s not in self._slot_of.values()]
+                slot = free[0] if free else self._slot_of.pop(next(i for i in self._slot_of if i not in needed))
+            self._write(slot, adapter)
+            self._resident[slot] = adapter
+            self._slot_of[lora_int_id] = slot
+
+    def evict(self, lora_int_id: int) -> None:
+        """Forget an adapter's slot (it is read again from the host if it is asked for later)."""
+        self._slot_of.pop(lora_int_id, None)
+
+    def _write(self, slot: int, adapter: LoRAAdapter) -> None:
+        values = []
+        for i, name in self.stacks:
+            blocks, in_dim, out_dim = self.geometry.layers[i][name]
+            width = blocks * self.max_rank
+            values.append(
+                adapter.layers[i].get(name)
+                or (np.zeros((in_dim, width), np.float32), np.zeros((width, out_dim), np.float32))
+            )
+        written = layers.write_slot(list(self.stacks.values()), np.int32(slot), values)
+        self.stacks = dict(zip(self.stacks, written))
+        for tree in self.trees:  # the runner's trees, in place
+            for (i, name), (a, b) in self.stacks.items():
+                if tree is not None:
+                    tree["layers"][i][name].a, tree["layers"][i][name].b = a, b
+        self.num_loads += 1

@@ -1,0 +1,174 @@
+"""LoRA adapters (jaxllm/lora) against PEFT: requests of several adapters and of the base model
+in the same steps give the greedy tokens and logprobs of the merged HF model of each; fewer
+slots than adapters only makes requests wait; the prefix cache never shares pages across
+adapters; adapters that cannot be served are refused with the reason, and the engine goes on."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from jaxllm import LLM, LoRARequest, SamplingParams
+from jaxllm.lora import LoRAError
+
+from tests.helpers.hf_reference import build_hf_model
+
+pytest.importorskip("peft")
+from tests.helpers.lora_reference import build_adapter, greedy, logprobs_of  # noqa: E402
+
+ENGINE_ARGS = dict(
+    dtype="float32",
+    max_num_seqs=8,
+    max_num_batched_tokens=32,
+    max_model_len=128,
+    kv_cache_memory=4 << 20,
+    block_size=4,
+    warmup=False,
+    enable_lora=True,
+    max_lora_rank=16,
+)
+MAX_TOKENS = 8
+ALL_LLAMA = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 256, int(rng.integers(5, 40))).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def qwen2_adapters(tmp_path_factory):
+    """A tiny Qwen2 (QKV biases) and three adapters: every projection at rank 8; q and v at rank
+    4 with rsLoRA; o, up and down at rank 16 with an alpha_pattern. Each with its merged model."""
+    root = tmp_path_factory.mktemp("lora")
+    base = build_hf_model("qwen2", root / "model")
+    base.generation_config.eos_token_id = None
+    specs = {
+        "all": dict(r=8, targets=ALL_LLAMA, seed=1),
+        "qv": dict(r=4, targets=("q_proj", "v_proj"), use_rslora=True, alpha=8, seed=2),
+        "mlp": dict(r=16, targets=("o_proj", "up_proj", "down_proj"), alpha_pattern={"down_proj": 4}, seed=3),
+    }
+    merged = {name: build_adapter(base, root / name, **spec) for name, spec in specs.items()}
+    requests = {name: LoRARequest(name, i + 1, str(root / name)) for i, name in enumerate(specs)}
+    return root, base, merged, requests
+
+
+def _check_against_peft(llm, base, merged, requests, prompts, assigned):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, detokenize=False, logprobs=0)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        params,
+        use_tqdm=False,
+        lora_request=[None if a is None else requests[a] for a in assigned],
+    )
+    differs = 0
+    for prompt, adapter, out in zip(prompts, assigned, outputs):
+        hf = base if adapter is None else merged[adapter]
+        tokens = out.outputs[0].token_ids
+        assert tokens == greedy(hf, prompt, MAX_TOKENS), adapter
+        got = [next(iter(lp.values())).logprob for lp in out.outputs[0].logprobs]
+        np.testing.assert_allclose(got, logprobs_of(hf, prompt, tokens), atol=2e-4)
+        differs += adapter is not None and tokens != greedy(base, prompt, MAX_TOKENS)
+    assert differs >= 2  # the adapters change what the model says
+
+
+def test_adapters_and_base_mixed_in_steps_match_peft(qwen2_adapters):
+    root, base, merged, requests = qwen2_adapters
+    llm = LLM(str(root / "model"), params_cache_dir=str(root / "cache"), max_loras=3, **ENGINE_ARGS)
+    prompts = _prompts(8)
+    assigned = ["all", None, "qv", "mlp", "all", "qv", None, "mlp"]
+    _check_against_peft(llm, base, merged, requests, prompts, assigned)
+    assert llm.engine.runner.lora.num_loads == 3
+    assert llm.engine.list_loras() == {1, 2, 3}
+
+
+def test_fewer_slots_than_adapters_makes_requests_wait(qwen2_adapters):
+    root, base, merged, requests = qwen2_adapters
+    llm = LLM(str(root / "model"), params_cache_dir=str(root / "cache"), max_loras=1, max_cpu_loras=2, **ENGINE_ARGS)
+    prompts = _prompts(6, seed=1)
+    assigned = ["all", "qv", "mlp", None, "qv", "all"]
+    _check_against_peft(llm, base, merged, requests, prompts, assigned)
+    assert llm.engine.runner.lora.num_loads >= 3  # one slot, taken in turn
+
+
+def test_prefix_cache_keeps_adapters_apart(qwen2_adapters):
+    root, base, merged, requests = qwen2_adapters
+    llm = LLM(str(root / "model"), params_cache_dir=str(root / "cache"), max_loras=2, **ENGINE_ARGS)
+    prompt = {"prompt_token_ids": _prompts(1, seed=2)[0] + list(range(10, 30))}
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, detokenize=False)
+    engine = llm.engine
+    runs = [None, requests["all"], requests["qv"], requests["all"]]
+    hits = []
+    for adapter in runs:
+        before = engine.prefix_cache_tokens[1]
+        out = llm.generate(prompt, params, use_tqdm=False, lora_request=adapter)[0]
+        hits.append(engine.prefix_cache_tokens[1] - before)
+        hf = base if adapter is None else merged[adapter.lora_name]
+        assert out.outputs[0].token_ids == greedy(hf, prompt["prompt_token_ids"], 4)
+    assert hits[:3] == [0, 0, 0] and hits[3] > 0  # only the same adapter's pages are reused
+
+
+@pytest.mark.parametrize(
+    "kind, targets",
+    [
+        ("phi3", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),  # fused projections
+        ("gpt_neox", ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")),  # per-head QKV rows
+        ("opt", ("q_proj", "v_proj", "out_proj", "fc1", "fc2")),
+        ("gemma3", ALL_LLAMA),
+        ("mixtral", ("q_proj", "k_proj", "v_proj", "o_proj")),  # routed experts stay the base's
+    ],
+)
+def test_each_family_matches_peft(kind, targets, tmp_path):
+    base = build_hf_model(kind, tmp_path / "model")
+    base.generation_config.eos_token_id = None
+    merged = {"a": build_adapter(base, tmp_path / "a", r=8, targets=targets, seed=5)}
+    requests = {"a": LoRARequest("a", 1, str(tmp_path / "a"))}
+    llm = LLM(str(tmp_path / "model"), params_cache_dir=str(tmp_path / "cache"), **ENGINE_ARGS)
+    _check_against_peft(llm, base, merged, requests, _prompts(4, seed=3), ["a", None, "a", "a"])
+
+
+def _broken(root, name: str, **change) -> LoRARequest:
+    """A copy of adapter "all" with its config changed (or its weights truncated)."""
+    src, dst = root / "all", root / name
+    dst.mkdir(exist_ok=True)
+    config = json.loads((src / "adapter_config.json").read_text())
+    weights = (src / "adapter_model.safetensors").read_bytes()
+    if change.pop("truncate", False):
+        weights = weights[: len(weights) // 2]
+    (dst / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    (dst / "adapter_model.safetensors").write_bytes(weights)
+    return LoRARequest(name, 50 + len(name), str(dst))
+
+
+def test_adapters_that_cannot_be_served_are_refused_and_the_engine_goes_on(qwen2_adapters, tmp_path):
+    root, base, merged, requests = qwen2_adapters
+    args = {**ENGINE_ARGS, "max_lora_rank": 8}
+    llm = LLM(str(root / "model"), params_cache_dir=str(root / "cache"), max_loras=2, **args)
+    other = build_hf_model("qwen2", tmp_path / "wide", hidden_size=96, intermediate_size=160)
+    build_adapter(other, tmp_path / "wide_lora", r=4, targets=("q_proj",))
+    head = build_adapter(base, tmp_path / "head", r=4, targets=("q_proj", "lm_head"))
+    del head
+    cases = {
+        LoRARequest("missing", 9, str(tmp_path / "nowhere")): "no adapter_config.json",
+        requests["mlp"]: "rank 16 exceeds max_lora_rank=8",
+        LoRARequest("wide", 10, str(tmp_path / "wide_lora")): "trained for another model",
+        LoRARequest("head", 11, str(tmp_path / "head")): "lm_head",
+        _broken(root, "dora", use_dora=True): "DoRA",
+        _broken(root, "cut", truncate=True): "truncated or corrupt",
+        LoRARequest("clash", 1, str(root / "qv")): "lora_int_id 1 is adapter",
+    }
+    params = SamplingParams(max_tokens=4, temperature=0, detokenize=False)
+    llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False, lora_request=requests["all"])
+    for request, reason in cases.items():
+        with pytest.raises(LoRAError, match=reason):
+            llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False, lora_request=request)
+    assert llm.engine.list_loras() == {1}
+    assert not llm.engine.has_unfinished_requests()
+    _check_against_peft(llm, base, merged, requests, _prompts(3, seed=4), ["all", None, "qv"])
+    plain = LLM(str(root / "model"), params_cache_dir=str(root / "cache"), **{**ENGINE_ARGS, "enable_lora": False})
+    with pytest.raises(LoRAError, match="without enable_lora"):
+        plain.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False, lora_request=requests["all"])
+    assert os.path.isdir(root / "all")
