@@ -42,6 +42,15 @@ class LoRAMixin:
         """The ids of the adapters added and not removed."""
         return set() if self.adapters is None else {r.lora_int_id for r in self.adapters.requests()}
 
+    def lora_adapters_in_use(self) -> tuple[list[str], list[str]]:
+        """The names of the adapters of running requests, and of waiting ones (for the metrics;
+        safe from another thread: each list is copied whole under the GIL)."""
+        running, waiting = list(self.scheduler.running), list(self.scheduler.waiting)
+        return (
+            sorted({r.lora.request.lora_name for r in running if r.lora is not None}),
+            sorted({r.lora.request.lora_name for r in waiting if r.lora is not None}),
+        )
+
     def lora_requests(self) -> list[LoRARequest]:
         """The adapters added and not removed, in the order they were added."""
         return [] if self.adapters is None else self.adapters.requests()

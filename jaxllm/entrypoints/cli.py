@@ -87,7 +87,7 @@ def add_dataclass_args(group, cls, *, skip=(), defaults=None) -> None:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = parse_size if meta.get("size") else value_type
-            kwargs.update({key: meta[key] for key in ("metavar", "choices") if key in meta})
+            kwargs.update({key: meta[key] for key in ("metavar", "choices", "nargs") if key in meta})
         group.add_argument("--" + field.name.replace("_", "-"), **kwargs)
 
 

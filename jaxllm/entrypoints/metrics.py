@@ -138,6 +138,14 @@ class _EngineCounters:
         for reason, count in sorted(dict(stats.finished).items()):  # dict(): the engine thread may add a key
             success.add_metric([*self.labels.values(), reason], count)
         yield success
+        if engine.config.lora is not None:  # vLLM's: the adapters in use, as labels (value 1)
+            running, waiting = engine.lora_adapters_in_use()
+            names = [*self.labels, "running_lora_adapters", "waiting_lora_adapters", "max_lora"]
+            info = GaugeMetricFamily(PREFIX + "lora_requests_info", "LoRA adapters in use (always 1).", labels=names)
+            info.add_metric(
+                [*self.labels.values(), ",".join(running), ",".join(waiting), str(engine.config.lora.max_loras)], 1
+            )
+            yield info
 
 
 class ServerMetrics:

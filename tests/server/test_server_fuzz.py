@@ -84,7 +84,9 @@ def test_fuzz_pooling_operation(embedding_server, label, mode):
     embedding_server.assert_healthy()
 
 
-def fuzz_operation(api_schema, server, label: str, mode: GenerationMode) -> None:
+def fuzz_operation(api_schema, server, label: str, mode: GenerationMode, expect_ok: bool = True) -> None:
+    """`expect_ok`: some valid requests must succeed (not for routes that random values cannot
+    satisfy, such as detokenize's ids or an adapter's path)."""
     operation = api_schema.find_operation_by_label(label)
 
     @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
@@ -102,7 +104,7 @@ def fuzz_operation(api_schema, server, label: str, mode: GenerationMode) -> None
     statuses: dict[int, int] = {}
     fuzz()
     print(f"\n{label} {mode.value}: {sum(statuses.values())} requests, statuses {sorted(statuses.items())}")
-    if mode is GenerationMode.POSITIVE and label != "POST /detokenize":
+    if mode is GenerationMode.POSITIVE and expect_ok and label != "POST /detokenize":
         assert 200 in statuses, statuses  # valid requests do reach the engine (or the tokenizer)
 
 

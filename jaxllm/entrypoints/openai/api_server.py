@@ -53,6 +53,7 @@ from jaxllm.entrypoints.openai.serving_embedding import (
     PoolingRequest,
     PoolingResponse,
 )
+from jaxllm.entrypoints.openai.serving_lora import add_lora_routes, lora_cards, register_lora_modules
 from jaxllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from jaxllm.entrypoints.openai.serving_utils import APIError, error_response
 from jaxllm.entrypoints.openai.http_server import Server, Shutdown, guarded_protocol
@@ -70,7 +71,8 @@ PLAYGROUND = pathlib.Path(__file__).with_name("playground") / "index.html"
 _ERRORS = {
     400: "invalid request (wrong type, out of range, over a limit, too long for the context)",
     401: "missing or wrong API key",
-    404: "unknown model",
+    403: "not allowed on this server (a runtime change it was not started for)",
+    404: "unknown model (or adapter)",
     413: "request body too large",
     429: "the queue is full; retry after Retry-After seconds",
     431: "request headers too large",
@@ -135,6 +137,10 @@ def build_app(llm: AsyncLLM, args: ServerArgs | None = None, shutdown: Shutdown 
     _add_error_handlers(app)
     _add_service_routes(app, llm, args, shutdown, server_metrics)
     _add_openai_routes(app, llm, args, shutdown, server_metrics)
+    if args.lora_modules:
+        register_lora_modules(llm.engine, args.lora_modules)
+    if llm.engine.config.lora is not None:
+        add_lora_routes(app, llm, args.api_key, lambda *codes: _responses(None, *_GUARDED, *codes))
     if args.enable_weight_updates:
         _add_weight_routes(app, llm)
     _drop_422s_from_openapi(app)
@@ -237,7 +243,7 @@ def _add_openai_routes(
             max_model_len=engine.config.scheduler.max_model_len,
             weight_version=engine.weight_version,
         )
-        return ModelList(data=[card])
+        return ModelList(data=[card, *lora_cards(engine)])
 
     @app.post("/v1/completions", responses=_responses(CompletionResponse, *_GUARDED, 404, 429, stream=True))
     async def completions(request: CompletionRequest, raw: Request):

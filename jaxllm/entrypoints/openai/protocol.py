@@ -275,6 +275,20 @@ class ChatCompletionRequest(SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class LoadLoRAAdapterRequest(RequestModel):
+    """POST /v1/load_lora_adapter (vLLM's): serve the PEFT adapter at `lora_path` as model `lora_name`."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(RequestModel):
+    """POST /v1/unload_lora_adapter (vLLM's)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None
+
+
 class UpdateWeightsRequest(RequestModel):
     """POST /update_weights: the engine's weights from the checkpoint at `path` (an HF directory
     or a GGUF file of the same model), served from the next step on."""
@@ -322,6 +336,7 @@ class ModelCard(OpenAIModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "jaxllm"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
     weight_version: int | str | None = None  # the weights serving (LLMEngine.update_weights)
 

@@ -76,6 +76,15 @@ class ServerArgs:
         "serve POST /update_weights (new weights from a checkpoint path), POST /sleep, POST /wake_up and "
         "GET /is_sleeping, for a trainer beside the server; needs --api-key",
     )
+    lora_modules: list[str] | None = option(
+        None,
+        "LoRA adapters to serve from the start (with --enable-lora), each NAME=PATH (a PEFT directory) or a "
+        'JSON object {"name": ..., "path": ...}; a request\'s `model` NAME runs under it. Adapters are also '
+        "loaded and unloaded at runtime (POST /v1/load_lora_adapter, /v1/unload_lora_adapter; needs --api-key)",
+        metavar="NAME=PATH",
+        nargs="+",
+        type=str,
+    )
     disable_log_requests: bool = option(
         False, "do not log a line per finished request (id, tokens, TTFT, end-to-end time, finish reason)"
     )

@@ -165,7 +165,7 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw: Request):
-        self.check_request(request)
+        lora = self.check_request(request)
         if request.top_logprobs and not request.logprobs:
             raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
         tools = ToolCalling(request, self.tool_parser)
@@ -194,11 +194,17 @@ class OpenAIServingChat(OpenAIServing):
         )
         self.check_length(len(prompt_ids), max_tokens, "messages")
         chat = _ChatCompletion(
-            request, tools, self.model_name, prompt_ids, f"chatcmpl-{request_id_of(raw.scope)}", params.n, eos_text
+            request,
+            tools,
+            self.model_name if lora is None else lora.lora_name,
+            prompt_ids,
+            f"chatcmpl-{request_id_of(raw.scope)}",
+            params.n,
+            eos_text,
         )
         return await self.respond(
             raw,
-            self.start([(None, prompt_ids)], params, chat.request_id, request.priority),
+            self.start([(None, prompt_ids)], params, chat.request_id, request.priority, lora),
             request,
             chat.collect,
             chat.stream,

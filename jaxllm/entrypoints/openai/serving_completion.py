@@ -48,7 +48,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return out
 
     async def create_completion(self, request: CompletionRequest, raw: Request):
-        self.check_request(request)
+        lora = self.check_request(request)
         params = self.sampling_params(request, request.max_tokens, request.logprobs)
         prompts = await self.completion_prompts(request.prompt)
         for _, ids in prompts:
@@ -60,12 +60,13 @@ class OpenAIServingCompletion(OpenAIServing):
             ]
         if request.echo and request.logprobs is not None:
             params = dataclasses.replace(params, prompt_logprobs=request.logprobs)
+        model = self.model_name if lora is None else lora.lora_name
         completion = _Completion(
-            request, self.model_name, prompts, echo, f"cmpl-{request_id_of(raw.scope)}", params.n, self.tokenizer
+            request, model, prompts, echo, f"cmpl-{request_id_of(raw.scope)}", params.n, self.tokenizer
         )
         return await self.respond(
             raw,
-            self.start(prompts, params, completion.request_id, request.priority),
+            self.start(prompts, params, completion.request_id, request.priority, lora),
             request,
             completion.collect,
             completion.stream,

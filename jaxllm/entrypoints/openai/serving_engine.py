@@ -31,6 +31,7 @@ from jaxllm.entrypoints.openai.http_server import Shutdown
 from jaxllm.entrypoints.openai.middleware import request_id_of
 from jaxllm.entrypoints.openai.protocol import ChatMessage, SamplingRequest
 from jaxllm.entrypoints.openai.server_args import ServerArgs
+from jaxllm.entrypoints.openai.serving_lora import find_adapter
 from jaxllm.entrypoints.openai.serving_utils import (
     APIError,
     ClientDisconnected,
@@ -39,6 +40,7 @@ from jaxllm.entrypoints.openai.serving_utils import (
     sse,
     unless_disconnected,
 )
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 logger = logging.getLogger("jaxllm.server")
@@ -210,15 +212,25 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(self.workers, functools.partial(fn, *args))
 
     # ----- checks shared by the endpoints -----
-    def check_model(self, model: str | None) -> None:
-        if model and model != self.model_name:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter `model` names (None: the base model); 404 for a name the server does not serve."""
+        if not model or model == self.model_name:
+            return None
+        lora = find_adapter(self.llm.engine, model)
+        if lora is None:
+            adapters = ", ".join(f"`{r.lora_name}`" for r in self.llm.engine.lora_requests())
             raise APIError(
-                f"The model `{model}` does not exist; this server serves `{self.model_name}`.", 404, param="model"
+                f"The model `{model}` does not exist; this server serves `{self.model_name}`"
+                + (f" and the LoRA adapters {adapters}." if adapters else "."),
+                404,
+                param="model",
             )
+        return lora
 
-    def check_request(self, request: SamplingRequest) -> None:
-        """Checks made before anything is allocated or tokenized."""
-        self.check_model(request.model)
+    def check_request(self, request: SamplingRequest) -> LoRARequest | None:
+        """Checks made before anything is allocated or tokenized; returns the adapter the request's
+        `model` names, if any."""
+        lora = self.check_model(request.model)
         if request.priority and self.llm.engine.config.scheduler.scheduling_policy != "priority":
             raise APIError(
                 "priority needs a server started with --scheduling-policy priority (this one serves fcfs)",
@@ -255,6 +267,7 @@ class OpenAIServing:
             )
         if request.stream_options is not None and not request.stream:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+        return lora
 
     def sampling_params(self, request: SamplingRequest, max_tokens: int | None, logprobs: int | None):
         try:
@@ -314,7 +327,12 @@ class OpenAIServing:
 
     # ----- running engine requests into a response -----
     def start(
-        self, prompts: list[tuple[str | None, list[int]]], params, request_id: str, priority: int = 0
+        self,
+        prompts: list[tuple[str | None, list[int]]],
+        params,
+        request_id: str,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> MergedOutputs:
         limit = self.max_num_seqs + self.args.max_waiting_requests
         if self.llm.num_unfinished_requests + len(prompts) > limit:
@@ -331,6 +349,7 @@ class OpenAIServing:
                     f"{request_id}-{i}",
                     output_kind="delta",
                     priority=priority,
+                    lora_request=lora_request,
                 ),
                 log=not self.args.disable_log_requests,
             )
