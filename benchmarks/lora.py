@@ -329,7 +329,7 @@ def main() -> None:
         # what the adapter itself cost the running requests: the stall beyond the control's (its prefill)
         load[case]["load_cost_s"] = median(run[case]["stall_s"] - run["control"]["stall_s"] for run in load_runs)
     cached = engine.adapters.get(adapters[0])
-    slot_bytes = sum(a.nbytes + b.nbytes for a, b in engine.runner.lora.stacks.values())
+    slot_bytes = sum(a.nbytes + sum(p.nbytes for p in b) for a, b in engine.runner.lora.stacks.values())
     sizes = dict(
         adapter_file_bytes=file_bytes["adapter-1"],
         adapter_host_bytes=cached.nbytes,  # fused float32 layout, zero-padded blocks

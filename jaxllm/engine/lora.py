@@ -10,9 +10,9 @@ from jaxllm.lora.request import LoRAError, LoRARequest
 
 class LoRAMixin:
     def _init_lora(self) -> None:
-        lora = self.config.lora
+        lora, slots = self.config.lora, self.runner.lora
         self.adapters = (
-            None if lora is None else AdapterCache(self.runner.lora.geometry, lora.max_lora_rank, lora.max_cpu_loras)
+            None if lora is None else AdapterCache(slots.geometry, lora.max_lora_rank, slots.rank, lora.max_cpu_loras)
         )
 
     def _lora_adapter(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:

@@ -83,6 +83,44 @@ def matmul_packed(x: jax.Array, w_packed: jax.Array, path: str = "auto", rows=No
     return call(x2, w_packed, native.live_rows(rows), path=kernel_path, swiglu=np.int32(swiglu)).reshape(*lead, n)
 
 
+def lora_add(
+    y: jax.Array,
+    x: jax.Array,
+    token_slots: jax.Array,
+    a_packed,
+    b_packed,
+    panel_part,
+    num_slots: int,
+    rows=None,
+    path="auto",
+) -> jax.Array:
+    """y [M, N] f32 plus multi-LoRA's products, each row against its own adapter only
+    (csrc/lora.cc): row r gains (x[r] @ a_s) @ b_s for s = token_slots[r]; rows with s < 0 or
+    past `rows` stay as they are. y is updated in place where XLA can. a_packed: each slot's a
+    [K, W] packed (`pack_weight`), slot after slot along the panels ([S * W / 16, K, 16], or bf16
+    [S * W / 16, K / 2, 16, 2]); b_packed likewise each slot's [width, N]; panel_part [N / 16]:
+    output panel p multiplies columns [k width, (k + 1) width) of x a_s, k = panel_part[p]. x is
+    rounded to the panels' dtype."""
+    native.require()
+    bf16 = a_packed.dtype == jnp.bfloat16
+    call = jax.ffi.ffi_call(
+        "jaxllm_lora_add_bf16_cpu" if bf16 else "jaxllm_lora_add_cpu",
+        jax.ShapeDtypeStruct(y.shape, jnp.float32),
+        input_output_aliases={0: 0},
+    )
+    return call(
+        y.astype(jnp.float32),
+        x.astype(jnp.bfloat16 if bf16 else jnp.float32),
+        token_slots.astype(jnp.int32),
+        native.live_rows(rows),
+        a_packed,
+        b_packed,
+        jnp.asarray(np.asarray(panel_part, np.int32)),
+        path=native.path_attr(path),
+        num_slots=np.int64(num_slots),
+    )
+
+
 def pack_codes(codes: np.ndarray, bits: int, w8a8: bool = False, pairs: bool = False) -> np.ndarray:
     """Integer codes [K, N] (int8 for 8 bits, 0..15 for 4 bits) as the panels
     `matmul_quantized` reads: int8 [N / 16, K, 16], or for 4 bits uint8 [N / 16, K, 8] with

@@ -9,7 +9,7 @@ block k's A^T (zero-padded to R), `b [blocks * R, out]` block k's scale B^T at t
 that Linear's rows were fused (`models.checkpoint.linear_sources`, the base weights' own fusing).
 
     geometry = LoRAGeometry.of(cfg)
-    cache = AdapterCache(geometry, max_rank=16, capacity=4)
+    cache = AdapterCache(geometry, max_rank=16, block_rank=16, capacity=4)
     adapter = cache.get(LoRARequest("sql", 1, "/path/to/adapter"))     # LoRAAdapter, or LoRAError
 """
 
@@ -22,6 +22,7 @@ import math
 import os
 import re
 import threading
+from typing import NamedTuple
 
 import numpy as np
 
@@ -33,20 +34,42 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 
 
+class MatrixSlot(NamedTuple):
+    """What one adaptable matrix's device slot holds: `a [in, blocks * R]`, and `b` in parts of
+    `parts[k]` output columns each: one `[R, out_k]` per block where each block's columns are
+    contiguous (q | k | v: a third of the products a block-diagonal b would take), else one
+    block-diagonal `[blocks * R, out]`."""
+
+    blocks: int
+    in_dim: int
+    parts: tuple[int, ...]
+    block_of: np.ndarray  # [out] int: each output column's block
+
+    @classmethod
+    def of(cls, source: LinearSource) -> MatrixSlot:
+        contiguous = bool(np.all(np.diff(source.module_of) >= 0))
+        parts = np.bincount(source.module_of) if contiguous else [len(source.rows)]
+        return cls(len(source.modules), source.in_dim, tuple(int(n) for n in parts), source.module_of)
+
+    def split(self, b: np.ndarray, rank: int) -> tuple[np.ndarray, ...]:
+        """A block-diagonal b [blocks * rank, out] in this slot's parts."""
+        if len(self.parts) == 1:
+            return (b,)
+        ends = np.cumsum(self.parts)
+        return tuple(b[k * rank : (k + 1) * rank, end - n : end] for k, (n, end) in enumerate(zip(self.parts, ends)))
+
+
 @dataclasses.dataclass(frozen=True)
 class LoRAGeometry:
-    """Per layer, each adaptable matrix's (rank blocks, in, out): what a device slot holds."""
+    """Per layer, each adaptable matrix's `MatrixSlot`: what a device slot holds."""
 
     cfg: object
-    layers: tuple[dict[str, tuple[int, int, int]], ...]
+    layers: tuple[dict[str, MatrixSlot], ...]
 
     @classmethod
     def of(cls, cfg) -> LoRAGeometry:
-        layers = tuple(
-            {name: (len(s.modules), s.in_dim, len(s.rows)) for name, s in sources.items()}
-            for sources in linear_sources(cfg)
-        )
-        return cls(cfg, layers)
+        layers = linear_sources(cfg)
+        return cls(cfg, tuple({name: MatrixSlot.of(source) for name, source in layer.items()} for layer in layers))
 
 
 @dataclasses.dataclass(eq=False)
@@ -67,8 +90,9 @@ class LoRAAdapter:
         return sum(a.nbytes + b.nbytes for layer in self.layers for a, b in layer.values())
 
 
-def read_adapter(request: LoRARequest, geometry: LoRAGeometry, max_rank: int) -> LoRAAdapter:
-    """The adapter at `request.lora_path`, checked against the base model, or LoRAError."""
+def read_adapter(request: LoRARequest, geometry: LoRAGeometry, max_rank: int, block_rank: int) -> LoRAAdapter:
+    """The adapter at `request.lora_path`, checked against the base model (ranks up to
+    `max_rank`), in blocks of `block_rank`; or LoRAError."""
     where = f"LoRA adapter {request.lora_name!r} ({request.lora_path})"
     config = _read_config(request.lora_path, where)
     scale_of = _scaling(config)
@@ -83,7 +107,7 @@ def read_adapter(request: LoRARequest, geometry: LoRAGeometry, max_rank: int) ->
         layer = {}
         for matrix, source in layer_sources.items():
             if any(m in pairs for m in source.modules):
-                layer[matrix] = _fuse(source, layer_geometry[matrix][0], pairs, scale_of, max_rank, where)
+                layer[matrix] = _fuse(layer_geometry[matrix], source, pairs, scale_of, block_rank, where)
                 used.update(m for m in source.modules if m in pairs)
         layers.append(layer)
     unknown = sorted(set(pairs) - used)
@@ -171,20 +195,28 @@ def _read_pairs(path: str, where: str) -> dict[str, tuple[np.ndarray, np.ndarray
     return pairs
 
 
-def _fuse(source: LinearSource, blocks: int, pairs, scale_of, max_rank: int, where: str):
-    """(a [in, blocks * R], b [blocks * R, out]) of one fused matrix (see the module doc)."""
-    R, out = max_rank, len(source.rows)
-    a = np.zeros((source.in_dim, blocks * R), np.float32)
-    b = np.zeros((blocks * R, out), np.float32)
-    for k, module in enumerate(source.modules):
-        if module not in pairs:
+def _fuse(slot: MatrixSlot, source: LinearSource, pairs, scale_of, block_rank: int, where: str):
+    """(a [in, blocks * R], b [blocks * R, out]) of one fused matrix (see the module doc). The
+    slot's blocks are the base checkpoint's Linears; the adapter's may fuse several of them
+    (Phi-3's qkv_proj): its A then serves each of their blocks."""
+    R, out = block_rank, len(source.rows)
+    a = np.zeros((source.in_dim, slot.blocks * R), np.float32)
+    b = np.zeros((slot.blocks * R, out), np.float32)
+    for k in range(slot.blocks):
+        columns = np.flatnonzero(slot.block_of == k)
+        ids = np.unique(source.module_of[columns])
+        if not any(source.modules[m] in pairs for m in ids):
             continue
+        if len(ids) > 1:
+            names = ", ".join(source.modules[m] for m in ids)
+            raise LoRAError(f"{where}: {names} each cover part of one of the base model's Linears: not supported")
+        module = source.modules[ids[0]]
         A, B = pairs[module]
-        r, columns = A.shape[0], np.flatnonzero(source.module_of == k)
-        if A.shape[1] != source.in_dim or B.shape[0] != len(columns):
+        r, rows = A.shape[0], int(np.sum(source.module_of == ids[0]))
+        if A.shape[1] != source.in_dim or B.shape[0] != rows:
             raise LoRAError(
-                f"{where}: {module} is [{B.shape[0]}, {A.shape[1]}] in the adapter, [{len(columns)}, "
-                f"{source.in_dim}] in the base model: the adapter was trained for another model"
+                f"{where}: {module} is [{B.shape[0]}, {A.shape[1]}] in the adapter, [{rows}, {source.in_dim}] in "
+                "the base model: the adapter was trained for another model"
             )
         a[:, k * R : k * R + r] = A.T
         b[k * R : k * R + r, columns] = scale_of(module, r) * B[source.rows[columns]].T
@@ -195,8 +227,9 @@ class AdapterCache:
     """Adapters read for one engine, the `capacity` most recently used kept in host memory
     (`max_cpu_loras`); a request holds its adapter while it runs, whatever the cache drops."""
 
-    def __init__(self, geometry: LoRAGeometry, max_rank: int, capacity: int):
-        self.geometry, self.max_rank, self.capacity = geometry, max_rank, capacity
+    def __init__(self, geometry: LoRAGeometry, max_rank: int, block_rank: int, capacity: int):
+        """`max_rank`: the highest rank accepted; `block_rank`: a slot's block width (>= max_rank)."""
+        self.geometry, self.max_rank, self.block_rank, self.capacity = geometry, max_rank, block_rank, capacity
         self._adapters: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()
         self._requests: dict[int, LoRARequest] = {}  # every adapter added, by id (read again if dropped)
         self._lock = threading.Lock()
@@ -217,7 +250,7 @@ class AdapterCache:
             if adapter is not None:
                 self._adapters.move_to_end(request.lora_int_id)
                 return adapter
-        adapter = read_adapter(request, self.geometry, self.max_rank)  # outside the lock: disk reads
+        adapter = read_adapter(request, self.geometry, self.max_rank, self.block_rank)  # off the lock: disk reads
         with self._lock:
             self._requests[request.lora_int_id] = request
             self._adapters[request.lora_int_id] = adapter

@@ -1,13 +1,23 @@
 """`LoRAWeight`: a layer matrix with the adapters of every device slot beside it (Punica's
-batched LoRA, as gathers and small matmuls XLA fuses).
+batched LoRA, as small matmuls over every slot, masked per token).
 
     y = base(x) + sum over slots s of [token's slot = s] (x a_s) b_s
 
-with `a [in, slots, blocks * R]` and `b [slots, blocks * R, out]` (the fused layout of
-lora/adapter.py; an empty slot is zeros) and `token_slots [T] int32` (-1: no adapter), bound to
-the step's `StepInputs.lora_slots` by `bind` at the start of the forward. Tokens of different
-adapters (and of none) share a step; loading an adapter writes one slot of every stack (`write_slot`),
-so no step ever recompiles for it.
+A slot holds `a [in, W]` (W = blocks * R: the fused layout of lora/adapter.py) and `b` in parts
+`[width, out_k]` (a block's own output columns, or one block-diagonal part); an empty slot is
+zeros. Two layouts:
+
+- packed (one CPU device with the C++ kernels): each slot's a and its b (parts side by side,
+  `[width, out]`) packed into the C++ GEMM's panels (`kernels.gemm.pack_weight`), slot after slot;
+  `kernels.gemm.lora_add` groups the step's rows by slot and multiplies each group by its own
+  adapter only (csrc/lora.cc);
+- plain (elsewhere): `a [in, slots * W]`, each part `[slots * width, out_k]`, for XLA's dots:
+  every slot's `x a`, masked per row, then the parts.
+
+`token_slots [T] int32` (-1: no adapter) is bound to the step's `StepInputs.lora_slots` by `bind`
+at the start of the forward. Tokens of different adapters (and of none) share a step; loading
+an adapter writes one slot of every stack in place (`write_slot`), so no step ever recompiles
+for it.
 """
 
 from __future__ import annotations
@@ -17,7 +27,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jaxllm.kernels import gemm
 from jaxllm.models import linear
 
 
@@ -25,33 +37,57 @@ from jaxllm.models import linear
 @dataclasses.dataclass
 class LoRAWeight:
     base: object  # the matrix as the weight plan stores it (models/linear.py)
-    a: jax.Array  # [in, slots, blocks * R]
-    b: jax.Array  # [slots, blocks * R, out]
+    a: jax.Array  # [in, slots * W], or packed: the slots' C++ panels
+    b: tuple  # parts, each [slots * width, out_k]; or packed: (the slots' C++ panels,)
     token_slots: jax.Array | None = None  # [T] int32, bound per step; None: the base alone
+    num_slots: int = dataclasses.field(default=1, metadata=dict(static=True))
+    # Packed: each output panel's part (which `width` columns of x a it multiplies); else None.
+    panel_part: tuple | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def apply(self, x, *, axis=None, rows=None, swiglu=False):
-        y = linear.apply(self.base, x, axis=axis, rows=rows)
+        def base_alone():
+            return linear.apply(self.base, x, axis=axis, rows=rows, swiglu=swiglu)
+
+        def with_adapters():  # (swiglu: the adapters' share joins before the activation)
+            y = self.add_delta(linear.apply(self.base, x, axis=axis, rows=rows), x, rows)
+            if not swiglu:
+                return y
+            gate, up = jnp.split(y, 2, axis=-1)
+            return jax.nn.silu(gate) * up
+
         if self.token_slots is None:
-            return y
-        return y + lora_delta(x, self.a, self.b, self.token_slots)
+            return base_alone()
+        # A step without adapters skips their products (and keeps the base's fused epilogue).
+        return jax.lax.cond(jnp.any(self.token_slots >= 0), with_adapters, base_alone)
+
+    def add_delta(self, y: jax.Array, x: jax.Array, rows=None) -> jax.Array:
+        """y [T, out] f32 plus each token's adapter's share of x [T, in] (none for slot -1):
+        packed, the C++ kernel's per-slot products, added in place; plain, every slot's `x a`,
+        masked per token (at these ranks cheaper than a gather of per-token matrices, and one
+        shape whatever the mix), then b."""
+        if self.panel_part is not None:
+            return gemm.lora_add(y, x, self.token_slots, self.a, self.b[0], self.panel_part, self.num_slots, rows=rows)
+        num_tokens, num_slots = x.shape[0], self.num_slots
+        xa = _dot(x, self.a)  # [T, slots * W]
+        mine = self.token_slots[:, None] == jnp.arange(num_slots)
+        xa = jnp.where(mine[:, :, None], xa.reshape(num_tokens, num_slots, -1), 0.0)
+        width = xa.shape[2] // len(self.b)
+        outs = [
+            _dot(xa[:, :, k * width : (k + 1) * width].reshape(num_tokens, -1), part) for k, part in enumerate(self.b)
+        ]
+        return y + (outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-1))
 
     @property
     def input_dtype(self):
         return linear.input_dtype(self.base)
 
-    fuses_swiglu = False  # the adapter's share joins before the activation
+    @property
+    def fuses_swiglu(self) -> bool:
+        return linear.fuses_swiglu(self.base)
 
 
-def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, token_slots: jax.Array) -> jax.Array:
-    """x [T, in] -> [T, out] f32: each token's adapter's share (zeros for slot -1). Every slot's
-    `x a` is computed and the others masked: at these ranks that is cheaper than a gather of
-    per-token matrices, and it has one shape whatever the mix."""
-    num_tokens, (num_slots, width, _) = x.shape[0], b.shape
-    xa = jnp.dot(x.astype(a.dtype), a.reshape(a.shape[0], -1), preferred_element_type=jnp.float32)
-    mine = token_slots[:, None] == jnp.arange(num_slots)
-    xa = jnp.where(mine[:, :, None], xa.reshape(num_tokens, num_slots, width), 0.0)
-    xa = xa.reshape(num_tokens, -1).astype(b.dtype)
-    return jnp.dot(xa, b.reshape(num_slots * width, -1), preferred_element_type=jnp.float32)
+def _dot(x, w):
+    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
 def bind(params, token_slots: jax.Array):
@@ -63,34 +99,69 @@ def bind(params, token_slots: jax.Array):
     )
 
 
-def empty_stacks(geometry, *, num_slots: int, max_rank: int, dtype, device) -> dict[tuple[int, str], tuple]:
-    """{(layer, matrix): (a, b)} of zeros (every slot empty) for each adaptable matrix."""
-    stacks = {}
-    for i, layer_geometry in enumerate(geometry.layers):
-        for name, (blocks, in_dim, out_dim) in layer_geometry.items():
-            a = jax.device_put(jnp.zeros((in_dim, num_slots, blocks * max_rank), dtype), device)
-            b = jax.device_put(jnp.zeros((num_slots, blocks * max_rank, out_dim), dtype), device)
-            stacks[i, name] = a, b
-    return stacks
+def can_pack(slot, rank: int, dtype) -> bool:
+    """Whether a matrix's stacks fit the C++ GEMM's panels (16 columns; bf16: rows in pairs)."""
+    width = slot.blocks * rank // len(slot.parts)
+    return (
+        slot.blocks * rank % gemm.PANEL == 0
+        and all(n % gemm.PANEL == 0 for n in slot.parts)
+        and (jnp.dtype(dtype) != jnp.bfloat16 or (slot.in_dim % 2 == 0 and width % 2 == 0))
+    )
 
 
-def wrap(tree: dict | None, stacks: dict[tuple[int, str], tuple]) -> dict | None:
+def panel_part(slot) -> tuple[int, ...]:
+    """A packed stack's `LoRAWeight.panel_part`: each output panel's part."""
+    return tuple(int(k) for k, n in enumerate(slot.parts) for _ in range(n // gemm.PANEL))
+
+
+def empty_stack(slot, *, num_slots: int, rank: int, dtype, packed: bool, device) -> tuple:
+    """(a, b) of zeros (every slot empty) for one adaptable matrix (`MatrixSlot`), in the layout
+    of the module doc."""
+    W = slot.blocks * rank
+    width = W // len(slot.parts)
+    if packed:
+        a = gemm.pack_weight(np.zeros((slot.in_dim, num_slots * W), np.float32), dtype=dtype)
+        one = gemm.pack_weight(np.zeros((width, sum(slot.parts)), np.float32), dtype=dtype)
+        b = (np.concatenate([one] * num_slots),)
+    else:
+        a = np.zeros((slot.in_dim, num_slots * W), dtype)
+        b = tuple(np.zeros((num_slots * width, n), dtype) for n in slot.parts)
+    return jax.device_put((a, b), device)
+
+
+def wrap(tree: dict | None, stacks: dict, num_slots: int, panel_parts: dict) -> dict | None:
     """A copy of the params `tree` (its arrays shared) with each adaptable matrix a LoRAWeight
-    over `stacks`."""
+    over `stacks` {(layer, matrix): (a, b)}; `panel_parts`: each packed one's `panel_part` (None:
+    plain)."""
     if tree is None:
         return None
     tree = {**tree, "layers": [dict(layer) for layer in tree["layers"]]}
     for (i, name), (a, b) in stacks.items():
         w = tree["layers"][i][name]
-        tree["layers"][i][name] = LoRAWeight(w.base if isinstance(w, LoRAWeight) else w, a, b)
+        base = w.base if isinstance(w, LoRAWeight) else w
+        tree["layers"][i][name] = LoRAWeight(base, a, b, num_slots=num_slots, panel_part=panel_parts[i, name])
     return tree
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def write_slot(stacks, slot, values):
-    """stacks [(a, b)] with slot `slot` set to values [(a_s [in, w], b_s [w, out])] (donated:
-    in place)."""
+def slot_values(a: np.ndarray, parts: tuple, dtype, packed: bool) -> tuple:
+    """One slot's a [in, W] and b parts [width, out_k] as `write_slot` takes them."""
+    if not packed:
+        return a, parts
+    return gemm.pack_weight(a, dtype=dtype), (gemm.pack_weight(np.concatenate(parts, axis=1), dtype=dtype),)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(3,))
+def write_slot(stacks, slot, values, packed: tuple[bool, ...]):
+    """stacks [(a, b)] with slot `slot` set to `values` (`slot_values`), in place (donated). Slot
+    s holds a's columns [s W, (s + 1) W) (packed: its panels, axis 0) and b's rows [s width,
+    (s + 1) width) (packed: its panels, axis 0 too)."""
+
+    def put(stack, value, axis):
+        start = [0] * stack.ndim
+        start[axis] = slot * value.shape[axis]
+        return jax.lax.dynamic_update_slice(stack, value.astype(stack.dtype), start)
+
     return [
-        (a.at[:, slot].set(va.astype(a.dtype)), b.at[slot].set(vb.astype(b.dtype)))
-        for (a, b), (va, vb) in zip(stacks, values)
+        (put(a, va, 0 if p else 1), tuple(put(part, vp, 0) for part, vp in zip(b, vb)))
+        for (a, b), (va, vb), p in zip(stacks, values, packed)
     ]

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import collections
 
+import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.kernels import gemm
 from jaxllm.lora import layers
 from jaxllm.lora.adapter import LoRAAdapter, LoRAGeometry
 
@@ -21,13 +23,22 @@ NO_SLOT = -1
 
 
 class LoRASlots:
-    def __init__(self, cfg, *, max_loras: int, max_rank: int, dtype, device):
-        """`max_loras` empty slots for the adaptable matrices of a model of `cfg`."""
-        self.max_loras, self.max_rank = max_loras, max_rank
+    def __init__(self, cfg, *, max_loras: int, max_rank: int, dtype, device, cpp_gemm: bool):
+        """`max_loras` empty slots for the adaptable matrices of a model of `cfg`, each block
+        `rank` wide: max_rank rounded up to 16 (the C++ GEMM's panels; adapters of a lower rank
+        are padded with zeros). `cpp_gemm`: the stacks go into the C++ GEMM's panels where they
+        fit (lora/layers.py)."""
+        self.max_loras, self.dtype = max_loras, jnp.dtype(dtype)
+        self.rank = -(-max_rank // gemm.PANEL) * gemm.PANEL
         self.geometry = LoRAGeometry.of(cfg)
-        self.stacks = layers.empty_stacks(
-            self.geometry, num_slots=max_loras, max_rank=max_rank, dtype=dtype, device=device
-        )
+        self.stacks, self.panel_parts = {}, {}
+        for i, layer in enumerate(self.geometry.layers):
+            for name, slot in layer.items():
+                packed = cpp_gemm and layers.can_pack(slot, self.rank, self.dtype)
+                self.panel_parts[i, name] = layers.panel_part(slot) if packed else None
+                self.stacks[i, name] = layers.empty_stack(
+                    slot, num_slots=max_loras, rank=self.rank, dtype=self.dtype, packed=packed, device=device
+                )
         self.trees: tuple = ()
         self._slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()  # id -> slot, LRU first
         self._resident: list[LoRAAdapter | None] = [None] * max_loras  # what each slot holds
@@ -37,7 +48,9 @@ class LoRASlots:
         """The runner's params trees (the big steps', the small steps' or None) with the slots
         beside their adaptable matrices: what the steps take from now on (new base weights, the
         same slots)."""
-        self.trees = (layers.wrap(params, self.stacks), layers.wrap(small_params, self.stacks))
+        self.trees = tuple(
+            layers.wrap(tree, self.stacks, self.max_loras, self.panel_parts) for tree in (params, small_params)
+        )
         return self.trees
 
     def slot_of(self, lora_int_id: int) -> int:
@@ -68,13 +81,15 @@ class LoRASlots:
     def _write(self, slot: int, adapter: LoRAAdapter) -> None:
         values = []
         for i, name in self.stacks:
-            blocks, in_dim, out_dim = self.geometry.layers[i][name]
-            width = blocks * self.max_rank
-            values.append(
-                adapter.layers[i].get(name)
-                or (np.zeros((in_dim, width), np.float32), np.zeros((width, out_dim), np.float32))
+            geometry, width = self.geometry.layers[i][name], self.geometry.layers[i][name].blocks * self.rank
+            a, b = adapter.layers[i].get(name) or (
+                np.zeros((geometry.in_dim, width), np.float32),
+                np.zeros((width, sum(geometry.parts)), np.float32),
             )
-        written = layers.write_slot(list(self.stacks.values()), np.int32(slot), values)
+            packed = self.panel_parts[i, name] is not None
+            values.append(layers.slot_values(a, geometry.split(b, self.rank), self.dtype, packed))
+        packed = tuple(p is not None for p in self.panel_parts.values())
+        written = layers.write_slot(list(self.stacks.values()), np.int32(slot), values, packed)
         self.stacks = dict(zip(self.stacks, written))
         for tree in self.trees:  # the runner's trees, in place
             for (i, name), (a, b) in self.stacks.items():

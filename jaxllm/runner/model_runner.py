@@ -83,7 +83,12 @@ class ModelRunner:
         if config.lora is not None:
             lora = config.lora
             self.lora = LoRASlots(
-                cfg, max_loras=lora.max_loras, max_rank=lora.max_lora_rank, dtype=lora.dtype, device=device
+                cfg,
+                max_loras=lora.max_loras,
+                max_rank=lora.max_lora_rank,
+                dtype=lora.dtype,
+                device=device,
+                cpp_gemm=self.cpp_ops and mesh is None,
             )
             params, small_params = self.lora.adopt(params, small_params)
         self.params, self.small_params = params, small_params

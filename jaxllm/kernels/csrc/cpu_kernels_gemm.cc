@@ -6,3 +6,4 @@
 #include "gemm_quant.cc"
 #include "gemm_bf16.cc"
 #include "gemm_quant_bf16.cc"
+#include "lora.cc"

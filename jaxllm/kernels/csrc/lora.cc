@@ -1,0 +1,247 @@
+// y [M, N] f32 = y_in + per row r, (x[r] @ a[s]) @ b[s] with s = token_slots[r] (nothing where
+// s < 0): multi-LoRA's products (jaxllm/lora/layers.py), each row against its own adapter only,
+// added to the base layer's output in place.
+//
+// Why: XLA's way (every slot's `x a`, masked per row, then every slot's `b`) multiplies each row
+// by all `num_slots` adapters. Here the rows are grouped by slot (a counting sort), and each
+// group runs the packed GEMMs of gemm.cc / gemm_bf16.cc against its own adapter's panels:
+// num_slots times less work, the same numbers (each product is a row of the same sums).
+//
+// Layouts (per slot contiguous, as `pack_weight` packs each slot's matrix):
+//   a  [S * W / 16, K, 16] f32 or [S * W / 16, K / 2, 16, 2] bf16: slot s's [K, W] is panels
+//      [s W / 16, (s + 1) W / 16)
+//   b  [S * N / 16, width, 16] f32 or [S * N / 16, width / 2, 16, 2] bf16: slot s's [width, N]
+//      is panels [s N / 16, (s + 1) N / 16)
+//   panel_part [N / 16] int32: output panel p multiplies xa's columns [k width, (k + 1) width)
+//      with k = panel_part[p] (W = parts x width: a fused matrix's blocks, lora/adapter.py)
+// Rows past `rows` (a bucket's padding) are y_in's.
+
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "gemm.cc"
+#include "gemm_bf16.cc"
+#include "parallel_for.h"
+#include "simd.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxllm {
+namespace {
+
+// The rows of each slot, in order: rows order[start[s] .. start[s + 1]) have slot s.
+struct SlotGroups {
+  std::vector<int64_t> order, start;
+  SlotGroups(const int32_t* slots, int64_t live, int64_t S) : start(S + 1, 0) {
+    for (int64_t r = 0; r < live; ++r)
+      if (slots[r] >= 0 && slots[r] < S) ++start[slots[r] + 1];
+    for (int64_t s = 0; s < S; ++s) start[s + 1] += start[s];
+    order.resize(start[S]);
+    std::vector<int64_t> next(start.begin(), start.end() - 1);
+    for (int64_t r = 0; r < live; ++r)
+      if (slots[r] >= 0 && slots[r] < S) order[next[slots[r]]++] = r;
+  }
+  int64_t size() const { return static_cast<int64_t>(order.size()); }
+};
+
+// Output panels [p0, p1) of a group's n rows: f32 panels (gemm.cc) or bf16 ones (gemm_bf16.cc,
+// four panels a call where it can: they share x's loads). `x` holds the group's rows (f32, or bf16
+// pairs as words), `w` the weight's panels [P, K, 16] (f32) or [P, K / 2, 16] words; y [n, ldy]
+// gets panel p's 16 columns at 16 p.
+void group_panels(bool bf16, const void* x, const void* w, float* y, int64_t n, int64_t K, int64_t ldy, int64_t p0,
+                  int64_t p1, int32_t path) {
+  if (!bf16) {
+    const GemmArgs g{static_cast<const float*>(x), static_cast<const float*>(w), y, n, K, ldy};
+    for (int64_t p = p0; p < p1; ++p) panel_block(g, g.w + p * K * kPanel, p, 0, n, path);
+    return;
+  }
+  const Bf16GemmArgs g{static_cast<const uint32_t*>(x), static_cast<const uint32_t*>(w), y, n, K / 2, ldy};
+  path = bf16_gemm_path(path, n);
+  int64_t p = p0;
+  for (; p + 4 <= p1; p += 4) bf16_output_panels<4>(g, p, 0, n, false, path);
+  for (; p + 2 <= p1; p += 2) bf16_output_panels<2>(g, p, 0, n, false, path);
+  for (; p < p1; ++p) bf16_output_panels<1>(g, p, 0, n, false, path);
+}
+
+// y[order[i], panels p0 .. p1) += xa[i] @ b for i in [r0, r1), accumulated in place: b's K (the
+// rank) is small, so the product is bound by y's traffic, which this reads and writes once.
+// f32: xa f32 [*, ldx], b f32 panels [P, width, 16]. bf16: xa as bf16 pairs (words) [*, ldx / 2],
+// b [P, width / 2, 16] words. Four rows at a time against one panel, the sums in registers.
+constexpr int kAccRows = 4;
+
+template <bool BF16>
+void accumulate_rows(const void* xa, int64_t ldx, const void* b, int64_t width, const int64_t* order, int64_t r0,
+                     int64_t r1, float* y, int64_t N, int64_t p0, int64_t p1, int32_t path) {
+  for (int64_t i = r0; i < r1; i += kAccRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kAccRows, r1 - i));
+    for (int64_t p = p0; p < p1; ++p) {
+      float* out[kAccRows];
+      for (int r = 0; r < rows; ++r) out[r] = y + order[i + r] * N + p * kPanel;
+      if constexpr (BF16) {
+        const int64_t KP = width / 2;
+        const uint32_t* x = static_cast<const uint32_t*>(xa) + i * (ldx / 2);
+        const uint32_t* w = static_cast<const uint32_t*>(b) + p * KP * kPanel;
+#ifdef JAXLLM_AVX512_BF16
+        if (path == kAuto || path >= kAvx512) {
+          __m512 acc[kAccRows];
+          for (int r = 0; r < rows; ++r) acc[r] = _mm512_loadu_ps(out[r]);
+          for (int64_t kp = 0; kp < KP; ++kp) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + kp * kPanel);
+            for (int r = 0; r < rows; ++r)
+              acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * (ldx / 2) + kp])), wv);
+          }
+          for (int r = 0; r < rows; ++r) _mm512_storeu_ps(out[r], acc[r]);
+          continue;
+        }
+#endif
+        for (int r = 0; r < rows; ++r)
+          for (int64_t kp = 0; kp < KP; ++kp) {
+            const uint32_t xw = x[r * (ldx / 2) + kp];
+            const float x0 = to_f32(static_cast<uint16_t>(xw)), x1 = to_f32(static_cast<uint16_t>(xw >> 16));
+            for (int j = 0; j < kPanel; ++j) {
+              const uint32_t ww = w[kp * kPanel + j];
+              out[r][j] += x0 * to_f32(static_cast<uint16_t>(ww)) + x1 * to_f32(static_cast<uint16_t>(ww >> 16));
+            }
+          }
+      } else {
+        const float* x = static_cast<const float*>(xa) + i * ldx;
+        const float* w = static_cast<const float*>(b) + p * width * kPanel;
+#ifdef JAXLLM_AVX2
+        if (path == kAuto || path >= kAvx2) {
+          __m256 lo[kAccRows], hi[kAccRows];
+          for (int r = 0; r < rows; ++r) lo[r] = _mm256_loadu_ps(out[r]), hi[r] = _mm256_loadu_ps(out[r] + 8);
+          for (int64_t k = 0; k < width; ++k) {
+            const __m256 w0 = _mm256_loadu_ps(w + k * kPanel), w1 = _mm256_loadu_ps(w + k * kPanel + 8);
+            for (int r = 0; r < rows; ++r) {
+              const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+              lo[r] = _mm256_fmadd_ps(xv, w0, lo[r]);
+              hi[r] = _mm256_fmadd_ps(xv, w1, hi[r]);
+            }
+          }
+          for (int r = 0; r < rows; ++r) _mm256_storeu_ps(out[r], lo[r]), _mm256_storeu_ps(out[r] + 8, hi[r]);
+          continue;
+        }
+#endif
+        for (int r = 0; r < rows; ++r)
+          for (int64_t k = 0; k < width; ++k)
+            for (int j = 0; j < kPanel; ++j) out[r][j] += x[r * ldx + k] * w[k * kPanel + j];
+      }
+    }
+  }
+}
+
+// Work items: (slot, output panels [p0, p1)), at most kLoraPanels panels each, never across a
+// part of b (its panels multiply other columns of x a).
+constexpr int64_t kLoraPanels = 16;
+constexpr int64_t kLoraAloneMacs = int64_t{8} << 20;  // (about 64 decode rows of a 1.5B model's MLP)
+struct LoraItem {
+  int64_t slot, p0, p1;
+};
+void add_items(std::vector<LoraItem>& items, const SlotGroups& groups, int64_t S, int64_t p0, int64_t p1) {
+  for (int64_t s = 0; s < S; ++s)
+    if (groups.start[s + 1] > groups.start[s])
+      for (int64_t p = p0; p < p1; p += kLoraPanels) items.push_back({s, p, std::min(p1, p + kLoraPanels)});
+}
+
+// y [M, N] f32 = y_in + the rows' LoRA products (y_in aliased to y where XLA lets it).
+template <bool BF16>
+ffi::Error LoraAddImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> y_in, ffi::AnyBuffer x,
+                       ffi::Buffer<ffi::S32> token_slots, ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer a,
+                       ffi::AnyBuffer b, ffi::Buffer<ffi::S32> panel_part, ffi::ResultBuffer<ffi::F32> y_out,
+                       int32_t path, int64_t num_slots) {
+  const auto xd = x.dimensions(), ad = a.dimensions(), bd = b.dimensions();
+  if (xd.size() != 2 || ad.size() != (BF16 ? 4 : 3) || bd.size() != (BF16 ? 4 : 3) || num_slots < 1)
+    return ffi::Error::InvalidArgument("lora_add: needs x [M, K] and packed a and b (see lora.cc)");
+  const int64_t M = xd[0], K = xd[1], S = num_slots, N = panel_part.element_count() * kPanel;
+  const int64_t W = ad[0] * kPanel / S, width = bd[1] * (BF16 ? 2 : 1);
+  if (ad[0] * kPanel != S * W || bd[0] * kPanel != S * N || W % width || W % kPanel || ad[1] * (BF16 ? 2 : 1) != K ||
+      token_slots.element_count() != M || y_in.element_count() != M * N)
+    return ffi::Error::InvalidArgument("lora_add: shapes do not match the packed layouts (see lora.cc)");
+  if (!path_ok(path)) return ffi::Error::InvalidArgument("lora_add: this build has no such kernel path");
+  float* y = y_out->typed_data();
+  if (y != y_in.typed_data()) std::memcpy(y, y_in.typed_data(), M * N * sizeof(float));
+  const int64_t live = rows.element_count() ? std::clamp<int64_t>(rows.typed_data()[0], 0, M) : M;
+  const SlotGroups groups(token_slots.typed_data(), live, S);
+  const int64_t n = groups.size();
+  if (n == 0) return ffi::Error::Success();
+  // Scratch kept from call to call on XLA's calling thread. The pool's tasks reach it through
+  // these references (a thread_local named inside them would be their own thread's).
+  static thread_local std::vector<float> xs_, xa_;
+  static thread_local std::vector<LoraItem> items_;
+  std::vector<float>&xs = xs_, &xa = xa_;
+  std::vector<LoraItem>& items = items_;
+  const int64_t elem = BF16 ? 2 : 4;
+  // x's rows, grouped by slot (x is f32, or bf16 already: copied as pairs of halves).
+  xs.resize(BF16 ? (n * K + 1) / 2 : n * K);
+  for (int64_t i = 0; i < n; ++i)
+    std::memcpy(reinterpret_cast<char*>(xs.data()) + i * K * elem,
+                static_cast<const char*>(x.untyped_data()) + groups.order[i] * K * elem, K * elem);
+  const int64_t a_panels = W / kPanel, b_panels = N / kPanel;
+  const char* a_base = static_cast<const char*>(a.untyped_data());
+  const char* b_base = static_cast<const char*>(b.untyped_data());
+  // xa [n, W] = each group's rows @ its slot's a.
+  xa.resize(n * W);
+  items.clear();
+  add_items(items, groups, S, 0, a_panels);
+  // Small calls (decode steps) stay on this thread: waking the pool costs more than it saves.
+  const bool alone = n * (K * W + W * N) < kLoraAloneMacs;
+  const auto run = [&](int64_t count, const std::function<void(int64_t)>& fn) {
+    if (alone) {
+      for (int64_t i = 0; i < count; ++i) fn(i);
+    } else {
+      parallel_for(pool, count, fn);
+    }
+  };
+  run(static_cast<int64_t>(items.size()), [&](int64_t i) {
+    const LoraItem it = items[i];
+    const int64_t r0 = groups.start[it.slot], rn = groups.start[it.slot + 1] - r0;
+    group_panels(BF16, reinterpret_cast<const char*>(xs.data()) + r0 * K * elem,
+                 a_base + it.slot * a_panels * K * kPanel * elem, xa.data() + r0 * W, rn, K, W, it.p0, it.p1, path);
+  });
+  // x a as b multiplies it: as bf16 pairs for bf16 panels (rounded, as their GEMM rounds its x).
+  if (BF16) {
+    uint16_t* half = reinterpret_cast<uint16_t*>(xa.data());
+    for (int64_t i = 0; i < n * W; ++i) half[i] = to_bf16_bits(xa[i]);  // (in place: i <= the read)
+  }
+  // Each group's rows of y += its x a part @ its slot's b (items: slot x panels of one part).
+  items.clear();
+  const int32_t* part_of = panel_part.typed_data();
+  for (int64_t p0 = 0, p1; p0 < b_panels; p0 = p1) {
+    for (p1 = p0 + 1; p1 < b_panels && part_of[p1] == part_of[p0];) ++p1;
+    add_items(items, groups, S, p0, p1);
+  }
+  run(static_cast<int64_t>(items.size()), [&](int64_t i) {
+    const LoraItem it = items[i];
+    const int64_t column = part_of[it.p0] * width;  // of x a
+    const void* x = BF16 ? static_cast<const void*>(reinterpret_cast<const uint16_t*>(xa.data()) + column)
+                         : static_cast<const void*>(xa.data() + column);
+    accumulate_rows<BF16>(x, W, b_base + it.slot * b_panels * width * kPanel * elem, width, groups.order.data(),
+                          groups.start[it.slot], groups.start[it.slot + 1], y, N, it.p0, it.p1, path);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxllm
+
+#define JAXLLM_LORA_BINDING                                            \
+  ffi::Ffi::Bind()                                                     \
+      .Ctx<ffi::ThreadPool>()                                          \
+      .Arg<ffi::Buffer<ffi::F32>>()   /* y_in [M, N] */                \
+      .Arg<ffi::AnyBuffer>()          /* x [M, K] f32 or bf16 */       \
+      .Arg<ffi::Buffer<ffi::S32>>()   /* token_slots [M] */            \
+      .Arg<ffi::Buffer<ffi::S32>>()   /* rows: [] or [1], or empty */  \
+      .Arg<ffi::AnyBuffer>()          /* a panels */                   \
+      .Arg<ffi::AnyBuffer>()          /* b panels */                   \
+      .Arg<ffi::Buffer<ffi::S32>>()   /* panel_part [N / 16] */        \
+      .Ret<ffi::Buffer<ffi::F32>>()   /* y [M, N]: y_in + the products */ \
+      .Attr<int32_t>("path")                                           \
+      .Attr<int64_t>("num_slots")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmLoraAddCpu, jaxllm::LoraAddImpl<false>, JAXLLM_LORA_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmLoraAddBf16Cpu, jaxllm::LoraAddImpl<true>, JAXLLM_LORA_BINDING);
