@@ -29,8 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.kernels import gemm
 from jaxllm.models import linear
+
+# The C++ GEMM's panel width (kernels/gemm.py PANEL; that module is imported where it is used, so
+# that importing the decoder loads no kernels).
+PANEL = 16
 
 
 @jax.tree_util.register_dataclass
@@ -66,6 +69,8 @@ class LoRAWeight:
         masked per token (at these ranks cheaper than a gather of per-token matrices, and one
         shape whatever the mix), then b."""
         if self.panel_part is not None:
+            from jaxllm.kernels import gemm
+
             return gemm.lora_add(y, x, self.token_slots, self.a, self.b[0], self.panel_part, self.num_slots, rows=rows)
         num_tokens, num_slots = x.shape[0], self.num_slots
         xa = _dot(x, self.a)  # [T, slots * W]
@@ -103,20 +108,22 @@ def can_pack(slot, rank: int, dtype) -> bool:
     """Whether a matrix's stacks fit the C++ GEMM's panels (16 columns; bf16: rows in pairs)."""
     width = slot.blocks * rank // len(slot.parts)
     return (
-        slot.blocks * rank % gemm.PANEL == 0
-        and all(n % gemm.PANEL == 0 for n in slot.parts)
+        slot.blocks * rank % PANEL == 0
+        and all(n % PANEL == 0 for n in slot.parts)
         and (jnp.dtype(dtype) != jnp.bfloat16 or (slot.in_dim % 2 == 0 and width % 2 == 0))
     )
 
 
 def panel_part(slot) -> tuple[int, ...]:
     """A packed stack's `LoRAWeight.panel_part`: each output panel's part."""
-    return tuple(int(k) for k, n in enumerate(slot.parts) for _ in range(n // gemm.PANEL))
+    return tuple(int(k) for k, n in enumerate(slot.parts) for _ in range(n // PANEL))
 
 
 def empty_stack(slot, *, num_slots: int, rank: int, dtype, packed: bool, device) -> tuple:
     """(a, b) of zeros (every slot empty) for one adaptable matrix (`MatrixSlot`), in the layout
     of the module doc."""
+    from jaxllm.kernels import gemm
+
     W = slot.blocks * rank
     width = W // len(slot.parts)
     if packed:
@@ -147,6 +154,8 @@ def slot_values(a: np.ndarray, parts: tuple, dtype, packed: bool) -> tuple:
     """One slot's a [in, W] and b parts [width, out_k] as `write_slot` takes them."""
     if not packed:
         return a, parts
+    from jaxllm.kernels import gemm
+
     return gemm.pack_weight(a, dtype=dtype), (gemm.pack_weight(np.concatenate(parts, axis=1), dtype=dtype),)
 
 

@@ -15,7 +15,6 @@ import collections
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.kernels import gemm
 from jaxllm.lora import layers
 from jaxllm.lora.adapter import LoRAAdapter, LoRAGeometry
 
@@ -29,7 +28,7 @@ class LoRASlots:
         are padded with zeros). `cpp_gemm`: the stacks go into the C++ GEMM's panels where they
         fit (lora/layers.py)."""
         self.max_loras, self.dtype = max_loras, jnp.dtype(dtype)
-        self.rank = -(-max_rank // gemm.PANEL) * gemm.PANEL
+        self.rank = -(-max_rank // layers.PANEL) * layers.PANEL
         self.geometry = LoRAGeometry.of(cfg)
         self.stacks, self.panel_parts = {}, {}
         for i, layer in enumerate(self.geometry.layers):
