@@ -383,7 +383,7 @@ class EngineArgs:
         not_yet = [
             (self.speculative_config is not None, "speculative decoding"),
             (self.runner == "pooling", "a pooling runner"),
-            (self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size > 1, "several devices"),
+            (self.data_parallel_size > 1, "data parallelism"),
             (self.num_processes > 1, "several processes"),
         ]
         for bad, what in not_yet:

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxllm.lora import layers as lora_layers
 from jaxllm.models import decoder, layout
 
 DATA_AXIS, STAGE_AXIS, MODEL_AXIS = "data", "stage", "model"
@@ -91,7 +92,15 @@ def spec_for(path, mesh: Mesh) -> P:
     """The PartitionSpec of the parameter at tree `path` on `mesh`, from `layout.TP_SPLIT_DIMS`
     (by its name); with pipeline stages, a layer's arrays are stacked over "stage" first.
     A QuantizedWeight's codes, scales and offsets split as its matrix does (a tied embedding
-    table is quantized as the LM head [hidden, vocab]: its dimension 1)."""
+    table is quantized as the LM head [hidden, vocab]: its dimension 1). A LoRAWeight's base
+    splits as the matrix alone, its slots as `lora_spec` says."""
+    fields = [getattr(key, "name", None) for key in path]
+    if "base" in fields:  # a LoRAWeight's base matrix
+        at = fields.index("base")
+        path = (*path[:at], *path[at + 1 :])
+    elif "a" in fields or "b" in fields:  # its slots
+        at = fields.index("a") if "a" in fields else fields.index("b")
+        return lora_spec(path[at - 1].key, fields[at], stages=pp_size(mesh) > 1)
     field = getattr(path[-1], "name", None)  # a QuantizedWeight's field
     if field is not None:
         path = path[:-1]
@@ -104,6 +113,19 @@ def spec_for(path, mesh: Mesh) -> P:
     if pp_size(mesh) > 1 and getattr(path[0], "key", None) == "layers":
         spec = [STAGE_AXIS, *spec]
     return P(*spec)
+
+
+def lora_spec(name: str, field: str, stages: bool = False) -> P:
+    """A LoRA slot stack's split (lora/layers.py, the plain layout: a [in, slots * W], b's one part
+    [slots * W, out]): a column-parallel matrix's b splits by output column as the matrix does,
+    a row-parallel one's a by input row; the rest is replicated (the products are then the
+    shard's share of the matrix's, summed with it). `stages`: stacked [pp, ...] over "stage"."""
+    row_parallel = layout.TP_SPLIT_DIMS.get(name) == 0
+    if field == "a":
+        spec = [MODEL_AXIS, None] if row_parallel else [None, None]
+    else:
+        spec = [None, None] if row_parallel else [None, MODEL_AXIS]
+    return P(STAGE_AXIS, *spec) if stages else P(*spec)
 
 
 def quantized_parts(mesh: Mesh) -> dict:
@@ -248,6 +270,8 @@ def pipelined_forward(
             if carry is not None:
                 x = jnp.where(stage == 0, x, carry)
             for i, layer in enumerate(layers):
+                if inputs.lora_slots is not None:
+                    layer = lora_layers.bind(layer, inputs.lora_slots)
                 x, k, v = decoder.shared_decoder_layer(
                     layer, *cache[i], x, inputs, local, index=i, attention=attention, axis=MODEL_AXIS, cpp_ops=cpp_ops
                 )

@@ -23,8 +23,6 @@ for it.
 from __future__ import annotations
 
 import dataclasses
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,9 +117,9 @@ def panel_part(slot) -> tuple[int, ...]:
     return tuple(int(k) for k, n in enumerate(slot.parts) for _ in range(n // PANEL))
 
 
-def empty_stack(slot, *, num_slots: int, rank: int, dtype, packed: bool, device) -> tuple:
+def empty_stack(slot, *, num_slots: int, rank: int, dtype, packed: bool) -> tuple:
     """(a, b) of zeros (every slot empty) for one adaptable matrix (`MatrixSlot`), in the layout
-    of the module doc."""
+    of the module doc (host arrays)."""
     from jaxllm.kernels import gemm
 
     W = slot.blocks * rank
@@ -133,7 +131,7 @@ def empty_stack(slot, *, num_slots: int, rank: int, dtype, packed: bool, device)
     else:
         a = np.zeros((slot.in_dim, num_slots * W), dtype)
         b = tuple(np.zeros((num_slots * width, n), dtype) for n in slot.parts)
-    return jax.device_put((a, b), device)
+    return a, b
 
 
 def wrap(tree: dict | None, stacks: dict, num_slots: int, panel_parts: dict) -> dict | None:
@@ -159,13 +157,17 @@ def slot_values(a: np.ndarray, parts: tuple, dtype, packed: bool) -> tuple:
     return gemm.pack_weight(a, dtype=dtype), (gemm.pack_weight(np.concatenate(parts, axis=1), dtype=dtype),)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(3,))
-def write_slot(stacks, slot, values, packed: tuple[bool, ...]):
+def write_slot_values(stacks, slot, values, packed: tuple[bool, ...], lead: int = 0):
     """stacks [(a, b)] with slot `slot` set to `values` (`slot_values`), in place (donated). Slot
     s holds a's columns [s W, (s + 1) W) (packed: its panels, axis 0) and b's rows [s width,
-    (s + 1) width) (packed: its panels, axis 0 too)."""
+    (s + 1) width) (packed: its panels, axis 0 too). `lead` 1: stacks and values have a leading
+    axis of pipeline stages."""
 
     def put(stack, value, axis):
+        axis += lead
+        others = [(n, m) for i, (n, m) in enumerate(zip(stack.shape, value.shape)) if i != axis]
+        if stack.ndim != value.ndim or any(n != m for n, m in others):
+            raise ValueError(f"a LoRA slot's value {value.shape} does not fit its stack {stack.shape}")
         start = [0] * stack.ndim
         start[axis] = slot * value.shape[axis]
         return jax.lax.dynamic_update_slice(stack, value.astype(stack.dtype), start)
@@ -174,3 +176,7 @@ def write_slot(stacks, slot, values, packed: tuple[bool, ...]):
         (put(a, va, 0 if p else 1), tuple(put(part, vp, 0) for part, vp in zip(b, vb)))
         for (a, b), (va, vb), p in zip(stacks, values, packed)
     ]
+
+
+# One device: the stacks stay where they are. (A mesh's runner jits it with its out_shardings.)
+write_slot = jax.jit(write_slot_values, donate_argnums=(0,), static_argnums=(3, 4))

@@ -89,6 +89,13 @@ class ModelRunner:
                 dtype=lora.dtype,
                 device=device,
                 cpp_gemm=self.cpp_ops and mesh is None,
+                tp=parallel.tp_size(mesh),
+                pp=self.num_stages,
+                sharding_of=None
+                if mesh is None
+                else lambda name, field: jax.sharding.NamedSharding(
+                    mesh, parallel.lora_spec(name, field, stages=self.num_stages > 1)
+                ),
             )
             params, small_params = self.lora.adopt(params, small_params)
         self.params, self.small_params = params, small_params

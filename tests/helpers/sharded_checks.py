@@ -15,6 +15,9 @@ assertions stay in the tests.
 - `families` (tests/models/test_model_families.py, 4 devices): the same requests (greedy,
   float32, with logprobs, prompts chunked and longer than any window) from each model on one
   device and with its layout ("MODEL_DIR:TPxPP"): both runs' token ids and logprobs.
+- `lora_layouts` (tests/lora/test_adapters.py, 4 devices): requests of several LoRA adapters and
+  of the base model in the same steps, in each layout ("TPxPP", e.g. 4x1: more shards than KV
+  heads; 2x2): each run's token ids and logprobs.
 - `quantized_checkpoints` (tests/quantization/test_quantized_checkpoints.py, 2 devices): writes
   a tiny GGUF of every kept block type (its two layers in different ones) and AWQ and act-order
   GPTQ checkpoints of the tiny model, runs each on one device, tensor-parallel over two and (but
@@ -166,6 +169,46 @@ def families(workdir: str, cases: list[str]) -> dict:
             }
             del llm
         results[case] = runs
+    return results
+
+
+def lora_layouts(workdir: str, model_dir: str, adapters: dict, prompts: list, assigned: list, layouts: list) -> dict:
+    """{"TPxPP": (token ids, logprobs)}: the same requests, of several LoRA adapters (`assigned`:
+    one adapter name or None per prompt) and of the base model in the same steps, in each layout
+    (float32, greedy)."""
+    from jaxllm import LLM, LoRARequest, SamplingParams
+
+    requests = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(sorted(adapters.items()))}
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, detokenize=False, logprobs=0)
+    results = {}
+    for name in layouts:
+        tp, pp = map(int, name.split("x"))
+        llm = LLM(
+            model_dir,
+            dtype="float32",
+            max_num_seqs=8,
+            max_num_batched_tokens=32,
+            max_model_len=128,
+            kv_cache_memory=4 << 20,
+            block_size=4,
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            params_cache_dir=os.path.join(workdir, f"cache{name}"),
+            warmup=False,
+            enable_lora=True,
+            max_loras=2,
+        )
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            params,
+            use_tqdm=False,
+            lora_request=[None if a is None else requests[a] for a in assigned],
+        )
+        results[name] = (
+            [o.outputs[0].token_ids for o in outs],
+            [[next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs] for o in outs],
+        )
+        del llm
     return results
 
 

@@ -130,6 +130,26 @@ def test_each_family_matches_peft(kind, targets, tmp_path):
     _check_against_peft(llm, base, merged, requests, _prompts(4, seed=3), ["a", None, "a", "a"])
 
 
+LAYOUTS = ["1x1", "2x1", "4x1", "1x2", "2x2"]
+
+
+def test_tensor_and_pipeline_parallel_adapters_match_peft(qwen2_adapters, run_on_virtual_devices):
+    """Tensor parallel over 2 and 4 devices (4: each shard repeats a KV head; b split by output
+    column for the column-parallel matrices, a by input row for the row-parallel ones), two
+    pipeline stages (each layer slot's slots stacked over the stages), and both."""
+    root, base, merged, requests = qwen2_adapters
+    adapters = {name: r.lora_path for name, r in requests.items()}
+    prompts = _prompts(6, seed=5)
+    assigned = ["all", None, "qv", "mlp", "all", "qv"]
+    model = str(root / "model")
+    runs = run_on_virtual_devices(4, "lora_layouts", model, adapters, prompts, assigned, LAYOUTS)
+    for name in LAYOUTS:
+        tokens, logprobs = runs[name]
+        for prompt, adapter, got in zip(prompts, assigned, tokens):
+            assert got == greedy(base if adapter is None else merged[adapter], prompt, 8), (name, adapter)
+        np.testing.assert_allclose(np.concatenate(logprobs), np.concatenate(runs["1x1"][1]), atol=1e-4, err_msg=name)
+
+
 def _broken(root, name: str, **change) -> LoRARequest:
     """A copy of adapter "all" with its config changed (or its weights truncated)."""
     src, dst = root / "all", root / name

@@ -39,7 +39,7 @@ def test_delta_matches_per_token_products(packed, dtype, parts):
     block_of = np.repeat(np.arange(blocks), parts if len(parts) > 1 else out // blocks)
     slot = MatrixSlot(blocks, IN, parts, block_of)
     assert layers.can_pack(slot, RANK, dtype)
-    stack = layers.empty_stack(slot, num_slots=SLOTS, rank=RANK, dtype=dtype, packed=packed, device=jax.devices()[0])
+    stack = jax.device_put(layers.empty_stack(slot, num_slots=SLOTS, rank=RANK, dtype=dtype, packed=packed))
     adapters = {}
     for s in (0, 2):  # slot 1 stays empty
         a = rng.normal(size=(IN, blocks * RANK)).astype(np.float32) / 8
@@ -84,9 +84,7 @@ def test_every_kernel_path_and_live_rows(dtype):
     slot = MatrixSlot(3, IN, parts, np.repeat(np.arange(3), parts))
     stacks = {}
     for packed in (False, True):
-        stack = layers.empty_stack(
-            slot, num_slots=SLOTS, rank=RANK, dtype=dtype, packed=packed, device=jax.devices()[0]
-        )
+        stack = jax.device_put(layers.empty_stack(slot, num_slots=SLOTS, rank=RANK, dtype=dtype, packed=packed))
         r = np.random.default_rng(2)
         for s in range(SLOTS):
             a = r.normal(size=(IN, 3 * RANK)).astype(np.float32) / 8
