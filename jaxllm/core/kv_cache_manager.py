@@ -50,10 +50,11 @@ def hash_page_tokens(parent, token_ids: tuple[int, ...]) -> int:
     return hash((parent, token_ids))
 
 
-def prefix_root(request: Request) -> tuple[str, int] | None:
-    """What a request's first page hangs from: nothing, or its LoRA adapter (the same tokens
-    under two adapters have different KV, so their pages are never shared)."""
-    return ("lora", request.lora_int_id) if request.lora is not None else None
+def prefix_root(request: Request) -> tuple | None:
+    """What a request's first page hangs from: nothing, or its LoRA adapter and the version of
+    its weights (the same tokens under two adapters have different KV, so their pages are never
+    shared)."""
+    return None if request.lora is None else ("lora", request.lora.lora_int_id, request.lora.version)
 
 
 @dataclasses.dataclass(slots=True)

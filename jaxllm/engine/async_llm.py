@@ -244,6 +244,10 @@ class AsyncLLM:
                 lambda: self._publish(engine.update_weights(weights, version=version, in_flight=in_flight))
             )
 
+    async def update_lora(self, lora_request, tensors, config: dict | None = None) -> None:
+        """`LLMEngine.update_lora` on the engine thread (the arrays are converted there too)."""
+        await self._call(lambda: self._publish(self.engine.update_lora(lora_request, tensors, config)))
+
     async def sleep(self, level: int = 1) -> None:
         """`LLMEngine.sleep` once the requests in flight have finished (new ones wait meanwhile,
         and are refused while the engine sleeps)."""

@@ -29,6 +29,27 @@ class LoRAMixin:
         self._lora_adapter(lora_request)
         return True
 
+    def update_lora(self, lora_request: LoRARequest, tensors, config: dict | None = None) -> list:
+        """Serve new weights for an adapter from the next step, without a file: `tensors` in
+        PEFT's names (`{"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": [r,
+        in], ...}`, numpy or JAX arrays: a trainer's LoRA parameters), with the adapter's config
+        (`lora_alpha`, `r`, ...; a new adapter needs `config`). Requests running under it go on
+        with the new weights; pages its old weights computed are never reused. LoRAError, and
+        nothing changed, if they do not fit. Returns the outputs of a step already in flight."""
+        if self.adapters is None:
+            raise LoRAError("update_lora needs an engine started with enable_lora")
+        adapter = self.adapters.update(lora_request, tensors, config)
+        outputs = []
+        for replica in self.replicas:
+            settled = replica.settle()
+            if settled is not None:
+                outputs += self._process(settled)
+        waiting_choices = [c for _, choices in self._pending_choices.values() for c in choices]
+        for request in [*self.scheduler.requests.values(), *waiting_choices]:
+            if request.lora is not None and request.lora.lora_int_id == lora_request.lora_int_id:
+                request.lora = adapter
+        return outputs
+
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter: its slot is freed once no running request uses it (those running
         finish under it). False if it was not known."""

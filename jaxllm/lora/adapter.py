@@ -80,6 +80,8 @@ class LoRAAdapter:
     request: LoRARequest
     rank: int
     layers: list[dict[str, tuple[np.ndarray, np.ndarray]]]
+    config: dict = dataclasses.field(default_factory=dict)  # its adapter_config.json
+    version: int = 0  # how many times its weights were replaced in memory (`AdapterCache.update`)
 
     @property
     def lora_int_id(self) -> int:
@@ -94,9 +96,20 @@ def read_adapter(request: LoRARequest, geometry: LoRAGeometry, max_rank: int, bl
     """The adapter at `request.lora_path`, checked against the base model (ranks up to
     `max_rank`), in blocks of `block_rank`; or LoRAError."""
     where = f"LoRA adapter {request.lora_name!r} ({request.lora_path})"
-    config = _read_config(request.lora_path, where)
+    config, tensors = _read_config(request.lora_path, where), _read_tensors(request.lora_path, where)
+    return adapter_from_tensors(request, tensors, config, geometry, max_rank, block_rank)
+
+
+def adapter_from_tensors(
+    request: LoRARequest, tensors, config: dict, geometry: LoRAGeometry, max_rank: int, block_rank: int, version=0
+) -> LoRAAdapter:
+    """An adapter from its tensors in PEFT's names (`...q_proj.lora_A.weight` [r, in], with or
+    without the `base_model.model.` prefix; numpy or JAX arrays) and its adapter_config.json's
+    fields, checked as `read_adapter` checks a directory's; or LoRAError."""
+    where = f"LoRA adapter {request.lora_name!r}" + (f" ({request.lora_path})" if request.lora_path else "")
+    _check_config(config, where)
     scale_of = _scaling(config)
-    pairs = _read_pairs(request.lora_path, where)
+    pairs = _pairs(tensors, where)
     too_big = sorted(m for m, (a, _) in pairs.items() if a.shape[0] > max_rank)
     if too_big:
         rank = pairs[too_big[0]][0].shape[0]
@@ -116,7 +129,7 @@ def read_adapter(request: LoRARequest, geometry: LoRAGeometry, max_rank: int, bl
             f"{where}: adapts modules this model has no adaptable Linear for (only the layers' attention and "
             f"MLP projections are supported; not embeddings, the LM head or routed experts): {', '.join(unknown[:4])}"
         )
-    return LoRAAdapter(request, max(a.shape[0] for a, _ in pairs.values()), layers)
+    return LoRAAdapter(request, max(a.shape[0] for a, _ in pairs.values()), layers, dict(config), version)
 
 
 def _read_config(path: str, where: str) -> dict:
@@ -128,6 +141,10 @@ def _read_config(path: str, where: str) -> dict:
         raise LoRAError(f"{where}: no {CONFIG_FILE} (a PEFT adapter directory is expected)") from None
     except (OSError, ValueError) as e:
         raise LoRAError(f"{where}: cannot read {CONFIG_FILE}: {e}") from None
+    return config
+
+
+def _check_config(config, where: str) -> None:
     if not isinstance(config, dict):
         raise LoRAError(f"{where}: {CONFIG_FILE} is not a JSON object")
     peft_type = config.get("peft_type", "LORA")
@@ -141,7 +158,6 @@ def _read_config(path: str, where: str) -> dict:
     for bad, reason in refusals:
         if bad:
             raise LoRAError(f"{where}: {reason}")
-    return config
 
 
 def _scaling(config: dict):
@@ -156,8 +172,8 @@ def _scaling(config: dict):
     return scale
 
 
-def _read_pairs(path: str, where: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """HF module name -> (A [r, in], B [out, r]) float32."""
+def _read_tensors(path: str, where: str) -> dict[str, np.ndarray]:
+    """The tensors of a directory's adapter_model.safetensors, float32."""
     from safetensors import safe_open
 
     file = os.path.join(path, WEIGHTS_FILE)
@@ -168,22 +184,25 @@ def _read_pairs(path: str, where: str) -> dict[str, tuple[np.ndarray, np.ndarray
             else ""
         )
         raise LoRAError(f"{where}: no {WEIGHTS_FILE}{other}")
-    parts: dict[str, dict[str, np.ndarray]] = collections.defaultdict(dict)
     try:
         with safe_open(file, framework="flax") as f:
-            for key in f.keys():
-                name = key.removeprefix(_PREFIX)
-                match = re.fullmatch(r"(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", name)
-                if match is None:
-                    kind = "embedding LoRA" if "lora_embedding" in name else "DoRA" if "magnitude" in name else "tensor"
-                    raise LoRAError(f"{where}: unsupported {kind} {key!r}")
-                parts[match.group(1)][match.group(2)] = np.asarray(f.get_tensor(key), np.float32)
-    except LoRAError:
-        raise
+            return {key: np.asarray(f.get_tensor(key), np.float32) for key in f.keys()}
     except Exception as e:  # noqa: BLE001  (safetensors' errors for a truncated or corrupt file)
         raise LoRAError(f"{where}: cannot read {WEIGHTS_FILE} (truncated or corrupt): {e}") from None
+
+
+def _pairs(tensors, where: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """HF module name -> (A [r, in], B [out, r]) float32, from tensors in PEFT's names."""
+    parts: dict[str, dict[str, np.ndarray]] = collections.defaultdict(dict)
+    for key, value in tensors.items():
+        name = key.removeprefix(_PREFIX)
+        match = re.fullmatch(r"(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", name)
+        if match is None:
+            kind = "embedding LoRA" if "lora_embedding" in name else "DoRA" if "magnitude" in name else "tensor"
+            raise LoRAError(f"{where}: unsupported {kind} {key!r}")
+        parts[match.group(1)][match.group(2)] = np.asarray(value, np.float32)
     if not parts:
-        raise LoRAError(f"{where}: {WEIGHTS_FILE} holds no LoRA tensors")
+        raise LoRAError(f"{where}: holds no LoRA tensors")
     pairs = {}
     for module, ab in parts.items():
         if set(ab) != {"A", "B"}:
@@ -225,27 +244,24 @@ def _fuse(slot: MatrixSlot, source: LinearSource, pairs, scale_of, block_rank: i
 
 class AdapterCache:
     """Adapters read for one engine, the `capacity` most recently used kept in host memory
-    (`max_cpu_loras`); a request holds its adapter while it runs, whatever the cache drops."""
+    (`max_cpu_loras`); a request holds its adapter while it runs, whatever the cache drops.
+    Adapters whose weights were given in memory (`update`) are always kept: no file has them."""
 
     def __init__(self, geometry: LoRAGeometry, max_rank: int, block_rank: int, capacity: int):
         """`max_rank`: the highest rank accepted; `block_rank`: a slot's block width (>= max_rank)."""
         self.geometry, self.max_rank, self.block_rank, self.capacity = geometry, max_rank, block_rank, capacity
         self._adapters: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()
         self._requests: dict[int, LoRARequest] = {}  # every adapter added, by id (read again if dropped)
+        self._in_memory: dict[int, LoRAAdapter] = {}  # those given by `update`, never dropped
         self._lock = threading.Lock()
 
     def get(self, request: LoRARequest) -> LoRAAdapter:
         """The adapter of `request`, read (and checked) unless cached. LoRAError if it cannot be
         served or its id belongs to another adapter."""
-        if not isinstance(request, LoRARequest):
-            raise LoRAError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
         with self._lock:
-            known = self._requests.get(request.lora_int_id)
-            if known is not None and (known.lora_path, known.lora_name) != (request.lora_path, request.lora_name):
-                raise LoRAError(
-                    f"lora_int_id {request.lora_int_id} is adapter {known.lora_name!r} ({known.lora_path}), "
-                    f"not {request.lora_name!r} ({request.lora_path})"
-                )
+            self._check_id(request)
+            if request.lora_int_id in self._in_memory:
+                return self._in_memory[request.lora_int_id]
             adapter = self._adapters.get(request.lora_int_id)
             if adapter is not None:
                 self._adapters.move_to_end(request.lora_int_id)
@@ -258,10 +274,42 @@ class AdapterCache:
                 self._adapters.popitem(last=False)
         return adapter
 
+    def update(self, request: LoRARequest, tensors, config: dict | None = None) -> LoRAAdapter:
+        """Replace an adapter's weights by `tensors` (PEFT's names: `adapter_from_tensors`), with
+        its config unless `config` is given (a new adapter needs one); kept in memory from now
+        on. The new LoRAAdapter has the next version. LoRAError (nothing changed) if they do not fit."""
+        with self._lock:
+            self._check_id(request)
+            old = self._in_memory.get(request.lora_int_id) or self._adapters.get(request.lora_int_id)
+        if config is None:
+            if old is None and not request.lora_path:
+                raise LoRAError(f"LoRA adapter {request.lora_name!r} is new: give its config (lora_alpha, r, ...)")
+            config = old.config if old is not None else _read_config(request.lora_path, repr(request.lora_name))
+        version = 0 if old is None else old.version + 1
+        adapter = adapter_from_tensors(
+            request, tensors, config, self.geometry, self.max_rank, self.block_rank, version=version
+        )
+        with self._lock:
+            self._requests[request.lora_int_id] = request
+            self._adapters.pop(request.lora_int_id, None)
+            self._in_memory[request.lora_int_id] = adapter
+        return adapter
+
+    def _check_id(self, request: LoRARequest) -> None:
+        if not isinstance(request, LoRARequest):
+            raise LoRAError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
+        known = self._requests.get(request.lora_int_id)
+        if known is not None and (known.lora_path, known.lora_name) != (request.lora_path, request.lora_name):
+            raise LoRAError(
+                f"lora_int_id {request.lora_int_id} is adapter {known.lora_name!r} ({known.lora_path}), "
+                f"not {request.lora_name!r} ({request.lora_path})"
+            )
+
     def remove(self, lora_int_id: int) -> bool:
         """Forget an adapter (requests running under it finish with it). False if unknown."""
         with self._lock:
             self._adapters.pop(lora_int_id, None)
+            self._in_memory.pop(lora_int_id, None)
             return self._requests.pop(lora_int_id, None) is not None
 
     def requests(self) -> list[LoRARequest]:

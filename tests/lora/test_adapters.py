@@ -150,6 +150,84 @@ def test_tensor_and_pipeline_parallel_adapters_match_peft(qwen2_adapters, run_on
         np.testing.assert_allclose(np.concatenate(logprobs), np.concatenate(runs["1x1"][1]), atol=1e-4, err_msg=name)
 
 
+def test_adapter_weights_updated_in_memory(qwen2_adapters):
+    """A trainer's LoRA parameters (PEFT names, JAX arrays) replace an adapter's weights without a
+    file, or make a new adapter; the old weights' pages are not reused; bad ones change nothing."""
+    import jax.numpy as jnp
+    from safetensors.numpy import load_file
+
+    root, base, merged, requests = qwen2_adapters
+    llm = LLM(str(root / "model"), params_cache_dir=str(root / "cache"), max_loras=2, **ENGINE_ARGS)
+    engine = llm.engine
+    prompt = _prompts(1, seed=6)[0] + list(range(40, 60))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, detokenize=False)
+
+    def run(lora):
+        before = engine.prefix_cache_tokens[1]
+        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False, lora_request=lora)[0]
+        return out.outputs[0].token_ids, engine.prefix_cache_tokens[1] - before
+
+    def tensors(name):
+        return {k: jnp.asarray(v) for k, v in load_file(str(root / name / "adapter_model.safetensors")).items()}
+
+    def config(name):
+        return json.loads((root / name / "adapter_config.json").read_text())
+
+    assert run(requests["all"])[0] == greedy(merged["all"], prompt, 6)
+    assert run(requests["all"])[1] > 0  # its pages are reused
+    engine.update_lora(requests["all"], tensors("mlp"), config("mlp"))  # "all" now serves mlp's weights
+    tokens, hits = run(requests["all"])
+    assert tokens == greedy(merged["mlp"], prompt, 6) and hits == 0  # the old weights' pages are not
+    fresh = LoRARequest("fresh", 7, "")  # an adapter with no file
+    with pytest.raises(LoRAError, match="give its config"):
+        engine.update_lora(fresh, tensors("qv"))
+    engine.update_lora(fresh, tensors("qv"), config("qv"))
+    assert run(fresh)[0] == greedy(merged["qv"], prompt, 6)
+    wrong = {k: v[:, :3] if k.endswith("lora_A.weight") else v for k, v in tensors("qv").items()}
+    with pytest.raises(LoRAError, match="another model"):
+        engine.update_lora(fresh, wrong)
+    assert run(fresh)[0] == greedy(merged["qv"], prompt, 6)  # unchanged
+    assert engine.list_loras() == {1, 7}
+
+
+def test_adapters_with_n_preemption_and_structured_output(qwen2_adapters, tiny_model_dir, tmp_path):
+    root, base, merged, requests = qwen2_adapters
+    # A pool of 24 pages of 4 tokens for 6 requests of up to 47: they preempt one another.
+    llm = LLM(
+        str(root / "model"),
+        params_cache_dir=str(root / "cache"),
+        max_loras=2,
+        num_gpu_blocks_override=24,
+        **ENGINE_ARGS,
+    )
+    prompts = _prompts(6, seed=7)
+    _check_against_peft(llm, base, merged, requests, prompts, ["all", "qv", None, "all", "mlp", "qv"])
+    assert llm.engine.scheduler.num_preemptions > 0
+    params = SamplingParams(n=2, max_tokens=6, temperature=0, ignore_eos=True, detokenize=False)
+    out = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False, lora_request=requests["qv"])[0]
+    assert [c.token_ids for c in out.outputs] == [greedy(merged["qv"], prompts[0], 6)] * 2
+    # A grammar constrains an adapter's output as the base model's (the tiny Llama has a tokenizer).
+    import transformers
+
+    from jaxllm import StructuredOutputsParams
+    from tests.helpers.tiny_model import TINY_ENGINE_ARGS
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    build_adapter(hf, tmp_path / "tiny", r=8, targets=ALL_LLAMA, seed=3)
+    tiny = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, enable_lora=True)
+    yes_no = StructuredOutputsParams(choice=["yes", "no"])
+    choice = SamplingParams(max_tokens=8, temperature=0, structured_outputs=yes_no)
+    out = tiny.generate("Is it?", choice, use_tqdm=False, lora_request=LoRARequest("tiny", 1, str(tmp_path / "tiny")))
+    assert out[0].outputs[0].text in ("yes", "no")
+    with pytest.raises(ValueError, match="enable_lora is not supported with speculative decoding"):
+        LLM(
+            tiny_model_dir,
+            **TINY_ENGINE_ARGS,
+            enable_lora=True,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        )
+
+
 def _broken(root, name: str, **change) -> LoRARequest:
     """A copy of adapter "all" with its config changed (or its weights truncated)."""
     src, dst = root / "all", root / name
