@@ -97,8 +97,9 @@ class _PromptSearch:
         max_tokens: int,
         eos_token_ids: tuple[int, ...],
         ids,
+        lora=None,
     ):
-        self.engine = engine
+        self.engine, self.lora = engine, lora
         self.params = params
         self.max_tokens = max_tokens
         self.eos_token_ids = eos_token_ids
@@ -118,7 +119,8 @@ class _PromptSearch:
         engine.engine_core.add_request(root)
 
     def _new_request(self, prompt_token_ids: list[int]) -> Request:
-        return Request(f"beam-{next(self.ids)}", prompt_token_ids, self.sampling_params, append_sampled_tokens=False)
+        beam_id = f"beam-{next(self.ids)}"
+        return Request(beam_id, prompt_token_ids, self.sampling_params, append_sampled_tokens=False, lora=self.lora)
 
     @property
     def ready(self) -> bool:
@@ -202,9 +204,10 @@ class _PromptSearch:
 
 
 def beam_search(
-    engine, prompts: list[list[int]], params: BeamSearchParams, *, use_tqdm: bool = False
+    engine, prompts: list[list[int]], params: BeamSearchParams, *, use_tqdm: bool = False, lora_request=None
 ) -> list[BeamSearchOutput]:
     """Run beam search for every prompt (token ids) on an idle `engine`; results in input order.
+    `lora_request`: every beam runs under that LoRA adapter.
 
     Prompts run side by side as long as their beams fit in `max_num_seqs` and their block
     tables, counted as if nothing were shared, fit in the KV pool, so beams never preempt
@@ -213,6 +216,7 @@ def beam_search(
     from tqdm.auto import tqdm
 
     eos_token_ids = _check_search(engine, params)
+    lora = engine._lora_adapter(lora_request)
     max_tokens, pages = _prompt_limits(engine, prompts, params)
     width = params.beam_width
     max_num_seqs = engine.config.scheduler.max_num_seqs
@@ -235,7 +239,7 @@ def beam_search(
                     )
                 ):
                     i = queue.popleft()
-                    active[i] = _PromptSearch(engine, prompts[i], params, max_tokens[i], eos_token_ids, ids)
+                    active[i] = _PromptSearch(engine, prompts[i], params, max_tokens[i], eos_token_ids, ids, lora)
                     owner[active[i].beams[0].request_id] = active[i]
                 _step_engine(engine, owner)
                 for i, search in list(active.items()):

@@ -163,12 +163,16 @@ class LLM:
         return [results[i] for i in ids]
 
     def beam_search(
-        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search (vLLM's offline API; scored like HF transformers' `generate(num_beams=...)`,
         see engine/beam_search.py): per prompt, the `beam_width` best sequences, best first.
         The beams share KV pages; a page is copied only when beams write different tokens
-        into it."""
+        into it. `lora_request`: the adapter every beam runs under."""
         if len(self.engine.replicas) > 1:
             raise ValueError("beam search does not support data_parallel_size > 1 yet")
         if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
@@ -179,7 +183,7 @@ class LLM:
                 text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
                 prompt = ids if ids is not None else text
             token_ids.append([int(t) for t in prompt] if isinstance(prompt, list) else self.engine.tokenize(prompt))
-        return beam_search(self.engine, token_ids, params, use_tqdm=use_tqdm)
+        return beam_search(self.engine, token_ids, params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def chat(
         self,

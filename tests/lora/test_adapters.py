@@ -228,6 +228,23 @@ def test_adapters_with_n_preemption_and_structured_output(qwen2_adapters, tiny_m
         )
 
 
+def test_beam_search_under_an_adapter_matches_hf(qwen2_adapters):
+    from jaxllm import BeamSearchParams
+    from tests.helpers.hf_reference import hf_beam_search
+
+    root, base, merged, requests = qwen2_adapters
+    llm = LLM(str(root / "model"), params_cache_dir=str(root / "cache"), **ENGINE_ARGS)
+    prompts = _prompts(2, seed=8)
+    params = BeamSearchParams(beam_width=3, max_tokens=6)
+    outputs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params, lora_request=requests["all"])
+    for prompt, out in zip(prompts, outputs):
+        expected = hf_beam_search(
+            merged["all"], prompt, width=3, max_tokens=6, eos=None, early_stopping=False, length_penalty=1.0
+        )
+        assert [s.output_token_ids for s in out.sequences] == [tokens for tokens, _ in expected]
+        assert [s.score for s in out.sequences] == pytest.approx([score for _, score in expected], abs=1e-4)
+
+
 def _broken(root, name: str, **change) -> LoRARequest:
     """A copy of adapter "all" with its config changed (or its weights truncated)."""
     src, dst = root / "all", root / name
