@@ -12,7 +12,9 @@ class LoRAMixin:
     def _init_lora(self) -> None:
         lora, slots = self.config.lora, self.runner.lora
         self.adapters = (
-            None if lora is None else AdapterCache(slots.geometry, lora.max_lora_rank, slots.rank, lora.max_cpu_loras)
+            None
+            if lora is None
+            else AdapterCache(slots.geometry, lora.max_lora_rank, slots.rank, lora.max_cpu_loras, slots.prepare)
         )
 
     def _lora_adapter(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:

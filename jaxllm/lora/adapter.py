@@ -82,6 +82,9 @@ class LoRAAdapter:
     layers: list[dict[str, tuple[np.ndarray, np.ndarray]]]
     config: dict = dataclasses.field(default_factory=dict)  # its adapter_config.json
     version: int = 0  # how many times its weights were replaced in memory (`AdapterCache.update`)
+    # Its slot's values as the device's stacks take them (`LoRASlots.prepare`), made when it is
+    # read, off the engine's thread where the caller is (AsyncLLM, the server's load route).
+    slot_values: list | None = None
 
     @property
     def lora_int_id(self) -> int:
@@ -247,9 +250,11 @@ class AdapterCache:
     (`max_cpu_loras`); a request holds its adapter while it runs, whatever the cache drops.
     Adapters whose weights were given in memory (`update`) are always kept: no file has them."""
 
-    def __init__(self, geometry: LoRAGeometry, max_rank: int, block_rank: int, capacity: int):
-        """`max_rank`: the highest rank accepted; `block_rank`: a slot's block width (>= max_rank)."""
+    def __init__(self, geometry: LoRAGeometry, max_rank: int, block_rank: int, capacity: int, prepare=None):
+        """`max_rank`: the highest rank accepted; `block_rank`: a slot's block width (>= max_rank);
+        `prepare(adapter)`: run on each adapter once read (`LoRASlots.prepare`)."""
         self.geometry, self.max_rank, self.block_rank, self.capacity = geometry, max_rank, block_rank, capacity
+        self.prepare = prepare or (lambda adapter: None)
         self._adapters: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()
         self._requests: dict[int, LoRARequest] = {}  # every adapter added, by id (read again if dropped)
         self._in_memory: dict[int, LoRAAdapter] = {}  # those given by `update`, never dropped
@@ -267,6 +272,7 @@ class AdapterCache:
                 self._adapters.move_to_end(request.lora_int_id)
                 return adapter
         adapter = read_adapter(request, self.geometry, self.max_rank, self.block_rank)  # off the lock: disk reads
+        self.prepare(adapter)
         with self._lock:
             self._requests[request.lora_int_id] = request
             self._adapters[request.lora_int_id] = adapter
@@ -289,6 +295,7 @@ class AdapterCache:
         adapter = adapter_from_tensors(
             request, tensors, config, self.geometry, self.max_rank, self.block_rank, version=version
         )
+        self.prepare(adapter)
         with self._lock:
             self._requests[request.lora_int_id] = request
             self._adapters.pop(request.lora_int_id, None)

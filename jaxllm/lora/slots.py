@@ -107,15 +107,25 @@ class LoRASlots:
         """Forget an adapter's slot (it is read again from the host if it is asked for later)."""
         self._slot_of.pop(lora_int_id, None)
 
-    def _write(self, slot: int, adapter: LoRAAdapter) -> None:
+    def prepare(self, adapter: LoRAAdapter) -> None:
+        """Lay the adapter out as a slot holds it (`adapter.slot_values`): packed into panels,
+        regrouped for the mesh, stacked over stages, in the stacks' dtype. Thread-safe (it
+        reads only the layout), so the host's share of loading runs where the adapter is read."""
         per_stage = self.cfg.num_layers // self.pp
         values = []
         for i, name in self.stacks:
             packed = self.panel_parts[i, name] is not None
             stage_values = [self._values(adapter, s * per_stage + i, name, packed) for s in range(self.pp)]
             values.append(stage_values[0] if self.pp == 1 else jax.tree.map(lambda *v: np.stack(v), *stage_values))
+        adapter.slot_values = values
+
+    def _write(self, slot: int, adapter: LoRAAdapter) -> None:
+        if adapter.slot_values is None:
+            self.prepare(adapter)
         packed = tuple(p is not None for p in self.panel_parts.values())
-        written = self._write_slot(list(self.stacks.values()), np.int32(slot), values, packed, int(self.pp > 1))
+        written = self._write_slot(
+            list(self.stacks.values()), np.int32(slot), adapter.slot_values, packed, int(self.pp > 1)
+        )
         self.stacks = dict(zip(self.stacks, written))
         for tree in self.trees:  # the runner's trees, in place
             for (i, name), (a, b) in self.stacks.items():
