@@ -4,9 +4,10 @@ PEFT's `adapter_model.safetensors` holds, per adapted HF Linear `m` (weight `[ou
 `base_model.model.<m>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r]: the Linear computes
 `x W^T + scale (x A^T) B^T`, with scale = lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)). The
 engine's layer matrices fuse several Linears (wqkv = q, k, v), so an adapted matrix has one rank
-block of `max_lora_rank` per Linear fused into it (`LoRAGeometry`): `a [in, blocks * R]` holds
-block k's A^T (zero-padded to R), `b [blocks * R, out]` block k's scale B^T at the columns where
-that Linear's rows were fused (`models.checkpoint.linear_sources`, the base weights' own fusing).
+block of R (max_lora_rank rounded up to 16) per Linear fused into it (`LoRAGeometry`): `a [in,
+blocks * R]` holds block k's A^T (zero-padded to R), `b [blocks * R, out]` block k's scale B^T
+at the columns where that Linear's rows were fused (`models.checkpoint.linear_sources`, the base
+weights' own fusing).
 
     geometry = LoRAGeometry.of(cfg)
     cache = AdapterCache(geometry, max_rank=16, block_rank=16, capacity=4)

@@ -247,6 +247,7 @@ def test_server_flags_round_trip_to_server_args(monkeypatch):
         disable_log_requests=True,
         disable_log_stats=True,
         log_stats_interval=2.5,
+        lora_modules=["a=/x", '{"name": "b", "path": "/y"}'],
     )
     assert all(getattr(expected, f.name) != getattr(ServerArgs(), f.name) for f in dataclasses.fields(ServerArgs))
     flags = [
@@ -288,6 +289,9 @@ def test_server_flags_round_trip_to_server_args(monkeypatch):
         "2.5",
         "--uvicorn-log-level",
         "error",
+        "--lora-modules",
+        "a=/x",
+        '{"name": "b", "path": "/y"}',
     ]
     assert cli.from_flags(ServerArgs, parse(["serve", *flags])) == expected
     monkeypatch.setenv("JAXLLM_API_KEY", "from-env")

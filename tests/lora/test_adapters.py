@@ -203,6 +203,17 @@ def test_adapters_with_n_preemption_and_structured_output(qwen2_adapters, tiny_m
     prompts = _prompts(6, seed=7)
     _check_against_peft(llm, base, merged, requests, prompts, ["all", "qv", None, "all", "mlp", "qv"])
     assert llm.engine.scheduler.num_preemptions > 0
+    swap = LLM(
+        str(root / "model"),
+        params_cache_dir=str(root / "cache"),
+        max_loras=2,
+        num_gpu_blocks_override=24,
+        preemption_mode="swap",
+        swap_space=0.01,
+        **ENGINE_ARGS,
+    )
+    _check_against_peft(swap, base, merged, requests, prompts, ["qv", "all", "mlp", None, "all", "qv"])
+    assert swap.engine.scheduler.num_preemptions > 0
     params = SamplingParams(n=2, max_tokens=6, temperature=0, ignore_eos=True, detokenize=False)
     out = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False, lora_request=requests["qv"])[0]
     assert [c.token_ids for c in out.outputs] == [greedy(merged["qv"], prompts[0], 6)] * 2
@@ -226,6 +237,30 @@ def test_adapters_with_n_preemption_and_structured_output(qwen2_adapters, tiny_m
             enable_lora=True,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2},
         )
+
+
+@pytest.mark.parametrize("quantization", ["int8_weight_only", "int4", "w8a8"])
+def test_adapters_over_quantized_bases(qwen2_adapters, quantization):
+    """The adapters stay float beside a base quantized on load: the engine's base requests are the
+    quantized engine's own, and the adapter changes the answers. (Against PEFT: the float and
+    GGUF-block bases, the other tests.)"""
+    root, base, merged, requests = qwen2_adapters
+    llm = LLM(str(root / "model"), params_cache_dir=str(root / "cache"), quantization=quantization, **ENGINE_ARGS)
+    quantized = LLM(
+        str(root / "model"),
+        params_cache_dir=str(root / "cache"),
+        quantization=quantization,
+        **{**ENGINE_ARGS, "enable_lora": False},
+    )
+    prompts = _prompts(3, seed=9)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, detokenize=False, logprobs=0)
+    with_lora = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=requests["all"]
+    )
+    alone = quantized.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    same_base = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in same_base] == [o.outputs[0].token_ids for o in alone]
+    assert [o.outputs[0].token_ids for o in with_lora] != [o.outputs[0].token_ids for o in alone]
 
 
 def test_beam_search_under_an_adapter_matches_hf(qwen2_adapters):

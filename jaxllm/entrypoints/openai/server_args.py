@@ -80,7 +80,8 @@ class ServerArgs:
         None,
         "LoRA adapters to serve from the start (with --enable-lora), each NAME=PATH (a PEFT directory) or a "
         'JSON object {"name": ..., "path": ...}; a request\'s `model` NAME runs under it. Adapters are also '
-        "loaded and unloaded at runtime (POST /v1/load_lora_adapter, /v1/unload_lora_adapter; needs --api-key)",
+        "loaded and unloaded at runtime (POST /v1/load_lora_adapter, /v1/unload_lora_adapter; needs --api-key). "
+        "Default: none",
         metavar="NAME=PATH",
         nargs="+",
         type=str,
