@@ -36,7 +36,7 @@ import os
 
 import jax
 
-from tests.helpers.tiny_model import TINY_ENGINE_ARGS, build_tiny_model
+from tests.helpers.tiny_model import FAMILY_ENGINE_ARGS, TINY_ENGINE_ARGS, build_tiny_model
 
 
 # The constrained requests' regex: words and single spaces, so that an output cut short by
@@ -149,16 +149,10 @@ def families(workdir: str, cases: list[str]) -> dict:
         for name, sizes in (("one", (1, 1)), ("sharded", (tp, pp))):
             llm = LLM(
                 model_dir,
-                dtype="float32",
-                max_num_seqs=8,
-                max_num_batched_tokens=32,
-                max_model_len=128,
-                kv_cache_memory=4 << 20,
-                block_size=4,
+                **FAMILY_ENGINE_ARGS,
                 tensor_parallel_size=sizes[0],
                 pipeline_parallel_size=sizes[1],
                 params_cache_dir=os.path.join(model_dir, f"cache{name}"),
-                warmup=False,
             )  # step shapes compiled when first used
             outs = llm.generate(prompts, params, use_tqdm=False)
             runs[name] = {
@@ -185,16 +179,10 @@ def lora_layouts(workdir: str, model_dir: str, adapters: dict, prompts: list, as
         tp, pp = map(int, name.split("x"))
         llm = LLM(
             model_dir,
-            dtype="float32",
-            max_num_seqs=8,
-            max_num_batched_tokens=32,
-            max_model_len=128,
-            kv_cache_memory=4 << 20,
-            block_size=4,
+            **FAMILY_ENGINE_ARGS,
             tensor_parallel_size=tp,
             pipeline_parallel_size=pp,
             params_cache_dir=os.path.join(workdir, f"cache{name}"),
-            warmup=False,
             enable_lora=True,
             max_loras=2,
         )

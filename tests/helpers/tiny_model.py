@@ -30,6 +30,17 @@ TINY_ENGINE_ARGS = dict(
 )
 # The same with every step shape compiled before the engine returns.
 WARM_ENGINE_ARGS = {**TINY_ENGINE_ARGS, "warmup": True}
+# For the tiny HF models of every family (tests/helpers/hf_reference.py: 128 positions, no
+# tokenizer): steps of 32 tokens and pages of 4, so prompts of a few dozen tokens are chunked.
+FAMILY_ENGINE_ARGS = dict(
+    dtype="float32",
+    max_num_seqs=8,
+    max_num_batched_tokens=32,
+    max_model_len=128,
+    kv_cache_memory=4 << 20,
+    block_size=4,
+    warmup=False,
+)
 
 _llms: dict[str, object] = {}
 

@@ -15,21 +15,12 @@ from jaxllm import LLM, LoRARequest, SamplingParams
 from jaxllm.lora import LoRAError
 
 from tests.helpers.hf_reference import build_hf_model
+from tests.helpers.tiny_model import FAMILY_ENGINE_ARGS
 
 pytest.importorskip("peft")
 from tests.helpers.lora_reference import build_adapter, greedy, logprobs_of  # noqa: E402
 
-ENGINE_ARGS = dict(
-    dtype="float32",
-    max_num_seqs=8,
-    max_num_batched_tokens=32,
-    max_model_len=128,
-    kv_cache_memory=4 << 20,
-    block_size=4,
-    warmup=False,
-    enable_lora=True,
-    max_lora_rank=16,
-)
+ENGINE_ARGS = dict(FAMILY_ENGINE_ARGS, enable_lora=True, max_lora_rank=16)
 MAX_TOKENS = 8
 ALL_LLAMA = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

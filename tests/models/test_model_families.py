@@ -19,20 +19,13 @@ from jaxllm.models.loader import load_model
 from jaxllm.models.registry import SUPPORTED_ARCHITECTURES, UnsupportedModelError, model_config_from_hf
 
 from tests.helpers.hf_reference import MODELS, build_hf_model
+from tests.helpers.tiny_model import FAMILY_ENGINE_ARGS
 
 torch = pytest.importorskip("torch")
 
 # One model per family (the windowed ones with a window shorter than the prompts).
 FAMILIES = ("opt", "gpt_neox", "falcon", "phi3", "gemma3", "mixtral", "qwen3_moe")
-ENGINE_ARGS = dict(
-    dtype="float32",
-    max_num_seqs=8,
-    max_num_batched_tokens=32,
-    max_model_len=128,
-    kv_cache_memory=4 << 20,
-    block_size=4,
-    warmup=False,
-)
+ENGINE_ARGS = FAMILY_ENGINE_ARGS
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
