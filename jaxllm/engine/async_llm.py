@@ -245,8 +245,10 @@ class AsyncLLM:
             )
 
     async def update_lora(self, lora_request, tensors, config: dict | None = None) -> None:
-        """`LLMEngine.update_lora` on the engine thread (the arrays are converted there too)."""
-        await self._call(lambda: self._publish(self.engine.update_lora(lora_request, tensors, config)))
+        """`LLMEngine.update_lora`: the tensors read and laid out off the engine thread, then the
+        requests under the adapter switched on it."""
+        adapter = await asyncio.to_thread(self.engine._updated_lora, lora_request, tensors, config)
+        await self._call(lambda: self._publish(self.engine._serve_updated_lora(adapter)))
 
     async def sleep(self, level: int = 1) -> None:
         """`LLMEngine.sleep` once the requests in flight have finished (new ones wait meanwhile,

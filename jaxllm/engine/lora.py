@@ -38,9 +38,16 @@ class LoRAMixin:
         (`lora_alpha`, `r`, ...; a new adapter needs `config`). Requests running under it go on
         with the new weights; pages its old weights computed are never reused. LoRAError, and
         nothing changed, if they do not fit. Returns the outputs of a step already in flight."""
+        return self._serve_updated_lora(self._updated_lora(lora_request, tensors, config))
+
+    def _updated_lora(self, lora_request: LoRARequest, tensors, config: dict | None) -> LoRAAdapter:
+        """`update_lora`'s host work (reading the tensors, laying them out): any thread."""
         if self.adapters is None:
             raise LoRAError("update_lora needs an engine started with enable_lora")
-        adapter = self.adapters.update(lora_request, tensors, config)
+        return self.adapters.update(lora_request, tensors, config)
+
+    def _serve_updated_lora(self, adapter: LoRAAdapter) -> list:
+        """`update_lora`'s engine work: the requests under the adapter take its new weights."""
         outputs = []
         for replica in self.replicas:
             settled = replica.settle()
@@ -48,7 +55,7 @@ class LoRAMixin:
                 outputs += self._process(settled)
         waiting_choices = [c for _, choices in self._pending_choices.values() for c in choices]
         for request in [*self.scheduler.requests.values(), *waiting_choices]:
-            if request.lora is not None and request.lora.lora_int_id == lora_request.lora_int_id:
+            if request.lora is not None and request.lora.lora_int_id == adapter.lora_int_id:
                 request.lora = adapter
         return outputs
 

@@ -179,6 +179,23 @@ def test_adapter_weights_updated_in_memory(qwen2_adapters):
         engine.update_lora(fresh, wrong)
     assert run(fresh)[0] == greedy(merged["qv"], prompt, 6)  # unchanged
     assert engine.list_loras() == {1, 7}
+    # Through AsyncLLM: the tensors are laid out off the engine's thread.
+    import asyncio
+
+    from jaxllm.engine.async_llm import AsyncLLM
+
+    served = AsyncLLM(engine=engine)
+
+    async def update_then_generate():
+        await served.update_lora(requests["all"], tensors("qv"), config("qv"))
+        async for out in served.generate({"prompt_token_ids": prompt}, params, lora_request=requests["all"]):
+            last = out
+        return last.outputs[0].token_ids
+
+    try:
+        assert asyncio.run(update_then_generate()) == greedy(merged["qv"], prompt, 6)
+    finally:
+        served.shutdown()
 
 
 def test_adapters_with_n_preemption_and_structured_output(qwen2_adapters, tiny_model_dir, tmp_path):
