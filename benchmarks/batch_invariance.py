@@ -15,7 +15,6 @@ cost). JSON to --out (default benchmarks/results/batch_invariance.json).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -23,7 +22,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, HERE)
-from workload import RESULTS, cpu_line, machine_info, now_iso, versions  # noqa: E402
+from workload import RESULTS, write_run  # noqa: E402
 
 del sys.path[0]
 
@@ -94,13 +93,8 @@ def main() -> None:
             for name, got in ways.items()
         }
         print(f"batch_invariant={mode}: {results['on' if mode else 'off']}")
-    machine = machine_info()
-    print(cpu_line(machine))
     out = dict(results=results, prompts=len(QUESTIONS), prefix_tokens=700, dtype=args.dtype, model=args.model)
-    out.update(machine=machine, versions=versions(), date=now_iso(), command=" ".join(sys.argv))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    write_run(args.out, out)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, HERE)
-from workload import RESULTS, cpu_line, machine_info, now_iso, versions, write_result  # noqa: E402
+from workload import RESULTS, write_run  # noqa: E402
 
 del sys.path[0]
 
@@ -105,8 +105,6 @@ def main() -> None:
         results[size] = {name: round(float(np.median(r)), 1) for name, r in runs.items()}
         line = ", ".join(f"{name} {value:.0f}/s" for name, value in results[size].items())
         print(f"batch {size}: {line}")
-    machine = machine_info()
-    print(cpu_line(machine))
     out = dict(
         sentences_per_second=results,
         worst_cosine_vs_st_float32=worst,
@@ -114,12 +112,8 @@ def main() -> None:
         mean_tokens=round(float(np.mean([len(ids) for ids in tokenizer(sentences)["input_ids"]])), 1),
         torch_threads=torch.get_num_threads(),
         model=path,
-        machine=machine,
-        versions=versions(("jaxllm", "jax", "jaxlib", "torch", "transformers", "sentence-transformers")),
-        date=now_iso(),
-        command=" ".join(sys.argv),
     )
-    write_result(args.out, out)
+    write_run(args.out, out, ("jaxllm", "jax", "jaxlib", "torch", "transformers", "sentence-transformers"))
 
 
 if __name__ == "__main__":

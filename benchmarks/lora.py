@@ -56,16 +56,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, HERE)
-from workload import (  # noqa: E402
-    RESULTS,
-    add_workload_args,
-    cpu_line,
-    machine_info,
-    make_workload,
-    now_iso,
-    versions,
-    write_result,
-)
+from workload import RESULTS, add_workload_args, make_workload, write_run  # noqa: E402
 
 del sys.path[0]
 
@@ -364,8 +355,6 @@ def main() -> None:
         "  the load itself (stall beyond the control's): "
         + ", ".join(f"{case} {load[case]['load_cost_s'] * 1e3:.1f} ms" for case in load if case != "control")
     )
-    machine = machine_info()
-    print(cpu_line(machine))
     out = dict(
         throughput=results,
         lora_over_base=results["lora"]["output_tok_s"] / base,
@@ -375,11 +364,8 @@ def main() -> None:
         sizes=sizes,
         workload=desc,
         args={k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()},
-        machine=machine,
-        versions=versions(),
     )
-    out.update(date=now_iso(), command=" ".join(sys.argv))
-    write_result(args.out, out)
+    write_run(args.out, out)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, HERE)
 from embeddings import corpus, minilm_path  # noqa: E402
-from workload import RESULTS, cpu_line, machine_info, now_iso, versions, write_result  # noqa: E402
+from workload import RESULTS, write_run  # noqa: E402
 
 del sys.path[0]
 
@@ -108,21 +108,21 @@ async def phase(args, chat_url: str | None, embed_url: str | None, batches: list
     await asyncio.gather(*tasks)
     for client in clients:
         await client.close()
+
+    def summary(rate: str, done: list, latencies: list) -> dict:
+        percentile = lambda q: round(float(np.percentile(latencies, q)), 3) if latencies else None  # noqa: E731
+        return {
+            rate: round(sum(done) / args.seconds, 1),
+            "requests": len(latencies),
+            "latency_p50_s": percentile(50),
+            "latency_p99_s": percentile(99),
+        }
+
     out = {}
     if chat_url:
-        out["chat"] = dict(
-            output_tok_s=round(sum(chat_tokens) / args.seconds, 1),
-            requests=len(chat_lat),
-            latency_p50_s=round(float(np.percentile(chat_lat, 50)), 3) if chat_lat else None,
-            latency_p99_s=round(float(np.percentile(chat_lat, 99)), 3) if chat_lat else None,
-        )
+        out["chat"] = summary("output_tok_s", chat_tokens, chat_lat)
     if embed_url:
-        out["embeddings"] = dict(
-            sentences_s=round(sum(embedded) / args.seconds, 1),
-            requests=len(embed_lat),
-            latency_p50_s=round(float(np.percentile(embed_lat, 50)), 3) if embed_lat else None,
-            latency_p99_s=round(float(np.percentile(embed_lat, 99)), 3) if embed_lat else None,
-        )
+        out["embeddings"] = summary("sentences_s", embedded, embed_lat)
     return out
 
 
@@ -163,11 +163,7 @@ def main() -> None:
     for name, value in results.items():
         print(f"{name}: {value}")
     print(f"kept when both run: {kept}")
-    machine = machine_info()
-    print(cpu_line(machine))
-    out = dict(results=results, kept_when_both=kept, args=vars(args), machine=machine, versions=versions())
-    out.update(date=now_iso(), command=" ".join(sys.argv))
-    write_result(args.out, out)
+    write_run(args.out, dict(results=results, kept_when_both=kept, args=vars(args)))
 
 
 if __name__ == "__main__":

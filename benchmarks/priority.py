@@ -23,7 +23,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, HERE)
-from workload import RESULTS, cpu_line, machine_info, now_iso, versions, write_result  # noqa: E402
+from workload import RESULTS, write_run  # noqa: E402
 
 del sys.path[0]
 
@@ -89,11 +89,7 @@ def main() -> None:
         policy: {key: round(float(np.median([r[key] for r in rs])), 3) for key in rs[0]} for policy, rs in runs.items()
     }
     print(results)
-    machine = machine_info()
-    print(cpu_line(machine))
-    out = dict(results=results, runs=runs, args=vars(args), machine=machine, versions=versions())
-    out.update(date=now_iso(), command=" ".join(sys.argv))
-    write_result(args.out, out)
+    write_run(args.out, dict(results=results, runs=runs, args=vars(args)))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -37,7 +36,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, HERE)
-from workload import RESULTS, cpu_line, machine_info, now_iso, versions  # noqa: E402
+from workload import RESULTS, write_run  # noqa: E402
 
 del sys.path[0]
 
@@ -104,26 +103,14 @@ def main() -> None:
     plain = own = None
     if args.devices > 1:
         results["paths"].update(mesh_paths(args, common, tree))
-    machine = machine_info()
-    results.update(
-        model=args.model or "default (SmolLM2-135M-Instruct)",
-        options=common,
-        devices=args.devices,
-        machine=machine,
-        versions=versions(),
-        date=now_iso(),
-        command=" ".join(sys.argv),
-    )
-    print(cpu_line(machine))
+    results.update(model=args.model or "default (SmolLM2-135M-Instruct)", options=common, devices=args.devices)
     print(f"fresh engine (warm caches): {results['fresh_engine_s']:.2f} s")
     fresh = results["fresh_engine_s"]
     for name, seconds in results["paths"].items():
         print(f"  update {name:22s} {seconds * 1000:9.1f} ms  ({fresh / seconds:6.1f}x faster than fresh)")
     wake_1, wake_2 = results["wake_up_1_s"], results["update_and_wake_up_2_s"]
     print(f"RSS MiB: {results['rss_mib']}; wake_up(1) {wake_1:.2f} s, update + wake_up(2) {wake_2:.2f} s")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+    write_run(args.out, results)
 
 
 PROMPT, GREEDY_TOKENS = "def quicksort(items):", 8

@@ -12,6 +12,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import sys
 import time
 
 import numpy as np
@@ -154,6 +155,15 @@ def timeit(fn, repeat=5) -> float:
 
 def now_iso() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def write_run(path: str, result: dict, packages=VERSIONED) -> None:
+    """A benchmark run's `result`, written as `write_result` does with the machine (its CPU line
+    printed), the versions of `packages`, the date and the command line beside it."""
+    machine = machine_info()
+    print(cpu_line(machine))
+    extra = dict(machine=machine, versions=versions(packages), date=now_iso(), command=" ".join(sys.argv))
+    write_result(path, {**result, **extra})
 
 
 def write_result(path: str, result: dict) -> None:
