@@ -93,13 +93,13 @@ def test_every_kernel_path_and_live_rows(dtype):
                 [stack], np.int32(s), [layers.slot_values(a, b, jnp.dtype(dtype), packed)], (packed,)
             )
         stacks[packed] = stack
-    x = jnp.asarray(rng.normal(size=(20, IN)), jnp.float32)
-    token_slots = jnp.asarray(rng.integers(-1, SLOTS, 20), jnp.int32)
-    y = rng.normal(size=(20, sum(parts))).astype(np.float32)
+    x = jnp.asarray(rng.normal(size=(48, IN)), jnp.float32)  # (8-row blocks and their tails)
+    token_slots = jnp.asarray(rng.integers(-1, SLOTS, 48), jnp.int32)
+    y = rng.normal(size=(48, sum(parts))).astype(np.float32)
     want = np.asarray(layers.LoRAWeight(None, *stacks[False], token_slots, SLOTS).add_delta(jnp.asarray(y), x))
     tol = 3e-2 if dtype == "bfloat16" else 1e-4
     a, (b,) = stacks[True]
     for path in ("auto", *native.kernel_paths()):
-        got = gemm.lora_add(jnp.asarray(y), x, token_slots, a, b, layers.panel_part(slot), SLOTS, rows=14, path=path)
-        np.testing.assert_allclose(np.asarray(got[:14]), want[:14], rtol=tol, atol=tol, err_msg=path)
-        np.testing.assert_array_equal(np.asarray(got[14:]), y[14:])
+        got = gemm.lora_add(jnp.asarray(y), x, token_slots, a, b, layers.panel_part(slot), SLOTS, rows=41, path=path)
+        np.testing.assert_allclose(np.asarray(got[:41]), want[:41], rtol=tol, atol=tol, err_msg=path)
+        np.testing.assert_array_equal(np.asarray(got[41:]), y[41:])

@@ -266,6 +266,8 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
+    # vLLM's: with --reasoning-parser, whether the answer carries `reasoning_content`.
+    include_reasoning: bool = True
 
     def logprobs_field(self) -> tuple[str, int | None]:
         return "top_logprobs", self.top_logprobs
@@ -400,6 +402,7 @@ class ToolCallOut(OpenAIModel):
 class AssistantMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser
     tool_calls: list[ToolCallOut] | None = None
 
 
@@ -449,6 +452,7 @@ class DeltaMessage(SparseModel):
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -70,6 +70,18 @@ class ServerArgs:
         "Default: none (tool_choice 'auto' is refused)",
         choices=("hermes", "llama3_json", "mistral"),
     )
+    reasoning_parser: str | None = option(
+        None,
+        "split a thinking model's output into `reasoning_content` and `content` (chat completions): "
+        "deepseek_r1 (DeepSeek-R1 and its distills) or qwen3 (Qwen3, QwQ); tool calls and structured output "
+        "then apply to the content. Default: none",
+        choices=("deepseek_r1", "qwen3"),
+    )
+    structured_outputs_in_reasoning: bool = option(
+        False,
+        "with --reasoning-parser, constrain the whole output, the reasoning included, rather than the "
+        "content after it (vLLM's structured_outputs_config.enable_in_reasoning)",
+    )
     disable_playground: bool = option(False, "do not serve the chat playground page at /")
     enable_weight_updates: bool = option(
         False,

@@ -1,6 +1,6 @@
 """/v1/chat/completions: messages through the model's chat template, `n` choices, with the chat
-API's logprobs and tool calls (serving_tools.py), plain or streamed (a first chunk with the
-assistant role, then content and tool-call deltas)."""
+API's logprobs, reasoning (reasoning_parsers.py) and tool calls (serving_tools.py), plain or
+streamed (a first chunk with the assistant role, then reasoning, content and tool-call deltas)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from jaxllm.entrypoints.openai.protocol import (
     ToolCallOut,
     UsageInfo,
 )
+from jaxllm.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from jaxllm.entrypoints.openai.serving_engine import ChoiceState, MergedOutputs, OpenAIServing, weight_versions
 from jaxllm.entrypoints.openai.serving_tools import ToolCalling, ToolDelta
 from jaxllm.entrypoints.openai.serving_utils import APIError, chat_logprobs, finish_reason, sse
@@ -34,7 +35,8 @@ class _ChatCompletion:
     """One chat completion's answer, whole (`collect`) or as server-sent events (`stream`): its
     choices' text turned into messages, tool calls and finish reasons as the request asks.
     `eos_text`: the EOS token's text, cut from the end (a tool parser that reads special tokens
-    keeps them in the text)."""
+    keeps them in the text). `reasoning`: the server's reasoning parser, and whether the prompt
+    opened the thoughts (the output's text before the tool parser sees it)."""
 
     def __init__(
         self,
@@ -45,9 +47,10 @@ class _ChatCompletion:
         request_id: str,
         n: int,
         eos_text: str,
+        reasoning: tuple[ReasoningParser, bool] | None = None,
     ):
         self.request, self.tools, self.model_name, self.prompt_ids = request, tools, model_name, prompt_ids
-        self.request_id, self.n, self.eos_text = request_id, n, eos_text
+        self.request_id, self.n, self.eos_text, self.reasoning = request_id, n, eos_text, reasoning
         self.created = int(time.time())
         self.choices = [ChoiceState() for _ in range(n)]
 
@@ -68,10 +71,19 @@ class _ChatCompletion:
         return sse(response)
 
     def message(self, c: ChoiceState) -> tuple[AssistantMessage, str | None]:
-        content, calls = self.tools.extract(c.text.removesuffix(self.eos_text) if self.eos_text else c.text)
+        text, thoughts = c.text.removesuffix(self.eos_text) if self.eos_text else c.text, None
+        if self.reasoning is not None:
+            parser, opened = self.reasoning
+            thoughts, text = parser.extract(text, opened)
+            text = text or ""
+        content, calls = self.tools.extract(text)
         out = [ToolCallOut(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments)) for t in calls]
         return (
-            AssistantMessage(content=content, tool_calls=out or None),
+            AssistantMessage(
+                content=content or (None if thoughts or calls else content),
+                reasoning_content=thoughts if self.request.include_reasoning else None,
+                tool_calls=out or None,
+            ),
             self.tools.finish_reason(len(calls), finish_reason(c.finish_reason)),
         )
 
@@ -110,29 +122,44 @@ class _ChatCompletion:
             ]
         )
         parsers = [self.tools.stream() for _ in range(self.n)]
+        thinking = [self.reasoning[0].stream(self.reasoning[1]) if self.reasoning else None for _ in range(self.n)]
         async for _, out in outputs:
             for delta in out.outputs:
                 self.choices[delta.index].add(delta)
-                choice = self._stream_choice(delta, parsers[delta.index])
+                choice = self._stream_choice(delta, parsers[delta.index], thinking[delta.index])
                 if choice is not None:
                     yield self.chunk([choice])
         if self.request.include_usage:
             yield self.chunk([], self.usage())
 
-    def _stream_choice(self, delta, parser) -> ChatCompletionStreamChoice | None:
-        """One choice's new text as a stream chunk's choice, or None while the tool parser holds it."""
-        text = delta.text
-        if self.eos_text and delta.finish_reason is not None:
+    def _stream_choice(self, delta, parser, thinking) -> ChatCompletionStreamChoice | None:
+        """One choice's new text as a stream chunk's choice, or None while a parser holds it."""
+        text, thoughts = delta.text, ""
+        finished = delta.finish_reason is not None
+        if self.eos_text and finished:
             text = text.removesuffix(self.eos_text)
+        if thinking is not None:  # the reasoning first; the tool parser sees the content only
+            thoughts, text = thinking.feed(text)
+            if finished:
+                more_thoughts, more = thinking.finish()
+                thoughts, text = thoughts + more_thoughts, text + more
         content, calls = parser.feed(text)
-        if delta.finish_reason is not None:
+        if finished:
             more, more_calls = parser.finish()
             content, calls = content + more, calls + more_calls
-        elif self.tools.mode != "none" and not content and not calls and not self.request.logprobs:
-            return None  # (text held back by the tool parser)
+        elif (self.tools.mode != "none" or thinking is not None) and not (
+            content or calls or thoughts or self.request.logprobs
+        ):
+            return None  # (text held back by a parser)
+        if not self.request.include_reasoning:
+            thoughts = ""
         choice = ChatCompletionStreamChoice(
             index=delta.index,
-            delta=DeltaMessage(content=content if content or not calls else None, tool_calls=_tool_deltas(calls)),
+            delta=DeltaMessage(
+                content=content if content or not (calls or thoughts) else None,
+                reasoning_content=thoughts or None,
+                tool_calls=_tool_deltas(calls),
+            ),
             logprobs=chat_logprobs(delta.token_ids, delta.logprobs or []) if self.request.logprobs else None,
             finish_reason=self.tools.finish_reason(parser.num_calls, finish_reason(delta.finish_reason)),
         )
@@ -163,6 +190,7 @@ class OpenAIServingChat(OpenAIServing):
             if self.args.enable_auto_tool_choice and self.args.tool_call_parser
             else None
         )
+        self.reasoning_parser = get_reasoning_parser(self.args.reasoning_parser) if self.args.reasoning_parser else None
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw: Request):
         lora = self.check_request(request)
@@ -193,6 +221,13 @@ class OpenAIServingChat(OpenAIServing):
             tools=tools.template_tools,
         )
         self.check_length(len(prompt_ids), max_tokens, "messages")
+        reasoning = None
+        if self.reasoning_parser is not None:
+            opened = self.reasoning_parser.opened_by(self.tokenizer.decode(prompt_ids[-16:]))
+            reasoning = self.reasoning_parser, opened
+            if params.structured_outputs is not None and not self.args.structured_outputs_in_reasoning:
+                # (the grammar starts where the thoughts end)
+                params.structured_outputs = self.reasoning_parser.constrain(params.structured_outputs, opened)
         chat = _ChatCompletion(
             request,
             tools,
@@ -201,6 +236,7 @@ class OpenAIServingChat(OpenAIServing):
             f"chatcmpl-{request_id_of(raw.scope)}",
             params.n,
             eos_text,
+            reasoning,
         )
         return await self.respond(
             raw,

@@ -1,0 +1,143 @@
+"""Reasoning output over HTTP with the official `openai` client (--reasoning-parser).
+
+The tiny model's weights are random, so a grammar makes it write think tags: on a server that
+constrains the whole output (--structured-outputs-in-reasoning), `reasoning_content` and
+`content` are the parts of the text the offline engine writes under the same grammar, streamed
+deltas add up to them, and a hermes tool call after the thoughts is parsed from the content. On
+a server that constrains the content only (the default), the grammar waits for the thoughts to
+end: greedy thoughts are what the unconstrained model writes."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxllm import SamplingParams
+from jaxllm.sampling_params import StructuredOutputsParams
+from tests.helpers.live_server import start_server
+from tests.server.test_server_tools import HERMES_CALL, TOOLS, _check
+
+ASK = [{"role": "user", "content": "How many legs has a cat?"}]
+THINK_THEN_ANSWER = r"<think>[a-z ]{3,20}</think>[a-z ]{3,20}"
+
+
+@pytest.fixture(scope="module")
+def whole_server(tiny_model_dir, tmp_path_factory):
+    """qwen3's parser, the grammar over the whole output, hermes tool calls."""
+    live = start_server(
+        tiny_model_dir,
+        str(tmp_path_factory.mktemp("reasoning-whole")),
+        *("--reasoning-parser", "qwen3", "--structured-outputs-in-reasoning"),
+        *("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--trust-request-chat-template"),
+    )
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def r1_server(tiny_model_dir, tmp_path_factory):
+    """deepseek_r1's parser (the output starts in the thoughts), the grammar after them."""
+    live = start_server(
+        tiny_model_dir, str(tmp_path_factory.mktemp("reasoning-r1")), "--reasoning-parser", "deepseek_r1"
+    )
+    yield live
+    live.stop()
+
+
+def _offline_text(server, messages, regex: str | None, max_tokens: int, chat_template: str | None = None) -> str:
+    """The reference: what the offline engine writes for the chat, greedy, under `regex`."""
+    llm = server.offline
+    prompt = llm.engine.apply_chat_template(messages, add_generation_prompt=True, chat_template=chat_template)
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=max_tokens,
+        structured_outputs=StructuredOutputsParams(regex=regex) if regex else None,
+    )
+    return llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].text
+
+
+def _streamed(live, **kwargs) -> tuple[str, str, list]:
+    """(reasoning, content, deltas) of a streamed chat completion."""
+    reasoning, content, deltas = "", "", []
+    for chunk in live.client.chat.completions.create(model=live.model, stream=True, **kwargs):
+        for choice in chunk.choices:
+            delta = choice.delta
+            deltas.append(delta)
+            reasoning += getattr(delta, "reasoning_content", None) or ""
+            content += delta.content or ""
+    return reasoning, content, deltas
+
+
+def test_thoughts_and_answer_split_whole_and_streamed(whole_server, server):
+    want = _offline_text(server, ASK, THINK_THEN_ANSWER, 64)
+    thoughts, _, answer = want.removeprefix("<think>").partition("</think>")
+    kwargs = dict(messages=ASK, temperature=0, max_tokens=64, extra_body={"guided_regex": THINK_THEN_ANSWER})
+    message = whole_server.client.chat.completions.create(model=whole_server.model, **kwargs).choices[0].message
+    assert (message.reasoning_content, message.content) == (thoughts, answer)
+    reasoning, content, deltas = _streamed(whole_server, **kwargs)
+    assert (reasoning, content) == (thoughts, answer)
+    assert not any("think>" in (d.content or "") + (getattr(d, "reasoning_content", None) or "") for d in deltas)
+    # include_reasoning false: the answer alone.
+    kwargs["extra_body"] = {**kwargs["extra_body"], "include_reasoning": False}
+    message = whole_server.client.chat.completions.create(model=whole_server.model, **kwargs).choices[0].message
+    assert message.content == answer and getattr(message, "reasoning_content", None) is None
+    reasoning, content, _ = _streamed(whole_server, **kwargs)
+    assert (reasoning, content) == ("", answer)
+
+
+def test_a_tool_call_after_the_thoughts_is_parsed_from_the_content(whole_server):
+    regex = r"<think>[a-z ]{3,9}</think>" + HERMES_CALL
+    kwargs = dict(messages=ASK, tools=TOOLS, temperature=0, max_tokens=100, extra_body={"guided_regex": regex})
+    choice = whole_server.client.chat.completions.create(model=whole_server.model, **kwargs).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.reasoning_content and "think>" not in choice.message.reasoning_content
+    _check(choice.message.tool_calls)
+    reasoning, content, deltas = _streamed(whole_server, **kwargs)
+    assert reasoning == choice.message.reasoning_content and not content
+    calls = [c for d in deltas for c in d.tool_calls or []]
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls
+    ]
+
+
+# A template that opens the thoughts in the prompt, as Qwen3-2507's thinking models do.
+OPENING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+
+
+def test_thoughts_opened_by_the_template(whole_server, server):
+    regex = r"[a-z ]{3,20}</think>[a-z ]{3,20}"
+    want = _offline_text(server, ASK, regex, 64, chat_template=OPENING_TEMPLATE)
+    thoughts, _, answer = want.partition("</think>")
+    kwargs = dict(
+        messages=ASK,
+        temperature=0,
+        max_tokens=64,
+        extra_body={"guided_regex": regex, "chat_template": OPENING_TEMPLATE},
+    )
+    message = whole_server.client.chat.completions.create(model=whole_server.model, **kwargs).choices[0].message
+    assert (message.reasoning_content, message.content) == (thoughts, answer)
+    assert _streamed(whole_server, **kwargs)[:2] == (thoughts, answer)
+
+
+def test_a_plain_answer_has_no_reasoning(whole_server, server):
+    want = _offline_text(server, ASK, "[a-z ]{3,20}", 32)
+    kwargs = dict(messages=ASK, temperature=0, max_tokens=32, extra_body={"guided_regex": "[a-z ]{3,20}"})
+    message = whole_server.client.chat.completions.create(model=whole_server.model, **kwargs).choices[0].message
+    assert message.content == want and getattr(message, "reasoning_content", None) is None
+
+
+def test_the_grammar_waits_for_the_thoughts_to_end(r1_server, server):
+    """deepseek_r1 starts in the thoughts: under response_format json_object the greedy output
+    is the model's own free text (it never writes </think> in 8 tokens), where the server without
+    a reasoning parser starts the JSON at once."""
+    free = _offline_text(server, ASK, None, 8)
+    assert "</think>" not in free
+    kwargs = dict(messages=ASK, temperature=0, max_tokens=8, response_format={"type": "json_object"})
+    message = r1_server.client.chat.completions.create(model=r1_server.model, **kwargs).choices[0].message
+    assert (message.reasoning_content, message.content) == (free, None)
+    reasoning, content, _ = _streamed(r1_server, **kwargs)
+    assert (reasoning, content) == (free, "")
+    plain = server.client.chat.completions.create(model=server.model, **kwargs).choices[0].message
+    assert plain.content.startswith("{")
