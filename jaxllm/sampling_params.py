@@ -7,6 +7,7 @@ import json
 import math
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 128  # entries of one request's logit_bias (they travel in every step's inputs)
 MAX_TEMPERATURE = 1e6  # past ~100 sampling is already uniform; float32 must hold it
 # (low, high, low is allowed) of each float field; the server's request models publish the same.
 FLOAT_RANGES = {
@@ -98,6 +99,12 @@ class SamplingParams:
     generated token. `structured_outputs` constrains the output to a JSON schema, regex,
     choice or grammar (`StructuredOutputsParams`); the request ends with "stop" once its
     grammar is complete.
+
+    Logits processors (vLLM's built-ins): `logit_bias` {token id: bias in [-100, 100]} is added
+    to the logits before sampling (at most MAX_LOGIT_BIAS entries; logprobs stay the model's);
+    `allowed_token_ids` keeps sampling to those tokens and `bad_words` bans each word's last
+    token wherever the output so far ends with its others (both as a mask, like a grammar's:
+    masked tokens' logprobs are -inf).
     """
 
     n: int = 1
@@ -120,6 +127,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -164,10 +174,34 @@ class SamplingParams:
             bad("seed", self.seed, "an integer")
         if any(not s for s in self.stop):
             bad("stop", self.stop, "a list of non-empty strings")
+        self._verify_logits_processors(bad)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
+
+    def _verify_logits_processors(self, bad) -> None:
+        def token_id(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                bad("logit_bias", self.logit_bias, f"a dict of at most {MAX_LOGIT_BIAS} token ids to biases")
+            for token, bias in self.logit_bias.items():
+                if not token_id(token):
+                    bad("logit_bias", token, "keyed by token ids (integers >= 0)")
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                    bad("logit_bias", bias, "biases in [-100, 100]")
+        if self.allowed_token_ids is not None and (
+            not isinstance(self.allowed_token_ids, list)
+            or not self.allowed_token_ids
+            or not all(token_id(t) for t in self.allowed_token_ids)
+        ):
+            bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w.strip() for w in self.bad_words)
+        ):
+            bad("bad_words", self.bad_words, "a list of non-empty strings")
 
     @property
     def greedy(self) -> bool:

@@ -27,7 +27,7 @@ from jaxllm.platforms import Platform
 from jaxllm.quantization.weights import int8_activation_weights
 from jaxllm.runner import compile as compile_mod
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.structured_output import Matcher, StructuredOutputManager
+from jaxllm.structured_output import Matcher, StructuredOutputManager, token_filters
 from jaxllm.weights.plan import QUANTIZE_METHODS
 from jaxllm.engine.pooling import PoolingMixin, resolve_runner
 from jaxllm.engine.lora import LoRAMixin
@@ -222,6 +222,7 @@ class LLMEngine(TrainerMixin, PoolingMixin, LoRAMixin):
         params = self._resolve_params(params, len(prompt_token_ids))
         # Compiled (or taken from the cache) before anything is queued: an invalid one raises here.
         grammar = self.structured_output.compile(params.structured_outputs) if params.structured_outputs else None
+        grammar = token_filters.wrap(grammar, params, self.cfg.vocab_size, self.tokenizer)  # (allowed ids, bad words)
         now = time.monotonic() if arrival_time is None else arrival_time
         choices = self._make_choices(request_id, prompt, prompt_token_ids, params, grammar, now)
         for choice in choices:
@@ -272,6 +273,10 @@ class LLMEngine(TrainerMixin, PoolingMixin, LoRAMixin):
                     f"min_tokens={params.min_tokens} exceeds the {params.max_tokens} tokens left in "
                     f"the context (max_model_len)"
                 )
+        if params.logit_bias and max(params.logit_bias) >= self.cfg.vocab_size:
+            raise ValueError(
+                f"logit_bias has token id {max(params.logit_bias)}, past the vocabulary ({self.cfg.vocab_size} tokens)"
+            )
         banned = len(params.stop_token_ids) + len(self.eos_token_ids)
         if params.min_tokens and banned > 32:
             raise ValueError(f"at most 32 stop token ids can be held back by min_tokens, got {banned}")

@@ -21,10 +21,13 @@ import numpy as np
 from jaxllm.core.request import Request
 from jaxllm.models.step_inputs import StepInputs
 from jaxllm.runner.compile import Bucket
+from jaxllm.sampling_params import MAX_LOGIT_BIAS
+from jaxllm.structured_output import token_filters
 
 NUM_BANNED = 32  # stop/EOS ids a request can hold back under min_tokens
-FLAG_ALL_GREEDY, FLAG_TOP_K_TOP_P, FLAG_PENALTIES, FLAG_LOGPROBS, FLAG_BANNED, FLAG_DRAFTS, FLAG_GRAMMAR = range(7)
-NUM_FLAGS = 7
+FLAG_ALL_GREEDY, FLAG_TOP_K_TOP_P, FLAG_PENALTIES, FLAG_LOGPROBS, FLAG_BANNED, FLAG_DRAFTS = range(6)
+FLAG_GRAMMAR, FLAG_BIAS = 6, 7
+NUM_FLAGS = 8
 
 
 @jax.tree_util.register_dataclass
@@ -45,6 +48,8 @@ class SamplingMetadata:
     penalty_tokens: np.ndarray  # [S, L] int32 prompt + output ids, -1 padding
     banned_tokens: np.ndarray  # [S, NUM_BANNED] int32 ids masked out (under min_tokens), -1 padding
     draft_tokens: np.ndarray  # int32, the draft this row's token verifies (speculative decoding), -1 none
+    bias_ids: np.ndarray  # [S, MAX_LOGIT_BIAS] int32 token ids of the row's logit_bias, -1 padding
+    bias_values: np.ndarray  # [S, MAX_LOGIT_BIAS] f32 their biases
     flags: np.ndarray  # [NUM_FLAGS] bool, batch-wide: which sampler stages run
     # [S, ceil(vocab / 32)] int32 packed bitmask of the tokens each row may sample (structured
     # output: bit t % 32 of word t // 32), -1 words for unconstrained rows; like penalty_tokens
@@ -68,6 +73,8 @@ class SamplingMetadata:
             penalty_tokens=None,
             banned_tokens=np.full((num_seqs, NUM_BANNED), -1, i32),
             draft_tokens=np.full(num_seqs, -1, i32),
+            bias_ids=np.full((num_seqs, MAX_LOGIT_BIAS), -1, i32),
+            bias_values=np.zeros((num_seqs, MAX_LOGIT_BIAS), f32),
             flags=np.zeros(NUM_FLAGS, np.bool_),
         )
 
@@ -115,6 +122,8 @@ class InputBatch:
         self.page_table = np.zeros((0, num_groups, max_pages), np.int32)  # per KV cache group
         self.min_tokens = np.zeros(0, np.int32)
         self.banned = np.zeros((0, NUM_BANNED), np.int32)  # ids held back until min_tokens
+        self.bias_ids = np.zeros((0, MAX_LOGIT_BIAS), np.int32)  # logit_bias, -1 padding
+        self.bias_values = np.zeros((0, MAX_LOGIT_BIAS), np.float32)
         self.params = {
             name: np.zeros(0, np.float32 if isinstance(v, float) else np.int64) for name, v in _ROW_PARAMS.items()
         }
@@ -132,6 +141,8 @@ class InputBatch:
             "page_table",
             "min_tokens",
             "banned",
+            "bias_ids",
+            "bias_values",
             "uses_penalties",
             "wants_logprobs",
             "uses_top_k_top_p",
@@ -206,10 +217,15 @@ class InputBatch:
             self.params[name][row] = value
         # A grammar decides where a constrained output ends: min_tokens holds nothing back there
         # (the EOS it may require would leave no token to sample).
-        self.min_tokens[row] = 0 if req.grammar is not None else min(p.min_tokens, self.max_model_len)
+        grammar = req.grammar is not None and req.grammar.ends_output
+        self.min_tokens[row] = 0 if grammar else min(p.min_tokens, self.max_model_len)
         banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
         self.banned[row] = -1
         self.banned[row, : len(banned[:NUM_BANNED])] = banned[:NUM_BANNED]
+        bias = p.logit_bias or {}
+        self.bias_ids[row], self.bias_values[row] = -1, 0.0
+        self.bias_ids[row, : len(bias)] = list(bias)
+        self.bias_values[row, : len(bias)] = list(bias.values())
         self.uses_penalties[row] = p.uses_penalties
         self.wants_logprobs[row] = p.logprobs is not None
         self.uses_top_k_top_p[row] = p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0)
@@ -240,6 +256,8 @@ class InputBatch:
         out.banned_tokens[n:] = -1
         out.draft_tokens[:n] = -1 if drafts is None else drafts
         out.draft_tokens[n:] = -1
+        out.bias_ids[:n], out.bias_values[:n] = self.bias_ids[rows], self.bias_values[rows]
+        out.bias_ids[n:] = -1
         penalties = self.uses_penalties[rows]
         if penalties.any():
             L = self.max_model_len
@@ -256,6 +274,7 @@ class InputBatch:
         out.flags[FLAG_LOGPROBS] = self.wants_logprobs[rows].any()
         out.flags[FLAG_BANNED] = (out.banned_tokens[:n] >= 0).any()
         out.flags[FLAG_DRAFTS] = drafts is not None and (drafts >= 0).any()
+        out.flags[FLAG_BIAS] = (out.bias_ids[:n] >= 0).any()
 
 
 class TokenMasks:
@@ -268,10 +287,10 @@ class TokenMasks:
 
     def fill(self, grammars) -> np.ndarray:
         """grammars: [(matcher, row, drafts)]: each matcher's mask into its row and, past each
-        draft it allows, into the next rows (`GrammarBackend.fill_masks`). Returns the buffer."""
+        draft it allows, into the next rows (`token_filters.fill_masks`). Returns the buffer."""
         self.host[self._written] = -1
         self._written = np.concatenate([np.arange(row, row + 1 + len(drafts)) for _, row, drafts in grammars])
-        grammars[0][0].backend.fill_masks(grammars, self.host)
+        token_filters.fill_masks(grammars, self.host)
         return self.host
 
 

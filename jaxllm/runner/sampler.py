@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jaxllm.runner.input_batch import (
     FLAG_ALL_GREEDY,
     FLAG_BANNED,
+    FLAG_BIAS,
     FLAG_DRAFTS,
     FLAG_GRAMMAR,
     FLAG_LOGPROBS,
@@ -217,13 +218,18 @@ def sample(
         banned = s.banned_tokens
         return x.at[rows[:, None], jnp.where(banned < 0, x.shape[-1], banned)].set(-jnp.inf, mode="drop")
 
-    def processed():  # mask, banned tokens and penalties applied (an all-greedy plain batch skips this)
-        x = jax.lax.cond(s.flags[FLAG_BANNED], mask_banned, lambda x, _: x, masked(), s)
+    def add_bias(x, s):  # logit_bias (padding ids -1 dropped)
+        ids = s.bias_ids
+        return x.at[rows[:, None], jnp.where(ids < 0, x.shape[-1], ids)].add(s.bias_values, mode="drop")
+
+    def processed():  # logit bias, mask, banned tokens, penalties (an all-greedy plain batch skips this)
+        x = jax.lax.cond(s.flags[FLAG_BIAS], add_bias, lambda x, _: x, masked(), s)
+        x = jax.lax.cond(s.flags[FLAG_BANNED], mask_banned, lambda x, _: x, x, s)
         return jax.lax.cond(s.flags[FLAG_PENALTIES], apply_penalties, lambda x, _: x, x, s)
 
     raw_argmax, lse = argmax_logsumexp(logits, s.token_mask)
     greedy_tokens = jax.lax.cond(
-        s.flags[FLAG_BANNED] | s.flags[FLAG_PENALTIES],
+        s.flags[FLAG_BANNED] | s.flags[FLAG_PENALTIES] | s.flags[FLAG_BIAS],
         lambda: argmax_logsumexp(processed(), None)[0],
         lambda: raw_argmax,
     )

@@ -21,6 +21,12 @@ class Matcher(abc.ABC):
     def is_stopped(self) -> bool:
         """The grammar is complete and nothing may follow (the request is done)."""
 
+    @property
+    def ends_output(self) -> bool:
+        """Whether the matcher decides where the output ends (a grammar does; a mere filter of
+        tokens, token_filters.py, does not)."""
+        return True
+
     @abc.abstractmethod
     def copy(self) -> Matcher:
         """An independent matcher in the same state."""

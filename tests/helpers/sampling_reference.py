@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxllm.runner.input_batch import NUM_BANNED, SamplingMetadata
+from jaxllm.sampling_params import MAX_LOGIT_BIAS
 
 
 LOGITS = np.array([2.0, 1.5, 1.4, 1.0, 0.5, 0.2, 0.0, -0.3, -1.0, -1.5, -2.0, -4.0] + [-20.0] * 12, np.float32)
@@ -29,6 +30,7 @@ def state(
     seeds=None,
     banned=None,
     logprobs=False,
+    bias=None,
 ):
     flat = lambda v, dt: np.full(S, v, dt)  # noqa: E731
     penalty_tokens = np.full((S, 8), -1, np.int32)
@@ -37,6 +39,10 @@ def state(
     banned_tokens = np.full((S, NUM_BANNED), -1, np.int32)
     if banned:
         banned_tokens[:, : len(banned)] = banned
+    bias_ids = np.full((S, MAX_LOGIT_BIAS), -1, np.int32)
+    bias_values = np.zeros((S, MAX_LOGIT_BIAS), np.float32)
+    if bias:
+        bias_ids[:, : len(bias)], bias_values[:, : len(bias)] = list(bias), list(bias.values())
     return SamplingMetadata(
         temperature=flat(temperature, np.float32),
         top_k=flat(top_k, np.int32),
@@ -51,6 +57,8 @@ def state(
         penalty_tokens=penalty_tokens,
         banned_tokens=banned_tokens,
         draft_tokens=np.full(S, -1, np.int32),
+        bias_ids=bias_ids,
+        bias_values=bias_values,
         flags=np.array(
             [
                 temperature == 0,
@@ -60,6 +68,7 @@ def state(
                 bool(banned),
                 False,
                 False,
+                bool(bias),
             ]
         ),
     )

@@ -98,6 +98,26 @@ def test_banned_tokens_and_logprobs(sample):
     np.testing.assert_allclose(np.asarray(top_lp)[0], np.sort(ref)[::-1][:20], rtol=1e-5)
 
 
+@pytest.mark.parametrize("sample", SAMPLERS)
+def test_logit_bias_moves_the_choice_and_leaves_logprobs_raw(sample):
+    """Greedy picks the argmax of logits + bias; a sampled row draws from softmax(logits + bias);
+    the logprobs reported are the model's own (vLLM's raw logprobs)."""
+    bias = {4: 1.6, 0: -100.0}  # token 4 (2.1) now leads token 1 (1.5); token 0 is out
+    tokens, lp, top_lp, top_ids = sample(np.tile(LOGITS, (2, 1)), state(2, temperature=0.0, bias=bias, logprobs=True))
+    raw = LOGITS - np.log(np.exp(LOGITS.astype(np.float64)).sum())
+    assert list(np.asarray(tokens)) == [4, 4]
+    np.testing.assert_allclose(np.asarray(lp), raw[4], rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(top_ids)[0, :12], np.argsort(-LOGITS)[:12])
+    S = 6000
+    tokens, *_ = sample(np.tile(LOGITS, (S, 1)), state(S, temperature=1.0, bias=bias))
+    freq = np.bincount(np.asarray(tokens), minlength=V) / S
+    biased = LOGITS.copy()
+    for t, b in bias.items():
+        biased[t] += b
+    expect = reference_probs(biased)
+    np.testing.assert_array_less(np.abs(freq - expect), 4 * np.sqrt(expect * (1 - expect) / S) + 1e-3)
+
+
 @needs_native
 @pytest.mark.parametrize(
     "kw",

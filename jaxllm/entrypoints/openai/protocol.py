@@ -83,7 +83,7 @@ class SamplingRequest(RequestModel):
     seed: int | None = None
     presence_penalty: float | None = _ranged("presence_penalty")
     frequency_penalty: float | None = _ranged("frequency_penalty")
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # vLLM's extra fields (pass them with the openai client's `extra_body`).
@@ -96,6 +96,8 @@ class SamplingRequest(RequestModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0  # lower first, on a server started with --scheduling-policy priority
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # Structured output: OpenAI's response_format, vLLM's structured_outputs object (json, regex,
     # choice, grammar, json_object) and its older guided_* fields; at most one of them.
     response_format: dict[str, Any] | None = None
@@ -107,7 +109,7 @@ class SamplingRequest(RequestModel):
 
     def unsupported(self) -> str | None:
         """Name of a set field this server cannot honour, if any."""
-        return "logit_bias" if self.logit_bias else None
+        return None
 
     def structured_output(self) -> StructuredOutputsParams | None:
         """The request's output constraint, or None. Raises ValueError (naming the field) if
@@ -150,6 +152,12 @@ class SamplingRequest(RequestModel):
         def pick(value, default):
             return default if value is None else value
 
+        logit_bias = None
+        if self.logit_bias:
+            try:
+                logit_bias = {int(token): bias for token, bias in self.logit_bias.items()}
+            except ValueError:
+                raise ValueError("logit_bias must map token ids (integers, as strings) to biases") from None
         return SamplingParams(
             n=pick(self.n, 1),
             temperature=pick(self.temperature, 1.0),
@@ -169,6 +177,9 @@ class SamplingRequest(RequestModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structured_output(),
+            logit_bias=logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
         )
 
     def logprobs_field(self) -> tuple[str, int | None]:
