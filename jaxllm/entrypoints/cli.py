@@ -220,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_models_parser(commands, formatter)
 
+    from jaxllm.entrypoints.run_batch import add_run_batch_parser
+
+    add_run_batch_parser(commands, formatter, add_engine_args, add_dataclass_args)
+
     from jaxllm.bench.commands import add_bench_parser
 
     add_bench_parser(commands, add_engine_args, engine_args)

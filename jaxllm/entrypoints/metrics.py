@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator
 from prometheus_client import CollectorRegistry, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from jaxllm.entrypoints import tracing
+
 from jaxllm.outputs import RequestOutput
 
 logger = logging.getLogger("jaxllm.server")
@@ -152,8 +154,9 @@ class ServerMetrics:
     """All of one server's metrics, in a registry of its own (so several apps, or tests, can
     live in one process)."""
 
-    def __init__(self, engine, model_name: str):
+    def __init__(self, engine, model_name: str, tracer=None):
         disable_created_metrics()  # no `_created` series (process-wide; vLLM does the same)
+        self.tracer = tracer  # (entrypoints/tracing.py's RequestTracer, with --otlp-traces-endpoint)
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
         names = list(labels)
@@ -189,11 +192,15 @@ class ServerMetrics:
             "request_queue_time_seconds", "Histogram of time spent waiting in the queue, in seconds.", REQUEST_BUCKETS
         )
 
-    async def track(self, outputs: AsyncIterator[RequestOutput], log: bool = True) -> AsyncIterator[RequestOutput]:
+    async def track(
+        self, outputs: AsyncIterator[RequestOutput], log: bool = True, params=None
+    ) -> AsyncIterator[RequestOutput]:
         """Pass one request's outputs through, observing its latencies, and (`log`) log a line
-        when it ends. Expects one output per engine step (output_kind "delta" or
-        "cumulative"), so the gap between two outputs' `last_token_time` is an inter-token latency."""
+        when it ends, and with a tracer record its spans (`params`: its sampling parameters).
+        Expects one output per engine step (output_kind "delta" or "cumulative"), so the gap
+        between two outputs' `last_token_time` is an inter-token latency."""
         last_token_time, last, ended = None, None, None
+        trace_parent = tracing.current_context() if self.tracer is not None else None
         try:
             async with contextlib.aclosing(outputs):
                 async for out in outputs:
@@ -214,6 +221,8 @@ class ServerMetrics:
         finally:
             if log and last is not None:
                 log_request(last, ended)
+            if self.tracer is not None and last is not None:
+                self.tracer.record(last, params, trace_parent, ended)
 
     def _observe_finished(self, times: dict) -> None:
         arrival = times.get("arrival_time")

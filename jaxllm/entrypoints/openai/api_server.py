@@ -28,7 +28,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxllm.version import __version__
 from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError
+from jaxllm.entrypoints.anthropic.protocol import (
+    AnthropicError,
+    CountTokensRequest,
+    CountTokensResponse,
+    MessageResponse,
+    MessagesRequest,
+)
+from jaxllm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from jaxllm.entrypoints.metrics import CONTENT_TYPE, ServerMetrics, StatLogger
+from jaxllm.entrypoints.tracing import RequestTracer
 from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -54,8 +63,10 @@ from jaxllm.entrypoints.openai.serving_embedding import (
     PoolingResponse,
 )
 from jaxllm.entrypoints.openai.serving_lora import add_lora_routes, lora_cards, register_lora_modules
+from jaxllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jaxllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
-from jaxllm.entrypoints.openai.serving_utils import APIError, error_response
+from jaxllm.entrypoints.openai.responses_protocol import ResponseObject, ResponsesRequest
+from jaxllm.entrypoints.openai.serving_utils import APIError, error_response, error_response_for
 from jaxllm.entrypoints.openai.http_server import Server, Shutdown, guarded_protocol
 from jaxllm.entrypoints.openai.middleware import RequestGuard, request_id_of
 from jaxllm.entrypoints.openai.server_args import ServerArgs
@@ -81,8 +92,8 @@ _ERRORS = {
 }
 
 
-def _responses(ok_model=None, *statuses: int, stream: bool = False) -> dict:
-    out = {status: {"model": ErrorResponse, "description": _ERRORS[status]} for status in statuses}
+def _responses(ok_model=None, *statuses: int, stream: bool = False, error_model=ErrorResponse) -> dict:
+    out = {status: {"model": error_model, "description": _ERRORS[status]} for status in statuses}
     if ok_model is not None:
         out[200] = {
             "model": ok_model,
@@ -102,9 +113,12 @@ def _responses(ok_model=None, *statuses: int, stream: bool = False) -> dict:
 _GUARDED = (400, 401, 413, 431, 500, 503)  # what any route behind the API key can answer
 
 
-def build_app(llm: AsyncLLM, args: ServerArgs | None = None, shutdown: Shutdown | None = None) -> FastAPI:
-    """The FastAPI app serving `llm` under the limits in `args`."""
+def build_app(llm: AsyncLLM, args: ServerArgs | None = None, shutdown: Shutdown | None = None, tracer=None) -> FastAPI:
+    """The FastAPI app serving `llm` under the limits in `args`; `tracer` (a
+    `tracing.RequestTracer`, else one for `args.otlp_traces_endpoint` if set) traces requests."""
     args = args or ServerArgs()
+    if tracer is None and args.otlp_traces_endpoint:
+        tracer = RequestTracer.to_endpoint(args.otlp_traces_endpoint)
     if args.enable_weight_updates and not args.api_key:
         raise ValueError("--enable-weight-updates needs --api-key: its routes replace the model being served")
     shutdown = shutdown or Shutdown()
@@ -118,6 +132,8 @@ def build_app(llm: AsyncLLM, args: ServerArgs | None = None, shutdown: Shutdown 
         finally:
             if task is not None:
                 task.cancel()
+            if tracer is not None:
+                tracer.shutdown()  # (sends the spans still batched)
 
     app = FastAPI(
         title="jaxllm",
@@ -126,13 +142,14 @@ def build_app(llm: AsyncLLM, args: ServerArgs | None = None, shutdown: Shutdown 
         description="OpenAI-compatible API for jaxllm (completions, chat, embeddings, models), plus pooling, tokenize, "
         "detokenize, health, version and Prometheus metrics.",
     )
-    server_metrics = ServerMetrics(llm.engine, llm.engine.model_name)
+    server_metrics = ServerMetrics(llm.engine, llm.engine.model_name, tracer)
     app.add_middleware(
         RequestGuard,
         api_key=args.api_key,
         max_body_bytes=args.max_request_body_bytes,
         max_header_bytes=args.max_header_bytes,
         shutdown=shutdown,
+        tracing=tracer is not None,
     )
     _add_error_handlers(app)
     _add_service_routes(app, llm, args, shutdown, server_metrics)
@@ -151,11 +168,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     """Every error answered as OpenAI's error object (validation errors as 400s)."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_, e: APIError):
-        return error_response(e.message, e.status, e.param, e.headers)
+    async def _api_error(request: Request, e: APIError):
+        return error_response_for(request.url.path, e.message, e.status, e.param, e.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_, e: RequestValidationError):
+    async def _validation_error(request: Request, e: RequestValidationError):
         errors = e.errors()
         parts, param = [], None
         for err in errors[:3]:
@@ -165,20 +182,21 @@ def _add_error_handlers(app: FastAPI) -> None:
                 continue
             param = param or (loc[0] if loc else None)
             parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
-        return error_response("; ".join(parts) or "invalid request", 400, param)
+        return error_response_for(request.url.path, "; ".join(parts) or "invalid request", 400, param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_, e: StarletteHTTPException):
-        return error_response(str(e.detail), e.status_code)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return error_response_for(request.url.path, str(e.detail), e.status_code)
 
     @app.exception_handler(EngineDeadError)
-    async def _engine_dead(_, e: EngineDeadError):
-        return error_response("the engine has stopped; the server is restarting", 503)
+    async def _engine_dead(request: Request, e: EngineDeadError):
+        return error_response_for(request.url.path, "the engine has stopped; the server is restarting", 503)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception):
         # Starlette re-raises after answering; RequestGuard logs it, once, with the request id.
-        return error_response(f"internal error; the server logged it as request {request_id_of(request.scope)}", 500)
+        message = f"internal error; the server logged it as request {request_id_of(request.scope)}"
+        return error_response_for(request.url.path, message, 500)
 
 
 def _add_service_routes(
@@ -224,8 +242,8 @@ def _add_service_routes(
 def _add_openai_routes(
     app: FastAPI, llm: AsyncLLM, args: ServerArgs, shutdown: Shutdown, server_metrics: ServerMetrics
 ) -> None:
-    """/v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings, /pooling, /tokenize and
-    /detokenize."""
+    """/v1/models, /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages (Anthropic's),
+    /v1/embeddings, /pooling, /tokenize and /detokenize."""
     engine = llm.engine
     workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxllm-tokenizer")
     parts = (llm, server_metrics, args, shutdown, workers)
@@ -252,6 +270,27 @@ def _add_openai_routes(
     @app.post("/v1/chat/completions", responses=_responses(ChatCompletionResponse, *_GUARDED, 404, 429, stream=True))
     async def chat_completions(request: ChatCompletionRequest, raw: Request):
         return await chat.create_chat_completion(request, raw)
+
+    responses = OpenAIServingResponses(chat, args.responses_store_size)
+
+    @app.post("/v1/responses", responses=_responses(ResponseObject, *_GUARDED, 404, 429, stream=True))
+    async def create_response(request: ResponsesRequest, raw: Request):
+        """OpenAI's Responses API (serving_responses.py)."""
+        return await responses.create_response(request, raw)
+
+    messages = AnthropicServingMessages(chat)
+    anthropic_errors = dict(error_model=AnthropicError)
+
+    @app.post(
+        "/v1/messages", responses=_responses(MessageResponse, *_GUARDED, 404, 429, stream=True, **anthropic_errors)
+    )
+    async def create_message(request: MessagesRequest, raw: Request):
+        """Anthropic's Messages API (jaxllm/entrypoints/anthropic)."""
+        return await messages.create_message(request, raw)
+
+    @app.post("/v1/messages/count_tokens", responses=_responses(None, *_GUARDED, 404, **anthropic_errors))
+    async def count_message_tokens(request: CountTokensRequest) -> CountTokensResponse:
+        return await messages.count_tokens(request)
 
     @app.post("/v1/embeddings", responses=_responses(EmbeddingResponse, *_GUARDED, 404, 429))
     async def embeddings(request: EmbeddingRequest, raw: Request):

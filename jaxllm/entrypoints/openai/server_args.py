@@ -98,6 +98,19 @@ class ServerArgs:
         nargs="+",
         type=str,
     )
+    responses_store_size: int = option(
+        1024,
+        "responses kept in memory for /v1/responses' previous_response_id (with store, its default), the "
+        "least recently used dropped; 0 keeps none",
+        metavar="N",
+    )
+    otlp_traces_endpoint: str | None = option(
+        None,
+        "send an OpenTelemetry trace of each request (spans queue, prefill, decode; token counts, TTFT) to "
+        "this OTLP endpoint (HTTP/protobuf, e.g. http://localhost:4318/v1/traces; grpc://host:4317 for gRPC); "
+        "a `traceparent` header continues the caller's trace. Needs jaxllm[tracing]. Default: no tracing",
+        metavar="URL",
+    )
     disable_log_requests: bool = option(
         False, "do not log a line per finished request (id, tokens, TTFT, end-to-end time, finish reason)"
     )
@@ -122,7 +135,7 @@ class ServerArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("max_waiting_requests", "timeout_keep_alive"):
+        for name in ("max_waiting_requests", "timeout_keep_alive", "responses_store_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:

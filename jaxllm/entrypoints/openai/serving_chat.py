@@ -121,6 +121,13 @@ class _ChatCompletion:
                 for i in range(self.n)
             ]
         )
+        async for choice in self.stream_choices(outputs):
+            yield self.chunk([choice])
+        if self.request.include_usage:
+            yield self.chunk([], self.usage())
+
+    async def stream_choices(self, outputs: MergedOutputs) -> AsyncIterator[ChatCompletionStreamChoice]:
+        """Each choice's deltas as they come: reasoning, content and tool calls parsed."""
         parsers = [self.tools.stream() for _ in range(self.n)]
         thinking = [self.reasoning[0].stream(self.reasoning[1]) if self.reasoning else None for _ in range(self.n)]
         async for _, out in outputs:
@@ -128,9 +135,7 @@ class _ChatCompletion:
                 self.choices[delta.index].add(delta)
                 choice = self._stream_choice(delta, parsers[delta.index], thinking[delta.index])
                 if choice is not None:
-                    yield self.chunk([choice])
-        if self.request.include_usage:
-            yield self.chunk([], self.usage())
+                    yield choice
 
     def _stream_choice(self, delta, parser, thinking) -> ChatCompletionStreamChoice | None:
         """One choice's new text as a stream chunk's choice, or None while a parser holds it."""
@@ -193,6 +198,11 @@ class OpenAIServingChat(OpenAIServing):
         self.reasoning_parser = get_reasoning_parser(self.args.reasoning_parser) if self.args.reasoning_parser else None
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw: Request):
+        chat, outputs = await self.start_chat(request, raw, "chatcmpl")
+        return await self.respond(raw, outputs, request, chat.collect, chat.stream)
+
+    async def start_chat(self, request: ChatCompletionRequest, raw: Request, id_prefix: str):
+        """The request checked, rendered and queued: (its `_ChatCompletion`, its outputs)."""
         lora = self.check_request(request)
         if request.top_logprobs and not request.logprobs:
             raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
@@ -233,15 +243,9 @@ class OpenAIServingChat(OpenAIServing):
             tools,
             self.model_name if lora is None else lora.lora_name,
             prompt_ids,
-            f"chatcmpl-{request_id_of(raw.scope)}",
+            f"{id_prefix}-{request_id_of(raw.scope)}",
             params.n,
             eos_text,
             reasoning,
         )
-        return await self.respond(
-            raw,
-            self.start([(None, prompt_ids)], params, chat.request_id, request.priority, lora),
-            request,
-            chat.collect,
-            chat.stream,
-        )
+        return chat, self.start([(None, prompt_ids)], params, chat.request_id, request.priority, lora)

@@ -352,6 +352,7 @@ class OpenAIServing:
                     lora_request=lora_request,
                 ),
                 log=not self.args.disable_log_requests,
+                params=params,
             )
             for i, (text, ids) in enumerate(prompts)
         ]
@@ -359,9 +360,21 @@ class OpenAIServing:
         self.shutdown.register(outputs)
         return outputs
 
-    async def respond(self, raw: Request, outputs: MergedOutputs, request: SamplingRequest, collect, stream):
+    async def respond(
+        self,
+        raw: Request,
+        outputs: MergedOutputs,
+        request: SamplingRequest,
+        collect,
+        stream,
+        *,
+        stream_end: str = "data: [DONE]\n\n",
+        stream_error=None,
+    ):
         """Run `collect(outputs)` for a plain response or `stream(outputs)` (SSE lines) for a
-        streamed one; map failures to their error answers and a client that left to 499."""
+        streamed one; map failures to their error answers and a client that left to 499.
+        `stream_end`: the stream's last line; `stream_error(message, status, param)`: the event
+        of a failure once the stream has begun (default: OpenAI's error object)."""
         request_id = request_id_of(raw.scope)
         try:
             if not request.stream:
@@ -375,7 +388,7 @@ class OpenAIServing:
                 await outputs.close()
                 raise
             return StreamingResponse(
-                self._sse_lines(stream(outputs), outputs, request_id),
+                self._sse_lines(stream(outputs), outputs, request_id, stream_end, stream_error),
                 media_type="text/event-stream",
                 background=BackgroundTask(outputs.close),
             )
@@ -388,7 +401,9 @@ class OpenAIServing:
             raise error from e
 
     @staticmethod
-    async def _sse_lines(chunks: AsyncIterator[str], outputs: MergedOutputs, request_id: str) -> AsyncIterator[str]:
+    async def _sse_lines(
+        chunks: AsyncIterator[str], outputs: MergedOutputs, request_id: str, end: str, error_event
+    ) -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
                 yield chunk
@@ -397,7 +412,11 @@ class OpenAIServing:
             if error is None:  # a bug: log it once, tell the client only the request id
                 logger.exception("request %s: the stream failed", request_id)
                 error = APIError(f"internal error; the server logged it as request {request_id}", 500)
-            yield sse(error_body(error.message, error.status, error.param))
+            if error_event is not None:
+                yield error_event(error.message, error.status, error.param)
+            else:
+                yield sse(error_body(error.message, error.status, error.param))
         finally:
             await outputs.close()
-        yield "data: [DONE]\n\n"
+        if end:
+            yield end

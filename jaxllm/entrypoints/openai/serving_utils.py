@@ -11,6 +11,7 @@ from collections.abc import Awaitable
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from jaxllm.entrypoints.anthropic import protocol as anthropic
 from jaxllm.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
     ChatLogprob,
@@ -53,6 +54,16 @@ def error_response(
     message: str, status: int, param: str | None = None, headers: dict[str, str] | None = None
 ) -> JSONResponse:
     return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
+
+
+def error_response_for(
+    path: str, message: str, status: int, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """The error answer in the shape of the API `path` belongs to: Anthropic's on /v1/messages
+    (jaxllm/entrypoints/anthropic), OpenAI's elsewhere."""
+    if path.startswith(anthropic.PATH_PREFIX):
+        return anthropic.error_response(message, status, headers)
+    return error_response(message, status, param, headers)
 
 
 def bad_value(e: ValueError, request: SamplingRequest | None = None) -> APIError:
