@@ -13,7 +13,7 @@ from jaxllm.outputs import (
     ScoringRequestOutput,
 )
 from jaxllm.pooling_params import PoolingParams
-from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxllm.sampling_params import LogitsProcessor, SamplingParams, StructuredOutputsParams
 from jaxllm.version import __version__
 
 
@@ -47,6 +47,7 @@ __all__ = [
     "LLM",
     "LLMEngine",
     "Logprob",
+    "LogitsProcessor",
     "PoolingParams",
     "RequestOutput",
     "SamplingParams",

@@ -174,6 +174,15 @@ class EngineArgs:
         cli=False,
     )
     max_logprobs: int = option(20, "most log-probabilities a request may ask for per token (at most 20)", metavar="N")
+    logits_processors: list | None = option(
+        None,
+        "custom logits processors (jaxllm.LogitsProcessor subclasses) applied inside the step, each a "
+        "'module:Class' name (or, from Python, a class or an instance); requests opt in through "
+        "SamplingParams.extra_args. Default: none",
+        metavar="MODULE:CLASS",
+        nargs="+",
+        type=str,
+    )
     batch_invariant: bool = option(
         False,
         "a request's tokens and logprobs bit-identical whatever shares its steps, however its prompt is "

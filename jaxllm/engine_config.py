@@ -13,6 +13,7 @@ import os
 
 from jaxllm.config import DEFAULT_KV_CACHE_MEMORY, EngineArgs, SpeculativeConfig
 from jaxllm.platforms import Platform
+from jaxllm.sampling_params import resolve_logits_processors
 from jaxllm.utils import DTYPES, check_dtype, default_cache_root, resolve_kv_cache_dtype
 
 logger = logging.getLogger("jaxllm")
@@ -87,6 +88,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     quantization: str | None = None
     logprobs_mode: str = "raw_logprobs"
+    logits_processors: tuple = ()  # LogitsProcessor instances (EngineArgs.logits_processors)
     batch_invariant: bool = False
     # A pooling engine's `models.pooling.PoolingConfig` (EngineArgs.runner): it embeds, it does not generate.
     pooling: object | None = None
@@ -175,6 +177,7 @@ def resolve_config(
         seed=args.seed,
         max_logprobs=args.max_logprobs,
         logprobs_mode=args.logprobs_mode,
+        logits_processors=resolve_logits_processors(args.logits_processors),
         batch_invariant=args.batch_invariant,
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

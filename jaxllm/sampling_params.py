@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
+
+import numpy as np
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 128  # entries of one request's logit_bias (they travel in every step's inputs)
@@ -130,6 +133,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    extra_args: dict | None = None  # for custom logits processors (`LogitsProcessor.row_state`)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -210,3 +214,66 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+class LogitsProcessor:
+    """A batch-level logits processor for Python users (vLLM v1's interface, the JAX way): its
+    `apply` is traced into the jitted step, over every row at once, and its per-request state
+    travels in the step's inputs as fixed-shape arrays, so nothing recompiles as requests come
+    and go. Given to the engine as `LLM(..., logits_processors=[MyProcessor])` (a class, an
+    instance, or "module:Class"); a request opts in through `SamplingParams.extra_args`.
+
+    `state`: per-request state arrays, name -> (shape, dtype, neutral value); dtypes int32,
+    float32 or bool. A request the processor leaves alone (`row_state` returns None) holds the
+    neutral values, and `apply` must leave such rows as they are.
+
+    The step applies processors after logit_bias and the token masks, before penalties,
+    temperature and the truncations; greedy rows take the processed argmax. Logprobs stay raw
+    (`logprobs_mode="processed_logprobs"` reports the processed ones). An engine with custom
+    processors compiles its steps afresh at each start (no executable store: their code is not
+    jaxllm's to key the cache by).
+    """
+
+    state: dict[str, tuple[tuple[int, ...], str, float | int | bool]] = {}
+
+    def row_state(self, params: SamplingParams, prompt_token_ids: list[int]) -> dict | None:
+        """A new request's state (a dict of arrays or scalars by `state`'s names), or None when the
+        processor leaves the request alone (its rows then cost `apply` nothing but a no-op)."""
+        return None
+
+    def update_state(self, state: dict, output_token_ids) -> None:
+        """On the host, when a request's output has grown: update its `state` arrays in place
+        (`output_token_ids`: the output so far). Default: nothing (a stateless processor)."""
+
+    def apply(self, logits, state: dict):
+        """logits [S, V] f32 -> the processed logits; `state` holds each name's [S, *shape] array.
+        Traced into the step: jax.numpy only, no Python branching on values."""
+        raise NotImplementedError
+
+
+_STATE_DTYPES = ("int32", "float32", "bool")
+
+
+def resolve_logits_processors(processors) -> tuple[LogitsProcessor, ...]:
+    """Processor instances from classes, instances or "module:Class" names (EngineArgs.
+    logits_processors). Raises ValueError for anything else, or a state the step cannot carry."""
+    out = []
+    for p in processors or ():
+        if isinstance(p, str):
+            module, _, name = p.partition(":")
+            try:
+                p = getattr(importlib.import_module(module), name)
+            except (ImportError, AttributeError, ValueError) as e:
+                raise ValueError(f"logits_processors: cannot import {module}:{name} ({e})") from None
+        if isinstance(p, type):
+            p = p()
+        if not isinstance(p, LogitsProcessor):
+            raise ValueError(f"logits_processors: {p!r} is not a jaxllm.LogitsProcessor")
+        for name, (shape, dtype, _) in p.state.items():
+            if str(np.dtype(dtype)) not in _STATE_DTYPES or any(int(n) < 1 for n in shape):
+                raise ValueError(
+                    f"logits_processors: {type(p).__name__}.state[{name!r}] must have a shape of positive sizes "
+                    "and dtype int32, float32 or bool"
+                )
+        out.append(p)
+    return tuple(out)

@@ -122,28 +122,33 @@ def _third_party_imports(*tops: str) -> set[str]:
     return found - local - set(sys.stdlib_module_names)
 
 
-def _declared() -> tuple[set[str], set[str]]:
-    """(the project's dependencies, its dev extra) from pyproject.toml, as import names."""
+def _declared() -> tuple[set[str], set[str], set[str]]:
+    """(the project's dependencies, its dev extra, its other extras) from pyproject.toml, as
+    import names."""
     import re
     import tomllib
 
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         project = tomllib.load(f)["project"]
     import_name = {"pyyaml": "yaml", "absl-py": "absl"}
+    import_name.update({n: "opentelemetry" for n in ("opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http")})
 
     def names(requirements):
         bare = (re.split(r"[<>=!~\[ ]", r, maxsplit=1)[0].lower() for r in requirements)
         return {import_name.get(n, n.replace("-", "_")) for n in bare}
 
-    return names(project["dependencies"]), names(project["optional-dependencies"]["dev"])
+    extras = project["optional-dependencies"]
+    optional = set().union(*(names(reqs) for name, reqs in extras.items() if name != "dev"))
+    return names(project["dependencies"]), names(extras["dev"]), optional
 
 
 def test_dependencies_are_what_the_code_imports():
-    # jaxllm declares exactly what it imports; the tests and benchmarks import only what is
-    # declared, or the peers a benchmark measures when they are installed apart.
-    main, dev = _declared()
+    # jaxllm declares exactly what it imports (an optional feature's imports in its extra); the
+    # tests and benchmarks import only what is declared, or the peers a benchmark measures when
+    # they are installed apart.
+    main, dev, optional = _declared()
     # What a library jaxllm imports needs but does not declare (pyproject.toml says which).
     undeclared_by_imports = {"absl"}
-    assert _third_party_imports("jaxllm") | undeclared_by_imports == main
+    assert _third_party_imports("jaxllm") | undeclared_by_imports == main | optional
     optional_peers = {"vllm", "llama_cpp", "xgrammar", "qwix"}
     assert _third_party_imports("tests", "benchmarks", "examples") - main - dev - optional_peers == set()

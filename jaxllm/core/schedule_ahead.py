@@ -13,7 +13,8 @@ def schedule_ahead(scheduler, in_flight: SchedulerOutput) -> SchedulerOutput | N
     there decodes that token next (the device reads it from the step in flight); a request
     its length stops there is left out, and one stopped by its token (EOS) wastes its row.
     Only when nothing waits, every running request is in `in_flight` and samples there, none
-    needs a grammar, penalties, prompt logprobs or beams, and the pool has pages to spare."""
+    needs a grammar, penalties, custom logits processors (`extra_args`), prompt logprobs or beams,
+    and the pool has pages to spare."""
     if scheduler.proposer is not None or len(scheduler.requests) > len(scheduler.running):
         return None
     ids = {r.request_id for r, _ in in_flight.scheduled}
@@ -28,6 +29,7 @@ def schedule_ahead(scheduler, in_flight: SchedulerOutput) -> SchedulerOutput | N
             request.num_computed_tokens + num_new != request.num_tokens
             or request.grammar is not None
             or params.uses_penalties
+            or params.extra_args  # (custom logits processors update their state from each token)
             or request.prompt_logprobs is not None
             or not request.append_sampled_tokens
         ):

@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from jaxllm.entrypoints.run_batch import add_run_batch_parser
 
-    add_run_batch_parser(commands, formatter, add_engine_args, add_dataclass_args)
+    add_run_batch_parser(commands, formatter, sys.modules[__name__])
 
     from jaxllm.bench.commands import add_bench_parser
 

@@ -40,7 +40,8 @@ NETWORK_FIELDS = (
 )
 
 
-def add_run_batch_parser(commands, formatter, add_engine_args, add_dataclass_args) -> None:
+def add_run_batch_parser(commands, formatter, cli) -> None:
+    """The `run-batch` command; `cli`: the jaxllm.entrypoints.cli module (its flag helpers)."""
     from jaxllm.entrypoints.openai.server_args import ServerArgs
 
     parser = commands.add_parser(
@@ -60,26 +61,25 @@ def add_run_batch_parser(commands, formatter, add_engine_args, add_dataclass_arg
         help="requests in flight at once (default: twice --max-num-seqs)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    add_engine_args(parser, serving=True)
-    add_dataclass_args(
+    cli.add_engine_args(parser, serving=True)
+    cli.add_dataclass_args(
         parser.add_argument_group("request handling (as `jaxllm serve`'s)"), ServerArgs, skip=NETWORK_FIELDS
     )
-    parser.set_defaults(run=run_batch_command)
+    parser.set_defaults(
+        run=lambda args: run_batch_command(args, cli.engine_args(args), cli.from_flags(ServerArgs, args))
+    )
 
 
-def run_batch_command(args: argparse.Namespace) -> int:
+def run_batch_command(args: argparse.Namespace, engine_args, server_args) -> int:
     from jaxllm.engine.async_llm import AsyncLLM
-    from jaxllm.entrypoints.cli import engine_args, from_flags
     from jaxllm.entrypoints.openai.api_server import build_app
-    from jaxllm.entrypoints.openai.server_args import ServerArgs
 
-    server_args = from_flags(ServerArgs, args)
     server_args.verify()
     source = sys.stdin if args.input_file == "-" else open(args.input_file, encoding="utf-8")
     with source:
         lines = [line for line in source.read().splitlines() if line.strip()]
     print(f"jaxllm: {len(lines)} requests; loading {args.model or 'the default model'}...", file=sys.stderr, flush=True)
-    llm = AsyncLLM(engine_args(args))
+    llm = AsyncLLM(engine_args)
     try:
         app = build_app(llm, server_args)
         concurrency = args.max_concurrency or 2 * llm.engine.config.scheduler.max_num_seqs

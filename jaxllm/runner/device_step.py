@@ -1,7 +1,7 @@
 """The device program of one engine step: pure, jitted once per bucket by `ModelRunner`.
 
     step(params, kv_cache, ints, floats, penalty_tokens, token_mask, prev_tokens, *, layout, cfg, attention, mesh,
-         cpp_ops, logprobs_mode)
+         cpp_ops, logprobs_mode, logits_processors)
         -> (tokens, logprobs, top_logprobs, top_ids, hidden, kv_cache)
 
 `ints` / `floats` are the bucket's packed inputs (`PackedLayout.unpack` gives `StepInputs` and
@@ -10,7 +10,8 @@
 `StepInputs.prev_rows` is set takes its id from there), and `tokens` come out padded to it. With
 pipeline stages they carry one micro-batch per stage (`[M, ...]`). `hidden` (before the final
 norm, for prompt logprobs) is returned on one device only, else None. `cpp_ops`: norms and
-sampling in the C++ kernels (`Platform.cpp_ops`). `logprobs_mode`: `EngineArgs.logprobs_mode`.
+sampling in the C++ kernels (`Platform.cpp_ops`). `logprobs_mode`: `EngineArgs.logprobs_mode`;
+`logits_processors`: the engine's custom ones (`EngineArgs.logits_processors`).
 
     pool_step(params, kv_cache, ints, floats, penalty_tokens, token_mask, prev_tokens, *, layout, cfg, attention,
               cpp_ops, pooling_mode) -> (parts, kv_cache)
@@ -46,6 +47,7 @@ def step(
     mesh,
     cpp_ops: bool = False,
     logprobs_mode: str = "raw_logprobs",
+    logits_processors=(),
 ):
     hidden = None  # [T, hidden] before the final norm, kept for prompt logprobs (one device only)
     if parallel.pp_size(mesh) > 1:  # [M, ...]: micro-batches through the pipeline stages
@@ -79,7 +81,11 @@ def step(
                 params, kv_cache, inputs, cfg, attention=attention, mesh=mesh, cpp_ops=cpp_ops
             )
     tokens, logprob, top_lp, top_ids = sampler.sample(
-        logits, sampling, *sampler.sampling_ops(cpp_ops), processed_logprobs=logprobs_mode == "processed_logprobs"
+        logits,
+        sampling,
+        *sampler.sampling_ops(cpp_ops),
+        processed_logprobs=logprobs_mode == "processed_logprobs",
+        processors=logits_processors,
     )
     # Every bucket's tokens as one shape ([prev_tokens.shape[0]], padded), the next step's `prev_tokens`.
     tokens = jnp.zeros(prev_tokens.shape, tokens.dtype).at[: tokens.shape[0]].set(tokens)

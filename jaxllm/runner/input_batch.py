@@ -20,14 +20,15 @@ import numpy as np
 
 from jaxllm.core.request import Request
 from jaxllm.models.step_inputs import StepInputs
+from jaxllm.runner import logits_processors
 from jaxllm.runner.compile import Bucket
 from jaxllm.sampling_params import MAX_LOGIT_BIAS
 from jaxllm.structured_output import token_filters
 
 NUM_BANNED = 32  # stop/EOS ids a request can hold back under min_tokens
 FLAG_ALL_GREEDY, FLAG_TOP_K_TOP_P, FLAG_PENALTIES, FLAG_LOGPROBS, FLAG_BANNED, FLAG_DRAFTS = range(6)
-FLAG_GRAMMAR, FLAG_BIAS = 6, 7
-NUM_FLAGS = 8
+FLAG_GRAMMAR, FLAG_BIAS, FLAG_CUSTOM = 6, 7, 8
+NUM_FLAGS = 9
 
 
 @jax.tree_util.register_dataclass
@@ -51,13 +52,15 @@ class SamplingMetadata:
     bias_ids: np.ndarray  # [S, MAX_LOGIT_BIAS] int32 token ids of the row's logit_bias, -1 padding
     bias_values: np.ndarray  # [S, MAX_LOGIT_BIAS] f32 their biases
     flags: np.ndarray  # [NUM_FLAGS] bool, batch-wide: which sampler stages run
+    # Custom logits processors' state, "<index>.<name>" -> [S, ...] (runner/logits_processors.py).
+    custom: dict = dataclasses.field(default_factory=dict)
     # [S, ceil(vocab / 32)] int32 packed bitmask of the tokens each row may sample (structured
     # output: bit t % 32 of word t // 32), -1 words for unconstrained rows; like penalty_tokens
     # it travels apart, usually as a cached all-ones device array (runner/token_masks.py).
     token_mask: np.ndarray | None = None
 
     @classmethod
-    def zeros(cls, num_seqs: int) -> SamplingMetadata:
+    def zeros(cls, num_seqs: int, processors=()) -> SamplingMetadata:
         f32, i32 = np.float32, np.int32
         return cls(
             temperature=np.zeros(num_seqs, f32),
@@ -76,6 +79,7 @@ class SamplingMetadata:
             bias_ids=np.full((num_seqs, MAX_LOGIT_BIAS), -1, i32),
             bias_values=np.zeros((num_seqs, MAX_LOGIT_BIAS), f32),
             flags=np.zeros(NUM_FLAGS, np.bool_),
+            custom=logits_processors.zeros(processors, num_seqs),
         )
 
     @classmethod
@@ -85,8 +89,9 @@ class SamplingMetadata:
         fields = {
             f.name: jnp.concatenate([getattr(p, f.name) for p in parts])
             for f in dataclasses.fields(cls)
-            if f.name not in ("flags", "penalty_tokens", "token_mask")
+            if f.name not in ("flags", "penalty_tokens", "token_mask", "custom")
         }
+        fields["custom"] = {k: jnp.concatenate([p.custom[k] for p in parts]) for k in parts[0].custom}
         flags = jnp.stack([p.flags for p in parts])
         flags = jnp.any(flags, axis=0).at[FLAG_ALL_GREEDY].set(jnp.all(flags[:, FLAG_ALL_GREEDY]))
         return cls(**fields, flags=flags, penalty_tokens=None)
@@ -109,7 +114,14 @@ class InputBatch:
     """Rows of per-request state that persist across steps."""
 
     def __init__(
-        self, max_rows: int, max_model_len: int, max_pages: int, page_size: int, vocab_size: int, num_groups: int = 1
+        self,
+        max_rows: int,
+        max_model_len: int,
+        max_pages: int,
+        page_size: int,
+        vocab_size: int,
+        num_groups: int = 1,
+        processors=(),
     ):
         self.max_model_len = max_model_len
         self.page_size = page_size
@@ -130,6 +142,7 @@ class InputBatch:
         self.uses_penalties = np.zeros(0, np.bool_)
         self.wants_logprobs = np.zeros(0, np.bool_)
         self.uses_top_k_top_p = np.zeros(0, np.bool_)
+        self.custom = logits_processors.ProcessorStates(processors, 0)
         self._grow(max_rows)
 
     def _grow(self, rows: int) -> None:
@@ -153,6 +166,7 @@ class InputBatch:
             setattr(self, name, grown)
         for name, arr in self.params.items():
             self.params[name] = np.concatenate([arr, np.zeros(rows - old, arr.dtype)])
+        self.custom.grow(rows)
         self.free_rows += range(rows - 1, old - 1, -1)
 
     def remove(self, request_ids) -> None:
@@ -182,6 +196,8 @@ class InputBatch:
                 if num_tokens > have:
                     self.token_ids[row, have:num_tokens] = req.token_slice(have, num_tokens)
                     self.num_tokens[row] = num_tokens
+                    if self.custom.processors:
+                        self.custom.update(row, self.token_ids[row, self.num_prompt_tokens[row] : num_tokens])
                 # Pages from the one being written on: new pages, and a copy-on-write copy.
                 first = req.num_computed_tokens // bs
                 for g, table in enumerate(req.page_tables):
@@ -229,6 +245,8 @@ class InputBatch:
         self.uses_penalties[row] = p.uses_penalties
         self.wants_logprobs[row] = p.logprobs is not None
         self.uses_top_k_top_p[row] = p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0)
+        if self.custom.processors:
+            self.custom.add(row, p, req.prompt_token_ids, tokens[req.num_prompt_tokens :])
         return row
 
     def fill_sampling(
@@ -275,6 +293,7 @@ class InputBatch:
         out.flags[FLAG_BANNED] = (out.banned_tokens[:n] >= 0).any()
         out.flags[FLAG_DRAFTS] = drafts is not None and (drafts >= 0).any()
         out.flags[FLAG_BIAS] = (out.bias_ids[:n] >= 0).any()
+        out.flags[FLAG_CUSTOM] = self.custom.fill(out.custom, rows)
 
 
 class TokenMasks:

@@ -122,6 +122,7 @@ class ModelRunner:
             config.cache.page_size,
             cfg.vocab_size,
             len(config.cache.group_windows),
+            config.logits_processors,
         )
         # Where the step's inputs go: the device, or every device of the mesh (replicated).
         self._inputs_sharding = (
@@ -180,7 +181,12 @@ class ModelRunner:
         kind = (
             functools.partial(device_step.pool_step, pooling_mode=self.pooling.mode)
             if self.pooling is not None
-            else functools.partial(device_step.step, mesh=self.mesh, logprobs_mode=self.config.logprobs_mode)
+            else functools.partial(
+                device_step.step,
+                mesh=self.mesh,
+                logprobs_mode=self.config.logprobs_mode,
+                logits_processors=self.config.logits_processors,
+            )
         )
         step = jax.jit(
             functools.partial(kind, cfg=self.cfg, attention=self.attention, cpp_ops=self.cpp_ops),
@@ -195,7 +201,8 @@ class ModelRunner:
                 repr((self.cfg, self.attention, self.mesh, self.cpp_ops, self.config.logprobs_mode, self.pooling)),
                 devices,
             )
-            if cache_dir and jax.process_count() == 1
+            # (custom logits processors' code is not jaxllm's sources, which key the store)
+            if cache_dir and jax.process_count() == 1 and not self.config.logits_processors
             else None
         )
         runner = weakref.ref(self)

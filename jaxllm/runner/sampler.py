@@ -29,10 +29,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxllm.runner import logits_processors
 from jaxllm.runner.input_batch import (
     FLAG_ALL_GREEDY,
     FLAG_BANNED,
     FLAG_BIAS,
+    FLAG_CUSTOM,
     FLAG_DRAFTS,
     FLAG_GRAMMAR,
     FLAG_LOGPROBS,
@@ -193,6 +195,7 @@ def sample(
     draw=draw_xla,
     *,
     processed_logprobs: bool = False,
+    processors=(),
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """logits [S, V] f32 (a row per logits row) -> (tokens [S] int32, token logprob [S] f32,
     top_logprobs [S, MAX_LOGPROBS] f32, top_ids [S, MAX_LOGPROBS] int32).
@@ -201,7 +204,8 @@ def sample(
     as vLLM reports them, but after a structured-output mask (`s.token_mask` under
     FLAG_GRAMMAR): a masked-out token's logprob is -inf. `argmax_logsumexp(x, token_mask) ->
     (argmax, logsumexp)` per row over the allowed tokens and `draw(logits, s, u, u_draft) ->
-    tokens` (see `draw_xla`): XLA's, or the C++ kernels' (`sampling_ops`).
+    tokens` (see `draw_xla`): XLA's, or the C++ kernels' (`sampling_ops`). `processors`: the
+    engine's custom logits processors (under FLAG_CUSTOM).
 
     The greedy path hands the mask to `argmax_logsumexp` rather than masking the logits
     first: a lax.cond around [S, V] logits makes XLA:CPU copy them (~9 ms of every step at 128
@@ -222,14 +226,19 @@ def sample(
         ids = s.bias_ids
         return x.at[rows[:, None], jnp.where(ids < 0, x.shape[-1], ids)].add(s.bias_values, mode="drop")
 
-    def processed():  # logit bias, mask, banned tokens, penalties (an all-greedy plain batch skips this)
+    def custom(x, s):  # the engine's custom logits processors (runner/logits_processors.py)
+        return logits_processors.apply(x, s.custom, processors)
+
+    def processed():  # bias, mask, processors, bans, penalties (an all-greedy plain batch skips this)
         x = jax.lax.cond(s.flags[FLAG_BIAS], add_bias, lambda x, _: x, masked(), s)
+        if processors:
+            x = jax.lax.cond(s.flags[FLAG_CUSTOM], custom, lambda x, _: x, x, s)
         x = jax.lax.cond(s.flags[FLAG_BANNED], mask_banned, lambda x, _: x, x, s)
         return jax.lax.cond(s.flags[FLAG_PENALTIES], apply_penalties, lambda x, _: x, x, s)
 
     raw_argmax, lse = argmax_logsumexp(logits, s.token_mask)
     greedy_tokens = jax.lax.cond(
-        s.flags[FLAG_BANNED] | s.flags[FLAG_PENALTIES] | s.flags[FLAG_BIAS],
+        s.flags[FLAG_BANNED] | s.flags[FLAG_PENALTIES] | s.flags[FLAG_BIAS] | s.flags[FLAG_CUSTOM],
         lambda: argmax_logsumexp(processed(), None)[0],
         lambda: raw_argmax,
     )

@@ -85,7 +85,7 @@ class StepBuilder:
                     self.window_group,
                     lora=self.lora_slot_of is not None,
                 ),
-                SamplingMetadata.zeros(R),
+                SamplingMetadata.zeros(R, self.input_batch.custom.processors),
             )
         if R not in self._no_penalty_tokens:
             # Requests without penalties share one device array of -1s (no [R, L] transfer).

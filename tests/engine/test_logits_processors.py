@@ -1,13 +1,16 @@
-"""The built-in logits processors through `LLM.generate` on the tiny model: logit_bias,
-allowed_token_ids and bad_words each change the choice exactly as the model's own
-distribution (an unconstrained run's top-20 logprobs) says they must, alone, together, with a
-grammar and with n > 1; bad values are refused with the field named."""
+"""Logits processors through `LLM.generate` on the tiny model: the built-ins (logit_bias,
+allowed_token_ids, bad_words) and custom `LogitsProcessor`s each change the choice exactly as
+the model's own distribution (an unconstrained run's top-20 logprobs) says they must, alone,
+together, with a grammar, with n > 1 and beside plain requests; bad values are refused with the
+field named."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from jaxllm import SamplingParams
+from jaxllm import LogitsProcessor, SamplingParams
 from jaxllm.sampling_params import StructuredOutputsParams
 
 PROMPT = "The capital of France is"
@@ -130,3 +133,78 @@ def test_ids_past_the_vocabulary_are_refused(llm, kwargs):
     with pytest.raises(ValueError, match="past the vocabulary"):
         _run(llm, **kwargs)
     assert _run(llm)[0].token_ids  # (the engine goes on)
+
+
+# ----------------------------------------------------------------------------- custom processors
+
+
+class BanTokens(LogitsProcessor):
+    """Bans up to 4 tokens a request names in extra_args["ban"] (a stateless processor)."""
+
+    state = {"ids": ((4,), "int32", -1)}
+
+    def row_state(self, params, prompt_token_ids):
+        ban = (params.extra_args or {}).get("ban")
+        return None if not ban else {"ids": np.array((list(ban) + [-1] * 4)[:4], np.int32)}
+
+    def apply(self, logits, state):
+        ids = state["ids"]
+        rows = jnp.arange(logits.shape[0])[:, None]
+        return logits.at[rows, jnp.where(ids < 0, logits.shape[1], ids)].set(-jnp.inf, mode="drop")
+
+
+class ForceAfter(LogitsProcessor):
+    """From the request's `after`-th output token on, only `token` (state updated as the output grows)."""
+
+    state = {"token": ((), "int32", -1), "after": ((), "int32", 0), "produced": ((), "int32", 0)}
+
+    def row_state(self, params, prompt_token_ids):
+        args = params.extra_args or {}
+        return None if "force" not in args else {"token": args["force"], "after": args["after"], "produced": 0}
+
+    def update_state(self, state, output_token_ids):
+        state["produced"][...] = len(output_token_ids)
+
+    def apply(self, logits, state):
+        on = (state["token"] >= 0) & (state["produced"] >= state["after"])
+        only = jnp.arange(logits.shape[1])[None, :] == state["token"][:, None]
+        return jnp.where(on[:, None] & ~only, -jnp.inf, logits)
+
+
+@pytest.fixture(scope="module")
+def processed_llm(tiny_model_dir):
+    from jaxllm import LLM
+    from tests.helpers.tiny_model import TINY_ENGINE_ARGS
+
+    names = ["tests.engine.test_logits_processors:BanTokens", ForceAfter]
+    return LLM(tiny_model_dir, **TINY_ENGINE_ARGS, logits_processors=names)
+
+
+def test_custom_processors_in_one_batch_with_plain_requests(processed_llm, llm):
+    """A banning request, a forcing one and plain ones share the steps; each gets what the model's
+    own distribution says, the plain ones exactly the engine-without-processors' tokens."""
+    ranked = _ranked(llm)
+    plain = _run(llm, max_tokens=6)[0].token_ids
+    prompts = [PROMPT] * 4
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=6),
+        SamplingParams(temperature=0.0, max_tokens=6, extra_args={"ban": [ranked[0][0], ranked[1][0]]}),
+        SamplingParams(temperature=0.0, max_tokens=6, extra_args={"force": 77, "after": 3}),
+        SamplingParams(temperature=0.7, seed=3, max_tokens=6, extra_args={"force": 55, "after": 0}),
+    ]
+    outs = [o.outputs[0].token_ids for o in processed_llm.generate(prompts, params, use_tqdm=False)]
+    assert outs[0] == plain
+    assert outs[1][0] == ranked[2][0]
+    assert outs[2][:3] == plain[:3] and outs[2][3:] == [77, 77, 77]
+    assert outs[3] == [55] * 6
+
+
+def test_bad_processors_are_refused(tiny_model_dir):
+    from jaxllm.sampling_params import resolve_logits_processors
+
+    class Wide(LogitsProcessor):
+        state = {"x": ((2,), "float64", 0.0)}
+
+    for bad, message in [(Wide, "dtype"), (object, "not a jaxllm.LogitsProcessor"), ("no.such:Thing", "cannot import")]:
+        with pytest.raises(ValueError, match=message):
+            resolve_logits_processors([bad])
