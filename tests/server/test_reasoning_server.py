@@ -141,3 +141,44 @@ def test_the_grammar_waits_for_the_thoughts_to_end(r1_server, server):
     assert (reasoning, content) == (free, "")
     plain = server.client.chat.completions.create(model=server.model, **kwargs).choices[0].message
     assert plain.content.startswith("{")
+
+
+@pytest.mark.slow
+def test_the_default_model_thinks_under_a_template_that_asks(tmp_path):
+    """SmolLM2 with a template that asks for thoughts and opens them: the greedy thoughts are the
+    model's own free text (the offline engine's, unconstrained, up to the first </think>), and
+    whatever follows them is the JSON that response_format asks for."""
+    import json
+    import os
+
+    from jaxllm import LLM
+    from jaxllm.models.loader import default_model_path
+
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>system\nThink inside <think></think>, then answer in JSON."
+        "<|im_end|>\n<|im_start|>assistant\n<think>\n{% endif %}"
+    )
+    path = default_model_path()
+    flags = ("--kv-cache-memory", "128MiB", "--max-model-len", "384", "--served-model-name", os.path.basename(path))
+    live = start_server(path, str(tmp_path), *flags, "--reasoning-parser", "qwen3", "--trust-request-chat-template")
+    try:
+        messages = [{"role": "user", "content": "Is 7 a prime number?"}]
+        llm = LLM(path, kv_cache_memory=128 << 20, max_model_len=384)
+        ids = llm.engine.apply_chat_template(messages, chat_template=template)
+        free = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)
+        thoughts = free[0].outputs[0].text.partition("</think>")[0]
+        choice = live.client.chat.completions.create(
+            model=live.model,
+            messages=messages,
+            temperature=0,
+            max_tokens=48,
+            response_format={"type": "json_object"},
+            extra_body={"chat_template": template},
+        ).choices[0]
+        message = choice.message
+        assert message.reasoning_content == thoughts and thoughts.strip()
+        if choice.finish_reason == "stop":  # (the model closed its thoughts, then the JSON is whole)
+            assert isinstance(json.loads(message.content), dict)
+    finally:
+        live.stop()
