@@ -76,3 +76,41 @@ def test_run_batch_answers_each_line(tiny_model_dir, llm, tmp_path):
         else:
             assert result["response"]["status_code"] == status
             assert result["response"]["body"]["error"]["message"] == result["error"]["message"]
+
+
+def test_run_batch_embeds_on_a_pooling_engine(embedding_server):
+    """/v1/embeddings lines through `run_batch` over an in-process app on the MiniLM engine: the
+    embeddings equal the offline engine's; a chat line there gets the pooling engine's 400."""
+    import asyncio
+    import io
+
+    import numpy as np
+
+    from jaxllm.engine.async_llm import AsyncLLM
+    from jaxllm.entrypoints.openai.api_server import build_app
+    from jaxllm.entrypoints.openai.server_args import ServerArgs
+    from jaxllm.entrypoints.run_batch import run_batch
+
+    offline = embedding_server.offline
+    texts = ["a cat sat on the mat", "stock markets fell"]
+    lines = [
+        json.dumps({"custom_id": "embed", "url": "/v1/embeddings", "body": {"input": texts}}),
+        json.dumps(
+            {
+                "custom_id": "chat",
+                "url": "/v1/chat/completions",
+                "body": {"messages": [{"role": "user", "content": "hi"}]},
+            }
+        ),
+    ]
+    async_llm = AsyncLLM(engine=offline.engine)
+    try:
+        sink = io.StringIO()
+        failed = asyncio.run(run_batch(build_app(async_llm, ServerArgs()), lines, sink, 4, progress=False))
+    finally:
+        async_llm.shutdown()
+    out = {r["custom_id"]: r for r in map(json.loads, sink.getvalue().splitlines())}
+    assert failed == 1 and out["chat"]["response"]["status_code"] == 400
+    got = [d["embedding"] for d in out["embed"]["response"]["body"]["data"]]
+    want = [o.outputs.embedding for o in offline.embed(texts, use_tqdm=False)]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
