@@ -182,3 +182,32 @@ def test_the_default_model_thinks_under_a_template_that_asks(tmp_path):
             assert isinstance(json.loads(message.content), dict)
     finally:
         live.stop()
+
+
+def test_responses_and_messages_carry_the_thoughts(r1_server, server):
+    """The same split through the Responses API (a reasoning item, reasoning_text deltas) and
+    Anthropic's (a thinking block, thinking_delta events): deepseek_r1's output starts in the
+    thoughts, so 8 greedy tokens are all thoughts, the offline engine's free text."""
+    import anthropic
+
+    from tests.helpers.live_server import API_KEY
+
+    free = _offline_text(server, ASK, None, 8)
+    response = r1_server.client.responses.create(
+        model=r1_server.model, input=ASK[0]["content"], max_output_tokens=8, temperature=0
+    )
+    assert [item.type for item in response.output] == ["reasoning"]
+    assert response.output[0].content[0].text == free
+    events = list(
+        r1_server.client.responses.create(
+            model=r1_server.model, input=ASK[0]["content"], max_output_tokens=8, temperature=0, stream=True
+        )
+    )
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == free
+    client = anthropic.Anthropic(base_url=r1_server.url, api_key=API_KEY, max_retries=0)
+    kwargs = dict(model=r1_server.model, messages=ASK, max_tokens=8, extra_body={"temperature": 0})
+    message = client.messages.create(**kwargs)
+    assert [(b.type, b.thinking) for b in message.content] == [("thinking", free)]
+    with client.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, b.thinking) for b in final.content] == [("thinking", free)]
