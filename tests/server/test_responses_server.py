@@ -66,7 +66,7 @@ def test_message_items_and_a_json_schema_format(server):
 
 
 def test_a_function_call_and_its_output_chain_by_previous_response_id(server):
-    first = server.client.responses.create(
+    forced = dict(
         model=server.model,
         input="Weather in Paris?",
         tools=FLAT_TOOLS,
@@ -74,6 +74,7 @@ def test_a_function_call_and_its_output_chain_by_previous_response_id(server):
         max_output_tokens=200,
         temperature=0,
     )
+    first = server.client.responses.create(**forced)
     (call,) = [item for item in first.output if item.type == "function_call"]
     assert call.name == "get_weather" and call.call_id
     jsonschema.validate(json.loads(call.arguments), SCHEMAS["get_weather"])
@@ -102,17 +103,7 @@ def test_a_function_call_and_its_output_chain_by_previous_response_id(server):
     assert second.output_text == text and second.usage.input_tokens == n_prompt
     assert second.previous_response_id == first.id
     # Streamed, the call comes as a function_call item with its argument deltas.
-    events = list(
-        server.client.responses.create(
-            model=server.model,
-            input="Weather in Paris?",
-            tools=FLAT_TOOLS,
-            tool_choice={"type": "function", "name": "get_weather"},
-            max_output_tokens=200,
-            temperature=0,
-            stream=True,
-        )
-    )
+    events = list(server.client.responses.create(stream=True, **forced))
     streamed = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert streamed == call.arguments
     (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
