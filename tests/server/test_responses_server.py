@@ -133,3 +133,18 @@ def test_bad_requests_are_answered_400(server, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:
         server.client.responses.create(model=server.model, **kwargs)
     assert e.value.body["param"] == param
+
+
+def test_the_store_drops_the_least_recently_used():
+    from jaxllm.entrypoints.openai.serving_responses import ResponseStore
+
+    store = ResponseStore(2, max_chars=200)
+    conversation = [{"role": "user", "content": "x" * 40}]
+    for i in range(3):
+        store.put(f"r{i}", conversation)
+        assert store.get("r0") is not None or i == 2  # (r0 used: r1 goes first)
+    assert store.get("r1") is None and store.get("r0") == conversation and store.get("r2") == conversation
+    store.put("big", [{"role": "user", "content": "y" * 300}])  # (past the character budget: not kept)
+    assert store.get("big") is None and store.chars <= 200
+    store.put("r3", [{"role": "user", "content": "z" * 90}])  # (two of ~100 characters fill the budget)
+    assert store.get("r3") is not None and store.chars <= 200

@@ -10,7 +10,8 @@ function_call items; `status` "incomplete" (`max_output_tokens`) when it ran out
 Streamed, the events are the API's typed ones, each with its `sequence_number`.
 
 With `store` (the default) the conversation and its answer are kept for `previous_response_id`
-in a bounded in-memory store (least recently used dropped; `--responses-store-size`).
+in a bounded in-memory store (`--responses-store-size` responses, 256 Mi characters in all; the
+least recently used dropped).
 """
 
 from __future__ import annotations
@@ -42,27 +43,32 @@ from jaxllm.entrypoints.openai.serving_utils import APIError
 
 class ResponseStore:
     """Conversations of stored responses (chat messages, the answer included), by response id;
-    at most `size`, the least recently used dropped. Thread-safe."""
+    at most `size` of them and `max_chars` characters of them in all, the least recently used
+    dropped first. Thread-safe."""
 
-    def __init__(self, size: int):
-        self.size = size
-        self._items: collections.OrderedDict[str, list[dict]] = collections.OrderedDict()
+    def __init__(self, size: int, max_chars: int = 256 << 20):
+        self.size, self.max_chars, self.chars = size, max_chars, 0
+        self._items: collections.OrderedDict[str, tuple[list[dict], int]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def put(self, response_id: str, messages: list[dict]) -> None:
-        if self.size <= 0:
+        chars = len(json.dumps(messages, ensure_ascii=False))
+        if self.size <= 0 or chars > self.max_chars:
             return
         with self._lock:
-            self._items[response_id] = messages
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
+            self._items[response_id] = messages, chars
+            self.chars += chars
+            while len(self._items) > self.size or self.chars > self.max_chars:
+                _, (_, dropped) = self._items.popitem(last=False)
+                self.chars -= dropped
 
     def get(self, response_id: str) -> list[dict] | None:
         with self._lock:
-            messages = self._items.get(response_id)
-            if messages is not None:
-                self._items.move_to_end(response_id)
-            return messages
+            item = self._items.get(response_id)
+            if item is None:
+                return None
+            self._items.move_to_end(response_id)
+            return item[0]
 
 
 def _text(content) -> str:
