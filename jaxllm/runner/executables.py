@@ -95,6 +95,7 @@ class ExecutableStore:
         self._base = hashlib.sha256(_environment() + b"\0" + static.encode()).digest()
         self._digests: dict[int, tuple] = {}
         self.num_damaged = 0  # files found unreadable (recompiled and written again)
+        self.num_unsaved = 0  # steps that could not be written (a full or read-only disk)
 
     def key(self, layout, args) -> str:
         """Key of the step compiled for packed layout `layout` and arguments `args` (a tuple)."""
@@ -177,7 +178,17 @@ class ExecutableStore:
             tmp = None
             self._evict()
         except Exception as e:  # a step that cannot be serialized still runs; the next start recompiles
-            logger.warning("could not save the compiled step (%s: %s)", type(e).__name__, e)
+            # (once a store: a full or read-only disk fails every step alike)
+            self.num_unsaved += 1
+            log = logger.warning if self.num_unsaved == 1 else logger.debug
+            log(
+                "could not save the compiled step (%s: %s); it runs, and the next start compiles it again%s",
+                type(e).__name__,
+                e,
+                " (other steps of this run that cannot be saved are logged at debug level)"
+                if self.num_unsaved == 1
+                else "",
+            )
         finally:
             if tmp is not None:  # nothing partial is left behind (a full disk, say)
                 with contextlib.suppress(OSError):

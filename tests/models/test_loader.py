@@ -123,13 +123,20 @@ def test_cached_tokenizer_on_a_thread_and_broken_entries(default_model):
     assert threaded.pending_tokenizer is not None and threaded.tokenizer is None  # on its thread until resolved
     text = "<|im_start|>user\nhello there<|im_end|>"
     assert threaded.resolve_tokenizer()(text).input_ids == loaded.tokenizer(text).input_ids
-    # A tokenizer file that does not parse fails where the tokenizer is resolved, saying where.
-    shutil.copy(os.path.join(tokenizer_dir, "tokenizer.json"), os.path.join(str(cache_dir), "keep.json"))
+    # A tokenizer file garbled at its own size does not parse: that fails where the tokenizer is
+    # resolved, saying where; cut short, the entry's size check sees it and the entry is rebuilt.
+    tokenizer_file = os.path.join(tokenizer_dir, "tokenizer.json")
+    shutil.copy(tokenizer_file, os.path.join(str(cache_dir), "keep.json"))
     try:
-        with open(os.path.join(tokenizer_dir, "tokenizer.json"), "w") as f:
-            f.write("{not json")
+        size = os.path.getsize(tokenizer_file)
+        with open(tokenizer_file, "w") as f:
+            f.write("{not json".ljust(size))
         with pytest.raises(RuntimeError, match="params cache"):
             load_model(cache_dir=cache_dir, progress=False, tokenizer_thread=True).resolve_tokenizer()
+        with open(tokenizer_file, "w") as f:
+            f.write("{not json")
+        rebuilt = load_model(cache_dir=cache_dir, progress=False, tokenizer_thread=True)
+        assert rebuilt.resolve_tokenizer()(text).input_ids == loaded.tokenizer(text).input_ids
         # A missing one makes the entry unreadable: rebuilt from the model file.
         os.remove(os.path.join(tokenizer_dir, "tokenizer.json"))
         rebuilt = load_model(cache_dir=cache_dir, progress=False, tokenizer_thread=True)
@@ -142,7 +149,7 @@ def test_cached_tokenizer_on_a_thread_and_broken_entries(default_model):
 
 
 def test_an_unreadable_entry_waits_for_its_tokenizer_thread_before_rebuilding(default_model, tmp_path, monkeypatch):
-    """Params a crash left half-written: the tokenizer already loading on its thread (importing
+    """Params garbled on disk: the tokenizer already loading on its thread (importing
     transformers) finishes before the rebuild, on this thread, imports transformers too (two
     threads importing its lazy module at once failed one start in 3 with "cannot import name
     'PreTrainedTokenizerFast'")."""
@@ -153,8 +160,8 @@ def test_an_unreadable_entry_waits_for_its_tokenizer_thread_before_rebuilding(de
     shutil.copytree(cache_dir, copy)
     (entry,) = os.listdir(copy)
     params_file = os.path.join(copy, entry, "params", loader.PARAMS_FILE)
-    with open(params_file, "r+b") as f:
-        f.truncate(os.path.getsize(params_file) // 2)
+    with open(params_file, "r+b") as f:  # (garbled at its own size: the size check passes it)
+        f.write(b"\xff" * 8)
     events = []
     load_tokenizer, convert = loader._load_tokenizer, loader._convert
 
