@@ -135,6 +135,10 @@ def _build_in(cache_dir: str, key: str, cxx: str) -> str:
             if damage is None:
                 return path
             logger.warning("the cached C++ kernels %s are damaged (%s): compiling them again", path, damage)
+        for name in os.listdir(cache_dir):  # what a build killed mid-way left (the lock is ours)
+            if name.startswith("tmp") and name.endswith((".so", ".o", ".tmp")):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(cache_dir, name))
         _compile(cxx, path)
     return path
 

@@ -238,6 +238,7 @@ def load_model(
     # Two processes that need the same entry: the second waits for the first to write it.
     with folder_lock(os.path.dirname(entry)) if entry is not None else contextlib.nullcontext():
         if entry is not None:
+            _drop_leftovers(os.path.dirname(entry))
             cached = _restore_cached(entry, path, name, shardings, tokenizer_thread, on_host)
             if cached is not None:
                 logger.info("loaded %s from the params cache %s", name, entry)
@@ -410,6 +411,16 @@ def _restore_cached(
         quantization=meta.get("quantization"),
         pending_tokenizer=pending,
     )
+
+
+def _drop_leftovers(folder: str) -> None:
+    """Remove the temporary folders of writers that died mid-write (kill -9, a power cut): every
+    writer holds the folder's lock while it writes, and so does the caller."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(folder):
+            if re.search(r"\.tmp\d+$", name):  # (`_save_cached`'s temporary names)
+                logger.info("removing %s, left half-written by a process that died", name)
+                shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
 
 def _save_cached(entry: str, loaded: LoadedModel) -> None:

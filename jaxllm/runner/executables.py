@@ -23,6 +23,7 @@ import logging
 import os
 import pickle
 import tempfile
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
@@ -199,6 +200,10 @@ class ExecutableStore:
         change to jaxllm's sources or the settings leaves the old keys' files unused)."""
         entries = []
         for name in os.listdir(self.directory):
+            if name.endswith(".tmp"):  # a writer's, or one a killed writer left: stale after an hour
+                with contextlib.suppress(OSError):
+                    if time.time() - os.stat(os.path.join(self.directory, name)).st_mtime > 3600:
+                        os.unlink(os.path.join(self.directory, name))
             if name.startswith("step-") and name.endswith(".bin"):
                 with contextlib.suppress(OSError):
                     st = os.stat(os.path.join(self.directory, name))
