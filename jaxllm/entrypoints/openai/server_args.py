@@ -39,6 +39,12 @@ class ServerArgs:
         2048, "most inputs in one /v1/embeddings or /pooling request (OpenAI's limit)", metavar="N"
     )
     max_stop_strings: int = option(64, "most `stop` strings in one request", metavar="N")
+    max_stream_backlog: int = option(
+        4096,
+        "outputs (engine steps) buffered for a streaming client that reads slower than the engine writes; "
+        "a client that falls further behind (or stops reading without closing) has its request stopped",
+        metavar="N",
+    )
     max_waiting_requests: int = option(
         1024, "most requests queued beyond a full batch; more get 429 with Retry-After", metavar="N"
     )
@@ -129,6 +135,7 @@ class ServerArgs:
             "max_request_body_bytes",
             "max_prompts_per_request",
             "max_stop_strings",
+            "max_stream_backlog",
             "limit_concurrency",
             "max_header_bytes",
         ):

@@ -52,14 +52,22 @@ class ServerShuttingDown(Exception):
     """The shutdown grace period ended before this request did."""
 
 
+class ClientTooSlow(Exception):
+    """The client read its stream so much slower than the engine wrote it that its backlog
+    passed --max-stream-backlog: the request was stopped."""
+
+
 class MergedOutputs:
     """Engine requests (one per prompt) running concurrently; yields `(prompt_index, output)` in
     arrival order. `close()` cancels whatever still runs, which aborts it in the engine; `stop()`
-    makes the consumer raise `ServerShuttingDown` at its next output."""
+    makes the consumer raise `ServerShuttingDown` at its next output. A consumer that falls more
+    than `max_backlog` outputs behind (a client that stops reading its stream) has its requests
+    aborted: what is buffered for it stays bounded, and only its own requests are affected."""
 
     _DONE = object()
 
-    def __init__(self, streams: list[AsyncIterator[RequestOutput]]):
+    def __init__(self, streams: list[AsyncIterator[RequestOutput]], max_backlog: int | None = None):
+        self.max_backlog = max_backlog
         self._queue: asyncio.Queue = asyncio.Queue()
         self._early: list[tuple[int, object]] = []
         self._running = len(streams)
@@ -69,6 +77,11 @@ class MergedOutputs:
         try:
             async for out in stream:
                 self._queue.put_nowait((i, out))
+                if self.max_backlog is not None and self._queue.qsize() > self.max_backlog:
+                    await stream.aclose()  # (aborts the engine request: its pages are freed)
+                    message = f"the client fell {self.max_backlog} outputs behind its stream; the request was stopped"
+                    self._queue.put_nowait((i, ClientTooSlow(message)))
+                    return
         except Exception as e:  # handed to the consumer; cancellation is not caught
             self._queue.put_nowait((i, e))
         else:
@@ -179,6 +192,8 @@ def api_error(e: Exception, request_id: str, request: SamplingRequest | None = N
         return e
     if isinstance(e, ValueError):
         return bad_value(e, request)
+    if isinstance(e, ClientTooSlow):
+        return APIError(str(e), 408)
     if isinstance(e, ServerShuttingDown):
         return APIError("the server is shutting down; the request was stopped before it finished", 503)
     if isinstance(e, EngineDeadError):
@@ -356,7 +371,7 @@ class OpenAIServing:
             )
             for i, (text, ids) in enumerate(prompts)
         ]
-        outputs = MergedOutputs(streams)
+        outputs = MergedOutputs(streams, self.args.max_stream_backlog)
         self.shutdown.register(outputs)
         return outputs
 
