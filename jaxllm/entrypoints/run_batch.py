@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import uuid
@@ -83,8 +84,8 @@ def run_batch_command(args: argparse.Namespace, engine_args, server_args) -> int
     try:
         app = build_app(llm, server_args)
         concurrency = args.max_concurrency or 2 * llm.engine.config.scheduler.max_num_seqs
-        sink = sys.stdout if args.output_file == "-" else open(args.output_file, "w", encoding="utf-8")
-        with sink:
+        to_stdout = args.output_file == "-"
+        with contextlib.nullcontext(sys.stdout) if to_stdout else open(args.output_file, "w", encoding="utf-8") as sink:
             failed = asyncio.run(run_batch(app, lines, sink, concurrency, progress=not args.no_progress))
     finally:
         llm.shutdown()
