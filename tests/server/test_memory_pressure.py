@@ -1,11 +1,12 @@
-"""Memory pressure: 200 concurrent requests with prompts near max_model_len (400-460 of its 512
-tokens, 48 out) on a KV pool that holds about 5% of them at once. All complete, each answering
-exactly as the offline engine does, none lost; the preemptions show in the metrics; the server's
-memory stays within its pool and a stated margin. A request that could never fit the pool is
-refused at once with a 400."""
+"""Memory pressure: 200 (or JAXLLM_PRESSURE_REQUESTS) concurrent requests with prompts near
+max_model_len (400-460 of its 512 tokens, 48 out) on a KV pool that holds about 5% of them at
+once. All complete, each answering exactly as the offline engine does, none lost; the
+preemptions show in the metrics; the server's memory stays within its pool and a stated margin.
+A request that could never fit the pool is refused at once with a 400."""
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -16,16 +17,24 @@ import pytest
 from jaxllm import SamplingParams
 from tests.helpers.live_server import start_server
 
-NUM_REQUESTS = 200
+# 200 in `make test`; the issue's 1,000: JAXLLM_PRESSURE_REQUESTS=1000 pytest tests/server/test_memory_pressure.py
+NUM_REQUESTS = int(os.environ.get("JAXLLM_PRESSURE_REQUESTS", 200))
 PAGE = 16
-POOL_PAGES = 300  # (a 450-token request needs ~29 pages: the pool holds ~10 of 200 at once)
+POOL_PAGES = NUM_REQUESTS * 3 // 2  # (a request needs ~29 of these 16-token pages: ~5% of them fit at once)
 MAX_TOKENS = 48  # (decodes cross pages: running requests outgrow a pool their prompts filled)
 RSS_MARGIN = 512 << 20  # what the server may grow by beyond its pool under the flood
 
 
 @pytest.mark.multiprocess
 def test_a_flood_of_long_prompts_on_a_small_pool_all_completes(tiny_model_dir, tmp_path, server):
-    flags = ("--num-gpu-blocks-override", str(POOL_PAGES), "--block-size", str(PAGE), "--max-waiting-requests", "400")
+    flags = (
+        "--num-gpu-blocks-override",
+        str(POOL_PAGES),
+        "--block-size",
+        str(PAGE),
+        "--max-waiting-requests",
+        str(2 * NUM_REQUESTS),
+    )
     live = start_server(tiny_model_dir, str(tmp_path), *flags)
     try:
         rng = np.random.default_rng(0)
