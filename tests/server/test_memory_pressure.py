@@ -27,14 +27,9 @@ RSS_MARGIN = 512 << 20  # what the server may grow by beyond its pool under the 
 
 @pytest.mark.multiprocess
 def test_a_flood_of_long_prompts_on_a_small_pool_all_completes(tiny_model_dir, tmp_path, server):
-    flags = (
-        "--num-gpu-blocks-override",
-        str(POOL_PAGES),
-        "--block-size",
-        str(PAGE),
-        "--max-waiting-requests",
-        str(2 * NUM_REQUESTS),
-    )
+    flags = ("--num-gpu-blocks-override", str(POOL_PAGES), "--block-size", str(PAGE))
+    # (more sequences may run than the pool holds: 32 for 200 requests, 125 for 1,000)
+    flags += ("--max-num-seqs", str(max(32, NUM_REQUESTS // 8)), "--max-waiting-requests", str(2 * NUM_REQUESTS))
     live = start_server(tiny_model_dir, str(tmp_path), *flags)
     try:
         rng = np.random.default_rng(0)
