@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -36,6 +37,12 @@ SCHEMA = {
     "required": ["word", "count"],
     "additionalProperties": False,
 }
+
+
+def _sample(stats: dict, error) -> None:
+    """Keep the first 20 errors as samples (they are all counted in stats["errors"])."""
+    if len(stats["error_samples"]) < 20:
+        stats["error_samples"].append(error)
 
 
 async def structured_request(client: httpx.AsyncClient, rng: random.Random, model: str, stats: dict) -> None:
@@ -60,7 +67,7 @@ async def structured_request(client: httpx.AsyncClient, rng: random.Random, mode
         stats["latencies"].append(time.perf_counter() - start)
     except Exception as e:  # noqa: BLE001 - every unexpected outcome is counted, with a sample
         stats["errors"] += 1
-        stats["error_samples"].append(repr(e)[:200])
+        _sample(stats, repr(e)[:200])
 
 
 async def one_request(client: httpx.AsyncClient, rng: random.Random, model: str, stats: dict) -> None:
@@ -100,7 +107,7 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, model: str,
                 return
             if response.status_code != 200:
                 stats["errors"] += 1
-                stats["error_samples"].append((response.status_code, (await response.aread())[:200].decode()))
+                _sample(stats, (response.status_code, (await response.aread())[:200].decode()))
                 return
             tokens, finished, drop_after = 0, 0, rng.randint(1, 4) if kind == "abandon" else None
             if stream:
@@ -128,7 +135,7 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, model: str,
         stats["latencies"].append(time.perf_counter() - start)
     except Exception as e:  # noqa: BLE001 - every unexpected outcome is counted, with a sample
         stats["errors"] += 1
-        stats["error_samples"].append(repr(e)[:200])
+        _sample(stats, repr(e)[:200])
 
 
 async def run_soak(
@@ -277,7 +284,8 @@ def main() -> int:
 
         with tempfile.TemporaryDirectory() as work:
             model = args.server_model or build_tiny_model(f"{work}/tiny-llama")
-            server = start_server(model, work, *args.server_flags.split())
+            named = ["--served-model-name", os.path.basename(model)]  # (the name the client asks for)
+            server = start_server(model, work, *named, *args.server_flags.split())
             try:
                 figures = soak_figures(
                     server.url, API_KEY, server.model, server.proc.pid, sample_every=args.sample_every, **sizes
