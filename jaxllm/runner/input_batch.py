@@ -274,8 +274,13 @@ class InputBatch:
         out.banned_tokens[n:] = -1
         out.draft_tokens[:n] = -1 if drafts is None else drafts
         out.draft_tokens[n:] = -1
-        out.bias_ids[:n], out.bias_values[:n] = self.bias_ids[rows], self.bias_values[rows]
-        out.bias_ids[n:] = -1
+        # logit_bias: copied only when a row has one (a request's first entry is its flag).
+        biased = bool((self.bias_ids[rows, 0] >= 0).any())
+        if biased:
+            out.bias_ids[:n], out.bias_values[:n] = self.bias_ids[rows], self.bias_values[rows]
+            out.bias_ids[n:] = -1
+        elif out.flags[FLAG_BIAS]:  # (this buffer's last step had some: clear them)
+            out.bias_ids[:] = -1
         penalties = self.uses_penalties[rows]
         if penalties.any():
             L = self.max_model_len
@@ -292,7 +297,7 @@ class InputBatch:
         out.flags[FLAG_LOGPROBS] = self.wants_logprobs[rows].any()
         out.flags[FLAG_BANNED] = (out.banned_tokens[:n] >= 0).any()
         out.flags[FLAG_DRAFTS] = drafts is not None and (drafts >= 0).any()
-        out.flags[FLAG_BIAS] = (out.bias_ids[:n] >= 0).any()
+        out.flags[FLAG_BIAS] = biased
         out.flags[FLAG_CUSTOM] = self.custom.fill(out.custom, rows)
 
 

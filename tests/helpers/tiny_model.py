@@ -32,15 +32,14 @@ TINY_ENGINE_ARGS = dict(
 WARM_ENGINE_ARGS = {**TINY_ENGINE_ARGS, "warmup": True}
 # For the tiny HF models of every family (tests/helpers/hf_reference.py: 128 positions, no
 # tokenizer): steps of 32 tokens and pages of 4, so prompts of a few dozen tokens are chunked.
-FAMILY_ENGINE_ARGS = dict(
-    dtype="float32",
-    max_num_seqs=8,
-    max_num_batched_tokens=32,
-    max_model_len=128,
-    kv_cache_memory=4 << 20,
-    block_size=4,
-    warmup=False,
-)
+FAMILY_ENGINE_ARGS = {
+    **TINY_ENGINE_ARGS,
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 32,
+    "max_model_len": 128,
+    "kv_cache_memory": 4 << 20,
+    "block_size": 4,
+}
 
 _llms: dict[str, object] = {}
 

@@ -31,7 +31,7 @@ from jaxllm.quantization.weights import embedding_rows, make_weight, relayout, w
 
 from tests.helpers.cuda_lowering import INTERPRET, arg, lower_for_cuda
 from tests.helpers.quantized_checkpoints import PROMPTS, fake_quantized_checkpoint, reference_weight
-from tests.helpers.tiny_model import TINY_ENGINE_ARGS, offline_llm
+from tests.helpers.tiny_model import FAMILY_ENGINE_ARGS, TINY_ENGINE_ARGS, offline_llm
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C++ kernels: {native.unavailable_reason()}")
 
@@ -382,13 +382,7 @@ def test_moe_engine_quantizes_its_experts(tmp_path):
     llm = LLM(
         str(tmp_path / "m"),
         quantization="int8_weight_only",
-        dtype="float32",
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        max_model_len=64,
-        kv_cache_memory=4 << 20,
-        block_size=4,
-        warmup=False,
+        **{**FAMILY_ENGINE_ARGS, "max_num_seqs": 4, "max_model_len": 64},
     )
     layer = llm.engine.runner.params["layers"][0]
     for name in ("experts_gate_up", "experts_down"):

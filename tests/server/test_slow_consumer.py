@@ -35,19 +35,23 @@ def test_a_stalled_stream_is_stopped_at_its_backlog_and_the_others_run_on(llm):
                 break
             await asyncio.sleep(0.05)
         backlog = stalled._queue.qsize()
-        error = None
+        drained, error = [], None
         try:
-            async for _ in stalled:
-                pass
+            async for _, out in stalled:
+                drained.append(out)
         except ClientTooSlow as e:
             error = e
         await stalled.close()
-        return texts, backlog, error
+        return texts, backlog, drained, error
 
     try:
-        texts, backlog, error = asyncio.run(run())
+        texts, backlog, drained, error = asyncio.run(run())
     finally:
         engine.shutdown()
     assert texts == [want] * 3
     assert backlog <= 16 + 2 and isinstance(error, ClientTooSlow)  # (one output past the limit, the error)
+    # What was buffered is the stalled request's first outputs, in order, then the error.
+    assert len(drained) == backlog - 1 and all(not out.finished for out in drained)
+    tokens = [t for out in drained for t in out.outputs[0].token_ids]
+    assert 0 < len(tokens) < 400
     assert not llm.engine.has_unfinished_requests() and llm.engine.kv_cache_usage == 0

@@ -112,9 +112,6 @@ def test_spans_reach_an_otlp_endpoint(llm):
             self.send_response(200)
             self.end_headers()
 
-        def log_message(self, *args):
-            pass
-
     collector = http.server.HTTPServer(("127.0.0.1", 0), Collector)
     threading.Thread(target=collector.serve_forever, daemon=True).start()
     tracer = RequestTracer.to_endpoint(f"http://127.0.0.1:{collector.server_port}/v1/traces")

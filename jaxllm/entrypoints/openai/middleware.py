@@ -100,11 +100,9 @@ class RequestGuard:
                 headers={"Retry-After": "5", "Connection": "close"},
             )
         if self.expected is not None and path not in OPEN_PATHS:
-            headers = dict(scope["headers"])
-            given = headers.get(b"authorization", b"")
-            if b"x-api-key" in headers:  # (Anthropic's clients send the key so)
-                given = b"Bearer " + headers[b"x-api-key"]
-            if not secrets.compare_digest(given, self.expected):
+            headers = dict(scope["headers"])  # (the key as a bearer token, or in Anthropic's x-api-key)
+            given = [headers.get(b"authorization", b""), b"Bearer " + headers.get(b"x-api-key", b"")]
+            if not any(secrets.compare_digest(key, self.expected) for key in given):
                 message = "Unauthorized: a valid API key is required (Authorization: Bearer <key>, or x-api-key: <key>)"
                 return error_response_for(path, message, 401)
         return None
