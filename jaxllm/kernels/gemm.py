@@ -61,7 +61,9 @@ def packable(shape, transposed: bool = False, dtype=np.float32) -> bool:
     return n % PANEL == 0 and (np.dtype(dtype) == np.float32 or k % 2 == 0)
 
 
-def matmul_packed(x: jax.Array, w_packed: jax.Array, path: str = "auto", rows=None, swiglu: bool = False) -> jax.Array:
+def matmul_packed(
+    x: jax.Array, w_packed: jax.Array, path: str = "auto", rows=None, swiglu: bool = False, lora=None
+) -> jax.Array:
     """x [..., K] @ the weight packed by `pack_weight` -> [..., N] f32: with f32 panels x in f32
     (csrc/gemm.cc), with bf16 panels x rounded to bf16 and f32 sums (csrc/gemm_bf16.cc).
     `path`: as for `paged_attention_cpu` (f32: portable and AVX2 code; bf16: portable and
@@ -69,7 +71,8 @@ def matmul_packed(x: jax.Array, w_packed: jax.Array, path: str = "auto", rows=No
     int32 scalar, may be traced): only x's first `rows` rows (of x flattened to 2-D) are
     multiplied, the rest of the result is zeros; None: all. `swiglu`: the weight is a gated
     MLP's [gate | up] (N / 2 columns each, N / 2 a multiple of 16) and the result
-    `silu(x @ gate) * (x @ up)` [..., N / 2], in one pass."""
+    `silu(x @ gate) * (x @ up)` [..., N / 2], in one pass. `lora` (bf16 panels only): a
+    `lora_shrink` result and its b and panel_part, whose product joins the sums (`LoRATerm`)."""
     native.require()
     kernel_path = native.path_attr(path)
     n = w_packed.shape[0] * PANEL // (2 if swiglu else 1)
@@ -80,7 +83,21 @@ def matmul_packed(x: jax.Array, w_packed: jax.Array, path: str = "auto", rows=No
         "jaxllm_matmul_packed_bf16_cpu" if bf16 else "jaxllm_matmul_packed_cpu",
         jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
     )
-    return call(x2, w_packed, native.live_rows(rows), path=kernel_path, swiglu=np.int32(swiglu)).reshape(*lead, n)
+    extra = _lora_args(lora) if bf16 else ()
+    if lora is not None and not bf16:
+        raise ValueError("a LoRA term joins bf16 panels' products only")
+    return call(x2, w_packed, native.live_rows(rows), *extra, path=kernel_path, swiglu=np.int32(swiglu)).reshape(
+        *lead, n
+    )
+
+
+def _lora_args(lora) -> tuple:
+    """The bf16 GEMMs' three LoRA arguments (csrc/gemm_bf16.cc's lora_term): (xa, b, panel_part),
+    or empty arrays for none."""
+    if lora is None:
+        return tuple(jnp.zeros((0,), dtype) for dtype in (jnp.bfloat16, jnp.bfloat16, jnp.int32))
+    xa, b, part = lora
+    return xa, b, jnp.asarray(np.asarray(part, np.int32))
 
 
 def lora_add(
@@ -98,7 +115,8 @@ def lora_add(
     (csrc/lora.cc): row r gains (x[r] @ a_s) @ b_s for s = token_slots[r]; rows with s < 0 or
     past `rows` stay as they are. y is updated in place where XLA can. a_packed: each slot's a
     [K, W] packed (`pack_weight`), slot after slot along the panels ([S * W / 16, K, 16], or bf16
-    [S * W / 16, K / 2, 16, 2]); b_packed likewise each slot's [width, N]; panel_part [N / 16]:
+    [S * W / 16, K / 2, 16, 2]); b_packed every slot's [width, N] stacked along K and packed
+    ([N / 16, S * width, 16], or bf16 [N / 16, S * width / 2, 16, 2]); panel_part [N / 16]:
     output panel p multiplies columns [k width, (k + 1) width) of x a_s, k = panel_part[p]. x is
     rounded to the panels' dtype."""
     native.require()
@@ -116,6 +134,26 @@ def lora_add(
         a_packed,
         b_packed,
         jnp.asarray(np.asarray(panel_part, np.int32)),
+        path=native.path_attr(path),
+        num_slots=np.int64(num_slots),
+    )
+
+
+def lora_shrink(x: jax.Array, token_slots: jax.Array, a_packed, num_slots: int, parts: int, rows=None, path="auto"):
+    """Multi-LoRA's first product laid out for the bf16 GEMMs that add the second as they make
+    their sums (their `lora=` argument): xa [parts, M, num_slots * width] bf16, row r's part k of
+    x[r] @ a_s (s = token_slots[r]) in columns [s width, (s + 1) width), zeros elsewhere and for
+    rows without a slot or past `rows` (csrc/lora.cc). a_packed as for `lora_add`, bf16."""
+    native.require()
+    W = a_packed.shape[0] * PANEL // num_slots
+    call = jax.ffi.ffi_call(
+        "jaxllm_lora_shrink_bf16_cpu", jax.ShapeDtypeStruct((parts, x.shape[0], num_slots * W // parts), jnp.bfloat16)
+    )
+    return call(
+        x.astype(jnp.bfloat16),
+        token_slots.astype(jnp.int32),
+        native.live_rows(rows),
+        a_packed,
         path=native.path_attr(path),
         num_slots=np.int64(num_slots),
     )
@@ -247,13 +285,14 @@ def matmul_quantized_bf16(
     swiglu: bool = False,
     super_scale: jax.Array | None = None,
     super_offset: jax.Array | None = None,
+    lora=None,
 ) -> jax.Array:
     """x [..., K] @ w -> [..., N] f32 with x rounded to bf16 and w [K, N] given by 8-bit codes
     packed by `pack_codes` or 4-bit ones packed by `pack_codes(..., pairs=True)`, scale/offset as
     for `matmul_quantized` (K and the groups multiples of 4 rows): each weight rounded to bf16
     as it is read and multiplied by AVX512_BF16's bf16 dot (csrc/gemm_quant_bf16.cc), the packed
     bf16 GEMM's product of the dequantized weights bit for bit. `path`: "portable" or "avx512"
-    (AVX512_BF16 builds only); `rows`, `swiglu`: as for `matmul_packed`."""
+    (AVX512_BF16 builds only); `rows`, `swiglu`, `lora`: as for `matmul_packed`."""
     return _quantized_call(
         "jaxllm_matmul_quantized_bf16_cpu",
         x.astype(jnp.bfloat16),
@@ -264,6 +303,7 @@ def matmul_quantized_bf16(
         super_offset,
         rows,
         swiglu,
+        *_lora_args(lora),
         bits=np.int32(bits),
         path=native.path_attr(path),
     )

@@ -54,6 +54,7 @@ TARGETS = {
     "jaxllm_matmul_quantized_bf16_cpu": "JaxllmMatmulQuantBf16Cpu",
     "jaxllm_lora_add_cpu": "JaxllmLoraAddCpu",
     "jaxllm_lora_add_bf16_cpu": "JaxllmLoraAddBf16Cpu",
+    "jaxllm_lora_shrink_bf16_cpu": "JaxllmLoraShrinkBf16Cpu",
     "jaxllm_write_kv_cpu": "JaxllmWriteKvCpu",
     "jaxllm_rms_norm_cpu": "JaxllmRmsNormCpu",
     "jaxllm_zeros_cpu": "JaxllmZerosCpu",

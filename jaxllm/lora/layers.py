@@ -7,10 +7,13 @@ A slot holds `a [in, W]` (W = blocks * R: the fused layout of lora/adapter.py) a
 `[width, out_k]` (a block's own output columns, or one block-diagonal part); an empty slot is
 zeros. Two layouts:
 
-- packed (one CPU device with the C++ kernels): each slot's a and its b (parts side by side,
-  `[width, out]`) packed into the C++ GEMM's panels (`kernels.gemm.pack_weight`), slot after slot;
-  `kernels.gemm.lora_add` groups the step's rows by slot and multiplies each group by its own
-  adapter only (csrc/lora.cc);
+- packed (one CPU device with the C++ kernels): each slot's a packed into the C++ GEMM's panels
+  (`kernels.gemm.pack_weight`), slot after slot, and every slot's b (parts side by side, `[width,
+  out]`) stacked along K and packed. The step's rows are grouped by slot and each group multiplied
+  by its own adapter's a only (csrc/lora.cc). Where the base is a bf16 GEMM on AMX's tiles
+  (`fused`), `kernels.gemm.lora_shrink` lays x a out per slot and the base GEMM adds x a @ b to
+  its sums, before its SwiGLU epilogue; elsewhere `kernels.gemm.lora_add` adds each group's
+  (x a) b to the base's output;
 - plain (elsewhere): `a [in, slots * W]`, each part `[slots * width, out_k]`, for XLA's dots:
   every slot's `x a`, masked per row, then the parts.
 
@@ -49,6 +52,14 @@ class LoRAWeight:
         def base_alone():
             return linear.apply(self.base, x, axis=axis, rows=rows, swiglu=swiglu)
 
+        def fused():  # the base GEMM adds (x a) b to its sums
+            from jaxllm.kernels import gemm
+
+            xa = gemm.lora_shrink(
+                x.reshape(-1, x.shape[-1]), self.token_slots, self.a, self.num_slots, max(self.panel_part) + 1, rows
+            )
+            return self.base.apply(x, axis=axis, rows=rows, swiglu=swiglu, lora=(xa, self.b[0], self.panel_part))
+
         def with_adapters():  # (swiglu: the adapters' share joins before the activation)
             y = self.add_delta(linear.apply(self.base, x, axis=axis, rows=rows), x, rows)
             if not swiglu:
@@ -59,7 +70,17 @@ class LoRAWeight:
         if self.token_slots is None:
             return base_alone()
         # A step without adapters skips their products (and keeps the base's fused epilogue).
-        return jax.lax.cond(jnp.any(self.token_slots >= 0), with_adapters, base_alone)
+        return jax.lax.cond(jnp.any(self.token_slots >= 0), fused if self.fused else with_adapters, base_alone)
+
+    @property
+    def fused(self) -> bool:
+        """Whether the base GEMM adds the adapters' second product itself: bf16 panels or codes x
+        bf16 rows on a CPU with AMX's tiles, every slot's b a whole number of 32-row tile depths."""
+        if self.panel_part is None or self.a.dtype != jnp.bfloat16 or not linear.takes_lora(self.base):
+            return False
+        from jaxllm.kernels import native
+
+        return "amx" in native.kernel_paths() and self.b[0].shape[1] % 16 == 0
 
     def add_delta(self, y: jax.Array, x: jax.Array, rows=None) -> jax.Array:
         """y [T, out] f32 plus each token's adapter's share of x [T, in] (none for slot -1):
@@ -126,8 +147,7 @@ def empty_stack(slot, *, num_slots: int, rank: int, dtype, packed: bool) -> tupl
     width = W // len(slot.parts)
     if packed:
         a = gemm.pack_weight(np.zeros((slot.in_dim, num_slots * W), np.float32), dtype=dtype)
-        one = gemm.pack_weight(np.zeros((width, sum(slot.parts)), np.float32), dtype=dtype)
-        b = (np.concatenate([one] * num_slots),)
+        b = (gemm.pack_weight(np.zeros((num_slots * width, sum(slot.parts)), np.float32), dtype=dtype),)
     else:
         a = np.zeros((slot.in_dim, num_slots * W), dtype)
         b = tuple(np.zeros((num_slots * width, n), dtype) for n in slot.parts)
@@ -160,8 +180,8 @@ def slot_values(a: np.ndarray, parts: tuple, dtype, packed: bool) -> tuple:
 def write_slot_values(stacks, slot, values, packed: tuple[bool, ...], lead: int = 0):
     """stacks [(a, b)] with slot `slot` set to `values` (`slot_values`), in place (donated). Slot
     s holds a's columns [s W, (s + 1) W) (packed: its panels, axis 0) and b's rows [s width,
-    (s + 1) width) (packed: its panels, axis 0 too). `lead` 1: stacks and values have a leading
-    axis of pipeline stages."""
+    (s + 1) width) (packed: those rows of every panel, axis 1). `lead` 1: stacks and values have
+    a leading axis of pipeline stages."""
 
     def put(stack, value, axis):
         axis += lead
@@ -173,7 +193,7 @@ def write_slot_values(stacks, slot, values, packed: tuple[bool, ...], lead: int 
         return jax.lax.dynamic_update_slice(stack, value.astype(stack.dtype), start)
 
     return [
-        (put(a, va, 0 if p else 1), tuple(put(part, vp, 0) for part, vp in zip(b, vb)))
+        (put(a, va, 0 if p else 1), tuple(put(part, vp, 1 if p else 0) for part, vp in zip(b, vb)))
         for (a, b), (va, vb), p in zip(stacks, values, packed)
     ]
 

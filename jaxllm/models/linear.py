@@ -6,6 +6,8 @@ multiplied by an XLA dot, or an object that knows its own product:
     w.apply(x, *, axis=None, rows=None, swiglu=False) -> [..., out] f32
     w.input_dtype          the dtype its kernel rounds x to (a norm before it rounds there, once)
     w.fuses_swiglu         whether `apply(..., swiglu=True)` runs in its kernel's epilogue
+    w.takes_lora           (optional) whether `apply(..., lora=(xa, b, panel_part))` adds multi-LoRA's
+                           second product in its kernel (lora/layers.py)
 
 The classes: `PackedWeight` (below: a float matrix in the C++ GEMM's panels),
 `quantization.QuantizedWeight` (integer codes with scales, in panels or plain) and, while a
@@ -52,6 +54,10 @@ def fuses_swiglu(w) -> bool:
     return getattr(w, "fuses_swiglu", False)
 
 
+def takes_lora(w) -> bool:
+    return getattr(w, "takes_lora", False)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PackedWeight:
@@ -65,10 +71,10 @@ class PackedWeight:
     # The kernel path ("auto": the widest for the call's row count; `WeightPlan.gemm_path`).
     path: str = dataclasses.field(default="auto", metadata=dict(static=True))
 
-    def apply(self, x, *, axis=None, rows=None, swiglu=False):
+    def apply(self, x, *, axis=None, rows=None, swiglu=False, lora=None):
         from jaxllm.kernels import gemm
 
-        return gemm.matmul_packed(x, self.panels, path=self.path, rows=rows, swiglu=swiglu)
+        return gemm.matmul_packed(x, self.panels, path=self.path, rows=rows, swiglu=swiglu, lora=lora)
 
     @property
     def input_dtype(self):
@@ -79,6 +85,10 @@ class PackedWeight:
         """Gate and up are each whole panels."""
         return self.panels.shape[0] % 2 == 0
 
+    @property
+    def takes_lora(self) -> bool:
+        return self.panels.dtype == jnp.bfloat16
+
     def embedding_rows(self, token_ids: jax.Array) -> jax.Array:
         """Rows [T, in] f32 of a tied embedding table stored as its LM head: token t is column
         t % 16 of panel t // 16."""
@@ -88,4 +98,4 @@ class PackedWeight:
         return self.panels[token_ids // 16, :, token_ids % 16]
 
 
-__all__ = ["PackedWeight", "apply", "fuses_swiglu", "input_dtype"]
+__all__ = ["PackedWeight", "apply", "fuses_swiglu", "input_dtype", "takes_lora"]

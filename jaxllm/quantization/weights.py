@@ -72,8 +72,8 @@ class QuantizedWeight:
         return k * (4 if _bf16_pairs(self) else 1), self.scale.shape[-1]
 
     # The linear-weight protocol (models/linear.py).
-    def apply(self, x, *, axis=None, rows=None, swiglu=False):
-        return matmul(x, self, axis, rows, swiglu)
+    def apply(self, x, *, axis=None, rows=None, swiglu=False, lora=None):
+        return matmul(x, self, axis, rows, swiglu, lora)
 
     @property
     def input_dtype(self):
@@ -84,6 +84,11 @@ class QuantizedWeight:
     def fuses_swiglu(self) -> bool:
         """C++ panels whose gate and up halves are whole panels."""
         return self.layout == "panels" and self.codes.shape[0] % 2 == 0
+
+    @property
+    def takes_lora(self) -> bool:
+        """Codes x bf16 rows (`matmul_quantized_bf16`: its `lora` argument)."""
+        return self.layout == "panels" and self.activations == "bf16" and self.perm is None
 
     def embedding_rows(self, token_ids):
         return embedding_rows(self, token_ids)
@@ -272,11 +277,14 @@ def dequantize(w: QuantizedWeight, xp=jnp) -> jax.Array:
     return out if offset is None else out + xp.repeat(xp.asarray(offset).astype(xp.float32), rows, axis=-2)
 
 
-def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None, swiglu: bool = False) -> jax.Array:
+def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None, swiglu: bool = False, lora=None) -> jax.Array:
     """x [..., K] f32 @ w -> [..., N] f32 (the paths: see the package docstring). `axis`: the
     tensor-parallel mesh axis when w is a row-parallel shard (x holds a slice of K): W8A8 then
     scales each row by its largest |x| over every shard, as one device would. `rows`: see
-    `models.linear.apply`; `swiglu` too, for the "panels" layout only (`fuses_swiglu`)."""
+    `models.linear.apply`; `swiglu` too, for the "panels" layout only (`fuses_swiglu`); `lora`
+    for codes x bf16 rows only (`takes_lora`)."""
+    if lora is not None and not w.takes_lora:
+        raise ValueError("a LoRA term joins the products of codes x bf16 rows only")
     if w.perm is not None:
         x = jnp.take(x, w.perm, axis=-1)
     if w.layout == "panels" and w.activations == "bf16":
@@ -293,6 +301,7 @@ def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None, swiglu: bool 
             super_scale=w.super_scale,
             super_offset=w.super_offset,
             path=w.path,
+            lora=lora,
         )
     if w.layout == "panels":
         from jaxllm.kernels import gemm

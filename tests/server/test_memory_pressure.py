@@ -30,6 +30,8 @@ def test_a_flood_of_long_prompts_on_a_small_pool_all_completes(tiny_model_dir, t
     flags = ("--num-gpu-blocks-override", str(POOL_PAGES), "--block-size", str(PAGE))
     # (more sequences may run than the pool holds: 32 for 200 requests, 125 for 1,000)
     flags += ("--max-num-seqs", str(max(32, NUM_REQUESTS // 8)), "--max-waiting-requests", str(2 * NUM_REQUESTS))
+    # (prompts are admitted as fast as the pool grows, else the first ones finish before it fills)
+    flags += ("--max-num-batched-tokens", str(512 * max(1, NUM_REQUESTS // 200)))
     live = start_server(tiny_model_dir, str(tmp_path), *flags)
     try:
         rng = np.random.default_rng(0)

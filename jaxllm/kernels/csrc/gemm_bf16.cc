@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "gemm.cc"
 #include "parallel_for.h"
@@ -42,11 +43,24 @@ namespace ffi = xla::ffi;
 namespace jaxllm {
 namespace {
 
+// Multi-LoRA's second product, added to the sums before they are stored (lora.cc's
+// `lora_shrink` makes xa): output panel p gains xa's rows of part part[p] @ b's panel p. With
+// AMX the tiles add it to the base product's tiles; elsewhere `add_lora_rows` after the product.
+struct LoraTerm {
+  const uint32_t* xa;    // [parts, M, KL / 2] words: each row's x a, of its slot's columns only
+  const uint32_t* b;     // [N / 16, KL / 2, 16] words: every slot's b, stacked along K
+  const int32_t* part;   // [N / 16]
+  int64_t M, KLP;        // the call's rows; KL / 2 (a multiple of 16)
+  const uint32_t* rows(int64_t p) const { return xa + part[p] * M * KLP; }
+  const uint32_t* panel(int64_t p) const { return b + p * KLP * kPanel; }
+};
+
 struct Bf16GemmArgs {
   const uint32_t* x;  // [M, K / 2] words: a bf16 row of x, two elements per word
   const uint32_t* w;  // [N / 16, K / 2, 16] words (see the top of the file)
   float* y;           // [M, N]  (or [M, N / 2] with swiglu)
   int64_t M, KP, N;   // KP = K / 2
+  const LoraTerm* lora = nullptr;  // AMX only: added to the tiles (see LoraTerm)
 };
 
 #ifdef JAXLLM_AVX512_BF16
@@ -180,12 +194,35 @@ void amx_pair(const uint32_t* x, int64_t KP, const uint32_t* w0, const uint32_t*
   }
 }
 
+// LoRA's share of rows x[r .. r + 16 or 32) of panels p0 and p1 added to the sums in tiles 0-3
+// (amx_pair's), through the same operand tiles.
+template <bool TWO>
+void amx_lora_pair(const LoraTerm& l, int64_t r, int64_t p0, int64_t p1) {
+  const int64_t stride = l.KLP * 4;
+  const uint32_t* x0 = l.rows(p0) + r * l.KLP;
+  const uint32_t* x1 = l.rows(p1) + r * l.KLP;
+  for (int64_t kp = 0; kp < l.KLP; kp += 16) {
+    _tile_loadd(6, l.panel(p0) + kp * kPanel, 64);
+    _tile_loadd(7, l.panel(p1) + kp * kPanel, 64);
+    _tile_loadd(4, x0 + kp, stride);
+    if (TWO) _tile_loadd(5, x0 + 16 * l.KLP + kp, stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if (TWO) _tile_dpbf16ps(2, 5, 6);
+    if (x1 != x0) {  // (panels of two parts of a fused matrix)
+      _tile_loadd(4, x1 + kp, stride);
+      if (TWO) _tile_loadd(5, x1 + 16 * l.KLP + kp, stride);
+    }
+    _tile_dpbf16ps(1, 4, 7);
+    if (TWO) _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
 // Rows [r0, r1) of P_OUT output panels, as bf16_panels (KP a multiple of 16): panels in pairs
 // (with swiglu a gate panel and its up panel), rows in blocks of 32, each block against every
 // pair while its rows of x are in cache.
 template <int P_OUT>
 void bf16_block_amx(const Bf16GemmArgs& g, const uint32_t* const* w, float* y, int64_t ldy, int64_t r0, int64_t r1,
-                    bool swiglu) {
+                    bool swiglu, const int64_t* ids) {
   const int64_t KP = g.KP;
   alignas(64) float sums[2][2][16][kPanel];  // [block][panel of the pair][row][column], for swiglu
   int64_t configured = 0;
@@ -201,6 +238,14 @@ void bf16_block_amx(const Bf16GemmArgs& g, const uint32_t* const* w, float* y, i
         amx_pair<true>(x, KP, w0, w1);
       } else {
         amx_pair<false>(x, KP, w0, w1);
+      }
+      if (g.lora) {  // ids: the panels' own numbers (w's order)
+        const int64_t i1 = swiglu ? P_OUT + i : i + 1 < P_OUT ? i + 1 : i;
+        if (m > 16) {
+          amx_lora_pair<true>(*g.lora, r, ids[i], ids[i1]);
+        } else {
+          amx_lora_pair<false>(*g.lora, r, ids[i], ids[i1]);
+        }
       }
       if (!swiglu) {  // straight into y, 16 columns a tile row
         _tile_stored(0, out + i * kPanel, ldy * 4);
@@ -245,12 +290,13 @@ void bf16_panel_portable(const Bf16GemmArgs& g, const uint32_t* panel, float* ou
 // Rows [r0, r1) of P_OUT output panels at y (row stride ldy) from the bf16 panels w: w[0 ..
 // P_OUT), or with swiglu gate panels w[0 .. P_OUT) and their up panels w[P_OUT .. 2 P_OUT).
 // Also the tail of the GEMM over quantized codes (gemm_quant_bf16.cc), on its converted panels.
+// `ids`: the panels' numbers in the weight (w's order), for g.lora.
 template <int P_OUT>
 void bf16_panels(const Bf16GemmArgs& g, const uint32_t* const* w, float* y, int64_t ldy, int64_t r0, int64_t r1,
-                 bool swiglu, int32_t path, Prefetcher* pf = nullptr) {
+                 bool swiglu, int32_t path, Prefetcher* pf = nullptr, const int64_t* ids = nullptr) {
 #ifdef JAXLLM_AMX_BF16
   if (path == kAmx && g.KP % 16 == 0)  // (kAmx passes path_ok only where amx_ready)
-    return bf16_block_amx<P_OUT>(g, w, y, ldy, r0, r1, swiglu);
+    return bf16_block_amx<P_OUT>(g, w, y, ldy, r0, r1, swiglu, ids);
 #endif
 #ifdef JAXLLM_AVX512_BF16
   if (path == kAuto || path >= kAvx512) {
@@ -281,15 +327,91 @@ void bf16_output_panels(const Bf16GemmArgs& g, int64_t p, int64_t r0, int64_t r1
                         Prefetcher* pf = nullptr) {
   const int64_t panel_words = g.KP * kPanel, ldy = swiglu ? g.N / 2 : g.N;
   const uint32_t* w[2 * P_OUT];
+  int64_t ids[2 * P_OUT];
   for (int i = 0; i < P_OUT; ++i) {
-    w[i] = g.w + (p + i) * panel_words;
-    w[P_OUT + i] = swiglu ? g.w + (p + i + g.N / 2 / kPanel) * panel_words : nullptr;
+    ids[i] = p + i, ids[P_OUT + i] = p + i + g.N / 2 / kPanel;
+    w[i] = g.w + ids[i] * panel_words;
+    w[P_OUT + i] = swiglu ? g.w + ids[P_OUT + i] * panel_words : nullptr;
   }
-  bf16_panels<P_OUT>(g, w, g.y + p * kPanel, ldy, r0, r1, swiglu, path, pf);
+  bf16_panels<P_OUT>(g, w, g.y + p * kPanel, ldy, r0, r1, swiglu, path, pf, ids);
+}
+
+// The LoRA term of a call from its three arguments (lora_xa [parts, M, KL] bf16, lora_b [N / 16,
+// KL / 2, 16, 2] bf16, lora_part [N / 16] int32; all empty: none): 1 and `l` set, 0 for none, -1
+// for shapes or parts that do not fit.
+inline int lora_term(ffi::AnyBuffer xa, ffi::AnyBuffer b, ffi::AnyBuffer part, int64_t M, int64_t N, LoraTerm& l) {
+  if (!xa.element_count() && !b.element_count() && !part.element_count()) return 0;
+  const auto xd = xa.dimensions(), bd = b.dimensions();
+  if (xa.element_type() != ffi::DataType::BF16 || b.element_type() != ffi::DataType::BF16 ||
+      part.element_type() != ffi::DataType::S32 || xd.size() != 3 || bd.size() != 4 || bd[0] * kPanel != N ||
+      bd[2] != kPanel || bd[3] != 2 || bd[1] % 16 || xd[1] != M || xd[2] != 2 * bd[1] ||
+      part.element_count() != bd[0])
+    return -1;
+  l = LoraTerm{reinterpret_cast<const uint32_t*>(xa.untyped_data()), reinterpret_cast<const uint32_t*>(b.untyped_data()),
+               static_cast<const int32_t*>(part.untyped_data()), M, bd[1]};
+  for (int64_t p = 0; p < bd[0]; ++p)
+    if (l.part[p] < 0 || l.part[p] >= xd[0]) return -1;
+  return 1;
+}
+
+// y [live, N] += the LoRA term, row by row: for the calls the tiles do not take (one row; K not
+// a multiple of 32).
+void add_lora_rows(const LoraTerm& l, float* y, int64_t live, int64_t N, int32_t path) {
+  for (int64_t p = 0; p < N / kPanel; ++p)
+    for (int64_t r = 0; r < live; ++r) {
+      const uint32_t *x = l.rows(p) + r * l.KLP, *w = l.panel(p);
+      float* out = y + r * N + p * kPanel;
+#ifdef JAXLLM_AVX512_BF16
+      if (path == kAuto || path >= kAvx512) {
+        __m512 acc = _mm512_loadu_ps(out);
+        for (int64_t kp = 0; kp < l.KLP; ++kp)
+          acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(x[kp])),
+                                 (__m512bh)_mm512_loadu_si512(w + kp * kPanel));
+        _mm512_storeu_ps(out, acc);
+        continue;
+      }
+#endif
+      for (int64_t kp = 0; kp < l.KLP; ++kp) {
+        const float x0 = to_f32(static_cast<uint16_t>(x[kp])), x1 = to_f32(static_cast<uint16_t>(x[kp] >> 16));
+        for (int64_t j = 0; j < kPanel; ++j) {
+          const uint32_t word = w[kp * kPanel + j];
+          out[j] += x0 * to_f32(static_cast<uint16_t>(word)) + x1 * to_f32(static_cast<uint16_t>(word >> 16));
+        }
+      }
+    }
+}
+
+// A GEMM call with a LoRA term (`given`: lora_term's 1) whose output is y [M, N] (or [M, N / 2]
+// with swiglu), M its live rows. Where the call runs on AMX's tiles (`tiles`) the term is added
+// as the sums are made: `fused` (the GEMM's LoraTerm pointer) is set. Elsewhere run(false)
+// writes the plain product (into a scratch when the call has the SwiGLU epilogue, which then
+// follows) and add_lora_rows adds the term. run(swiglu) runs the GEMM into y as it is then.
+template <typename Run>
+void with_lora(const LoraTerm& lora, int given, bool tiles, const LoraTerm*& fused, float*& y, int64_t M, int64_t N,
+               bool swiglu, int32_t path, Run run) {
+  if (!given) return run(swiglu);
+  if (tiles) {
+    fused = &lora;
+    return run(swiglu);
+  }
+  if (!swiglu) {
+    run(false);
+    return add_lora_rows(lora, y, M, N, path);
+  }
+  static thread_local std::vector<float> full_;
+  full_.resize(M * N);
+  float* out = y;
+  y = full_.data();
+  run(false);
+  add_lora_rows(lora, y, M, N, path);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t j = 0; j < N / 2; ++j) out[r * N / 2 + j] = swiglu_f32(y[r * N + j], y[r * N + N / 2 + j]);
+  y = out;
 }
 
 ffi::Error MatmulPackedBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                                ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t path,
+                                ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer lora_xa, ffi::AnyBuffer lora_b,
+                                ffi::AnyBuffer lora_part, ffi::ResultBuffer<ffi::F32> y, int32_t path,
                                 int32_t swiglu) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
@@ -301,6 +423,9 @@ ffi::Error MatmulPackedBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, 
     return ffi::Error::InvalidArgument("matmul_packed_bf16: this build has no such kernel path");
   Bf16GemmArgs g{reinterpret_cast<const uint32_t*>(x.untyped_data()),
                  reinterpret_cast<const uint32_t*>(w.untyped_data()), y->typed_data(), xd[0], wd[1], wd[0] * kPanel};
+  LoraTerm lora;
+  const int lora_given = lora_term(lora_xa, lora_b, lora_part, xd[0], g.N, lora);
+  if (lora_given < 0) return ffi::Error::InvalidArgument("matmul_packed_bf16: the LoRA term's shapes do not fit");
   const int64_t out_n = swiglu ? g.N / 2 : g.N;
   g.M = live_rows(rows, g.M, out_n, g.y);
   path = bf16_gemm_path(path, g.M);
@@ -308,17 +433,19 @@ ffi::Error MatmulPackedBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, 
   // time: the panels of a block share x's loads, and at decode sizes four weight streams keep
   // more of memory's bandwidth busy than one (on Zen 4, the model's layer GEMMs took 0.8x the
   // time at 1-16 rows with items of whole blocks than with items of single panels).
-  const GemmItems items(g.M, out_n, pool.num_threads(), swiglu ? 2 : 4);
-  const auto run_group = [&](int64_t p, int64_t width, int64_t r0, int64_t r1, Prefetcher* pf) {
-    if (width == 4) {
-      bf16_output_panels<4>(g, p, r0, r1, false, path, pf);
-    } else if (width == 2) {
-      bf16_output_panels<2>(g, p, r0, r1, swiglu, path, pf);
-    } else {
-      bf16_output_panels<1>(g, p, r0, r1, swiglu, path, pf);
-    }
-  };
-  run_panel_groups(pool, items, g.M, g.N, swiglu, 4, g.w, g.KP * kPanel * 4, run_group);
+  with_lora(lora, lora_given, path == kAmx && g.KP % 16 == 0, g.lora, g.y, g.M, g.N, swiglu, path, [&](bool sw) {
+    const GemmItems items(g.M, sw ? g.N / 2 : g.N, pool.num_threads(), sw ? 2 : 4);
+    const auto run_group = [&](int64_t p, int64_t width, int64_t r0, int64_t r1, Prefetcher* pf) {
+      if (width == 4) {
+        bf16_output_panels<4>(g, p, r0, r1, false, path, pf);
+      } else if (width == 2) {
+        bf16_output_panels<2>(g, p, r0, r1, sw, path, pf);
+      } else {
+        bf16_output_panels<1>(g, p, r0, r1, sw, path, pf);
+      }
+    };
+    run_panel_groups(pool, items, g.M, g.N, sw, 4, g.w, g.KP * kPanel * 4, run_group);
+  });
   return ffi::Error::Success();
 }
 
@@ -340,6 +467,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulPackedBf16Cpu, jaxllm::MatmulPackedBf1
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // w_packed [N / 16, K / 2, 16, 2]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // rows: [] or [1], or empty for all
+                                  .Arg<ffi::AnyBuffer>()          // lora_xa (see lora_term), or empty
+                                  .Arg<ffi::AnyBuffer>()          // lora_b, or empty
+                                  .Arg<ffi::AnyBuffer>()          // lora_part, or empty
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y
                                   .Attr<int32_t>("path")
                                   .Attr<int32_t>("swiglu"));

@@ -56,6 +56,7 @@ struct CodesBf16Args {
   const uint8_t* w;   // the codes (see the top of the file)
   float* y;           // [M, N] (or [M, N / 2] with swiglu)
   int64_t M, K, N;
+  const LoraTerm* lora = nullptr;  // AMX only (gemm_bf16.cc's LoraTerm)
 };
 
 // Code c of row k, column col, of a panel's codes.
@@ -285,13 +286,14 @@ void codes_bf16_output_panels(const CodesBf16Args& a, const QuantPanel& q, int64
       convert_panel_portable<BITS>(q, w[i], panel[i], out);
     converted[i] = out;
   }
-  const Bf16GemmArgs g{reinterpret_cast<const uint32_t*>(a.x), nullptr, a.y, a.M, a.K / 2, a.N};
-  bf16_panels<P_OUT>(g, converted, a.y + p * kPanel, ldy, r0, r1, swiglu, path);
+  const Bf16GemmArgs g{reinterpret_cast<const uint32_t*>(a.x), nullptr, a.y, a.M, a.K / 2, a.N, a.lora};
+  bf16_panels<P_OUT>(g, converted, a.y + p * kPanel, ldy, r0, r1, swiglu, path, nullptr, panel);
 }
 
 ffi::Error MatmulQuantBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::AnyBuffer codes,
                                ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::AnyBuffer super_scale,
-                               ffi::AnyBuffer super_offset, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y,
+                               ffi::AnyBuffer super_offset, ffi::AnyBuffer lora_xa, ffi::AnyBuffer lora_b,
+                               ffi::AnyBuffer lora_part, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y,
                                int32_t bits, int32_t path, int32_t swiglu) {
   const auto xd = x.dimensions();
   const auto cd = codes.dimensions();
@@ -332,30 +334,37 @@ ffi::Error MatmulQuantBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, f
     q.super_offset = offset.element_count() ? static_cast<const uint16_t*>(super_offset.untyped_data()) : nullptr;
     q.per_super = sd[0] / ud[0];
   }
+  LoraTerm lora;
+  const int lora_given = lora_term(lora_xa, lora_b, lora_part, xd[0], a.N, lora);
+  if (lora_given < 0) return ffi::Error::InvalidArgument("matmul_quantized_bf16: the LoRA term's shapes do not fit");
   // Up to kCodesDirectRows rows, gemm.cc's items (row chunks x panel groups); beyond, items of
   // whole panel groups with every row, so that each panel is converted once a call rather than
   // once a row chunk (about 8 items a thread, at most 4 panels each).
-  const GemmItems items(a.M, out_n, pool.num_threads(), swiglu ? 2 : 4);
-  const bool direct = a.M <= kCodesDirectRows;
-  const int64_t panels = out_n / kPanel, threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t per_item = std::clamp<int64_t>(panels / (8 * threads), 1, swiglu ? 2 : 4);
-  const int64_t count = direct ? items.count : (panels + per_item - 1) / per_item;
-  auto run = [&](auto bits_tag) {
-    constexpr int BITS = decltype(bits_tag)::value;
-    parallel_for<CodesBf16Scratch>(pool, count, [&](int64_t item, CodesBf16Scratch& scratch) {
-      int64_t r0 = 0, r1 = a.M, p0 = item * per_item, p1 = std::min(panels, p0 + per_item);
-      if (direct) items.bounds(item, a.M, r0, r1, p0, p1);
-      int64_t p = p0;
-      if (!swiglu)
-        for (; p + 4 <= p1; p += 4) codes_bf16_output_panels<BITS, 4>(a, q, p, r0, r1, false, path, scratch);
-      for (; p + 2 <= p1; p += 2) codes_bf16_output_panels<BITS, 2>(a, q, p, r0, r1, swiglu, path, scratch);
-      for (; p < p1; ++p) codes_bf16_output_panels<BITS, 1>(a, q, p, r0, r1, swiglu, path, scratch);
-    });
+  const auto run_all = [&](bool sw) {
+    const int64_t cols = sw ? a.N / 2 : a.N;
+    const GemmItems items(a.M, cols, pool.num_threads(), sw ? 2 : 4);
+    const bool direct = a.M <= kCodesDirectRows;
+    const int64_t panels = cols / kPanel, threads = std::max<int64_t>(1, pool.num_threads());
+    const int64_t per_item = std::clamp<int64_t>(panels / (8 * threads), 1, sw ? 2 : 4);
+    const int64_t count = direct ? items.count : (panels + per_item - 1) / per_item;
+    auto run = [&](auto bits_tag) {
+      constexpr int BITS = decltype(bits_tag)::value;
+      parallel_for<CodesBf16Scratch>(pool, count, [&](int64_t item, CodesBf16Scratch& scratch) {
+        int64_t r0 = 0, r1 = a.M, p0 = item * per_item, p1 = std::min(panels, p0 + per_item);
+        if (direct) items.bounds(item, a.M, r0, r1, p0, p1);
+        int64_t p = p0;
+        if (!sw)
+          for (; p + 4 <= p1; p += 4) codes_bf16_output_panels<BITS, 4>(a, q, p, r0, r1, false, path, scratch);
+        for (; p + 2 <= p1; p += 2) codes_bf16_output_panels<BITS, 2>(a, q, p, r0, r1, sw, path, scratch);
+        for (; p < p1; ++p) codes_bf16_output_panels<BITS, 1>(a, q, p, r0, r1, sw, path, scratch);
+      });
+    };
+    if (bits == 4)
+      run(std::integral_constant<int, 4>());
+    else
+      run(std::integral_constant<int, 8>());
   };
-  if (bits == 4)
-    run(std::integral_constant<int, 4>());
-  else
-    run(std::integral_constant<int, 8>());
+  with_lora(lora, lora_given, path == kAmx && a.K % 32 == 0, a.lora, a.y, a.M, a.N, swiglu, path, run_all);
   return ffi::Error::Success();
 }
 
@@ -410,6 +419,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulQuantBf16Cpu, jaxllm::MatmulQuantBf16I
                                   .Arg<ffi::AnyBuffer>()          // offset (or empty)
                                   .Arg<ffi::AnyBuffer>()          // super_scale f16 (or empty)
                                   .Arg<ffi::AnyBuffer>()          // super_offset f16 (or empty)
+                                  .Arg<ffi::AnyBuffer>()          // lora_xa, lora_b, lora_part (gemm_bf16.cc's
+                                  .Arg<ffi::AnyBuffer>()          //   lora_term), or empty
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()   // rows, as for matmul_packed
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y
                                   .Attr<int32_t>("bits")
