@@ -62,6 +62,10 @@ def test_a_flood_of_long_prompts_on_a_small_pool_all_completes(tiny_model_dir, t
         assert metrics[("jaxllm:num_requests_running", ())] == 0
         assert max(peak) - before < RSS_MARGIN
         live.assert_healthy()
+        print(  # (the figures docs/operating.md quotes; shown with -s)
+            f"{NUM_REQUESTS} requests, {metrics[('jaxllm:num_preemptions_total', ())]:.0f} preemptions, "
+            f"peak RSS {(max(peak) - before) / 2**20:.0f} MiB over {before / 2**20:.0f} MiB"
+        )
     finally:
         live.stop()
 
