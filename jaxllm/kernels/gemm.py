@@ -72,7 +72,8 @@ def matmul_packed(
     multiplied, the rest of the result is zeros; None: all. `swiglu`: the weight is a gated
     MLP's [gate | up] (N / 2 columns each, N / 2 a multiple of 16) and the result
     `silu(x @ gate) * (x @ up)` [..., N / 2], in one pass. `lora` (bf16 panels only): a
-    `lora_shrink` result and its b and panel_part, whose product joins the sums (`LoRATerm`)."""
+    `lora_shrink` result and its b and panel_part, whose product joins the sums (csrc/gemm_bf16.cc's
+    `LoraTerm`)."""
     native.require()
     kernel_path = native.path_attr(path)
     n = w_packed.shape[0] * PANEL // (2 if swiglu else 1)
@@ -83,9 +84,9 @@ def matmul_packed(
         "jaxllm_matmul_packed_bf16_cpu" if bf16 else "jaxllm_matmul_packed_cpu",
         jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
     )
-    extra = _lora_args(lora) if bf16 else ()
     if lora is not None and not bf16:
         raise ValueError("a LoRA term joins bf16 panels' products only")
+    extra = _lora_args(lora) if bf16 else ()
     return call(x2, w_packed, native.live_rows(rows), *extra, path=kernel_path, swiglu=np.int32(swiglu)).reshape(
         *lead, n
     )
