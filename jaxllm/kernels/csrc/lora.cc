@@ -145,9 +145,9 @@ void accumulate_rows(const void* xa, int64_t ldx, const void* b, int64_t width, 
 // accumulate_rows<true> on AMX's tiles, for groups the x a GEMM ran on them too (bf16_gemm_path):
 // blocks of 16 rows, tile 0 a block's sums for one panel (loaded from y, stored back), tile 1 its
 // x a columns (16 rows x `chunk` k-pairs), tile 2 the panel's k-pairs. Rows of y in a block that
-// are not consecutive (a decode step's mix of slots) pass through `sums`. Where the rank is small
-// this is the products' whole cost: one tile dot of 16 x 16 x 2 chunk multiply-adds against 16
-// broadcasts and dots a row on AVX-512. KP = width / 2 must be at most 16 or a multiple of 16.
+// are not consecutive (a decode step's mix of slots) pass through `sums`. One tile dot of 16 x 16
+// x 2 chunk multiply-adds stands for 16 broadcasts and dots a row on AVX-512; the pass over y
+// stays (the GEMMs that take a LoraTerm avoid it). KP = width / 2: at most 16 or a multiple of 16.
 void accumulate_rows_amx(const uint16_t* xa, int64_t ldx, const uint32_t* b, int64_t width, int64_t S,
                          const int64_t* order, int64_t r0, int64_t r1, float* y, int64_t N, int64_t p0, int64_t p1) {
   const int64_t KP = width / 2, chunk = std::min<int64_t>(KP, 16);
@@ -218,10 +218,10 @@ void run_items(ffi::ThreadPool& pool, int64_t macs, int64_t count, const std::fu
 }
 
 // The first product of the live rows that have a slot: `groups` of them, and xa [n, W] = each
-// group's rows @ its slot's a, in `xa` (on the pool if n (K W + row_macs) says so: run_items) (f32; for bf16 panels rounded to bf16 as b's GEMM rounds
-// its x, the halves in xa's first n W * 2 bytes). Scratch kept from call to call on XLA's calling
-// thread; the pool's tasks reach it through references (a thread_local named inside them would be
-// their own thread's).
+// group's rows @ its slot's a (f32; for bf16 panels rounded to bf16 as b's GEMM rounds its x, the
+// halves in xa's first n W * 2 bytes). The call's size for run_items: n (K W + row_macs) MACs.
+// Scratch kept from call to call on XLA's calling thread; the pool's tasks reach it through
+// references (a thread_local named inside them would be their own thread's).
 struct Shrunk {
   SlotGroups groups;
   std::vector<float>& xa;
