@@ -2,7 +2,7 @@
 allowed_token_ids, bad_words) and custom `LogitsProcessor`s each change the choice exactly as
 the model's own distribution (an unconstrained run's top-20 logprobs) says they must, alone,
 together, with a grammar, with n > 1 and beside plain requests; bad values are refused with the
-field named."""
+field named; after warm-up none of them compiles the step again."""
 
 from __future__ import annotations
 
@@ -208,3 +208,29 @@ def test_bad_processors_are_refused(tiny_model_dir):
     for bad, message in [(Wide, "dtype"), (object, "not a jaxllm.LogitsProcessor"), ("no.such:Thing", "cannot import")]:
         with pytest.raises(ValueError, match=message):
             resolve_logits_processors([bad])
+
+
+def test_processors_do_not_recompile_the_step_after_warm_up(tiny_model_dir):
+    """Warmed up, an engine with custom processors runs logit_bias, allowed_token_ids, bad_words
+    and its processors (alone, together, with n > 1, beside plain requests) on steps it already
+    compiled: each request's choices are step inputs, not shapes."""
+    from jaxllm import LLM
+    from jaxllm.runner.compile import no_compile_guard
+    from tests.helpers.tiny_model import WARM_ENGINE_ARGS
+
+    llm = LLM(tiny_model_dir, **WARM_ENGINE_ARGS, logits_processors=[BanTokens, ForceAfter])
+    greedy = dict(temperature=0.0, max_tokens=6)
+    params = [
+        SamplingParams(**greedy),
+        SamplingParams(**greedy, logit_bias={11: 5.0, 12: -100.0}),
+        SamplingParams(**greedy, allowed_token_ids=[11, 12, 13]),
+        SamplingParams(**greedy, bad_words=["Paris", "the city"]),
+        SamplingParams(**greedy, extra_args={"ban": [11, 12]}),
+        SamplingParams(temperature=0.7, seed=3, max_tokens=6, n=2, extra_args={"force": 55, "after": 2}),
+        SamplingParams(temperature=0.9, seed=1, max_tokens=6, logit_bias={7: 3.0}, bad_words=["x"]),
+    ]
+    with no_compile_guard():
+        outs = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+        for p in params[1:5]:  # each alone in its steps too
+            llm.generate(PROMPT, p, use_tqdm=False)
+    assert set(outs[2].outputs[0].token_ids) <= {11, 12, 13} and outs[5].outputs[0].token_ids[2:] == [55] * 4
