@@ -1,11 +1,13 @@
 """`jaxllm run-batch` on the tiny model in a fresh process: each good line's answer equals the
 offline engine's (and the live server's body shape), each bad line gets its own error line, the
-others are unaffected, and the exit status says some failed."""
+others are unaffected, the exit status says some failed, and the progress bar on stderr counts
+every line (none with --no-progress)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -47,11 +49,12 @@ def test_run_batch_answers_each_line(tiny_model_dir, llm, tmp_path):
     source, results = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("\n".join(lines) + "\n")
     cmd = [sys.executable, "-m", "jaxllm.entrypoints.cli", "run-batch", "-i", str(source), "-o", str(results)]
-    cmd += ["--model", tiny_model_dir, *tiny_engine_flags(), "--no-progress"]
+    cmd += ["--model", tiny_model_dir, *tiny_engine_flags()]
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 1, proc.stderr[-3000:]  # (some lines failed)
     assert "3 of 8 requests answered, 5 failed" in proc.stderr
+    assert re.search(r"requests: 100%\|[^\r\n]*\| 8/8 ", proc.stderr), proc.stderr[-1000:]  # (the bar's last state)
     out = [json.loads(line) for line in results.read_text().splitlines()]
     assert len(out) == len(lines) and len({r["id"] for r in out}) == len(lines)
     by_id = {r["custom_id"]: r for r in out}
@@ -76,6 +79,35 @@ def test_run_batch_answers_each_line(tiny_model_dir, llm, tmp_path):
         else:
             assert result["response"]["status_code"] == status
             assert result["response"]["body"]["error"]["message"] == result["error"]["message"]
+
+
+def test_the_progress_bar_counts_every_line_unless_turned_off(llm, capsys):
+    """In-process, as `run-batch` runs: the bar (on stderr) ends at lines/lines, failed lines
+    counted; with progress off (--no-progress) stderr stays empty."""
+    import asyncio
+    import io
+
+    from jaxllm.engine.async_llm import AsyncLLM
+    from jaxllm.entrypoints.openai.api_server import build_app
+    from jaxllm.entrypoints.openai.server_args import ServerArgs
+    from jaxllm.entrypoints.run_batch import run_batch
+
+    body = {"prompt": "Once upon a time", "max_tokens": 2}
+    lines = [json.dumps({"custom_id": str(i), "url": "/v1/completions", "body": body}) for i in range(4)] + ["bad"]
+    async_llm = AsyncLLM(engine=llm.engine)
+    try:
+        app = build_app(async_llm, ServerArgs(disable_log_stats=True))
+        for progress in (True, False):
+            sink = io.StringIO()
+            assert asyncio.run(run_batch(app, lines, sink, 2, progress=progress)) == 1
+            assert len(sink.getvalue().splitlines()) == 5
+            stderr = capsys.readouterr().err
+            if progress:
+                assert re.search(r"requests: 100%\|[^\r\n]*\| 5/5 ", stderr), stderr
+            else:
+                assert stderr == ""
+    finally:
+        async_llm.shutdown()
 
 
 def test_run_batch_embeds_on_a_pooling_engine(embedding_server):
