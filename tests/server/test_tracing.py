@@ -1,7 +1,8 @@
 """OpenTelemetry tracing (--otlp-traces-endpoint) with the SDK's in-memory exporter: one
 `llm_request` span per engine request with `queue`, `prefill` and `decode` children laid end to
 end inside it, token counts equal to the response's usage, TTFT within the end-to-end time, and
-a `traceparent` header continuing the caller's trace."""
+a `traceparent` header continuing the caller's trace; the OTLP exporter posting to a local
+collector, from an app given a tracer and from `jaxllm serve --otlp-traces-endpoint`."""
 
 from __future__ import annotations
 
@@ -95,9 +96,10 @@ def test_tracing_without_the_sdk_is_refused_with_the_install_hint(monkeypatch, l
         RequestTracer.to_endpoint("http://localhost:4318/v1/traces")
 
 
-def test_spans_reach_an_otlp_endpoint(llm):
-    """The real exporter (OTLP over HTTP/protobuf) posts the spans to a collector; a local HTTP
-    server stands in for it and decodes them with OpenTelemetry's protobuf types."""
+@pytest.fixture
+def collector():
+    """(url, received): a local HTTP server standing in for an OTLP collector, decoding what is
+    posted to it with OpenTelemetry's protobuf types into `received` as (path, request)."""
     import http.server
     import threading
 
@@ -112,9 +114,23 @@ def test_spans_reach_an_otlp_endpoint(llm):
             self.send_response(200)
             self.end_headers()
 
-    collector = http.server.HTTPServer(("127.0.0.1", 0), Collector)
-    threading.Thread(target=collector.serve_forever, daemon=True).start()
-    tracer = RequestTracer.to_endpoint(f"http://127.0.0.1:{collector.server_port}/v1/traces")
+        def log_message(self, *args):  # (quiet)
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}/v1/traces", received
+    server.shutdown()
+
+
+def _received_spans(received) -> list:
+    return [s for _, req in received for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans]
+
+
+def test_spans_reach_an_otlp_endpoint(llm, collector):
+    """The real exporter (OTLP over HTTP/protobuf) posts the spans to a collector."""
+    url, received = collector
+    tracer = RequestTracer.to_endpoint(url)
     async_llm = AsyncLLM(engine=llm.engine)
     try:
         app = build_app(async_llm, ServerArgs(), tracer=tracer)
@@ -123,7 +139,43 @@ def test_spans_reach_an_otlp_endpoint(llm):
         tracer.shutdown()  # (flushes the batch)
     finally:
         async_llm.shutdown()
-        collector.shutdown()
-    names = [s.name for path, req in received for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans]
     assert {path for path, _ in received} == {"/v1/traces"}
-    assert sorted(names) == ["decode", "llm_request", "prefill", "queue"]
+    assert sorted(s.name for s in _received_spans(received)) == ["decode", "llm_request", "prefill", "queue"]
+
+
+def test_the_served_flag_exports_to_the_collector(tiny_model_dir, tmp_path, collector):
+    """`jaxllm serve --otlp-traces-endpoint URL` (ServerArgs -> build_app in the server's own
+    process): a request's spans reach the collector, in the caller's trace, under the service
+    name jaxllm, with the response's token counts; stopping the server flushes the batch."""
+    from tests.helpers.live_server import start_server
+
+    url, received = collector
+    live = start_server(tiny_model_dir, str(tmp_path), "--otlp-traces-endpoint", url)
+    try:
+        headers = {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"}
+        response = live.client.completions.with_raw_response.create(
+            model=live.model, prompt="Hi", max_tokens=3, extra_headers=headers
+        )
+        usage = response.parse().usage
+    finally:
+        exit_code = live.stop()  # (SIGTERM: the app's shutdown sends the spans still batched)
+    assert exit_code == 0
+    (request,) = [s for s in _received_spans(received) if s.name == "llm_request"]
+    assert request.trace_id.hex() == TRACE_ID and request.parent_span_id.hex() == PARENT_ID
+    attributes = {a.key: a.value for a in request.attributes}
+    assert response.headers["x-request-id"] in attributes["gen_ai.request.id"].string_value
+    assert attributes["gen_ai.usage.completion_tokens"].int_value == usage.completion_tokens == 3
+    assert attributes["gen_ai.usage.prompt_tokens"].int_value == usage.prompt_tokens
+    (resource,) = {
+        a.value.string_value
+        for _, req in received
+        for rs in req.resource_spans
+        for a in rs.resource.attributes
+        if a.key == "service.name"
+    }
+    assert resource == "jaxllm"
+    children = sorted(
+        (s for s in _received_spans(received) if s.parent_span_id == request.span_id),
+        key=lambda s: s.start_time_unix_nano,
+    )
+    assert [s.name for s in children] == ["queue", "prefill", "decode"]
