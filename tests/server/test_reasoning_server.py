@@ -5,7 +5,9 @@ constrains the whole output (--structured-outputs-in-reasoning), `reasoning_cont
 `content` are the parts of the text the offline engine writes under the same grammar, streamed
 deltas add up to them, and a hermes tool call after the thoughts is parsed from the content. On
 a server that constrains the content only (the default), the grammar waits for the thoughts to
-end: greedy thoughts are what the unconstrained model writes."""
+end: greedy thoughts are what the unconstrained model writes, and a forced tool call (the thoughts
+closed by a logit_bias) is parsed from what follows them. `enable_thinking` in
+chat_template_kwargs decides, through the template, whether the output is thoughts or answer."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 from jaxllm import SamplingParams
 from jaxllm.sampling_params import StructuredOutputsParams
 from tests.helpers.live_server import start_server
-from tests.server.test_server_tools import HERMES_CALL, TOOLS, _check
+from tests.server.test_server_tools import HERMES_CALL, SCHEMAS, TOOLS, _check
 
 ASK = [{"role": "user", "content": "How many legs has a cat?"}]
 THINK_THEN_ANSWER = r"<think>[a-z ]{3,20}</think>[a-z ]{3,20}"
@@ -43,10 +45,14 @@ def r1_server(tiny_model_dir, tmp_path_factory):
     live.stop()
 
 
-def _offline_text(server, messages, regex: str | None, max_tokens: int, chat_template: str | None = None) -> str:
+def _offline_text(
+    server, messages, regex: str | None, max_tokens: int, chat_template: str | None = None, **template_kwargs
+) -> str:
     """The reference: what the offline engine writes for the chat, greedy, under `regex`."""
     llm = server.offline
-    prompt = llm.engine.apply_chat_template(messages, add_generation_prompt=True, chat_template=chat_template)
+    prompt = llm.engine.apply_chat_template(
+        messages, add_generation_prompt=True, chat_template=chat_template, **template_kwargs
+    )
     params = SamplingParams(
         temperature=0,
         max_tokens=max_tokens,
@@ -119,6 +125,75 @@ def test_thoughts_opened_by_the_template(whole_server, server):
     message = whole_server.client.chat.completions.create(model=whole_server.model, **kwargs).choices[0].message
     assert (message.reasoning_content, message.content) == (thoughts, answer)
     assert _streamed(whole_server, **kwargs)[:2] == (thoughts, answer)
+
+
+# Qwen3's switch: the thoughts opened by the prompt while thinking is on (the default, as the
+# thinking models of Qwen3-2507 do), closed in it by `enable_thinking: false` (as Qwen3's template).
+SWITCH_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("enable_thinking", [None, True, False])
+def test_enable_thinking_decides_the_split(whole_server, server, enable_thinking):
+    """chat_template_kwargs' enable_thinking through the template: on (or unset) the thoughts are
+    open when the output starts, and 8 greedy tokens (the model's free text, no </think> in it) are
+    all reasoning; off the prompt closed them, and the free text after them is all content."""
+    template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    free = _offline_text(server, ASK, None, 8, chat_template=SWITCH_TEMPLATE, **template_kwargs)
+    assert free.strip() and "think>" not in free
+    want = (None, free) if enable_thinking is False else (free, None)
+    extra_body = {"chat_template": SWITCH_TEMPLATE}
+    if template_kwargs:
+        extra_body["chat_template_kwargs"] = template_kwargs
+    kwargs = dict(messages=ASK, temperature=0, max_tokens=8, extra_body=extra_body)
+    message = whole_server.client.chat.completions.create(model=whole_server.model, **kwargs).choices[0].message
+    assert (getattr(message, "reasoning_content", None), message.content) == want
+    reasoning, content, _ = _streamed(whole_server, **kwargs)
+    assert (reasoning or None, content or None) == want
+
+
+def test_a_forced_tool_call_is_parsed_after_the_thoughts(r1_server, server):
+    """tool_choice naming a function on a server whose grammars wait for the thoughts to end:
+    deepseek_r1's output starts in them, and a logit_bias toward the pieces of `</think>` ('</',
+    'think', '>') makes the random model close them after a few tokens; the call's arguments
+    (get_time's schema) are parsed from what follows. The offline engine under the same grammar
+    and bias is the reference, whole and streamed."""
+    import json
+
+    import jsonschema
+
+    from jaxllm.entrypoints.openai.reasoning_parsers import PARSERS
+
+    llm = server.offline
+    bias = {t: 20.0 for t in llm.get_tokenizer().encode("</think>", add_special_tokens=False)}
+    grammar = PARSERS["deepseek_r1"].constrain(StructuredOutputsParams(json=SCHEMAS["get_time"]), True)
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=grammar, logit_bias=bias)
+    prompt = llm.engine.apply_chat_template(ASK, tools=TOOLS)
+    want = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].text
+    thoughts, _, arguments = want.partition("</think>")
+    assert thoughts and arguments
+    kwargs = dict(
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        temperature=0,
+        max_tokens=60,
+        logit_bias={str(t): b for t, b in bias.items()},
+    )
+    choice = r1_server.client.chat.completions.create(model=r1_server.model, **kwargs).choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    assert choice.message.reasoning_content == thoughts
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_time", arguments)
+    jsonschema.validate(json.loads(arguments), SCHEMAS["get_time"])
+    reasoning, content, deltas = _streamed(r1_server, **kwargs)
+    assert (reasoning, content) == (thoughts, "")
+    calls = [c for d in deltas for c in d.tool_calls or []]
+    assert [c.function.name for c in calls if c.id] == ["get_time"]
+    assert "".join(c.function.arguments or "" for c in calls) == arguments
 
 
 def test_a_plain_answer_has_no_reasoning(whole_server, server):
