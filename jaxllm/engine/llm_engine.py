@@ -316,6 +316,12 @@ class LLMEngine(TrainerMixin, PoolingMixin, LoRAMixin):
             choices[0].prompt_logprobs = []  # the request's prompt logprobs come from its first choice
         return choices
 
+    @property
+    def chat_template(self) -> str | None:
+        """The model's own chat template (its tokenizer's; the "default" of named ones), if any."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        return template.get("default") if isinstance(template, dict) else template
+
     def apply_chat_template(
         self,
         messages: list[dict],
@@ -328,9 +334,7 @@ class LLMEngine(TrainerMixin, PoolingMixin, LoRAMixin):
         bounded sandbox of jaxllm/chat_template.py; any template variable may be passed (a server
         checks a client's with `check_template_kwargs` first). Raises ValueError
         (ChatTemplateError for a template that fails)."""
-        template = chat_template or getattr(self.tokenizer, "chat_template", None)
-        if isinstance(template, dict):  # a tokenizer with named templates
-            template = template.get("default")
+        template = chat_template or self.chat_template
         if self.tokenizer is None:
             raise ValueError(f"model {self.model_name!r} has no tokenizer")
         if not template:

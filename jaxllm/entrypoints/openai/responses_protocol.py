@@ -1,6 +1,7 @@
-"""OpenAI's Responses API (`POST /v1/responses`) request as pydantic models. Fields this server
-does not read (metadata, user, include, ...) are accepted and ignored; those it cannot honour
-are refused by `ResponsesRequest.unsupported`."""
+"""OpenAI's Responses API (`POST /v1/responses`) request as pydantic models. As on the chat route,
+fields this server does not know (metadata, user, service_tier, ...) are accepted and ignored;
+the API's fields that would change the answer and that it cannot honour are refused, naming the
+field, by `ResponsesRequest.unsupported`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from jaxllm.entrypoints.openai.protocol import TOOL_NAME, OpenAIModel, RequestModel
+from jaxllm.sampling_params import MAX_LOGPROBS
 
 
 class TextPart(RequestModel):
@@ -79,6 +81,16 @@ class TextConfig(RequestModel):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(RequestModel):
+    effort: str | None = None  # "low", "medium", "high", ...: the chat template's reasoning_effort
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # (summary's older name)
+
+
+# What `include` may ask for: the answer's token logprobs (with `top_logprobs` alternatives).
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+
+
 class ResponsesRequest(RequestModel):
     model: str | None = None
     input: str | list[InputItem]
@@ -95,11 +107,35 @@ class ResponsesRequest(RequestModel):
     previous_response_id: str | None = None
     background: bool | None = False
     truncation: Literal["auto", "disabled"] | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tool_calls: int | None = Field(None, ge=0)
+    reasoning: ReasoningConfig | None = None
+    priority: int = 0  # vLLM's: lower first, on a server started with --scheduling-policy priority
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None  # a stored prompt template's id and variables
 
-    def unsupported(self) -> str | None:
-        """A set field this server cannot honour."""
+    @property
+    def logprobs(self) -> bool:
+        return OUTPUT_LOGPROBS in (self.include or [])
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) for a set field this server cannot honour."""
         if self.background:
-            return "background"
+            return "background", "background responses are not supported by this server"
+        if self.conversation is not None:
+            return "conversation", "conversations are not supported by this server; chain with previous_response_id"
+        if self.prompt is not None:
+            return "prompt", "stored prompt templates are not supported by this server; send instructions and input"
+        if self.truncation == "auto":
+            return "truncation", "truncation 'auto' is not supported by this server (only 'disabled')"
+        for item in self.include or []:
+            if item != OUTPUT_LOGPROBS:
+                return "include", f"include {item!r} is not supported by this server (only {OUTPUT_LOGPROBS!r})"
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", f"top_logprobs needs include to list {OUTPUT_LOGPROBS!r}"
+        if self.reasoning is not None and (self.reasoning.summary or self.reasoning.generate_summary):
+            return "reasoning", "reasoning summaries are not written by this server (the reasoning item has the text)"
         return None
 
 
@@ -128,6 +164,10 @@ class ResponseObject(OpenAIModel):
     temperature: float | None = None
     top_p: float | None = None
     max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = None
+    truncation: Literal["auto", "disabled"] = "disabled"
+    reasoning: dict[str, Any] | None = None
     previous_response_id: str | None = None
     store: bool = True
     usage: ResponseUsage | None = None

@@ -201,12 +201,15 @@ class OpenAIServingChat(OpenAIServing):
         chat, outputs = await self.start_chat(request, raw, "chatcmpl")
         return await self.respond(raw, outputs, request, chat.collect, chat.stream)
 
-    async def start_chat(self, request: ChatCompletionRequest, raw: Request, id_prefix: str):
-        """The request checked, rendered and queued: (its `_ChatCompletion`, its outputs)."""
+    async def start_chat(
+        self, request: ChatCompletionRequest, raw: Request, id_prefix: str, max_tool_calls: int | None = None
+    ):
+        """The request checked, rendered and queued: (its `_ChatCompletion`, its outputs).
+        `max_tool_calls`: at most this many tool calls (the Responses API's bound)."""
         lora = self.check_request(request)
         if request.top_logprobs and not request.logprobs:
             raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
-        tools = ToolCalling(request, self.tool_parser)
+        tools = ToolCalling(request, self.tool_parser, max_tool_calls)
         # max_completion_tokens replaces max_tokens; neither: as much as the context leaves.
         max_tokens = request.max_tokens if request.max_completion_tokens is None else request.max_completion_tokens
         params = self.sampling_params(request, max_tokens, request.num_logprobs)

@@ -4,10 +4,13 @@
 The request becomes a chat completion request: `instructions` a system message, `input` (text,
 or message / function_call / function_call_output items) the conversation, after the stored one
 of `previous_response_id`; flat function `tools` and `tool_choice` the chat API's; `text.format`
-(json_schema, json_object) the response format; `max_output_tokens` max_tokens. The answer's
-`output` is a reasoning item (with --reasoning-parser), a message with `output_text`, then
-function_call items; `status` "incomplete" (`max_output_tokens`) when it ran out of tokens.
-Streamed, the events are the API's typed ones, each with its `sequence_number`.
+(json_schema, json_object) the response format; `max_output_tokens` max_tokens; `max_tool_calls`
+a bound on the function calls; `reasoning.effort` the chat template's `reasoning_effort` (where
+the template reads it); `include` of the output's logprobs (with `top_logprobs`) the chat API's
+logprobs; `priority` the engine request's. The answer's `output` is a reasoning item (with
+--reasoning-parser), a message with `output_text`, then function_call items; `status`
+"incomplete" (`max_output_tokens`) when it ran out of tokens. Streamed, the events are the API's
+typed ones, each with its `sequence_number`.
 
 With `store` (the default) the conversation and its answer are kept for `previous_response_id`
 in a bounded in-memory store (`--responses-store-size` responses, 256 Mi characters in all; the
@@ -28,6 +31,7 @@ from pydantic import ValidationError
 
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest
 from jaxllm.entrypoints.openai.responses_protocol import (
+    OUTPUT_LOGPROBS,
     FunctionCallItem,
     FunctionCallOutputItem,
     MessageItem,
@@ -114,7 +118,13 @@ def chat_request(request: ResponsesRequest, messages: list[dict]) -> ChatComplet
         top_p=request.top_p,
         stream=request.stream,
         parallel_tool_calls=request.parallel_tool_calls,
+        priority=request.priority,
+        logprobs=request.logprobs,
+        top_logprobs=request.top_logprobs if request.logprobs else None,
     )
+    effort = request.reasoning.effort if request.reasoning else None
+    if effort is not None:
+        fields["chat_template_kwargs"] = {"reasoning_effort": effort}
     if request.tools:
         fields["tools"] = [
             {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in request.tools
@@ -145,8 +155,9 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _message_item(item_id: str, text: str, status: str = "completed") -> dict:
-    content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+def _message_item(item_id: str, text: str, status: str = "completed", logprobs: list | None = None) -> dict:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+    content = [part] if status == "completed" else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
@@ -177,10 +188,29 @@ class OpenAIServingResponses:
         self.chat = chat
         self.store = ResponseStore(store_size)
 
+    def check(self, request: ResponsesRequest) -> None:
+        """400s for what this server cannot honour, naming the field."""
+        refused = request.unsupported()
+        if refused:
+            field, why = refused
+            raise APIError(why, param=field)
+        effort = request.reasoning.effort if request.reasoning else None
+        if effort is not None and "reasoning_effort" not in (self.chat.llm.engine.chat_template or ""):
+            raise APIError(
+                "reasoning.effort goes to the chat template as reasoning_effort, which this model's template "
+                "never reads",
+                param="reasoning",
+            )
+        parsed = self.chat.reasoning_parser is not None or (bool(request.tools) and request.tool_choice != "none")
+        if request.logprobs and parsed:
+            raise APIError(
+                f"include {OUTPUT_LOGPROBS!r}: logprobs are given where the message is the whole output, not "
+                "beside tools or a --reasoning-parser",
+                param="include",
+            )
+
     async def create_response(self, request: ResponsesRequest, raw: Request):
-        field = request.unsupported()
-        if field:
-            raise APIError(f"{field} is not supported by this server", param=field)
+        self.check(request)
         history = []
         if request.previous_response_id is not None:
             history = self.store.get(request.previous_response_id)
@@ -193,7 +223,7 @@ class OpenAIServingResponses:
                 )
         messages = conversation(request, history)
         chat_req = chat_request(request, messages)
-        chat, outputs = await self.chat.start_chat(chat_req, raw, "resp")
+        chat, outputs = await self.chat.start_chat(chat_req, raw, "resp", max_tool_calls=request.max_tool_calls)
         created = int(time.time())
 
         def response(status: str, output: list[dict], finish: str | None = None) -> ResponseObject:
@@ -216,6 +246,9 @@ class OpenAIServingResponses:
                 temperature=request.temperature,
                 top_p=request.top_p,
                 max_output_tokens=request.max_output_tokens,
+                max_tool_calls=request.max_tool_calls,
+                top_logprobs=request.top_logprobs,
+                reasoning=request.reasoning.model_dump(exclude_none=True) if request.reasoning else None,
                 previous_response_id=request.previous_response_id,
                 store=request.store is not False,
                 usage=ResponseUsage(
@@ -237,7 +270,8 @@ class OpenAIServingResponses:
             choice = answer.choices[0]
             message = choice.message
             output = [_reasoning_item(_id("rs"), message.reasoning_content)] if message.reasoning_content else []
-            output += [_message_item(_id("msg"), message.content)] if message.content else []
+            logprobs = [lp.model_dump() for lp in choice.logprobs.content or []] if choice.logprobs else None
+            output += [_message_item(_id("msg"), message.content, logprobs=logprobs)] if message.content else []
             calls = [
                 {
                     "id": c.id,
@@ -259,8 +293,9 @@ class OpenAIServingResponses:
                 delta = choice.delta
                 if delta.reasoning_content:
                     yield events.reasoning(delta.reasoning_content)
-                if delta.content:
-                    yield events.text(delta.content)
+                logprobs = [lp.model_dump() for lp in choice.logprobs.content or []] if choice.logprobs else []
+                if delta.content or logprobs:
+                    yield events.text(delta.content or "", logprobs)
                 for call in delta.tool_calls or []:
                     if call.id:
                         yield events.open_call(call.id, call.function.name)
@@ -294,6 +329,7 @@ class _Events:
 
     def __init__(self):
         self.sequence, self.items, self.open_kind, self.buffer = 0, [], None, ""
+        self.logprobs: list[dict] = []  # the open message's
 
     def emit(self, kind: str, **payload) -> str:
         body = {"type": kind, "sequence_number": self.sequence, **payload}
@@ -302,11 +338,11 @@ class _Events:
 
     def _start(self, kind: str, item: dict) -> str:
         events = self.close()
-        self.open_kind, self.buffer = kind, ""
+        self.open_kind, self.buffer, self.logprobs = kind, "", []
         self.items.append(item)
         events += self.emit("response.output_item.added", output_index=len(self.items) - 1, item=item)
         if kind == "message":
-            part = {"type": "output_text", "text": "", "annotations": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             events += self.emit("response.content_part.added", **self._where(), content_index=0, part=part)
         return events
 
@@ -318,13 +354,14 @@ class _Events:
         self.buffer += text
         return events + self.emit("response.reasoning_text.delta", **self._where(), content_index=0, delta=text)
 
-    def text(self, text: str) -> str:
+    def text(self, text: str, logprobs: list[dict]) -> str:
         events = (
             self._start("message", _message_item(_id("msg"), "", "in_progress")) if self.open_kind != "message" else ""
         )
         self.buffer += text
+        self.logprobs += logprobs
         return events + self.emit(
-            "response.output_text.delta", **self._where(), content_index=0, delta=text, logprobs=[]
+            "response.output_text.delta", **self._where(), content_index=0, delta=text, logprobs=logprobs
         )
 
     def open_call(self, call_id: str, name: str) -> str:
@@ -344,9 +381,9 @@ class _Events:
             item.update(_reasoning_item(item["id"], text))
             events = self.emit("response.reasoning_text.done", **where, content_index=0, text=text)
         elif kind == "message":
-            item.update(_message_item(item["id"], text))
+            item.update(_message_item(item["id"], text, logprobs=self.logprobs))
             part = item["content"][0]
-            events = self.emit("response.output_text.done", **where, content_index=0, text=text, logprobs=[])
+            events = self.emit("response.output_text.done", **where, content_index=0, text=text, logprobs=self.logprobs)
             events += self.emit("response.content_part.done", **where, content_index=0, part=part)
         else:
             item.update(arguments=text, status="completed")

@@ -4,13 +4,14 @@
     auto      the model decides: its output is parsed with the server's --tool-call-parser
               (needs --enable-auto-tool-choice, as in vLLM)
     required  the output is constrained to a JSON array of calls, `[{"name": ..., "parameters":
-              {...}}, ...]`, each call's arguments to its function's schema (one call only
-              without parallel_tool_calls), so it always parses
+              {...}}, ...]`, each call's arguments to its function's schema (at most `max_calls`
+              of them), so it always parses
     a name    the output is constrained to that function's arguments
 
 `ToolCalling.extract` turns a finished output into (content, calls); `ToolCalling.stream()`
 does it delta by delta, yielding content and `ToolDelta`s as OpenAI's streamed tool calls:
-a call's first delta has its id and name, the later ones more of its arguments.
+a call's first delta has its id and name, the later ones more of its arguments. Calls past
+`max_calls` (one without parallel_tool_calls; the Responses API's max_tool_calls) are dropped.
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ class ToolDelta:
 
 
 class ToolCalling:
-    """One request's tool settings. Raises APIError (400) for tools it cannot honour."""
+    """One request's tool settings. Raises APIError (400) for tools it cannot honour.
+    `max_calls`: at most this many calls (the Responses API's max_tool_calls; None: any number),
+    one at most when the request's parallel_tool_calls is false."""
 
-    def __init__(self, request: ChatCompletionRequest, parser: ToolParser | None):
+    def __init__(self, request: ChatCompletionRequest, parser: ToolParser | None, max_calls: int | None = None):
         self.tools = {t.function.name: t.function for t in request.tools or []}
         if len(self.tools) < len(request.tools or []):
             raise APIError("tool function names must be unique", param="tools")
@@ -55,7 +58,9 @@ class ToolCalling:
             choice = "auto" if self.tools else "none"
         self.mode = choice if isinstance(choice, str) else "named"
         self.name = choice.function.name if self.mode == "named" else None
-        self.parallel = request.parallel_tool_calls is not False
+        if request.parallel_tool_calls is False:
+            max_calls = 1 if max_calls is None else min(max_calls, 1)
+        self.max_calls = max_calls
         self.parser = parser
         if self.mode != "none" and not self.tools:
             raise APIError(f"tool_choice {self.mode!r} needs tools", param="tool_choice")
@@ -68,6 +73,10 @@ class ToolCalling:
                 '"auto" tool choice requires the server to run with --enable-auto-tool-choice and '
                 '--tool-call-parser (or give tool_choice "required", "none" or a function)',
                 param="tool_choice",
+            )
+        if max_calls == 0 and self.mode in ("required", "named"):
+            raise APIError(
+                f"tool_choice {self.mode!r} asks for a call; max_tool_calls 0 allows none", param="max_tool_calls"
             )
 
     @property
@@ -91,7 +100,9 @@ class ToolCalling:
             for name, f in self.tools.items()
         ]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-        return StructuredOutputsParams(json=schema if self.parallel else {**schema, "maxItems": 1})
+        return StructuredOutputsParams(
+            json=schema if self.max_calls is None else {**schema, "maxItems": self.max_calls}
+        )
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         if self.mode == "none":
@@ -103,7 +114,7 @@ class ToolCalling:
             calls = _required_calls(values[0]) if values and isinstance(values[0], list) else []
             return (None, calls) if calls else (text, [])  # (cut short by max_tokens: no call)
         content, calls = self.parser.extract(text)
-        return content, calls if self.parallel else calls[:1]
+        return content, calls[: self.max_calls]
 
     def finish_reason(self, num_calls: int, reason: str | None) -> str | None:
         """OpenAI's: "tool_calls" when the model chose to call (a named call ends with "stop")."""
@@ -124,8 +135,8 @@ class ToolCallStream:
         self.num_calls = 0
 
     def _deltas(self, calls: list[ToolCall]) -> list[ToolDelta]:
-        if not self.calling.parallel:
-            calls = calls[: max(0, 1 - self.num_calls)]
+        if self.calling.max_calls is not None:
+            calls = calls[: max(0, self.calling.max_calls - self.num_calls)]
         out = [ToolDelta(self.num_calls + i, c.id, c.name, c.arguments) for i, c in enumerate(calls)]
         self.num_calls += len(calls)
         return out
