@@ -84,6 +84,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
     tool_choice: ToolChoice | None = None
+    priority: int = 0  # vLLM's, as on the OpenAI routes: lower first, with --scheduling-policy priority
 
 
 # ----------------------------------------------------------------------------- response

@@ -4,11 +4,12 @@ completion machinery (serving_chat.py), as vLLM and llama.cpp's server serve it.
 A request becomes a chat completion request: `system` a system message, text blocks the
 message's text, `tool_use` blocks an assistant's tool calls, `tool_result` blocks tool messages,
 `tools` OpenAI function tools, `tool_choice` auto / any (required) / tool (named) / none,
-`stop_sequences` stop strings. The answer's content is a thinking block (with
---reasoning-parser), text, then tool_use blocks; `stop_reason` end_turn, max_tokens,
-stop_sequence (with `stop_sequence`) or tool_use. Streamed, the events are Anthropic's:
-message_start, then per block content_block_start / _delta (text_delta, thinking_delta,
-input_json_delta) / _stop, then message_delta (stop reason, output tokens) and message_stop.
+`stop_sequences` stop strings, `priority` (vLLM's extra, as on the OpenAI routes) the engine
+request's. The answer's content is a thinking block (with --reasoning-parser), text, then
+tool_use blocks; `stop_reason` end_turn, max_tokens, stop_sequence (with `stop_sequence`) or
+tool_use. Streamed, the events are Anthropic's: message_start, then per block
+content_block_start / _delta (text_delta, thinking_delta, input_json_delta) / _stop, then
+message_delta (stop reason, output tokens) and message_stop.
 Errors have Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`).
 """
 
@@ -97,6 +98,7 @@ def chat_request(request: MessagesRequest) -> ChatCompletionRequest:
         stop=request.stop_sequences,
         stream=request.stream,
         tools=_tools(request),
+        priority=request.priority,
     )
     choice = request.tool_choice
     if choice is not None:
