@@ -221,7 +221,9 @@ class LogitsProcessor:
     `apply` is traced into the jitted step, over every row at once, and its per-request state
     travels in the step's inputs as fixed-shape arrays, so nothing recompiles as requests come
     and go. Given to the engine as `LLM(..., logits_processors=[MyProcessor])` (a class, an
-    instance, or "module:Class"); a request opts in through `SamplingParams.extra_args`.
+    instance, or "module:Class"); a request opts in through `SamplingParams.extra_args`. How it
+    differs from vLLM's (eager `apply(logits)`, `update_state(BatchUpdate)`) and how to port one:
+    docs/api.md, "Coming from vLLM v1".
 
     `state`: per-request state arrays, name -> (shape, dtype, neutral value); dtypes int32,
     float32 or bool. A request the processor leaves alone (`row_state` returns None) holds the
