@@ -183,6 +183,23 @@ def pack_codes(codes: np.ndarray, bits: int, w8a8: bool = False, pairs: bool = F
     return np.ascontiguousarray(u[..., : PANEL // 2] | (u[..., PANEL // 2 :] << 4))
 
 
+def pack_scales(a):
+    """Scales (or offsets, super-scales) [G, N] as the quantized GEMMs read them: [N / 16, G, 16],
+    each panel's groups side by side (numpy or jax arrays; None stays None)."""
+    if a is None:
+        return None
+    g, n = a.shape
+    return a.reshape(g, n // PANEL, PANEL).transpose(1, 0, 2)
+
+
+def unpack_scales(a):
+    """`pack_scales`'s inverse: [N / 16, G, 16] -> [G, N]."""
+    if a is None:
+        return None
+    p, g, _ = a.shape
+    return a.transpose(1, 0, 2).reshape(g, p * PANEL)
+
+
 def codes_to_bf16_panels(codes, scale, offset, bits: int, super_scale=None, super_offset=None) -> np.ndarray:
     """The packed bf16 weight (`pack_weight(w, dtype=bfloat16)`'s layout) of codes laid out for
     `matmul_quantized_bf16` (same arguments), each weight bf16(code * scale + offset) as that GEMM
@@ -192,14 +209,16 @@ def codes_to_bf16_panels(codes, scale, offset, bits: int, super_scale=None, supe
     codes, scale, offset, super_scale, super_offset = map(host, (codes, scale, offset, super_scale, super_offset))
     n = codes.shape[0] * PANEL
     k = codes.shape[1] * (4 if bits == 4 else 1)
-    groups = scale.shape[0] if scale.ndim == 2 else 0
+    groups = scale.shape[1] if scale.ndim == 3 else 0
     supers_ok = super_scale is None or (
-        super_scale.shape[1:] == (n,)
-        and groups % super_scale.shape[0] == 0
+        super_scale.ndim == 3
+        and super_scale.shape[::2] == (n // PANEL, PANEL)
+        and super_scale.shape[1] > 0
+        and groups % super_scale.shape[1] == 0
         and (super_offset is None or super_offset.shape == super_scale.shape)
     )
     if (
-        scale.shape != (groups, n)
+        scale.shape != (n // PANEL, groups, PANEL)
         or not groups
         or k % groups
         or (offset is not None and offset.shape != scale.shape)
@@ -213,13 +232,13 @@ def codes_to_bf16_panels(codes, scale, offset, bits: int, super_scale=None, supe
         ctypes.c_int32(bits),
         ctypes.c_int64(k),
         ctypes.c_int64(n),
-        ctypes.c_int64(scale.shape[0]),
+        ctypes.c_int64(groups),
         ptr(scale),
         ptr(offset),
         ctypes.c_int32(scale.dtype == np.float16),
         ptr(super_scale),
         ptr(super_offset),
-        ctypes.c_int64(scale.shape[0] // super_scale.shape[0] if super_scale is not None else 1),
+        ctypes.c_int64(groups // super_scale.shape[1] if super_scale is not None else 1),
         ptr(out),
     )
     if err:
@@ -242,20 +261,21 @@ def matmul_quantized(
     bias: jax.Array | None = None,
     act_group: int = 0,
 ) -> jax.Array:
-    """x [..., K] f32 @ w -> [..., N] f32, w [K, N] given by the panels of `pack_codes`, and
-    scale (and offset, or None) [G, N], f32 or f16: w[k, n] = code * scale[g, n] + offset[g, n]
-    for the group g = k // (K / G) (csrc/gemm_quant.cc dequantizes a panel at a time; x stays
-    f32). Two-level scales (GGUF's K-quants): scale and offset are int8 sub-scales of
-    `super_scale` and `super_offset`, f16 [G / S, N]: group g's scale is
-    scale[g, n] * super_scale[g // S, n], its offset likewise. `act8`: x is first quantized to
-    int8 and the products are integer sums. With 4-bit codes (K / G a multiple of `ACT_GROUP`)
-    per row and group of 32 columns (q = round(x * 127 / max|x|), the scale max|x| / 127), as
-    llama.cpp does (csrc/gemm_q4a8.cc); with 8-bit codes in [-127, 127], one scale per column
-    and no offset (W8A8; K a multiple of 4, at most `W8A8_MAX_K`; the codes packed with
-    `w8a8=True`) per row and group of `act_group` columns (0: the row whole; else a multiple of 4
-    dividing K), as `kv_write.int8_rows` does a row (csrc/gemm_w8a8.cc); `bias`, int32 [K /
-    act_group (1 for 0), N] or None, is then 128 times each column's code sum over each group
-    (`QuantizedWeight.bias`; None: summed in the call). `rows`, `swiglu`: as for `matmul_packed`."""
+    """x [..., K] f32 @ w -> [..., N] f32, w [K, N] given by the panels of `pack_codes`, and scale
+    (and offset, or None) [G, N] laid out by `pack_scales`, f32 or f16: w[k, n] = code *
+    scale[g, n] + offset[g, n] for the group g = k // (K / G) (csrc/gemm_quant.cc dequantizes a
+    panel at a time; x stays f32). Two-level scales (GGUF's K-quants): scale and offset are int8
+    sub-scales of `super_scale` and `super_offset`, f16 [G / S, N] (also by `pack_scales`):
+    group g's scale is scale[g, n] * super_scale[g // S, n], its offset likewise. `act8`: x is
+    first quantized to int8 and the products are integer sums. With 4-bit codes (K / G a
+    multiple of `ACT_GROUP`) per row and group of 32 columns (q = round(x * 127 / max|x|), the
+    scale max|x| / 127), as llama.cpp does (csrc/gemm_q4a8.cc); with 8-bit codes in [-127, 127],
+    one scale per column and no offset (W8A8; K a multiple of 4, at most `W8A8_MAX_K`; the codes
+    packed with `w8a8=True`) per row and group of `act_group` columns (0: the row whole; else a
+    multiple of 4 dividing K), as `kv_write.int8_rows` does a row (csrc/gemm_w8a8.cc); `bias`,
+    int32 [K / act_group (1 for 0), N] or None, is then 128 times each column's code sum over
+    each group (`QuantizedWeight.bias`; None: summed in the call). `rows`, `swiglu`: as for
+    `matmul_packed`."""
     bias = jnp.zeros((0,), jnp.int32) if bias is None else bias
     return _quantized_call(
         "jaxllm_matmul_quantized_cpu",

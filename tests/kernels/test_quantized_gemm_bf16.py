@@ -66,7 +66,8 @@ def test_matmul_quantized_bf16_is_the_bf16_gemm_of_the_rounded_weights(rows, k, 
     for path in ("auto", *native.kernel_paths()):
         if path == "avx2":
             continue  # the bf16 kernels have portable, AVX-512 and AMX code only
-        y = jax.jit(functools.partial(gemm.matmul_quantized_bf16, bits=bits, path=path))(x, packed, scale, offset)
+        call = functools.partial(gemm.matmul_quantized_bf16, bits=bits, path=path)
+        y = jax.jit(call)(x, packed, gemm.pack_scales(scale), gemm.pack_scales(offset))
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
         same = jax.jit(functools.partial(gemm.matmul_packed, path=path))(x, bf16_panels)
         np.testing.assert_array_equal(y, same)
@@ -89,9 +90,15 @@ def test_matmul_quantized_bf16_swiglu_two_level_scales_and_live_rows(rows):
     h = bf16(x).astype(np.float64) @ bf16(w).astype(np.float64)
     ref = h[:, : n // 2] / (1 + np.exp(-h[:, : n // 2])) * h[:, n // 2 :]
     packed = gemm.pack_codes(codes, 4, pairs=True)
+    sub_s, sub_o = gemm.pack_scales(sub_s), gemm.pack_scales(sub_o)
     for path in ("auto", "portable"):
         call = functools.partial(
-            gemm.matmul_quantized_bf16, bits=4, path=path, swiglu=True, super_scale=sup_s, super_offset=sup_o
+            gemm.matmul_quantized_bf16,
+            bits=4,
+            path=path,
+            swiglu=True,
+            super_scale=gemm.pack_scales(sup_s),
+            super_offset=gemm.pack_scales(sup_o),
         )
         y = jax.jit(call)(x, packed, sub_s, sub_o)
         np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
@@ -103,11 +110,12 @@ def test_matmul_quantized_bf16_swiglu_two_level_scales_and_live_rows(rows):
 def test_matmul_quantized_bf16_rejects_what_it_cannot_run():
     rng = np.random.default_rng(0)
     codes, scale, offset, _ = random_codes(rng, 4, 24, 32, 4, True, np.float16)  # groups of 6 rows
+    scale, offset = gemm.pack_scales(scale), gemm.pack_scales(offset)
     x = jnp.ones((2, 24), jnp.float32)
     with pytest.raises(Exception, match="groups of a multiple of 4 rows"):
         jax.block_until_ready(gemm.matmul_quantized_bf16(x, gemm.pack_codes(codes, 4, pairs=True), scale, offset, 4))
     with pytest.raises(Exception, match="int8 \\[N / 16, K, 16\\] \\(bits 8\\)"):  # 4-bit panels as 8-bit
-        jax.block_until_ready(gemm.matmul_quantized_bf16(x, gemm.pack_codes(codes, 4), scale[:1], None, 8))
+        jax.block_until_ready(gemm.matmul_quantized_bf16(x, gemm.pack_codes(codes, 4), scale[:, :1], None, 8))
 
 
 def test_with_bf16_activations_keeps_the_weight():
@@ -131,7 +139,7 @@ def test_with_bf16_activations_keeps_the_weight():
     tokens = np.array([0, 17, 40])  # embedding rows: the bf16 table's
     np.testing.assert_array_equal(jax.jit(embedding_rows)(p8, tokens), bf16(dequantize(q8).T[tokens]))
     two_row_groups = QuantizedWeight(
-        q.codes, jnp.repeat(q.scale, 16, 0), jnp.repeat(q.offset, 16, 0), 4, "panels", "float"
+        q.codes, jnp.repeat(q.scale, 16, 1), jnp.repeat(q.offset, 16, 1), 4, "panels", "float"
     )
     assert with_bf16_activations(two_row_groups) is two_row_groups
 

@@ -148,7 +148,9 @@ def test_gemms_that_add_the_second_product_match_lora_add(base_kind, swiglu, num
         packed_codes = jnp.asarray(gemm.pack_codes(codes, 4, pairs=True))
 
         def base(x, **kw):
-            return gemm.matmul_quantized_bf16(x, packed_codes, scale, offset, 4, **kw)
+            return gemm.matmul_quantized_bf16(
+                x, packed_codes, gemm.pack_scales(scale), gemm.pack_scales(offset), 4, **kw
+            )
 
     x = jnp.asarray(rng.normal(size=(num_rows, IN)), jnp.float32)
     token_slots = jnp.asarray(rng.integers(-1, slots, num_rows), jnp.int32)

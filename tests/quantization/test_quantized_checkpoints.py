@@ -77,7 +77,7 @@ def test_gguf_blocks_keep_exactly_the_values_gguf_py_dequantizes(name, monkeypat
     # The C++ GEMM refuses int8 sub-scales without their super-scales, and super-scales that
     # do not divide the groups.
     packed = relayout(weight, panels=True)
-    for super_scale in (None, packed.super_scale[:1].repeat(3, axis=0)):
+    for super_scale in (None, packed.super_scale[:, :1].repeat(3, axis=1)):
         with pytest.raises(Exception, match="two-level"):
             gemm.matmul_quantized(
                 x,

@@ -52,10 +52,11 @@ def test_codes_to_bf16_panels_is_packing_the_dequantized_weights(method, k):
 def test_codes_to_bf16_panels_rejects_scales_that_do_not_fit_the_codes():
     q = with_bf16_activations(make_weight(np.ones((64, 32), np.float32), "int4", panels=True, activations="float"))
     for scale, offset in [
-        (q.scale[:, :16], q.offset[:, :16]),  # one panel's scales for two panels' codes
-        (np.ones((3, 32), np.float16), np.ones((3, 32), np.float16)),  # 3 groups of 64 rows
-        (np.ones((32, 32), np.float16), np.ones((32, 32), np.float16)),  # groups of 2 rows
-        (q.scale, q.offset[:1]),
+        (q.scale[:1], q.offset[:1]),  # one panel's scales for two panels' codes
+        (np.ones((2, 3, 16), np.float16), np.ones((2, 3, 16), np.float16)),  # 3 groups of 64 rows
+        (np.ones((2, 32, 16), np.float16), np.ones((2, 32, 16), np.float16)),  # groups of 2 rows
+        (q.scale, q.offset[:, :1]),
+        (gemm.unpack_scales(q.scale), gemm.unpack_scales(q.offset)),  # [G, N]: not the kernels' layout
     ]:
         with pytest.raises(ValueError, match="no bf16 panels"):
             gemm.codes_to_bf16_panels(q.codes, scale, offset, q.bits)

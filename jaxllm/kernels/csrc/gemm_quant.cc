@@ -147,37 +147,25 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
                            int32_t act_group) {
   const auto xd = x.dimensions();
   const auto cd = codes.dimensions();
-  const auto sd = scale.dimensions();
-  const auto ud = super_scale.dimensions();
   const bool int8 = bits == 8 && codes.element_type() == ffi::DataType::S8;
   const bool int4 = bits == 4 && codes.element_type() == ffi::DataType::U8;
-  const bool two_level = super_scale.element_count() != 0;
-  const auto scale_ok = [&](ffi::DataType t) {
-    return two_level ? t == ffi::DataType::S8 : (t == ffi::DataType::F32 || t == ffi::DataType::F16);
-  };
-  const bool supers_ok =
-      !two_level || (ud.size() == 2 && ud[1] == sd[1] && ud[0] >= 1 && sd[0] % ud[0] == 0 &&
-                     super_scale.element_type() == ffi::DataType::F16 &&
-                     super_offset.element_count() == (offset.element_count() ? super_scale.element_count() : 0) &&
-                     (!super_offset.element_count() || super_offset.element_type() == ffi::DataType::F16));
-  if (xd.size() != 2 || cd.size() != 3 || !(int8 || int4) || cd[2] != (int8 ? kPanel : kPanel / 2) ||
-      cd[1] != xd[1] || sd.size() != 2 || sd[1] != cd[0] * kPanel || sd[0] < 1 || xd[1] % sd[0] != 0 ||
-      !scale_ok(scale.element_type()) ||
-      (offset.element_count() != 0 &&
-       (offset.element_count() != scale.element_count() || offset.element_type() != scale.element_type())) ||
-      !supers_ok || (!two_level && super_offset.element_count()) || (swiglu && cd[0] % 2) ||
-      (bias.element_count() && (!act8 || !int8 || act_group < 0 ||
-                                (act_group && xd[1] % act_group) ||
+  const bool shapes_ok = xd.size() == 2 && cd.size() == 3 && (int8 || int4) &&
+                         cd[2] == (int8 ? kPanel : kPanel / 2) && cd[1] == xd[1];
+  QuantPanel q{codes.untyped_data(), nullptr, nullptr, false, shapes_ok ? xd[1] : 0, shapes_ok ? cd[0] * kPanel : 0,
+               1, bits};
+  if (!shapes_ok || !bind_scales(q, scale, offset, super_scale, super_offset) || (swiglu && cd[0] % 2) ||
+      (bias.element_count() && (!act8 || !int8 || act_group < 0 || (act_group && xd[1] % act_group) ||
                                 bias.element_count() != cd[0] * kPanel * (act_group ? xd[1] / act_group : 1))))
     return ffi::Error::InvalidArgument(
         "matmul_quantized: needs x [M, K], codes int8 [N / 16, K, 16] (bits 8) or uint8 [N / 16, K, 8] (bits 4), "
-        "scale f32 or f16 [G, N] with G dividing K, offset empty or like scale (N / 16 even for swiglu); "
-        "two-level: scale and offset int8, super_scale f16 [G / S, N], super_offset like it or empty; bias int32 "
-        "[K / act_group or 1, N] for 8-bit codes x int8 activations only");
+        "scale f32 or f16 [N / 16, G, 16] with G dividing K, offset empty or like scale (N / 16 even for swiglu); "
+        "two-level: scale and offset int8, super_scale f16 [N / 16, G / S, 16], super_offset like it or empty; bias "
+        "int32 [K / act_group or 1, N] for 8-bit codes x int8 activations only");
   if (!path_ok(path))
     return ffi::Error::InvalidArgument("matmul_quantized: this build has no such kernel path");
-  if (act8 && !(int4 && !act_group && xd[1] % kActGroup == 0 && (xd[1] / sd[0]) % kActGroup == 0) &&
-      !(int8 && sd[0] == 1 && !offset.element_count() && !two_level && xd[1] % 4 == 0 && xd[1] <= kW8A8MaxK &&
+  const int64_t groups = q.groups();
+  if (act8 && !(int4 && !act_group && xd[1] % kActGroup == 0 && q.group % kActGroup == 0) &&
+      !(int8 && groups == 1 && !q.offset && !q.super_scale && xd[1] % 4 == 0 && xd[1] <= kW8A8MaxK &&
         (!act_group || (act_group > 0 && act_group % 4 == 0 && xd[1] % act_group == 0))))
     return ffi::Error::InvalidArgument("matmul_quantized: int8 activations need 4-bit codes in groups of a multiple "
                                        "of 32 rows of K (act_group 0), or 8-bit codes with one scale per column, no "
@@ -186,14 +174,6 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   if (!act8 && act_group) return ffi::Error::InvalidArgument("matmul_quantized: act_group needs act8");
   GemmArgs g{x.typed_data(), nullptr, y->typed_data(), xd[0], xd[1], cd[0] * kPanel};
   g.M = live_rows(rows, g.M, swiglu ? g.N / 2 : g.N, g.y);
-  QuantPanel q{codes.untyped_data(), scale.untyped_data(),
-               offset.element_count() ? offset.untyped_data() : nullptr,
-               scale.element_type() == ffi::DataType::F16, g.K, g.N, g.K / sd[0], bits};
-  if (two_level) {
-    q.super_scale = static_cast<const uint16_t*>(super_scale.untyped_data());
-    q.super_offset = offset.element_count() ? static_cast<const uint16_t*>(super_offset.untyped_data()) : nullptr;
-    q.per_super = sd[0] / ud[0];
-  }
   if (bias.element_count()) q.bias = bias.typed_data();
   if (act8) {
     if (g.M && int4) matmul_q4a8(pool, g, q, path, swiglu);

@@ -85,24 +85,19 @@ inline void block_scales(const QuantPanel& q, int64_t g, int64_t p, __m512 s[2],
   o[0] = _mm512_permutexvar_ps(lo, ov), o[1] = _mm512_permutexvar_ps(hi, ov);
 }
 
-// Group g's scale (and offset) rows of panel p into L1 ahead of use: a panel's groups are N
-// scales apart, a stride the hardware prefetchers did not follow (perf on Zen 4: the scale
-// loads were half of a 1-row product's time).
-inline void prefetch_scales(const QuantPanel& q, int64_t g, int64_t p) {
+// Panel p's scales (and offsets, super-scales) into L1 ahead of use: one run of bytes each.
+inline void prefetch_scales(const QuantPanel& q, int64_t p) {
+  const auto run = [](const void* base, int64_t from, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(static_cast<const char*>(base) + from + at, _MM_HINT_T0);
+  };
+  const int64_t elem = q.super_scale ? 1 : q.half ? 2 : 4, n = q.groups() * kPanel;
+  run(q.scale, q.scale_at(0, p) * elem, n * elem);
+  if (q.offset) run(q.offset, q.scale_at(0, p) * elem, n * elem);
   if (q.super_scale) {
-    const int64_t at = g * q.N + p * kPanel;
-    _mm_prefetch(static_cast<const char*>(q.scale) + at, _MM_HINT_T0);
-    if (q.offset) _mm_prefetch(static_cast<const char*>(q.offset) + at, _MM_HINT_T0);
-    if (g % q.per_super == 0) {
-      const int64_t sat = ((g / q.per_super) * q.N + p * kPanel) * 2;
-      _mm_prefetch(reinterpret_cast<const char*>(q.super_scale) + sat, _MM_HINT_T0);
-      if (q.super_offset) _mm_prefetch(reinterpret_cast<const char*>(q.super_offset) + sat, _MM_HINT_T0);
-    }
-    return;
+    const int64_t sn = q.groups() / q.per_super * kPanel * 2;
+    run(q.super_scale, q.super_at(0, p) * 2, sn);
+    if (q.super_offset) run(q.super_offset, q.super_at(0, p) * 2, sn);
   }
-  const int64_t at = (g * q.N + p * kPanel) * (q.half ? 2 : 4);
-  _mm_prefetch(static_cast<const char*>(q.scale) + at, _MM_HINT_T0);
-  if (q.offset) _mm_prefetch(static_cast<const char*>(q.offset) + at, _MM_HINT_T0);
 }
 
 // The two bf16 panel rows (32 words each: row pairs 2 b, 2 b + 1) of block `bytes`.
@@ -146,8 +141,7 @@ __attribute__((noinline)) void codes_bf16_rows(const QuantPanel& q, const uint32
   for (int p = 0; p < P; ++p)
 #pragma GCC unroll 4
     for (int i = 0; i < R; ++i) acc[p][i] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g)
-    for (int p = 0; p < P; ++p) prefetch_scales(q, g, panel[p]);
+  for (int p = 0; p < P; ++p) prefetch_scales(q, panel[p]);
   for (int64_t g = 0; g < G; ++g) {
     __m512 s[P][2], o[P][2];
 #pragma GCC unroll 4
@@ -297,29 +291,16 @@ ffi::Error MatmulQuantBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, f
                                int32_t bits, int32_t path, int32_t swiglu) {
   const auto xd = x.dimensions();
   const auto cd = codes.dimensions();
-  const auto sd = scale.dimensions();
-  const auto ud = super_scale.dimensions();
-  const bool two_level = super_scale.element_count() != 0;
-  const bool scale_ok = two_level ? scale.element_type() == ffi::DataType::S8
-                                  : (scale.element_type() == ffi::DataType::F32 ||
-                                     scale.element_type() == ffi::DataType::F16);
-  const bool supers_ok =
-      !two_level || (ud.size() == 2 && ud[1] == sd[1] && sd[0] % ud[0] == 0 &&
-                     super_scale.element_type() == ffi::DataType::F16 &&
-                     super_offset.element_count() == (offset.element_count() ? super_scale.element_count() : 0));
-  const bool codes_ok = cd.size() == 3 && xd.size() == 2 &&
+  const bool codes_ok = cd.size() == 3 && xd.size() == 2 && xd[1] % 4 == 0 &&
                         (bits == 4 ? codes.element_type() == ffi::DataType::U8 && cd[2] == 32 && 4 * cd[1] == xd[1]
                                    : bits == 8 && codes.element_type() == ffi::DataType::S8 && cd[2] == kPanel &&
                                          cd[1] == xd[1]);
-  if (!codes_ok || xd[1] % 4 || sd.size() != 2 || sd[1] != cd[0] * kPanel || sd[0] < 1 || xd[1] % sd[0] ||
-      (xd[1] / sd[0]) % 4 || !scale_ok || !supers_ok ||
-      (offset.element_count() &&
-       (offset.element_count() != scale.element_count() || offset.element_type() != scale.element_type())) ||
-      (swiglu && cd[0] % 2))
+  QuantPanel q{nullptr, nullptr, nullptr, false, codes_ok ? xd[1] : 0, codes_ok ? cd[0] * kPanel : 0, 1, bits};
+  if (!codes_ok || !bind_scales(q, scale, offset, super_scale, super_offset) || q.group % 4 || (swiglu && cd[0] % 2))
     return ffi::Error::InvalidArgument(
         "matmul_quantized_bf16: needs x [M, K] bf16 with K a multiple of 4, codes uint8 [N / 16, K / 4, 32] (bits 4, "
-        "pairs) or int8 [N / 16, K, 16] (bits 8), scale [G, N] (groups of a multiple of 4 rows), offset empty or "
-        "like scale, and for two-level scales int8 ones with f16 supers");
+        "pairs) or int8 [N / 16, K, 16] (bits 8), scale [N / 16, G, 16] (groups of a multiple of 4 rows), offset "
+        "empty or like scale, and for two-level scales int8 ones with f16 supers");
   if (!path_ok(path))
     return ffi::Error::InvalidArgument("matmul_quantized_bf16: this build has no such kernel path");
   CodesBf16Args a{reinterpret_cast<const uint16_t*>(x.untyped_data()),
@@ -327,13 +308,6 @@ ffi::Error MatmulQuantBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, f
   const int64_t out_n = swiglu ? a.N / 2 : a.N;
   a.M = live_rows(rows, a.M, out_n, a.y);
   path = bf16_gemm_path(path, a.M);  // AMX for every row of a call, or for none (gemm_bf16.cc)
-  QuantPanel q{nullptr, scale.untyped_data(), offset.element_count() ? offset.untyped_data() : nullptr,
-               scale.element_type() == ffi::DataType::F16, a.K, a.N, a.K / sd[0], bits};
-  if (two_level) {
-    q.super_scale = static_cast<const uint16_t*>(super_scale.untyped_data());
-    q.super_offset = offset.element_count() ? static_cast<const uint16_t*>(super_offset.untyped_data()) : nullptr;
-    q.per_super = sd[0] / ud[0];
-  }
   LoraTerm lora;
   const int lora_given = lora_term(lora_xa, lora_b, lora_part, xd[0], a.N, lora);
   if (lora_given < 0) return ffi::Error::InvalidArgument("matmul_quantized_bf16: the LoRA term's shapes do not fit");
@@ -375,8 +349,8 @@ ffi::Error MatmulQuantBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, f
 // gives for the weights dequantized and rounded to bf16) of codes laid out as for
 // JaxllmMatmulQuantBf16Cpu, converted as that GEMM converts them: a small-step codes run's bf16
 // weights for its large steps (quantization/params.py), without numpy's passes over every weight.
-// scale, offset: f32 or f16 (`half`) [G, N], offset may be null; two-level scales: int8 scale and
-// offset with f16 super_scale / super_offset [G / per_super, N] (else null). Returns 0, or -1
+// scale, offset: f32 or f16 (`half`) [N / 16, G, 16], offset may be null; two-level scales: int8
+// scale and offset with f16 super_scale / super_offset [N / 16, G / per_super, 16] (else null). Returns 0, or -1
 // for shapes the layout cannot have.
 extern "C" int32_t JaxllmCodesToBf16Panels(const uint8_t* codes, int32_t bits, int64_t K, int64_t N, int64_t groups,
                                            const void* scale, const void* offset, int32_t half,

@@ -14,14 +14,17 @@
 namespace jaxllm {
 namespace {
 
-// The layout (`pack_codes` in native.py):
+// The layout (`pack_codes` and `pack_scales` in kernels/gemm.py):
 //   codes, 8 bits: int8 [N / 16, K, 16] (column j of panel row k at byte j);
 //          4 bits: uint8 [N / 16, K, 8] (byte j: column j in the low nibble, j + 8 in the high);
-//   scale, offset: f32 or f16 [G, N], G groups of K / G rows; w[k, n] = code * scale[g, n] +
-//          offset[g, n] with g = k / (K / G). Without offsets (an empty array) w = code * scale.
-//   Two-level (GGUF's K-quants): scale and offset int8 [G, N] sub-scales of the f16 super_scale
-//          and super_offset [G / S, N]: group g's scale is scale[g, n] * super_scale[g / S, n]
-//          (exact in f32: 8 x 11 significant bits), its offset likewise.
+//   scale, offset: f32 or f16 [N / 16, G, 16], a panel's G groups of 16 side by side: w[k, n] =
+//          code * scale[n / 16, g, n % 16] + offset[...] with g = k / (K / G). Without offsets
+//          (an empty array) w = code * scale. Panel-major, so that a panel's scales are one
+//          run of bytes: laid out [G, N] they lay N scales apart, a stride no prefetcher
+//          followed, and a one-row product read its codes at half the memory's speed.
+//   Two-level (GGUF's K-quants): scale and offset int8 sub-scales of the f16 super_scale and
+//          super_offset [N / 16, G / S, 16]: group g's scale is its sub-scale times the super-scale
+//          of group g / S (exact in f32: 8 x 11 significant bits), its offset likewise.
 
 struct QuantPanel {
   const void* codes;
@@ -37,7 +40,42 @@ struct QuantPanel {
   // rows of K (the activations' blocks), taken once at packing (nullptr: summed per call,
   // gemm_w8a8.cc).
   const int32_t* bias = nullptr;
+
+  int64_t groups() const { return K / group; }
+  // Where group g's 16 scales (offsets) of panel p start, in elements; its super-scales'.
+  int64_t scale_at(int64_t g, int64_t p) const { return (p * groups() + g) * kPanel; }
+  int64_t super_at(int64_t g, int64_t p) const { return (p * (groups() / per_super) + g / per_super) * kPanel; }
 };
+
+// Binds the scale buffers of codes [K rows, N columns] to q (scale, offset, their f16 flag and
+// group, super-scales): false where their shapes or types are not the layout's above.
+inline bool bind_scales(QuantPanel& q, ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::AnyBuffer super_scale,
+                        ffi::AnyBuffer super_offset) {
+  const auto sd = scale.dimensions(), ud = super_scale.dimensions();
+  const bool two_level = super_scale.element_count() != 0, with_offset = offset.element_count() != 0;
+  const auto t = scale.element_type();
+  if (sd.size() != 3 || sd[0] * kPanel != q.N || sd[2] != kPanel || sd[1] < 1 || q.K % sd[1] ||
+      !(two_level ? t == ffi::DataType::S8 : t == ffi::DataType::F32 || t == ffi::DataType::F16) ||
+      (with_offset && (offset.element_count() != scale.element_count() || offset.element_type() != t)))
+    return false;
+  if (two_level &&
+      (ud.size() != 3 || ud[0] != sd[0] || ud[2] != kPanel || ud[1] < 1 || sd[1] % ud[1] ||
+       super_scale.element_type() != ffi::DataType::F16 ||
+       super_offset.element_count() != (with_offset ? super_scale.element_count() : 0) ||
+       (with_offset && super_offset.element_type() != ffi::DataType::F16)))
+    return false;
+  if (!two_level && super_offset.element_count()) return false;
+  q.scale = scale.untyped_data();
+  q.offset = with_offset ? offset.untyped_data() : nullptr;
+  q.half = t == ffi::DataType::F16;
+  q.group = q.K / sd[1];
+  if (two_level) {
+    q.super_scale = static_cast<const uint16_t*>(super_scale.untyped_data());
+    q.super_offset = with_offset ? static_cast<const uint16_t*>(super_offset.untyped_data()) : nullptr;
+    q.per_super = sd[1] / ud[1];
+  }
+  return true;
+}
 
 // IEEE half -> float (normal, subnormal, zero, inf, NaN).
 inline float half_to_f32(uint16_t h) {
@@ -90,8 +128,8 @@ inline void two_level_scales(const QuantPanel& q, int64_t at, int64_t super_at, 
 // they were most of a decode's quantized GEMM (a 4-bit weight row of 16 columns costs a few
 // instructions, and one group's 32 conversions come every 32 rows).
 inline void group_scales(const QuantPanel& q, int64_t g, int64_t p, float* s, float* o) {
-  const int64_t at = g * q.N + p * kPanel;
-  if (q.super_scale) return two_level_scales(q, at, (g / q.per_super) * q.N + p * kPanel, s, o);
+  const int64_t at = q.scale_at(g, p);
+  if (q.super_scale) return two_level_scales(q, at, q.super_at(g, p), s, o);
 #ifdef __F16C__
   if (q.half) {
     auto widen = [](const void* halves, int64_t at, float* out) {
@@ -124,11 +162,11 @@ inline void group_scales(const QuantPanel& q, int64_t g, int64_t p, float* s, fl
 // made in registers. A decode's 4-bit product spent a quarter of its time on the scales when
 // they went through memory.
 inline __m512 scales_f32x16(const QuantPanel& q, const void* scales, const uint16_t* supers, int64_t g, int64_t p) {
-  const int64_t at = g * q.N + p * kPanel;
+  const int64_t at = q.scale_at(g, p);
   if (supers) {
     const __m512 sub = _mm512_cvtepi32_ps(
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(scales) + at))));
-    const auto* sup = reinterpret_cast<const __m256i*>(supers + (g / q.per_super) * q.N + p * kPanel);
+    const auto* sup = reinterpret_cast<const __m256i*>(supers + q.super_at(g, p));
     return _mm512_mul_ps(sub, _mm512_cvtph_ps(_mm256_loadu_si256(sup)));
   }
   if (q.half)
