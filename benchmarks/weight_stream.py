@@ -1,15 +1,19 @@
-"""The layer GEMMs as a decode step streams them: the default model's four layer matrices
-(fused QKV, attention output, gate/up with the SwiGLU epilogue, down) for each of its 30 layers,
+"""The layer GEMMs as a decode step streams them: a model's four layer matrices (fused QKV,
+attention output, gate/up with the SwiGLU epilogue, down; `--model`: the default model's 30
+layers, or Qwen2.5-Coder-1.5B's 28) for each of its layers,
 each layer's weights distinct (80 MB of bf16 or more: past the caches, as in the engine), chained
 in one jitted call, through jaxllm's C++ GEMMs: bf16 panels (the float default on AVX512_BF16
 CPUs), 4-bit and 8-bit codes x bf16 activations (`matmul_quantized_bf16`: weight-only codes
-under dtype bfloat16, a GGUF's blocks by default), 4-bit codes through the f32 weight-only
+under dtype bfloat16, a GGUF's blocks by default; 4-bit ones also with the scales factored out of
+the sums, `factored=True`), 4-bit codes through the f32 weight-only
 kernel (`matmul_quantized`), f32 panels (the float32 dtype's GEMM, `csrc/gemm.cc`) and W8A8
 (8-bit codes x int8 activations, `quantization="int8"`: the engine's weights, x scaled per block
 of up to 256 columns, and the same with a scale per row). Best of `--repeat` calls per row count;
-each path's GFLOP/s and its time against bf16's.
+each path's GFLOP/s and its time against bf16's; at one row, the GB/s each path streams (its
+weights' bytes, scales included, over the time).
 
     python benchmarks/weight_stream.py --rows 1,4,16,64,512 --out /tmp/stream.json
+    python benchmarks/weight_stream.py --model qwen2.5-coder-1.5b --rows 1,4 --paths "q4 x bf16,q4 f32 kernel"
 
 Needs AVX512_BF16 (the bf16 paths); random weights and codes (timing only).
 """
@@ -33,19 +37,22 @@ from workload import cpu_line, machine_info, now_iso, versions  # noqa: E402
 
 del sys.path[0]
 
-LAYERS = 30
-# (K, N, SwiGLU epilogue): SmolLM2-135M's fused QKV, output, gate/up, down.
-SHAPES = [(576, 960, False), (576, 576, False), (576, 3072, True), (1536, 576, False)]
+# layers, then (K, N, SwiGLU epilogue) of the fused QKV, output, gate/up, down.
+MODELS = {
+    "smollm2": (30, [(576, 960, False), (576, 576, False), (576, 3072, True), (1536, 576, False)]),
+    "qwen2.5-coder-1.5b": (28, [(1536, 2048, False), (1536, 1536, False), (1536, 17920, True), (8960, 1536, False)]),
+}
+PATHS = ("bf16", "q4 x bf16", "q4 factored", "q8 x bf16", "q4 f32 kernel", "f32", "w8a8", "w8a8 per row")
 
 
-def chain(matmul):
+def chain(matmul, layers: int, shapes: list):
     """A jitted call of `matmul(h, weight, swiglu)` over every layer's matrices in order, each
     input the previous output widened or cut to its K (the values do not matter)."""
-    swiglus = [sw for _ in range(LAYERS) for _, _, sw in SHAPES]
+    swiglus = [sw for _ in range(layers) for _, _, sw in shapes]
 
     def run(x, weights):
         h = x
-        for w, (k, _, _), sw in zip(weights, SHAPES * LAYERS, swiglus):
+        for w, (k, _, _), sw in zip(weights, shapes * layers, swiglus):
             y = matmul(jnp.tile(h, (1, -(-k // h.shape[1])))[:, :k], w, sw)
             h = y
         return h
@@ -60,6 +67,8 @@ def main(argv=None) -> int:
     from jaxllm.quantization import weights as quant
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(MODELS), default="smollm2")
+    ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated, of " + ", ".join(PATHS))
     ap.add_argument("--rows", default="1,4,16,64,512")
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--out", default=None)
@@ -68,37 +77,51 @@ def main(argv=None) -> int:
         raise SystemExit("this CPU has no AVX512_BF16 dots (or no C++ kernels): nothing to compare")
     machine = machine_info()
     print(cpu_line(machine), flush=True)
+    layers, shapes = MODELS[args.model]
+    paths = args.paths.split(",")
+    if not set(paths) <= set(PATHS) or "bf16" not in paths:
+        raise SystemExit(f"--paths: bf16 and any of {', '.join(PATHS)}")
     rng = np.random.default_rng(0)
-    weights = {name: [] for name in ("bf16", "q4 x bf16", "q8 x bf16", "q4 f32 kernel", "f32", "w8a8", "w8a8 per row")}
-    for _ in range(LAYERS):
-        for k, n, _ in SHAPES:
+    weights = {name: [] for name in paths}
+
+    def add(name, make):
+        if name in weights:
+            weights[name].append(make())
+
+    for _ in range(layers):
+        for k, n, _ in shapes:
             w = (rng.standard_normal((k, n)) * 0.02).astype(np.float32)
-            weights["bf16"].append(jnp.asarray(gemm.pack_weight(w, dtype=jnp.bfloat16)))
             c4, c8 = rng.integers(0, 16, (k, n)), rng.integers(-127, 128, (k, n))
-            s = jnp.asarray((rng.random((k // 32, n)) * 0.01).astype(np.float16))
-            o = jnp.asarray((-rng.random((k // 32, n)) * 0.1).astype(np.float16))
-            weights["q4 x bf16"].append((jnp.asarray(gemm.pack_codes(c4, 4, pairs=True)), s, o))
-            weights["q8 x bf16"].append((jnp.asarray(gemm.pack_codes(c8, 8)), s, None))
-            weights["q4 f32 kernel"].append((jnp.asarray(gemm.pack_codes(c4, 4)), s, o))
-            weights["f32"].append(jnp.asarray(gemm.pack_weight(w)))
-            q = quant.make_weight(w, "w8a8", panels=True, activations="int8")
-            weights["w8a8"].append(q)
-            row_bias = jnp.asarray(quant._w8a8_bias(quant._unpacked_codes(q, np), 0))
-            weights["w8a8 per row"].append(dataclasses.replace(q, act_group=0, bias=row_bias))
-    calls = {
-        "bf16": chain(lambda h, w, sw: gemm.matmul_packed(h, w, swiglu=sw)),
-        "q4 x bf16": chain(lambda h, w, sw: gemm.matmul_quantized_bf16(h, *w, 4, swiglu=sw)),
-        "q8 x bf16": chain(lambda h, w, sw: gemm.matmul_quantized_bf16(h, *w, 8, swiglu=sw)),
-        "q4 f32 kernel": chain(lambda h, w, sw: gemm.matmul_quantized(h, *w, 4, swiglu=sw)),
-        "f32": chain(lambda h, w, sw: gemm.matmul_packed(h, w, swiglu=sw)),
-        "w8a8": chain(lambda h, w, sw: quant.matmul(h, w, swiglu=sw)),
-        "w8a8 per row": chain(lambda h, w, sw: quant.matmul(h, w, swiglu=sw)),
+            s = jnp.asarray(gemm.pack_scales((rng.random((k // 32, n)) * 0.01).astype(np.float16)))
+            o = jnp.asarray(gemm.pack_scales((-rng.random((k // 32, n)) * 0.1).astype(np.float16)))
+            add("bf16", lambda: jnp.asarray(gemm.pack_weight(w, dtype=jnp.bfloat16)))
+            add("q4 x bf16", lambda: (jnp.asarray(gemm.pack_codes(c4, 4, pairs=True)), s, o))
+            add("q4 factored", lambda: (jnp.asarray(gemm.pack_codes(c4, 4, pairs=True)), s, o))
+            add("q8 x bf16", lambda: (jnp.asarray(gemm.pack_codes(c8, 8)), s, None))
+            add("q4 f32 kernel", lambda: (jnp.asarray(gemm.pack_codes(c4, 4)), s, o))
+            add("f32", lambda: jnp.asarray(gemm.pack_weight(w)))
+            if {"w8a8", "w8a8 per row"} & set(paths):
+                q = quant.make_weight(w, "w8a8", panels=True, activations="int8")
+                add("w8a8", lambda: q)
+                row_bias = jnp.asarray(quant._w8a8_bias(quant._unpacked_codes(q, np), 0))
+                add("w8a8 per row", lambda: dataclasses.replace(q, act_group=0, bias=row_bias))
+    matmuls = {
+        "bf16": lambda h, w, sw: gemm.matmul_packed(h, w, swiglu=sw),
+        "q4 x bf16": lambda h, w, sw: gemm.matmul_quantized_bf16(h, *w, 4, swiglu=sw),
+        "q4 factored": lambda h, w, sw: gemm.matmul_quantized_bf16(h, *w, 4, swiglu=sw, factored=True),
+        "q8 x bf16": lambda h, w, sw: gemm.matmul_quantized_bf16(h, *w, 8, swiglu=sw),
+        "q4 f32 kernel": lambda h, w, sw: gemm.matmul_quantized(h, *w, 4, swiglu=sw),
+        "f32": lambda h, w, sw: gemm.matmul_packed(h, w, swiglu=sw),
+        "w8a8": lambda h, w, sw: quant.matmul(h, w, swiglu=sw),
+        "w8a8 per row": lambda h, w, sw: quant.matmul(h, w, swiglu=sw),
     }
-    flops_per_row = 2 * LAYERS * sum(k * n for k, n, _ in SHAPES)
+    calls = {name: chain(matmuls[name], layers, shapes) for name in paths}
+    nbytes = {name: sum(a.nbytes for a in jax.tree_util.tree_leaves(weights[name])) for name in paths}
+    flops_per_row = 2 * layers * sum(k * n for k, n, _ in shapes)
     rows = []
     print("| rows | " + " | ".join(f"{name} ms (GFLOP/s)" for name in calls) + " | vs bf16 |", flush=True)
     for m in (int(r) for r in args.rows.split(",")):
-        x = jnp.asarray(rng.standard_normal((m, 576)).astype(np.float32))
+        x = jnp.asarray(rng.standard_normal((m, shapes[0][0])).astype(np.float32))
         best = {}
         for name, call in calls.items():
             jax.block_until_ready(call(x, weights[name]))
@@ -112,6 +135,7 @@ def main(argv=None) -> int:
             "rows": m,
             **{f"{name} ms": 1e3 * t for name, t in best.items()},
             **{f"{name} GFLOP/s": m * flops_per_row / t / 1e9 for name, t in best.items()},
+            **{f"{name} GB/s": nbytes[name] / t / 1e9 for name, t in best.items()},
         }
         rows.append(row)
         print(
@@ -122,6 +146,8 @@ def main(argv=None) -> int:
             + " |",
             flush=True,
         )
+        if m == 1:
+            print("  weights streamed: " + ", ".join(f"{n} {nbytes[n] / t / 1e9:.1f} GB/s" for n, t in best.items()))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(
@@ -129,8 +155,10 @@ def main(argv=None) -> int:
                     "date": now_iso(),
                     "machine": machine,
                     "versions": versions(),
-                    "layers": LAYERS,
-                    "shapes": SHAPES,
+                    "model": args.model,
+                    "layers": layers,
+                    "shapes": shapes,
+                    "weight_bytes": nbytes,
                     "rows": rows,
                 },
                 f,

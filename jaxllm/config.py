@@ -257,6 +257,14 @@ class EngineArgs:
         "under dtype bfloat16. Default: on where it applies and the CPU has no AMX, for 1.36x the weights' "
         "memory (default model); with AMX the blocks serve every step alone (quantization 'gguf')",
     )
+    small_step_factored: bool | None = option(
+        None,
+        "with small-step codes: their 4-bit codes (Q4_0 / Q4_1 / Q4_K) factor each group's scale and offset "
+        "out of its sums in steps of up to 4 rows (exact products, f32 sums) instead of rounding each weight "
+        "to bf16 first: fewer instructions a weight where the conversion, not memory, bounds a decode, and "
+        "the decodes' numbers are no longer the bf16 weights' bit for bit. Default: on wherever small-step "
+        "codes serve, unless batch_invariant or int8_activations",
+    )
     speculative_config: dict | str | None = option(
         None,
         'speculative decoding, a JSON object as in vLLM: {"method": "ngram", "num_speculative_tokens": '

@@ -307,13 +307,17 @@ def matmul_quantized_bf16(
     super_scale: jax.Array | None = None,
     super_offset: jax.Array | None = None,
     lora=None,
+    factored: bool = False,
 ) -> jax.Array:
     """x [..., K] @ w -> [..., N] f32 with x rounded to bf16 and w [K, N] given by 8-bit codes
     packed by `pack_codes` or 4-bit ones packed by `pack_codes(..., pairs=True)`, scale/offset as
     for `matmul_quantized` (K and the groups multiples of 4 rows): each weight rounded to bf16
     as it is read and multiplied by AVX512_BF16's bf16 dot (csrc/gemm_quant_bf16.cc), the packed
     bf16 GEMM's product of the dequantized weights bit for bit. `path`: "portable" or "avx512"
-    (AVX512_BF16 builds only); `rows`, `swiglu`, `lora`: as for `matmul_packed`."""
+    (AVX512_BF16 builds only); `rows`, `swiglu`, `lora`: as for `matmul_packed`. `factored` (4-bit
+    codes): calls of up to 4 live rows on the AVX-512 path factor each group's scale and offset
+    out of its sums instead (csrc/gemm_quant_factored.h): exact products and f32 sums, not the
+    bf16 GEMM's numbers; other calls are unchanged."""
     return _quantized_call(
         "jaxllm_matmul_quantized_bf16_cpu",
         x.astype(jnp.bfloat16),
@@ -327,6 +331,7 @@ def matmul_quantized_bf16(
         *_lora_args(lora),
         bits=np.int32(bits),
         path=native.path_attr(path),
+        factored=np.int32(factored),
     )
 
 

@@ -58,6 +58,8 @@ How a quantized weight is multiplied (`matmul`):
   rows up, 310-510 GFLOP/s on Zen 4, at a perplexity cost (benchmarks/results/zen4/RESULTS.md).
   With small-step codes it applies to the small steps' 4-bit layer codes only
   (`LinearPlan.small_step_activations`); with AVX512_VBMI their 1-4 rows read the codes as packed.
+  `EngineArgs.small_step_factored` instead has those 4-bit codes factor each group's scale and
+  offset out of their bf16 dot products (`QuantizedWeight.factored`, csrc/gemm_quant_factored.h).
 - **Packed W8A8** (`activations="int8"` on a panels weight: `w8a8` on one CPU device): the C++
   GEMM (kernels/csrc/gemm_w8a8.cc) rounds each row of x to int8 with a scale per group of
   `act_group` columns (`w8a8_act_group`: up to 256; a scale per row cost 1.1-1.4% perplexity),

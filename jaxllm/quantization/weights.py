@@ -52,6 +52,9 @@ class QuantizedWeight:
         each column's code sum over each group, what `vpdpbusd`'s unsigned activations (q + 128)
         add to the sums, taken once at packing (None: the C++ GEMM sums the codes on every call).
     act_group: W8A8's columns of x per int8 scale (`w8a8_act_group`); 0: a scale per row.
+    factored: 4-bit codes x bf16 rows whose calls of up to 4 rows factor each group's scale and
+        offset out of its sums (`gemm.matmul_quantized_bf16(factored=True)`): exact products and
+        f32 sums, not the bf16 GEMM's numbers (`EngineArgs.small_step_factored`).
     """
 
     codes: jax.Array
@@ -66,6 +69,7 @@ class QuantizedWeight:
     bias: jax.Array | None = None
     act_group: int = dataclasses.field(default=0, metadata=dict(static=True))
     path: str = dataclasses.field(default="auto", metadata=dict(static=True))  # the C++ GEMM's kernel path
+    factored: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -337,6 +341,7 @@ def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None, swiglu: bool 
             super_offset=w.super_offset,
             path=w.path,
             lora=lora,
+            factored=w.factored,
         )
     if w.layout == "panels":
         from jaxllm.kernels import gemm

@@ -55,14 +55,19 @@ class LinearPlan:
     small_step_codes: a GGUF's codes kept beside the bf16 panels, for the steps of at most
         `quantization.SMALL_STEP_ROWS` rows.
     small_step_activations: what those codes multiply: "bf16" (the bf16 panels' numbers, bit for
-        bit) or "int8" (`EngineArgs.int8_activations`: 4-bit codes x int8 rows, llama.cpp's
-        scheme, where the shape allows; other codes stay "bf16")."""
+        bit), "int8" (`EngineArgs.int8_activations`: 4-bit codes x int8 rows, llama.cpp's
+        scheme, where the shape allows; other codes stay "bf16") or "factored"
+        (`EngineArgs.small_step_factored`: 4-bit codes x bf16 rows with the group scales factored
+        out of the sums; other codes stay "bf16")."""
 
     codes: str | None
     kernel: str
     activations: str = "float"
     small_step_codes: bool = False
     small_step_activations: str = "bf16"
+
+
+_X_AS = {"bf16": "bf16", "int8": "int8", "factored": "bf16, scales factored out"}  # for the log line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +99,7 @@ class WeightPlan:
             "; ".join(
                 f"{', '.join(names)}: {lp.codes or self.dtype} via {lp.kernel}"
                 + (f" (x as {lp.activations})" if lp.activations != "float" else "")
-                + (f" + small-step codes (x as {lp.small_step_activations})" if lp.small_step_codes else "")
+                + (f" + small-step codes (x as {_X_AS[lp.small_step_activations]})" if lp.small_step_codes else "")
                 for lp, names in rows.items()
             )
             + pinned
@@ -120,8 +125,18 @@ def resolve_weight_plan(
     # the bf16 panels would (it converts each panel once a call): by default a GGUF's blocks then
     # serve alone, in a third of the panels' memory. int8 activations keep the small-step split:
     # its int8 GEMM would take the large steps off AMX.
-    codes_only = small and args.small_step_codes is None and platform.cpp_amx and not args.int8_activations
+    codes_only = (
+        small
+        and args.small_step_codes is None
+        and platform.cpp_amx
+        and not (args.int8_activations or args.small_step_factored)
+    )
     small = small and not codes_only
+    # Factored scales where the small-step codes serve, by default: a decode's own numbers (closer
+    # to the dequantized weights than the bf16 panels'), not under batch_invariant.
+    factored = args.small_step_factored
+    if factored is None:
+        factored = small and not args.int8_activations and not args.batch_invariant
     if small or codes_only:
         load = "auto"
     elif asked is not None:  # "none" included
@@ -148,6 +163,7 @@ def resolve_weight_plan(
             pack_floats=pack_floats,
             dtype=dtype,
             int8_activations=args.int8_activations,
+            factored=factored,
             small=small,
             tied=tied,
         )
@@ -214,6 +230,12 @@ def _small_step_codes(args, platform: Platform, cpp_gemm: bool, checkpoint: str 
         small = small and checkpoint == "gguf"
         if args.small_step_codes and not small:
             raise ValueError("small_step_codes needs a GGUF model with quantized blocks; this checkpoint has none")
+    if args.small_step_factored and (args.int8_activations or args.batch_invariant or not small):
+        raise ValueError(
+            "small_step_factored needs small-step codes (a GGUF under dtype bfloat16 on one CPU device with "
+            "AVX512_BF16 and the C++ kernels, no quantization asked), and neither int8_activations nor "
+            "batch_invariant"
+        )
     return small
 
 
@@ -226,6 +248,7 @@ def _linear_plan(
     pack_floats: bool,
     dtype: str,
     int8_activations: bool,
+    factored: bool,
     small: bool,
     tied: bool,
 ) -> LinearPlan:
@@ -238,7 +261,9 @@ def _linear_plan(
     if method is None:
         kept = small and name in (*LAYER_MATRICES, "lm_head", "embed")
         int8 = kept and int8_activations and name in LAYER_MATRICES
-        return dataclasses.replace(float_plan, small_step_codes=kept, small_step_activations="int8" if int8 else "bf16")
+        factor = kept and factored and name in LAYER_MATRICES
+        small_acts = "int8" if int8 else "factored" if factor else "bf16"
+        return dataclasses.replace(float_plan, small_step_codes=kept, small_step_activations=small_acts)
     # A 4-bit LM head cost the default model 6.5% perplexity: 8-bit codes there (llama.cpp keeps its 6-8).
     codes = "int8_weight_only" if method == "int4" and name in ("lm_head", "embed") else method
     if cpp_gemm:

@@ -119,8 +119,9 @@ def prepare_weights(
     params = jax.device_put(params, device)
     small_params = None
     if plan.small_step_codes:
-        int8 = {name for name, lp in plan.linears.items() if lp.small_step_activations == "int8"}
-        params, small_params = small_step_params(params, device, int8=int8)
+        kinds = {name: lp.small_step_activations for name, lp in plan.linears.items()}
+        int8, factored = ({name for name, kind in kinds.items() if kind == want} for want in ("int8", "factored"))
+        params, small_params = small_step_params(params, device, int8=int8, factored=factored)
     if plan.gemm_path != "auto":
         params = with_gemm_path(params, plan.gemm_path)
         small_params = None if small_params is None else with_gemm_path(small_params, plan.gemm_path)
@@ -160,7 +161,7 @@ def pack_params(params: dict, cfg, device, *, bf16: bool = False) -> dict:
     return params
 
 
-def small_step_params(params: dict, device, codes: bool = True, int8=()) -> tuple[dict, dict | None]:
+def small_step_params(params: dict, device, codes: bool = True, int8=(), factored=()) -> tuple[dict, dict | None]:
     """A GGUF's params tree (its matrices kept quantized: `load_model(quantization="gguf")`) as
     (bf16 tree, codes tree): the first with every quantized matrix dequantized to bf16 and packed
     for the C++ bf16 GEMM (`models.linear.PackedWeight`: the weights a dequantizing load gives, bit for
@@ -170,7 +171,8 @@ def small_step_params(params: dict, device, codes: bool = True, int8=()) -> tupl
     (`ModelRunner`). Matrices are converted one at a time. `codes` False (the C++ build has no
     AVX512_BF16 dots after all): the bf16 tree alone, and None. `int8`: names of layer matrices
     whose 4-bit codes multiply int8 rows in the small steps instead (`with_int8_activations`:
-    llama.cpp's numbers, not the bf16 panels')."""
+    llama.cpp's numbers, not the bf16 panels'). `factored`: names of layer matrices whose 4-bit
+    codes factor their group scales out of the small steps' sums (`QuantizedWeight.factored`)."""
     from jaxllm.kernels import gemm
 
     put = functools.partial(jax.device_put, device=device)
@@ -189,6 +191,8 @@ def small_step_params(params: dict, device, codes: bool = True, int8=()) -> tupl
         tree_big[name] = big
         if name in int8 and w.bits == 4:
             q = with_int8_activations(relayout(w, True, device))
+        elif name in factored and q.bits == 4 and q.activations == "bf16":
+            q = dataclasses.replace(q, factored=True)
         # (a 4-bit embedding table's rows are looked up from its plain panels: the bf16 one serves)
         tree_few[name] = q if isinstance(big, PackedWeight) and (q.bits == 8 or not table) else big
 

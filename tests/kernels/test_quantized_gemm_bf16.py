@@ -107,6 +107,52 @@ def test_matmul_quantized_bf16_swiglu_two_level_scales_and_live_rows(rows):
         assert not np.asarray(live[rows - 1 :]).any()
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("groups, two_level", [(3, False), (8, True)])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_factored_codes_are_the_exact_products_summed_in_f32(rows, groups, two_level, swiglu):
+    # `factored=True`: calls of up to 4 rows on the AVX-512 path take each group's scale and
+    # offset out of its sums (csrc/gemm_quant_factored.h): bf16(x) times the dequantized weights
+    # themselves (not rounded to bf16), within f32 rounding; groups of 32 or 12 rows, one- and
+    # two-level scales, 8 panels (items of 4, 2, 1), the SwiGLU epilogue. Past 4 rows, and on
+    # the portable path, the call is the bf16 GEMM's as without the flag, bit for bit.
+    rng = np.random.default_rng(rows * 10 + groups + swiglu)
+    k, n = 96, 128
+    codes = rng.integers(0, 16, (k, n))
+    if two_level:
+        sub_s, sub_o = (
+            rng.integers(1, 64, (groups, n)).astype(np.int8),
+            rng.integers(0, 64, (groups, n)).astype(np.int8),
+        )
+        sup_s = (rng.random((groups // 2, n)) * 1e-3).astype(np.float16)
+        sup_o = (-rng.random((groups // 2, n)) * 5e-3).astype(np.float16)
+        s = sub_s.astype(np.float64) * np.repeat(sup_s.astype(np.float64), 2, 0)
+        o = sub_o.astype(np.float64) * np.repeat(sup_o.astype(np.float64), 2, 0)
+        args = (gemm.pack_scales(sub_s), gemm.pack_scales(sub_o))
+        supers = dict(super_scale=gemm.pack_scales(sup_s), super_offset=gemm.pack_scales(sup_o))
+    else:
+        _, scale, offset, _ = random_codes(rng, 4, k, n, groups, True, np.float16)
+        s, o = scale.astype(np.float64), offset.astype(np.float64)
+        args, supers = (gemm.pack_scales(scale), gemm.pack_scales(offset)), {}
+    w = codes * np.repeat(s, k // groups, 0) + np.repeat(o, k // groups, 0)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    ref = bf16(x).astype(np.float64) @ w
+    if swiglu:
+        ref = ref[:, : n // 2] / (1 + np.exp(-ref[:, : n // 2])) * ref[:, n // 2 :]
+    packed = gemm.pack_codes(codes, 4, pairs=True)
+    call = functools.partial(gemm.matmul_quantized_bf16, bits=4, swiglu=swiglu, **supers)
+    for path in ("auto", "portable", *native.kernel_paths()):
+        if path == "avx2":
+            continue
+        exact = jax.jit(functools.partial(call, path=path))(x, packed, *args)
+        got = jax.jit(functools.partial(call, path=path, factored=True))(x, packed, *args)
+        if rows > 4 or path == "portable" or not native.has_bf16_dots():
+            np.testing.assert_array_equal(got, exact)
+        else:
+            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=2e-6 * np.abs(ref).max(), err_msg=path)
+            assert not np.array_equal(got, exact)  # (the weights' bf16 rounding is gone)
+
+
 def test_matmul_quantized_bf16_rejects_what_it_cannot_run():
     rng = np.random.default_rng(0)
     codes, scale, offset, _ = random_codes(rng, 4, 24, 32, 4, True, np.float16)  # groups of 6 rows

@@ -77,7 +77,8 @@ def test_gguf_engine_with_small_step_codes_is_the_dequantized_bf16_engine(tmp_pa
     assert not ref_llm.engine.config.small_step_codes and ref_llm.engine.runner.small_params is None
     refs = [ref_llm.generate(b, greedy, use_tqdm=False) for b in batches]
     ref_params = ref_llm.engine.runner.params
-    llm = LLM(path, small_step_codes=True, **args)  # (the default where the CPU has no AMX)
+    # (small-step codes: the default where the CPU has no AMX; their bf16 numbers, not factored)
+    llm = LLM(path, small_step_codes=True, small_step_factored=False, **args)
     assert llm.engine.config.small_step_codes and llm.engine.config.quantization is None
     runner = llm.engine.runner
     large, small = runner.params, runner.small_params
@@ -132,7 +133,7 @@ def test_small_step_codes_with_int8_activations(tmp_path):
     args = dict(WARM_ENGINE_ARGS, dtype="bfloat16", params_cache_dir=str(tmp_path / "params"))
     greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, detokenize=False)
     prompts = [{"prompt_token_ids": list(range(3 + i, 12 + 4 * i))} for i in range(3)]
-    ref = LLM(path, **args)
+    ref = LLM(path, small_step_factored=False, **args)
     want = [ref.generate([p], greedy, use_tqdm=False)[0].outputs[0] for p in prompts]
     llm = LLM(path, int8_activations=True, **args)
     small = llm.engine.runner.small_params
@@ -150,6 +151,35 @@ def test_small_step_codes_with_int8_activations(tmp_path):
         ]
     # The decodes moved by the int8 rounding: a little, and not nothing (the int8 rows ran).
     assert diffs and 0 < max(diffs) and float(np.mean(diffs)) < 0.3, diffs
+
+
+@needs_bf16_dots
+def test_small_step_codes_with_factored_scales(tmp_path):
+    # `small_step_factored`: the small steps' 4-bit layer codes factor their group scales out
+    # of the sums (exact products, f32 sums: csrc/gemm_quant_factored.h, against numpy in
+    # tests/kernels/test_quantized_gemm_bf16.py); the 8-bit codes, the LM head and the large
+    # steps stay as they were. Here: the engine runs them where it should, near the bf16 numbers.
+    path = write_quantized_gguf(str(tmp_path / "tiny.gguf"))
+    args = dict(WARM_ENGINE_ARGS, dtype="bfloat16", params_cache_dir=str(tmp_path / "params"))
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, detokenize=False)
+    prompts = [{"prompt_token_ids": list(range(3 + i, 12 + 4 * i))} for i in range(3)]
+    ref = LLM(path, small_step_factored=False, **args)
+    want = [ref.generate([p], greedy, use_tqdm=False)[0].outputs[0] for p in prompts]
+    llm = LLM(path, small_step_factored=True, **args)
+    small = llm.engine.runner.small_params
+    factored = {(w.bits, w.factored) for layer in small["layers"] for w in layer.values() if hasattr(w, "bits")}
+    assert (4, True) in factored and (4, False) not in factored and (8, True) not in factored, factored
+    assert not any(getattr(w, "factored", False) for w in (small.get("lm_head"), small["embed"]))
+    diffs = []
+    for p, b in zip(prompts, want):
+        a = llm.generate([p], greedy, use_tqdm=False)[0].outputs[0]
+        assert a.token_ids[0] == b.token_ids[0] and a.logprobs[0] == b.logprobs[0]  # the prompt's step
+        same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
+        diffs += [
+            abs(a.logprobs[i][a.token_ids[i]].logprob - b.logprobs[i][b.token_ids[i]].logprob) for i in range(1, same)
+        ]
+    # Without the weights' bf16 rounding the decodes move, by less than int8 activations move them.
+    assert diffs and 0 < max(diffs) and float(np.mean(diffs)) < 0.05, diffs
 
 
 def test_small_step_codes_follow_the_cpu_and_the_run(tiny_model_dir, tmp_path):

@@ -37,6 +37,7 @@
 
 #include "gemm.cc"
 #include "gemm_bf16.cc"
+#include "gemm_quant_factored.h"
 #include "gemm_quant_panel.h"
 #include "parallel_for.h"
 #include "simd.h"
@@ -57,6 +58,8 @@ struct CodesBf16Args {
   float* y;           // [M, N] (or [M, N / 2] with swiglu)
   int64_t M, K, N;
   const LoraTerm* lora = nullptr;  // AMX only (gemm_bf16.cc's LoraTerm)
+  bool factored = false;           // 4-bit codes: scales factored out (gemm_quant_factored.h)
+  const float* xsums = nullptr;    // factored: [M, G], `factored_xsums`
 };
 
 // Code c of row k, column col, of a panel's codes.
@@ -83,21 +86,6 @@ inline void block_scales(const QuantPanel& q, int64_t g, int64_t p, __m512 s[2],
   const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
   s[0] = _mm512_permutexvar_ps(lo, sv), s[1] = _mm512_permutexvar_ps(hi, sv);
   o[0] = _mm512_permutexvar_ps(lo, ov), o[1] = _mm512_permutexvar_ps(hi, ov);
-}
-
-// Panel p's scales (and offsets, super-scales) into L1 ahead of use: one run of bytes each.
-inline void prefetch_scales(const QuantPanel& q, int64_t p) {
-  const auto run = [](const void* base, int64_t from, int64_t bytes) {
-    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(static_cast<const char*>(base) + from + at, _MM_HINT_T0);
-  };
-  const int64_t elem = q.super_scale ? 1 : q.half ? 2 : 4, n = q.groups() * kPanel;
-  run(q.scale, q.scale_at(0, p) * elem, n * elem);
-  if (q.offset) run(q.offset, q.scale_at(0, p) * elem, n * elem);
-  if (q.super_scale) {
-    const int64_t sn = q.groups() / q.per_super * kPanel * 2;
-    run(q.super_scale, q.super_at(0, p) * 2, sn);
-    if (q.super_offset) run(q.super_offset, q.super_at(0, p) * 2, sn);
-  }
 }
 
 // The two bf16 panel rows (32 words each: row pairs 2 b, 2 b + 1) of block `bytes`.
@@ -256,6 +244,18 @@ void codes_bf16_output_panels(const CodesBf16Args& a, const QuantPanel& q, int64
 #ifdef JAXLLM_AVX512_BF16
   const bool tiles = path == kAmx && a.K % 32 == 0;  // every row on AMX, as bf16_panels takes them
   if ((path == kAuto || path >= kAvx512) && !tiles && r1 - r0 <= kCodesDirectRows) {
+    if constexpr (BITS == 4) {
+      if (a.factored && r1 - r0 <= kFactoredMaxRows) {
+        const float* xs = a.xsums + r0 * q.groups();
+        switch (r1 - r0) {
+          case 1: codes4_factored_direct<1, P_OUT>(q, x, a.K / 2, xs, w, panel, y, ldy, swiglu); break;
+          case 2: codes4_factored_direct<2, P_OUT>(q, x, a.K / 2, xs, w, panel, y, ldy, swiglu); break;
+          case 3: codes4_factored_direct<3, P_OUT>(q, x, a.K / 2, xs, w, panel, y, ldy, swiglu); break;
+          case 4: codes4_factored_direct<4, P_OUT>(q, x, a.K / 2, xs, w, panel, y, ldy, swiglu); break;
+        }
+        return;
+      }
+    }
     switch (r1 - r0) {
       case 1: codes_bf16_direct<BITS, 1, P_OUT>(q, x, a.K / 2, w, panel, y, ldy, swiglu); break;
       case 2: codes_bf16_direct<BITS, 2, P_OUT>(q, x, a.K / 2, w, panel, y, ldy, swiglu); break;
@@ -288,7 +288,7 @@ ffi::Error MatmulQuantBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, f
                                ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::AnyBuffer super_scale,
                                ffi::AnyBuffer super_offset, ffi::AnyBuffer lora_xa, ffi::AnyBuffer lora_b,
                                ffi::AnyBuffer lora_part, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y,
-                               int32_t bits, int32_t path, int32_t swiglu) {
+                               int32_t bits, int32_t path, int32_t swiglu, int32_t factored) {
   const auto xd = x.dimensions();
   const auto cd = codes.dimensions();
   const bool codes_ok = cd.size() == 3 && xd.size() == 2 && xd[1] % 4 == 0 &&
@@ -308,6 +308,15 @@ ffi::Error MatmulQuantBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, f
   const int64_t out_n = swiglu ? a.N / 2 : a.N;
   a.M = live_rows(rows, a.M, out_n, a.y);
   path = bf16_gemm_path(path, a.M);  // AMX for every row of a call, or for none (gemm_bf16.cc)
+  // Factored sums for calls of up to kFactoredMaxRows rows on the AVX-512 path (gemm_quant_factored.h).
+  std::vector<float> xsums;
+#ifdef JAXLLM_AVX512_BF16
+  a.factored = factored && bits == 4 && a.M <= kFactoredMaxRows && (path == kAuto || path >= kAvx512) && path != kAmx;
+  if (a.factored) {
+    factored_xsums(a.x, a.M, a.K, q.group, xsums);
+    a.xsums = xsums.data();
+  }
+#endif
   LoraTerm lora;
   const int lora_given = lora_term(lora_xa, lora_b, lora_part, xd[0], a.N, lora);
   if (lora_given < 0) return ffi::Error::InvalidArgument("matmul_quantized_bf16: the LoRA term's shapes do not fit");
@@ -400,4 +409,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulQuantBf16Cpu, jaxllm::MatmulQuantBf16I
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y
                                   .Attr<int32_t>("bits")
                                   .Attr<int32_t>("path")
-                                  .Attr<int32_t>("swiglu"));
+                                  .Attr<int32_t>("swiglu")
+                                  .Attr<int32_t>("factored"));  // 4-bit codes: gemm_quant_factored.h

@@ -175,6 +175,21 @@ inline __m512 scales_f32x16(const QuantPanel& q, const void* scales, const uint1
 }
 #endif
 
+// Panel p's scales (and offsets, super-scales) into L1 ahead of use: one run of bytes each.
+inline void prefetch_scales(const QuantPanel& q, int64_t p) {
+  const auto run = [](const void* base, int64_t from, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(static_cast<const char*>(base) + from + at, _MM_HINT_T0);
+  };
+  const int64_t elem = q.super_scale ? 1 : q.half ? 2 : 4, n = q.groups() * kPanel;
+  run(q.scale, q.scale_at(0, p) * elem, n * elem);
+  if (q.offset) run(q.offset, q.scale_at(0, p) * elem, n * elem);
+  if (q.super_scale) {
+    const int64_t sn = q.groups() / q.per_super * kPanel * 2;
+    run(q.super_scale, q.super_at(0, p) * 2, sn);
+    if (q.super_offset) run(q.super_offset, q.super_at(0, p) * 2, sn);
+  }
+}
+
 // The work items of a GEMM whose rows of x were quantized to int8 first (gemm_q4a8.cc,
 // gemm_w8a8.cc): block(p, r0, r1, y, ldy, scratch) writes rows [r0, r1) of panel p's 16
 // columns; with `swiglu`, gate panel p's and up panel p + N / 32's sums for the item's rows go

@@ -1,0 +1,129 @@
+// 4-bit codes x bf16 rows with each group's scale and offset factored out of its sums
+// (`matmul_quantized_bf16(factored=True)`), for the decode's few rows:
+//
+//   sum_k x_k (s c_k + o) = s sum_k x_k (128 + c_k) + (o - 128 s) sum_k x_k   over a group's k.
+//
+// 128 + c is a bf16 number whose mantissa is the code (0x4300 | c, exact), so one bit operation
+// makes a code a bf16 weight and VDPBF16PS takes it as it is: a block of 4 rows x 16 columns
+// costs a widening load, a shift, two VPTERNLOGs and two dot products, against sixteen
+// instructions where each weight is scaled and rounded to bf16 first (convert_block). On two
+// Zen 4 cores that conversion, not memory, bounded a one-row product (about 19 GB/s of codes
+// against 33 GB/s of reads). The numbers are not the bf16 GEMM's: products are exact and the
+// sums f32, without the weights' rounding to bf16 (closer to the dequantized weights, within
+// f32 rounding of the two group sums).
+//
+// Layout: the 4-bit `pairs` panels and QuantPanel's scales (gemm_quant_bf16.cc, gemm_quant_panel.h).
+
+#pragma once
+
+#include <cstdint>
+#include <immintrin.h>
+#include <vector>
+
+#include "gemm_quant_panel.h"
+#include "simd.h"
+
+namespace jaxllm {
+namespace {
+
+// Each row's sums of x (bf16 [M, K]) over each group of `group` columns, in f32: [M, K / group].
+inline void factored_xsums(const uint16_t* x, int64_t M, int64_t K, int64_t group, std::vector<float>& out) {
+  out.resize(M * (K / group));
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < K / group; ++g) {
+      float sum = 0.f;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += to_f32(x[r * K + k]);
+      out[r * (K / group) + g] = sum;
+    }
+}
+
+#ifdef JAXLLM_AVX512_BF16
+constexpr int kFactoredMaxRows = 4;  // beyond, the sums and scales would not fit the registers
+
+// R rows against P panels (with SWIGLU the first P / 2 are gate panels, the rest their up
+// panels): y (or silu(gate) * up) at y + 16 p. xsums: each row's sums of x over each group
+// ([R][G], `factored_xsums`). The codes stream in without software prefetches: the hardware's
+// follow the P runs (prefetching 1 KiB ahead cost a sixth of the speed).
+template <int R, int P, bool SWIGLU>
+__attribute__((noinline)) void codes4_factored_rows(const QuantPanel& q, const uint32_t* __restrict x, int64_t ldx,
+                                                    const float* __restrict xsums, const uint8_t* const* w,
+                                                    const int64_t* panel, float* __restrict y, int64_t ldy) {
+  const int64_t G = q.groups(), blocks = q.group / 4;
+  const __m512i low = _mm512_set1_epi16(0x000F), bias = _mm512_set1_epi16(0x4300);
+  __m512 acc[P][R];
+#pragma GCC unroll 16
+  for (int p = 0; p < P; ++p)
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) acc[p][i] = _mm512_setzero_ps();
+  for (int p = 0; p < P; ++p) prefetch_scales(q, panel[p]);
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 part[P][R];
+#pragma GCC unroll 16
+    for (int p = 0; p < P; ++p)
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) part[p][i] = _mm512_setzero_ps();
+    const uint32_t* xg = x + g * q.group / 2;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t at = (g * blocks + b) * 32;
+      __m512bh xp0[R], xp1[R];
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) {
+        xp0[i] = (__m512bh)_mm512_set1_epi32(xg[i * ldx + 2 * b]);
+        xp1[i] = (__m512bh)_mm512_set1_epi32(xg[i * ldx + 2 * b + 1]);
+      }
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p) {
+        // Word j of the widened block: byte 2 c + t, rows 4 b + t (low nibble) and 4 b + 2 + t
+        // (high) of column c; as bf16 pairs, rows (4 b, 4 b + 1) and (4 b + 2, 4 b + 3).
+        const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p] + at)));
+        const __m512bh kp0 = (__m512bh)_mm512_ternarylogic_epi32(words, low, bias, 0xEA);  // (a & b) | c
+        const __m512bh kp1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4), low, bias, 0xEA);
+#pragma GCC unroll 4
+        for (int i = 0; i < R; ++i) part[p][i] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(part[p][i], xp0[i], kp0), xp1[i], kp1);
+      }
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) {
+      const __m512 s = scales_f32x16(q, q.scale, q.super_scale, g, panel[p]);
+      const __m512 o = q.offset ? scales_f32x16(q, q.offset, q.super_offset, g, panel[p]) : _mm512_setzero_ps();
+      const __m512 o128 = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s, o);  // o - 128 s
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i)
+        acc[p][i] = _mm512_fmadd_ps(o128, _mm512_set1_ps(xsums[i * G + g]), _mm512_fmadd_ps(s, part[p][i], acc[p][i]));
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int p = 0; p < (SWIGLU ? P / 2 : P); ++p)
+      _mm512_storeu_ps(y + i * ldy + p * kPanel, SWIGLU ? swiglu_f32x16(acc[p][i], acc[p + P / 2][i]) : acc[p][i]);
+}
+
+// R rows of P_OUT output panels (as codes_bf16_direct takes them), two panels at a time from 3
+// rows up.
+template <int R, int P_OUT>
+void codes4_factored_direct(const QuantPanel& q, const uint32_t* x, int64_t ldx, const float* xsums,
+                            const uint8_t* const* w, const int64_t* panel, float* y, int64_t ldy, bool swiglu) {
+  if (!swiglu) {
+    if constexpr (R >= 3 && P_OUT == 4) {
+      codes4_factored_rows<R, 2, false>(q, x, ldx, xsums, w, panel, y, ldy);
+      codes4_factored_rows<R, 2, false>(q, x, ldx, xsums, w + 2, panel + 2, y + 2 * kPanel, ldy);
+    } else {
+      codes4_factored_rows<R, P_OUT, false>(q, x, ldx, xsums, w, panel, y, ldy);
+    }
+  } else if constexpr (P_OUT <= 2) {
+    if (R >= 3 && P_OUT == 2) {
+      for (int i = 0; i < 2; ++i) {
+        const uint8_t* wi[2] = {w[i], w[2 + i]};
+        const int64_t pi[2] = {panel[i], panel[2 + i]};
+        codes4_factored_rows<R, 2, true>(q, x, ldx, xsums, wi, pi, y + i * kPanel, ldy);
+      }
+    } else {
+      codes4_factored_rows<R, 2 * P_OUT, true>(q, x, ldx, xsums, w, panel, y, ldy);
+    }
+  }
+}
+#endif  // JAXLLM_AVX512_BF16
+
+}  // namespace
+}  // namespace jaxllm
