@@ -83,7 +83,7 @@ def test_run_batch_answers_each_line(tiny_model_dir, llm, tmp_path):
 
 def test_the_progress_bar_counts_every_line_unless_turned_off(llm, capsys):
     """In-process, as `run-batch` runs: the bar (on stderr) ends at lines/lines, failed lines
-    counted; with progress off (--no-progress) stderr stays empty."""
+    counted; with progress off (--no-progress) no bar is drawn."""
     import asyncio
     import io
 
@@ -104,8 +104,8 @@ def test_the_progress_bar_counts_every_line_unless_turned_off(llm, capsys):
             stderr = capsys.readouterr().err
             if progress:
                 assert re.search(r"requests: 100%\|[^\r\n]*\| 5/5 ", stderr), stderr
-            else:
-                assert stderr == ""
+            else:  # (request log lines may go to stderr, where an earlier test set logging up)
+                assert "requests:" not in stderr and "5/5" not in stderr, stderr
     finally:
         async_llm.shutdown()
 
