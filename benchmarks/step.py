@@ -1,6 +1,7 @@
 """Step time of the jitted model step vs batch shape, where it goes, and this machine's roofline.
 
     python benchmarks/step.py [--dtype auto] [--context 512] [--out benchmarks/results/step.json]
+    python benchmarks/step.py --model qwen2.5-coder-1.5b --batches 1,4 --prefill 512 --out /tmp/step.json
 
 Decode steps of batch 1..256 at a fixed context, and prefill steps of 64..512 prompt tokens,
 each timed through the real ModelRunner (host preparation + device step + sampling). The
@@ -52,7 +53,7 @@ from jaxllm.models import decoder, linear
 from jaxllm.models.linear import PackedWeight
 from jaxllm.weights.prepare import load_with_plan, prepare_weights
 from jaxllm.platforms import Platform
-from jaxllm.quantization import QuantizedWeight
+from jaxllm.quantization import SMALL_STEP_ROWS, QuantizedWeight
 from jaxllm.runner.model_runner import ModelRunner
 from jaxllm.quantization.weights import LAYER_MATRICES
 from jaxllm.sampling_params import SamplingParams
@@ -180,11 +181,13 @@ def compare_scan(runner, cfg, params, kv: KVCacheManager, batch: int, context: i
     return dict(batch=batch, context=context, **{f"{k}_{m}": v for k, d in out.items() for m, v in d.items()})
 
 
-def breakdown(runner, cfg, params, scheduled) -> dict:
-    """Seconds of the step's parts for `scheduled`, each timed alone at the step's shapes."""
+def breakdown(runner, cfg, scheduled) -> dict:
+    """Seconds of the step's parts for `scheduled`, each timed alone at the step's shapes (the
+    GEMMs on the weights the step takes: the small-step codes, where the engine keeps them)."""
     from jaxllm.runner import sampler
 
     *_, buffers = runner.builder.prepare(scheduled)
+    params = runner.step_params(buffers.bucket)
     inputs = jax.device_put(buffers.inputs)
     T, S = inputs.token_ids.shape[0], buffers.bucket.num_seqs
     x = jnp.ones((T, cfg.hidden_size), jnp.float32)
@@ -214,6 +217,7 @@ def breakdown(runner, cfg, params, scheduled) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="as EngineArgs.model (default: the default model)")
     ap.add_argument("--dtype", default="auto", help="auto (what the engine picks here), float32 or bfloat16")
     ap.add_argument(
         "--kv-cache-dtype",
@@ -245,6 +249,7 @@ def main():
     machine = machine_info()
     print(f"{cpu_line(machine)}; dtype {args.dtype} ({why}); KV pages {args.kv_cache_dtype} ({kv_why})")
     eargs = EngineArgs(
+        model=args.model,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=256,
@@ -264,6 +269,7 @@ def main():
     jax.block_until_ready(runner.kv_cache)  # its zeroing thread would share the cores with the peaks' timing
     rng = np.random.default_rng(0)
     weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    small_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(small_params))
     llama_dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     # The C++ GEMM's weights (float panels, or codes in panels): its float peak is the reference.
     packed = any(
@@ -294,7 +300,9 @@ def main():
         dt = timeit(step, 3)
         tokens = batch * num_new
         flops = tokens * flops_per_token + batch * lm_head_flops
-        roof = max(flops / peak, weight_bytes / bw)
+        small = runner.small_params is not None and tokens <= SMALL_STEP_ROWS  # the codes the step reads
+        step_bytes = small_bytes if small else weight_bytes
+        roof = max(flops / peak, step_bytes / bw)
         rows.append(
             dict(
                 kind=kind,
@@ -315,7 +323,7 @@ def main():
         )
         if kind != "decode":
             return
-        parts = breakdown(runner, cfg, runner.params, scheduled)
+        parts = breakdown(runner, cfg, scheduled)
         parts["host"] = float(np.median([t["prepare"] for t in timings]))
         parts["other"] = max(0.0, dt - sum(parts.values()))
         kv_bytes = batch * args.context * kv_bytes_per_token(cfg, config.cache.dtype)
