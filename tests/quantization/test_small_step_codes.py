@@ -121,63 +121,56 @@ def test_gguf_engine_with_small_step_codes_is_the_dequantized_bf16_engine(tmp_pa
     assert weight_bytes(alone.engine.runner.params) < weight_bytes(ref_params) / 2
 
 
-@needs_bf16_dots
-def test_small_step_codes_with_int8_activations(tmp_path):
-    # `int8_activations`: the small steps' 4-bit layer codes multiply int8 rows (llama.cpp's
-    # numbers); the 8-bit codes, the LM head and the large steps' bf16 panels stay as they were.
-    # One request at a time, so that its prompt runs in a large step and every decode in a small
-    # one (with several, a decode sharing a step with a prompt chunk takes the bf16 panels: the
-    # batch-dependence the option brings). The kernel's own numbers are checked against numpy in
-    # tests/kernels/test_quantized_gemm.py; here, that the engine runs them where it should.
+def decodes_against_the_bf16_numbers(tmp_path, **options):
+    """A tiny GGUF's engine with `options` and its decode logprobs' distances from the exact
+    small-step codes' (`small_step_factored=False`) over each greedy run's common prefix: (engine,
+    distances). One request at a time, so that its prompt runs in a large step (the bf16 panels':
+    its token and logprob must be the reference's) and every decode in a small one (with several,
+    a decode sharing a step with a prompt chunk takes the bf16 panels)."""
     path = write_quantized_gguf(str(tmp_path / "tiny.gguf"))
     args = dict(WARM_ENGINE_ARGS, dtype="bfloat16", params_cache_dir=str(tmp_path / "params"))
     greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, detokenize=False)
     prompts = [{"prompt_token_ids": list(range(3 + i, 12 + 4 * i))} for i in range(3)]
     ref = LLM(path, small_step_factored=False, **args)
     want = [ref.generate([p], greedy, use_tqdm=False)[0].outputs[0] for p in prompts]
-    llm = LLM(path, int8_activations=True, **args)
-    small = llm.engine.runner.small_params
-    kinds = {(w.bits, w.activations) for layer in small["layers"] for w in layer.values() if hasattr(w, "bits")}
-    assert (4, "int8") in kinds and (4, "bf16") not in kinds and (8, "bf16") in kinds, kinds
-    assert small["embed"].activations == "bf16"
+    llm = LLM(path, **options, **args)
     diffs = []
     for p, b in zip(prompts, want):
         a = llm.generate([p], greedy, use_tqdm=False)[0].outputs[0]
-        # The prompt's step is the bf16 panels': its token and logprob are the reference's.
         assert a.token_ids[0] == b.token_ids[0] and a.logprobs[0] == b.logprobs[0]
         same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
         diffs += [
             abs(a.logprobs[i][a.token_ids[i]].logprob - b.logprobs[i][b.token_ids[i]].logprob) for i in range(1, same)
         ]
+    return llm, diffs
+
+
+@needs_bf16_dots
+def test_small_step_codes_with_int8_activations(tmp_path):
+    # `int8_activations`: the small steps' 4-bit layer codes multiply int8 rows (llama.cpp's
+    # numbers); the 8-bit codes, the LM head and the large steps' bf16 panels stay as they were
+    # (the batch-dependence the option brings). The kernel's own numbers are checked against
+    # numpy in tests/kernels/test_quantized_gemm.py; here, that the engine runs them where it should.
+    llm, diffs = decodes_against_the_bf16_numbers(tmp_path, int8_activations=True)
+    small = llm.engine.runner.small_params
+    kinds = {(w.bits, w.activations) for layer in small["layers"] for w in layer.values() if hasattr(w, "bits")}
+    assert (4, "int8") in kinds and (4, "bf16") not in kinds and (8, "bf16") in kinds, kinds
+    assert small["embed"].activations == "bf16"
     # The decodes moved by the int8 rounding: a little, and not nothing (the int8 rows ran).
     assert diffs and 0 < max(diffs) and float(np.mean(diffs)) < 0.3, diffs
 
 
 @needs_bf16_dots
 def test_small_step_codes_with_factored_scales(tmp_path):
-    # `small_step_factored`: the small steps' 4-bit layer codes factor their group scales out
-    # of the sums (exact products, f32 sums: csrc/gemm_quant_factored.h, against numpy in
-    # tests/kernels/test_quantized_gemm_bf16.py); the 8-bit codes, the LM head and the large
-    # steps stay as they were. Here: the engine runs them where it should, near the bf16 numbers.
-    path = write_quantized_gguf(str(tmp_path / "tiny.gguf"))
-    args = dict(WARM_ENGINE_ARGS, dtype="bfloat16", params_cache_dir=str(tmp_path / "params"))
-    greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, detokenize=False)
-    prompts = [{"prompt_token_ids": list(range(3 + i, 12 + 4 * i))} for i in range(3)]
-    ref = LLM(path, small_step_factored=False, **args)
-    want = [ref.generate([p], greedy, use_tqdm=False)[0].outputs[0] for p in prompts]
-    llm = LLM(path, small_step_factored=True, **args)
+    # `small_step_factored` (the default where small-step codes serve): the small steps' 4-bit
+    # layer codes factor their group scales out of the sums (exact products, f32 sums:
+    # csrc/gemm_quant_factored.h, against numpy in tests/kernels/test_quantized_gemm_bf16.py);
+    # the 8-bit codes, the LM head and the large steps stay as they were.
+    llm, diffs = decodes_against_the_bf16_numbers(tmp_path, small_step_factored=True)
     small = llm.engine.runner.small_params
     factored = {(w.bits, w.factored) for layer in small["layers"] for w in layer.values() if hasattr(w, "bits")}
     assert (4, True) in factored and (4, False) not in factored and (8, True) not in factored, factored
     assert not any(getattr(w, "factored", False) for w in (small.get("lm_head"), small["embed"]))
-    diffs = []
-    for p, b in zip(prompts, want):
-        a = llm.generate([p], greedy, use_tqdm=False)[0].outputs[0]
-        assert a.token_ids[0] == b.token_ids[0] and a.logprobs[0] == b.logprobs[0]  # the prompt's step
-        same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
-        diffs += [
-            abs(a.logprobs[i][a.token_ids[i]].logprob - b.logprobs[i][b.token_ids[i]].logprob) for i in range(1, same)
-        ]
     # Without the weights' bf16 rounding the decodes move, by less than int8 activations move them.
     assert diffs and 0 < max(diffs) and float(np.mean(diffs)) < 0.05, diffs
 
