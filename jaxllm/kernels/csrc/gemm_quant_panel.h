@@ -21,7 +21,8 @@ namespace {
 //          code * scale[n / 16, g, n % 16] + offset[...] with g = k / (K / G). Without offsets
 //          (an empty array) w = code * scale. Panel-major, so that a panel's scales are one
 //          run of bytes: laid out [G, N] they lay N scales apart, a stride no prefetcher
-//          followed, and a one-row product read its codes at half the memory's speed.
+//          followed (on the Xeon kind a one-row product then read its codes at half the
+//          memory's speed; Zen 4's prefetchers minded it less).
 //   Two-level (GGUF's K-quants): scale and offset int8 sub-scales of the f16 super_scale and
 //          super_offset [N / 16, G / S, 16]: group g's scale is its sub-scale times the super-scale
 //          of group g / S (exact in f32: 8 x 11 significant bits), its offset likewise.
