@@ -263,7 +263,8 @@ class EngineArgs:
         "out of its sums in steps of up to 4 rows (exact products, f32 sums) instead of rounding each weight "
         "to bf16 first: fewer instructions a weight where the conversion, not memory, bounds a decode, and "
         "the decodes' numbers are no longer the bf16 weights' bit for bit. Default: on wherever small-step "
-        "codes serve, unless batch_invariant or int8_activations",
+        "codes serve, unless batch_invariant, int8_activations or speculative decoding (whose larger "
+        "verification steps take the bf16 weights: their numbers stay one, outputs the same with drafts or without)",
     )
     speculative_config: dict | str | None = option(
         None,

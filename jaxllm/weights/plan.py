@@ -133,10 +133,12 @@ def resolve_weight_plan(
     )
     small = small and not codes_only
     # Factored scales where the small-step codes serve, by default: a decode's own numbers (closer
-    # to the dequantized weights than the bf16 panels'), not under batch_invariant.
+    # to the dequantized weights than the bf16 panels'). Not under batch_invariant, nor with
+    # speculative decoding, whose verification steps of more rows take the bf16 panels: there the
+    # small steps keep those numbers, so that greedy outputs are the same with and without drafts.
     factored = args.small_step_factored
     if factored is None:
-        factored = small and not args.int8_activations and not args.batch_invariant
+        factored = small and not (args.int8_activations or args.batch_invariant or args.speculative_config)
     if small or codes_only:
         load = "auto"
     elif asked is not None:  # "none" included

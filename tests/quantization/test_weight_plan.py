@@ -136,6 +136,15 @@ CASES = [
         {"wqkv": LinearPlan(None, "cpp", small_step_codes=True)},
     ),
     (
+        "avx512_bf16, a GGUF with speculative decoding: the small steps keep the bf16 numbers",
+        ZEN4,
+        dict(BF16, speculative_config={"method": "ngram", "num_speculative_tokens": 4}),
+        True,
+        "gguf",
+        (None, "auto", True, True, False, True),
+        {"wqkv": LinearPlan(None, "cpp", small_step_codes=True)},
+    ),
+    (
         "avx512_bf16, a GGUF without small_step_factored: the bf16 numbers",
         ZEN4,
         dict(BF16, small_step_factored=False),
