@@ -7,6 +7,7 @@ collector, from an app given a tracer and from `jaxllm serve --otlp-traces-endpo
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import httpx
 import pytest
@@ -114,8 +115,8 @@ def collector():
             self.send_response(200)
             self.end_headers()
 
-        def log_message(self, *args):  # (quiet)
-            pass
+        def log_message(self, format, *args):  # to the test's log, not stderr
+            logging.getLogger(__name__).debug(format, *args)
 
     server = http.server.HTTPServer(("127.0.0.1", 0), Collector)
     threading.Thread(target=server.serve_forever, daemon=True).start()
