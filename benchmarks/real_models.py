@@ -82,6 +82,7 @@ def run_jaxllm(model: str, engine_args: dict, repeat: int) -> dict:
     start = time.perf_counter()
     llm = LLM(model, **engine_args)
     load_s = time.perf_counter() - start
+    llm.engine.wait_compiled()  # (the other step shapes compile in the background: not while timing)
     vocab = llm.engine.cfg.vocab_size
     greedy = dict(temperature=0, ignore_eos=True)
 

@@ -254,17 +254,19 @@ class EngineArgs:
         "a GGUF's quantized layer and tied LM-head blocks kept beside the bf16 weights, for steps of at "
         "most 4 rows: the same numbers (the codes become the bf16 weights as they are read) from about a "
         "third of the bytes, which a decode step of a few rows waits on; on one CPU device with AVX512_BF16 "
-        "under dtype bfloat16. Default: on where it applies and the CPU has no AMX, for 1.36x the weights' "
-        "memory (default model); with AMX the blocks serve every step alone (quantization 'gguf')",
+        "under dtype bfloat16. Default: on where it applies, the CPU has no AMX and the bf16 weights take at "
+        "most 1/16 of the host's memory (1.36x the weights' memory on the default model); elsewhere the "
+        "blocks serve every step alone (quantization 'gguf'); False: the GGUF dequantized to bf16",
     )
     small_step_factored: bool | None = option(
         None,
-        "with small-step codes: their 4-bit codes (Q4_0 / Q4_1 / Q4_K) factor each group's scale and offset "
-        "out of its sums in steps of up to 4 rows (exact products, f32 sums) instead of rounding each weight "
-        "to bf16 first: fewer instructions a weight where the conversion, not memory, bounds a decode, and "
-        "the decodes' numbers are no longer the bf16 weights' bit for bit. Default: on wherever small-step "
-        "codes serve, unless batch_invariant, int8_activations or speculative decoding (whose larger "
-        "verification steps take the bf16 weights: their numbers stay one, outputs the same with drafts or without)",
+        "a GGUF's 4-bit layer codes (Q4_0 / Q4_1 / Q4_K) under bf16, in the small-step codes or alone: "
+        "factor each group's scale and offset out of its sums in steps of up to 4 rows (codes alone: 16) "
+        "(exact products, f32 sums) instead of rounding each weight to bf16 first: fewer instructions a "
+        "weight where the conversion, not memory, bounds a decode, and the decodes' numbers are no longer "
+        "the bf16 weights' bit for bit. Default: on wherever such codes serve without AMX (with AMX: in the "
+        "small-step codes), unless batch_invariant, int8_activations or speculative decoding (whose larger "
+        "verification steps compute the bf16 weights' numbers: outputs the same with drafts or without)",
     )
     speculative_config: dict | str | None = option(
         None,

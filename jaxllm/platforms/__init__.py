@@ -12,6 +12,7 @@ C++: `cpp_ops`) are pure functions that table-driven tests check without the mac
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from jaxllm.utils import check_dtype
 
@@ -36,6 +37,14 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def host_memory() -> int:
+    """The host's physical memory in bytes (0 where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 @dataclasses.dataclass(frozen=True)
 class Platform:
     """name: "cpu" | "gpu" | "tpu" (the device's platform).
@@ -46,7 +55,8 @@ class Platform:
         confirmed: the CPU's flags say it has them).
     cpp_amx: and with AMX tiles from two rows (the build has the path and Linux lets the process
         use the tiles; before the build is confirmed: the CPU's flags say it has them).
-    build_confirmed: the facts above come from the finished build."""
+    build_confirmed: the facts above come from the finished build.
+    memory_bytes: a CPU host's physical memory (0: not known)."""
 
     name: str
     cpu_flags: frozenset[str] = frozenset()
@@ -55,6 +65,7 @@ class Platform:
     cpp_amx: bool = False
     build_confirmed: bool = False
     gpu_capability: str = ""  # a CUDA GPU's compute capability, e.g. "9.0"
+    memory_bytes: int = 0
 
     @classmethod
     def detect(cls, device=None, *, use_cpp: bool = True) -> Platform:
@@ -72,10 +83,10 @@ class Platform:
             return cls(name, gpu_capability=str(getattr(device, "compute_capability", "") or ""))
         flags = cpu_flags()
         if not use_cpp:
-            return cls(name, flags, build_confirmed=True)
+            return cls(name, flags, build_confirmed=True, memory_bytes=host_memory())
         native.start_build()
         expected, bf16_dots = native.expected(), "avx512_bf16" in flags
-        return cls(name, flags, expected, bf16_dots, bf16_dots and AMX_CPU_FLAGS <= flags)
+        return cls(name, flags, expected, bf16_dots, bf16_dots and AMX_CPU_FLAGS <= flags, memory_bytes=host_memory())
 
     def confirmed(self) -> Platform:
         """This platform with the C++ facts from the finished build (waits for it)."""

@@ -42,9 +42,11 @@ How a quantized weight is multiplied (`matmul`):
   the layer GEMMs ran at 1.35-1.45x the bf16 GEMM at 1 row, 1.15x at 4, 0.8x at 16, 0.94-0.98x
   from 64 up, about twice the f32 path above (benchmarks/results/zen4/RESULTS.md). From two rows
   on a CPU with AMX the converted panels go through AMX tiles (the bf16 GEMM's `amx` path), and a
-  GGUF under bf16 serves every step from its blocks by default (`weights.plan`).
+  GGUF under bf16 serves every step from its blocks by default (`weights.plan`), as it does
+  without AMX where its bf16 panels would take over 1/16 of the host's memory.
 - **Small-step codes** (`EngineArgs.small_step_codes`, on by default for a GGUF under dtype
-  bfloat16 on a CPU with AVX512_BF16 and no AMX; the run is not quantized):
+  bfloat16 on a CPU with AVX512_BF16 and no AMX whose bf16 panels take at most 1/16 of the
+  host's memory; the run is not quantized):
   `weights.prepare.small_step_params` keeps the GGUF's blocks as bf16-activation codes for the
   steps of at most SMALL_STEP_ROWS rows and makes the bf16 weights of the other steps from them
   (`gemm.codes_to_bf16_panels`, the GEMM over codes' own conversion): the same numbers both ways,
@@ -59,7 +61,8 @@ How a quantized weight is multiplied (`matmul`):
   With small-step codes it applies to the small steps' 4-bit layer codes only
   (`LinearPlan.small_step_activations`); with AVX512_VBMI their 1-4 rows read the codes as packed.
   `EngineArgs.small_step_factored` instead has those 4-bit codes factor each group's scale and
-  offset out of their bf16 dot products (`QuantizedWeight.factored`, csrc/gemm_quant_factored.h).
+  offset out of their bf16 dot products (`QuantizedWeight.factored`, csrc/gemm_quant_factored.h),
+  as it has a GGUF's 4-bit codes serving alone under bf16 without AMX, in calls of up to 16 rows.
 - **Packed W8A8** (`activations="int8"` on a panels weight: `w8a8` on one CPU device): the C++
   GEMM (kernels/csrc/gemm_w8a8.cc) rounds each row of x to int8 with a scale per group of
   `act_group` columns (`w8a8_act_group`: up to 256; a scale per row cost 1.1-1.4% perplexity),

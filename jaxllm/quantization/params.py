@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import jax
 import numpy as np
 
@@ -28,7 +29,7 @@ def quantize_params(params: dict, cfg, plan, *, device=None, parts=None) -> dict
     parts)} for the tree's `layout.shard_layout`, from `parallel.quantized_parts`): plain-layout
     host arrays that split so (`make_sharded_weight`, `shard_checkpoint_weight`), for
     `parallel.shard_params` to place. MoE experts' stacks: weight-only codes, plain. A linear's
-    `activations` ("bf16", "int8") are applied where its weight's shape and bits allow."""
+    `activations` ("bf16", "factored", "int8") are applied where its weight's shape and bits allow."""
 
     def make(w, name: str, table: bool = False):
         lp = plan.linear(name)
@@ -48,8 +49,10 @@ def quantize_params(params: dict, cfg, plan, *, device=None, parts=None) -> dict
         if lp.activations == "int8":
             return with_int8_activations(w)
         # (A 4-bit embedding table keeps its layout: its rows are looked up from the panels.)
-        if lp.activations == "bf16" and (not table or w.bits == 8):
-            return with_bf16_activations(w, device)
+        if lp.activations in ("bf16", "factored") and (not table or w.bits == 8):
+            w = with_bf16_activations(w, device)
+            if lp.activations == "factored" and w.bits == 4 and w.activations == "bf16":
+                w = dataclasses.replace(w, factored=True)
         return w
 
     def make_experts(w, name: str):

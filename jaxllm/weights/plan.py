@@ -41,6 +41,9 @@ LINEARS = (*LAYER_MATRICES, *EXPERT_MATRICES, "lm_head", "embed")
 QUANTIZE_METHODS = ("int8_weight_only", "int4", "w8a8")
 # `checkpoint=` before loading: what the checkpoint keeps quantized is not known yet.
 UNKNOWN = "unknown"
+# By default a GGUF's bf16 panels are kept beside its codes (`small_step_codes`) only while they
+# take at most this share of the host's memory.
+PANELS_MEMORY_SHARE = 1 / 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +53,10 @@ class LinearPlan:
     codes: None, a QUANTIZE_METHODS name or a CHECKPOINT_METHODS name.
     kernel: "cpp" | "xla" | "pallas".
     activations: what the kernel rounds x to: "float" (x as it is), "bf16" (codes x bf16 dots,
-        the packed bf16 GEMM's numbers), "int8" (W8A8, or 4-bit codes x int8 rows). Applied
-        where the weight's shape and bits allow it, else "float".
+        the packed bf16 GEMM's numbers), "factored" (as "bf16", but 4-bit codes' calls of up to 4
+        rows factor the group scales out of their sums: `EngineArgs.small_step_factored`), "int8"
+        (W8A8, or 4-bit codes x int8 rows). Applied where the weight's shape and bits allow it,
+        else "float" ("factored" else "bf16").
     small_step_codes: a GGUF's codes kept beside the bf16 panels, for the steps of at most
         `quantization.SMALL_STEP_ROWS` rows.
     small_step_activations: what those codes multiply: "bf16" (the bf16 panels' numbers, bit for
@@ -98,7 +103,7 @@ class WeightPlan:
         return (
             "; ".join(
                 f"{', '.join(names)}: {lp.codes or self.dtype} via {lp.kernel}"
-                + (f" (x as {lp.activations})" if lp.activations != "float" else "")
+                + (f" (x as {_X_AS[lp.activations]})" if lp.activations != "float" else "")
                 + (f" + small-step codes (x as {_X_AS[lp.small_step_activations]})" if lp.small_step_codes else "")
                 for lp, names in rows.items()
             )
@@ -107,7 +112,13 @@ class WeightPlan:
 
 
 def resolve_weight_plan(
-    args, platform: Platform, *, one_device: bool, checkpoint: str | None = UNKNOWN, tied: bool = False
+    args,
+    platform: Platform,
+    *,
+    one_device: bool,
+    checkpoint: str | None = UNKNOWN,
+    tied: bool = False,
+    panels_bytes: int = 0,
 ) -> WeightPlan:
     """The weight plan for `args` (EngineArgs with `dtype` resolved) on `platform`.
 
@@ -115,30 +126,37 @@ def resolve_weight_plan(
         C++ GEMMs serve. checkpoint: what the loaded checkpoint keeps quantized (None, or a
         CHECKPOINT_METHODS name; UNKNOWN before loading, when the plan says what to load).
     tied: the model ties its embeddings (the table is then the LM head's linear).
+    panels_bytes: what the checkpoint's quantized matrices would take as bf16 panels (0: not known).
     Raises ValueError for options that cannot hold together here."""
     dtype, asked = args.dtype, args.quantization
     cpp_gemm = (
         one_device and platform.name == "cpu" and args.attention_backend in (None, "native") and platform.cpp_kernels
     )
-    small = _small_step_codes(args, platform, cpp_gemm, checkpoint)
-    # Where AMX multiplies bf16 from two rows, the GEMM over codes runs every step about as fast as
-    # the bf16 panels would (it converts each panel once a call): by default a GGUF's blocks then
-    # serve alone, in a third of the panels' memory. int8 activations keep the small-step split:
-    # its int8 GEMM would take the large steps off AMX.
-    codes_only = (
-        small
-        and args.small_step_codes is None
-        and platform.cpp_amx
-        and not (args.int8_activations or args.small_step_factored)
-    )
-    small = small and not codes_only
-    # Factored scales where the small-step codes serve, by default: a decode's own numbers (closer
-    # to the dequantized weights than the bf16 panels'). Not under batch_invariant, nor with
-    # speculative decoding, whose verification steps of more rows take the bf16 panels: there the
-    # small steps keep those numbers, so that greedy outputs are the same with and without drafts.
+    codes_bf16 = dtype == "bfloat16" and cpp_gemm and args.packed_weights and platform.cpp_bf16_dots
+    small = _small_step_codes(args, codes_bf16, checkpoint)
+    # By default a GGUF's blocks serve every step alone, in a third of the panels' memory: where
+    # AMX multiplies them (it converts each panel once a call, into its tiles), and where the bf16
+    # panels would take more than PANELS_MEMORY_SHARE of the host's memory. Without AMX the GEMM
+    # over codes runs a prompt about as fast as the panels and a decode of 1-8 rows as fast or
+    # faster, but one of 16 rows at about 0.8x (the conversion). int8 activations keep the
+    # small-step split: its int8 GEMM would take the large steps off bf16.
+    large = platform.memory_bytes > 0 and panels_bytes > PANELS_MEMORY_SHARE * platform.memory_bytes
+    codes_only = small and args.small_step_codes is None and not args.int8_activations and (platform.cpp_amx or large)
+    # Factored scales where a GGUF's codes serve the small steps through the bf16 GEMM, by
+    # default: a decode's own numbers (closer to the dequantized weights than the bf16
+    # conversion's). Not under batch_invariant, nor with speculative decoding, whose verification
+    # steps of more rows compute the bf16 numbers: there the small steps keep those numbers, so
+    # that greedy outputs are the same with and without drafts. Nor by default where the codes
+    # serve alone on AMX, whose tiles take them from two rows (not measured factored).
+    alone = codes_only or (asked == "gguf" and codes_bf16)
     factored = args.small_step_factored
     if factored is None:
-        factored = small and not (args.int8_activations or args.batch_invariant or args.speculative_config)
+        factored = (
+            (small or alone)
+            and not (alone and platform.cpp_amx)
+            and not (args.int8_activations or args.batch_invariant or args.speculative_config)
+        )
+    small = small and not codes_only
     if small or codes_only:
         load = "auto"
     elif asked is not None:  # "none" included
@@ -201,20 +219,14 @@ def _batch_invariant_gemm_path(args, platform: Platform, cpp_gemm: bool, dtype: 
     return "auto"  # the f32 GEMMs have one path per CPU
 
 
-def _small_step_codes(args, platform: Platform, cpp_gemm: bool, checkpoint: str | None) -> bool:
-    """Whether small steps keep a GGUF's codes beside the bf16 weights (`small_step_codes`):
-    bf16 weights packed for the C++ GEMM with AVX512_BF16 dots, no quantization asked, and
-    (once the checkpoint is known) a GGUF with quantized blocks. Raises ValueError for a
-    checkpoint quantized otherwise than asked, and for `small_step_codes=True` that cannot hold."""
+def _small_step_codes(args, codes_bf16: bool, checkpoint: str | None) -> bool:
+    """Whether small steps may keep a GGUF's codes beside the bf16 weights (`small_step_codes`):
+    bf16 weights packed for the C++ GEMM with AVX512_BF16 dots (`codes_bf16`), no quantization
+    asked, and (once the checkpoint is known) a GGUF with quantized blocks. Raises ValueError
+    for a checkpoint quantized otherwise than asked, and for `small_step_codes=True` or
+    `small_step_factored=True` that cannot hold."""
     asked = args.quantization
-    small = (
-        args.small_step_codes is not False
-        and asked is None
-        and args.dtype == "bfloat16"
-        and cpp_gemm
-        and args.packed_weights
-        and platform.cpp_bf16_dots
-    )
+    small = args.small_step_codes is not False and asked is None and codes_bf16
     if args.small_step_codes and not small:
         raise ValueError(
             "small_step_codes needs dtype bfloat16 on one CPU device with AVX512_BF16 and the C++ "
@@ -232,11 +244,12 @@ def _small_step_codes(args, platform: Platform, cpp_gemm: bool, checkpoint: str 
         small = small and checkpoint == "gguf"
         if args.small_step_codes and not small:
             raise ValueError("small_step_codes needs a GGUF model with quantized blocks; this checkpoint has none")
-    if args.small_step_factored and (args.int8_activations or args.batch_invariant or not small):
+    gguf_codes = small or (asked == "gguf" and codes_bf16)
+    if args.small_step_factored and (args.int8_activations or args.batch_invariant or not gguf_codes):
         raise ValueError(
-            "small_step_factored needs small-step codes (a GGUF under dtype bfloat16 on one CPU device with "
-            "AVX512_BF16 and the C++ kernels, no quantization asked), and neither int8_activations nor "
-            "batch_invariant"
+            "small_step_factored needs a GGUF's codes under dtype bfloat16 on one CPU device with AVX512_BF16 "
+            "and the C++ kernels (small-step codes, or quantization='gguf'), and neither int8_activations "
+            "nor batch_invariant"
         )
     return small
 
@@ -279,7 +292,7 @@ def _linear_plan(
     elif kernel == "cpp" and int8_activations:
         activations = "int8"  # (4-bit codes only: `with_int8_activations`)
     elif kernel == "cpp" and dtype == "bfloat16" and platform.cpp_bf16_dots:
-        activations = "bf16"
+        activations = "factored" if factored and name in LAYER_MATRICES else "bf16"
     else:
         activations = "float"
     return LinearPlan(codes, kernel, activations)

@@ -86,10 +86,17 @@ def load_with_plan(
             one_device=one_device,
             checkpoint=loaded.quantization,
             tied=loaded.cfg.tie_word_embeddings,
+            panels_bytes=bf16_bytes(loaded.params),
         )
     except ValueError as e:
         raise ValueError(f"{loaded.source}: {e}") from None
     return loaded, plan
+
+
+def bf16_bytes(params: dict) -> int:
+    """What the quantized matrices of `params` would take in bf16."""
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return sum(2 * int(np.prod(x.shape)) for x in leaves if isinstance(x, QuantizedWeight))
 
 
 def prepare_weights(

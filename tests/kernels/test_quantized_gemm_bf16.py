@@ -107,15 +107,16 @@ def test_matmul_quantized_bf16_swiglu_two_level_scales_and_live_rows(rows):
         assert not np.asarray(live[rows - 1 :]).any()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 17])
 @pytest.mark.parametrize("groups, two_level", [(3, False), (8, True)])
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_factored_codes_are_the_exact_products_summed_in_f32(rows, groups, two_level, swiglu):
-    # `factored=True`: calls of up to 4 rows on the AVX-512 path take each group's scale and
+    # `factored=True`: calls of up to 16 rows on the AVX-512 path take each group's scale and
     # offset out of its sums (csrc/gemm_quant_factored.h): bf16(x) times the dequantized weights
     # themselves (not rounded to bf16), within f32 rounding; groups of 32 or 12 rows, one- and
-    # two-level scales, 8 panels (items of 4, 2, 1), the SwiGLU epilogue. Past 4 rows, and on
-    # the portable path, the call is the bf16 GEMM's as without the flag, bit for bit.
+    # two-level scales, 8 panels (items of 4, 2, 1), the SwiGLU epilogue, rows 8 at a time (13:
+    # 8 and 5). Past 16 rows, and on the portable path, the call is the bf16 GEMM's as without
+    # the flag, bit for bit.
     rng = np.random.default_rng(rows * 10 + groups + swiglu)
     k, n = 96, 128
     codes = rng.integers(0, 16, (k, n))
@@ -146,7 +147,7 @@ def test_factored_codes_are_the_exact_products_summed_in_f32(rows, groups, two_l
             continue
         exact = jax.jit(functools.partial(call, path=path))(x, packed, *args)
         got = jax.jit(functools.partial(call, path=path, factored=True))(x, packed, *args)
-        if rows > 4 or path == "portable" or not native.has_bf16_dots():
+        if rows > 16 or path == "portable" or not native.has_bf16_dots():
             np.testing.assert_array_equal(got, exact)
         else:
             np.testing.assert_allclose(got, ref, rtol=1e-5, atol=2e-6 * np.abs(ref).max(), err_msg=path)
@@ -240,8 +241,9 @@ def test_int4_engine_under_bf16_is_the_bf16_engine_on_quantized_values(tiny_mode
 @pytest.mark.slow
 @pytest.mark.skipif(not native.has_bf16_dots(), reason="no AVX512_BF16 here: bf16 weights are not packed")
 def test_default_gguf_kept_under_bf16_is_the_bf16_engine():
-    # The default model's Q4_1 layers and Q8_0 embedding kept (`quantization="gguf"`) against
-    # the same file dequantized to bf16 (`quantization="none"`): the same tokens and logprobs.
+    # The default model's Q4_1 layers and Q8_0 embedding kept (`quantization="gguf"`, the
+    # weights rounded to bf16 in every step: `small_step_factored=False`) against the same file
+    # dequantized to bf16 (`quantization="none"`): the same tokens and logprobs.
     from jaxllm import LLM, SamplingParams
 
     args = dict(
@@ -254,7 +256,7 @@ def test_default_gguf_kept_under_bf16_is_the_bf16_engine():
     )
     prompts = ["The capital of France is", "def fib(n):", "Once upon a time"]
     greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
-    kept = LLM(quantization="gguf", **args)
+    kept = LLM(quantization="gguf", small_step_factored=False, **args)
     assert kept.engine.runner.params["layers"][0]["wqkv"].activations == "bf16"
     out = kept.generate(prompts, greedy, use_tqdm=False)
     del kept

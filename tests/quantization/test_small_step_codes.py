@@ -18,6 +18,7 @@ from jaxllm.models.linear import PackedWeight
 from jaxllm.quantization import SMALL_STEP_ROWS, QuantizedWeight, dequantize, weight_bytes
 from jaxllm.quantization.weights import make_weight, with_bf16_activations
 from jaxllm.platforms import cpu_flags
+from jaxllm.weights import plan
 
 from tests.helpers.quantized_checkpoints import write_quantized_gguf
 from tests.helpers.tiny_model import TINY_ENGINE_ARGS, WARM_ENGINE_ARGS
@@ -108,10 +109,11 @@ def test_gguf_engine_with_small_step_codes_is_the_dequantized_bf16_engine(tmp_pa
     assert min(seen) <= SMALL_STEP_ROWS < max(seen), seen
     assert weight_bytes(large, small) > weight_bytes(large) > weight_bytes(ref_params) * 0.99
 
-    # From the codes alone (quantization="gguf"; the default where AMX multiplies bf16): every
-    # step converts the codes as it reads them, and AMX or VDPBF16PS decide by a call's rows on
-    # both sides, so the tokens and logprobs are still the reference's, in under half the bytes.
-    alone = LLM(path, quantization="gguf", **args)
+    # From the codes alone (quantization="gguf"; the default where AMX multiplies bf16), their
+    # bf16 numbers: every step converts the codes as it reads them, and AMX or VDPBF16PS decide
+    # by a call's rows on both sides, so the tokens and logprobs are still the reference's, in
+    # under half the bytes.
+    alone = LLM(path, quantization="gguf", small_step_factored=False, **args)
     assert alone.engine.config.quantization == "gguf" and alone.engine.runner.small_params is None
     assert isinstance(alone.engine.runner.params["layers"][0]["w_gate_up"], QuantizedWeight)
     for batch, ref in zip(batches, refs):
@@ -121,12 +123,13 @@ def test_gguf_engine_with_small_step_codes_is_the_dequantized_bf16_engine(tmp_pa
     assert weight_bytes(alone.engine.runner.params) < weight_bytes(ref_params) / 2
 
 
-def decodes_against_the_bf16_numbers(tmp_path, **options):
+def decodes_against_the_bf16_numbers(tmp_path, prompt_exact: bool = True, **options):
     """A tiny GGUF's engine with `options` and its decode logprobs' distances from the exact
     small-step codes' (`small_step_factored=False`) over each greedy run's common prefix: (engine,
     distances). One request at a time, so that its prompt runs in a large step (the bf16 panels':
-    its token and logprob must be the reference's) and every decode in a small one (with several,
-    a decode sharing a step with a prompt chunk takes the bf16 panels)."""
+    with `prompt_exact` its token and logprob must be the reference's, else they count among the
+    distances) and every decode in a small one (with several, a decode sharing a step with a
+    prompt chunk takes the bf16 panels)."""
     path = write_quantized_gguf(str(tmp_path / "tiny.gguf"))
     args = dict(WARM_ENGINE_ARGS, dtype="bfloat16", params_cache_dir=str(tmp_path / "params"))
     greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, detokenize=False)
@@ -137,10 +140,11 @@ def decodes_against_the_bf16_numbers(tmp_path, **options):
     diffs = []
     for p, b in zip(prompts, want):
         a = llm.generate([p], greedy, use_tqdm=False)[0].outputs[0]
-        assert a.token_ids[0] == b.token_ids[0] and a.logprobs[0] == b.logprobs[0]
+        assert not prompt_exact or (a.token_ids[0] == b.token_ids[0] and a.logprobs[0] == b.logprobs[0])
         same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
         diffs += [
-            abs(a.logprobs[i][a.token_ids[i]].logprob - b.logprobs[i][b.token_ids[i]].logprob) for i in range(1, same)
+            abs(a.logprobs[i][a.token_ids[i]].logprob - b.logprobs[i][b.token_ids[i]].logprob)
+            for i in range(int(prompt_exact), same)
         ]
     return llm, diffs
 
@@ -175,7 +179,22 @@ def test_small_step_codes_with_factored_scales(tmp_path):
     assert diffs and 0 < max(diffs) and float(np.mean(diffs)) < 0.05, diffs
 
 
-def test_small_step_codes_follow_the_cpu_and_the_run(tiny_model_dir, tmp_path):
+@needs_bf16_dots
+def test_codes_alone_with_factored_scales(tmp_path):
+    # A GGUF's codes serving every step alone (`quantization="gguf"`, or by default where its
+    # bf16 panels would take over 1/16 of the memory) factor their 4-bit layer codes' scales in
+    # the calls of up to 16 rows (prompts of 9-17 tokens included), the rest as the bf16 GEMM
+    # over codes computes it; the decodes move as the small-step split's do.
+    llm, diffs = decodes_against_the_bf16_numbers(tmp_path, prompt_exact=False, quantization="gguf")
+    params = llm.engine.runner.params
+    assert llm.engine.config.quantization == "gguf" and llm.engine.runner.small_params is None
+    factored = {(w.bits, w.factored) for layer in params["layers"] for w in layer.values() if hasattr(w, "bits")}
+    assert (4, True) in factored and (4, False) not in factored and (8, True) not in factored, factored
+    assert not getattr(params["embed"], "factored", False)
+    assert diffs and 0 < max(diffs) and float(np.mean(diffs)) < 0.05, diffs
+
+
+def test_small_step_codes_follow_the_cpu_and_the_run(tiny_model_dir, tmp_path, monkeypatch):
     # On by default for a GGUF under bf16 where the CPU has AVX512_BF16 but no AMX (with AMX the
     # codes serve every step alone: quantization "gguf"); off for float32 runs, asked
     # quantizations and HF checkpoints; asked for where it cannot apply: a clear error.
@@ -192,3 +211,10 @@ def test_small_step_codes_follow_the_cpu_and_the_run(tiny_model_dir, tmp_path):
     if dots:
         with pytest.raises(ValueError, match="small_step_codes needs a GGUF"):
             LLM(tiny_model_dir, small_step_codes=True, **{**args, "dtype": "bfloat16"})
+    # Where the bf16 panels would take more than PANELS_MEMORY_SHARE of the host's memory (here
+    # any), the codes serve alone by default; small_step_codes=True keeps the split.
+    monkeypatch.setattr(plan, "PANELS_MEMORY_SHARE", 0.0)
+    config = LLM(path, **{**args, "dtype": "bfloat16"}).engine.config
+    assert (config.small_step_codes, config.quantization) == (False, "gguf" if dots else None)
+    if dots:
+        assert LLM(path, small_step_codes=True, **{**args, "dtype": "bfloat16"}).engine.config.small_step_codes

@@ -20,6 +20,11 @@ ZEN4 = Platform(
     cpp_bf16_dots=True,
     build_confirmed=True,
 )
+# Hosts of 16 and 64 GiB, for a checkpoint whose quantized matrices take 2 GiB as bf16
+# (`PANELS`): more than 1/16 of the first's memory, less of the second's. ZEN4's memory is not known.
+PANELS = 2 * 2**30
+ZEN4_16G = dataclasses.replace(ZEN4, memory_bytes=16 * 2**30)
+ZEN4_64G = dataclasses.replace(ZEN4, memory_bytes=64 * 2**30)
 XEON_AMX = dataclasses.replace(ZEN4, cpu_flags=ZEN4.cpu_flags | {"amx_tile", "amx_bf16"}, cpp_amx=True)
 NO_COMPILER = dataclasses.replace(ZEN3, cpp_kernels=False)
 GPU = Platform("gpu")
@@ -154,13 +159,82 @@ CASES = [
         {"w_down": LinearPlan(None, "cpp", small_step_codes=True)},
     ),
     (
-        "amx, small_step_factored: the small-step split",
+        "avx512_bf16 defaults, a GGUF whose bf16 panels would take over 1/16 of the memory: its blocks alone",
+        ZEN4_16G,
+        BF16,
+        True,
+        "gguf",
+        ("gguf", "auto", True, True, False, False),
+        {
+            "wqkv": LinearPlan("gguf", "cpp", "factored"),
+            "w_down": LinearPlan("gguf", "cpp", "factored"),
+            "lm_head": LinearPlan("gguf", "cpp", "bf16"),
+            "embed": LinearPlan("gguf", "cpp", "bf16"),
+            "experts_down": LinearPlan("gguf", "xla"),
+        },
+    ),
+    (
+        "avx512_bf16, a GGUF's blocks alone with speculative decoding: the bf16 numbers",
+        ZEN4_16G,
+        dict(BF16, speculative_config={"method": "ngram", "num_speculative_tokens": 4}),
+        True,
+        "gguf",
+        ("gguf", "auto", True, True, False, False),
+        {"wqkv": LinearPlan("gguf", "cpp", "bf16")},
+    ),
+    (
+        "avx512_bf16, a GGUF's blocks alone, small_step_factored off: the bf16 numbers",
+        ZEN4_16G,
+        dict(BF16, small_step_factored=False),
+        True,
+        "gguf",
+        ("gguf", "auto", True, True, False, False),
+        {"w_gate_up": LinearPlan("gguf", "cpp", "bf16")},
+    ),
+    (
+        "avx512_bf16 defaults, a GGUF whose bf16 panels take under 1/16 of the memory: the split",
+        ZEN4_64G,
+        BF16,
+        True,
+        "gguf",
+        (None, "auto", True, True, False, True),
+        {"wqkv": LinearPlan(None, "cpp", small_step_codes=True, small_step_activations="factored")},
+    ),
+    (
+        "avx512_bf16, quantization gguf asked: its blocks alone, the layers' 4-bit codes factored",
+        ZEN4,
+        dict(BF16, quantization="gguf"),
+        True,
+        "gguf",
+        ("gguf", "gguf", True, True, False, False),
+        {"w_down": LinearPlan("gguf", "cpp", "factored"), "embed": LinearPlan("gguf", "cpp", "bf16")},
+    ),
+    (
+        "avx512_bf16, quantization gguf under batch_invariant: the bf16 numbers",
+        ZEN4,
+        dict(BF16, quantization="gguf", batch_invariant=True),
+        True,
+        "gguf",
+        ("gguf", "gguf", True, True, False, False),
+        {"w_down": LinearPlan("gguf", "cpp", "bf16")},
+    ),
+    (
+        "avx512_bf16, small_step_codes asked where the panels would be large: the split",
+        ZEN4_16G,
+        dict(BF16, small_step_codes=True),
+        True,
+        "gguf",
+        (None, "auto", True, True, False, True),
+        {"wqkv": LinearPlan(None, "cpp", small_step_codes=True, small_step_activations="factored")},
+    ),
+    (
+        "amx, small_step_factored: its blocks alone, the layers' 4-bit codes factored",
         XEON_AMX,
         dict(BF16, small_step_factored=True),
         True,
         "gguf",
-        (None, "auto", True, True, False, True),
-        {"w_down": LinearPlan(None, "cpp", small_step_codes=True, small_step_activations="factored")},
+        ("gguf", "auto", True, True, False, False),
+        {"w_down": LinearPlan("gguf", "cpp", "factored"), "lm_head": LinearPlan("gguf", "cpp", "bf16")},
     ),
     (
         "amx defaults, before loading: keep a GGUF's blocks",
@@ -335,7 +409,9 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_plan_table(case):
     _, platform, fields, one_device, checkpoint, expected, linears = case
-    plan = resolve_weight_plan(EngineArgs(**fields), platform, one_device=one_device, checkpoint=checkpoint, tied=True)
+    plan = resolve_weight_plan(
+        EngineArgs(**fields), platform, one_device=one_device, checkpoint=checkpoint, tied=True, panels_bytes=PANELS
+    )
     assert (
         plan.quantization,
         plan.load,
@@ -364,8 +440,8 @@ def test_untied_embedding_is_a_float_table():
         (ZEN3, dict(F32, quantization="gptq"), "awq", "already quantized"),
         (ZEN3, dict(F32, quantization="int4"), "gguf", "already quantized"),
         (ZEN3, dict(F32, quantization="gguf"), None, "needs a checkpoint quantized so"),
-        (ZEN4, dict(F32, small_step_factored=True), UNKNOWN, "small_step_factored needs small-step codes"),
-        (ZEN4, dict(BF16, small_step_factored=True), None, "small_step_factored needs small-step codes"),
+        (ZEN4, dict(F32, small_step_factored=True), UNKNOWN, "small_step_factored needs a GGUF.s codes"),
+        (ZEN4, dict(BF16, small_step_factored=True), None, "small_step_factored needs a GGUF.s codes"),
         (ZEN4, dict(BF16, small_step_factored=True, int8_activations=True), "gguf", "neither int8_activations"),
         (ZEN4, dict(BF16, small_step_factored=True, batch_invariant=True), "gguf", "nor batch_invariant"),
     ],

@@ -243,19 +243,27 @@ void codes_bf16_output_panels(const CodesBf16Args& a, const QuantPanel& q, int64
   float* y = a.y + r0 * ldy + p * kPanel;
 #ifdef JAXLLM_AVX512_BF16
   const bool tiles = path == kAmx && a.K % 32 == 0;  // every row on AMX, as bf16_panels takes them
-  if ((path == kAuto || path >= kAvx512) && !tiles && r1 - r0 <= kCodesDirectRows) {
-    if constexpr (BITS == 4) {
-      if (a.factored && r1 - r0 <= kFactoredMaxRows) {
-        const float* xs = a.xsums + r0 * q.groups();
-        switch (r1 - r0) {
-          case 1: codes4_factored_direct<1, P_OUT>(q, x, a.K / 2, xs, w, panel, y, ldy, swiglu); break;
-          case 2: codes4_factored_direct<2, P_OUT>(q, x, a.K / 2, xs, w, panel, y, ldy, swiglu); break;
-          case 3: codes4_factored_direct<3, P_OUT>(q, x, a.K / 2, xs, w, panel, y, ldy, swiglu); break;
-          case 4: codes4_factored_direct<4, P_OUT>(q, x, a.K / 2, xs, w, panel, y, ldy, swiglu); break;
+  if constexpr (BITS == 4) {
+    if (a.factored) {  // (AVX-512 path only) rows kFactoredMaxRows at a time over the same panels
+      for (int64_t r = r0; r < r1; r += kFactoredMaxRows) {
+        const uint32_t* xr = x + (r - r0) * a.K / 2;
+        const float* xs = a.xsums + r * q.groups();
+        float* yr = y + (r - r0) * ldy;
+        switch (std::min<int64_t>(kFactoredMaxRows, r1 - r)) {
+          case 1: codes4_factored_direct<1, P_OUT>(q, xr, a.K / 2, xs, w, panel, yr, ldy, swiglu); break;
+          case 2: codes4_factored_direct<2, P_OUT>(q, xr, a.K / 2, xs, w, panel, yr, ldy, swiglu); break;
+          case 3: codes4_factored_direct<3, P_OUT>(q, xr, a.K / 2, xs, w, panel, yr, ldy, swiglu); break;
+          case 4: codes4_factored_direct<4, P_OUT>(q, xr, a.K / 2, xs, w, panel, yr, ldy, swiglu); break;
+          case 5: codes4_factored_direct<5, P_OUT>(q, xr, a.K / 2, xs, w, panel, yr, ldy, swiglu); break;
+          case 6: codes4_factored_direct<6, P_OUT>(q, xr, a.K / 2, xs, w, panel, yr, ldy, swiglu); break;
+          case 7: codes4_factored_direct<7, P_OUT>(q, xr, a.K / 2, xs, w, panel, yr, ldy, swiglu); break;
+          case 8: codes4_factored_direct<8, P_OUT>(q, xr, a.K / 2, xs, w, panel, yr, ldy, swiglu); break;
         }
-        return;
       }
+      return;
     }
+  }
+  if ((path == kAuto || path >= kAvx512) && !tiles && r1 - r0 <= kCodesDirectRows) {
     switch (r1 - r0) {
       case 1: codes_bf16_direct<BITS, 1, P_OUT>(q, x, a.K / 2, w, panel, y, ldy, swiglu); break;
       case 2: codes_bf16_direct<BITS, 2, P_OUT>(q, x, a.K / 2, w, panel, y, ldy, swiglu); break;
@@ -311,7 +319,7 @@ ffi::Error MatmulQuantBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, f
   // Factored sums for calls of up to kFactoredMaxRows rows on the AVX-512 path (gemm_quant_factored.h).
   std::vector<float> xsums;
 #ifdef JAXLLM_AVX512_BF16
-  a.factored = factored && bits == 4 && a.M <= kFactoredMaxRows && (path == kAuto || path >= kAvx512) && path != kAmx;
+  a.factored = factored && bits == 4 && a.M <= kFactoredCallRows && (path == kAuto || path >= kAvx512) && path != kAmx;
   if (a.factored) {
     factored_xsums(a.x, a.M, a.K, q.group, xsums);
     a.xsums = xsums.data();

@@ -1,5 +1,5 @@
 // 4-bit codes x bf16 rows with each group's scale and offset factored out of its sums
-// (`matmul_quantized_bf16(factored=True)`), for the decode's few rows:
+// (`matmul_quantized_bf16(factored=True)`), for calls of up to kFactoredCallRows rows:
 //
 //   sum_k x_k (s c_k + o) = s sum_k x_k (128 + c_k) + (o - 128 s) sum_k x_k   over a group's k.
 //
@@ -10,7 +10,10 @@
 // Zen 4 cores that conversion, not memory, bounded a one-row product (about 19 GB/s of codes
 // against 33 GB/s of reads). The numbers are not the bf16 GEMM's: products are exact and the
 // sums f32, without the weights' rounding to bf16 (closer to the dequantized weights, within
-// f32 rounding of the two group sums).
+// f32 rounding of the two group sums). From 5 rows an item takes 8 rows at a time over one panel
+// (two sums a row in registers), so that each 4-bit code is widened once for 8 rows: at 8 rows
+// about 1.2x a bf16 panel's speed on Zen 4, at 16 rows about 0.8x (as the bf16 conversion), the
+// extra instructions then weighing more than the bytes saved.
 //
 // Layout: the 4-bit `pairs` panels and QuantPanel's scales (gemm_quant_bf16.cc, gemm_quant_panel.h).
 
@@ -38,7 +41,10 @@ inline void factored_xsums(const uint16_t* x, int64_t M, int64_t K, int64_t grou
 }
 
 #ifdef JAXLLM_AVX512_BF16
-constexpr int kFactoredMaxRows = 4;  // beyond, the sums and scales would not fit the registers
+// Rows an item takes at once: from 5 rows up one panel at a time (two sums a row and panel must
+// fit the 32 registers).
+constexpr int kFactoredMaxRows = 8;
+constexpr int kFactoredCallRows = 16;  // calls of up to this many rows factor, kFactoredMaxRows at a time
 
 // R rows against P panels (with SWIGLU the first P / 2 are gate panels, the rest their up
 // panels): y (or silu(gate) * up) at y + 16 p. xsums: each row's sums of x over each group
@@ -53,20 +59,20 @@ __attribute__((noinline)) void codes4_factored_rows(const QuantPanel& q, const u
   __m512 acc[P][R];
 #pragma GCC unroll 16
   for (int p = 0; p < P; ++p)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < R; ++i) acc[p][i] = _mm512_setzero_ps();
   for (int p = 0; p < P; ++p) prefetch_scales(q, panel[p]);
   for (int64_t g = 0; g < G; ++g) {
     __m512 part[P][R];
 #pragma GCC unroll 16
     for (int p = 0; p < P; ++p)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int i = 0; i < R; ++i) part[p][i] = _mm512_setzero_ps();
     const uint32_t* xg = x + g * q.group / 2;
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t at = (g * blocks + b) * 32;
       __m512bh xp0[R], xp1[R];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
         xp0[i] = (__m512bh)_mm512_set1_epi32(xg[i * ldx + 2 * b]);
         xp1[i] = (__m512bh)_mm512_set1_epi32(xg[i * ldx + 2 * b + 1]);
@@ -78,7 +84,7 @@ __attribute__((noinline)) void codes4_factored_rows(const QuantPanel& q, const u
         const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p] + at)));
         const __m512bh kp0 = (__m512bh)_mm512_ternarylogic_epi32(words, low, bias, 0xEA);  // (a & b) | c
         const __m512bh kp1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4), low, bias, 0xEA);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int i = 0; i < R; ++i) part[p][i] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(part[p][i], xp0[i], kp0), xp1[i], kp1);
       }
     }
@@ -87,12 +93,12 @@ __attribute__((noinline)) void codes4_factored_rows(const QuantPanel& q, const u
       const __m512 s = scales_f32x16(q, q.scale, q.super_scale, g, panel[p]);
       const __m512 o = q.offset ? scales_f32x16(q, q.offset, q.super_offset, g, panel[p]) : _mm512_setzero_ps();
       const __m512 o128 = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s, o);  // o - 128 s
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int i = 0; i < R; ++i)
         acc[p][i] = _mm512_fmadd_ps(o128, _mm512_set1_ps(xsums[i * G + g]), _mm512_fmadd_ps(s, part[p][i], acc[p][i]));
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int i = 0; i < R; ++i)
 #pragma GCC unroll 4
     for (int p = 0; p < (SWIGLU ? P / 2 : P); ++p)
@@ -100,10 +106,25 @@ __attribute__((noinline)) void codes4_factored_rows(const QuantPanel& q, const u
 }
 
 // R rows of P_OUT output panels (as codes_bf16_direct takes them), two panels at a time from 3
-// rows up.
+// rows up, one from 5 (with swiglu: the gate's and the up panel's sums in turn, then combined).
 template <int R, int P_OUT>
 void codes4_factored_direct(const QuantPanel& q, const uint32_t* x, int64_t ldx, const float* xsums,
                             const uint8_t* const* w, const int64_t* panel, float* y, int64_t ldy, bool swiglu) {
+  if constexpr (R > 4) {
+    for (int p = 0; p < P_OUT; ++p) {
+      if (!swiglu) {
+        codes4_factored_rows<R, 1, false>(q, x, ldx, xsums, w + p, panel + p, y + p * kPanel, ldy);
+        continue;
+      }
+      alignas(64) float gate[R * kPanel], up[R * kPanel];
+      codes4_factored_rows<R, 1, false>(q, x, ldx, xsums, w + p, panel + p, gate, kPanel);
+      codes4_factored_rows<R, 1, false>(q, x, ldx, xsums, w + P_OUT + p, panel + P_OUT + p, up, kPanel);
+      for (int i = 0; i < R; ++i)
+        _mm512_storeu_ps(y + i * ldy + p * kPanel,
+                         swiglu_f32x16(_mm512_load_ps(gate + i * kPanel), _mm512_load_ps(up + i * kPanel)));
+    }
+    return;
+  }
   if (!swiglu) {
     if constexpr (R >= 3 && P_OUT == 4) {
       codes4_factored_rows<R, 2, false>(q, x, ldx, xsums, w, panel, y, ldy);
