@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import jax
 import numpy as np
 
@@ -15,6 +14,7 @@ from jaxllm.quantization.weights import (
     make_weight,
     relayout,
     with_bf16_activations,
+    with_factored,
     with_int8_activations,
 )
 
@@ -51,8 +51,8 @@ def quantize_params(params: dict, cfg, plan, *, device=None, parts=None) -> dict
         # (A 4-bit embedding table keeps its layout: its rows are looked up from the panels.)
         if lp.activations in ("bf16", "factored") and (not table or w.bits == 8):
             w = with_bf16_activations(w, device)
-            if lp.activations == "factored" and w.bits == 4 and w.activations == "bf16":
-                w = dataclasses.replace(w, factored=True)
+            if lp.activations == "factored":
+                w = with_factored(w)
         return w
 
     def make_experts(w, name: str):

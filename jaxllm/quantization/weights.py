@@ -52,9 +52,10 @@ class QuantizedWeight:
         each column's code sum over each group, what `vpdpbusd`'s unsigned activations (q + 128)
         add to the sums, taken once at packing (None: the C++ GEMM sums the codes on every call).
     act_group: W8A8's columns of x per int8 scale (`w8a8_act_group`); 0: a scale per row.
-    factored: 4-bit codes x bf16 rows whose calls of up to 4 rows factor each group's scale and
+    factored: codes x bf16 rows whose calls of up to 16 rows factor each group's scale and
         offset out of its sums (`gemm.matmul_quantized_bf16(factored=True)`): exact products and
-        f32 sums, not the bf16 GEMM's numbers (`EngineArgs.small_step_factored`).
+        f32 sums, not the bf16 GEMM's numbers (`EngineArgs.small_step_factored`). Set by
+        `with_factored`, which checks that 8-bit codes lie in [-64, 63].
     """
 
     codes: jax.Array
@@ -490,6 +491,20 @@ def with_bf16_activations(w: QuantizedWeight, device=None) -> QuantizedWeight:
         return dataclasses.replace(w, activations="bf16")
     codes = gemm.pack_codes(_unpacked_codes(w, np), 4, pairs=True)
     return dataclasses.replace(w, codes=jax.device_put(codes, device), activations="bf16")
+
+
+def with_factored(w):
+    """w set to factor its group scales out of the bf16 GEMM's sums (`QuantizedWeight.factored`)
+    where the kernel can: codes x bf16 rows (`with_bf16_activations`), 4-bit ones or 8-bit ones
+    that all lie in [-64, 63] (GGUF's Q5 and Q6 types; not Q8_0's full byte, which the bf16
+    trick cannot hold); else w as it is."""
+    if not isinstance(w, QuantizedWeight) or w.activations != "bf16":
+        return w
+    if w.bits == 8:
+        codes = np.asarray(w.codes)
+        if codes.min() < -64 or codes.max() > 63:
+            return w
+    return dataclasses.replace(w, factored=True)
 
 
 def int8_activation_weights(params) -> int:

@@ -53,8 +53,9 @@ class LinearPlan:
     codes: None, a QUANTIZE_METHODS name or a CHECKPOINT_METHODS name.
     kernel: "cpp" | "xla" | "pallas".
     activations: what the kernel rounds x to: "float" (x as it is), "bf16" (codes x bf16 dots,
-        the packed bf16 GEMM's numbers), "factored" (as "bf16", but 4-bit codes' calls of up to 4
-        rows factor the group scales out of their sums: `EngineArgs.small_step_factored`), "int8"
+        the packed bf16 GEMM's numbers), "factored" (as "bf16", but the codes' calls of up to 16
+        rows factor the group scales out of their sums where the codes allow it: 4-bit ones, 8-bit
+        ones in [-64, 63]; `EngineArgs.small_step_factored`), "int8"
         (W8A8, or 4-bit codes x int8 rows). Applied where the weight's shape and bits allow it,
         else "float" ("factored" else "bf16").
     small_step_codes: a GGUF's codes kept beside the bf16 panels, for the steps of at most
@@ -62,8 +63,8 @@ class LinearPlan:
     small_step_activations: what those codes multiply: "bf16" (the bf16 panels' numbers, bit for
         bit), "int8" (`EngineArgs.int8_activations`: 4-bit codes x int8 rows, llama.cpp's
         scheme, where the shape allows; other codes stay "bf16") or "factored"
-        (`EngineArgs.small_step_factored`: 4-bit codes x bf16 rows with the group scales factored
-        out of the sums; other codes stay "bf16")."""
+        (`EngineArgs.small_step_factored`: codes x bf16 rows with the group scales factored out
+        of the sums, as for `activations`)."""
 
     codes: str | None
     kernel: str
@@ -276,7 +277,7 @@ def _linear_plan(
     if method is None:
         kept = small and name in (*LAYER_MATRICES, "lm_head", "embed")
         int8 = kept and int8_activations and name in LAYER_MATRICES
-        factor = kept and factored and name in LAYER_MATRICES
+        factor = kept and factored
         small_acts = "int8" if int8 else "factored" if factor else "bf16"
         return dataclasses.replace(float_plan, small_step_codes=kept, small_step_activations=small_acts)
     # A 4-bit LM head cost the default model 6.5% perplexity: 8-bit codes there (llama.cpp keeps its 6-8).
@@ -292,7 +293,7 @@ def _linear_plan(
     elif kernel == "cpp" and int8_activations:
         activations = "int8"  # (4-bit codes only: `with_int8_activations`)
     elif kernel == "cpp" and dtype == "bfloat16" and platform.cpp_bf16_dots:
-        activations = "factored" if factored and name in LAYER_MATRICES else "bf16"
+        activations = "factored" if factored else "bf16"
     else:
         activations = "float"
     return LinearPlan(codes, kernel, activations)

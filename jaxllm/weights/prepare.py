@@ -40,6 +40,7 @@ from jaxllm.quantization.weights import (
     dequantize,
     relayout,
     with_bf16_activations,
+    with_factored,
     with_int8_activations,
 )
 from jaxllm.weights import calibration
@@ -198,8 +199,8 @@ def small_step_params(params: dict, device, codes: bool = True, int8=(), factore
         tree_big[name] = big
         if name in int8 and w.bits == 4:
             q = with_int8_activations(relayout(w, True, device))
-        elif name in factored and q.bits == 4 and q.activations == "bf16":
-            q = dataclasses.replace(q, factored=True)
+        elif name in factored:
+            q = with_factored(q)
         # (a 4-bit embedding table's rows are looked up from its plain panels: the bf16 one serves)
         tree_few[name] = q if isinstance(big, PackedWeight) and (q.bits == 8 or not table) else big
 

@@ -110,16 +110,17 @@ def test_matmul_quantized_bf16_swiglu_two_level_scales_and_live_rows(rows):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 17])
 @pytest.mark.parametrize("groups, two_level", [(3, False), (8, True)])
 @pytest.mark.parametrize("swiglu", [False, True])
-def test_factored_codes_are_the_exact_products_summed_in_f32(rows, groups, two_level, swiglu):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_factored_codes_are_the_exact_products_summed_in_f32(rows, groups, two_level, swiglu, bits):
     # `factored=True`: calls of up to 16 rows on the AVX-512 path take each group's scale and
     # offset out of its sums (csrc/gemm_quant_factored.h): bf16(x) times the dequantized weights
     # themselves (not rounded to bf16), within f32 rounding; groups of 32 or 12 rows, one- and
     # two-level scales, 8 panels (items of 4, 2, 1), the SwiGLU epilogue, rows 8 at a time (13:
-    # 8 and 5). Past 16 rows, and on the portable path, the call is the bf16 GEMM's as without
-    # the flag, bit for bit.
-    rng = np.random.default_rng(rows * 10 + groups + swiglu)
+    # 8 and 5); 4-bit codes and 8-bit ones within [-64, 63]. Past 16 rows, and on the portable
+    # path, the call is the bf16 GEMM's as without the flag, bit for bit.
+    rng = np.random.default_rng(rows * 10 + groups + swiglu + bits)
     k, n = 96, 128
-    codes = rng.integers(0, 16, (k, n))
+    codes = rng.integers(0, 16, (k, n)) if bits == 4 else rng.integers(-64, 64, (k, n)).astype(np.int8)
     if two_level:
         sub_s, sub_o = (
             rng.integers(1, 64, (groups, n)).astype(np.int8),
@@ -140,8 +141,8 @@ def test_factored_codes_are_the_exact_products_summed_in_f32(rows, groups, two_l
     ref = bf16(x).astype(np.float64) @ w
     if swiglu:
         ref = ref[:, : n // 2] / (1 + np.exp(-ref[:, : n // 2])) * ref[:, n // 2 :]
-    packed = gemm.pack_codes(codes, 4, pairs=True)
-    call = functools.partial(gemm.matmul_quantized_bf16, bits=4, swiglu=swiglu, **supers)
+    packed = gemm.pack_codes(codes, bits, pairs=bits == 4)
+    call = functools.partial(gemm.matmul_quantized_bf16, bits=bits, swiglu=swiglu, **supers)
     for path in ("auto", "portable", *native.kernel_paths()):
         if path == "avx2":
             continue

@@ -164,17 +164,29 @@ def test_small_step_codes_with_int8_activations(tmp_path):
     assert diffs and 0 < max(diffs) and float(np.mean(diffs)) < 0.3, diffs
 
 
+def assert_factored_where_the_codes_allow(params):
+    """Every codes x bf16 matrix of `params` (layers, LM head, tied table) factors its scales
+    where its codes allow it, and only there: 4-bit codes, 8-bit ones within [-64, 63] (the tiny
+    GGUF's Q5/Q6 and widened 4-bit ones, not its Q8_0 ones); both kinds are there."""
+    weights = [w for layer in params["layers"] for w in layer.values()] + [params.get("lm_head"), params["embed"]]
+    seen = set()
+    for w in weights:
+        if isinstance(w, QuantizedWeight) and w.activations == "bf16":
+            codes = np.asarray(w.codes).view(np.int8 if w.bits == 8 else np.uint8)
+            narrow = w.bits == 4 or (codes.min() >= -64 and codes.max() <= 63)
+            assert w.factored == narrow, (w.bits, codes.min(), codes.max())
+            seen.add((w.bits, w.factored))
+    assert {(4, True), (8, True), (8, False)} <= seen, seen
+
+
 @needs_bf16_dots
 def test_small_step_codes_with_factored_scales(tmp_path):
-    # `small_step_factored` (the default where small-step codes serve): the small steps' 4-bit
-    # layer codes factor their group scales out of the sums (exact products, f32 sums:
-    # csrc/gemm_quant_factored.h, against numpy in tests/kernels/test_quantized_gemm_bf16.py);
-    # the 8-bit codes, the LM head and the large steps stay as they were.
+    # `small_step_factored` (the default where small-step codes serve): the small steps' codes
+    # factor their group scales out of the sums where the codes allow it (exact products, f32
+    # sums: csrc/gemm_quant_factored.h, against numpy in tests/kernels/test_quantized_gemm_bf16.py);
+    # the large steps stay as they were.
     llm, diffs = decodes_against_the_bf16_numbers(tmp_path, small_step_factored=True)
-    small = llm.engine.runner.small_params
-    factored = {(w.bits, w.factored) for layer in small["layers"] for w in layer.values() if hasattr(w, "bits")}
-    assert (4, True) in factored and (4, False) not in factored and (8, True) not in factored, factored
-    assert not any(getattr(w, "factored", False) for w in (small.get("lm_head"), small["embed"]))
+    assert_factored_where_the_codes_allow(llm.engine.runner.small_params)
     # Without the weights' bf16 rounding the decodes move, by less than int8 activations move them.
     assert diffs and 0 < max(diffs) and float(np.mean(diffs)) < 0.05, diffs
 
@@ -182,15 +194,12 @@ def test_small_step_codes_with_factored_scales(tmp_path):
 @needs_bf16_dots
 def test_codes_alone_with_factored_scales(tmp_path):
     # A GGUF's codes serving every step alone (`quantization="gguf"`, or by default where its
-    # bf16 panels would take over 1/16 of the memory) factor their 4-bit layer codes' scales in
-    # the calls of up to 16 rows (prompts of 9-17 tokens included), the rest as the bf16 GEMM
-    # over codes computes it; the decodes move as the small-step split's do.
+    # bf16 panels would take over 1/16 of the memory) factor their scales where the codes allow
+    # it in the calls of up to 16 rows (prompts of 9-17 tokens included), the rest as the bf16
+    # GEMM over codes computes it; the decodes move as the small-step split's do.
     llm, diffs = decodes_against_the_bf16_numbers(tmp_path, prompt_exact=False, quantization="gguf")
-    params = llm.engine.runner.params
     assert llm.engine.config.quantization == "gguf" and llm.engine.runner.small_params is None
-    factored = {(w.bits, w.factored) for layer in params["layers"] for w in layer.values() if hasattr(w, "bits")}
-    assert (4, True) in factored and (4, False) not in factored and (8, True) not in factored, factored
-    assert not getattr(params["embed"], "factored", False)
+    assert_factored_where_the_codes_allow(llm.engine.runner.params)
     assert diffs and 0 < max(diffs) and float(np.mean(diffs)) < 0.05, diffs
 
 

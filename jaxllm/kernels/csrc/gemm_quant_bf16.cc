@@ -58,7 +58,7 @@ struct CodesBf16Args {
   float* y;           // [M, N] (or [M, N / 2] with swiglu)
   int64_t M, K, N;
   const LoraTerm* lora = nullptr;  // AMX only (gemm_bf16.cc's LoraTerm)
-  bool factored = false;           // 4-bit codes: scales factored out (gemm_quant_factored.h)
+  bool factored = false;           // scales factored out (gemm_quant_factored.h; 8-bit codes in [-64, 63])
   const float* xsums = nullptr;    // factored: [M, G], `factored_xsums`
 };
 
@@ -243,25 +243,23 @@ void codes_bf16_output_panels(const CodesBf16Args& a, const QuantPanel& q, int64
   float* y = a.y + r0 * ldy + p * kPanel;
 #ifdef JAXLLM_AVX512_BF16
   const bool tiles = path == kAmx && a.K % 32 == 0;  // every row on AMX, as bf16_panels takes them
-  if constexpr (BITS == 4) {
-    if (a.factored) {  // (AVX-512 path only) rows kFactoredMaxRows at a time over the same panels
-      for (int64_t r = r0; r < r1; r += kFactoredMaxRows) {
-        const uint32_t* xr = x + (r - r0) * a.K / 2;
-        const float* xs = a.xsums + r * q.groups();
-        float* yr = y + (r - r0) * ldy;
-        switch (std::min<int64_t>(kFactoredMaxRows, r1 - r)) {
-          case 1: codes4_factored_direct<1, P_OUT>(q, xr, a.K / 2, xs, w, panel, yr, ldy, swiglu); break;
-          case 2: codes4_factored_direct<2, P_OUT>(q, xr, a.K / 2, xs, w, panel, yr, ldy, swiglu); break;
-          case 3: codes4_factored_direct<3, P_OUT>(q, xr, a.K / 2, xs, w, panel, yr, ldy, swiglu); break;
-          case 4: codes4_factored_direct<4, P_OUT>(q, xr, a.K / 2, xs, w, panel, yr, ldy, swiglu); break;
-          case 5: codes4_factored_direct<5, P_OUT>(q, xr, a.K / 2, xs, w, panel, yr, ldy, swiglu); break;
-          case 6: codes4_factored_direct<6, P_OUT>(q, xr, a.K / 2, xs, w, panel, yr, ldy, swiglu); break;
-          case 7: codes4_factored_direct<7, P_OUT>(q, xr, a.K / 2, xs, w, panel, yr, ldy, swiglu); break;
-          case 8: codes4_factored_direct<8, P_OUT>(q, xr, a.K / 2, xs, w, panel, yr, ldy, swiglu); break;
-        }
+  if (a.factored) {  // (AVX-512 path only) rows kFactoredMaxRows at a time over the same panels
+    for (int64_t r = r0; r < r1; r += kFactoredMaxRows) {
+      const uint32_t* xr = x + (r - r0) * a.K / 2;
+      const float* xs = a.xsums + r * q.groups();
+      float* yr = y + (r - r0) * ldy;
+      switch (std::min<int64_t>(kFactoredMaxRows, r1 - r)) {
+        case 1: codes_factored_direct<BITS, 1, P_OUT>(q, xr, a.K / 2, xs, w, panel, yr, ldy, swiglu); break;
+        case 2: codes_factored_direct<BITS, 2, P_OUT>(q, xr, a.K / 2, xs, w, panel, yr, ldy, swiglu); break;
+        case 3: codes_factored_direct<BITS, 3, P_OUT>(q, xr, a.K / 2, xs, w, panel, yr, ldy, swiglu); break;
+        case 4: codes_factored_direct<BITS, 4, P_OUT>(q, xr, a.K / 2, xs, w, panel, yr, ldy, swiglu); break;
+        case 5: codes_factored_direct<BITS, 5, P_OUT>(q, xr, a.K / 2, xs, w, panel, yr, ldy, swiglu); break;
+        case 6: codes_factored_direct<BITS, 6, P_OUT>(q, xr, a.K / 2, xs, w, panel, yr, ldy, swiglu); break;
+        case 7: codes_factored_direct<BITS, 7, P_OUT>(q, xr, a.K / 2, xs, w, panel, yr, ldy, swiglu); break;
+        case 8: codes_factored_direct<BITS, 8, P_OUT>(q, xr, a.K / 2, xs, w, panel, yr, ldy, swiglu); break;
       }
-      return;
     }
+    return;
   }
   if ((path == kAuto || path >= kAvx512) && !tiles && r1 - r0 <= kCodesDirectRows) {
     switch (r1 - r0) {
@@ -316,10 +314,10 @@ ffi::Error MatmulQuantBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, f
   const int64_t out_n = swiglu ? a.N / 2 : a.N;
   a.M = live_rows(rows, a.M, out_n, a.y);
   path = bf16_gemm_path(path, a.M);  // AMX for every row of a call, or for none (gemm_bf16.cc)
-  // Factored sums for calls of up to kFactoredMaxRows rows on the AVX-512 path (gemm_quant_factored.h).
+  // Factored sums for calls of up to kFactoredCallRows rows on the AVX-512 path (gemm_quant_factored.h).
   std::vector<float> xsums;
 #ifdef JAXLLM_AVX512_BF16
-  a.factored = factored && bits == 4 && a.M <= kFactoredCallRows && (path == kAuto || path >= kAvx512) && path != kAmx;
+  a.factored = factored && a.M <= kFactoredCallRows && (path == kAuto || path >= kAvx512) && path != kAmx;
   if (a.factored) {
     factored_xsums(a.x, a.M, a.K, q.group, xsums);
     a.xsums = xsums.data();
@@ -418,4 +416,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulQuantBf16Cpu, jaxllm::MatmulQuantBf16I
                                   .Attr<int32_t>("bits")
                                   .Attr<int32_t>("path")
                                   .Attr<int32_t>("swiglu")
-                                  .Attr<int32_t>("factored"));  // 4-bit codes: gemm_quant_factored.h
+                                  .Attr<int32_t>("factored"));  // gemm_quant_factored.h (8-bit codes: in [-64, 63])

@@ -1,21 +1,24 @@
-// 4-bit codes x bf16 rows with each group's scale and offset factored out of its sums
+// Codes x bf16 rows with each group's scale and offset factored out of its sums
 // (`matmul_quantized_bf16(factored=True)`), for calls of up to kFactoredCallRows rows:
 //
-//   sum_k x_k (s c_k + o) = s sum_k x_k (128 + c_k) + (o - 128 s) sum_k x_k   over a group's k.
+//   sum_k x_k (s c_k + o) = s sum_k x_k (A + c_k) + (o - A s) sum_k x_k   over a group's k.
 //
-// 128 + c is a bf16 number whose mantissa is the code (0x4300 | c, exact), so one bit operation
-// makes a code a bf16 weight and VDPBF16PS takes it as it is: a block of 4 rows x 16 columns
-// costs a widening load, a shift, two VPTERNLOGs and two dot products, against sixteen
-// instructions where each weight is scaled and rounded to bf16 first (convert_block). On two
-// Zen 4 cores that conversion, not memory, bounded a one-row product (about 19 GB/s of codes
-// against 33 GB/s of reads). The numbers are not the bf16 GEMM's: products are exact and the
-// sums f32, without the weights' rounding to bf16 (closer to the dequantized weights, within
-// f32 rounding of the two group sums). From 5 rows an item takes 8 rows at a time over one panel
-// (two sums a row in registers), so that each 4-bit code is widened once for 8 rows: at 8 rows
-// about 1.2x a bf16 panel's speed on Zen 4, at 16 rows about 0.8x (as the bf16 conversion), the
-// extra instructions then weighing more than the bytes saved.
+// A + c is a bf16 number whose mantissa holds the code: 4-bit codes as 128 + c (0x4300 | c),
+// 8-bit codes in [-64, 63] (GGUF's Q5 and Q6 types, 4-bit codes widened to 8) as 192 + c, exact,
+// so one bit operation makes a code a bf16 weight and VDPBF16PS takes it as it is: a block of 4
+// rows x 16 columns costs a widening load, a shift (or a word permute), two VPTERNLOGs and two
+// dot products, against sixteen to eighteen instructions where each weight is scaled and rounded
+// to bf16 first (convert_block). On two Zen 4 cores that conversion, not memory, bounded a
+// one-row product (about 19 GB/s of 4-bit codes against 33 GB/s of reads). The numbers are not
+// the bf16 GEMM's: products are exact and the sums f32, without the weights' rounding to bf16
+// (closer to the dequantized weights, within f32 rounding of the two group sums). From 5 rows an
+// item takes 8 rows at a time over one panel (two sums a row in registers), so that each code is
+// widened once for 8 rows: at 8 rows about 1.2x a bf16 panel's speed on Zen 4, at 16 rows about
+// 0.8x (as the bf16 conversion), the extra instructions then weighing more than the bytes saved.
 //
-// Layout: the 4-bit `pairs` panels and QuantPanel's scales (gemm_quant_bf16.cc, gemm_quant_panel.h).
+// Layout: the 4-bit `pairs` panels, 8-bit codes as `pack_codes` lays them out, and QuantPanel's
+// scales (gemm_quant_bf16.cc, gemm_quant_panel.h). 8-bit codes outside [-64, 63] give wrong sums:
+// the caller checks (`quantization.weights.with_factored`).
 
 #pragma once
 
@@ -46,16 +49,41 @@ inline void factored_xsums(const uint16_t* x, int64_t M, int64_t K, int64_t grou
 constexpr int kFactoredMaxRows = 8;
 constexpr int kFactoredCallRows = 16;  // calls of up to this many rows factor, kFactoredMaxRows at a time
 
+// A block of 4 rows x 16 columns as two bf16 panel rows of A + m (row pairs (4 b, 4 b + 1) and
+// (4 b + 2, 4 b + 3), a column's two words side by side): 4-bit codes c (the `pairs` layout) as
+// 128 + c, 8-bit codes c in [-64, 63] (four rows of 16 bytes) as 192 + c (m = c + 64, the low
+// seven bits with bit 6 flipped: one VPTERNLOG sets the exponent, flips bit 6 and clears bit 7).
+template <int BITS>
+inline void factored_block(const uint8_t* bytes, __m512bh& kp0, __m512bh& kp1) {
+  if constexpr (BITS == 4) {
+    const __m512i low = _mm512_set1_epi16(0x000F), bias = _mm512_set1_epi16(0x4300);
+    const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
+    kp0 = (__m512bh)_mm512_ternarylogic_epi32(words, low, bias, 0xEA);  // (a & b) | c
+    kp1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4), low, bias, 0xEA);
+  } else {
+    // Per bit, b = 0 c = 0: a; b = 1 c = 0: not a; b = 0 c = 1: 1; b = 1 c = 1: 0.
+    const __m512i flip = _mm512_set1_epi16(static_cast<int16_t>(0xBCC0)), set = _mm512_set1_epi16(static_cast<int16_t>(0xFF80));
+    alignas(64) static const int16_t kPairs[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                   8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i pairs = _mm512_load_si512(kPairs);  // rows 4 b + t and 4 b + 1 + t, column by column
+    const __m512i r01 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
+    const __m512i r23 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 32)));
+    kp0 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_permutexvar_epi16(pairs, r01), flip, set, 0x36);
+    kp1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_permutexvar_epi16(pairs, r23), flip, set, 0x36);
+  }
+}
+
 // R rows against P panels (with SWIGLU the first P / 2 are gate panels, the rest their up
 // panels): y (or silu(gate) * up) at y + 16 p. xsums: each row's sums of x over each group
 // ([R][G], `factored_xsums`). The codes stream in without software prefetches: the hardware's
 // follow the P runs (prefetching 1 KiB ahead cost a sixth of the speed).
-template <int R, int P, bool SWIGLU>
-__attribute__((noinline)) void codes4_factored_rows(const QuantPanel& q, const uint32_t* __restrict x, int64_t ldx,
-                                                    const float* __restrict xsums, const uint8_t* const* w,
-                                                    const int64_t* panel, float* __restrict y, int64_t ldy) {
+template <int BITS, int R, int P, bool SWIGLU>
+__attribute__((noinline)) void codes_factored_rows(const QuantPanel& q, const uint32_t* __restrict x, int64_t ldx,
+                                                   const float* __restrict xsums, const uint8_t* const* w,
+                                                   const int64_t* panel, float* __restrict y, int64_t ldy) {
+  constexpr int64_t kBytes = BITS == 4 ? 32 : 64;  // a block's
+  constexpr float kBase = BITS == 4 ? 128.f : 192.f;  // the weights' bf16 numbers less the codes
   const int64_t G = q.groups(), blocks = q.group / 4;
-  const __m512i low = _mm512_set1_epi16(0x000F), bias = _mm512_set1_epi16(0x4300);
   __m512 acc[P][R];
 #pragma GCC unroll 16
   for (int p = 0; p < P; ++p)
@@ -70,7 +98,7 @@ __attribute__((noinline)) void codes4_factored_rows(const QuantPanel& q, const u
       for (int i = 0; i < R; ++i) part[p][i] = _mm512_setzero_ps();
     const uint32_t* xg = x + g * q.group / 2;
     for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t at = (g * blocks + b) * 32;
+      const int64_t at = (g * blocks + b) * kBytes;
       __m512bh xp0[R], xp1[R];
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
@@ -79,11 +107,8 @@ __attribute__((noinline)) void codes4_factored_rows(const QuantPanel& q, const u
       }
 #pragma GCC unroll 4
       for (int p = 0; p < P; ++p) {
-        // Word j of the widened block: byte 2 c + t, rows 4 b + t (low nibble) and 4 b + 2 + t
-        // (high) of column c; as bf16 pairs, rows (4 b, 4 b + 1) and (4 b + 2, 4 b + 3).
-        const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[p] + at)));
-        const __m512bh kp0 = (__m512bh)_mm512_ternarylogic_epi32(words, low, bias, 0xEA);  // (a & b) | c
-        const __m512bh kp1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4), low, bias, 0xEA);
+        __m512bh kp0, kp1;
+        factored_block<BITS>(w[p] + at, kp0, kp1);
 #pragma GCC unroll 8
         for (int i = 0; i < R; ++i) part[p][i] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(part[p][i], xp0[i], kp0), xp1[i], kp1);
       }
@@ -92,10 +117,10 @@ __attribute__((noinline)) void codes4_factored_rows(const QuantPanel& q, const u
     for (int p = 0; p < P; ++p) {
       const __m512 s = scales_f32x16(q, q.scale, q.super_scale, g, panel[p]);
       const __m512 o = q.offset ? scales_f32x16(q, q.offset, q.super_offset, g, panel[p]) : _mm512_setzero_ps();
-      const __m512 o128 = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s, o);  // o - 128 s
+      const __m512 base = _mm512_fnmadd_ps(_mm512_set1_ps(kBase), s, o);  // o - kBase s
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i)
-        acc[p][i] = _mm512_fmadd_ps(o128, _mm512_set1_ps(xsums[i * G + g]), _mm512_fmadd_ps(s, part[p][i], acc[p][i]));
+        acc[p][i] = _mm512_fmadd_ps(base, _mm512_set1_ps(xsums[i * G + g]), _mm512_fmadd_ps(s, part[p][i], acc[p][i]));
     }
   }
 #pragma GCC unroll 8
@@ -107,18 +132,18 @@ __attribute__((noinline)) void codes4_factored_rows(const QuantPanel& q, const u
 
 // R rows of P_OUT output panels (as codes_bf16_direct takes them), two panels at a time from 3
 // rows up, one from 5 (with swiglu: the gate's and the up panel's sums in turn, then combined).
-template <int R, int P_OUT>
-void codes4_factored_direct(const QuantPanel& q, const uint32_t* x, int64_t ldx, const float* xsums,
+template <int BITS, int R, int P_OUT>
+void codes_factored_direct(const QuantPanel& q, const uint32_t* x, int64_t ldx, const float* xsums,
                             const uint8_t* const* w, const int64_t* panel, float* y, int64_t ldy, bool swiglu) {
   if constexpr (R > 4) {
     for (int p = 0; p < P_OUT; ++p) {
       if (!swiglu) {
-        codes4_factored_rows<R, 1, false>(q, x, ldx, xsums, w + p, panel + p, y + p * kPanel, ldy);
+        codes_factored_rows<BITS, R, 1, false>(q, x, ldx, xsums, w + p, panel + p, y + p * kPanel, ldy);
         continue;
       }
       alignas(64) float gate[R * kPanel], up[R * kPanel];
-      codes4_factored_rows<R, 1, false>(q, x, ldx, xsums, w + p, panel + p, gate, kPanel);
-      codes4_factored_rows<R, 1, false>(q, x, ldx, xsums, w + P_OUT + p, panel + P_OUT + p, up, kPanel);
+      codes_factored_rows<BITS, R, 1, false>(q, x, ldx, xsums, w + p, panel + p, gate, kPanel);
+      codes_factored_rows<BITS, R, 1, false>(q, x, ldx, xsums, w + P_OUT + p, panel + P_OUT + p, up, kPanel);
       for (int i = 0; i < R; ++i)
         _mm512_storeu_ps(y + i * ldy + p * kPanel,
                          swiglu_f32x16(_mm512_load_ps(gate + i * kPanel), _mm512_load_ps(up + i * kPanel)));
@@ -127,20 +152,20 @@ void codes4_factored_direct(const QuantPanel& q, const uint32_t* x, int64_t ldx,
   }
   if (!swiglu) {
     if constexpr (R >= 3 && P_OUT == 4) {
-      codes4_factored_rows<R, 2, false>(q, x, ldx, xsums, w, panel, y, ldy);
-      codes4_factored_rows<R, 2, false>(q, x, ldx, xsums, w + 2, panel + 2, y + 2 * kPanel, ldy);
+      codes_factored_rows<BITS, R, 2, false>(q, x, ldx, xsums, w, panel, y, ldy);
+      codes_factored_rows<BITS, R, 2, false>(q, x, ldx, xsums, w + 2, panel + 2, y + 2 * kPanel, ldy);
     } else {
-      codes4_factored_rows<R, P_OUT, false>(q, x, ldx, xsums, w, panel, y, ldy);
+      codes_factored_rows<BITS, R, P_OUT, false>(q, x, ldx, xsums, w, panel, y, ldy);
     }
   } else if constexpr (P_OUT <= 2) {
     if (R >= 3 && P_OUT == 2) {
       for (int i = 0; i < 2; ++i) {
         const uint8_t* wi[2] = {w[i], w[2 + i]};
         const int64_t pi[2] = {panel[i], panel[2 + i]};
-        codes4_factored_rows<R, 2, true>(q, x, ldx, xsums, wi, pi, y + i * kPanel, ldy);
+        codes_factored_rows<BITS, R, 2, true>(q, x, ldx, xsums, wi, pi, y + i * kPanel, ldy);
       }
     } else {
-      codes4_factored_rows<R, 2 * P_OUT, true>(q, x, ldx, xsums, w, panel, y, ldy);
+      codes_factored_rows<BITS, R, 2 * P_OUT, true>(q, x, ldx, xsums, w, panel, y, ldy);
     }
   }
 }
