@@ -37,12 +37,22 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+CGROUP_MEMORY_MAX = "/sys/fs/cgroup/memory.max"  # cgroup v2's limit on this process's group
+
+
 def host_memory() -> int:
-    """The host's physical memory in bytes (0 where the OS does not say)."""
+    """The memory this process may use, in bytes: the host's physical memory, or the cgroup's
+    limit (a container's) where that is lower; 0 where the OS does not say."""
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return 0
+    try:
+        with open(CGROUP_MEMORY_MAX) as f:  # "max" where unlimited
+            limit = f.read().strip()
+    except OSError:
+        return physical
+    return min(physical, int(limit)) if limit.isdigit() else physical
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,7 +42,8 @@ QUANTIZE_METHODS = ("int8_weight_only", "int4", "w8a8")
 # `checkpoint=` before loading: what the checkpoint keeps quantized is not known yet.
 UNKNOWN = "unknown"
 # By default a GGUF's bf16 panels are kept beside its codes (`small_step_codes`) only while they
-# take at most this share of the host's memory.
+# take at most this share of the host's memory (`platforms.host_memory`: a container's limit
+# where lower).
 PANELS_MEMORY_SHARE = 1 / 16
 
 

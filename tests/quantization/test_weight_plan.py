@@ -5,10 +5,12 @@ engine's weights are what the plan says."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
 from jaxllm.config import EngineArgs
+from jaxllm import platforms
 from jaxllm.platforms import Platform
 from jaxllm.weights.plan import LINEARS, UNKNOWN, LinearPlan, resolve_weight_plan
 
@@ -519,3 +521,18 @@ def test_engine_weights_follow_the_plan(tiny_model_dir):
                 assert isinstance(w, QuantizedWeight) and (w.layout == "panels") == (lp.kernel == "cpp"), (extra, name)
             else:
                 assert isinstance(w, PackedWeight) == (lp.kernel == "cpp"), (extra, name)
+
+
+def test_host_memory_is_the_cgroup_limit_where_lower(tmp_path, monkeypatch):
+    # The bf16 panels' share is of the memory this process may use: a container's cgroup limit
+    # where it is below the host's physical memory ("max": no limit; no file: not in a cgroup v2).
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limit = tmp_path / "memory.max"
+    monkeypatch.setattr(platforms, "CGROUP_MEMORY_MAX", str(limit))
+    assert platforms.host_memory() == physical
+    limit.write_text("max\n")
+    assert platforms.host_memory() == physical
+    limit.write_text(f"{2**30}\n")
+    assert platforms.host_memory() == min(physical, 2**30)
+    limit.write_text(f"{physical * 2}\n")
+    assert platforms.host_memory() == physical
