@@ -114,9 +114,9 @@ CASES = [
         (None, "auto", True, True, False, True),
         {
             "wqkv": LinearPlan(None, "cpp", small_step_codes=True, small_step_activations="factored"),
-            "lm_head": LinearPlan(None, "cpp", small_step_codes=True),
+            "lm_head": LinearPlan(None, "cpp", small_step_codes=True, small_step_activations="factored"),
             "experts_gate_up": LinearPlan(None, "xla"),
-            "embed": LinearPlan(None, "cpp", small_step_codes=True),
+            "embed": LinearPlan(None, "cpp", small_step_codes=True, small_step_activations="factored"),
         },
     ),
     (
@@ -170,8 +170,8 @@ CASES = [
         {
             "wqkv": LinearPlan("gguf", "cpp", "factored"),
             "w_down": LinearPlan("gguf", "cpp", "factored"),
-            "lm_head": LinearPlan("gguf", "cpp", "bf16"),
-            "embed": LinearPlan("gguf", "cpp", "bf16"),
+            "lm_head": LinearPlan("gguf", "cpp", "factored"),
+            "embed": LinearPlan("gguf", "cpp", "factored"),
             "experts_down": LinearPlan("gguf", "xla"),
         },
     ),
@@ -203,13 +203,13 @@ CASES = [
         {"wqkv": LinearPlan(None, "cpp", small_step_codes=True, small_step_activations="factored")},
     ),
     (
-        "avx512_bf16, quantization gguf asked: its blocks alone, the layers' 4-bit codes factored",
+        "avx512_bf16, quantization gguf asked: its blocks alone, their codes factored",
         ZEN4,
         dict(BF16, quantization="gguf"),
         True,
         "gguf",
         ("gguf", "gguf", True, True, False, False),
-        {"w_down": LinearPlan("gguf", "cpp", "factored"), "embed": LinearPlan("gguf", "cpp", "bf16")},
+        {"w_down": LinearPlan("gguf", "cpp", "factored"), "embed": LinearPlan("gguf", "cpp", "factored")},
     ),
     (
         "avx512_bf16, quantization gguf under batch_invariant: the bf16 numbers",
@@ -230,13 +230,13 @@ CASES = [
         {"wqkv": LinearPlan(None, "cpp", small_step_codes=True, small_step_activations="factored")},
     ),
     (
-        "amx, small_step_factored: its blocks alone, the layers' 4-bit codes factored",
+        "amx, small_step_factored: its blocks alone, their codes factored",
         XEON_AMX,
         dict(BF16, small_step_factored=True),
         True,
         "gguf",
         ("gguf", "auto", True, True, False, False),
-        {"w_down": LinearPlan("gguf", "cpp", "factored"), "lm_head": LinearPlan("gguf", "cpp", "bf16")},
+        {"w_down": LinearPlan("gguf", "cpp", "factored"), "lm_head": LinearPlan("gguf", "cpp", "factored")},
     ),
     (
         "amx defaults, before loading: keep a GGUF's blocks",
