@@ -66,7 +66,7 @@ class Platform:
     cpp_amx: and with AMX tiles from two rows (the build has the path and Linux lets the process
         use the tiles; before the build is confirmed: the CPU's flags say it has them).
     build_confirmed: the facts above come from the finished build.
-    memory_bytes: a CPU host's physical memory (0: not known)."""
+    memory_bytes: on a CPU, the memory the process may use (`host_memory`; 0: not known)."""
 
     name: str
     cpu_flags: frozenset[str] = frozenset()
