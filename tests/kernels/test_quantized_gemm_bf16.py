@@ -107,7 +107,7 @@ def test_matmul_quantized_bf16_swiglu_two_level_scales_and_live_rows(rows):
         assert not np.asarray(live[rows - 1 :]).any()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 17])
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 13, 17])
 @pytest.mark.parametrize("groups, two_level", [(3, False), (8, True)])
 @pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("bits", [4, 8])
@@ -115,9 +115,10 @@ def test_factored_codes_are_the_exact_products_summed_in_f32(rows, groups, two_l
     # `factored=True`: calls of up to 16 rows on the AVX-512 path take each group's scale and
     # offset out of its sums (csrc/gemm_quant_factored.h): bf16(x) times the dequantized weights
     # themselves (not rounded to bf16), within f32 rounding; groups of 32 or 12 rows, one- and
-    # two-level scales, 8 panels (items of 4, 2, 1), the SwiGLU epilogue, rows 8 at a time (13:
-    # 8 and 5); 4-bit codes and 8-bit ones within [-64, 63]. Past 16 rows, and on the portable
-    # path, the call is the bf16 GEMM's as without the flag, bit for bit.
+    # two-level scales, 8 panels (items of 4, 2, 1; two at a time from 3 rows), the SwiGLU
+    # epilogue, rows 8 at a time (13: 8 and 5); 4-bit codes and 8-bit ones within [-64, 63].
+    # Past 16 rows, and on the portable path, the call is the bf16 GEMM's as without the flag,
+    # bit for bit.
     rng = np.random.default_rng(rows * 10 + groups + swiglu + bits)
     k, n = 96, 128
     codes = rng.integers(0, 16, (k, n)) if bits == 4 else rng.integers(-64, 64, (k, n)).astype(np.int8)

@@ -123,19 +123,31 @@ def test_gguf_engine_with_small_step_codes_is_the_dequantized_bf16_engine(tmp_pa
     assert weight_bytes(alone.engine.runner.params) < weight_bytes(ref_params) / 2
 
 
-def decodes_against_the_bf16_numbers(tmp_path, prompt_exact: bool = True, **options):
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, detokenize=False)
+PROMPTS = [{"prompt_token_ids": list(range(3 + i, 12 + 4 * i))} for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def exact_small_steps(tmp_path_factory):
+    """The tiny GGUF, its engine arguments and the exact small-step codes' greedy outputs
+    (`small_step_factored=False`) for PROMPTS, one request at a time: built once for the tests
+    that measure other numbers against them."""
+    folder = tmp_path_factory.mktemp("exact")
+    path = write_quantized_gguf(str(folder / "tiny.gguf"))
+    args = dict(WARM_ENGINE_ARGS, dtype="bfloat16", params_cache_dir=str(folder / "params"))
+    ref = LLM(path, small_step_factored=False, **args)
+    return path, args, [ref.generate([p], GREEDY, use_tqdm=False)[0].outputs[0] for p in PROMPTS]
+
+
+def decodes_against_the_bf16_numbers(exact_small_steps, prompt_exact: bool = True, **options):
     """A tiny GGUF's engine with `options` and its decode logprobs' distances from the exact
-    small-step codes' (`small_step_factored=False`) over each greedy run's common prefix: (engine,
+    small-step codes' (`exact_small_steps`) over each greedy run's common prefix: (engine,
     distances). One request at a time, so that its prompt runs in a large step (the bf16 panels':
     with `prompt_exact` its token and logprob must be the reference's, else they count among the
     distances) and every decode in a small one (with several, a decode sharing a step with a
     prompt chunk takes the bf16 panels)."""
-    path = write_quantized_gguf(str(tmp_path / "tiny.gguf"))
-    args = dict(WARM_ENGINE_ARGS, dtype="bfloat16", params_cache_dir=str(tmp_path / "params"))
-    greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, detokenize=False)
-    prompts = [{"prompt_token_ids": list(range(3 + i, 12 + 4 * i))} for i in range(3)]
-    ref = LLM(path, small_step_factored=False, **args)
-    want = [ref.generate([p], greedy, use_tqdm=False)[0].outputs[0] for p in prompts]
+    path, args, want = exact_small_steps
+    prompts, greedy = PROMPTS, GREEDY
     llm = LLM(path, **options, **args)
     diffs = []
     for p, b in zip(prompts, want):
@@ -150,12 +162,12 @@ def decodes_against_the_bf16_numbers(tmp_path, prompt_exact: bool = True, **opti
 
 
 @needs_bf16_dots
-def test_small_step_codes_with_int8_activations(tmp_path):
+def test_small_step_codes_with_int8_activations(exact_small_steps):
     # `int8_activations`: the small steps' 4-bit layer codes multiply int8 rows (llama.cpp's
     # numbers); the 8-bit codes, the LM head and the large steps' bf16 panels stay as they were
     # (the batch-dependence the option brings). The kernel's own numbers are checked against
     # numpy in tests/kernels/test_quantized_gemm.py; here, that the engine runs them where it should.
-    llm, diffs = decodes_against_the_bf16_numbers(tmp_path, int8_activations=True)
+    llm, diffs = decodes_against_the_bf16_numbers(exact_small_steps, int8_activations=True)
     small = llm.engine.runner.small_params
     kinds = {(w.bits, w.activations) for layer in small["layers"] for w in layer.values() if hasattr(w, "bits")}
     assert (4, "int8") in kinds and (4, "bf16") not in kinds and (8, "bf16") in kinds, kinds
@@ -180,24 +192,24 @@ def assert_factored_where_the_codes_allow(params):
 
 
 @needs_bf16_dots
-def test_small_step_codes_with_factored_scales(tmp_path):
+def test_small_step_codes_with_factored_scales(exact_small_steps):
     # `small_step_factored` (the default where small-step codes serve): the small steps' codes
     # factor their group scales out of the sums where the codes allow it (exact products, f32
     # sums: csrc/gemm_quant_factored.h, against numpy in tests/kernels/test_quantized_gemm_bf16.py);
     # the large steps stay as they were.
-    llm, diffs = decodes_against_the_bf16_numbers(tmp_path, small_step_factored=True)
+    llm, diffs = decodes_against_the_bf16_numbers(exact_small_steps, small_step_factored=True)
     assert_factored_where_the_codes_allow(llm.engine.runner.small_params)
     # Without the weights' bf16 rounding the decodes move, by less than int8 activations move them.
     assert diffs and 0 < max(diffs) and float(np.mean(diffs)) < 0.05, diffs
 
 
 @needs_bf16_dots
-def test_codes_alone_with_factored_scales(tmp_path):
+def test_codes_alone_with_factored_scales(exact_small_steps):
     # A GGUF's codes serving every step alone (`quantization="gguf"`, or by default where its
     # bf16 panels would take over 1/16 of the memory) factor their scales where the codes allow
     # it in the calls of up to 16 rows (prompts of 9-17 tokens included), the rest as the bf16
     # GEMM over codes computes it; the decodes move as the small-step split's do.
-    llm, diffs = decodes_against_the_bf16_numbers(tmp_path, prompt_exact=False, quantization="gguf")
+    llm, diffs = decodes_against_the_bf16_numbers(exact_small_steps, prompt_exact=False, quantization="gguf")
     assert llm.engine.config.quantization == "gguf" and llm.engine.runner.small_params is None
     assert_factored_where_the_codes_allow(llm.engine.runner.params)
     assert diffs and 0 < max(diffs) and float(np.mean(diffs)) < 0.05, diffs
