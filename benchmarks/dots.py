@@ -57,7 +57,8 @@ def main(argv=None) -> int:
     pick, why = Platform.named("cpu").default_dtype
     print(f"{cpu_line(machine)}\ndtype='auto' picks {pick}: {why}\n")
     from jaxllm.quantization import matmul as quantized_matmul
-    from jaxllm.quantization.weights import make_weight, with_bf16_activations, with_int8_activations
+    from jaxllm.quantization.activations import with_bf16_activations, with_int8_activations
+    from jaxllm.quantization.weights import make_weight
 
     packed_dot = jax.jit(gemm.matmul_packed) if native.available() else None
     quantized_dot = jax.jit(quantized_matmul)

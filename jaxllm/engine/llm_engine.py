@@ -24,7 +24,7 @@ from jaxllm.engine.output_processor import OUTPUT_KINDS, OutputProcessor
 from jaxllm.weights.prepare import PreparedModel, load_with_plan, prepare_weights
 from jaxllm.outputs import RequestOutput
 from jaxllm.platforms import Platform
-from jaxllm.quantization.weights import int8_activation_weights
+from jaxllm.quantization.activations import int8_activation_weights
 from jaxllm.runner import compile as compile_mod
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.structured_output import Matcher, StructuredOutputManager, token_filters

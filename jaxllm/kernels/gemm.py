@@ -316,7 +316,7 @@ def matmul_quantized_bf16(
     bf16 GEMM's product of the dequantized weights bit for bit. `path`: "portable" or "avx512"
     (AVX512_BF16 builds only); `rows`, `swiglu`, `lora`: as for `matmul_packed`. `factored` (4-bit
     codes, or 8-bit ones that all lie in [-64, 63], which the caller promises:
-    `quantization.weights.with_factored` checks): calls of up to 16 live rows on the AVX-512
+    `quantization.activations.with_factored` checks): calls of up to 16 live rows on the AVX-512
     path factor each group's scale and offset out of its sums instead
     (csrc/gemm_quant_factored.h): exact products and f32 sums, not the bf16 GEMM's numbers;
     other calls are unchanged."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from jaxllm.quantization.activations import with_bf16_activations, with_factored, with_int8_activations
 from jaxllm.quantization.sharding import make_sharded_weight, shard_checkpoint_weight
 from jaxllm.quantization.weights import (
     EXPERT_MATRICES,
@@ -13,9 +14,6 @@ from jaxllm.quantization.weights import (
     QuantizedWeight,
     make_weight,
     relayout,
-    with_bf16_activations,
-    with_factored,
-    with_int8_activations,
 )
 
 

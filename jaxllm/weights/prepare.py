@@ -33,15 +33,13 @@ from jaxllm.models import layout
 from jaxllm.models.linear import PackedWeight
 from jaxllm.models.loader import LoadedModel, load_model
 from jaxllm.platforms import Platform
+from jaxllm.quantization.activations import with_bf16_activations, with_factored, with_int8_activations
 from jaxllm.quantization.params import quantize_params
 from jaxllm.quantization.weights import (
     LAYER_MATRICES,
     QuantizedWeight,
     dequantize,
     relayout,
-    with_bf16_activations,
-    with_factored,
-    with_int8_activations,
 )
 from jaxllm.weights import calibration
 from jaxllm.weights.plan import WeightPlan, resolve_weight_plan

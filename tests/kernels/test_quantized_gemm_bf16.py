@@ -18,7 +18,8 @@ import pytest
 
 from jaxllm.kernels import gemm, native
 from jaxllm.quantization import QuantizedWeight, dequantize, matmul
-from jaxllm.quantization.weights import _unpacked_codes, embedding_rows, make_weight, with_bf16_activations
+from jaxllm.quantization.activations import with_bf16_activations
+from jaxllm.quantization.weights import _unpacked_codes, embedding_rows, make_weight
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C++ kernels: {native.unavailable_reason()}")
 

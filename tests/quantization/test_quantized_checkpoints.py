@@ -15,12 +15,12 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.kernels import gemm, native
 from jaxllm.models.loader import load_model
 from jaxllm.quantization import QuantizedWeight, matmul, weight_bytes
+from jaxllm.quantization.activations import with_int8_activations
 from jaxllm.quantization.weights import (
     dequantize as dequantize_weight,
     embedding_rows,
     flat_scales,
     relayout,
-    with_int8_activations,
 )
 
 from tests.helpers.quantized_checkpoints import gguf_blocks, write_quantized_gguf, write_quantized_hf

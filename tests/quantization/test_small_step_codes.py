@@ -16,7 +16,8 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.kernels import gemm, native
 from jaxllm.models.linear import PackedWeight
 from jaxllm.quantization import SMALL_STEP_ROWS, QuantizedWeight, dequantize, weight_bytes
-from jaxllm.quantization.weights import make_weight, with_bf16_activations
+from jaxllm.quantization.activations import with_bf16_activations
+from jaxllm.quantization.weights import make_weight
 from jaxllm.platforms import cpu_flags
 from jaxllm.weights import plan
 

@@ -18,7 +18,7 @@
 //
 // Layout: the 4-bit `pairs` panels, 8-bit codes as `pack_codes` lays them out, and QuantPanel's
 // scales (gemm_quant_bf16.cc, gemm_quant_panel.h). 8-bit codes outside [-64, 63] give wrong sums:
-// the caller checks (`quantization.weights.with_factored`).
+// the caller checks (`quantization.activations.with_factored`).
 
 #pragma once
 

@@ -1,0 +1,62 @@
+"""Which activations a QuantizedWeight's C++ kernel rounds x to, set once on load: bf16 rows
+(`with_bf16_activations`, optionally with the group scales factored out of the sums:
+`with_factored`) or int8 rows (`with_int8_activations`). Each returns the weight unchanged where
+its layout, shape or codes do not allow it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jaxllm.quantization.weights import QuantizedWeight, _unpacked_codes
+
+
+def with_int8_activations(w: QuantizedWeight) -> QuantizedWeight:
+    """w set to multiply int8-quantized activations (`gemm.matmul_quantized(..., act8=True)`)
+    where the C++ GEMM can: 4-bit codes in panels, groups a multiple of 32 rows; else w as it is."""
+    from jaxllm.kernels import gemm
+
+    k, _ = w.shape
+    if w.layout != "panels" or w.bits != 4 or w.perm is not None or (k // w.groups) % gemm.ACT_GROUP:
+        return w
+    return dataclasses.replace(w, activations="int8")
+
+
+def with_bf16_activations(w: QuantizedWeight, device=None) -> QuantizedWeight:
+    """w set to multiply bf16-rounded activations (`gemm.matmul_quantized_bf16`, on `device`)
+    where that GEMM can: weight-only codes in panels, K and the groups multiples of 4 rows (4-bit
+    codes repacked in row pairs); else w as it is. The product is then the packed bf16 GEMM's of
+    w's dequantized weights rounded to bf16, from a quarter or half of their bytes, and embedding
+    rows are rounded to bf16 too (the caller checks that the CPU has AVX512_BF16 and that the
+    run's dtype is bfloat16)."""
+    from jaxllm.kernels import gemm
+
+    k, _ = w.shape
+    if w.layout != "panels" or w.activations != "float" or k % 4 or (k // w.groups) % 4:
+        return w
+    if w.bits == 8:
+        return dataclasses.replace(w, activations="bf16")
+    codes = gemm.pack_codes(_unpacked_codes(w, np), 4, pairs=True)
+    return dataclasses.replace(w, codes=jax.device_put(codes, device), activations="bf16")
+
+
+def with_factored(w):
+    """w set to factor its group scales out of the bf16 GEMM's sums (`QuantizedWeight.factored`)
+    where the kernel can: codes x bf16 rows (`with_bf16_activations`), 4-bit ones or 8-bit ones
+    that all lie in [-64, 63] (GGUF's Q5 and Q6 types; not Q8_0's full byte, which the bf16
+    trick cannot hold); else w as it is."""
+    if not isinstance(w, QuantizedWeight) or w.activations != "bf16":
+        return w
+    if w.bits == 8:
+        codes = np.asarray(w.codes)
+        if codes.min() < -64 or codes.max() > 63:
+            return w
+    return dataclasses.replace(w, factored=True)
+
+
+def int8_activation_weights(params) -> int:
+    """How many weights of a params tree multiply int8-quantized activations."""
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return sum(isinstance(x, QuantizedWeight) and x.activations == "int8" for x in leaves)
