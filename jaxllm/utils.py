@@ -4,6 +4,7 @@ dtypes it runs in."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import os
 
@@ -92,6 +93,14 @@ def size_mismatch(directory: str, expected: dict[str, int]) -> str | None:
     return None
 
 
+def release_freed_memory() -> None:
+    """Hand the C heap's freed pages back to the system (glibc's `malloc_trim`; nothing elsewhere).
+    Loading weights and compiling steps free about as much as they keep, in arenas of threads
+    that are then idle: the 1.5B model's process held ~0.9 GB of such pages after compiling."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def cdiv(a, b):
     """Ceiling division (ints or numpy arrays)."""
     return -(-a // b)
@@ -107,5 +116,6 @@ __all__ = [
     "file_sizes",
     "size_mismatch",
     "jnp_dtype",
+    "release_freed_memory",
     "resolve_kv_cache_dtype",
 ]

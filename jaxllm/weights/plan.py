@@ -18,7 +18,7 @@ The linears, by their params names (models/decoder.py):
 | `w_gate_up` (gated) / `w_up`, `w_down` | the MLP                               |
 | `experts_gate_up`, `experts_down`  | routed experts' stacks (models/moe.py)    |
 | `lm_head`                          | the LM head (absent when tied)            |
-| `embed`                            | the embedding table: a linear only when tied (it is then stored as the LM head) |
+| `embed`                            | the table: the LM head's linear when tied, else a lookup (of kept GGUF codes) |
 
 Storage (`LinearPlan.codes`): None (a float matrix in `WeightPlan.dtype`, packed into C++
 panels where `kernel == "cpp"`), a method of quantization/ (`int8_weight_only`, `int4`, `w8a8`:
@@ -273,8 +273,8 @@ def _linear_plan(
     if name in EXPERT_MATRICES:  # weight-only codes, dequantized in the step (models/moe.py)
         codes = {"w8a8": "int8_weight_only"}.get(method, method)
         return LinearPlan(codes, "xla")
-    if name == "embed" and not tied:
-        return LinearPlan(None, "xla")  # a table lookup, float
+    if name == "embed" and not tied:  # a table lookup: a GGUF's codes (rows in f32) kept, else a float table
+        return LinearPlan("gguf", "cpp" if cpp_gemm else "xla") if method == "gguf" else LinearPlan(None, "xla")
     if method is None:
         kept = small and name in (*LAYER_MATRICES, "lm_head", "embed")
         int8 = kept and int8_activations and name in LAYER_MATRICES

@@ -41,6 +41,7 @@ from jaxllm.quantization.weights import (
     dequantize,
     relayout,
 )
+from jaxllm.utils import release_freed_memory
 from jaxllm.weights import calibration
 from jaxllm.weights.plan import WeightPlan, resolve_weight_plan
 
@@ -105,6 +106,9 @@ def prepare_weights(
     except under W8A8 smoothing, which reads them whole): `(params, small_params)`, the second
     the codes tree of small-step codes or None. One device (`mesh` None): on `device` (default:
     JAX's first). `params` is consumed (its matrices are replaced one at a time)."""
+    untied = not cfg.tie_word_embeddings
+    if untied and isinstance(params["embed"], QuantizedWeight) and plan.linear("embed").codes is None:
+        params["embed"] = _dense(params["embed"], plan.dtype, table=True)  # a GGUF's table, kept as floats
     if plan.smooth:
         calibration.smooth_for_w8a8(params, cfg, tokenizer)
         if mesh is not None:
@@ -133,6 +137,7 @@ def prepare_weights(
         small_params = None if small_params is None else with_gemm_path(small_params, plan.gemm_path)
     if log:
         logger.info("weights: %s", plan.describe())
+    release_freed_memory()  # (the loaded and converted copies: the heap keeps their pages otherwise)
     return params, small_params
 
 
@@ -232,11 +237,7 @@ def _dequantized(params: dict, cfg, dtype: str) -> dict:
     """`params` with a checkpoint's codes the plan does not keep turned back into float
     matrices in `dtype` (a tied table stored as the LM head back to [vocab, hidden])."""
 
-    def dense(w, table=False):
-        if not isinstance(w, QuantizedWeight):
-            return w
-        out = np.asarray(dequantize(w, np), jnp.dtype(dtype))
-        return np.ascontiguousarray(out.T) if table else out
+    dense = functools.partial(_dense, dtype=dtype)
 
     for layer in params["layers"]:
         for name in LAYER_MATRICES:
@@ -246,6 +247,15 @@ def _dequantized(params: dict, cfg, dtype: str) -> dict:
         params["lm_head"] = dense(params["lm_head"])
     params["embed"] = dense(params["embed"], table=True)
     return params
+
+
+def _dense(w, dtype: str, table: bool = False):
+    """A checkpoint's codes `w` as a float matrix in `dtype` (`table`: an embedding table stored
+    as its LM head, back to [vocab, hidden]); anything else as it is."""
+    if not isinstance(w, QuantizedWeight):
+        return w
+    out = np.asarray(dequantize(w, np), jnp.dtype(dtype))
+    return np.ascontiguousarray(out.T) if table else out
 
 
 __all__ = ["PreparedModel", "load_with_plan", "pack_params", "prepare_weights"]

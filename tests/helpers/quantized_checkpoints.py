@@ -76,9 +76,10 @@ def gguf_blocks(rng, shape: tuple[int, int], ggml_type: int) -> np.ndarray:
         return blocks.reshape(shape[0], -1)
 
 
-def write_quantized_gguf(path: str) -> str:
+def write_quantized_gguf(path: str, untied: bool = False) -> str:
     """A tiny 2-layer Llama GGUF (no tokenizer) whose matrices use every kept block type, fused
-    parts of different types included; a Q8_0 embedding is the (tied) LM head."""
+    parts of different types included; a Q8_0 embedding is the (tied) LM head, or `untied`: a
+    Q4_K table and a Q6_K `output.weight` (Qwen2.5-Coder-1.5B's Q4_K_M types)."""
     import gguf
     from gguf.constants import GGMLQuantizationType as T
 
@@ -126,7 +127,10 @@ def write_quantized_gguf(path: str) -> str:
         "ffn_up": (ff, hidden),
         "ffn_down": (hidden, ff),
     }
-    writer.add_tensor("token_embd.weight", gguf_blocks(rng, (vocab, hidden), T.Q8_0), raw_dtype=T.Q8_0)
+    table = T.Q4_K if untied else T.Q8_0
+    writer.add_tensor("token_embd.weight", gguf_blocks(rng, (vocab, hidden), table), raw_dtype=table)
+    if untied:
+        writer.add_tensor("output.weight", gguf_blocks(rng, (vocab, hidden), T.Q6_K), raw_dtype=T.Q6_K)
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     for i, types in enumerate(layers):
         for name, t in types.items():

@@ -145,6 +145,29 @@ def test_gguf_engine_kept_quantized_matches_the_dequantized_engine(tiny_model_di
         LLM(tiny_model_dir, quantization="gguf", **TINY_ENGINE_ARGS)
 
 
+def test_gguf_untied_table_keeps_its_codes(tmp_path):
+    """An untied GGUF table (Q4_K, beside a Q6_K output.weight) stays codes, its rows looked up
+    from them in f32: the dequantized engine's outputs, from a table of about a seventh of its
+    float32 bytes."""
+    path = write_quantized_gguf(str(tmp_path / "untied.gguf"), untied=True)
+    prompts = [{"prompt_token_ids": list(range(3 * i, 3 * i + 9 + 5 * i))} for i in range(3)]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, detokenize=False)
+    args = dict(TINY_ENGINE_ARGS, params_cache_dir=str(tmp_path / "params"))
+    ref_llm = LLM(path, quantization="none", **args)
+    ref = ref_llm.generate(prompts, greedy, use_tqdm=False)
+    assert isinstance(ref_llm.engine.runner.params["embed"], jax.Array)
+    float_table = ref_llm.engine.runner.params["embed"].nbytes
+    del ref_llm
+    llm = LLM(path, **args)
+    assert not llm.engine.runner.cfg.tie_word_embeddings and llm.engine.config.quantization == "gguf"
+    table = llm.engine.runner.params["embed"]
+    assert isinstance(table, QuantizedWeight) and (table.bits, table.shape) == (4, (256, 512))
+    assert weight_bytes(table) < float_table / 6, (weight_bytes(table), float_table)
+    for a, b in zip(llm.generate(prompts, greedy, use_tqdm=False), ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        np.testing.assert_allclose(a.outputs[0].cumulative_logprob, b.outputs[0].cumulative_logprob, rtol=1e-4)
+
+
 def test_gguf_engine_loads_float_weights_when_the_kernel_build_fails(tmp_path, monkeypatch):
     """The engine decides to keep a GGUF's blocks before the C++ kernels' build (on its thread)
     is done; if the build then fails, it loads the weights as floats for the jnp paths."""
