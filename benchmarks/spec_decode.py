@@ -195,6 +195,7 @@ def main() -> None:
         "--workloads", default="repeat,random,code,chat", help="of repeat, random, code, chat (default: %(default)s)"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engine-args", default="{}", help="JSON of more LLM(...) options")
     ap.add_argument("--out", default=os.path.join(RESULTS, "spec_decode.json"))
     args = ap.parse_args()
 
@@ -216,6 +217,7 @@ def main() -> None:
         kv_cache_memory=512 << 20,
         enable_prefix_caching=False,
         speculative_config=config,
+        **json.loads(args.engine_args),
     )
     llm.engine.wait_compiled()
     proposer = llm.engine.scheduler.proposer

@@ -316,6 +316,8 @@ def restore_params(path: str, shardings=None, on_host: bool = False):
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         with open(file, "rb") as f:
             header_size = int.from_bytes(f.read(8), "little")
+            if header_size > os.fstat(f.fileno()).st_size:
+                raise ValueError(f"{file}: a header of {header_size} bytes, longer than the file")
             header = json.loads(f.read(header_size))
             tree = json.loads(header["__metadata__"]["tree"])
 

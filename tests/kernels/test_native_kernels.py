@@ -407,7 +407,17 @@ def test_kernel_paths_follow_the_cpu():
         native.paged_attention_cpu(*args, path="sse9")
 
 
-def test_build_is_cached(tmp_path):
+def _one_unit(folder, monkeypatch):
+    """SOURCES as one small valid unit in `folder` (a build of seconds, not the kernels' minute)."""
+    unit = folder / "unit.cc"
+    unit.write_text('extern "C" int jaxllm_test_unit() { return 1; }\n')
+    monkeypatch.setattr(native, "SOURCES", (str(unit),))
+    return str(unit)
+
+
+def test_build_is_cached(tmp_path, monkeypatch):
+    (tmp_path / "src").mkdir()
+    _one_unit(tmp_path / "src", monkeypatch)
     first = native.build(str(tmp_path))
     mtime = (tmp_path / first.rsplit("/", 1)[1]).stat().st_mtime_ns
     assert native.build(str(tmp_path)) == first
@@ -455,10 +465,12 @@ def test_build_reports_compiler_errors(tmp_path, monkeypatch):
     monkeypatch.setattr(native.shutil, "which", lambda name: None)
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         native.build(str(tmp_path))
-    broken = tmp_path / "broken.cc"
-    broken.write_text("this is not C++")
     monkeypatch.undo()
-    monkeypatch.setattr(native, "SOURCES", (native.SOURCES[0], str(broken)))
+    (tmp_path / "src").mkdir()
+    unit = _one_unit(tmp_path / "src", monkeypatch)
+    broken = tmp_path / "src" / "broken.cc"
+    broken.write_text("this is not C++")
+    monkeypatch.setattr(native, "SOURCES", (unit, str(broken)))
     with pytest.raises(RuntimeError, match="compiling the CPU kernels failed"):
         native.build(str(tmp_path))
     assert not list(tmp_path.glob("*.so")), "a failed build must leave no library behind"

@@ -44,20 +44,29 @@ def reference(qwen_05b):
     return AutoTokenizer.from_pretrained(folder, gguf_file=file), model
 
 
-@pytest.mark.slow
-def test_qwen_05b_with_its_blocks_kept_matches_transformers(qwen_05b, reference, tmp_path):
-    ref_tok, hf = reference
-    llm = LLM(
+LONG = 1200  # the long prompt's tokens
+
+
+@pytest.fixture(scope="module")
+def kept(qwen_05b, tmp_path_factory):
+    """The 0.5B in the float32 engine with every block type kept quantized; prompts go in chunks of 256."""
+    return LLM(
         NAME,
         dtype="float32",
         quantization="gguf",
-        max_model_len=512,
+        max_model_len=LONG + 64,
         max_num_seqs=2,
         max_num_batched_tokens=256,
-        kv_cache_memory=64 << 20,
-        params_cache_dir=str(tmp_path),
+        kv_cache_memory=128 << 20,
+        params_cache_dir=str(tmp_path_factory.mktemp("params")),
         warmup=False,
     )
+
+
+@pytest.mark.slow
+def test_qwen_05b_with_its_blocks_kept_matches_transformers(kept, reference):
+    ref_tok, hf = reference
+    llm = kept
     cfg = llm.engine.cfg
     assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (
         "Qwen2ForCausalLM",
@@ -100,9 +109,9 @@ def test_qwen_05b_with_its_blocks_kept_matches_transformers(qwen_05b, reference,
 
 
 @pytest.mark.slow
-def test_qwen_chat_template_with_tools_renders_as_transformers(qwen_05b, reference, tmp_path):
+def test_qwen_chat_template_with_tools_renders_as_transformers(kept, reference):
     ref_tok, _ = reference
-    llm = LLM(NAME, max_model_len=256, max_num_seqs=1, warmup=False, params_cache_dir=str(tmp_path))
+    llm = kept
     tools = [
         {
             "type": "function",
@@ -138,13 +147,13 @@ def test_qwen_chat_template_with_tools_renders_as_transformers(qwen_05b, referen
 @pytest.mark.slow
 def test_qwen_05b_perplexity_with_the_defaults_within_one_percent_of_transformers(qwen_05b, reference, tmp_path):
     """The engine as a user gets it on this CPU (its default dtype and weight plan) against the
-    GGUF dequantized in float32, on the first half of the text `jaxllm bench perplexity` ships
+    GGUF dequantized in float32, on the first quarter of the text `jaxllm bench perplexity` ships
     (`benchmarks/real_models.py --perplexity` measures the whole of it)."""
     _, hf = reference
     llm = LLM(NAME, max_model_len=1024, max_num_seqs=2, kv_cache_memory=64 << 20, params_cache_dir=str(tmp_path))
     with open(DEFAULT_TEXT, encoding="utf-8") as f:
         text = f.read()
-    text = text[: len(text) // 2]
+    text = text[: len(text) // 4]
     got = perplexity(llm, text)
     nll, count = 0.0, 0
     with torch.no_grad():
@@ -159,25 +168,15 @@ def test_qwen_05b_perplexity_with_the_defaults_within_one_percent_of_transformer
 
 
 @pytest.mark.slow
-def test_qwen_05b_long_prompt_in_chunks_matches_transformers(qwen_05b, reference, tmp_path):
-    """A 2,600-token prompt (1,300 tokens of the shipped text twice: the continuation reads keys
-    over a thousand tokens back) prefilled in chunks of 512 through the paged cache: the greedy
-    continuation and its logprobs are transformers' on the whole prompt at once."""
+def test_qwen_05b_long_prompt_in_chunks_matches_transformers(kept, reference):
+    """A 1,200-token prompt (600 tokens of the shipped text twice: the continuation reads keys
+    600 tokens back) prefilled in 5 chunks through the paged cache: the greedy continuation and
+    its logprobs are transformers' on the whole prompt at once."""
     ref_tok, hf = reference
-    llm = LLM(
-        NAME,
-        dtype="float32",
-        quantization="gguf",
-        max_model_len=2600 + 64,
-        max_num_seqs=1,
-        max_num_batched_tokens=512,
-        kv_cache_memory=256 << 20,
-        params_cache_dir=str(tmp_path),
-        warmup=False,
-    )
+    llm = kept
     (text,) = text_windows(llm.get_tokenizer(), window=1 << 20)
-    ids = text[:1300] * 2
-    assert len(ids) == 2600
+    ids = text[: LONG // 2] * 2
+    assert len(ids) == LONG
     out = llm.generate(
         [{"prompt_token_ids": ids}],
         SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0),
@@ -192,5 +191,5 @@ def test_qwen_05b_long_prompt_in_chunks_matches_transformers(qwen_05b, reference
     want = [float(torch.log_softmax(s[0].double(), -1)[t]) for s, t in zip(gen.scores, expected)]
     got = [entry[t].logprob for entry, t in zip(out.logprobs, out.token_ids)]
     diff = float(np.abs(np.array(got) - np.array(want)).max())
-    print(f"Qwen2.5-Coder-0.5B, a 2,600-token prompt in chunks: max |logprob diff| {diff:.3g}")
+    print(f"Qwen2.5-Coder-0.5B, a {LONG}-token prompt in chunks: max |logprob diff| {diff:.3g}")
     assert diff <= GGUF_LOGITS_TOL
