@@ -424,6 +424,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 0
     disable_by_batch_size: int = 8
     model: str | None = None  # draft model: a path or hub id, as for the target
+    quantization: str | None = None  # the draft model's (QUANTIZATION_METHODS); None: the target's asked
 
     METHODS = ("ngram", "draft_model")
 
@@ -452,7 +453,7 @@ class SpeculativeConfig:
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {config!r}")
         known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
-        known |= {"disable_by_batch_size", "model"}
+        known |= {"disable_by_batch_size", "model", "quantization"}
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown or unsupported field(s) {unknown}; known: {sorted(known)}")
@@ -477,7 +478,14 @@ class SpeculativeConfig:
             hi,
             config.get("disable_by_batch_size", 8),
             model if method == "draft_model" else None,
+            config.get("quantization"),
         )
+        if out.quantization is not None and method != "draft_model":
+            raise ValueError("speculative_config quantization is a draft model's: n-gram has none")
+        if out.quantization not in (None, *QUANTIZATION_METHODS):
+            raise ValueError(
+                f"speculative_config quantization must be one of {QUANTIZATION_METHODS}, got {out.quantization!r}"
+            )
         out._check()
         return out
 

@@ -16,7 +16,7 @@ import jax
 
 from jaxllm import parallel
 from jaxllm.chat_template import MAX_OUTPUT_CHARS, render_chat_template
-from jaxllm.config import EngineArgs
+from jaxllm.config import QUANTIZATION_ALIASES, EngineArgs
 from jaxllm.engine_config import EngineConfig, available_memory, resolve_config, resolve_dtypes
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.engine.core import DataParallelEngineCore, EngineCore, EngineStats
@@ -62,6 +62,7 @@ class LLMEngine(TrainerMixin, PoolingMixin, LoRAMixin):
         args, self.pooling = resolve_runner(args, loaded, one_device)
         if self.pooling is not None and args.enable_lora:
             raise ValueError("enable_lora is not supported for a pooling (embedding) engine yet")
+        asked = args  # (the draft model's plan starts from what was asked, not the target's outcome)
         args = dataclasses.replace(args, quantization=plan.quantization, small_step_codes=plan.small_step_codes)
         self.config: EngineConfig = resolve_config(
             args,
@@ -87,7 +88,7 @@ class LLMEngine(TrainerMixin, PoolingMixin, LoRAMixin):
                 tokenizer=loaded.resolve_tokenizer() if plan.smooth else None,
             ),
         )
-        self._build_cores(model, mesh, self._load_draft(args, platform, progress))
+        self._build_cores(model, mesh, self._load_draft(asked, platform, progress))
         self._init_lora()
         self._params = model.params  # the whole tree (data parallel replicas step with views of it)
         self._updates = UpdatePlan.for_engine(loaded.cfg, plan, mesh, model.params)
@@ -153,17 +154,23 @@ class LLMEngine(TrainerMixin, PoolingMixin, LoRAMixin):
 
     def _load_draft(self, args: EngineArgs, platform: Platform, progress: bool) -> PreparedModel | None:
         """The draft model of draft-model speculative decoding (checked against the target), its
-        weights prepared by a plan of its own: the target's options, but a checkpoint method or
-        small-step codes asked for the target are the draft's only where its checkpoint allows."""
+        weights prepared by a plan of its own from the options asked (`args`): the target's, but
+        a checkpoint method or small-step codes asked for the target are the draft's only where
+        its checkpoint allows, and the draft's small steps factor their scales by default (its
+        numbers decide only which drafts are accepted, never the output)."""
         speculative = self.config.speculative
         if speculative is None or speculative.method != "draft_model":
             return None
         asked = args.quantization if args.quantization in (*QUANTIZE_METHODS, "none") else None
+        if speculative.quantization is not None:  # (asked for the draft itself)
+            asked = QUANTIZATION_ALIASES.get(speculative.quantization, speculative.quantization)
         draft_args = dataclasses.replace(
             args,
             model=speculative.model,
             quantization=asked,
             small_step_codes=None if args.small_step_codes else args.small_step_codes,
+            small_step_factored=None if args.small_step_factored else args.small_step_factored,
+            speculative_config=None,
         )
         draft, plan = load_with_plan(draft_args, platform, None, one_device=True, progress=progress)
         if draft.cfg.vocab_size != self.cfg.vocab_size:

@@ -236,7 +236,13 @@ def test_small_step_codes_follow_the_cpu_and_the_run(tiny_model_dir, tmp_path, m
     # Where the bf16 panels would take more than PANELS_MEMORY_SHARE of the host's memory (here
     # any), the codes serve alone by default; small_step_codes=True keeps the split.
     monkeypatch.setattr(plan, "PANELS_MEMORY_SHARE", 0.0)
-    config = LLM(path, **{**args, "dtype": "bfloat16"}).engine.config
+    # (The same file as its own draft: the draft's plan is its own, from the options asked, so
+    # it keeps its codes too, where it once took the target's small_step_codes=False and
+    # dequantized.)
+    engine = LLM(path, **{**args, "dtype": "bfloat16"}, speculative_config={"model": path, "num_speculative_tokens": 2})
+    config = engine.engine.config
     assert (config.small_step_codes, config.quantization) == (False, "gguf" if dots else None)
+    draft_wqkv = engine.engine.scheduler.proposer.runner.params["layers"][0]["wqkv"]
+    assert isinstance(draft_wqkv, QuantizedWeight) == dots
     if dots:
         assert LLM(path, small_step_codes=True, **{**args, "dtype": "bfloat16"}).engine.config.small_step_codes

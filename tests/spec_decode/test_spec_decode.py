@@ -160,8 +160,10 @@ def test_speculation_with_stops_chunks_preemption_and_sampling(llm, tiny_model_d
 
 def test_draft_model_speculation(llm, tiny_model_dir, tmp_path):
     # The target itself as its draft: every greedy draft is right. A different (1-layer) random
-    # model: drafts mostly wrong. Either way the outputs are the target's; a small token
-    # budget and pool make the draft catch up over prompt chunks and after preemptions.
+    # model, quantized on load as the config asks: drafts mostly wrong. Either way the outputs
+    # are the target's; a small token budget and pool make the draft catch up over prompt
+    # chunks and after preemptions.
+    from jaxllm.quantization import QuantizedWeight
     from tests.helpers.tiny_model import build_tiny_model
 
     reference = llm.generate(PROMPTS, greedy(24, logprobs=1), use_tqdm=False)
@@ -170,7 +172,10 @@ def test_draft_model_speculation(llm, tiny_model_dir, tmp_path):
         args = {**TINY_ENGINE_ARGS, "max_num_batched_tokens": 16} if small else TINY_ENGINE_ARGS
         if small:
             args = {**args, "num_gpu_blocks_override": 24, "block_size": 4}
-        engine = LLM(tiny_model_dir, **args, speculative_config={"model": draft, "num_speculative_tokens": 3})
+        config = {"model": draft, "num_speculative_tokens": 3, **({"quantization": "int4"} if small else {})}
+        engine = LLM(tiny_model_dir, **args, speculative_config=config)
+        draft_wqkv = engine.engine.scheduler.proposer.runner.params["layers"][0]["wqkv"]
+        assert isinstance(draft_wqkv, QuantizedWeight) == small and engine.engine.config.quantization is None
         outs = engine.generate(PROMPTS, greedy(24, logprobs=1), use_tqdm=False)
         alone = engine.generate(PROMPTS[:1], greedy(24, logprobs=1), use_tqdm=False)
         for a, b in zip(outs + alone, reference + reference[:1]):
@@ -222,6 +227,8 @@ def test_ngram_speculation_on_the_default_model():
         ),
         ({"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}, "bogus"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "int4"}, "n-gram has none"),
+        ({"model": "x", "num_speculative_tokens": 2, "quantization": "int3"}, "quantization must be one of"),
     ],
 )
 def test_bad_speculative_configs_rejected(tiny_model_dir, config, match):
