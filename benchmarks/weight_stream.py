@@ -42,7 +42,18 @@ MODELS = {
     "smollm2": (30, [(576, 960, False), (576, 576, False), (576, 3072, True), (1536, 576, False)]),
     "qwen2.5-coder-1.5b": (28, [(1536, 2048, False), (1536, 1536, False), (1536, 17920, True), (8960, 1536, False)]),
 }
-PATHS = ("bf16", "q4 x bf16", "q4 factored", "q8 x bf16", "q6 factored", "q4 f32 kernel", "f32", "w8a8", "w8a8 per row")
+PATHS = (
+    "bf16",
+    "q4 x bf16",
+    "q4 factored",
+    "q4 x int8",
+    "q8 x bf16",
+    "q6 factored",
+    "q4 f32 kernel",
+    "f32",
+    "w8a8",
+    "w8a8 per row",
+)
 
 
 def chain(matmul, layers: int, shapes: list):
@@ -100,6 +111,7 @@ def main(argv=None) -> int:
             add("q8 x bf16", lambda: (jnp.asarray(gemm.pack_codes(c8, 8)), s, None))
             add("q6 factored", lambda: (jnp.asarray(gemm.pack_codes(c8 // 4, 8)), s, None))
             add("q4 f32 kernel", lambda: (jnp.asarray(gemm.pack_codes(c4, 4)), s, o))
+            add("q4 x int8", lambda: (jnp.asarray(gemm.pack_codes(c4, 4)), s, o))
             add("f32", lambda: jnp.asarray(gemm.pack_weight(w)))
             if {"w8a8", "w8a8 per row"} & set(paths):
                 q = quant.make_weight(w, "w8a8", panels=True, activations="int8")
@@ -113,6 +125,7 @@ def main(argv=None) -> int:
         "q8 x bf16": lambda h, w, sw: gemm.matmul_quantized_bf16(h, *w, 8, swiglu=sw),
         "q6 factored": lambda h, w, sw: gemm.matmul_quantized_bf16(h, *w, 8, swiglu=sw, factored=True),
         "q4 f32 kernel": lambda h, w, sw: gemm.matmul_quantized(h, *w, 4, swiglu=sw),
+        "q4 x int8": lambda h, w, sw: gemm.matmul_quantized(h, *w, 4, swiglu=sw, act8=True),
         "f32": lambda h, w, sw: gemm.matmul_packed(h, w, swiglu=sw),
         "w8a8": lambda h, w, sw: quant.matmul(h, w, swiglu=sw),
         "w8a8 per row": lambda h, w, sw: quant.matmul(h, w, swiglu=sw),
