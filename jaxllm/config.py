@@ -467,25 +467,16 @@ class SpeculativeConfig:
             lo = hi = 0
         else:
             lo, hi = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
-            if lo is None and hi is None:
-                lo, hi = 5, 5
-            else:
-                lo, hi = (lo if lo is not None else hi), (hi if hi is not None else lo)
-        out = cls(
-            method,
-            config.get("num_speculative_tokens"),
-            lo,
-            hi,
-            config.get("disable_by_batch_size", 8),
-            model if method == "draft_model" else None,
-            config.get("quantization"),
-        )
-        if out.quantization is not None and method != "draft_model":
+            lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
+        quantization = config.get("quantization")
+        if quantization is not None and method != "draft_model":
             raise ValueError("speculative_config quantization is a draft model's: n-gram has none")
-        if out.quantization not in (None, *QUANTIZATION_METHODS):
+        if quantization not in (None, *QUANTIZATION_METHODS):
             raise ValueError(
-                f"speculative_config quantization must be one of {QUANTIZATION_METHODS}, got {out.quantization!r}"
+                f"speculative_config quantization must be one of {QUANTIZATION_METHODS}, got {quantization!r}"
             )
+        counts = (config.get("num_speculative_tokens"), lo, hi, config.get("disable_by_batch_size", 8))
+        out = cls(method, *counts, model if method == "draft_model" else None, quantization)
         out._check()
         return out
 

@@ -407,21 +407,17 @@ def test_kernel_paths_follow_the_cpu():
         native.paged_attention_cpu(*args, path="sse9")
 
 
-def _one_unit(folder, monkeypatch):
-    """SOURCES as one small valid unit in `folder` (a build of seconds, not the kernels' minute)."""
-    unit = folder / "unit.cc"
-    unit.write_text('extern "C" int jaxllm_test_unit() { return 1; }\n')
-    monkeypatch.setattr(native, "SOURCES", (str(unit),))
-    return str(unit)
+def _one_unit(folder) -> str:  # (a build of seconds, not the kernels' minute; built into folder/cache)
+    (folder / "unit.cc").write_text('extern "C" int jaxllm_test_unit() { return 1; }\n')
+    return str(folder / "unit.cc")
 
 
 def test_build_is_cached(tmp_path, monkeypatch):
-    (tmp_path / "src").mkdir()
-    _one_unit(tmp_path / "src", monkeypatch)
-    first = native.build(str(tmp_path))
-    mtime = (tmp_path / first.rsplit("/", 1)[1]).stat().st_mtime_ns
-    assert native.build(str(tmp_path)) == first
-    assert (tmp_path / first.rsplit("/", 1)[1]).stat().st_mtime_ns == mtime
+    monkeypatch.setattr(native, "SOURCES", (_one_unit(tmp_path),))
+    first = native.build(str(tmp_path / "cache"))
+    mtime = os.stat(first).st_mtime_ns
+    assert native.build(str(tmp_path / "cache")) == first
+    assert os.stat(first).st_mtime_ns == mtime
 
 
 def test_build_key_covers_every_file_in_csrc(tmp_path, monkeypatch):
@@ -466,14 +462,11 @@ def test_build_reports_compiler_errors(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         native.build(str(tmp_path))
     monkeypatch.undo()
-    (tmp_path / "src").mkdir()
-    unit = _one_unit(tmp_path / "src", monkeypatch)
-    broken = tmp_path / "src" / "broken.cc"
-    broken.write_text("this is not C++")
-    monkeypatch.setattr(native, "SOURCES", (unit, str(broken)))
+    (tmp_path / "broken.cc").write_text("this is not C++")
+    monkeypatch.setattr(native, "SOURCES", (_one_unit(tmp_path), str(tmp_path / "broken.cc")))
     with pytest.raises(RuntimeError, match="compiling the CPU kernels failed"):
-        native.build(str(tmp_path))
-    assert not list(tmp_path.glob("*.so")), "a failed build must leave no library behind"
+        native.build(str(tmp_path / "cache"))
+    assert not list((tmp_path / "cache").glob("*.so")), "a failed build must leave no library behind"
 
 
 def test_loading_the_kernels_keeps_subnormal_floats():
