@@ -10,7 +10,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxllm.quantization.weights import QuantizedWeight, _unpacked_codes
+from jaxllm.quantization.weights import QuantizedWeight
 
 
 def with_int8_activations(w: QuantizedWeight) -> QuantizedWeight:
@@ -38,7 +38,7 @@ def with_bf16_activations(w: QuantizedWeight, device=None) -> QuantizedWeight:
         return w
     if w.bits == 8:
         return dataclasses.replace(w, activations="bf16")
-    codes = gemm.pack_codes(_unpacked_codes(w, np), 4, pairs=True)
+    codes = gemm.pairs_from_panels(np.asarray(w.codes))
     return dataclasses.replace(w, codes=jax.device_put(codes, device), activations="bf16")
 
 

@@ -177,6 +177,8 @@ def test_with_bf16_activations_keeps_the_weight():
     p = with_bf16_activations(q)
     assert isinstance(p, QuantizedWeight) and p.activations == "bf16" and p.shape == q.shape == (64, 48)
     np.testing.assert_array_equal(_unpacked_codes(p, np), _unpacked_codes(q, np))
+    # (repacked panel by panel, `gemm.pairs_from_panels`: as packing the codes afresh)
+    np.testing.assert_array_equal(np.asarray(p.codes), gemm.pack_codes(_unpacked_codes(q, np), 4, pairs=True))
     np.testing.assert_array_equal(dequantize(p), dequantize(q))
     x = rng.standard_normal((5, 64)).astype(np.float32)
     ref = bf16(x).astype(np.float64) @ bf16(dequantize(q)).astype(np.float64)
