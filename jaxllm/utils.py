@@ -96,7 +96,7 @@ def size_mismatch(directory: str, expected: dict[str, int]) -> str | None:
 def release_freed_memory() -> None:
     """Hand the C heap's freed pages back to the system (glibc's `malloc_trim`; nothing elsewhere).
     Loading weights and compiling steps free about as much as they keep, in arenas of threads
-    that are then idle: the 1.5B model's process held ~0.9 GB of such pages after compiling."""
+    that are then idle, which glibc keeps mapped otherwise (benchmarks/results/zen4/RESULTS.md)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 

@@ -186,7 +186,7 @@ def pack_codes(codes: np.ndarray, bits: int, w8a8: bool = False, pairs: bool = F
 def pairs_from_panels(panels: np.ndarray) -> np.ndarray:
     """4-bit panels of `pack_codes` (uint8 [N / 16, K, 8]) as its `pairs` order ([N / 16, K / 4,
     32]), panel by panel: the same result as unpacking to [K, N] and packing again, without the
-    two transposes across panels (a warm start of the 1.5B model repacked 0.9 GB of codes so)."""
+    two transposes across panels (every start under bf16 repacks a GGUF's 4-bit matrices so)."""
     p, k, half = panels.shape
     x = panels.reshape(p, k // 4, 4, half)  # a block's rows 4 b + r, r = 2 h + t
     low, high = x[:, :, :2], x[:, :, 2:]  # [P, K / 4, t, byte j]: columns j (low nibble), j + 8 (high)
