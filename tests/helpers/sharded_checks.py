@@ -207,7 +207,10 @@ def quantized_checkpoints(workdir: str, model_dir: str) -> dict:
 
     greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, detokenize=False, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(3 + i, 10 + 5 * i))} for i in range(4)]
-    checkpoints = {"gguf": write_quantized_gguf(os.path.join(workdir, "tiny.gguf"))}
+    checkpoints = {
+        "gguf": write_quantized_gguf(os.path.join(workdir, "tiny.gguf")),
+        "gguf-untied": write_quantized_gguf(os.path.join(workdir, "untied.gguf"), untied=True),
+    }
     for name, method, bits, act_order in [("awq", "awq", 4, False), ("gptq-act-order", "gptq", 4, True)]:
         checkpoints[name] = os.path.join(workdir, name)
         write_quantized_hf(model_dir, method, bits, act_order, checkpoints[name], os.path.join(workdir, name + "-ref"))
@@ -222,7 +225,7 @@ def quantized_checkpoints(workdir: str, model_dir: str) -> dict:
                     tensor_parallel_size=tp,
                     pipeline_parallel_size=pp,
                     params_cache_dir=os.path.join(workdir, "params"),
-                    quantization="gguf" if name == "gguf" else None,
+                    quantization="gguf" if name.startswith("gguf") else None,
                     **TINY_ENGINE_ARGS,
                 )
             except ValueError as e:
@@ -232,6 +235,7 @@ def quantized_checkpoints(workdir: str, model_dir: str) -> dict:
             wqkv = llm.engine.runner.params["layers"][0]["wqkv"]
             results[key] = {
                 "quantization": llm.engine.config.quantization,
+                "table_codes": type(llm.engine.runner.params["embed"]).__name__ == "QuantizedWeight",
                 "token_ids": [o.outputs[0].token_ids for o in outputs],
                 "logprobs": [o.outputs[0].cumulative_logprob for o in outputs],
                 "qkv_bytes": [

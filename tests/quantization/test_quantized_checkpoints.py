@@ -230,18 +230,21 @@ def test_awq_and_gptq_checkpoints_match_the_float_engine_on_their_values(
 
 @pytest.mark.multiprocess
 def test_quantized_checkpoints_run_tensor_and_pipeline_parallel(tiny_model_dir, run_on_virtual_devices):
-    """GGUF blocks and AWQ codes split over two devices (each holds half of every split matrix's
-    codes and scales) generate what one device does (GPTQ's codes take the same path as AWQ's);
+    """GGUF blocks (a tied table and an untied one, each kept as codes split by vocabulary) and
+    AWQ codes split over two devices (each holds half of every split matrix's codes and scales)
+    generate what one device does (GPTQ's codes take the same path as AWQ's);
     so do the GGUF over two pipeline stages, its two layers in different block types (each slot
     stacked in the wider format), and act-order GPTQ (each stage's own row order); GPTQ's
     act-order cannot split its row-parallel matrices over tensor-parallel shards and says so."""
     results = run_on_virtual_devices(2, "quantized_checkpoints", tiny_model_dir, timeout=900)
-    for name, method in [("gguf", "gguf"), ("awq", "awq"), ("gptq-act-order", "gptq")]:
+    checkpoints = [("gguf", "gguf"), ("gguf-untied", "gguf"), ("awq", "awq"), ("gptq-act-order", "gptq")]
+    layouts = {"gguf": ("2x1", "1x2"), "gguf-untied": ("2x1", "1x2"), "awq": ("2x1",), "gptq-act-order": ("1x2",)}
+    for name, method in checkpoints:
         one = results[f"{name}:1x1"]
         assert one["quantization"] == method and one["qkv_bytes"][1] == 0
-        for layout in {"gguf": ("2x1", "1x2"), "awq": ("2x1",), "gptq-act-order": ("1x2",)}[name]:
+        for layout in layouts[name]:
             many = results[f"{name}:{layout}"]
-            assert many["quantization"] == method
+            assert many["quantization"] == method and many["table_codes"] == name.startswith("gguf")
             assert many["token_ids"] == one["token_ids"], layout
             np.testing.assert_allclose(many["logprobs"], one["logprobs"], rtol=1e-4, atol=1e-4)
             # The fused QKV splits by columns, or its slot's stack by stage: each device holds half.
