@@ -424,7 +424,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 0
     disable_by_batch_size: int = 8
     model: str | None = None  # draft model: a path or hub id, as for the target
-    quantization: str | None = None  # the draft model's (QUANTIZATION_METHODS); None: the target's asked
+    quantization: str | None = None  # the draft model's (canonical, as EngineArgs'); None: the target's asked
 
     METHODS = ("ngram", "draft_model")
 
@@ -475,8 +475,10 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config quantization must be one of {QUANTIZATION_METHODS}, got {quantization!r}"
             )
-        counts = (config.get("num_speculative_tokens"), lo, hi, config.get("disable_by_batch_size", 8))
-        out = cls(method, *counts, model if method == "draft_model" else None, quantization)
+        draft = (
+            (model, QUANTIZATION_ALIASES.get(quantization, quantization)) if method == "draft_model" else (None, None)
+        )
+        out = cls(method, config.get("num_speculative_tokens"), lo, hi, config.get("disable_by_batch_size", 8), *draft)
         out._check()
         return out
 

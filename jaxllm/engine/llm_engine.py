@@ -16,7 +16,7 @@ import jax
 
 from jaxllm import parallel
 from jaxllm.chat_template import MAX_OUTPUT_CHARS, render_chat_template
-from jaxllm.config import QUANTIZATION_ALIASES, EngineArgs
+from jaxllm.config import EngineArgs
 from jaxllm.engine_config import EngineConfig, available_memory, resolve_config, resolve_dtypes
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.engine.core import DataParallelEngineCore, EngineCore, EngineStats
@@ -163,7 +163,7 @@ class LLMEngine(TrainerMixin, PoolingMixin, LoRAMixin):
             return None
         asked = args.quantization if args.quantization in (*QUANTIZE_METHODS, "none") else None
         if speculative.quantization is not None:  # (asked for the draft itself)
-            asked = QUANTIZATION_ALIASES.get(speculative.quantization, speculative.quantization)
+            asked = speculative.quantization
         draft_args = dataclasses.replace(
             args,
             model=speculative.model,

@@ -236,6 +236,15 @@ def test_bad_speculative_configs_rejected(tiny_model_dir, config, match):
         LLM(tiny_model_dir, **TINY_ENGINE_ARGS, speculative_config=config)
 
 
+def test_a_draft_quantization_by_another_name_is_the_canonical_method():
+    from jaxllm.config import SpeculativeConfig
+
+    config = {"model": "small", "num_speculative_tokens": 2}
+    assert SpeculativeConfig.parse({**config, "quantization": "int8"}).quantization == "w8a8"  # as EngineArgs has it
+    assert SpeculativeConfig.parse({**config, "quantization": "int4"}).quantization == "int4"
+    assert SpeculativeConfig.parse(config).quantization is None
+
+
 def test_streaming_with_speculation(tiny_model_dir, llm):
     # Several tokens per step reach a delta stream together, in order.
     import asyncio
