@@ -106,7 +106,8 @@ def run_jaxllm(model: str, engine_args: dict, repeat: int) -> dict:
     start = time.perf_counter()
     llm = LLM(model, **engine_args)
     load_s = time.perf_counter() - start
-    llm.engine.wait_compiled()  # (the other step shapes compile in the background: not while timing)
+    # (Not `wait_compiled`, which loads every step shape: a warm engine loads each when first
+    # needed, and `best`'s untimed first run loads what a measure uses.)
     vocab = llm.engine.cfg.vocab_size
     greedy = dict(temperature=0, ignore_eos=True)
 

@@ -335,9 +335,10 @@ class ModelRunner:
     def warmup(self, progress: bool = True, background: bool = False) -> float:
         """Compile (or load) every bucket's step (the KV pages are allocated meanwhile). Returns
         once all are ready, or at once with `background` or when every step comes from the
-        executable store (see `CompiledSteps`). Returns seconds taken."""
+        executable store (which then loads each step when first needed: see `CompiledSteps`).
+        Returns seconds taken."""
         start = time.perf_counter()
-        stored = self.steps.start(progress)
+        stored = self.steps.start(progress, hold=not background)
         # The pages (on their thread since __init__): once warm-up returns, nothing compiles.
         jax.block_until_ready(self.kv.pages)
         if not (background or stored):

@@ -70,6 +70,34 @@ def test_a_warm_start_loads_every_step_and_gives_the_same_tokens(tiny_model_dir,
     assert token_ids(again.generate(PROMPTS, greedy(12), use_tqdm=False)) == expected
 
 
+def test_only_the_steps_in_use_stay_loaded(tiny_model_dir, tmp_path):
+    """A loaded step holds tens of MiB on XLA:CPU: a first start compiling in the background
+    drops each step once saved but the smallest of each kind, a warm start loads only those,
+    and the rest load when a demand first needs them, without compiling, giving the tokens a
+    first start gives."""
+    from concurrent.futures import wait
+
+    cache, args = str(tmp_path), {**WARM_ENGINE_ARGS, "background_compile": True}
+    cold = LLM(tiny_model_dir, **args, compilation_cache_dir=cache)
+    steps = cold.engine.runner.steps
+    wait(list(steps.pending.values()))
+    firsts = {b for b in steps.buckets if not steps._first_needed(b)[0]}
+    assert set(steps.pending) == firsts and set(steps.stored) == set(steps.buckets) - firsts
+    assert len(_files(cache)) == len(steps.buckets)
+    expected = token_ids(cold.generate(PROMPTS, greedy(12), use_tqdm=False))
+    del cold, steps
+
+    warm = LLM(tiny_model_dir, **args, compilation_cache_dir=cache)
+    steps = warm.engine.runner.steps
+    assert set(steps.pending) == firsts and set(steps.stored) == set(steps.buckets) - firsts
+    with no_compile_guard():
+        assert token_ids(warm.generate(PROMPTS, greedy(12), use_tqdm=False)) == expected
+        used = set(steps.ready) | set(steps.pending)
+        assert used - firsts and set(steps.stored) == set(steps.buckets) - used  # loaded when first needed
+        warm.engine.wait_compiled()  # loads the rest
+    assert set(steps.ready) == set(steps.buckets) and not steps.stored and steps.loaded == len(steps.buckets)
+
+
 def test_keys_follow_what_the_step_depends_on(tmp_path, monkeypatch):
     store = ExecutableStore(str(tmp_path), "cfg A", jax.devices()[:1])
     args = (np.zeros((4, 8), np.float32), [np.zeros(3, np.int32)])
