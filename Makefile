@@ -102,7 +102,7 @@ bench-real: $(STAMP) $(VLLM_STAMP)
 	OPENBLAS_NUM_THREADS=1 $(BIN)/python benchmarks/real_models.py --model qwen2.5-coder-1.5b \
 		$(if $(RESULTS),--out $(RESULTS)/real-models-1.5b.json,)
 	for s in jaxllm llama vllm; do OPENBLAS_NUM_THREADS=1 $(BIN)/python benchmarks/serving.py --launch $$s \
-		$(SWEEP) --out $(or $(RESULTS),benchmarks/results)/serving-1.5b-$$s.json || exit 1; done
+		$(SWEEP) --out $(or $(RESULTS),benchmarks/results)/real-models-1.5b-serving-$$s.json || exit 1; done
 	for m in qwen2.5-coder-0.5b qwen2.5-coder-1.5b; do OPENBLAS_NUM_THREADS=1 $(BIN)/python \
 		benchmarks/real_models.py --model $$m --perplexity $(if $(RESULTS),--out $(RESULTS)/perplexity-$$m.json,) || exit 1; done
 
