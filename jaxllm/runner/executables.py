@@ -243,7 +243,7 @@ class CompiledSteps:
         self.pending: dict[Bucket, Future] = {}  # compiling or loading on `_pool`
         self.stored: dict[Bucket, str] = {}  # in the store, not loaded: bucket -> key
         self._pool: ThreadPoolExecutor | None = None
-        self._hold_all = False  # `wait` was called: compiled steps stay loaded
+        self._hold_all = False  # `wait` was called (or `start(hold=True)`): compiled steps stay loaded
         self._lock = threading.Lock()  # over `pending` and `stored` (a pool thread moves steps)
         self.loaded = 0  # steps taken from the store (the rest were compiled)
 
