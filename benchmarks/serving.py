@@ -44,7 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, HERE)
 from engines import hf_directory  # noqa: E402
-from llama_tools import ensure_tools  # noqa: E402
+from llama_tools import VERSION as LLAMA_VERSION, ensure_tools  # noqa: E402
 from workload import (  # noqa: E402
     RESULTS,
     ROOT,
@@ -190,9 +190,7 @@ def served_model(base_url: str, api_key: str | None) -> str:
 def server_versions(args) -> dict:
     """The launched peer's version (the client's own are in `versions()`)."""
     if args.launch == "llama":
-        from llama_tools import VERSION
-
-        return {"llama.cpp": f"llama-cpp-python {VERSION}'s tree"}
+        return {"llama.cpp": f"llama-cpp-python {LLAMA_VERSION}'s tree"}
     if args.launch != "vllm":
         return {}
     probe = subprocess.run(

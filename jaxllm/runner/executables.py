@@ -226,7 +226,7 @@ class CompiledSteps:
     """The step compiled per bucket: loaded from `store` or compiled (and saved there), on one
     thread per core (XLA compiles and loads with the GIL released), up front or in the background.
 
-    A loaded step stays resident (25-60 MiB each for a 1.5B model on XLA:CPU: its HLO module,
+    A loaded step stays resident (tens of MiB for a 1.5B model on XLA:CPU: its HLO module,
     buffer assignment and code), so only the steps in use are held: with a store, the smallest
     step of each kind (a request's first shapes) is loaded at start-up and the rest stay on disk
     (`stored`) until a demand first needs them (`pick` loads one in the background, a larger
@@ -286,7 +286,7 @@ class CompiledSteps:
         keys = {b: self.store.key(*job) if self.store is not None else None for b, job in todo.items()}
         stored = self.store is not None and all(self.store.has(key) for key in keys.values())
         if stored:
-            for bucket in [b for b in todo if self._first_needed(b)[0]]:
+            for bucket in [b for b in todo if not self.first_of_kind(b)]:
                 self.stored[bucket] = keys.pop(bucket)
                 del todo[bucket]
         bar = tqdm(total=len(todo), desc="compiling buckets", disable=None if progress else True, unit="bucket")
@@ -315,21 +315,26 @@ class CompiledSteps:
     def _compile_in_background(self, bucket: Bucket, layout, args, key: str | None):
         """`compile` on the pool: a step compiled and saved that is not the smallest of its kind
         goes to `stored` (unless `get` already waits for it)."""
-        step, loaded = self.compile(layout, args, key, keep=not self._first_needed(bucket)[0])
+        step, loaded = self.compile(layout, args, key, keep=self.first_of_kind(bucket))
         if step is None:
             with self._lock:
                 if self.pending.pop(bucket, None) is not None:
                     self.stored[bucket] = key
         return step, loaded
 
-    def _first_needed(self, bucket: Bucket) -> tuple:
-        """Compile order: the smallest bucket of each kind first (a request's first step is a
-        prompt chunk, its next ones decodes), then the rest from the smallest."""
+    def first_of_kind(self, bucket: Bucket) -> bool:
+        """Whether `bucket` is the smallest of its kind (prompt chunks or decodes, logits for
+        every token or not): a request's first shapes, loaded at start-up."""
         kind = (bucket.num_prefill_rows > 0, bucket.all_logits)
         smallest = min(
             (b for b in self.buckets if (b.num_prefill_rows > 0, b.all_logits) == kind), key=lambda b: b.num_tokens
         )
-        return bucket != smallest, bucket.num_tokens
+        return bucket == smallest
+
+    def _first_needed(self, bucket: Bucket) -> tuple:
+        """Compile order: the smallest bucket of each kind first (a request's first step is a
+        prompt chunk, its next ones decodes), then the rest from the smallest."""
+        return not self.first_of_kind(bucket), bucket.num_tokens
 
     def pick(self, demand) -> Bucket:
         """The smallest bucket that holds `demand` (tokens, decodes, prefill rows, sequences) and

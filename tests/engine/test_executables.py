@@ -81,7 +81,7 @@ def test_only_the_steps_in_use_stay_loaded(tiny_model_dir, tmp_path):
     cold = LLM(tiny_model_dir, **args, compilation_cache_dir=cache)
     steps = cold.engine.runner.steps
     wait(list(steps.pending.values()))
-    firsts = {b for b in steps.buckets if not steps._first_needed(b)[0]}
+    firsts = set(filter(steps.first_of_kind, steps.buckets))
     assert set(steps.pending) == firsts and set(steps.stored) == set(steps.buckets) - firsts
     assert len(_files(cache)) == len(steps.buckets)
     expected = token_ids(cold.generate(PROMPTS, greedy(12), use_tqdm=False))
