@@ -5,7 +5,8 @@ each layer's weights distinct (80 MB of bf16 or more: past the caches, as in the
 in one jitted call, through jaxllm's C++ GEMMs: bf16 panels (the float default on AVX512_BF16
 CPUs), 4-bit and 8-bit codes x bf16 activations (`matmul_quantized_bf16`: weight-only codes
 under dtype bfloat16, a GGUF's blocks by default; 4-bit ones also with the scales factored out of
-the sums, `factored=True`, and 8-bit codes in [-64, 63] so: "q6 factored"), 4-bit codes through the f32 weight-only
+the sums, `factored=True`, and codes in [-32, 31] so as 8-bit codes, "q6 factored", and as 6-bit
+ones, "q6 six-bit"), 4-bit codes through the f32 weight-only
 kernel (`matmul_quantized`), f32 panels (the float32 dtype's GEMM, `csrc/gemm.cc`) and W8A8
 (8-bit codes x int8 activations, `quantization="int8"`: the engine's weights, x scaled per block
 of up to 256 columns, and the same with a scale per row). Best of `--repeat` calls per row count;
@@ -49,6 +50,7 @@ PATHS = (
     "q4 x int8",
     "q8 x bf16",
     "q6 factored",
+    "q6 six-bit",
     "q4 f32 kernel",
     "f32",
     "w8a8",
@@ -110,6 +112,7 @@ def main(argv=None) -> int:
             add("q4 factored", lambda: (jnp.asarray(gemm.pack_codes(c4, 4, pairs=True)), s, o))
             add("q8 x bf16", lambda: (jnp.asarray(gemm.pack_codes(c8, 8)), s, None))
             add("q6 factored", lambda: (jnp.asarray(gemm.pack_codes(c8 // 4, 8)), s, None))
+            add("q6 six-bit", lambda: (jnp.asarray(gemm.pack_codes(c8 // 4, 6)), s, None))
             add("q4 f32 kernel", lambda: (jnp.asarray(gemm.pack_codes(c4, 4)), s, o))
             add("q4 x int8", lambda: (jnp.asarray(gemm.pack_codes(c4, 4)), s, o))
             add("f32", lambda: jnp.asarray(gemm.pack_weight(w)))
@@ -124,6 +127,7 @@ def main(argv=None) -> int:
         "q4 factored": lambda h, w, sw: gemm.matmul_quantized_bf16(h, *w, 4, swiglu=sw, factored=True),
         "q8 x bf16": lambda h, w, sw: gemm.matmul_quantized_bf16(h, *w, 8, swiglu=sw),
         "q6 factored": lambda h, w, sw: gemm.matmul_quantized_bf16(h, *w, 8, swiglu=sw, factored=True),
+        "q6 six-bit": lambda h, w, sw: gemm.matmul_quantized_bf16(h, *w, 6, swiglu=sw, factored=True),
         "q4 f32 kernel": lambda h, w, sw: gemm.matmul_quantized(h, *w, 4, swiglu=sw),
         "q4 x int8": lambda h, w, sw: gemm.matmul_quantized(h, *w, 4, swiglu=sw, act8=True),
         "f32": lambda h, w, sw: gemm.matmul_packed(h, w, swiglu=sw),

@@ -161,14 +161,17 @@ def lora_shrink(x: jax.Array, token_slots: jax.Array, a_packed, num_slots: int, 
 
 
 def pack_codes(codes: np.ndarray, bits: int, w8a8: bool = False, pairs: bool = False) -> np.ndarray:
-    """Integer codes [K, N] (int8 for 8 bits, 0..15 for 4 bits) as the panels
+    """Integer codes [K, N] (int8 for 8 bits, 0..15 for 4 bits, -32..31 for 6 bits) as the panels
     `matmul_quantized` reads: int8 [N / 16, K, 16], or for 4 bits uint8 [N / 16, K, 8] with
     column j of a panel in byte j's low nibble and column j + 8 in its high nibble. `w8a8` (8
     bits, K a multiple of 4: the codes of `act8=True`): each panel's rows in groups of 4, a
     column's 4 codes side by side ([N / 16, K / 4, 16, 4] in the same [N / 16, K, 16] array), as
     the int8 dot instructions take them. `pairs` (4 bits, K a multiple of 4: the codes of
     `matmul_quantized_bf16`): uint8 [N / 16, K / 4, 32], a block of 4 rows of a panel in 32 bytes, byte
-    2 c + t holding row 4 b + t of column c in its low nibble and row 4 b + 2 + t in its high one."""
+    2 c + t holding row 4 b + t of column c in its low nibble and row 4 b + 2 + t in its high one.
+    6 bits (K a multiple of 4, for `matmul_quantized_bf16` only): `six_bit_blocks`."""
+    if bits == 6:
+        return six_bit_blocks(pack_codes(np.asarray(codes, np.int8), 8))
     k, n = codes.shape
     panels = np.asarray(codes).reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
     if pairs:
@@ -196,6 +199,36 @@ def pairs_from_panels(panels: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.stack([both[:, :, 0], both[:, :, 1]], axis=-1).reshape(p, k // 4, 4 * half))
 
 
+def six_bit_blocks(panels: np.ndarray) -> np.ndarray:
+    """8-bit panels of `pack_codes` (int8 [N / 16, K, 16]) whose codes c all lie in [-32, 31] as
+    6-bit codes: uint8 [N / 16, K / 4, 48], a block of 4 rows of a panel in 48 bytes. The block's
+    rows (4 b, 4 b + 1) and (4 b + 2, 4 b + 3) are two runs of 32 words, word 2 c + t holding row
+    t of the pair, column c, as `pairs` orders them; bytes 6 j .. 6 j + 5 hold words 4 j .. 4 j + 3
+    of the first run and then of the second, c + 32 six bits a word, lowest first (repacked in
+    C++, csrc/gemm_quant_bf16.cc; `six_bit_words` in csrc/gemm_quant_factored.h reads them)."""
+    native.require()
+    panels = np.ascontiguousarray(panels, np.int8)
+    p, k, _ = panels.shape
+    out = np.empty((p, k // 4, 48), np.uint8)
+    ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+    if native.library().JaxllmSixBitBlocks(ptr(panels), ctypes.c_int64(p), ctypes.c_int64(k), ptr(out)):
+        raise ValueError(f"six_bit_blocks: panels {panels.shape} need K a multiple of 4 and codes in [-32, 31]")
+    return out
+
+
+def six_bit_codes(blocks, xp=jnp):
+    """`six_bit_blocks`' inverse on [..., K / 4, 48] -> int8 [..., K, 16] (`xp`: jnp or numpy)."""
+    b = xp.asarray(blocks).astype(xp.uint32)
+    lead, nb = b.shape[:-2], b.shape[-2]
+    b = b.reshape(*lead, nb, 8, 2, 3)
+    runs = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)  # [..., K / 4, j, run]
+    words = (runs[..., None] >> (6 * xp.arange(4, dtype=xp.uint32))) & 63  # [..., K / 4, j, run, word]
+    nd = len(lead)
+    words = xp.moveaxis(words, nd + 2, nd + 1).reshape(*lead, nb, 2, PANEL, 2)  # [..., K / 4, run, c, t]
+    u = xp.swapaxes(words, -1, -2).reshape(*lead, 4 * nb, PANEL)
+    return (u.astype(xp.int32) - 32).astype(xp.int8)
+
+
 def pack_scales(a):
     """Scales (or offsets, super-scales) [G, N] as the quantized GEMMs read them: [N / 16, G, 16],
     each panel's groups side by side (numpy or jax arrays; None stays None)."""
@@ -221,7 +254,7 @@ def codes_to_bf16_panels(codes, scale, offset, bits: int, super_scale=None, supe
     host = lambda a: None if a is None else np.ascontiguousarray(np.asarray(a))  # noqa: E731
     codes, scale, offset, super_scale, super_offset = map(host, (codes, scale, offset, super_scale, super_offset))
     n = codes.shape[0] * PANEL
-    k = codes.shape[1] * (4 if bits == 4 else 1)
+    k = codes.shape[1] * (4 if bits in (4, 6) else 1)
     groups = scale.shape[1] if scale.ndim == 3 else 0
     supers_ok = super_scale is None or (
         super_scale.ndim == 3
@@ -323,11 +356,12 @@ def matmul_quantized_bf16(
     factored: bool = False,
 ) -> jax.Array:
     """x [..., K] @ w -> [..., N] f32 with x rounded to bf16 and w [K, N] given by 8-bit codes
-    packed by `pack_codes` or 4-bit ones packed by `pack_codes(..., pairs=True)`, scale/offset as
+    packed by `pack_codes`, 4-bit ones packed by `pack_codes(..., pairs=True)` or 6-bit ones
+    (`six_bit_blocks`: builds where `native.has_six_bit_codes()`), scale/offset as
     for `matmul_quantized` (K and the groups multiples of 4 rows): each weight rounded to bf16
     as it is read and multiplied by AVX512_BF16's bf16 dot (csrc/gemm_quant_bf16.cc), the packed
     bf16 GEMM's product of the dequantized weights bit for bit. `path`: "portable" or "avx512"
-    (AVX512_BF16 builds only); `rows`, `swiglu`, `lora`: as for `matmul_packed`. `factored` (4-bit
+    (AVX512_BF16 builds only); `rows`, `swiglu`, `lora`: as for `matmul_packed`. `factored` (4- and 6-bit
     codes, or 8-bit ones that all lie in [-64, 63], which the caller promises:
     `quantization.activations.with_factored` checks): calls of up to 16 live rows on the AVX-512
     path factor each group's scale and offset out of its sums instead

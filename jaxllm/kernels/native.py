@@ -202,6 +202,7 @@ def _compile(cxx: str, path: str) -> None:
 PATHS = ("portable", "avx2", "avx512", "amx")
 _path_bits = 0
 _bf16_dots = False
+_six_bit_codes = False
 
 
 def start_build() -> None:
@@ -244,13 +245,14 @@ _loading_lock = threading.Lock()
 
 
 def _load_once() -> str | None:
-    global _lib, _path_bits, _bf16_dots
+    global _lib, _path_bits, _bf16_dots, _six_bit_codes
     try:
         lib = ctypes.cdll.LoadLibrary(build())
         for target, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
         _path_bits = lib.JaxllmKernelPaths()
         _bf16_dots = bool(lib.JaxllmBf16GemmHasDots())
+        _six_bit_codes = bool(lib.JaxllmHasSixBitCodes())
         _lib = lib
     except (OSError, RuntimeError, AttributeError) as e:
         return str(e)
@@ -267,6 +269,12 @@ def has_bf16_dots() -> bool:
     """Whether bf16 packed weights multiply with AVX512_BF16 dots in this build (else a portable
     loop, slower than XLA's bf16 dot: the engine then leaves bf16 weights unpacked)."""
     return available() and _bf16_dots
+
+
+def has_six_bit_codes() -> bool:
+    """Whether codes x bf16 rows take 6-bit codes in this build (AVX512_VBMI beside AVX512_BF16:
+    `gemm.pack_codes(codes, 6)`)."""
+    return available() and _six_bit_codes
 
 
 def available() -> bool:

@@ -62,7 +62,9 @@ How a quantized weight is multiplied (`matmul`):
   (`LinearPlan.small_step_activations`); with AVX512_VBMI their 1-4 rows read the codes as packed.
   `EngineArgs.small_step_factored` instead has those 4-bit codes factor each group's scale and
   offset out of their bf16 dot products (`QuantizedWeight.factored`, csrc/gemm_quant_factored.h),
-  as it has a GGUF's 4-bit codes serving alone under bf16 without AMX, in calls of up to 16 rows.
+  as it has a GGUF's 4-bit codes serving alone under bf16 without AMX, in calls of up to 16 rows
+  (with AVX512_VBMI, 8-bit codes within [-32, 31] such as Q6_K's are then held in 6 bits:
+  `gemm.six_bit_blocks`).
 - **Packed W8A8** (`activations="int8"` on a panels weight: `w8a8` on one CPU device): the C++
   GEMM (kernels/csrc/gemm_w8a8.cc) rounds each row of x to int8 with a scale per group of
   `act_group` columns (`w8a8_act_group`: up to 256; a scale per row cost 1.1-1.4% perplexity),

@@ -42,17 +42,25 @@ def with_bf16_activations(w: QuantizedWeight, device=None) -> QuantizedWeight:
     return dataclasses.replace(w, codes=jax.device_put(codes, device), activations="bf16")
 
 
-def with_factored(w):
+def with_factored(w, device=None):
     """w set to factor its group scales out of the bf16 GEMM's sums (`QuantizedWeight.factored`)
     where the kernel can: codes x bf16 rows (`with_bf16_activations`), 4-bit ones or 8-bit ones
     that all lie in [-64, 63] (GGUF's Q5 and Q6 types; not Q8_0's full byte, which the bf16
-    trick cannot hold); else w as it is."""
+    trick cannot hold); else w as it is. 8-bit codes within [-32, 31] (Q6_K, Q5_0) are repacked
+    as 6-bit ones (`gemm.six_bit_blocks`, on `device`) where the build reads them: the same
+    numbers from three quarters of the bytes."""
+    from jaxllm.kernels import gemm, native
+
     if not isinstance(w, QuantizedWeight) or w.activations != "bf16":
         return w
     if w.bits == 8:
         codes = np.asarray(w.codes)
-        if codes.min() < -64 or codes.max() > 63:
+        low, high = codes.min(), codes.max()
+        if low < -64 or high > 63:
             return w
+        if low >= -32 and high <= 31 and native.has_six_bit_codes():
+            six = jax.device_put(gemm.six_bit_blocks(codes), device)
+            return dataclasses.replace(w, codes=six, bits=6, factored=True)
     return dataclasses.replace(w, factored=True)
 
 

@@ -50,7 +50,7 @@ def quantize_params(params: dict, cfg, plan, *, device=None, parts=None) -> dict
         if lp.activations in ("bf16", "factored") and (not table or w.bits == 8):
             w = with_bf16_activations(w, device)
             if lp.activations == "factored":
-                w = with_factored(w)
+                w = with_factored(w, device)
         return w
 
     def make_experts(w, name: str):

@@ -31,7 +31,9 @@ class QuantizedWeight:
         (column j in the low nibble, column j + N / 2 in the high one);
         `layout="panels"`: as `kernels.gemm.pack_codes` lays them out for the C++ GEMM (with
         `w8a8=True` for 8-bit codes that multiply int8 activations: `_w8a8_panels`; with
-        `pairs=True` for 4-bit codes that multiply bf16 activations: `_bf16_pairs`).
+        `pairs=True` for 4-bit codes that multiply bf16 activations: `_bf16_pairs`; `bits=6`:
+        8-bit codes within [-32, 31] in 6 bits, `gemm.six_bit_blocks`, for bf16 activations only,
+        made by `with_factored`).
     scale, offset: [G, N], f32 (8 bits) or f16 (4 bits); offset is None for symmetric codes
         (the 8-bit ones). In the "panels" layout these and the super-scales are stored as
         `kernels.gemm.pack_scales` lays them out ([N / 16, G, 16]: each panel's in one run);
@@ -76,7 +78,7 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, int]:
         """(K, N), as the float weight's (of each matrix of a stack)."""
         if self.layout == "panels":
-            return self.codes.shape[1] * (4 if _bf16_pairs(self) else 1), self.codes.shape[0] * _PANEL
+            return self.codes.shape[1] * (4 if _bf16_pairs(self) or self.bits == 6 else 1), self.codes.shape[0] * _PANEL
         return self.codes.shape[-2], self.scale.shape[-1]
 
     @property
@@ -220,6 +222,11 @@ def widest_format(parts: list[tuple]) -> tuple | None:
 def _unpacked_codes(w: QuantizedWeight, xp=jnp):
     """The codes [..., K, N], one a byte, as `xp` (jnp inside a step, numpy on the host) arrays."""
     c = xp.asarray(w.codes)
+    if w.bits == 6:  # [P, K / 4, 48] -> [P, K, 16] -> [K, N]
+        from jaxllm.kernels import gemm
+
+        c = gemm.six_bit_codes(c, xp)
+        return xp.transpose(c, (1, 0, 2)).reshape(c.shape[1], -1)
     if _bf16_pairs(w):  # [P, K / 4, 16 x 2] -> [P, K / 4, 2 halves, 2 rows, 16] -> [K, N]
         p, blocks, _ = c.shape
         c = xp.stack([c & 15, c >> 4], axis=2).reshape(p, blocks, 2, _PANEL, 2)
@@ -408,7 +415,11 @@ def embedding_rows(w: QuantizedWeight, token_ids: jax.Array) -> jax.Array:
     assert not _bf16_pairs(w), "bf16 pairs are for layer matrices, not embedding tables"
     if w.layout == "panels":
         col = t % 16
-        if _w8a8_panels(w):
+        if w.bits == 6:  # the tokens' panels' codes [T, K, 16], then each token's column
+            from jaxllm.kernels import gemm
+
+            codes = jnp.take_along_axis(gemm.six_bit_codes(c[t // 16]), col[:, None, None], axis=2)[..., 0]
+        elif _w8a8_panels(w):
             p, k, n = c.shape
             codes = c.reshape(p, k // 4, n, 4)[t // 16, :, col, :].reshape(t.shape[0], k)
         elif w.bits == 8:

@@ -203,9 +203,9 @@ def small_step_params(params: dict, device, codes: bool = True, int8=(), factore
         if name in int8 and w.bits == 4:
             q = with_int8_activations(relayout(w, True, device))
         elif name in factored:
-            q = with_factored(q)
+            q = with_factored(q, device)
         # (a 4-bit embedding table's rows are looked up from its plain panels: the bf16 one serves)
-        tree_few[name] = q if isinstance(big, PackedWeight) and (q.bits == 8 or not table) else big
+        tree_few[name] = q if isinstance(big, PackedWeight) and (q.bits != 4 or not table) else big
 
     large, small = dict(params), dict(params)
     large["layers"], small["layers"] = [], []

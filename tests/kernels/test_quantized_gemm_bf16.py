@@ -1,4 +1,4 @@
-"""The C++ GEMM of 4- and 8-bit codes x bf16 activations (`kernels.gemm.matmul_quantized_bf16`,
+"""The C++ GEMM of 4-, 6- and 8-bit codes x bf16 activations (`kernels.gemm.matmul_quantized_bf16`,
 csrc/gemm_quant_bf16.cc) against NumPy and against the packed bf16 GEMM of the same weights
 dequantized and rounded to bf16, which it must equal bit for bit, on every code path the build
 has: the in-register rows, the converted panels, the SwiGLU epilogue, two-level scales, live
@@ -7,6 +7,7 @@ which must equal the bf16 engine on the same values."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -18,7 +19,7 @@ import pytest
 
 from jaxllm.kernels import gemm, native
 from jaxllm.quantization import QuantizedWeight, dequantize, matmul
-from jaxllm.quantization.activations import with_bf16_activations
+from jaxllm.quantization.activations import with_bf16_activations, with_factored
 from jaxllm.quantization.weights import _unpacked_codes, embedding_rows, make_weight
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C++ kernels: {native.unavailable_reason()}")
@@ -36,7 +37,8 @@ def bf16(a) -> np.ndarray:
 
 
 def random_codes(rng, bits: int, k: int, n: int, groups: int, with_offset: bool, scale_dtype):
-    codes = rng.integers(0, 16, (k, n)) if bits == 4 else rng.integers(-127, 128, (k, n))
+    low, high = {4: (0, 16), 6: (-32, 32), 8: (-127, 128)}[bits]
+    codes = rng.integers(low, high, (k, n))
     scale = (rng.random((groups, n)) * 0.05 + 1e-3).astype(scale_dtype)
     offset = (-rng.random((groups, n)) * 0.3).astype(scale_dtype) if with_offset else None
     # `d * q + m` rounded once to f32, as the kernel's fused multiply-add rounds it (rounding the
@@ -47,9 +49,12 @@ def random_codes(rng, bits: int, k: int, n: int, groups: int, with_offset: bool,
     return codes, scale, offset, w.astype(np.float32)
 
 
+SIX = pytest.param(6, marks=pytest.mark.skipif(not native.has_six_bit_codes(), reason="no 6-bit codes (AVX512_VBMI)"))
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 13, 97])
 @pytest.mark.parametrize("k", [72, 96])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, SIX, 8])
 @pytest.mark.parametrize(
     "groups, with_offset, scale_dtype", [(3, True, np.float16), (1, False, np.float32), (6, True, np.float32)]
 )
@@ -61,7 +66,7 @@ def test_matmul_quantized_bf16_is_the_bf16_gemm_of_the_rounded_weights(rows, k, 
     codes, scale, offset, w = random_codes(rng, bits, k, n, groups, with_offset, scale_dtype)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     packed = gemm.pack_codes(codes, bits, pairs=bits == 4)
-    assert packed.shape == ((n // 16, k // 4, 32) if bits == 4 else (n // 16, k, 16))
+    assert packed.shape == {4: (n // 16, k // 4, 32), 6: (n // 16, k // 4, 48), 8: (n // 16, k, 16)}[bits]
     ref = bf16(x).astype(np.float64) @ bf16(w).astype(np.float64)
     bf16_panels = gemm.pack_weight(w.astype(ml_dtypes.bfloat16), dtype=ml_dtypes.bfloat16)
     for path in ("auto", *native.kernel_paths()):
@@ -111,18 +116,20 @@ def test_matmul_quantized_bf16_swiglu_two_level_scales_and_live_rows(rows):
 @pytest.mark.parametrize("rows", [1, 3, 4, 8, 13, 17])
 @pytest.mark.parametrize("groups, two_level", [(3, False), (8, True)])
 @pytest.mark.parametrize("swiglu", [False, True])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, SIX, 8])
 def test_factored_codes_are_the_exact_products_summed_in_f32(rows, groups, two_level, swiglu, bits):
     # `factored=True`: calls of up to 16 rows on the AVX-512 path take each group's scale and
     # offset out of its sums (csrc/gemm_quant_factored.h): bf16(x) times the dequantized weights
     # themselves (not rounded to bf16), within f32 rounding; groups of 32 or 12 rows, one- and
     # two-level scales, 8 panels (items of 4, 2, 1; two at a time from 3 rows), the SwiGLU
-    # epilogue, rows 8 at a time (13: 8 and 5); 4-bit codes and 8-bit ones within [-64, 63].
+    # epilogue, rows 8 at a time (13: 8 and 5); 4-bit codes, 6-bit ones and 8-bit ones within
+    # [-64, 63].
     # Past 16 rows, and on the portable path, the call is the bf16 GEMM's as without the flag,
     # bit for bit.
     rng = np.random.default_rng(rows * 10 + groups + swiglu + bits)
     k, n = 96, 128
-    codes = rng.integers(0, 16, (k, n)) if bits == 4 else rng.integers(-64, 64, (k, n)).astype(np.int8)
+    low, high = {4: (0, 16), 6: (-32, 32), 8: (-64, 64)}[bits]
+    codes = rng.integers(low, high, (k, n)).astype(np.int8)
     if two_level:
         sub_s, sub_o = (
             rng.integers(1, 64, (groups, n)).astype(np.int8),
@@ -194,6 +201,38 @@ def test_with_bf16_activations_keeps_the_weight():
         q.codes, jnp.repeat(q.scale, 16, 1), jnp.repeat(q.offset, 16, 1), 4, "panels", "float"
     )
     assert with_bf16_activations(two_row_groups) is two_row_groups
+
+
+@pytest.mark.skipif(not native.has_six_bit_codes(), reason="no 6-bit codes (AVX512_VBMI)")
+def test_with_factored_keeps_narrow_8bit_codes_in_6_bits():
+    # 8-bit codes within [-32, 31] (GGUF's Q6_K, Q5_0) factored: repacked in 6 bits, three
+    # quarters of the bytes; the same codes, weights, table rows and unfactored products (bit for
+    # bit), factored ones within f32 rounding of the 8-bit codes'. Wider codes stay in 8 bits.
+    rng = np.random.default_rng(2)
+    k, n, groups = 64, 48, 4
+    codes, scale, _, _ = random_codes(rng, 6, k, n, groups, False, np.float32)
+    q8 = with_bf16_activations(
+        QuantizedWeight(jnp.asarray(gemm.pack_codes(codes, 8)), gemm.pack_scales(scale), None, 8, "panels", "float")
+    )
+    q6 = with_factored(q8)
+    assert (q6.bits, q6.factored, q6.shape) == (6, True, q8.shape) and q6.codes.nbytes * 4 == q8.codes.nbytes * 3
+    np.testing.assert_array_equal(_unpacked_codes(q6, np), codes)
+    np.testing.assert_array_equal(_unpacked_codes(q6, jnp), codes)
+    np.testing.assert_array_equal(dequantize(q6), dequantize(q8))
+    tokens = np.array([0, 17, 40])
+    np.testing.assert_array_equal(jax.jit(embedding_rows)(q6, tokens), embedding_rows(q8, tokens))
+    for rows in (3, 20):  # factored, then past 16 rows the bf16 GEMM over codes
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        want = jax.jit(matmul)(x, dataclasses.replace(q8, factored=True))
+        got = jax.jit(matmul)(x, q6)
+        if rows > 16:
+            np.testing.assert_array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    wide = codes.copy()
+    wide[5, 7] = -33
+    q8 = dataclasses.replace(q8, codes=jnp.asarray(gemm.pack_codes(wide, 8)))
+    assert (with_factored(q8).bits, with_factored(q8).factored) == (8, True)
 
 
 def bf16_valued_copy(model_dir: str, out: str) -> str:

@@ -17,7 +17,7 @@ from jaxllm.kernels import gemm, native
 from jaxllm.models.linear import PackedWeight
 from jaxllm.quantization import SMALL_STEP_ROWS, QuantizedWeight, dequantize, weight_bytes
 from jaxllm.quantization.activations import with_bf16_activations
-from jaxllm.quantization.weights import make_weight
+from jaxllm.quantization.weights import _unpacked_codes, make_weight
 from jaxllm.platforms import cpu_flags
 from jaxllm.weights import plan
 
@@ -180,16 +180,20 @@ def test_small_step_codes_with_int8_activations(exact_small_steps):
 def assert_factored_where_the_codes_allow(params):
     """Every codes x bf16 matrix of `params` (layers, LM head, tied table) factors its scales
     where its codes allow it, and only there: 4-bit codes, 8-bit ones within [-64, 63] (the tiny
-    GGUF's Q5/Q6 and widened 4-bit ones, not its Q8_0 ones); both kinds are there."""
+    GGUF's Q5/Q6 and widened 4-bit ones, not its Q8_0 ones), those within [-32, 31] repacked in
+    6 bits where the build reads them; every kind is there."""
     weights = [w for layer in params["layers"] for w in layer.values()] + [params.get("lm_head"), params["embed"]]
     seen = set()
+    six = native.has_six_bit_codes()
     for w in weights:
         if isinstance(w, QuantizedWeight) and w.activations == "bf16":
-            codes = np.asarray(w.codes).view(np.int8 if w.bits == 8 else np.uint8)
-            narrow = w.bits == 4 or (codes.min() >= -64 and codes.max() <= 63)
-            assert w.factored == narrow, (w.bits, codes.min(), codes.max())
+            codes = _unpacked_codes(w, np).astype(np.int32)
+            low, high = codes.min(), codes.max()
+            narrow = w.bits == 4 or (low >= -64 and high <= 63)
+            assert w.factored == narrow, (w.bits, low, high)
+            assert (w.bits == 6) == (six and w.bits != 4 and low >= -32 and high <= 31), (w.bits, low, high)
             seen.add((w.bits, w.factored))
-    assert {(4, True), (8, True), (8, False)} <= seen, seen
+    assert {(4, True), (6 if six else 8, True), (8, False)} <= seen, seen
 
 
 @needs_bf16_dots

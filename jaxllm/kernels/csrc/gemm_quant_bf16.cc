@@ -48,9 +48,19 @@ namespace {
 
 constexpr int64_t kCodesDirectRows = 6;  // up to this many rows an item converts weights in registers
 
-// A panel's block of 4 rows of K: 32 bytes of 4-bit codes, 64 of 8-bit ones.
+// A panel's block of 4 rows of K: 32 bytes of 4-bit codes, 48 of 6-bit ones, 64 of 8-bit ones.
 template <int BITS>
-constexpr int64_t kBlockBytes = BITS == 4 ? 32 : 64;
+constexpr int64_t kBlockBytes = BITS == 4 ? 32 : BITS == 6 ? 48 : 64;
+constexpr int64_t kBlockBytesOf(int bits) { return bits == 4 ? 32 : bits == 6 ? 48 : 64; }
+
+// Whether this build reads 6-bit codes (AVX512_VBMI beside AVX512_BF16: gemm_quant_factored.h).
+constexpr bool has_six_bit_codes() {
+#ifdef JAXLLM_SIX_BIT_CODES
+  return true;
+#else
+  return false;
+#endif
+}
 
 struct CodesBf16Args {
   const uint16_t* x;  // [M, K] bf16 bits
@@ -66,6 +76,13 @@ struct CodesBf16Args {
 template <int BITS>
 inline int code_at(const uint8_t* w, int64_t k, int64_t col) {
   if (BITS == 8) return static_cast<int8_t>(w[k * kPanel + col]);
+  if (BITS == 6) {  // word 2 col + t of the block's panel row k % 4 / 2 (gemm_quant_factored.h)
+    const int64_t word = 2 * col + k % 2, second = k % 4 / 2;
+    const uint8_t* run = w + (k / 4) * kBlockBytes<6> + 6 * (word / 4);
+    const uint64_t bits = run[0] | run[1] << 8 | run[2] << 16 | uint64_t{run[3]} << 24 | uint64_t{run[4]} << 32 |
+                          uint64_t{run[5]} << 40;
+    return static_cast<int>((bits >> (24 * second + 6 * (word % 4))) & 63) - 32;
+  }
   const uint8_t byte = w[(k / 4) * kBlockBytes<4> + 2 * col + k % 2];
   return k % 4 < 2 ? byte & 15 : byte >> 4;
 }
@@ -91,7 +108,23 @@ inline void block_scales(const QuantPanel& q, int64_t g, int64_t p, __m512 s[2],
 // The two bf16 panel rows (32 words each: row pairs 2 b, 2 b + 1) of block `bytes`.
 template <int BITS>
 inline void convert_block(const uint8_t* bytes, const __m512 s[2], const __m512 o[2], __m512bh& kp0, __m512bh& kp1) {
-  if constexpr (BITS == 8) {
+  if constexpr (BITS == 6) {
+#ifdef JAXLLM_SIX_BIT_CODES
+    // Words 0-15 of a panel row are columns 0-7 (lanes as the 4-bit scales spread them), 16-31
+    // columns 8-15; each code c + 32 made c exactly, then scaled as the 8-bit codes are.
+    __m512i w[2];
+    six_bit_words(bytes, _mm512_setzero_si512(), w[0], w[1]);
+    const __m512 bias = _mm512_set1_ps(32.f);
+    auto weights = [&](__m256i words, int half) {
+      return _mm512_fmadd_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(words)), bias), s[half], o[half]);
+    };
+    __m512bh kp[2];
+    for (int r = 0; r < 2; ++r)
+      kp[r] = _mm512_cvtne2ps_pbh(weights(_mm512_extracti64x4_epi64(w[r], 1), 1),
+                                  weights(_mm512_castsi512_si256(w[r]), 0));
+    kp0 = kp[0], kp1 = kp[1];
+#endif
+  } else if constexpr (BITS == 8) {
     // Four rows of 16 codes in f32, then rows 4 b, 4 b + 1 (and 4 b + 2, 4 b + 3) interleaved
     // column by column into the pairs' order.
     __m512 r[4];
@@ -298,14 +331,16 @@ ffi::Error MatmulQuantBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, f
   const auto xd = x.dimensions();
   const auto cd = codes.dimensions();
   const bool codes_ok = cd.size() == 3 && xd.size() == 2 && xd[1] % 4 == 0 &&
-                        (bits == 4 ? codes.element_type() == ffi::DataType::U8 && cd[2] == 32 && 4 * cd[1] == xd[1]
-                                   : bits == 8 && codes.element_type() == ffi::DataType::S8 && cd[2] == kPanel &&
-                                         cd[1] == xd[1]);
+                        (bits == 4 || bits == 6
+                             ? codes.element_type() == ffi::DataType::U8 && cd[2] == kBlockBytesOf(bits) &&
+                                   4 * cd[1] == xd[1] && (bits == 4 || has_six_bit_codes())
+                             : bits == 8 && codes.element_type() == ffi::DataType::S8 && cd[2] == kPanel &&
+                                   cd[1] == xd[1]);
   QuantPanel q{nullptr, nullptr, nullptr, false, codes_ok ? xd[1] : 0, codes_ok ? cd[0] * kPanel : 0, 1, bits};
   if (!codes_ok || !bind_scales(q, scale, offset, super_scale, super_offset) || q.group % 4 || (swiglu && cd[0] % 2))
     return ffi::Error::InvalidArgument(
         "matmul_quantized_bf16: needs x [M, K] bf16 with K a multiple of 4, codes uint8 [N / 16, K / 4, 32] (bits 4, "
-        "pairs) or int8 [N / 16, K, 16] (bits 8), scale [N / 16, G, 16] (groups of a multiple of 4 rows), offset "
+        "pairs), uint8 [N / 16, K / 4, 48] (bits 6, AVX512_VBMI builds) or int8 [N / 16, K, 16] (bits 8), scale [N / 16, G, 16] (groups of a multiple of 4 rows), offset "
         "empty or like scale, and for two-level scales int8 ones with f16 supers");
   if (!path_ok(path))
     return ffi::Error::InvalidArgument("matmul_quantized_bf16: this build has no such kernel path");
@@ -350,6 +385,10 @@ ffi::Error MatmulQuantBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, f
     };
     if (bits == 4)
       run(std::integral_constant<int, 4>());
+#ifdef JAXLLM_SIX_BIT_CODES
+    else if (bits == 6)
+      run(std::integral_constant<int, 6>());
+#endif
     else
       run(std::integral_constant<int, 8>());
   };
@@ -372,7 +411,7 @@ extern "C" int32_t JaxllmCodesToBf16Panels(const uint8_t* codes, int32_t bits, i
                                            const uint16_t* super_scale, const uint16_t* super_offset,
                                            int64_t per_super, uint32_t* out) {
   using namespace jaxllm;
-  if ((bits != 4 && bits != 8) || K % 4 || N % kPanel || groups < 1 || K % groups || (K / groups) % 4 ||
+  if ((bits != 4 && bits != 8 && (bits != 6 || !has_six_bit_codes())) || K % 4 || N % kPanel || groups < 1 || K % groups || (K / groups) % 4 ||
       (super_scale && (per_super < 1 || groups % per_super)))
     return -1;
   QuantPanel q{codes, scale, offset, half != 0, K, N, K / groups, bits};
@@ -381,12 +420,16 @@ extern "C" int32_t JaxllmCodesToBf16Panels(const uint8_t* codes, int32_t bits, i
     q.super_offset = super_offset;
     q.per_super = per_super;
   }
-  const int64_t panel_bytes = K / 4 * (bits == 4 ? kBlockBytes<4> : kBlockBytes<8>), words = K / 2 * kPanel;
+  const int64_t panel_bytes = K / 4 * kBlockBytesOf(bits), words = K / 2 * kPanel;
   for (int64_t p = 0; p < N / kPanel; ++p) {
     const uint8_t* w = codes + p * panel_bytes;
 #ifdef JAXLLM_AVX512_BF16
     if (bits == 4)
       convert_panel<4>(q, w, p, out + p * words);
+#ifdef JAXLLM_SIX_BIT_CODES
+    else if (bits == 6)
+      convert_panel<6>(q, w, p, out + p * words);
+#endif
     else
       convert_panel<8>(q, w, p, out + p * words);
 #else
@@ -417,3 +460,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulQuantBf16Cpu, jaxllm::MatmulQuantBf16I
                                   .Attr<int32_t>("path")
                                   .Attr<int32_t>("swiglu")
                                   .Attr<int32_t>("factored"));  // gemm_quant_factored.h (8-bit codes: in [-64, 63])
+
+// 8-bit panels [P, K, 16] (`pack_codes`) whose codes lie in [-32, 31] as 6-bit blocks [P, K / 4,
+// 48] (gemm_quant_factored.h's `six_bit_words` reads them): word 2 c + t of a block's run r is
+// row 2 r + t, column c; bytes 6 j + 3 r .. + 2 hold run r's words 4 j .. 4 j + 3, c + 32 six bits
+// a word. Returns 0, or -1 where K is not a multiple of 4 or a code lies outside [-32, 31].
+extern "C" int32_t JaxllmSixBitBlocks(const int8_t* panels, int64_t P, int64_t K, uint8_t* out) {
+  using jaxllm::kPanel;
+  if (K % 4) return -1;
+  for (int64_t block = 0; block < P * (K / 4); ++block) {  // (panels are K rows apart: block 4 rows)
+    const int8_t* rows = panels + 4 * block * kPanel;
+    uint8_t* o = out + 48 * block;
+    for (int j = 0; j < 8; ++j)
+      for (int r = 0; r < 2; ++r) {
+        uint32_t bits = 0;
+        for (int word = 0; word < 4; ++word) {
+          const int w = 4 * j + word, code = rows[(2 * r + w % 2) * kPanel + w / 2];
+          if (code < -32 || code > 31) return -1;
+          bits |= static_cast<uint32_t>(code + 32) << (6 * word);
+        }
+        for (int i = 0; i < 3; ++i) o[6 * j + 3 * r + i] = static_cast<uint8_t>(bits >> (8 * i));
+      }
+  }
+  return 0;
+}
+
+// 1 where matmul_quantized_bf16 takes 6-bit codes (`pack_codes(..., six=True)`), else 0.
+extern "C" int32_t JaxllmHasSixBitCodes() { return jaxllm::has_six_bit_codes(); }

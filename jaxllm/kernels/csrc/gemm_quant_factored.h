@@ -16,9 +16,15 @@
 // widened once for 8 rows: at 8 rows about 1.2x a bf16 panel's speed on Zen 4, at 16 rows about
 // 0.8x (as the bf16 conversion), the extra instructions then weighing more than the bytes saved.
 //
-// Layout: the 4-bit `pairs` panels, 8-bit codes as `pack_codes` lays them out, and QuantPanel's
-// scales (gemm_quant_bf16.cc, gemm_quant_panel.h). 8-bit codes outside [-64, 63] give wrong sums:
-// the caller checks (`quantization.activations.with_factored`).
+// 6-bit codes (`pack_codes(..., six=True)`: codes c in [-32, 31], GGUF's Q6_K and Q5 types, in
+// three quarters of their 8-bit bytes) are 160 + c: each group of 4 words of a block's two panel
+// rows is 24 bits (c + 32 six bits at a time), and one VPERMB and two VPMULTISHIFTQB (AVX512_VBMI)
+// put them in place, a VPTERNLOG each masks them and sets the exponent.
+//
+// Layout: the 4-bit `pairs` panels, 8-bit codes as `pack_codes` lays them out, 6-bit ones as
+// `six_bit_words` reads them, and QuantPanel's scales (gemm_quant_bf16.cc, gemm_quant_panel.h).
+// 8-bit codes outside [-64, 63] give wrong sums: the caller checks
+// (`quantization.activations.with_factored`).
 
 #pragma once
 
@@ -43,6 +49,26 @@ inline void factored_xsums(const uint16_t* x, int64_t M, int64_t K, int64_t grou
     }
 }
 
+#if defined(JAXLLM_AVX512_BF16) && defined(JAXLLM_AVX512_VBMI)
+#define JAXLLM_SIX_BIT_CODES 1  // 6-bit codes (JaxllmHasSixBitCodes)
+
+// A block of 6-bit codes (48 bytes: 4 rows x 16 columns) as the two panel rows' 32 words each,
+// (c + 32) | bias a word. Bytes 6 j .. 6 j + 5 hold words 4 j .. 4 j + 3 of the first row
+// (bits 0-23, six a word) and of the second (bits 24-47); VPERMB moves each such run to qword j,
+// where VPMULTISHIFTQB takes each word's bits to its low byte.
+inline void six_bit_words(const uint8_t* bytes, __m512i bias, __m512i& w0, __m512i& w1) {
+  alignas(64) static const uint8_t kSpread[64] = {
+      0,  1,  2,  3,  4,  5,  0,  0,  6,  7,  8,  9,  10, 11, 0,  0,  12, 13, 14, 15, 16, 17,
+      0,  0,  18, 19, 20, 21, 22, 23, 0,  0,  24, 25, 26, 27, 28, 29, 0,  0,  30, 31, 32, 33,
+      34, 35, 0,  0,  36, 37, 38, 39, 40, 41, 0,  0,  42, 43, 44, 45, 46, 47, 0,  0};
+  const __m512i runs = _mm512_permutexvar_epi8(_mm512_load_si512(kSpread), _mm512_maskz_loadu_epi8(0xFFFFFFFFFFFFull, bytes));
+  const __m512i first = _mm512_set1_epi64(0x0012000C00060000ll), second = _mm512_set1_epi64(0x002A0024001E0018ll);
+  const __m512i six = _mm512_set1_epi16(0x3F);
+  w0 = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(first, runs), six, bias, 0xEA);  // (a & b) | c
+  w1 = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(second, runs), six, bias, 0xEA);
+}
+#endif
+
 #ifdef JAXLLM_AVX512_BF16
 // Rows an item takes at once: from 5 rows up one panel at a time (two sums a row and panel must
 // fit the 32 registers).
@@ -55,7 +81,13 @@ constexpr int kFactoredCallRows = 16;  // calls of up to this many rows factor, 
 // seven bits with bit 6 flipped: one VPTERNLOG sets the exponent, flips bit 6 and clears bit 7).
 template <int BITS>
 inline void factored_block(const uint8_t* bytes, __m512bh& kp0, __m512bh& kp1) {
-  if constexpr (BITS == 4) {
+  if constexpr (BITS == 6) {
+#ifdef JAXLLM_SIX_BIT_CODES
+    __m512i w0, w1;
+    six_bit_words(bytes, _mm512_set1_epi16(0x4300), w0, w1);
+    kp0 = (__m512bh)w0, kp1 = (__m512bh)w1;
+#endif
+  } else if constexpr (BITS == 4) {
     const __m512i low = _mm512_set1_epi16(0x000F), bias = _mm512_set1_epi16(0x4300);
     const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
     kp0 = (__m512bh)_mm512_ternarylogic_epi32(words, low, bias, 0xEA);  // (a & b) | c
@@ -81,8 +113,8 @@ template <int BITS, int R, int P, bool SWIGLU>
 __attribute__((noinline)) void codes_factored_rows(const QuantPanel& q, const uint32_t* __restrict x, int64_t ldx,
                                                    const float* __restrict xsums, const uint8_t* const* w,
                                                    const int64_t* panel, float* __restrict y, int64_t ldy) {
-  constexpr int64_t kBytes = BITS == 4 ? 32 : 64;  // a block's
-  constexpr float kBase = BITS == 4 ? 128.f : 192.f;  // the weights' bf16 numbers less the codes
+  constexpr int64_t kBytes = BITS == 4 ? 32 : BITS == 6 ? 48 : 64;  // a block's
+  constexpr float kBase = BITS == 4 ? 128.f : BITS == 6 ? 160.f : 192.f;  // the weights' bf16 numbers less the codes
   const int64_t G = q.groups(), blocks = q.group / 4;
   __m512 acc[P][R];
 #pragma GCC unroll 16
