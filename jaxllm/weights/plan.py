@@ -146,17 +146,20 @@ def resolve_weight_plan(
     codes_only = small and args.small_step_codes is None and not args.int8_activations and (platform.cpp_amx or large)
     # Factored scales where a GGUF's codes serve the small steps through the bf16 GEMM, by
     # default: a decode's own numbers (closer to the dequantized weights than the bf16
-    # conversion's). Not under batch_invariant, nor with speculative decoding, whose verification
-    # steps of more rows compute the bf16 numbers: there the small steps keep those numbers, so
-    # that greedy outputs are the same with and without drafts. Nor by default where the codes
-    # serve alone on AMX, whose tiles take them from two rows (not measured factored).
+    # conversion's). Not under batch_invariant, nor with speculative decoding where the
+    # verification steps compute other numbers than the decodes (the split's steps of more than
+    # SMALL_STEP_ROWS rows take the bf16 panels): there the small steps keep the bf16 numbers,
+    # so that greedy outputs are the same with and without drafts. Codes serving alone factor
+    # calls of up to 16 rows (csrc/gemm_quant_factored.h), each row's sums as it would have alone:
+    # a stream's verification steps (1 + at most 15 drafts) compute its decodes' numbers. Nor by default where
+    # the codes serve alone on AMX, whose tiles take them from two rows (not measured factored).
     alone = codes_only or (asked == "gguf" and codes_bf16)
     factored = args.small_step_factored
     if factored is None:
         factored = (
             (small or alone)
             and not (alone and platform.cpp_amx)
-            and not (args.int8_activations or args.batch_invariant or args.speculative_config)
+            and not (args.int8_activations or args.batch_invariant or (args.speculative_config and not alone))
         )
     small = small and not codes_only
     if small or codes_only:

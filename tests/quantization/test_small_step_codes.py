@@ -220,6 +220,24 @@ def test_codes_alone_with_factored_scales(exact_small_steps):
     assert diffs and 0 < max(diffs) and float(np.mean(diffs)) < 0.05, diffs
 
 
+@needs_bf16_dots
+def test_codes_alone_factor_the_checks_of_drafts_too(exact_small_steps):
+    # Under speculative decoding the codes serving alone factor too: a stream's verification
+    # steps (1 + 3 rows, within the factored calls' 16) compute each row as its decode alone
+    # does, so the greedy tokens and their logprobs equal those without drafts (the file drafting
+    # for itself: every draft accepted, each check's rows all used).
+    path, args, _ = exact_small_steps
+    plain = LLM(path, quantization="gguf", **args)
+    spec = LLM(path, quantization="gguf", **args, speculative_config={"model": path, "num_speculative_tokens": 3})
+    assert_factored_where_the_codes_allow(spec.engine.runner.params)
+    for p in PROMPTS:
+        want = plain.generate([p], GREEDY, use_tqdm=False)[0].outputs[0]
+        got = spec.generate([p], GREEDY, use_tqdm=False)[0].outputs[0]
+        assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+    stats = spec.engine.stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+
+
 def test_small_step_codes_follow_the_cpu_and_the_run(tiny_model_dir, tmp_path, monkeypatch):
     # On by default for a GGUF under bf16 where the CPU has AVX512_BF16 but no AMX (with AMX the
     # codes serve every step alone: quantization "gguf"); off for float32 runs, asked

@@ -176,13 +176,13 @@ CASES = [
         },
     ),
     (
-        "avx512_bf16, a GGUF's blocks alone with speculative decoding: the bf16 numbers",
+        "avx512_bf16, a GGUF's blocks alone with speculative decoding: factored, as a stream's 5-row checks",
         ZEN4_16G,
         dict(BF16, speculative_config={"method": "ngram", "num_speculative_tokens": 4}),
         True,
         "gguf",
         ("gguf", "auto", True, True, False, False),
-        {"wqkv": LinearPlan("gguf", "cpp", "bf16")},
+        {"wqkv": LinearPlan("gguf", "cpp", "factored")},
     ),
     (
         "avx512_bf16, a GGUF's blocks alone, small_step_factored off: the bf16 numbers",

@@ -11,10 +11,11 @@
 // to bf16 first (convert_block). On two Zen 4 cores that conversion, not memory, bounded a
 // one-row product (about 19 GB/s of 4-bit codes against 33 GB/s of reads). The numbers are not
 // the bf16 GEMM's: products are exact and the sums f32, without the weights' rounding to bf16
-// (closer to the dequantized weights, within f32 rounding of the two group sums). From 5 rows an
-// item takes 8 rows at a time over one panel (two sums a row in registers), so that each code is
-// widened once for 8 rows: at 8 rows about 1.2x a bf16 panel's speed on Zen 4, at 16 rows about
-// 0.8x (as the bf16 conversion), the extra instructions then weighing more than the bytes saved.
+// (closer to the dequantized weights, within f32 rounding of the two group sums). From 3 rows an
+// item takes up to 8 rows at a time over two panels (two sums a row in registers: the x
+// broadcasts stay in memory operands), so that each code is widened once for 8 rows: at 8 rows
+// about 1.1-1.3x a bf16 panel's speed on Zen 4 (one panel at a time ran 5 rows at 0.75x the
+// speed of two), at 16 rows about 0.8x, the extra instructions then weighing more than the bytes saved.
 //
 // 6-bit codes (`pack_codes(..., six=True)`: codes c in [-32, 31], GGUF's Q6_K and Q5 types, in
 // three quarters of their 8-bit bytes) are 160 + c: each group of 4 words of a block's two panel
@@ -70,8 +71,7 @@ inline void six_bit_words(const uint8_t* bytes, __m512i bias, __m512i& w0, __m51
 #endif
 
 #ifdef JAXLLM_AVX512_BF16
-// Rows an item takes at once: from 5 rows up one panel at a time (two sums a row and panel must
-// fit the 32 registers).
+// Rows an item takes at once over two panels (two sums a row and panel: 32 registers at 8 rows).
 constexpr int kFactoredMaxRows = 8;
 constexpr int kFactoredCallRows = 16;  // calls of up to this many rows factor, kFactoredMaxRows at a time
 
@@ -163,25 +163,10 @@ __attribute__((noinline)) void codes_factored_rows(const QuantPanel& q, const ui
 }
 
 // R rows of P_OUT output panels (as codes_bf16_direct takes them), two panels at a time from 3
-// rows up, one from 5 (with swiglu: the gate's and the up panel's sums in turn, then combined).
+// rows up (with swiglu a gate panel and its up panel).
 template <int BITS, int R, int P_OUT>
 void codes_factored_direct(const QuantPanel& q, const uint32_t* x, int64_t ldx, const float* xsums,
                             const uint8_t* const* w, const int64_t* panel, float* y, int64_t ldy, bool swiglu) {
-  if constexpr (R > 4) {
-    for (int p = 0; p < P_OUT; ++p) {
-      if (!swiglu) {
-        codes_factored_rows<BITS, R, 1, false>(q, x, ldx, xsums, w + p, panel + p, y + p * kPanel, ldy);
-        continue;
-      }
-      alignas(64) float gate[R * kPanel], up[R * kPanel];
-      codes_factored_rows<BITS, R, 1, false>(q, x, ldx, xsums, w + p, panel + p, gate, kPanel);
-      codes_factored_rows<BITS, R, 1, false>(q, x, ldx, xsums, w + P_OUT + p, panel + P_OUT + p, up, kPanel);
-      for (int i = 0; i < R; ++i)
-        _mm512_storeu_ps(y + i * ldy + p * kPanel,
-                         swiglu_f32x16(_mm512_load_ps(gate + i * kPanel), _mm512_load_ps(up + i * kPanel)));
-    }
-    return;
-  }
   if (!swiglu) {
     if constexpr (R >= 3 && P_OUT == 4) {
       codes_factored_rows<BITS, R, 2, false>(q, x, ldx, xsums, w, panel, y, ldy);
