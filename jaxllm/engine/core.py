@@ -65,7 +65,11 @@ class EngineCore:
             )
         elif spec_decode is not None:
             runner = ModelRunner(
-                dataclasses.replace(config, speculative=None), draft.cfg, draft.params, small_params=draft.small_params
+                dataclasses.replace(config, speculative=None),
+                draft.cfg,
+                draft.params,
+                small_params=draft.small_params,
+                catch_up_seqs=spec_decode.max_seqs(config.scheduler),
             )
             proposer = DraftModelProposer(config, runner, spec_decode.num_speculative_tokens)
         self.scheduler = Scheduler(

@@ -46,7 +46,7 @@ def with_factored(w, device=None):
     """w set to factor its group scales out of the bf16 GEMM's sums (`QuantizedWeight.factored`)
     where the kernel can: codes x bf16 rows (`with_bf16_activations`), 4-bit ones or 8-bit ones
     that all lie in [-64, 63] (GGUF's Q5 and Q6 types; not Q8_0's full byte, which the bf16
-    trick cannot hold); else w as it is. 8-bit codes within [-32, 31] (Q6_K, Q5_0) are repacked
+    trick cannot hold); else w as it is. 8-bit codes within [-32, 31] (Q6_K's, the Q5 types') are repacked
     as 6-bit ones (`gemm.six_bit_blocks`, on `device`) where the build reads them: the same
     numbers from three quarters of the bytes."""
     from jaxllm.kernels import gemm, native

@@ -63,13 +63,17 @@ def make_buckets(
     max_num_prefill_seqs: int,
     num_speculative_tokens: int = 0,
     max_spec_seqs: int = 0,
+    catch_up_seqs: int = 0,
 ) -> list[Bucket]:
     """Decode-only buckets (powers of two from 2 — a one-row batch is padded to two, since a
     single-row dot is a slow GEMV on XLA:CPU — plus 48, 96, ...) and mixed buckets (32 tokens
     up to max_num_batched_tokens) for steps with prompt chunks, each for up to max_num_seqs
     decodes and for up to FEW_DECODES. With speculative decoding, also
     verification buckets: d sequences holding 2d or d (1 + num_speculative_tokens) tokens, with
-    logits for every token, for d in powers of two from 1 up to max_spec_seqs."""
+    logits for every token, for d in powers of two from 1 up to max_spec_seqs. A draft model's
+    steps (`catch_up_seqs`: its proposer's sequences at most) also have buckets of d sequences of
+    up to 2 tokens: after a round whose drafts were all accepted, a sequence's last draft and the
+    target's token, which would otherwise take a 32-token mixed step."""
     decode_sizes = _powers_of_two(2, max(2, max_num_seqs))
     # Between larger powers of two, also 1.5x (48) and from 64 on quarter steps (80, 96, 112,
     # ...): a draining decode batch then pads at most ~20%. Below 32 rows a step costs about
@@ -99,6 +103,9 @@ def make_buckets(
             for t in {2 * d, d * (k + 1)}:
                 if t <= max_num_batched_tokens:
                     buckets.append(Bucket(t, d, d, d, all_logits=True))
+    for d in _powers_of_two(1, min(catch_up_seqs, max_num_seqs)) if catch_up_seqs else ():
+        if 2 * d <= max_num_batched_tokens:
+            buckets.append(Bucket(2 * d, d, d, d))
     return sorted(set(buckets), key=lambda b: (b.num_tokens, b.num_seqs, b.num_prefill_rows, b.all_logits))
 
 

@@ -64,7 +64,10 @@ class ModelRunner:
         attention: AttentionBackend | None = None,
         mesh=None,
         small_params=None,
+        catch_up_seqs: int = 0,
     ):
+        """`catch_up_seqs`: a draft model's runner, for up to that many sequences (its catch-up
+        buckets: `make_buckets`)."""
         self.config, self.cfg, self.mesh = config, cfg, mesh
         self.attention = attention or get_attention_backend(
             config.attention_backend, batch_invariant=config.batch_invariant
@@ -113,6 +116,7 @@ class ModelRunner:
                 sched.max_num_prefill_seqs,
                 drafts.num_speculative_tokens if drafts else 0,
                 drafts.max_seqs(sched) if drafts else 0,
+                catch_up_seqs,
             )
         )
         self.input_batch = InputBatch(

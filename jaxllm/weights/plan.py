@@ -150,9 +150,10 @@ def resolve_weight_plan(
     # verification steps compute other numbers than the decodes (the split's steps of more than
     # SMALL_STEP_ROWS rows take the bf16 panels): there the small steps keep the bf16 numbers,
     # so that greedy outputs are the same with and without drafts. Codes serving alone factor
-    # calls of up to 16 rows (csrc/gemm_quant_factored.h), each row's sums as it would have alone:
-    # a stream's verification steps (1 + at most 15 drafts) compute its decodes' numbers. Nor by default where
-    # the codes serve alone on AMX, whose tiles take them from two rows (not measured factored).
+    # calls of up to 16 rows (csrc/gemm_quant_factored.h), each row's sums as it would have
+    # alone: a stream's verification steps (1 + at most 15 drafts) compute its decodes' numbers.
+    # Nor by default where the codes serve alone on AMX, whose tiles take them from two rows (not
+    # measured factored).
     alone = codes_only or (asked == "gguf" and codes_bf16)
     factored = args.small_step_factored
     if factored is None:

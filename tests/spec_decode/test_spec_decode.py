@@ -10,7 +10,7 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.runner import input_batch, sampler
-from jaxllm.runner.compile import CompilationCounter
+from jaxllm.runner.compile import Bucket, CompilationCounter
 from jaxllm.spec_decode.ngram import propose_ngram
 from jaxllm.spec_decode.proposer import Proposer
 
@@ -162,7 +162,8 @@ def test_draft_model_speculation(llm, tiny_model_dir, tmp_path):
     # The target itself as its draft: every greedy draft is right. A different (1-layer) random
     # model, quantized on load as the config asks: drafts mostly wrong. Either way the outputs
     # are the target's; a small token budget and pool make the draft catch up over prompt
-    # chunks and after preemptions.
+    # chunks and after preemptions. With every draft accepted the draft catches up on two
+    # tokens a round (its last draft and the target's), in its own 2-token buckets.
     from jaxllm.quantization import QuantizedWeight
     from tests.helpers.tiny_model import build_tiny_model
 
@@ -174,7 +175,10 @@ def test_draft_model_speculation(llm, tiny_model_dir, tmp_path):
             args = {**args, "num_gpu_blocks_override": 24, "block_size": 4}
         config = {"model": draft, "num_speculative_tokens": 3, **({"quantization": "int4"} if small else {})}
         engine = LLM(tiny_model_dir, **args, speculative_config=config)
-        draft_wqkv = engine.engine.scheduler.proposer.runner.params["layers"][0]["wqkv"]
+        runner = engine.engine.scheduler.proposer.runner
+        used, call = [], runner.call
+        runner.call = lambda bucket, *a: used.append(bucket) or call(bucket, *a)
+        draft_wqkv = runner.params["layers"][0]["wqkv"]
         assert isinstance(draft_wqkv, QuantizedWeight) == small and engine.engine.config.quantization is None
         outs = engine.generate(PROMPTS, greedy(24, logprobs=1), use_tqdm=False)
         alone = engine.generate(PROMPTS[:1], greedy(24, logprobs=1), use_tqdm=False)
@@ -183,6 +187,14 @@ def test_draft_model_speculation(llm, tiny_model_dir, tmp_path):
         stats = engine.engine.stats
         if not small:
             assert stats.num_accepted_tokens == stats.num_draft_tokens > 0  # its own drafts: all accepted
+            catch_up = Bucket(2, 1, 1, 1)  # (the target's 2-token buckets verify: all_logits)
+            assert catch_up in runner.buckets and catch_up not in engine.engine.runner.buckets
+            runner.steps.get(catch_up)  # compiled now (the steps take the smallest ready bucket)
+            used.clear()
+            assert engine.generate(PROMPTS[:1], greedy(24, logprobs=1), use_tqdm=False)[0].outputs[0].token_ids == (
+                reference[0].outputs[0].token_ids
+            )
+            assert used.count(catch_up) > 1
         else:
             assert stats.num_draft_tokens > 0 and stats.num_preemptions > 0
         assert engine.engine.kv_cache_manager.num_used_pages == 0

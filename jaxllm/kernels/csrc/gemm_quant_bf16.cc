@@ -340,8 +340,9 @@ ffi::Error MatmulQuantBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, f
   if (!codes_ok || !bind_scales(q, scale, offset, super_scale, super_offset) || q.group % 4 || (swiglu && cd[0] % 2))
     return ffi::Error::InvalidArgument(
         "matmul_quantized_bf16: needs x [M, K] bf16 with K a multiple of 4, codes uint8 [N / 16, K / 4, 32] (bits 4, "
-        "pairs), uint8 [N / 16, K / 4, 48] (bits 6, AVX512_VBMI builds) or int8 [N / 16, K, 16] (bits 8), scale [N / 16, G, 16] (groups of a multiple of 4 rows), offset "
-        "empty or like scale, and for two-level scales int8 ones with f16 supers");
+        "pairs), uint8 [N / 16, K / 4, 48] (bits 6, AVX512_VBMI builds) or int8 [N / 16, K, 16] (bits 8), "
+        "scale [N / 16, G, 16] (groups of a multiple of 4 rows), offset empty or like scale, and for two-level "
+        "scales int8 ones with f16 supers");
   if (!path_ok(path))
     return ffi::Error::InvalidArgument("matmul_quantized_bf16: this build has no such kernel path");
   CodesBf16Args a{reinterpret_cast<const uint16_t*>(x.untyped_data()),
@@ -411,7 +412,8 @@ extern "C" int32_t JaxllmCodesToBf16Panels(const uint8_t* codes, int32_t bits, i
                                            const uint16_t* super_scale, const uint16_t* super_offset,
                                            int64_t per_super, uint32_t* out) {
   using namespace jaxllm;
-  if ((bits != 4 && bits != 8 && (bits != 6 || !has_six_bit_codes())) || K % 4 || N % kPanel || groups < 1 || K % groups || (K / groups) % 4 ||
+  const bool bits_ok = bits == 4 || bits == 8 || (bits == 6 && has_six_bit_codes());
+  if (!bits_ok || K % 4 || N % kPanel || groups < 1 || K % groups || (K / groups) % 4 ||
       (super_scale && (per_super < 1 || groups % per_super)))
     return -1;
   QuantPanel q{codes, scale, offset, half != 0, K, N, K / groups, bits};
@@ -485,5 +487,5 @@ extern "C" int32_t JaxllmSixBitBlocks(const int8_t* panels, int64_t P, int64_t K
   return 0;
 }
 
-// 1 where matmul_quantized_bf16 takes 6-bit codes (`pack_codes(..., six=True)`), else 0.
+// 1 where matmul_quantized_bf16 takes 6-bit codes (`pack_codes(codes, 6)`), else 0.
 extern "C" int32_t JaxllmHasSixBitCodes() { return jaxllm::has_six_bit_codes(); }

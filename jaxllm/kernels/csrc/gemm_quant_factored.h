@@ -12,12 +12,12 @@
 // one-row product (about 19 GB/s of 4-bit codes against 33 GB/s of reads). The numbers are not
 // the bf16 GEMM's: products are exact and the sums f32, without the weights' rounding to bf16
 // (closer to the dequantized weights, within f32 rounding of the two group sums). From 3 rows an
-// item takes up to 8 rows at a time over two panels (two sums a row in registers: the x
-// broadcasts stay in memory operands), so that each code is widened once for 8 rows: at 8 rows
+// item takes up to 8 rows at a time over two panels (two sums a row in registers), so that each
+// code is widened once for 8 rows: at 8 rows
 // about 1.1-1.3x a bf16 panel's speed on Zen 4 (one panel at a time ran 5 rows at 0.75x the
 // speed of two), at 16 rows about 0.8x, the extra instructions then weighing more than the bytes saved.
 //
-// 6-bit codes (`pack_codes(..., six=True)`: codes c in [-32, 31], GGUF's Q6_K and Q5 types, in
+// 6-bit codes (`pack_codes(codes, 6)`: codes c in [-32, 31], GGUF's Q6_K and Q5 types, in
 // three quarters of their 8-bit bytes) are 160 + c: each group of 4 words of a block's two panel
 // rows is 24 bits (c + 32 six bits at a time), and one VPERMB and two VPMULTISHIFTQB (AVX512_VBMI)
 // put them in place, a VPTERNLOG each masks them and sets the exponent.
@@ -62,7 +62,8 @@ inline void six_bit_words(const uint8_t* bytes, __m512i bias, __m512i& w0, __m51
       0,  1,  2,  3,  4,  5,  0,  0,  6,  7,  8,  9,  10, 11, 0,  0,  12, 13, 14, 15, 16, 17,
       0,  0,  18, 19, 20, 21, 22, 23, 0,  0,  24, 25, 26, 27, 28, 29, 0,  0,  30, 31, 32, 33,
       34, 35, 0,  0,  36, 37, 38, 39, 40, 41, 0,  0,  42, 43, 44, 45, 46, 47, 0,  0};
-  const __m512i runs = _mm512_permutexvar_epi8(_mm512_load_si512(kSpread), _mm512_maskz_loadu_epi8(0xFFFFFFFFFFFFull, bytes));
+  const __m512i block = _mm512_maskz_loadu_epi8(0xFFFFFFFFFFFFull, bytes);  // 48 bytes (no read past them)
+  const __m512i runs = _mm512_permutexvar_epi8(_mm512_load_si512(kSpread), block);
   const __m512i first = _mm512_set1_epi64(0x0012000C00060000ll), second = _mm512_set1_epi64(0x002A0024001E0018ll);
   const __m512i six = _mm512_set1_epi16(0x3F);
   w0 = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(first, runs), six, bias, 0xEA);  // (a & b) | c
