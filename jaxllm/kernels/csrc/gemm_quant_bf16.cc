@@ -48,10 +48,8 @@ namespace {
 
 constexpr int64_t kCodesDirectRows = 6;  // up to this many rows an item converts weights in registers
 
-// A panel's block of 4 rows of K: 32 bytes of 4-bit codes, 48 of 6-bit ones, 64 of 8-bit ones.
 template <int BITS>
-constexpr int64_t kBlockBytes = BITS == 4 ? 32 : BITS == 6 ? 48 : 64;
-constexpr int64_t kBlockBytesOf(int bits) { return bits == 4 ? 32 : bits == 6 ? 48 : 64; }
+constexpr int64_t kBlockBytes = kBlockBytesOf(BITS);  // gemm_quant_factored.h
 
 // Whether this build reads 6-bit codes (AVX512_VBMI beside AVX512_BF16: gemm_quant_factored.h).
 constexpr bool has_six_bit_codes() {

@@ -39,6 +39,9 @@
 namespace jaxllm {
 namespace {
 
+// A panel's block of 4 rows of K: 32 bytes of 4-bit codes, 48 of 6-bit ones, 64 of 8-bit ones.
+constexpr int64_t kBlockBytesOf(int bits) { return bits == 4 ? 32 : bits == 6 ? 48 : 64; }
+
 // Each row's sums of x (bf16 [M, K]) over each group of `group` columns, in f32: [M, K / group].
 inline void factored_xsums(const uint16_t* x, int64_t M, int64_t K, int64_t group, std::vector<float>& out) {
   out.resize(M * (K / group));
@@ -114,7 +117,7 @@ template <int BITS, int R, int P, bool SWIGLU>
 __attribute__((noinline)) void codes_factored_rows(const QuantPanel& q, const uint32_t* __restrict x, int64_t ldx,
                                                    const float* __restrict xsums, const uint8_t* const* w,
                                                    const int64_t* panel, float* __restrict y, int64_t ldy) {
-  constexpr int64_t kBytes = BITS == 4 ? 32 : BITS == 6 ? 48 : 64;  // a block's
+  constexpr int64_t kBytes = kBlockBytesOf(BITS);
   constexpr float kBase = BITS == 4 ? 128.f : BITS == 6 ? 160.f : 192.f;  // the weights' bf16 numbers less the codes
   const int64_t G = q.groups(), blocks = q.group / 4;
   __m512 acc[P][R];
