@@ -44,6 +44,15 @@ FAMILY_ENGINE_ARGS = {
 _llms: dict[str, object] = {}
 
 
+def all_steps_loaded(llm):
+    """`llm` once every step shape is loaded. Where the executable store holds them all, an
+    engine loads its steps when first needed and a ready larger step serves meanwhile (a tiny
+    model's whole request can pass before the smallest loads): tests of which step runs need
+    them loaded first."""
+    llm.engine.wait_compiled()
+    return llm
+
+
 def build_tiny_model(path: str, num_layers: int = 2, hidden_size: int = 64, num_heads: int = 4) -> str:
     """Write a random Llama (2 layers, hidden 64 over 4 heads, unless told; half as many KV heads)
     and the default model's tokenizer (with its chat template) to `path` as an HF directory;

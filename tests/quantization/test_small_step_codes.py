@@ -22,7 +22,7 @@ from jaxllm.platforms import cpu_flags
 from jaxllm.weights import plan
 
 from tests.helpers.quantized_checkpoints import write_quantized_gguf
-from tests.helpers.tiny_model import TINY_ENGINE_ARGS, WARM_ENGINE_ARGS
+from tests.helpers.tiny_model import TINY_ENGINE_ARGS, WARM_ENGINE_ARGS, all_steps_loaded
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C++ kernels: {native.unavailable_reason()}")
 needs_bf16_dots = pytest.mark.skipif(not native.has_bf16_dots(), reason="no AVX512_BF16 dots here")
@@ -71,16 +71,16 @@ def test_gguf_engine_with_small_step_codes_is_the_dequantized_bf16_engine(tmp_pa
     # decode in the small steps; 6 in the 8-row step and the prompts in mixed steps, from the
     # bf16 weights the codes became.
     path = write_quantized_gguf(str(tmp_path / "tiny.gguf"))
-    # (every step shape compiled: a step runs in the smallest that holds it, not in a mixed one)
+    # (every step shape loaded: a step runs in the smallest that holds it, not in a mixed one)
     args = dict(WARM_ENGINE_ARGS, dtype="bfloat16", params_cache_dir=str(tmp_path / "params"))
     greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, detokenize=False)
     batches = [[{"prompt_token_ids": list(range(3 + i, 12 + 4 * i))} for i in range(n)] for n in (1, 3, 6)]
-    ref_llm = LLM(path, quantization="none", **args)
+    ref_llm = all_steps_loaded(LLM(path, quantization="none", **args))
     assert not ref_llm.engine.config.small_step_codes and ref_llm.engine.runner.small_params is None
     refs = [ref_llm.generate(b, greedy, use_tqdm=False) for b in batches]
     ref_params = ref_llm.engine.runner.params
     # (small-step codes: the default where the CPU has no AMX; their bf16 numbers, not factored)
-    llm = LLM(path, small_step_codes=True, small_step_factored=False, **args)
+    llm = all_steps_loaded(LLM(path, small_step_codes=True, small_step_factored=False, **args))
     assert llm.engine.config.small_step_codes and llm.engine.config.quantization is None
     runner = llm.engine.runner
     large, small = runner.params, runner.small_params
@@ -114,7 +114,7 @@ def test_gguf_engine_with_small_step_codes_is_the_dequantized_bf16_engine(tmp_pa
     # bf16 numbers: every step converts the codes as it reads them, and AMX or VDPBF16PS decide
     # by a call's rows on both sides, so the tokens and logprobs are still the reference's, in
     # under half the bytes.
-    alone = LLM(path, quantization="gguf", small_step_factored=False, **args)
+    alone = all_steps_loaded(LLM(path, quantization="gguf", small_step_factored=False, **args))
     assert alone.engine.config.quantization == "gguf" and alone.engine.runner.small_params is None
     assert isinstance(alone.engine.runner.params["layers"][0]["w_gate_up"], QuantizedWeight)
     for batch, ref in zip(batches, refs):
@@ -136,7 +136,7 @@ def exact_small_steps(tmp_path_factory):
     folder = tmp_path_factory.mktemp("exact")
     path = write_quantized_gguf(str(folder / "tiny.gguf"))
     args = dict(WARM_ENGINE_ARGS, dtype="bfloat16", params_cache_dir=str(folder / "params"))
-    ref = LLM(path, small_step_factored=False, **args)
+    ref = all_steps_loaded(LLM(path, small_step_factored=False, **args))
     return path, args, [ref.generate([p], GREEDY, use_tqdm=False)[0].outputs[0] for p in PROMPTS]
 
 
@@ -149,7 +149,7 @@ def decodes_against_the_bf16_numbers(exact_small_steps, prompt_exact: bool = Tru
     prompt chunk takes the bf16 panels)."""
     path, args, want = exact_small_steps
     prompts, greedy = PROMPTS, GREEDY
-    llm = LLM(path, **options, **args)
+    llm = all_steps_loaded(LLM(path, **options, **args))
     diffs = []
     for p, b in zip(prompts, want):
         a = llm.generate([p], greedy, use_tqdm=False)[0].outputs[0]
@@ -227,8 +227,10 @@ def test_codes_alone_factor_the_checks_of_drafts_too(exact_small_steps):
     # does, so the greedy tokens and their logprobs equal those without drafts (the file drafting
     # for itself: every draft accepted, each check's rows all used).
     path, args, _ = exact_small_steps
-    plain = LLM(path, quantization="gguf", **args)
-    spec = LLM(path, quantization="gguf", **args, speculative_config={"model": path, "num_speculative_tokens": 3})
+    plain = all_steps_loaded(LLM(path, quantization="gguf", **args))
+    spec = all_steps_loaded(
+        LLM(path, quantization="gguf", **args, speculative_config={"model": path, "num_speculative_tokens": 3})
+    )
     assert_factored_where_the_codes_allow(spec.engine.runner.params)
     for p in PROMPTS:
         want = plain.generate([p], GREEDY, use_tqdm=False)[0].outputs[0]
