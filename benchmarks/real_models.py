@@ -12,7 +12,10 @@ Measured, each engine alone (llama.cpp's OpenMP threads spin: nothing else may r
 - time to first token of a 1,024-token prompt (a new one each time: the prefix cache must not
   serve it) against `llama-bench` pp1024;
 - 4 streams at once (prompts of 128, 256 tokens out each): output tok/s of the decode against
-  `llama-batched-bench` at -npl 4 (its S_TG t/s).
+  `llama-batched-bench` at -npl 4 (its S_TG t/s);
+- then `--rounds` more one-stream pairs, llama-bench's tg256 and jaxllm's right after it: a
+  host's memory bandwidth moves by a third within minutes, so the ratio of each pair (and their
+  median) says more than the ratio of two figures measured ten minutes apart.
 
 jaxllm runs with its defaults for the machine (`--engine-args` JSON adds options), from a warm
 start: a subprocess starts it once first (its params cache and compiled steps stored, as after a
@@ -100,7 +103,11 @@ def reset_peak_rss() -> None:
         f.write("5")
 
 
-def run_jaxllm(model: str, engine_args: dict, repeat: int) -> dict:
+def run_jaxllm(model: str, engine_args: dict, repeat: int, peer_one_stream=None, rounds: int = 0) -> dict:
+    """jaxllm's measures (each the best of `repeat` after an untimed run); then, given
+    `peer_one_stream` (a call giving llama.cpp's one-stream tok/s), `rounds` more of the one
+    stream, each after one of the peer's: pairs measured a minute apart (`one_stream_pairs`), since
+    a host's memory bandwidth moves by a third within minutes."""
     first_start_s = prime(model, engine_args)
     reset_peak_rss()  # (not the bandwidth measurement's GiB)
     start = time.perf_counter()
@@ -129,7 +136,13 @@ def run_jaxllm(model: str, engine_args: dict, repeat: int) -> dict:
         lambda: llm.generate(prompts(vocab, 1, 1024, seed=next(fresh)), SamplingParams(max_tokens=1), use_tqdm=False)
     )
     four_streams = decode_tok_s(prompts(vocab, 4, 128, seed=2))
+    pairs = []
+    for _ in range(rounds if peer_one_stream else 0):
+        peer = peer_one_stream()
+        pairs.append({"jaxllm": decode_tok_s(prompts(vocab, 1, 128)), "llama_cpp": peer})
+        print(json.dumps(pairs[-1]), flush=True)
     return {
+        "one_stream_pairs": pairs,
         "peak_rss_bytes": peak_rss(),
         "kv_pool_bytes": weight_bytes(llm.engine.runner.kv.pages),
         "first_start_s": first_start_s,
@@ -292,6 +305,12 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--llama-no-repack", action="store_true", help="run llama.cpp without weight repacking")
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="one-stream pairs, llama.cpp's then jaxllm's, alternating (0: none)",
+    )
     ap.add_argument("--out", default=None, help="JSON result path")
     ap.add_argument(
         "--perplexity", action="store_true", help="measure perplexity against transformers instead of speed"
@@ -323,7 +342,17 @@ def main() -> int:
             write_result(args.out, {**result, "long": rows})
         return 0
     bandwidth = read_bandwidth()
-    ours = run_jaxllm(args.model, json.loads(args.engine_args), args.repeat)
+
+    def llama_one_stream() -> float:
+        def tg256(no_repack: bool) -> dict:
+            (row,), _ = llama_bench(bin_dir, path, args.threads, ["-p", "0", "-n", "256", "-r", "1"], no_repack)
+            return {"tok_s": row["avg_ts"]}
+
+        return with_repack_fallback(tg256, args.llama_no_repack)["tok_s"]
+
+    ours = run_jaxllm(
+        args.model, json.loads(args.engine_args), args.repeat, llama_one_stream if bin_dir else None, args.rounds
+    )
     ours["read_bandwidth"] = bandwidth
     ours["decode_bandwidth_share"] = ours["decode_bytes"] * ours["one_stream_tok_s"] / bandwidth
     print(json.dumps(ours), flush=True)
@@ -339,6 +368,14 @@ def main() -> int:
         ratio = f"{ours[key] / peer:.2f}x" if peer else "-"
         print(f"| {label} | {ours[key]:.1f} | {peer if peer is None else f'{peer:.1f}'} | {ratio} |")
     print(f"jaxllm's one stream reads {100 * ours['decode_bandwidth_share']:.0f}% of the read bandwidth")
+    if ours["one_stream_pairs"]:
+        ratios = sorted(p["jaxllm"] / p["llama_cpp"] for p in ours["one_stream_pairs"])
+        ours["one_stream_pair_ratio_median"] = float(np.median(ratios))
+        print(
+            "1 stream in alternating pairs (llama-bench tg256, then jaxllm): "
+            + ", ".join(f"{p['jaxllm']:.1f} vs {p['llama_cpp']:.1f}" for p in ours["one_stream_pairs"])
+            + f"; ratios {ratios[0]:.2f}-{ratios[-1]:.2f}x, median {ours['one_stream_pair_ratio_median']:.2f}x"
+        )
     if args.out:
         write_result(args.out, {**result, "jaxllm": ours, "llama_cpp": theirs})
     return 0
