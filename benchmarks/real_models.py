@@ -106,8 +106,8 @@ def reset_peak_rss() -> None:
 def run_jaxllm(model: str, engine_args: dict, repeat: int, peer_one_stream=None, rounds: int = 0) -> dict:
     """jaxllm's measures (each the best of `repeat` after an untimed run); then, given
     `peer_one_stream` (a call giving llama.cpp's one-stream tok/s), `rounds` more of the one
-    stream, each after one of the peer's: pairs measured a minute apart (`one_stream_pairs`), since
-    a host's memory bandwidth moves by a third within minutes."""
+    stream, each right after one of the peer's (`one_stream_pairs`, each pair within a minute),
+    since a host's memory bandwidth moves by a third within minutes."""
     first_start_s = prime(model, engine_args)
     reset_peak_rss()  # (not the bandwidth measurement's GiB)
     start = time.perf_counter()

@@ -112,7 +112,7 @@ inline void factored_block(const uint8_t* bytes, __m512bh& kp0, __m512bh& kp1) {
 // How far ahead in each panel's codes a line is asked into L2 (prefetcht1, once a 64-byte line).
 // On two Zen 4 cores, the 1.5B's 28 layers of codes (4-bit Q4_K-like, 6-bit), against none,
 // alternating call by call: 0.93-0.95x the time at 1-2 rows, 0.82-0.87x at 4, 0.94-1.01x at 8
-// (1 KiB: less; 3-6 KiB: the same or less; into L1, prefetcht0: 1.09x at one row).
+// (1 KiB ahead gained less, 3-6 KiB as much or less; into L1, prefetcht0, 1.09x at one row).
 constexpr int64_t kCodesPrefetch = 2048;
 
 // R rows against P panels (with SWIGLU the first P / 2 are gate panels, the rest their up
@@ -142,7 +142,8 @@ __attribute__((noinline)) void codes_factored_rows(const QuantPanel& q, const ui
       const int64_t at = (g * blocks + b) * kBytes;
       if ((at & 63) < kBytes)  // (the block that starts a line, or the one that crosses into it)
 #pragma GCC unroll 4
-        for (int p = 0; p < P; ++p) _mm_prefetch(reinterpret_cast<const char*>(w[p] + at + kCodesPrefetch), _MM_HINT_T1);
+        for (int p = 0; p < P; ++p)
+          _mm_prefetch(reinterpret_cast<const char*>(w[p] + at + kCodesPrefetch), _MM_HINT_T1);
       __m512bh xp0[R], xp1[R];
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
