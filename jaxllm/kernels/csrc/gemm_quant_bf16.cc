@@ -48,9 +48,6 @@ namespace {
 
 constexpr int64_t kCodesDirectRows = 6;  // up to this many rows an item converts weights in registers
 
-template <int BITS>
-constexpr int64_t kBlockBytes = kBlockBytesOf(BITS);  // gemm_quant_factored.h
-
 // Whether this build reads 6-bit codes (AVX512_VBMI beside AVX512_BF16: gemm_quant_factored.h).
 constexpr bool has_six_bit_codes() {
 #ifdef JAXLLM_SIX_BIT_CODES
@@ -76,12 +73,12 @@ inline int code_at(const uint8_t* w, int64_t k, int64_t col) {
   if (BITS == 8) return static_cast<int8_t>(w[k * kPanel + col]);
   if (BITS == 6) {  // word 2 col + t of the block's panel row k % 4 / 2 (gemm_quant_factored.h)
     const int64_t word = 2 * col + k % 2, second = k % 4 / 2;
-    const uint8_t* run = w + (k / 4) * kBlockBytes<6> + 6 * (word / 4);
+    const uint8_t* run = w + (k / 4) * kBlockBytesOf(6) + 6 * (word / 4);
     const uint64_t bits = run[0] | run[1] << 8 | run[2] << 16 | uint64_t{run[3]} << 24 | uint64_t{run[4]} << 32 |
                           uint64_t{run[5]} << 40;
     return static_cast<int>((bits >> (24 * second + 6 * (word % 4))) & 63) - 32;
   }
-  const uint8_t byte = w[(k / 4) * kBlockBytes<4> + 2 * col + k % 2];
+  const uint8_t byte = w[(k / 4) * kBlockBytesOf(4) + 2 * col + k % 2];
   return k % 4 < 2 ? byte & 15 : byte >> 4;
 }
 
@@ -169,7 +166,7 @@ __attribute__((noinline)) void codes_bf16_rows(const QuantPanel& q, const uint32
     }
     const uint32_t* xg = x + g * q.group / 2;
     for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t at = (g * blocks + b) * kBlockBytes<BITS>;
+      const int64_t at = (g * blocks + b) * kBlockBytesOf(BITS);
       // Every panel's sums take this block's pairs in turn: P chains of dependent dot
       // products side by side (the sums' order over k stays the bf16 GEMM's).
 #pragma GCC unroll 4
@@ -229,7 +226,7 @@ void convert_panel(const QuantPanel& q, const uint8_t* w, int64_t p, uint32_t* o
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t block = g * blocks + b;
       __m512bh kp0, kp1;
-      convert_block<BITS>(w + block * kBlockBytes<BITS>, s, o, kp0, kp1);
+      convert_block<BITS>(w + block * kBlockBytesOf(BITS), s, o, kp0, kp1);
       _mm512_storeu_si512(out + (2 * block) * kPanel, (__m512i)kp0);
       _mm512_storeu_si512(out + (2 * block + 1) * kPanel, (__m512i)kp1);
     }
@@ -263,7 +260,7 @@ template <int BITS, int P_OUT>
 void codes_bf16_output_panels(const CodesBf16Args& a, const QuantPanel& q, int64_t p, int64_t r0, int64_t r1,
                               bool swiglu, int32_t path, CodesBf16Scratch& scratch) {
   const int np = swiglu ? 2 * P_OUT : P_OUT;
-  const int64_t panel_bytes = a.K / 4 * kBlockBytes<BITS>, ldy = swiglu ? a.N / 2 : a.N;
+  const int64_t panel_bytes = a.K / 4 * kBlockBytesOf(BITS), ldy = swiglu ? a.N / 2 : a.N;
   const uint8_t* w[2 * P_OUT];
   int64_t panel[2 * P_OUT];
   for (int i = 0; i < np; ++i) {
