@@ -425,6 +425,9 @@ class SpeculativeConfig:
     disable_by_batch_size: int = 8
     model: str | None = None  # draft model: a path or hub id, as for the target
     quantization: str | None = None  # the draft model's (canonical, as EngineArgs'); None: the target's asked
+    # The draft proposes only the first this many token ids (its LM head cut to them, in whole
+    # panels of 16): a BPE vocabulary's ids follow its merges, the most frequent first. None: all.
+    draft_vocab_size: int | None = None
 
     METHODS = ("ngram", "draft_model")
 
@@ -453,7 +456,7 @@ class SpeculativeConfig:
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {config!r}")
         known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
-        known |= {"disable_by_batch_size", "model", "quantization"}
+        known |= {"disable_by_batch_size", "model", "quantization", "draft_vocab_size"}
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown or unsupported field(s) {unknown}; known: {sorted(known)}")
@@ -475,8 +478,17 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config quantization must be one of {QUANTIZATION_METHODS}, got {quantization!r}"
             )
+        vocab = config.get("draft_vocab_size")
+        if vocab is not None and (
+            method != "draft_model" or isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1
+        ):
+            raise ValueError(
+                f"speculative_config draft_vocab_size is a draft model's positive token count, got {vocab!r}"
+            )
         draft = (
-            (model, QUANTIZATION_ALIASES.get(quantization, quantization)) if method == "draft_model" else (None, None)
+            (model, QUANTIZATION_ALIASES.get(quantization, quantization), vocab)
+            if method == "draft_model"
+            else (None, None, None)
         )
         out = cls(method, config.get("num_speculative_tokens"), lo, hi, config.get("disable_by_batch_size", 8), *draft)
         out._check()

@@ -8,6 +8,8 @@ multiplied by an XLA dot, or an object that knows its own product:
     w.fuses_swiglu         whether `apply(..., swiglu=True)` runs in its kernel's epilogue
     w.takes_lora           (optional) whether `apply(..., lora=(xa, b, panel_part))` adds multi-LoRA's
                            second product in its kernel (lora/layers.py)
+    w.first_columns(n)     (optional) the weight of its first n outputs, n a multiple of 16 (a
+                           draft's LM head cut to the first token ids: `first_columns` below)
 
 The classes: `PackedWeight` (below: a float matrix in the C++ GEMM's panels),
 `quantization.QuantizedWeight` (integer codes with scales, in panels or plain) and, while a
@@ -58,6 +60,17 @@ def takes_lora(w) -> bool:
     return getattr(w, "takes_lora", False)
 
 
+def first_columns(w, n: int):
+    """The weight [in, n] of w's first n outputs (n a multiple of 16: whole panels)."""
+    if n % 16:
+        raise ValueError(f"first_columns takes whole panels of 16 columns, not {n}")
+    if hasattr(w, "first_columns"):
+        return w.first_columns(n)
+    if hasattr(w, "apply"):
+        raise ValueError(f"a {type(w).__name__} weight cannot be cut to its first columns")
+    return w[:, :n]
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PackedWeight:
@@ -89,6 +102,9 @@ class PackedWeight:
     def takes_lora(self) -> bool:
         return self.panels.dtype == jnp.bfloat16
 
+    def first_columns(self, n: int) -> PackedWeight:
+        return dataclasses.replace(self, panels=self.panels[: n // 16])
+
     def embedding_rows(self, token_ids: jax.Array) -> jax.Array:
         """Rows [T, in] f32 of a tied embedding table stored as its LM head: token t is column
         t % 16 of panel t // 16."""
@@ -98,4 +114,4 @@ class PackedWeight:
         return self.panels[token_ids // 16, :, token_ids % 16]
 
 
-__all__ = ["PackedWeight", "apply", "fuses_swiglu", "input_dtype", "takes_lora"]
+__all__ = ["PackedWeight", "apply", "first_columns", "fuses_swiglu", "input_dtype", "takes_lora"]

@@ -108,6 +108,17 @@ class QuantizedWeight:
     def embedding_rows(self, token_ids):
         return embedding_rows(self, token_ids)
 
+    def first_columns(self, n: int) -> QuantizedWeight:
+        """The weight of the first n outputs (`linear.first_columns`): the first n / 16 panels,
+        or plain codes' first columns (4-bit plain codes repacked, as host arrays)."""
+        if self.layout == "plain":
+            from jaxllm.quantization.sharding import permute_columns
+
+            return permute_columns(self, np.arange(n))
+        fields = ("codes", "scale", "offset", "super_scale", "super_offset")
+        panels = {f: None if getattr(self, f) is None else getattr(self, f)[: n // _PANEL] for f in fields}
+        return dataclasses.replace(self, **panels, bias=None if self.bias is None else self.bias[..., :n])
+
 
 def quantize_matrix(w: np.ndarray, bits: int, group_size: int | None):
     """w [K, N] float -> (codes [K, N], scale [G, N], offset [G, N] or None).

@@ -10,6 +10,16 @@ the shadow's tokens (the real ones plus its drafts) agree with the request's, so
 first catches up on the tokens it has not seen (a whole prompt the first time, in chunks of
 the token budget; then the target's newest token), then decodes up to k tokens.
 
+Where the draft's small steps factor their scales (its numbers decide only which drafts are
+accepted), its 8-bit codes that span the whole byte (Q8_0's: the 0.5B Qwen's LM head, and its
+fused QKV where V is Q8_0) are rounded to 6 bits so that they factor too (`codes_in_six_bits`).
+
+With `draft_vocab_size` the draft proposes only the first token ids (`first_ids_only`): its LM
+head, a large part of a small model's bytes a step (the 0.5B Qwen's 137 of ~400 MB), cut to
+those columns, as EAGLE-3's drafts keep a reduced vocabulary. A BPE vocabulary's ids follow its
+merges, the most frequent first, so the first ids take most of the tokens of a text; a token past
+them is never drafted, which only lowers the acceptance rate.
+
 Drafts proposed greedily are a point mass for the verifier, so the target's rejection
 sampling keeps its distribution exactly (runner/sampler.py). A draft that is wrong (stale KV
 in a page the target copied on write, say) only lowers the acceptance rate.
@@ -19,12 +29,67 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from jaxllm.core.outputs import SchedulerOutput
+from jaxllm.models import linear
+from jaxllm.quantization import QuantizedWeight
+from jaxllm.quantization.activations import with_factored
 from jaxllm.core.request import Request
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.spec_decode.proposer import Proposer
+
+
+def codes_in_six_bits(model):
+    """The draft `model` (a `weights.prepare.PreparedModel` whose small steps factor their
+    scales) with each 8-bit weight that could not factor, its codes past [-64, 63], rounded to
+    codes in [-32, 31] and four times the scale, factored (`with_factored`: 6-bit blocks where
+    the build has them). Such a weight then streams three quarters of its bytes through the
+    factored kernel instead of all of them through the slower unfactored one."""
+
+    def rounded(w):
+        if not (
+            isinstance(w, QuantizedWeight)
+            and w.layout == "panels"
+            and w.bits == 8
+            and w.activations == "bf16"
+            and not w.factored
+            and w.super_scale is None
+        ):
+            return w
+        codes = np.clip(np.rint(np.asarray(w.codes, np.float32) / 4), -32, 31).astype(np.int8)
+        return with_factored(dataclasses.replace(w, codes=codes, scale=jax.device_put(np.asarray(w.scale) * 4)))
+
+    def tree(params):
+        if params is None:
+            return None
+        return jax.tree.map(rounded, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+
+    return model._replace(params=tree(model.params), small_params=tree(model.small_params))
+
+
+def first_ids_only(model, n: int):
+    """The draft `model` (a `weights.prepare.PreparedModel`) proposing among the first `n` token
+    ids only, `n` rounded up to whole panels of 16: its LM head cut to those columns in each
+    params tree (a tied table's head becomes its own), its vocabulary `n`. The embedding table
+    stays whole: the target's tokens, which the draft reads, may be any."""
+    cfg = model.cfg
+    n = -(-n // 16) * 16
+    if n >= cfg.vocab_size:
+        return model
+    key = "embed" if cfg.tie_word_embeddings else "lm_head"
+
+    def cut(tree):
+        if tree is None:
+            return None
+        head = tree[key]
+        if key == "embed" and not hasattr(head, "apply"):  # a float table [vocab, hidden]
+            return {**tree, "lm_head": head[:n].T}
+        return {**tree, "lm_head": linear.first_columns(head, n)}
+
+    cfg = dataclasses.replace(cfg, vocab_size=n, tie_word_embeddings=False)
+    return model._replace(cfg=cfg, params=cut(model.params), small_params=cut(model.small_params))
 
 
 @dataclasses.dataclass(eq=False)
