@@ -1,6 +1,6 @@
 """The layer GEMMs as a decode step streams them: a model's four layer matrices (fused QKV,
 attention output, gate/up with the SwiGLU epilogue, down; `--model`: the default model's 30
-layers, or Qwen2.5-Coder-1.5B's 28) for each of its layers,
+layers, Qwen2.5-Coder-0.5B's 24 or 1.5B's 28) for each of its layers,
 each layer's weights distinct (80 MB of bf16 or more: past the caches, as in the engine), chained
 in one jitted call, through jaxllm's C++ GEMMs: bf16 panels (the float default on AVX512_BF16
 CPUs), 4-bit and 8-bit codes x bf16 activations (`matmul_quantized_bf16`: weight-only codes
@@ -41,6 +41,7 @@ del sys.path[0]
 # layers, then (K, N, SwiGLU epilogue) of the fused QKV, output, gate/up, down.
 MODELS = {
     "smollm2": (30, [(576, 960, False), (576, 576, False), (576, 3072, True), (1536, 576, False)]),
+    "qwen2.5-coder-0.5b": (24, [(896, 1152, False), (896, 896, False), (896, 9728, True), (4864, 896, False)]),
     "qwen2.5-coder-1.5b": (28, [(1536, 2048, False), (1536, 1536, False), (1536, 17920, True), (8960, 1536, False)]),
 }
 PATHS = (
