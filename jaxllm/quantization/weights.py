@@ -110,11 +110,13 @@ class QuantizedWeight:
 
     def first_columns(self, n: int) -> QuantizedWeight:
         """The weight of the first n outputs (`linear.first_columns`): the first n / 16 panels,
-        or plain codes' first columns (4-bit plain codes repacked, as host arrays)."""
+        or plain codes' first columns (4-bit plain codes repacked)."""
         if self.layout == "plain":
-            from jaxllm.quantization.sharding import permute_columns
-
-            return permute_columns(self, np.arange(n))
+            codes = _unpacked_codes(self, np)[..., :n]
+            fields = ("scale", "offset", "super_scale", "super_offset")
+            columns = {f: None if getattr(self, f) is None else np.asarray(getattr(self, f))[..., :n] for f in fields}
+            cut = dataclasses.replace(self, codes=_pack_plain_int4(codes) if self.bits == 4 else codes, **columns)
+            return jax.device_put(cut, self.codes.sharding) if isinstance(self.codes, jax.Array) else cut
         fields = ("codes", "scale", "offset", "super_scale", "super_offset")
         panels = {f: None if getattr(self, f) is None else getattr(self, f)[: n // _PANEL] for f in fields}
         return dataclasses.replace(self, **panels, bias=None if self.bias is None else self.bias[..., :n])

@@ -33,10 +33,10 @@ import jax
 import numpy as np
 
 from jaxllm.core.outputs import SchedulerOutput
+from jaxllm.core.request import Request
 from jaxllm.models import linear
 from jaxllm.quantization import QuantizedWeight
 from jaxllm.quantization.activations import with_factored
-from jaxllm.core.request import Request
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.spec_decode.proposer import Proposer
 
@@ -46,9 +46,13 @@ def codes_in_six_bits(model):
     scales) with each 8-bit weight that could not factor, its codes past [-64, 63], rounded to
     codes in [-32, 31] and four times the scale, factored (`with_factored`: 6-bit blocks where
     the build has them). Such a weight then streams three quarters of its bytes through the
-    factored kernel instead of all of them through the slower unfactored one."""
+    factored kernel instead of all of them through the slower unfactored one. A weight both
+    trees hold is rounded once."""
+    done: dict[int, QuantizedWeight] = {}
 
     def rounded(w):
+        if id(w) in done:
+            return done[id(w)]
         if not (
             isinstance(w, QuantizedWeight)
             and w.layout == "panels"
@@ -59,7 +63,9 @@ def codes_in_six_bits(model):
         ):
             return w
         codes = np.clip(np.rint(np.asarray(w.codes, np.float32) / 4), -32, 31).astype(np.int8)
-        return with_factored(dataclasses.replace(w, codes=codes, scale=jax.device_put(np.asarray(w.scale) * 4)))
+        codes, scale = jax.device_put((codes, np.asarray(w.scale) * 4))
+        done[id(w)] = with_factored(dataclasses.replace(w, codes=codes, scale=scale))
+        return done[id(w)]
 
     def tree(params):
         if params is None:

@@ -221,11 +221,15 @@ def test_codes_alone_with_factored_scales(exact_small_steps):
 
 
 @needs_bf16_dots
-def test_codes_alone_factor_the_checks_of_drafts_too(exact_small_steps):
+def test_codes_alone_factor_the_checks_of_drafts_too(exact_small_steps, monkeypatch):
     # Under speculative decoding the codes serving alone factor too: a stream's verification
     # steps (1 + 3 rows, within the factored calls' 16) compute each row as its decode alone
     # does, so the greedy tokens and their logprobs equal those without drafts (the file drafting
-    # for itself: every draft accepted, each check's rows all used).
+    # for itself: every draft accepted, each check's rows all used; its Q8_0 codes not rounded to
+    # 6 bits, as a draft's are, so that it has the target's numbers).
+    from jaxllm.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "codes_in_six_bits", lambda model: model)
     path, args, _ = exact_small_steps
     plain = all_steps_loaded(LLM(path, quantization="gguf", **args))
     spec = all_steps_loaded(

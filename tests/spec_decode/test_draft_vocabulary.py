@@ -58,7 +58,7 @@ def test_first_columns_multiply_as_the_whole_weights_first_outputs(kind):
     whole = WEIGHTS[kind](w)
     cut = linear.first_columns(whole, CUT)
     if isinstance(whole, QuantizedWeight):
-        assert cut.shape == (K, CUT) and cut.layout == whole.layout
+        assert cut.shape == (K, CUT) and cut.layout == whole.layout and isinstance(cut.codes, jax.Array)
     expected = np.asarray(linear.apply(whole, x))[:, :CUT]
     np.testing.assert_allclose(np.asarray(linear.apply(cut, x)), expected, rtol=1e-6, atol=1e-6)
 
@@ -113,7 +113,9 @@ def test_a_drafts_full_byte_codes_are_rounded_to_six_bits_and_factor():
     scale = rng.uniform(0.01, 0.02, (K // 32, N)).astype(np.float32)
     w = with_bf16_activations(relayout(QuantizedWeight(codes, scale, None, 8, "plain", "float"), True))
     assert w.activations == "bf16" and not with_factored(w).factored
-    rounded = codes_in_six_bits(PreparedModel(None, {"lm_head": w}, {"lm_head": w})).small_params["lm_head"]
+    model = codes_in_six_bits(PreparedModel(None, {"lm_head": w}, {"lm_head": w}))
+    rounded = model.small_params["lm_head"]
+    assert model.params["lm_head"] is rounded  # (a weight both trees hold: rounded once)
     assert rounded.factored and rounded.bits == (6 if native.has_six_bit_codes() else 8)
     x = rng.standard_normal((2, K)).astype(np.float32)
     dense = np.clip(np.rint(codes / 4), -32, 31) * np.repeat(4 * scale, 32, axis=0)
