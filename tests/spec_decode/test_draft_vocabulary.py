@@ -17,7 +17,6 @@ from jaxllm.spec_decode.draft_model import codes_in_six_bits
 from jaxllm.weights.prepare import PreparedModel
 
 from tests.helpers.quantized_checkpoints import write_quantized_gguf
-
 from tests.helpers.tiny_model import TINY_ENGINE_ARGS
 
 needs_native = pytest.mark.skipif(not native.available(), reason="no native CPU kernels")
