@@ -3,17 +3,17 @@ the model into an EngineConfig.
 
 `EngineArgs` is the one definition of the engine's options: the CLI builds its flags from its
 fields (each field's `metadata["help"]`), `LLM(...)` and `AsyncLLM(...)` take them as keywords.
-`SpeculativeConfig` is the parsed `speculative_config` option.
+`SpeculativeConfig` (speculative_config.py) is the parsed `speculative_config` option.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 
 from jaxllm.sampling_params import MAX_LOGPROBS
-from jaxllm.utils import DTYPE_CHOICES
+from jaxllm.speculative_config import SpeculativeConfig
+from jaxllm.utils import DTYPE_CHOICES, QUANTIZATION_ALIASES, QUANTIZATION_METHODS, json_object
 
 logger = logging.getLogger(__name__)
 
@@ -24,25 +24,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 RUNNERS = ("auto", "generate", "pooling")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # jaxllm.core.request_queue's (config checks import no engine code)
-# jaxllm.quantization's METHODS + CHECKPOINT_METHODS (config checks import no JAX code);
-# tests/quantization/test_quantization.py checks they agree.
-QUANTIZATION_METHODS = ("int8", "int8_weight_only", "int4", "w8a8", "gguf", "awq", "gptq", "none")
-# Other names of a method: "int8" is W8A8 (as vLLM's "INT8 W8A8" and the issue that asked for it
-# have it); EngineArgs and `quantize_params` know it by its canonical name only.
-QUANTIZATION_ALIASES = {"int8": "w8a8"}
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3", "fp8")  # "fp8": fp8_e4m3, as vLLM has it
-MAX_SPECULATIVE_TOKENS = 15  # a step verifies at most this many drafts per request
-
-
-def json_object(text: str) -> dict:
-    """A command-line flag's JSON object."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not valid JSON ({e}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"expected a JSON object, got {text!r}")
-    return value
 
 
 def option(default, help: str, **metadata):
@@ -409,104 +391,3 @@ class EngineArgs:
         for bad, what in not_yet:
             if bad:
                 raise ValueError(f"enable_lora is not supported with {what} yet")
-
-
-@dataclasses.dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding (jaxllm/spec_decode): `num_speculative_tokens` drafts per running
-    request per step, proposed by `method`, verified by the model in the same step. Steps
-    speculate only while at most `disable_by_batch_size` requests run: bigger batches are
-    compute-bound on CPU, where verifying k drafts costs about k + 1 tokens' work."""
-
-    method: str
-    num_speculative_tokens: int
-    prompt_lookup_min: int = 0  # n-gram
-    prompt_lookup_max: int = 0
-    disable_by_batch_size: int = 8
-    model: str | None = None  # draft model: a path or hub id, as for the target
-    quantization: str | None = None  # the draft model's (canonical, as EngineArgs'); None: the target's asked
-    # The draft proposes only the first this many token ids (its LM head cut to them, in whole
-    # panels of 16): a BPE vocabulary's ids follow its merges, the most frequent first. None: all.
-    draft_vocab_size: int | None = None
-
-    METHODS = ("ngram", "draft_model")
-
-    def max_seqs(self, scheduler) -> int:
-        """Most sequences a speculating step holds: disable_by_batch_size, within the
-        `engine_config.SchedulerConfig`'s max_num_seqs and token budget (each sequence brings up
-        to 1 + num_speculative_tokens tokens)."""
-        return min(
-            self.disable_by_batch_size,
-            scheduler.max_num_seqs,
-            scheduler.max_num_batched_tokens // (self.num_speculative_tokens + 1),
-        )
-
-    @classmethod
-    def parse(cls, config: dict | str | None) -> SpeculativeConfig | None:
-        """From vLLM's `speculative_config` (a dict or its JSON); raises ValueError when bad.
-        For n-gram, prompt_lookup_min and _max default to each other, or both to 5 (vLLM's); a
-        `model` without a method means a draft model."""
-        if config is None:
-            return None
-        if isinstance(config, str):
-            try:
-                config = json_object(config)
-            except ValueError as e:
-                raise ValueError(f"speculative_config: {e}") from None
-        if not isinstance(config, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {config!r}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
-        known |= {"disable_by_batch_size", "model", "quantization", "draft_vocab_size"}
-        unknown = sorted(set(config) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown or unsupported field(s) {unknown}; known: {sorted(known)}")
-        model = config.get("model")
-        method = config.get("method") or ("draft_model" if model is not None else None)
-        if method not in cls.METHODS:
-            raise ValueError(f"speculative_config method must be one of {cls.METHODS}, got {method!r}")
-        if method == "draft_model":
-            if not isinstance(model, str) or not model:
-                raise ValueError("speculative_config: a draft model needs 'model', its path or hub id")
-            lo = hi = 0
-        else:
-            lo, hi = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
-            lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
-        quantization = config.get("quantization")
-        if quantization is not None and method != "draft_model":
-            raise ValueError("speculative_config quantization is a draft model's: n-gram has none")
-        if quantization not in (None, *QUANTIZATION_METHODS):
-            raise ValueError(
-                f"speculative_config quantization must be one of {QUANTIZATION_METHODS}, got {quantization!r}"
-            )
-        vocab = config.get("draft_vocab_size")
-        if vocab is not None and (
-            method != "draft_model" or isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1
-        ):
-            raise ValueError(
-                f"speculative_config draft_vocab_size is a draft model's positive token count, got {vocab!r}"
-            )
-        draft = (
-            (model, QUANTIZATION_ALIASES.get(quantization, quantization), vocab)
-            if method == "draft_model"
-            else (None, None, None)
-        )
-        out = cls(method, config.get("num_speculative_tokens"), lo, hi, config.get("disable_by_batch_size", 8), *draft)
-        out._check()
-        return out
-
-    def _check(self) -> None:
-        """Raise ValueError for counts that are not positive or lookups that cross."""
-        checked = ["num_speculative_tokens", "disable_by_batch_size"] + (
-            ["prompt_lookup_min", "prompt_lookup_max"] if self.method == "ngram" else []
-        )
-        for name in checked:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"speculative_config {name} must be a positive integer, got {value!r}")
-        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"speculative_config num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}")
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(
-                f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
-                f"prompt_lookup_max ({self.prompt_lookup_max})"
-            )

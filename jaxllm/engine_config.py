@@ -11,7 +11,8 @@ import dataclasses
 import logging
 import os
 
-from jaxllm.config import DEFAULT_KV_CACHE_MEMORY, EngineArgs, SpeculativeConfig
+from jaxllm.config import DEFAULT_KV_CACHE_MEMORY, EngineArgs
+from jaxllm.speculative_config import SpeculativeConfig
 from jaxllm.platforms import Platform
 from jaxllm.sampling_params import resolve_logits_processors
 from jaxllm.utils import DTYPES, check_dtype, default_cache_root, resolve_kv_cache_dtype

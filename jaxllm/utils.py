@@ -1,11 +1,12 @@
-"""Small shared facts: where jaxllm keeps its caches (and how its entries are guarded), and the
-dtypes it runs in."""
+"""Small shared facts: where jaxllm keeps its caches (and how its entries are guarded), the
+dtypes and quantization methods it runs in, and a flag's JSON object."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import fcntl
+import json
 import os
 
 
@@ -13,6 +14,23 @@ import os
 DTYPES = {"float32": 4, "bfloat16": 2}
 # What `dtype=` accepts: a dtype, or "auto" (the platform picks one: `Platform.default_dtype`).
 DTYPE_CHOICES = ("auto", *DTYPES)
+# jaxllm.quantization's METHODS + CHECKPOINT_METHODS (config checks import no JAX code);
+# tests/quantization/test_quantization.py checks they agree.
+QUANTIZATION_METHODS = ("int8", "int8_weight_only", "int4", "w8a8", "gguf", "awq", "gptq", "none")
+# Other names of a method: "int8" is W8A8 (as vLLM's "INT8 W8A8" and the issue that asked for it
+# have it); EngineArgs and `quantize_params` know it by its canonical name only.
+QUANTIZATION_ALIASES = {"int8": "w8a8"}
+
+
+def json_object(text: str) -> dict:
+    """A command-line flag's JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def check_dtype(dtype: str) -> str:
@@ -109,6 +127,8 @@ def cdiv(a, b):
 __all__ = [
     "DTYPES",
     "DTYPE_CHOICES",
+    "QUANTIZATION_ALIASES",
+    "QUANTIZATION_METHODS",
     "cdiv",
     "check_dtype",
     "default_cache_root",
@@ -116,6 +136,7 @@ __all__ = [
     "file_sizes",
     "size_mismatch",
     "jnp_dtype",
+    "json_object",
     "release_freed_memory",
     "resolve_kv_cache_dtype",
 ]

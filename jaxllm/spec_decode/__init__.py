@@ -1,6 +1,6 @@
 """Speculative decoding: proposers of draft tokens, which the target model verifies in one step.
 
-`SpeculativeConfig` (jaxllm/config.py) picks the method; `make_proposer` builds its proposer.
+`SpeculativeConfig` (jaxllm/speculative_config.py) picks the method; `make_proposer` builds its proposer.
 How a step verifies drafts (in the fixed-shape step, with exact rejection sampling) is in
 runner/sampler.py and core/scheduler.py; ARCHITECTURE.md has the whole picture.
 """

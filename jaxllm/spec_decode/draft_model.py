@@ -39,6 +39,7 @@ from jaxllm.quantization import QuantizedWeight
 from jaxllm.quantization.activations import with_factored
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.spec_decode.proposer import Proposer
+from jaxllm.utils import cdiv
 
 
 def codes_in_six_bits(model):
@@ -81,7 +82,7 @@ def first_ids_only(model, n: int):
     params tree (a tied table's head becomes its own), its vocabulary `n`. The embedding table
     stays whole: the target's tokens, which the draft reads, may be any."""
     cfg = model.cfg
-    n = -(-n // 16) * 16
+    n = cdiv(n, 16) * 16
     if n >= cfg.vocab_size:
         return model
     key = "embed" if cfg.tie_word_embeddings else "lm_head"

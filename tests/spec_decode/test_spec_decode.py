@@ -249,7 +249,7 @@ def test_bad_speculative_configs_rejected(tiny_model_dir, config, match):
 
 
 def test_a_draft_quantization_by_another_name_is_the_canonical_method():
-    from jaxllm.config import SpeculativeConfig
+    from jaxllm.speculative_config import SpeculativeConfig
 
     config = {"model": "small", "num_speculative_tokens": 2}
     assert SpeculativeConfig.parse({**config, "quantization": "int8"}).quantization == "w8a8"  # as EngineArgs has it
