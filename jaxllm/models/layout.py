@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.models.decoder import ModelConfig, layer_kind
-from jaxllm.quantization.sharding import permute_columns, stack_stages
+from jaxllm.quantization.sharding import stack_stages
+from jaxllm.quantization.weights import permute_columns
 from jaxllm.quantization.weights import QuantizedWeight
 
 # Which dimension of each parameter (by name, in a layer or at the top) is split over the

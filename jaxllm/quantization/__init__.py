@@ -92,7 +92,7 @@ Sharded runs (tensor, pipeline, data parallel, a caller's mesh): `w8a8`, `int8_w
 and scales (`sharding.make_sharded_weight`, split by `parallel.spec_for`), with the one-device weight's
 values; the matmuls take the plain paths above (on CPU the C++ GEMM serves one device only).
 A checkpoint's quantized weights (`gguf`, `awq`, `gptq`) shard over every axis too
-(`layout.tp_layout` regroups a fused matrix's columns with `permute_columns`;
+(`layout.tp_layout` regroups a fused matrix's columns with `weights.permute_columns`;
 `layout.shard_layout` stacks a layer slot's matrices over the pipeline stages with
 `stack_stages`, in the widest of their formats when the layers' block types differ;
 `shard_checkpoint_weight` packs each shard's codes); act-order GPTQ splits only along columns.

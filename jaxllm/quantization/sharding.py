@@ -1,7 +1,8 @@
 """Quantized weights split over a mesh: codes and scales that each shard takes its part of,
 with the one-device weight's values (`make_sharded_weight` for float weights quantized on load,
-`shard_checkpoint_weight` for a checkpoint's own codes), and a checkpoint's matrices regrouped
-for tensor parallelism (`permute_columns`) or stacked over pipeline stages (`stack_stages`)."""
+`shard_checkpoint_weight` for a checkpoint's own codes), and a checkpoint's matrices stacked
+over pipeline stages (`stack_stages`); `weights.permute_columns` regroups their columns for
+tensor parallelism."""
 
 from __future__ import annotations
 
@@ -64,26 +65,6 @@ def _shard_fields(codes, scale, offset, bits: int, columns: int, rows: int, what
             raise ValueError(f"{what}: {n} columns do not split into {columns} parts of an even width")
         codes = np.concatenate([_pack_plain_int4(c) for c in np.split(codes, columns, axis=1)], axis=1)
     return codes, scale, offset
-
-
-def permute_columns(w: QuantizedWeight, index: np.ndarray) -> QuantizedWeight:
-    """The plain-layout weight whose column j is w's column index[j] (a checkpoint's quantized
-    matrix regrouped for tensor parallelism: `layout.tp_layout`), as host arrays."""
-    codes = _unpacked_codes(w, np)[:, index]
-    scale, offset, super_scale, super_offset = [
-        None if a is None else np.asarray(a)[:, index] for a in (w.scale, w.offset, w.super_scale, w.super_offset)
-    ]
-    return QuantizedWeight(
-        _pack_plain_int4(codes) if w.bits == 4 else codes,
-        scale,
-        offset,
-        w.bits,
-        "plain",
-        w.activations,
-        None if w.perm is None else np.asarray(w.perm),
-        super_scale,
-        super_offset,
-    )
 
 
 def shard_checkpoint_weight(w: QuantizedWeight, columns: int, rows: int, what: str) -> QuantizedWeight:

@@ -112,10 +112,7 @@ class QuantizedWeight:
         """The weight of the first n outputs (`linear.first_columns`): the first n / 16 panels,
         or plain codes' first columns (4-bit plain codes repacked)."""
         if self.layout == "plain":
-            codes = _unpacked_codes(self, np)[..., :n]
-            fields = ("scale", "offset", "super_scale", "super_offset")
-            columns = {f: None if getattr(self, f) is None else np.asarray(getattr(self, f))[..., :n] for f in fields}
-            cut = dataclasses.replace(self, codes=_pack_plain_int4(codes) if self.bits == 4 else codes, **columns)
+            cut = permute_columns(self, np.arange(n))
             return jax.device_put(cut, self.codes.sharding) if isinstance(self.codes, jax.Array) else cut
         fields = ("codes", "scale", "offset", "super_scale", "super_offset")
         panels = {f: None if getattr(self, f) is None else getattr(self, f)[: n // _PANEL] for f in fields}
@@ -146,6 +143,18 @@ def quantize_matrix(w: np.ndarray, bits: int, group_size: int | None):
     scale[scale == 0] = 1.0
     codes = np.clip(np.rint((wg - lo[:, None]) / scale[:, None]), 0, 15).astype(np.uint8)
     return codes.reshape(k, n), scale, lo
+
+
+def permute_columns(w: QuantizedWeight, index: np.ndarray) -> QuantizedWeight:
+    """The plain-layout weight whose column j is w's column index[j] (a checkpoint's quantized
+    matrix regrouped for tensor parallelism: `layout.tp_layout`; a draft's LM head cut to its
+    first columns: `QuantizedWeight.first_columns`), as host arrays."""
+    codes = _unpacked_codes(w, np)[:, index]
+    fields = ("scale", "offset", "super_scale", "super_offset")
+    columns = {f: None if getattr(w, f) is None else np.asarray(getattr(w, f))[:, index] for f in fields}
+    codes = _pack_plain_int4(codes) if w.bits == 4 else codes
+    perm = None if w.perm is None else np.asarray(w.perm)
+    return QuantizedWeight(codes, bits=w.bits, layout="plain", activations=w.activations, perm=perm, **columns)
 
 
 def _pack_plain_int4(codes: np.ndarray) -> np.ndarray:
