@@ -3,9 +3,12 @@
 in llama-cpp-python's sdist (../shared/PEERS.md).
 
     python benchmarks/llama_tools.py          # prints the folder of the tools, building them if absent
+    python benchmarks/llama_tools.py --isa avx2   # the same built for AVX2-only CPUs (Zen 2/3)
 
 The wheel ships no tools, so they are built with the machine's native flags (`-DGGML_NATIVE=ON`),
-into `<jaxllm cache root>/llama.cpp/<version>/build/bin` (about 15 minutes on two cores, once).
+into `<jaxllm cache root>/llama.cpp/<version>/build/bin` (about 15 minutes on two cores, once);
+with `isa="avx2"` for AVX2 + FMA + F16C only, into `build-avx2/bin` (the peer of
+`benchmarks/as_avx2.sh`).
 Needs cmake, ninja and a C++ compiler, and pip's access to the package index.
 """
 
@@ -36,13 +39,26 @@ CMAKE_OPTIONS = (
 )
 
 
-def tools_dir(root: str | None = None) -> str:
-    return os.path.join(root or default_cache_root(), "llama.cpp", VERSION, "build", "bin")
+# -DGGML_NATIVE=ON's replacement for `isa="avx2"`: what Zen 2 / Zen 3 have, nothing wider.
+AVX2_OPTIONS = tuple(
+    f"-DGGML_{flag}={'ON' if on else 'OFF'}"
+    for flag, on in [("NATIVE", False), ("AVX", True), ("AVX2", True), ("FMA", True), ("F16C", True)]
+    + [("BMI2", True), ("AVX512", False), ("AVX512_VNNI", False), ("AVX512_BF16", False), ("AVX512_VBMI", False)]
+    + [("AVX_VNNI", False)]
+)
 
 
-def ensure_tools(root: str | None = None, log=print, tools: tuple[str, ...] = TOOLS) -> str:
-    """The folder holding `tools`, built there first if any is missing."""
-    bin_dir = tools_dir(root)
+def tools_dir(root: str | None = None, isa: str = "native") -> str:
+    build = "build" if isa == "native" else f"build-{isa}"
+    return os.path.join(root or default_cache_root(), "llama.cpp", VERSION, build, "bin")
+
+
+def ensure_tools(root: str | None = None, log=print, tools: tuple[str, ...] = TOOLS, isa: str = "native") -> str:
+    """The folder holding `tools` built for `isa` ("native" or "avx2"), built there first if any
+    is missing."""
+    if isa not in ("native", "avx2"):
+        raise ValueError(f"isa must be 'native' or 'avx2', not {isa!r}")
+    bin_dir = tools_dir(root, isa)
     if all(os.access(os.path.join(bin_dir, t), os.X_OK) for t in tools):
         return bin_dir
     for tool in ("cmake", "ninja"):
@@ -64,11 +80,13 @@ def ensure_tools(root: str | None = None, log=print, tools: tuple[str, ...] = TO
                 tar.extractall(tmp, filter="data")
             os.rename(os.path.join(tmp, f"llama_cpp_python-{VERSION}", "vendor", "llama.cpp"), source)
     build = os.path.dirname(bin_dir)
-    log(f"building {', '.join(tools)} with native flags into {bin_dir} (about 15 minutes on two cores)")
-    subprocess.run(["cmake", "-S", source, "-B", build, "-G", "Ninja", *CMAKE_OPTIONS], check=True)
+    log(f"building {', '.join(tools)} with {isa} flags into {bin_dir} (about 15 minutes on two cores)")
+    options = CMAKE_OPTIONS if isa == "native" else (*CMAKE_OPTIONS[:1], *AVX2_OPTIONS, *CMAKE_OPTIONS[2:])
+    subprocess.run(["cmake", "-S", source, "-B", build, "-G", "Ninja", *options], check=True)
     subprocess.run(["cmake", "--build", build, "-j", str(os.cpu_count() or 2), "--target", *tools], check=True)
     return bin_dir
 
 
 if __name__ == "__main__":
-    print(ensure_tools(log=lambda m: print(m, file=sys.stderr)))
+    isa = sys.argv[sys.argv.index("--isa") + 1] if "--isa" in sys.argv else "native"
+    print(ensure_tools(log=lambda m: print(m, file=sys.stderr), isa=isa))

@@ -306,6 +306,7 @@ def matmul_quantized(
     super_offset: jax.Array | None = None,
     bias: jax.Array | None = None,
     act_group: int = 0,
+    factored: bool = False,
 ) -> jax.Array:
     """x [..., K] f32 @ w -> [..., N] f32, w [K, N] given by the panels of `pack_codes`, and scale
     (and offset, or None) [G, N] laid out by `pack_scales`, f32 or f16: w[k, n] = code *
@@ -321,7 +322,9 @@ def matmul_quantized(
     multiple of 4 dividing K), as `kv_write.int8_rows` does a row (csrc/gemm_w8a8.cc); `bias`,
     int32 [K / act_group (1 for 0), N] or None, is then 128 times each column's code sum over
     each group (`QuantizedWeight.bias`; None: summed in the call). `rows`, `swiglu`: as for
-    `matmul_packed`."""
+    `matmul_packed`. `factored` (float activations, groups a multiple of 4 rows, AVX2): calls of
+    up to 16 rows take each group's scale and offset out of its sums (csrc/gemm_quant.cc): within
+    f32 rounding of the dequantized product, each row's numbers whatever the call's row count."""
     bias = jnp.zeros((0,), jnp.int32) if bias is None else bias
     return _quantized_call(
         "jaxllm_matmul_quantized_cpu",
@@ -338,6 +341,7 @@ def matmul_quantized(
         path=native.path_attr(path),
         act8=np.int32(act8),
         act_group=np.int32(act_group),
+        factored=np.int32(factored),
     )
 
 

@@ -43,15 +43,22 @@ def with_bf16_activations(w: QuantizedWeight, device=None) -> QuantizedWeight:
 
 
 def with_factored(w, device=None):
-    """w set to factor its group scales out of the bf16 GEMM's sums (`QuantizedWeight.factored`)
+    """w set to factor its group scales out of its GEMM's sums (`QuantizedWeight.factored`)
     where the kernel can: codes x bf16 rows (`with_bf16_activations`), 4-bit ones or 8-bit ones
     that all lie in [-64, 63] (GGUF's Q5 and Q6 types; not Q8_0's full byte, which the bf16
-    trick cannot hold); else w as it is. 8-bit codes within [-32, 31] (Q6_K's, the Q5 types') are repacked
-    as 6-bit ones (`gemm.six_bit_blocks`, on `device`) where the build reads them: the same
-    numbers from three quarters of the bytes."""
+    trick cannot hold); 4- or 8-bit codes x float rows in the f32 GEMM's panels (AVX2), groups of
+    an even number of rows; else w as it is. 8-bit codes x bf16 rows within [-32, 31] (Q6_K's,
+    the Q5 types') are repacked as 6-bit ones (`gemm.six_bit_blocks`, on `device`) where the
+    build reads them: the same numbers from three quarters of the bytes."""
     from jaxllm.kernels import gemm, native
 
-    if not isinstance(w, QuantizedWeight) or w.activations != "bf16":
+    if not isinstance(w, QuantizedWeight):
+        return w
+    if w.activations == "float":
+        k = w.shape[0]
+        fits = w.layout == "panels" and w.bits in (4, 8) and (k // w.groups) % 2 == 0
+        return dataclasses.replace(w, factored=True) if fits else w
+    if w.activations != "bf16":
         return w
     if w.bits == 8:
         codes = np.asarray(w.codes)

@@ -27,7 +27,7 @@ def quantize_params(params: dict, cfg, plan, *, device=None, parts=None) -> dict
     parts)} for the tree's `layout.shard_layout`, from `parallel.quantized_parts`): plain-layout
     host arrays that split so (`make_sharded_weight`, `shard_checkpoint_weight`), for
     `parallel.shard_params` to place. MoE experts' stacks: weight-only codes, plain. A linear's
-    `activations` ("bf16", "factored", "int8") are applied where its weight's shape and bits allow."""
+    `activations` ("bf16", "factored", "float_factored", "int8") are applied where its weight's shape and bits allow."""
 
     def make(w, name: str, table: bool = False):
         lp = plan.linear(name)
@@ -46,6 +46,8 @@ def quantize_params(params: dict, cfg, plan, *, device=None, parts=None) -> dict
             )
         if lp.activations == "int8":
             return with_int8_activations(w)
+        if lp.activations == "float_factored":
+            return with_factored(w, device)
         # (A 4-bit embedding table keeps its layout: its rows are looked up from the panels.)
         if lp.activations in ("bf16", "factored") and (not table or w.bits == 8):
             w = with_bf16_activations(w, device)

@@ -56,9 +56,10 @@ class LinearPlan:
     activations: what the kernel rounds x to: "float" (x as it is), "bf16" (codes x bf16 dots,
         the packed bf16 GEMM's numbers), "factored" (as "bf16", but the codes' calls of up to 16
         rows factor the group scales out of their sums where the codes allow it: 4-bit ones, 8-bit
-        ones in [-64, 63]; `EngineArgs.small_step_factored`), "int8"
-        (W8A8, or 4-bit codes x int8 rows). Applied where the weight's shape and bits allow it,
-        else "float" ("factored" else "bf16").
+        ones in [-64, 63]; `EngineArgs.small_step_factored`), "float_factored" (x as it is, a
+        GGUF's codes in the f32 GEMM factoring likewise), "int8" (W8A8, or 4-bit codes x int8
+        rows). Applied where the weight's shape and bits allow it, else "float" ("factored" else
+        "bf16").
     small_step_codes: a GGUF's codes kept beside the bf16 panels, for the steps of at most
         `quantization.SMALL_STEP_ROWS` rows.
     small_step_activations: what those codes multiply: "bf16" (the bf16 panels' numbers, bit for
@@ -74,7 +75,12 @@ class LinearPlan:
     small_step_activations: str = "bf16"
 
 
-_X_AS = {"bf16": "bf16", "int8": "int8", "factored": "bf16, scales factored out"}  # for the log line
+_X_AS = {  # for the log line
+    "bf16": "bf16",
+    "int8": "int8",
+    "factored": "bf16, scales factored out",
+    "float_factored": "f32, scales factored out",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +141,9 @@ def resolve_weight_plan(
         one_device and platform.name == "cpu" and args.attention_backend in (None, "native") and platform.cpp_kernels
     )
     codes_bf16 = dtype == "bfloat16" and cpp_gemm and args.packed_weights and platform.cpp_bf16_dots
-    small = _small_step_codes(args, codes_bf16, checkpoint)
+    # Under float32 the C++ GEMM takes a GGUF's codes as they are, for every step (below).
+    codes_f32 = dtype == "float32" and cpp_gemm and asked in (None, "gguf")
+    small = _small_step_codes(args, codes_bf16, codes_f32, checkpoint)
     # By default a GGUF's blocks serve every step alone, in a third of the panels' memory: where
     # AMX multiplies them (it converts each panel once a call, into its tiles), and where the bf16
     # panels would take more than PANELS_MEMORY_SHARE of the host's memory. Without AMX the GEMM
@@ -153,14 +161,15 @@ def resolve_weight_plan(
     # calls of up to 16 rows (csrc/gemm_quant_factored.h), each row's sums as it would have
     # alone: a stream's verification steps (1 + at most 15 drafts) compute its decodes' numbers.
     # Nor by default where the codes serve alone on AMX, whose tiles take them from two rows (not
-    # measured factored).
+    # measured factored). Under float32 the codes always serve alone, and their calls of up to 16
+    # rows factor likewise (csrc/gemm_quant.cc), on AVX2 bound by the codes' conversions.
     alone = codes_only or (asked == "gguf" and codes_bf16)
     factored = args.small_step_factored
     if factored is None:
         factored = (
-            (small or alone)
-            and not (alone and platform.cpp_amx)
-            and not (args.int8_activations or args.batch_invariant or (args.speculative_config and not alone))
+            ((small or alone) and not (alone and platform.cpp_amx) or codes_f32)
+            and not (args.int8_activations or args.batch_invariant)
+            and not (args.speculative_config and not (alone or codes_f32))
         )
     small = small and not codes_only
     if small or codes_only:
@@ -225,12 +234,13 @@ def _batch_invariant_gemm_path(args, platform: Platform, cpp_gemm: bool, dtype: 
     return "auto"  # the f32 GEMMs have one path per CPU
 
 
-def _small_step_codes(args, codes_bf16: bool, checkpoint: str | None) -> bool:
+def _small_step_codes(args, codes_bf16: bool, codes_f32: bool, checkpoint: str | None) -> bool:
     """Whether small steps may keep a GGUF's codes beside the bf16 weights (`small_step_codes`):
     bf16 weights packed for the C++ GEMM with AVX512_BF16 dots (`codes_bf16`), no quantization
     asked, and (once the checkpoint is known) a GGUF with quantized blocks. Raises ValueError
     for a checkpoint quantized otherwise than asked, and for `small_step_codes=True` or
-    `small_step_factored=True` that cannot hold."""
+    `small_step_factored=True` that cannot hold (the latter also holds for a GGUF's codes under
+    float32 in the C++ GEMM: `codes_f32`)."""
     asked = args.quantization
     small = args.small_step_codes is not False and asked is None and codes_bf16
     if args.small_step_codes and not small:
@@ -250,12 +260,12 @@ def _small_step_codes(args, codes_bf16: bool, checkpoint: str | None) -> bool:
         small = small and checkpoint == "gguf"
         if args.small_step_codes and not small:
             raise ValueError("small_step_codes needs a GGUF model with quantized blocks; this checkpoint has none")
-    gguf_codes = small or (asked == "gguf" and codes_bf16)
+    gguf_codes = small or (asked == "gguf" and codes_bf16) or (codes_f32 and checkpoint in ("gguf", UNKNOWN))
     if args.small_step_factored and (args.int8_activations or args.batch_invariant or not gguf_codes):
         raise ValueError(
-            "small_step_factored needs a GGUF's codes under dtype bfloat16 on one CPU device with AVX512_BF16 "
-            "and the C++ kernels (small-step codes, or quantization='gguf'), and neither int8_activations "
-            "nor batch_invariant"
+            "small_step_factored needs a GGUF's codes in the C++ kernels on one CPU device: under dtype "
+            "bfloat16 with AVX512_BF16 (small-step codes, or quantization='gguf'), or under float32; and "
+            "neither int8_activations nor batch_invariant"
         )
     return small
 
@@ -299,6 +309,8 @@ def _linear_plan(
         activations = "int8"  # (4-bit codes only: `with_int8_activations`)
     elif kernel == "cpp" and dtype == "bfloat16" and platform.cpp_bf16_dots:
         activations = "factored" if factored else "bf16"
+    elif kernel == "cpp" and dtype == "float32" and factored and codes == "gguf":
+        activations = "float_factored"
     else:
         activations = "float"
     return LinearPlan(codes, kernel, activations)

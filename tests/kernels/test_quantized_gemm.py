@@ -315,3 +315,55 @@ def test_matmul_quantized_int8_activations_rejects_what_it_cannot_run():
         jax.block_until_ready(
             gemm.matmul_quantized(x, int4_codes, np.ones((1, 2, 16), np.float16), None, 4, act8=True, act_group=16)
         )
+
+
+def factored_case(bits: int, levels: int, n: int, rng):
+    """K = 96 in 3 groups of 32 rows (one-level) or 6 of 16 under 2 supers (two-level, GGUF's
+    K-quants), n columns: (codes, matmul_quantized's scale arguments, the f64 weight)."""
+    k = 96
+    codes = rng.integers(-128, 128, (k, n)) if bits == 8 else rng.integers(0, 16, (k, n))
+    if levels == 1:
+        scale = (rng.random((3, n)) * 0.02).astype(np.float16)
+        offset = (-rng.random((3, n)) * 0.1).astype(np.float16) if bits == 4 else None
+        args, s, o = (
+            {"scale": P(scale), "offset": None if offset is None else P(offset)},
+            scale.astype(np.float64),
+            offset,
+        )
+    else:
+        sub_s, sub_o = rng.integers(1, 64, (6, n)).astype(np.int8), rng.integers(-64, 0, (6, n)).astype(np.int8)
+        sup_s, sup_o = (rng.random((2, n)) * 0.01).astype(np.float16), (rng.random((2, n)) * 0.01).astype(np.float16)
+        args = {"scale": P(sub_s), "offset": P(sub_o), "super_scale": P(sup_s), "super_offset": P(sup_o)}
+        s = sub_s.astype(np.float64) * np.repeat(sup_s.astype(np.float64), 3, 0)
+        o = sub_o.astype(np.float64) * np.repeat(sup_o.astype(np.float64), 3, 0)
+    rows = k // s.shape[0]
+    w = codes * np.repeat(s, rows, 0) + (0 if o is None else np.repeat(np.asarray(o, np.float64), rows, 0))
+    return gemm.pack_codes(codes, bits), args, w
+
+
+@pytest.mark.parametrize("bits, levels", [(4, 1), (4, 2), (8, 1), (8, 2)])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_matmul_quantized_factored_matches_numpy_and_each_row_alone(bits, levels, swiglu):
+    # factored=True (float activations): calls of up to 16 rows take each group's scale and
+    # offset out of its sums. Within f32 rounding of the dequantized product, and each row's
+    # numbers exactly those of the row alone, whatever the call's row count (1-16: one row over
+    # two panels, 2 rows, 3-4 rows a column half at a time; 3 panels, so one row also takes a
+    # panel alone); 17 rows take the dequantized path.
+    rng = np.random.default_rng(bits * 10 + levels)
+    packed, scales, w = factored_case(bits, levels, 64 if swiglu else 48, rng)
+    x = rng.standard_normal((17, w.shape[0])).astype(np.float32)
+    ref = x.astype(np.float64) @ w
+    if swiglu:
+        g, u = np.split(ref, 2, axis=1)
+        ref = g / (1 + np.exp(-g)) * u
+    atol = 2e-6 * np.abs(ref).max()
+    for path in ["auto"] + [p for p in native.kernel_paths() if p == "avx2"]:
+        call = functools.partial(gemm.matmul_quantized, bits=bits, path=path, swiglu=swiglu, factored=True, **scales)
+        jitted = jax.jit(lambda x, rows=None: call(x, packed, rows=rows))
+        alone = [np.asarray(jitted(x[r : r + 1]))[0] for r in range(16)]
+        for rows in (1, 2, 3, 4, 5, 7, 16, 17):
+            y = np.asarray(jitted(x[:rows]))
+            np.testing.assert_allclose(y, ref[:rows], rtol=2e-6, atol=atol)
+            if rows <= 16:
+                np.testing.assert_array_equal(y, np.stack(alone[:rows]))
+        check_live_rows(lambda x, rows: call(x, packed, rows=rows), (x[:5],), ref[:5], atol)

@@ -165,7 +165,8 @@ def test_gguf_untied_table_keeps_its_codes(tmp_path):
     assert weight_bytes(table) < float_table / 6, (weight_bytes(table), float_table)
     for a, b in zip(llm.generate(prompts, greedy, use_tqdm=False), ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        np.testing.assert_allclose(a.outputs[0].cumulative_logprob, b.outputs[0].cumulative_logprob, rtol=1e-4)
+        # (the decodes' codes factor their scales out of the sums: f32 rounding of two group sums)
+        np.testing.assert_allclose(a.outputs[0].cumulative_logprob, b.outputs[0].cumulative_logprob, rtol=1e-3)
 
 
 def test_gguf_engine_loads_float_weights_when_the_kernel_build_fails(tmp_path, monkeypatch):

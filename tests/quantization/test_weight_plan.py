@@ -53,11 +53,11 @@ CASES = [
         True,
         "gguf",
         ("gguf", "auto", True, True, False, False),
-        {
-            "wqkv": LinearPlan("gguf", "cpp"),
-            "lm_head": LinearPlan("gguf", "cpp"),
+        {  # (the C++ GEMM's calls of up to 16 rows factor the group scales out of their sums)
+            "wqkv": LinearPlan("gguf", "cpp", "float_factored"),
+            "lm_head": LinearPlan("gguf", "cpp", "float_factored"),
             "experts_down": LinearPlan("gguf", "xla"),
-            "embed": LinearPlan("gguf", "cpp"),
+            "embed": LinearPlan("gguf", "cpp", "float_factored"),
         },
     ),
     (
@@ -76,7 +76,7 @@ CASES = [
         True,
         "gguf",
         ("gguf", "auto", True, False, False, False),
-        {"wqkv": LinearPlan("gguf", "cpp")},
+        {"wqkv": LinearPlan("gguf", "cpp", "float_factored")},
     ),
     (
         "avx2, a GGUF's blocks kept, then the build failed: dequantized",
@@ -442,7 +442,7 @@ def test_untied_embedding_is_a_float_table():
         (ZEN3, dict(F32, quantization="gptq"), "awq", "already quantized"),
         (ZEN3, dict(F32, quantization="int4"), "gguf", "already quantized"),
         (ZEN3, dict(F32, quantization="gguf"), None, "needs a checkpoint quantized so"),
-        (ZEN4, dict(F32, small_step_factored=True), UNKNOWN, "small_step_factored needs a GGUF.s codes"),
+        (ZEN4, dict(F32, small_step_factored=True, quantization="int4"), UNKNOWN, "small_step_factored needs"),
         (ZEN4, dict(BF16, small_step_factored=True), None, "small_step_factored needs a GGUF.s codes"),
         (ZEN4, dict(BF16, small_step_factored=True, int8_activations=True), "gguf", "neither int8_activations"),
         (ZEN4, dict(BF16, small_step_factored=True, batch_invariant=True), "gguf", "nor batch_invariant"),
@@ -454,7 +454,7 @@ def test_untied_embedding_is_a_float_table():
         "gptq asked of an awq checkpoint",
         "int4 asked of a GGUF's blocks",
         "gguf asked of float weights",
-        "factored without small-step codes",
+        "factored of codes quantized on load",
         "factored of an HF checkpoint",
         "factored with int8 activations",
         "factored under batch_invariant",

@@ -126,6 +126,162 @@ void quant_panel_block_avx2(const QuantPanel& q, const float* x, int64_t p, floa
 }
 #endif  // JAXLLM_AVX2
 
+// ------------------------------------------------ the group scales factored out (factored = 1)
+// For calls of up to kFactoredCallRows rows: each group's scale and offset come out of its sums,
+//
+//   y[r, n] = sum over groups g of s[g, n] sum_k x[r, k] c[k, n] + o[g, n] sum_k x[r, k],
+//
+// so a weight costs its code's conversion to f32 (exact) and one FMA, where dequantizing it costs
+// a second FMA, and the sums run as kChains chains over k % kChains (one chain a row and column
+// half had each FMA wait on the last: at one row the kernel was bound by that latency, at about
+// half the memory's speed on Zen 4 with AVX2). The chains are added ((0 + 1) + (2 + 3)) at each
+// group's end, for any number of rows in the call, so that a row's numbers are the same alone
+// as in a step of up to 16 (a stream's verification of its drafts computes its decodes'
+// numbers). Not the dequantized panel's: within f32 rounding of the group sums.
+constexpr int64_t kF32FactoredCallRows = 16;
+constexpr int kChains = 2;
+
+// Each row's sums of x [M, K] over each group of `group` columns: [M, K / group].
+inline void group_sums_f32(const float* x, int64_t M, int64_t K, int64_t group, std::vector<float>& out) {
+  out.resize(M * (K / group));
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < K / group; ++g) {
+      float sum = 0.f;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += x[r * K + k];
+      out[r * (K / group) + g] = sum;
+    }
+}
+
+#if defined(JAXLLM_AVX2) && defined(__F16C__)  // (F16C: every AVX2 CPU jaxllm targets)
+#define JAXLLM_F32_FACTORED 1
+// A panel row's codes (at `row`) for columns 0-7 (half 0) or 8-15 (half 1) as f32.
+template <int BITS>
+inline __m256 codes_f32(const uint8_t* row, int half) {
+  if (BITS == 8)
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * half))));
+  const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row)));
+  return _mm256_cvtepi32_ps(half ? _mm256_srli_epi32(wide, 4) : _mm256_and_si256(wide, _mm256_set1_epi32(15)));
+}
+
+// 8 scales (or offsets) from element `at` of `scales` as f32 (two-level: int8 ones times their
+// f16 super-scales from `super_at` of `supers`; else f32 or f16): group_scales's numbers.
+inline __m256 scales_f32x8(const QuantPanel& q, const void* scales, const uint16_t* supers, int64_t at,
+                           int64_t super_at) {
+  if (supers) {
+    const __m128i sub = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(scales) + at));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sub)),
+                         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(supers + super_at))));
+  }
+  if (q.half)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(scales) + at)));
+  return _mm256_loadu_ps(static_cast<const float*>(scales) + at);
+}
+
+// R rows of x (row stride K) against H column halves (from half H0) of P panels, kChains sums
+// each (P R H kChains <= 8 chains: with the codes and x's broadcasts, AVX2's 16 registers; the
+// running totals go through y). xsums: the rows' group sums ([R][G] at stride G). Writes panel
+// panels[j]'s 8 H columns from 8 H0 on at ys[j] (row stride ldy).
+template <int BITS, int R, int H, int H0, int P>
+__attribute__((noinline)) void factored_rows_avx2(const QuantPanel& q, const float* __restrict x,
+                                                  const float* __restrict xsums, const int64_t* panels,
+                                                  float* const* ys, int64_t ldy) {
+  static_assert(kChains == 2, "the group's sums add two chains");
+  constexpr int64_t kRowBytes = BITS == 8 ? kPanel : kPanel / 2;
+  const int64_t G = q.groups(), ldx = q.K;
+  const uint8_t* codes[P];
+  for (int j = 0; j < P; ++j) {
+    codes[j] = static_cast<const uint8_t*>(q.codes) + panels[j] * q.K * kRowBytes;
+    for (int i = 0; i < R; ++i)
+      for (int h = 0; h < H; ++h) _mm256_storeu_ps(ys[j] + i * ldy + 8 * (H0 + h), _mm256_setzero_ps());
+  }
+  int64_t super_g = 0, in_super = 0;  // g / q.per_super, g % q.per_super
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 part[P][R][H][kChains];
+#pragma GCC unroll 2
+    for (int j = 0; j < P; ++j)
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i)
+#pragma GCC unroll 2
+        for (int h = 0; h < H; ++h)
+#pragma GCC unroll 2
+          for (int c = 0; c < kChains; ++c) part[j][i][h][c] = _mm256_setzero_ps();
+    const float* xg = x + g * q.group;
+    for (int64_t k = 0; k < q.group; k += kChains) {
+#pragma GCC unroll 2
+      for (int c = 0; c < kChains; ++c)
+#pragma GCC unroll 2
+        for (int j = 0; j < P; ++j)
+#pragma GCC unroll 2
+          for (int h = 0; h < H; ++h) {
+            const __m256 w = codes_f32<BITS>(codes[j] + (g * q.group + k + c) * kRowBytes, H0 + h);
+#pragma GCC unroll 8
+            for (int i = 0; i < R; ++i)
+              part[j][i][h][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(xg + i * ldx + k + c), w, part[j][i][h][c]);
+          }
+    }
+    const int64_t super_at = (G / q.per_super) * kPanel, sg = super_g * kPanel;
+    if (++in_super == q.per_super) in_super = 0, ++super_g;
+#pragma GCC unroll 2
+    for (int j = 0; j < P; ++j)
+#pragma GCC unroll 2
+      for (int h = 0; h < H; ++h) {
+        const int64_t col = 8 * (H0 + h), at = (panels[j] * G + g) * kPanel + col;
+        const int64_t sat = panels[j] * super_at + sg + col;
+        const __m256 s = scales_f32x8(q, q.scale, q.super_scale, at, sat);
+        const __m256 o = q.offset ? scales_f32x8(q, q.offset, q.super_offset, at, sat) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) {
+          const __m256 sum = _mm256_add_ps(part[j][i][h][0], part[j][i][h][1]);
+          const __m256 off = _mm256_mul_ps(o, _mm256_broadcast_ss(xsums + i * G + g));
+          float* y = ys[j] + i * ldy + col;
+          _mm256_storeu_ps(y, _mm256_add_ps(_mm256_loadu_ps(y), _mm256_fmadd_ps(s, sum, off)));
+        }
+      }
+  }
+}
+
+// Panels panels[0 .. P) (P 1 or 2) of R rows (any R) into ys[j] (row stride ldy): one row two
+// panels at a time, 2 rows a panel at a time, 4 or 3 a column half at a time.
+template <int BITS>
+void factored_panels_avx2(const QuantPanel& q, const float* x, const float* xsums, const int64_t* panels,
+                          float* const* ys, int P, int64_t ldy, int64_t R) {
+  const int64_t G = q.groups();
+  for (int j = 0; j < P; ++j) {
+    if (P == 2 && R == 1) {
+      factored_rows_avx2<BITS, 1, 2, 0, 2>(q, x, xsums, panels, ys, ldy);
+      return;
+    }
+    for (int64_t r = 0; r < R;) {
+      const float* xr = x + r * q.K;
+      const float* xs = xsums + r * G;
+      float* yr[1] = {ys[j] + r * ldy};
+      switch (std::min<int64_t>(4, R - r)) {
+        case 4:
+          factored_rows_avx2<BITS, 4, 1, 0, 1>(q, xr, xs, panels + j, yr, ldy);
+          factored_rows_avx2<BITS, 4, 1, 1, 1>(q, xr, xs, panels + j, yr, ldy);
+          r += 4;
+          break;
+        case 3:
+          factored_rows_avx2<BITS, 3, 1, 0, 1>(q, xr, xs, panels + j, yr, ldy);
+          factored_rows_avx2<BITS, 3, 1, 1, 1>(q, xr, xs, panels + j, yr, ldy);
+          r += 3;
+          break;
+        case 2: factored_rows_avx2<BITS, 2, 2, 0, 1>(q, xr, xs, panels + j, yr, ldy); r += 2; break;
+        default: factored_rows_avx2<BITS, 1, 2, 0, 1>(q, xr, xs, panels + j, yr, ldy); r += 1;
+      }
+    }
+  }
+}
+
+void factored_block_avx2(const QuantPanel& q, const float* x, const float* xsums, const int64_t* panels,
+                         float* const* ys, int P, int64_t ldy, int64_t R) {
+  if (q.bits == 8)
+    factored_panels_avx2<8>(q, x, xsums, panels, ys, P, ldy, R);
+  else
+    factored_panels_avx2<4>(q, x, xsums, panels, ys, P, ldy, R);
+}
+#endif  // JAXLLM_F32_FACTORED
+
 void dequantize_panel(const QuantPanel& q, int64_t p, float* out, int32_t path) {
 #ifdef JAXLLM_AVX2
   if (path == kAuto || path >= kAvx2) return dequantize_panel_avx2(q, p, out);
@@ -144,7 +300,7 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
                            ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::AnyBuffer super_scale,
                            ffi::AnyBuffer super_offset, ffi::Buffer<ffi::S32> bias, ffi::Buffer<ffi::S32> rows,
                            ffi::ResultBuffer<ffi::F32> y, int32_t bits, int32_t path, int32_t swiglu, int32_t act8,
-                           int32_t act_group) {
+                           int32_t act_group, int32_t factored) {
   const auto xd = x.dimensions();
   const auto cd = codes.dimensions();
   const bool int8 = bits == 8 && codes.element_type() == ffi::DataType::S8;
@@ -181,6 +337,34 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
     return ffi::Error::Success();
   }
   const GemmItems items(g.M, swiglu ? g.N / 2 : g.N, pool.num_threads());
+#ifdef JAXLLM_F32_FACTORED
+  if (factored && g.M <= kF32FactoredCallRows && q.group % kChains == 0 && (path == kAuto || path >= kAvx2)) {
+    std::vector<float> xsums;
+    group_sums_f32(g.x, g.M, g.K, q.group, xsums);
+    parallel_for(pool, items.count, [&](int64_t item) {
+      int64_t r0, r1, p0, p1;
+      items.bounds(item, g.M, r0, r1, p0, p1);
+      const float* x = g.x + r0 * g.K;
+      const float* xs = xsums.data() + r0 * q.groups();
+      if (!swiglu) {
+        for (int64_t p = p0; p < p1; p += 2) {
+          const int64_t panels[2] = {p, p + 1};
+          float* ys[2] = {g.y + r0 * g.N + p * kPanel, g.y + r0 * g.N + (p + 1) * kPanel};
+          factored_block_avx2(q, x, xs, panels, ys, p + 1 < p1 ? 2 : 1, g.N, r1 - r0);
+        }
+        return;
+      }
+      alignas(64) float tg[kF32FactoredCallRows * kPanel], tu[kF32FactoredCallRows * kPanel];
+      for (int64_t p = p0; p < p1; ++p) {  // gate panel p and up panel p + N / 32, then the epilogue
+        const int64_t panels[2] = {p, p + g.N / 2 / kPanel};
+        float* ys[2] = {tg, tu};
+        factored_block_avx2(q, x, xs, panels, ys, 2, kPanel, r1 - r0);
+        swiglu_store(tg, tu, g.y + r0 * (g.N / 2) + p * kPanel, g.N / 2, r1 - r0, path);
+      }
+    });
+    return ffi::Error::Success();
+  }
+#endif
   parallel_for<PanelScratch>(pool, items.count, [&](int64_t item, PanelScratch& scratch) {
     int64_t r0, r1, p0, p1;
     items.bounds(item, g.M, r0, r1, p0, p1);
@@ -241,4 +425,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulQuantCpu, jaxllm::MatmulQuantImpl,
                                   .Attr<int32_t>("path")
                                   .Attr<int32_t>("swiglu")  // as for matmul_packed
                                   .Attr<int32_t>("act8")        // 1: x quantized to int8 (see matmul_q4a8, matmul_w8a8)
-                                  .Attr<int32_t>("act_group"));  // 8-bit codes x int8: columns per scale (0: a row)
+                                  .Attr<int32_t>("act_group")  // 8-bit codes x int8: columns per scale (0: a row)
+                                  .Attr<int32_t>("factored"));  // 1: group scales factored out (calls of <= 16 rows)

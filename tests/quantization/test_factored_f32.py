@@ -1,0 +1,104 @@
+"""A GGUF's codes under float32 (the f32 GEMM's panels: csrc/gemm_quant.cc, AVX2) factor each
+group's scale and offset out of the sums of calls of up to 16 rows (`small_step_factored`, on by
+default there): the greedy outputs stay those of the unfactored codes (the dequantized weights'
+numbers, to f32 rounding), a drafted stream's checks compute its decodes' numbers, and the plan
+leaves the codes unfactored where it must. The kernel itself is checked against numpy in
+tests/kernels/test_quantized_gemm.py."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.kernels import native
+from jaxllm.quantization import QuantizedWeight
+
+from tests.helpers.quantized_checkpoints import write_quantized_gguf
+from tests.helpers.tiny_model import TINY_ENGINE_ARGS
+
+pytestmark = pytest.mark.skipif(
+    not native.available() or "avx2" not in native.kernel_paths(), reason="no AVX2 C++ kernels here"
+)
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, detokenize=False)
+PROMPTS = [{"prompt_token_ids": list(range(3 + i, 12 + 4 * i))} for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """The tiny GGUF (every kept block type) and its float32 engine arguments, with the greedy
+    outputs of its unfactored codes (`small_step_factored=False`), one request at a time."""
+    folder = tmp_path_factory.mktemp("f32codes")
+    path = write_quantized_gguf(str(folder / "tiny.gguf"))
+    args = dict(TINY_ENGINE_ARGS, params_cache_dir=str(folder / "params"))
+    plain = LLM(path, small_step_factored=False, **args)
+    assert plain.engine.config.dtype == "float32" and not kinds(plain) & {(4, True), (8, True)}
+    return path, args, [plain.generate([p], GREEDY, use_tqdm=False)[0].outputs[0] for p in PROMPTS]
+
+
+def kinds(llm) -> set[tuple[int, bool]]:
+    """(bits, factored) of the codes of llm's layers and LM head."""
+    params = llm.engine.runner.params
+    weights = [w for layer in params["layers"] for w in layer.values()] + [params.get("lm_head"), params["embed"]]
+    return {(w.bits, w.factored) for w in weights if isinstance(w, QuantizedWeight) and w.layout == "panels"}
+
+
+def test_float32_codes_factor_by_default_and_keep_the_outputs(tiny_gguf, caplog):
+    path, args, want = tiny_gguf
+    with caplog.at_level(logging.INFO, logger="jaxllm"):
+        llm = LLM(path, **args)
+    assert "f32, scales factored out" in caplog.text  # the plan's log line
+    assert llm.engine.config.quantization == "gguf"
+    assert kinds(llm) == {(4, True), (8, True)}  # every layer's codes: their groups have even rows
+    diffs = []
+    for together in (False, True):  # one request at a time, then three sharing each decode step
+        outs = (
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+            if together
+            else [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in PROMPTS]
+        )
+        for out, b in zip(outs, want):
+            a = out.outputs[0]
+            assert a.token_ids == b.token_ids
+            diffs += [abs(x[t].logprob - y[t].logprob) for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids)]
+    # Other last bits than the dequantized weights' (the factored sums ran), within f32 rounding.
+    assert 0 < max(diffs) < 1e-4, diffs
+
+
+def test_float32_codes_factor_the_checks_of_drafts_too(tiny_gguf):
+    # The file drafting for itself: a stream's checks (1 + 3 rows) compute each row as its decode
+    # alone does, so every draft is accepted and the tokens and logprobs are those without drafts.
+    path, args, _ = tiny_gguf
+    plain = LLM(path, **args)
+    spec = LLM(path, **args, speculative_config={"model": path, "num_speculative_tokens": 3})
+    assert kinds(spec) == {(4, True), (8, True)}
+    for p in PROMPTS:
+        want = plain.generate([p], GREEDY, use_tqdm=False)[0].outputs[0]
+        got = spec.generate([p], GREEDY, use_tqdm=False)[0].outputs[0]
+        assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+    stats = spec.engine.stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+
+
+def test_float32_codes_stay_unfactored_where_the_run_needs_it(tiny_gguf, tiny_model_dir):
+    # batch_invariant (a row's numbers must not depend on the step's row count) and
+    # int8_activations (4-bit codes x int8 rows; the 8-bit ones keep the float numbers) turn the
+    # default off; asked for without a GGUF's codes (an HF checkpoint): a clear error.
+    path, args, want = tiny_gguf
+    invariant = LLM(path, batch_invariant=True, **args)
+    assert kinds(invariant) == {(4, False), (8, False)}
+    out = invariant.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == want[0].token_ids  # (its logprobs: batch_invariant's own numbers)
+    int8 = LLM(path, int8_activations=True, **args)
+    params = int8.engine.runner.params
+    acts = {
+        (w.bits, w.activations, w.factored)
+        for w in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+        if isinstance(w, QuantizedWeight)
+    }
+    assert (4, "int8", False) in acts and (8, "float", False) in acts and not any(f for *_, f in acts), acts
+    with pytest.raises(ValueError, match="small_step_factored needs"):
+        LLM(tiny_model_dir, small_step_factored=True, **args)
