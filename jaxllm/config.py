@@ -246,10 +246,10 @@ class EngineArgs:
         "offset out of its sums in steps of up to 4 rows (codes alone: 16) (exact products, f32 sums) "
         "instead of rounding each weight to bf16 first: fewer instructions a weight where the conversion, "
         "not memory, bounds a decode, and the decodes' numbers are no longer the bf16 weights' bit for bit; "
-        "under float32 (the codes alone, AVX2) likewise in steps of up to 16 rows, instead of dequantizing "
+        "under float32 (the codes alone, AVX2) likewise in steps of one or two rows, instead of dequantizing "
         "each weight. Default: on wherever such codes serve without AMX (with AMX: in the small-step codes), "
-        "unless batch_invariant, int8_activations or speculative decoding with the small-step split (whose "
-        "larger verification steps compute the bf16 weights' numbers: outputs the same with drafts or without)",
+        "unless batch_invariant, int8_activations or speculative decoding with the small-step split or under "
+        "float32 (whose larger verification steps compute other numbers: outputs the same with drafts or without)",
     )
     speculative_config: dict | str | None = option(
         None,

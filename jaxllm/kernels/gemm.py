@@ -322,9 +322,9 @@ def matmul_quantized(
     multiple of 4 dividing K), as `kv_write.int8_rows` does a row (csrc/gemm_w8a8.cc); `bias`,
     int32 [K / act_group (1 for 0), N] or None, is then 128 times each column's code sum over
     each group (`QuantizedWeight.bias`; None: summed in the call). `rows`, `swiglu`: as for
-    `matmul_packed`. `factored` (float activations, groups a multiple of 4 rows, AVX2): calls of
-    up to 16 rows take each group's scale and offset out of its sums (csrc/gemm_quant.cc): within
-    f32 rounding of the dequantized product, each row's numbers whatever the call's row count."""
+    `matmul_packed`. `factored` (float activations, groups of an even number of rows, AVX2): calls of
+    one or two rows take each group's scale and offset out of their sums (csrc/gemm_quant.cc):
+    within f32 rounding of the dequantized product, each row's numbers the same in either."""
     bias = jnp.zeros((0,), jnp.int32) if bias is None else bias
     return _quantized_call(
         "jaxllm_matmul_quantized_cpu",

@@ -54,10 +54,10 @@ class QuantizedWeight:
         each column's code sum over each group, what `vpdpbusd`'s unsigned activations (q + 128)
         add to the sums, taken once at packing (None: the C++ GEMM sums the codes on every call).
     act_group: W8A8's columns of x per int8 scale (`w8a8_act_group`); 0: a scale per row.
-    factored: panel codes whose calls of up to 16 rows factor each group's scale and offset out
-        of its sums (`factored=True` of `gemm.matmul_quantized_bf16`, or for float activations of
-        `gemm.matmul_quantized`; `EngineArgs.small_step_factored`): f32 sums, not the dequantized
-        GEMM's numbers. Set by `with_factored` (8-bit codes x bf16 rows: within [-64, 63]).
+    factored: panel codes whose calls of up to 16 rows (float activations: 2) factor each
+        group's scale and offset out of its sums (`factored=True` of `gemm.matmul_quantized_bf16`
+        or `gemm.matmul_quantized`; `EngineArgs.small_step_factored`): f32 sums, not the
+        dequantized GEMM's numbers. Set by `with_factored` (8-bit codes x bf16: within [-64, 63]).
     """
 
     codes: jax.Array

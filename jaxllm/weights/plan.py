@@ -161,15 +161,16 @@ def resolve_weight_plan(
     # calls of up to 16 rows (csrc/gemm_quant_factored.h), each row's sums as it would have
     # alone: a stream's verification steps (1 + at most 15 drafts) compute its decodes' numbers.
     # Nor by default where the codes serve alone on AMX, whose tiles take them from two rows (not
-    # measured factored). Under float32 the codes always serve alone, and their calls of up to 16
-    # rows factor likewise (csrc/gemm_quant.cc), on AVX2 bound by the codes' conversions.
+    # measured factored). Under float32 the codes always serve alone, and their calls of one or
+    # two rows factor likewise (csrc/gemm_quant.cc: on AVX2 a decode is bound by the codes'
+    # conversions), not with speculative decoding (its checks of 3 rows and more do not).
     alone = codes_only or (asked == "gguf" and codes_bf16)
     factored = args.small_step_factored
     if factored is None:
         factored = (
             ((small or alone) and not (alone and platform.cpp_amx) or codes_f32)
             and not (args.int8_activations or args.batch_invariant)
-            and not (args.speculative_config and not (alone or codes_f32))
+            and not (args.speculative_config and not alone)
         )
     small = small and not codes_only
     if small or codes_only:

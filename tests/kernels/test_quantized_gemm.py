@@ -344,11 +344,10 @@ def factored_case(bits: int, levels: int, n: int, rng):
 @pytest.mark.parametrize("bits, levels", [(4, 1), (4, 2), (8, 1), (8, 2)])
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_matmul_quantized_factored_matches_numpy_and_each_row_alone(bits, levels, swiglu):
-    # factored=True (float activations): calls of up to 16 rows take each group's scale and
-    # offset out of its sums. Within f32 rounding of the dequantized product, and each row's
-    # numbers exactly those of the row alone, whatever the call's row count (1-16: one row over
-    # two panels, 2 rows, 3-4 rows a column half at a time; 3 panels, so one row also takes a
-    # panel alone); 17 rows take the dequantized path.
+    # factored=True (float activations): calls of one or two rows take each group's scale and
+    # offset out of their sums (one row over two panels, and over the third alone; two rows a
+    # panel at a time). Within f32 rounding of the dequantized product, each row's numbers those
+    # of the row alone; from 3 rows the dequantized path.
     rng = np.random.default_rng(bits * 10 + levels)
     packed, scales, w = factored_case(bits, levels, 64 if swiglu else 48, rng)
     x = rng.standard_normal((17, w.shape[0])).astype(np.float32)
@@ -360,10 +359,10 @@ def test_matmul_quantized_factored_matches_numpy_and_each_row_alone(bits, levels
     for path in ["auto"] + [p for p in native.kernel_paths() if p == "avx2"]:
         call = functools.partial(gemm.matmul_quantized, bits=bits, path=path, swiglu=swiglu, factored=True, **scales)
         jitted = jax.jit(lambda x, rows=None: call(x, packed, rows=rows))
-        alone = [np.asarray(jitted(x[r : r + 1]))[0] for r in range(16)]
-        for rows in (1, 2, 3, 4, 5, 7, 16, 17):
+        alone = [np.asarray(jitted(x[r : r + 1]))[0] for r in range(2)]
+        for rows in (1, 2, 3, 4, 17):
             y = np.asarray(jitted(x[:rows]))
             np.testing.assert_allclose(y, ref[:rows], rtol=2e-6, atol=atol)
-            if rows <= 16:
+            if rows <= 2:
                 np.testing.assert_array_equal(y, np.stack(alone[:rows]))
-        check_live_rows(lambda x, rows: call(x, packed, rows=rows), (x[:5],), ref[:5], atol)
+        check_live_rows(lambda x, rows: call(x, packed, rows=rows), (x[:3],), ref[:3], atol)

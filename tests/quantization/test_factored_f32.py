@@ -1,8 +1,8 @@
 """A GGUF's codes under float32 (the f32 GEMM's panels: csrc/gemm_quant.cc, AVX2) factor each
-group's scale and offset out of the sums of calls of up to 16 rows (`small_step_factored`, on by
-default there): the greedy outputs stay those of the unfactored codes (the dequantized weights'
-numbers, to f32 rounding), a drafted stream's checks compute its decodes' numbers, and the plan
-leaves the codes unfactored where it must. The kernel itself is checked against numpy in
+group's scale and offset out of the sums of calls of one or two rows (`small_step_factored`, on
+by default there): the greedy outputs stay those of the unfactored codes (the dequantized
+weights' numbers, to f32 rounding), and the plan leaves the codes unfactored where it must
+(speculative decoding, whose checks of 3 rows and more dequantize). The kernel itself is checked against numpy in
 tests/kernels/test_quantized_gemm.py."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def test_float32_codes_factor_by_default_and_keep_the_outputs(tiny_gguf, caplog)
     assert llm.engine.config.quantization == "gguf"
     assert kinds(llm) == {(4, True), (8, True)}  # every layer's codes: their groups have even rows
     diffs = []
-    for together in (False, True):  # one request at a time, then three sharing each decode step
+    for together in (False, True):  # one request at a time (factored), then three sharing each step
         outs = (
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
             if together
@@ -68,17 +68,16 @@ def test_float32_codes_factor_by_default_and_keep_the_outputs(tiny_gguf, caplog)
     assert 0 < max(diffs) < 1e-4, diffs
 
 
-def test_float32_codes_factor_the_checks_of_drafts_too(tiny_gguf):
-    # The file drafting for itself: a stream's checks (1 + 3 rows) compute each row as its decode
-    # alone does, so every draft is accepted and the tokens and logprobs are those without drafts.
-    path, args, _ = tiny_gguf
-    plain = LLM(path, **args)
+def test_float32_codes_with_drafts_stay_unfactored(tiny_gguf):
+    # A stream's checks (1 + 3 rows) take the dequantizing kernel, so with drafts the decodes do
+    # too: the file drafting for itself accepts every draft, and the tokens and logprobs are the
+    # unfactored codes' without drafts.
+    path, args, want = tiny_gguf
     spec = LLM(path, **args, speculative_config={"model": path, "num_speculative_tokens": 3})
-    assert kinds(spec) == {(4, True), (8, True)}
-    for p in PROMPTS:
-        want = plain.generate([p], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert kinds(spec) == {(4, False), (8, False)}
+    for p, b in zip(PROMPTS, want):
         got = spec.generate([p], GREEDY, use_tqdm=False)[0].outputs[0]
-        assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+        assert got.token_ids == b.token_ids and got.logprobs == b.logprobs
     stats = spec.engine.stats
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
 

@@ -127,18 +127,20 @@ void quant_panel_block_avx2(const QuantPanel& q, const float* x, int64_t p, floa
 #endif  // JAXLLM_AVX2
 
 // ------------------------------------------------ the group scales factored out (factored = 1)
-// For calls of up to kFactoredCallRows rows: each group's scale and offset come out of its sums,
+// For calls of one or two rows (decodes of one or two streams): each group's scale and offset
+// come out of its sums,
 //
 //   y[r, n] = sum over groups g of s[g, n] sum_k x[r, k] c[k, n] + o[g, n] sum_k x[r, k],
 //
 // so a weight costs its code's conversion to f32 (exact) and one FMA, where dequantizing it costs
-// a second FMA, and the sums run as kChains chains over k % kChains (one chain a row and column
-// half had each FMA wait on the last: at one row the kernel was bound by that latency, at about
-// half the memory's speed on Zen 4 with AVX2). The chains are added ((0 + 1) + (2 + 3)) at each
-// group's end, for any number of rows in the call, so that a row's numbers are the same alone
-// as in a step of up to 16 (a stream's verification of its drafts computes its decodes'
-// numbers). Not the dequantized panel's: within f32 rounding of the group sums.
-constexpr int64_t kF32FactoredCallRows = 16;
+// a second FMA. Each row and column half sums in kChains chains over k % kChains, added at each
+// group's end, and one row takes two panels at once: eight chains hide the FMAs' latency (one
+// chain a row and half left the dequantizing kernel waiting on it: at one row about half the
+// memory's speed on Zen 4 with AVX2). A row's numbers are the same alone or beside another.
+// From three rows the FMAs with x outnumber the conversions, and four rows' sixteen chains would
+// not fit AVX2's registers: the dequantizing kernel is as fast there or faster. Not the
+// dequantized panel's numbers: within f32 rounding of the group sums.
+constexpr int64_t kF32FactoredCallRows = 2;
 constexpr int kChains = 2;
 
 // Each row's sums of x [M, K] over each group of `group` columns: [M, K / group].
@@ -177,11 +179,11 @@ inline __m256 scales_f32x8(const QuantPanel& q, const void* scales, const uint16
   return _mm256_loadu_ps(static_cast<const float*>(scales) + at);
 }
 
-// R rows of x (row stride K) against H column halves (from half H0) of P panels, kChains sums
-// each (P R H kChains <= 8 chains: with the codes and x's broadcasts, AVX2's 16 registers; the
-// running totals go through y). xsums: the rows' group sums ([R][G] at stride G). Writes panel
-// panels[j]'s 8 H columns from 8 H0 on at ys[j] (row stride ldy).
-template <int BITS, int R, int H, int H0, int P>
+// R rows of x (row stride K) against both column halves of P panels (P R <= 2), kChains sums
+// each: eight chains, with the codes and x's broadcasts within AVX2's 16 registers (the running
+// totals go through y). xsums: the rows' group sums ([R][G] at stride G). Writes panel
+// panels[j]'s 16 columns at ys[j] (row stride ldy).
+template <int BITS, int R, int P>
 __attribute__((noinline)) void factored_rows_avx2(const QuantPanel& q, const float* __restrict x,
                                                   const float* __restrict xsums, const int64_t* panels,
                                                   float* const* ys, int64_t ldy) {
@@ -192,17 +194,17 @@ __attribute__((noinline)) void factored_rows_avx2(const QuantPanel& q, const flo
   for (int j = 0; j < P; ++j) {
     codes[j] = static_cast<const uint8_t*>(q.codes) + panels[j] * q.K * kRowBytes;
     for (int i = 0; i < R; ++i)
-      for (int h = 0; h < H; ++h) _mm256_storeu_ps(ys[j] + i * ldy + 8 * (H0 + h), _mm256_setzero_ps());
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(ys[j] + i * ldy + 8 * h, _mm256_setzero_ps());
   }
   int64_t super_g = 0, in_super = 0;  // g / q.per_super, g % q.per_super
   for (int64_t g = 0; g < G; ++g) {
-    __m256 part[P][R][H][kChains];
+    __m256 part[P][R][2][kChains];
 #pragma GCC unroll 2
     for (int j = 0; j < P; ++j)
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i)
 #pragma GCC unroll 2
-        for (int h = 0; h < H; ++h)
+        for (int h = 0; h < 2; ++h)
 #pragma GCC unroll 2
           for (int c = 0; c < kChains; ++c) part[j][i][h][c] = _mm256_setzero_ps();
     const float* xg = x + g * q.group;
@@ -212,21 +214,21 @@ __attribute__((noinline)) void factored_rows_avx2(const QuantPanel& q, const flo
 #pragma GCC unroll 2
         for (int j = 0; j < P; ++j)
 #pragma GCC unroll 2
-          for (int h = 0; h < H; ++h) {
-            const __m256 w = codes_f32<BITS>(codes[j] + (g * q.group + k + c) * kRowBytes, H0 + h);
-#pragma GCC unroll 8
+          for (int h = 0; h < 2; ++h) {
+            const __m256 w = codes_f32<BITS>(codes[j] + (g * q.group + k + c) * kRowBytes, h);
+#pragma GCC unroll 2
             for (int i = 0; i < R; ++i)
               part[j][i][h][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(xg + i * ldx + k + c), w, part[j][i][h][c]);
           }
     }
-    const int64_t super_at = (G / q.per_super) * kPanel, sg = super_g * kPanel;
+    const int64_t supers_a_panel = (G / q.per_super) * kPanel, sg = super_g * kPanel;
     if (++in_super == q.per_super) in_super = 0, ++super_g;
 #pragma GCC unroll 2
     for (int j = 0; j < P; ++j)
 #pragma GCC unroll 2
-      for (int h = 0; h < H; ++h) {
-        const int64_t col = 8 * (H0 + h), at = (panels[j] * G + g) * kPanel + col;
-        const int64_t sat = panels[j] * super_at + sg + col;
+      for (int h = 0; h < 2; ++h) {
+        const int64_t col = 8 * h, at = (panels[j] * G + g) * kPanel + col;
+        const int64_t sat = panels[j] * supers_a_panel + sg + col;
         const __m256 s = scales_f32x8(q, q.scale, q.super_scale, at, sat);
         const __m256 o = q.offset ? scales_f32x8(q, q.offset, q.super_offset, at, sat) : _mm256_setzero_ps();
 #pragma GCC unroll 8
@@ -240,36 +242,17 @@ __attribute__((noinline)) void factored_rows_avx2(const QuantPanel& q, const flo
   }
 }
 
-// Panels panels[0 .. P) (P 1 or 2) of R rows (any R) into ys[j] (row stride ldy): one row two
-// panels at a time, 2 rows a panel at a time, 4 or 3 a column half at a time.
+// Panels panels[0 .. P) (P 1 or 2) of R rows (1 or 2) into ys[j] (row stride ldy): one row two
+// panels at a time, two rows a panel at a time.
 template <int BITS>
 void factored_panels_avx2(const QuantPanel& q, const float* x, const float* xsums, const int64_t* panels,
                           float* const* ys, int P, int64_t ldy, int64_t R) {
-  const int64_t G = q.groups();
-  for (int j = 0; j < P; ++j) {
-    if (P == 2 && R == 1) {
-      factored_rows_avx2<BITS, 1, 2, 0, 2>(q, x, xsums, panels, ys, ldy);
-      return;
-    }
-    for (int64_t r = 0; r < R;) {
-      const float* xr = x + r * q.K;
-      const float* xs = xsums + r * G;
-      float* yr[1] = {ys[j] + r * ldy};
-      switch (std::min<int64_t>(4, R - r)) {
-        case 4:
-          factored_rows_avx2<BITS, 4, 1, 0, 1>(q, xr, xs, panels + j, yr, ldy);
-          factored_rows_avx2<BITS, 4, 1, 1, 1>(q, xr, xs, panels + j, yr, ldy);
-          r += 4;
-          break;
-        case 3:
-          factored_rows_avx2<BITS, 3, 1, 0, 1>(q, xr, xs, panels + j, yr, ldy);
-          factored_rows_avx2<BITS, 3, 1, 1, 1>(q, xr, xs, panels + j, yr, ldy);
-          r += 3;
-          break;
-        case 2: factored_rows_avx2<BITS, 2, 2, 0, 1>(q, xr, xs, panels + j, yr, ldy); r += 2; break;
-        default: factored_rows_avx2<BITS, 1, 2, 0, 1>(q, xr, xs, panels + j, yr, ldy); r += 1;
-      }
-    }
+  if (R == 2) {
+    for (int j = 0; j < P; ++j) factored_rows_avx2<BITS, 2, 1>(q, x, xsums, panels + j, ys + j, ldy);
+  } else if (P == 2) {
+    factored_rows_avx2<BITS, 1, 2>(q, x, xsums, panels, ys, ldy);
+  } else {
+    factored_rows_avx2<BITS, 1, 1>(q, x, xsums, panels, ys, ldy);
   }
 }
 
