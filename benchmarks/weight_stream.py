@@ -6,8 +6,10 @@ in one jitted call, through jaxllm's C++ GEMMs: bf16 panels (the float default o
 CPUs), 4-bit and 8-bit codes x bf16 activations (`matmul_quantized_bf16`: weight-only codes
 under dtype bfloat16, a GGUF's blocks by default; 4-bit ones also with the scales factored out of
 the sums, `factored=True`, and codes in [-32, 31] so as 8-bit codes, "q6 factored", and as 6-bit
-ones, "q6 six-bit"), 4-bit codes through the f32 weight-only
-kernel (`matmul_quantized`), f32 panels (the float32 dtype's GEMM, `csrc/gemm.cc`) and W8A8
+ones, "q6 six-bit"), 4-bit and 8-bit (Q6_K-like, in [-32, 31]) codes through the f32
+weight-only kernel (`matmul_quantized`, dequantizing each weight or, "factored", with the
+group scales factored out of the sums: the float32 engine's decodes on AVX2, whose code path
+the kernel takes on AVX-512 CPUs too), f32 panels (the float32 dtype's GEMM, `csrc/gemm.cc`) and W8A8
 (8-bit codes x int8 activations, `quantization="int8"`: the engine's weights, x scaled per block
 of up to 256 columns, and the same with a scale per row). Best of `--repeat` calls per row count;
 each path's GFLOP/s and its time against bf16's; at one row, the GB/s each path streams (its
@@ -53,6 +55,9 @@ PATHS = (
     "q6 factored",
     "q6 six-bit",
     "q4 f32 kernel",
+    "q4 f32 factored",
+    "q8 f32 kernel",
+    "q8 f32 factored",
     "f32",
     "w8a8",
     "w8a8 per row",
@@ -115,6 +120,9 @@ def main(argv=None) -> int:
             add("q6 factored", lambda: (jnp.asarray(gemm.pack_codes(c8 // 4, 8)), s, None))
             add("q6 six-bit", lambda: (jnp.asarray(gemm.pack_codes(c8 // 4, 6)), s, None))
             add("q4 f32 kernel", lambda: (jnp.asarray(gemm.pack_codes(c4, 4)), s, o))
+            add("q4 f32 factored", lambda: (jnp.asarray(gemm.pack_codes(c4, 4)), s, o))
+            add("q8 f32 kernel", lambda: (jnp.asarray(gemm.pack_codes(c8 // 4, 8)), s, None))
+            add("q8 f32 factored", lambda: (jnp.asarray(gemm.pack_codes(c8 // 4, 8)), s, None))
             add("q4 x int8", lambda: (jnp.asarray(gemm.pack_codes(c4, 4)), s, o))
             add("f32", lambda: jnp.asarray(gemm.pack_weight(w)))
             if {"w8a8", "w8a8 per row"} & set(paths):
@@ -130,6 +138,9 @@ def main(argv=None) -> int:
         "q6 factored": lambda h, w, sw: gemm.matmul_quantized_bf16(h, *w, 8, swiglu=sw, factored=True),
         "q6 six-bit": lambda h, w, sw: gemm.matmul_quantized_bf16(h, *w, 6, swiglu=sw, factored=True),
         "q4 f32 kernel": lambda h, w, sw: gemm.matmul_quantized(h, *w, 4, swiglu=sw),
+        "q4 f32 factored": lambda h, w, sw: gemm.matmul_quantized(h, *w, 4, swiglu=sw, factored=True),
+        "q8 f32 kernel": lambda h, w, sw: gemm.matmul_quantized(h, *w, 8, swiglu=sw),
+        "q8 f32 factored": lambda h, w, sw: gemm.matmul_quantized(h, *w, 8, swiglu=sw, factored=True),
         "q4 x int8": lambda h, w, sw: gemm.matmul_quantized(h, *w, 4, swiglu=sw, act8=True),
         "f32": lambda h, w, sw: gemm.matmul_packed(h, w, swiglu=sw),
         "w8a8": lambda h, w, sw: quant.matmul(h, w, swiglu=sw),

@@ -57,9 +57,9 @@ class LinearPlan:
         the packed bf16 GEMM's numbers), "factored" (as "bf16", but the codes' calls of up to 16
         rows factor the group scales out of their sums where the codes allow it: 4-bit ones, 8-bit
         ones in [-64, 63]; `EngineArgs.small_step_factored`), "float_factored" (x as it is, a
-        GGUF's codes in the f32 GEMM factoring likewise), "int8" (W8A8, or 4-bit codes x int8
-        rows). Applied where the weight's shape and bits allow it, else "float" ("factored" else
-        "bf16").
+        GGUF's codes in the f32 GEMM, whose calls of one or two rows factor likewise), "int8"
+        (W8A8, or 4-bit codes x int8 rows). Applied where the weight's shape and bits allow it,
+        else "float" ("factored" else "bf16").
     small_step_codes: a GGUF's codes kept beside the bf16 panels, for the steps of at most
         `quantization.SMALL_STEP_ROWS` rows.
     small_step_activations: what those codes multiply: "bf16" (the bf16 panels' numbers, bit for

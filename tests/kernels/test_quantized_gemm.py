@@ -345,11 +345,12 @@ def factored_case(bits: int, levels: int, n: int, rng):
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_matmul_quantized_factored_matches_numpy_and_each_row_alone(bits, levels, swiglu):
     # factored=True (float activations): calls of one or two rows take each group's scale and
-    # offset out of their sums (one row over two panels, and over the third alone; two rows a
-    # panel at a time). Within f32 rounding of the dequantized product, each row's numbers those
-    # of the row alone; from 3 rows the dequantized path.
+    # offset out of their sums (one row over two panels at once: a gate panel and its up panel,
+    # or two neighbours in the work items of 2 panels that 101 panels make, one of them alone;
+    # two rows a panel at a time). Within f32 rounding of the dequantized product, each row's
+    # numbers those of the row alone; from 3 rows the dequantized path.
     rng = np.random.default_rng(bits * 10 + levels)
-    packed, scales, w = factored_case(bits, levels, 64 if swiglu else 48, rng)
+    packed, scales, w = factored_case(bits, levels, 64 if swiglu else 16 * 101, rng)
     x = rng.standard_normal((17, w.shape[0])).astype(np.float32)
     ref = x.astype(np.float64) @ w
     if swiglu:

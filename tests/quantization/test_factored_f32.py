@@ -2,8 +2,8 @@
 group's scale and offset out of the sums of calls of one or two rows (`small_step_factored`, on
 by default there): the greedy outputs stay those of the unfactored codes (the dequantized
 weights' numbers, to f32 rounding), and the plan leaves the codes unfactored where it must
-(speculative decoding, whose checks of 3 rows and more dequantize). The kernel itself is checked against numpy in
-tests/kernels/test_quantized_gemm.py."""
+(speculative decoding, whose checks of 3 rows and more dequantize). The kernel itself is checked
+against numpy in tests/kernels/test_quantized_gemm.py."""
 
 from __future__ import annotations
 
