@@ -25,8 +25,7 @@ import numpy as np
 
 from jaxllm.models.decoder import ModelConfig, layer_kind
 from jaxllm.quantization.sharding import stack_stages
-from jaxllm.quantization.weights import permute_columns
-from jaxllm.quantization.weights import QuantizedWeight
+from jaxllm.quantization.weights import QuantizedWeight, permute_columns
 
 # Which dimension of each parameter (by name, in a layer or at the top) is split over the
 # tensor-parallel axis; parameters not listed are replicated.

@@ -143,17 +143,6 @@ void quant_panel_block_avx2(const QuantPanel& q, const float* x, int64_t p, floa
 constexpr int64_t kF32FactoredCallRows = 2;
 constexpr int kChains = 2;
 
-// Each row's sums of x [M, K] over each group of `group` columns: [M, K / group].
-inline void group_sums_f32(const float* x, int64_t M, int64_t K, int64_t group, std::vector<float>& out) {
-  out.resize(M * (K / group));
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t g = 0; g < K / group; ++g) {
-      float sum = 0.f;
-      for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += x[r * K + k];
-      out[r * (K / group) + g] = sum;
-    }
-}
-
 #if defined(JAXLLM_AVX2) && defined(__F16C__)  // (F16C: every AVX2 CPU jaxllm targets)
 #define JAXLLM_F32_FACTORED 1
 // A panel row's codes (at `row`) for columns 0-7 (half 0) or 8-15 (half 1) as f32.
@@ -163,20 +152,6 @@ inline __m256 codes_f32(const uint8_t* row, int half) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * half))));
   const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row)));
   return _mm256_cvtepi32_ps(half ? _mm256_srli_epi32(wide, 4) : _mm256_and_si256(wide, _mm256_set1_epi32(15)));
-}
-
-// 8 scales (or offsets) from element `at` of `scales` as f32 (two-level: int8 ones times their
-// f16 super-scales from `super_at` of `supers`; else f32 or f16): group_scales's numbers.
-inline __m256 scales_f32x8(const QuantPanel& q, const void* scales, const uint16_t* supers, int64_t at,
-                           int64_t super_at) {
-  if (supers) {
-    const __m128i sub = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(scales) + at));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sub)),
-                         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(supers + super_at))));
-  }
-  if (q.half)
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(scales) + at)));
-  return _mm256_loadu_ps(static_cast<const float*>(scales) + at);
 }
 
 // R rows of x (row stride K) against both column halves of P panels (P R <= 2), kChains sums
@@ -323,7 +298,7 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
 #ifdef JAXLLM_F32_FACTORED
   if (factored && g.M <= kF32FactoredCallRows && q.group % kChains == 0 && (path == kAuto || path >= kAvx2)) {
     std::vector<float> xsums;
-    group_sums_f32(g.x, g.M, g.K, q.group, xsums);
+    group_sums(g.x, g.M, g.K, q.group, xsums);
     parallel_for(pool, items.count, [&](int64_t item) {
       int64_t r0, r1, p0, p1;
       items.bounds(item, g.M, r0, r1, p0, p1);

@@ -64,7 +64,7 @@ struct CodesBf16Args {
   int64_t M, K, N;
   const LoraTerm* lora = nullptr;  // AMX only (gemm_bf16.cc's LoraTerm)
   bool factored = false;           // scales factored out (gemm_quant_factored.h; 8-bit codes in [-64, 63])
-  const float* xsums = nullptr;    // factored: [M, G], `factored_xsums`
+  const float* xsums = nullptr;    // factored: [M, G], `group_sums`
 };
 
 // Code c of row k, column col, of a panel's codes.
@@ -350,7 +350,7 @@ ffi::Error MatmulQuantBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, f
 #ifdef JAXLLM_AVX512_BF16
   a.factored = factored && a.M <= kFactoredCallRows && (path == kAuto || path >= kAvx512) && path != kAmx;
   if (a.factored) {
-    factored_xsums(a.x, a.M, a.K, q.group, xsums);
+    group_sums(a.x, a.M, a.K, q.group, xsums);
     a.xsums = xsums.data();
   }
 #endif

@@ -42,17 +42,6 @@ namespace {
 // A panel's block of 4 rows of K: 32 bytes of 4-bit codes, 48 of 6-bit ones, 64 of 8-bit ones.
 constexpr int64_t kBlockBytesOf(int bits) { return bits == 4 ? 32 : bits == 6 ? 48 : 64; }
 
-// Each row's sums of x (bf16 [M, K]) over each group of `group` columns, in f32: [M, K / group].
-inline void factored_xsums(const uint16_t* x, int64_t M, int64_t K, int64_t group, std::vector<float>& out) {
-  out.resize(M * (K / group));
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t g = 0; g < K / group; ++g) {
-      float sum = 0.f;
-      for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += to_f32(x[r * K + k]);
-      out[r * (K / group) + g] = sum;
-    }
-}
-
 #if defined(JAXLLM_AVX512_BF16) && defined(JAXLLM_AVX512_VBMI)
 #define JAXLLM_SIX_BIT_CODES 1  // 6-bit codes (JaxllmHasSixBitCodes)
 
@@ -117,7 +106,7 @@ constexpr int64_t kCodesPrefetch = 2048;
 
 // R rows against P panels (with SWIGLU the first P / 2 are gate panels, the rest their up
 // panels): y (or silu(gate) * up) at y + 16 p. xsums: each row's sums of x over each group
-// ([R][G], `factored_xsums`). Each panel's codes are asked into L2 kCodesPrefetch bytes ahead.
+// ([R][G], `group_sums`). Each panel's codes are asked into L2 kCodesPrefetch bytes ahead.
 template <int BITS, int R, int P, bool SWIGLU>
 __attribute__((noinline)) void codes_factored_rows(const QuantPanel& q, const uint32_t* __restrict x, int64_t ldx,
                                                    const float* __restrict xsums, const uint8_t* const* w,

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
+#include <vector>
 
 #include "gemm.cc"
 #include "parallel_for.h"
@@ -98,56 +99,41 @@ inline float half_to_f32(uint16_t h) {
   return f;
 }
 
-// Two-level scales at `at` (the int8 sub-scales) and `super_at` (their f16 super-scales).
-inline void two_level_scales(const QuantPanel& q, int64_t at, int64_t super_at, float* s, float* o) {
-  const auto* sub_s = static_cast<const int8_t*>(q.scale) + at;
-  const auto* sub_o = q.offset ? static_cast<const int8_t*>(q.offset) + at : nullptr;
 #if defined(__F16C__) && defined(__AVX2__)
-  auto scaled = [](const int8_t* sub, const uint16_t* sup, float* out) {
-    const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub));
-    const auto* h = reinterpret_cast<const __m128i*>(sup);
-    _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)),
-                                        _mm256_cvtph_ps(_mm_loadu_si128(h))));
-    _mm256_storeu_ps(out + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(codes, 8))),
-                                            _mm256_cvtph_ps(_mm_loadu_si128(h + 1))));
-  };
-  scaled(sub_s, q.super_scale + super_at, s);
-  if (q.offset)
-    scaled(sub_o, q.super_offset + super_at, o);
-  else
-    std::fill(o, o + kPanel, 0.f);
+// 8 scales (or offsets) from element `at` of `scales` as f32: two-level (`supers` given) int8
+// sub-scales times their f16 super-scales from `super_at` (exact in f32), else f32 or f16 ones.
+inline __m256 scales_f32x8(const QuantPanel& q, const void* scales, const uint16_t* supers, int64_t at,
+                           int64_t super_at) {
+  if (supers) {
+    const __m128i sub = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(scales) + at));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sub)),
+                         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(supers + super_at))));
+  }
+  if (q.half)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(scales) + at)));
+  return _mm256_loadu_ps(static_cast<const float*>(scales) + at);
+}
+#endif
+
+// Panel p's 16 scales (and offsets, zeros without them) of group g, as floats (two-level: each
+// int8 sub-scale times its f16 super-scale). f16 ones take F16C's conversion where the build has
+// it (every AVX2 CPU we meet): converted one at a time, they were most of a decode's quantized
+// GEMM (a 4-bit weight row of 16 columns costs a few instructions, and one group's 32
+// conversions come every 32 rows).
+inline void group_scales(const QuantPanel& q, int64_t g, int64_t p, float* s, float* o) {
+  const int64_t at = q.scale_at(g, p), super_at = q.super_scale ? q.super_at(g, p) : 0;
+#if defined(__F16C__) && defined(__AVX2__)
+  for (int64_t h = 0; h < kPanel; h += 8) {
+    _mm256_storeu_ps(s + h, scales_f32x8(q, q.scale, q.super_scale, at + h, super_at + h));
+    _mm256_storeu_ps(o + h, q.offset ? scales_f32x8(q, q.offset, q.super_offset, at + h, super_at + h)
+                                     : _mm256_setzero_ps());
+  }
 #else
   for (int64_t j = 0; j < kPanel; ++j) {
-    s[j] = static_cast<float>(sub_s[j]) * half_to_f32(q.super_scale[super_at + j]);
-    o[j] = q.offset ? static_cast<float>(sub_o[j]) * half_to_f32(q.super_offset[super_at + j]) : 0.f;
-  }
-#endif
-}
-
-// Panel p's 16 scales (and offsets, zeros without them) of group g, as floats. f16 ones take
-// F16C's conversion where the build has it (every AVX2 CPU we meet): converted one at a time,
-// they were most of a decode's quantized GEMM (a 4-bit weight row of 16 columns costs a few
-// instructions, and one group's 32 conversions come every 32 rows).
-inline void group_scales(const QuantPanel& q, int64_t g, int64_t p, float* s, float* o) {
-  const int64_t at = q.scale_at(g, p);
-  if (q.super_scale) return two_level_scales(q, at, q.super_at(g, p), s, o);
-#ifdef __F16C__
-  if (q.half) {
-    auto widen = [](const void* halves, int64_t at, float* out) {
-      const auto* h = reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(halves) + at);
-      _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(h)));
-      _mm256_storeu_ps(out + 8, _mm256_cvtph_ps(_mm_loadu_si128(h + 1)));
-    };
-    widen(q.scale, at, s);
-    if (q.offset)
-      widen(q.offset, at, o);
-    else
-      std::fill(o, o + kPanel, 0.f);
-    return;
-  }
-#endif
-  for (int64_t j = 0; j < kPanel; ++j) {
-    if (q.half) {
+    if (q.super_scale) {
+      s[j] = static_cast<const int8_t*>(q.scale)[at + j] * half_to_f32(q.super_scale[super_at + j]);
+      o[j] = q.offset ? static_cast<const int8_t*>(q.offset)[at + j] * half_to_f32(q.super_offset[super_at + j]) : 0.f;
+    } else if (q.half) {
       s[j] = half_to_f32(static_cast<const uint16_t*>(q.scale)[at + j]);
       o[j] = q.offset ? half_to_f32(static_cast<const uint16_t*>(q.offset)[at + j]) : 0.f;
     } else {
@@ -155,6 +141,20 @@ inline void group_scales(const QuantPanel& q, int64_t g, int64_t p, float* s, fl
       o[j] = q.offset ? static_cast<const float*>(q.offset)[at + j] : 0.f;
     }
   }
+#endif
+}
+
+// Each row's sums of x [M, K] (f32, or bf16 bits) over each group of `group` columns, in f32:
+// [M, K / group] (the offsets' terms of the GEMMs that factor their scales out of the sums).
+template <typename T>
+inline void group_sums(const T* x, int64_t M, int64_t K, int64_t group, std::vector<float>& out) {
+  out.resize(M * (K / group));
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < K / group; ++g) {
+      float sum = 0.f;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += to_f32(x[r * K + k]);
+      out[r * (K / group) + g] = sum;
+    }
 }
 
 #ifdef __AVX512F__
