@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -177,17 +178,25 @@ def with_repack_fallback(run, no_repack: bool) -> dict:
         return {**run(True), "repack_crashed": True}
 
 
-def llama_bench(bin_dir: str, path: str, threads: int, args: list[str], no_repack: bool) -> tuple[list[dict], int]:
-    """`llama-bench` with `args` under /usr/bin/time: (its JSON rows, its peak RSS in bytes)."""
-    bench = subprocess.run(
-        ["/usr/bin/time", "-f", "maxrss_kib %M", os.path.join(bin_dir, "llama-bench"), "-m", path]
-        + ["-t", str(threads), *args, "-o", "json"]
-        + (["--repack", "0"] if no_repack else []),
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(bench.stdout), 1024 * int(bench.stderr.rsplit("maxrss_kib", 1)[1].split()[0])
+def llama_bench(
+    bin_dir: str, path: str, threads: int, args: list[str], no_repack: bool, timeout: float | None = None
+) -> tuple[list[dict], int]:
+    """`llama-bench` with `args` under /usr/bin/time: (its JSON rows, its peak RSS in bytes).
+    Past `timeout` seconds the run is killed (its whole process group) and TimeoutExpired raised."""
+    command = ["/usr/bin/time", "-f", "maxrss_kib %M", os.path.join(bin_dir, "llama-bench"), "-m", path]
+    command += ["-t", str(threads), *args, "-o", "json"] + (["--repack", "0"] if no_repack else [])
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as bench:
+        try:
+            stdout, stderr = bench.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(bench.pid, signal.SIGKILL)  # (llama-bench is /usr/bin/time's child)
+            bench.communicate()
+            raise
+    if bench.returncode:
+        raise subprocess.CalledProcessError(bench.returncode, command, stdout, stderr)
+    return json.loads(stdout), 1024 * int(stderr.rsplit("maxrss_kib", 1)[1].split()[0])
 
 
 def run_llama_cpp(bin_dir: str, path: str, threads: int, no_repack: bool) -> dict:
@@ -256,11 +265,19 @@ def long_prompt(tokenizer, length: int) -> list[int]:
 
 
 def run_long(
-    model: str, lengths: list[int], engine_args: dict, bin_dir: str | None, threads: int, no_repack: bool
+    model: str,
+    lengths: list[int],
+    engine_args: dict,
+    bin_dir: str | None,
+    threads: int,
+    no_repack: bool,
+    peer_limit: float | None = None,
 ) -> list[dict]:
     """Time to first token of prompts of `lengths` tokens: jaxllm with its defaults (a context of
     the longest plus a few tokens), then llama-bench's pp of each length (`-r 1`, with its peak
-    RSS), and jaxllm's peak RSS against the weights and KV pool it reports."""
+    RSS), and jaxllm's peak RSS against the weights and KV pool it reports. `peer_limit`: stop
+    llama.cpp's run after that many times jaxllm's time and record the ratio as a lower bound
+    (`ratio_at_least`): at 32k tokens llama.cpp takes the better part of an hour."""
     # (no prefix caching: the longer prompts begin with the shorter ones)
     llm = LLM(model, max_model_len=max(lengths) + 16, enable_prefix_caching=False, **engine_args)
     llm.engine.wait_compiled()  # (steps of a new context length compile in the background first)
@@ -280,14 +297,19 @@ def run_long(
     path = catalog.path_of(model) or model
     for row in rows if bin_dir else []:
         n = row["tokens"]
+        limit = peer_limit * row["jaxllm_ttft_s"] if peer_limit else None
 
-        def pp(no_repack: bool) -> dict:
-            (result,), rss = llama_bench(bin_dir, path, threads, ["-p", str(n), "-n", "0", "-r", "1"], no_repack)
+        def pp(no_repack: bool, n=n, limit=limit) -> dict:
+            args = ["-p", str(n), "-n", "0", "-r", "1"]
+            (result,), rss = llama_bench(bin_dir, path, threads, args, no_repack, timeout=limit)
             tok_s = result["avg_ts"]
             return {"llama_cpp_ttft_s": n / tok_s, "llama_cpp_tok_s": tok_s, "llama_cpp_peak_rss_bytes": rss}
 
-        row |= with_repack_fallback(pp, no_repack)
-        row["ratio"] = row["jaxllm_tok_s"] / row["llama_cpp_tok_s"]
+        try:
+            row |= with_repack_fallback(pp, no_repack)
+            row["ratio"] = row["jaxllm_tok_s"] / row["llama_cpp_tok_s"]
+        except subprocess.TimeoutExpired:
+            row |= {"llama_cpp_ttft_s_over": limit, "ratio_at_least": peer_limit}
         print(json.dumps(row), flush=True)
     return [{**memory, **row} for row in rows]
 
@@ -318,6 +340,13 @@ def main() -> int:
     ap.add_argument(
         "--long", default=None, metavar="N,N", help="time to first token of long prompts (e.g. 8192,32000) instead"
     )
+    ap.add_argument(
+        "--peer-limit",
+        type=float,
+        default=None,
+        metavar="X",
+        help="with --long: stop llama.cpp after X times jaxllm's time to the first token (the ratio a lower bound)",
+    )
     args = ap.parse_args()
     path = catalog.path_of(args.model) or args.model
     machine = machine_info()
@@ -337,7 +366,15 @@ def main() -> int:
     bin_dir = ensure_tools() if args.llama_bin == "auto" else None if args.llama_bin == "none" else args.llama_bin
     if args.long:
         lengths = [int(n) for n in args.long.split(",")]
-        rows = run_long(args.model, lengths, json.loads(args.engine_args), bin_dir, args.threads, args.llama_no_repack)
+        rows = run_long(
+            args.model,
+            lengths,
+            json.loads(args.engine_args),
+            bin_dir,
+            args.threads,
+            args.llama_no_repack,
+            args.peer_limit,
+        )
         if args.out:
             write_result(args.out, {**result, "long": rows})
         return 0

@@ -9,16 +9,19 @@ the sums, `factored=True`, and codes in [-32, 31] so as 8-bit codes, "q6 factore
 ones, "q6 six-bit"), 4-bit and 8-bit (Q6_K-like, in [-32, 31]) codes through the f32
 weight-only kernel (`matmul_quantized`, dequantizing each weight or, "factored", with the
 group scales factored out of the sums: the float32 engine's decodes on AVX2, whose code path
-the kernel takes on AVX-512 CPUs too), f32 panels (the float32 dtype's GEMM, `csrc/gemm.cc`) and W8A8
-(8-bit codes x int8 activations, `quantization="int8"`: the engine's weights, x scaled per block
-of up to 256 columns, and the same with a scale per row). Best of `--repeat` calls per row count;
-each path's GFLOP/s and its time against bf16's; at one row, the GB/s each path streams (its
-weights' bytes, scales included, over the time).
+the kernel takes on AVX-512 CPUs too), 4-bit codes x int8 rows ("q4 x int8", `act8=True`:
+llama.cpp's scheme, the codes in `quads`; "q4 x int8 avx2" its AVX2 kernel), f32 panels (the
+float32 dtype's GEMM, `csrc/gemm.cc`) and W8A8 (8-bit codes x int8 activations,
+`quantization="int8"`: the engine's weights, x scaled per block of up to 256 columns, and the
+same with a scale per row). Best of `--repeat` calls per row count; each path's GFLOP/s and its
+time against the first path's; at one row, the GB/s each path streams (its weights' bytes,
+scales included, over the time).
 
     python benchmarks/weight_stream.py --rows 1,4,16,64,512 --out /tmp/stream.json
     python benchmarks/weight_stream.py --model qwen2.5-coder-1.5b --rows 1,4 --paths "q4 x bf16,q4 f32 kernel"
 
-Needs AVX512_BF16 (the bf16 paths); random weights and codes (timing only).
+The bf16 paths need AVX512_BF16 (under `benchmarks/as_avx2.sh`, list others only); random
+weights and codes (timing only).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ PATHS = (
     "q4 x bf16",
     "q4 factored",
     "q4 x int8",
+    "q4 x int8 avx2",
     "q8 x bf16",
     "q6 factored",
     "q6 six-bit",
@@ -62,6 +66,7 @@ PATHS = (
     "w8a8",
     "w8a8 per row",
 )
+BF16_PATHS = ("bf16", "q4 x bf16", "q4 factored", "q8 x bf16", "q6 factored", "q6 six-bit")
 
 
 def chain(matmul, layers: int, shapes: list):
@@ -92,14 +97,15 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    if not native.has_bf16_dots():
-        raise SystemExit("this CPU has no AVX512_BF16 dots (or no C++ kernels): nothing to compare")
     machine = machine_info()
     print(cpu_line(machine), flush=True)
     layers, shapes = MODELS[args.model]
     paths = args.paths.split(",")
-    if not set(paths) <= set(PATHS) or "bf16" not in paths:
-        raise SystemExit(f"--paths: bf16 and any of {', '.join(PATHS)}")
+    if not set(paths) <= set(PATHS):
+        raise SystemExit(f"--paths: any of {', '.join(PATHS)}")
+    if any(p in BF16_PATHS for p in paths) and not native.has_bf16_dots():
+        raise SystemExit(f"this CPU has no AVX512_BF16 dots (or no C++ kernels): no {', '.join(BF16_PATHS)}")
+    base = paths[0]
     rng = np.random.default_rng(0)
     weights = {name: [] for name in paths}
 
@@ -123,7 +129,8 @@ def main(argv=None) -> int:
             add("q4 f32 factored", lambda: (jnp.asarray(gemm.pack_codes(c4, 4)), s, o))
             add("q8 f32 kernel", lambda: (jnp.asarray(gemm.pack_codes(c8 // 4, 8)), s, None))
             add("q8 f32 factored", lambda: (jnp.asarray(gemm.pack_codes(c8 // 4, 8)), s, None))
-            add("q4 x int8", lambda: (jnp.asarray(gemm.pack_codes(c4, 4)), s, o))
+            add("q4 x int8", lambda: (jnp.asarray(gemm.pack_codes(c4, 4, quads=True)), s, o))
+            add("q4 x int8 avx2", lambda: (jnp.asarray(gemm.pack_codes(c4, 4, quads=True)), s, o))
             add("f32", lambda: jnp.asarray(gemm.pack_weight(w)))
             if {"w8a8", "w8a8 per row"} & set(paths):
                 q = quant.make_weight(w, "w8a8", panels=True, activations="int8")
@@ -142,6 +149,7 @@ def main(argv=None) -> int:
         "q8 f32 kernel": lambda h, w, sw: gemm.matmul_quantized(h, *w, 8, swiglu=sw),
         "q8 f32 factored": lambda h, w, sw: gemm.matmul_quantized(h, *w, 8, swiglu=sw, factored=True),
         "q4 x int8": lambda h, w, sw: gemm.matmul_quantized(h, *w, 4, swiglu=sw, act8=True),
+        "q4 x int8 avx2": lambda h, w, sw: gemm.matmul_quantized(h, *w, 4, swiglu=sw, act8=True, path="avx2"),
         "f32": lambda h, w, sw: gemm.matmul_packed(h, w, swiglu=sw),
         "w8a8": lambda h, w, sw: quant.matmul(h, w, swiglu=sw),
         "w8a8 per row": lambda h, w, sw: quant.matmul(h, w, swiglu=sw),
@@ -150,7 +158,7 @@ def main(argv=None) -> int:
     nbytes = {name: sum(a.nbytes for a in jax.tree_util.tree_leaves(weights[name])) for name in paths}
     flops_per_row = 2 * layers * sum(k * n for k, n, _ in shapes)
     rows = []
-    print("| rows | " + " | ".join(f"{name} ms (GFLOP/s)" for name in calls) + " | vs bf16 |", flush=True)
+    print("| rows | " + " | ".join(f"{name} ms (GFLOP/s)" for name in calls) + f" | vs {base} |", flush=True)
     for m in (int(r) for r in args.rows.split(",")):
         x = jnp.asarray(rng.standard_normal((m, shapes[0][0])).astype(np.float32))
         best = {}
@@ -173,7 +181,7 @@ def main(argv=None) -> int:
             f"| {m} | "
             + " | ".join(f"{1e3 * t:.2f} ({m * flops_per_row / t / 1e9:.0f})" for t in best.values())
             + " | "
-            + " / ".join(f"{best['bf16'] / t:.2f}x" for name, t in best.items() if name != "bf16")
+            + " / ".join(f"{best[base] / t:.2f}x" for name, t in best.items() if name != base)
             + " |",
             flush=True,
         )

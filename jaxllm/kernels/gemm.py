@@ -160,7 +160,9 @@ def lora_shrink(x: jax.Array, token_slots: jax.Array, a_packed, num_slots: int, 
     )
 
 
-def pack_codes(codes: np.ndarray, bits: int, w8a8: bool = False, pairs: bool = False) -> np.ndarray:
+def pack_codes(
+    codes: np.ndarray, bits: int, w8a8: bool = False, pairs: bool = False, quads: bool = False
+) -> np.ndarray:
     """Integer codes [K, N] (int8 for 8 bits, 0..15 for 4 bits, -32..31 for 6 bits) as the panels
     `matmul_quantized` reads: int8 [N / 16, K, 16], or for 4 bits uint8 [N / 16, K, 8] with
     column j of a panel in byte j's low nibble and column j + 8 in its high nibble. `w8a8` (8
@@ -169,11 +171,18 @@ def pack_codes(codes: np.ndarray, bits: int, w8a8: bool = False, pairs: bool = F
     the int8 dot instructions take them. `pairs` (4 bits, K a multiple of 4: the codes of
     `matmul_quantized_bf16`): uint8 [N / 16, K / 4, 32], a block of 4 rows of a panel in 32 bytes, byte
     2 c + t holding row 4 b + t of column c in its low nibble and row 4 b + 2 + t in its high one.
-    6 bits (K a multiple of 4, for `matmul_quantized_bf16` only): `six_bit_blocks`."""
+    `quads` (4 bits, K a multiple of 8: the codes of `act8=True`): uint8 [N / 16, K, 8], 8 rows
+    of a panel in 64 bytes, byte 4 c + j holding row 8 b + j of column c in its low nibble and
+    row 8 b + 4 + j in its high one (masked, each nibble half is the 16 columns' 4 codes side by
+    side, as the int8 dot instructions take them). 6 bits (K a multiple of 4, for
+    `matmul_quantized_bf16` only): `six_bit_blocks`."""
     if bits == 6:
         return six_bit_blocks(pack_codes(np.asarray(codes, np.int8), 8))
     k, n = codes.shape
     panels = np.asarray(codes).reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
+    if quads:
+        u = panels.astype(np.uint8).reshape(n // PANEL, k // 8, 2, 4, PANEL).transpose(0, 1, 2, 4, 3)
+        return np.ascontiguousarray((u[:, :, 0] | (u[:, :, 1] << 4)).reshape(n // PANEL, k, PANEL // 2))
     if pairs:
         u = panels.astype(np.uint8).reshape(n // PANEL, k // 4, 2, 2, PANEL).transpose(0, 1, 2, 4, 3)
         u = u.reshape(n // PANEL, k // 4, 2, 2 * PANEL)
@@ -184,6 +193,15 @@ def pack_codes(codes: np.ndarray, bits: int, w8a8: bool = False, pairs: bool = F
         return np.ascontiguousarray(panels, np.int8)
     u = panels.astype(np.uint8)
     return np.ascontiguousarray(u[..., : PANEL // 2] | (u[..., PANEL // 2 :] << 4))
+
+
+def quads_from_panels(panels: np.ndarray) -> np.ndarray:
+    """4-bit panels of `pack_codes` (uint8 [N / 16, K, 8]) in its `quads` order, panel by panel
+    (as `pairs_from_panels`)."""
+    p, k, half = panels.shape
+    x = panels.reshape(p, k // 8, 2, 4, half)  # rows 8 b + 4 h + j; byte c: columns c (low), c + 8 (high)
+    cols = np.concatenate([x & 15, x >> 4], axis=-1).transpose(0, 1, 2, 4, 3)  # [P, K / 8, h, column, j]
+    return np.ascontiguousarray((cols[:, :, 0] | (cols[:, :, 1] << 4)).reshape(p, k, half))
 
 
 def pairs_from_panels(panels: np.ndarray) -> np.ndarray:

@@ -59,7 +59,8 @@ How a quantized weight is multiplied (`matmul`):
   `vpdpbusd`), scaling once a group: about 1.3x the weight-only panels' speed on AVX2 from 16
   rows up, 310-510 GFLOP/s on Zen 4, at a perplexity cost (benchmarks/results/zen4/RESULTS.md).
   With small-step codes it applies to the small steps' 4-bit layer codes only
-  (`LinearPlan.small_step_activations`); with AVX512_VBMI their 1-4 rows read the codes as packed.
+  (`LinearPlan.small_step_activations`). The codes are repacked in `quads` (`gemm.pack_codes`),
+  which every kernel path reads as they lie.
   `EngineArgs.small_step_factored` instead has those 4-bit codes factor each group's scale and
   offset out of their bf16 dot products (`QuantizedWeight.factored`, csrc/gemm_quant_factored.h),
   as it has a GGUF's 4-bit codes serving alone under bf16 without AMX, in calls of up to 16 rows

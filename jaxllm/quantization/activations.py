@@ -13,15 +13,21 @@ import numpy as np
 from jaxllm.quantization.weights import QuantizedWeight
 
 
-def with_int8_activations(w: QuantizedWeight) -> QuantizedWeight:
-    """w set to multiply int8-quantized activations (`gemm.matmul_quantized(..., act8=True)`)
-    where the C++ GEMM can: 4-bit codes in panels, groups a multiple of 32 rows; else w as it is."""
+def with_int8_activations(w: QuantizedWeight, device=None) -> QuantizedWeight:
+    """w set to multiply int8-quantized activations (`gemm.matmul_quantized(..., act8=True)`, on
+    `device`) where the C++ GEMM can: 4-bit codes in panels, groups a multiple of 32 rows (the
+    codes repacked in `quads`, as the int8 dot instructions read them); else w as it is."""
     from jaxllm.kernels import gemm
 
     k, _ = w.shape
     if w.layout != "panels" or w.bits != 4 or w.perm is not None or (k // w.groups) % gemm.ACT_GROUP:
         return w
-    return dataclasses.replace(w, activations="int8")
+    if w.activations == "int8":
+        return w
+    if w.activations != "float":
+        raise ValueError(f"with_int8_activations: codes for {w.activations} activations, not the float panels")
+    codes = gemm.quads_from_panels(np.asarray(w.codes))
+    return dataclasses.replace(w, codes=jax.device_put(codes, device), activations="int8")
 
 
 def with_bf16_activations(w: QuantizedWeight, device=None) -> QuantizedWeight:

@@ -12,9 +12,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.quantization.weights import QuantizedWeight, _pack_plain_int4, two_level, widest_format
+from jaxllm.quantization.weights import QuantizedWeight, _pack_plain_int4, two_level
 
 logger = logging.getLogger(__name__)
+
+
+def widest_format(parts: list[tuple]) -> tuple | None:
+    """The one format that holds each of `parts` ((bits, groups, scale dtype, has an offset) per
+    quantized matrix) exactly: 8-bit codes when any has them, the finest groups, f32 scales unless
+    all are f16, offsets when any has them -> (bits, groups, scale dtype, offsets); None when the
+    group counts do not all divide the finest."""
+    bits, groups = max(p[0] for p in parts), max(p[1] for p in parts)
+    if any(groups % p[1] for p in parts):
+        return None
+    dtype = np.float16 if all(np.dtype(p[2]) == np.float16 for p in parts) else np.float32
+    return bits, groups, dtype, any(p[3] for p in parts)
 
 
 @dataclasses.dataclass
@@ -114,7 +126,7 @@ def dense(w) -> np.ndarray:
 
 def concat_rows(parts: list) -> QuantizedRows | np.ndarray:
     """Parts of one fused matrix concatenated along `out`. Quantized parts of different formats
-    (as a GGUF's Q4_K q/k with its Q6_K v) share the widest (`weights.widest_format`). Float
+    (as a GGUF's Q4_K q/k with its Q6_K v) share the widest (`widest_format`). Float
     parts, act-order parts with different orders, or group counts that do not divide, make the
     whole float."""
     if not all(isinstance(p, QuantizedRows) for p in parts):

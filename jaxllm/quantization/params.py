@@ -45,7 +45,7 @@ def quantize_params(params: dict, cfg, plan, *, device=None, parts=None) -> dict
                 np.asarray(w, np.float32), lp.codes, panels=lp.kernel == "cpp", activations=activations, device=device
             )
         if lp.activations == "int8":
-            return with_int8_activations(w)
+            return with_int8_activations(w, device)
         if lp.activations == "float_factored":
             return with_factored(w, device)
         # (A 4-bit embedding table keeps its layout: its rows are looked up from the panels.)

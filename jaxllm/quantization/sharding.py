@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxllm.quantization.checkpoint import widest_format
 from jaxllm.quantization.weights import (
     METHODS,
     QuantizedWeight,
@@ -16,7 +17,6 @@ from jaxllm.quantization.weights import (
     flat_scales,
     quantize_matrix,
     w8a8_act_group,
-    widest_format,
 )
 
 

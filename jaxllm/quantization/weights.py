@@ -31,7 +31,8 @@ class QuantizedWeight:
         (column j in the low nibble, column j + N / 2 in the high one);
         `layout="panels"`: as `kernels.gemm.pack_codes` lays them out for the C++ GEMM (with
         `w8a8=True` for 8-bit codes that multiply int8 activations: `_w8a8_panels`; with
-        `pairs=True` for 4-bit codes that multiply bf16 activations: `_bf16_pairs`; `bits=6`:
+        `pairs=True` for 4-bit codes that multiply bf16 activations: `_bf16_pairs`; with
+        `quads=True` for 4-bit codes that multiply int8 activations: `_int8_quads`; `bits=6`:
         8-bit codes within [-32, 31] in 6 bits, `gemm.six_bit_blocks`, for bf16 activations only,
         made by `with_factored`).
     scale, offset: [G, N], f32 (8 bits) or f16 (4 bits); offset is None for symmetric codes
@@ -229,18 +230,6 @@ def _fits_panels(k: int, n: int, activations: str) -> bool:
     return gemm.packable((k, n)) and (activations == "float" or (k % 4 == 0 and k <= gemm.W8A8_MAX_K))
 
 
-def widest_format(parts: list[tuple]) -> tuple | None:
-    """The one format that holds each of `parts` ((bits, groups, scale dtype, has an offset) per
-    quantized matrix) exactly: 8-bit codes when any has them, the finest groups, f32 scales unless
-    all are f16, offsets when any has them -> (bits, groups, scale dtype, offsets); None when the
-    group counts do not all divide the finest."""
-    bits, groups = max(p[0] for p in parts), max(p[1] for p in parts)
-    if any(groups % p[1] for p in parts):
-        return None
-    dtype = np.float16 if all(np.dtype(p[2]) == np.float16 for p in parts) else np.float32
-    return bits, groups, dtype, any(p[3] for p in parts)
-
-
 def _unpacked_codes(w: QuantizedWeight, xp=jnp):
     """The codes [..., K, N], one a byte, as `xp` (jnp inside a step, numpy on the host) arrays."""
     c = xp.asarray(w.codes)
@@ -249,11 +238,12 @@ def _unpacked_codes(w: QuantizedWeight, xp=jnp):
 
         c = gemm.six_bit_codes(c, xp)
         return xp.transpose(c, (1, 0, 2)).reshape(c.shape[1], -1)
-    if _bf16_pairs(w):  # [P, K / 4, 16 x 2] -> [P, K / 4, 2 halves, 2 rows, 16] -> [K, N]
-        p, blocks, _ = c.shape
-        c = xp.stack([c & 15, c >> 4], axis=2).reshape(p, blocks, 2, _PANEL, 2)
-        c = xp.transpose(c, (0, 1, 2, 4, 3)).reshape(p, 4 * blocks, _PANEL)
-        return xp.transpose(c, (1, 0, 2)).reshape(4 * blocks, -1)
+    if _bf16_pairs(w) or _int8_quads(w):  # [P, K / 2r, 16 r] -> [P, K / 2r, 2 halves, 16, r] -> [K, N]
+        r, p, k = 2 if _bf16_pairs(w) else 4, c.shape[0], c[0].size // 8
+        c = c.reshape(p, k // (2 * r), _PANEL * r)
+        c = xp.stack([c & 15, c >> 4], axis=2).reshape(p, k // (2 * r), 2, _PANEL, r)
+        c = xp.transpose(c, (0, 1, 2, 4, 3)).reshape(p, k, _PANEL)
+        return xp.transpose(c, (1, 0, 2)).reshape(k, -1)
     if w.layout == "panels":
         if w.bits == 4:
             c = xp.concatenate([c & 15, c >> 4], axis=-1)
@@ -273,6 +263,12 @@ def _bf16_pairs(w: QuantizedWeight) -> bool:
     """Whether w's codes are 4-bit panels in the row-pairs order of the bf16 C++ GEMM
     (`kernels.gemm.matmul_quantized_bf16`; its 8-bit codes are the usual panels)."""
     return w.layout == "panels" and w.bits == 4 and w.activations == "bf16"
+
+
+def _int8_quads(w: QuantizedWeight) -> bool:
+    """Whether w's codes are 4-bit panels in the order of `pack_codes(..., quads=True)`, for int8
+    activations (`matmul_quantized(..., act8=True)`)."""
+    return w.layout == "panels" and w.bits == 4 and w.activations == "int8"
 
 
 def _w8a8_panels(w: QuantizedWeight) -> bool:
@@ -435,7 +431,7 @@ def embedding_rows(w: QuantizedWeight, token_ids: jax.Array) -> jax.Array:
     """Rows [T, K] f32 of a tied embedding table stored as its LM head (token t is column t)."""
     t = token_ids
     c = w.codes
-    assert not _bf16_pairs(w), "bf16 pairs are for layer matrices, not embedding tables"
+    assert not (_bf16_pairs(w) or _int8_quads(w)), "pairs and quads are for layer matrices, not embedding tables"
     if w.layout == "panels":
         col = t % 16
         if w.bits == 6:  # the tokens' panels' codes [T, K, 16], then each token's column
@@ -479,7 +475,8 @@ def relayout(w: QuantizedWeight, panels: bool, device=None) -> QuantizedWeight:
     codes = _unpacked_codes(w, np)  # on the host: jnp ops here would compile a program per shape
     bias = _w8a8_bias(codes, w.act_group) if panels and w.bits == 8 and w.activations == "int8" else None
     if panels:
-        codes = gemm.pack_codes(codes, w.bits, w8a8=w.activations == "int8")
+        int8 = w.activations == "int8"
+        codes = gemm.pack_codes(codes, w.bits, w8a8=int8 and w.bits == 8, quads=int8 and w.bits == 4)
     elif w.bits == 4:
         codes = _pack_plain_int4(codes)
     layout = "panels" if panels else "plain"

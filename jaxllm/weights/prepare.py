@@ -201,7 +201,7 @@ def small_step_params(params: dict, device, codes: bool = True, int8=(), factore
             big = put(np.ascontiguousarray(dense.T) if table else dense)
         tree_big[name] = big
         if name in int8 and w.bits == 4:
-            q = with_int8_activations(relayout(w, True, device))
+            q = with_int8_activations(relayout(w, True, device), device)
         elif name in factored:
             q = with_factored(q, device)
         # (a 4-bit embedding table's rows are looked up from its plain panels: the bf16 one serves)

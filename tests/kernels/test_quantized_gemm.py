@@ -126,7 +126,7 @@ def test_matmul_quantized_int8_activations_matches_numpy(rows, groups, with_offs
     scale = (rng.random((groups, n)) * 0.3).astype(scale_dtype)
     offset = rng.standard_normal((groups, n)).astype(scale_dtype) if with_offset else None
     ref = act8_reference(x, codes, scale, offset)
-    packed = gemm.pack_codes(codes, 4)
+    packed = gemm.pack_codes(codes, 4, quads=True)
     for path in ("auto", *native.kernel_paths()):
         y = jax.jit(functools.partial(gemm.matmul_quantized, bits=4, path=path, act8=True))(
             x, packed, P(scale), P(offset)
@@ -153,7 +153,7 @@ def test_matmul_quantized_int8_activations_two_level_scales(rows):
     sup_o = (rng.random((groups // 4, n)) * 0.01).astype(np.float16)
     scale = sub_s.astype(np.float32) * np.repeat(sup_s.astype(np.float32), 4, 0)
     offset = sub_o.astype(np.float32) * np.repeat(sup_o.astype(np.float32), 4, 0)
-    packed = gemm.pack_codes(codes, 4)
+    packed = gemm.pack_codes(codes, 4, quads=True)
     for swiglu in (False, True):
         for path in ("auto", *native.kernel_paths()):
             call = functools.partial(gemm.matmul_quantized, bits=4, path=path, act8=True, swiglu=swiglu)
@@ -167,6 +167,29 @@ def test_matmul_quantized_int8_activations_two_level_scales(rows):
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+def test_with_int8_activations_repacks_codes_in_quads():
+    # The quads order holds the same codes (unpacked, dequantized, shape) as the float panels,
+    # repacked panel by panel as packing them afresh, and multiplies as act8_reference says.
+    from jaxllm.quantization.activations import with_int8_activations
+    from jaxllm.quantization.weights import _unpacked_codes, dequantize, group_scales, make_weight, matmul
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((64, 48)).astype(np.float32)
+    q = make_weight(w, "int4", panels=True, activations="float")
+    p = with_int8_activations(q)
+    assert p.activations == "int8" and p.shape == q.shape == (64, 48)
+    codes = _unpacked_codes(q, np)
+    np.testing.assert_array_equal(_unpacked_codes(p, np), codes)
+    np.testing.assert_array_equal(np.asarray(p.codes), gemm.pack_codes(codes, 4, quads=True))
+    assert not np.array_equal(np.asarray(p.codes), np.asarray(q.codes))
+    np.testing.assert_array_equal(dequantize(p), dequantize(q))
+    assert with_int8_activations(p) is p
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    scale, offset = (np.asarray(a) for a in group_scales(q, np))
+    ref = act8_reference(x, codes, scale, offset)
+    np.testing.assert_allclose(jax.jit(matmul)(x, p), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
 @pytest.mark.parametrize("rows", [2, 7])
 def test_matmul_quantized_int8_activations_swiglu_and_live_rows(rows):
     rng = np.random.default_rng(rows)
@@ -177,7 +200,7 @@ def test_matmul_quantized_int8_activations_swiglu_and_live_rows(rows):
     offset = rng.standard_normal((2, n)).astype(np.float16)
     g, u = np.split(act8_reference(x, codes, scale, offset), 2, axis=1)
     ref = g / (1 + np.exp(-g)) * u
-    packed = gemm.pack_codes(codes, 4)
+    packed = gemm.pack_codes(codes, 4, quads=True)
     for path in ("auto", *native.kernel_paths()):
         y = jax.jit(functools.partial(gemm.matmul_quantized, bits=4, path=path, swiglu=True, act8=True))(
             x, packed, P(scale), P(offset)

@@ -53,6 +53,16 @@ void quantize_rows(const float* x, int64_t r0, int64_t r1, int64_t K, int8_t* q,
   }
 }
 
+// The codes' order (`pack_codes(codes, 4, quads=True)`): a panel's 8 rows of K (k = 8 b + t) in
+// 64 bytes, byte 4 c + j holding column c's code of row 8 b + j in its low nibble and of row
+// 8 b + 4 + j in its high one. Masked, the low nibbles are the 16 columns' 4 codes of rows
+// 8 b .. 8 b + 3 side by side, as the int8 dot instructions take them (and the high ones those
+// of rows 8 b + 4 .. 8 b + 7): the kernels read the codes as they lie, with no unpacked copy.
+inline uint8_t quad_code(const uint8_t* codes, int64_t k, int64_t c) {
+  const uint8_t byte = codes[k / 8 * 64 + 4 * c + k % 4];
+  return k % 8 < 4 ? byte & 15 : byte >> 4;
+}
+
 void q4a8_rows_portable(const QuantPanel& q, const ActQ8& a, int64_t p, float* y, int64_t ldy, int64_t R) {
   const uint8_t* codes = static_cast<const uint8_t*>(q.codes) + p * q.K * (kPanel / 2);
   float s[kPanel], o[kPanel];
@@ -63,70 +73,51 @@ void q4a8_rows_portable(const QuantPanel& q, const ActQ8& a, int64_t p, float* y
     for (int64_t i = 0; i < R; ++i) {
       for (int64_t j = 0; j < kPanel; ++j) {
         int32_t isum = 0;
-        for (int64_t k = k0; k < k0 + kActGroup; ++k) {
-          const uint8_t byte = codes[k * (kPanel / 2) + j % 8];
-          isum += (j < 8 ? byte & 15 : byte >> 4) * a.q[i * a.K + k];
-        }
+        for (int64_t k = k0; k < k0 + kActGroup; ++k) isum += quad_code(codes, k, j) * a.q[i * a.K + k];
         y[i * ldy + j] += isum * (s[j] * a.d[i * a.groups + b]) + o[j] * a.s[i * a.groups + b];
       }
     }
   }
 }
 
-#ifdef JAXLLM_AVX2
-// Panel p as q4a8_rows_avx2 reads it: `out` per 4 rows of K 32 bytes for columns 0-7, then 32
-// for columns 8-15, each column's 4 codes side by side (one byte each); `scales` per group its
-// 16 scales then 16 offsets, as floats. The 32 code bytes of 4 rows (8 a row, two columns a
-// byte) are split into nibbles and transposed by vpermd + vpshufb.
-void q4a8_unpack_panel_avx2(const QuantPanel& q, int64_t p, uint8_t* out, float* scales) {
-  for (int64_t g = 0; g < q.K / q.group; ++g)
-    group_scales(q, g, p, scales + g * 2 * kPanel, scales + (g * 2 + 1) * kPanel);
-  const __m256i low4 = _mm256_set1_epi8(15);
-  const __m256i by_column = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-  const __m256i transpose = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
-                                             0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  const uint8_t* codes = static_cast<const uint8_t*>(q.codes) + p * q.K * (kPanel / 2);
-  for (int64_t k = 0; k < q.K; k += 4) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + k * (kPanel / 2)));
-    const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k * kPanel),
-                        _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(lo, by_column), transpose));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k * kPanel + 32),
-                        _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(hi, by_column), transpose));
-  }
-}
+// How far ahead in a panel's codes a line is asked into L2 (prefetcht1, once a 64-byte line).
+constexpr int64_t kQuadsPrefetch = 2048;
 
-// R rows of y, panel p's 16 columns, from the unpacked panel: per 4 rows of K one broadcast of
-// 4 bytes of q meets 8 columns x 4 codes in each vpmaddubsw. 2R int16 sums stay in registers
-// over a group; y is summed in memory once a group.
+#ifdef JAXLLM_AVX2
+// R rows of y, panel p's 16 columns: per 8 rows of K, the 32 bytes of columns 0-7 and the 32 of
+// columns 8-15 split into nibbles, each half meeting a broadcast of 4 bytes of q in a vpmaddubsw
+// (unsigned codes 0..15 by signed q). 2R int16 sums stay in registers over a group; y is summed
+// in memory once a group.
 template <int R>
-void q4a8_rows_avx2(const QuantPanel& q, const uint8_t* __restrict panel, const float* __restrict scales,
-                    const ActQ8& a, float* __restrict y, int64_t ldy) {
-  const __m256i ones = _mm256_set1_epi16(1);
+void q4a8_rows_avx2(const QuantPanel& q, int64_t p, const ActQ8& a, float* __restrict y, int64_t ldy) {
+  const uint8_t* codes = static_cast<const uint8_t*>(q.codes) + p * q.K * (kPanel / 2);
+  const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(15);
+  alignas(32) float s[kPanel], o[kPanel];
 #pragma GCC unroll 6
   for (int i = 0; i < R; ++i) std::fill(y + i * ldy, y + i * ldy + kPanel, 0.f);
   for (int64_t b = 0; b < a.groups; ++b) {
     const int64_t k0 = b * kActGroup;
-    const float* s = scales + k0 / q.group * 2 * kPanel;
-    const float* o = s + kPanel;
+    if (k0 % q.group == 0) group_scales(q, k0 / q.group, p, s, o);
     __m256i i0[R], i1[R];  // int16 sums: columns 0-7 and 8-15, two per column
 #pragma GCC unroll 6
     for (int i = 0; i < R; ++i) i0[i] = i1[i] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int64_t k = k0; k < k0 + kActGroup; k += 4) {
-      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kPanel));
-      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kPanel + 32));
+#pragma GCC unroll 4
+    for (int64_t k = k0; k < k0 + kActGroup; k += 8) {
+      _mm_prefetch(reinterpret_cast<const char*>(codes + k * (kPanel / 2) + kQuadsPrefetch), _MM_HINT_T1);
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + k * (kPanel / 2)));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + k * (kPanel / 2) + 32));
+      const __m256i lo0 = _mm256_and_si256(v0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+      const __m256i lo1 = _mm256_and_si256(v1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
 #pragma GCC unroll 6
       for (int i = 0; i < R; ++i) {
-        int32_t four;
-        std::memcpy(&four, a.q + i * a.K + k, sizeof four);
-        const __m256i xq = _mm256_set1_epi32(four);
-        i0[i] = _mm256_add_epi16(i0[i], _mm256_maddubs_epi16(lo, xq));
-        i1[i] = _mm256_add_epi16(i1[i], _mm256_maddubs_epi16(hi, xq));
+        int32_t four[2];
+        std::memcpy(four, a.q + i * a.K + k, sizeof four);
+        const __m256i x0 = _mm256_set1_epi32(four[0]), x1 = _mm256_set1_epi32(four[1]);
+        i0[i] = _mm256_add_epi16(i0[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, x0), _mm256_maddubs_epi16(hi0, x1)));
+        i1[i] = _mm256_add_epi16(i1[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, x0), _mm256_maddubs_epi16(hi1, x1)));
       }
     }
-    const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8), o0 = _mm256_loadu_ps(o),
-                 o1 = _mm256_loadu_ps(o + 8);
+    const __m256 s0 = _mm256_load_ps(s), s1 = _mm256_load_ps(s + 8), o0 = _mm256_load_ps(o), o1 = _mm256_load_ps(o + 8);
 #pragma GCC unroll 6
     for (int i = 0; i < R; ++i) {
       const __m256 d = _mm256_set1_ps(a.d[i * a.groups + b]), xs = _mm256_set1_ps(a.s[i * a.groups + b]);
@@ -154,58 +145,13 @@ inline void add_group_sums(const ActQ8& a, int64_t b, const __m512i* isum, __m51
   }
 }
 
-// q4a8_rows_avx2 with AVX512_VNNI: the unpacked panel's 64 bytes per 4 rows of K are the 16
-// columns' 4 codes each, in column order, so one vpdpbusd multiplies them by a broadcast of 4
-// bytes of q and adds the 4 products to each column's int32 sum: one instruction where AVX2
-// takes two vpmaddubsw and two adds, with no int16 stage.
+// q4a8_rows_avx2 with AVX512_VNNI: the 64 bytes of 8 rows of K split into nibbles are the 16
+// columns' 4 codes of rows 0-3 and of rows 4-7, so two vpdpbusd multiply them by broadcasts of 4
+// bytes of q each and add the products to each column's int32 sum: the same sums as AVX2's,
+// with no int16 stage.
 template <int R>
-void q4a8_rows_vnni(const QuantPanel& q, const uint8_t* __restrict panel, const float* __restrict scales,
-                    const ActQ8& a, float* __restrict y, int64_t ldy) {
-  __m512 acc[R];
-#pragma GCC unroll 12
-  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < a.groups; ++b) {
-    const int64_t k0 = b * kActGroup;
-    const float* s = scales + k0 / q.group * 2 * kPanel;
-    __m512i isum[R];
-#pragma GCC unroll 12
-    for (int i = 0; i < R; ++i) isum[i] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int64_t k = k0; k < k0 + kActGroup; k += 4) {
-      const __m512i codes = _mm512_loadu_si512(panel + k * kPanel);
-#pragma GCC unroll 12
-      for (int i = 0; i < R; ++i) {
-        int32_t four;
-        std::memcpy(&four, a.q + i * a.K + k, sizeof four);
-        isum[i] = _mm512_dpbusd_epi32(isum[i], codes, _mm512_set1_epi32(four));
-      }
-    }
-    add_group_sums<R>(a, b, isum, _mm512_loadu_ps(s), _mm512_loadu_ps(s + kPanel), acc);
-  }
-#pragma GCC unroll 12
-  for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + i * ldy, acc[i]);
-}
-
-#ifdef JAXLLM_AVX512_VBMI
-// q4a8_rows_vnni for a few rows, reading panel p's codes as they are packed (no unpacked copy):
-// 8 rows of K are 64 bytes, row k's byte j holding column j's code in its low nibble and column
-// j + 8's in its high one. Split into nibbles, two vpermt2b put each column's 4 codes of rows
-// 0-3 (and 4-7) side by side, as the unpacked panel has them. The sums are q4a8_rows_vnni's,
-// bit for bit; a decode step's rows pay no copy of the panel.
-template <int R>
-void q4a8_rows_vbmi(const QuantPanel& q, int64_t p, const ActQ8& a, float* __restrict y, int64_t ldy) {
+void q4a8_rows_vnni(const QuantPanel& q, int64_t p, const ActQ8& a, float* __restrict y, int64_t ldy) {
   const uint8_t* codes = static_cast<const uint8_t*>(q.codes) + p * q.K * (kPanel / 2);
-  // Byte 4 c + j of the rows 0-3 vector: row j's column c (c < 8: lo[8 j + c], else hi[8 j + c - 8]).
-  struct Order {
-    alignas(64) uint8_t at[2][64];
-    Order() {
-      for (int half = 0; half < 2; ++half)
-        for (int c = 0; c < kPanel; ++c)
-          for (int j = 0; j < 4; ++j) at[half][4 * c + j] = (c < 8 ? 0 : 64) + 8 * (4 * half + j) + c % 8;
-    }
-  };
-  static const Order order;
-  const __m512i rows03 = _mm512_load_si512(order.at[0]), rows47 = _mm512_load_si512(order.at[1]);
   const __m512i low4 = _mm512_set1_epi8(15);
   __m512 acc[R], s = _mm512_setzero_ps(), o = _mm512_setzero_ps();
 #pragma GCC unroll 8
@@ -221,16 +167,15 @@ void q4a8_rows_vbmi(const QuantPanel& q, int64_t p, const ActQ8& a, float* __res
     for (int i = 0; i < R; ++i) isum[i] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int64_t k = k0; k < k0 + kActGroup; k += 8) {
-      _mm_prefetch(reinterpret_cast<const char*>(codes + (k + 64) * (kPanel / 2)), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(codes + k * (kPanel / 2) + kQuadsPrefetch), _MM_HINT_T1);
       const __m512i v = _mm512_loadu_si512(codes + k * (kPanel / 2));
       const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      const __m512i c03 = _mm512_permutex2var_epi8(lo, rows03, hi), c47 = _mm512_permutex2var_epi8(lo, rows47, hi);
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
         int32_t four[2];
         std::memcpy(four, a.q + i * a.K + k, sizeof four);
-        isum[i] = _mm512_dpbusd_epi32(isum[i], c03, _mm512_set1_epi32(four[0]));
-        isum[i] = _mm512_dpbusd_epi32(isum[i], c47, _mm512_set1_epi32(four[1]));
+        isum[i] = _mm512_dpbusd_epi32(isum[i], lo, _mm512_set1_epi32(four[0]));
+        isum[i] = _mm512_dpbusd_epi32(isum[i], hi, _mm512_set1_epi32(four[1]));
       }
     }
     add_group_sums<R>(a, b, isum, s, o, acc);
@@ -238,62 +183,41 @@ void q4a8_rows_vbmi(const QuantPanel& q, int64_t p, const ActQ8& a, float* __res
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + i * ldy, acc[i]);
 }
-#endif  // AVX512_VBMI
 #endif  // AVX512_VNNI
 
 struct Q4A8Scratch {
-  std::vector<uint8_t> panel;  // the unpacked panel's codes
-  std::vector<float> scales;   // and its scales and offsets
-  std::vector<float> sums;     // with the SwiGLU epilogue: the item's gate and up sums
+  std::vector<float> sums;  // with the SwiGLU epilogue: the item's gate and up sums
 };
 
 // Rows [r0, r1) of x (quantized in a), panel p's columns, into y (row stride ldy).
 void q4a8_block(const QuantPanel& q, const ActQ8& a, int64_t p, int64_t r0, int64_t r1, float* y, int64_t ldy,
-                Q4A8Scratch& scratch, int32_t path) {
-#ifdef JAXLLM_AVX512_VBMI
-  if ((path == kAuto || path >= kAvx512) && r1 - r0 <= 4) {
-    const ActQ8 rows = a.at(r0);
-    switch (r1 - r0) {
-      case 4: q4a8_rows_vbmi<4>(q, p, rows, y, ldy); break;
-      case 3: q4a8_rows_vbmi<3>(q, p, rows, y, ldy); break;
-      case 2: q4a8_rows_vbmi<2>(q, p, rows, y, ldy); break;
-      case 1: q4a8_rows_vbmi<1>(q, p, rows, y, ldy); break;
+                int32_t path) {
+#ifdef JAXLLM_AVX512_VNNI
+  if (path == kAuto || path >= kAvx512) {
+    int64_t r = r0;
+    for (; r + 8 <= r1; r += 8) q4a8_rows_vnni<8>(q, p, a.at(r), y + (r - r0) * ldy, ldy);
+    y += (r - r0) * ldy;
+    const ActQ8 rest = a.at(r);
+    switch (r1 - r) {
+#define JAXLLM_VNNI_CASE(n) \
+  case n: q4a8_rows_vnni<n>(q, p, rest, y, ldy); break;
+      JAXLLM_VNNI_CASE(7) JAXLLM_VNNI_CASE(6) JAXLLM_VNNI_CASE(5) JAXLLM_VNNI_CASE(4) JAXLLM_VNNI_CASE(3)
+      JAXLLM_VNNI_CASE(2) JAXLLM_VNNI_CASE(1)
+#undef JAXLLM_VNNI_CASE
     }
     return;
   }
 #endif
 #ifdef JAXLLM_AVX2
   if (path == kAuto || path >= kAvx2) {
-    scratch.panel.resize(q.K * kPanel);
-    scratch.scales.resize(q.K / q.group * 2 * kPanel);
-    const uint8_t* panel = scratch.panel.data();
-    const float* scales = scratch.scales.data();
-    q4a8_unpack_panel_avx2(q, p, scratch.panel.data(), scratch.scales.data());
     int64_t r = r0;
-#ifdef JAXLLM_AVX512_VNNI
-    if (path == kAuto || path >= kAvx512) {
-      for (; r + 8 <= r1; r += 8) q4a8_rows_vnni<8>(q, panel, scales, a.at(r), y + (r - r0) * ldy, ldy);
-      y += (r - r0) * ldy;
-      const ActQ8 rest = a.at(r);
-      switch (r1 - r) {
-#define JAXLLM_VNNI_CASE(n) \
-  case n: q4a8_rows_vnni<n>(q, panel, scales, rest, y, ldy); break;
-        JAXLLM_VNNI_CASE(7) JAXLLM_VNNI_CASE(6) JAXLLM_VNNI_CASE(5) JAXLLM_VNNI_CASE(4) JAXLLM_VNNI_CASE(3)
-        JAXLLM_VNNI_CASE(2) JAXLLM_VNNI_CASE(1)
-#undef JAXLLM_VNNI_CASE
-      }
-      return;
-    }
-#endif
-    for (; r + 4 <= r1; r += 4) q4a8_rows_avx2<4>(q, panel, scales, a.at(r), y + (r - r0) * ldy, ldy);
+    for (; r + 4 <= r1; r += 4) q4a8_rows_avx2<4>(q, p, a.at(r), y + (r - r0) * ldy, ldy);
     y += (r - r0) * ldy;
     const ActQ8 rest = a.at(r);
     switch (r1 - r) {
-      case 5: q4a8_rows_avx2<5>(q, panel, scales, rest, y, ldy); break;
-      case 4: q4a8_rows_avx2<4>(q, panel, scales, rest, y, ldy); break;
-      case 3: q4a8_rows_avx2<3>(q, panel, scales, rest, y, ldy); break;
-      case 2: q4a8_rows_avx2<2>(q, panel, scales, rest, y, ldy); break;
-      case 1: q4a8_rows_avx2<1>(q, panel, scales, rest, y, ldy); break;
+      case 3: q4a8_rows_avx2<3>(q, p, rest, y, ldy); break;
+      case 2: q4a8_rows_avx2<2>(q, p, rest, y, ldy); break;
+      case 1: q4a8_rows_avx2<1>(q, p, rest, y, ldy); break;
     }
     return;
   }
@@ -315,8 +239,8 @@ void matmul_q4a8(ffi::ThreadPool& pool, const GemmArgs& g, const QuantPanel& q, 
     quantize_rows(g.x, i * rows_per_item, std::min(g.M, (i + 1) * rows_per_item), g.K, q8, d, s);
   });
   int8_rows_items<Q4A8Scratch>(pool, g, swiglu, path, [&](int64_t p, int64_t r0, int64_t r1, float* y, int64_t ldy,
-                                                         Q4A8Scratch& scratch) {
-    q4a8_block(q, a, p, r0, r1, y, ldy, scratch, path);
+                                                         Q4A8Scratch&) {
+    q4a8_block(q, a, p, r0, r1, y, ldy, path);
   });
 }
 
