@@ -224,7 +224,9 @@ class EngineArgs:
         "4-bit weight codes (a GGUF's Q4_0 / Q4_1 / Q4_K, int4) multiply activations quantized to int8 per "
         "group of 32, as llama.cpp does: integer dot products, ~1.3x the quantized GEMM's speed on "
         "AVX2, +1.9% perplexity on the default model; under bfloat16 with small-step codes, the decode "
-        "steps' 4-bit codes do (one CPU device with the C++ kernels; elsewhere the activations stay float)",
+        "steps' 4-bit codes do; under float32 every step's 4-bit codes, the other codes then factoring "
+        "their scales (small_step_factored) (one CPU device with the C++ kernels; elsewhere the "
+        "activations stay float)",
     )
     packed_weights: bool = option(
         True,
@@ -248,8 +250,9 @@ class EngineArgs:
         "not memory, bounds a decode, and the decodes' numbers are no longer the bf16 weights' bit for bit; "
         "under float32 (the codes alone, AVX2) likewise in steps of one or two rows, instead of dequantizing "
         "each weight. Default: on wherever such codes serve without AMX (with AMX: in the small-step codes), "
-        "unless batch_invariant, int8_activations or speculative decoding with the small-step split or under "
-        "float32 (whose larger verification steps compute other numbers: outputs the same with drafts or without)",
+        "unless batch_invariant, int8_activations (but under float32, for the codes other than 4-bit ones) or "
+        "speculative decoding with the small-step split or under float32 (whose larger verification steps "
+        "compute other numbers: outputs the same with drafts or without)",
     )
     speculative_config: dict | str | None = option(
         None,

@@ -27,7 +27,7 @@ def quantize_params(params: dict, cfg, plan, *, device=None, parts=None) -> dict
     parts)} for the tree's `layout.shard_layout`, from `parallel.quantized_parts`): plain-layout
     host arrays that split so (`make_sharded_weight`, `shard_checkpoint_weight`), for
     `parallel.shard_params` to place. MoE experts' stacks: weight-only codes, plain. A linear's
-    `activations` ("bf16", "factored", "float_factored", "int8") are applied where its weight's shape and bits allow."""
+    `activations` (`LinearPlan.activations`) are applied where its weight's shape and bits allow."""
 
     def make(w, name: str, table: bool = False):
         lp = plan.linear(name)
@@ -44,8 +44,9 @@ def quantize_params(params: dict, cfg, plan, *, device=None, parts=None) -> dict
             w = make_weight(
                 np.asarray(w, np.float32), lp.codes, panels=lp.kernel == "cpp", activations=activations, device=device
             )
-        if lp.activations == "int8":
-            return with_int8_activations(w, device)
+        if lp.activations in ("int8", "int8_float_factored"):  # (a table's rows are looked up from its panels)
+            q = w if table else with_int8_activations(w, device)
+            return with_factored(w, device) if q is w and lp.activations == "int8_float_factored" else q
         if lp.activations == "float_factored":
             return with_factored(w, device)
         # (A 4-bit embedding table keeps its layout: its rows are looked up from the panels.)

@@ -58,8 +58,9 @@ class LinearPlan:
         rows factor the group scales out of their sums where the codes allow it: 4-bit ones, 8-bit
         ones in [-64, 63]; `EngineArgs.small_step_factored`), "float_factored" (x as it is, a
         GGUF's codes in the f32 GEMM, whose calls of one or two rows factor likewise), "int8"
-        (W8A8, or 4-bit codes x int8 rows). Applied where the weight's shape and bits allow it,
-        else "float" ("factored" else "bf16").
+        (W8A8, or 4-bit codes x int8 rows), "int8_float_factored" (a GGUF's 4-bit codes x int8
+        rows, its others "float_factored": `int8_activations` under float32). Applied where the
+        weight's shape and bits allow it, else "float" ("factored" else "bf16").
     small_step_codes: a GGUF's codes kept beside the bf16 panels, for the steps of at most
         `quantization.SMALL_STEP_ROWS` rows.
     small_step_activations: what those codes multiply: "bf16" (the bf16 panels' numbers, bit for
@@ -80,6 +81,7 @@ _X_AS = {  # for the log line
     "int8": "int8",
     "factored": "bf16, scales factored out",
     "float_factored": "f32, scales factored out",
+    "int8_float_factored": "int8 for 4-bit codes, else f32 with scales factored out",
 }
 
 
@@ -163,13 +165,14 @@ def resolve_weight_plan(
     # Nor by default where the codes serve alone on AMX, whose tiles take them from two rows (not
     # measured factored). Under float32 the codes always serve alone, and their calls of one or
     # two rows factor likewise (csrc/gemm_quant.cc: on AVX2 a decode is bound by the codes'
-    # conversions), not with speculative decoding (its checks of 3 rows and more do not).
+    # conversions), not with speculative decoding (its checks of 3 rows and more do not). With
+    # int8_activations the 4-bit codes multiply int8 rows and only the others factor there.
     alone = codes_only or (asked == "gguf" and codes_bf16)
     factored = args.small_step_factored
     if factored is None:
         factored = (
             ((small or alone) and not (alone and platform.cpp_amx) or codes_f32)
-            and not (args.int8_activations or args.batch_invariant)
+            and not ((args.int8_activations and not codes_f32) or args.batch_invariant)
             and not (args.speculative_config and not alone)
         )
     small = small and not codes_only
@@ -262,11 +265,12 @@ def _small_step_codes(args, codes_bf16: bool, codes_f32: bool, checkpoint: str |
         if args.small_step_codes and not small:
             raise ValueError("small_step_codes needs a GGUF model with quantized blocks; this checkpoint has none")
     gguf_codes = small or (asked == "gguf" and codes_bf16) or (codes_f32 and checkpoint in ("gguf", UNKNOWN))
-    if args.small_step_factored and (args.int8_activations or args.batch_invariant or not gguf_codes):
+    int8_bf16 = args.int8_activations and not codes_f32
+    if args.small_step_factored and (int8_bf16 or args.batch_invariant or not gguf_codes):
         raise ValueError(
             "small_step_factored needs a GGUF's codes in the C++ kernels on one CPU device: under dtype "
             "bfloat16 with AVX512_BF16 (small-step codes, or quantization='gguf'), or under float32; and "
-            "neither int8_activations nor batch_invariant"
+            "neither int8_activations (but under float32) nor batch_invariant"
         )
     return small
 
@@ -306,8 +310,8 @@ def _linear_plan(
         kernel = "xla"
     if codes == "w8a8":
         activations = "int8"
-    elif kernel == "cpp" and int8_activations:
-        activations = "int8"  # (4-bit codes only: `with_int8_activations`)
+    elif kernel == "cpp" and int8_activations:  # (4-bit codes only: `with_int8_activations`)
+        activations = "int8_float_factored" if dtype == "float32" and factored and codes == "gguf" else "int8"
     elif kernel == "cpp" and dtype == "bfloat16" and platform.cpp_bf16_dots:
         activations = "factored" if factored else "bf16"
     elif kernel == "cpp" and dtype == "float32" and factored and codes == "gguf":

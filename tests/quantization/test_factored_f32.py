@@ -2,14 +2,15 @@
 group's scale and offset out of the sums of calls of one or two rows (`small_step_factored`, on
 by default there): the greedy outputs stay those of the unfactored codes (the dequantized
 weights' numbers, to f32 rounding), and the plan leaves the codes unfactored where it must
-(speculative decoding, whose checks of 3 rows and more dequantize). The kernel itself is checked
-against numpy in tests/kernels/test_quantized_gemm.py."""
+(speculative decoding, whose checks of 3 rows and more dequantize); with `int8_activations` the
+4-bit codes multiply int8 rows instead. The kernels themselves are checked against numpy in
+tests/kernels/test_quantized_gemm.py."""
 
 from __future__ import annotations
 
 import logging
 
-import jax
+import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams
@@ -83,21 +84,42 @@ def test_float32_codes_with_drafts_stay_unfactored(tiny_gguf):
 
 
 def test_float32_codes_stay_unfactored_where_the_run_needs_it(tiny_gguf, tiny_model_dir):
-    # batch_invariant (a row's numbers must not depend on the step's row count) and
-    # int8_activations (4-bit codes x int8 rows; the 8-bit ones keep the float numbers) turn the
+    # batch_invariant (a row's numbers must not depend on the step's row count) turns the
     # default off; asked for without a GGUF's codes (an HF checkpoint): a clear error.
     path, args, want = tiny_gguf
     invariant = LLM(path, batch_invariant=True, **args)
     assert kinds(invariant) == {(4, False), (8, False)}
     out = invariant.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == want[0].token_ids  # (its logprobs: batch_invariant's own numbers)
-    int8 = LLM(path, int8_activations=True, **args)
-    params = int8.engine.runner.params
-    acts = {
-        (w.bits, w.activations, w.factored)
-        for w in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
-        if isinstance(w, QuantizedWeight)
-    }
-    assert (4, "int8", False) in acts and (8, "float", False) in acts and not any(f for *_, f in acts), acts
     with pytest.raises(ValueError, match="small_step_factored needs"):
         LLM(tiny_model_dir, small_step_factored=True, **args)
+
+
+def test_float32_int8_activations_take_the_4bit_codes_and_factor_the_others(tiny_gguf, caplog):
+    # int8_activations under float32: every step's 4-bit codes multiply int8 rows (repacked in
+    # quads), the 8-bit ones factor their scales in decodes as without it. The numbers move from
+    # the unfactored codes' by x's rounding to int8 (llama.cpp's scheme), a little; a row's numbers
+    # do not depend on the rows beside it, so with drafts (the file drafting for itself, nothing
+    # factored) the tokens are the same, the logprobs within the 8-bit codes' factoring.
+    path, args, want = tiny_gguf
+    with caplog.at_level(logging.INFO, logger="jaxllm"):
+        llm = LLM(path, int8_activations=True, **args)
+    assert "int8 for 4-bit codes, else f32 with scales factored out" in caplog.text
+    params = llm.engine.runner.params
+    weights = [w for layer in params["layers"] for w in layer.values()] + [params.get("lm_head")]
+    panels = [w for w in weights if isinstance(w, QuantizedWeight) and w.layout == "panels"]
+    assert {(w.bits, w.activations, w.factored) for w in panels} == {(4, "int8", False), (8, "float", True)}
+    got = [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0] for p in PROMPTS]
+    diffs = []  # each unfactored token's logprob, as long as the contexts are the same
+    for a, b in zip(got, want):
+        for x, y, s, t in zip(a.logprobs, b.logprobs, a.token_ids, b.token_ids):
+            diffs += [abs(x[t].logprob - y[t].logprob)] if t in x else []
+            if s != t:
+                break
+    # (measured: most within 0.05, the largest 0.14; 0 would mean the int8 rows never ran)
+    assert 0 < max(diffs) < 0.3 and np.median(diffs) < 0.05, diffs
+    spec = LLM(path, int8_activations=True, speculative_config={"model": path, "num_speculative_tokens": 3}, **args)
+    for p, a in zip(PROMPTS, got):
+        b = spec.generate([p], GREEDY, use_tqdm=False)[0].outputs[0]
+        assert b.token_ids == a.token_ids
+        assert max(abs(x[t].logprob - y[t].logprob) for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids)) < 1e-4

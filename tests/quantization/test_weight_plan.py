@@ -61,6 +61,27 @@ CASES = [
         },
     ),
     (
+        "avx2, a GGUF with int8_activations: 4-bit codes x int8 rows, the others factored",
+        ZEN3,
+        dict(F32, int8_activations=True),
+        True,
+        "gguf",
+        ("gguf", "auto", True, True, False, False),
+        {
+            "wqkv": LinearPlan("gguf", "cpp", "int8_float_factored"),
+            "lm_head": LinearPlan("gguf", "cpp", "int8_float_factored"),
+        },
+    ),
+    (
+        "avx2, a GGUF with int8_activations and drafts: nothing factored",
+        ZEN3,
+        dict(F32, int8_activations=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+        True,
+        "gguf",
+        ("gguf", "auto", True, True, False, False),
+        {"wqkv": LinearPlan("gguf", "cpp", "int8")},
+    ),
+    (
         "avx2 defaults, an HF checkpoint: packed float32",
         ZEN3,
         F32,
