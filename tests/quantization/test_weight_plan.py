@@ -1,37 +1,26 @@
 """The weight plan (jaxllm/weights/plan.py): every linear's storage and kernel from the platform,
-the mesh, the options and the checkpoint, as a table of hand-worked cases; then that the
-engine's weights are what the plan says."""
+the mesh, the options and the checkpoint, as a table of hand-worked cases (the plan's other checks:
+test_weight_plan_checks.py)."""
 
 from __future__ import annotations
-
-import dataclasses
-import os
 
 import pytest
 
 from jaxllm.config import EngineArgs
-from jaxllm import platforms
-from jaxllm.platforms import Platform
 from jaxllm.weights.plan import LINEARS, UNKNOWN, LinearPlan, resolve_weight_plan
 
-ZEN3 = Platform("cpu", frozenset({"avx2", "fma"}), cpp_kernels=True, cpp_bf16_dots=False, build_confirmed=True)
-ZEN4 = Platform(
-    "cpu",
-    frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}),
-    cpp_kernels=True,
-    cpp_bf16_dots=True,
-    build_confirmed=True,
+from tests.helpers.plan_platforms import (
+    BF16,
+    F32,
+    GPU,
+    NO_COMPILER,
+    PANELS,
+    XEON_AMX,
+    ZEN3,
+    ZEN4,
+    ZEN4_16G,
+    ZEN4_64G,
 )
-# Hosts of 16 and 64 GiB, for a checkpoint whose quantized matrices take 2 GiB as bf16
-# (`PANELS`): more than 1/16 of the first's memory, less of the second's. ZEN4's memory is not known.
-PANELS = 2 * 2**30
-ZEN4_16G = dataclasses.replace(ZEN4, memory_bytes=16 * 2**30)
-ZEN4_64G = dataclasses.replace(ZEN4, memory_bytes=64 * 2**30)
-XEON_AMX = dataclasses.replace(ZEN4, cpu_flags=ZEN4.cpu_flags | {"amx_tile", "amx_bf16"}, cpp_amx=True)
-NO_COMPILER = dataclasses.replace(ZEN3, cpp_kernels=False)
-GPU = Platform("gpu")
-
-F32, BF16 = dict(dtype="float32"), dict(dtype="bfloat16")
 
 # (id, platform, EngineArgs fields, one device, checkpoint,
 #  expected (quantization, load, cpp_gemm, pack_floats, smooth, small_step_codes),
@@ -446,114 +435,3 @@ def test_plan_table(case):
     assert set(plan.linears) == set(LINEARS)
     for name, want in linears.items():
         assert plan.linear(name) == want, name
-
-
-def test_untied_embedding_is_a_float_table():
-    plan = resolve_weight_plan(EngineArgs(dtype="float32", quantization="int4"), ZEN3, one_device=True, checkpoint=None)
-    assert plan.linear("embed") == LinearPlan(None, "xla")
-    assert plan.linear("lm_head") == LinearPlan("int8_weight_only", "cpp")
-
-
-@pytest.mark.parametrize(
-    "platform, fields, checkpoint, match",
-    [
-        (ZEN3, dict(BF16, small_step_codes=True), UNKNOWN, "AVX512_BF16"),
-        (ZEN4, dict(BF16, small_step_codes=True, quantization="int4"), UNKNOWN, "no quantization asked"),
-        (ZEN4, dict(BF16, small_step_codes=True), None, "needs a GGUF model"),
-        (ZEN3, dict(F32, quantization="gptq"), "awq", "already quantized"),
-        (ZEN3, dict(F32, quantization="int4"), "gguf", "already quantized"),
-        (ZEN3, dict(F32, quantization="gguf"), None, "needs a checkpoint quantized so"),
-        (ZEN4, dict(F32, small_step_factored=True, quantization="int4"), UNKNOWN, "small_step_factored needs"),
-        (ZEN4, dict(BF16, small_step_factored=True), None, "small_step_factored needs a GGUF.s codes"),
-        (ZEN4, dict(BF16, small_step_factored=True, int8_activations=True), "gguf", "neither int8_activations"),
-        (ZEN4, dict(BF16, small_step_factored=True, batch_invariant=True), "gguf", "nor batch_invariant"),
-    ],
-    ids=[
-        "small codes without bf16 dots",
-        "small codes and a method",
-        "small codes of an HF checkpoint",
-        "gptq asked of an awq checkpoint",
-        "int4 asked of a GGUF's blocks",
-        "gguf asked of float weights",
-        "factored of codes quantized on load",
-        "factored of an HF checkpoint",
-        "factored with int8 activations",
-        "factored under batch_invariant",
-    ],
-)
-def test_plans_that_cannot_hold(platform, fields, checkpoint, match):
-    with pytest.raises(ValueError, match=match):
-        resolve_weight_plan(EngineArgs(**fields), platform, one_device=True, checkpoint=checkpoint)
-
-
-@pytest.mark.parametrize(
-    "platform, backend",
-    [
-        (ZEN3, "native"),
-        (NO_COMPILER, "cpu"),
-        (Platform("gpu", gpu_capability="9.0"), "mosaic"),
-        (Platform("gpu", gpu_capability="8.6"), "pallas"),
-        (Platform("gpu", gpu_capability="10.0"), "pallas"),
-        (Platform("gpu"), "pallas"),
-    ],
-    ids=["cpu with the C++ kernels", "cpu without", "hopper", "ampere", "blackwell", "gpu of no capability"],
-)
-def test_default_attention_backend(platform, backend):
-    # The C++ kernel where it is built, else jnp rows; Mosaic GPU on warpgroup-MMA GPUs, else Triton.
-    assert platform.attention_backend == backend
-
-
-def test_detected_platform_is_this_machine():
-    from jaxllm.kernels import native
-    from jaxllm.platforms import cpu_flags
-
-    platform = Platform.detect().confirmed()
-    assert platform.name == "cpu" and platform.cpu_flags == cpu_flags()
-    assert platform.cpp_kernels == native.available()
-    assert platform.cpp_bf16_dots == (native.available() and native.has_bf16_dots())
-    assert platform.cpp_amx == (native.available() and "amx" in native.kernel_paths())
-    assert not Platform.detect(use_cpp=False).cpp_kernels
-
-
-def test_engine_weights_follow_the_plan(tiny_model_dir):
-    # What the engine prepares is what its plan says, linear by linear (the tiny model ties its
-    # embeddings: the table is the LM head's linear).
-    from jaxllm import LLM
-    from jaxllm.models.linear import PackedWeight
-    from jaxllm.weights.prepare import load_with_plan
-    from jaxllm.quantization import QuantizedWeight
-    from tests.helpers.tiny_model import TINY_ENGINE_ARGS
-
-    for extra in ({}, {"quantization": "int4"}, {"packed_weights": False}):
-        args = EngineArgs(model=tiny_model_dir, **TINY_ENGINE_ARGS, **extra)
-        llm = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, **extra)
-        _, plan = load_with_plan(
-            dataclasses.replace(args, dtype=llm.engine.config.dtype),
-            Platform.detect(),
-            None,
-            one_device=True,
-            progress=False,
-        )
-        params = llm.engine.runner.params
-        weights = {name: params["layers"][0][name] for name in ("wqkv", "wo", "w_down")} | {"embed": params["embed"]}
-        for name, w in weights.items():
-            lp = plan.linear(name)
-            if lp.codes is not None:
-                assert isinstance(w, QuantizedWeight) and (w.layout == "panels") == (lp.kernel == "cpp"), (extra, name)
-            else:
-                assert isinstance(w, PackedWeight) == (lp.kernel == "cpp"), (extra, name)
-
-
-def test_host_memory_is_the_cgroup_limit_where_lower(tmp_path, monkeypatch):
-    # The bf16 panels' share is of the memory this process may use: a container's cgroup limit
-    # where it is below the host's physical memory ("max": no limit; no file: not in a cgroup v2).
-    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    limit = tmp_path / "memory.max"
-    monkeypatch.setattr(platforms, "CGROUP_MEMORY_MAX", str(limit))
-    assert platforms.host_memory() == physical
-    limit.write_text("max\n")
-    assert platforms.host_memory() == physical
-    limit.write_text(f"{2**30}\n")
-    assert platforms.host_memory() == min(physical, 2**30)
-    limit.write_text(f"{physical * 2}\n")
-    assert platforms.host_memory() == physical
