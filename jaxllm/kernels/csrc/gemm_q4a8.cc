@@ -53,7 +53,7 @@ void quantize_rows(const float* x, int64_t r0, int64_t r1, int64_t K, int8_t* q,
   }
 }
 
-// The codes' order (`pack_codes(codes, 4, quads=True)`): a panel's 8 rows of K (k = 8 b + t) in
+// The codes' order (`pack_codes(codes, 4, quads=True)`): a panel's 8 rows of K (8 b .. 8 b + 7) in
 // 64 bytes, byte 4 c + j holding column c's code of row 8 b + j in its low nibble and of row
 // 8 b + 4 + j in its high one. Masked, the low nibbles are the 16 columns' 4 codes of rows
 // 8 b .. 8 b + 3 side by side, as the int8 dot instructions take them (and the high ones those
