@@ -120,6 +120,10 @@ __attribute__((noinline)) void codes_factored_rows(const QuantPanel& q, const ui
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) acc[p][i] = _mm512_setzero_ps();
   for (int p = 0; p < P; ++p) prefetch_scales(q, panel[p]);
+  // Each panel's scale and super-scale indices, stepped group by group (QuantPanel's divisions
+  // in every group cost a one-row call measurably).
+  int64_t at[P], super_at[P], in_super = 0;
+  for (int p = 0; p < P; ++p) at[p] = q.scale_at(0, panel[p]), super_at[p] = q.super_at(0, panel[p]);
   for (int64_t g = 0; g < G; ++g) {
     __m512 part[P][R];
 #pragma GCC unroll 16
@@ -149,13 +153,17 @@ __attribute__((noinline)) void codes_factored_rows(const QuantPanel& q, const ui
     }
 #pragma GCC unroll 4
     for (int p = 0; p < P; ++p) {
-      const __m512 s = scales_f32x16(q, q.scale, q.super_scale, g, panel[p]);
-      const __m512 o = q.offset ? scales_f32x16(q, q.offset, q.super_offset, g, panel[p]) : _mm512_setzero_ps();
+      const __m512 s = scales_f32x16_at(q, q.scale, q.super_scale, at[p], super_at[p]);
+      const __m512 o = q.offset ? scales_f32x16_at(q, q.offset, q.super_offset, at[p], super_at[p]) : _mm512_setzero_ps();
       const __m512 base = _mm512_fnmadd_ps(_mm512_set1_ps(kBase), s, o);  // o - kBase s
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i)
         acc[p][i] = _mm512_fmadd_ps(base, _mm512_set1_ps(xsums[i * G + g]), _mm512_fmadd_ps(s, part[p][i], acc[p][i]));
     }
+    const bool next_super = ++in_super == q.per_super;
+    in_super = next_super ? 0 : in_super;
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) at[p] += kPanel, super_at[p] += next_super ? kPanel : 0;
   }
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i)

@@ -162,17 +162,21 @@ inline void group_sums(const T* x, int64_t M, int64_t K, int64_t group, std::vec
 // lanes: group_scales's numbers (an int8 sub-scale times its f16 super-scale is exact in f32),
 // made in registers. A decode's 4-bit product spent a quarter of its time on the scales when
 // they went through memory.
-inline __m512 scales_f32x16(const QuantPanel& q, const void* scales, const uint16_t* supers, int64_t g, int64_t p) {
-  const int64_t at = q.scale_at(g, p);
+inline __m512 scales_f32x16_at(const QuantPanel& q, const void* scales, const uint16_t* supers, int64_t at,
+                               int64_t super_at) {
   if (supers) {
     const __m512 sub = _mm512_cvtepi32_ps(
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(scales) + at))));
-    const auto* sup = reinterpret_cast<const __m256i*>(supers + q.super_at(g, p));
+    const auto* sup = reinterpret_cast<const __m256i*>(supers + super_at);
     return _mm512_mul_ps(sub, _mm512_cvtph_ps(_mm256_loadu_si256(sup)));
   }
   if (q.half)
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(scales) + at)));
   return _mm512_loadu_ps(static_cast<const float*>(scales) + at);
+}
+
+inline __m512 scales_f32x16(const QuantPanel& q, const void* scales, const uint16_t* supers, int64_t g, int64_t p) {
+  return scales_f32x16_at(q, scales, supers, q.scale_at(g, p), supers ? q.super_at(g, p) : 0);
 }
 #endif
 
