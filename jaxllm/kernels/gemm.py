@@ -175,9 +175,11 @@ def pack_codes(
     of a panel in 64 bytes, byte 4 c + j holding row 8 b + j of column c in its low nibble and
     row 8 b + 4 + j in its high one (masked, each nibble half is the 16 columns' 4 codes side by
     side, as the int8 dot instructions take them). 6 bits (K a multiple of 4, for
-    `matmul_quantized_bf16` only): `six_bit_blocks`."""
+    `matmul_quantized_bf16`): `six_bit_blocks`; with `quads` (K a multiple of 8, for
+    `matmul_quantized(..., act8=True)`): `six_bit_quads`."""
     if bits == 6:
-        return six_bit_blocks(pack_codes(np.asarray(codes, np.int8), 8))
+        panels = pack_codes(np.asarray(codes, np.int8), 8)
+        return six_bit_quads(panels) if quads else six_bit_blocks(panels)
     k, n = codes.shape
     panels = np.asarray(codes).reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
     if quads:
@@ -232,6 +234,36 @@ def six_bit_blocks(panels: np.ndarray) -> np.ndarray:
     if native.library().JaxllmSixBitBlocks(ptr(panels), ctypes.c_int64(p), ctypes.c_int64(k), ptr(out)):
         raise ValueError(f"six_bit_blocks: panels {panels.shape} need K a multiple of 4 and codes in [-32, 31]")
     return out
+
+
+def six_bit_quads(panels: np.ndarray) -> np.ndarray:
+    """8-bit panels of `pack_codes` (int8 [N / 16, K, 16], K a multiple of 8) whose codes c all
+    lie in [-32, 31] as the 6-bit codes of int8 activations (csrc/gemm_q6a8.cc): uint8 [N / 16,
+    K / 8, 96], a block of 8 rows in 96 bytes, u = c + 32: its low 4 bits in the 4-bit `quads`
+    order (64 bytes), then 32 bytes, byte i holding the top 2 bits of the codes in quad byte i
+    (low nibble: bits 0-1, high nibble: bits 2-3) and in quad byte 32 + i (bits 4-5, 6-7)."""
+    panels = np.asarray(panels)
+    p, k, _ = panels.shape
+    if k % 8 or panels.min(initial=0) < -32 or panels.max(initial=0) > 31:
+        raise ValueError(f"six_bit_quads: panels {panels.shape} need K a multiple of 8 and codes in [-32, 31]")
+    u = (panels.astype(np.int16) + 32).astype(np.uint8)
+    low = quads_from_panels((u[..., :8] & 15) | ((u[..., 8:] & 15) << 4)).reshape(p, k // 8, 64)
+    top = quads_from_panels((u[..., :8] >> 4) | ((u[..., 8:] >> 4) << 4)).reshape(p, k // 8, 64)
+    a, b = top[..., :32], top[..., 32:]  # nibbles of quad bytes i and 32 + i
+    top = (a & 3) | ((a >> 4) << 2) | ((b & 3) << 4) | ((b >> 4) << 6)
+    return np.ascontiguousarray(np.concatenate([low, top], axis=-1))
+
+
+def six_bit_quads_codes(blocks, xp=jnp):
+    """`six_bit_quads`' inverse on [..., K / 8, 96] -> int8 [..., K, 16] (`xp`: jnp or numpy)."""
+    b = xp.asarray(blocks)
+    low, top = b[..., :64], b[..., 64:]
+    top = xp.concatenate([(top & 3) | (((top >> 2) & 3) << 4), ((top >> 4) & 3) | ((top >> 6) << 4)], axis=-1)
+    lead, nb = b.shape[:-2], b.shape[-2]
+    u = [xp.stack([x & 15, x >> 4], axis=-2) for x in (low, top)]  # [..., K / 8, h, 64]: rows 4 h + j
+    u = (u[0] | (u[1] << 4)).reshape(*lead, nb, 2, PANEL, 4)  # [..., K / 8, h, column, j]
+    u = xp.swapaxes(u, -1, -2).reshape(*lead, 8 * nb, PANEL)
+    return (u.astype(xp.int16) - 32).astype(xp.int8)
 
 
 def six_bit_codes(blocks, xp=jnp):

@@ -13,21 +13,39 @@ import numpy as np
 from jaxllm.quantization.weights import QuantizedWeight
 
 
-def with_int8_activations(w: QuantizedWeight, device=None) -> QuantizedWeight:
+def with_int8_activations(w: QuantizedWeight, device=None, six_bit: bool = False) -> QuantizedWeight:
     """w set to multiply int8-quantized activations (`gemm.matmul_quantized(..., act8=True)`, on
     `device`) where the C++ GEMM can: 4-bit codes in panels, groups a multiple of 32 rows (the
-    codes repacked in `quads`, as the int8 dot instructions read them); else w as it is."""
+    codes repacked in `quads`, as the int8 dot instructions read them); with `six_bit`, also
+    8-bit codes that all lie in [-32, 31] (GGUF's Q6_K, Q5_0, Q5_K) in groups of a multiple of 32
+    rows, or of 16 under two-level scales (offsets: 32), repacked in 6 bits (`gemm.six_bit_quads`:
+    three quarters of the bytes); else w as it is."""
     from jaxllm.kernels import gemm
 
     k, _ = w.shape
-    if w.layout != "panels" or w.bits != 4 or w.perm is not None or (k // w.groups) % gemm.ACT_GROUP:
+    rows = k // w.groups
+    if w.layout != "panels" or w.perm is not None or k % gemm.ACT_GROUP or w.bits not in ((4, 8) if six_bit else (4,)):
         return w
     if w.activations == "int8":
         return w
     if w.activations != "float":
         raise ValueError(f"with_int8_activations: codes for {w.activations} activations, not the float panels")
-    codes = gemm.quads_from_panels(np.asarray(w.codes))
-    return dataclasses.replace(w, codes=jax.device_put(codes, device), activations="int8")
+    if w.bits == 4:
+        if rows % gemm.ACT_GROUP:
+            return w
+        codes = gemm.quads_from_panels(np.asarray(w.codes))
+        return dataclasses.replace(w, codes=jax.device_put(codes, device), activations="int8")
+    two_level = w.super_scale is not None
+    super_rows = rows * (w.groups // w.super_scale.shape[1]) if two_level else rows
+    group_rows = 16 if two_level and w.offset is None else gemm.ACT_GROUP
+    grouped = rows % group_rows == 0 and super_rows % gemm.ACT_GROUP == 0
+    if not six_bit or not grouped:
+        return w
+    codes = np.asarray(w.codes)
+    if codes.min() < -32 or codes.max() > 31:
+        return w
+    six = jax.device_put(gemm.six_bit_quads(codes), device)
+    return dataclasses.replace(w, codes=six, bits=6, activations="int8")
 
 
 def with_bf16_activations(w: QuantizedWeight, device=None) -> QuantizedWeight:

@@ -45,7 +45,8 @@ def quantize_params(params: dict, cfg, plan, *, device=None, parts=None) -> dict
                 np.asarray(w, np.float32), lp.codes, panels=lp.kernel == "cpp", activations=activations, device=device
             )
         if lp.activations in ("int8", "int8_float_factored"):  # (a table's rows are looked up from its panels)
-            q = w if table else with_int8_activations(w, device)
+            # (Under float32 8-bit codes that fit 6 bits too: their int8 GEMM runs on AVX2.)
+            q = w if table else with_int8_activations(w, device, six_bit=plan.dtype == "float32")
             return with_factored(w, device) if q is w and lp.activations == "int8_float_factored" else q
         if lp.activations == "float_factored":
             return with_factored(w, device)

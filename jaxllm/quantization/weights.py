@@ -33,8 +33,8 @@ class QuantizedWeight:
         `w8a8=True` for 8-bit codes that multiply int8 activations: `_w8a8_panels`; with
         `pairs=True` for 4-bit codes that multiply bf16 activations: `_bf16_pairs`; with
         `quads=True` for 4-bit codes that multiply int8 activations: `_int8_quads`; `bits=6`:
-        8-bit codes within [-32, 31] in 6 bits, `gemm.six_bit_blocks`, for bf16 activations only,
-        made by `with_factored`).
+        8-bit codes within [-32, 31] in 6 bits, `gemm.six_bit_blocks` for bf16 activations (made
+        by `with_factored`), `gemm.six_bit_quads` for int8 ones (`with_int8_activations`)).
     scale, offset: [G, N], f32 (8 bits) or f16 (4 bits); offset is None for symmetric codes
         (the 8-bit ones). In the "panels" layout these and the super-scales are stored as
         `kernels.gemm.pack_scales` lays them out ([N / 16, G, 16]: each panel's in one run);
@@ -79,7 +79,8 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, int]:
         """(K, N), as the float weight's (of each matrix of a stack)."""
         if self.layout == "panels":
-            return self.codes.shape[1] * (4 if _bf16_pairs(self) or self.bits == 6 else 1), self.codes.shape[0] * _PANEL
+            rows = 8 if _six_quads(self) else 4 if _bf16_pairs(self) or self.bits == 6 else 1
+            return self.codes.shape[1] * rows, self.codes.shape[0] * _PANEL
         return self.codes.shape[-2], self.scale.shape[-1]
 
     @property
@@ -158,9 +159,8 @@ def permute_columns(w: QuantizedWeight, index: np.ndarray) -> QuantizedWeight:
     return QuantizedWeight(codes, bits=w.bits, layout="plain", activations=w.activations, perm=perm, **columns)
 
 
-def _pack_plain_int4(codes: np.ndarray) -> np.ndarray:
-    half = codes.shape[1] // 2
-    return np.ascontiguousarray(codes[:, :half] | (codes[:, half:] << 4))
+def _pack_plain_int4(codes: np.ndarray) -> np.ndarray:  # columns j (low nibble) and j + N / 2 (high)
+    return np.ascontiguousarray(codes[:, : codes.shape[1] // 2] | (codes[:, codes.shape[1] // 2 :] << 4))
 
 
 def make_weight(w: np.ndarray, method: str, *, panels: bool, activations: str, device=None) -> QuantizedWeight:
@@ -233,10 +233,10 @@ def _fits_panels(k: int, n: int, activations: str) -> bool:
 def _unpacked_codes(w: QuantizedWeight, xp=jnp):
     """The codes [..., K, N], one a byte, as `xp` (jnp inside a step, numpy on the host) arrays."""
     c = xp.asarray(w.codes)
-    if w.bits == 6:  # [P, K / 4, 48] -> [P, K, 16] -> [K, N]
+    if w.bits == 6:  # [P, K / 4, 48] or [P, K / 8, 96] -> [P, K, 16] -> [K, N]
         from jaxllm.kernels import gemm
 
-        c = gemm.six_bit_codes(c, xp)
+        c = gemm.six_bit_quads_codes(c, xp) if _six_quads(w) else gemm.six_bit_codes(c, xp)
         return xp.transpose(c, (1, 0, 2)).reshape(c.shape[1], -1)
     if _bf16_pairs(w) or _int8_quads(w):  # [P, K / 2r, 16 r] -> [P, K / 2r, 2 halves, 16, r] -> [K, N]
         r, p, k = 2 if _bf16_pairs(w) else 4, c.shape[0], c[0].size // 8
@@ -269,6 +269,11 @@ def _int8_quads(w: QuantizedWeight) -> bool:
     """Whether w's codes are 4-bit panels in the order of `pack_codes(..., quads=True)`, for int8
     activations (`matmul_quantized(..., act8=True)`)."""
     return w.layout == "panels" and w.bits == 4 and w.activations == "int8"
+
+
+def _six_quads(w: QuantizedWeight) -> bool:
+    """Whether w's codes are 6-bit ones for int8 activations (`gemm.six_bit_quads`)."""
+    return w.layout == "panels" and w.bits == 6 and w.activations == "int8"
 
 
 def _w8a8_panels(w: QuantizedWeight) -> bool:
@@ -431,7 +436,7 @@ def embedding_rows(w: QuantizedWeight, token_ids: jax.Array) -> jax.Array:
     """Rows [T, K] f32 of a tied embedding table stored as its LM head (token t is column t)."""
     t = token_ids
     c = w.codes
-    assert not (_bf16_pairs(w) or _int8_quads(w)), "pairs and quads are for layer matrices, not embedding tables"
+    assert not (_bf16_pairs(w) or _int8_quads(w) or _six_quads(w)), "pairs and quads: layer matrices, not tables"
     if w.layout == "panels":
         col = t % 16
         if w.bits == 6:  # the tokens' panels' codes [T, K, 16], then each token's column
@@ -476,7 +481,7 @@ def relayout(w: QuantizedWeight, panels: bool, device=None) -> QuantizedWeight:
     bias = _w8a8_bias(codes, w.act_group) if panels and w.bits == 8 and w.activations == "int8" else None
     if panels:
         int8 = w.activations == "int8"
-        codes = gemm.pack_codes(codes, w.bits, w8a8=int8 and w.bits == 8, quads=int8 and w.bits == 4)
+        codes = gemm.pack_codes(codes, w.bits, w8a8=int8 and w.bits == 8, quads=int8 and w.bits in (4, 6))
     elif w.bits == 4:
         codes = _pack_plain_int4(codes)
     layout = "panels" if panels else "plain"

@@ -58,8 +58,9 @@ class LinearPlan:
         rows factor the group scales out of their sums where the codes allow it: 4-bit ones, 8-bit
         ones in [-64, 63]; `EngineArgs.small_step_factored`), "float_factored" (x as it is, a
         GGUF's codes in the f32 GEMM, whose calls of one or two rows factor likewise), "int8"
-        (W8A8, or 4-bit codes x int8 rows), "int8_float_factored" (a GGUF's 4-bit codes x int8
-        rows, its others "float_factored": `int8_activations` under float32). Applied where the
+        (W8A8, or 4-bit codes x int8 rows; under float32 also 8-bit codes that fit 6 bits),
+        "int8_float_factored" (a GGUF's 4-bit codes and those 6-bit ones x int8 rows, its others
+        "float_factored": `int8_activations` under float32). Applied where the
         weight's shape and bits allow it, else "float" ("factored" else "bf16").
     small_step_codes: a GGUF's codes kept beside the bf16 panels, for the steps of at most
         `quantization.SMALL_STEP_ROWS` rows.
@@ -81,7 +82,7 @@ _X_AS = {  # for the log line
     "int8": "int8",
     "factored": "bf16, scales factored out",
     "float_factored": "f32, scales factored out",
-    "int8_float_factored": "int8 for 4-bit codes, else f32 with scales factored out",
+    "int8_float_factored": "int8 for 4- and 6-bit codes, else f32 with scales factored out",
 }
 
 
@@ -166,7 +167,7 @@ def resolve_weight_plan(
     # measured factored). Under float32 the codes always serve alone, and their calls of one or
     # two rows factor likewise (csrc/gemm_quant.cc: on AVX2 a decode is bound by the codes'
     # conversions), not with speculative decoding (its checks of 3 rows and more do not). With
-    # int8_activations the 4-bit codes multiply int8 rows and only the others factor there.
+    # int8_activations the 4-bit codes (and 6-bit ones) multiply int8 rows and only the others factor there.
     alone = codes_only or (asked == "gguf" and codes_bf16)
     factored = args.small_step_factored
     if factored is None:

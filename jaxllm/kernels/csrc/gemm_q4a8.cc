@@ -32,7 +32,8 @@ struct ActQ8 {         // rows of x quantized per group of kActGroup columns
   const float* d;      // [rows, K / kActGroup]: the groups' scales
   const float* s;      // [rows, K / kActGroup]: x's sums over the groups
   int64_t K, groups;
-  ActQ8 at(int64_t r) const { return {q + r * K, d + r * groups, s + r * groups, K, groups}; }
+  const int16_t* t = nullptr;  // 6-bit codes (gemm_q6a8.cc): [rows, K / 16], -16 x q's sums over 16 columns
+  ActQ8 at(int64_t r) const { return {q + r * K, d + r * groups, s + r * groups, K, groups, t ? t + r * (K / 16) : t}; }
 };
 
 // Rows [r0, r1) of x [M, K] quantized into q, d, s (laid out as ActQ8's).

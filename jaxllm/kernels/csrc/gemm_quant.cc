@@ -4,6 +4,7 @@
 
 #include "gemm.cc"
 #include "gemm_q4a8.cc"
+#include "gemm_q6a8.cc"
 #include "gemm_quant_panel.h"
 #include "gemm_w8a8.cc"
 #include "parallel_for.h"
@@ -18,8 +19,8 @@ namespace {
 // (weight-only quantization: x stays f32). The copy is made once per work item, which covers
 // up to kRowChunk rows, so at decode and prefill batch sizes the dequantization is a small part
 // of the work, and the weights are read at 1/4 (int8) or 1/8 (int4) of the f32 bytes. With
-// act8, 4-bit codes multiply x rounded to int8 per block of 32 instead (gemm_q4a8.cc), 8-bit
-// ones x rounded to int8 per row (W8A8: gemm_w8a8.cc).
+// act8, 4-bit codes multiply x rounded to int8 per block of 32 instead (gemm_q4a8.cc), 6-bit
+// ones likewise (gemm_q6a8.cc), 8-bit ones x rounded to int8 per row (W8A8: gemm_w8a8.cc).
 
 void dequantize_panel_portable(const QuantPanel& q, int64_t p, float* out) {
   float s[kPanel], o[kPanel];
@@ -265,22 +266,29 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   const auto cd = codes.dimensions();
   const bool int8 = bits == 8 && codes.element_type() == ffi::DataType::S8;
   const bool int4 = bits == 4 && codes.element_type() == ffi::DataType::U8;
-  const bool shapes_ok = xd.size() == 2 && cd.size() == 3 && (int8 || int4) &&
-                         cd[2] == (int8 ? kPanel : kPanel / 2) && cd[1] == xd[1];
+  const bool six = bits == 6 && codes.element_type() == ffi::DataType::U8;  // act8 only: [N / 16, K / 8, 96]
+  const bool shapes_ok = xd.size() == 2 && cd.size() == 3 && (int8 || int4 || six) &&
+                         (six ? cd[2] == kSixBlock && cd[1] * 8 == xd[1]
+                              : cd[2] == (int8 ? kPanel : kPanel / 2) && cd[1] == xd[1]);
   QuantPanel q{codes.untyped_data(), nullptr, nullptr, false, shapes_ok ? xd[1] : 0, shapes_ok ? cd[0] * kPanel : 0,
                1, bits};
   if (!shapes_ok || !bind_scales(q, scale, offset, super_scale, super_offset) || (swiglu && cd[0] % 2) ||
       (bias.element_count() && (!act8 || !int8 || act_group < 0 || (act_group && xd[1] % act_group) ||
                                 bias.element_count() != cd[0] * kPanel * (act_group ? xd[1] / act_group : 1))))
     return ffi::Error::InvalidArgument(
-        "matmul_quantized: needs x [M, K], codes int8 [N / 16, K, 16] (bits 8) or uint8 [N / 16, K, 8] (bits 4), "
+        "matmul_quantized: needs x [M, K], codes int8 [N / 16, K, 16] (bits 8), uint8 [N / 16, K, 8] (bits 4) or "
+        "uint8 [N / 16, K / 8, 96] (bits 6), "
         "scale f32 or f16 [N / 16, G, 16] with G dividing K, offset empty or like scale (N / 16 even for swiglu); "
         "two-level: scale and offset int8, super_scale f16 [N / 16, G / S, 16], super_offset like it or empty; bias "
         "int32 [K / act_group or 1, N] for 8-bit codes x int8 activations only");
   if (!path_ok(path))
     return ffi::Error::InvalidArgument("matmul_quantized: this build has no such kernel path");
   const int64_t groups = q.groups();
-  if (act8 && !(int4 && !act_group && xd[1] % kActGroup == 0 && q.group % kActGroup == 0) &&
+  if (six && !(act8 && !act_group && xd[1] % kActGroup == 0 && six_bit_act8_ok(q)))
+    return ffi::Error::InvalidArgument("matmul_quantized: 6-bit codes multiply int8 activations only (act8, "
+                                       "act_group 0), K a multiple of 32, groups of a multiple of 32 rows (two-level "
+                                       "scales: of 16, super-groups of 32, offsets in groups of 32)");
+  if (act8 && !six && !(int4 && !act_group && xd[1] % kActGroup == 0 && q.group % kActGroup == 0) &&
       !(int8 && groups == 1 && !q.offset && !q.super_scale && xd[1] % 4 == 0 && xd[1] <= kW8A8MaxK &&
         (!act_group || (act_group > 0 && act_group % 4 == 0 && xd[1] % act_group == 0))))
     return ffi::Error::InvalidArgument("matmul_quantized: int8 activations need 4-bit codes in groups of a multiple "
@@ -293,6 +301,7 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   if (bias.element_count()) q.bias = bias.typed_data();
   if (act8) {
     if (g.M && int4) matmul_q4a8(pool, g, q, path, swiglu);
+    if (g.M && six) matmul_q6a8(pool, g, q, path, swiglu);
     if (g.M && int8) matmul_w8a8(pool, g, q, path, swiglu, act_group);
     return ffi::Error::Success();
   }

@@ -1,0 +1,220 @@
+// 6-bit codes x int8 activations: MatmulQuantImpl's act8 path for bits = 6 (gemm_quant.cc).
+
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "gemm.cc"
+#include "gemm_q4a8.cc"
+#include "gemm_quant_panel.h"
+#include "parallel_for.h"
+#include "simd.h"
+
+namespace jaxllm {
+namespace {
+
+// ----------------------------------------------- 6-bit codes x int8 activations (act8 = 1)
+// Codes c in [-32, 31] (GGUF's Q6_K, Q5_0, Q5_K) held as u = c + 32 in 6 bits, multiplied by x
+// quantized per group of 32 columns as gemm_q4a8.cc does (ActQ8), in integer sums: llama.cpp's
+// scheme for these types. The layout (`gemm.six_bit_quads`): a panel's 8 rows of K in 96 bytes,
+// the first 64 the low 4 bits of u in the 4-bit `quads` order (byte 4 c + j: column c, row j in
+// the low nibble, row 4 + j in the high one), then 32 bytes whose byte i holds the top 2 bits of
+// the codes in quad bytes i (low nibble: bits 0-1, high: 2-3) and 32 + i (bits 4-5, 6-7).
+//
+// A group's sums: with two-level scales the int8 sub-scale m of each weight group (16 rows or
+// more) multiplies the int16 pair sums in the vpmaddwd that widens them, so the integer sum over
+// an activation group is sum over k of m(k) * u * q; - 32 * m * (q's sum) takes c = u - 32 back
+// (per 16 rows, from `ActQ8::t`); then y += isum * F * d + offset * xsum, F the f16 super-scale
+// (constant over the 32 rows: a super-block spans a multiple of them). With one-level scales m
+// is 1 and F the group's scale (groups of a multiple of 32 rows). Offsets need groups of a
+// multiple of 32 rows. Bounds: a vpmaddubsw pair sum is at most 2 * 63 * 127, two of them
+// 32,004 < 2^15; |t| <= 16 * 16 * 127 = 32,512.
+
+constexpr int64_t kSixBlock = 96;  // bytes of 8 rows of a panel's 16 columns
+
+// Whether 6-bit codes with q's scales can multiply int8 rows (K a multiple of 32 checked apart).
+inline bool six_bit_act8_ok(const QuantPanel& q) {
+  if (q.super_scale)
+    return q.group % 16 == 0 && (q.group * q.per_super) % kActGroup == 0 && (!q.offset || q.group % kActGroup == 0);
+  return q.group % kActGroup == 0;
+}
+
+inline int32_t six_code(const uint8_t* codes, int64_t k, int64_t c) {  // c's code of row k: u - 32
+  const uint8_t* blk = codes + k / 8 * kSixBlock;
+  const int64_t byte = 4 * c + k % 4, high = k % 8 >= 4;
+  const int32_t low = high ? blk[byte] >> 4 : blk[byte] & 15;
+  const int32_t top = (blk[64 + byte % 32] >> (2 * high + (byte >= 32 ? 4 : 0))) & 3;
+  return (low | top << 4) - 32;
+}
+
+// Column j's integer multiplier of group g (the sub-scale; 1 with one level) and float factor
+// of the activation group starting at row k0 (the super-scale, or the scale).
+inline int32_t six_multiplier(const QuantPanel& q, int64_t g, int64_t p, int64_t j) {
+  return q.super_scale ? static_cast<const int8_t*>(q.scale)[q.scale_at(g, p) + j] : 1;
+}
+
+inline void six_factors(const QuantPanel& q, int64_t k0, int64_t p, float* f, float* o) {
+  const int64_t g = k0 / q.group;
+  float s[kPanel];
+  group_scales(q, g, p, s, o);  // (offsets: groups of a multiple of 32 rows)
+  for (int64_t j = 0; j < kPanel; ++j)
+    f[j] = q.super_scale ? half_to_f32(q.super_scale[q.super_at(g, p) + j]) : s[j];
+}
+
+void q6a8_rows_portable(const QuantPanel& q, const ActQ8& a, int64_t p, float* y, int64_t ldy, int64_t R) {
+  const uint8_t* codes = static_cast<const uint8_t*>(q.codes) + p * (q.K / 8) * kSixBlock;
+  float f[kPanel], o[kPanel];
+  for (int64_t i = 0; i < R; ++i) std::fill(y + i * ldy, y + i * ldy + kPanel, 0.f);
+  for (int64_t b = 0; b < a.groups; ++b) {
+    const int64_t k0 = b * kActGroup;
+    six_factors(q, k0, p, f, o);
+    for (int64_t i = 0; i < R; ++i) {
+      for (int64_t j = 0; j < kPanel; ++j) {
+        int32_t isum = 0;
+        for (int64_t k = k0; k < k0 + kActGroup; ++k)
+          isum += six_multiplier(q, k / q.group, p, j) * six_code(codes, k, j) * a.q[i * a.K + k];
+        y[i * ldy + j] += isum * (f[j] * a.d[i * a.groups + b]) + o[j] * a.s[i * a.groups + b];
+      }
+    }
+  }
+}
+
+#if defined(JAXLLM_AVX2) && defined(__F16C__)  // (F16C: every AVX2 CPU jaxllm targets)
+#define JAXLLM_Q6A8_AVX2 1
+// R rows of y, panel p's 16 columns: per 8 rows of K, the 96 bytes into four vectors of u (the
+// 4-bit kernel's nibble halves with their top bits or-ed in), each pair meeting broadcasts of 4
+// bytes of q in two vpmaddubsw; vpmaddwd by the group's multipliers widens them to int32. The
+// group and super-group indices are stepped, not divided for (a division per 16 rows would cost
+// about what the rows do).
+template <int R>
+void q6a8_rows_avx2(const QuantPanel& q, int64_t p, const ActQ8& a, float* __restrict y, int64_t ldy) {
+  const uint8_t* codes = static_cast<const uint8_t*>(q.codes) + p * (q.K / 8) * kSixBlock;
+  const __m256i low4 = _mm256_set1_epi8(15), top2 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+  const int64_t at0 = q.scale_at(0, p), sat0 = q.super_scale ? q.super_at(0, p) : 0, super_rows = q.group * q.per_super;
+  int64_t g = 0, g_end = q.group, su = 0, su_end = super_rows;
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) std::fill(y + i * ldy, y + i * ldy + kPanel, 0.f);
+  for (int64_t b = 0; b < a.groups; ++b) {
+    const int64_t k0 = b * kActGroup;
+    if (k0 == su_end) ++su, su_end += super_rows;
+    __m256i i0[R], i1[R];  // int32 sums: columns 0-7 and 8-15
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) i0[i] = i1[i] = _mm256_setzero_si256();
+    for (int64_t kh = k0; kh < k0 + kActGroup; kh += 16) {
+      if (kh == g_end) ++g, g_end += q.group;
+      __m256i m0 = ones, m1 = ones;  // the multipliers, each column's twice (vpmaddwd's int16 pairs)
+      if (q.super_scale) {
+        const auto* sub = static_cast<const int8_t*>(q.scale) + at0 + g * kPanel;
+        const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub));
+        m0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s, s));
+        m1 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(s, s));
+      }
+#pragma GCC unroll 2
+      for (int64_t k = kh; k < kh + 16; k += 8) {
+        const uint8_t* blk = codes + k / 8 * kSixBlock;
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kQuadsPrefetch), _MM_HINT_T1);
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32));
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64));
+        const __m256i lo0 = _mm256_or_si256(_mm256_and_si256(v0, low4), _mm256_and_si256(_mm256_slli_epi16(h, 4), top2));
+        const __m256i hi0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low4),
+                                            _mm256_and_si256(_mm256_slli_epi16(h, 2), top2));
+        const __m256i lo1 = _mm256_or_si256(_mm256_and_si256(v1, low4), _mm256_and_si256(h, top2));
+        const __m256i hi1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low4),
+                                            _mm256_and_si256(_mm256_srli_epi16(h, 2), top2));
+#pragma GCC unroll 4
+        for (int i = 0; i < R; ++i) {
+          int32_t four[2];
+          std::memcpy(four, a.q + i * a.K + k, sizeof four);
+          const __m256i x0 = _mm256_set1_epi32(four[0]), x1 = _mm256_set1_epi32(four[1]);
+          const __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, x0), _mm256_maddubs_epi16(hi0, x1));
+          const __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, x0), _mm256_maddubs_epi16(hi1, x1));
+          i0[i] = _mm256_add_epi32(i0[i], _mm256_madd_epi16(s0, m0));
+          i1[i] = _mm256_add_epi32(i1[i], _mm256_madd_epi16(s1, m1));
+        }
+      }
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) {  // - 32 * m * (q's sum over the 16 rows)
+        const __m256i t = _mm256_set1_epi16(a.t[i * (a.K / 16) + kh / 16]);
+        i0[i] = _mm256_add_epi32(i0[i], _mm256_madd_epi16(m0, t));
+        i1[i] = _mm256_add_epi32(i1[i], _mm256_madd_epi16(m1, t));
+      }
+    }
+    // The float factors (offsets: groups of a multiple of 32 rows, so g is k0's group).
+    const int64_t at = at0 + g * kPanel, sat = sat0 + su * kPanel;
+    __m256 f[2], o[2];
+    for (int h = 0; h < 2; ++h) {
+      f[h] = q.super_scale
+                 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q.super_scale + sat + 8 * h)))
+                 : scales_f32x8(q, q.scale, nullptr, at + 8 * h, 0);
+      o[h] = q.offset ? scales_f32x8(q, q.offset, q.super_offset, at + 8 * h, sat + 8 * h) : _mm256_setzero_ps();
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      const __m256 d = _mm256_set1_ps(a.d[i * a.groups + b]), xs = _mm256_set1_ps(a.s[i * a.groups + b]);
+      float* yi = y + i * ldy;
+      _mm256_storeu_ps(yi, _mm256_fmadd_ps(o[0], xs, _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0[i]), _mm256_mul_ps(f[0], d),
+                                                                     _mm256_loadu_ps(yi))));
+      _mm256_storeu_ps(yi + 8, _mm256_fmadd_ps(o[1], xs, _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1[i]),
+                                                                         _mm256_mul_ps(f[1], d), _mm256_loadu_ps(yi + 8))));
+    }
+  }
+}
+#endif  // JAXLLM_AVX2 && __F16C__
+
+struct Q6A8Scratch {
+  std::vector<float> sums;  // with the SwiGLU epilogue: the item's gate and up sums
+};
+
+// Rows [r0, r1) of x (quantized in a), panel p's columns, into y (row stride ldy).
+void q6a8_block(const QuantPanel& q, const ActQ8& a, int64_t p, int64_t r0, int64_t r1, float* y, int64_t ldy,
+                int32_t path) {
+#ifdef JAXLLM_Q6A8_AVX2
+  if (path == kAuto || path >= kAvx2) {
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) q6a8_rows_avx2<4>(q, p, a.at(r), y + (r - r0) * ldy, ldy);
+    y += (r - r0) * ldy;
+    const ActQ8 rest = a.at(r);
+    switch (r1 - r) {
+      case 3: q6a8_rows_avx2<3>(q, p, rest, y, ldy); break;
+      case 2: q6a8_rows_avx2<2>(q, p, rest, y, ldy); break;
+      case 1: q6a8_rows_avx2<1>(q, p, rest, y, ldy); break;
+    }
+    return;
+  }
+#endif
+  q6a8_rows_portable(q, a.at(r0), p, y, ldy, r1 - r0);
+}
+
+// y = x @ w for 6-bit codes with x quantized as matmul_q4a8 does, and q's sums per 16 columns.
+void matmul_q6a8(ffi::ThreadPool& pool, const GemmArgs& g, const QuantPanel& q, int32_t path, int32_t swiglu) {
+  const int64_t groups = g.K / kActGroup, rows_per_item = 16;
+  thread_local std::vector<int8_t> xq;  // grown, never shrunk: one allocation per calling thread
+  thread_local std::vector<float> xd;
+  thread_local std::vector<int16_t> xt;
+  xq.resize(std::max<size_t>(xq.size(), g.M * g.K));
+  xd.resize(std::max<size_t>(xd.size(), 2 * g.M * groups));
+  xt.resize(std::max<size_t>(xt.size(), g.M * (g.K / 16)));
+  const ActQ8 a{xq.data(), xd.data(), xd.data() + g.M * groups, g.K, groups, xt.data()};
+  int8_t* q8 = xq.data();
+  float *d = xd.data(), *s = d + g.M * groups;
+  int16_t* t = xt.data();  // (the workers' own thread_local vectors are other ones)
+  parallel_for(pool, (g.M + rows_per_item - 1) / rows_per_item, [&](int64_t i) {
+    const int64_t r0 = i * rows_per_item, r1 = std::min(g.M, r0 + rows_per_item);
+    quantize_rows(g.x, r0, r1, g.K, q8, d, s);
+    for (int64_t j = r0 * (g.K / 16); j < r1 * (g.K / 16); ++j) {
+      int32_t sum = 0;
+      for (int64_t k = 0; k < 16; ++k) sum += q8[j * 16 + k];
+      t[j] = static_cast<int16_t>(-16 * sum);
+    }
+  });
+  int8_rows_items<Q6A8Scratch>(pool, g, swiglu, path, [&](int64_t p, int64_t r0, int64_t r1, float* y, int64_t ldy,
+                                                         Q6A8Scratch&) {
+    q6a8_block(q, a, p, r0, r1, y, ldy, path);
+  });
+}
+
+}  // namespace
+}  // namespace jaxllm
