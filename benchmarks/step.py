@@ -259,10 +259,16 @@ def main():
         warmup=False,
         packed_weights=not args.no_packed_weights,
         quantization=args.quantization,
+        int8_activations=None if asked == "auto" else False,  # (as `resolve_dtypes`)
     )
     loaded, plan = load_with_plan(eargs, Platform.detect(), None, one_device=True, progress=False)
     cfg = loaded.cfg
-    eargs = dataclasses.replace(eargs, quantization=plan.quantization, small_step_codes=plan.small_step_codes)
+    eargs = dataclasses.replace(
+        eargs,
+        quantization=plan.quantization,
+        small_step_codes=plan.small_step_codes,
+        int8_activations=plan.int8_activations,
+    )
     config = resolve_config(eargs, cfg, loaded.name)
     params, small_params = prepare_weights(loaded.params, cfg, plan, tokenizer=loaded.resolve_tokenizer())
     runner = ModelRunner(config, cfg, params, small_params=small_params)

@@ -219,14 +219,16 @@ class EngineArgs:
         "the smallest compiled shape that holds it, or compiles its own (one process only; off: every "
         "shape is compiled before the engine returns)",
     )
-    int8_activations: bool = option(
-        False,
+    int8_activations: bool | None = option(
+        None,
         "4-bit weight codes (a GGUF's Q4_0 / Q4_1 / Q4_K, int4) multiply activations quantized to int8 per "
-        "group of 32, as llama.cpp does: integer dot products, ~1.3x the quantized GEMM's speed on "
-        "AVX2, +1.9% perplexity on the default model; under bfloat16 with small-step codes, the decode "
-        "steps' 4-bit codes do; under float32 every step's 4-bit codes, the other codes then factoring "
-        "their scales (small_step_factored) (one CPU device with the C++ kernels; elsewhere the "
-        "activations stay float)",
+        "group of 32, as llama.cpp does: integer dot products; under bfloat16 with small-step codes, the "
+        "decode steps' 4-bit codes do; under float32 every step's 4-bit codes and the 8-bit ones that fit 6 "
+        "bits (Q6_K, Q5_0, Q5_K, Q5_1: repacked so), the other codes then factoring their scales "
+        "(small_step_factored) (one CPU device with the C++ kernels; elsewhere the activations stay float). "
+        "Default: on for a GGUF where dtype auto picks float32 (a CPU without bf16 dots: AVX2), llama.cpp's "
+        "own scheme for these files (faster there on every measure, perplexity within 1%: docs/quantization.md); "
+        "off where a dtype is asked for",
     )
     packed_weights: bool = option(
         True,
@@ -250,7 +252,7 @@ class EngineArgs:
         "not memory, bounds a decode, and the decodes' numbers are no longer the bf16 weights' bit for bit; "
         "under float32 (the codes alone, AVX2) likewise in steps of one or two rows, instead of dequantizing "
         "each weight. Default: on wherever such codes serve without AMX (with AMX: in the small-step codes), "
-        "unless batch_invariant, int8_activations (but under float32, for the codes other than 4-bit ones) or "
+        "unless batch_invariant, int8_activations (but under float32, for the codes it leaves float) or "
         "speculative decoding with the small-step split or under float32 (whose larger verification steps "
         "compute other numbers: outputs the same with drafts or without)",
     )

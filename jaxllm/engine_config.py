@@ -286,7 +286,9 @@ def resolve_dtypes(args: EngineArgs, platform: Platform, many_processes: bool) -
     kv_dtype, why = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype, dtype)
     if args.kv_cache_dtype == "auto" and kv_dtype != dtype:
         logger.info("kv_cache_dtype auto: %s (%s)", kv_dtype, why)
-    return dataclasses.replace(args, dtype=dtype, kv_cache_dtype=kv_dtype)
+    # int8_activations' default stays open (for the weight plan) only where the dtype was picked.
+    int8 = False if args.int8_activations is None and args.dtype != "auto" else args.int8_activations
+    return dataclasses.replace(args, dtype=dtype, kv_cache_dtype=kv_dtype, int8_activations=int8)
 
 
 def available_memory(args: EngineArgs) -> int | None:

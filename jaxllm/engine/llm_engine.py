@@ -64,7 +64,12 @@ class LLMEngine(TrainerMixin, PoolingMixin, LoRAMixin):
         if self.pooling is not None and args.enable_lora:
             raise ValueError("enable_lora is not supported for a pooling (embedding) engine yet")
         asked = args  # (the draft model's plan starts from what was asked, not the target's outcome)
-        args = dataclasses.replace(args, quantization=plan.quantization, small_step_codes=plan.small_step_codes)
+        args = dataclasses.replace(
+            args,
+            quantization=plan.quantization,
+            small_step_codes=plan.small_step_codes,
+            int8_activations=plan.int8_activations,
+        )
         self.config: EngineConfig = resolve_config(
             args,
             loaded.cfg,
@@ -100,9 +105,9 @@ class LLMEngine(TrainerMixin, PoolingMixin, LoRAMixin):
         self.weight_version: int | str = 0
         self.num_weight_updates = 0
         self.sleep_level = 0  # 0 awake; 1 KV pool freed; 2 weights dropped too (see `sleep`)
-        if args.int8_activations and not int8_activation_weights((self.runner.params, self.runner.small_params)):
+        if asked.int8_activations and not int8_activation_weights((self.runner.params, self.runner.small_params)):
             logger.warning(
-                "int8_activations: no weight of this run has 4-bit codes in the C++ GEMM "
+                "int8_activations: no weight of this run has 4- or 6-bit codes in the C++ GEMM "
                 "(quantization=%s, %s backend); the activations stay float",
                 self.config.quantization,
                 self.runner.attention.name,

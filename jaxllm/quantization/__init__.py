@@ -52,9 +52,11 @@ How a quantized weight is multiplied (`matmul`):
   (`gemm.codes_to_bf16_panels`, the GEMM over codes' own conversion): the same numbers both ways,
   the small steps streaming a third of the layer weights' bytes (decode steps at 1.1-1.3x the
   speed on Zen 4: benchmarks/results/zen4/RESULTS.md).
-- **Packed 4-bit codes x int8 activations** (`EngineArgs.int8_activations`, off by default;
-  `activations="int8"` on a panels weight, `with_int8_activations`): llama.cpp's scheme for its
-  4-bit formats. The C++ GEMM rounds each row of x to int8 per group of 32 columns (a scale per
+- **Packed 4-bit (and 6-bit) codes x int8 activations** (`EngineArgs.int8_activations`, by
+  default on for a GGUF where dtype auto picks float32; `activations="int8"` on a panels weight,
+  `with_int8_activations`): llama.cpp's scheme for its formats; under float32 8-bit codes within
+  [-32, 31] (Q6_K, Q5_0, Q5_K, Q5_1) too, repacked in 6 bits (`gemm.six_bit_quads`,
+  csrc/gemm_q6a8.cc). The C++ GEMM rounds each row of x to int8 per group of 32 columns (a scale per
   group) and sums code x int8 products as integers (AVX2 `vpmaddubsw`, AVX512_VNNI
   `vpdpbusd`), scaling once a group: about 1.3x the weight-only panels' speed on AVX2 from 16
   rows up, 310-510 GFLOP/s on Zen 4, at a perplexity cost (benchmarks/results/zen4/RESULTS.md).

@@ -95,6 +95,7 @@ class WeightPlan:
     pack_floats: bool  # float matrices are packed into C++ panels
     smooth: bool  # W8A8 smoothing of the float weights before quantizing (quantization/smoothing.py)
     small_step_codes: bool  # a GGUF's codes kept for small steps beside bf16 panels
+    int8_activations: bool = False  # EngineArgs.int8_activations, resolved
     gemm_path: str = "auto"  # the C++ GEMMs' kernel path: one for every row count under batch_invariant
     linears: dict = dataclasses.field(default_factory=dict, compare=False)  # name -> LinearPlan
 
@@ -146,6 +147,10 @@ def resolve_weight_plan(
     codes_bf16 = dtype == "bfloat16" and cpp_gemm and args.packed_weights and platform.cpp_bf16_dots
     # Under float32 the C++ GEMM takes a GGUF's codes as they are, for every step (below).
     codes_f32 = dtype == "float32" and cpp_gemm and asked in (None, "gguf")
+    # int8_activations None (`resolve_dtypes` leaves it so where dtype "auto" picked float32: a
+    # CPU without bf16 dots) is on for a GGUF's codes there: llama.cpp's scheme for its files.
+    if args.int8_activations is None:
+        args = dataclasses.replace(args, int8_activations=codes_f32 and checkpoint in ("gguf", UNKNOWN))
     small = _small_step_codes(args, codes_bf16, codes_f32, checkpoint)
     # By default a GGUF's blocks serve every step alone, in a third of the panels' memory: where
     # AMX multiplies them (it converts each panel once a call, into its tiles), and where the bf16
@@ -217,6 +222,7 @@ def resolve_weight_plan(
         pack_floats=pack_floats,
         smooth=method == "w8a8",
         small_step_codes=small,
+        int8_activations=args.int8_activations,
         gemm_path=gemm_path,
         linears=linears,
     )

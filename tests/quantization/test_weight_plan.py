@@ -36,9 +36,25 @@ CASES = [
         {"wqkv": LinearPlan(None, "cpp")},
     ),
     (
-        "avx2 defaults, a GGUF loaded: its blocks in the C++ GEMM",
+        # (dtype float32 as "auto" resolves it there, int8_activations left to the plan: the
+        # 4- and 6-bit codes x int8 rows, llama.cpp's scheme)
+        "avx2 defaults, a GGUF loaded: its blocks in the C++ GEMM, x as int8",
         ZEN3,
         F32,
+        True,
+        "gguf",
+        ("gguf", "auto", True, True, False, False),
+        {
+            "wqkv": LinearPlan("gguf", "cpp", "int8_float_factored"),
+            "lm_head": LinearPlan("gguf", "cpp", "int8_float_factored"),
+            "experts_down": LinearPlan("gguf", "xla"),
+            "embed": LinearPlan("gguf", "cpp", "int8_float_factored"),
+        },
+    ),
+    (
+        "avx2, a GGUF, float32 asked (int8_activations False): float rows",
+        ZEN3,
+        dict(F32, int8_activations=False),
         True,
         "gguf",
         ("gguf", "auto", True, True, False, False),
@@ -86,7 +102,7 @@ CASES = [
         True,
         "gguf",
         ("gguf", "auto", True, False, False, False),
-        {"wqkv": LinearPlan("gguf", "cpp", "float_factored")},
+        {"wqkv": LinearPlan("gguf", "cpp", "int8_float_factored")},
     ),
     (
         "avx2, a GGUF's blocks kept, then the build failed: dequantized",

@@ -16,6 +16,32 @@ from jaxllm.weights.plan import UNKNOWN, LinearPlan, resolve_weight_plan
 from tests.helpers.plan_platforms import BF16, F32, NO_COMPILER, ZEN3, ZEN4
 
 
+@pytest.mark.parametrize(
+    "platform, fields, int8",
+    [
+        (ZEN3, dict(dtype="auto"), True),  # float32 picked: a GGUF's codes x int8 rows
+        (ZEN3, dict(dtype="float32"), False),  # float32 asked: the codes' own numbers
+        (ZEN3, dict(dtype="float32", int8_activations=True), True),
+        (ZEN4, dict(dtype="auto"), False),  # bfloat16 picked: its own default path
+        (ZEN4, dict(dtype="float32"), False),
+    ],
+)
+def test_int8_activations_default_where_dtype_auto_picks_float32(platform, fields, int8):
+    from jaxllm.engine_config import resolve_dtypes
+
+    args = resolve_dtypes(EngineArgs(**fields), platform, many_processes=False)
+    # Left to the plan where the dtype was picked, else False unless asked.
+    assert args.int8_activations is (None if fields == dict(dtype="auto") else int8)
+    gguf = resolve_weight_plan(args, platform, one_device=True, checkpoint="gguf", tied=True)
+    assert gguf.int8_activations is int8
+    int8_linear = (
+        gguf.linear("wqkv").activations.startswith("int8") or gguf.linear("wqkv").small_step_activations == "int8"
+    )
+    assert int8_linear is int8
+    hf = resolve_weight_plan(args, platform, one_device=True, checkpoint=None, tied=True)
+    assert hf.int8_activations is (fields.get("int8_activations") is True)
+
+
 def test_untied_embedding_is_a_float_table():
     plan = resolve_weight_plan(EngineArgs(dtype="float32", quantization="int4"), ZEN3, one_device=True, checkpoint=None)
     assert plan.linear("embed") == LinearPlan(None, "xla")
