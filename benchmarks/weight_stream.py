@@ -10,7 +10,8 @@ ones, "q6 six-bit"), 4-bit and 8-bit (Q6_K-like, in [-32, 31]) codes through the
 weight-only kernel (`matmul_quantized`, dequantizing each weight or, "factored", with the
 group scales factored out of the sums: the float32 engine's decodes on AVX2, whose code path
 the kernel takes on AVX-512 CPUs too), 4-bit codes x int8 rows ("q4 x int8", `act8=True`:
-llama.cpp's scheme, the codes in `quads`; "q4 x int8 avx2" its AVX2 kernel), f32 panels (the
+llama.cpp's scheme, the codes in `quads`; "q4 x int8 avx2" its AVX2 kernel; "q6 x int8" the
+Q6_K-like codes so, from 6 bits: `gemm.six_bit_quads`), f32 panels (the
 float32 dtype's GEMM, `csrc/gemm.cc`) and W8A8 (8-bit codes x int8 activations,
 `quantization="int8"`: the engine's weights, x scaled per block of up to 256 columns, and the
 same with a scale per row). Best of `--repeat` calls per row count; each path's GFLOP/s and its
@@ -55,6 +56,7 @@ PATHS = (
     "q4 factored",
     "q4 x int8",
     "q4 x int8 avx2",
+    "q6 x int8",
     "q8 x bf16",
     "q6 factored",
     "q6 six-bit",
@@ -131,6 +133,7 @@ def main(argv=None) -> int:
             add("q8 f32 factored", lambda: (jnp.asarray(gemm.pack_codes(c8 // 4, 8)), s, None))
             add("q4 x int8", lambda: (jnp.asarray(gemm.pack_codes(c4, 4, quads=True)), s, o))
             add("q4 x int8 avx2", lambda: (jnp.asarray(gemm.pack_codes(c4, 4, quads=True)), s, o))
+            add("q6 x int8", lambda: (jnp.asarray(gemm.pack_codes(c8 // 4, 6, quads=True)), s, None))
             add("f32", lambda: jnp.asarray(gemm.pack_weight(w)))
             if {"w8a8", "w8a8 per row"} & set(paths):
                 q = quant.make_weight(w, "w8a8", panels=True, activations="int8")
@@ -150,6 +153,7 @@ def main(argv=None) -> int:
         "q8 f32 factored": lambda h, w, sw: gemm.matmul_quantized(h, *w, 8, swiglu=sw, factored=True),
         "q4 x int8": lambda h, w, sw: gemm.matmul_quantized(h, *w, 4, swiglu=sw, act8=True),
         "q4 x int8 avx2": lambda h, w, sw: gemm.matmul_quantized(h, *w, 4, swiglu=sw, act8=True, path="avx2"),
+        "q6 x int8": lambda h, w, sw: gemm.matmul_quantized(h, *w, 6, swiglu=sw, act8=True),
         "f32": lambda h, w, sw: gemm.matmul_packed(h, w, swiglu=sw),
         "w8a8": lambda h, w, sw: quant.matmul(h, w, swiglu=sw),
         "w8a8 per row": lambda h, w, sw: quant.matmul(h, w, swiglu=sw),

@@ -94,11 +94,12 @@ void q4a8_rows_avx2(const QuantPanel& q, int64_t p, const ActQ8& a, float* __res
   const uint8_t* codes = static_cast<const uint8_t*>(q.codes) + p * q.K * (kPanel / 2);
   const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(15);
   alignas(32) float s[kPanel], o[kPanel];
+  ScaleCursor cursor(q, p);
 #pragma GCC unroll 6
   for (int i = 0; i < R; ++i) std::fill(y + i * ldy, y + i * ldy + kPanel, 0.f);
   for (int64_t b = 0; b < a.groups; ++b) {
     const int64_t k0 = b * kActGroup;
-    if (k0 % q.group == 0) group_scales(q, k0 / q.group, p, s, o);
+    if (cursor.step(k0)) group_scales_at(q, cursor.at, cursor.super_at, s, o);
     __m256i i0[R], i1[R];  // int16 sums: columns 0-7 and 8-15, two per column
 #pragma GCC unroll 6
     for (int i = 0; i < R; ++i) i0[i] = i1[i] = _mm256_setzero_si256();
@@ -155,13 +156,14 @@ void q4a8_rows_vnni(const QuantPanel& q, int64_t p, const ActQ8& a, float* __res
   const uint8_t* codes = static_cast<const uint8_t*>(q.codes) + p * q.K * (kPanel / 2);
   const __m512i low4 = _mm512_set1_epi8(15);
   __m512 acc[R], s = _mm512_setzero_ps(), o = _mm512_setzero_ps();
+  ScaleCursor cursor(q, p);
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.groups; ++b) {
     const int64_t k0 = b * kActGroup;
-    if (k0 % q.group == 0) {
-      s = scales_f32x16(q, q.scale, q.super_scale, k0 / q.group, p);
-      if (q.offset) o = scales_f32x16(q, q.offset, q.super_offset, k0 / q.group, p);
+    if (cursor.step(k0)) {
+      s = scales_f32x16_at(q, q.scale, q.super_scale, cursor.at, cursor.super_at);
+      if (q.offset) o = scales_f32x16_at(q, q.offset, q.super_offset, cursor.at, cursor.super_at);
     }
     __m512i isum[R];
 #pragma GCC unroll 8

@@ -85,28 +85,24 @@ void q6a8_rows_portable(const QuantPanel& q, const ActQ8& a, int64_t p, float* y
 #define JAXLLM_Q6A8_AVX2 1
 // R rows of y, panel p's 16 columns: per 8 rows of K, the 96 bytes into four vectors of u (the
 // 4-bit kernel's nibble halves with their top bits or-ed in), each pair meeting broadcasts of 4
-// bytes of q in two vpmaddubsw; vpmaddwd by the group's multipliers widens them to int32. The
-// group and super-group indices are stepped, not divided for (a division per 16 rows would cost
-// about what the rows do).
+// bytes of q in two vpmaddubsw; vpmaddwd by the group's multipliers widens them to int32.
 template <int R>
 void q6a8_rows_avx2(const QuantPanel& q, int64_t p, const ActQ8& a, float* __restrict y, int64_t ldy) {
   const uint8_t* codes = static_cast<const uint8_t*>(q.codes) + p * (q.K / 8) * kSixBlock;
   const __m256i low4 = _mm256_set1_epi8(15), top2 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
-  const int64_t at0 = q.scale_at(0, p), sat0 = q.super_scale ? q.super_at(0, p) : 0, super_rows = q.group * q.per_super;
-  int64_t g = 0, g_end = q.group, su = 0, su_end = super_rows;
+  ScaleCursor cursor(q, p);
 #pragma GCC unroll 4
   for (int i = 0; i < R; ++i) std::fill(y + i * ldy, y + i * ldy + kPanel, 0.f);
   for (int64_t b = 0; b < a.groups; ++b) {
     const int64_t k0 = b * kActGroup;
-    if (k0 == su_end) ++su, su_end += super_rows;
     __m256i i0[R], i1[R];  // int32 sums: columns 0-7 and 8-15
 #pragma GCC unroll 4
     for (int i = 0; i < R; ++i) i0[i] = i1[i] = _mm256_setzero_si256();
     for (int64_t kh = k0; kh < k0 + kActGroup; kh += 16) {
-      if (kh == g_end) ++g, g_end += q.group;
+      cursor.step(kh);
       __m256i m0 = ones, m1 = ones;  // the multipliers, each column's twice (vpmaddwd's int16 pairs)
       if (q.super_scale) {
-        const auto* sub = static_cast<const int8_t*>(q.scale) + at0 + g * kPanel;
+        const auto* sub = static_cast<const int8_t*>(q.scale) + cursor.at;
         const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub));
         m0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s, s));
         m1 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(s, s));
@@ -142,8 +138,8 @@ void q6a8_rows_avx2(const QuantPanel& q, int64_t p, const ActQ8& a, float* __res
         i1[i] = _mm256_add_epi32(i1[i], _mm256_madd_epi16(m1, t));
       }
     }
-    // The float factors (offsets: groups of a multiple of 32 rows, so g is k0's group).
-    const int64_t at = at0 + g * kPanel, sat = sat0 + su * kPanel;
+    // The float factors (offsets: groups of a multiple of 32 rows, so the cursor's group is k0's).
+    const int64_t at = cursor.at, sat = cursor.super_at;
     __m256 f[2], o[2];
     for (int h = 0; h < 2; ++h) {
       f[h] = q.super_scale

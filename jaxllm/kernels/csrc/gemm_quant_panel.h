@@ -120,8 +120,7 @@ inline __m256 scales_f32x8(const QuantPanel& q, const void* scales, const uint16
 // it (every AVX2 CPU we meet): converted one at a time, they were most of a decode's quantized
 // GEMM (a 4-bit weight row of 16 columns costs a few instructions, and one group's 32
 // conversions come every 32 rows).
-inline void group_scales(const QuantPanel& q, int64_t g, int64_t p, float* s, float* o) {
-  const int64_t at = q.scale_at(g, p), super_at = q.super_scale ? q.super_at(g, p) : 0;
+inline void group_scales_at(const QuantPanel& q, int64_t at, int64_t super_at, float* s, float* o) {
 #if defined(__F16C__) && defined(__AVX2__)
   for (int64_t h = 0; h < kPanel; h += 8) {
     _mm256_storeu_ps(s + h, scales_f32x8(q, q.scale, q.super_scale, at + h, super_at + h));
@@ -143,6 +142,27 @@ inline void group_scales(const QuantPanel& q, int64_t g, int64_t p, float* s, fl
   }
 #endif
 }
+
+inline void group_scales(const QuantPanel& q, int64_t g, int64_t p, float* s, float* o) {
+  group_scales_at(q, q.scale_at(g, p), q.super_scale ? q.super_at(g, p) : 0, s, o);
+}
+
+// A panel's scale and super-scale indices stepped group by group, for kernels that walk K in
+// order (`scale_at` and `super_at` divide: on AVX2 CPUs a 64-bit division costs tens of cycles,
+// about what a group's codes take at one row). `at(k)` moves to row k's group when k starts one.
+struct ScaleCursor {
+  int64_t at, super_at;  // group g's scales, its super-group's super-scales (elements)
+  int64_t g_end = 0, su_end = 0, group, super_rows;
+  ScaleCursor(const QuantPanel& q, int64_t p)
+      : at(q.scale_at(0, p) - kPanel), super_at((q.super_scale ? q.super_at(0, p) : 0) - kPanel), group(q.group),
+        super_rows(q.group * q.per_super) {}
+  bool step(int64_t k) {  // true when k starts a group (k walks K in order, each group's first row met)
+    if (k != g_end) return false;
+    at += kPanel, g_end += group;
+    if (k == su_end) super_at += kPanel, su_end += super_rows;
+    return true;
+  }
+};
 
 // Each row's sums of x [M, K] (f32, or bf16 bits) over each group of `group` columns, in f32:
 // [M, K / group] (the offsets' terms of the GEMMs that factor their scales out of the sums).
