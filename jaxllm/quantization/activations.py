@@ -17,9 +17,9 @@ def with_int8_activations(w: QuantizedWeight, device=None, six_bit: bool = False
     """w set to multiply int8-quantized activations (`gemm.matmul_quantized(..., act8=True)`, on
     `device`) where the C++ GEMM can: 4-bit codes in panels, groups a multiple of 32 rows (the
     codes repacked in `quads`, as the int8 dot instructions read them); with `six_bit`, also
-    8-bit codes that all lie in [-32, 31] (GGUF's Q6_K, Q5_0, Q5_K) in groups of a multiple of 32
-    rows, or of 16 under two-level scales (offsets: 32), repacked in 6 bits (`gemm.six_bit_quads`:
-    three quarters of the bytes); else w as it is."""
+    8-bit codes that all lie in [-32, 31] (GGUF's Q6_K, Q5_0, Q5_K, Q5_1) in groups of a multiple
+    of 32 rows, or of 16 under two-level scales without offsets (Q6_K's), repacked in 6 bits
+    (`gemm.six_bit_quads`: three quarters of the bytes); else w as it is."""
     from jaxllm.kernels import gemm
 
     k, _ = w.shape
@@ -39,10 +39,8 @@ def with_int8_activations(w: QuantizedWeight, device=None, six_bit: bool = False
     super_rows = rows * (w.groups // w.super_scale.shape[1]) if two_level else rows
     group_rows = 16 if two_level and w.offset is None else gemm.ACT_GROUP
     grouped = rows % group_rows == 0 and super_rows % gemm.ACT_GROUP == 0
-    if not six_bit or not grouped:
-        return w
     codes = np.asarray(w.codes)
-    if codes.min() < -32 or codes.max() > 31:
+    if not grouped or codes.min() < -32 or codes.max() > 31:
         return w
     six = jax.device_put(gemm.six_bit_quads(codes), device)
     return dataclasses.replace(w, codes=six, bits=6, activations="int8")
