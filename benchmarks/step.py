@@ -238,6 +238,12 @@ def main():
         default=None,
         help="as EngineArgs.quantization (default: what the engine picks here; 'none': dequantized)",
     )
+    ap.add_argument(
+        "--int8-activations",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="as EngineArgs.int8_activations (default: what the engine picks for the dtype here)",
+    )
     ap.add_argument("--compare-scan", default="", help="decode batch sizes to time with lax.scan too, e.g. 1,32")
     args = ap.parse_args()
 
@@ -259,7 +265,8 @@ def main():
         warmup=False,
         packed_weights=not args.no_packed_weights,
         quantization=args.quantization,
-        int8_activations=None if asked == "auto" else False,  # (as `resolve_dtypes`)
+        # (as `resolve_dtypes`: left to the weight plan where the dtype is picked)
+        int8_activations=args.int8_activations if args.int8_activations is not None or asked == "auto" else False,
     )
     loaded, plan = load_with_plan(eargs, Platform.detect(), None, one_device=True, progress=False)
     cfg = loaded.cfg
