@@ -357,26 +357,24 @@ def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None, swiglu: bool 
         raise ValueError("a LoRA term joins the products of codes x bf16 rows only")
     if w.perm is not None:
         x = jnp.take(x, w.perm, axis=-1)
-    if w.layout == "panels" and w.activations == "bf16":
-        from jaxllm.kernels import gemm
-
-        return gemm.matmul_quantized_bf16(
-            x,
-            w.codes,
-            w.scale,
-            w.offset,
-            w.bits,
-            rows=rows,
-            swiglu=swiglu,
-            super_scale=w.super_scale,
-            super_offset=w.super_offset,
-            path=w.path,
-            lora=lora,
-            factored=w.factored,
-        )
     if w.layout == "panels":
         from jaxllm.kernels import gemm
 
+        if w.activations == "bf16":
+            return gemm.matmul_quantized_bf16(
+                x,
+                w.codes,
+                w.scale,
+                w.offset,
+                w.bits,
+                rows=rows,
+                swiglu=swiglu,
+                super_scale=w.super_scale,
+                super_offset=w.super_offset,
+                path=w.path,
+                lora=lora,
+                factored=w.factored,
+            )
         return gemm.matmul_quantized(
             x,
             w.codes,
@@ -473,6 +471,8 @@ def relayout(w: QuantizedWeight, panels: bool, device=None) -> QuantizedWeight:
 
     k, n = w.shape
     panels = panels and _fits_panels(k, n, w.activations)
+    if not panels and w.layout == "panels" and (w.bits == 6 or _int8_quads(w)):
+        raise ValueError(f"{w.bits}-bit codes for {w.activations} activations live in the C++ GEMM's panels only")
     if not panels and (device.platform if device is not None else _platform()) == "gpu":
         w = flat_scales(w)  # once here, not in every step: the Pallas kernel takes one level
     if (w.layout == "panels") == panels:

@@ -119,7 +119,7 @@ def test_with_int8_activations_six_bit_repacks_fitting_codes():
     # same unpacked codes and dequantized weights, multiplying as the reference; without it, or
     # with a code outside [-32, 31], left as they are.
     from jaxllm.quantization.activations import with_int8_activations
-    from jaxllm.quantization.weights import QuantizedWeight, _unpacked_codes, dequantize, matmul
+    from jaxllm.quantization.weights import QuantizedWeight, _unpacked_codes, dequantize, matmul, relayout
 
     rng = np.random.default_rng(5)
     k, n = 256, 32
@@ -135,6 +135,8 @@ def test_with_int8_activations_six_bit_repacks_fitting_codes():
     x = rng.standard_normal((3, k)).astype(np.float32)
     ref = int8_rows_reference(x, w, None)
     np.testing.assert_allclose(jax.jit(matmul)(x, p), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    with pytest.raises(ValueError, match="6-bit codes for int8 activations live in the C.. GEMM's panels only"):
+        relayout(p, panels=False)
     wide = codes.copy()
     wide[5, 5] = 40
     q_wide = QuantizedWeight(gemm.pack_codes(wide, 8), sub, None, 8, "panels", "float", super_scale=q.super_scale)

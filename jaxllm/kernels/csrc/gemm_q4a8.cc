@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "gemm.cc"
@@ -35,6 +36,20 @@ struct ActQ8 {         // rows of x quantized per group of kActGroup columns
   const int16_t* t = nullptr;  // 6-bit codes (gemm_q6a8.cc): [rows, K / 16], -16 x q's sums over 16 columns
   ActQ8 at(int64_t r) const { return {q + r * K, d + r * groups, s + r * groups, K, groups, t ? t + r * (K / 16) : t}; }
 };
+
+// Rows [r0, r1) of a's rows in blocks of 4 and then the rest: run(R, the block's rows, its y)
+// with R a std::integral_constant (the AVX2 kernels' register blocks).
+template <typename Run>
+void in_blocks_of_4(const ActQ8& a, int64_t r0, int64_t r1, float* y, int64_t ldy, Run run) {
+  int64_t r = r0;
+  for (; r + 4 <= r1; r += 4) run(std::integral_constant<int, 4>{}, a.at(r), y + (r - r0) * ldy);
+  y += (r - r0) * ldy;
+  switch (r1 - r) {
+    case 3: run(std::integral_constant<int, 3>{}, a.at(r), y); break;
+    case 2: run(std::integral_constant<int, 2>{}, a.at(r), y); break;
+    case 1: run(std::integral_constant<int, 1>{}, a.at(r), y); break;
+  }
+}
 
 // Rows [r0, r1) of x [M, K] quantized into q, d, s (laid out as ActQ8's).
 void quantize_rows(const float* x, int64_t r0, int64_t r1, int64_t K, int8_t* q, float* d, float* s) {
@@ -188,7 +203,7 @@ void q4a8_rows_vnni(const QuantPanel& q, int64_t p, const ActQ8& a, float* __res
 }
 #endif  // AVX512_VNNI
 
-struct Q4A8Scratch {
+struct ActQ8Scratch {
   std::vector<float> sums;  // with the SwiGLU epilogue: the item's gate and up sums
 };
 
@@ -213,38 +228,39 @@ void q4a8_block(const QuantPanel& q, const ActQ8& a, int64_t p, int64_t r0, int6
 #endif
 #ifdef JAXLLM_AVX2
   if (path == kAuto || path >= kAvx2) {
-    int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) q4a8_rows_avx2<4>(q, p, a.at(r), y + (r - r0) * ldy, ldy);
-    y += (r - r0) * ldy;
-    const ActQ8 rest = a.at(r);
-    switch (r1 - r) {
-      case 3: q4a8_rows_avx2<3>(q, p, rest, y, ldy); break;
-      case 2: q4a8_rows_avx2<2>(q, p, rest, y, ldy); break;
-      case 1: q4a8_rows_avx2<1>(q, p, rest, y, ldy); break;
-    }
+    in_blocks_of_4(a, r0, r1, y, ldy, [&](auto R, const ActQ8& rows, float* yr) {
+      q4a8_rows_avx2<decltype(R)::value>(q, p, rows, yr, ldy);
+    });
     return;
   }
 #endif
   q4a8_rows_portable(q, a.at(r0), p, y, ldy, r1 - r0);
 }
 
-// y = x @ w for 4-bit codes with x quantized as above (MatmulQuantImpl's act8 path).
-void matmul_q4a8(ffi::ThreadPool& pool, const GemmArgs& g, const QuantPanel& q, int32_t path, int32_t swiglu) {
+// x's rows quantized as above, in buffers of the calling thread's (grown, never shrunk: one
+// allocation per thread), valid until its next call; with `sums16`, also ActQ8::t (6-bit codes).
+ActQ8 quantize_activations(ffi::ThreadPool& pool, const GemmArgs& g, bool sums16) {
   const int64_t groups = g.K / kActGroup, rows_per_item = 16;
-  thread_local std::vector<int8_t> xq;  // grown, never shrunk: one allocation per calling thread
+  thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xd;
+  thread_local std::vector<int16_t> xt;
   xq.resize(std::max<size_t>(xq.size(), g.M * g.K));
   xd.resize(std::max<size_t>(xd.size(), 2 * g.M * groups));
-  const ActQ8 a{xq.data(), xd.data(), xd.data() + g.M * groups, g.K, groups};
+  if (sums16) xt.resize(std::max<size_t>(xt.size(), g.M * (g.K / 16)));
+  // (Pointers, not the vectors: a worker's thread_local vectors are other ones.)
   int8_t* q8 = xq.data();
   float *d = xd.data(), *s = d + g.M * groups;
+  int16_t* t = sums16 ? xt.data() : nullptr;
   parallel_for(pool, (g.M + rows_per_item - 1) / rows_per_item, [&](int64_t i) {
-    quantize_rows(g.x, i * rows_per_item, std::min(g.M, (i + 1) * rows_per_item), g.K, q8, d, s);
+    const int64_t r0 = i * rows_per_item, r1 = std::min(g.M, r0 + rows_per_item);
+    quantize_rows(g.x, r0, r1, g.K, q8, d, s);
+    for (int64_t j = r0 * (g.K / 16); t && j < r1 * (g.K / 16); ++j) {
+      int32_t sum = 0;
+      for (int64_t k = 0; k < 16; ++k) sum += q8[j * 16 + k];
+      t[j] = static_cast<int16_t>(-16 * sum);
+    }
   });
-  int8_rows_items<Q4A8Scratch>(pool, g, swiglu, path, [&](int64_t p, int64_t r0, int64_t r1, float* y, int64_t ldy,
-                                                         Q4A8Scratch&) {
-    q4a8_block(q, a, p, r0, r1, y, ldy, path);
-  });
+  return {q8, d, s, g.K, groups, t};
 }
 
 }  // namespace

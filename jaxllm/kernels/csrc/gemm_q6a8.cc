@@ -160,55 +160,29 @@ void q6a8_rows_avx2(const QuantPanel& q, int64_t p, const ActQ8& a, float* __res
 }
 #endif  // JAXLLM_AVX2 && __F16C__
 
-struct Q6A8Scratch {
-  std::vector<float> sums;  // with the SwiGLU epilogue: the item's gate and up sums
-};
-
 // Rows [r0, r1) of x (quantized in a), panel p's columns, into y (row stride ldy).
 void q6a8_block(const QuantPanel& q, const ActQ8& a, int64_t p, int64_t r0, int64_t r1, float* y, int64_t ldy,
                 int32_t path) {
 #ifdef JAXLLM_Q6A8_AVX2
   if (path == kAuto || path >= kAvx2) {
-    int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) q6a8_rows_avx2<4>(q, p, a.at(r), y + (r - r0) * ldy, ldy);
-    y += (r - r0) * ldy;
-    const ActQ8 rest = a.at(r);
-    switch (r1 - r) {
-      case 3: q6a8_rows_avx2<3>(q, p, rest, y, ldy); break;
-      case 2: q6a8_rows_avx2<2>(q, p, rest, y, ldy); break;
-      case 1: q6a8_rows_avx2<1>(q, p, rest, y, ldy); break;
-    }
+    in_blocks_of_4(a, r0, r1, y, ldy, [&](auto R, const ActQ8& rows, float* yr) {
+      q6a8_rows_avx2<decltype(R)::value>(q, p, rows, yr, ldy);
+    });
     return;
   }
 #endif
   q6a8_rows_portable(q, a.at(r0), p, y, ldy, r1 - r0);
 }
 
-// y = x @ w for 6-bit codes with x quantized as matmul_q4a8 does, and q's sums per 16 columns.
-void matmul_q6a8(ffi::ThreadPool& pool, const GemmArgs& g, const QuantPanel& q, int32_t path, int32_t swiglu) {
-  const int64_t groups = g.K / kActGroup, rows_per_item = 16;
-  thread_local std::vector<int8_t> xq;  // grown, never shrunk: one allocation per calling thread
-  thread_local std::vector<float> xd;
-  thread_local std::vector<int16_t> xt;
-  xq.resize(std::max<size_t>(xq.size(), g.M * g.K));
-  xd.resize(std::max<size_t>(xd.size(), 2 * g.M * groups));
-  xt.resize(std::max<size_t>(xt.size(), g.M * (g.K / 16)));
-  const ActQ8 a{xq.data(), xd.data(), xd.data() + g.M * groups, g.K, groups, xt.data()};
-  int8_t* q8 = xq.data();
-  float *d = xd.data(), *s = d + g.M * groups;
-  int16_t* t = xt.data();  // (the workers' own thread_local vectors are other ones)
-  parallel_for(pool, (g.M + rows_per_item - 1) / rows_per_item, [&](int64_t i) {
-    const int64_t r0 = i * rows_per_item, r1 = std::min(g.M, r0 + rows_per_item);
-    quantize_rows(g.x, r0, r1, g.K, q8, d, s);
-    for (int64_t j = r0 * (g.K / 16); j < r1 * (g.K / 16); ++j) {
-      int32_t sum = 0;
-      for (int64_t k = 0; k < 16; ++k) sum += q8[j * 16 + k];
-      t[j] = static_cast<int16_t>(-16 * sum);
-    }
-  });
-  int8_rows_items<Q6A8Scratch>(pool, g, swiglu, path, [&](int64_t p, int64_t r0, int64_t r1, float* y, int64_t ldy,
-                                                         Q6A8Scratch&) {
-    q6a8_block(q, a, p, r0, r1, y, ldy, path);
+// y = x @ w for 4- or 6-bit codes x int8 rows (MatmulQuantImpl's act8 path for them).
+void matmul_int8_rows(ffi::ThreadPool& pool, const GemmArgs& g, const QuantPanel& q, int32_t path, int32_t swiglu) {
+  const ActQ8 a = quantize_activations(pool, g, q.bits == 6);
+  int8_rows_items<ActQ8Scratch>(pool, g, swiglu, path, [&](int64_t p, int64_t r0, int64_t r1, float* y, int64_t ldy,
+                                                          ActQ8Scratch&) {
+    if (q.bits == 6)
+      q6a8_block(q, a, p, r0, r1, y, ldy, path);
+    else
+      q4a8_block(q, a, p, r0, r1, y, ldy, path);
   });
 }
 

@@ -300,8 +300,7 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   g.M = live_rows(rows, g.M, swiglu ? g.N / 2 : g.N, g.y);
   if (bias.element_count()) q.bias = bias.typed_data();
   if (act8) {
-    if (g.M && int4) matmul_q4a8(pool, g, q, path, swiglu);
-    if (g.M && six) matmul_q6a8(pool, g, q, path, swiglu);
+    if (g.M && (int4 || six)) matmul_int8_rows(pool, g, q, path, swiglu);
     if (g.M && int8) matmul_w8a8(pool, g, q, path, swiglu, act_group);
     return ffi::Error::Success();
   }
@@ -393,6 +392,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulQuantCpu, jaxllm::MatmulQuantImpl,
                                   .Attr<int32_t>("bits")
                                   .Attr<int32_t>("path")
                                   .Attr<int32_t>("swiglu")  // as for matmul_packed
-                                  .Attr<int32_t>("act8")        // 1: x quantized to int8 (see matmul_q4a8, matmul_w8a8)
+                                  .Attr<int32_t>("act8")        // 1: x quantized to int8 (see matmul_int8_rows, matmul_w8a8)
                                   .Attr<int32_t>("act_group")  // 8-bit codes x int8: columns per scale (0: a row)
                                   .Attr<int32_t>("factored"));  // 1: group scales factored out (calls of <= 16 rows)
