@@ -16,7 +16,7 @@ namespace jaxllm {
 namespace {
 
 // ----------------------------------------------- 6-bit codes x int8 activations (act8 = 1)
-// Codes c in [-32, 31] (GGUF's Q6_K, Q5_0, Q5_K) held as u = c + 32 in 6 bits, multiplied by x
+// Codes c in [-32, 31] (GGUF's Q6_K, Q5_0, Q5_K, Q5_1) held as u = c + 32 in 6 bits, times x
 // quantized per group of 32 columns as gemm_q4a8.cc does (ActQ8), in integer sums: llama.cpp's
 // scheme for these types. The layout (`gemm.six_bit_quads`): a panel's 8 rows of K in 96 bytes,
 // the first 64 the low 4 bits of u in the 4-bit `quads` order (byte 4 c + j: column c, row j in
