@@ -98,6 +98,10 @@ void q4a8_rows_portable(const QuantPanel& q, const ActQ8& a, int64_t p, float* y
 
 // How far ahead in a panel's codes a line is asked into L2 (prefetcht1, once a 64-byte line).
 constexpr int64_t kQuadsPrefetch = 2048;
+// The AVX2 4-bit kernel's, farther: one row of the 1.5B's matrices took 0.93x the time at 4,096
+// bytes as at 2,048 (twice, alternating; none: 1.08x). The 6-bit kernel keeps 2,048 (at 4,096
+// it took 1.5x the time). benchmarks/results/zen4/RESULTS.md.
+constexpr int64_t kQuadsPrefetchAvx2 = 4096;
 
 #ifdef JAXLLM_AVX2
 // R rows of y, panel p's 16 columns: per 8 rows of K, the 32 bytes of columns 0-7 and the 32 of
@@ -120,7 +124,7 @@ void q4a8_rows_avx2(const QuantPanel& q, int64_t p, const ActQ8& a, float* __res
     for (int i = 0; i < R; ++i) i0[i] = i1[i] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int64_t k = k0; k < k0 + kActGroup; k += 8) {
-      _mm_prefetch(reinterpret_cast<const char*>(codes + k * (kPanel / 2) + kQuadsPrefetch), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(codes + k * (kPanel / 2) + kQuadsPrefetchAvx2), _MM_HINT_T1);
       const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + k * (kPanel / 2)));
       const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + k * (kPanel / 2) + 32));
       const __m256i lo0 = _mm256_and_si256(v0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
