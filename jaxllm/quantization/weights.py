@@ -360,37 +360,12 @@ def matmul(x: jax.Array, w: QuantizedWeight, axis=None, rows=None, swiglu: bool 
     if w.layout == "panels":
         from jaxllm.kernels import gemm
 
+        args = (x, w.codes, w.scale, w.offset, w.bits)
+        both = dict(rows=rows, swiglu=swiglu, super_scale=w.super_scale, super_offset=w.super_offset, path=w.path)
         if w.activations == "bf16":
-            return gemm.matmul_quantized_bf16(
-                x,
-                w.codes,
-                w.scale,
-                w.offset,
-                w.bits,
-                rows=rows,
-                swiglu=swiglu,
-                super_scale=w.super_scale,
-                super_offset=w.super_offset,
-                path=w.path,
-                lora=lora,
-                factored=w.factored,
-            )
-        return gemm.matmul_quantized(
-            x,
-            w.codes,
-            w.scale,
-            w.offset,
-            w.bits,
-            rows=rows,
-            swiglu=swiglu,
-            act8=w.activations == "int8",
-            super_scale=w.super_scale,
-            super_offset=w.super_offset,
-            bias=w.bias,
-            act_group=w.act_group,
-            path=w.path,
-            factored=w.factored,
-        )
+            return gemm.matmul_quantized_bf16(*args, **both, lora=lora, factored=w.factored)
+        act8 = w.activations == "int8"
+        return gemm.matmul_quantized(*args, **both, act8=act8, bias=w.bias, act_group=w.act_group, factored=w.factored)
     assert not swiglu, "the SwiGLU epilogue needs the panels layout"
     if w.activations == "int8":
         return _w8a8_plain(x, w, axis)
