@@ -150,31 +150,71 @@ class DraftModelProposer(Proposer):
         for shadow in shadows:  # its row's tokens past what still matches are rewritten
             self.runner.input_batch.truncate(shadow.request_id, shadow.num_computed_tokens)
         drafts: list[list[int]] = [[] for _ in requests]
+        wanted = [min(room, self.num_speculative_tokens) for room in rooms]
         # Catch up (each shadow's tokens but the newest may be several prompt chunks), then
-        # decode: each step gives every shadow whose query reached its end one more draft.
+        # decode: each step gives every shadow whose query reached its end one more draft. A
+        # decode whose input is the draft in flight is dispatched before that step's tokens are
+        # read (the device takes them from its output, `ModelRunner.dispatch`'s `ahead`), so the
+        # host prepares each step while the one before it runs.
+        in_flight = None  # ([(shadow index, tokens)], InFlight): dispatched, not yet collected
         while True:
-            budget, chunks, scheduled = self.budget, 0, []
-            for i, (shadow, room) in enumerate(zip(shadows, rooms)):
-                todo = shadow.num_tokens - shadow.num_computed_tokens
-                if len(drafts[i]) >= min(room, self.num_speculative_tokens) or budget == 0 or todo == 0:
-                    continue
-                if todo > 1:
-                    if chunks == self.max_chunks:
-                        continue
-                    chunks += 1
-                n = min(todo, budget)
-                scheduled.append((i, n))
-                budget -= n
+            ahead = None if in_flight is None else self._ahead(in_flight[0], shadows, drafts, wanted)
+            if ahead:
+                scheduled, step = in_flight
+                rows = np.array([step.first[j] for j in ahead], np.int64)
+                next_step = [(scheduled[j][0], 1) for j in ahead]
+                chained = self.runner.dispatch(SchedulerOutput([(shadows[i], n) for i, n in next_step]), rows, step)
+                self._collect(in_flight, shadows, drafts)
+                in_flight = next_step, chained
+                continue
+            if in_flight is not None:
+                self._collect(in_flight, shadows, drafts)
+            scheduled = self._schedule(shadows, drafts, wanted)
             if not scheduled:
                 break
-            out = self.runner.execute(SchedulerOutput([(shadows[i], n) for i, n in scheduled]))
-            offset = 0
-            for (i, n), count in zip(scheduled, out.num_sampled):
-                shadows[i].num_computed_tokens += n
-                if count:
-                    token = int(out.sampled_token_ids[offset])
-                    drafts[i].append(token)
-                    shadows[i].output_token_ids.append(token)
-                offset += count
+            in_flight = scheduled, self.runner.dispatch(SchedulerOutput([(shadows[i], n) for i, n in scheduled]))
         for request, tokens in zip(requests, drafts):
             request.spec_token_ids = tokens
+
+    def _schedule(self, shadows: list[Request], drafts: list[list[int]], wanted: list[int]) -> list[tuple[int, int]]:
+        """The next step's (shadow index, tokens): every shadow with tokens to compute and drafts
+        to make, within the token budget and the prompt chunks a step takes."""
+        budget, chunks, scheduled = self.budget, 0, []
+        for i, shadow in enumerate(shadows):
+            todo = shadow.num_tokens - shadow.num_computed_tokens
+            if len(drafts[i]) >= wanted[i] or budget == 0 or todo == 0:
+                continue
+            if todo > 1:
+                if chunks == self.max_chunks:
+                    continue
+                chunks += 1
+            n = min(todo, budget)
+            scheduled.append((i, n))
+            budget -= n
+        return scheduled
+
+    @staticmethod
+    def _ahead(scheduled, shadows, drafts, wanted) -> list[int] | None:
+        """Positions in the step in flight (`scheduled`) of the shadows whose next step decodes
+        the draft it samples, or None where the next step is not only those: a shadow of it
+        that stops short of its query's end (a prompt chunk), or one outside it with work left."""
+        inside = {i for i, _ in scheduled}
+        for i, shadow in enumerate(shadows):
+            if i not in inside and len(drafts[i]) < wanted[i] and shadow.num_tokens > shadow.num_computed_tokens:
+                return None
+        if any(shadows[i].num_computed_tokens + n < shadows[i].num_tokens for i, n in scheduled):
+            return None
+        return [j for j, (i, _) in enumerate(scheduled) if len(drafts[i]) + 1 < wanted[i]] or None
+
+    def _collect(self, in_flight, shadows: list[Request], drafts: list[list[int]]) -> None:
+        """Read the step's drafts into `drafts` and its shadows."""
+        scheduled, step = in_flight
+        out = self.runner.collect(step)
+        offset = 0
+        for (i, n), count in zip(scheduled, out.num_sampled):
+            shadows[i].num_computed_tokens += n
+            if count:
+                token = int(out.sampled_token_ids[offset])
+                drafts[i].append(token)
+                shadows[i].output_token_ids.append(token)
+            offset += count

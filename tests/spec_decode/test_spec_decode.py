@@ -163,7 +163,8 @@ def test_draft_model_speculation(llm, tiny_model_dir, tmp_path):
     # model, quantized on load as the config asks: drafts mostly wrong. Either way the outputs
     # are the target's; a small token budget and pool make the draft catch up over prompt
     # chunks and after preemptions. With every draft accepted the draft catches up on two
-    # tokens a round (its last draft and the target's), in its own 2-token buckets.
+    # tokens a round (its last draft and the target's), in its own 2-token buckets; its next
+    # drafts decode the one before still on the device (steps dispatched ahead of its tokens).
     from jaxllm.quantization import QuantizedWeight
     from tests.helpers.tiny_model import build_tiny_model
 
@@ -178,6 +179,10 @@ def test_draft_model_speculation(llm, tiny_model_dir, tmp_path):
         runner = engine.engine.scheduler.proposer.runner
         used, call = [], runner.call
         runner.call = lambda bucket, *a: used.append(bucket) or call(bucket, *a)
+        chained, dispatch = [], runner.dispatch
+        runner.dispatch = lambda out, ahead=None, prev=None: chained.append(ahead is not None) or dispatch(
+            out, ahead, prev
+        )
         draft_wqkv = runner.params["layers"][0]["wqkv"]
         assert isinstance(draft_wqkv, QuantizedWeight) == small and engine.engine.config.quantization is None
         outs = engine.generate(PROMPTS, greedy(24, logprobs=1), use_tqdm=False)
@@ -187,6 +192,7 @@ def test_draft_model_speculation(llm, tiny_model_dir, tmp_path):
         stats = engine.engine.stats
         if not small:
             assert stats.num_accepted_tokens == stats.num_draft_tokens > 0  # its own drafts: all accepted
+            assert 0 < chained.count(True) < len(chained)
             catch_up = Bucket(2, 1, 1, 1)  # (the target's 2-token buckets verify: all_logits)
             assert catch_up in runner.buckets and catch_up not in engine.engine.runner.buckets
             runner.steps.get(catch_up)  # compiled now (the steps take the smallest ready bucket)
