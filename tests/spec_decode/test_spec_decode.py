@@ -180,8 +180,8 @@ def test_draft_model_speculation(llm, tiny_model_dir, tmp_path):
         used, call = [], runner.call
         runner.call = lambda bucket, *a: used.append(bucket) or call(bucket, *a)
         chained, dispatch = [], runner.dispatch
-        runner.dispatch = lambda out, ahead=None, prev=None: chained.append(ahead is not None) or dispatch(
-            out, ahead, prev
+        runner.dispatch = lambda out, ahead=None, prev=None: (
+            chained.append(ahead is not None) or dispatch(out, ahead, prev)
         )
         draft_wqkv = runner.params["layers"][0]["wqkv"]
         assert isinstance(draft_wqkv, QuantizedWeight) == small and engine.engine.config.quantization is None
