@@ -22,7 +22,7 @@ from jaxllm.core.request import Request, RequestStatus
 from jaxllm.engine.core import DataParallelEngineCore, EngineCore, EngineStats
 from jaxllm.engine.output_processor import OUTPUT_KINDS, OutputProcessor
 from jaxllm.weights.prepare import PreparedModel, load_with_plan, prepare_weights
-from jaxllm.spec_decode.draft_model import codes_in_six_bits, first_ids_only
+from jaxllm.spec_decode.draft_model import factored_draft, first_ids_only
 from jaxllm.outputs import RequestOutput
 from jaxllm.platforms import Platform
 from jaxllm.quantization.activations import int8_activation_weights
@@ -162,9 +162,10 @@ class LLMEngine(TrainerMixin, PoolingMixin, LoRAMixin):
         """The draft model of draft-model speculative decoding (checked against the target), its
         weights prepared by a plan of its own from the options asked (`args`): the target's, but
         a checkpoint method or small-step codes asked for the target are the draft's only where
-        its checkpoint allows, and the draft's small steps factor their scales by default (its
-        numbers decide only which drafts are accepted, never the output), Q8_0's codes too,
-        rounded to 6 bits; `draft_vocab_size` cuts its LM head (spec_decode/draft_model.py)."""
+        its checkpoint allows, and the draft's codes factor their scales unless small_step_factored
+        is False or batch_invariant asked (its numbers decide only which drafts are accepted,
+        never the output), Q8_0's codes too, rounded to 6 bits; `draft_vocab_size` cuts its LM
+        head (spec_decode/draft_model.py `factored_draft`, `first_ids_only`)."""
         speculative = self.config.speculative
         if speculative is None or speculative.method != "draft_model":
             return None
@@ -193,8 +194,8 @@ class LLMEngine(TrainerMixin, PoolingMixin, LoRAMixin):
         tokenizer = draft.resolve_tokenizer() if plan.smooth else None
         weights = prepare_weights(draft.params, draft.cfg, plan, tokenizer=tokenizer, log=False)
         prepared = PreparedModel(draft.cfg, *weights)
-        if any("factored" in (lp.activations, lp.small_step_activations) for lp in plan.linears.values()):
-            prepared = codes_in_six_bits(prepared)
+        if draft_args.small_step_factored is not False and not draft_args.batch_invariant:
+            prepared = factored_draft(prepared)
         if speculative.draft_vocab_size is not None:
             prepared = first_ids_only(prepared, speculative.draft_vocab_size)
         return prepared

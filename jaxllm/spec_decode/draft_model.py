@@ -10,9 +10,10 @@ the shadow's tokens (the real ones plus its drafts) agree with the request's, so
 first catches up on the tokens it has not seen (a whole prompt the first time, in chunks of
 the token budget; then the target's newest token), then decodes up to k tokens.
 
-Where the draft's small steps factor their scales (its numbers decide only which drafts are
-accepted), its 8-bit codes that span the whole byte (Q8_0's: the 0.5B Qwen's LM head, and its
-fused QKV where V is Q8_0) are rounded to 6 bits so that they factor too (`codes_in_six_bits`).
+The draft's codes factor their scales where the kernel can (its numbers decide only which
+drafts are accepted): 4-bit codes quantized on load too, and 8-bit codes that span the whole
+byte (Q8_0's: the 0.5B Qwen's LM head, and its fused QKV where V is Q8_0) rounded to 6 bits
+first (`factored_draft`).
 
 With `draft_vocab_size` the draft proposes only the first token ids (`first_ids_only`): its LM
 head, a large part of a small model's bytes a step (the 0.5B Qwen's 137 of ~400 MB), cut to
@@ -42,36 +43,35 @@ from jaxllm.spec_decode.proposer import Proposer
 from jaxllm.utils import cdiv
 
 
-def codes_in_six_bits(model):
-    """The draft `model` (a `weights.prepare.PreparedModel` whose small steps factor their
-    scales) with each 8-bit weight that could not factor, its codes past [-64, 63], rounded to
-    codes in [-32, 31] and four times the scale, factored (`with_factored`: 6-bit blocks where
-    the build has them). Such a weight then streams three quarters of its bytes through the
-    factored kernel instead of all of them through the slower unfactored one. A weight both
-    trees hold is rounded once."""
+def factored_draft(model):
+    """The draft `model` (a `weights.prepare.PreparedModel`) with each of its codes factoring
+    its group scales out of its GEMM's sums where the kernel can (`with_factored`): its
+    numbers decide only which drafts are accepted. Its plan factors a GGUF's codes already;
+    here also codes quantized on load (`"quantization": "int4"` in the config: 4-bit codes that
+    stream through the factored kernel where the unfactored one is bound by its conversions),
+    and 8-bit codes x bf16 rows past [-64, 63] (Q8_0's, `int8_weight_only`'s) rounded to codes
+    in [-32, 31] and four times the scale first (6-bit blocks where the build has them: three
+    quarters of the bytes). A weight both trees hold is converted once."""
     done: dict[int, QuantizedWeight] = {}
 
-    def rounded(w):
-        if id(w) in done:
-            return done[id(w)]
-        if not (
-            isinstance(w, QuantizedWeight)
-            and w.layout == "panels"
-            and w.bits == 8
-            and w.activations == "bf16"
-            and not w.factored
-            and w.super_scale is None
-        ):
+    def factored(w):
+        if not isinstance(w, QuantizedWeight) or w.layout != "panels" or w.factored:
             return w
-        codes = np.clip(np.rint(np.asarray(w.codes, np.float32) / 4), -32, 31).astype(np.int8)
-        codes, scale = jax.device_put((codes, np.asarray(w.scale) * 4))
-        done[id(w)] = with_factored(dataclasses.replace(w, codes=codes, scale=scale))
-        return done[id(w)]
+        key = id(w)
+        if key not in done:
+            if w.activations == "bf16" and w.bits == 8 and w.super_scale is None:
+                codes = np.asarray(w.codes, np.float32)
+                if codes.min() < -64 or codes.max() > 63:
+                    codes = np.clip(np.rint(codes / 4), -32, 31).astype(np.int8)
+                    codes, scale = jax.device_put((codes, np.asarray(w.scale) * 4))
+                    w = dataclasses.replace(w, codes=codes, scale=scale)
+            done[key] = with_factored(w) if w.activations in ("bf16", "float") else w
+        return done[key]
 
     def tree(params):
         if params is None:
             return None
-        return jax.tree.map(rounded, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+        return jax.tree.map(factored, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
 
     return model._replace(params=tree(model.params), small_params=tree(model.small_params))
 

@@ -13,7 +13,7 @@ from jaxllm.models import linear
 from jaxllm.quantization import QuantizedWeight
 from jaxllm.quantization.activations import with_bf16_activations, with_factored
 from jaxllm.quantization.weights import make_weight, relayout
-from jaxllm.spec_decode.draft_model import codes_in_six_bits
+from jaxllm.spec_decode.draft_model import factored_draft
 from jaxllm.weights.prepare import PreparedModel
 
 from tests.helpers.quantized_checkpoints import write_quantized_gguf
@@ -112,7 +112,7 @@ def test_a_drafts_full_byte_codes_are_rounded_to_six_bits_and_factor():
     scale = rng.uniform(0.01, 0.02, (K // 32, N)).astype(np.float32)
     w = with_bf16_activations(relayout(QuantizedWeight(codes, scale, None, 8, "plain", "float"), True))
     assert w.activations == "bf16" and not with_factored(w).factored
-    model = codes_in_six_bits(PreparedModel(None, {"lm_head": w}, {"lm_head": w}))
+    model = factored_draft(PreparedModel(None, {"lm_head": w}, {"lm_head": w}))
     rounded = model.small_params["lm_head"]
     assert model.params["lm_head"] is rounded  # (a weight both trees hold: rounded once)
     assert rounded.factored and rounded.bits == (6 if native.has_six_bit_codes() else 8)

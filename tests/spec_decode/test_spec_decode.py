@@ -185,6 +185,8 @@ def test_draft_model_speculation(llm, tiny_model_dir, tmp_path):
         )
         draft_wqkv = runner.params["layers"][0]["wqkv"]
         assert isinstance(draft_wqkv, QuantizedWeight) == small and engine.engine.config.quantization is None
+        # (codes quantized on load factor their scales in a draft: its numbers only pick drafts)
+        assert not small or draft_wqkv.factored == (draft_wqkv.layout == "panels")
         outs = engine.generate(PROMPTS, greedy(24, logprobs=1), use_tqdm=False)
         alone = engine.generate(PROMPTS[:1], greedy(24, logprobs=1), use_tqdm=False)
         for a, b in zip(outs + alone, reference + reference[:1]):
