@@ -250,7 +250,8 @@ def test_when_a_follower_dies_the_leader_fails_its_requests_and_exits(tiny_model
 
     port = random.Random().randrange(20000, 40000)
     group = ["--tensor-parallel-size", "2", "--distributed-coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    # (The follower's converted weights in tmp_path; its C++ kernels the test process's build.)
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
     follower = subprocess.Popen(
         [
             sys.executable,
@@ -263,6 +264,8 @@ def test_when_a_follower_dies_the_leader_fails_its_requests_and_exits(tiny_model
             *group,
             "--process-id",
             "1",
+            "--params-cache-dir",
+            str(tmp_path / "params"),
         ],
         env=env,
         stdout=subprocess.DEVNULL,
