@@ -1,6 +1,6 @@
 """A draft's cheaper weights: proposing among the first token ids only (`draft_vocab_size`: its
-LM head's first columns, in every weight format) and Q8_0's codes rounded to 6 bits; the
-target's outputs kept."""
+LM head's first columns, in every weight format), Q8_0's codes rounded to 6 bits and codes
+quantized on load factored (`factored_draft`); the target's outputs kept."""
 
 import jax
 import jax.numpy as jnp
@@ -140,5 +140,26 @@ def test_a_gguf_draft_factors_its_q8_0_codes_and_keeps_the_outputs(tmp_path):
     codes = [w for w in weights if isinstance(w, QuantizedWeight)]
     assert codes and all(w.factored for w in codes if w.activations == "bf16")
     assert any(w.bits == 6 for w in codes) or not native.has_six_bit_codes()
+    outs = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+    assert outs == reference and engine.engine.stats.num_accepted_tokens > 0
+
+
+@needs_native
+@pytest.mark.skipif(not native.has_bf16_dots(), reason="no AVX512_BF16 dots here")
+def test_an_int4_draft_factors_its_codes_under_bf16_and_keeps_the_outputs(tmp_path, tiny_model_dir):
+    # The tiny model drafting for itself quantized on load to int4 under bf16: the draft's 4-bit
+    # codes (and its 8-bit LM head, rounded to 6 bits) factor their scales, where the plan alone
+    # leaves codes quantized on load unfactored; the outputs are the target's.
+    args = dict(TINY_ENGINE_ARGS, dtype="bfloat16", params_cache_dir=str(tmp_path / "params"))
+    prompts = ["Hello, my name is", "The capital of France is"]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in LLM(tiny_model_dir, **args).generate(prompts, params, use_tqdm=False)]
+    config = {"model": tiny_model_dir, "num_speculative_tokens": 3, "quantization": "int4"}
+    engine = LLM(tiny_model_dir, **args, speculative_config=config)
+    leaves = jax.tree.leaves(
+        engine.engine.scheduler.proposer.runner.params, is_leaf=lambda x: isinstance(x, QuantizedWeight)
+    )
+    codes = [w for w in leaves if isinstance(w, QuantizedWeight) and w.layout == "panels"]
+    assert {w.bits for w in codes} >= {4} and all(w.factored for w in codes if w.activations == "bf16")
     outs = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
     assert outs == reference and engine.engine.stats.num_accepted_tokens > 0
