@@ -168,42 +168,85 @@ inline void add_group_sums(const ActQ8& a, int64_t b, const __m512i* isum, __m51
 
 // q4a8_rows_avx2 with AVX512_VNNI: the 64 bytes of 8 rows of K split into nibbles are the 16
 // columns' 4 codes of rows 0-3 and of rows 4-7, so two vpdpbusd multiply them by broadcasts of 4
-// bytes of q each and add the products to each column's int32 sum: the same sums as AVX2's,
-// with no int16 stage.
-template <int R>
-void q4a8_rows_vnni(const QuantPanel& q, int64_t p, const ActQ8& a, float* __restrict y, int64_t ldy) {
-  const uint8_t* codes = static_cast<const uint8_t*>(q.codes) + p * q.K * (kPanel / 2);
+// bytes of q each and add the products to each column's int32 sums: the same sums as AVX2's,
+// with no int16 stage. P panels at a time (panel[j], into y[j]): each broadcast of q feeds P
+// pairs of dot products.
+template <int R, int P>
+void q4a8_rows_vnni(const QuantPanel& q, const int64_t* panel, const ActQ8& a, float* const* y, int64_t ldy) {
+  const uint8_t* codes[P];
+  ScaleCursor first(q, panel[0]), last(q, panel[P - 1]);
+  ScaleCursor* cursor[2] = {&first, &last};
+  for (int j = 0; j < P; ++j) codes[j] = static_cast<const uint8_t*>(q.codes) + panel[j] * q.K * (kPanel / 2);
   const __m512i low4 = _mm512_set1_epi8(15);
-  __m512 acc[R], s = _mm512_setzero_ps(), o = _mm512_setzero_ps();
-  ScaleCursor cursor(q, p);
+  __m512 acc[P][R], s[P], o[P];
+#pragma GCC unroll 2
+  for (int j = 0; j < P; ++j) {
+    s[j] = o[j] = _mm512_setzero_ps();
 #pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+    for (int i = 0; i < R; ++i) acc[j][i] = _mm512_setzero_ps();
+  }
   for (int64_t b = 0; b < a.groups; ++b) {
     const int64_t k0 = b * kActGroup;
-    if (cursor.step(k0)) {
-      s = scales_f32x16_at(q, q.scale, q.super_scale, cursor.at, cursor.super_at);
-      if (q.offset) o = scales_f32x16_at(q, q.offset, q.super_offset, cursor.at, cursor.super_at);
-    }
-    __m512i isum[R];
+#pragma GCC unroll 2
+    for (int j = 0; j < P; ++j)
+      if (cursor[j]->step(k0)) {
+        s[j] = scales_f32x16_at(q, q.scale, q.super_scale, cursor[j]->at, cursor[j]->super_at);
+        if (q.offset) o[j] = scales_f32x16_at(q, q.offset, q.super_offset, cursor[j]->at, cursor[j]->super_at);
+      }
+    __m512i isum[P][R];
+#pragma GCC unroll 2
+    for (int j = 0; j < P; ++j)
 #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) isum[i] = _mm512_setzero_si512();
+      for (int i = 0; i < R; ++i) isum[j][i] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int64_t k = k0; k < k0 + kActGroup; k += 8) {
-      _mm_prefetch(reinterpret_cast<const char*>(codes + k * (kPanel / 2) + kQuadsPrefetch), _MM_HINT_T1);
-      const __m512i v = _mm512_loadu_si512(codes + k * (kPanel / 2));
-      const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      __m512i lo[P], hi[P];
+#pragma GCC unroll 2
+      for (int j = 0; j < P; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(codes[j] + k * (kPanel / 2) + kQuadsPrefetch), _MM_HINT_T1);
+        const __m512i v = _mm512_loadu_si512(codes[j] + k * (kPanel / 2));
+        lo[j] = _mm512_and_si512(v, low4), hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
         int32_t four[2];
         std::memcpy(four, a.q + i * a.K + k, sizeof four);
-        isum[i] = _mm512_dpbusd_epi32(isum[i], lo, _mm512_set1_epi32(four[0]));
-        isum[i] = _mm512_dpbusd_epi32(isum[i], hi, _mm512_set1_epi32(four[1]));
+        const __m512i x0 = _mm512_set1_epi32(four[0]), x1 = _mm512_set1_epi32(four[1]);
+#pragma GCC unroll 2
+        for (int j = 0; j < P; ++j)
+          isum[j][i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[j][i], lo[j], x0), hi[j], x1);
       }
     }
-    add_group_sums<R>(a, b, isum, s, o, acc);
+#pragma GCC unroll 2
+    for (int j = 0; j < P; ++j) add_group_sums<R>(a, b, isum[j], s[j], o[j], acc[j]);
   }
+#pragma GCC unroll 2
+  for (int j = 0; j < P; ++j)
 #pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + i * ldy, acc[i]);
+    for (int i = 0; i < R; ++i) _mm512_storeu_ps(y[j] + i * ldy, acc[j][i]);
+}
+
+// Rows [r0, r1) of a's rows into y[j] (row stride ldy) for P panels panel[j]: 8 rows at a time
+// for one panel, 6 for two (their sums fill the registers), then the rest.
+template <int P>
+void q4a8_rows_vnni_blocks(const QuantPanel& q, const int64_t* panel, const ActQ8& a, int64_t r0, int64_t r1,
+                           float* const* y, int64_t ldy) {
+  constexpr int kRows = P == 1 ? 8 : 6;
+  float* yr[P];
+  for (int j = 0; j < P; ++j) yr[j] = y[j];
+  int64_t r = r0;
+  for (; r + kRows <= r1; r += kRows) {
+    q4a8_rows_vnni<kRows, P>(q, panel, a.at(r), yr, ldy);
+    for (int j = 0; j < P; ++j) yr[j] += kRows * ldy;
+  }
+  const ActQ8 rest = a.at(r);
+  switch (r1 - r) {
+#define JAXLLM_VNNI_CASE(n) \
+  case n: q4a8_rows_vnni<n, P>(q, panel, rest, yr, ldy); break;
+    JAXLLM_VNNI_CASE(7) JAXLLM_VNNI_CASE(6) JAXLLM_VNNI_CASE(5) JAXLLM_VNNI_CASE(4) JAXLLM_VNNI_CASE(3)
+    JAXLLM_VNNI_CASE(2) JAXLLM_VNNI_CASE(1)
+#undef JAXLLM_VNNI_CASE
+  }
 }
 #endif  // AVX512_VNNI
 
@@ -216,17 +259,7 @@ void q4a8_block(const QuantPanel& q, const ActQ8& a, int64_t p, int64_t r0, int6
                 int32_t path) {
 #ifdef JAXLLM_AVX512_VNNI
   if (path == kAuto || path >= kAvx512) {
-    int64_t r = r0;
-    for (; r + 8 <= r1; r += 8) q4a8_rows_vnni<8>(q, p, a.at(r), y + (r - r0) * ldy, ldy);
-    y += (r - r0) * ldy;
-    const ActQ8 rest = a.at(r);
-    switch (r1 - r) {
-#define JAXLLM_VNNI_CASE(n) \
-  case n: q4a8_rows_vnni<n>(q, p, rest, y, ldy); break;
-      JAXLLM_VNNI_CASE(7) JAXLLM_VNNI_CASE(6) JAXLLM_VNNI_CASE(5) JAXLLM_VNNI_CASE(4) JAXLLM_VNNI_CASE(3)
-      JAXLLM_VNNI_CASE(2) JAXLLM_VNNI_CASE(1)
-#undef JAXLLM_VNNI_CASE
-    }
+    q4a8_rows_vnni_blocks<1>(q, &p, a, r0, r1, &y, ldy);
     return;
   }
 #endif

@@ -177,6 +177,20 @@ void q6a8_block(const QuantPanel& q, const ActQ8& a, int64_t p, int64_t r0, int6
 // y = x @ w for 4- or 6-bit codes x int8 rows (MatmulQuantImpl's act8 path for them).
 void matmul_int8_rows(ffi::ThreadPool& pool, const GemmArgs& g, const QuantPanel& q, int32_t path, int32_t swiglu) {
   const ActQ8 a = quantize_activations(pool, g, q.bits == 6);
+#ifdef JAXLLM_AVX512_VNNI
+  if (q.bits == 4 && (path == kAuto || path >= kAvx512)) {  // two panels at a time
+    int8_rows_items<ActQ8Scratch, true>(pool, g, swiglu, path, [&](int64_t p, int64_t p2, int64_t r0, int64_t r1,
+                                                                    float* y, float* y2, int64_t ldy, ActQ8Scratch&) {
+      const int64_t panel[2] = {p, p2};
+      float* const out[2] = {y, y2};
+      if (p2 >= 0)
+        q4a8_rows_vnni_blocks<2>(q, panel, a, r0, r1, out, ldy);
+      else
+        q4a8_rows_vnni_blocks<1>(q, panel, a, r0, r1, out, ldy);
+    });
+    return;
+  }
+#endif
   int8_rows_items<ActQ8Scratch>(pool, g, swiglu, path, [&](int64_t p, int64_t r0, int64_t r1, float* y, int64_t ldy,
                                                           ActQ8Scratch&) {
     if (q.bits == 6)

@@ -219,22 +219,35 @@ inline void prefetch_scales(const QuantPanel& q, int64_t p) {
 // gemm_w8a8.cc): block(p, r0, r1, y, ldy, scratch) writes rows [r0, r1) of panel p's 16
 // columns; with `swiglu`, gate panel p's and up panel p + N / 32's sums for the item's rows go
 // through the epilogue. Scratch (per thread) has a `sums` vector beside what block needs.
-template <typename Scratch, typename Block>
+// `pairs`: block is called for two panels at once instead, block(p, p2, r0, r1, y, y2, ldy,
+// scratch) with p2 -1 (and y2 null) where an item's panels leave one alone: consecutive panels,
+// or with swiglu a gate panel and its up panel.
+template <typename Scratch, bool pairs = false, typename Block>
 void int8_rows_items(ffi::ThreadPool& pool, const GemmArgs& g, int32_t swiglu, int32_t path, Block block) {
   const int64_t n_out = swiglu ? g.N / 2 : g.N;
   const GemmItems items(g.M, n_out, pool.num_threads());
   parallel_for<Scratch>(pool, items.count, [&](int64_t item, Scratch& scratch) {
     int64_t r0, r1, p0, p1;
     items.bounds(item, g.M, r0, r1, p0, p1);
+    // Panels p and p2 (-1: none) into y and y2.
+    const auto run = [&](int64_t p, int64_t p2, float* y, float* y2, int64_t ldy) {
+      if constexpr (pairs) {
+        block(p, p2, r0, r1, y, y2, ldy, scratch);
+      } else {
+        block(p, r0, r1, y, ldy, scratch);
+        if (p2 >= 0) block(p2, r0, r1, y2, ldy, scratch);
+      }
+    };
     if (!swiglu) {
-      for (int64_t p = p0; p < p1; ++p) block(p, r0, r1, g.y + r0 * g.N + p * kPanel, g.N, scratch);
+      int64_t p = p0;
+      for (; pairs && p + 2 <= p1; p += 2) run(p, p + 1, g.y + r0 * g.N + p * kPanel, g.y + r0 * g.N + (p + 1) * kPanel, g.N);
+      for (; p < p1; ++p) run(p, -1, g.y + r0 * g.N + p * kPanel, nullptr, g.N);
       return;
     }
     scratch.sums.resize(2 * (r1 - r0) * kPanel);
     float *gate = scratch.sums.data(), *up = gate + (r1 - r0) * kPanel;
     for (int64_t p = p0; p < p1; ++p) {
-      block(p, r0, r1, gate, kPanel, scratch);
-      block(p + g.N / 2 / kPanel, r0, r1, up, kPanel, scratch);
+      run(p, p + g.N / 2 / kPanel, gate, up, kPanel);
       swiglu_store(gate, up, g.y + r0 * n_out + p * kPanel, n_out, r1 - r0, path);
     }
   });
