@@ -37,18 +37,23 @@ struct ActQ8 {         // rows of x quantized per group of kActGroup columns
   ActQ8 at(int64_t r) const { return {q + r * K, d + r * groups, s + r * groups, K, groups, t ? t + r * (K / 16) : t}; }
 };
 
-// Rows [r0, r1) of a's rows in blocks of 4 and then the rest: run(R, the block's rows, its y)
-// with R a std::integral_constant (the AVX2 kernels' register blocks).
-template <typename Run>
-void in_blocks_of_4(const ActQ8& a, int64_t r0, int64_t r1, float* y, int64_t ldy, Run run) {
-  int64_t r = r0;
-  for (; r + 4 <= r1; r += 4) run(std::integral_constant<int, 4>{}, a.at(r), y + (r - r0) * ldy);
-  y += (r - r0) * ldy;
-  switch (r1 - r) {
-    case 3: run(std::integral_constant<int, 3>{}, a.at(r), y); break;
-    case 2: run(std::integral_constant<int, 2>{}, a.at(r), y); break;
-    case 1: run(std::integral_constant<int, 1>{}, a.at(r), y); break;
+template <int R, typename Run>
+inline void rest_of_rows(int64_t n, const ActQ8& a, int64_t at, Run& run) {
+  if constexpr (R > 0) {
+    if (n == R)
+      run(std::integral_constant<int, R>{}, a, at);
+    else
+      rest_of_rows<R - 1>(n, a, at, run);
   }
+}
+
+// Rows [r0, r1) of a's rows in blocks of N and then the rest: run(R, the block's rows, its first
+// row less r0) with R a std::integral_constant (the kernels' register blocks).
+template <int N, typename Run>
+void in_blocks_of(const ActQ8& a, int64_t r0, int64_t r1, Run run) {
+  int64_t r = r0;
+  for (; r + N <= r1; r += N) run(std::integral_constant<int, N>{}, a.at(r), r - r0);
+  rest_of_rows<N - 1>(r1 - r, a.at(r), r - r0, run);
 }
 
 // Rows [r0, r1) of x [M, K] quantized into q, d, s (laid out as ActQ8's).
@@ -231,22 +236,11 @@ void q4a8_rows_vnni(const QuantPanel& q, const int64_t* panel, const ActQ8& a, f
 template <int P>
 void q4a8_rows_vnni_blocks(const QuantPanel& q, const int64_t* panel, const ActQ8& a, int64_t r0, int64_t r1,
                            float* const* y, int64_t ldy) {
-  constexpr int kRows = P == 1 ? 8 : 6;
-  float* yr[P];
-  for (int j = 0; j < P; ++j) yr[j] = y[j];
-  int64_t r = r0;
-  for (; r + kRows <= r1; r += kRows) {
-    q4a8_rows_vnni<kRows, P>(q, panel, a.at(r), yr, ldy);
-    for (int j = 0; j < P; ++j) yr[j] += kRows * ldy;
-  }
-  const ActQ8 rest = a.at(r);
-  switch (r1 - r) {
-#define JAXLLM_VNNI_CASE(n) \
-  case n: q4a8_rows_vnni<n, P>(q, panel, rest, yr, ldy); break;
-    JAXLLM_VNNI_CASE(7) JAXLLM_VNNI_CASE(6) JAXLLM_VNNI_CASE(5) JAXLLM_VNNI_CASE(4) JAXLLM_VNNI_CASE(3)
-    JAXLLM_VNNI_CASE(2) JAXLLM_VNNI_CASE(1)
-#undef JAXLLM_VNNI_CASE
-  }
+  in_blocks_of<P == 1 ? 8 : 6>(a, r0, r1, [&](auto R, const ActQ8& rows, int64_t i) {
+    float* yr[P];
+    for (int j = 0; j < P; ++j) yr[j] = y[j] + i * ldy;
+    q4a8_rows_vnni<decltype(R)::value, P>(q, panel, rows, yr, ldy);
+  });
 }
 #endif  // AVX512_VNNI
 
@@ -265,8 +259,8 @@ void q4a8_block(const QuantPanel& q, const ActQ8& a, int64_t p, int64_t r0, int6
 #endif
 #ifdef JAXLLM_AVX2
   if (path == kAuto || path >= kAvx2) {
-    in_blocks_of_4(a, r0, r1, y, ldy, [&](auto R, const ActQ8& rows, float* yr) {
-      q4a8_rows_avx2<decltype(R)::value>(q, p, rows, yr, ldy);
+    in_blocks_of<4>(a, r0, r1, [&](auto R, const ActQ8& rows, int64_t i) {
+      q4a8_rows_avx2<decltype(R)::value>(q, p, rows, y + i * ldy, ldy);
     });
     return;
   }

@@ -232,24 +232,16 @@ void q6a8_block(const QuantPanel& q, const ActQ8& a, int64_t p, int64_t r0, int6
                 int32_t path) {
 #ifdef JAXLLM_AVX512_VNNI
   if (path == kAuto || path >= kAvx512) {
-    int64_t r = r0;
-    for (; r + 8 <= r1; r += 8) q6a8_rows_vnni<8>(q, p, a.at(r), y + (r - r0) * ldy, ldy);
-    y += (r - r0) * ldy;
-    const ActQ8 rest = a.at(r);
-    switch (r1 - r) {
-#define JAXLLM_VNNI_CASE(n) \
-  case n: q6a8_rows_vnni<n>(q, p, rest, y, ldy); break;
-      JAXLLM_VNNI_CASE(7) JAXLLM_VNNI_CASE(6) JAXLLM_VNNI_CASE(5) JAXLLM_VNNI_CASE(4) JAXLLM_VNNI_CASE(3)
-      JAXLLM_VNNI_CASE(2) JAXLLM_VNNI_CASE(1)
-#undef JAXLLM_VNNI_CASE
-    }
+    in_blocks_of<8>(a, r0, r1, [&](auto R, const ActQ8& rows, int64_t i) {
+      q6a8_rows_vnni<decltype(R)::value>(q, p, rows, y + i * ldy, ldy);
+    });
     return;
   }
 #endif
 #ifdef JAXLLM_Q6A8_AVX2
   if (path == kAuto || path >= kAvx2) {
-    in_blocks_of_4(a, r0, r1, y, ldy, [&](auto R, const ActQ8& rows, float* yr) {
-      q6a8_rows_avx2<decltype(R)::value>(q, p, rows, yr, ldy);
+    in_blocks_of<4>(a, r0, r1, [&](auto R, const ActQ8& rows, int64_t i) {
+      q6a8_rows_avx2<decltype(R)::value>(q, p, rows, y + i * ldy, ldy);
     });
     return;
   }
