@@ -176,8 +176,10 @@ inline void add_group_sums(const ActQ8& a, int64_t b, const __m512i* isum, __m51
 // bytes of q each and add the products to each column's int32 sums: the same sums as AVX2's,
 // with no int16 stage. P panels at a time (panel[j], into y[j]): each broadcast of q feeds P
 // pairs of dot products.
+// (Not inlined into its row blocks' loop: inlined there, 4 and 64 rows took 1.03-1.1x the time.)
 template <int R, int P>
-void q4a8_rows_vnni(const QuantPanel& q, const int64_t* panel, const ActQ8& a, float* const* y, int64_t ldy) {
+__attribute__((noinline)) void q4a8_rows_vnni(const QuantPanel& q, const int64_t* panel, const ActQ8& a,
+                                              float* const* y, int64_t ldy) {
   const uint8_t* codes[P];
   ScaleCursor first(q, panel[0]), last(q, panel[P - 1]);
   ScaleCursor* cursor[2] = {&first, &last};
@@ -248,24 +250,35 @@ struct ActQ8Scratch {
   std::vector<float> sums;  // with the SwiGLU epilogue: the item's gate and up sums
 };
 
-// Rows [r0, r1) of x (quantized in a), panel p's columns, into y (row stride ldy).
-void q4a8_block(const QuantPanel& q, const ActQ8& a, int64_t p, int64_t r0, int64_t r1, float* y, int64_t ldy,
-                int32_t path) {
+// Rows [r0, r1) of x (quantized in a), panel p's columns into y and panel p2's (-1: none) into
+// y2 (row stride ldy): with AVX512_VNNI both at once (each broadcast of x feeds both), else one
+// after the other.
+void q4a8_block(const QuantPanel& q, const ActQ8& a, int64_t p, int64_t p2, int64_t r0, int64_t r1, float* y,
+                float* y2, int64_t ldy, int32_t path) {
+  const int64_t panels[2] = {p, p2};
+  float* const outs[2] = {y, y2};
 #ifdef JAXLLM_AVX512_VNNI
   if (path == kAuto || path >= kAvx512) {
-    q4a8_rows_vnni_blocks<1>(q, &p, a, r0, r1, &y, ldy);
+    if (p2 >= 0)
+      q4a8_rows_vnni_blocks<2>(q, panels, a, r0, r1, outs, ldy);
+    else
+      q4a8_rows_vnni_blocks<1>(q, panels, a, r0, r1, outs, ldy);
     return;
   }
 #endif
+  for (int j = 0; j < 2 && panels[j] >= 0; ++j) {
+    const int64_t pj = panels[j];
+    float* const yj = outs[j];
 #ifdef JAXLLM_AVX2
-  if (path == kAuto || path >= kAvx2) {
-    in_blocks_of<4>(a, r0, r1, [&](auto R, const ActQ8& rows, int64_t i) {
-      q4a8_rows_avx2<decltype(R)::value>(q, p, rows, y + i * ldy, ldy);
-    });
-    return;
-  }
+    if (path == kAuto || path >= kAvx2) {
+      in_blocks_of<4>(a, r0, r1, [&](auto R, const ActQ8& rows, int64_t i) {
+        q4a8_rows_avx2<decltype(R)::value>(q, pj, rows, yj + i * ldy, ldy);
+      });
+      continue;
+    }
 #endif
-  q4a8_rows_portable(q, a.at(r0), p, y, ldy, r1 - r0);
+    q4a8_rows_portable(q, a.at(r0), pj, yj, ldy, r1 - r0);
+  }
 }
 
 // x's rows quantized as above, in buffers of the calling thread's (grown, never shrunk: one

@@ -232,9 +232,18 @@ void q6a8_block(const QuantPanel& q, const ActQ8& a, int64_t p, int64_t r0, int6
                 int32_t path) {
 #ifdef JAXLLM_AVX512_VNNI
   if (path == kAuto || path >= kAvx512) {
-    in_blocks_of<8>(a, r0, r1, [&](auto R, const ActQ8& rows, int64_t i) {
-      q6a8_rows_vnni<decltype(R)::value>(q, p, rows, y + i * ldy, ldy);
-    });
+    // (Its blocks spelled out: through in_blocks_of, 64 rows took 1.15-1.2x the time.)
+    int64_t r = r0;
+    for (; r + 8 <= r1; r += 8) q6a8_rows_vnni<8>(q, p, a.at(r), y + (r - r0) * ldy, ldy);
+    y += (r - r0) * ldy;
+    const ActQ8 rest = a.at(r);
+    switch (r1 - r) {
+#define JAXLLM_VNNI_CASE(n) \
+  case n: q6a8_rows_vnni<n>(q, p, rest, y, ldy); break;
+      JAXLLM_VNNI_CASE(7) JAXLLM_VNNI_CASE(6) JAXLLM_VNNI_CASE(5) JAXLLM_VNNI_CASE(4) JAXLLM_VNNI_CASE(3)
+      JAXLLM_VNNI_CASE(2) JAXLLM_VNNI_CASE(1)
+#undef JAXLLM_VNNI_CASE
+    }
     return;
   }
 #endif
@@ -252,26 +261,16 @@ void q6a8_block(const QuantPanel& q, const ActQ8& a, int64_t p, int64_t r0, int6
 // y = x @ w for 4- or 6-bit codes x int8 rows (MatmulQuantImpl's act8 path for them).
 void matmul_int8_rows(ffi::ThreadPool& pool, const GemmArgs& g, const QuantPanel& q, int32_t path, int32_t swiglu) {
   const ActQ8 a = quantize_activations(pool, g, q.bits == 6);
-#ifdef JAXLLM_AVX512_VNNI
-  if (q.bits == 4 && (path == kAuto || path >= kAvx512)) {  // two panels at a time
-    int8_rows_items<ActQ8Scratch, true>(pool, g, swiglu, path, [&](int64_t p, int64_t p2, int64_t r0, int64_t r1,
-                                                                    float* y, float* y2, int64_t ldy, ActQ8Scratch&) {
-      const int64_t panel[2] = {p, p2};
-      float* const out[2] = {y, y2};
-      if (p2 >= 0)
-        q4a8_rows_vnni_blocks<2>(q, panel, a, r0, r1, out, ldy);
-      else
-        q4a8_rows_vnni_blocks<1>(q, panel, a, r0, r1, out, ldy);
+  if (q.bits == 6) {
+    int8_rows_items<ActQ8Scratch>(pool, g, swiglu, path, [&](int64_t p, int64_t r0, int64_t r1, float* y,
+                                                            int64_t ldy, ActQ8Scratch&) {
+      q6a8_block(q, a, p, r0, r1, y, ldy, path);
     });
     return;
   }
-#endif
-  int8_rows_items<ActQ8Scratch>(pool, g, swiglu, path, [&](int64_t p, int64_t r0, int64_t r1, float* y, int64_t ldy,
-                                                          ActQ8Scratch&) {
-    if (q.bits == 6)
-      q6a8_block(q, a, p, r0, r1, y, ldy, path);
-    else
-      q4a8_block(q, a, p, r0, r1, y, ldy, path);
+  int8_rows_items<ActQ8Scratch, true>(pool, g, swiglu, path, [&](int64_t p, int64_t p2, int64_t r0, int64_t r1,
+                                                                  float* y, float* y2, int64_t ldy, ActQ8Scratch&) {
+    q4a8_block(q, a, p, p2, r0, r1, y, y2, ldy, path);  // two panels at a time
   });
 }
 
