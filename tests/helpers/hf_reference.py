@@ -1,7 +1,10 @@
 """HF transformers as the reference: the tiny random models of every family (`MODELS`,
-`build_hf_model`), HF's beam search, and how close a GGUF's logits come to transformers' own."""
+`build_hf_model`), HF's beam search, transformers reading a GGUF (`from_gguf`), and how close a
+GGUF's logits come to transformers' own."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import transformers
@@ -162,3 +165,38 @@ def hf_beam_search(model, prompt_ids, *, width, max_tokens, eos, early_stopping,
 # Max |logit diff| against transformers on the same dequantized weights: measured 1.6e-4
 # (logits up to ~30); both sides compute in float32 with different summation orders.
 GGUF_LOGITS_TOL = 1e-3
+
+
+# The last GGUF file `from_gguf` parsed: (path, size, mtime) -> its gguf.GGUFReader.
+_READER: dict = {}
+
+
+def from_gguf(auto_class, path: str):
+    """`auto_class.from_pretrained` on the GGUF file `path`: a transformers Auto class (a model's:
+    dequantized to float32, in eval mode; or AutoTokenizer). transformers parses the file's
+    metadata with `gguf.GGUFReader` for the config, the tokenizer and the weights, each time
+    anew: 2-18 s a parse for vocabularies of 49k-262k tokens, most of a GGUF test's time. Here
+    the parse of the last file read is kept (read-only: a memory map and its fields) and given to
+    transformers again, so a file read by several tests in a row is parsed once."""
+    import gguf
+
+    real = gguf.GGUFReader
+    stat = os.stat(path)
+    key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+
+    def parsed_once(file, mode="r"):
+        if os.path.realpath(file) != key[0] or mode != "r":
+            return real(file, mode)
+        if key not in _READER:
+            _READER.clear()
+            _READER[key] = real(file, mode)
+        return _READER[key]
+
+    folder, name = os.path.split(path)
+    gguf.GGUFReader = parsed_once
+    try:
+        if auto_class is transformers.AutoTokenizer:
+            return auto_class.from_pretrained(folder, gguf_file=name)
+        return auto_class.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    finally:
+        gguf.GGUFReader = real

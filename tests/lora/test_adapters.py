@@ -14,7 +14,7 @@ import pytest
 from jaxllm import LLM, LoRARequest, SamplingParams
 from jaxllm.lora import LoRAError
 
-from tests.helpers.hf_reference import build_hf_model
+from tests.helpers.hf_reference import build_hf_model, from_gguf
 from tests.helpers.tiny_model import FAMILY_ENGINE_ARGS
 
 pytest.importorskip("peft")
@@ -336,15 +336,12 @@ def test_adapters_that_cannot_be_served_are_refused_and_the_engine_goes_on(qwen2
 def test_default_model_with_a_rank_16_adapter_matches_peft(tmp_path):
     """The real SmolLM2 GGUF (its blocks kept, float32) with a random rank-16 adapter on every
     projection, beside requests of the base model, against transformers' own GGUF load + PEFT."""
-    import torch
     import transformers
 
     from jaxllm.models.loader import default_model_path
 
     path = default_model_path()
-    base = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    ).eval()
+    base = from_gguf(transformers.AutoModelForCausalLM, path)
     base.generation_config.eos_token_id = None
     merged = {"a": build_adapter(base, tmp_path / "a", r=16, targets=ALL_LLAMA, alpha=16, seed=7)}
     requests = {"a": LoRARequest("a", 1, str(tmp_path / "a"))}

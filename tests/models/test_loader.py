@@ -23,7 +23,7 @@ from jaxllm.models import decoder, loader
 from jaxllm.models.loader import ModelNotFoundError, load_model, restore_params, save_params
 from jaxllm.models.registry import UnsupportedModelError
 
-from tests.helpers.hf_reference import GGUF_LOGITS_TOL
+from tests.helpers.hf_reference import GGUF_LOGITS_TOL, from_gguf
 from tests.helpers.step_batches import make_batch
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:"]
@@ -80,10 +80,9 @@ def test_default_model_matches_transformers_gguf(default_model):
     assert loaded.source == loader.default_model_path()
     assert loaded.cfg.num_layers == 30 and loaded.cfg.tie_word_embeddings
     assert (loaded.cfg.bos_token_id, loaded.cfg.eos_token_ids) == (1, (2,))
-    folder, file = os.path.split(loaded.source)
 
     # The tokenizer is the one transformers builds from the same file.
-    reference_tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    reference_tok = from_gguf(AutoTokenizer, loaded.source)
     assert loaded.tokenizer.chat_template and loaded.tokenizer.chat_template == reference_tok.chat_template
     for text in [*PROMPTS, "<|im_start|>user\nhé 🙂  x<|im_end|>"]:
         assert loaded.tokenizer(text).input_ids == reference_tok(text).input_ids
@@ -92,7 +91,7 @@ def test_default_model_matches_transformers_gguf(default_model):
 
     token_lists = [loaded.tokenizer(p).input_ids for p in PROMPTS] + [_chat_ids(loaded.tokenizer, CHAT)]
     got = _prefill_logits(loaded, token_lists)
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
+    hf = from_gguf(AutoModelForCausalLM, loaded.source)
     with torch.no_grad():
         want = [hf(torch.tensor(t)[None]).logits[0].numpy() for t in token_lists]
     diffs = [float(np.abs(g - w).max()) for g, w in zip(got, want)]

@@ -9,7 +9,6 @@ marked slow) against transformers reading the same file.
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -215,7 +214,7 @@ def test_gemma3_270m_gguf_matches_transformers(gemma3_gguf, tmp_path):
     greedy generation, against transformers loading the same GGUF."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.helpers.hf_reference import GGUF_LOGITS_TOL
+    from tests.helpers.hf_reference import GGUF_LOGITS_TOL, from_gguf
 
     # One sequence at a time, the whole prompt in one step: two step shapes, compiled when first
     # used (warm-up would compile all seven buckets of this 262k-vocabulary model).
@@ -233,14 +232,13 @@ def test_gemma3_270m_gguf_matches_transformers(gemma3_gguf, tmp_path):
     assert (cfg.architecture, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == ("Gemma3ForCausalLM", 18, 4, 1)
     assert cfg.layer_windows == tuple(0 if (i + 1) % 6 == 0 else 512 for i in range(18))
     assert (cfg.rope_theta, cfg.local_rope_theta, cfg.attn_scale) == (1e6, 1e4, 256**-0.5)
-    folder, file = os.path.split(gemma3_gguf)
-    reference_tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    reference_tok = from_gguf(AutoTokenizer, gemma3_gguf)
     text = " ".join(f"Item {i} of the list is the number {i * i}." for i in range(40))
     ids = llm.get_tokenizer()(text).input_ids
     assert ids == reference_tok(text).input_ids and len(ids) > 520  # past the window
     assert reference_tok.convert_ids_to_tokens(list(cfg.eos_token_ids)) == ["<eos>", "<end_of_turn>"]
 
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
+    hf = from_gguf(AutoModelForCausalLM, gemma3_gguf)
     hf.generation_config.eos_token_id = None
     with torch.no_grad():
         want = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1], -1).numpy()  # predicting ids[1:]

@@ -7,7 +7,6 @@ shipped text."""
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ from jaxllm.models import catalog
 from jaxllm.models.checkpoint import ModelNotFoundError
 from jaxllm.quantization.weights import QuantizedWeight
 
-from tests.helpers.hf_reference import GGUF_LOGITS_TOL
+from tests.helpers.hf_reference import GGUF_LOGITS_TOL, from_gguf
 
 torch = pytest.importorskip("torch")
 
@@ -38,10 +37,9 @@ def qwen_05b():
 def reference(qwen_05b):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder, file = os.path.split(qwen_05b)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
+    model = from_gguf(AutoModelForCausalLM, qwen_05b)
     model.generation_config.eos_token_id = None
-    return AutoTokenizer.from_pretrained(folder, gguf_file=file), model
+    return from_gguf(AutoTokenizer, qwen_05b), model
 
 
 LONG = 1200  # the long prompt's tokens
