@@ -261,8 +261,8 @@ def main(argv=None):
         "--dtype",
         default="auto",
         choices=("auto", "float32", "bfloat16"),
-        help="the launched server's dtype; auto: the one jaxllm's default picks for this CPU, given to "
-        "either server (default: %(default)s)",
+        help="the launched server's dtype; auto: jaxllm's own default for the model and CPU, and for "
+        "vllm the dtype that default picks for this CPU's other models (default: %(default)s)",
     )
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="jaxllm")
@@ -275,7 +275,7 @@ def main(argv=None):
     g.add_argument("--launch-timeout", type=float, default=900, help="seconds to wait for /health")
     ap.add_argument("--out", default=os.path.join(RESULTS, "serving.json"))
     args = ap.parse_args(argv)
-    if args.dtype == "auto":
+    if args.dtype == "auto" and args.launch == "vllm":
         from jaxllm.platforms import Platform
 
         args.dtype = Platform.named("cpu").default_dtype[0]

@@ -269,10 +269,11 @@ def _kv_pool_pages(
     return num_pages, num_window_pages
 
 
-def resolve_dtypes(args: EngineArgs, platform: Platform, many_processes: bool) -> EngineArgs:
+def resolve_dtypes(args: EngineArgs, platform: Platform, many_processes: bool, int8_codes: bool = False) -> EngineArgs:
     """`args` with `dtype` and `kv_cache_dtype` resolved for the platform (each "auto" logged with
-    why). Over several processes every process takes process 0's dtype (their CPUs may differ)."""
-    dtype, why = platform.resolve_dtype(args.dtype)
+    why; `int8_codes`: see `Platform.auto_dtype`). Over several processes every process takes
+    process 0's dtype (their CPUs may differ)."""
+    dtype, why = platform.resolve_dtype(args.dtype, int8_codes)
     if args.dtype == "auto" and many_processes:
         import numpy as np
         from jax.experimental import multihost_utils

@@ -21,7 +21,7 @@ from jaxllm.engine_config import EngineConfig, available_memory, resolve_config,
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.engine.core import DataParallelEngineCore, EngineCore, EngineStats
 from jaxllm.engine.output_processor import OUTPUT_KINDS, OutputProcessor
-from jaxllm.weights.prepare import PreparedModel, load_with_plan, prepare_weights
+from jaxllm.weights.prepare import PreparedModel, int8_dot_checkpoint, load_with_plan, prepare_weights
 from jaxllm.spec_decode.draft_model import factored_draft, first_ids_only
 from jaxllm.outputs import RequestOutput
 from jaxllm.platforms import Platform
@@ -55,8 +55,8 @@ class LLMEngine(TrainerMixin, PoolingMixin, LoRAMixin):
         platform = Platform.detect(
             None if mesh is None else mesh.devices.flat[0], use_cpp=args.attention_backend in (None, "native")
         )
-        args = resolve_dtypes(args, platform, many_processes)
         one_device = mesh is None and not many_processes and args.data_parallel_size == 1
+        args = resolve_dtypes(args, platform, many_processes, int8_dot_checkpoint(args, one_device))
         loaded, plan = load_with_plan(
             args, platform, mesh, one_device=one_device, progress=progress, use_cache=not many_processes
         )

@@ -140,6 +140,19 @@ def _resolve(model: str | None) -> tuple[str, str, str]:
     raise ModelNotFoundError(f"model path {model!r} does not exist (and is not a hub id 'org/name')")
 
 
+def local_gguf(model: str | None) -> str | None:
+    """The GGUF file `model` names where it resolves here without a download (the default
+    model, a path, a folder, a short name fetched), else None."""
+    try:
+        local = model is None or os.path.exists(os.path.expanduser(os.fspath(model)))
+        if not local and catalog.path_of(model) is None:
+            return None  # (a hub id, or nothing: the load says which)
+        kind, path, _ = _resolve(model)
+    except (ModelNotFoundError, ValueError):
+        return None
+    return path if kind == "gguf" else None
+
+
 def _resolve_dir(path: str, name: str) -> tuple[str, str, str]:
     if os.path.isfile(os.path.join(path, "config.json")):
         return "hf", path, name

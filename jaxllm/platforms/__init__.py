@@ -22,6 +22,8 @@ from jaxllm.utils import check_dtype
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 # AMX's bf16 tiles (Sapphire Rapids+), which the C++ bf16 GEMMs use from two rows.
 AMX_CPU_FLAGS = frozenset({"amx_tile", "amx_bf16"})
+# The int8 dots the C++ GEMMs over 4- and 6-bit codes take int8 activations with (vpdpbusd).
+INT8_DOTS_CPU_FLAG = "avx512_vnni"
 
 
 def cpu_flags() -> frozenset[str]:
@@ -119,17 +121,33 @@ class Platform:
         this host's CPU, with its flags."""
         return cls(name, cpu_flags() if name == "cpu" else frozenset())
 
-    def resolve_dtype(self, dtype: str) -> tuple[str, str]:
-        """(dtype, why): `dtype` itself unless it is "auto", then `default_dtype`."""
-        return (check_dtype(dtype), "asked for") if dtype != "auto" else self.default_dtype
+    def resolve_dtype(self, dtype: str, int8_codes: bool = False) -> tuple[str, str]:
+        """(dtype, why): `dtype` itself unless it is "auto", then `default_dtype` (for a GGUF of
+        int8-dot codes where `int8_codes`: see `auto_dtype`)."""
+        return (check_dtype(dtype), "asked for") if dtype != "auto" else self.auto_dtype(int8_codes)
 
     @property
     def default_dtype(self) -> tuple[str, str]:
         """(dtype, why) for dtype "auto": bfloat16 on accelerators and on CPUs with hardware bf16
         dots (`BF16_CPU_FLAGS`), float32 on other CPUs, where bf16 is the slow dtype."""
+        return self.auto_dtype(False)
+
+    def auto_dtype(self, int8_codes: bool) -> tuple[str, str]:
+        """`default_dtype`, but float32 for a GGUF whose matrices all have codes the int8 dot
+        kernels take (`int8_codes`: weights/prepare.py `int8_dot_checkpoint`) on a CPU with
+        AVX512_VNNI and without AMX, with the C++ kernels: there, as on CPUs without bf16 dots,
+        dtype auto's float32 multiplies the codes by int8 activations (`EngineArgs.int8_activations`,
+        llama.cpp's scheme), on bf16 KV pages (`resolve_kv_cache_dtype`); on a 2-vCPU Zen 4 with
+        the 1.5B Q4_K_M, 1.04-1.15x bfloat16's output across a serving sweep (docs/quantization.md).
+        AMX's bf16 tiles run prompts faster than int8 dots."""
         if self.name != "cpu":
             return "bfloat16", f"{self.name} computes bfloat16 in hardware"
         hardware = [flag for flag in BF16_CPU_FLAGS if flag in self.cpu_flags]
+        if hardware and int8_codes and INT8_DOTS_CPU_FLAG in self.cpu_flags and self.cpp_kernels and not self.cpp_amx:
+            return "float32", (
+                f"a GGUF of 4- to 6-bit codes on a CPU with int8 dots ({INT8_DOTS_CPU_FLAG}) and no AMX: its codes "
+                "multiply int8 activations under float32, faster there than bfloat16"
+            )
         if hardware:
             return "bfloat16", f"this CPU has hardware bf16 dots ({', '.join(hardware)})"
         return "float32", (

@@ -99,6 +99,19 @@ def _k_quant(blocks: np.ndarray, t: int):
 _LEGACY = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
 _K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
 SUPPORTED = _LEGACY + _K_QUANTS
+# The types whose codes the C++ GEMM multiplies by int8 activations under float32 (4-bit codes,
+# and 8-bit ones within 6 bits: quantization/activations.py `with_int8_activations`); not Q8_0.
+INT8_DOT_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K)
+
+
+def int8_dot_codes(tensors: dict) -> bool:
+    """Whether every matrix a step of this GGUF multiplies (its 2-D tensors, less a token table
+    that an `output.weight` leaves a lookup) has codes of `INT8_DOT_TYPES`, and no tensor has
+    more dimensions (stacked experts). `tensors`: name -> anything with `shape` and `ggml_type`
+    (models/gguf_checkpoint.py `read_gguf`)."""
+    untied = "output.weight" in tensors
+    matrices = [t for name, t in tensors.items() if len(t.shape) >= 2 and not (untied and name == "token_embd.weight")]
+    return bool(matrices) and all(len(t.shape) == 2 and t.ggml_type in INT8_DOT_TYPES for t in matrices)
 
 
 def gguf_rows(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> QuantizedRows | None:

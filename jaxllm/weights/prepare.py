@@ -31,9 +31,11 @@ import numpy as np
 from jaxllm import parallel
 from jaxllm.models import layout
 from jaxllm.models.linear import PackedWeight
-from jaxllm.models.loader import LoadedModel, load_model
+from jaxllm.models.gguf_checkpoint import read_gguf
+from jaxllm.models.loader import LoadedModel, load_model, local_gguf
 from jaxllm.platforms import Platform
 from jaxllm.quantization.activations import with_bf16_activations, with_factored, with_int8_activations
+from jaxllm.quantization.gguf_blocks import int8_dot_codes
 from jaxllm.quantization.params import quantize_params
 from jaxllm.quantization.weights import (
     LAYER_MATRICES,
@@ -54,6 +56,17 @@ class PreparedModel(NamedTuple):
     cfg: object
     params: dict
     small_params: dict | None = None
+
+
+def int8_dot_checkpoint(args, one_device: bool) -> bool:
+    """Whether dtype "auto" may weigh int8 activations for this run (`Platform.auto_dtype`): one
+    device, no other quantization asked, int8 activations not refused, and a local GGUF whose
+    every matrix has codes the int8 dot kernels take (`gguf_blocks.int8_dot_codes`; its header
+    read, ~0.1 s)."""
+    if args.dtype != "auto" or not one_device or args.quantization not in (None, "gguf"):
+        return False
+    path = None if args.int8_activations is False else local_gguf(args.model)
+    return path is not None and int8_dot_codes(read_gguf(path)[1])
 
 
 def load_with_plan(

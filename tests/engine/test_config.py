@@ -10,7 +10,7 @@ from jaxllm.config import EngineArgs
 from jaxllm.engine_config import kv_bytes_per_token, resolve_config
 from jaxllm.engine_config import available_memory
 from jaxllm.models.decoder import ModelConfig
-from jaxllm.platforms import Platform, cpu_flags
+from jaxllm.platforms import AMX_CPU_FLAGS, Platform, cpu_flags
 from jaxllm.utils import resolve_kv_cache_dtype
 
 from tests.helpers.cpu_host import lscpu_flags
@@ -126,6 +126,29 @@ def test_auto_dtype_follows_the_device(flags, platform, expected):
         for kv in ("float32", "bfloat16", "int8", "fp8_e4m3"):
             assert resolve_kv_cache_dtype(kv, "auto", explicit) == (kv, "asked for")
     assert resolve_kv_cache_dtype("fp8", "auto", dtype)[0] == "fp8_e4m3"
+
+
+@pytest.mark.parametrize(
+    "flags, kernels, expected",
+    [
+        ({"avx512f", "avx512_bf16", "avx512_vnni"}, True, "float32"),  # Zen 4 / Zen 5: int8 dots
+        ({"avx512f", "avx512_bf16", "avx512_vnni"}, False, "bfloat16"),  # no C++ kernels built
+        ({"avx512f", "avx512_bf16"}, True, "bfloat16"),  # bf16 dots without int8 ones
+        ({"avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"}, True, "bfloat16"),  # AMX's bf16 tiles
+        ({"avx2", "fma"}, True, "float32"),  # float32 for every model there
+    ],
+)
+def test_auto_dtype_for_a_gguf_of_int8_dot_codes(flags, kernels, expected):
+    flags = frozenset(flags)
+    amx = kernels and AMX_CPU_FLAGS <= flags
+    platform = Platform(
+        "cpu", flags, cpp_kernels=kernels, cpp_bf16_dots=kernels and "avx512_bf16" in flags, cpp_amx=amx
+    )
+    dtype, why = platform.resolve_dtype("auto", int8_codes=True)
+    assert dtype == expected and why
+    assert platform.resolve_dtype("auto") == platform.default_dtype  # any other checkpoint: the CPU's rule
+    assert platform.resolve_dtype("bfloat16", int8_codes=True)[0] == "bfloat16"  # an explicit dtype wins
+    assert Platform("gpu").resolve_dtype("auto", int8_codes=True)[0] == "bfloat16"
 
 
 def test_auto_is_the_default_and_picks_for_this_cpu():

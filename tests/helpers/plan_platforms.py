@@ -9,7 +9,7 @@ from jaxllm.platforms import Platform
 ZEN3 = Platform("cpu", frozenset({"avx2", "fma"}), cpp_kernels=True, cpp_bf16_dots=False, build_confirmed=True)
 ZEN4 = Platform(
     "cpu",
-    frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}),
+    frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni"}),
     cpp_kernels=True,
     cpp_bf16_dots=True,
     build_confirmed=True,

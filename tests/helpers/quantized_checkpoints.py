@@ -76,10 +76,13 @@ def gguf_blocks(rng, shape: tuple[int, int], ggml_type: int) -> np.ndarray:
         return blocks.reshape(shape[0], -1)
 
 
-def write_quantized_gguf(path: str, untied: bool = False) -> str:
+def write_quantized_gguf(path: str, untied: bool = False, int8_dots: bool = False) -> str:
     """A tiny 2-layer Llama GGUF (no tokenizer) whose matrices use every kept block type, fused
     parts of different types included; a Q8_0 embedding is the (tied) LM head, or `untied`: a
-    Q4_K table and a Q6_K `output.weight` (Qwen2.5-Coder-1.5B's Q4_K_M types)."""
+    Q4_K table and a Q6_K `output.weight` (Qwen2.5-Coder-1.5B's Q4_K_M types). `int8_dots`:
+    untied, and Q6_K for the first layer's Q8_0 `attn_v`: every matrix of a type the int8 dot
+    kernels take (quantization/gguf_blocks.py `INT8_DOT_TYPES`)."""
+    untied = untied or int8_dots
     import gguf
     from gguf.constants import GGMLQuantizationType as T
 
@@ -102,7 +105,7 @@ def write_quantized_gguf(path: str, untied: bool = False) -> str:
         {
             "attn_q": T.Q4_K,
             "attn_k": T.Q6_K,
-            "attn_v": T.Q8_0,
+            "attn_v": T.Q6_K if int8_dots else T.Q8_0,
             "attn_output": T.Q4_0,
             "ffn_gate": T.Q4_1,
             "ffn_up": T.Q5_K,

@@ -5,6 +5,7 @@ those codes stand for."""
 
 from __future__ import annotations
 
+import os
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,7 @@ from jaxllm.quantization.weights import (
     relayout,
 )
 
+from tests.helpers.cpu_host import lscpu_flags
 from tests.helpers.quantized_checkpoints import gguf_blocks, write_quantized_gguf, write_quantized_hf
 from tests.helpers.tiny_model import TINY_ENGINE_ARGS
 
@@ -167,6 +169,93 @@ def test_gguf_untied_table_keeps_its_codes(tmp_path):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         # (the decodes' codes factor their scales out of the sums: f32 rounding of two group sums)
         np.testing.assert_allclose(a.outputs[0].cumulative_logprob, b.outputs[0].cumulative_logprob, rtol=1e-3)
+
+
+def test_which_ggufs_have_codes_for_int8_dots(tmp_path):
+    """`int8_dot_codes`: every matrix a step multiplies of a type the int8 dot kernels take; an
+    untied table is a lookup. On the files themselves: the tiny GGUFs, the default model (a
+    tied Q8_0 LM head) and the fetched Qwen2.5-Coder files."""
+    from types import SimpleNamespace
+
+    from gguf.constants import GGMLQuantizationType as T
+
+    from jaxllm.models import catalog
+    from jaxllm.models.gguf_checkpoint import read_gguf
+    from jaxllm.models.loader import default_model_path, local_gguf
+    from jaxllm.quantization.gguf_blocks import int8_dot_codes
+
+    def m(t, shape=(64, 64)):
+        return SimpleNamespace(shape=shape, ggml_type=t)
+
+    layers = {
+        "blk.0.attn_q.weight": m(T.Q4_K),
+        "blk.0.ffn_down.weight": m(T.Q6_K),
+        "blk.0.attn_norm.weight": m(T.F32, (64,)),
+    }
+    assert int8_dot_codes({**layers, "token_embd.weight": m(T.Q4_K)})
+    assert not int8_dot_codes({**layers, "token_embd.weight": m(T.Q8_0)})  # a tied Q8_0 LM head
+    assert int8_dot_codes({**layers, "token_embd.weight": m(T.Q8_0), "output.weight": m(T.Q6_K)})
+    assert not int8_dot_codes({**layers, "token_embd.weight": m(T.Q4_K), "output.weight": m(T.F16)})
+    assert not int8_dot_codes(
+        {**layers, "token_embd.weight": m(T.Q4_K), "blk.0.ffn_up_exps.weight": m(T.Q4_K, (4, 64, 64))}
+    )
+    assert not int8_dot_codes({"blk.0.attn_norm.weight": m(T.F32, (64,))})
+
+    (tmp_path / "c").mkdir()
+    files = {
+        write_quantized_gguf(str(tmp_path / "a.gguf")): False,  # its Q8_0 attn_v and table
+        write_quantized_gguf(str(tmp_path / "b.gguf"), untied=True): False,  # its Q8_0 attn_v
+        write_quantized_gguf(str(tmp_path / "c" / "c.gguf"), int8_dots=True): True,
+        default_model_path(): False,
+    }
+    for name, want in [("qwen2.5-coder-1.5b", True), ("qwen2.5-coder-0.5b", False)]:  # (Q8_0 in the 0.5B)
+        if os.path.isfile(os.path.join(catalog.models_dir(), catalog.MODELS[name].file)):
+            files[catalog.path_of(name)] = want
+    for path, want in files.items():
+        assert int8_dot_codes(read_gguf(path)[1]) is want, path
+    # The files the engine would read without a download: a path, a folder of one, the default.
+    assert local_gguf(str(tmp_path / "a.gguf")) == str(tmp_path / "a.gguf")
+    assert local_gguf(str(tmp_path / "c")) == str(tmp_path / "c" / "c.gguf")
+    assert local_gguf(None) == default_model_path()
+    assert local_gguf(str(tmp_path)) is None  # two GGUFs: the load says which it cannot pick
+    assert local_gguf("some-org/some-model") is None and local_gguf(str(tmp_path / "none.gguf")) is None
+
+
+@pytest.mark.skipif(
+    not {"avx512_bf16", "avx512_vnni"} <= lscpu_flags() or "amx_tile" in lscpu_flags(),
+    reason="dtype auto weighs int8 dots on CPUs with AVX512_BF16 and AVX512_VNNI, without AMX",
+)
+def test_dtype_auto_serves_a_gguf_of_int8_dot_codes_with_int8_activations(tmp_path):
+    """On a Zen 4 / Zen 5 kind of CPU a GGUF whose matrices are all 4- or 6-bit codes runs by
+    default as float32 with int8 activations on bf16 KV pages would when asked for, with the
+    same tokens and logprobs; int8_activations=False, or a Q8_0 matrix, keeps bfloat16."""
+    path = write_quantized_gguf(str(tmp_path / "int8-dots.gguf"), int8_dots=True)
+    prompts = [{"prompt_token_ids": list(range(5 * i, 5 * i + 7 + 9 * i))} for i in range(3)]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, detokenize=False)
+    args = dict(TINY_ENGINE_ARGS, dtype="auto", params_cache_dir=str(tmp_path / "params"))
+    auto = LLM(path, **args)
+    config = auto.engine.config
+    assert (config.dtype, config.cache.dtype, config.int8_activations) == ("float32", "bfloat16", True)
+    params = auto.engine.runner.params  # (the untied table: a lookup of its codes)
+    matmuls = [
+        *(layer[n] for layer in params["layers"] for n in ("wqkv", "wo", "w_gate_up", "w_down")),
+        params["lm_head"],
+    ]
+    # (but the first layer's fused QKV: its Q4_K query and Q6_K key and value share 8-bit codes
+    # in groups of 16 rows with offsets, which the int8 kernels do not take)
+    mixed = params["layers"][0]["wqkv"]
+    assert (mixed.bits, mixed.activations) == (8, "float")
+    assert all(w.activations == "int8" for w in matmuls if w is not mixed) and {w.bits for w in matmuls} == {4, 6, 8}
+    got = auto.generate(prompts, greedy, use_tqdm=False)
+    del auto
+    asked = LLM(path, **{**args, "dtype": "float32", "int8_activations": True, "kv_cache_dtype": "bfloat16"})
+    for a, b in zip(got, asked.generate(prompts, greedy, use_tqdm=False)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
+    del asked
+    assert LLM(path, **args, int8_activations=False).engine.config.dtype == "bfloat16"
+    other = write_quantized_gguf(str(tmp_path / "q8.gguf"), untied=True)
+    assert LLM(other, **args).engine.config.dtype == "bfloat16"
 
 
 def test_gguf_engine_loads_float_weights_when_the_kernel_build_fails(tmp_path, monkeypatch):

@@ -13,23 +13,25 @@ from jaxllm.config import EngineArgs
 from jaxllm.platforms import Platform
 from jaxllm.weights.plan import UNKNOWN, LinearPlan, resolve_weight_plan
 
-from tests.helpers.plan_platforms import BF16, F32, NO_COMPILER, ZEN3, ZEN4
+from tests.helpers.plan_platforms import BF16, F32, NO_COMPILER, XEON_AMX, ZEN3, ZEN4
 
 
 @pytest.mark.parametrize(
-    "platform, fields, int8",
+    "platform, fields, int8_codes, int8",
     [
-        (ZEN3, dict(dtype="auto"), True),  # float32 picked: a GGUF's codes x int8 rows
-        (ZEN3, dict(dtype="float32"), False),  # float32 asked: the codes' own numbers
-        (ZEN3, dict(dtype="float32", int8_activations=True), True),
-        (ZEN4, dict(dtype="auto"), False),  # bfloat16 picked: its own default path
-        (ZEN4, dict(dtype="float32"), False),
+        (ZEN3, dict(dtype="auto"), False, True),  # float32 picked: a GGUF's codes x int8 rows
+        (ZEN3, dict(dtype="float32"), False, False),  # float32 asked: the codes' own numbers
+        (ZEN3, dict(dtype="float32", int8_activations=True), False, True),
+        (ZEN4, dict(dtype="auto"), False, False),  # bfloat16 picked: its own default path
+        (ZEN4, dict(dtype="auto"), True, True),  # a GGUF of int8-dot codes, VNNI: float32 picked
+        (XEON_AMX, dict(dtype="auto"), True, False),  # AMX: bfloat16 still
+        (ZEN4, dict(dtype="float32"), True, False),
     ],
 )
-def test_int8_activations_default_where_dtype_auto_picks_float32(platform, fields, int8):
+def test_int8_activations_default_where_dtype_auto_picks_float32(platform, fields, int8_codes, int8):
     from jaxllm.engine_config import resolve_dtypes
 
-    args = resolve_dtypes(EngineArgs(**fields), platform, many_processes=False)
+    args = resolve_dtypes(EngineArgs(**fields), platform, many_processes=False, int8_codes=int8_codes)
     # Left to the plan where the dtype was picked, else False unless asked.
     assert args.int8_activations is (None if fields == dict(dtype="auto") else int8)
     gguf = resolve_weight_plan(args, platform, one_device=True, checkpoint="gguf", tied=True)
