@@ -47,7 +47,9 @@ class EngineArgs:
     dtype: str = option(
         "auto",
         "weight and KV-cache dtype; 'auto' picks bfloat16 on accelerators and on CPUs with hardware bf16 "
-        "dots (AVX512_BF16 or AMX), float32 on other CPUs",
+        "dots (AVX512_BF16 or AMX), float32 on other CPUs; and float32 for a GGUF whose matrices are all 4- to "
+        "6-bit codes on a CPU with AVX512_VNNI and no AMX, without speculative decoding (its codes then "
+        "multiply int8 activations: int8_activations)",
         choices=DTYPE_CHOICES,
     )
     quantization: str | None = option(
@@ -226,7 +228,8 @@ class EngineArgs:
         "decode steps' 4-bit codes do; under float32 every step's 4-bit codes and the 8-bit ones that fit 6 "
         "bits (Q6_K, Q5_0, Q5_K, Q5_1: repacked so), the other codes then factoring their scales "
         "(small_step_factored) (one CPU device with the C++ kernels; elsewhere the activations stay float). "
-        "Default: on for a GGUF where dtype auto picks float32 (a CPU without bf16 dots: AVX2), llama.cpp's "
+        "Default: on for a GGUF where dtype auto picks float32 (a CPU without bf16 dots: AVX2; or a GGUF of "
+        "4- to 6-bit codes on an AVX512_VNNI CPU without AMX), llama.cpp's "
         "own scheme for these files (faster there on every measure, perplexity within 1%: docs/quantization.md); "
         "off where a dtype is asked for",
     )
