@@ -227,8 +227,8 @@ def test_which_ggufs_have_codes_for_int8_dots(tmp_path):
 )
 def test_dtype_auto_serves_a_gguf_of_int8_dot_codes_with_int8_activations(tmp_path):
     """On a Zen 4 / Zen 5 kind of CPU a GGUF whose matrices are all 4- or 6-bit codes runs by
-    default as float32 with int8 activations on bf16 KV pages would when asked for, with the
-    same tokens and logprobs; int8_activations=False, speculative decoding or a Q8_0 matrix keeps
+    default as it does when asked for float32 with int8 activations on bf16 KV pages (the same
+    tokens and logprobs); int8_activations=False, speculative decoding or a Q8_0 matrix keeps
     bfloat16."""
     path = write_quantized_gguf(str(tmp_path / "int8-dots.gguf"), int8_dots=True)
     prompts = [{"prompt_token_ids": list(range(5 * i, 5 * i + 7 + 9 * i))} for i in range(3)]
