@@ -56,7 +56,7 @@ class LLMEngine(TrainerMixin, PoolingMixin, LoRAMixin):
             None if mesh is None else mesh.devices.flat[0], use_cpp=args.attention_backend in (None, "native")
         )
         one_device = mesh is None and not many_processes and args.data_parallel_size == 1
-        args = resolve_dtypes(args, platform, many_processes, int8_dot_checkpoint(args, one_device))
+        args = resolve_dtypes(args, platform, many_processes, int8_dot_checkpoint(args, platform, one_device))
         loaded, plan = load_with_plan(
             args, platform, mesh, one_device=one_device, progress=progress, use_cache=not many_processes
         )

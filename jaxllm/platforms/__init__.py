@@ -143,7 +143,7 @@ class Platform:
         if self.name != "cpu":
             return "bfloat16", f"{self.name} computes bfloat16 in hardware"
         hardware = [flag for flag in BF16_CPU_FLAGS if flag in self.cpu_flags]
-        if hardware and int8_codes and INT8_DOTS_CPU_FLAG in self.cpu_flags and self.cpp_kernels and not self.cpp_amx:
+        if int8_codes and self.weighs_int8_codes:
             return "float32", (
                 f"a GGUF of 4- to 6-bit codes on a CPU with int8 dots ({INT8_DOTS_CPU_FLAG}) and no AMX: its codes "
                 "multiply int8 activations under float32, faster there than bfloat16"
@@ -152,6 +152,20 @@ class Platform:
             return "bfloat16", f"this CPU has hardware bf16 dots ({', '.join(hardware)})"
         return "float32", (
             f"this CPU has no hardware bf16 dots (no {' or '.join(BF16_CPU_FLAGS)}): float32 is the faster dtype there"
+        )
+
+    @property
+    def weighs_int8_codes(self) -> bool:
+        """Whether dtype auto's pick here depends on the checkpoint's codes (`auto_dtype`): a CPU
+        with bf16 dots, AVX512_VNNI and the C++ kernels, without AMX. Elsewhere the engine does not
+        read a GGUF's header for it."""
+        bf16 = any(flag in self.cpu_flags for flag in BF16_CPU_FLAGS)
+        return (
+            self.name == "cpu"
+            and bf16
+            and INT8_DOTS_CPU_FLAG in self.cpu_flags
+            and self.cpp_kernels
+            and not self.cpp_amx
         )
 
     @property

@@ -146,6 +146,7 @@ def test_auto_dtype_for_a_gguf_of_int8_dot_codes(flags, kernels, expected):
     )
     dtype, why = platform.resolve_dtype("auto", int8_codes=True)
     assert dtype == expected and why
+    assert platform.weighs_int8_codes is (kernels and flags >= {"avx512_bf16", "avx512_vnni"} and not amx)
     assert platform.resolve_dtype("auto") == platform.default_dtype  # any other checkpoint: the CPU's rule
     assert platform.resolve_dtype("bfloat16", int8_codes=True)[0] == "bfloat16"  # an explicit dtype wins
     assert Platform("gpu").resolve_dtype("auto", int8_codes=True)[0] == "bfloat16"

@@ -171,7 +171,7 @@ def test_gguf_untied_table_keeps_its_codes(tmp_path):
         np.testing.assert_allclose(a.outputs[0].cumulative_logprob, b.outputs[0].cumulative_logprob, rtol=1e-3)
 
 
-def test_which_ggufs_have_codes_for_int8_dots(tmp_path):
+def test_which_ggufs_have_codes_for_int8_dots(tmp_path, monkeypatch):
     """`int8_dot_codes`: every matrix a step multiplies of a type the int8 dot kernels take; an
     untied table is a lookup. On the files themselves: the tiny GGUFs, the default model (a
     tied Q8_0 LM head) and the fetched Qwen2.5-Coder files."""
@@ -219,6 +219,18 @@ def test_which_ggufs_have_codes_for_int8_dots(tmp_path):
     assert local_gguf(None) == default_model_path()
     assert local_gguf(str(tmp_path)) is None  # two GGUFs: the load says which it cannot pick
     assert local_gguf("some-org/some-model") is None and local_gguf(str(tmp_path / "none.gguf")) is None
+    # The engine asks only where the platform weighs it (elsewhere the header is not even read).
+    from jaxllm.config import EngineArgs
+    from jaxllm.weights import prepare
+    from tests.helpers.plan_platforms import XEON_AMX, ZEN3, ZEN4
+
+    int8_file = EngineArgs(model=str(tmp_path / "c"))
+    assert prepare.int8_dot_checkpoint(int8_file, ZEN4, one_device=True)
+    assert not prepare.int8_dot_checkpoint(EngineArgs(model=str(tmp_path / "a.gguf")), ZEN4, one_device=True)
+    assert not prepare.int8_dot_checkpoint(int8_file, ZEN4, one_device=False)
+    monkeypatch.setattr(prepare, "read_gguf", None)  # (called, it would raise)
+    for platform in (ZEN3, XEON_AMX):
+        assert not prepare.int8_dot_checkpoint(int8_file, platform, one_device=True)
 
 
 @pytest.mark.skipif(
