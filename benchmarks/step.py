@@ -45,18 +45,19 @@ import numpy as np
 
 from jaxllm.config import EngineArgs
 
-from jaxllm.engine_config import kv_bytes_per_token, resolve_config
+from jaxllm.engine_config import kv_bytes_per_token, resolve_config, resolve_dtypes
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.outputs import SchedulerOutput
 from jaxllm.core.request import Request
 from jaxllm.models import decoder, linear
 from jaxllm.models.linear import PackedWeight
-from jaxllm.weights.prepare import load_with_plan, prepare_weights
+from jaxllm.weights.prepare import int8_dot_checkpoint, load_with_plan, prepare_weights
 from jaxllm.platforms import Platform
 from jaxllm.quantization import SMALL_STEP_ROWS, QuantizedWeight
 from jaxllm.runner.model_runner import ModelRunner
 from jaxllm.quantization.weights import LAYER_MATRICES
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.utils import resolve_kv_cache_dtype
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
@@ -247,13 +248,7 @@ def main():
     ap.add_argument("--compare-scan", default="", help="decode batch sizes to time with lax.scan too, e.g. 1,32")
     args = ap.parse_args()
 
-    from jaxllm.utils import resolve_kv_cache_dtype
-
-    platform = jax.devices()[0].platform
-    asked, (args.dtype, why) = args.dtype, Platform.named(platform).resolve_dtype(args.dtype)
-    args.kv_cache_dtype, kv_why = resolve_kv_cache_dtype(args.kv_cache_dtype, asked, args.dtype)
-    machine = machine_info()
-    print(f"{cpu_line(machine)}; dtype {args.dtype} ({why}); KV pages {args.kv_cache_dtype} ({kv_why})")
+    platform = Platform.detect()
     eargs = EngineArgs(
         model=args.model,
         dtype=args.dtype,
@@ -265,10 +260,17 @@ def main():
         warmup=False,
         packed_weights=not args.no_packed_weights,
         quantization=args.quantization,
-        # (as `resolve_dtypes`: left to the weight plan where the dtype is picked)
-        int8_activations=args.int8_activations if args.int8_activations is not None or asked == "auto" else False,
+        int8_activations=args.int8_activations,
     )
-    loaded, plan = load_with_plan(eargs, Platform.detect(), None, one_device=True, progress=False)
+    # The dtypes as the engine resolves them (a GGUF's codes may make "auto" float32 + int8).
+    int8_codes = int8_dot_checkpoint(eargs, platform, one_device=True)
+    why = platform.resolve_dtype(args.dtype, int8_codes)[1]
+    eargs = resolve_dtypes(eargs, platform, False, int8_codes)
+    kv_why = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype, eargs.dtype)[1]
+    args.dtype = eargs.dtype
+    machine = machine_info()
+    print(f"{cpu_line(machine)}; dtype {eargs.dtype} ({why}); KV pages {eargs.kv_cache_dtype} ({kv_why})")
+    loaded, plan = load_with_plan(eargs, platform, None, one_device=True, progress=False)
     cfg = loaded.cfg
     eargs = dataclasses.replace(
         eargs,

@@ -11,7 +11,8 @@ weight-only kernel (`matmul_quantized`, dequantizing each weight or, "factored",
 group scales factored out of the sums: the float32 engine's decodes on AVX2, whose code path
 the kernel takes on AVX-512 CPUs too), 4-bit codes x int8 rows ("q4 x int8", `act8=True`:
 llama.cpp's scheme, the codes in `quads`; "q4 x int8 avx2" its AVX2 kernel; "q6 x int8" the
-Q6_K-like codes so, from 6 bits: `gemm.six_bit_quads`), f32 panels (the
+Q6_K-like codes so, from 6 bits: `gemm.six_bit_quads`; "q6k six-bit" and "q6k x int8" the same
+codes with Q6_K's two-level scales, int8 per 16 rows under f16 per 256), f32 panels (the
 float32 dtype's GEMM, `csrc/gemm.cc`) and W8A8 (8-bit codes x int8 activations,
 `quantization="int8"`: the engine's weights, x scaled per block of up to 256 columns, and the
 same with a scale per row). Best of `--repeat` calls per row count; each path's GFLOP/s and its
@@ -60,6 +61,8 @@ PATHS = (
     "q8 x bf16",
     "q6 factored",
     "q6 six-bit",
+    "q6k six-bit",
+    "q6k x int8",
     "q4 f32 kernel",
     "q4 f32 factored",
     "q8 f32 kernel",
@@ -68,7 +71,7 @@ PATHS = (
     "w8a8",
     "w8a8 per row",
 )
-BF16_PATHS = ("bf16", "q4 x bf16", "q4 factored", "q8 x bf16", "q6 factored", "q6 six-bit")
+BF16_PATHS = ("bf16", "q4 x bf16", "q4 factored", "q8 x bf16", "q6 factored", "q6 six-bit", "q6k six-bit")
 
 
 def chain(matmul, layers: int, shapes: list):
@@ -134,6 +137,11 @@ def main(argv=None) -> int:
             add("q4 x int8", lambda: (jnp.asarray(gemm.pack_codes(c4, 4, quads=True)), s, o))
             add("q4 x int8 avx2", lambda: (jnp.asarray(gemm.pack_codes(c4, 4, quads=True)), s, o))
             add("q6 x int8", lambda: (jnp.asarray(gemm.pack_codes(c8 // 4, 6, quads=True)), s, None))
+            if {"q6k six-bit", "q6k x int8"} & set(paths):  # Q6_K's scales: int8 per 16 rows, f16 per 256
+                sub = jnp.asarray(gemm.pack_scales(rng.integers(-128, 128, (k // 16, n)).astype(np.int8)))
+                sup = jnp.asarray(gemm.pack_scales((rng.random((k // 256, n)) * 1e-4).astype(np.float16)))
+                add("q6k six-bit", lambda: (jnp.asarray(gemm.pack_codes(c8 // 4, 6)), sub, None, sup))
+                add("q6k x int8", lambda: (jnp.asarray(gemm.pack_codes(c8 // 4, 6, quads=True)), sub, None, sup))
             add("f32", lambda: jnp.asarray(gemm.pack_weight(w)))
             if {"w8a8", "w8a8 per row"} & set(paths):
                 q = quant.make_weight(w, "w8a8", panels=True, activations="int8")
@@ -154,6 +162,10 @@ def main(argv=None) -> int:
         "q4 x int8": lambda h, w, sw: gemm.matmul_quantized(h, *w, 4, swiglu=sw, act8=True),
         "q4 x int8 avx2": lambda h, w, sw: gemm.matmul_quantized(h, *w, 4, swiglu=sw, act8=True, path="avx2"),
         "q6 x int8": lambda h, w, sw: gemm.matmul_quantized(h, *w, 6, swiglu=sw, act8=True),
+        "q6k six-bit": lambda h, w, sw: gemm.matmul_quantized_bf16(
+            h, *w[:3], 6, swiglu=sw, super_scale=w[3], factored=True
+        ),
+        "q6k x int8": lambda h, w, sw: gemm.matmul_quantized(h, *w[:3], 6, swiglu=sw, act8=True, super_scale=w[3]),
         "f32": lambda h, w, sw: gemm.matmul_packed(h, w, swiglu=sw),
         "w8a8": lambda h, w, sw: quant.matmul(h, w, swiglu=sw),
         "w8a8 per row": lambda h, w, sw: quant.matmul(h, w, swiglu=sw),

@@ -162,115 +162,146 @@ void q6a8_rows_avx2(const QuantPanel& q, int64_t p, const ActQ8& a, float* __res
 
 #ifdef JAXLLM_AVX512_VNNI
 // q6a8_rows_avx2 with AVX512_VNNI: per 8 rows of K the 64 quad bytes and the 32 of top bits
-// make the 16 columns' u of rows 0-3 and of rows 4-7 (the 32 top-bit bytes serve the first 32
-// quad bytes shifted, the last 32 as they are), two vpdpbusd a row sum them in int32 over each
-// 16 rows of K, and the group's multiplier m scales those sums once (vpmulld), with the -32 x q
-// term added first: m (sum u q - 32 sum q).
-template <int R>
-void q6a8_rows_vnni(const QuantPanel& q, int64_t p, const ActQ8& a, float* __restrict y, int64_t ldy) {
-  const uint8_t* codes = static_cast<const uint8_t*>(q.codes) + p * (q.K / 8) * kSixBlock;
-  const __m512i low4 = _mm512_set1_epi8(15), top2 = _mm512_set1_epi8(0x30);
-  ScaleCursor cursor(q, p);
-  __m512 acc[R];
+// make the 16 columns' u of rows 0-3 and of rows 4-7, two vpdpbusd a row sum them in int32 over
+// each 16 rows of K, and the group's multiplier m scales those sums once (vpmulld), with the -32
+// x q term added first: m (sum u q - 32 sum q). The top bits are read once into both halves of a
+// register, and a rotate per 64-bit lane brings each quad byte's two bits to bits 4-5 (the first
+// 32 bytes' bits 0-1 and 2-3, the last 32's 4-5 and 6-7), where a bit select puts them beside
+// the low nibble. P panels at a time (panel[j], into y[j]): each broadcast of q feeds P panels'
+// dot products, and the rows' sums make 2 P R independent chains of vpdpbusd. (Not inlined
+// into its row blocks' loops, as the 4-bit kernel.)
+template <int R, int P>
+__attribute__((noinline)) void q6a8_rows_vnni(const QuantPanel& q, const int64_t* panel, const ActQ8& a,
+                                              float* const* y, int64_t ldy) {
+  const uint8_t* codes[P];
+  ScaleCursor first(q, panel[0]), last(q, panel[P - 1]);
+  ScaleCursor* cursor[2] = {&first, &last};
+  for (int j = 0; j < P; ++j) codes[j] = static_cast<const uint8_t*>(q.codes) + panel[j] * (q.K / 8) * kSixBlock;
+  const __m512i nibble = _mm512_set1_epi8(15), low_tops = _mm512_set1_epi8(0x33), high_tops = _mm512_set1_epi8(-52);
+  const __m512i turn_low = _mm512_set_epi64(0, 0, 0, 0, 4, 4, 4, 4), turn_high = _mm512_set_epi64(62, 62, 62, 62, 2, 2, 2, 2);
+  __m512 acc[P][R];
+#pragma GCC unroll 2
+  for (int j = 0; j < P; ++j)
 #pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+    for (int i = 0; i < R; ++i) acc[j][i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.groups; ++b) {
     const int64_t k0 = b * kActGroup;
-    __m512i isum[R];
+    __m512i isum[P][R];
+#pragma GCC unroll 2
+    for (int j = 0; j < P; ++j)
 #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) isum[i] = _mm512_setzero_si512();
+      for (int i = 0; i < R; ++i) isum[j][i] = _mm512_setzero_si512();
     for (int64_t kh = k0; kh < k0 + kActGroup; kh += 16) {
-      cursor.step(kh);
-      __m512i part[R];
+      __m512i part[P][R];
 #pragma GCC unroll 8
-      for (int i = 0; i < R; ++i) part[i] = _mm512_set1_epi32(2 * a.t[i * (a.K / 16) + kh / 16]);  // -32 sum q
+      for (int i = 0; i < R; ++i) {
+        const __m512i t = _mm512_set1_epi32(2 * a.t[i * (a.K / 16) + kh / 16]);  // -32 sum q
+#pragma GCC unroll 2
+        for (int j = 0; j < P; ++j) part[j][i] = t;
+      }
 #pragma GCC unroll 2
       for (int64_t k = kh; k < kh + 16; k += 8) {
-        const uint8_t* blk = codes + k / 8 * kSixBlock;
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kQuadsPrefetch), _MM_HINT_T1);
-        const __m512i v = _mm512_loadu_si512(blk);
-        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64));
-        // Quad bytes 0-31 take the top bits' bits 0-1 (low nibbles) and 2-3 (high), 32-63 bits 4-5 and 6-7.
-        const __m512i t_lo = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_slli_epi16(h, 4)), h, 1);
-        const __m512i t_hi =
-            _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_slli_epi16(h, 2)), _mm256_srli_epi16(h, 2), 1);
-        const __m512i lo = _mm512_ternarylogic_epi32(v, low4, _mm512_and_si512(t_lo, top2), 0xEA);  // (a & b) | c
-        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), low4, _mm512_and_si512(t_hi, top2), 0xEA);
+        __m512i lo[P], hi[P];
+#pragma GCC unroll 2
+        for (int j = 0; j < P; ++j) {
+          const uint8_t* blk = codes[j] + k / 8 * kSixBlock;
+          _mm_prefetch(reinterpret_cast<const char*>(blk + kQuadsPrefetch), _MM_HINT_T1);
+          const __m512i v = _mm512_loadu_si512(blk);
+          const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64)));
+          // (Masked to their two bits before the rotate, bits 6-7 of each byte come out clear.)
+          const __m512i t_lo = _mm512_rolv_epi64(_mm512_and_si512(h, low_tops), turn_low);
+          const __m512i t_hi = _mm512_rolv_epi64(_mm512_and_si512(h, high_tops), turn_high);
+          lo[j] = _mm512_ternarylogic_epi32(nibble, v, t_lo, 0xCA);  // nibble ? v : t
+          hi[j] = _mm512_ternarylogic_epi32(nibble, _mm512_srli_epi16(v, 4), t_hi, 0xCA);
+        }
 #pragma GCC unroll 8
         for (int i = 0; i < R; ++i) {
           int32_t four[2];
           std::memcpy(four, a.q + i * a.K + k, sizeof four);
-          part[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(part[i], lo, _mm512_set1_epi32(four[0])), hi,
-                                        _mm512_set1_epi32(four[1]));
+          const __m512i x0 = _mm512_set1_epi32(four[0]), x1 = _mm512_set1_epi32(four[1]);
+#pragma GCC unroll 2
+          for (int j = 0; j < P; ++j)
+            part[j][i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(part[j][i], lo[j], x0), hi[j], x1);
         }
       }
-      if (q.super_scale) {
-        const auto* sub = static_cast<const int8_t*>(q.scale) + cursor.at;
-        const __m512i m = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub)));
+#pragma GCC unroll 2
+      for (int j = 0; j < P; ++j) {
+        cursor[j]->step(kh);
+        if (q.super_scale) {
+          const auto* sub = static_cast<const int8_t*>(q.scale) + cursor[j]->at;
+          const __m512i m = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub)));
 #pragma GCC unroll 8
-        for (int i = 0; i < R; ++i) isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(part[i], m));
-      } else {
+          for (int i = 0; i < R; ++i) isum[j][i] = _mm512_add_epi32(isum[j][i], _mm512_mullo_epi32(part[j][i], m));
+        } else {
 #pragma GCC unroll 8
-        for (int i = 0; i < R; ++i) isum[i] = _mm512_add_epi32(isum[i], part[i]);
+          for (int i = 0; i < R; ++i) isum[j][i] = _mm512_add_epi32(isum[j][i], part[j][i]);
+        }
       }
     }
     // The float factors (offsets: groups of a multiple of 32 rows, so the cursor's group is k0's).
-    const __m512 f = q.super_scale ? _mm512_cvtph_ps(_mm256_loadu_si256(
-                                         reinterpret_cast<const __m256i*>(q.super_scale + cursor.super_at)))
-                                   : scales_f32x16_at(q, q.scale, nullptr, cursor.at, 0);
-    const __m512 o =
-        q.offset ? scales_f32x16_at(q, q.offset, q.super_offset, cursor.at, cursor.super_at) : _mm512_setzero_ps();
-    add_group_sums<R>(a, b, isum, f, o, acc);
+#pragma GCC unroll 2
+    for (int j = 0; j < P; ++j) {
+      const ScaleCursor& c = *cursor[j];
+      const __m512 f = q.super_scale
+                           ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.super_scale + c.super_at)))
+                           : scales_f32x16_at(q, q.scale, nullptr, c.at, 0);
+      const __m512 o = q.offset ? scales_f32x16_at(q, q.offset, q.super_offset, c.at, c.super_at) : _mm512_setzero_ps();
+      add_group_sums<R>(a, b, isum[j], f, o, acc[j]);
+    }
   }
+#pragma GCC unroll 2
+  for (int j = 0; j < P; ++j)
 #pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + i * ldy, acc[i]);
+    for (int i = 0; i < R; ++i) _mm512_storeu_ps(y[j] + i * ldy, acc[j][i]);
 }
 #endif  // AVX512_VNNI
 
-// Rows [r0, r1) of x (quantized in a), panel p's columns, into y (row stride ldy).
-void q6a8_block(const QuantPanel& q, const ActQ8& a, int64_t p, int64_t r0, int64_t r1, float* y, int64_t ldy,
-                int32_t path) {
+// Rows [r0, r1) of x (quantized in a), panel p's columns into y and panel p2's (-1: none) into
+// y2 (row stride ldy): with AVX512_VNNI both at once, else one after the other.
+void q6a8_block(const QuantPanel& q, const ActQ8& a, int64_t p, int64_t p2, int64_t r0, int64_t r1, float* y,
+                float* y2, int64_t ldy, int32_t path) {
+  const int64_t panels[2] = {p, p2};
+  float* const outs[2] = {y, y2};
 #ifdef JAXLLM_AVX512_VNNI
   if (path == kAuto || path >= kAvx512) {
-    // (Its blocks spelled out: through in_blocks_of, 64 rows took 1.15-1.2x the time.)
-    int64_t r = r0;
-    for (; r + 8 <= r1; r += 8) q6a8_rows_vnni<8>(q, p, a.at(r), y + (r - r0) * ldy, ldy);
-    y += (r - r0) * ldy;
-    const ActQ8 rest = a.at(r);
-    switch (r1 - r) {
-#define JAXLLM_VNNI_CASE(n) \
-  case n: q6a8_rows_vnni<n>(q, p, rest, y, ldy); break;
-      JAXLLM_VNNI_CASE(7) JAXLLM_VNNI_CASE(6) JAXLLM_VNNI_CASE(5) JAXLLM_VNNI_CASE(4) JAXLLM_VNNI_CASE(3)
-      JAXLLM_VNNI_CASE(2) JAXLLM_VNNI_CASE(1)
-#undef JAXLLM_VNNI_CASE
+    if (p2 >= 0) {
+      in_blocks_of<4>(a, r0, r1, [&](auto R, const ActQ8& rows, int64_t i) {
+        float* const yr[2] = {y + i * ldy, y2 + i * ldy};
+        q6a8_rows_vnni<decltype(R)::value, 2>(q, panels, rows, yr, ldy);
+      });
+      return;
     }
-    return;
-  }
-#endif
-#ifdef JAXLLM_Q6A8_AVX2
-  if (path == kAuto || path >= kAvx2) {
-    in_blocks_of<4>(a, r0, r1, [&](auto R, const ActQ8& rows, int64_t i) {
-      q6a8_rows_avx2<decltype(R)::value>(q, p, rows, y + i * ldy, ldy);
+    in_blocks_of<8>(a, r0, r1, [&](auto R, const ActQ8& rows, int64_t i) {
+      float* const yr[1] = {y + i * ldy};
+      q6a8_rows_vnni<decltype(R)::value, 1>(q, panels, rows, yr, ldy);
     });
     return;
   }
 #endif
-  q6a8_rows_portable(q, a.at(r0), p, y, ldy, r1 - r0);
+  for (int j = 0; j < 2 && panels[j] >= 0; ++j) {
+    const int64_t pj = panels[j];
+    float* const yj = outs[j];
+#ifdef JAXLLM_Q6A8_AVX2
+    if (path == kAuto || path >= kAvx2) {
+      in_blocks_of<4>(a, r0, r1, [&](auto R, const ActQ8& rows, int64_t i) {
+        q6a8_rows_avx2<decltype(R)::value>(q, pj, rows, yj + i * ldy, ldy);
+      });
+      continue;
+    }
+#endif
+    q6a8_rows_portable(q, a.at(r0), pj, yj, ldy, r1 - r0);
+  }
 }
 
 // y = x @ w for 4- or 6-bit codes x int8 rows (MatmulQuantImpl's act8 path for them).
 void matmul_int8_rows(ffi::ThreadPool& pool, const GemmArgs& g, const QuantPanel& q, int32_t path, int32_t swiglu) {
   const ActQ8 a = quantize_activations(pool, g, q.bits == 6);
-  if (q.bits == 6) {
-    int8_rows_items<ActQ8Scratch>(pool, g, swiglu, path, [&](int64_t p, int64_t r0, int64_t r1, float* y,
-                                                            int64_t ldy, ActQ8Scratch&) {
-      q6a8_block(q, a, p, r0, r1, y, ldy, path);
-    });
-    return;
-  }
   int8_rows_items<ActQ8Scratch, true>(pool, g, swiglu, path, [&](int64_t p, int64_t p2, int64_t r0, int64_t r1,
                                                                   float* y, float* y2, int64_t ldy, ActQ8Scratch&) {
-    q4a8_block(q, a, p, p2, r0, r1, y, y2, ldy, path);  // two panels at a time
+    if (q.bits == 6)  // two panels at a time
+      q6a8_block(q, a, p, p2, r0, r1, y, y2, ldy, path);
+    else
+      q4a8_block(q, a, p, p2, r0, r1, y, y2, ldy, path);
   });
 }
 
