@@ -17,9 +17,9 @@ def with_int8_activations(w: QuantizedWeight, device=None, six_bit: bool = False
     """w set to multiply int8-quantized activations (`gemm.matmul_quantized(..., act8=True)`, on
     `device`) where the C++ GEMM can: 4-bit codes in panels, groups a multiple of 32 rows (the
     codes repacked in `quads`, as the int8 dot instructions read them); with `six_bit`, also
-    8-bit codes that all lie in [-32, 31] (GGUF's Q6_K, Q5_0, Q5_K, Q5_1) in groups of a multiple
-    of 32 rows, or of 16 under two-level scales without offsets (Q6_K's), repacked in 6 bits
-    (`gemm.six_bit_quads`: three quarters of the bytes); else w as it is."""
+    8-bit codes that all lie in [-32, 31] (GGUF's Q6_K, Q5_0, Q5_K, Q5_1, and Q4_K parts fused
+    with Q6_K ones) in groups of a multiple of 32 rows, or of 16 under two-level scales, repacked
+    in 6 bits (`gemm.six_bit_quads`: three quarters of the bytes); else w as it is."""
     from jaxllm.kernels import gemm
 
     k, _ = w.shape
@@ -37,7 +37,7 @@ def with_int8_activations(w: QuantizedWeight, device=None, six_bit: bool = False
         return dataclasses.replace(w, codes=jax.device_put(codes, device), activations="int8")
     two_level = w.super_scale is not None
     super_rows = rows * (w.groups // w.super_scale.shape[1]) if two_level else rows
-    group_rows = 16 if two_level and w.offset is None else gemm.ACT_GROUP
+    group_rows = 16 if two_level else gemm.ACT_GROUP
     grouped = rows % group_rows == 0 and super_rows % gemm.ACT_GROUP == 0
     codes = np.asarray(w.codes)
     if not grouped or codes.min() < -32 or codes.max() > 31:

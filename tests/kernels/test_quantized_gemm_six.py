@@ -1,8 +1,9 @@
 """6-bit codes x int8 activations (`kernels.gemm.matmul_quantized(..., bits=6, act8=True)`,
 csrc/gemm_q6a8.cc) against NumPy: the `six_bit_quads` layout, the scales of GGUF's Q6_K (int8
-sub-scales of groups of 16 rows), Q5_0 (one f16 scale a group of 32) and Q5_K (two-level with
-offsets), every code path the build has, the SwiGLU epilogue, live rows, `with_int8_activations`'
-repacking and the calls it refuses."""
+sub-scales of groups of 16 rows), Q5_0 (one f16 scale a group of 32), Q5_K (two-level with
+offsets) and Q4_K parts fused with Q6_K ones (offsets of groups of 16 rows), every code path
+the build has, the SwiGLU epilogue, live rows, `with_int8_activations`' repacking and the calls
+it refuses."""
 
 from __future__ import annotations
 
@@ -41,9 +42,12 @@ def case(kind: str, k: int, n: int, rng):
         scale = (rng.random((k // 32, n)) * 0.1).astype(np.float16)
         rows = np.repeat(scale.astype(np.float64), 32, 0)
         return codes, (P(scale), None), {}, codes * rows, None
-    groups, per_super, lo, hi = (k // 16, 16, -32, 32) if kind == "q6_k" else (k // 32, 8, 0, 32)
+    # Q6_K; Q5_K (offsets); Q4_K parts fused with Q6_K ones (a GGUF's QKV): offsets of groups of 16.
+    groups, per_super, lo, hi = {"q6_k": (k // 16, 16, -32, 32), "q5_k": (k // 32, 8, 0, 32)}.get(
+        kind, (k // 16, 16, -32, 32)
+    )
     codes = rng.integers(lo, hi, (k, n))
-    codes[0, :3] = [-32, 31, 0] if kind == "q6_k" else [0, 31, 0]
+    codes[0, :3] = [0, 31, 0] if kind == "q5_k" else [-32, 31, 0]
     sub = rng.integers(-128, 128, (groups, n)).astype(np.int8)
     sup = (rng.random((groups // per_super, n)) * 0.01).astype(np.float16)
     scale_rows = np.repeat(sub.astype(np.float64) * np.repeat(sup.astype(np.float64), per_super, 0), k // groups, 0)
@@ -73,7 +77,7 @@ def test_six_bit_quads_round_trip():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
-@pytest.mark.parametrize("kind", ["q6_k", "q5_0", "q5_k"])
+@pytest.mark.parametrize("kind", ["q6_k", "q5_0", "q5_k", "q4_k+q6_k"])
 def test_matmul_six_bit_int8_activations_matches_numpy(rows, kind):
     # K = 512: two Q6_K super-blocks of 16 groups; a zero block of x, a row whose largest |x|
     # sits on a block's edge; rows around the 4-row register blocks.

@@ -110,6 +110,13 @@ def test_fused_parts_of_different_block_types_share_the_widest_format():
     two = concat_rows([gguf_rows(d, t, (out, 256)) for d, (t, out) in zip(datas[:2], parts[:2])])
     assert (two.bits, two.scale.dtype, two.scale.shape, two.super_scale.shape) == (8, np.int8, (48, 16), (48, 1))
     np.testing.assert_array_equal(two.dequantize(), ref[:48])
+    # So fused (offsets of 16-row groups), their codes within [-32, 31] take int8 rows from 6 bits.
+    six = with_int8_activations(relayout(two.to_weight(), panels=True), six_bit=True)
+    assert (six.bits, six.activations, six.offset is not None) == (6, "int8", True)
+    np.testing.assert_array_equal(dequantize_weight(six), ref[:48].T)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    want = x.astype(np.float64) @ ref[:48].T.astype(np.float64)
+    np.testing.assert_allclose(matmul(x, six), want, rtol=0, atol=0.02 * np.abs(want).max())
     # Four-bit parts with f16 scales stay so.
     q41 = [gguf_rows(gguf_blocks(rng, (16, 256), T.Q4_1), T.Q4_1, (16, 256)) for _ in range(2)]
     both = concat_rows(q41)
@@ -254,11 +261,11 @@ def test_dtype_auto_serves_a_gguf_of_int8_dot_codes_with_int8_activations(tmp_pa
         *(layer[n] for layer in params["layers"] for n in ("wqkv", "wo", "w_gate_up", "w_down")),
         params["lm_head"],
     ]
-    # (but the first layer's fused QKV: its Q4_K query and Q6_K key and value share 8-bit codes
-    # in groups of 16 rows with offsets, which the int8 kernels do not take)
+    # (the first layer's fused QKV, its Q4_K query beside a Q6_K key and value, in 6 bits too:
+    # groups of 16 rows with offsets)
     mixed = params["layers"][0]["wqkv"]
-    assert (mixed.bits, mixed.activations) == (8, "float")
-    assert all(w.activations == "int8" for w in matmuls if w is not mixed) and {w.bits for w in matmuls} == {4, 6, 8}
+    assert (mixed.bits, mixed.activations, mixed.offset is not None) == (6, "int8", True)
+    assert all(w.activations == "int8" for w in matmuls) and {w.bits for w in matmuls} == {4, 6}
     got = auto.generate(prompts, greedy, use_tqdm=False)
     del auto
     asked = LLM(path, **{**args, "dtype": "float32", "int8_activations": True, "kv_cache_dtype": "bfloat16"})

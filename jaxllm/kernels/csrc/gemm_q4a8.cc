@@ -33,8 +33,13 @@ struct ActQ8 {         // rows of x quantized per group of kActGroup columns
   const float* d;      // [rows, K / kActGroup]: the groups' scales
   const float* s;      // [rows, K / kActGroup]: x's sums over the groups
   int64_t K, groups;
-  const int16_t* t = nullptr;  // 6-bit codes (gemm_q6a8.cc): [rows, K / 16], -16 x q's sums over 16 columns
-  ActQ8 at(int64_t r) const { return {q + r * K, d + r * groups, s + r * groups, K, groups, t ? t + r * (K / 16) : t}; }
+  // 6-bit codes (gemm_q6a8.cc): [rows, K / 16], -16 x q's sums over 16 columns, and x's float
+  // sums over them (offsets in groups of 16 rows).
+  const int16_t* t = nullptr;
+  const float* s16 = nullptr;
+  ActQ8 at(int64_t r) const {
+    return {q + r * K, d + r * groups, s + r * groups, K, groups, t ? t + r * (K / 16) : t, s16 ? s16 + r * (K / 16) : s16};
+  }
 };
 
 template <int R, typename Run>
@@ -282,29 +287,32 @@ void q4a8_block(const QuantPanel& q, const ActQ8& a, int64_t p, int64_t p2, int6
 }
 
 // x's rows quantized as above, in buffers of the calling thread's (grown, never shrunk: one
-// allocation per thread), valid until its next call; with `sums16`, also ActQ8::t (6-bit codes).
+// allocation per thread), valid until its next call; with `sums16`, also ActQ8::t and s16
+// (6-bit codes).
 ActQ8 quantize_activations(ffi::ThreadPool& pool, const GemmArgs& g, bool sums16) {
-  const int64_t groups = g.K / kActGroup, rows_per_item = 16;
+  const int64_t groups = g.K / kActGroup, rows_per_item = 16, halves = sums16 ? g.M * (g.K / 16) : 0;
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xd;
   thread_local std::vector<int16_t> xt;
   xq.resize(std::max<size_t>(xq.size(), g.M * g.K));
-  xd.resize(std::max<size_t>(xd.size(), 2 * g.M * groups));
-  if (sums16) xt.resize(std::max<size_t>(xt.size(), g.M * (g.K / 16)));
+  xd.resize(std::max<size_t>(xd.size(), 2 * g.M * groups + halves));
+  xt.resize(std::max<size_t>(xt.size(), halves));
   // (Pointers, not the vectors: a worker's thread_local vectors are other ones.)
   int8_t* q8 = xq.data();
-  float *d = xd.data(), *s = d + g.M * groups;
+  float *d = xd.data(), *s = d + g.M * groups, *s16 = sums16 ? s + g.M * groups : nullptr;
   int16_t* t = sums16 ? xt.data() : nullptr;
   parallel_for(pool, (g.M + rows_per_item - 1) / rows_per_item, [&](int64_t i) {
     const int64_t r0 = i * rows_per_item, r1 = std::min(g.M, r0 + rows_per_item);
     quantize_rows(g.x, r0, r1, g.K, q8, d, s);
     for (int64_t j = r0 * (g.K / 16); t && j < r1 * (g.K / 16); ++j) {
       int32_t sum = 0;
-      for (int64_t k = 0; k < 16; ++k) sum += q8[j * 16 + k];
+      float xsum = 0.f;
+      for (int64_t k = 0; k < 16; ++k) sum += q8[j * 16 + k], xsum += g.x[j * 16 + k];
       t[j] = static_cast<int16_t>(-16 * sum);
+      s16[j] = xsum;
     }
   });
-  return {q8, d, s, g.K, groups, t};
+  return {q8, d, s, g.K, groups, t, s16};
 }
 
 }  // namespace

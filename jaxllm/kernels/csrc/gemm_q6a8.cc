@@ -28,8 +28,9 @@ namespace {
 // an activation group is sum over k of m(k) * u * q; - 32 * m * (q's sum) takes c = u - 32 back
 // (per 16 rows, from `ActQ8::t`); then y += isum * F * d + offset * xsum, F the f16 super-scale
 // (constant over the 32 rows: a super-block spans a multiple of them). With one-level scales m
-// is 1 and F the group's scale (groups of a multiple of 32 rows). Offsets need groups of a
-// multiple of 32 rows. Bounds: a vpmaddubsw pair sum is at most 2 * 63 * 127, two of them
+// is 1 and F the group's scale (groups of a multiple of 32 rows). Offsets of groups of 16 rows
+// (a GGUF's Q4_K parts fused with Q6_K ones) add offset * xsum per 16 rows instead, from
+// `ActQ8::s16`. Bounds: a vpmaddubsw pair sum is at most 2 * 63 * 127, two of them
 // 32,004 < 2^15; |t| <= 16 * 16 * 127 = 32,512.
 
 constexpr int64_t kSixBlock = 96;  // bytes of 8 rows of a panel's 16 columns
@@ -37,7 +38,7 @@ constexpr int64_t kSixBlock = 96;  // bytes of 8 rows of a panel's 16 columns
 // Whether 6-bit codes with q's scales can multiply int8 rows (K a multiple of 32 checked apart).
 inline bool six_bit_act8_ok(const QuantPanel& q) {
   if (q.super_scale)
-    return q.group % 16 == 0 && (q.group * q.per_super) % kActGroup == 0 && (!q.offset || q.group % kActGroup == 0);
+    return q.group % 16 == 0 && (q.group * q.per_super) % kActGroup == 0;
   return q.group % kActGroup == 0;
 }
 
@@ -58,9 +59,11 @@ inline int32_t six_multiplier(const QuantPanel& q, int64_t g, int64_t p, int64_t
 inline void six_factors(const QuantPanel& q, int64_t k0, int64_t p, float* f, float* o) {
   const int64_t g = k0 / q.group;
   float s[kPanel];
-  group_scales(q, g, p, s, o);  // (offsets: groups of a multiple of 32 rows)
-  for (int64_t j = 0; j < kPanel; ++j)
+  group_scales(q, g, p, s, o);
+  for (int64_t j = 0; j < kPanel; ++j) {
     f[j] = q.super_scale ? half_to_f32(q.super_scale[q.super_at(g, p) + j]) : s[j];
+    if (q.group % kActGroup) o[j] = 0.f;  // (offsets of 16 rows: added per 16 rows)
+  }
 }
 
 void q6a8_rows_portable(const QuantPanel& q, const ActQ8& a, int64_t p, float* y, int64_t ldy, int64_t R) {
@@ -78,6 +81,12 @@ void q6a8_rows_portable(const QuantPanel& q, const ActQ8& a, int64_t p, float* y
         y[i * ldy + j] += isum * (f[j] * a.d[i * a.groups + b]) + o[j] * a.s[i * a.groups + b];
       }
     }
+    for (int64_t kh = k0; q.offset && q.group % kActGroup && kh < k0 + kActGroup; kh += 16) {
+      float s[kPanel], o16[kPanel];
+      group_scales(q, kh / q.group, p, s, o16);
+      for (int64_t i = 0; i < R; ++i)
+        for (int64_t j = 0; j < kPanel; ++j) y[i * ldy + j] += o16[j] * a.s16[i * (a.K / 16) + kh / 16];
+    }
   }
 }
 
@@ -90,6 +99,7 @@ template <int R>
 void q6a8_rows_avx2(const QuantPanel& q, int64_t p, const ActQ8& a, float* __restrict y, int64_t ldy) {
   const uint8_t* codes = static_cast<const uint8_t*>(q.codes) + p * (q.K / 8) * kSixBlock;
   const __m256i low4 = _mm256_set1_epi8(15), top2 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+  const bool offset16 = q.offset && q.group % kActGroup;  // (offsets of 16 rows)
   ScaleCursor cursor(q, p);
 #pragma GCC unroll 4
   for (int i = 0; i < R; ++i) std::fill(y + i * ldy, y + i * ldy + kPanel, 0.f);
@@ -137,15 +147,26 @@ void q6a8_rows_avx2(const QuantPanel& q, int64_t p, const ActQ8& a, float* __res
         i0[i] = _mm256_add_epi32(i0[i], _mm256_madd_epi16(m0, t));
         i1[i] = _mm256_add_epi32(i1[i], _mm256_madd_epi16(m1, t));
       }
+      if (offset16) {  // offset * xsum over the 16 rows, into y
+        const __m256 o0 = scales_f32x8(q, q.offset, q.super_offset, cursor.at, cursor.super_at),
+                     o1 = scales_f32x8(q, q.offset, q.super_offset, cursor.at + 8, cursor.super_at + 8);
+        for (int i = 0; i < R; ++i) {
+          const __m256 xs = _mm256_set1_ps(a.s16[i * (a.K / 16) + kh / 16]);
+          float* yi = y + i * ldy;
+          _mm256_storeu_ps(yi, _mm256_fmadd_ps(o0, xs, _mm256_loadu_ps(yi)));
+          _mm256_storeu_ps(yi + 8, _mm256_fmadd_ps(o1, xs, _mm256_loadu_ps(yi + 8)));
+        }
+      }
     }
-    // The float factors (offsets: groups of a multiple of 32 rows, so the cursor's group is k0's).
+    // The float factors (offsets of groups of 32 rows or more: the cursor's group is k0's).
     const int64_t at = cursor.at, sat = cursor.super_at;
     __m256 f[2], o[2];
     for (int h = 0; h < 2; ++h) {
       f[h] = q.super_scale
                  ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q.super_scale + sat + 8 * h)))
                  : scales_f32x8(q, q.scale, nullptr, at + 8 * h, 0);
-      o[h] = q.offset ? scales_f32x8(q, q.offset, q.super_offset, at + 8 * h, sat + 8 * h) : _mm256_setzero_ps();
+      o[h] = q.offset && !offset16 ? scales_f32x8(q, q.offset, q.super_offset, at + 8 * h, sat + 8 * h)
+                                   : _mm256_setzero_ps();
     }
 #pragma GCC unroll 4
     for (int i = 0; i < R; ++i) {
@@ -179,6 +200,7 @@ __attribute__((noinline)) void q6a8_rows_vnni(const QuantPanel& q, const int64_t
   for (int j = 0; j < P; ++j) codes[j] = static_cast<const uint8_t*>(q.codes) + panel[j] * (q.K / 8) * kSixBlock;
   const __m512i nibble = _mm512_set1_epi8(15), low_tops = _mm512_set1_epi8(0x33), high_tops = _mm512_set1_epi8(-52);
   const __m512i turn_low = _mm512_set_epi64(0, 0, 0, 0, 4, 4, 4, 4), turn_high = _mm512_set_epi64(62, 62, 62, 62, 2, 2, 2, 2);
+  const bool offset16 = q.offset && q.group % kActGroup;  // (offsets of 16 rows)
   __m512 acc[P][R];
 #pragma GCC unroll 2
   for (int j = 0; j < P; ++j)
@@ -227,6 +249,12 @@ __attribute__((noinline)) void q6a8_rows_vnni(const QuantPanel& q, const int64_t
 #pragma GCC unroll 2
       for (int j = 0; j < P; ++j) {
         cursor[j]->step(kh);
+        if (offset16) {  // offset * xsum over the 16 rows
+          const __m512 o = scales_f32x16_at(q, q.offset, q.super_offset, cursor[j]->at, cursor[j]->super_at);
+#pragma GCC unroll 8
+          for (int i = 0; i < R; ++i)
+            acc[j][i] = _mm512_fmadd_ps(o, _mm512_set1_ps(a.s16[i * (a.K / 16) + kh / 16]), acc[j][i]);
+        }
         if (q.super_scale) {
           const auto* sub = static_cast<const int8_t*>(q.scale) + cursor[j]->at;
           const __m512i m = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub)));
@@ -238,14 +266,15 @@ __attribute__((noinline)) void q6a8_rows_vnni(const QuantPanel& q, const int64_t
         }
       }
     }
-    // The float factors (offsets: groups of a multiple of 32 rows, so the cursor's group is k0's).
+    // The float factors (offsets of groups of 32 rows or more: the cursor's group is k0's).
 #pragma GCC unroll 2
     for (int j = 0; j < P; ++j) {
       const ScaleCursor& c = *cursor[j];
       const __m512 f = q.super_scale
                            ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.super_scale + c.super_at)))
                            : scales_f32x16_at(q, q.scale, nullptr, c.at, 0);
-      const __m512 o = q.offset ? scales_f32x16_at(q, q.offset, q.super_offset, c.at, c.super_at) : _mm512_setzero_ps();
+      const __m512 o = q.offset && !offset16 ? scales_f32x16_at(q, q.offset, q.super_offset, c.at, c.super_at)
+                                             : _mm512_setzero_ps();
       add_group_sums<R>(a, b, isum[j], f, o, acc[j]);
     }
   }
