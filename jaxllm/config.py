@@ -48,7 +48,7 @@ class EngineArgs:
         "auto",
         "weight and KV-cache dtype; 'auto' picks bfloat16 on accelerators and on CPUs with hardware bf16 "
         "dots (AVX512_BF16 or AMX), float32 on other CPUs; and float32 for a GGUF whose matrices are all 4- to "
-        "6-bit codes on a CPU with AVX512_VNNI and no AMX, without speculative decoding (its codes then "
+        "6-bit codes on a CPU with AVX512_VNNI and no AMX (its codes then "
         "multiply int8 activations: int8_activations)",
         choices=DTYPE_CHOICES,
     )

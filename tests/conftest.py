@@ -123,7 +123,7 @@ def embedding_server(tmp_path_factory):
     """`jaxllm serve` on the real all-MiniLM-L6-v2 (a pooling engine; skipped where its package is
     not installed), with the offline `LLM` over it as `.offline`, at most 300 inputs a request."""
     from tests.helpers.live_server import start_server
-    from tests.models.test_encoder import minilm_dir
+    from tests.helpers.embedder import minilm_dir
 
     path = minilm_dir()
     if path is None:

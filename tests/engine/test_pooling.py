@@ -13,7 +13,7 @@ import pytest
 from jaxllm import LLM, PoolingParams, SamplingParams
 from tests.helpers.hf_reference import from_gguf
 from tests.helpers.tiny_model import TINY_ENGINE_ARGS
-from tests.models.test_encoder import minilm_dir, sentences
+from tests.helpers.embedder import minilm_dir, sentences
 
 # The tiny engine's settings, the context left to each model (the tiny BERT's is 128 tokens).
 POOLING_ARGS = {**{k: v for k, v in TINY_ENGINE_ARGS.items() if k != "max_model_len"}, "runner": "pooling"}

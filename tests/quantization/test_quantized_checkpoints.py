@@ -247,8 +247,8 @@ def test_which_ggufs_have_codes_for_int8_dots(tmp_path, monkeypatch):
 def test_dtype_auto_serves_a_gguf_of_int8_dot_codes_with_int8_activations(tmp_path):
     """On a Zen 4 / Zen 5 kind of CPU a GGUF whose matrices are all 4- or 6-bit codes runs by
     default as it does when asked for float32 with int8 activations on bf16 KV pages (the same
-    tokens and logprobs); int8_activations=False, speculative decoding or a Q8_0 matrix keeps
-    bfloat16."""
+    tokens and logprobs), with speculative decoding too; int8_activations=False or a Q8_0 matrix
+    keeps bfloat16."""
     path = write_quantized_gguf(str(tmp_path / "int8-dots.gguf"), int8_dots=True)
     prompts = [{"prompt_token_ids": list(range(5 * i, 5 * i + 7 + 9 * i))} for i in range(3)]
     greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, detokenize=False)
@@ -275,7 +275,8 @@ def test_dtype_auto_serves_a_gguf_of_int8_dot_codes_with_int8_activations(tmp_pa
     del asked
     assert LLM(path, **args, int8_activations=False).engine.config.dtype == "bfloat16"
     ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
-    assert LLM(path, **args, speculative_config=ngram).engine.config.dtype == "bfloat16"
+    config = LLM(path, **args, speculative_config=ngram).engine.config
+    assert (config.dtype, config.int8_activations) == ("float32", True)
     other = write_quantized_gguf(str(tmp_path / "q8.gguf"), untied=True)
     assert LLM(other, **args).engine.config.dtype == "bfloat16"
 

