@@ -38,7 +38,8 @@ struct ActQ8 {         // rows of x quantized per group of kActGroup columns
   const int16_t* t = nullptr;
   const float* s16 = nullptr;
   ActQ8 at(int64_t r) const {
-    return {q + r * K, d + r * groups, s + r * groups, K, groups, t ? t + r * (K / 16) : t, s16 ? s16 + r * (K / 16) : s16};
+    const int64_t halves = r * (K / 16);
+    return {q + r * K, d + r * groups, s + r * groups, K, groups, t ? t + halves : t, s16 ? s16 + halves : s16};
   }
 };
 

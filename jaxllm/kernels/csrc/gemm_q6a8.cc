@@ -198,8 +198,10 @@ __attribute__((noinline)) void q6a8_rows_vnni(const QuantPanel& q, const int64_t
   ScaleCursor first(q, panel[0]), last(q, panel[P - 1]);
   ScaleCursor* cursor[2] = {&first, &last};
   for (int j = 0; j < P; ++j) codes[j] = static_cast<const uint8_t*>(q.codes) + panel[j] * (q.K / 8) * kSixBlock;
-  const __m512i nibble = _mm512_set1_epi8(15), low_tops = _mm512_set1_epi8(0x33), high_tops = _mm512_set1_epi8(-52);
-  const __m512i turn_low = _mm512_set_epi64(0, 0, 0, 0, 4, 4, 4, 4), turn_high = _mm512_set_epi64(62, 62, 62, 62, 2, 2, 2, 2);
+  const __m512i nibble = _mm512_set1_epi8(15), low_tops = _mm512_set1_epi8(0x33),
+                high_tops = _mm512_set1_epi8(static_cast<char>(0xCC));
+  const __m512i turn_low = _mm512_set_epi64(0, 0, 0, 0, 4, 4, 4, 4),
+                turn_high = _mm512_set_epi64(62, 62, 62, 62, 2, 2, 2, 2);
   const bool offset16 = q.offset && q.group % kActGroup;  // (offsets of 16 rows)
   __m512 acc[P][R];
 #pragma GCC unroll 2
@@ -270,9 +272,9 @@ __attribute__((noinline)) void q6a8_rows_vnni(const QuantPanel& q, const int64_t
 #pragma GCC unroll 2
     for (int j = 0; j < P; ++j) {
       const ScaleCursor& c = *cursor[j];
-      const __m512 f = q.super_scale
-                           ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.super_scale + c.super_at)))
-                           : scales_f32x16_at(q, q.scale, nullptr, c.at, 0);
+      const auto* supers = reinterpret_cast<const __m256i*>(q.super_scale + c.super_at);
+      const __m512 f =
+          q.super_scale ? _mm512_cvtph_ps(_mm256_loadu_si256(supers)) : scales_f32x16_at(q, q.scale, nullptr, c.at, 0);
       const __m512 o = q.offset && !offset16 ? scales_f32x16_at(q, q.offset, q.super_offset, c.at, c.super_at)
                                              : _mm512_setzero_ps();
       add_group_sums<R>(a, b, isum[j], f, o, acc[j]);
