@@ -94,7 +94,7 @@ class LLMEngine(TrainerMixin, PoolingMixin, LoRAMixin):
                 tokenizer=loaded.resolve_tokenizer() if plan.smooth else None,
             ),
         )
-        self._build_cores(model, mesh, self._load_draft(asked, platform, progress))
+        self._build_cores(model, mesh, self._load_draft(asked, platform, progress, plan.int8_activations))
         self._init_lora()
         self._params = model.params  # the whole tree (data parallel replicas step with views of it)
         self._updates = UpdatePlan.for_engine(loaded.cfg, plan, mesh, model.params)
@@ -158,14 +158,18 @@ class LLMEngine(TrainerMixin, PoolingMixin, LoRAMixin):
         if self.scheduler.proposer is not None:
             self.warmup_seconds += self.scheduler.proposer.warmup(progress, background)
 
-    def _load_draft(self, args: EngineArgs, platform: Platform, progress: bool) -> PreparedModel | None:
+    def _load_draft(
+        self, args: EngineArgs, platform: Platform, progress: bool, int8_activations: bool
+    ) -> PreparedModel | None:
         """The draft model of draft-model speculative decoding (checked against the target), its
         weights prepared by a plan of its own from the options asked (`args`): the target's, but
         a checkpoint method or small-step codes asked for the target are the draft's only where
-        its checkpoint allows, and the draft's codes factor their scales unless small_step_factored
-        is False or batch_invariant asked (its numbers decide only which drafts are accepted,
-        never the output), Q8_0's codes too, rounded to 6 bits; `draft_vocab_size` cuts its LM
-        head (spec_decode/draft_model.py `factored_draft`, `first_ids_only`)."""
+        its checkpoint allows, int8 activations left to the plan (dtype auto's float32) follow the
+        target's (`int8_activations`: its plan's outcome), also over codes quantized on load, and
+        the draft's codes factor their scales or multiply int8 rows unless small_step_factored is
+        False or batch_invariant asked (its numbers decide only which drafts are accepted, never
+        the output), Q8_0's codes too, rounded to 6 bits; `draft_vocab_size` cuts its LM head
+        (spec_decode/draft_model.py `factored_draft`, `first_ids_only`)."""
         speculative = self.config.speculative
         if speculative is None or speculative.method != "draft_model":
             return None
@@ -179,6 +183,7 @@ class LLMEngine(TrainerMixin, PoolingMixin, LoRAMixin):
             small_step_codes=None if args.small_step_codes else args.small_step_codes,
             small_step_factored=None if args.small_step_factored else args.small_step_factored,
             speculative_config=None,
+            int8_activations=int8_activations if args.int8_activations is None else args.int8_activations,
         )
         draft, plan = load_with_plan(draft_args, platform, None, one_device=True, progress=progress)
         if draft.cfg.vocab_size != self.cfg.vocab_size:
@@ -195,7 +200,7 @@ class LLMEngine(TrainerMixin, PoolingMixin, LoRAMixin):
         weights = prepare_weights(draft.params, draft.cfg, plan, tokenizer=tokenizer, log=False)
         prepared = PreparedModel(draft.cfg, *weights)
         if draft_args.small_step_factored is not False and not draft_args.batch_invariant:
-            prepared = factored_draft(prepared)
+            prepared = factored_draft(prepared, int8=plan.int8_activations and plan.dtype == "float32")
         if speculative.draft_vocab_size is not None:
             prepared = first_ids_only(prepared, speculative.draft_vocab_size)
         return prepared

@@ -10,10 +10,10 @@ the shadow's tokens (the real ones plus its drafts) agree with the request's, so
 first catches up on the tokens it has not seen (a whole prompt the first time, in chunks of
 the token budget; then the target's newest token), then decodes up to k tokens.
 
-The draft's codes factor their scales where the kernel can (its numbers decide only which
-drafts are accepted): 4-bit codes quantized on load too, and 8-bit codes that span the whole
-byte (Q8_0's: the 0.5B Qwen's LM head, and its fused QKV where V is Q8_0) rounded to 6 bits
-first (`factored_draft`).
+The draft's codes factor their scales where the kernel can, or multiply int8 rows where the
+draft's plan does (its numbers decide only which drafts are accepted): 4-bit codes quantized on
+load too, and 8-bit codes that span the whole byte (Q8_0's: the 0.5B Qwen's LM head, and its
+fused QKV where V is Q8_0) rounded to 6 bits first (`factored_draft`).
 
 With `draft_vocab_size` the draft proposes only the first token ids (`first_ids_only`): its LM
 head, a large part of a small model's bytes a step (the 0.5B Qwen's 137 of ~400 MB), cut to
@@ -37,13 +37,13 @@ from jaxllm.core.outputs import SchedulerOutput
 from jaxllm.core.request import Request
 from jaxllm.models import linear
 from jaxllm.quantization import QuantizedWeight
-from jaxllm.quantization.activations import with_factored
+from jaxllm.quantization.activations import with_factored, with_int8_activations
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.spec_decode.proposer import Proposer
 from jaxllm.utils import cdiv
 
 
-def factored_draft(model):
+def factored_draft(model, int8: bool = False):
     """The draft `model` (a `weights.prepare.PreparedModel`) with each of its codes factoring
     its group scales out of its GEMM's sums where the kernel can (`with_factored`): its
     numbers decide only which drafts are accepted. Its plan factors a GGUF's codes already;
@@ -51,7 +51,10 @@ def factored_draft(model):
     stream through the factored kernel where the unfactored one is bound by its conversions),
     and 8-bit codes x bf16 rows past [-64, 63] (Q8_0's, `int8_weight_only`'s) rounded to codes
     in [-32, 31] and four times the scale first (6-bit blocks where the build has them: three
-    quarters of the bytes). A weight both trees hold is converted once."""
+    quarters of the bytes). With `int8` (the draft's plan multiplies int8 rows, under float32)
+    its float-row codes multiply int8 rows instead where the kernel can
+    (`with_int8_activations`, 8-bit ones past [-32, 31] rounded into it first), else factor. A
+    weight both trees hold is converted once."""
     done: dict[int, QuantizedWeight] = {}
 
     def factored(w):
@@ -59,13 +62,17 @@ def factored_draft(model):
             return w
         key = id(w)
         if key not in done:
-            if w.activations == "bf16" and w.bits == 8 and w.super_scale is None:
+            to_int8 = int8 and w.activations == "float"
+            if (w.activations == "bf16" or to_int8) and w.bits == 8 and w.super_scale is None:
                 codes = np.asarray(w.codes, np.float32)
-                if codes.min() < -64 or codes.max() > 63:
-                    codes = np.clip(np.rint(codes / 4), -32, 31).astype(np.int8)
-                    codes, scale = jax.device_put((codes, np.asarray(w.scale) * 4))
+                wide = codes.min() < -64 or codes.max() > 63
+                if wide or (to_int8 and (codes.min() < -32 or codes.max() > 31)):
+                    div = 4 if wide else 2
+                    codes = np.clip(np.rint(codes / div), -32, 31).astype(np.int8)
+                    codes, scale = jax.device_put((codes, np.asarray(w.scale) * div))
                     w = dataclasses.replace(w, codes=codes, scale=scale)
-            done[key] = with_factored(w) if w.activations in ("bf16", "float") else w
+            q = with_int8_activations(w, six_bit=True) if to_int8 else w
+            done[key] = q if q is not w else with_factored(w) if w.activations in ("bf16", "float") else w
         return done[key]
 
     def tree(params):

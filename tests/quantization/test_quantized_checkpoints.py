@@ -277,6 +277,20 @@ def test_dtype_auto_serves_a_gguf_of_int8_dot_codes_with_int8_activations(tmp_pa
     ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
     config = LLM(path, **args, speculative_config=ngram).engine.config
     assert (config.dtype, config.int8_activations) == ("float32", True)
+    # A draft quantized on load multiplies int8 rows as the target does (its 4-bit codes, and
+    # its 8-bit LM head rounded to 6 bits); the outputs stay the target's.
+    draft = {"model": path, "num_speculative_tokens": 3, "quantization": "int4"}
+    spec = LLM(path, **args, speculative_config=draft)
+    codes = jax.tree.leaves(
+        spec.engine.scheduler.proposer.runner.params, is_leaf=lambda x: isinstance(x, QuantizedWeight)
+    )
+    codes = [w for w in codes if isinstance(w, QuantizedWeight) and w.layout == "panels"]
+    assert {w.bits for w in codes} == {4, 6} and all(w.activations == "int8" for w in codes)
+    spec_greedy = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False)
+    for a, b in zip(got, spec.generate(prompts, spec_greedy, use_tqdm=False)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert spec.engine.engine_core.stats.num_accepted_tokens > 0
+    del spec
     other = write_quantized_gguf(str(tmp_path / "q8.gguf"), untied=True)
     assert LLM(other, **args).engine.config.dtype == "bfloat16"
 

@@ -1,6 +1,7 @@
 """A draft's cheaper weights: proposing among the first token ids only (`draft_vocab_size`: its
 LM head's first columns, in every weight format), Q8_0's codes rounded to 6 bits and codes
-quantized on load factored (`factored_draft`); the target's outputs kept."""
+quantized on load factored or multiplying int8 rows (`factored_draft`); the target's outputs
+kept."""
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from jaxllm.quantization.weights import make_weight, relayout
 from jaxllm.spec_decode.draft_model import factored_draft
 from jaxllm.weights.prepare import PreparedModel
 
+from tests.helpers.int8_rows import int8_rows_reference
 from tests.helpers.quantized_checkpoints import write_quantized_gguf
 from tests.helpers.tiny_model import TINY_ENGINE_ARGS
 
@@ -120,6 +122,24 @@ def test_a_drafts_full_byte_codes_are_rounded_to_six_bits_and_factor():
     dense = np.clip(np.rint(codes / 4), -32, 31) * np.repeat(4 * scale, 32, axis=0)
     x16 = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
     np.testing.assert_allclose(np.asarray(linear.apply(rounded, jnp.asarray(x))), x16 @ dense, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("lo, hi, div", [(-127, 128, 4), (-64, 64, 2), (-32, 32, 1)])
+def test_a_drafts_float_row_codes_multiply_int8_rows_under_int8_activations(lo, hi, div):
+    # Under float32 with int8 activations, 8-bit float-row codes (an int4 draft's int8 LM head)
+    # go to the 6-bit int8 kernel: Q8_0's full byte divided by 4, codes within [-64, 63] by 2.
+    rng = np.random.default_rng(2)
+    codes = rng.integers(lo, hi, (K, N)).astype(np.int8)
+    scale = rng.uniform(0.01, 0.02, (K // 32, N)).astype(np.float32)
+    w = relayout(QuantizedWeight(codes, scale, None, 8, "plain", "float"), True)
+    rounded = factored_draft(PreparedModel(None, {"lm_head": w}, None), int8=True).params["lm_head"]
+    assert (rounded.bits, rounded.activations) == (6, "int8")
+    x = rng.standard_normal((3, K)).astype(np.float32)
+    dense = np.clip(np.rint(codes / div), -32, 31) * np.repeat(div * scale.astype(np.float64), 32, axis=0)
+    want = int8_rows_reference(x, dense, None)
+    np.testing.assert_allclose(np.asarray(linear.apply(rounded, jnp.asarray(x))), want, rtol=1e-5, atol=1e-4)
+    assert factored_draft(PreparedModel(None, {"lm_head": w}, None)).params["lm_head"].activations == "float"
 
 
 @needs_native
