@@ -22,7 +22,7 @@ from jaxllm.core.request import Request, RequestStatus
 from jaxllm.engine.core import DataParallelEngineCore, EngineCore, EngineStats
 from jaxllm.engine.output_processor import OUTPUT_KINDS, OutputProcessor
 from jaxllm.weights.prepare import PreparedModel, int8_dot_checkpoint, load_with_plan, prepare_weights
-from jaxllm.spec_decode.draft_model import factored_draft, first_ids_only
+from jaxllm.spec_decode.draft_model import DRAFT_INT4_GROUP, factored_draft, first_ids_only
 from jaxllm.outputs import RequestOutput
 from jaxllm.platforms import Platform
 from jaxllm.quantization.activations import int8_activation_weights
@@ -165,7 +165,8 @@ class LLMEngine(TrainerMixin, PoolingMixin, LoRAMixin):
         weights prepared by a plan of its own from the options asked (`args`): the target's, but
         a checkpoint method or small-step codes asked for the target are the draft's only where
         its checkpoint allows, int8 activations left to the plan (dtype auto's float32) follow the
-        target's (`int8_activations`: its plan's outcome), also over codes quantized on load, and
+        target's (`int8_activations`: its plan's outcome), also over codes quantized on load (`int4`
+        in groups of DRAFT_INT4_GROUP rows), and
         the draft's codes factor their scales or multiply int8 rows unless small_step_factored is
         False or batch_invariant asked (its numbers decide only which drafts are accepted, never
         the output), Q8_0's codes too, rounded to 6 bits; `draft_vocab_size` cuts its LM head
@@ -186,6 +187,7 @@ class LLMEngine(TrainerMixin, PoolingMixin, LoRAMixin):
             int8_activations=int8_activations if args.int8_activations is None else args.int8_activations,
         )
         draft, plan = load_with_plan(draft_args, platform, None, one_device=True, progress=progress)
+        plan = dataclasses.replace(plan, int4_group=DRAFT_INT4_GROUP)
         if draft.cfg.vocab_size != self.cfg.vocab_size:
             raise ValueError(
                 f"the draft model {speculative.model!r} has a vocabulary of {draft.cfg.vocab_size} "

@@ -42,7 +42,12 @@ def quantize_params(params: dict, cfg, plan, *, device=None, parts=None) -> dict
             if parts is not None:
                 return make_sharded_weight(w, lp.codes, activations, *parts[name])
             w = make_weight(
-                np.asarray(w, np.float32), lp.codes, panels=lp.kernel == "cpp", activations=activations, device=device
+                np.asarray(w, np.float32),
+                lp.codes,
+                panels=lp.kernel == "cpp",
+                activations=activations,
+                device=device,
+                group_size=plan.int4_group if lp.codes == "int4" else None,
             )
         if lp.activations in ("int8", "int8_float_factored"):  # (a table's rows are looked up from its panels)
             # (Under float32 8-bit codes that fit 6 bits too: their int8 GEMM runs on AVX2.)

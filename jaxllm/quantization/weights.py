@@ -163,12 +163,16 @@ def _pack_plain_int4(codes: np.ndarray) -> np.ndarray:  # columns j (low nibble)
     return np.ascontiguousarray(codes[:, : codes.shape[1] // 2] | (codes[:, codes.shape[1] // 2 :] << 4))
 
 
-def make_weight(w: np.ndarray, method: str, *, panels: bool, activations: str, device=None) -> QuantizedWeight:
+def make_weight(
+    w: np.ndarray, method: str, *, panels: bool, activations: str, device=None, group_size: int | None = None
+) -> QuantizedWeight:
     """Quantize w [K, N] by `method` into a QuantizedWeight on `device`: packed for the C++
-    GEMM when `panels` (and N allows it), else plain."""
+    GEMM when `panels` (and N allows it), else plain; `group_size` rows a group where given,
+    else the method's (`METHODS`)."""
     from jaxllm.kernels import gemm
 
-    bits, group_size = METHODS[method]
+    bits, default_group = METHODS[method]
+    group_size = group_size or default_group
     codes, scale, offset = quantize_matrix(w, bits, group_size)
     k, n = codes.shape
     if activations == "int8" and (bits != 8 or scale.shape[0] != 1):

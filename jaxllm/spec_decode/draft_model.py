@@ -12,8 +12,9 @@ the token budget; then the target's newest token), then decodes up to k tokens.
 
 The draft's codes factor their scales where the kernel can, or multiply int8 rows where the
 draft's plan does (its numbers decide only which drafts are accepted): 4-bit codes quantized on
-load too, and 8-bit codes that span the whole byte (Q8_0's: the 0.5B Qwen's LM head, and its
-fused QKV where V is Q8_0) rounded to 6 bits first (`factored_draft`).
+load too (in groups of 64 rows: `DRAFT_INT4_GROUP`), and 8-bit codes that span the whole byte
+(Q8_0's: the 0.5B Qwen's LM head, and its fused QKV where V is Q8_0) rounded to 6 bits first
+(`factored_draft`).
 
 With `draft_vocab_size` the draft proposes only the first token ids (`first_ids_only`): its LM
 head, a large part of a small model's bytes a step (the 0.5B Qwen's 137 of ~400 MB), cut to
@@ -41,6 +42,13 @@ from jaxllm.quantization.activations import with_factored, with_int8_activations
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.spec_decode.proposer import Proposer
 from jaxllm.utils import cdiv
+
+# Rows a group of a draft's int4 codes quantized on load (`"quantization": "int4"` in the config;
+# the layers' matrices, 32 for a model's own): 4.5 bits a weight, where 32 rows take 5. The
+# 0.5B Qwen drafting for the 1.5B on a Zen 4 (float32 + int8): its step reads 8% fewer bytes,
+# one stream 1.05-1.07x as fast, acceptance unchanged (83% on code, 75-78% on chat); 128 rows
+# lost some acceptance on chat (benchmarks/results/zen4/RESULTS.md).
+DRAFT_INT4_GROUP = 64
 
 
 def factored_draft(model, int8: bool = False):

@@ -97,6 +97,7 @@ class WeightPlan:
     small_step_codes: bool  # a GGUF's codes kept for small steps beside bf16 panels
     int8_activations: bool = False  # EngineArgs.int8_activations, resolved
     gemm_path: str = "auto"  # the C++ GEMMs' kernel path: one for every row count under batch_invariant
+    int4_group: int | None = None  # rows a group of the layers' int4 codes quantized on load (None: METHODS')
     linears: dict = dataclasses.field(default_factory=dict, compare=False)  # name -> LinearPlan
 
     def linear(self, name: str) -> LinearPlan:

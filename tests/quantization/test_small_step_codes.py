@@ -229,7 +229,7 @@ def test_codes_alone_factor_the_checks_of_drafts_too(exact_small_steps, monkeypa
     # 6 bits, as a draft's are, so that it has the target's numbers).
     from jaxllm.engine import llm_engine
 
-    monkeypatch.setattr(llm_engine, "factored_draft", lambda model: model)
+    monkeypatch.setattr(llm_engine, "factored_draft", lambda model, int8=False: model)
     path, args, _ = exact_small_steps
     plain = all_steps_loaded(LLM(path, quantization="gguf", **args))
     spec = all_steps_loaded(

@@ -1,7 +1,7 @@
 """A draft's cheaper weights: proposing among the first token ids only (`draft_vocab_size`: its
 LM head's first columns, in every weight format), Q8_0's codes rounded to 6 bits and codes
 quantized on load factored or multiplying int8 rows (`factored_draft`); the target's outputs
-kept."""
+kept; an int4 draft's groups of DRAFT_INT4_GROUP rows."""
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +14,7 @@ from jaxllm.models import linear
 from jaxllm.quantization import QuantizedWeight
 from jaxllm.quantization.activations import with_bf16_activations, with_factored
 from jaxllm.quantization.weights import make_weight, relayout
-from jaxllm.spec_decode.draft_model import factored_draft
+from jaxllm.spec_decode.draft_model import DRAFT_INT4_GROUP, factored_draft
 from jaxllm.weights.prepare import PreparedModel
 
 from tests.helpers.int8_rows import int8_rows_reference
@@ -181,5 +181,26 @@ def test_an_int4_draft_factors_its_codes_under_bf16_and_keeps_the_outputs(tmp_pa
     )
     codes = [w for w in leaves if isinstance(w, QuantizedWeight) and w.layout == "panels"]
     assert {w.bits for w in codes} >= {4} and all(w.factored for w in codes if w.activations == "bf16")
+    outs = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+    assert outs == reference and engine.engine.stats.num_accepted_tokens > 0
+
+
+def test_an_int4_draft_quantizes_its_layers_in_groups_of_draft_int4_group_rows(tmp_path, tiny_model_dir):
+    # The target asked for int4 keeps groups of 32 rows; its draft (the same checkpoint, int4
+    # asked in the config) groups DRAFT_INT4_GROUP rows; greedy outputs stay the target's.
+    args = dict(TINY_ENGINE_ARGS, quantization="int4", params_cache_dir=str(tmp_path / "params"))
+    prompts = ["Hello, my name is", "The capital of France is"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in LLM(tiny_model_dir, **args).generate(prompts, params, use_tqdm=False)]
+    config = {"model": tiny_model_dir, "num_speculative_tokens": 2, "quantization": "int4"}
+    engine = LLM(tiny_model_dir, **args, speculative_config=config)
+
+    def downs(runner):
+        return [layer["w_down"] for layer in runner.params["layers"]]
+
+    target, draft = downs(engine.engine.runner), downs(engine.engine.scheduler.proposer.runner)
+    assert {w.bits for w in target + draft} == {4}
+    assert all(w.groups == w.shape[0] // 32 for w in target)
+    assert all(w.groups == w.shape[0] // DRAFT_INT4_GROUP for w in draft) and DRAFT_INT4_GROUP != 32
     outs = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
     assert outs == reference and engine.engine.stats.num_accepted_tokens > 0
