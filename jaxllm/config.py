@@ -48,8 +48,8 @@ class EngineArgs:
         "auto",
         "weight and KV-cache dtype; 'auto' picks bfloat16 on accelerators and on CPUs with hardware bf16 "
         "dots (AVX512_BF16 or AMX), float32 on other CPUs; and float32 for a GGUF whose matrices are all 4- to "
-        "6-bit codes on a CPU with AVX512_VNNI and no AMX (its codes then "
-        "multiply int8 activations: int8_activations)",
+        "6-bit codes on a CPU with AVX512_VNNI (its codes then multiply int8 activations: int8_activations; "
+        "with AMX a prompt's calls take them to its bf16 tiles)",
         choices=DTYPE_CHOICES,
     )
     quantization: str | None = option(
@@ -226,10 +226,11 @@ class EngineArgs:
         "4-bit weight codes (a GGUF's Q4_0 / Q4_1 / Q4_K, int4) multiply activations quantized to int8 per "
         "group of 32, as llama.cpp does: integer dot products; under bfloat16 with small-step codes, the "
         "decode steps' 4-bit codes do; under float32 every step's 4-bit codes and the 8-bit ones that fit 6 "
-        "bits (Q6_K, Q5_0, Q5_K, Q5_1: repacked so), the other codes then factoring their scales "
+        "bits (Q6_K, Q5_0, Q5_K, Q5_1: repacked so; with AMX a prompt's calls take them to its bf16 tiles), "
+        "the other codes then factoring their scales "
         "(small_step_factored) (one CPU device with the C++ kernels; elsewhere the activations stay float). "
         "Default: on for a GGUF where dtype auto picks float32 (a CPU without bf16 dots: AVX2; or a GGUF of "
-        "4- to 6-bit codes on an AVX512_VNNI CPU without AMX), llama.cpp's "
+        "4- to 6-bit codes on an AVX512_VNNI CPU), llama.cpp's "
         "own scheme for these files (faster there on every measure, perplexity within 1%: docs/quantization.md); "
         "off where a dtype is asked for",
     )

@@ -79,7 +79,9 @@ class EngineCore:
             spec_decode.max_seqs(config.scheduler) if spec_decode is not None else 0,
             pooler=config.pooling,
         )
-        self.runner = ModelRunner(config, model.cfg, model.params, mesh=mesh, small_params=model.small_params)
+        self.runner = ModelRunner(
+            config, model.cfg, model.params, mesh=mesh, small_params=model.small_params, check_path=model.check_path
+        )
         self.stats = stats or EngineStats()
         # Async scheduling (`schedule_ahead`) on one device of one process, without sliding windows,
         # for generation.

@@ -93,6 +93,7 @@ class LLMEngine(TrainerMixin, PoolingMixin, LoRAMixin):
                 mesh=mesh,
                 tokenizer=loaded.resolve_tokenizer() if plan.smooth else None,
             ),
+            check_path=plan.check_path,
         )
         self._build_cores(model, mesh, self._load_draft(asked, platform, progress, plan.int8_activations))
         self._init_lora()

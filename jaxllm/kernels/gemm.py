@@ -372,7 +372,10 @@ def matmul_quantized(
     multiple of 4 dividing K), as `kv_write.int8_rows` does a row (csrc/gemm_w8a8.cc); `bias`,
     int32 [K / act_group (1 for 0), N] or None, is then 128 times each column's code sum over
     each group (`QuantizedWeight.bias`; None: summed in the call). `rows`, `swiglu`: as for
-    `matmul_packed`. `factored` (float activations, groups of an even number of rows, AVX2): calls of
+    `matmul_packed`. With AMX, a call of 4- or 6-bit codes x int8 rows takes the bf16 tiles
+    instead from `native.act8_tile_rows()` rows (path auto; every call with path "amx"): x and
+    the weights rounded to bf16, a prompt's rows several times faster (csrc/gemm_codes_tiles.cc;
+    `act8_on_tiles`). `factored` (float activations, groups of an even number of rows, AVX2): calls of
     one or two rows take each group's scale and offset out of their sums (csrc/gemm_quant.cc):
     within f32 rounding of the dequantized product, each row's numbers the same in either."""
     bias = jnp.zeros((0,), jnp.int32) if bias is None else bias
@@ -453,6 +456,13 @@ def _quantized_call(
     return call(
         x2, codes, scale, offset, *supers, *extra, native.live_rows(rows), swiglu=np.int32(swiglu), **attrs
     ).reshape(*lead, n)
+
+
+def act8_on_tiles(path: str, rows: int) -> bool:
+    """Whether `matmul_quantized(..., act8=True)` over 4- or 6-bit codes multiplies a call of
+    `rows` rows on AMX's bf16 tiles (x and the weights rounded to bf16) rather than as int8 rows."""
+    tile_rows = native.act8_tile_rows()
+    return tile_rows > 0 and (path == "amx" or (path == "auto" and rows >= tile_rows))
 
 
 ACT_GROUP = 32  # columns of x per int8 scale with `matmul_quantized(..., act8=True)` and 4-bit codes

@@ -203,6 +203,7 @@ PATHS = ("portable", "avx2", "avx512", "amx")
 _path_bits = 0
 _bf16_dots = False
 _six_bit_codes = False
+_act8_tile_rows = 0
 
 
 def start_build() -> None:
@@ -245,7 +246,7 @@ _loading_lock = threading.Lock()
 
 
 def _load_once() -> str | None:
-    global _lib, _path_bits, _bf16_dots, _six_bit_codes
+    global _lib, _path_bits, _bf16_dots, _six_bit_codes, _act8_tile_rows
     try:
         lib = ctypes.cdll.LoadLibrary(build())
         for target, symbol in TARGETS.items():
@@ -253,6 +254,7 @@ def _load_once() -> str | None:
         _path_bits = lib.JaxllmKernelPaths()
         _bf16_dots = bool(lib.JaxllmBf16GemmHasDots())
         _six_bit_codes = bool(lib.JaxllmHasSixBitCodes())
+        _act8_tile_rows = int(lib.JaxllmAct8TileRows())
         _lib = lib
     except (OSError, RuntimeError, AttributeError) as e:
         return str(e)
@@ -275,6 +277,13 @@ def has_six_bit_codes() -> bool:
     """Whether codes x bf16 rows take 6-bit codes in this build (AVX512_VBMI beside AVX512_BF16:
     `gemm.pack_codes(codes, 6)`)."""
     return available() and _six_bit_codes
+
+
+def act8_tile_rows() -> int:
+    """The fewest rows from which `gemm.matmul_quantized(..., act8=True)` over 4- and 6-bit codes
+    multiplies on AMX's bf16 tiles under path auto (csrc/gemm_codes_tiles.cc), 0 where it never
+    does (no AMX, AVX512_VBMI or tile permission here)."""
+    return _act8_tile_rows if available() else 0
 
 
 def available() -> bool:

@@ -135,17 +135,18 @@ class Platform:
     def auto_dtype(self, int8_codes: bool) -> tuple[str, str]:
         """`default_dtype`, but float32 for a GGUF whose matrices all have codes the int8 dot
         kernels take (`int8_codes`: weights/prepare.py `int8_dot_checkpoint`) on a CPU with
-        AVX512_VNNI and without AMX, with the C++ kernels: there, as on CPUs without bf16 dots,
-        dtype auto's float32 multiplies the codes by int8 activations (`EngineArgs.int8_activations`,
-        llama.cpp's scheme), on bf16 KV pages (`resolve_kv_cache_dtype`); on a 2-vCPU Zen 4 with
-        the 1.5B Q4_K_M, 1.04-1.15x bfloat16's output across a serving sweep (docs/quantization.md).
-        AMX's bf16 tiles run prompts faster than int8 dots."""
+        AVX512_VNNI and the C++ kernels: there, as on CPUs without bf16 dots, dtype auto's float32
+        multiplies the codes by int8 activations (`EngineArgs.int8_activations`, llama.cpp's
+        scheme), on bf16 KV pages (`resolve_kv_cache_dtype`). With AMX a prompt's calls take the
+        same codes to AMX's bf16 tiles (`kernels.gemm.act8_on_tiles`). On the 1.5B Q4_K_M: on a
+        2-vCPU Zen 4 1.04-1.15x bfloat16's output across a serving sweep, on a 2-vCPU Xeon with
+        AMX one stream 1.6x and 4 streams 2.3x bfloat16's, prompts level (docs/quantization.md)."""
         if self.name != "cpu":
             return "bfloat16", f"{self.name} computes bfloat16 in hardware"
         hardware = [flag for flag in BF16_CPU_FLAGS if flag in self.cpu_flags]
         if int8_codes and self.weighs_int8_codes:
             return "float32", (
-                f"a GGUF of 4- to 6-bit codes on a CPU with int8 dots ({INT8_DOTS_CPU_FLAG}) and no AMX: its codes "
+                f"a GGUF of 4- to 6-bit codes on a CPU with int8 dots ({INT8_DOTS_CPU_FLAG}): its codes "
                 "multiply int8 activations under float32, faster there than bfloat16"
             )
         if hardware:
@@ -157,16 +158,10 @@ class Platform:
     @property
     def weighs_int8_codes(self) -> bool:
         """Whether dtype auto's pick here depends on the checkpoint's codes (`auto_dtype`): a CPU
-        with bf16 dots, AVX512_VNNI and the C++ kernels, without AMX. Elsewhere the engine does not
-        read a GGUF's header for it."""
+        with bf16 dots, AVX512_VNNI and the C++ kernels. Elsewhere the engine does not read a
+        GGUF's header for it."""
         bf16 = any(flag in self.cpu_flags for flag in BF16_CPU_FLAGS)
-        return (
-            self.name == "cpu"
-            and bf16
-            and INT8_DOTS_CPU_FLAG in self.cpu_flags
-            and self.cpp_kernels
-            and not self.cpp_amx
-        )
+        return self.name == "cpu" and bf16 and INT8_DOTS_CPU_FLAG in self.cpu_flags and self.cpp_kernels
 
     @property
     def default_page_size(self) -> int:

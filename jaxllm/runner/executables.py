@@ -236,8 +236,13 @@ class CompiledSteps:
     `jitted(*args, layout=...)` is the step; `abstract_args(bucket) -> (layout, args)` gives a
     bucket's static layout and abstract arguments (called on the caller's thread only)."""
 
-    def __init__(self, jitted, buckets: list[Bucket], store: ExecutableStore | None, abstract_args):
+    def __init__(
+        self, jitted, buckets: list[Bucket], store: ExecutableStore | None, abstract_args, own_kind: bool = False
+    ):
         self.jitted, self.buckets, self.store = jitted, buckets, store
+        # A bucket serves only steps of its own kind, logits for every token (verification) or
+        # not: where verification steps take other weights than the rest (`ModelRunner.check_path`).
+        self.own_kind = own_kind
         self._abstract_args = abstract_args
         self.ready: dict[Bucket, jax.stages.Compiled] = {}
         self.pending: dict[Bucket, Future] = {}  # compiling or loading on `_pool`
@@ -340,7 +345,10 @@ class CompiledSteps:
         """The smallest bucket that holds `demand` (tokens, decodes, prefill rows, sequences) and
         is ready, else the smallest that holds it (`get` then waits for it, or compiles it). The
         smallest, if it is in the store only, starts loading in the background."""
-        fits = [b for b in self.buckets if b.fits(*demand)] or [pick_bucket(self.buckets, *demand)]  # (raises)
+        buckets = self.buckets
+        if self.own_kind:
+            buckets = [b for b in buckets if b.all_logits == (len(demand) > 4 and demand[4])]
+        fits = [b for b in buckets if b.fits(*demand)] or [pick_bucket(buckets, *demand)]  # (raises)
         with self._lock:
             key = self.stored.pop(fits[0], None)
         if key is not None:

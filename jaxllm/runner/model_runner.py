@@ -46,15 +46,17 @@ from jaxllm.runner.prompt_logprobs import PromptLogprobs
 from jaxllm.runner.step_builder import StepBuilder
 from jaxllm.sampling_params import MAX_LOGPROBS
 from jaxllm.spec_decode.verify import accepted_counts
+from jaxllm.weights.prepare import with_gemm_path
 
 
 class ModelRunner:
     """`params`: the weight plan's weights (weights/prepare.py `prepare_weights`), on the
     device, or with `mesh` (one replica's ("data", "stage", "model") Mesh, data size 1, for
     tensor and pipeline parallelism: jaxllm/parallel.py) laid out and placed on it;
-    `small_params`: the small-step codes tree, if any. With pp stages, each step's batch is
-    split into pp micro-batches of one bucket (`StepBuilder.prepare_step`) that the step
-    pipelines through the stages."""
+    `small_params`: the small-step codes tree, if any; `check_path`: the GEMM path of speculative
+    decoding's verification steps where the plan pins one (`WeightPlan.check_path`). With pp
+    stages, each step's batch is split into pp micro-batches of one bucket
+    (`StepBuilder.prepare_step`) that the step pipelines through the stages."""
 
     def __init__(
         self,
@@ -65,6 +67,7 @@ class ModelRunner:
         mesh=None,
         small_params=None,
         catch_up_seqs: int = 0,
+        check_path: str | None = None,
     ):
         """`catch_up_seqs`: a draft model's runner, for up to that many sequences (its catch-up
         buckets: `make_buckets`)."""
@@ -102,6 +105,8 @@ class ModelRunner:
             )
             params, small_params = self.lora.adopt(params, small_params)
         self.params, self.small_params = params, small_params
+        self.check_path = check_path
+        self._on_check_path = {}  # small? -> (a params tree, it on check_path): made again when params change
         self.kv = self._kv_cache(device)
         sched, drafts = config.scheduler, config.speculative
         # A pooling engine (config.pooling) computes prompts only: its own buckets and step.
@@ -154,9 +159,10 @@ class ModelRunner:
         # shardings, taken once: weight updates keep them (weights/update.py), and a sleeping
         # engine compiling in the background has no params to look at.
         self._abstract_state = {
-            small: _abstract((tree, self.kv.shapes))
-            for small, tree in ((False, params), (True, small_params))
-            if tree is not None
+            (small, checks): _abstract((self._tree(small, checks), self.kv.shapes))
+            for small in (False, True)
+            for checks in (False, True)
+            if self._tree(small, checks) is not None
         }
 
     def _kv_cache(self, device) -> KVCache:
@@ -210,7 +216,13 @@ class ModelRunner:
             else None
         )
         runner = weakref.ref(self)
-        steps = CompiledSteps(step, self.buckets, store, lambda bucket: runner()._abstract_args(bucket))
+        steps = CompiledSteps(
+            step,
+            self.buckets,
+            store,
+            lambda bucket: runner()._abstract_args(bucket),
+            own_kind=self.check_path is not None,  # (a prompt must not take the checks' path)
+        )
         weakref.finalize(self, steps.stop)
         return steps
 
@@ -320,18 +332,34 @@ class ModelRunner:
         return self.steps.get(bucket)(self.step_params(bucket), self.kv.pages, *inputs)
 
     def step_params(self, bucket: Bucket):
-        """The params tree the bucket's step takes: the codes one for small steps, if any."""
-        return self.small_params if self._small(bucket) else self.params
+        """The params tree the bucket's step takes: the codes one for small steps, if any; for
+        verification steps on `check_path`, if any."""
+        return self._tree(*self._tree_kind(bucket))
 
-    def _small(self, bucket: Bucket) -> bool:
-        return True in self._abstract_state and bucket.num_tokens <= quantization.SMALL_STEP_ROWS
+    def _tree_kind(self, bucket: Bucket) -> tuple[bool, bool]:
+        """(small, checks): whether the bucket takes the small-step tree, and the check path."""
+        small = (True, False) in self._abstract_state and bucket.num_tokens <= quantization.SMALL_STEP_ROWS
+        return small, bucket.all_logits and self.check_path is not None
+
+    def _tree(self, small: bool, checks: bool):
+        """The small-step tree or the params, on `check_path` with `checks` (the same arrays; None
+        where there is no such tree), kept while the tree stays the runner's."""
+        tree = self.small_params if small else self.params
+        if not checks:
+            return tree
+        if tree is None or self.check_path is None:
+            return None
+        kept = self._on_check_path.get(small)
+        if kept is None or kept[0] is not tree:
+            kept = self._on_check_path[small] = (tree, with_gemm_path(tree, self.check_path))
+        return kept[1]
 
     def _abstract_args(self, bucket: Bucket):
         """(layout, abstract step arguments) of the bucket: shapes, dtypes and shardings only, so
         compiling in the background never touches the KV cache that steps donate meanwhile."""
         layout, *packed = self.builder.padding(bucket)
         return layout, (
-            *self._abstract_state[self._small(bucket)],
+            *self._abstract_state[self._tree_kind(bucket)],
             *_abstract(jax.device_put(packed, self._inputs_sharding)),
         )
 

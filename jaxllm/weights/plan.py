@@ -97,6 +97,10 @@ class WeightPlan:
     small_step_codes: bool  # a GGUF's codes kept for small steps beside bf16 panels
     int8_activations: bool = False  # EngineArgs.int8_activations, resolved
     gemm_path: str = "auto"  # the C++ GEMMs' kernel path: one for every row count under batch_invariant
+    # Speculative decoding's verification steps' path where it must differ (None: gemm_path): with
+    # AMX, a check's rows would take the tiles, and a verification row must compute what its
+    # decode would (greedy outputs the same with drafts and without).
+    check_path: str | None = None
     int4_group: int | None = None  # rows a group of the layers' int4 codes quantized on load (None: METHODS')
     linears: dict = dataclasses.field(default_factory=dict, compare=False)  # name -> LinearPlan
 
@@ -200,6 +204,11 @@ def resolve_weight_plan(
     method = None if small or asked == "none" else asked or (checkpoint if wanted else None)
     pack_floats = cpp_gemm and args.packed_weights and (dtype == "float32" or platform.cpp_bf16_dots)
     gemm_path = _batch_invariant_gemm_path(args, platform, cpp_gemm, dtype)
+    # With AMX, path auto takes a call to the tiles from two rows (bf16) or act8_tile_rows rows
+    # (int8 rows): other numbers than a one-row decode's. Speculative decoding's verification
+    # steps keep the AVX-512 kernels, each row computing what its decode would.
+    amx_rows = platform.cpp_amx and cpp_gemm and gemm_path == "auto" and (dtype == "bfloat16" or args.int8_activations)
+    check_path = "avx512" if args.speculative_config and amx_rows else None
     linears = {
         name: _linear_plan(
             name,
@@ -225,6 +234,7 @@ def resolve_weight_plan(
         small_step_codes=small,
         int8_activations=args.int8_activations,
         gemm_path=gemm_path,
+        check_path=check_path,
         linears=linears,
     )
 
@@ -243,6 +253,8 @@ def _batch_invariant_gemm_path(args, platform: Platform, cpp_gemm: bool, dtype: 
         )
     if dtype == "bfloat16" and platform.cpp_bf16_dots:
         return "amx" if platform.cpp_amx else "avx512"  # AMX: prompts 5-10x faster than vdpbf16ps
+    if args.int8_activations and platform.cpp_amx:
+        return "avx512"  # int8 rows for every call (auto takes a prompt's to AMX's bf16 tiles)
     return "auto"  # the f32 GEMMs have one path per CPU
 
 

@@ -56,6 +56,7 @@ class PreparedModel(NamedTuple):
     cfg: object
     params: dict
     small_params: dict | None = None
+    check_path: str | None = None  # WeightPlan.check_path
 
 
 def int8_dot_checkpoint(args, platform: Platform, one_device: bool) -> bool:

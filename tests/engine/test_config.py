@@ -134,7 +134,7 @@ def test_auto_dtype_follows_the_device(flags, platform, expected):
         ({"avx512f", "avx512_bf16", "avx512_vnni"}, True, "float32"),  # Zen 4 / Zen 5: int8 dots
         ({"avx512f", "avx512_bf16", "avx512_vnni"}, False, "bfloat16"),  # no C++ kernels built
         ({"avx512f", "avx512_bf16"}, True, "bfloat16"),  # bf16 dots without int8 ones
-        ({"avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"}, True, "bfloat16"),  # AMX's bf16 tiles
+        ({"avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"}, True, "float32"),  # AMX: prompts on tiles
         ({"avx2", "fma"}, True, "float32"),  # float32 for every model there
     ],
 )
@@ -146,7 +146,7 @@ def test_auto_dtype_for_a_gguf_of_int8_dot_codes(flags, kernels, expected):
     )
     dtype, why = platform.resolve_dtype("auto", int8_codes=True)
     assert dtype == expected and why
-    assert platform.weighs_int8_codes is (kernels and flags >= {"avx512_bf16", "avx512_vnni"} and not amx)
+    assert platform.weighs_int8_codes is (kernels and flags >= {"avx512_bf16", "avx512_vnni"})
     assert platform.resolve_dtype("auto") == platform.default_dtype  # any other checkpoint: the CPU's rule
     assert platform.resolve_dtype("bfloat16", int8_codes=True)[0] == "bfloat16"  # an explicit dtype wins
     assert Platform("gpu").resolve_dtype("auto", int8_codes=True)[0] == "bfloat16"

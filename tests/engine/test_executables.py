@@ -262,6 +262,22 @@ def test_background_compilation_starts_with_the_first_shapes_a_request_needs():
     assert set(steps.ready) == set(buckets)
 
 
+def test_buckets_of_their_own_kind_keep_prompts_off_the_verification_shapes():
+    """A verification bucket (logits for every token) holds a short prompt too, and serves it
+    unless the steps keep each kind apart (`own_kind`: where verification steps take weights on
+    another GEMM path, a prompt must still compute what it does without drafts)."""
+    from jaxllm.runner.compile import make_buckets
+    from jaxllm.runner.executables import CompiledSteps
+
+    buckets = make_buckets(128, 512, 32, 8, num_speculative_tokens=3, max_spec_seqs=4)
+    prompt, check = (9, 0, 1, 1, False), (8, 0, 2, 2, True)  # a 9-token prompt; 2 sequences, 3 drafts each
+    shared = CompiledSteps(None, buckets, None, None)
+    apart = CompiledSteps(None, buckets, None, None, own_kind=True)
+    assert shared.pick(prompt).all_logits  # (the smallest that holds it)
+    assert not apart.pick(prompt).all_logits and apart.pick(prompt).num_tokens == 32
+    assert apart.pick(check) == shared.pick(check) and apart.pick(check).all_logits
+
+
 def test_the_store_keeps_under_its_size_dropping_the_least_recently_used(tmp_path):
     import jax.numpy as jnp
 

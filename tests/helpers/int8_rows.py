@@ -1,8 +1,12 @@
-"""The int8-activation GEMMs' reference (`gemm.matmul_quantized(..., act8=True)`), in NumPy."""
+"""The int8-activation GEMMs' references (`gemm.matmul_quantized(..., act8=True)`), in NumPy: int8
+rows, and the bf16 tiles that take a call of many rows on AMX."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
+
+from jaxllm.kernels import gemm
 
 
 def int8_rows_reference(x: np.ndarray, w: np.ndarray, offset_rows: np.ndarray | None) -> np.ndarray:
@@ -17,3 +21,22 @@ def int8_rows_reference(x: np.ndarray, w: np.ndarray, offset_rows: np.ndarray | 
     d = (amax / np.float32(127)).astype(np.float64)[..., 0]
     y = np.einsum("mbk,bkn,mb->mn", q, w.reshape(k // 32, 32, -1), d)
     return y if offset_rows is None else y + x.astype(np.float64) @ offset_rows
+
+
+def tiles_reference(x: np.ndarray, w: np.ndarray, offset_rows: np.ndarray | None) -> np.ndarray:
+    """What AMX's bf16 tiles compute for the same call (`gemm.act8_on_tiles`): x rounded to bf16
+    times each weight (code times scale plus offset, rounded to f32 once, then to bf16), summed
+    in float64."""
+
+    def bf16(a):
+        return np.asarray(jnp.asarray(np.asarray(a, np.float32), jnp.bfloat16), np.float64)
+
+    return bf16(x) @ bf16(w if offset_rows is None else w + offset_rows)
+
+
+def act8_expected(x: np.ndarray, w: np.ndarray, offset_rows: np.ndarray | None, path: str) -> np.ndarray:
+    """`matmul_quantized(..., act8=True, path=path)`'s product over 4- or 6-bit codes: the int8
+    rows', or the bf16 tiles' where the call takes them."""
+    if gemm.act8_on_tiles(path, x.shape[0]):
+        return tiles_reference(x, w, offset_rows)
+    return int8_rows_reference(x, w, offset_rows)

@@ -13,6 +13,8 @@ import pytest
 
 from jaxllm.kernels import gemm, native
 
+from tests.helpers.int8_rows import tiles_reference
+
 P = gemm.pack_scales  # [G, N] scales as the kernels read them
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C++ kernels: {native.unavailable_reason()}")
@@ -93,11 +95,17 @@ def test_matmul_quantized_rejects_mismatched_shapes():
         jax.block_until_ready(gemm.matmul_quantized(x, codes, np.ones((1, 16), np.float32), None, 8))
 
 
-def act8_reference(x: np.ndarray, codes: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> np.ndarray:
+def act8_reference(
+    x: np.ndarray, codes: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, path: str = "auto"
+) -> np.ndarray:
     """4-bit codes x int8 activations by hand: each row of x rounded per block of 32 columns to
-    q * d (d = max|x| / 127, in f32 as the kernel computes it), the blocks' integer sums scaled."""
+    q * d (d = max|x| / 127, in f32 as the kernel computes it), the blocks' integer sums scaled;
+    where a call of x's rows with `path` takes AMX's bf16 tiles instead, their product."""
     m, k = x.shape
     rows = k // scale.shape[0]
+    if gemm.act8_on_tiles(path, m):
+        offset_rows = None if offset is None else np.repeat(offset.astype(np.float64), rows, 0)
+        return tiles_reference(x, codes * np.repeat(scale.astype(np.float64), rows, 0), offset_rows)
     xb = x.astype(np.float32).reshape(m, k // 32, 32)
     amax = np.abs(xb).max(-1, keepdims=True)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
@@ -131,7 +139,8 @@ def test_matmul_quantized_int8_activations_matches_numpy(rows, groups, with_offs
         y = jax.jit(functools.partial(gemm.matmul_quantized, bits=4, path=path, act8=True))(
             x, packed, P(scale), P(offset)
         )
-        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+        want = act8_reference(x, codes, scale, offset, path)
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     # The float product it approximates: within 2% of its largest value.
     w = codes * np.repeat(scale.astype(np.float64), k // groups, 0)
     w = w if offset is None else w + np.repeat(offset.astype(np.float64), k // groups, 0)
@@ -198,13 +207,13 @@ def test_matmul_quantized_int8_activations_swiglu_and_live_rows(rows):
     codes = rng.integers(0, 16, (k, n))
     scale = (rng.random((2, n)) * 0.3).astype(np.float16)
     offset = rng.standard_normal((2, n)).astype(np.float16)
-    g, u = np.split(act8_reference(x, codes, scale, offset), 2, axis=1)
-    ref = g / (1 + np.exp(-g)) * u
     packed = gemm.pack_codes(codes, 4, quads=True)
     for path in ("auto", *native.kernel_paths()):
         y = jax.jit(functools.partial(gemm.matmul_quantized, bits=4, path=path, swiglu=True, act8=True))(
             x, packed, P(scale), P(offset)
         )
+        g, u = np.split(act8_reference(x, codes, scale, offset, path), 2, axis=1)
+        ref = g / (1 + np.exp(-g)) * u
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     check_live_rows(
         functools.partial(gemm.matmul_quantized, bits=4, act8=True),

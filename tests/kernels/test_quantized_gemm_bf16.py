@@ -124,8 +124,8 @@ def test_factored_codes_are_the_exact_products_summed_in_f32(rows, groups, two_l
     # two-level scales, 8 panels (items of 4, 2, 1; two at a time from 3 rows), the SwiGLU
     # epilogue, rows 8 at a time (13: 8 and 5); 4-bit codes, 6-bit ones and 8-bit ones within
     # [-64, 63].
-    # Past 16 rows, and on the portable path, the call is the bf16 GEMM's as without the flag,
-    # bit for bit.
+    # Past 16 rows, on the portable path and on AMX's tiles (path amx, or auto from 2 rows where
+    # the CPU has them), the call is the bf16 GEMM's as without the flag, bit for bit.
     rng = np.random.default_rng(rows * 10 + groups + swiglu + bits)
     k, n = 96, 128
     low, high = {4: (0, 16), 6: (-32, 32), 8: (-64, 64)}[bits]
@@ -157,7 +157,8 @@ def test_factored_codes_are_the_exact_products_summed_in_f32(rows, groups, two_l
             continue
         exact = jax.jit(functools.partial(call, path=path))(x, packed, *args)
         got = jax.jit(functools.partial(call, path=path, factored=True))(x, packed, *args)
-        if rows > 16 or path == "portable" or not native.has_bf16_dots():
+        tiles = path == "amx" or (path == "auto" and rows >= 2 and "amx" in native.kernel_paths())
+        if rows > 16 or path == "portable" or tiles or not native.has_bf16_dots():
             np.testing.assert_array_equal(got, exact)
         else:
             np.testing.assert_allclose(got, ref, rtol=1e-5, atol=2e-6 * np.abs(ref).max(), err_msg=path)

@@ -235,17 +235,17 @@ def test_which_ggufs_have_codes_for_int8_dots(tmp_path, monkeypatch):
     assert prepare.int8_dot_checkpoint(int8_file, ZEN4, one_device=True)
     assert not prepare.int8_dot_checkpoint(EngineArgs(model=str(tmp_path / "a.gguf")), ZEN4, one_device=True)
     assert not prepare.int8_dot_checkpoint(int8_file, ZEN4, one_device=False)
+    assert prepare.int8_dot_checkpoint(int8_file, XEON_AMX, one_device=True)
     monkeypatch.setattr(prepare, "read_gguf", None)  # (called, it would raise)
-    for platform in (ZEN3, XEON_AMX):
-        assert not prepare.int8_dot_checkpoint(int8_file, platform, one_device=True)
+    assert not prepare.int8_dot_checkpoint(int8_file, ZEN3, one_device=True)
 
 
 @pytest.mark.skipif(
-    not {"avx512_bf16", "avx512_vnni"} <= lscpu_flags() or "amx_tile" in lscpu_flags(),
-    reason="dtype auto weighs int8 dots on CPUs with AVX512_BF16 and AVX512_VNNI, without AMX",
+    not {"avx512_bf16", "avx512_vnni"} <= lscpu_flags(),
+    reason="dtype auto weighs int8 dots on CPUs with AVX512_BF16 and AVX512_VNNI",
 )
 def test_dtype_auto_serves_a_gguf_of_int8_dot_codes_with_int8_activations(tmp_path):
-    """On a Zen 4 / Zen 5 kind of CPU a GGUF whose matrices are all 4- or 6-bit codes runs by
+    """On a Zen 4 / Zen 5 or AMX kind of CPU a GGUF whose matrices are all 4- or 6-bit codes runs by
     default as it does when asked for float32 with int8 activations on bf16 KV pages (the same
     tokens and logprobs), with speculative decoding too; int8_activations=False or a Q8_0 matrix
     keeps bfloat16."""
@@ -293,6 +293,35 @@ def test_dtype_auto_serves_a_gguf_of_int8_dot_codes_with_int8_activations(tmp_pa
     del spec
     other = write_quantized_gguf(str(tmp_path / "q8.gguf"), untied=True)
     assert LLM(other, **args).engine.config.dtype == "bfloat16"
+
+
+def test_verification_steps_keep_int8_rows_where_amx_tiles_take_larger_calls(tmp_path, monkeypatch):
+    """With AMX, int8 rows' calls of `act8_tile_rows` rows or more take the bf16 tiles (other
+    numbers); a speculating engine's verification steps keep the int8 rows (`check_path`), so
+    that each row computes what its decode would: with drafts for 6 sequences at once (checks of
+    up to 24 rows) the greedy outputs and logprobs are those without drafts."""
+    if not gemm.act8_on_tiles("auto", 4096):
+        pytest.skip("no AMX tiles for int8 rows here (no AMX, AVX512_VBMI or tile permission)")
+    from tests.helpers.oracle_proposer import OracleProposer
+
+    path = write_quantized_gguf(str(tmp_path / "int8-dots.gguf"), int8_dots=True)
+    prompts = [{"prompt_token_ids": list(range(7 * i, 7 * i + 9 + 2 * i))} for i in range(6)]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True, detokenize=False)
+    args = dict(TINY_ENGINE_ARGS, dtype="float32", int8_activations=True, params_cache_dir=str(tmp_path / "params"))
+    plain = LLM(path, **args).generate(prompts, greedy, use_tqdm=False)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    spec = LLM(path, **args, speculative_config=ngram)
+    runner = spec.engine.runner
+    check = max((b for b in runner.buckets if b.all_logits), key=lambda b: b.num_tokens)
+    assert runner.check_path == "avx512" and check.num_tokens >= native.act8_tile_rows()
+    assert runner.step_params(check)["layers"][0]["wqkv"].path == "avx512"
+    assert runner.params["layers"][0]["wqkv"].path == "auto"  # (a prompt's steps: the tiles)
+    sequences = [o.prompt_token_ids + o.outputs[0].token_ids for o in plain]
+    monkeypatch.setattr(spec.engine.scheduler, "proposer", OracleProposer(sequences, k=3, vocab=512))
+    for a, b in zip(spec.generate(prompts, greedy, use_tqdm=False), plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
+    assert spec.engine.stats.num_accepted_tokens > 0
 
 
 def test_gguf_engine_loads_float_weights_when_the_kernel_build_fails(tmp_path, monkeypatch):

@@ -125,6 +125,8 @@ def test_gguf_engine_with_small_step_codes_is_the_dequantized_bf16_engine(tmp_pa
 
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, detokenize=False)
+# Codes serving alone factor by default without AMX; with it, where asked (and in one-row calls).
+FACTORED_ON_AMX = {"small_step_factored": True} if native.available() and "amx" in native.kernel_paths() else {}
 PROMPTS = [{"prompt_token_ids": list(range(3 + i, 12 + 4 * i))} for i in range(3)]
 
 
@@ -202,7 +204,7 @@ def test_small_step_codes_with_factored_scales(exact_small_steps):
     # factor their group scales out of the sums where the codes allow it (exact products, f32
     # sums: csrc/gemm_quant_factored.h, against numpy in tests/kernels/test_quantized_gemm_bf16.py);
     # the large steps stay as they were.
-    llm, diffs = decodes_against_the_bf16_numbers(exact_small_steps, small_step_factored=True)
+    llm, diffs = decodes_against_the_bf16_numbers(exact_small_steps, small_step_factored=True, small_step_codes=True)
     assert_factored_where_the_codes_allow(llm.engine.runner.small_params)
     # Without the weights' bf16 rounding the decodes move, by less than int8 activations move them.
     assert diffs and 0 < max(diffs) and float(np.mean(diffs)) < 0.05, diffs
@@ -213,8 +215,11 @@ def test_codes_alone_with_factored_scales(exact_small_steps):
     # A GGUF's codes serving every step alone (`quantization="gguf"`, or by default where its
     # bf16 panels would take over 1/16 of the memory) factor their scales where the codes allow
     # it in the calls of up to 16 rows (prompts of 9-17 tokens included), the rest as the bf16
-    # GEMM over codes computes it; the decodes move as the small-step split's do.
-    llm, diffs = decodes_against_the_bf16_numbers(exact_small_steps, prompt_exact=False, quantization="gguf")
+    # GEMM over codes computes it; the decodes move as the small-step split's do. (With AMX
+    # only where asked, and in one-row calls: the tiles take two rows or more.)
+    llm, diffs = decodes_against_the_bf16_numbers(
+        exact_small_steps, prompt_exact=False, quantization="gguf", **FACTORED_ON_AMX
+    )
     assert llm.engine.config.quantization == "gguf" and llm.engine.runner.small_params is None
     assert_factored_where_the_codes_allow(llm.engine.runner.params)
     assert diffs and 0 < max(diffs) and float(np.mean(diffs)) < 0.05, diffs
@@ -231,9 +236,15 @@ def test_codes_alone_factor_the_checks_of_drafts_too(exact_small_steps, monkeypa
 
     monkeypatch.setattr(llm_engine, "factored_draft", lambda model, int8=False: model)
     path, args, _ = exact_small_steps
-    plain = all_steps_loaded(LLM(path, quantization="gguf", **args))
+    plain = all_steps_loaded(LLM(path, quantization="gguf", **args, **FACTORED_ON_AMX))
     spec = all_steps_loaded(
-        LLM(path, quantization="gguf", **args, speculative_config={"model": path, "num_speculative_tokens": 3})
+        LLM(
+            path,
+            quantization="gguf",
+            **args,
+            **FACTORED_ON_AMX,
+            speculative_config={"model": path, "num_speculative_tokens": 3},
+        )
     )
     assert_factored_where_the_codes_allow(spec.engine.runner.params)
     for p in PROMPTS:

@@ -24,7 +24,7 @@ from tests.helpers.plan_platforms import BF16, F32, NO_COMPILER, XEON_AMX, ZEN3,
         (ZEN3, dict(dtype="float32", int8_activations=True), False, True),
         (ZEN4, dict(dtype="auto"), False, False),  # bfloat16 picked: its own default path
         (ZEN4, dict(dtype="auto"), True, True),  # a GGUF of int8-dot codes, VNNI: float32 picked
-        (XEON_AMX, dict(dtype="auto"), True, False),  # AMX: bfloat16 still
+        (XEON_AMX, dict(dtype="auto"), True, True),  # AMX too (a prompt's calls take the codes to its tiles)
         (ZEN4, dict(dtype="float32"), True, False),
     ],
 )
@@ -42,6 +42,43 @@ def test_int8_activations_default_where_dtype_auto_picks_float32(platform, field
     assert int8_linear is int8
     hf = resolve_weight_plan(args, platform, one_device=True, checkpoint=None, tied=True)
     assert hf.int8_activations is (fields.get("int8_activations") is True)
+
+
+@pytest.mark.parametrize("platform, path", [(XEON_AMX, "avx512"), (ZEN4, "auto"), (ZEN3, "auto")])
+def test_batch_invariant_keeps_int8_rows_off_the_tiles(platform, path):
+    # With AMX, path auto takes the int8 rows' calls of many rows to the bf16 tiles (other
+    # numbers than the rows'): the mode pins the int8 kernels for every call there.
+    args = EngineArgs(dtype="float32", int8_activations=True, batch_invariant=True)
+    plan = resolve_weight_plan(args, platform, one_device=True, checkpoint="gguf", tied=True)
+    assert plan.int8_activations and plan.linear("wqkv").activations.startswith("int8")
+    assert plan.gemm_path == path
+    free = resolve_weight_plan(
+        EngineArgs(dtype="float32", int8_activations=True), platform, one_device=True, checkpoint="gguf", tied=True
+    )
+    assert free.gemm_path == "auto"
+
+
+@pytest.mark.parametrize(
+    "platform, fields, checkpoint, path",
+    [
+        (XEON_AMX, dict(dtype="float32", int8_activations=True), "gguf", "avx512"),  # int8 rows: tiles from 17
+        (XEON_AMX, BF16, "gguf", "avx512"),  # codes alone: tiles from two rows
+        (XEON_AMX, BF16, None, "avx512"),  # bf16 panels likewise
+        (XEON_AMX, F32, None, None),  # f32 panels: no tiles
+        (XEON_AMX, dict(BF16, batch_invariant=True), "gguf", None),  # every call pinned already
+        (ZEN4, dict(dtype="float32", int8_activations=True), "gguf", None),
+        (ZEN4, BF16, "gguf", None),
+    ],
+)
+def test_verification_steps_keep_off_amx_tiles(platform, fields, checkpoint, path):
+    # A verification row must compute what its decode would (one row: never on the tiles).
+    draft = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    args = EngineArgs(**fields, speculative_config=draft)
+    plan = resolve_weight_plan(args, platform, one_device=True, checkpoint=checkpoint, tied=True)
+    assert plan.check_path == path
+    assert (
+        resolve_weight_plan(EngineArgs(**fields), platform, one_device=True, checkpoint=checkpoint).check_path is None
+    )
 
 
 def test_untied_embedding_is_a_float_table():

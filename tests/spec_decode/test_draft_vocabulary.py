@@ -3,6 +3,8 @@ LM head's first columns, in every weight format), Q8_0's codes rounded to 6 bits
 quantized on load factored or multiplying int8 rows (`factored_draft`); the target's outputs
 kept; an int4 draft's groups of DRAFT_INT4_GROUP rows."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,7 +123,8 @@ def test_a_drafts_full_byte_codes_are_rounded_to_six_bits_and_factor():
     x = rng.standard_normal((2, K)).astype(np.float32)
     dense = np.clip(np.rint(codes / 4), -32, 31) * np.repeat(4 * scale, 32, axis=0)
     x16 = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
-    np.testing.assert_allclose(np.asarray(linear.apply(rounded, jnp.asarray(x))), x16 @ dense, rtol=1e-5, atol=1e-5)
+    on_avx512 = dataclasses.replace(rounded, path="avx512")  # (AMX's tiles take two rows unfactored)
+    np.testing.assert_allclose(np.asarray(linear.apply(on_avx512, jnp.asarray(x))), x16 @ dense, rtol=1e-5, atol=1e-5)
 
 
 @needs_native
@@ -146,16 +149,18 @@ def test_a_drafts_float_row_codes_multiply_int8_rows_under_int8_activations(lo, 
 @pytest.mark.skipif(not native.has_bf16_dots(), reason="no AVX512_BF16 dots here")
 def test_a_gguf_draft_factors_its_q8_0_codes_and_keeps_the_outputs(tmp_path):
     # The tiny GGUF (Q8_0 V parts and a Q8_0 tied LM head among its types) drafting for itself
-    # under bf16: its small steps factor every code, Q8_0's rounded to 6 bits, and the outputs
-    # are the target's without speculation.
+    # under bf16: its small steps (with AMX, its codes alone) factor every code, Q8_0's rounded
+    # to 6 bits, and the outputs are the target's without speculation.
     path = write_quantized_gguf(str(tmp_path / "tiny.gguf"))
     args = dict(TINY_ENGINE_ARGS, dtype="bfloat16", params_cache_dir=str(tmp_path / "params"))
     prompts = [{"prompt_token_ids": list(range(3 + i, 12 + 4 * i))} for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, detokenize=False)
     reference = [o.outputs[0].token_ids for o in LLM(path, **args).generate(prompts, params, use_tqdm=False)]
     engine = LLM(path, **args, speculative_config={"model": path, "num_speculative_tokens": 3})
+    draft = engine.engine.scheduler.proposer.runner
     weights = jax.tree.leaves(
-        engine.engine.scheduler.proposer.runner.small_params, is_leaf=lambda x: isinstance(x, QuantizedWeight)
+        draft.params if draft.small_params is None else draft.small_params,
+        is_leaf=lambda x: isinstance(x, QuantizedWeight),
     )
     codes = [w for w in weights if isinstance(w, QuantizedWeight)]
     assert codes and all(w.factored for w in codes if w.activations == "bf16")

@@ -12,8 +12,8 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.runner import input_batch, sampler
 from jaxllm.runner.compile import Bucket, CompilationCounter
 from jaxllm.spec_decode.ngram import propose_ngram
-from jaxllm.spec_decode.proposer import Proposer
 
+from tests.helpers.oracle_proposer import OracleProposer
 from tests.helpers.sampling_reference import LOGITS, V, reference_probs, state
 from tests.helpers.tiny_model import TINY_ENGINE_ARGS, WARM_ENGINE_ARGS
 
@@ -69,26 +69,6 @@ PROMPTS = [
 
 def greedy(max_tokens=32, **kw):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-class OracleProposer(Proposer):
-    """Drafts from known continuations (the tiny random model never repeats itself, so n-gram
-    drafts would all be rejected): the true next tokens, with every `wrong_every`-th draft
-    position replaced by a wrong token, so steps accept all, some or none of their drafts."""
-
-    def __init__(self, sequences, k=4, wrong_every=3):
-        self.sequences, self.k, self.wrong_every, self.calls = sequences, k, wrong_every, 0
-        self.num_speculative_tokens = k
-
-    def propose(self, tokens, k):
-        self.calls += 1
-        tokens = tokens.tolist()
-        for seq in self.sequences:
-            if seq[: len(tokens)] == tokens:
-                drafts = seq[len(tokens) : len(tokens) + min(k, self.k)]
-                cut = self.calls % self.wrong_every
-                return [t if j != cut else (t + 1) % 1000 for j, t in enumerate(drafts)]
-        return []
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,8 @@
 //   gemm_quant_panel.h         int8 / int4 codes in those panels, with their scales and offsets
 //   gemm_quant.cc              matmul against them, dequantized a panel at a time; the FFI handler
 //   gemm_q4a8.cc               its act8 path: int4 codes x int8 activations (AVX2, AVX512_VNNI)
+//   gemm_q6a8.cc               ... and 6-bit codes x int8 activations
+//   gemm_codes_tiles.cc        ... and both codes in a prompt's calls on AMX's bf16 tiles
 //   gemm_bf16.cc               bf16 weights packed once into panels of K-pairs, AVX512_BF16 dots
 
 #include "paged_attention.cc"

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "gemm.cc"
+#include "gemm_codes_tiles.cc"
 #include "gemm_q4a8.cc"
 #include "gemm_q6a8.cc"
 #include "gemm_quant_panel.h"
@@ -300,6 +301,12 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   g.M = live_rows(rows, g.M, swiglu ? g.N / 2 : g.N, g.y);
   if (bias.element_count()) q.bias = bias.typed_data();
   if (act8) {
+#ifdef JAXLLM_CODES_TILES
+    if (g.M && (int4 || six) && act8_on_tiles(path, g.M, g.K)) {  // a prompt's rows: on AMX (gemm_codes_tiles.cc)
+      matmul_codes_tiles(pool, g, q, swiglu);
+      return ffi::Error::Success();
+    }
+#endif
     if (g.M && (int4 || six)) matmul_int8_rows(pool, g, q, path, swiglu);
     if (g.M && int8) matmul_w8a8(pool, g, q, path, swiglu, act_group);
     return ffi::Error::Success();
@@ -395,3 +402,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulQuantCpu, jaxllm::MatmulQuantImpl,
                                   .Attr<int32_t>("act8")        // 1: x quantized to int8 (see matmul_int8_rows, matmul_w8a8)
                                   .Attr<int32_t>("act_group")  // 8-bit codes x int8: columns per scale (0: a row)
                                   .Attr<int32_t>("factored"));  // 1: group scales factored out (calls of <= 16 rows)
+
+// Rows from which matmul_quantized's act8 calls over 4- and 6-bit codes take AMX's tiles with
+// path auto (0: never in this build and process): `native.act8_tile_rows`.
+extern "C" int32_t JaxllmAct8TileRows() { return static_cast<int32_t>(jaxllm::act8_tile_rows()); }

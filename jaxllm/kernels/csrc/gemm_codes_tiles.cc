@@ -1,0 +1,172 @@
+// 4- and 6-bit codes laid out for int8 activations (gemm_q4a8.cc's quads, gemm_q6a8.cc's 6-bit
+// quads) in calls of many rows, on AMX's bf16 tiles: MatmulQuantImpl's act8 path for a prompt.
+//
+// The int8 rows' VNNI kernels stream a decode's codes at the memory's speed, but a prompt's
+// hundreds of rows at a third of what AMX's bf16 tiles reach over the same codes (the 1.5B's
+// layer matrices at 512 rows on a 2-vCPU Xeon: 607 against 1,795 GFLOP/s, `weight_stream.py`).
+// So from kAct8TileRows rows (path auto; every row with path amx) each panel of codes is
+// converted once a call into gemm_bf16.cc's bf16 words (each weight code * scale + offset, one
+// FMA in f32, rounded to bf16), x is rounded to bf16, and bf16_panels multiplies them on the
+// tiles. The numbers are then the bf16 weights' (gemm_quant_bf16.cc's GEMM over codes computes
+// the same ones from its own layout), not the int8 rows': a call takes one or the other for all
+// its rows, by their count, as gemm_bf16.cc's calls choose AMX.
+
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "gemm.cc"
+#include "gemm_bf16.cc"
+#include "gemm_q6a8.cc"
+#include "gemm_quant_panel.h"
+#include "parallel_for.h"
+#include "simd.h"
+
+namespace jaxllm {
+namespace {
+
+#if defined(JAXLLM_AMX_BF16) && defined(JAXLLM_AVX512_VBMI)
+#define JAXLLM_CODES_TILES 1
+
+// Fewest rows a call of path auto takes to the tiles. Over the 1.5B's layer matrices on the
+// Xeon kind the VNNI kernels took 0.91x the tiles' time at 16 rows (the conversion of every
+// panel costs about what 16 rows of int8 products do) and 2x at 64.
+constexpr int64_t kAct8TileRows = 17;
+
+inline bool act8_on_tiles(int32_t path, int64_t M, int64_t K) {
+  return K % 32 == 0 && (path == kAmx || (path == kAuto && M >= kAct8TileRows)) && amx_ready();
+}
+
+// A block's bytes (8 rows of a panel) permuted for a pair of rows: vector 2 i + h holds rows
+// 2 i and 2 i + 1 of columns 8 h .. 8 h + 7, column c's in dword lanes 2 c and 2 c + 1 (as
+// cvtne2ps_pbh then makes bf16 words of them), each lane's bytes all from quad byte 4 c + row % 4
+// (the row's nibble in it: low for rows 0-3, high for 4-7).
+struct PairOrder {
+  alignas(64) uint8_t idx[8][64];
+};
+
+inline const PairOrder& pair_order() {
+  static const PairOrder order = [] {
+    PairOrder o{};
+    for (int v = 0; v < 8; ++v)
+      for (int lane = 0; lane < 16; ++lane)
+        for (int b = 0; b < 4; ++b) o.idx[v][4 * lane + b] = 4 * (8 * (v % 2) + lane / 2) + (v / 2 * 2 + lane % 2) % 4;
+    return o;
+  }();
+  return order;
+}
+
+// Panel p of q (quads or 6-bit quads) as bf16 words [K / 2, 16] (gemm_bf16.cc's layout) in out.
+template <int BITS>
+void tile_words(const QuantPanel& q, int64_t p, uint32_t* out) {
+  constexpr int64_t block = BITS == 6 ? kSixBlock : 64;
+  const uint8_t* codes = static_cast<const uint8_t*>(q.codes) + p * (q.K / 8) * block;
+  const PairOrder& order = pair_order();
+  __m512i idx[8];
+  for (int v = 0; v < 8; ++v) idx[v] = _mm512_load_si512(order.idx[v]);
+  // The group's scales and offsets spread as the pairs' lanes: columns 0-7 twice each, then 8-15.
+  const __m512i spread_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i spread_hi = _mm512_add_epi32(spread_lo, _mm512_set1_epi32(8));
+  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), bias = _mm512_set1_ps(32.f);
+  const __m512i low4 = _mm512_set1_epi8(15), byte0 = _mm512_set1_epi32(0xff);
+  ScaleCursor cursor(q, p);
+  __m512 s[2] = {}, o[2] = {};
+  for (int64_t k = 0; k < q.K; k += 8) {
+    if (cursor.step(k)) {
+      const __m512 sv = scales_f32x16_at(q, q.scale, q.super_scale, cursor.at, cursor.super_at);
+      const __m512 ov = q.offset ? scales_f32x16_at(q, q.offset, q.super_offset, cursor.at, cursor.super_at)
+                                 : _mm512_setzero_ps();
+      s[0] = _mm512_permutexvar_ps(spread_lo, sv), s[1] = _mm512_permutexvar_ps(spread_hi, sv);
+      o[0] = _mm512_permutexvar_ps(spread_lo, ov), o[1] = _mm512_permutexvar_ps(spread_hi, ov);
+    }
+    const uint8_t* blk = codes + k / 8 * block;
+    const __m512i raw = _mm512_loadu_si512(blk);
+    __m512i lo = raw, hi = raw;
+    if constexpr (BITS == 6) {  // u = the low 4 bits | the top 2 (byte i of the 32 after the quads: quad bytes i, 32 + i)
+      const __m512i t32 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64)));
+      const __m512i t = _mm512_mask_blend_epi64(0xF0, t32, _mm512_srli_epi16(t32, 4)), three = _mm512_set1_epi8(3);
+      lo = _mm512_or_si512(_mm512_and_si512(raw, low4), _mm512_slli_epi16(_mm512_and_si512(t, three), 4));
+      hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4),
+                           _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(t, 2), three), 4));
+    }
+    for (int i = 0; i < 4; ++i) {  // rows 2 i, 2 i + 1: word row k / 2 + i
+      __m512 w[2];
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (BITS == 6) {
+          const __m512i u = _mm512_and_si512(_mm512_permutexvar_epi8(idx[2 * i + h], i < 2 ? lo : hi), byte0);
+          w[h] = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(u), bias), s[h], o[h]);
+        } else {  // (VPERMPS reads a lane's low 4 bits: the code, once the high nibble is shifted down)
+          __m512i c = _mm512_permutexvar_epi8(idx[2 * i + h], raw);
+          if (i >= 2) c = _mm512_srli_epi32(c, 4);
+          w[h] = _mm512_fmadd_ps(_mm512_permutexvar_ps(c, values), s[h], o[h]);
+        }
+      }
+      _mm512_storeu_si512(out + (k / 2 + i) * kPanel, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]));
+    }
+  }
+}
+
+struct TileWordsScratch {
+  std::vector<uint32_t> panels;  // converted panels, up to 4 of [K / 2, 16] words
+};
+
+// P_OUT output panels from p (with swiglu: gate panels p .. and their up panels p + N / 32 ..),
+// every row of x (bf16 words xb), on the tiles.
+template <int BITS, int P_OUT>
+void tiles_output_panels(const GemmArgs& g, const QuantPanel& q, const uint32_t* xb, int64_t p, bool swiglu,
+                         TileWordsScratch& scratch) {
+  const int np = swiglu ? 2 * P_OUT : P_OUT;
+  const int64_t words = g.K / 2 * kPanel;
+  scratch.panels.resize(np * words);
+  const uint32_t* w[2 * P_OUT];
+  int64_t ids[2 * P_OUT];
+  for (int i = 0; i < np; ++i) {
+    ids[i] = i < P_OUT ? p + i : p + (i - P_OUT) + g.N / 2 / kPanel;
+    tile_words<BITS>(q, ids[i], scratch.panels.data() + i * words);
+    w[i] = scratch.panels.data() + i * words;
+  }
+  const Bf16GemmArgs b{xb, nullptr, g.y, g.M, g.K / 2, g.N};
+  bf16_panels<P_OUT>(b, w, g.y + p * kPanel, swiglu ? g.N / 2 : g.N, 0, g.M, swiglu, kAmx, nullptr, ids);
+}
+
+// y = x @ the codes (4 bits: quads; 6 bits: 6-bit quads), on the tiles (act8_on_tiles).
+void matmul_codes_tiles(ffi::ThreadPool& pool, const GemmArgs& g, const QuantPanel& q, int32_t swiglu) {
+  thread_local std::vector<uint16_t> xbits;  // (the calling thread's: workers read it through xb)
+  xbits.resize(std::max<size_t>(xbits.size(), g.M * g.K));
+  uint16_t* xb = xbits.data();
+  parallel_for(pool, (g.M + 15) / 16, [&](int64_t item) {
+    for (int64_t i = item * 16 * g.K, end = std::min(g.M, (item + 1) * 16) * g.K; i < end; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(g.x + i)));
+  });
+  const int64_t panels = (swiglu ? g.N / 2 : g.N) / kPanel, threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per_item = std::clamp<int64_t>(panels / (8 * threads), 1, swiglu ? 2 : 4);
+  auto run = [&](auto bits_tag) {
+    constexpr int BITS = decltype(bits_tag)::value;
+    const uint32_t* x = reinterpret_cast<const uint32_t*>(xb);
+    parallel_for<TileWordsScratch>(pool, (panels + per_item - 1) / per_item, [&](int64_t item, TileWordsScratch& s) {
+      int64_t p = item * per_item;
+      const int64_t p1 = std::min(panels, p + per_item);
+      for (; !swiglu && p + 4 <= p1; p += 4) tiles_output_panels<BITS, 4>(g, q, x, p, false, s);
+      for (; p + 2 <= p1; p += 2) tiles_output_panels<BITS, 2>(g, q, x, p, swiglu, s);
+      for (; p < p1; ++p) tiles_output_panels<BITS, 1>(g, q, x, p, swiglu, s);
+    });
+  };
+  if (q.bits == 6)
+    run(std::integral_constant<int, 6>());
+  else
+    run(std::integral_constant<int, 4>());
+}
+#endif  // JAXLLM_AMX_BF16 && JAXLLM_AVX512_VBMI
+
+// Rows from which path auto multiplies act8's 4- and 6-bit codes on the tiles (0: never, here).
+inline int64_t act8_tile_rows() {
+#ifdef JAXLLM_CODES_TILES
+  if (amx_ready()) return kAct8TileRows;
+#endif
+  return 0;
+}
+
+}  // namespace
+}  // namespace jaxllm
