@@ -117,6 +117,7 @@ class WeightPlan:
         for name, lp in self.linears.items():
             rows.setdefault(lp, []).append(name)
         pinned = f"; the GEMMs on path {self.gemm_path} at every row count" if self.gemm_path != "auto" else ""
+        pinned += f"; verification steps on path {self.check_path}" if self.check_path else ""
         return (
             "; ".join(
                 f"{', '.join(names)}: {lp.codes or self.dtype} via {lp.kernel}"

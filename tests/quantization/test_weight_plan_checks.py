@@ -76,6 +76,7 @@ def test_verification_steps_keep_off_amx_tiles(platform, fields, checkpoint, pat
     args = EngineArgs(**fields, speculative_config=draft)
     plan = resolve_weight_plan(args, platform, one_device=True, checkpoint=checkpoint, tied=True)
     assert plan.check_path == path
+    assert ("verification steps on path avx512" in plan.describe()) == (path is not None)  # (the log says so)
     assert (
         resolve_weight_plan(EngineArgs(**fields), platform, one_device=True, checkpoint=checkpoint).check_path is None
     )

@@ -169,6 +169,15 @@ def test_a_gguf_draft_factors_its_q8_0_codes_and_keeps_the_outputs(tmp_path):
     assert outs == reference and engine.engine.stats.num_accepted_tokens > 0
 
 
+def alone_and_drafting(model_dir: str, args: dict, config: dict, max_tokens: int):
+    """Two prompts, greedy sampling params, the greedy outputs of `model_dir` alone, and an
+    engine of it with the speculative `config`: (prompts, params, outputs, engine)."""
+    prompts = ["Hello, my name is", "The capital of France is"]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in LLM(model_dir, **args).generate(prompts, params, use_tqdm=False)]
+    return prompts, params, reference, LLM(model_dir, **args, speculative_config=config)
+
+
 @needs_native
 @pytest.mark.skipif(not native.has_bf16_dots(), reason="no AVX512_BF16 dots here")
 def test_an_int4_draft_factors_its_codes_under_bf16_and_keeps_the_outputs(tmp_path, tiny_model_dir):
@@ -176,11 +185,8 @@ def test_an_int4_draft_factors_its_codes_under_bf16_and_keeps_the_outputs(tmp_pa
     # codes (and its 8-bit LM head, rounded to 6 bits) factor their scales, where the plan alone
     # leaves codes quantized on load unfactored; the outputs are the target's.
     args = dict(TINY_ENGINE_ARGS, dtype="bfloat16", params_cache_dir=str(tmp_path / "params"))
-    prompts = ["Hello, my name is", "The capital of France is"]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    reference = [o.outputs[0].token_ids for o in LLM(tiny_model_dir, **args).generate(prompts, params, use_tqdm=False)]
     config = {"model": tiny_model_dir, "num_speculative_tokens": 3, "quantization": "int4"}
-    engine = LLM(tiny_model_dir, **args, speculative_config=config)
+    prompts, params, reference, engine = alone_and_drafting(tiny_model_dir, args, config, max_tokens=16)
     leaves = jax.tree.leaves(
         engine.engine.scheduler.proposer.runner.params, is_leaf=lambda x: isinstance(x, QuantizedWeight)
     )
@@ -194,11 +200,8 @@ def test_an_int4_draft_quantizes_its_layers_in_groups_of_draft_int4_group_rows(t
     # The target asked for int4 keeps groups of 32 rows; its draft (the same checkpoint, int4
     # asked in the config) groups DRAFT_INT4_GROUP rows; greedy outputs stay the target's.
     args = dict(TINY_ENGINE_ARGS, quantization="int4", params_cache_dir=str(tmp_path / "params"))
-    prompts = ["Hello, my name is", "The capital of France is"]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    reference = [o.outputs[0].token_ids for o in LLM(tiny_model_dir, **args).generate(prompts, params, use_tqdm=False)]
     config = {"model": tiny_model_dir, "num_speculative_tokens": 2, "quantization": "int4"}
-    engine = LLM(tiny_model_dir, **args, speculative_config=config)
+    prompts, params, reference, engine = alone_and_drafting(tiny_model_dir, args, config, max_tokens=12)
 
     def downs(runner):
         return [layer["w_down"] for layer in runner.params["layers"]]
