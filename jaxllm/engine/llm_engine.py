@@ -22,14 +22,13 @@ from jaxllm.core.request import Request, RequestStatus
 from jaxllm.engine.core import DataParallelEngineCore, EngineCore, EngineStats
 from jaxllm.engine.output_processor import OUTPUT_KINDS, OutputProcessor
 from jaxllm.weights.prepare import PreparedModel, int8_dot_checkpoint, load_with_plan, prepare_weights
-from jaxllm.spec_decode.draft_model import DRAFT_INT4_GROUP, factored_draft, first_ids_only
+from jaxllm.spec_decode.draft_model import load_draft
 from jaxllm.outputs import RequestOutput
 from jaxllm.platforms import Platform
 from jaxllm.quantization.activations import int8_activation_weights
 from jaxllm.runner import compile as compile_mod
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.structured_output import Matcher, StructuredOutputManager, token_filters
-from jaxllm.weights.plan import QUANTIZE_METHODS
 from jaxllm.engine.pooling import PoolingMixin, resolve_runner
 from jaxllm.engine.lora import LoRAMixin
 from jaxllm.engine.trainer import TrainerMixin
@@ -95,7 +94,16 @@ class LLMEngine(TrainerMixin, PoolingMixin, LoRAMixin):
             ),
             check_path=plan.check_path,
         )
-        self._build_cores(model, mesh, self._load_draft(asked, platform, progress, plan.int8_activations))
+        draft = load_draft(
+            self.config.speculative,
+            asked,
+            self.cfg,
+            self.config.scheduler.max_model_len,
+            platform,
+            progress=progress,
+            int8_activations=plan.int8_activations,
+        )
+        self._build_cores(model, mesh, draft)
         self._init_lora()
         self._params = model.params  # the whole tree (data parallel replicas step with views of it)
         self._updates = UpdatePlan.for_engine(loaded.cfg, plan, mesh, model.params)
@@ -158,55 +166,6 @@ class LLMEngine(TrainerMixin, PoolingMixin, LoRAMixin):
         self.warmup_seconds = sum(r.runner.warmup(progress, background) for r in self.replicas)
         if self.scheduler.proposer is not None:
             self.warmup_seconds += self.scheduler.proposer.warmup(progress, background)
-
-    def _load_draft(
-        self, args: EngineArgs, platform: Platform, progress: bool, int8_activations: bool
-    ) -> PreparedModel | None:
-        """The draft model of draft-model speculative decoding (checked against the target), its
-        weights prepared by a plan of its own from the options asked (`args`): the target's, but
-        a checkpoint method or small-step codes asked for the target are the draft's only where
-        its checkpoint allows, int8 activations left to the plan (dtype auto's float32) follow the
-        target's (`int8_activations`: its plan's outcome), also over codes quantized on load (`int4`
-        in groups of DRAFT_INT4_GROUP rows), and
-        the draft's codes factor their scales or multiply int8 rows unless small_step_factored is
-        False or batch_invariant asked (its numbers decide only which drafts are accepted, never
-        the output), Q8_0's codes too, rounded to 6 bits; `draft_vocab_size` cuts its LM head
-        (spec_decode/draft_model.py `factored_draft`, `first_ids_only`)."""
-        speculative = self.config.speculative
-        if speculative is None or speculative.method != "draft_model":
-            return None
-        asked = args.quantization if args.quantization in (*QUANTIZE_METHODS, "none") else None
-        if speculative.quantization is not None:  # (asked for the draft itself)
-            asked = speculative.quantization
-        draft_args = dataclasses.replace(
-            args,
-            model=speculative.model,
-            quantization=asked,
-            small_step_codes=None if args.small_step_codes else args.small_step_codes,
-            small_step_factored=None if args.small_step_factored else args.small_step_factored,
-            speculative_config=None,
-            int8_activations=int8_activations if args.int8_activations is None else args.int8_activations,
-        )
-        draft, plan = load_with_plan(draft_args, platform, None, one_device=True, progress=progress)
-        plan = dataclasses.replace(plan, int4_group=DRAFT_INT4_GROUP)
-        if draft.cfg.vocab_size != self.cfg.vocab_size:
-            raise ValueError(
-                f"the draft model {speculative.model!r} has a vocabulary of {draft.cfg.vocab_size} "
-                f"tokens, the target {self.cfg.vocab_size}: they must share one"
-            )
-        if draft.cfg.max_position_embeddings < self.config.scheduler.max_model_len:
-            raise ValueError(
-                f"the draft model's context ({draft.cfg.max_position_embeddings}) is shorter than "
-                f"max_model_len ({self.config.scheduler.max_model_len})"
-            )
-        tokenizer = draft.resolve_tokenizer() if plan.smooth else None
-        weights = prepare_weights(draft.params, draft.cfg, plan, tokenizer=tokenizer, log=False)
-        prepared = PreparedModel(draft.cfg, *weights)
-        if draft_args.small_step_factored is not False and not draft_args.batch_invariant:
-            prepared = factored_draft(prepared, int8=plan.int8_activations and plan.dtype == "float32")
-        if speculative.draft_vocab_size is not None:
-            prepared = first_ids_only(prepared, speculative.draft_vocab_size)
-        return prepared
 
     # ----- requests -----
     def tokenize(self, prompt: str) -> list[int]:

@@ -240,9 +240,12 @@ class CompiledSteps:
         self, jitted, buckets: list[Bucket], store: ExecutableStore | None, abstract_args, own_kind: bool = False
     ):
         self.jitted, self.buckets, self.store = jitted, buckets, store
-        # A bucket serves only steps of its own kind, logits for every token (verification) or
-        # not: where verification steps take other weights than the rest (`ModelRunner.check_path`).
-        self.own_kind = own_kind
+        # With `own_kind` a bucket serves only steps of its own kind, logits for every token
+        # (verification) or not: where verification steps take other weights than the rest
+        # (`ModelRunner.check_path`). The buckets a demand may take, by its all_logits.
+        self._serving = {
+            wanted: [b for b in buckets if b.all_logits == wanted] if own_kind else buckets for wanted in (False, True)
+        }
         self._abstract_args = abstract_args
         self.ready: dict[Bucket, jax.stages.Compiled] = {}
         self.pending: dict[Bucket, Future] = {}  # compiling or loading on `_pool`
@@ -345,9 +348,7 @@ class CompiledSteps:
         """The smallest bucket that holds `demand` (tokens, decodes, prefill rows, sequences) and
         is ready, else the smallest that holds it (`get` then waits for it, or compiles it). The
         smallest, if it is in the store only, starts loading in the background."""
-        buckets = self.buckets
-        if self.own_kind:
-            buckets = [b for b in buckets if b.all_logits == (len(demand) > 4 and demand[4])]
+        buckets = self._serving[len(demand) > 4 and bool(demand[4])]
         fits = [b for b in buckets if b.fits(*demand)] or [pick_bucket(buckets, *demand)]  # (raises)
         with self._lock:
             key = self.stored.pop(fits[0], None)

@@ -42,6 +42,8 @@ from jaxllm.quantization.activations import with_factored, with_int8_activations
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.spec_decode.proposer import Proposer
 from jaxllm.utils import cdiv
+from jaxllm.weights.plan import QUANTIZE_METHODS
+from jaxllm.weights.prepare import PreparedModel, load_with_plan, prepare_weights
 
 # Rows a group of a draft's int4 codes quantized on load (`"quantization": "int4"` in the config;
 # the layers' matrices, 32 for a model's own): 4.5 bits a weight, where 32 rows take 5. The
@@ -49,6 +51,56 @@ from jaxllm.utils import cdiv
 # one stream 1.05-1.07x as fast, acceptance unchanged (83% on code, 75-78% on chat); 128 rows
 # lost some acceptance on chat (benchmarks/results/zen4/RESULTS.md).
 DRAFT_INT4_GROUP = 64
+
+
+def load_draft(
+    speculative, args, target_cfg, max_model_len: int, platform, *, progress: bool, int8_activations: bool
+) -> PreparedModel | None:
+    """The draft model of draft-model speculative decoding (`speculative`: the engine's
+    SpeculativeConfig; None or n-gram: no draft), checked against the target (`target_cfg`,
+    `max_model_len`), its weights prepared by a plan of its own from the options asked
+    (`args`): the target's, but a checkpoint method or small-step codes asked for the target are
+    the draft's only where its checkpoint allows, int8 activations left to the plan (dtype
+    auto's float32) follow the target's (`int8_activations`: its plan's outcome), also over codes
+    quantized on load (`int4` in groups of DRAFT_INT4_GROUP rows), and the draft's codes factor
+    their scales or multiply int8 rows unless small_step_factored is False or batch_invariant
+    asked (its numbers decide only which drafts are accepted, never the output), Q8_0's codes
+    too, rounded to 6 bits; `draft_vocab_size` cuts its LM head (`factored_draft`,
+    `first_ids_only`)."""
+    if speculative is None or speculative.method != "draft_model":
+        return None
+    asked = args.quantization if args.quantization in (*QUANTIZE_METHODS, "none") else None
+    if speculative.quantization is not None:  # (asked for the draft itself)
+        asked = speculative.quantization
+    draft_args = dataclasses.replace(
+        args,
+        model=speculative.model,
+        quantization=asked,
+        small_step_codes=None if args.small_step_codes else args.small_step_codes,
+        small_step_factored=None if args.small_step_factored else args.small_step_factored,
+        speculative_config=None,
+        int8_activations=int8_activations if args.int8_activations is None else args.int8_activations,
+    )
+    draft, plan = load_with_plan(draft_args, platform, None, one_device=True, progress=progress)
+    plan = dataclasses.replace(plan, int4_group=DRAFT_INT4_GROUP)
+    if draft.cfg.vocab_size != target_cfg.vocab_size:
+        raise ValueError(
+            f"the draft model {speculative.model!r} has a vocabulary of {draft.cfg.vocab_size} "
+            f"tokens, the target {target_cfg.vocab_size}: they must share one"
+        )
+    if draft.cfg.max_position_embeddings < max_model_len:
+        raise ValueError(
+            f"the draft model's context ({draft.cfg.max_position_embeddings}) is shorter than "
+            f"max_model_len ({max_model_len})"
+        )
+    tokenizer = draft.resolve_tokenizer() if plan.smooth else None
+    weights = prepare_weights(draft.params, draft.cfg, plan, tokenizer=tokenizer, log=False)
+    prepared = PreparedModel(draft.cfg, *weights)
+    if draft_args.small_step_factored is not False and not draft_args.batch_invariant:
+        prepared = factored_draft(prepared, int8=plan.int8_activations and plan.dtype == "float32")
+    if speculative.draft_vocab_size is not None:
+        prepared = first_ids_only(prepared, speculative.draft_vocab_size)
+    return prepared
 
 
 def factored_draft(model, int8: bool = False):

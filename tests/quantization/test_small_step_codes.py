@@ -232,9 +232,9 @@ def test_codes_alone_factor_the_checks_of_drafts_too(exact_small_steps, monkeypa
     # does, so the greedy tokens and their logprobs equal those without drafts (the file drafting
     # for itself: every draft accepted, each check's rows all used; its Q8_0 codes not rounded to
     # 6 bits, as a draft's are, so that it has the target's numbers).
-    from jaxllm.engine import llm_engine
+    from jaxllm.spec_decode import draft_model
 
-    monkeypatch.setattr(llm_engine, "factored_draft", lambda model, int8=False: model)
+    monkeypatch.setattr(draft_model, "factored_draft", lambda model, int8=False: model)
     path, args, _ = exact_small_steps
     plain = all_steps_loaded(LLM(path, quantization="gguf", **args, **FACTORED_ON_AMX))
     spec = all_steps_loaded(
