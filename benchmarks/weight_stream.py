@@ -10,7 +10,8 @@ ones, "q6 six-bit"), 4-bit and 8-bit (Q6_K-like, in [-32, 31]) codes through the
 weight-only kernel (`matmul_quantized`, dequantizing each weight or, "factored", with the
 group scales factored out of the sums: the float32 engine's decodes on AVX2, whose code path
 the kernel takes on AVX-512 CPUs too), 4-bit codes x int8 rows ("q4 x int8", `act8=True`:
-llama.cpp's scheme, the codes in `quads`; "q4 x int8 avx2" its AVX2 kernel; "q6 x int8" the
+llama.cpp's scheme, the codes in `quads`, on AMX's int8 tiles from 2 rows where the CPU has
+them; "q4 x int8 vnni" the same without the tiles; "q4 x int8 avx2" its AVX2 kernel; "q6 x int8" the
 Q6_K-like codes so, from 6 bits: `gemm.six_bit_quads`; "q6k six-bit" and "q6k x int8" the same
 codes with Q6_K's two-level scales, int8 per 16 rows under f16 per 256), f32 panels (the
 float32 dtype's GEMM, `csrc/gemm.cc`) and W8A8 (8-bit codes x int8 activations,
@@ -29,6 +30,7 @@ weights and codes (timing only).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -56,13 +58,16 @@ PATHS = (
     "q4 x bf16",
     "q4 factored",
     "q4 x int8",
+    "q4 x int8 vnni",
     "q4 x int8 avx2",
     "q6 x int8",
+    "q6 x int8 vnni",
     "q8 x bf16",
     "q6 factored",
     "q6 six-bit",
     "q6k six-bit",
     "q6k x int8",
+    "q6k x int8 vnni",
     "q4 f32 kernel",
     "q4 f32 factored",
     "q8 f32 kernel",
@@ -71,6 +76,7 @@ PATHS = (
     "w8a8",
     "w8a8 per row",
 )
+VNNI = " vnni"  # (a path's suffix: the int8 rows without AMX's int8 tiles, native.int8_tile_rows_set(0))
 BF16_PATHS = ("bf16", "q4 x bf16", "q4 factored", "q8 x bf16", "q6 factored", "q6 six-bit", "q6k six-bit")
 
 
@@ -115,8 +121,9 @@ def main(argv=None) -> int:
     weights = {name: [] for name in paths}
 
     def add(name, make):
-        if name in weights:
-            weights[name].append(make())
+        for each in (name, name + VNNI):
+            if each in weights:
+                weights[each].append(make())
 
     for _ in range(layers):
         for k, n, _ in shapes:
@@ -170,7 +177,7 @@ def main(argv=None) -> int:
         "w8a8": lambda h, w, sw: quant.matmul(h, w, swiglu=sw),
         "w8a8 per row": lambda h, w, sw: quant.matmul(h, w, swiglu=sw),
     }
-    calls = {name: chain(matmuls[name], layers, shapes) for name in paths}
+    calls = {name: chain(matmuls[name.removesuffix(VNNI)], layers, shapes) for name in paths}
     nbytes = {name: sum(a.nbytes for a in jax.tree_util.tree_leaves(weights[name])) for name in paths}
     flops_per_row = 2 * layers * sum(k * n for k, n, _ in shapes)
     rows = []
@@ -179,12 +186,13 @@ def main(argv=None) -> int:
         x = jnp.asarray(rng.standard_normal((m, shapes[0][0])).astype(np.float32))
         best = {}
         for name, call in calls.items():
-            jax.block_until_ready(call(x, weights[name]))
-            times = []
-            for _ in range(args.repeat):
-                t = time.perf_counter()
+            with native.int8_tile_rows_set(0) if name.endswith(VNNI) else contextlib.nullcontext():
                 jax.block_until_ready(call(x, weights[name]))
-                times.append(time.perf_counter() - t)
+                times = []
+                for _ in range(args.repeat):
+                    t = time.perf_counter()
+                    jax.block_until_ready(call(x, weights[name]))
+                    times.append(time.perf_counter() - t)
             best[name] = min(times)
         row = {
             "rows": m,

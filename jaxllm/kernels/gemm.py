@@ -372,7 +372,9 @@ def matmul_quantized(
     multiple of 4 dividing K), as `kv_write.int8_rows` does a row (csrc/gemm_w8a8.cc); `bias`,
     int32 [K / act_group (1 for 0), N] or None, is then 128 times each column's code sum over
     each group (`QuantizedWeight.bias`; None: summed in the call). `rows`, `swiglu`: as for
-    `matmul_packed`. With AMX, a call of 4- or 6-bit codes x int8 rows takes the bf16 tiles
+    `matmul_packed`. With AMX-INT8, a call of 4- or 6-bit codes x int8 rows from
+    `native.int8_tile_rows()` rows (path auto or avx512) sums its products on the int8 tiles,
+    the VNNI kernels' numbers exactly. With AMX, a call of 4- or 6-bit codes x int8 rows takes the bf16 tiles
     instead from `native.act8_tile_rows()` rows (path auto; every call with path "amx"): x and
     the weights rounded to bf16, a prompt's rows several times faster (csrc/gemm_codes_tiles.cc;
     `act8_on_tiles`). `factored` (float activations, groups of an even number of rows, AVX2): calls of

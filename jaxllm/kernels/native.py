@@ -286,6 +286,26 @@ def act8_tile_rows() -> int:
     return _act8_tile_rows if available() else 0
 
 
+def int8_tile_rows() -> int:
+    """The fewest rows from which `gemm.matmul_quantized(..., act8=True)` over 4-bit codes runs
+    on AMX's int8 tiles under path auto or avx512 (the VNNI kernels' numbers exactly, at fewer
+    instructions), 0 where it never does (no AMX-INT8 or tile permission here)."""
+    return int(_lib.JaxllmInt8TileRows(-1)) if available() else 0
+
+
+@contextlib.contextmanager
+def int8_tile_rows_set(rows: int):
+    """Within the block, the int8 tiles take calls from `rows` rows (0: none), as
+    `int8_tile_rows` says; for benchmarks and tests that compare them with the VNNI kernels.
+    Process-wide: only where no other thread runs these kernels meanwhile."""
+    before = int(_lib.JaxllmInt8TileRows(rows)) if available() else 0
+    try:
+        yield
+    finally:
+        if before:
+            _lib.JaxllmInt8TileRows(before)
+
+
 def available() -> bool:
     return _load() is None
 

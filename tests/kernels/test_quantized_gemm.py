@@ -176,6 +176,40 @@ def test_matmul_quantized_int8_activations_two_level_scales(rows):
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("k, levels", [(96, 1), (256, 2)])
+def test_int8_rows_take_the_same_numbers_on_every_row_count(k, levels):
+    # 4-bit codes x int8 rows: on AMX's int8 tiles (from `native.int8_tile_rows()` rows with path
+    # auto or avx512, here set to 2) the VNNI kernels' numbers exactly, so each row of a call of
+    # 2-35 rows (blocks of 16 and the rest; an odd and an even number of activation groups) equals
+    # the row computed alone and the call without the tiles; one- and two-level scales, SwiGLU.
+    rng = np.random.default_rng(k)
+    n, groups = 64, k // 32
+    x = rng.standard_normal((35, k)).astype(np.float32)
+    codes = gemm.pack_codes(rng.integers(0, 16, (k, n)), 4, quads=True)
+    if levels == 1:
+        scales = (P(rng.random((groups, n)).astype(np.float16)), P(rng.standard_normal((groups, n)).astype(np.float16)))
+        supers = {}
+    else:
+        scales = (
+            P(rng.integers(1, 64, (groups, n)).astype(np.int8)),
+            P(rng.integers(-64, 0, (groups, n)).astype(np.int8)),
+        )
+        sup = [P((rng.random((groups // 8 or 1, n)) * 0.01).astype(np.float16)) for _ in range(2)]
+        supers = {"super_scale": sup[0], "super_offset": sup[1]}
+    for swiglu in (False, True):
+        call = jax.jit(
+            functools.partial(gemm.matmul_quantized, bits=4, act8=True, swiglu=swiglu, path="avx512", **supers)
+        )
+        alone = np.concatenate([np.asarray(call(x[i : i + 1], codes, *scales)) for i in range(len(x))])
+        for rows in (2, 5, 16, 17, 35):
+            with native.int8_tile_rows_set(2):
+                tiles = np.asarray(call(x[:rows], codes, *scales))
+            with native.int8_tile_rows_set(0):
+                vnni = np.asarray(call(x[:rows], codes, *scales))
+            np.testing.assert_array_equal(tiles, alone[:rows])
+            np.testing.assert_array_equal(vnni, alone[:rows])
+
+
 def test_with_int8_activations_repacks_codes_in_quads():
     # The quads order holds the same codes (unpacked, dequantized, shape) as the float panels,
     # repacked panel by panel as packing them afresh, and multiplies as act8_reference says.

@@ -87,6 +87,29 @@ def test_matmul_six_bit_int8_activations_matches_numpy(rows, kind):
     assert np.abs(ref - exact).max() < 0.02 * np.abs(exact).max()
 
 
+@pytest.mark.parametrize("kind, k", [("q6_k", 256), ("q5_0", 96), ("q5_k", 256), ("q4_k+q6_k", 512)])
+def test_six_bit_int8_rows_take_the_same_numbers_on_every_row_count(kind, k):
+    # As the 4-bit codes' test in test_quantized_gemm.py: on AMX's int8 tiles (set to take calls
+    # from 2 rows) each row of a call of 2-35 rows equals the row alone and the call without the
+    # tiles, for each scale layout (Q5_0 at K = 96: an odd number of activation groups), SwiGLU.
+    rng = np.random.default_rng(k)
+    codes, scales, supers, _, _ = case(kind, k, 64, rng)
+    six = gemm.pack_codes(codes, 6, quads=True)
+    x = rng.standard_normal((35, k)).astype(np.float32)
+    for swiglu in (False, True):
+        call = jax.jit(
+            functools.partial(gemm.matmul_quantized, bits=6, act8=True, swiglu=swiglu, path="avx512", **supers)
+        )
+        alone = np.concatenate([np.asarray(call(x[i : i + 1], six, *scales)) for i in range(len(x))])
+        for rows in (2, 5, 16, 17, 35):
+            with native.int8_tile_rows_set(2):
+                tiles = np.asarray(call(x[:rows], six, *scales))
+            with native.int8_tile_rows_set(0):
+                vnni = np.asarray(call(x[:rows], six, *scales))
+            np.testing.assert_array_equal(tiles, alone[:rows])
+            np.testing.assert_array_equal(vnni, alone[:rows])
+
+
 @pytest.mark.parametrize("rows", [2, 7])
 def test_matmul_six_bit_int8_activations_swiglu_and_live_rows(rows):
     rng = np.random.default_rng(rows)

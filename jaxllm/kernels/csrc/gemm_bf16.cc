@@ -149,13 +149,6 @@ inline int32_t bf16_gemm_path(int32_t path, int64_t M) {
 
 #ifdef JAXLLM_AMX_BF16
 
-// ldtilecfg's 64-byte operand (palette 1): each tile's rows and bytes per row.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles 0-3: the sums C[b][j] of row block b (16 rows) and panel j of a pair, tile 2 b + j;
 // 4-5: x's row blocks (16 rows x 16 k-pairs); 6-7: the pair's panels (16 k-pairs x 16 columns).
 // `m` rows (1-32): tiles of the second block exist only from 17 rows.
@@ -166,7 +159,7 @@ inline void amx_configure(int64_t m) {
   for (int t : {2, 3, 5}) c.rows[t] = m1;
   for (int t : {6, 7}) c.rows[t] = 16;
   for (int t = 0; t < 8; ++t) c.colsb[t] = c.rows[t] ? 64 : 0;
-  _tile_loadconfig(&c);
+  load_tile_config(c);
 }
 
 // Rows x[0 .. 16 or 32) (TWO: both blocks) against panels w0 and w1 over all KP k-pairs; the

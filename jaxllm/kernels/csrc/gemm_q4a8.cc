@@ -252,6 +252,118 @@ void q4a8_rows_vnni_blocks(const QuantPanel& q, const int64_t* panel, const ActQ
 }
 #endif  // AVX512_VNNI
 
+#ifdef JAXLLM_AMX_INT8
+// The int8 rows on AMX's int8 tiles: per activation group a TDPBSUD of x's rows (signed q, one
+// group's bytes a row) by the panel's codes of the group (unsigned, the quads' nibbles split into
+// tile rows of 4 rows of K x 16 columns: the order VPDPBUSD takes them in), whose int32 sums are
+// the VNNI kernels' own, then the same float steps (add_group_sums) in the same order: the same
+// numbers for every row count, at a fraction of the instructions from a few rows on.
+// Fewest rows a call of path auto or avx512 multiplies on them (0: never); benchmarks and tests
+// set it (`native.set_int8_tile_rows`).
+inline int64_t int8_tile_rows_min = 8;
+
+// The path a call of int8 rows takes: kAmx standing for the int8 tiles.
+inline int32_t int8_rows_path(int32_t path, int64_t M) {
+  const bool tiles = (path == kAuto || path == kAvx512) && int8_tile_rows_min > 0 && M >= int8_tile_rows_min;
+  return tiles && amx_ready() ? kAmx : path;
+}
+
+// Tiles t and t + 3 for groups of even and odd numbers: 0/3 x's rows (rows x `group` bytes),
+// 1/4 the codes (group / 4 rows of 64 bytes), 2/5 the int32 sums (rows x 16).
+inline void int8_tiles_configure(int64_t rows, int64_t group) {
+  TileConfig c;
+  for (int t : {0, 3}) c.rows[t] = static_cast<uint8_t>(rows), c.colsb[t] = static_cast<uint16_t>(group);
+  for (int t : {1, 4}) c.rows[t] = static_cast<uint8_t>(group / 4), c.colsb[t] = 64;
+  for (int t : {2, 5}) c.rows[t] = static_cast<uint8_t>(rows), c.colsb[t] = 64;
+  load_tile_config(c);
+}
+
+// Group b's codes into 8 rows of 64 bytes in `words`, each 4 rows of K x 16 columns (the
+// operand tile's rows), x's group then read from a.q + b * kActGroup.
+inline void q4_group_words(const uint8_t* codes, int64_t b, uint8_t (*words)[64]) {
+  const __m512i low4 = _mm512_set1_epi8(15);
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {
+    const uint8_t* at = codes + (b * kActGroup + 8 * c) * (kPanel / 2);
+    _mm_prefetch(reinterpret_cast<const char*>(at + kQuadsPrefetch), _MM_HINT_T1);
+    const __m512i v = _mm512_loadu_si512(at);
+    _mm512_store_si512(words[2 * c], _mm512_and_si512(v, low4));
+    _mm512_store_si512(words[2 * c + 1], _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+  }
+}
+
+// x's rows (A) by the group's codes (B) into sums C, tiles A, B, C (numbers: GCC's tile
+// intrinsics take literal tile numbers only; its tileloadd does not say it reads memory, so a
+// barrier keeps the stores of `words` before it).
+#define JAXLLM_INT8_TILE_PRODUCT(A, B, C, x, ldx, words) \
+  do {                                                   \
+    __asm__ volatile("" ::: "memory");                   \
+    _tile_loadd(B, words, 64);                           \
+    _tile_loadd(A, x, ldx);                              \
+    _tile_zero(C);                                       \
+    _tile_dpbsud(C, A, B);                               \
+  } while (0)
+
+// R rows (1-16) of panel p into y, software-pipelined: group b's codes are split two groups
+// ahead, its product issued (tiles 0-2 for even b, 3-5 for odd) while b - 1's sums are stored
+// and b - 2's scaled, so that no step waits on the one just before it (scaling each group's sums
+// as soon as they were stored took 1.3x the time at two rows).
+template <int R>
+__attribute__((noinline)) void q4a8_rows_tiles(const QuantPanel& q, int64_t p, const ActQ8& a, float* y,
+                                               int64_t ldy) {
+  const uint8_t* codes = static_cast<const uint8_t*>(q.codes) + p * q.K * (kPanel / 2);
+  const int64_t G = a.groups;
+  alignas(64) uint8_t words[4][8][64];      // group b's codes in words[b % 4]
+  alignas(64) int32_t sums[2][16][kPanel];  // its sums in sums[b % 2]
+  ScaleCursor cursor(q, p);
+  __m512 acc[R], s = _mm512_setzero_ps(), o = _mm512_setzero_ps();
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  const auto product = [&](int64_t b) {
+    if (b + 2 < G) q4_group_words(codes, b + 2, words[(b + 2) % 4]);
+    if (b % 2)
+      JAXLLM_INT8_TILE_PRODUCT(3, 4, 5, a.q + b * kActGroup, a.K, words[b % 4]);
+    else
+      JAXLLM_INT8_TILE_PRODUCT(0, 1, 2, a.q + b * kActGroup, a.K, words[b % 4]);
+  };
+  const auto scale_group = [&](int64_t b) {
+    if (cursor.step(b * kActGroup)) {
+      s = scales_f32x16_at(q, q.scale, q.super_scale, cursor.at, cursor.super_at);
+      if (q.offset) o = scales_f32x16_at(q, q.offset, q.super_offset, cursor.at, cursor.super_at);
+    }
+    __m512i isum[R];
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) isum[i] = _mm512_load_si512(sums[b % 2][i]);
+    add_group_sums<R>(a, b, isum, s, o, acc);
+  };
+  q4_group_words(codes, 0, words[0]);
+  if (G > 1) q4_group_words(codes, 1, words[1]);
+  product(0);
+  for (int64_t b = 0; b < G; ++b) {
+    if (b + 1 < G) product(b + 1);
+    if (b % 2)
+      _tile_stored(5, sums[1], 64);
+    else
+      _tile_stored(2, sums[0], 64);
+    if (b > 0) scale_group(b - 1);
+  }
+  scale_group(G - 1);
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + i * ldy, acc[i]);
+}
+
+// Rows [r0, r1) of panels p and p2 (-1: none) on the int8 tiles, 16 rows at a time.
+template <typename Rows>
+void int8_tiles_block(const ActQ8& a, int64_t r0, int64_t r1, int64_t group, Rows rows) {
+  int64_t configured = 0;
+  in_blocks_of<16>(a, r0, r1, [&](auto R, const ActQ8& block, int64_t i) {
+    if (R.value != configured) int8_tiles_configure(configured = R.value, group);
+    rows(R, block, i);
+  });
+  _tile_release();  // (as gemm_bf16.cc: other tile users load their own configuration)
+}
+#endif  // JAXLLM_AMX_INT8
+
 struct ActQ8Scratch {
   std::vector<float> sums;  // with the SwiGLU epilogue: the item's gate and up sums
 };
@@ -263,6 +375,15 @@ void q4a8_block(const QuantPanel& q, const ActQ8& a, int64_t p, int64_t p2, int6
                 float* y2, int64_t ldy, int32_t path) {
   const int64_t panels[2] = {p, p2};
   float* const outs[2] = {y, y2};
+#ifdef JAXLLM_AMX_INT8
+  if (path == kAmx) {  // (int8_rows_path's: the int8 tiles)
+    for (int j = 0; j < 2 && panels[j] >= 0; ++j)
+      int8_tiles_block(a, r0, r1, kActGroup, [&](auto R, const ActQ8& rows, int64_t i) {
+        q4a8_rows_tiles<decltype(R)::value>(q, panels[j], rows, outs[j] + i * ldy, ldy);
+      });
+    return;
+  }
+#endif
 #ifdef JAXLLM_AVX512_VNNI
   if (path == kAuto || path >= kAvx512) {
     if (p2 >= 0)

@@ -287,12 +287,114 @@ __attribute__((noinline)) void q6a8_rows_vnni(const QuantPanel& q, const int64_t
 }
 #endif  // AVX512_VNNI
 
+#ifdef JAXLLM_AMX_INT8
+// The 6-bit codes on AMX's int8 tiles (gemm_q4a8.cc's q4a8_rows_tiles): a TDPBSUD per 16 rows of
+// K (u = c + 32 by x's q; the sub-scales change every 16 rows), both halves' sums of an
+// activation group then taken as q6a8_rows_vnni takes its parts (+ 2 t, times the sub-scale),
+// and the float steps in its order: its numbers exactly.
+
+// The u of rows kh .. kh + 15 (two blocks) into 4 rows of 64 bytes in `words`, as
+// q6a8_rows_vnni builds its lo and hi.
+inline void q6_half_words(const uint8_t* codes, int64_t kh, uint8_t (*words)[64]) {
+  const __m512i nibble = _mm512_set1_epi8(15), low_tops = _mm512_set1_epi8(0x33),
+                high_tops = _mm512_set1_epi8(static_cast<char>(0xCC));
+  const __m512i turn_low = _mm512_set_epi64(0, 0, 0, 0, 4, 4, 4, 4),
+                turn_high = _mm512_set_epi64(62, 62, 62, 62, 2, 2, 2, 2);
+#pragma GCC unroll 2
+  for (int c = 0; c < 2; ++c) {
+    const uint8_t* blk = codes + (kh / 8 + c) * kSixBlock;
+    _mm_prefetch(reinterpret_cast<const char*>(blk + kQuadsPrefetch), _MM_HINT_T1);
+    const __m512i v = _mm512_loadu_si512(blk);
+    const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64)));
+    const __m512i t_lo = _mm512_rolv_epi64(_mm512_and_si512(h, low_tops), turn_low);
+    const __m512i t_hi = _mm512_rolv_epi64(_mm512_and_si512(h, high_tops), turn_high);
+    _mm512_store_si512(words[2 * c], _mm512_ternarylogic_epi32(nibble, v, t_lo, 0xCA));
+    _mm512_store_si512(words[2 * c + 1], _mm512_ternarylogic_epi32(nibble, _mm512_srli_epi16(v, 4), t_hi, 0xCA));
+  }
+}
+
+// R rows (1-16) of panel p into y, pipelined by halves of an activation group (half h: rows
+// 16 h .. 16 h + 15 of K, tiles 0-2 for even h, 3-5 for odd): h + 1's product issued while h's
+// sums are stored, and a group scaled once its halves' sums have been stored a step before.
+template <int R>
+__attribute__((noinline)) void q6a8_rows_tiles(const QuantPanel& q, int64_t p, const ActQ8& a, float* y,
+                                               int64_t ldy) {
+  const uint8_t* codes = static_cast<const uint8_t*>(q.codes) + p * (q.K / 8) * kSixBlock;
+  const int64_t H = a.K / 16, G = a.groups;
+  const bool offset16 = q.offset && q.group % kActGroup;
+  alignas(64) uint8_t words[4][4][64];      // half h's u in words[h % 4]
+  alignas(64) int32_t sums[4][16][kPanel];  // its sums in sums[h % 4]
+  ScaleCursor cursor(q, p);
+  __m512 acc[R];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  const auto product = [&](int64_t h) {
+    if (h + 2 < H) q6_half_words(codes, 16 * (h + 2), words[(h + 2) % 4]);
+    if (h % 2)
+      JAXLLM_INT8_TILE_PRODUCT(3, 4, 5, a.q + 16 * h, a.K, words[h % 4]);
+    else
+      JAXLLM_INT8_TILE_PRODUCT(0, 1, 2, a.q + 16 * h, a.K, words[h % 4]);
+  };
+  const auto scale_group = [&](int64_t b) {
+    __m512i isum[R];
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) isum[i] = _mm512_setzero_si512();
+    for (int64_t h = 2 * b; h < 2 * b + 2; ++h) {
+      cursor.step(16 * h);
+      if (offset16) {  // offset * xsum over the 16 rows
+        const __m512 o = scales_f32x16_at(q, q.offset, q.super_offset, cursor.at, cursor.super_at);
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i) acc[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(a.s16[i * H + h]), acc[i]);
+      }
+      __m512i m = _mm512_set1_epi32(1);
+      if (q.super_scale)
+        m = _mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(q.scale) + cursor.at)));
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+        const __m512i part = _mm512_add_epi32(_mm512_load_si512(sums[h % 4][i]), _mm512_set1_epi32(2 * a.t[i * H + h]));
+        isum[i] = _mm512_add_epi32(isum[i], q.super_scale ? _mm512_mullo_epi32(part, m) : part);
+      }
+    }
+    const __m512 f = q.super_scale ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                         q.super_scale + cursor.super_at)))
+                                   : scales_f32x16_at(q, q.scale, nullptr, cursor.at, 0);
+    const __m512 o = q.offset && !offset16 ? scales_f32x16_at(q, q.offset, q.super_offset, cursor.at, cursor.super_at)
+                                           : _mm512_setzero_ps();
+    add_group_sums<R>(a, b, isum, f, o, acc);
+  };
+  q6_half_words(codes, 0, words[0]);
+  q6_half_words(codes, 16, words[1]);
+  product(0);
+  for (int64_t h = 0; h < H; ++h) {
+    if (h + 1 < H) product(h + 1);
+    if (h % 2)
+      _tile_stored(5, sums[h % 4], 64);
+    else
+      _tile_stored(2, sums[h % 4], 64);
+    if (h % 2 && h >= 3) scale_group(h / 2 - 1);
+  }
+  scale_group(G - 1);
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + i * ldy, acc[i]);
+}
+#endif  // JAXLLM_AMX_INT8
+
 // Rows [r0, r1) of x (quantized in a), panel p's columns into y and panel p2's (-1: none) into
 // y2 (row stride ldy): with AVX512_VNNI both at once, else one after the other.
 void q6a8_block(const QuantPanel& q, const ActQ8& a, int64_t p, int64_t p2, int64_t r0, int64_t r1, float* y,
                 float* y2, int64_t ldy, int32_t path) {
   const int64_t panels[2] = {p, p2};
   float* const outs[2] = {y, y2};
+#ifdef JAXLLM_AMX_INT8
+  if (path == kAmx) {  // (int8_rows_path's: the int8 tiles)
+    for (int j = 0; j < 2 && panels[j] >= 0; ++j)
+      int8_tiles_block(a, r0, r1, 16, [&](auto R, const ActQ8& rows, int64_t i) {
+        q6a8_rows_tiles<decltype(R)::value>(q, panels[j], rows, outs[j] + i * ldy, ldy);
+      });
+    return;
+  }
+#endif
 #ifdef JAXLLM_AVX512_VNNI
   if (path == kAuto || path >= kAvx512) {
     if (p2 >= 0) {
@@ -327,6 +429,9 @@ void q6a8_block(const QuantPanel& q, const ActQ8& a, int64_t p, int64_t p2, int6
 // y = x @ w for 4- or 6-bit codes x int8 rows (MatmulQuantImpl's act8 path for them).
 void matmul_int8_rows(ffi::ThreadPool& pool, const GemmArgs& g, const QuantPanel& q, int32_t path, int32_t swiglu) {
   const ActQ8 a = quantize_activations(pool, g, q.bits == 6);
+#ifdef JAXLLM_AMX_INT8
+  path = int8_rows_path(path, g.M);
+#endif
   int8_rows_items<ActQ8Scratch, true>(pool, g, swiglu, path, [&](int64_t p, int64_t p2, int64_t r0, int64_t r1,
                                                                   float* y, float* y2, int64_t ldy, ActQ8Scratch&) {
     if (q.bits == 6)  // two panels at a time

@@ -161,7 +161,7 @@ void accumulate_rows_amx(const uint16_t* xa, int64_t ldx, const uint32_t* b, int
       c.rows[2] = static_cast<uint8_t>(chunk);
       c.colsb[0] = c.colsb[2] = 64;
       c.colsb[1] = static_cast<uint16_t>(chunk * 4);
-      _tile_loadconfig(&c);
+      load_tile_config(c);
       configured = m;
     }
     const uint16_t* x = xa + i * ldx;

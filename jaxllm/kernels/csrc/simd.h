@@ -32,6 +32,10 @@
 #define JAXLLM_AMX_BF16 1
 #include <sys/syscall.h>
 #include <unistd.h>
+// And its int8 tiles (the int8 rows' kernels from two rows, gemm_q4a8.cc and gemm_q6a8.cc).
+#if defined(__AMX_INT8__) && defined(__AVX512VNNI__)
+#define JAXLLM_AMX_INT8 1
+#endif
 #endif
 
 namespace jaxllm {
@@ -39,7 +43,9 @@ namespace jaxllm {
 // The kernels' code paths, narrowest first; a build has those its -march allows (attention
 // has portable, AVX2 and AVX-512; the f32 GEMM portable and AVX2, the bf16 one portable,
 // AVX-512 with BF16 and AMX). A `path` argument names the widest to try: a kernel without code
-// for it runs its widest below (AMX is AVX-512 everywhere but in the bf16 GEMM).
+// for it runs its widest below (AMX is AVX-512 everywhere but in the bf16 GEMM; the int8 rows'
+// kernels take AMX's int8 tiles under auto and AVX-512 alike, since they compute the VNNI
+// kernels' numbers exactly, and AMX's bf16 tiles under amx).
 enum KernelPath : int32_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3, kAmx = 4 };
 
 #ifdef JAXLLM_AMX_BF16
@@ -52,6 +58,17 @@ inline bool amx_ready() {
   }();
   return ready;
 }
+
+// ldtilecfg's 64-byte operand (palette 1): each tile's rows and bytes per row.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// ldtilecfg of all of c (GCC's _tile_loadconfig names only its first 8 bytes as read, so the
+// compiler may leave the rest of a local config unwritten: a fault).
+inline void load_tile_config(const TileConfig& c) { __asm__ volatile("ldtilecfg %0" ::"m"(c)); }
 #endif
 
 // Bit p set: path p is built into this library (AMX: and this process may use its tiles).
