@@ -257,9 +257,13 @@ void q4a8_rows_vnni_blocks(const QuantPanel& q, const int64_t* panel, const ActQ
 // group's bytes a row) by the panel's codes of the group (unsigned, the quads' nibbles split into
 // tile rows of 4 rows of K x 16 columns: the order VPDPBUSD takes them in), whose int32 sums are
 // the VNNI kernels' own, then the same float steps (add_group_sums) in the same order: the same
-// numbers for every row count, at a fraction of the instructions from a few rows on.
+// numbers for every row count. The float steps, as many as VNNI's, bound them: over the 1.5B's
+// layer matrices on the Xeon kind they took 0.75x VNNI's time at 16 rows (4-bit codes; 6-bit:
+// 0.87x), about the same at 8 and 1.2x at 2-4, where VNNI streams the codes at the memory's speed.
 // Fewest rows a call of path auto or avx512 multiplies on them (0: never); benchmarks and tests
-// set it (`native.set_int8_tile_rows`).
+// change it (`native.int8_tile_rows_set`). From 17 rows, path auto takes the bf16 tiles instead
+// (gemm_codes_tiles.cc), whose per-call conversion of the codes costs less than these float steps
+// from there on.
 inline int64_t int8_tile_rows_min = 8;
 
 // The path a call of int8 rows takes: kAmx standing for the int8 tiles.
@@ -306,8 +310,7 @@ inline void q4_group_words(const uint8_t* codes, int64_t b, uint8_t (*words)[64]
 
 // R rows (1-16) of panel p into y, software-pipelined: group b's codes are split two groups
 // ahead, its product issued (tiles 0-2 for even b, 3-5 for odd) while b - 1's sums are stored
-// and b - 2's scaled, so that no step waits on the one just before it (scaling each group's sums
-// as soon as they were stored took 1.3x the time at two rows).
+// and b - 2's scaled, so that no step waits on the one just before it.
 template <int R>
 __attribute__((noinline)) void q4a8_rows_tiles(const QuantPanel& q, int64_t p, const ActQ8& a, float* y,
                                                int64_t ldy) {
@@ -352,7 +355,8 @@ __attribute__((noinline)) void q4a8_rows_tiles(const QuantPanel& q, int64_t p, c
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + i * ldy, acc[i]);
 }
 
-// Rows [r0, r1) of panels p and p2 (-1: none) on the int8 tiles, 16 rows at a time.
+// Rows [r0, r1) of a on the int8 tiles (products over `group` columns of x), 16 at a time:
+// rows(R, the block's rows, its first row less r0) with R a std::integral_constant.
 template <typename Rows>
 void int8_tiles_block(const ActQ8& a, int64_t r0, int64_t r1, int64_t group, Rows rows) {
   int64_t configured = 0;
