@@ -1,12 +1,16 @@
 """The int8-activation GEMMs' references (`gemm.matmul_quantized(..., act8=True)`), in NumPy: int8
-rows, and the bf16 tiles that take a call of many rows on AMX."""
+rows, and the bf16 tiles that take a call of many rows on AMX; and the check that a call of any
+row count (on AMX's int8 tiles or not) computes each row's numbers."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.kernels import gemm
+from jaxllm.kernels import gemm, native
 
 
 def int8_rows_reference(x: np.ndarray, w: np.ndarray, offset_rows: np.ndarray | None) -> np.ndarray:
@@ -40,3 +44,18 @@ def act8_expected(x: np.ndarray, w: np.ndarray, offset_rows: np.ndarray | None, 
     if gemm.act8_on_tiles(path, x.shape[0]):
         return tiles_reference(x, w, offset_rows)
     return int8_rows_reference(x, w, offset_rows)
+
+
+def check_every_row_count(bits: int, x: np.ndarray, codes, scales, supers: dict) -> None:
+    """`matmul_quantized(..., act8=True, path="avx512")` of 4- or 6-bit codes, with and without
+    SwiGLU: each row of calls of 2-35 rows of x (35 rows) equals the row computed alone, both on
+    AMX's int8 tiles (where the CPU has them, here set to take calls from 2 rows) and without them."""
+    for swiglu in (False, True):
+        call = jax.jit(
+            functools.partial(gemm.matmul_quantized, bits=bits, act8=True, swiglu=swiglu, path="avx512", **supers)
+        )
+        alone = np.concatenate([np.asarray(call(x[i : i + 1], codes, *scales)) for i in range(len(x))])
+        for rows in (2, 5, 16, 17, 35):
+            for tile_rows in (2, 0):
+                with native.int8_tile_rows_set(tile_rows):
+                    np.testing.assert_array_equal(np.asarray(call(x[:rows], codes, *scales)), alone[:rows])

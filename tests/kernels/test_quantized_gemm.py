@@ -13,7 +13,7 @@ import pytest
 
 from jaxllm.kernels import gemm, native
 
-from tests.helpers.int8_rows import tiles_reference
+from tests.helpers.int8_rows import check_every_row_count, tiles_reference
 
 P = gemm.pack_scales  # [G, N] scales as the kernels read them
 
@@ -196,18 +196,7 @@ def test_int8_rows_take_the_same_numbers_on_every_row_count(k, levels):
         )
         sup = [P((rng.random((groups // 8 or 1, n)) * 0.01).astype(np.float16)) for _ in range(2)]
         supers = {"super_scale": sup[0], "super_offset": sup[1]}
-    for swiglu in (False, True):
-        call = jax.jit(
-            functools.partial(gemm.matmul_quantized, bits=4, act8=True, swiglu=swiglu, path="avx512", **supers)
-        )
-        alone = np.concatenate([np.asarray(call(x[i : i + 1], codes, *scales)) for i in range(len(x))])
-        for rows in (2, 5, 16, 17, 35):
-            with native.int8_tile_rows_set(2):
-                tiles = np.asarray(call(x[:rows], codes, *scales))
-            with native.int8_tile_rows_set(0):
-                vnni = np.asarray(call(x[:rows], codes, *scales))
-            np.testing.assert_array_equal(tiles, alone[:rows])
-            np.testing.assert_array_equal(vnni, alone[:rows])
+    check_every_row_count(4, x, codes, scales, supers)
 
 
 def test_with_int8_activations_repacks_codes_in_quads():

@@ -15,7 +15,7 @@ import pytest
 
 from jaxllm.kernels import gemm, native
 
-from tests.helpers.int8_rows import act8_expected, int8_rows_reference
+from tests.helpers.int8_rows import act8_expected, check_every_row_count, int8_rows_reference
 
 P = gemm.pack_scales
 
@@ -96,18 +96,7 @@ def test_six_bit_int8_rows_take_the_same_numbers_on_every_row_count(kind, k):
     codes, scales, supers, _, _ = case(kind, k, 64, rng)
     six = gemm.pack_codes(codes, 6, quads=True)
     x = rng.standard_normal((35, k)).astype(np.float32)
-    for swiglu in (False, True):
-        call = jax.jit(
-            functools.partial(gemm.matmul_quantized, bits=6, act8=True, swiglu=swiglu, path="avx512", **supers)
-        )
-        alone = np.concatenate([np.asarray(call(x[i : i + 1], six, *scales)) for i in range(len(x))])
-        for rows in (2, 5, 16, 17, 35):
-            with native.int8_tile_rows_set(2):
-                tiles = np.asarray(call(x[:rows], six, *scales))
-            with native.int8_tile_rows_set(0):
-                vnni = np.asarray(call(x[:rows], six, *scales))
-            np.testing.assert_array_equal(tiles, alone[:rows])
-            np.testing.assert_array_equal(vnni, alone[:rows])
+    check_every_row_count(6, x, six, scales, supers)
 
 
 @pytest.mark.parametrize("rows", [2, 7])
