@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -264,11 +265,12 @@ void q4a8_rows_vnni_blocks(const QuantPanel& q, const int64_t* panel, const ActQ
 // change it (`native.int8_tile_rows_set`). From 17 rows, path auto takes the bf16 tiles instead
 // (gemm_codes_tiles.cc), whose per-call conversion of the codes costs less than these float steps
 // from there on.
-inline int64_t int8_tile_rows_min = 8;
+inline std::atomic<int64_t> int8_tile_rows_min{8};
 
 // The path a call of int8 rows takes: kAmx standing for the int8 tiles.
 inline int32_t int8_rows_path(int32_t path, int64_t M) {
-  const bool tiles = (path == kAuto || path == kAvx512) && int8_tile_rows_min > 0 && M >= int8_tile_rows_min;
+  const int64_t from = int8_tile_rows_min.load(std::memory_order_relaxed);
+  const bool tiles = (path == kAuto || path == kAvx512) && from > 0 && M >= from;
   return tiles && amx_ready() ? kAmx : path;
 }
 

@@ -413,8 +413,8 @@ extern "C" int32_t JaxllmAct8TileRows() { return static_cast<int32_t>(jaxllm::ac
 extern "C" int32_t JaxllmInt8TileRows(int32_t rows) {
 #ifdef JAXLLM_AMX_INT8
   if (!jaxllm::amx_ready()) return 0;
-  const auto before = static_cast<int32_t>(jaxllm::int8_tile_rows_min);
-  if (rows >= 0) jaxllm::int8_tile_rows_min = rows;
+  const auto before = static_cast<int32_t>(rows >= 0 ? jaxllm::int8_tile_rows_min.exchange(rows)
+                                                     : jaxllm::int8_tile_rows_min.load());
   return before;
 #else
   (void)rows;
