@@ -166,6 +166,7 @@ inline void amx_configure(int64_t m) {
 // sums land in tiles 0-3 (see amx_configure).
 template <bool TWO>
 void amx_pair(const uint32_t* x, int64_t KP, const uint32_t* w0, const uint32_t* w1) {
+  __asm__ volatile("" ::: "memory");  // (GCC's tileloadd names no memory read: operands written before)
   const int64_t stride = KP * 4;  // bytes from one row of x to the next
   _tile_zero(0);
   _tile_zero(1);
@@ -191,6 +192,7 @@ void amx_pair(const uint32_t* x, int64_t KP, const uint32_t* w0, const uint32_t*
 // (amx_pair's), through the same operand tiles.
 template <bool TWO>
 void amx_lora_pair(const LoraTerm& l, int64_t r, int64_t p0, int64_t p1) {
+  __asm__ volatile("" ::: "memory");  // (as amx_pair)
   const int64_t stride = l.KLP * 4;
   const uint32_t* x0 = l.rows(p0) + r * l.KLP;
   const uint32_t* x1 = l.rows(p1) + r * l.KLP;

@@ -173,6 +173,7 @@ void accumulate_rows_amx(const uint16_t* xa, int64_t ldx, const uint32_t* b, int
         _tile_loadd(0, out, N * 4);
       } else {
         for (int64_t r = 0; r < m; ++r) std::memcpy(sums[r], y + order[i + r] * N + p * kPanel, sizeof sums[r]);
+        __asm__ volatile("" ::: "memory");  // (GCC's tileloadd names no memory read: keep the copies before it)
         _tile_loadd(0, sums, 64);
       }
       const uint32_t* w = b + p * S * KP * kPanel;
