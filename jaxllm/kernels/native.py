@@ -287,8 +287,8 @@ def act8_tile_rows() -> int:
 
 
 def int8_tile_rows() -> int:
-    """The fewest rows from which `gemm.matmul_quantized(..., act8=True)` over 4-bit codes runs
-    on AMX's int8 tiles under path auto or avx512 (the VNNI kernels' numbers exactly, at fewer
+    """The fewest rows from which `gemm.matmul_quantized(..., act8=True)` over 4- and 6-bit codes
+    runs on AMX's int8 tiles under path auto or avx512 (the VNNI kernels' numbers exactly, at fewer
     instructions), 0 where it never does (no AMX-INT8 or tile permission here)."""
     return int(_lib.JaxllmInt8TileRows(-1)) if available() else 0
 
@@ -302,7 +302,7 @@ def int8_tile_rows_set(rows: int):
     try:
         yield
     finally:
-        if before:
+        if available():
             _lib.JaxllmInt8TileRows(before)
 
 

@@ -407,9 +407,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulQuantCpu, jaxllm::MatmulQuantImpl,
 // path auto (0: never in this build and process): `native.act8_tile_rows`.
 extern "C" int32_t JaxllmAct8TileRows() { return static_cast<int32_t>(jaxllm::act8_tile_rows()); }
 
-// Fewest rows from which the int8 rows' 4-bit calls of path auto or avx512 run on AMX's int8
-// tiles (0: never), set to `rows` where rows >= 0; returns the value before (0 where this build
-// or process has no int8 tiles): `native.int8_tile_rows`, `native.set_int8_tile_rows`.
+// Fewest rows from which the int8 rows' calls (4- and 6-bit codes) of path auto or avx512 run on
+// AMX's int8 tiles (0: never), set to `rows` where rows >= 0; returns the value before (0 where
+// this build or process has no int8 tiles): `native.int8_tile_rows`, `native.int8_tile_rows_set`.
 extern "C" int32_t JaxllmInt8TileRows(int32_t rows) {
 #ifdef JAXLLM_AMX_INT8
   if (!jaxllm::amx_ready()) return 0;

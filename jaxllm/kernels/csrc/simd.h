@@ -32,7 +32,7 @@
 #define JAXLLM_AMX_BF16 1
 #include <sys/syscall.h>
 #include <unistd.h>
-// And its int8 tiles (the int8 rows' kernels from two rows, gemm_q4a8.cc and gemm_q6a8.cc).
+// And its int8 tiles (the int8 rows' kernels at 8-16 rows, gemm_q4a8.cc and gemm_q6a8.cc).
 #if defined(__AMX_INT8__) && defined(__AVX512VNNI__)
 #define JAXLLM_AMX_INT8 1
 #endif
