@@ -119,6 +119,7 @@ def main(argv=None) -> int:
     base = paths[0]
     rng = np.random.default_rng(0)
     weights = {name: [] for name in paths}
+    kernels = {name.removesuffix(VNNI) for name in paths}  # (a " vnni" path's weights are its kernel's)
 
     def add(name, make):
         for each in (name, name + VNNI):
@@ -144,13 +145,13 @@ def main(argv=None) -> int:
             add("q4 x int8", lambda: (jnp.asarray(gemm.pack_codes(c4, 4, quads=True)), s, o))
             add("q4 x int8 avx2", lambda: (jnp.asarray(gemm.pack_codes(c4, 4, quads=True)), s, o))
             add("q6 x int8", lambda: (jnp.asarray(gemm.pack_codes(c8 // 4, 6, quads=True)), s, None))
-            if {"q6k six-bit", "q6k x int8"} & set(paths):  # Q6_K's scales: int8 per 16 rows, f16 per 256
+            if {"q6k six-bit", "q6k x int8"} & kernels:  # Q6_K's scales: int8 per 16 rows, f16 per 256
                 sub = jnp.asarray(gemm.pack_scales(rng.integers(-128, 128, (k // 16, n)).astype(np.int8)))
                 sup = jnp.asarray(gemm.pack_scales((rng.random((k // 256, n)) * 1e-4).astype(np.float16)))
                 add("q6k six-bit", lambda: (jnp.asarray(gemm.pack_codes(c8 // 4, 6)), sub, None, sup))
                 add("q6k x int8", lambda: (jnp.asarray(gemm.pack_codes(c8 // 4, 6, quads=True)), sub, None, sup))
             add("f32", lambda: jnp.asarray(gemm.pack_weight(w)))
-            if {"w8a8", "w8a8 per row"} & set(paths):
+            if {"w8a8", "w8a8 per row"} & kernels:
                 q = quant.make_weight(w, "w8a8", panels=True, activations="int8")
                 add("w8a8", lambda: q)
                 row_bias = jnp.asarray(quant._w8a8_bias(quant._unpacked_codes(q, np), 0))

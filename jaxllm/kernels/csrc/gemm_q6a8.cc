@@ -182,15 +182,44 @@ void q6a8_rows_avx2(const QuantPanel& q, int64_t p, const ActQ8& a, float* __res
 #endif  // JAXLLM_AVX2 && __F16C__
 
 #ifdef JAXLLM_AVX512_VNNI
+// A block's (8 rows of K, kSixBlock bytes) u of the 16 columns as VPDPBUSD takes them: rows 0-3
+// into lo, rows 4-7 into hi. The top bits are read once into both halves of a register, and a
+// rotate per 64-bit lane brings each quad byte's two bits to bits 4-5 (the first 32 bytes' bits
+// 0-1 and 2-3, the last 32's 4-5 and 6-7), where a bit select puts them beside the low nibble.
+inline void six_bit_u(const uint8_t* blk, __m512i& lo, __m512i& hi) {
+  const __m512i nibble = _mm512_set1_epi8(15), low_tops = _mm512_set1_epi8(0x33),
+                high_tops = _mm512_set1_epi8(static_cast<char>(0xCC));
+  const __m512i turn_low = _mm512_set_epi64(0, 0, 0, 0, 4, 4, 4, 4),
+                turn_high = _mm512_set_epi64(62, 62, 62, 62, 2, 2, 2, 2);
+  const __m512i v = _mm512_loadu_si512(blk);
+  const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64)));
+  // (Masked to their two bits before the rotate, bits 6-7 of each byte come out clear.)
+  const __m512i t_lo = _mm512_rolv_epi64(_mm512_and_si512(h, low_tops), turn_low);
+  const __m512i t_hi = _mm512_rolv_epi64(_mm512_and_si512(h, high_tops), turn_high);
+  lo = _mm512_ternarylogic_epi32(nibble, v, t_lo, 0xCA);  // nibble ? v : t
+  hi = _mm512_ternarylogic_epi32(nibble, _mm512_srli_epi16(v, 4), t_hi, 0xCA);
+}
+
+// The float factors of an activation group's integer sums, at the cursor of its last 16 rows:
+// the super-scale (or one-level scale) f, and the offset o (zero where offsets come per 16 rows).
+inline void six_group_factors(const QuantPanel& q, const ScaleCursor& c, bool offset16, __m512& f, __m512& o) {
+  f = q.super_scale ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.super_scale + c.super_at)))
+                    : scales_f32x16_at(q, q.scale, nullptr, c.at, 0);
+  o = q.offset && !offset16 ? scales_f32x16_at(q, q.offset, q.super_offset, c.at, c.super_at) : _mm512_setzero_ps();
+}
+
+// The int8 sub-scales of the 16 columns at the cursor, widened to int32 (two-level scales only).
+inline __m512i six_sub_scales(const QuantPanel& q, const ScaleCursor& c) {
+  const auto* sub = static_cast<const int8_t*>(q.scale) + c.at;
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub)));
+}
+
 // q6a8_rows_avx2 with AVX512_VNNI: per 8 rows of K the 64 quad bytes and the 32 of top bits
-// make the 16 columns' u of rows 0-3 and of rows 4-7, two vpdpbusd a row sum them in int32 over
-// each 16 rows of K, and the group's multiplier m scales those sums once (vpmulld), with the -32
-// x q term added first: m (sum u q - 32 sum q). The top bits are read once into both halves of a
-// register, and a rotate per 64-bit lane brings each quad byte's two bits to bits 4-5 (the first
-// 32 bytes' bits 0-1 and 2-3, the last 32's 4-5 and 6-7), where a bit select puts them beside
-// the low nibble. P panels at a time (panel[j], into y[j]): each broadcast of q feeds P panels'
-// dot products, and the rows' sums make 2 P R independent chains of vpdpbusd. (Not inlined
-// into its row blocks' loops, as the 4-bit kernel.)
+// make the 16 columns' u of rows 0-3 and of rows 4-7 (six_bit_u), two vpdpbusd a row sum them in
+// int32 over each 16 rows of K, and the group's multiplier m scales those sums once (vpmulld),
+// with the -32 x q term added first: m (sum u q - 32 sum q). P panels at a time (panel[j], into
+// y[j]): each broadcast of q feeds P panels' dot products, and the rows' sums make 2 P R
+// independent chains of vpdpbusd. (Not inlined into its row blocks' loops, as the 4-bit kernel.)
 template <int R, int P>
 __attribute__((noinline)) void q6a8_rows_vnni(const QuantPanel& q, const int64_t* panel, const ActQ8& a,
                                               float* const* y, int64_t ldy) {
@@ -198,10 +227,6 @@ __attribute__((noinline)) void q6a8_rows_vnni(const QuantPanel& q, const int64_t
   ScaleCursor first(q, panel[0]), last(q, panel[P - 1]);
   ScaleCursor* cursor[2] = {&first, &last};
   for (int j = 0; j < P; ++j) codes[j] = static_cast<const uint8_t*>(q.codes) + panel[j] * (q.K / 8) * kSixBlock;
-  const __m512i nibble = _mm512_set1_epi8(15), low_tops = _mm512_set1_epi8(0x33),
-                high_tops = _mm512_set1_epi8(static_cast<char>(0xCC));
-  const __m512i turn_low = _mm512_set_epi64(0, 0, 0, 0, 4, 4, 4, 4),
-                turn_high = _mm512_set_epi64(62, 62, 62, 62, 2, 2, 2, 2);
   const bool offset16 = q.offset && q.group % kActGroup;  // (offsets of 16 rows)
   __m512 acc[P][R];
 #pragma GCC unroll 2
@@ -230,13 +255,7 @@ __attribute__((noinline)) void q6a8_rows_vnni(const QuantPanel& q, const int64_t
         for (int j = 0; j < P; ++j) {
           const uint8_t* blk = codes[j] + k / 8 * kSixBlock;
           _mm_prefetch(reinterpret_cast<const char*>(blk + kQuadsPrefetch), _MM_HINT_T1);
-          const __m512i v = _mm512_loadu_si512(blk);
-          const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64)));
-          // (Masked to their two bits before the rotate, bits 6-7 of each byte come out clear.)
-          const __m512i t_lo = _mm512_rolv_epi64(_mm512_and_si512(h, low_tops), turn_low);
-          const __m512i t_hi = _mm512_rolv_epi64(_mm512_and_si512(h, high_tops), turn_high);
-          lo[j] = _mm512_ternarylogic_epi32(nibble, v, t_lo, 0xCA);  // nibble ? v : t
-          hi[j] = _mm512_ternarylogic_epi32(nibble, _mm512_srli_epi16(v, 4), t_hi, 0xCA);
+          six_bit_u(blk, lo[j], hi[j]);
         }
 #pragma GCC unroll 8
         for (int i = 0; i < R; ++i) {
@@ -258,8 +277,7 @@ __attribute__((noinline)) void q6a8_rows_vnni(const QuantPanel& q, const int64_t
             acc[j][i] = _mm512_fmadd_ps(o, _mm512_set1_ps(a.s16[i * (a.K / 16) + kh / 16]), acc[j][i]);
         }
         if (q.super_scale) {
-          const auto* sub = static_cast<const int8_t*>(q.scale) + cursor[j]->at;
-          const __m512i m = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub)));
+          const __m512i m = six_sub_scales(q, *cursor[j]);
 #pragma GCC unroll 8
           for (int i = 0; i < R; ++i) isum[j][i] = _mm512_add_epi32(isum[j][i], _mm512_mullo_epi32(part[j][i], m));
         } else {
@@ -271,12 +289,8 @@ __attribute__((noinline)) void q6a8_rows_vnni(const QuantPanel& q, const int64_t
     // The float factors (offsets of groups of 32 rows or more: the cursor's group is k0's).
 #pragma GCC unroll 2
     for (int j = 0; j < P; ++j) {
-      const ScaleCursor& c = *cursor[j];
-      const auto* supers = reinterpret_cast<const __m256i*>(q.super_scale + c.super_at);
-      const __m512 f =
-          q.super_scale ? _mm512_cvtph_ps(_mm256_loadu_si256(supers)) : scales_f32x16_at(q, q.scale, nullptr, c.at, 0);
-      const __m512 o = q.offset && !offset16 ? scales_f32x16_at(q, q.offset, q.super_offset, c.at, c.super_at)
-                                             : _mm512_setzero_ps();
+      __m512 f, o;
+      six_group_factors(q, *cursor[j], offset16, f, o);
       add_group_sums<R>(a, b, isum[j], f, o, acc[j]);
     }
   }
@@ -293,23 +307,16 @@ __attribute__((noinline)) void q6a8_rows_vnni(const QuantPanel& q, const int64_t
 // activation group then taken as q6a8_rows_vnni takes its parts (+ 2 t, times the sub-scale),
 // and the float steps in its order: its numbers exactly.
 
-// The u of rows kh .. kh + 15 (two blocks) into 4 rows of 64 bytes in `words`, as
-// q6a8_rows_vnni builds its lo and hi.
+// The u of rows kh .. kh + 15 (two blocks, six_bit_u) into 4 rows of 64 bytes in `words`.
 inline void q6_half_words(const uint8_t* codes, int64_t kh, uint8_t (*words)[64]) {
-  const __m512i nibble = _mm512_set1_epi8(15), low_tops = _mm512_set1_epi8(0x33),
-                high_tops = _mm512_set1_epi8(static_cast<char>(0xCC));
-  const __m512i turn_low = _mm512_set_epi64(0, 0, 0, 0, 4, 4, 4, 4),
-                turn_high = _mm512_set_epi64(62, 62, 62, 62, 2, 2, 2, 2);
 #pragma GCC unroll 2
   for (int c = 0; c < 2; ++c) {
     const uint8_t* blk = codes + (kh / 8 + c) * kSixBlock;
     _mm_prefetch(reinterpret_cast<const char*>(blk + kQuadsPrefetch), _MM_HINT_T1);
-    const __m512i v = _mm512_loadu_si512(blk);
-    const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64)));
-    const __m512i t_lo = _mm512_rolv_epi64(_mm512_and_si512(h, low_tops), turn_low);
-    const __m512i t_hi = _mm512_rolv_epi64(_mm512_and_si512(h, high_tops), turn_high);
-    _mm512_store_si512(words[2 * c], _mm512_ternarylogic_epi32(nibble, v, t_lo, 0xCA));
-    _mm512_store_si512(words[2 * c + 1], _mm512_ternarylogic_epi32(nibble, _mm512_srli_epi16(v, 4), t_hi, 0xCA));
+    __m512i lo, hi;
+    six_bit_u(blk, lo, hi);
+    _mm512_store_si512(words[2 * c], lo);
+    _mm512_store_si512(words[2 * c + 1], hi);
   }
 }
 
@@ -346,21 +353,15 @@ __attribute__((noinline)) void q6a8_rows_tiles(const QuantPanel& q, int64_t p, c
 #pragma GCC unroll 16
         for (int i = 0; i < R; ++i) acc[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(a.s16[i * H + h]), acc[i]);
       }
-      __m512i m = _mm512_set1_epi32(1);
-      if (q.super_scale)
-        m = _mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(q.scale) + cursor.at)));
+      const __m512i m = q.super_scale ? six_sub_scales(q, cursor) : _mm512_set1_epi32(1);
 #pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
         const __m512i part = _mm512_add_epi32(_mm512_load_si512(sums[h % 4][i]), _mm512_set1_epi32(2 * a.t[i * H + h]));
         isum[i] = _mm512_add_epi32(isum[i], q.super_scale ? _mm512_mullo_epi32(part, m) : part);
       }
     }
-    const __m512 f = q.super_scale ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                         q.super_scale + cursor.super_at)))
-                                   : scales_f32x16_at(q, q.scale, nullptr, cursor.at, 0);
-    const __m512 o = q.offset && !offset16 ? scales_f32x16_at(q, q.offset, q.super_offset, cursor.at, cursor.super_at)
-                                           : _mm512_setzero_ps();
+    __m512 f, o;
+    six_group_factors(q, cursor, offset16, f, o);
     add_group_sums<R>(a, b, isum, f, o, acc);
   };
   q6_half_words(codes, 0, words[0]);
