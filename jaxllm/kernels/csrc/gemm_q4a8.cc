@@ -383,10 +383,10 @@ void q4a8_block(const QuantPanel& q, const ActQ8& a, int64_t p, int64_t p2, int6
   float* const outs[2] = {y, y2};
 #ifdef JAXLLM_AMX_INT8
   if (path == kAmx) {  // (int8_rows_path's: the int8 tiles)
-    for (int j = 0; j < 2 && panels[j] >= 0; ++j)
-      int8_tiles_block(a, r0, r1, kActGroup, [&](auto R, const ActQ8& rows, int64_t i) {
+    int8_tiles_block(a, r0, r1, kActGroup, [&](auto R, const ActQ8& rows, int64_t i) {
+      for (int j = 0; j < 2 && panels[j] >= 0; ++j)
         q4a8_rows_tiles<decltype(R)::value>(q, panels[j], rows, outs[j] + i * ldy, ldy);
-      });
+    });
     return;
   }
 #endif
