@@ -109,7 +109,7 @@ void tile_words(const QuantPanel& q, int64_t p, uint32_t* out) {
 }
 
 struct TileWordsScratch {
-  std::vector<uint32_t> panels;  // converted panels, up to 4 of [K / 2, 16] words
+  AlignedVector<uint32_t> panels;  // converted panels, up to 4 of [K / 2, 16] words
 };
 
 // P_OUT output panels from p (with swiglu: gate panels p .. and their up panels p + N / 32 ..),
@@ -133,7 +133,7 @@ void tiles_output_panels(const GemmArgs& g, const QuantPanel& q, const uint32_t*
 
 // y = x @ the codes (4 bits: quads; 6 bits: 6-bit quads), on the tiles (act8_on_tiles).
 void matmul_codes_tiles(ffi::ThreadPool& pool, const GemmArgs& g, const QuantPanel& q, int32_t swiglu) {
-  thread_local std::vector<uint16_t> xbits;  // (the calling thread's: workers read it through xb)
+  thread_local AlignedVector<uint16_t> xbits;  // (the calling thread's: workers read it through xb)
   xbits.resize(std::max<size_t>(xbits.size(), g.M * g.K));
   uint16_t* xb = xbits.data();
   parallel_for(pool, (g.M + 15) / 16, [&](int64_t item) {

@@ -419,7 +419,7 @@ void q4a8_block(const QuantPanel& q, const ActQ8& a, int64_t p, int64_t p2, int6
 // (6-bit codes).
 ActQ8 quantize_activations(ffi::ThreadPool& pool, const GemmArgs& g, bool sums16) {
   const int64_t groups = g.K / kActGroup, rows_per_item = 16, halves = sums16 ? g.M * (g.K / 16) : 0;
-  thread_local std::vector<int8_t> xq;
+  thread_local AlignedVector<int8_t> xq;
   thread_local std::vector<float> xd;
   thread_local std::vector<int16_t> xt;
   xq.resize(std::max<size_t>(xq.size(), g.M * g.K));

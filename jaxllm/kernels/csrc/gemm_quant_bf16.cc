@@ -251,7 +251,7 @@ void convert_panel_portable(const QuantPanel& q, const uint8_t* w, int64_t p, ui
 }
 
 struct CodesBf16Scratch {
-  std::vector<uint32_t> panels;  // converted bf16 panels, up to 4 of [K / 2, 16] words
+  AlignedVector<uint32_t> panels;  // converted bf16 panels, up to 4 of [K / 2, 16] words
 };
 
 // Rows [r0, r1) of P_OUT output panels from p (with swiglu: gate panels p .. and their up

@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <new>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -39,6 +41,23 @@
 #endif
 
 namespace jaxllm {
+
+// A vector whose data starts on a cache line: a buffer that AMX's tiles load from must have it, or
+// every 64-byte tile row spans two lines (the bf16 tiles ran at half speed over malloc's 16-byte
+// aligned scratch on the Xeon kind).
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+};
+template <typename T>
+using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
 
 // The kernels' code paths, narrowest first; a build has those its -march allows (attention
 // has portable, AVX2 and AVX-512; the f32 GEMM portable and AVX2, the bf16 one portable,
