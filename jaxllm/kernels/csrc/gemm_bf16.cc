@@ -162,19 +162,26 @@ inline void amx_configure(int64_t m) {
   load_tile_config(c);
 }
 
-// Rows x[0 .. 16 or 32) (TWO: both blocks) against panels w0 and w1 over all KP k-pairs; the
-// sums land in tiles 0-3 (see amx_configure).
+// Rows x[0 .. 16 or 32) (TWO: both blocks; row stride KP k-pairs) against panels w0 and w1 over
+// k-pairs [k0, k1), summed in tiles 0-3 (see amx_configure) from zero at k0 = 0, else from the
+// sums at `kept`, and stored back there unless k1 = KP (then the tiles hold the product).
 template <bool TWO>
-void amx_pair(const uint32_t* x, int64_t KP, const uint32_t* w0, const uint32_t* w1) {
+void amx_pair(const uint32_t* x, int64_t KP, int64_t k0, int64_t k1, const uint32_t* w0, const uint32_t* w1,
+              float* kept) {
   __asm__ volatile("" ::: "memory");  // (GCC's tileloadd names no memory read: operands written before)
-  const int64_t stride = KP * 4;  // bytes from one row of x to the next
-  _tile_zero(0);
-  _tile_zero(1);
-  if (TWO) {
-    _tile_zero(2);
-    _tile_zero(3);
+  if (k0 == 0) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (TWO) _tile_zero(2);
+    if (TWO) _tile_zero(3);
+  } else {
+    _tile_loadd(0, kept, 64);
+    _tile_loadd(1, kept + 256, 64);
+    if (TWO) _tile_loadd(2, kept + 512, 64);
+    if (TWO) _tile_loadd(3, kept + 768, 64);
   }
-  for (int64_t kp = 0; kp < KP; kp += 16) {
+  const int64_t stride = KP * 4;  // bytes from one row of x to the next
+  for (int64_t kp = k0; kp < k1; kp += 16) {
     _tile_loadd(6, w0 + kp * kPanel, 64);
     _tile_loadd(7, w1 + kp * kPanel, 64);
     _tile_loadd(4, x + kp, stride);
@@ -186,6 +193,11 @@ void amx_pair(const uint32_t* x, int64_t KP, const uint32_t* w0, const uint32_t*
       _tile_dpbf16ps(3, 5, 7);
     }
   }
+  if (k1 == KP) return;
+  _tile_stored(0, kept, 64);
+  _tile_stored(1, kept + 256, 64);
+  if (TWO) _tile_stored(2, kept + 512, 64);
+  if (TWO) _tile_stored(3, kept + 768, 64);
 }
 
 // LoRA's share of rows x[r .. r + 16 or 32) of panels p0 and p1 added to the sums in tiles 0-3
@@ -212,55 +224,67 @@ void amx_lora_pair(const LoraTerm& l, int64_t r, int64_t p0, int64_t p1) {
   }
 }
 
-// Rows [r0, r1) of P_OUT output panels, as bf16_panels (KP a multiple of 16): panels in pairs
-// (with swiglu a gate panel and its up panel), rows in blocks of 32, each block against every
-// pair while its rows of x are in cache.
-template <int P_OUT>
-void bf16_block_amx(const Bf16GemmArgs& g, const uint32_t* const* w, float* y, int64_t ldy, int64_t r0, int64_t r1,
-                    bool swiglu, const int64_t* ids) {
-  const int64_t KP = g.KP;
+// K-pairs from which a call's tiles walk K in chunks of kAmxChunk (bf16_block_amx): a block of 32
+// rows of x is then past a quarter of L2, and x's rows past L2 would be read again from L3 for
+// every few panels (the 1.5B's down projection, K = 8,960, at 512 rows: 0.76 TFLOP/s a core
+// walking all of K a pair at a time, 1.17 in chunks over 16 panels, in a C++ harness on the
+// Xeon kind). Its callers give such calls kAmxChunkPanels panels at a time.
+constexpr int64_t kAmxChunkFrom = 2048, kAmxChunk = 128, kAmxChunkPanels = 16;
+
+// Rows [r0, r1) of n output panels, as bf16_panels (KP a multiple of 16): panels in pairs (with
+// swiglu a gate panel w[i] and its up panel w[n + i]), rows in blocks of 32, each block against
+// every pair while its rows of x are in cache; from kAmxChunkFrom k-pairs K in chunks, the
+// sums kept between them (exact: the same additions in the same order as in one pass).
+void bf16_block_amx(const Bf16GemmArgs& g, const uint32_t* const* w, int64_t n, float* y, int64_t ldy, int64_t r0,
+                    int64_t r1, bool swiglu, const int64_t* ids) {
+  const int64_t KP = g.KP, pairs = swiglu ? n : (n + 1) / 2, chunk = KP >= kAmxChunkFrom ? kAmxChunk : KP;
+  static thread_local AlignedVector<float> kept_;  // [row block][pair][4 tiles]
+  if (chunk < KP) kept_.resize(std::max<size_t>(kept_.size(), (r1 - r0 + 31) / 32 * pairs * 4 * 16 * kPanel));
   alignas(64) float sums[2][2][16][kPanel];  // [block][panel of the pair][row][column], for swiglu
   int64_t configured = 0;
-  for (int64_t r = r0; r < r1; r += 32) {
-    const int64_t m = std::min<int64_t>(32, r1 - r), m0 = std::min<int64_t>(m, 16);
-    if (m != configured) amx_configure(configured = m);
-    const uint32_t* x = g.x + r * KP;
-    float* out = y + r * ldy;
-    for (int i = 0; i < P_OUT; i += swiglu ? 1 : 2) {
-      const uint32_t* w0 = w[i];
-      const uint32_t* w1 = swiglu ? w[P_OUT + i] : i + 1 < P_OUT ? w[i + 1] : w[i];
-      if (m > 16) {
-        amx_pair<true>(x, KP, w0, w1);
-      } else {
-        amx_pair<false>(x, KP, w0, w1);
-      }
-      if (g.lora) {  // ids: the panels' own numbers (w's order)
-        const int64_t i1 = swiglu ? P_OUT + i : i + 1 < P_OUT ? i + 1 : i;
+  for (int64_t k0 = 0; k0 < KP; k0 += chunk) {
+    const int64_t k1 = std::min(KP, k0 + chunk);
+    for (int64_t r = r0; r < r1; r += 32) {
+      const int64_t m = std::min<int64_t>(32, r1 - r), m0 = std::min<int64_t>(m, 16);
+      if (m != configured) amx_configure(configured = m);
+      const uint32_t* x = g.x + r * KP;
+      float* out = y + r * ldy;
+      for (int64_t i = 0; i < pairs; ++i) {
+        const int64_t j0 = swiglu ? i : 2 * i, j1 = swiglu ? n + i : std::min(2 * i + 1, n - 1);
+        float* kept = chunk < KP ? kept_.data() + ((r - r0) / 32 * pairs + i) * 4 * 16 * kPanel : nullptr;
         if (m > 16) {
-          amx_lora_pair<true>(*g.lora, r, ids[i], ids[i1]);
+          amx_pair<true>(x, KP, k0, k1, w[j0], w[j1], kept);
         } else {
-          amx_lora_pair<false>(*g.lora, r, ids[i], ids[i1]);
+          amx_pair<false>(x, KP, k0, k1, w[j0], w[j1], kept);
         }
-      }
-      if (!swiglu) {  // straight into y, 16 columns a tile row
-        _tile_stored(0, out + i * kPanel, ldy * 4);
-        if (m > 16) _tile_stored(2, out + 16 * ldy + i * kPanel, ldy * 4);
-        if (i + 1 < P_OUT) {
-          _tile_stored(1, out + (i + 1) * kPanel, ldy * 4);
-          if (m > 16) _tile_stored(3, out + 16 * ldy + (i + 1) * kPanel, ldy * 4);
+        if (k1 < KP) continue;
+        if (g.lora) {  // ids: the panels' own numbers (w's order)
+          if (m > 16) {
+            amx_lora_pair<true>(*g.lora, r, ids[j0], ids[j1]);
+          } else {
+            amx_lora_pair<false>(*g.lora, r, ids[j0], ids[j1]);
+          }
         }
-        continue;
-      }
-      _tile_stored(0, sums[0][0], 64);
-      _tile_stored(1, sums[0][1], 64);
-      if (m > 16) {
-        _tile_stored(2, sums[1][0], 64);
-        _tile_stored(3, sums[1][1], 64);
-      }
-      for (int64_t row = 0; row < m; ++row) {
-        const int b = row >= m0, t = static_cast<int>(row - b * 16);
-        _mm512_storeu_ps(out + row * ldy + i * kPanel,
-                         swiglu_f32x16(_mm512_load_ps(sums[b][0][t]), _mm512_load_ps(sums[b][1][t])));
+        if (!swiglu) {  // straight into y, 16 columns a tile row
+          _tile_stored(0, out + j0 * kPanel, ldy * 4);
+          if (m > 16) _tile_stored(2, out + 16 * ldy + j0 * kPanel, ldy * 4);
+          if (j1 != j0) {
+            _tile_stored(1, out + j1 * kPanel, ldy * 4);
+            if (m > 16) _tile_stored(3, out + 16 * ldy + j1 * kPanel, ldy * 4);
+          }
+          continue;
+        }
+        _tile_stored(0, sums[0][0], 64);
+        _tile_stored(1, sums[0][1], 64);
+        if (m > 16) {
+          _tile_stored(2, sums[1][0], 64);
+          _tile_stored(3, sums[1][1], 64);
+        }
+        for (int64_t row = 0; row < m; ++row) {
+          const int b = row >= m0, t = static_cast<int>(row - b * 16);
+          _mm512_storeu_ps(out + row * ldy + i * kPanel,
+                           swiglu_f32x16(_mm512_load_ps(sums[b][0][t]), _mm512_load_ps(sums[b][1][t])));
+        }
       }
     }
   }
@@ -291,7 +315,7 @@ void bf16_panels(const Bf16GemmArgs& g, const uint32_t* const* w, float* y, int6
                  bool swiglu, int32_t path, Prefetcher* pf = nullptr, const int64_t* ids = nullptr) {
 #ifdef JAXLLM_AMX_BF16
   if (path == kAmx && g.KP % 16 == 0)  // (kAmx passes path_ok only where amx_ready)
-    return bf16_block_amx<P_OUT>(g, w, y, ldy, r0, r1, swiglu, ids);
+    return bf16_block_amx(g, w, P_OUT, y, ldy, r0, r1, swiglu, ids);
 #endif
 #ifdef JAXLLM_AVX512_BF16
   if (path == kAuto || path >= kAvx512) {
