@@ -328,29 +328,6 @@ def test_bf16_gemm_on_amx_tiles(swiglu):
         assert not np.asarray(live[rows // 2 :]).any()
 
 
-@pytest.mark.parametrize("swiglu", [False, True])
-def test_bf16_gemm_on_amx_tiles_walks_a_long_k_in_chunks(swiglu):
-    # From 2,048 k-pairs the tiles walk K in chunks of 128, the sums kept between them: K = 4,160
-    # (16 chunks and a 32-pair tail), rows around the 32-row blocks, 6 panels: within f32
-    # rounding of NumPy's product, and a call's rows equal those of the call of its first rows.
-    if "amx" not in native.kernel_paths():
-        pytest.skip("no AMX tiles on this CPU (or not granted to this process)")
-    k, n = 4160, 96
-    rng = np.random.default_rng(k)
-    w = rng.standard_normal((k, n)).astype(np.float32) * 0.1
-    packed = gemm.pack_weight(w, dtype="bfloat16")
-    call = jax.jit(functools.partial(gemm.matmul_packed, path="amx", swiglu=swiglu))
-    x = rng.standard_normal((70, k)).astype(np.float32)
-    for rows in (17, 40, 70):
-        ref = rounded(x[:rows], "bfloat16") @ rounded(w, "bfloat16")
-        if swiglu:
-            g, u = np.split(ref, 2, axis=1)
-            ref = g / (1 + np.exp(-g)) * u
-        y = np.asarray(call(x[:rows], packed))
-        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-        np.testing.assert_array_equal(y[:17], np.asarray(call(x[:17], packed)))
-
-
 def test_bf16_gemm_dots_follow_the_cpu():
     # AVX512_BF16 dots exactly where the CPU has them (the build is -march=native); the engine
     # packs bf16 weights only then.

@@ -148,6 +148,29 @@ def test_matmul_quantized_int8_activations_matches_numpy(rows, groups, with_offs
     assert np.abs(ref - exact).max() < 0.02 * np.abs(exact).max()
 
 
+def test_four_bit_codes_on_the_bf16_tiles_walk_a_long_k_in_chunks():
+    # As the 6-bit codes' test in test_quantized_gemm_six.py: K = 4,352 (17 chunks of 128
+    # k-pairs), 40 rows, 20 panels (items of 16 and 4), offsets, with and without SwiGLU.
+    if not gemm.act8_on_tiles("auto", 40):
+        pytest.skip("no AMX bf16 tiles for the codes on this CPU")
+    rng = np.random.default_rng(4)
+    k, n = 4352, 320
+    x = (rng.standard_normal((40, k)) * 0.05).astype(np.float32)
+    codes = rng.integers(0, 16, (k, n))
+    scale = (rng.random((k // 32, n)) * 0.1).astype(np.float16)
+    offset = (-rng.random((k // 32, n)) * 0.5).astype(np.float16)
+    want = act8_reference(x, codes, scale, offset)
+    packed = gemm.pack_codes(codes, 4, quads=True)
+    for swiglu in (False, True):
+        call = functools.partial(gemm.matmul_quantized, bits=4, act8=True, swiglu=swiglu)
+        y = np.asarray(jax.jit(call)(x, packed, P(scale), P(offset)))
+        ref = want
+        if swiglu:
+            g, u = np.split(want, 2, axis=1)
+            ref = g / (1 + np.exp(-g)) * u
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
 @pytest.mark.parametrize("rows", [1, 2, 4, 6])
 def test_matmul_quantized_int8_activations_two_level_scales(rows):
     # GGUF's K-quants (int8 sub-scales of f16 supers, 4 groups a super): the same numbers as the

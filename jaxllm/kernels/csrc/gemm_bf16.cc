@@ -224,20 +224,21 @@ void amx_lora_pair(const LoraTerm& l, int64_t r, int64_t p0, int64_t p1) {
   }
 }
 
-// K-pairs from which a call's tiles walk K in chunks of kAmxChunk (bf16_block_amx): a block of 32
-// rows of x is then past a quarter of L2, and x's rows past L2 would be read again from L3 for
-// every few panels (the 1.5B's down projection, K = 8,960, at 512 rows: 0.76 TFLOP/s a core
-// walking all of K a pair at a time, 1.17 in chunks over 16 panels, in a C++ harness on the
-// Xeon kind). Its callers give such calls kAmxChunkPanels panels at a time.
+// Where the codes' tiles path (gemm_codes_tiles.cc) walks K in chunks of kAmxChunk k-pairs over
+// items of kAmxChunkPanels panels: from kAmxChunkFrom k-pairs, where a block of 32 rows of x is
+// past a quarter of L2 and x's rows would be read from L3 again for every item of 4 panels (the
+// 1.5B's down projection, K = 8,960, at 512 rows: 0.76 TFLOP/s a core a pair at a time over all
+// of K, 1.17 in chunks over 16 panels, in a C++ harness on the Xeon kind). The bf16 panels'
+// items of 4 panels stay in one pass (chunked, their layer GEMMs took 1.03-1.06x the time).
 constexpr int64_t kAmxChunkFrom = 2048, kAmxChunk = 128, kAmxChunkPanels = 16;
 
 // Rows [r0, r1) of n output panels, as bf16_panels (KP a multiple of 16): panels in pairs (with
 // swiglu a gate panel w[i] and its up panel w[n + i]), rows in blocks of 32, each block against
-// every pair while its rows of x are in cache; from kAmxChunkFrom k-pairs K in chunks, the
-// sums kept between them (exact: the same additions in the same order as in one pass).
+// every pair while its rows of x are in cache; K in chunks of `chunk` k-pairs (a multiple of 16;
+// KP: one pass), the sums kept between them (exact: the same additions in the same order).
 void bf16_block_amx(const Bf16GemmArgs& g, const uint32_t* const* w, int64_t n, float* y, int64_t ldy, int64_t r0,
-                    int64_t r1, bool swiglu, const int64_t* ids) {
-  const int64_t KP = g.KP, pairs = swiglu ? n : (n + 1) / 2, chunk = KP >= kAmxChunkFrom ? kAmxChunk : KP;
+                    int64_t r1, bool swiglu, const int64_t* ids, int64_t chunk) {
+  const int64_t KP = g.KP, pairs = swiglu ? n : (n + 1) / 2;
   static thread_local AlignedVector<float> kept_;  // [row block][pair][4 tiles]
   if (chunk < KP) kept_.resize(std::max<size_t>(kept_.size(), (r1 - r0 + 31) / 32 * pairs * 4 * 16 * kPanel));
   alignas(64) float sums[2][2][16][kPanel];  // [block][panel of the pair][row][column], for swiglu
@@ -315,7 +316,7 @@ void bf16_panels(const Bf16GemmArgs& g, const uint32_t* const* w, float* y, int6
                  bool swiglu, int32_t path, Prefetcher* pf = nullptr, const int64_t* ids = nullptr) {
 #ifdef JAXLLM_AMX_BF16
   if (path == kAmx && g.KP % 16 == 0)  // (kAmx passes path_ok only where amx_ready)
-    return bf16_block_amx(g, w, P_OUT, y, ldy, r0, r1, swiglu, ids);
+    return bf16_block_amx(g, w, P_OUT, y, ldy, r0, r1, swiglu, ids, g.KP);
 #endif
 #ifdef JAXLLM_AVX512_BF16
   if (path == kAuto || path >= kAvx512) {

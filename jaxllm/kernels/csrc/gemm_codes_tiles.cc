@@ -130,7 +130,8 @@ void tiles_output_panels(const GemmArgs& g, const QuantPanel& q, const uint32_t*
     w[i] = scratch.panels.data() + i * words;
   }
   const Bf16GemmArgs b{xb, nullptr, g.y, g.M, g.K / 2, g.N};
-  bf16_block_amx(b, w, n, g.y + p * kPanel, swiglu ? g.N / 2 : g.N, 0, g.M, swiglu, ids);
+  const int64_t chunk = b.KP >= kAmxChunkFrom ? kAmxChunk : b.KP;
+  bf16_block_amx(b, w, n, g.y + p * kPanel, swiglu ? g.N / 2 : g.N, 0, g.M, swiglu, ids, chunk);
 }
 
 // y = x @ the codes (4 bits: quads; 6 bits: 6-bit quads), on the tiles (act8_on_tiles). Items of
