@@ -70,7 +70,7 @@ void tile_words(const QuantPanel& q, int64_t p, uint32_t* out) {
   const __m512i spread_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   const __m512i spread_hi = _mm512_add_epi32(spread_lo, _mm512_set1_epi32(8));
   const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), bias = _mm512_set1_ps(32.f);
-  const __m512i low4 = _mm512_set1_epi8(15), byte0 = _mm512_set1_epi32(0xff);
+  const __m512i byte0 = _mm512_set1_epi32(0xff);
   ScaleCursor cursor(q, p);
   __m512 s[2] = {}, o[2] = {};
   for (int64_t k = 0; k < q.K; k += 8) {
@@ -87,13 +87,7 @@ void tile_words(const QuantPanel& q, int64_t p, uint32_t* out) {
     _mm_prefetch(reinterpret_cast<const char*>(blk) + 48 * block, _MM_HINT_T0);
     const __m512i raw = _mm512_loadu_si512(blk);
     __m512i lo = raw, hi = raw;
-    if constexpr (BITS == 6) {  // u = the low 4 bits | the top 2 (byte i of the 32 after the quads: quad bytes i, 32 + i)
-      const __m512i t32 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64)));
-      const __m512i t = _mm512_mask_blend_epi64(0xF0, t32, _mm512_srli_epi16(t32, 4)), three = _mm512_set1_epi8(3);
-      lo = _mm512_or_si512(_mm512_and_si512(raw, low4), _mm512_slli_epi16(_mm512_and_si512(t, three), 4));
-      hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4),
-                           _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(t, 2), three), 4));
-    }
+    if constexpr (BITS == 6) six_bit_u(blk, lo, hi);  // (rows 0-3's u, rows 4-7's: the VNNI kernel's)
     for (int i = 0; i < 4; ++i) {  // rows 2 i, 2 i + 1: word row k / 2 + i
       __m512 w[2];
       for (int h = 0; h < 2; ++h) {
