@@ -200,6 +200,18 @@ inline void six_bit_u(const uint8_t* blk, __m512i& lo, __m512i& hi) {
   hi = _mm512_ternarylogic_epi32(nibble, _mm512_srli_epi16(v, 4), t_hi, 0xCA);
 }
 
+// Where q6a8_rows_vnni asks for its codes ahead: on the AMX Xeon kind into L1 from 1,024 bytes
+// ahead (the 1.5B's Q6_K-like layer matrices at one and four rows in 0.91-0.93x the time of L2 from
+// 2,048, alternating builds; the 4-bit kernel level either way), elsewhere into L2 from 2,048
+// (kQuadsPrefetch: measured on Zen 4). benchmarks/results/xeon-amx/RESULTS.md.
+#ifdef JAXLLM_AMX_INT8
+constexpr int64_t kSixPrefetch = 1024;
+constexpr auto kSixPrefetchHint = _MM_HINT_T0;
+#else
+constexpr int64_t kSixPrefetch = kQuadsPrefetch;
+constexpr auto kSixPrefetchHint = _MM_HINT_T1;
+#endif
+
 // The float factors of an activation group's integer sums, at the cursor of its last 16 rows:
 // the super-scale (or one-level scale) f, and the offset o (zero where offsets come per 16 rows).
 inline void six_group_factors(const QuantPanel& q, const ScaleCursor& c, bool offset16, __m512& f, __m512& o) {
@@ -254,7 +266,7 @@ __attribute__((noinline)) void q6a8_rows_vnni(const QuantPanel& q, const int64_t
 #pragma GCC unroll 2
         for (int j = 0; j < P; ++j) {
           const uint8_t* blk = codes[j] + k / 8 * kSixBlock;
-          _mm_prefetch(reinterpret_cast<const char*>(blk + kQuadsPrefetch), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(blk + kSixPrefetch), kSixPrefetchHint);
           six_bit_u(blk, lo[j], hi[j]);
         }
 #pragma GCC unroll 8
@@ -312,7 +324,7 @@ inline void q6_half_words(const uint8_t* codes, int64_t kh, uint8_t (*words)[64]
 #pragma GCC unroll 2
   for (int c = 0; c < 2; ++c) {
     const uint8_t* blk = codes + (kh / 8 + c) * kSixBlock;
-    _mm_prefetch(reinterpret_cast<const char*>(blk + kQuadsPrefetch), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + kQuadsPrefetch), _MM_HINT_T0);  // (q4_group_words')
     __m512i lo, hi;
     six_bit_u(blk, lo, hi);
     _mm512_store_si512(words[2 * c], lo);
