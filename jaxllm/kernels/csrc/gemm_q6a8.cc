@@ -203,7 +203,7 @@ inline void six_bit_u(const uint8_t* blk, __m512i& lo, __m512i& hi) {
 // Where q6a8_rows_vnni asks for its codes ahead: on the AMX Xeon kind into L1 from 1,024 bytes
 // ahead (the 1.5B's Q6_K-like layer matrices at one and four rows in 0.91-0.93x the time of L2 from
 // 2,048, alternating builds; the 4-bit kernel level either way), elsewhere into L2 from 2,048
-// (kQuadsPrefetch: measured on Zen 4). benchmarks/results/xeon-amx/RESULTS.md.
+// as before (kQuadsPrefetch; not measured on Zen 4). benchmarks/results/xeon-amx/RESULTS.md.
 #ifdef JAXLLM_AMX_INT8
 constexpr int64_t kSixPrefetch = 1024;
 constexpr auto kSixPrefetchHint = _MM_HINT_T0;
