@@ -375,7 +375,7 @@ def matmul_quantized(
     `matmul_packed`. With AMX-INT8, a call of 4- or 6-bit codes x int8 rows from
     `native.int8_tile_rows()` rows (path auto or avx512) sums its products on the int8 tiles,
     the VNNI kernels' numbers exactly. With AMX, a call of 4- or 6-bit codes x int8 rows takes the bf16 tiles
-    instead from `native.act8_tile_rows()` rows (path auto; every call with path "amx"): x and
+    instead from `native.act8_tile_rows(bits)` rows (path auto; every call with path "amx"): x and
     the weights rounded to bf16, a prompt's rows several times faster (csrc/gemm_codes_tiles.cc;
     `act8_on_tiles`). `factored` (float activations, groups of an even number of rows, AVX2): calls of
     one or two rows take each group's scale and offset out of their sums (csrc/gemm_quant.cc):
@@ -460,10 +460,10 @@ def _quantized_call(
     ).reshape(*lead, n)
 
 
-def act8_on_tiles(path: str, rows: int) -> bool:
-    """Whether `matmul_quantized(..., act8=True)` over 4- or 6-bit codes multiplies a call of
+def act8_on_tiles(path: str, rows: int, bits: int) -> bool:
+    """Whether `matmul_quantized(..., act8=True)` over codes of `bits` (4 or 6) multiplies a call of
     `rows` rows on AMX's bf16 tiles (x and the weights rounded to bf16) rather than as int8 rows."""
-    tile_rows = native.act8_tile_rows()
+    tile_rows = native.act8_tile_rows(bits)
     return tile_rows > 0 and (path == "amx" or (path == "auto" and rows >= tile_rows))
 
 

@@ -203,7 +203,7 @@ PATHS = ("portable", "avx2", "avx512", "amx")
 _path_bits = 0
 _bf16_dots = False
 _six_bit_codes = False
-_act8_tile_rows = 0
+_act8_tile_rows = {4: 0, 6: 0}
 
 
 def start_build() -> None:
@@ -254,7 +254,7 @@ def _load_once() -> str | None:
         _path_bits = lib.JaxllmKernelPaths()
         _bf16_dots = bool(lib.JaxllmBf16GemmHasDots())
         _six_bit_codes = bool(lib.JaxllmHasSixBitCodes())
-        _act8_tile_rows = int(lib.JaxllmAct8TileRows())
+        _act8_tile_rows = {bits: int(lib.JaxllmAct8TileRows(bits)) for bits in (4, 6)}
         _lib = lib
     except (OSError, RuntimeError, AttributeError) as e:
         return str(e)
@@ -279,11 +279,12 @@ def has_six_bit_codes() -> bool:
     return available() and _six_bit_codes
 
 
-def act8_tile_rows() -> int:
-    """The fewest rows from which `gemm.matmul_quantized(..., act8=True)` over 4- and 6-bit codes
-    multiplies on AMX's bf16 tiles under path auto (csrc/gemm_codes_tiles.cc), 0 where it never
-    does (no AMX, AVX512_VBMI or tile permission here)."""
-    return _act8_tile_rows if available() else 0
+def act8_tile_rows(bits: int) -> int:
+    """The fewest rows from which `gemm.matmul_quantized(..., act8=True)` over codes of `bits` (4
+    or 6) multiplies on AMX's bf16 tiles under path auto (csrc/gemm_codes_tiles.cc: 4-bit codes
+    stay on the int8 tiles longer), 0 where it never does (no AMX, AVX512_VBMI or tile permission
+    here)."""
+    return _act8_tile_rows[bits] if available() else 0
 
 
 def int8_tile_rows() -> int:

@@ -38,10 +38,10 @@ def tiles_reference(x: np.ndarray, w: np.ndarray, offset_rows: np.ndarray | None
     return bf16(x) @ bf16(w if offset_rows is None else w + offset_rows)
 
 
-def act8_expected(x: np.ndarray, w: np.ndarray, offset_rows: np.ndarray | None, path: str) -> np.ndarray:
-    """`matmul_quantized(..., act8=True, path=path)`'s product over 4- or 6-bit codes: the int8
-    rows', or the bf16 tiles' where the call takes them."""
-    if gemm.act8_on_tiles(path, x.shape[0]):
+def act8_expected(x: np.ndarray, w: np.ndarray, offset_rows: np.ndarray | None, path: str, bits: int) -> np.ndarray:
+    """`matmul_quantized(..., act8=True, path=path)`'s product over codes of `bits` (4 or 6): the
+    int8 rows', or the bf16 tiles' where the call takes them."""
+    if gemm.act8_on_tiles(path, x.shape[0], bits):
         return tiles_reference(x, w, offset_rows)
     return int8_rows_reference(x, w, offset_rows)
 

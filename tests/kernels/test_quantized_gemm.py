@@ -103,7 +103,7 @@ def act8_reference(
     where a call of x's rows with `path` takes AMX's bf16 tiles instead, their product."""
     m, k = x.shape
     rows = k // scale.shape[0]
-    if gemm.act8_on_tiles(path, m):
+    if gemm.act8_on_tiles(path, m, 4):
         offset_rows = None if offset is None else np.repeat(offset.astype(np.float64), rows, 0)
         return tiles_reference(x, codes * np.repeat(scale.astype(np.float64), rows, 0), offset_rows)
     xb = x.astype(np.float32).reshape(m, k // 32, 32)
@@ -119,12 +119,13 @@ def act8_reference(
     return y
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 97])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 24, 97])
 @pytest.mark.parametrize("groups, with_offset, scale_dtype", [(4, True, np.float16), (2, False, np.float32)])
 def test_matmul_quantized_int8_activations_matches_numpy(rows, groups, with_offset, scale_dtype):
-    # act8: rows around the 4-row register blocks and the 96-row work items; K = 128 in groups
-    # of 32 or 64 rows (each scale spans 1 or 2 activation blocks), 3 panels, a zero block, a
-    # row whose largest |x| sits on a block's edge.
+    # act8: rows around the 4-row register blocks and the 96-row work items (and 24: with AMX, on
+    # the int8 tiles under path auto, where 6-bit codes would take the bf16 tiles); K = 128 in
+    # groups of 32 or 64 rows (each scale spans 1 or 2 activation blocks), 3 panels, a zero
+    # block, a row whose largest |x| sits on a block's edge.
     rng = np.random.default_rng(rows)
     k, n = 128, 48
     x = rng.standard_normal((rows, k)).astype(np.float32)
@@ -151,7 +152,7 @@ def test_matmul_quantized_int8_activations_matches_numpy(rows, groups, with_offs
 def test_four_bit_codes_on_the_bf16_tiles_walk_a_long_k_in_chunks():
     # As the 6-bit codes' test in test_quantized_gemm_six.py: K = 4,352 (17 chunks of 128
     # k-pairs), 40 rows, 20 panels (items of 16 and 4), offsets, with and without SwiGLU.
-    if not gemm.act8_on_tiles("auto", 40):
+    if not gemm.act8_on_tiles("auto", 40, 4):
         pytest.skip("no AMX bf16 tiles for the codes on this CPU")
     rng = np.random.default_rng(4)
     k, n = 4352, 320

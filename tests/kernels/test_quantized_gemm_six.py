@@ -80,7 +80,7 @@ def test_matmul_six_bit_int8_activations_matches_numpy(rows, kind):
     for path in ("auto", *native.kernel_paths()):
         call = functools.partial(gemm.matmul_quantized, bits=6, path=path, act8=True, **supers)
         y = jax.jit(call)(x, six, *scales)
-        want = act8_expected(x, w, offset_rows, path)
+        want = act8_expected(x, w, offset_rows, path, 6)
         np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     # The float product it approximates: within 2% of its largest value.
     exact = x.astype(np.float64) @ (w if offset_rows is None else w + offset_rows)
@@ -105,14 +105,14 @@ def test_codes_on_the_bf16_tiles_walk_a_long_k_in_chunks(kind):
     # 16 panels an item: K = 4,352 (17 chunks of 128 k-pairs and a Q6_K super-block's multiple),
     # 40 rows (a block of 32 and one of 8), 20 panels (an item of 16 and one of 4), with and
     # without SwiGLU: the rounded weights' product within f32 rounding.
-    if not gemm.act8_on_tiles("auto", 40):
+    if not gemm.act8_on_tiles("auto", 40, 6):
         pytest.skip("no AMX bf16 tiles for the codes on this CPU")
     rng = np.random.default_rng(5)
     k, n = 4352, 320
     codes, scales, supers, w, offset_rows = case(kind, k, n, rng)
     x = (rng.standard_normal((40, k)) * 2e-3).astype(np.float32)  # (sums near SiLU's bend)
     six = gemm.pack_codes(codes, 6, quads=True)
-    want = act8_expected(x, w, offset_rows, "auto")
+    want = act8_expected(x, w, offset_rows, "auto", 6)
     for swiglu in (False, True):
         call = functools.partial(gemm.matmul_quantized, bits=6, act8=True, swiglu=swiglu, **supers)
         y = np.asarray(jax.jit(call)(x, six, *scales))
@@ -135,7 +135,7 @@ def test_matmul_six_bit_int8_activations_swiglu_and_live_rows(rows):
     for path in ("auto", *native.kernel_paths()):
         call = functools.partial(gemm.matmul_quantized, bits=6, path=path, act8=True, swiglu=True, **supers)
         y = jax.jit(call)(x, six, *scales)
-        g, u = np.split(act8_expected(x, w, None, path), 2, axis=1)
+        g, u = np.split(act8_expected(x, w, None, path, 6), 2, axis=1)
         np.testing.assert_allclose(y, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     live = jax.jit(functools.partial(gemm.matmul_quantized, bits=6, act8=True, **supers))(
         x, six, *scales, rows=np.int32(rows - 1)

@@ -300,7 +300,7 @@ def test_verification_steps_keep_int8_rows_where_amx_tiles_take_larger_calls(tmp
     numbers); a speculating engine's verification steps keep the int8 rows (`check_path`), so
     that each row computes what its decode would: with drafts for 6 sequences at once (checks of
     up to 24 rows) the greedy outputs and logprobs are those without drafts."""
-    if not gemm.act8_on_tiles("auto", 4096):
+    if not gemm.act8_on_tiles("auto", 4096, 6):
         pytest.skip("no AMX tiles for int8 rows here (no AMX, AVX512_VBMI or tile permission)")
     from tests.helpers.oracle_proposer import OracleProposer
 
@@ -313,7 +313,7 @@ def test_verification_steps_keep_int8_rows_where_amx_tiles_take_larger_calls(tmp
     spec = LLM(path, **args, speculative_config=ngram)
     runner = spec.engine.runner
     check = max((b for b in runner.buckets if b.all_logits), key=lambda b: b.num_tokens)
-    assert runner.check_path == "avx512" and check.num_tokens >= native.act8_tile_rows()
+    assert runner.check_path == "avx512" and check.num_tokens >= native.act8_tile_rows(6)  # (its 6-bit QKVs)
     assert runner.step_params(check)["layers"][0]["wqkv"].path == "avx512"
     assert runner.params["layers"][0]["wqkv"].path == "auto"  # (a prompt's steps: the tiles)
     sequences = [o.prompt_token_ids + o.outputs[0].token_ids for o in plain]

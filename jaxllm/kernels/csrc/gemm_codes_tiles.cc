@@ -30,13 +30,17 @@ namespace {
 #if defined(JAXLLM_AMX_BF16) && defined(JAXLLM_AVX512_VBMI)
 #define JAXLLM_CODES_TILES 1
 
-// Fewest rows a call of path auto takes to the tiles. Over the 1.5B's layer matrices on the
-// Xeon kind the VNNI kernels took 0.91x the tiles' time at 16 rows (the conversion of every
-// panel costs about what 16 rows of int8 products do) and 2x at 64.
-constexpr int64_t kAct8TileRows = 17;
+// Fewest rows a call of path auto takes to the tiles, by the codes' bits. Over the 1.5B's layer
+// matrices on the Xeon kind the VNNI kernels took 0.91x the tiles' time at 16 rows (the
+// conversion of every panel costs about what 16 rows of int8 products do) and 2x at 64; AMX's
+// int8 tiles (gemm_q4a8.cc, from 8 rows) took 0.82-0.85x the bf16 tiles' time over 4-bit codes
+// at 17-24 rows, the same at 32 and 1.2x at 48, over 6-bit codes 1.3x from 17 rows.
+constexpr int64_t kAct8TileRows = 17, kAct8TileRowsFourBits = 32;
 
-inline bool act8_on_tiles(int32_t path, int64_t M, int64_t K) {
-  return K % 32 == 0 && (path == kAmx || (path == kAuto && M >= kAct8TileRows)) && amx_ready();
+inline int64_t act8_tile_rows_for(int32_t bits) { return bits == 4 ? kAct8TileRowsFourBits : kAct8TileRows; }
+
+inline bool act8_on_tiles(int32_t path, int64_t M, int64_t K, int32_t bits) {
+  return K % 32 == 0 && (path == kAmx || (path == kAuto && M >= act8_tile_rows_for(bits))) && amx_ready();
 }
 
 // A block's bytes (8 rows of a panel) permuted for a pair of rows: vector 2 i + h holds rows
@@ -158,11 +162,12 @@ void matmul_codes_tiles(ffi::ThreadPool& pool, const GemmArgs& g, const QuantPan
 }
 #endif  // JAXLLM_AMX_BF16 && JAXLLM_AVX512_VBMI
 
-// Rows from which path auto multiplies act8's 4- and 6-bit codes on the tiles (0: never, here).
-inline int64_t act8_tile_rows() {
+// Rows from which path auto multiplies act8's codes of `bits` (4 or 6) on the tiles (0: never, here).
+inline int64_t act8_tile_rows(int32_t bits) {
 #ifdef JAXLLM_CODES_TILES
-  if (amx_ready()) return kAct8TileRows;
+  if (amx_ready()) return act8_tile_rows_for(bits);
 #endif
+  static_cast<void>(bits);
   return 0;
 }
 
