@@ -221,12 +221,15 @@ inline void prefetch_scales(const QuantPanel& q, int64_t p) {
 // through the epilogue. Scratch (per thread) has a `sums` vector beside what block needs.
 // `pairs`: block is called for two panels at once instead, block(p, p2, r0, r1, y, y2, ldy,
 // scratch) with p2 -1 (and y2 null) where an item's panels leave one alone: consecutive panels,
-// or with swiglu a gate panel and its up panel.
+// or with swiglu a gate panel and its up panel. Each thread takes its own share of the items in
+// order (parallel_for_shares): one stream of codes a thread, its prefetches running on into its
+// next item. Against items handed out in turn, the 1.5B's layer GEMMs (Q4_K_M's codes) took
+// 0.90-0.97x the time at 1-16 rows on the Xeon kind, and one stream decoded 1.02x faster.
 template <typename Scratch, bool pairs = false, typename Block>
 void int8_rows_items(ffi::ThreadPool& pool, const GemmArgs& g, int32_t swiglu, int32_t path, Block block) {
   const int64_t n_out = swiglu ? g.N / 2 : g.N;
   const GemmItems items(g.M, n_out, pool.num_threads());
-  parallel_for<Scratch>(pool, items.count, [&](int64_t item, Scratch& scratch) {
+  parallel_for_shares<Scratch>(pool, items.count, [&](int64_t item, Scratch& scratch) {
     int64_t r0, r1, p0, p1;
     items.bounds(item, g.M, r0, r1, p0, p1);
     // Panels p and p2 (-1: none) into y and y2.
