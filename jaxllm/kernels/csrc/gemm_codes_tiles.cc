@@ -134,7 +134,9 @@ void tiles_output_panels(const GemmArgs& g, const QuantPanel& q, const uint32_t*
 
 // y = x @ the codes (4 bits: quads; 6 bits: 6-bit quads), on the tiles (act8_on_tiles). Items of
 // up to 4 output panels (2 with swiglu, and their up panels), or of kAmxChunkPanels (half with
-// swiglu) where K is walked in chunks: x's rows are then read once for so many panels.
+// swiglu) where K is walked in chunks: x's rows are then read once for so many panels. Each
+// thread converts its own share of the items in order (parallel_for_shares): prompt steps of the
+// 1.5B of 48-512 tokens took 0.85-0.98x the time of items handed out in turn (Xeon kind).
 void matmul_codes_tiles(ffi::ThreadPool& pool, const GemmArgs& g, const QuantPanel& q, int32_t swiglu) {
   thread_local AlignedVector<uint16_t> xbits;  // (the calling thread's: workers read it through xb)
   xbits.resize(std::max<size_t>(xbits.size(), g.M * g.K));
@@ -150,7 +152,7 @@ void matmul_codes_tiles(ffi::ThreadPool& pool, const GemmArgs& g, const QuantPan
   auto run = [&](auto bits_tag) {
     constexpr int BITS = decltype(bits_tag)::value;
     const uint32_t* x = reinterpret_cast<const uint32_t*>(xb);
-    parallel_for<TileWordsScratch>(pool, (panels + per_item - 1) / per_item, [&](int64_t item, TileWordsScratch& s) {
+    parallel_for_shares<TileWordsScratch>(pool, (panels + per_item - 1) / per_item, [&](int64_t item, TileWordsScratch& s) {
       const int64_t p = item * per_item;
       tiles_output_panels<BITS>(g, q, x, p, std::min(panels, p + per_item) - p, swiglu, s);
     });
