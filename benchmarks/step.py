@@ -7,9 +7,10 @@ Decode steps of batch 1..256 at a fixed context, and prefill steps of 64..512 pr
 each timed through the real ModelRunner (host preparation + device step + sampling). The
 roofline is measured by the same script, each figure the best of a few calls: the matmul peak
 for the dtype (a [512, 576] x [576, 1536] GEMM, the model's shape, through the engine's packed
-GEMM where it packs weights) and the memory's read bandwidth (XLA's max over 256 MiB, which
-reads with every core: on a 2-vCPU Zen 4 29.8-32.2 GB/s, where a C loop of AVX-512 loads read
-28.2-28.6), since a step only reads its weights and pages. The donated read+write bandwidth of
+GEMM where it packs weights) and the memory's read bandwidth (XLA's max over 256 MiB on 2 MiB
+pages where Linux allows, as the weights and the KV pool lie, which reads with every core: on a
+2-vCPU Zen 4 29.8-32.2 GB/s on 4 KiB pages, where a C loop of AVX-512 loads read 28.2-28.6),
+since a step only reads its weights and pages. The donated read+write bandwidth of
 an in-place update is printed beside it (about 1.7x the reads there: it counts bytes both ways).
 
 Each decode step is also split into parts, each timed alone at the step's shapes: host (the
@@ -51,6 +52,7 @@ from jaxllm.core.outputs import SchedulerOutput
 from jaxllm.core.request import Request
 from jaxllm.models import decoder, linear
 from jaxllm.models.linear import PackedWeight
+from jaxllm.weights.pages import on_huge_pages
 from jaxllm.weights.prepare import int8_dot_checkpoint, load_with_plan, prepare_weights
 from jaxllm.platforms import Platform
 from jaxllm.quantization import SMALL_STEP_ROWS, QuantizedWeight
@@ -96,8 +98,10 @@ def matmul_peak(dtype, packed: bool) -> float:
 
 
 def read_bandwidth() -> float:
-    """Bytes a second a whole-array reduction reads from memory (256 MiB, far past the caches)."""
+    """Bytes a second a whole-array reduction reads from memory (256 MiB, far past the caches),
+    on 2 MiB pages where Linux allows, as the engine's weights are (`on_huge_pages`)."""
     x = jnp.ones((64 << 20,), jnp.float32)
+    on_huge_pages(x, wait=True)
     f = jax.jit(lambda x: x.max())
     return x.nbytes / best_time(lambda: f(x).block_until_ready(), 10)
 

@@ -45,6 +45,7 @@ from jaxllm.quantization.weights import (
 )
 from jaxllm.utils import release_freed_memory
 from jaxllm.weights import calibration
+from jaxllm.weights.pages import on_huge_pages
 from jaxllm.weights.plan import WeightPlan, resolve_weight_plan
 
 logger = logging.getLogger("jaxllm")
@@ -117,12 +118,22 @@ def bf16_bytes(params: dict) -> int:
 
 
 def prepare_weights(
-    params: dict, cfg, plan: WeightPlan, *, mesh=None, tokenizer=None, device=None, log: bool = True
+    params: dict,
+    cfg,
+    plan: WeightPlan,
+    *,
+    mesh=None,
+    tokenizer=None,
+    device=None,
+    log: bool = True,
+    collapse_pages: bool = True,
 ) -> tuple[dict, dict | None]:
     """The plan's weights from loaded `params` (in `layout.shard_layout` for `mesh`'s sizes,
     except under W8A8 smoothing, which reads them whole): `(params, small_params)`, the second
     the codes tree of small-step codes or None. One device (`mesh` None): on `device` (default:
-    JAX's first). `params` is consumed (its matrices are replaced one at a time)."""
+    JAX's first), advised onto 2 MiB pages and, with `collapse_pages`, moved there on a thread
+    (`pages.on_huge_pages`; a weight update leaves that to the kernel's own pace). `params` is
+    consumed (its matrices are replaced one at a time)."""
     untied = not cfg.tie_word_embeddings
     if untied and isinstance(params["embed"], QuantizedWeight) and plan.linear("embed").codes is None:
         params["embed"] = _dense(params["embed"], plan.dtype, table=True)  # a GGUF's table, kept as floats
@@ -155,6 +166,7 @@ def prepare_weights(
     if log:
         logger.info("weights: %s", plan.describe())
     release_freed_memory()  # (the loaded and converted copies: the heap keeps their pages otherwise)
+    on_huge_pages((params, small_params), collapse=collapse_pages)
     return params, small_params
 
 

@@ -230,7 +230,9 @@ class UpdatePlan:
         tree = check_model_tree(weights, self.spec)
         if mesh is None:  # (from a trainer's mesh, or the host; arrays already there stay as they are)
             tree = jax.device_put(tree, self.device)
-            return prepare_weights(tree, cfg, plan, tokenizer=tokenizer, device=self.device, log=False)
+            return prepare_weights(
+                tree, cfg, plan, tokenizer=tokenizer, device=self.device, log=False, collapse_pages=False
+            )
         tp, pp = parallel.tp_size(mesh), parallel.pp_size(mesh)
         if plan.quantization:  # as loaded: host arrays, each shard's codes made before it is placed
             tree = jax.tree.map(np.asarray, tree)

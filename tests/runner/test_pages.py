@@ -1,6 +1,6 @@
 """The KV pool on 2 MiB pages (`native.zeros`, csrc/kv_write.cc): zeros, K and V apart, what a
 donated step writes kept in place, and the memory really backed by huge pages where Linux offers
-them."""
+them; and the weights moved onto them after they are placed (`weights/pages.py`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from jaxllm.kernels import native
 from jaxllm.runner import kv_cache as pages
 
 from tests.helpers import ROOT
-from tests.helpers.cpu_host import assert_mostly_huge, huge_pages_obtainable, thp_mode
+from jaxllm.weights.pages import HUGE_PAGE, huge_page_ranges, on_huge_pages
+
+from tests.helpers.cpu_host import assert_mostly_huge, huge_bytes_in, huge_pages_obtainable, thp_mode
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no native kernel: {native.unavailable_reason()}")
 
@@ -84,3 +86,57 @@ def test_a_pool_on_reused_heap_memory_lies_on_huge_pages():
     if child.returncode == 3:
         pytest.skip("this malloc did not hand the freed buffer back")
     assert child.returncode == 0, child.stderr[-2000:]
+
+
+def test_huge_page_ranges_are_the_whole_pages_inside_each_buffer():
+    big = jax.jit(lambda: jnp.ones((3 << 20,), jnp.float32))()  # 12 MiB: at least five whole pages
+    small = jnp.ones((1024,), jnp.float32)
+    ((lo, n),) = huge_page_ranges({"a": big, "b": small, "tied": big})  # (one range for the shared array)
+    start, end = big.unsafe_buffer_pointer(), big.unsafe_buffer_pointer() + big.nbytes
+    assert lo % HUGE_PAGE == 0 and n % HUGE_PAGE == 0
+    assert start <= lo < start + HUGE_PAGE and end - HUGE_PAGE < lo + n <= end
+
+
+def needs_collapse():
+    """Skip unless Linux moves pages already written onto huge ones (MADV_COLLAPSE, Linux 6.1)."""
+    if not huge_pages_obtainable():
+        pytest.skip("this machine gives no 2 MiB page to an advised mapping now")
+    if tuple(int(p) for p in os.uname().release.split(".")[:2]) < (6, 1):
+        pytest.skip("no MADV_COLLAPSE before Linux 6.1")
+
+
+def wait_moved() -> None:
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name == "jaxllm-huge-pages":
+            thread.join()
+
+
+@needs_thp
+def test_an_array_moves_onto_huge_pages_unchanged():
+    needs_collapse()
+    x = jax.jit(lambda: jnp.arange(8 << 20, dtype=jnp.float32) * 0.5)()  # 32 MiB, on XLA's own pages
+    start, want = x.unsafe_buffer_pointer(), np.array(x)
+    if huge_bytes_in(start, start + x.nbytes):
+        pytest.skip("the buffer already lies on huge pages (THP always)")
+    assert on_huge_pages(x, wait=True) is not None
+    ((lo, n),) = huge_page_ranges(x)
+    assert huge_bytes_in(start, start + x.nbytes) >= n // 2  # (a page may stay small where memory is short)
+    np.testing.assert_array_equal(np.asarray(x), want)
+
+
+@needs_thp
+def test_the_engine_moves_its_weights_onto_huge_pages(tiny_model_dir):
+    from jaxllm import LLM
+
+    from tests.helpers.tiny_model import TINY_ENGINE_ARGS
+
+    needs_collapse()
+    llm = LLM(tiny_model_dir, **TINY_ENGINE_ARGS)
+    wait_moved()
+    runner = llm.engine.runner
+    table = max(jax.tree_util.tree_leaves((runner.params, runner.small_params)), key=lambda x: x.nbytes)
+    ((lo, n),) = huge_page_ranges(table)  # the 49,152-row embedding table: 12 MiB
+    start = table.unsafe_buffer_pointer()
+    assert huge_bytes_in(start, start + table.nbytes) >= n // 2
