@@ -6,11 +6,11 @@ read of 1 GiB ran at 26 GB/s on 4 KiB pages and 32 GB/s on 2 MiB ones, and the 1
 stream 1.01-1.08x as fast with its weights moved onto them (benchmarks/results/xeon-amx/RESULTS.md).
 
 XLA allocates the weights' buffers, so they cannot be advised before they are written (as the KV
-pool's are: `native.zeros`). Instead `on_huge_pages` advises the whole 2 MiB pages inside each
-buffer (`MADV_HUGEPAGE`) and asks Linux to move them there now (`MADV_COLLAPSE`, Linux 6.1 on),
+pool's are: `native.zeros`). Instead `on_huge_pages` advises the whole 2 MiB pages inside the
+buffers (`MADV_HUGEPAGE`) and asks Linux to move them there now (`MADV_COLLAPSE`, Linux 6.1 on),
 on a thread of its own: the copy costs about 2 s a GB of system time there, which start-up does
-not wait for. A buffer's partial 2 MiB pages at either end stay on 4 KiB pages (the 1.5B's
-weights: 826 of 1,145 MB moved). Best effort: nothing on other systems, or where THP is off.
+not wait for. Only whole 2 MiB pages move: those inside each span of buffers lying side by side
+(`MERGE_GAP`). Best effort: nothing on other systems, or where THP is off.
 """
 
 from __future__ import annotations
@@ -27,23 +27,35 @@ logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # <linux/mman.h>
+# Buffers this close count as one span: XLA's buffers for the weights mostly lie side by side, so
+# the pages across them move too, the 1.5B's QKV and output matrices (under 4 MiB) among them.
+MERGE_GAP = 64 << 10
 
 
 def huge_page_ranges(tree) -> list[tuple[int, int]]:
-    """(address, bytes) of the whole 2 MiB pages inside each CPU buffer of `tree`'s arrays."""
-    ranges = []
+    """(address, bytes) of the whole 2 MiB pages inside the CPU buffers of `tree`'s arrays, buffers
+    at most MERGE_GAP apart taken as one span (the pages across a gap are theirs but for its at most
+    64 KiB of whatever lies between, whose contents advice never changes)."""
+    spans = set()
     for x in jax.tree_util.tree_leaves(tree):
         if not isinstance(x, jax.Array) or x.is_deleted():
             continue
         for shard in x.addressable_shards:
-            if shard.device.platform != "cpu":
-                continue
-            start = shard.data.unsafe_buffer_pointer()
-            lo = -(-start // HUGE_PAGE) * HUGE_PAGE
-            hi = (start + shard.data.nbytes) // HUGE_PAGE * HUGE_PAGE
-            if hi > lo:
-                ranges.append((lo, hi - lo))
-    return list(dict.fromkeys(ranges))  # (trees may share arrays)
+            if shard.device.platform == "cpu":
+                start = shard.data.unsafe_buffer_pointer()
+                spans.add((start, start + shard.data.nbytes))  # (a set: trees may share arrays)
+    merged: list[list[int]] = []
+    for start, end in sorted(spans):
+        if merged and start - merged[-1][1] <= MERGE_GAP:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    ranges = []
+    for start, end in merged:
+        lo, hi = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
+        if hi > lo:
+            ranges.append((lo, hi - lo))
+    return ranges
 
 
 def _madvise():

@@ -88,13 +88,20 @@ def test_a_pool_on_reused_heap_memory_lies_on_huge_pages():
     assert child.returncode == 0, child.stderr[-2000:]
 
 
-def test_huge_page_ranges_are_the_whole_pages_inside_each_buffer():
+def test_huge_page_ranges_are_whole_pages_over_the_buffers():
     big = jax.jit(lambda: jnp.ones((3 << 20,), jnp.float32))()  # 12 MiB: at least five whole pages
     small = jnp.ones((1024,), jnp.float32)
-    ((lo, n),) = huge_page_ranges({"a": big, "b": small, "tied": big})  # (one range for the shared array)
+    ranges = huge_page_ranges({"a": big, "b": small, "tied": big})  # (the shared array once)
     start, end = big.unsafe_buffer_pointer(), big.unsafe_buffer_pointer() + big.nbytes
-    assert lo % HUGE_PAGE == 0 and n % HUGE_PAGE == 0
-    assert start <= lo < start + HUGE_PAGE and end - HUGE_PAGE < lo + n <= end
+    inner = (-(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE)
+    assert all(lo % HUGE_PAGE == 0 and n % HUGE_PAGE == 0 and n > 0 for lo, n in ranges)
+    assert sorted(ranges) == ranges and all(a + n <= b for (a, n), (b, _) in zip(ranges, ranges[1:]))
+    assert sum(lo <= inner[0] and inner[1] <= lo + n for lo, n in ranges) == 1
+    buffers = [(x.unsafe_buffer_pointer(), x.unsafe_buffer_pointer() + x.nbytes) for x in (big, small)]
+    for lo, n in ranges:  # every page reaches into a buffer, and lies within the buffers' span
+        assert min(a for a, _ in buffers) <= lo and lo + n <= max(b for _, b in buffers)
+        for page in range(lo, lo + n, HUGE_PAGE):
+            assert any(a < page + HUGE_PAGE and page < b for a, b in buffers)
 
 
 def needs_collapse():
