@@ -76,8 +76,9 @@ def _collapse(madvise, ranges: list[tuple[int, int]]) -> None:
 
 
 def on_huge_pages(tree, *, collapse: bool = True, wait: bool = False) -> threading.Thread | None:
-    """Advise the whole 2 MiB pages inside the CPU buffers of `tree`'s arrays as huge pages and,
-    with `collapse`, move them there on a thread of its own (returned; joined first with `wait`).
+    """Advise the whole 2 MiB pages over the CPU buffers of `tree`'s arrays (`huge_page_ranges`)
+    as huge pages and, with `collapse`, move them there on a thread of its own (returned; joined
+    first with `wait`).
     Only the addresses go to the thread: a buffer freed meanwhile is skipped or, reused, kept
     as it is (advice never changes memory's contents). None where there is nothing to do."""
     if not sys.platform.startswith("linux"):
