@@ -259,7 +259,7 @@ def main():
         kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=256,
         max_num_batched_tokens=512,
-        max_model_len=2048,
+        max_model_len=max(2048, args.context),  # (a decode at --context needs it in the model length)
         kv_cache_memory=3 << 30,
         warmup=False,
         packed_weights=not args.no_packed_weights,
