@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +16,9 @@ import pytest
 
 from jaxllm.kernels import native
 from jaxllm.runner import kv_cache as pages
-
-from tests.helpers import ROOT
 from jaxllm.weights.pages import HUGE_PAGE, huge_page_ranges, on_huge_pages
 
+from tests.helpers import ROOT
 from tests.helpers.cpu_host import assert_mostly_huge, huge_bytes_in, huge_pages_obtainable, thp_mode
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no native kernel: {native.unavailable_reason()}")
@@ -113,8 +113,6 @@ def needs_collapse():
 
 
 def wait_moved() -> None:
-    import threading
-
     for thread in threading.enumerate():
         if thread.name == "jaxllm-huge-pages":
             thread.join()
