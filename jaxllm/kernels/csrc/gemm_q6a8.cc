@@ -314,27 +314,63 @@ __attribute__((noinline)) void q6a8_rows_vnni(const QuantPanel& q, const int64_t
 #endif  // AVX512_VNNI
 
 #ifdef JAXLLM_AMX_INT8
-// The 6-bit codes on AMX's int8 tiles (gemm_q4a8.cc's q4a8_rows_tiles): a TDPBSUD per 16 rows of
-// K (u = c + 32 by x's q; the sub-scales change every 16 rows), both halves' sums of an
-// activation group then taken as q6a8_rows_vnni takes its parts (+ 2 t, times the sub-scale),
-// and the float steps in its order: its numbers exactly.
+// The 6-bit codes on AMX's int8 tiles (gemm_q4a8.cc's q4a8_rows_tiles): a TDPBSSD per 16 rows of
+// K (the signed codes c by x's q: the sum of c q that q6a8_rows_vnni makes of u q - 32 q; the
+// sub-scales change every 16 rows), both halves' sums of an activation group then taken as
+// q6a8_rows_vnni takes its parts (times the sub-scale), and the float steps in its order: its
+// numbers exactly.
 
-// The u of rows kh .. kh + 15 (two blocks, six_bit_u) into 4 rows of 64 bytes in `words`.
+// The codes c = u - 32 of rows kh .. kh + 15 (two blocks, six_bit_u) into 4 rows of 64 bytes in
+// `words`: signed, so that TDPBSSD sums c q itself and no -32 x q term is added per row.
 inline void q6_half_words(const uint8_t* codes, int64_t kh, uint8_t (*words)[64]) {
+  const __m512i bias = _mm512_set1_epi8(32);
 #pragma GCC unroll 2
   for (int c = 0; c < 2; ++c) {
     const uint8_t* blk = codes + (kh / 8 + c) * kSixBlock;
     _mm_prefetch(reinterpret_cast<const char*>(blk + kQuadsPrefetch), _MM_HINT_T0);  // (q4_group_words')
     __m512i lo, hi;
     six_bit_u(blk, lo, hi);
-    _mm512_store_si512(words[2 * c], lo);
-    _mm512_store_si512(words[2 * c + 1], hi);
+    _mm512_store_si512(words[2 * c], _mm512_sub_epi8(lo, bias));
+    _mm512_store_si512(words[2 * c + 1], _mm512_sub_epi8(hi, bias));
+  }
+}
+
+// Activation group b's two halves' sums (stored in sums[2b % 4], sums[(2b + 1) % 4]) into R
+// rows' f32 sums acc, in q6a8_rows_vnni's steps and order; a row at a time, so that only the R
+// sums stay in registers (the int32 sums of all rows beside them spilled at R = 16).
+template <int R>
+inline void q6_tiles_group(const QuantPanel& q, const ActQ8& a, ScaleCursor& cursor, bool offset16,
+                           const int32_t (*sums)[16][kPanel], int64_t b, __m512* acc) {
+  const int64_t H = a.K / 16, h0 = 2 * b;
+  __m512i m[2];
+  __m512 o16[2];
+#pragma GCC unroll 2
+  for (int k = 0; k < 2; ++k) {
+    cursor.step(16 * (h0 + k));
+    o16[k] = offset16 ? scales_f32x16_at(q, q.offset, q.super_offset, cursor.at, cursor.super_at)
+                      : _mm512_setzero_ps();  // offset * xsum over the 16 rows
+    m[k] = q.super_scale ? six_sub_scales(q, cursor) : _mm512_set1_epi32(1);
+  }
+  __m512 f, o;
+  six_group_factors(q, cursor, offset16, f, o);
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) {
+    __m512i isum = _mm512_setzero_si512();
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; ++k) {
+      const int64_t h = h0 + k;
+      if (offset16) acc[i] = _mm512_fmadd_ps(o16[k], _mm512_set1_ps(a.s16[i * H + h]), acc[i]);
+      const __m512i part = _mm512_load_si512(sums[h % 4][i]);
+      isum = _mm512_add_epi32(isum, q.super_scale ? _mm512_mullo_epi32(part, m[k]) : part);
+    }
+    acc[i] = add_group_sum(a, b, i, isum, f, o, acc[i]);
   }
 }
 
 // R rows (1-16) of panel p into y, pipelined by halves of an activation group (half h: rows
 // 16 h .. 16 h + 15 of K, tiles 0-2 for even h, 3-5 for odd): h + 1's product issued while h's
-// sums are stored, and a group scaled once its halves' sums have been stored a step before.
+// sums are stored, and a group scaled once its halves' sums have been stored a step before. One
+// loop body, no closures (as q4a8_rows_tiles).
 template <int R>
 __attribute__((noinline)) void q6a8_rows_tiles(const QuantPanel& q, int64_t p, const ActQ8& a, float* y,
                                                int64_t ldy) {
@@ -347,47 +383,25 @@ __attribute__((noinline)) void q6a8_rows_tiles(const QuantPanel& q, int64_t p, c
   __m512 acc[R];
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
-  const auto product = [&](int64_t h) {
-    if (h + 2 < H) q6_half_words(codes, 16 * (h + 2), words[(h + 2) % 4]);
-    if (h % 2)
-      JAXLLM_INT8_TILE_PRODUCT(3, 4, 5, a.q + 16 * h, a.K, words[h % 4]);
-    else
-      JAXLLM_INT8_TILE_PRODUCT(0, 1, 2, a.q + 16 * h, a.K, words[h % 4]);
-  };
-  const auto scale_group = [&](int64_t b) {
-    __m512i isum[R];
-#pragma GCC unroll 16
-    for (int i = 0; i < R; ++i) isum[i] = _mm512_setzero_si512();
-    for (int64_t h = 2 * b; h < 2 * b + 2; ++h) {
-      cursor.step(16 * h);
-      if (offset16) {  // offset * xsum over the 16 rows
-        const __m512 o = scales_f32x16_at(q, q.offset, q.super_offset, cursor.at, cursor.super_at);
-#pragma GCC unroll 16
-        for (int i = 0; i < R; ++i) acc[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(a.s16[i * H + h]), acc[i]);
-      }
-      const __m512i m = q.super_scale ? six_sub_scales(q, cursor) : _mm512_set1_epi32(1);
-#pragma GCC unroll 16
-      for (int i = 0; i < R; ++i) {
-        const __m512i part = _mm512_add_epi32(_mm512_load_si512(sums[h % 4][i]), _mm512_set1_epi32(2 * a.t[i * H + h]));
-        isum[i] = _mm512_add_epi32(isum[i], q.super_scale ? _mm512_mullo_epi32(part, m) : part);
-      }
-    }
-    __m512 f, o;
-    six_group_factors(q, cursor, offset16, f, o);
-    add_group_sums<R>(a, b, isum, f, o, acc);
-  };
-  q6_half_words(codes, 0, words[0]);
-  q6_half_words(codes, 16, words[1]);
-  product(0);
+  for (int64_t h = 0; h < std::min<int64_t>(H, 3); ++h) q6_half_words(codes, 16 * h, words[h]);
+  JAXLLM_INT8_TILE_PRODUCT(_tile_dpbssd, 0, 1, 2, a.q, a.K, words[0]);
+  // Step h: half h + 3's codes split, h + 1's product issued, h's sums stored.
   for (int64_t h = 0; h < H; ++h) {
-    if (h + 1 < H) product(h + 1);
+    const int64_t n = h + 1;
+    if (n < H) {
+      if (n + 2 < H) q6_half_words(codes, 16 * (n + 2), words[(n + 2) % 4]);
+      if (n % 2)
+        JAXLLM_INT8_TILE_PRODUCT(_tile_dpbssd, 3, 4, 5, a.q + 16 * n, a.K, words[n % 4]);
+      else
+        JAXLLM_INT8_TILE_PRODUCT(_tile_dpbssd, 0, 1, 2, a.q + 16 * n, a.K, words[n % 4]);
+    }
     if (h % 2)
       _tile_stored(5, sums[h % 4], 64);
     else
       _tile_stored(2, sums[h % 4], 64);
-    if (h % 2 && h >= 3) scale_group(h / 2 - 1);
+    if (h % 2 && h >= 3) q6_tiles_group<R>(q, a, cursor, offset16, sums, h / 2 - 1, acc);
   }
-  scale_group(G - 1);
+  q6_tiles_group<R>(q, a, cursor, offset16, sums, G - 1, acc);
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(y + i * ldy, acc[i]);
 }
