@@ -196,21 +196,13 @@ __attribute__((noinline)) void q4a8_rows_vnni(const QuantPanel& q, const int64_t
   ScaleCursor* cursor[2] = {&first, &last};
   for (int j = 0; j < P; ++j) codes[j] = static_cast<const uint8_t*>(q.codes) + panel[j] * q.K * (kPanel / 2);
   const __m512i low4 = _mm512_set1_epi8(15);
-  __m512 acc[P][R], s[P], o[P];
+  __m512 acc[P][R];
 #pragma GCC unroll 2
-  for (int j = 0; j < P; ++j) {
-    s[j] = o[j] = _mm512_setzero_ps();
+  for (int j = 0; j < P; ++j)
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) acc[j][i] = _mm512_setzero_ps();
-  }
   for (int64_t b = 0; b < a.groups; ++b) {
     const int64_t k0 = b * kActGroup;
-#pragma GCC unroll 2
-    for (int j = 0; j < P; ++j)
-      if (cursor[j]->step(k0)) {
-        s[j] = scales_f32x16_at(q, q.scale, q.super_scale, cursor[j]->at, cursor[j]->super_at);
-        if (q.offset) o[j] = scales_f32x16_at(q, q.offset, q.super_offset, cursor[j]->at, cursor[j]->super_at);
-      }
     __m512i isum[P][R];
 #pragma GCC unroll 2
     for (int j = 0; j < P; ++j)
@@ -235,8 +227,16 @@ __attribute__((noinline)) void q4a8_rows_vnni(const QuantPanel& q, const int64_t
           isum[j][i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[j][i], lo[j], x0), hi[j], x1);
       }
     }
+    // The group's scales made after its products, not kept across them: 6 rows of two panels
+    // then fit the registers (kept, they spilled the sums at 5-6 rows).
 #pragma GCC unroll 2
-    for (int j = 0; j < P; ++j) add_group_sums<R>(a, b, isum[j], s[j], o[j], acc[j]);
+    for (int j = 0; j < P; ++j) {
+      cursor[j]->step(k0);
+      const __m512 s = scales_f32x16_at(q, q.scale, q.super_scale, cursor[j]->at, cursor[j]->super_at);
+      const __m512 o = q.offset ? scales_f32x16_at(q, q.offset, q.super_offset, cursor[j]->at, cursor[j]->super_at)
+                                : _mm512_setzero_ps();
+      add_group_sums<R>(a, b, isum[j], s, o, acc[j]);
+    }
   }
 #pragma GCC unroll 2
   for (int j = 0; j < P; ++j)
