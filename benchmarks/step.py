@@ -13,7 +13,7 @@ pages where Linux allows, as the weights and the KV pool lie, which reads with e
 since a step only reads its weights and pages. The donated read+write bandwidth of
 an in-place update is printed beside it (about 1.7x the reads there: it counts bytes both ways).
 
-Each decode step is also split into parts, each timed alone at the step's shapes: host (the
+Each step (decode and prefill) is also split into parts, each timed alone at the step's shapes: host (the
 runner's input preparation, timed inside the step), GEMMs (every layer's QKV, output,
 gate/up (with SwiGLU) and down projections chained as in the model, plus the LM head on the
 sampled rows), attention (the backend's kernel over every layer's pages) and the sampler;
@@ -340,8 +340,6 @@ def main():
             f"  roofline {r['roofline_ms']:7.1f} ms ({100 * r['fraction_of_roofline']:.0f}%)",
             flush=True,
         )
-        if kind != "decode":
-            return
         parts = breakdown(runner, cfg, scheduled)
         parts["host"] = float(np.median([t["prepare"] for t in timings]))
         parts["other"] = max(0.0, dt - sum(parts.values()))

@@ -10,8 +10,9 @@ ones, "q6 six-bit"), 4-bit and 8-bit (Q6_K-like, in [-32, 31]) codes through the
 weight-only kernel (`matmul_quantized`, dequantizing each weight or, "factored", with the
 group scales factored out of the sums: the float32 engine's decodes on AVX2, whose code path
 the kernel takes on AVX-512 CPUs too), 4-bit codes x int8 rows ("q4 x int8", `act8=True`:
-llama.cpp's scheme, the codes in `quads`, on AMX's int8 tiles from 2 rows where the CPU has
-them; "q4 x int8 vnni" the same without the tiles; "q4 x int8 avx2" its AVX2 kernel; "q6 x int8" the
+llama.cpp's scheme, the codes in `quads`; from more rows on AMX's int8 tiles and on bf16 dots
+where the CPU has them, `native.int8_tile_rows`, `native.act8_bf16_rows`; "q4 x int8 vnni" the
+VNNI kernels at every row count; "q4 x int8 avx2" its AVX2 kernel; "q6 x int8" the
 Q6_K-like codes so, from 6 bits: `gemm.six_bit_quads`; "q6k six-bit" and "q6k x int8" the same
 codes with Q6_K's two-level scales, int8 per 16 rows under f16 per 256), f32 panels (the
 float32 dtype's GEMM, `csrc/gemm.cc`) and W8A8 (8-bit codes x int8 activations,
@@ -76,8 +77,17 @@ PATHS = (
     "w8a8",
     "w8a8 per row",
 )
-VNNI = " vnni"  # (a path's suffix: the int8 rows without AMX's int8 tiles, native.int8_tile_rows_set(0))
+VNNI = " vnni"  # (a path's suffix: the int8 rows' VNNI kernels at every row count: `vnni_only`)
 BF16_PATHS = ("bf16", "q4 x bf16", "q4 factored", "q8 x bf16", "q6 factored", "q6 six-bit", "q6k six-bit")
+
+
+@contextlib.contextmanager
+def vnni_only():
+    """Int8 rows' calls neither on AMX's int8 tiles nor, from `native.act8_bf16_rows` rows, on bf16 dots."""
+    from jaxllm.kernels import native
+
+    with native.int8_tile_rows_set(0), native.act8_bf16_rows_set(4, 0), native.act8_bf16_rows_set(6, 0):
+        yield
 
 
 def chain(matmul, layers: int, shapes: list):
@@ -187,7 +197,7 @@ def main(argv=None) -> int:
         x = jnp.asarray(rng.standard_normal((m, shapes[0][0])).astype(np.float32))
         best = {}
         for name, call in calls.items():
-            with native.int8_tile_rows_set(0) if name.endswith(VNNI) else contextlib.nullcontext():
+            with vnni_only() if name.endswith(VNNI) else contextlib.nullcontext():
                 jax.block_until_ready(call(x, weights[name]))
                 times = []
                 for _ in range(args.repeat):

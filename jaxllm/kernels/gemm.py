@@ -374,12 +374,13 @@ def matmul_quantized(
     each group (`QuantizedWeight.bias`; None: summed in the call). `rows`, `swiglu`: as for
     `matmul_packed`. With AMX-INT8, a call of 4- or 6-bit codes x int8 rows from
     `native.int8_tile_rows()` rows (path auto or avx512) sums its products on the int8 tiles,
-    the VNNI kernels' numbers exactly. With AMX, a call of 4- or 6-bit codes x int8 rows takes the bf16 tiles
-    instead from `native.act8_tile_rows(bits)` rows (path auto; every call with path "amx"): x and
-    the weights rounded to bf16, a prompt's rows several times faster (csrc/gemm_codes_tiles.cc;
-    `act8_on_tiles`). `factored` (float activations, groups of an even number of rows, AVX2): calls of
-    one or two rows take each group's scale and offset out of their sums (csrc/gemm_quant.cc):
-    within f32 rounding of the dequantized product, each row's numbers the same in either."""
+    the VNNI kernels' numbers exactly. A call of 4- or 6-bit codes x int8 rows takes bf16 dots
+    instead from `native.act8_bf16_rows(bits)` rows (path auto; with AMX every call with path
+    "amx"): x and the weights rounded to bf16, a prompt's rows faster, on AMX's tiles several
+    times (csrc/gemm_codes_tiles.cc; `act8_on_bf16`). `factored` (float activations, groups of an
+    even number of rows, AVX2): calls of one or two rows take each group's scale and offset out of
+    their sums (csrc/gemm_quant.cc): within f32 rounding of the dequantized product, each row's
+    numbers the same in either."""
     bias = jnp.zeros((0,), jnp.int32) if bias is None else bias
     return _quantized_call(
         "jaxllm_matmul_quantized_cpu",
@@ -460,11 +461,14 @@ def _quantized_call(
     ).reshape(*lead, n)
 
 
-def act8_on_tiles(path: str, rows: int, bits: int) -> bool:
+def act8_on_bf16(path: str, rows: int, bits: int) -> bool:
     """Whether `matmul_quantized(..., act8=True)` over codes of `bits` (4 or 6) multiplies a call of
-    `rows` rows on AMX's bf16 tiles (x and the weights rounded to bf16) rather than as int8 rows."""
-    tile_rows = native.act8_tile_rows(bits)
-    return tile_rows > 0 and (path == "amx" or (path == "auto" and rows >= tile_rows))
+    `rows` rows on bf16 dots (x and the weights rounded to bf16: AMX's tiles or VDPBF16PS) rather
+    than as int8 rows."""
+    if path == "amx":
+        return "amx" in native.kernel_paths() and native.act8_bf16_rows(bits) > 0
+    from_rows = native.act8_bf16_rows(bits)
+    return path == "auto" and from_rows > 0 and rows >= from_rows
 
 
 ACT_GROUP = 32  # columns of x per int8 scale with `matmul_quantized(..., act8=True)` and 4-bit codes

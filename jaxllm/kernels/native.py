@@ -203,7 +203,6 @@ PATHS = ("portable", "avx2", "avx512", "amx")
 _path_bits = 0
 _bf16_dots = False
 _six_bit_codes = False
-_act8_tile_rows = {4: 0, 6: 0}
 
 
 def start_build() -> None:
@@ -246,7 +245,7 @@ _loading_lock = threading.Lock()
 
 
 def _load_once() -> str | None:
-    global _lib, _path_bits, _bf16_dots, _six_bit_codes, _act8_tile_rows
+    global _lib, _path_bits, _bf16_dots, _six_bit_codes
     try:
         lib = ctypes.cdll.LoadLibrary(build())
         for target, symbol in TARGETS.items():
@@ -254,7 +253,6 @@ def _load_once() -> str | None:
         _path_bits = lib.JaxllmKernelPaths()
         _bf16_dots = bool(lib.JaxllmBf16GemmHasDots())
         _six_bit_codes = bool(lib.JaxllmHasSixBitCodes())
-        _act8_tile_rows = {bits: int(lib.JaxllmAct8TileRows(bits)) for bits in (4, 6)}
         _lib = lib
     except (OSError, RuntimeError, AttributeError) as e:
         return str(e)
@@ -279,12 +277,24 @@ def has_six_bit_codes() -> bool:
     return available() and _six_bit_codes
 
 
-def act8_tile_rows(bits: int) -> int:
+def act8_bf16_rows(bits: int) -> int:
     """The fewest rows from which `gemm.matmul_quantized(..., act8=True)` over codes of `bits` (4
-    or 6) multiplies on AMX's bf16 tiles under path auto (csrc/gemm_codes_tiles.cc: 4-bit codes
-    stay on the int8 tiles longer), 0 where it never does (no AMX, AVX512_VBMI or tile permission
-    here)."""
-    return _act8_tile_rows[bits] if available() else 0
+    or 6) multiplies bf16 dots under path auto (csrc/gemm_codes_tiles.cc: the codes converted to
+    bf16, on AMX's tiles where the process has them, else with VDPBF16PS), 0 where it never does
+    (no AVX512_BF16 and AVX512_VBMI here, or 4-bit codes without AMX)."""
+    return int(_lib.JaxllmAct8Bf16Rows(bits, -1)) if available() else 0
+
+
+@contextlib.contextmanager
+def act8_bf16_rows_set(bits: int, rows: int):
+    """Within the block, calls over codes of `bits` take bf16 dots from `rows` rows (0: none), as
+    `act8_bf16_rows` says; for benchmarks and tests. Process-wide, as `int8_tile_rows_set`."""
+    before = int(_lib.JaxllmAct8Bf16Rows(bits, rows)) if available() else 0
+    try:
+        yield
+    finally:
+        if available():
+            _lib.JaxllmAct8Bf16Rows(bits, before)
 
 
 def int8_tile_rows() -> int:

@@ -205,11 +205,12 @@ def resolve_weight_plan(
     method = None if small or asked == "none" else asked or (checkpoint if wanted else None)
     pack_floats = cpp_gemm and args.packed_weights and (dtype == "float32" or platform.cpp_bf16_dots)
     gemm_path = _batch_invariant_gemm_path(args, platform, cpp_gemm, dtype)
-    # With AMX, path auto takes a call to the tiles from two rows (bf16) or act8_tile_rows rows
-    # (int8 rows): other numbers than a one-row decode's. Speculative decoding's verification
-    # steps keep the AVX-512 kernels, each row computing what its decode would.
-    amx_rows = platform.cpp_amx and cpp_gemm and gemm_path == "auto" and (dtype == "bfloat16" or args.int8_activations)
-    check_path = "avx512" if args.speculative_config and amx_rows else None
+    # Path auto computes other numbers than a one-row decode's from some row count: with AMX, bf16
+    # calls on the tiles from two rows; int8 rows' calls on bf16 dots from `act8_bf16_rows` rows
+    # (AVX512_BF16 CPUs). Speculative decoding's verification steps keep the AVX-512 kernels,
+    # each row computing what its decode would.
+    by_rows = dtype == "bfloat16" and platform.cpp_amx or args.int8_activations and platform.cpp_bf16_dots
+    check_path = "avx512" if args.speculative_config and cpp_gemm and gemm_path == "auto" and by_rows else None
     linears = {
         name: _linear_plan(
             name,

@@ -1,5 +1,5 @@
 """The int8-activation GEMMs' references (`gemm.matmul_quantized(..., act8=True)`), in NumPy: int8
-rows, and the bf16 tiles that take a call of many rows on AMX; and the check that a call of any
+rows, and the bf16 dots (AMX's tiles, VDPBF16PS) that take a call of many rows; and the check that a call of any
 row count (on AMX's int8 tiles or not) computes each row's numbers."""
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def int8_rows_reference(x: np.ndarray, w: np.ndarray, offset_rows: np.ndarray | 
     return y if offset_rows is None else y + x.astype(np.float64) @ offset_rows
 
 
-def tiles_reference(x: np.ndarray, w: np.ndarray, offset_rows: np.ndarray | None) -> np.ndarray:
-    """What AMX's bf16 tiles compute for the same call (`gemm.act8_on_tiles`): x rounded to bf16
+def bf16_dots_reference(x: np.ndarray, w: np.ndarray, offset_rows: np.ndarray | None) -> np.ndarray:
+    """What bf16 dots compute for the same call (`gemm.act8_on_bf16`): x rounded to bf16
     times each weight (code times scale plus offset, rounded to f32 once, then to bf16), summed
     in float64."""
 
@@ -40,9 +40,9 @@ def tiles_reference(x: np.ndarray, w: np.ndarray, offset_rows: np.ndarray | None
 
 def act8_expected(x: np.ndarray, w: np.ndarray, offset_rows: np.ndarray | None, path: str, bits: int) -> np.ndarray:
     """`matmul_quantized(..., act8=True, path=path)`'s product over codes of `bits` (4 or 6): the
-    int8 rows', or the bf16 tiles' where the call takes them."""
-    if gemm.act8_on_tiles(path, x.shape[0], bits):
-        return tiles_reference(x, w, offset_rows)
+    int8 rows', or the bf16 dots' where the call takes them."""
+    if gemm.act8_on_bf16(path, x.shape[0], bits):
+        return bf16_dots_reference(x, w, offset_rows)
     return int8_rows_reference(x, w, offset_rows)
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from jaxllm.kernels import gemm, native
 
-from tests.helpers.int8_rows import check_every_row_count, tiles_reference
+from tests.helpers.int8_rows import check_every_row_count, bf16_dots_reference
 
 P = gemm.pack_scales  # [G, N] scales as the kernels read them
 
@@ -100,12 +100,12 @@ def act8_reference(
 ) -> np.ndarray:
     """4-bit codes x int8 activations by hand: each row of x rounded per block of 32 columns to
     q * d (d = max|x| / 127, in f32 as the kernel computes it), the blocks' integer sums scaled;
-    where a call of x's rows with `path` takes AMX's bf16 tiles instead, their product."""
+    where a call of x's rows with `path` takes bf16 dots instead, their product."""
     m, k = x.shape
     rows = k // scale.shape[0]
-    if gemm.act8_on_tiles(path, m, 4):
+    if gemm.act8_on_bf16(path, m, 4):
         offset_rows = None if offset is None else np.repeat(offset.astype(np.float64), rows, 0)
-        return tiles_reference(x, codes * np.repeat(scale.astype(np.float64), rows, 0), offset_rows)
+        return bf16_dots_reference(x, codes * np.repeat(scale.astype(np.float64), rows, 0), offset_rows)
     xb = x.astype(np.float32).reshape(m, k // 32, 32)
     amax = np.abs(xb).max(-1, keepdims=True)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
@@ -149,27 +149,30 @@ def test_matmul_quantized_int8_activations_matches_numpy(rows, groups, with_offs
     assert np.abs(ref - exact).max() < 0.02 * np.abs(exact).max()
 
 
-def test_four_bit_codes_on_the_bf16_tiles_walk_a_long_k_in_chunks():
-    # As the 6-bit codes' test in test_quantized_gemm_six.py: K = 4,352 (17 chunks of 128
-    # k-pairs), 40 rows, 20 panels (items of 16 and 4), offsets, with and without SwiGLU.
-    if not gemm.act8_on_tiles("auto", 40, 4):
-        pytest.skip("no AMX bf16 tiles for the codes on this CPU")
-    rng = np.random.default_rng(4)
-    k, n = 4352, 320
-    x = (rng.standard_normal((40, k)) * 0.05).astype(np.float32)
-    codes = rng.integers(0, 16, (k, n))
-    scale = (rng.random((k // 32, n)) * 0.1).astype(np.float16)
-    offset = (-rng.random((k // 32, n)) * 0.5).astype(np.float16)
-    want = act8_reference(x, codes, scale, offset)
-    packed = gemm.pack_codes(codes, 4, quads=True)
-    for swiglu in (False, True):
-        call = functools.partial(gemm.matmul_quantized, bits=4, act8=True, swiglu=swiglu)
-        y = np.asarray(jax.jit(call)(x, packed, P(scale), P(offset)))
-        ref = want
-        if swiglu:
-            g, u = np.split(want, 2, axis=1)
-            ref = g / (1 + np.exp(-g)) * u
-        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+def test_four_bit_codes_on_bf16_dots_walk_a_long_k_in_chunks():
+    # As the 6-bit codes' test in test_quantized_gemm_six.py: K = 4,352 (on AMX's tiles 17 chunks
+    # of 128 k-pairs), 40 rows, 20 panels (items of 16 and 4 on the tiles; of 4, 2 and 1 on
+    # VDPBF16PS), offsets, with and without SwiGLU. (Without AMX 4-bit codes take bf16 dots only
+    # where set, as here.)
+    with native.act8_bf16_rows_set(4, 17):
+        if not gemm.act8_on_bf16("auto", 40, 4):
+            pytest.skip("no bf16 dots for the codes on this CPU (AVX512_BF16 and AVX512_VBMI)")
+        rng = np.random.default_rng(4)
+        k, n = 4352, 320
+        x = (rng.standard_normal((40, k)) * 0.05).astype(np.float32)
+        codes = rng.integers(0, 16, (k, n))
+        scale = (rng.random((k // 32, n)) * 0.1).astype(np.float16)
+        offset = (-rng.random((k // 32, n)) * 0.5).astype(np.float16)
+        want = act8_reference(x, codes, scale, offset)
+        packed = gemm.pack_codes(codes, 4, quads=True)
+        for swiglu in (False, True):
+            call = functools.partial(gemm.matmul_quantized, bits=4, act8=True, swiglu=swiglu)
+            y = np.asarray(jax.jit(call)(x, packed, P(scale), P(offset)))
+            ref = want
+            if swiglu:
+                g, u = np.split(want, 2, axis=1)
+                ref = g / (1 + np.exp(-g)) * u
+            np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 6])

@@ -100,28 +100,30 @@ def test_six_bit_int8_rows_take_the_same_numbers_on_every_row_count(kind, k):
 
 
 @pytest.mark.parametrize("kind", ["q6_k", "q4_k+q6_k"])
-def test_codes_on_the_bf16_tiles_walk_a_long_k_in_chunks(kind):
-    # From 2,048 k-pairs the bf16 tiles walk K in chunks, the sums kept between them, over up to
-    # 16 panels an item: K = 4,352 (17 chunks of 128 k-pairs and a Q6_K super-block's multiple),
-    # 40 rows (a block of 32 and one of 8), 20 panels (an item of 16 and one of 4), with and
-    # without SwiGLU: the rounded weights' product within f32 rounding.
-    if not gemm.act8_on_tiles("auto", 40, 6):
-        pytest.skip("no AMX bf16 tiles for the codes on this CPU")
-    rng = np.random.default_rng(5)
-    k, n = 4352, 320
-    codes, scales, supers, w, offset_rows = case(kind, k, n, rng)
-    x = (rng.standard_normal((40, k)) * 2e-3).astype(np.float32)  # (sums near SiLU's bend)
-    six = gemm.pack_codes(codes, 6, quads=True)
-    want = act8_expected(x, w, offset_rows, "auto", 6)
-    for swiglu in (False, True):
-        call = functools.partial(gemm.matmul_quantized, bits=6, act8=True, swiglu=swiglu, **supers)
-        y = np.asarray(jax.jit(call)(x, six, *scales))
-        if swiglu:
-            g, u = np.split(want, 2, axis=1)
-            ref = g / (1 + np.exp(-g)) * u
-        else:
-            ref = want
-        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+def test_codes_on_bf16_dots_walk_a_long_k_in_chunks(kind):
+    # From 2,048 k-pairs AMX's bf16 tiles walk K in chunks, the sums kept between them, over up
+    # to 16 panels an item: K = 4,352 (17 chunks of 128 k-pairs and a Q6_K super-block's
+    # multiple), 40 rows (a block of 32 and one of 8), 20 panels (an item of 16 and one of 4;
+    # on VDPBF16PS items of 4, 2 and 1), with and without SwiGLU: the rounded weights' product
+    # within f32 rounding. (Calls take bf16 dots here from 17 rows, as on AMX.)
+    with native.act8_bf16_rows_set(6, 17):
+        if not gemm.act8_on_bf16("auto", 40, 6):
+            pytest.skip("no bf16 dots for the codes on this CPU (AVX512_BF16 and AVX512_VBMI)")
+        rng = np.random.default_rng(5)
+        k, n = 4352, 320
+        codes, scales, supers, w, offset_rows = case(kind, k, n, rng)
+        x = (rng.standard_normal((40, k)) * 2e-3).astype(np.float32)  # (sums near SiLU's bend)
+        six = gemm.pack_codes(codes, 6, quads=True)
+        want = act8_expected(x, w, offset_rows, "auto", 6)
+        for swiglu in (False, True):
+            call = functools.partial(gemm.matmul_quantized, bits=6, act8=True, swiglu=swiglu, **supers)
+            y = np.asarray(jax.jit(call)(x, six, *scales))
+            if swiglu:
+                g, u = np.split(want, 2, axis=1)
+                ref = g / (1 + np.exp(-g)) * u
+            else:
+                ref = want
+            np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("rows", [2, 7])

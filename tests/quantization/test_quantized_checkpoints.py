@@ -295,13 +295,19 @@ def test_dtype_auto_serves_a_gguf_of_int8_dot_codes_with_int8_activations(tmp_pa
     assert LLM(other, **args).engine.config.dtype == "bfloat16"
 
 
-def test_verification_steps_keep_int8_rows_where_amx_tiles_take_larger_calls(tmp_path, monkeypatch):
-    """With AMX, int8 rows' calls of `act8_tile_rows` rows or more take the bf16 tiles (other
-    numbers); a speculating engine's verification steps keep the int8 rows (`check_path`), so
-    that each row computes what its decode would: with drafts for 6 sequences at once (checks of
-    up to 24 rows) the greedy outputs and logprobs are those without drafts."""
-    if not gemm.act8_on_tiles("auto", 4096, 6):
-        pytest.skip("no AMX tiles for int8 rows here (no AMX, AVX512_VBMI or tile permission)")
+def test_verification_steps_keep_int8_rows_where_bf16_dots_take_larger_calls(tmp_path, monkeypatch):
+    """Int8 rows' calls of `act8_bf16_rows` rows or more take bf16 dots (other numbers: AMX's
+    tiles, or VDPBF16PS over 6-bit codes, here from 17 rows); a speculating engine's
+    verification steps keep the int8 rows (`check_path`), so that each row computes what its
+    decode would: with drafts for 6 sequences at once (checks of up to 24 rows) the greedy
+    outputs and logprobs are those without drafts."""
+    with native.act8_bf16_rows_set(6, 17):
+        if not gemm.act8_on_bf16("auto", 4096, 6):
+            pytest.skip("no bf16 dots for int8 rows' codes here (AVX512_BF16 and AVX512_VBMI)")
+        _check_int8_rows_kept(tmp_path, monkeypatch)
+
+
+def _check_int8_rows_kept(tmp_path, monkeypatch):
     from tests.helpers.oracle_proposer import OracleProposer
 
     path = write_quantized_gguf(str(tmp_path / "int8-dots.gguf"), int8_dots=True)
@@ -313,9 +319,9 @@ def test_verification_steps_keep_int8_rows_where_amx_tiles_take_larger_calls(tmp
     spec = LLM(path, **args, speculative_config=ngram)
     runner = spec.engine.runner
     check = max((b for b in runner.buckets if b.all_logits), key=lambda b: b.num_tokens)
-    assert runner.check_path == "avx512" and check.num_tokens >= native.act8_tile_rows(6)  # (its 6-bit QKVs)
+    assert runner.check_path == "avx512" and check.num_tokens >= native.act8_bf16_rows(6)  # (its 6-bit QKVs)
     assert runner.step_params(check)["layers"][0]["wqkv"].path == "avx512"
-    assert runner.params["layers"][0]["wqkv"].path == "auto"  # (a prompt's steps: the tiles)
+    assert runner.params["layers"][0]["wqkv"].path == "auto"  # (a prompt's steps: bf16 dots)
     sequences = [o.prompt_token_ids + o.outputs[0].token_ids for o in plain]
     monkeypatch.setattr(spec.engine.scheduler, "proposer", OracleProposer(sequences, k=3, vocab=512))
     for a, b in zip(spec.generate(prompts, greedy, use_tqdm=False), plain):

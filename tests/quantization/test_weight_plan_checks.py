@@ -66,12 +66,14 @@ def test_batch_invariant_keeps_int8_rows_off_the_tiles(platform, path):
         (XEON_AMX, BF16, None, "avx512"),  # bf16 panels likewise
         (XEON_AMX, F32, None, None),  # f32 panels: no tiles
         (XEON_AMX, dict(BF16, batch_invariant=True), "gguf", None),  # every call pinned already
-        (ZEN4, dict(dtype="float32", int8_activations=True), "gguf", None),
+        (ZEN4, dict(dtype="float32", int8_activations=True), "gguf", "avx512"),  # 6-bit codes: bf16 dots from 64
+        (ZEN3, dict(dtype="float32", int8_activations=True), "gguf", None),  # no bf16 dots
         (ZEN4, BF16, "gguf", None),
     ],
 )
-def test_verification_steps_keep_off_amx_tiles(platform, fields, checkpoint, path):
-    # A verification row must compute what its decode would (one row: never on the tiles).
+def test_verification_steps_keep_off_the_paths_of_larger_calls(platform, fields, checkpoint, path):
+    # A verification row must compute what its decode would (one row: never on AMX's tiles nor,
+    # as int8 rows, on bf16 dots).
     draft = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
     args = EngineArgs(**fields, speculative_config=draft)
     plan = resolve_weight_plan(args, platform, one_device=True, checkpoint=checkpoint, tied=True)

@@ -267,7 +267,7 @@ void q4a8_rows_vnni_blocks(const QuantPanel& q, const int64_t* panel, const ActQ
 // 0.87x), about the same at 8 and 1.2x at 2-4, where VNNI streams the codes at the memory's speed.
 // Fewest rows a call of path auto or avx512 multiplies on them (0: never); benchmarks and tests
 // change it (`native.int8_tile_rows_set`). From 17 rows over 6-bit codes and 32 over 4-bit ones
-// (act8_tile_rows_for), path auto takes the bf16 tiles instead (gemm_codes_tiles.cc), whose
+// (act8_bf16_rows_for), path auto takes the bf16 tiles instead (gemm_codes_tiles.cc), whose
 // per-call conversion of the codes costs less than these float steps from there on.
 inline std::atomic<int64_t> int8_tile_rows_min{8};
 

@@ -301,9 +301,9 @@ ffi::Error MatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   g.M = live_rows(rows, g.M, swiglu ? g.N / 2 : g.N, g.y);
   if (bias.element_count()) q.bias = bias.typed_data();
   if (act8) {
-#ifdef JAXLLM_CODES_TILES
-    if (g.M && (int4 || six) && act8_on_tiles(path, g.M, g.K, six ? 6 : 4)) {  // a prompt's rows: on AMX (gemm_codes_tiles.cc)
-      matmul_codes_tiles(pool, g, q, swiglu);
+#ifdef JAXLLM_CODES_BF16
+    if (g.M && (int4 || six) && act8_on_bf16(path, g.M, g.K, six ? 6 : 4)) {  // a prompt's rows (gemm_codes_tiles.cc)
+      matmul_codes_bf16(pool, g, q, swiglu);
       return ffi::Error::Success();
     }
 #endif
@@ -403,9 +403,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulQuantCpu, jaxllm::MatmulQuantImpl,
                                   .Attr<int32_t>("act_group")  // 8-bit codes x int8: columns per scale (0: a row)
                                   .Attr<int32_t>("factored"));  // 1: group scales factored out (calls of <= 16 rows)
 
-// Rows from which matmul_quantized's act8 calls over codes of `bits` (4 or 6) take AMX's tiles
-// with path auto (0: never in this build and process): `native.act8_tile_rows`.
-extern "C" int32_t JaxllmAct8TileRows(int32_t bits) { return static_cast<int32_t>(jaxllm::act8_tile_rows(bits)); }
+// Rows from which matmul_quantized's act8 calls over codes of `bits` (4 or 6) take bf16 dots with
+// path auto (0: never in this build and process), set to `rows` where rows >= 0; returns the
+// value before: `native.act8_bf16_rows`, `native.act8_bf16_rows_set`.
+extern "C" int32_t JaxllmAct8Bf16Rows(int32_t bits, int32_t rows) {
+  return static_cast<int32_t>(jaxllm::act8_bf16_rows(bits, rows));
+}
 
 // Fewest rows from which the int8 rows' calls (4- and 6-bit codes) of path auto or avx512 run on
 // AMX's int8 tiles (0: never), set to `rows` where rows >= 0; returns the value before (0 where
