@@ -465,8 +465,8 @@ def act8_on_bf16(path: str, rows: int, bits: int) -> bool:
     """Whether `matmul_quantized(..., act8=True)` over codes of `bits` (4 or 6) multiplies a call of
     `rows` rows on bf16 dots (x and the weights rounded to bf16: AMX's tiles or VDPBF16PS) rather
     than as int8 rows."""
-    if path == "amx":
-        return "amx" in native.kernel_paths() and native.act8_bf16_rows(bits) > 0
+    if path == "amx":  # (every call, on the tiles)
+        return "amx" in native.kernel_paths()
     from_rows = native.act8_bf16_rows(bits)
     return path == "auto" and from_rows > 0 and rows >= from_rows
 

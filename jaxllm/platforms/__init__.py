@@ -138,9 +138,10 @@ class Platform:
         AVX512_VNNI and the C++ kernels: there, as on CPUs without bf16 dots, dtype auto's float32
         multiplies the codes by int8 activations (`EngineArgs.int8_activations`, llama.cpp's
         scheme), on bf16 KV pages (`resolve_kv_cache_dtype`). A prompt's calls take the same codes
-        to bf16 dots (`kernels.gemm.act8_on_bf16`: AMX's tiles; without AMX 6-bit codes only). On the 1.5B Q4_K_M: on a
-        2-vCPU Zen 4 1.04-1.15x bfloat16's output across a serving sweep, on a 2-vCPU Xeon with
-        AMX one stream 1.6x and 4 streams 2.3x bfloat16's, prompts level (docs/quantization.md)."""
+        to bf16 dots (`kernels.gemm.act8_on_bf16`: AMX's tiles; without AMX 6-bit codes only).
+        On the 1.5B Q4_K_M: on a 2-vCPU Zen 4 1.04-1.15x bfloat16's output across a serving
+        sweep, on a 2-vCPU Xeon with AMX one stream 1.6x and 4 streams 2.3x bfloat16's, prompts
+        level (docs/quantization.md)."""
         if self.name != "cpu":
             return "bfloat16", f"{self.name} computes bfloat16 in hardware"
         hardware = [flag for flag in BF16_CPU_FLAGS if flag in self.cpu_flags]

@@ -4,7 +4,7 @@
 // The int8 rows' VNNI kernels stream a decode's codes at the memory's speed, but a prompt's
 // hundreds of rows slower than bf16 dots over the same codes: on AMX's bf16 tiles (the 1.5B's
 // layer matrices at 512 rows on a 2-vCPU Xeon: 607 against 1,795 GFLOP/s, `weight_stream.py`),
-// and over 6-bit codes on VDPBF16PS too (Zen 5: 613 against 796). So from act8_bf16_rows rows
+// and over 6-bit codes on VDPBF16PS too (Zen 5: about 600 against 860). So from act8_bf16_rows rows
 // (path auto; every row with path amx) each panel of codes is converted once a call into
 // gemm_bf16.cc's bf16 words (each weight code * scale + offset, one FMA in f32, rounded to
 // bf16), x is rounded to bf16, and bf16_panels multiplies them, on the tiles where the process
