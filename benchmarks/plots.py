@@ -493,7 +493,7 @@ def results_markdown(results: str = RESULTS, serving_files: list[str] = (), run_
                 f"| {r['kind']} batch {r['batch']} | {r['tokens']} | {r['step_ms']:.1f} | "
                 f"{r['tokens_per_s']:.0f} | {r['roofline_ms']:.1f} | {100 * r['fraction_of_roofline']:.0f}% |"
             )
-        split = [r for r in step["rows"] if "gemm_ms" in r]
+        split = [r for r in step["rows"] if "gemm_ms" in r and r.get("kind") == "decode"]
         if split:
             out += [
                 "",

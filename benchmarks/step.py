@@ -343,19 +343,15 @@ def main():
         parts = breakdown(runner, cfg, scheduled)
         parts["host"] = float(np.median([t["prepare"] for t in timings]))
         parts["other"] = max(0.0, dt - sum(parts.values()))
-        kv_bytes = batch * args.context * kv_bytes_per_token(cfg, config.cache.dtype)
-        r.update(
-            {f"{k}_ms": v * 1e3 for k, v in parts.items()},
-            gemm_gflops=flops / parts["gemm"] / 1e9,
-            attention_gbs=kv_bytes / parts["attention"] / 1e9,
-        )
-        print(
-            "    "
-            + ", ".join(f"{k} {v * 1e3:.1f} ms ({100 * v / dt:.0f}%)" for k, v in parts.items())
-            + f"; GEMMs {r['gemm_gflops']:.0f} GFLOP/s ({100 * r['gemm_gflops'] * 1e9 / peak:.0f}% of peak), "
-            f"attention {r['attention_gbs']:.1f} GB/s ({100 * r['attention_gbs'] * 1e9 / bw:.0f}% of bandwidth)",
-            flush=True,
-        )
+        r.update({f"{k}_ms": v * 1e3 for k, v in parts.items()}, gemm_gflops=flops / parts["gemm"] / 1e9)
+        line = f"; GEMMs {r['gemm_gflops']:.0f} GFLOP/s ({100 * r['gemm_gflops'] * 1e9 / peak:.0f}% of peak)"
+        if kind == "decode":  # (a decode's attention reads its pages; a prompt's computes)
+            kv_bytes = batch * args.context * kv_bytes_per_token(cfg, config.cache.dtype)
+            r["attention_gbs"] = kv_bytes / parts["attention"] / 1e9
+            share = 100 * r["attention_gbs"] * 1e9 / bw
+            line += f", attention {r['attention_gbs']:.1f} GB/s ({share:.0f}% of bandwidth)"
+        times = ", ".join(f"{k} {v * 1e3:.1f} ms ({100 * v / dt:.0f}%)" for k, v in parts.items())
+        print(f"    {times}{line}", flush=True)
 
     path = "packed C++ GEMM" if packed else "XLA dot"
     print(
