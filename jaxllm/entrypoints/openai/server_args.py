@@ -50,7 +50,11 @@ class ServerArgs:
     )
     limit_concurrency: int = option(1024, "most open connections; more get 503 (uvicorn's option)", metavar="N")
     timeout_keep_alive: int = option(
-        5, "seconds an idle keep-alive connection stays open (uvicorn's option)", metavar="SECONDS"
+        30,
+        "seconds an idle keep-alive connection stays open (uvicorn's option); keep it above clients' own "
+        "idle expiry (httpx and the openai client: 5 s), or a client may send a request on a connection "
+        "the server is closing that moment, and get a connection error",
+        metavar="SECONDS",
     )
     request_read_timeout: float = option(
         30.0,
