@@ -357,7 +357,7 @@ def main():
     print(
         f"matmul peak {peak / 1e9:.0f} GFLOP/s ({args.dtype}, {path}), memory reads {bw / 1e9:.1f} GB/s "
         f"(in-place update, read + write: {copy_bw / 1e9:.1f} GB/s), "
-        f"weights {weight_bytes / 1e6:.0f} MB (quantization {loaded.quantization or 'none'})"
+        f"weights {weight_bytes / 1e6:.0f} MB (quantization {plan.quantization or 'none'})"
     )
     for b in map(int, args.batches.split(",")):
         measure("decode", b, 1)
@@ -377,7 +377,7 @@ def main():
                 command=shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
                 dtype=args.dtype,
                 kv_cache_dtype=config.cache.dtype,
-                quantization=loaded.quantization,
+                quantization=plan.quantization,  # (the run's method: a checkpoint's, or one applied on load)
                 packed_weights=packed,
                 matmul_peak_flops=peak,
                 read_bandwidth=bw,
