@@ -1,5 +1,6 @@
 """This CPU's peak rate of the dot instructions jaxllm's GEMMs are built on: f32 FMA, int8 dots
-(VPDPBUSD: AVX512_VNNI on 512-bit registers, AVX-VNNI on 256-bit ones) and bf16 dots
+(VPDPBUSD: AVX512_VNNI on 512-bit registers, AVX-VNNI on 256-bit ones; AVX2's VPMADDUBSW into
+int16 sums) and bf16 dots
 (VDPBF16PS, AVX512_BF16), each with 8 to 20 independent accumulators (the best kept), on 1
 thread and on every core. A GEMM's GFLOP/s from `weight_stream.py` or `step.py` over the matching
 figure here is how far from the instruction peak it runs.
@@ -103,6 +104,11 @@ int main(int argc, char** argv) {
 #ifdef __AVX2__
     measure("f32 FMA ymm", 16, threads, seconds,
             KERNEL(__m256, __m256, _mm256_set1_ps(1.f), _mm256_set1_ps(1e-9f), _mm256_fmadd_ps(a, b, s)));
+#endif
+#ifdef __AVX2__  // (AVX2's int8 dots: byte pairs into int16 sums, as the AVX2 kernels take them)
+    measure("int8 VPMADDUBSW + VPADDW ymm", 64, threads, seconds,
+            KERNEL(__m256i, __m256i, _mm256_set1_epi8(1), _mm256_set1_epi8(1),
+                   _mm256_add_epi16(s, _mm256_maddubs_epi16(a, b))));
 #endif
 #ifdef __AVX512VNNI__
     measure("int8 VPDPBUSD zmm", 128, threads, seconds,
