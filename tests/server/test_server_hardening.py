@@ -10,8 +10,8 @@ import socket
 import time
 
 import httpx
+import openai
 import pytest
-from openai._constants import DEFAULT_CONNECTION_LIMITS as openai_limits
 
 from tests.helpers.live_server import AUTH, SERVER_FLAGS
 
@@ -256,7 +256,7 @@ def test_an_idle_connection_outlives_the_openai_clients_own_expiry(server):
     """The openai client (httpx's pool) reuses a connection idle for up to 5 s. A server closing
     idle connections at 5 s too races it: a request sent as the server closes its connection gets a
     reset (the soak saw one in 2,000 under load). The server keeps them longer."""
-    expiry = openai_limits.keepalive_expiry
+    expiry = openai.DEFAULT_CONNECTION_LIMITS.keepalive_expiry
     connects = []
 
     def trace(name, info):
