@@ -27,6 +27,10 @@ class SpeculativeConfig:
     # The draft proposes only the first this many token ids (its LM head cut to them, in whole
     # panels of 16): a BPE vocabulary's ids follow its merges, the most frequent first. None: all.
     draft_vocab_size: int | None = None
+    # A draft model stops proposing for a request once a draft's probability under it falls below
+    # this (transformers' assistant_confidence_threshold); the step already dispatched after it
+    # still adds its draft. 0: always num_speculative_tokens.
+    draft_confidence_threshold: float = 0.0
 
     METHODS = ("ngram", "draft_model")
 
@@ -55,7 +59,7 @@ class SpeculativeConfig:
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {config!r}")
         known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
-        known |= {"disable_by_batch_size", "model", "quantization", "draft_vocab_size"}
+        known |= {"disable_by_batch_size", "model", "quantization", "draft_vocab_size", "draft_confidence_threshold"}
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown or unsupported field(s) {unknown}; known: {sorted(known)}")
@@ -84,10 +88,21 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config draft_vocab_size is a draft model's positive token count, got {vocab!r}"
             )
+        threshold = config.get("draft_confidence_threshold", 0.0)
+        if (
+            isinstance(threshold, bool)
+            or not isinstance(threshold, (int, float))
+            or not 0.0 <= threshold < 1.0
+            or (threshold and method != "draft_model")
+        ):
+            raise ValueError(
+                "speculative_config draft_confidence_threshold is a draft model's probability in [0, 1), "
+                f"got {threshold!r}"
+            )
         draft = (
-            (model, QUANTIZATION_ALIASES.get(quantization, quantization), vocab)
+            (model, QUANTIZATION_ALIASES.get(quantization, quantization), vocab, float(threshold))
             if method == "draft_model"
-            else (None, None, None)
+            else (None, None, None, 0.0)
         )
         out = cls(method, config.get("num_speculative_tokens"), lo, hi, config.get("disable_by_batch_size", 8), *draft)
         out._check()

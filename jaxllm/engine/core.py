@@ -71,7 +71,9 @@ class EngineCore:
                 small_params=draft.small_params,
                 catch_up_seqs=spec_decode.max_seqs(config.scheduler),
             )
-            proposer = DraftModelProposer(config, runner, spec_decode.num_speculative_tokens)
+            proposer = DraftModelProposer(
+                config, runner, spec_decode.num_speculative_tokens, spec_decode.draft_confidence_threshold
+            )
         self.scheduler = Scheduler(
             config.scheduler,
             self.kv_cache_manager,

@@ -174,9 +174,11 @@ class _Shadow:
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, config, runner, num_speculative_tokens: int):
-        """`runner`: the draft model's own `ModelRunner` (its compiled steps and KV pool)."""
+    def __init__(self, config, runner, num_speculative_tokens: int, confidence_threshold: float = 0.0):
+        """`runner`: the draft model's own `ModelRunner` (its compiled steps and KV pool);
+        `confidence_threshold`: SpeculativeConfig.draft_confidence_threshold."""
         self.num_speculative_tokens = num_speculative_tokens
+        self.min_logprob = float(np.log(confidence_threshold)) if confidence_threshold > 0 else -np.inf
         self.runner = runner
         self.budget = config.scheduler.max_num_batched_tokens
         self.max_chunks = config.scheduler.max_num_prefill_seqs
@@ -231,11 +233,11 @@ class DraftModelProposer(Proposer):
                 rows = np.array([step.first[j] for j in ahead], np.int64)
                 next_step = [(scheduled[j][0], 1) for j in ahead]
                 chained = self.runner.dispatch(SchedulerOutput([(shadows[i], n) for i, n in next_step]), rows, step)
-                self._collect(in_flight, shadows, drafts)
+                self._collect(in_flight, shadows, drafts, wanted)
                 in_flight = next_step, chained
                 continue
             if in_flight is not None:
-                self._collect(in_flight, shadows, drafts)
+                self._collect(in_flight, shadows, drafts, wanted)
             scheduled = self._schedule(shadows, drafts, wanted)
             if not scheduled:
                 break
@@ -273,8 +275,9 @@ class DraftModelProposer(Proposer):
             return None
         return [j for j, (i, _) in enumerate(scheduled) if len(drafts[i]) + 1 < wanted[i]] or None
 
-    def _collect(self, in_flight, shadows: list[Request], drafts: list[list[int]]) -> None:
-        """Read the step's drafts into `drafts` and its shadows."""
+    def _collect(self, in_flight, shadows: list[Request], drafts: list[list[int]], wanted: list[int]) -> None:
+        """Read the step's drafts into `drafts` and its shadows; a shadow whose draft falls below
+        the confidence threshold wants no more (a step dispatched ahead for it still adds one)."""
         scheduled, step = in_flight
         out = self.runner.collect(step)
         offset = 0
@@ -284,4 +287,6 @@ class DraftModelProposer(Proposer):
                 token = int(out.sampled_token_ids[offset])
                 drafts[i].append(token)
                 shadows[i].output_token_ids.append(token)
+                if out.logprobs[offset] < self.min_logprob:
+                    wanted[i] = min(wanted[i], len(drafts[i]))
             offset += count

@@ -199,6 +199,46 @@ def test_draft_model_speculation(llm, tiny_model_dir, tmp_path):
         )
 
 
+def test_a_draft_below_the_confidence_threshold_ends_its_round(llm, tiny_model_dir):
+    # The target as its own draft: a draft's probability under the draft is the target's for that
+    # token, which the run without speculation reports (its logprobs). With a threshold a round's
+    # drafts end at its first draft below it, and the step dispatched ahead of reading that draft
+    # adds one more; the outputs stay the target's.
+    params = greedy(24, logprobs=1)
+    reference = {p: llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in PROMPTS}
+    probs = {p: [np.exp(lp[t].logprob) for t, lp in zip(o.token_ids, o.logprobs)] for p, o in reference.items()}
+    # The threshold in the widest gap between the middle half of those probabilities (so that
+    # the draft's own rounding cannot move a draft across it).
+    ps = np.sort(np.concatenate(list(probs.values())))
+    mid = ps[len(ps) // 4 : 3 * len(ps) // 4 + 1]
+    gap = int(np.argmax(mid[1:] / mid[:-1]))
+    assert mid[gap + 1] / mid[gap] > 1.02
+    threshold = float(np.sqrt(mid[gap] * mid[gap + 1]))
+    config = {"model": tiny_model_dir, "num_speculative_tokens": 4, "draft_confidence_threshold": threshold}
+    engine = LLM(tiny_model_dir, **TINY_ENGINE_ARGS, speculative_config=config)
+    proposer = engine.engine.scheduler.proposer
+    rounds, propose = [], proposer.propose_batch
+
+    def record(requests, rooms):
+        propose(requests, rooms)
+        rounds.extend(
+            (r.prompt, len(r.output_token_ids), room, len(r.spec_token_ids)) for r, room in zip(requests, rooms)
+        )
+
+    proposer.propose_batch = record
+    stopped = 0
+    for prompt in PROMPTS:
+        rounds.clear()
+        assert engine.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == reference[prompt].token_ids
+        for n, room, made in rounds:
+            wanted = min(room, 4)
+            low = [j for j in range(wanted) if probs[prompt][n + j] < threshold]
+            assert made == (min(wanted, low[0] + 2) if low else wanted), (prompt, n, probs[prompt][n : n + wanted])
+            stopped += bool(low) and low[0] + 2 < wanted
+    assert stopped > 0  # some round ended early
+    assert engine.engine.stats.num_accepted_tokens == engine.engine.stats.num_draft_tokens > 0
+
+
 @pytest.mark.slow
 def test_ngram_speculation_on_the_default_model():
     # A prompt the real model continues by repeating it: n-gram drafts get accepted, and the
@@ -229,6 +269,9 @@ def test_ngram_speculation_on_the_default_model():
         ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
         ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "int4"}, "n-gram has none"),
         ({"model": "x", "num_speculative_tokens": 2, "quantization": "int3"}, "quantization must be one of"),
+        ({"model": "x", "num_speculative_tokens": 2, "draft_confidence_threshold": 1.0}, "confidence"),
+        ({"model": "x", "num_speculative_tokens": 2, "draft_confidence_threshold": "0.5"}, "confidence"),
+        ({**NGRAM, "draft_confidence_threshold": 0.5}, "confidence"),
     ],
 )
 def test_bad_speculative_configs_rejected(tiny_model_dir, config, match):
