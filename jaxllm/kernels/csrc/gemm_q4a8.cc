@@ -120,7 +120,7 @@ constexpr int64_t kQuadsPrefetchAvx2 = 4096;
 // 4 bytes of q broadcast to every 32-bit lane, from memory: one load. (From a memcpy of 8 bytes
 // GCC made one 8-byte load, a shift and two broadcasts out of general registers, a uop more
 // each on the vector pipes.)
-inline __m256i broadcast_q4x8(const int8_t* q) { return _mm256_broadcastd_epi32(_mm_loadu_si32(q)); }
+inline __m256i broadcast4_ymm(const int8_t* q) { return _mm256_broadcastd_epi32(_mm_loadu_si32(q)); }
 
 // R rows of y, panel p's 16 columns: per 8 rows of K, the 32 bytes of columns 0-7 and the 32 of
 // columns 8-15 split into nibbles, each half meeting a broadcast of 4 bytes of q in a vpmaddubsw
@@ -149,7 +149,7 @@ void q4a8_rows_avx2(const QuantPanel& q, int64_t p, const ActQ8& a, float* __res
       const __m256i lo1 = _mm256_and_si256(v1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
 #pragma GCC unroll 6
       for (int i = 0; i < R; ++i) {
-        const __m256i x0 = broadcast_q4x8(a.q + i * a.K + k), x1 = broadcast_q4x8(a.q + i * a.K + k + 4);
+        const __m256i x0 = broadcast4_ymm(a.q + i * a.K + k), x1 = broadcast4_ymm(a.q + i * a.K + k + 4);
         i0[i] = _mm256_add_epi16(i0[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, x0), _mm256_maddubs_epi16(hi0, x1)));
         i1[i] = _mm256_add_epi16(i1[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, x0), _mm256_maddubs_epi16(hi1, x1)));
       }
@@ -169,8 +169,8 @@ void q4a8_rows_avx2(const QuantPanel& q, int64_t p, const ActQ8& a, float* __res
 #endif  // JAXLLM_AVX2
 
 #ifdef JAXLLM_AVX512_VNNI
-// broadcast_q4x8's 512-bit twin.
-inline __m512i broadcast_q4(const int8_t* q) { return _mm512_broadcastd_epi32(_mm_loadu_si32(q)); }
+// broadcast4_ymm's 512-bit twin.
+inline __m512i broadcast4_zmm(const int8_t* q) { return _mm512_broadcastd_epi32(_mm_loadu_si32(q)); }
 
 // Activation group b's integer sums of row i into its f32 sums acc: isum * scale * d (the row's
 // int8 scale) + offset * the row's float sum of x over the group.
@@ -225,7 +225,7 @@ __attribute__((noinline)) void q4a8_rows_vnni(const QuantPanel& q, const int64_t
       }
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
-        const __m512i x0 = broadcast_q4(a.q + i * a.K + k), x1 = broadcast_q4(a.q + i * a.K + k + 4);
+        const __m512i x0 = broadcast4_zmm(a.q + i * a.K + k), x1 = broadcast4_zmm(a.q + i * a.K + k + 4);
 #pragma GCC unroll 2
         for (int j = 0; j < P; ++j)
           isum[j][i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[j][i], lo[j], x0), hi[j], x1);

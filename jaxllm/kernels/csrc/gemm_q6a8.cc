@@ -132,7 +132,7 @@ void q6a8_rows_avx2(const QuantPanel& q, int64_t p, const ActQ8& a, float* __res
                                             _mm256_and_si256(_mm256_srli_epi16(h, 2), top2));
 #pragma GCC unroll 4
         for (int i = 0; i < R; ++i) {
-          const __m256i x0 = broadcast_q4x8(a.q + i * a.K + k), x1 = broadcast_q4x8(a.q + i * a.K + k + 4);
+          const __m256i x0 = broadcast4_ymm(a.q + i * a.K + k), x1 = broadcast4_ymm(a.q + i * a.K + k + 4);
           const __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, x0), _mm256_maddubs_epi16(hi0, x1));
           const __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, x0), _mm256_maddubs_epi16(hi1, x1));
           i0[i] = _mm256_add_epi32(i0[i], _mm256_madd_epi16(s0, m0));
@@ -269,7 +269,7 @@ __attribute__((noinline)) void q6a8_rows_vnni(const QuantPanel& q, const int64_t
         }
 #pragma GCC unroll 8
         for (int i = 0; i < R; ++i) {
-          const __m512i x0 = broadcast_q4(a.q + i * a.K + k), x1 = broadcast_q4(a.q + i * a.K + k + 4);
+          const __m512i x0 = broadcast4_zmm(a.q + i * a.K + k), x1 = broadcast4_zmm(a.q + i * a.K + k + 4);
 #pragma GCC unroll 2
           for (int j = 0; j < P; ++j)
             part[j][i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(part[j][i], lo[j], x0), hi[j], x1);
