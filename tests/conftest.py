@@ -8,6 +8,7 @@ import gc
 import os
 
 import jax
+import numpy as np
 import pytest
 
 from tests.helpers import virtual_devices
@@ -55,8 +56,9 @@ def free_compiled_code():
 def one_gguf_reader_per_file():
     """transformers, the reference for GGUF files, builds a `gguf.GGUFReader` three times per
     model it loads (tokenizer, config, weights), and each parses the whole vocabulary one numpy
-    view per entry: ~20 s for Gemma 3's 262k tokens on a slow CPU. The reader is read-only, so
-    one per file (and size and mtime: tests write GGUFs into fresh paths) serves every load."""
+    view per entry (10-20 s for Gemma 3's 262k tokens over a memory map). The reader is
+    read-only, so one per file (and size and mtime: tests write GGUFs into fresh paths) serves
+    every load, parsed over a plain view of the map (3.4x faster)."""
     try:
         import gguf
     except ImportError:  # no GGUF reference tests either
@@ -65,11 +67,21 @@ def one_gguf_reader_per_file():
 
     readers, make = {}, gguf.GGUFReader
 
+    class PlainViews(make):
+        """The reader over a plain ndarray view of its memory map: the parse indexes the file
+        once per vocabulary entry, and each index of an `np.memmap` costs its subclass's
+        bookkeeping (Gemma 3's file parsed in 2.8 s, against 9.6 s on the memory map)."""
+
+        def __setattr__(self, name, value):
+            if name == "data" and isinstance(value, np.memmap):
+                value = value.view(np.ndarray)  # the same mapped bytes (the view keeps the map)
+            super().__setattr__(name, value)
+
     def reader(path, mode="r"):
         stat = os.stat(path)
         key = (os.path.abspath(path), stat.st_size, stat.st_mtime_ns, mode)
         if key not in readers:
-            readers[key] = make(path, mode)
+            readers[key] = (PlainViews if mode == "r" else make)(path, mode)
         return readers[key]
 
     gguf.GGUFReader = reader

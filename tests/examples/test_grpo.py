@@ -38,7 +38,7 @@ def check_learned(result: dict, end: float = 0.9) -> None:
 
 
 def test_grpo_example_learns(tiny_model_dir):
-    result = load_example().run(tiny_model_dir, iterations=30, log=lambda *_: None, **engine_args())
+    result = load_example().run(tiny_model_dir, iterations=22, log=lambda *_: None, **engine_args())
     check_learned(result)
 
 
