@@ -231,3 +231,41 @@ def test_make_bench_headline_compares_jaxllm_with_vllm_s_best_dtype(tmp_path):
     # Rows of two runs are not called one.
     (tmp_path / "throughput-long.jsonl").write_text("".join(json.dumps({**r, "run_id": "r2"}) + "\n" for r in long))
     assert "Separate runs" in plots.headline_markdown(str(tmp_path))
+
+
+def test_serving_rounds_alternate_the_servers_and_pair_their_ratios(tmp_path, monkeypatch):
+    """benchmarks/serving_rounds.py with serving.py's runs faked: the order reverses each round,
+    each round's ratio is its own pair's, the median as computed by hand; bad flags are refused."""
+    import importlib.util
+    import pathlib
+    import subprocess
+
+    path = pathlib.Path(ROOT) / "benchmarks" / "serving_rounds.py"
+    spec = importlib.util.spec_from_file_location("serving_rounds", path)
+    rounds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rounds)
+    speeds = {"jaxllm": [60.0, 80.0, 70.0], "llama": [30.0, 32.0, 40.0]}  # output tok/s by round
+    calls = []
+
+    def fake_run(cmd):
+        server, out = cmd[cmd.index("--launch") + 1], cmd[cmd.index("--out") + 1]
+        assert cmd[cmd.index("--tokenizer") + 1] == "m"  # the arguments after -- are passed on
+        r = int(out.rsplit("-r", 1)[1].split(".")[0])
+        calls.append((r, server))
+        row = {"request_rate": "inf", "max_concurrency": 16, "output_throughput": speeds[server][r - 1]}
+        result = {"runs": [row], "date": f"round {r}", "machine": {"cpu": "x"}}
+        pathlib.Path(out).write_text(json.dumps(result))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(rounds.subprocess, "run", fake_run)
+    prefix = str(tmp_path / "race")
+    argv = ["--servers", "jaxllm,llama", "--rounds", "3", "--out-prefix", prefix, "--", "--tokenizer", "m"]
+    assert rounds.main(argv) == 0
+    assert calls == [(1, "jaxllm"), (1, "llama"), (2, "llama"), (2, "jaxllm"), (3, "jaxllm"), (3, "llama")]
+    summary = json.loads(pathlib.Path(prefix + "-rounds.json").read_text())
+    ratio = summary["ratios"]["c16"]["jaxllm/llama"]
+    assert ratio["per_round"] == [2.0, 2.5, 1.75] and ratio["median"] == 2.0
+    assert summary["output_tok_s"]["c16"] == speeds
+    for bad in (["--servers", "jaxllm"], ["--servers", "jaxllm,jaxllm"], ["--", "--launch", "vllm"]):
+        with pytest.raises(SystemExit):
+            rounds.main(bad)
