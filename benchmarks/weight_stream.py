@@ -12,7 +12,9 @@ group scales factored out of the sums: the float32 engine's decodes on AVX2, who
 the kernel takes on AVX-512 CPUs too), 4-bit codes x int8 rows ("q4 x int8", `act8=True`:
 llama.cpp's scheme, the codes in `quads`; from more rows on AMX's int8 tiles and on bf16 dots
 where the CPU has them, `native.int8_tile_rows`, `native.act8_bf16_rows`; "q4 x int8 vnni" the
-VNNI kernels at every row count; "q4 x int8 avx2" its AVX2 kernel; "q6 x int8" the
+VNNI kernels at every row count; "q4 x int8 avx2" its AVX2 kernel; "q4k x int8" the same codes
+with Q4_K's two-level scales (int8 sub-scales and offsets per 32 rows under f16 per 256, as a
+GGUF's Q4_K is kept); "q6 x int8" the
 Q6_K-like codes so, from 6 bits: `gemm.six_bit_quads`; "q6k six-bit" and "q6k x int8" the same
 codes with Q6_K's two-level scales, int8 per 16 rows under f16 per 256), f32 panels (the
 float32 dtype's GEMM, `csrc/gemm.cc`) and W8A8 (8-bit codes x int8 activations,
@@ -61,6 +63,8 @@ PATHS = (
     "q4 x int8",
     "q4 x int8 vnni",
     "q4 x int8 avx2",
+    "q4k x int8",
+    "q4k x int8 vnni",
     "q6 x int8",
     "q6 x int8 vnni",
     "q8 x bf16",
@@ -155,6 +159,12 @@ def main(argv=None) -> int:
             add("q4 x int8", lambda: (jnp.asarray(gemm.pack_codes(c4, 4, quads=True)), s, o))
             add("q4 x int8 avx2", lambda: (jnp.asarray(gemm.pack_codes(c4, 4, quads=True)), s, o))
             add("q6 x int8", lambda: (jnp.asarray(gemm.pack_codes(c8 // 4, 6, quads=True)), s, None))
+            if "q4k x int8" in kernels:  # Q4_K's scales: int8 sub-scales and offsets per 32 rows, f16 per 256
+                sub = jnp.asarray(gemm.pack_scales(rng.integers(0, 64, (k // 32, n)).astype(np.int8)))
+                sub_o = jnp.asarray(gemm.pack_scales(rng.integers(0, 64, (k // 32, n)).astype(np.int8)))
+                sup = jnp.asarray(gemm.pack_scales((rng.random((k // 256, n)) * 1e-3).astype(np.float16)))
+                sup_o = jnp.asarray(gemm.pack_scales((-rng.random((k // 256, n)) * 1e-3).astype(np.float16)))
+                add("q4k x int8", lambda: (jnp.asarray(gemm.pack_codes(c4, 4, quads=True)), sub, sub_o, sup, sup_o))
             if {"q6k six-bit", "q6k x int8"} & kernels:  # Q6_K's scales: int8 per 16 rows, f16 per 256
                 sub = jnp.asarray(gemm.pack_scales(rng.integers(-128, 128, (k // 16, n)).astype(np.int8)))
                 sup = jnp.asarray(gemm.pack_scales((rng.random((k // 256, n)) * 1e-4).astype(np.float16)))
@@ -179,6 +189,9 @@ def main(argv=None) -> int:
         "q8 f32 factored": lambda h, w, sw: gemm.matmul_quantized(h, *w, 8, swiglu=sw, factored=True),
         "q4 x int8": lambda h, w, sw: gemm.matmul_quantized(h, *w, 4, swiglu=sw, act8=True),
         "q4 x int8 avx2": lambda h, w, sw: gemm.matmul_quantized(h, *w, 4, swiglu=sw, act8=True, path="avx2"),
+        "q4k x int8": lambda h, w, sw: gemm.matmul_quantized(
+            h, *w[:3], 4, swiglu=sw, act8=True, super_scale=w[3], super_offset=w[4]
+        ),
         "q6 x int8": lambda h, w, sw: gemm.matmul_quantized(h, *w, 6, swiglu=sw, act8=True),
         "q6k six-bit": lambda h, w, sw: gemm.matmul_quantized_bf16(
             h, *w[:3], 6, swiglu=sw, super_scale=w[3], factored=True
